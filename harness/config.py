@@ -1,0 +1,221 @@
+"""The typed run configuration, experiment files, overrides and sweep expansion.
+
+An experiment is ``experiments/base.yaml`` (shared defaults) merged with ``experiments/<name>.yaml``,
+then with command-line overrides (``key=value``, omegaconf dotlist). Its ``sweep`` section expands into
+runs: every point of ``sweep.grid`` (dotted key -> list of values), with ``sweep.per_objective[<name>]``
+applied to the runs of that objective before the grid point. Everything is validated before any run
+starts; errors name the key and list the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+EMBEDDED_MODELS = ("tiny", "smollm2-135m-instruct")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated with the key at fault and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # "tiny" (built from `tiny`), "smollm2-135m-instruct" (embedded), or a hub id / local path
+    tiny: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_layers, num_heads, intermediate_size
+    dtype: str = "float32"  # trainer precision
+    sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); None = policy
+    warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached)
+    warm_start_lr: float = 1e-3
+    warm_start_batch_size: int = 32
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"
+    data_dir: str | None = None  # local GSM8K folder with train.jsonl/test.jsonl (else $GSM8K_DIR, else the hub)
+    eval_size: int = 64
+    format_weight: float = 0.0  # reward = correct + format_weight * format
+    args: dict[str, Any] = field(default_factory=dict)  # task-specific arguments (arith: digits, operators, ...)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "grpo"
+    params: dict[str, Any] = field(default_factory=dict)  # hyperparameters; omitted ones take the paper's defaults
+    advantage: str | None = None  # estimator; None = the objective's default
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    epochs: int = 1  # passes (mu) over each rollout batch
+    num_minibatches: int = 4  # optimizer steps per pass
+    micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole minibatch
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    old_logp: str = "sampler"  # "sampler": the sampler's log-probs; "recompute": the trainer's, before updating
+    max_nonfinite_in_row: int = 3
+    eval_every: int = 10  # 0 = only at the start and the end
+    eval_max_new_tokens: int = 0  # 0 = max_new_tokens
+    pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
+    save_every: int = 10
+
+
+@dataclass
+class SweepConfig:
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    backend: str = "native"
+    results_dir: str = "results"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+
+def _merge(*configs) -> DictConfig:
+    try:
+        return OmegaConf.merge(OmegaConf.structured(RunConfig), *configs)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    msg = str(e).split("\n")[0]
+    key = getattr(e, "full_key", None)
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        node = RunConfig()
+        for part in filter(None, parent.split(".")):
+            node = getattr(node, part, None)
+        valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        return f"unknown config key {key!r}." + (f" Valid keys here: {', '.join(valid)}." if valid else "")
+    return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
+
+
+def experiment_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    path = EXPERIMENTS_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
+        raise ConfigError(f"no experiment {name!r} (looked for {path}). Experiments: {', '.join(known)}.")
+    return path
+
+
+def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
+    """base.yaml < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
+    path = experiment_path(name)
+    layers = [OmegaConf.load(EXPERIMENTS_DIR / "base.yaml")] if path.stem != "base" else []
+    layers.append(OmegaConf.load(path))
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
+    cfg = _merge(*layers)
+    if cfg.name == "run":
+        cfg.name = path.stem
+    return cfg
+
+
+def run_configs(cfg: DictConfig) -> list[DictConfig]:
+    """Expand the sweep into validated run configs (the sweep section removed). No grid = one run."""
+    grid = OmegaConf.to_container(cfg.sweep.grid)
+    per_objective = OmegaConf.to_container(cfg.sweep.per_objective)
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "sweep"])
+    runs = []
+    for point in itertools.product(*grid.values()):
+        assignment = dict(zip(grid, point, strict=True))
+        objective = assignment.get("objective.name", base.objective.name)
+        dotlist = {**per_objective.get(objective, {}), **assignment}
+        run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
+        run = OmegaConf.masked_copy(run, [k for k in run if k != "sweep"])
+        validate(run)
+        runs.append(run)
+    unknown_objectives = sorted(set(per_objective) - {r.objective.name for r in runs})
+    if unknown_objectives:
+        raise ConfigError(f"sweep.per_objective names {unknown_objectives}, which no run of the sweep uses")
+    if not runs:
+        raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
+    return runs
+
+
+def _dot(value) -> str:
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def run_id(run: DictConfig) -> str:
+    """Readable and stable: <objective>-s<seed>-<hash of the whole run config>."""
+    content = OmegaConf.to_container(run, resolve=True)
+    content.pop("results_dir", None)
+    digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def validate(run: DictConfig) -> None:
+    """Semantic checks beyond types: names exist, sizes fit, hyperparameters are valid."""
+    from harness.tasks import TASKS
+    from objectives import ADVANTAGES, get_objective
+
+    try:
+        get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
+        if run.objective.advantage is not None:
+            ADVANTAGES.get(run.objective.advantage)
+        TASKS.get(run.task.name)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    t, m = run.train, run.model
+    for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
+    batch = t.prompts_per_step * t.group_size
+    if batch % t.num_minibatches:
+        raise ConfigError(f"train.num_minibatches={t.num_minibatches} must divide prompts_per_step x group_size = {batch}")
+    if t.micro_batch_size < 0 or (t.micro_batch_size and (batch // t.num_minibatches) % t.micro_batch_size):
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
+                          f"({batch // t.num_minibatches} sequences), or be 0")
+    if t.old_logp not in ("sampler", "recompute"):
+        raise ConfigError(f"train.old_logp must be 'sampler' or 'recompute', got {t.old_logp!r}")
+    if not 0 < t.top_p <= 1 or t.temperature <= 0:
+        raise ConfigError(f"need 0 < train.top_p <= 1 and train.temperature > 0, got {t.top_p}, {t.temperature}")
+    for key in ("dtype", "sampler_dtype"):
+        if m[key] is not None and m[key] not in DTYPES:
+            raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, got {m[key]!r}")
+    if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
+        raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                          "a local directory, nor a hub id (owner/name)")
+    if run.backend not in ("native",):
+        raise ConfigError(f"backend must be 'native', got {run.backend!r}")

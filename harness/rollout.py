@@ -1,0 +1,107 @@
+"""Sampling with transformers' ``generate`` (KV cache) and completion-only log-probs for the trainer.
+
+Both sides use the same distribution: log_softmax(logits / temperature) of the full vocabulary (top-p only
+truncates what is sampled, as vLLM's and TRL's log-probs do), so with one model in one precision the
+sampler's log-probs equal the trainer's up to float round-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P]
+    completion_ids: Tensor  # [N, T] right-padded
+    completion_mask: Tensor  # [N, T] bool: tokens up to and including the first EOS
+    sampler_logp: Tensor  # [N, T] log-probs of the sampled tokens under the sampler (0 on padding)
+    texts: list[str]  # decoded completions
+    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+
+
+class _RecordAndWarp(LogitsProcessor):
+    """Records log p(token) of each sampled token under log_softmax(logits / T), then applies T and top-p.
+
+    At step t the processor sees the token sampled at step t-1 as the last input id, so it only keeps the
+    previous step's log-probs (one [N, V] tensor), never the whole [N, T, V] history.
+    """
+
+    def __init__(self, temperature: float, top_p: float, greedy: bool):
+        self.temperature, self.top_p, self.greedy = temperature, top_p, greedy
+        self.previous: Tensor | None = None
+        self.logp: list[Tensor] = []
+
+    def take(self, tokens: Tensor) -> None:
+        self.logp.append(self.previous.gather(-1, tokens[:, None])[:, 0])
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.previous is not None:
+            self.take(input_ids[:, -1])
+        scaled = scores.float() / self.temperature
+        self.previous = torch.log_softmax(scaled, dim=-1)
+        if self.greedy or self.top_p >= 1.0:
+            return scaled
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) > self.top_p  # keep the smallest set reaching top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        return scaled.masked_fill(drop, float("-inf"))
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, greedy: bool = False) -> Rollout:
+    """Sample one completion per prompt (repeat prompts for a group), batched with left padding."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    recorder = _RecordAndWarp(temperature, top_p, greedy)
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+        do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0, logits_processor=LogitsProcessorList([recorder]),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
+    )
+    model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1]:]
+    recorder.take(completion_ids[:, -1])
+    sampler_logp = torch.stack(recorder.logp, dim=1)[:, : completion_ids.shape[1]]
+    is_eos = completion_ids == tokenizer.eos_token_id
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    completion_mask = ~after_eos
+    truncated = ~is_eos.any(-1)
+    sampler_logp = sampler_logp.masked_fill(~completion_mask, 0.0)
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False):
+    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T].
+
+    Runs the transformer body on prompt + completion but the LM head only on the positions that predict
+    completion tokens: no logits are materialised for prompt tokens. Position ids follow the attention
+    mask, as in ``generate`` with left padding.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
+    start, length = prompt_ids.shape[1] - 1, completion_ids.shape[1]
+    logits = model.get_output_embeddings()(hidden[:, start : start + length]).float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, completion_ids[..., None])[..., 0]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
