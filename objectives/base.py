@@ -173,6 +173,8 @@ class Objective:
     default_advantage: ClassVar[str] = "grpo"
     kl_aggregation: ClassVar[str] = "seq_mean_token_mean"
     signed: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters allowed to be negative
+    needs_whole_groups: ClassVar[bool] = False  # True if the loss compares the samples of a group (micro-batches
+    # must then hold whole groups)
 
     beta: float = 0.0
 
