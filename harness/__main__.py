@@ -1,0 +1,102 @@
+"""Command line: python -m harness {train,sweep,list,bench,prepare} ...; see README."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from harness.config import ConfigError, load_experiment, run_configs, run_id
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # so a terminated run writes status "interrupted" and closes its files
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from harness.train import train
+
+    cfg = load_experiment(args.experiment, args.overrides)
+    cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
+    (run,) = run_configs(cfg)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    summary = train(run, run_dir, progress=not args.no_progress)
+    print(f"{summary['status']}: final eval accuracy {summary['final_eval_accuracy']}, "
+          f"best {summary['best_eval_accuracy']}, {summary['wall_time_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from harness.sweep import run_sweep
+
+    entries = run_sweep(load_experiment(args.experiment, args.overrides), jobs=args.jobs,
+                        progress=not args.no_progress)
+    failed = [e["run_id"] for e in entries if e["status"] != "finished"]
+    print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
+          (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_list(args) -> int:
+    from harness.config import EXPERIMENTS_DIR
+    from harness.tasks import available_tasks
+    from objectives import OBJECTIVES, available_advantages
+
+    print("objectives:")
+    for name in OBJECTIVES.names():
+        cls = OBJECTIVES.get(name)
+        params = ", ".join(f"{k}={v}" for k, v in cls.hyperparameters().items())
+        print(f"  {name:12s} advantage={cls.default_advantage:10s} {params}")
+    print("advantages: " + ", ".join(available_advantages()))
+    print("tasks:      " + ", ".join(available_tasks()))
+    print("experiments: " + ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from harness.models import prepare_embedded_model
+
+    print(f"embedded model cached at {prepare_embedded_model()}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from harness.bench import main
+
+    return main(args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "train one run of an experiment (its sweep section is ignored)"),
+                            ("sweep", "run or resume every run of an experiment's sweep")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("experiment", help="experiment name in experiments/ or a path to a YAML file")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
+    sub.choices["train"].add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    sub.choices["sweep"].add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
+    sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
+    bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
+    bench.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
+                "bench": cmd_bench}[args.command](args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

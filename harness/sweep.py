@@ -1,0 +1,129 @@
+"""Run every point of an experiment's sweep, each run in its own process, resumable and in parallel.
+
+results/<exp>/manifest.json lists the runs and their status. Running the same sweep again skips finished
+runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
+between them; if the sweep process dies (even SIGKILL), its children die with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from tqdm import tqdm
+
+from harness.config import run_configs, run_id
+from harness.records import read_jsonl, write_json_atomic
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the child gets SIGKILL when the sweep process dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _status(run_dir: Path) -> str:
+    summary = run_dir / "summary.json"
+    if not summary.exists():
+        return "pending"
+    try:
+        return json.loads(summary.read_text())["status"]
+    except (json.JSONDecodeError, KeyError):
+        return "pending"
+
+
+def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
+    """The values of the swept keys (grid and per-objective) in this run."""
+    keys = dict.fromkeys([*cfg.sweep.grid, *(k for o in cfg.sweep.per_objective.values() for k in o)])
+    values = {k: OmegaConf.select(run, k) for k in keys}
+    return {k: OmegaConf.to_container(v) if isinstance(v, DictConfig | ListConfig) else v for k, v in values.items()}
+
+
+def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dict]:
+    """Run (or resume) the sweep; returns the manifest's run entries. Raises if another sweep holds the folder."""
+    runs = run_configs(cfg)
+    exp_dir = Path(cfg.results_dir) / cfg.name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(exp_dir / ".sweep.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(f"another sweep is already running in {exp_dir}; wait for it or stop it") from None
+
+    entries = []
+    for run in runs:
+        rid = run_id(run)
+        run_dir = exp_dir / rid
+        run_dir.mkdir(exist_ok=True)
+        if not (run_dir / "config.yaml").exists():
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))
+        entries.append({"run_id": rid, "objective": run.objective.name, "seed": run.seed,
+                        "overrides": _grid_point(run, cfg), "status": _status(run_dir), "dir": rid})
+    manifest = exp_dir / "manifest.json"
+
+    def save_manifest() -> None:
+        write_json_atomic(manifest, {"experiment": cfg.name, "runs": entries})
+
+    save_manifest()
+    todo = [e for e in entries if e["status"] != "finished"]
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
+                     unit="run", disable=not progress, position=0)
+    active: dict[str, tuple[subprocess.Popen, tqdm, object]] = {}
+    try:
+        while todo or active:
+            while todo and len(active) < jobs:
+                entry = todo.pop(0)
+                run_dir = exp_dir / entry["dir"]
+                logfile = open(run_dir / "train.log", "a")
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "harness", "train", str(run_dir / "config.yaml"), "--run-dir",
+                     str(run_dir), "--threads", str(threads), "--no-progress"],
+                    stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                entry["status"] = "running"
+                save_manifest()
+                total = OmegaConf.load(run_dir / "config.yaml").train.steps
+                bar = tqdm(total=total, desc=entry["run_id"], unit="step", leave=False, disable=not progress,
+                           position=1 + len(active))
+                active[entry["run_id"]] = (proc, bar, logfile)
+            time.sleep(1.0)
+            for rid, (proc, bar, logfile) in list(active.items()):
+                rows = read_jsonl(exp_dir / rid / "metrics.jsonl")
+                if rows:
+                    bar.n = rows[-1]["step"]
+                    if rows[-1].get("reward_mean") is not None:
+                        bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}")
+                    bar.refresh()
+                if proc.poll() is None:
+                    continue
+                entry = next(e for e in entries if e["run_id"] == rid)
+                entry["status"] = _status(exp_dir / rid) if proc.returncode == 0 else "failed"
+                if proc.returncode:
+                    tqdm.write(f"run {rid} failed (exit {proc.returncode}); see {exp_dir / rid / 'train.log'}")
+                save_manifest()
+                bar.close()
+                logfile.close()
+                del active[rid]
+                sweep_bar.update(1)
+    finally:
+        for proc, bar, logfile in active.values():
+            proc.terminate()
+            proc.wait()
+            bar.close()
+            logfile.close()
+        for entry in entries:
+            if entry["status"] == "running":
+                entry["status"] = _status(exp_dir / entry["dir"])
+        save_manifest()
+        sweep_bar.close()
+        lock.close()
+    return entries

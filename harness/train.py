@@ -1,0 +1,343 @@
+"""The one shared rollout/update loop. Every objective runs through exactly this code.
+
+Per step:
+  1. draw ``prompts_per_step`` problems; sample ``group_size`` completions each (batched, KV cache) and keep
+     the sampler's per-token log-probs;
+  2. score them with the task's verifier; advantages from the estimator (group = prompt);
+  3. behaviour log-probs: the sampler's, or recomputed by the trainer before the first update; reference
+     log-probs when the objective's beta > 0 (the frozen reference is only loaded then);
+  4. ``epochs`` passes over the batch, each split into ``num_minibatches`` optimizer steps (whole groups
+     stay together), micro-batches summed with global token/sequence counts, gradient clipping, AdamW
+     with linear warm-up; a non-finite loss or gradient skips the update;
+  5. every ``eval_every`` steps: greedy held-out accuracy (and pass@k).
+One JSON line of metrics per step, flushed; a checkpoint every ``save_every`` steps. The random streams
+are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from harness.config import DTYPES
+from harness.models import build_prompt, load_model, warm_start
+from harness.records import MetricsLog, write_json_atomic
+from harness.rollout import Rollout, completion_logprobs, generate
+from harness.tasks import get_task
+from objectives import PolicyBatch, get_advantage, get_objective
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def step_seed(seed: int, step: int, stream: int = 0) -> int:
+    return (seed * 1_000_003 + step * 101 + stream) % (2**63)
+
+
+def build_task(cfg: DictConfig):
+    return get_task(cfg.task.name, eval_size=cfg.task.eval_size, **({"data_dir": cfg.task.data_dir}
+                    if cfg.task.data_dir else {}), **OmegaConf.to_container(cfg.task.args))
+
+
+def build_policy(cfg: DictConfig, task, device: torch.device):
+    """The policy (after the optional, cached supervised warm start) and its tokenizer."""
+    tiny = OmegaConf.to_container(cfg.model.tiny)
+    model, tokenizer = load_model(cfg.model.name, tiny=tiny, device=device, dtype=DTYPES[cfg.model.dtype],
+                                  seed=cfg.seed)
+    if cfg.model.warm_start_steps:
+        model = warm_start(model, tokenizer, task, steps=cfg.model.warm_start_steps, lr=cfg.model.warm_start_lr,
+                           batch_size=cfg.model.warm_start_batch_size, seed=cfg.seed)
+    return model, tokenizer
+
+
+def sample_group(policy, tokenizer, problems, cfg: DictConfig) -> Rollout:
+    prompts = [build_prompt(tokenizer, p.question) for p in problems for _ in range(cfg.train.group_size)]
+    return generate(policy, tokenizer, prompts, max_new_tokens=cfg.train.max_new_tokens,
+                    temperature=cfg.train.temperature, top_p=cfg.train.top_p)
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> dict:
+    """Greedy accuracy on the fixed eval set; pass@k from k samples per problem when train.pass_k > 0."""
+    problems = list(task.eval_problems())
+    max_new = cfg.train.eval_max_new_tokens or cfg.train.max_new_tokens
+    correct = []
+    for i in range(0, len(problems), 64):
+        chunk = problems[i : i + 64]
+        out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk],
+                       max_new_tokens=max_new, greedy=True)
+        correct += [task.score(t, p).correct for t, p in zip(out.texts, chunk, strict=True)]
+    row = {"eval_accuracy": float(np.mean(correct))}
+    k = cfg.train.pass_k
+    if k:
+        torch.manual_seed(step_seed(cfg.seed, step, stream=7))
+        solved = []
+        for i in range(0, len(problems), max(1, 64 // k)):
+            chunk = problems[i : i + max(1, 64 // k)]
+            out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk for _ in range(k)],
+                           max_new_tokens=max_new, temperature=cfg.train.temperature, top_p=cfg.train.top_p)
+            hits = [task.score(t, chunk[j // k]).correct for j, t in enumerate(out.texts)]
+            solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]
+        row[f"eval_pass_at_{k}"] = float(np.mean(solved))
+    return row
+
+
+def batched_logprobs(model, ro: Rollout, temperature: float, chunk: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([completion_logprobs(model, ro.prompt_ids[i : i + chunk], ro.prompt_mask[i : i + chunk],
+                                              ro.completion_ids[i : i + chunk], ro.completion_mask[i : i + chunk],
+                                              temperature)[0] for i in range(0, len(ro.texts), chunk)])
+
+
+class MetricMeter:
+    """Combines metrics over micro-batches and minibatches: *_min by min, *_max by max, the rest by a
+    token-weighted mean."""
+
+    def __init__(self):
+        self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for key, value in metrics.items():
+            if key.endswith("_min") or key.endswith("_max"):
+                pick = min if key.endswith("_min") else max
+                self.extremes[key] = pick(self.extremes.get(key, value), value)
+            elif math.isfinite(value):
+                self.sums[key] += value * weight
+                self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        return {**{k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k]}, **self.extremes}
+
+
+def update(policy, optimizer, scheduler, objective, ro: Rollout, old_logp, ref_logp, advantages, rewards,
+           group_ids, cfg: DictConfig, step: int, state: dict) -> dict:
+    """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch."""
+    t = cfg.train
+    n, group = len(ro.texts), t.group_size
+    per_minibatch = n // t.num_minibatches
+    micro = t.micro_batch_size or per_minibatch
+    generator = torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))
+    meter, params = MetricMeter(), [p for p in policy.parameters() if p.requires_grad]
+    mismatch = None
+    policy.train()
+    for epoch in range(t.epochs):
+        if per_minibatch % group == 0:  # keep groups whole (needed by group-contrastive objectives)
+            order = (torch.randperm(n // group, generator=generator)[:, None] * group + torch.arange(group)).flatten()
+        else:
+            order = torch.randperm(n, generator=generator)
+        for k in range(t.num_minibatches):
+            index = order[k * per_minibatch : (k + 1) * per_minibatch]
+            num_tokens = ro.completion_mask[index].sum().clamp(min=1)
+            optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for j in range(0, per_minibatch, micro):
+                sub = index[j : j + micro]
+                width = int(ro.completion_mask[sub].sum(-1).max())  # drop all-padding columns
+                mask = ro.completion_mask[sub, :width]
+                logp, entropy = completion_logprobs(policy, ro.prompt_ids[sub], ro.prompt_mask[sub],
+                                                    ro.completion_ids[sub, :width], mask, t.temperature,
+                                                    with_entropy=epoch == 0)
+                if epoch == 0 and k == 0 and t.old_logp == "sampler":
+                    mismatch = mismatch_metrics(ro.sampler_logp[sub, :width], logp.detach(), mask, mismatch)
+                batch = PolicyBatch(
+                    logp=logp, old_logp=old_logp[sub, :width], mask=mask, advantages=advantages[sub],
+                    rewards=rewards[sub], group_ids=group_ids[sub],
+                    ref_logp=None if ref_logp is None else ref_logp[sub, :width],
+                    step=state["optimizer_steps"], total_steps=state["total_optimizer_steps"],
+                    max_completion_len=t.max_new_tokens, num_tokens=num_tokens, num_sequences=per_minibatch)
+                out = objective(batch)
+                out.loss.backward()
+                loss_total += out.loss.item()
+                tokens = mask.sum().item()
+                metrics = dict(out.metrics)
+                if entropy is not None:
+                    metrics["entropy"] = (entropy * mask).sum().item() / max(tokens, 1)
+                meter.add(metrics, tokens)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm).item()
+            meter.add({"loss": loss_total, "grad_norm": grad_norm}, 1.0)
+            state["optimizer_steps"] += 1
+            if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                state["nonfinite_skips"] += 1
+                state["nonfinite_in_row"] += 1
+                continue
+            state["nonfinite_in_row"] = 0
+            optimizer.step()
+            scheduler.step()
+    result = meter.result()
+    if mismatch is not None:
+        result.update({k: v / mismatch["tokens"] for k, v in mismatch.items() if k != "tokens"})
+    return result
+
+
+def mismatch_metrics(sampler_logp, trainer_logp, mask, acc: dict | None) -> dict:
+    """Accumulates sum |sampler - trainer| and the k3 estimate of KL(sampler || trainer) over valid tokens."""
+    acc = acc or {"mismatch_logp_abs": 0.0, "mismatch_kl": 0.0, "tokens": 0.0}
+    diff = torch.where(mask, trainer_logp - sampler_logp, torch.zeros_like(trainer_logp))
+    acc["mismatch_logp_abs"] += diff.abs().sum().item()
+    acc["mismatch_kl"] += torch.where(mask, diff.exp() - 1 - diff, torch.zeros_like(diff)).sum().item()
+    acc["tokens"] += mask.sum().item()
+    return acc
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save_checkpoint(run_dir: Path, policy, optimizer, scheduler, state: dict) -> None:
+    path = run_dir / "checkpoints" / "last.pt"
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name("last.pt.tmp")
+    torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "state": state}, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(run_dir: Path, policy, optimizer, scheduler, state: dict) -> None:
+    path = run_dir / "checkpoints" / "last.pt"
+    if path.exists():
+        ckpt = torch.load(path, map_location=next(policy.parameters()).device, weights_only=False)
+        policy.load_state_dict(ckpt["policy"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        state.update(ckpt["state"])
+
+
+def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
+    """Train one run into ``run_dir`` (resuming from its checkpoint if there is one); returns the summary."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    started = time.time()
+    t = cfg.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+
+    task = build_task(cfg)
+    train_problems = task.train_problems()
+    policy, tokenizer = build_policy(cfg, task, device)
+    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
+    estimator = get_advantage(cfg.objective.advantage or objective.default_advantage)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval() if objective.beta > 0 else None
+    sampler = policy
+    if cfg.model.sampler_dtype and cfg.model.sampler_dtype != cfg.model.dtype:
+        sampler = copy.deepcopy(policy).to(DTYPES[cfg.model.sampler_dtype]).requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
+
+    state = {"step": 0, "optimizer_steps": 0, "nonfinite_skips": 0, "nonfinite_in_row": 0, "rollout_tokens": 0,
+             "update_tokens": 0, "best_eval": None, "last_eval": None, "wall_time_s": 0.0,
+             "total_optimizer_steps": t.steps * t.epochs * t.num_minibatches}
+    load_checkpoint(run_dir, policy, optimizer, scheduler, state)
+    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=state["step"])
+    elapsed_before = state["wall_time_s"]
+
+    def summary(status: str, error: str | None = None) -> dict:
+        data = {"run_id": run_dir.name, "objective": cfg.objective.name, "seed": cfg.seed, "status": status,
+                "steps_done": state["step"], "total_steps": t.steps, "final_eval_accuracy": state["last_eval"],
+                "best_eval_accuracy": state["best_eval"], "wall_time_s": elapsed_before + time.time() - started,
+                "rollout_tokens": state["rollout_tokens"], "update_tokens": state["update_tokens"],
+                "nonfinite_skips": state["nonfinite_skips"], "error": error}
+        write_json_atomic(run_dir / "summary.json", data)
+        return data
+
+    def record_eval(step: int, row: dict) -> dict:
+        state["last_eval"] = row["eval_accuracy"]
+        state["best_eval"] = max(state["best_eval"] or 0.0, row["eval_accuracy"])
+        return row
+
+    summary("running")
+    bar = tqdm(total=t.steps, initial=state["step"], desc=run_dir.name, disable=not progress, leave=False)
+    try:
+        if state["step"] == 0:
+            log.append({"step": 0, **record_eval(0, evaluate(policy, tokenizer, task, cfg, 0))})
+        for step in range(state["step"] + 1, t.steps + 1):
+            # 1. rollout
+            t0 = time.time()
+            rng = np.random.default_rng(step_seed(cfg.seed, step))
+            problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
+            if sampler is not policy:
+                sampler.load_state_dict(policy.state_dict())
+            torch.manual_seed(step_seed(cfg.seed, step, stream=2))
+            ro = sample_group(sampler, tokenizer, problems, cfg)
+            rollout_s = time.time() - t0
+            # 2. rewards and advantages
+            scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
+            correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
+            fmt = torch.tensor([s.format for s in scores], dtype=torch.float32)
+            rewards = (correct + cfg.task.format_weight * fmt).to(device)
+            group_ids = torch.arange(t.prompts_per_step, device=device).repeat_interleave(t.group_size)
+            advantages = estimator(rewards, group_ids).to(device)
+            # 3. behaviour and reference log-probs
+            t1 = time.time()
+            chunk = t.micro_batch_size or len(ro.texts) // t.num_minibatches
+            old_logp = ro.sampler_logp
+            extra = {}
+            if t.old_logp == "recompute":
+                old_logp = batched_logprobs(policy, ro, t.temperature, chunk)
+                mm = mismatch_metrics(ro.sampler_logp, old_logp, ro.completion_mask, None)
+                extra = {k: v / mm["tokens"] for k, v in mm.items() if k != "tokens"}
+            ref_logp = batched_logprobs(reference, ro, t.temperature, chunk) if reference is not None else None
+            # 4. update
+            stats = update(policy, optimizer, scheduler, objective, ro, old_logp, ref_logp, advantages, rewards,
+                           group_ids, cfg, step, state)
+            update_s = time.time() - t1
+            tokens = int(ro.completion_mask.sum())
+            state["rollout_tokens"] += tokens
+            state["update_tokens"] += tokens * t.epochs
+            state["step"] = step
+            lengths = ro.completion_mask.sum(-1).float()
+            zero_std = (rewards.view(t.prompts_per_step, -1).std(-1) == 0).float().mean().item() \
+                if t.group_size > 1 else 1.0
+            row = {"step": step, "rollout_tokens": state["rollout_tokens"],
+                   "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                   "accuracy": correct.mean().item(), "format_reward": fmt.mean().item(),
+                   "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
+                   "frac_truncated": ro.truncated.float().mean().item(), "frac_zero_std_groups": zero_std,
+                   "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
+                   **stats, **extra, "lr": scheduler.get_last_lr()[0],
+                   "nonfinite_skips": state["nonfinite_skips"], "rollout_s": rollout_s, "update_s": update_s,
+                   "rollout_tok_s": tokens / rollout_s, "update_tok_s": tokens * t.epochs / update_s,
+                   "peak_mem_mb": peak_memory_mb(device)}
+            # 5. evaluation
+            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                row.update(record_eval(step, evaluate(policy, tokenizer, task, cfg, step)))
+            log.append(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+            if state["nonfinite_in_row"] >= t.max_nonfinite_in_row:
+                raise NonFiniteError(f"{state['nonfinite_in_row']} updates in a row had a non-finite loss or "
+                                     f"gradient (step {step}); lower train.lr or check the objective's inputs")
+            state["wall_time_s"] = elapsed_before + time.time() - started
+            if step == t.steps or (t.save_every and step % t.save_every == 0):
+                save_checkpoint(run_dir, policy, optimizer, scheduler, state)
+            summary("running")
+    except BaseException as e:
+        summary("failed" if isinstance(e, Exception) else "interrupted", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        bar.close()
+        log.close()
+    return summary("finished")
