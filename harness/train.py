@@ -248,9 +248,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
 
     state = {"step": 0, "optimizer_steps": 0, "nonfinite_skips": 0, "nonfinite_in_row": 0, "rollout_tokens": 0,
-             "update_tokens": 0, "best_eval": None, "last_eval": None, "wall_time_s": 0.0,
-             "total_optimizer_steps": t.steps * t.epochs * t.num_minibatches}
+             "update_tokens": 0, "best_eval": None, "last_eval": None, "wall_time_s": 0.0}
     load_checkpoint(run_dir, policy, optimizer, scheduler, state)
+    state["total_optimizer_steps"] = t.steps * t.epochs * t.num_minibatches  # for schedules (HölderPO, ConSPO)
     log = MetricsLog(run_dir / "metrics.jsonl", resume_step=state["step"])
     elapsed_before = state["wall_time_s"]
 

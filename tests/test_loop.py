@@ -1,0 +1,175 @@
+"""The shared loop end to end with a tiny model: sampling, log-probs, every objective, determinism, resume,
+non-finite handling, micro-batching, train-inference mismatch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness.config import load_experiment, run_configs
+from harness.models import build_prompt, load_model
+from harness.records import read_jsonl
+from harness.rollout import completion_logprobs, generate
+from harness.tasks import get_task
+from harness.train import train
+from objectives import ObjectiveOutput, available_objectives, get_objective
+
+TINY = [
+    "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+    "model.tiny.intermediate_size=64", "task.eval_size=8", "train.prompts_per_step=4", "train.group_size=4",
+    "train.max_new_tokens=8", "train.num_minibatches=2", "train.steps=2", "train.eval_every=0", "threads=1",
+    "train.lr=1e-3",
+]
+TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "peak_mem_mb"}
+
+
+def tiny_run(tmp_path, *overrides):
+    (run,) = run_configs(load_experiment("base", [*TINY, f"results_dir={tmp_path}", *overrides]))
+    return run
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                                "intermediate_size": 64}, seed=0)
+    task = get_task("arith")
+    prompts = [build_prompt(tokenizer, p.question) for p in task.train_problems()[:6]]
+    return model, tokenizer, prompts
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_sampler_logprobs_equal_trainer_logprobs(tiny_policy, top_p):
+    model, tokenizer, prompts = tiny_policy
+    torch.manual_seed(0)
+    ro = generate(model, tokenizer, prompts, max_new_tokens=12, temperature=0.9, top_p=top_p)
+    logp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, 0.9)
+    assert torch.allclose(logp.masked_fill(~ro.completion_mask, 0), ro.sampler_logp, atol=1e-5)
+    assert (ro.sampler_logp[ro.completion_mask] < 0).all()
+
+
+def test_completion_mask_ends_at_first_eos(tiny_policy):
+    model, tokenizer, prompts = tiny_policy
+    torch.manual_seed(1)
+    ro = generate(model, tokenizer, prompts, max_new_tokens=40, temperature=3.0)  # hot: EOS appears early
+    eos = tokenizer.eos_token_id
+    for ids, mask, truncated in zip(ro.completion_ids, ro.completion_mask, ro.truncated, strict=True):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()
+        if truncated:
+            assert n == ids.shape[0] and eos not in ids.tolist()
+        else:
+            assert ids[n - 1] == eos and eos not in ids[: n - 1].tolist()
+
+
+def test_lm_head_sees_only_completion_positions(tiny_policy):
+    model, tokenizer, prompts = tiny_policy
+    ro = generate(model, tokenizer, prompts, max_new_tokens=5, greedy=True)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
+    try:
+        completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([len(prompts), ro.completion_ids.shape[1], model.config.hidden_size])]
+
+
+@pytest.mark.parametrize("objective", available_objectives())
+def test_every_objective_trains_through_the_loop(tmp_path, objective):
+    summary = train(tiny_run(tmp_path, f"objective.name={objective}"), tmp_path / "run", progress=False)
+    assert summary["status"] == "finished" and summary["steps_done"] == 2
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward_mean", "accuracy", "completion_len_mean", "frac_truncated", "frac_zero_std_groups",
+                "adv_std", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_std", "ratio_max",
+                "entropy", "grad_norm", "lr", "rollout_tok_s", "update_tok_s", "peak_mem_mb", "kl_behavior",
+                "mismatch_logp_abs", "nonfinite_skips"):
+        assert key in rows[1], key
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
+
+
+def test_same_config_and_seed_give_identical_metrics(tmp_path):
+    run = tiny_run(tmp_path, "objective.name=gspo", "train.epochs=2")
+    train(run, tmp_path / "a", progress=False)
+    train(run, tmp_path / "b", progress=False)
+    a, b = (without_timing(read_jsonl(tmp_path / d / "metrics.jsonl")) for d in "ab")
+    assert a == b
+    assert any(r.get("ratio_std", 0) > 0 for r in a)  # several minibatches move the ratios off 1
+
+
+def test_resume_from_checkpoint_continues_exactly(tmp_path):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "full", progress=False)
+    # a kill after step 2 of 3: the checkpoint of step 2, and a torn line at the end of the metrics file
+    train(OmegaConf.merge(run, {"train": {"steps": 2}}), tmp_path / "part", progress=False)
+    with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_me')
+    train(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
+    assert [r["step"] for r in part] == [0, 1, 2, 3]
+    drop = {"eval_accuracy"}  # the 2-step run evaluated at its last step, the full run did not
+    assert [{k: v for k, v in r.items() if k not in drop} for r in part] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in full]
+
+
+def test_micro_batches_give_the_minibatch_update(tmp_path):
+    finals = []
+    for micro in (0, 2):
+        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", "objective.name=dapo")
+        train(run, tmp_path / f"m{micro}", progress=False)
+        finals.append(torch.load(tmp_path / f"m{micro}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
+    for key in finals[0]:
+        assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    real = get_objective("grpo")
+
+    def nan_objective(batch):
+        out = real(batch)
+        return ObjectiveOutput(out.loss * float("nan"), out.metrics)
+
+    monkeypatch.setattr("harness.train.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
+    run = tiny_run(tmp_path, "train.steps=3", "train.max_nonfinite_in_row=3")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        train(run, tmp_path / "nan", progress=False)
+    rows = read_jsonl(tmp_path / "nan" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 2 (the 4th skip in a row) is logged, then the run stops
+    assert rows[1]["nonfinite_skips"] == 2 and rows[2]["nonfinite_skips"] == 4
+    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "non-finite" in summary["error"]
+
+
+class _Wrap:
+    def __init__(self, fn, real):
+        self.fn, self.default_advantage, self.beta = fn, real.default_advantage, real.beta
+
+    def __call__(self, batch):
+        return self.fn(batch)
+
+
+def test_bf16_sampler_mismatch_is_measured(tmp_path):
+    run = tiny_run(tmp_path, "model.sampler_dtype=bfloat16", "train.steps=1")
+    train(run, tmp_path / "mm", progress=False)
+    step = read_jsonl(tmp_path / "mm" / "metrics.jsonl")[1]
+    assert step["mismatch_logp_abs"] > 1e-4 and math.isfinite(step["mismatch_kl"])
+    run = tiny_run(tmp_path, "train.old_logp=recompute", "train.steps=1")
+    train(run, tmp_path / "same", progress=False)
+    step = read_jsonl(tmp_path / "same" / "metrics.jsonl")[1]
+    assert step["mismatch_logp_abs"] < 1e-5
+
+
+def test_kl_reference_is_loaded_and_logged_when_beta_positive(tmp_path):
+    run = tiny_run(tmp_path, "objective.params.beta=0.04", "train.steps=1")
+    train(run, tmp_path / "kl", progress=False)
+    step = read_jsonl(tmp_path / "kl" / "metrics.jsonl")[1]
+    assert step["kl_ref"] >= 0
