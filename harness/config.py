@@ -3,7 +3,8 @@
 An experiment is ``experiments/base.yaml`` (shared defaults) merged with ``experiments/<name>.yaml``,
 then with command-line overrides (``key=value``, omegaconf dotlist). Its ``sweep`` section expands into
 runs: every point of ``sweep.grid`` (dotted key -> list of values), with ``sweep.per_objective[<name>]``
-applied to the runs of that objective before the grid point. Everything is validated before any run
+applied to the runs of that objective before the grid point. A command-line override of a swept key pins
+that axis to the given value (``seed=3`` runs seed 3 only). Everything is validated before any run
 starts; errors name the key and list the valid choices.
 """
 
@@ -143,6 +144,10 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
     cfg = _merge(*layers)
+    for override in overrides or []:  # a command-line value of a swept key pins that axis of the grid
+        key, _, _ = override.partition("=")
+        if key in cfg.sweep.grid:
+            cfg.sweep.grid[key] = [OmegaConf.select(cfg, key)]
     if cfg.name == "run":
         cfg.name = path.stem
     return cfg
@@ -188,7 +193,7 @@ def run_id(run: DictConfig) -> str:
 def validate(run: DictConfig) -> None:
     """Semantic checks beyond types: names exist, sizes fit, hyperparameters are valid."""
     from harness.tasks import TASKS
-    from objectives import ADVANTAGES, get_objective
+    from objectives import ADVANTAGES, OBJECTIVES, get_objective
 
     try:
         get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
@@ -207,6 +212,12 @@ def validate(run: DictConfig) -> None:
     if t.micro_batch_size < 0 or (t.micro_batch_size and (batch // t.num_minibatches) % t.micro_batch_size):
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
                           f"({batch // t.num_minibatches} sequences), or be 0")
+    objective = OBJECTIVES.get(run.objective.name)
+    if objective.needs_whole_groups and ((batch // t.num_minibatches) % t.group_size
+                                         or (t.micro_batch_size and t.micro_batch_size % t.group_size)):
+        raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
+                          f"({batch // t.num_minibatches}) and train.micro_batch_size must be multiples of "
+                          f"train.group_size={t.group_size}")
     if t.old_logp not in ("sampler", "recompute"):
         raise ConfigError(f"train.old_logp must be 'sampler' or 'recompute', got {t.old_logp!r}")
     if not 0 < t.top_p <= 1 or t.temperature <= 0:

@@ -1,0 +1,110 @@
+"""Config validation, sweep expansion, the CLI, and a real sweep killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.config import ConfigError, load_experiment, run_configs, run_id
+from harness.records import read_jsonl
+from tests.test_loop import TINY, without_timing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.stepz=3"], "unknown config key 'train.stepz'. Valid keys here: steps,"),
+    (["train.steps=abc"], "train.steps"),
+    (["objective.name=gspoo"], "Did you mean 'gspo'?"),
+    (["objective.params.clip_low=-1"], "clip_low must be >= 0"),
+    (["objective.params.eps=0.1"], "has no hyperparameter eps"),
+    (["task.name=gsm9k"], "Did you mean 'gsm8k'?"),
+    (["train.num_minibatches=3"], "must divide prompts_per_step x group_size"),
+    (["model.dtype=fp8"], "model.dtype must be one of"),
+    (["sweep.grid.seed=[]"], "zero runs"),
+])
+def test_bad_configs_stop_with_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        run_configs(load_experiment("quickstart", override))
+
+
+def test_unknown_experiment_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="Experiments: .*quickstart"):
+        load_experiment("quickstrat")
+
+
+def test_sweep_expands_grid_with_per_objective_overrides():
+    cfg = load_experiment("quickstart", ["sweep.per_objective.gspo={objective.params.clip_high: 0.001}"])
+    runs = run_configs(cfg)
+    assert [(r.objective.name, r.seed) for r in runs] == [
+        (o, s) for o in ("grpo", "gspo", "gspo_token", "ctpo") for s in (0, 1)]
+    assert all((r.objective.params.get("clip_high") == 0.001) == (r.objective.name == "gspo") for r in runs)
+    ids = [run_id(r) for r in runs]
+    assert len(set(ids)) == len(ids) and ids[0].startswith("grpo-s0-")
+    assert ids == [run_id(r) for r in run_configs(cfg)]  # stable
+
+
+def test_cli_reports_config_errors_without_traceback():
+    out = cli("train", "quickstart", "objective.name=grpoo")
+    assert out.returncode == 2
+    assert "config error: unknown objective 'grpoo'. Did you mean 'grpo'?" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_lists_registered_names():
+    out = cli("list")
+    assert out.returncode == 0
+    for name in ("grpo", "gspo", "gspo_token", "ctpo", "arith", "gsm8k", "quickstart", "rloo"):
+        assert name in out.stdout
+
+
+def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
+    exp = tmp_path / "killtest.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
+    args = [str(exp), *TINY, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
+    sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    exp_dir = tmp_path / "res" / "killtest"
+    deadline = time.time() + 120
+    first = None
+    while time.time() < deadline:
+        runs = sorted(p for p in exp_dir.glob("grpo-*") if p.is_dir()) if exp_dir.exists() else []
+        if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3:  # evaluation + 2 steps done
+            first = runs[0]
+            break
+        time.sleep(0.2)
+    assert first is not None, "the sweep made no progress"
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait()
+    time.sleep(1.0)
+    manifest = json.loads((exp_dir / "manifest.json").read_text())  # readable after the kill
+    assert {r["objective"] for r in manifest["runs"]} == {"grpo", "gspo"}
+    children = subprocess.run(["pgrep", "-f", str(first)], capture_output=True, text=True).stdout.split()
+    assert not [c for c in children if int(c) != os.getpid()], "the run outlived the killed sweep"
+    assert all("step" in r for r in read_jsonl(first / "metrics.jsonl"))
+
+    out = cli("sweep", *args)
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((exp_dir / "manifest.json").read_text())
+    assert [r["status"] for r in manifest["runs"]] == ["finished", "finished"]
+    for run in manifest["runs"]:
+        rows = read_jsonl(exp_dir / run["dir"] / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(7))
+    # the resumed run is the run that was never interrupted
+    out = cli("train", str(exp), *TINY, "train.steps=6", "--run-dir", str(tmp_path / "ref"), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert without_timing(read_jsonl(first / "metrics.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+    again = cli("sweep", *args)  # everything finished: nothing runs again
+    assert again.returncode == 0 and "2/2 runs finished" in again.stderr
