@@ -208,7 +208,8 @@ def validate(run: DictConfig) -> None:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
     batch = t.prompts_per_step * t.group_size
     if batch % t.num_minibatches:
-        raise ConfigError(f"train.num_minibatches={t.num_minibatches} must divide prompts_per_step x group_size = {batch}")
+        raise ConfigError(f"train.num_minibatches={t.num_minibatches} must divide "
+                          f"prompts_per_step x group_size = {batch}")
     if t.micro_batch_size < 0 or (t.micro_batch_size and (batch // t.num_minibatches) % t.micro_batch_size):
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
                           f"({batch // t.num_minibatches} sequences), or be 0")
