@@ -1,4 +1,5 @@
-"""Advantage estimators, registered by name: rewards [B] and group ids [B] (same id = same prompt) in, [B] out.
+"""Advantage estimators, registered by name: rewards [B] and group ids [B] (same id = same prompt) in,
+[B] out.
 
 A group of size 1 has no baseline: its advantage is defined as 0 (no learning signal), for every estimator.
 """
@@ -19,19 +20,26 @@ STD_EPS = 1e-6
 
 
 def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample group mean, unbiased group std (0 for a group of one) and group size, each [B]."""
+    """Per-sample group mean, unbiased group std (0 for a group of one) and group size, each [B].
+
+    A group whose rewards are all equal gets exactly its reward as mean and exactly 0 as std (a float sum
+    such as 0.1 + 0.1 + 0.1 = 0.30000000000000004 would otherwise leave advantages of ~1e-11 / 1e-6).
+    """
     _, index = torch.unique(group_ids, return_inverse=True)
     rewards = rewards.to(torch.float64)
     size = torch.bincount(index).to(rewards.dtype)
     total = torch.zeros_like(size).index_add_(0, index, rewards)
-    mean = total / size
-    sq = torch.zeros_like(size).index_add_(0, index, (rewards - mean[index]) ** 2)
+    low = torch.full_like(size, torch.inf).scatter_reduce(0, index, rewards, "amin")
+    high = torch.full_like(size, -torch.inf).scatter_reduce(0, index, rewards, "amax")
+    mean = torch.where((low == high)[index], rewards, (total / size)[index])
+    sq = torch.zeros_like(size).index_add_(0, index, (rewards - mean) ** 2)
     std = torch.where(size > 1, (sq / (size - 1).clamp(min=1)).sqrt(), torch.zeros_like(size))
-    return mean[index], std[index], size[index]
+    return mean, std[index], size[index]
 
 
 def _singletons_to_zero(adv: Tensor, size: Tensor, like: Tensor) -> Tensor:
-    return torch.where(size > 1, adv, torch.zeros_like(adv)).to(like.dtype if like.is_floating_point() else torch.float32)
+    dtype = like.dtype if like.is_floating_point() else torch.float32
+    return torch.where(size > 1, adv, torch.zeros_like(adv)).to(dtype)
 
 
 @ADVANTAGES.register("grpo")

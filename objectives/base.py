@@ -50,7 +50,8 @@ class PolicyBatch:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logp has {tuple(self.logp.shape)}")
         if self.advantages.shape not in (self.logp.shape[:1], self.logp.shape):
             raise ValueError(
-                f"advantages must be [B] or [B, T] = {tuple(self.logp.shape)}, got {tuple(self.advantages.shape)}"
+                f"advantages must be [B] or [B, T] = {tuple(self.logp.shape)}, "
+                f"got {tuple(self.advantages.shape)}"
             )
         self.mask = self.mask.bool()
         self.old_logp = self.old_logp.detach()
@@ -173,8 +174,8 @@ class Objective:
     default_advantage: ClassVar[str] = "grpo"
     kl_aggregation: ClassVar[str] = "seq_mean_token_mean"
     signed: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters allowed to be negative
-    needs_whole_groups: ClassVar[bool] = False  # True if the loss compares the samples of a group (micro-batches
-    # must then hold whole groups)
+    # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
+    needs_whole_groups: ClassVar[bool] = False
 
     beta: float = 0.0
 
@@ -216,13 +217,16 @@ class Objective:
         metrics = dict(metrics)
         metrics["pg_loss"] = loss.item()
         # KL between behaviour and current policy (verl's ppo_kl): token mean of -d.
-        metrics["kl_behavior"] = (masked(-batch.log_ratio(), batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
+        n_valid = batch.mask.sum().clamp(min=1)
+        metrics["kl_behavior"] = (masked(-batch.log_ratio(), batch.mask).sum() / n_valid).item()
         if self.beta > 0:
             if batch.ref_logp is None:
-                raise ValueError(f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp")
+                raise ValueError(
+                    f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp"
+                )
             kl = k3_kl(batch)
             loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation)
-            metrics["kl_ref"] = (masked(kl, batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
+            metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
     @classmethod
@@ -249,7 +253,9 @@ def get_objective(name: str, **hyperparameters) -> Objective:
     unknown = sorted(set(hyperparameters) - set(valid))
     if unknown:
         choices = ", ".join(f"{k}={v!r}" for k, v in valid.items())
-        raise TypeError(f"objective {name!r} has no hyperparameter {', '.join(unknown)}; its hyperparameters: {choices}")
+        raise TypeError(
+            f"objective {name!r} has no hyperparameter {', '.join(unknown)}; its hyperparameters: {choices}"
+        )
     return cls(**hyperparameters)
 
 

@@ -1,4 +1,4 @@
-"""GSPO — Zheng et al., "Group Sequence Policy Optimization" (arXiv 2507.18071), sequence-level ratio and clip.
+"""GSPO — Zheng et al., "Group Sequence Policy Optimization" (arXiv 2507.18071): sequence-level ratio, clip.
 
     log s_i = (1/L_i) sum_t (logp_t - old_logp_t)            (length-normalised sequence ratio)
     J = mean_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i),     loss = -J

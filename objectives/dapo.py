@@ -1,0 +1,25 @@
+"""DAPO — Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale" (arXiv 2503.14476).
+
+    r_t  = exp(logp_t - old_logp_t)
+    l_t  = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)       (clip-higher: 0.2 / 0.28)
+    loss = sum_{i,t} mask * l_t / sum_{i,t} mask                      (token-mean over the whole minibatch)
+
+No KL in the paper (beta = 0; if beta > 0 the KL is token-mean aggregated as well). DAPO's other two
+ingredients, dynamic sampling (drop groups whose rewards are all equal) and overlong reward shaping, act
+on the rollouts, not on the loss, and belong to the training loop.
+"""
+
+from __future__ import annotations
+
+from objectives.base import register_objective
+from objectives.grpo import GRPO
+
+
+@register_objective("dapo")
+class DAPO(GRPO):
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+
+    default_advantage = "grpo"
+    aggregation = "token_mean"
+    kl_aggregation = "token_mean"

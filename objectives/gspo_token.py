@@ -1,0 +1,35 @@
+"""GSPO-token — Zheng et al., "Group Sequence Policy Optimization" (arXiv 2507.18071), token-level variant.
+
+    log s_i  = (1/L_i) sum_t d_t                                  (GSPO's length-normalised sequence ratio)
+    log s_it = sg(log s_i) + logp_t - sg(logp_t)                 (value s_i on every token of i; gradient
+                                                                   flows through the token's own logp only)
+    l_t  = max(-s_it A_it, -clip(s_it, 1 - clip_low, 1 + clip_high) A_it)
+    loss = mean_i (1/L_i) sum_t l_t                               (seq-mean-token-mean)
+
+With per-sequence advantages every token of a sequence has the same ratio and the same advantage, so the
+clip decision is per sequence and loss, gradient (s_i A_i (1/L_i) grad logp_t) and clip fractions equal
+those of ``gspo``. Unlike ``gspo`` it also accepts per-token advantages [B, T]. Defaults 3e-4 / 4e-4
+(GSPO's). verl's ``gspo`` loss is this form with log s_it capped at 10; there is no cap here, so that the
+objective stays identical to ``gspo``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from objectives.base import PolicyBatch, aggregate, clip_metrics, ratio_metrics, register_objective
+from objectives.grpo import ppo_clipped_loss
+from objectives.gspo import GSPO
+
+
+@register_objective("gspo_token")
+class GSPOToken(GSPO):
+    aggregation = "seq_mean_token_mean"
+
+    def policy_loss(self, batch: PolicyBatch):
+        log_seq = batch.sequence_mean(batch.log_ratio()).detach()
+        log_ratio = log_seq[:, None] + batch.logp - batch.logp.detach()
+        log_ratio = torch.where(batch.mask, log_ratio, torch.zeros_like(log_ratio))
+        per_token, ratio, low, high = ppo_clipped_loss(batch, self.clip_low, self.clip_high, log_ratio)
+        loss = aggregate(per_token, batch, self.aggregation)
+        return loss, {**clip_metrics(low, high, batch), **ratio_metrics(ratio, batch.mask)}

@@ -1,0 +1,74 @@
+"""Advantage estimators, hand-checked on small groups."""
+
+import math
+
+import pytest
+import torch
+
+from objectives import available_advantages, get_advantage
+from objectives.registry import UnknownNameError
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 0.0])
+GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 2])  # sizes 3, 3, 1
+
+
+def close(actual, expected, tol=1e-9):
+    assert actual.shape == (len(expected),)
+    for a, e in zip(actual.tolist(), expected, strict=True):
+        assert math.isclose(a, e, rel_tol=tol, abs_tol=tol), (actual.tolist(), expected)
+
+
+def test_registered_names():
+    assert set(available_advantages()) >= {"grpo", "mean_only", "rloo", "batch_std"}
+
+
+def test_grpo_unbiased_std_plus_eps():
+    # group 0: mean 1/3, unbiased var = ((2/3)^2 + 2 (1/3)^2) / 2 = 1/3 -> std 0.57735
+    std0 = math.sqrt(1 / 3)
+    # group 1: mean 5/6, deviations (1/6, -1/3, 1/6): var = (1/36 + 1/9 + 1/36) / 2 = 1/12
+    std1 = math.sqrt(1 / 12)
+    expected = [(2 / 3) / (std0 + 1e-6), (-1 / 3) / (std0 + 1e-6), (-1 / 3) / (std0 + 1e-6),
+                (1 / 6) / (std1 + 1e-6), (-1 / 3) / (std1 + 1e-6), (1 / 6) / (std1 + 1e-6), 0.0]
+    close(get_advantage("grpo")(REWARDS, GROUPS), expected, tol=1e-6)
+
+
+def test_mean_only():
+    expected = [2 / 3, -1 / 3, -1 / 3, 1 / 6, -1 / 3, 1 / 6, 0.0]
+    close(get_advantage("mean_only")(REWARDS, GROUPS), expected, tol=1e-6)
+
+
+def test_rloo_leave_one_out():
+    # R_i - mean of the others: group 0: 1 - 0 = 1, 0 - 1/2, 0 - 1/2; group 1: 1 - 3/4, 0.5 - 1, 1 - 3/4
+    expected = [1.0, -0.5, -0.5, 0.25, -0.5, 0.25, 0.0]
+    close(get_advantage("rloo")(REWARDS, GROUPS), expected, tol=1e-6)
+
+
+def test_batch_std():
+    mean = sum(REWARDS.tolist()) / 7
+    std = math.sqrt(sum((r - mean) ** 2 for r in REWARDS.tolist()) / 6)  # unbiased, whole batch
+    centred = [2 / 3, -1 / 3, -1 / 3, 1 / 6, -1 / 3, 1 / 6]
+    expected = [c / (std + 1e-6) for c in centred] + [0.0]
+    close(get_advantage("batch_std")(REWARDS, GROUPS), expected, tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "mean_only", "rloo", "batch_std"])
+def test_group_of_one_and_equal_rewards_give_exactly_zero(name):
+    # 0.1 + 0.1 + 0.1 != 0.3 in floating point: equal rewards must still give exactly 0, not ~1e-11 / 1e-6.
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 3.0], dtype=torch.float64)
+    groups = torch.tensor([4, 4, 4, 9, 2])
+    adv = get_advantage(name)(rewards, groups)
+    assert adv.dtype == torch.float64
+    assert torch.equal(adv, torch.zeros(5, dtype=torch.float64))
+
+
+def test_non_contiguous_group_ids_and_integer_rewards():
+    rewards = torch.tensor([1, 0, 0, 1])  # integer rewards come back as float32
+    groups = torch.tensor([7, 3, 7, 3])
+    adv = get_advantage("mean_only")(rewards, groups)
+    assert adv.dtype == torch.float32
+    close(adv, [0.5, -0.5, -0.5, 0.5])
+
+
+def test_unknown_estimator():
+    with pytest.raises(UnknownNameError, match="Did you mean 'rloo'"):
+        get_advantage("rlooo")

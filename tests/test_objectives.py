@@ -1,0 +1,642 @@
+"""Objectives: hand-computed losses and gradients, equivalences, clipping, padding, micro-batching, errors.
+
+Expected numbers are written out from the formulas with ``math`` on scalars, never by calling the code
+under test. Tensors are float64; ``logp`` is a leaf and gradients are taken w.r.t. it.
+"""
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import objectives
+from objectives import (
+    PolicyBatch,
+    UnknownNameError,
+    available_objectives,
+    get_advantage,
+    get_objective,
+)
+
+DT = torch.float64
+E = math.exp
+ALL = available_objectives()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sig(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def make_batch(old, d, mask, adv, **kw):
+    """logp = old + d as a leaf (with grad), old_logp = old. Values of old/d on padding are irrelevant."""
+    old = torch.as_tensor(old, dtype=DT)
+    logp = (old + torch.as_tensor(d, dtype=DT)).detach().requires_grad_(True)
+    kw.setdefault("max_completion_len", 8)
+    return PolicyBatch(logp=logp, old_logp=old, mask=torch.as_tensor(mask).bool(),
+                       advantages=torch.as_tensor(adv, dtype=DT), **kw)
+
+
+def run(name, batch, **hp):
+    out = get_objective(name, **hp)(batch)
+    (grad,) = torch.autograd.grad(out.loss, batch.logp, allow_unused=True)
+    return out, torch.zeros_like(batch.logp) if grad is None else grad
+
+
+def assert_close(actual, expected, tol=1e-10):
+    expected = torch.as_tensor(expected, dtype=DT)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.allclose(actual.detach(), expected, rtol=tol, atol=tol), (actual, expected)
+
+
+def num(x, y, tol=1e-10):
+    x, y = (v.detach() if isinstance(v, torch.Tensor) else v for v in (x, y))
+    return math.isclose(float(x), float(y), rel_tol=tol, abs_tol=tol)
+
+
+def approx(metric, expected):
+    """Metrics are float32 statistics (``ratio_metrics``) or fractions: compare at 1e-6."""
+    return num(metric, expected, 1e-6)
+
+
+# Shared hand-check batch: two sequences, lengths 3 and 2 (one padding slot holding garbage).
+OLD = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+D = [[0.1, 0.3, -0.1], [-0.4, 0.2, 7.0]]
+ADV = [1.0, -0.5]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hand-computed loss and gradient, one test per objective
+# ----------------------------------------------------------------------------------------------------
+
+def test_grpo_hand():
+    out, grad = run("grpo", make_batch(OLD, D, MASK, ADV))
+    # seq 0 (A=1): r = e^.1, e^.3 (> 1.2: clipped, loss -1.2, no gradient), e^-.1
+    # seq 1 (A=-.5): r = e^-.4 (< .8: clipped, loss .5*.8), e^.2 (above 1.2 but A<0: unclipped)
+    seq0 = (-E(0.1) - 1.2 - E(-0.1)) / 3
+    seq1 = (0.5 * 0.8 + 0.5 * E(0.2)) / 2
+    assert num(out.loss, (seq0 + seq1) / 2)
+    assert_close(grad, [[-E(0.1) / 6, 0.0, -E(-0.1) / 6], [0.0, 0.5 * E(0.2) / 4, 0.0]])
+    m = out.metrics
+    assert num(m["clip_frac_high"], 1 / 5) and num(m["clip_frac_low"], 1 / 5) and num(m["clip_frac"], 2 / 5)
+    assert approx(m["ratio_max"], E(0.3)) and approx(m["ratio_min"], E(-0.4))
+    assert approx(m["ratio_mean"], (E(0.1) + E(0.3) + E(-0.1) + E(-0.4) + E(0.2)) / 5)
+    assert num(m["kl_behavior"], -(0.1 + 0.3 - 0.1 - 0.4 + 0.2) / 5)
+    assert "kl_ref" not in m
+
+
+def test_dapo_hand():
+    out, grad = run("dapo", make_batch(OLD, D, MASK, ADV))
+    # clip 0.2 / 0.28: e^.3 = 1.35 > 1.28 clipped; e^-.4 < .8 clipped (A<0); token-mean over 5 tokens
+    assert num(out.loss, (-E(0.1) - 1.28 - E(-0.1) + 0.5 * 0.8 + 0.5 * E(0.2)) / 5)
+    assert_close(grad, [[-E(0.1) / 5, 0.0, -E(-0.1) / 5], [0.0, 0.5 * E(0.2) / 5, 0.0]])
+    assert num(out.metrics["clip_frac"], 2 / 5)
+
+
+def test_dr_grpo_hand():
+    out, grad = run("dr_grpo", make_batch(OLD, D, MASK, ADV, max_completion_len=4))
+    # token sum / (B * max_completion_len) = / 8, clip 0.2 / 0.2
+    assert num(out.loss, (-E(0.1) - 1.2 - E(-0.1) + 0.5 * 0.8 + 0.5 * E(0.2)) / 8)
+    assert_close(grad, [[-E(0.1) / 8, 0.0, -E(-0.1) / 8], [0.0, 0.5 * E(0.2) / 8, 0.0]])
+    with pytest.raises(ValueError, match="max_completion_len"):
+        run("dr_grpo", make_batch(OLD, D, MASK, ADV, max_completion_len=None))
+
+
+def test_gspo_hand():
+    out, grad = run("gspo", make_batch(OLD, D, MASK, ADV), clip_low=0.1, clip_high=0.1)
+    s0, s1 = E(0.1), E(-0.1)  # sequence ratios exp(mean d): mean d = 0.1 and -0.1
+    # s0 = 1.105 > 1.1 with A > 0: clipped (whole sequence, no gradient); s1 = 0.905 >= 0.9: unclipped
+    assert num(out.loss, (-1.1 + 0.5 * s1) / 2)
+    assert_close(grad, [[0.0, 0.0, 0.0], [0.5 * s1 / 4, 0.5 * s1 / 4, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 3 / 5) and num(out.metrics["clip_frac_low"], 0.0)
+    assert approx(out.metrics["ratio_max"], s0) and approx(out.metrics["ratio_min"], s1)
+    assert approx(out.metrics["ratio_mean"], (s0 + s1) / 2)
+
+
+def test_gspo_token_hand_per_token_advantages():
+    adv = [[1.0, -1.0, 2.0], [0.5, -0.5, 0.0]]
+    out, grad = run("gspo_token", make_batch(OLD, D, MASK, adv), clip_low=0.1, clip_high=0.1)
+    s0, s1 = E(0.1), E(-0.1)  # every token carries its sequence's ratio
+    # seq 0: s0 > 1.1 -> tokens with A > 0 clipped (-1.1 A, no grad); the A = -1 token is not
+    seq0 = (-1.1 * 1.0 + s0 * 1.0 - 1.1 * 2.0) / 3
+    seq1 = (-0.5 * s1 + 0.5 * s1) / 2
+    assert num(out.loss, (seq0 + seq1) / 2)
+    assert_close(grad, [[0.0, s0 / 6, 0.0], [-0.5 * s1 / 4, 0.5 * s1 / 4, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 2 / 5) and num(out.metrics["clip_frac_low"], 0.0)
+
+
+def test_cispo_hand():
+    d = [[0.1, 2.0, -0.1], [-3.0, 0.2, 7.0]]
+    batch = make_batch(OLD, d, MASK, ADV)
+    out, grad = run("cispo", batch)
+    # weights: r, capped at 1 + 4 = 5 (e^2 = 7.39 -> 5), no lower bound (e^-3 kept)
+    w = [[E(0.1), 5.0, E(-0.1)], [E(-3.0), E(0.2)]]
+    logp = [[-0.9, 0.0, -0.6], [-4.5, -0.5]]
+    adv = [1.0, -0.5]
+    total = sum(-w[i][t] * adv[i] * logp[i][t] for i in range(2) for t in range(len(w[i])))
+    assert num(out.loss, total / 5)
+    assert_close(grad, [[-w[0][0] / 5, -5.0 / 5, -w[0][2] / 5], [0.5 * w[1][0] / 5, 0.5 * w[1][1] / 5, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 1 / 5) and num(out.metrics["clip_frac_low"], 0.0)
+    assert approx(out.metrics["ratio_max"], E(2.0))
+
+
+def test_sapo_hand():
+    out, grad = run("sapo", make_batch(OLD, D, MASK, ADV))
+    r0, r1 = [E(0.1), E(0.3), E(-0.1)], [E(-0.4), E(0.2)]
+
+    def gate(r, tau):
+        return sig(tau * (r - 1)) * 4 / tau
+
+    def weight(r, tau):
+        s = sig(tau * (r - 1))
+        return 4 * s * (1 - s) * r
+
+    seq0 = sum(-gate(r, 1.0) * 1.0 for r in r0) / 3  # A > 0: tau_pos = 1
+    seq1 = sum(-gate(r, 1.05) * -0.5 for r in r1) / 2  # A < 0: tau_neg = 1.05
+    assert num(out.loss, (seq0 + seq1) / 2)
+    expected = [[-weight(r, 1.0) / 6 for r in r0], [0.5 * weight(r, 1.05) / 4 for r in r1] + [0.0]]
+    assert_close(grad, expected)
+    m = out.metrics
+    assert m["clip_frac"] == m["clip_frac_low"] == m["clip_frac_high"] == 0.0
+    weights = [weight(r, 1.0) for r in r0] + [weight(r, 1.05) for r in r1]
+    assert approx(m["gate_weight_mean"], sum(weights) / 5) and approx(m["gate_weight_min"], min(weights))
+
+
+def test_gmpo_hand():
+    d = [[0.1, 0.6, -0.7], [-0.5, 0.5, 7.0]]
+    out, grad = run("gmpo", make_batch(OLD, d, MASK, ADV))
+    # A > 0: d clipped from above at 0.4 only; A < 0: from below at -0.4 only
+    rho0 = E((0.1 + 0.4 - 0.7) / 3)
+    rho1 = E((-0.4 + 0.5) / 2)
+    assert num(out.loss, (-rho0 + 0.5 * rho1) / 2)
+    assert_close(grad, [[-rho0 / 6, 0.0, -rho0 / 6], [0.0, 0.5 * rho1 / 4, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 1 / 5) and num(out.metrics["clip_frac_low"], 1 / 5)
+    assert approx(out.metrics["ratio_min"], rho0) and approx(out.metrics["ratio_max"], rho1)
+
+
+@pytest.mark.parametrize("step,p", [(0, 2.0), (1, 1.0), (2, 0.0), (3, -1.0), (4, -2.0), (9, -2.0)])
+def test_holder_hand(step, p):
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0], [-1.0, -1.0, -1.0]]
+    d = [[0.1, 0.3, -0.1], [-0.4, 0.2, 7.0], [0.5, 0.6, 0.7]]
+    mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
+    adv = [1.0, -0.5, 2.0]
+    out, grad = run("holder", make_batch(old, d, mask, adv, step=step, total_steps=4))
+    assert num(out.metrics["holder_p"], p)
+    loss, expected = 0.0, [[0.0] * 3 for _ in range(3)]
+    for i, length in enumerate([3, 2, 3]):
+        r = [E(x) for x in d[i][:length]]
+        if p == 0:
+            rho, share = E(sum(d[i][:length]) / length), [1 / length] * length
+        else:
+            powers = [x**p for x in r]
+            rho, share = (sum(powers) / length) ** (1 / p), [x / sum(powers) for x in powers]
+        clipped = (adv[i] > 0 and rho > 1.2) or (adv[i] < 0 and rho < 0.8)
+        loss += max(-adv[i] * rho, -adv[i] * min(max(rho, 0.8), 1.2)) / 3
+        for t in range(length):
+            expected[i][t] = 0.0 if clipped else -adv[i] * rho * share[t] / 3
+    # sequence 2 (all ratios >= e^.5 = 1.65) is clipped for every p; sequences 0 and 1 are not
+    assert num(out.loss, loss)
+    assert_close(grad, expected)
+    assert num(out.metrics["clip_frac_high"], 3 / 8) and num(out.metrics["clip_frac_low"], 0.0)
+
+
+def test_holder_large_ratios_stay_finite():
+    d = [[60.0, -60.0, 0.0], [80.0, 1.0, 7.0]]
+    for step in (0, 4):  # p = 2 and p = -2
+        out, grad = run("holder", make_batch(OLD, d, MASK, [-1.0, -1.0], step=step, total_steps=4))
+        assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+
+
+def test_ctpo_hand():
+    old = [[-1.0, -2.0, -0.5, 3.0], [-1.5, -0.7, -0.2, 3.0]]
+    d = [[0.02, 0.03, 0.05, 5.0], [-0.03, 0.01, 0.12, 5.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 1, 0]]
+    out, grad = run("ctpo", make_batch(old, d, mask, [1.0, -1.0]))
+    r3 = math.sqrt(3)
+    # seq 0 (A=1): prefix sums .02, .05, .10; upper bounds .05 sqrt(n) = .05, .0707, .0866 -> token 3 clipped
+    # seq 1 (A=-1): prefix sums -.03, -.02, .10; lower bound -.025 at n=1 -> token 1 clipped (low);
+    #   token 3: rho = e^.1 > dual bound e^(.05 sqrt 3) -> dual clip, loss e^(.05 sqrt 3), no gradient
+    per_token = [-E(0.02), -E(0.05), -E(0.05 * r3), E(-0.025), E(-0.02), E(0.05 * r3)]
+    assert num(out.loss, sum(per_token) / 6)
+    assert_close(grad, [[-E(0.02) / 6, -E(0.05) / 6, 0.0, 0.0], [0.0, E(-0.02) / 6, 0.0, 0.0]])
+    m = out.metrics
+    for key in ("clip_frac_low", "clip_frac_high", "clip_frac_dual"):
+        assert num(m[key], 1 / 6), key
+    assert num(m["clip_frac"], 3 / 6)
+    prefix = [E(0.02), E(0.05), E(0.10), E(-0.03), E(-0.02), E(0.10)]
+    assert approx(m["ratio_max"], max(prefix)) and approx(m["ratio_mean"], sum(prefix) / 6)
+
+
+def test_conspo_hand():
+    #   group 0: pos, neg, neg (A = 0 counts as negative) | group 1: pos, pos (no negative)
+    #   group 2: neg, neg (no positive)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    adv = [1.0, -0.5, 0.0, 0.7, 0.7, -0.2, 0.0]
+    g = torch.Generator().manual_seed(0)
+    old = (-torch.rand(7, 3, generator=g, dtype=DT)).tolist()
+    d = (0.1 * torch.randn(7, 3, generator=g, dtype=DT)).tolist()
+    mask = [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    batch = make_batch(old, d, mask, adv, group_ids=groups, step=1, total_steps=2)
+    tau, m = 0.5, 0.1  # linear margin 0 -> 0.2, halfway
+    out, grad = run("conspo", batch, temperature=tau, margin_start=0.0, margin_end=0.2)
+    lengths = [3, 2, 1]
+    s = [sum(old[i][t] + d[i][t] for t in range(lengths[i])) / lengths[i] for i in range(3)]
+    e1, e2 = E((s[1] - s[0] + m) / tau), E((s[2] - s[0] + m) / tau)
+    assert num(out.loss, math.log(1 + e1 + e2) / 7)
+    q = 1 / (1 + e1 + e2)  # InfoNCE probability of the positive
+    ds = [-(1 - q) / tau, e1 * q / tau, e2 * q / tau]  # d l / d s_i
+    expected = torch.zeros(7, 3, dtype=DT)
+    for i in range(3):
+        expected[i, : lengths[i]] = ds[i] / lengths[i] / 7
+    assert_close(grad, expected)  # groups 1 and 2 (all positive / all negative): exactly zero
+    assert approx(out.metrics["conspo_margin"], m) and approx(out.metrics["conspo_pos_prob"], q)
+    assert approx(out.metrics["conspo_contrast_frac"], 1 / 7) and out.metrics["clip_frac"] == 0.0
+
+
+def test_conspo_two_positives_and_schedules():
+    groups = torch.tensor([0, 0, 0])
+    old = [[-1.0, -2.0], [-0.5, -0.5], [-3.0, -1.0]]
+    batch = make_batch(old, [[0.0, 0.0]] * 3, [[1, 1]] * 3, [1.0, 1.0, -2.0], group_ids=groups)
+    out, _ = run("conspo", batch, temperature=1.0, margin_start=0.3, margin_end=0.0, schedule="constant")
+    s = [-1.5, -0.5, -2.0]
+    expected = (math.log(1 + E(s[2] - s[0] + 0.3)) + math.log(1 + E(s[2] - s[1] + 0.3))) / 3
+    assert num(out.loss, expected)
+    obj = get_objective("conspo", margin_start=0.0, margin_end=1.0, schedule="cosine")
+    margins = [obj.margin(make_batch(old, old, [[1, 1]] * 3, [0.0] * 3, step=k, total_steps=4))
+               for k in range(6)]
+    c = math.cos(math.pi / 4)
+    assert_close(torch.tensor(margins, dtype=DT), [0.0, (1 - c) / 2, 0.5, (1 + c) / 2, 1.0, 1.0])
+
+
+def test_conspo_needs_group_ids():
+    with pytest.raises(ValueError, match="group_ids"):
+        run("conspo", make_batch(OLD, D, MASK, ADV))
+    assert get_objective("conspo").needs_whole_groups
+
+
+# ----------------------------------------------------------------------------------------------------
+# Equivalences and exact-gradient properties
+# ----------------------------------------------------------------------------------------------------
+
+def random_batch(seed=0, scale=0.3, per_sequence=True, b=8, t=6, **kw):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=DT) * 3
+    d = scale * torch.randn(b, t, generator=g, dtype=DT)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[0] = t
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    adv = torch.randn(b if per_sequence else (b, t), generator=g, dtype=DT)
+    return make_batch(old, d, mask, adv, **kw)
+
+
+def test_on_policy_grpo_gspo_gspo_token_same_gradient():
+    batch = random_batch(seed=1, scale=0.0)  # old_logp == logp
+    grads = [run(name, batch)[1] for name in ("grpo", "gspo", "gspo_token")]
+    expected = -batch.advantages[:, None] / (batch.lengths[:, None] * 8) * batch.mask
+    for grad in grads:
+        assert_close(grad, expected, tol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-4, 1e-3, 0.3])
+def test_gspo_token_equals_gspo_with_sequence_advantages(scale):
+    batch = random_batch(seed=2, scale=scale)
+    (a, ga), (b, gb) = run("gspo", batch), run("gspo_token", batch)
+    assert num(a.loss, b.loss, 1e-12)
+    assert_close(ga, gb, tol=1e-12)
+    for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
+        assert num(a.metrics[key], b.metrics[key])
+    if scale == 1e-3:  # the clip is active on some sequences, not all
+        assert 0 < a.metrics["clip_frac"] < 1
+
+
+def test_ctpo_gradient_only_through_current_token_and_prefix_product_value():
+    batch = random_batch(seed=3, scale=0.2, per_sequence=False)
+    wide = {"clip_low": 50.0, "clip_high": 50.0, "dual_clip": 50.0}  # nothing clipped
+    out, grad = run("ctpo", batch, **wide)
+    d = (batch.logp - batch.old_logp).detach()
+    n = batch.mask.sum().item()
+    prefix = torch.zeros_like(d)
+    for i in range(d.shape[0]):
+        for t in range(int(batch.lengths[i])):
+            prefix[i, t] = math.prod(math.exp(x) for x in d[i, : t + 1].tolist())
+    adv = batch.advantages
+    assert_close(grad, torch.where(batch.mask, -adv * prefix / n, 0.0), tol=1e-9)
+    assert num(out.loss, (torch.where(batch.mask, -adv * prefix, 0.0).sum() / n).item(), 1e-9)
+    valid = prefix[batch.mask]
+    assert approx(out.metrics["ratio_max"], valid.max().item())
+    assert approx(out.metrics["ratio_min"], valid.min().item())
+    assert approx(out.metrics["ratio_mean"], valid.mean().item())
+    assert out.metrics["clip_frac"] == 0.0
+
+
+def test_ctpo_log_ratio_cap_removes_and_counts_the_gradient():
+    # windows wider than the cap at 10: the cap alone stops the gradient, and it is counted
+    d = [[6.0, 6.0, 0.0], [6.0, 6.0, 7.0]]  # prefix sums 6, 12 (capped at 10) | 6, 12
+    wide = {"clip_low": 20.0, "clip_high": 20.0, "dual_clip": 20.0}
+    out, grad = run("ctpo", make_batch(OLD, d, MASK, ADV), **wide)
+    assert_close(grad, [[-E(6.0) / 5, 0.0, 0.0], [0.5 * E(6.0) / 5, 0.0, 0.0]])  # token 3 of seq 0: prefix 12
+    m = out.metrics
+    assert num(m["clip_frac_high"], 2 / 5) and num(m["clip_frac_dual"], 1 / 5) and num(m["clip_frac"], 3 / 5)
+    assert approx(m["ratio_max"], E(10.0))
+
+
+def test_sapo_gradient_weight_is_one_on_policy():
+    batch = random_batch(seed=4, scale=0.0)
+    out, grad = run("sapo", batch, tau_pos=0.7, tau_neg=2.5)
+    assert_close(grad, -batch.advantages[:, None] / (batch.lengths[:, None] * 8) * batch.mask, tol=1e-12)
+    assert approx(out.metrics["gate_weight_mean"], 1.0) and out.metrics["gate_soft_clip_frac"] == 0.0
+
+
+def test_cispo_weight_carries_no_gradient():
+    batch = random_batch(seed=5, scale=0.5, per_sequence=False)
+    out, grad = run("cispo", batch, clip_low=0.2, clip_high=0.3)
+    r = torch.exp(batch.logp - batch.old_logp).detach()
+    w = r.clamp(0.8, 1.3)
+    n = batch.mask.sum()
+    assert_close(grad, torch.where(batch.mask, -w * batch.advantages / n, 0.0), tol=1e-12)
+    low, high = (r < 0.8) & batch.mask, (r > 1.3) & batch.mask
+    assert low.any() and high.any()
+    assert num(out.metrics["clip_frac_low"], low.sum().item() / n.item())
+    assert num(out.metrics["clip_frac_high"], high.sum().item() / n.item())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Clipping removes exactly the gradients it counts
+# ----------------------------------------------------------------------------------------------------
+
+CLIPPED = {"grpo": 0.3, "dapo": 0.3, "dr_grpo": 0.3, "gspo": 1e-3, "gspo_token": 1e-3, "ctpo": 0.06,
+           "gmpo": 0.6, "holder": 0.3}
+
+
+@pytest.mark.parametrize("name", sorted(CLIPPED))
+def test_clipping_zeroes_exactly_the_counted_gradients(name):
+    batch = random_batch(seed=6, scale=CLIPPED[name], b=24, t=8, step=2, total_steps=4)
+    out, grad = run(name, batch)
+    mask, n = batch.mask, batch.mask.sum().item()
+    zero = (grad == 0) & mask
+    adv = batch.token_advantages
+    m = out.metrics
+    assert m["clip_frac_low"] > 0 and m["clip_frac_high"] > 0 and m["clip_frac"] < 1  # both sides, not all
+    assert num(zero.sum().item() / n, m["clip_frac"])
+    assert num((zero & (adv > 0)).sum().item() / n, m["clip_frac_high"])
+    assert num((zero & (adv < 0)).sum().item() / n, m["clip_frac_low"] + m.get("clip_frac_dual", 0.0))
+    assert (grad[~mask] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Properties of every registered objective
+# ----------------------------------------------------------------------------------------------------
+
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0], dtype=DT)
+LENGTHS = torch.tensor([5, 3, 4, 2, 5, 1, 4, 3])
+
+
+def group_batch(t=5, pad_extra=0, garbage=False, seed=7, advantages=None, beta_ref=True):
+    """8 sequences in 2 groups of 4; ``pad_extra`` garbage columns appended; garbage on padding slots."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(8, t, generator=g, dtype=DT) * 2
+    logp = old + 0.3 * torch.randn(8, t, generator=g, dtype=DT)
+    ref = old + 0.2 * torch.randn(8, t, generator=g, dtype=DT)
+    mask = torch.arange(t)[None, :] < LENGTHS[:, None]
+    if pad_extra:
+        cols = t + pad_extra
+        mask = torch.arange(cols)[None, :] < LENGTHS[:, None]
+        junk = torch.Generator().manual_seed(99)
+        extra = [10 * torch.randn(8, pad_extra, generator=junk, dtype=DT) for _ in range(3)]
+        extra[0][0, 0], extra[1][1, 0], extra[2][2, -1] = 50.0, -50.0, 50.0
+        old, logp, ref = (torch.cat([x, e], dim=1) for x, e in zip((old, logp, ref), extra, strict=True))
+    if garbage:
+        junk = torch.Generator().manual_seed(123)
+        for x in (old, logp, ref):
+            x[~mask] = 30 * torch.randn(int((~mask).sum()), generator=junk, dtype=DT)
+        logp[~mask] = torch.where(torch.arange(int((~mask).sum())) % 3 == 0, 50.0, logp[~mask])
+    adv = get_advantage("grpo")(REWARDS, GROUPS) if advantages is None else advantages
+    return PolicyBatch(logp=logp.detach().requires_grad_(True), old_logp=old, mask=mask, advantages=adv,
+                       rewards=REWARDS, group_ids=GROUPS, ref_logp=ref if beta_ref else None, step=1,
+                       total_steps=3, max_completion_len=8)
+
+
+def same_metrics(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        both_nan = math.isnan(a[key]) and math.isnan(b[key])
+        assert both_nan or num(a[key], b[key], 1e-9), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("name", ALL)
+def test_padding_changes_nothing(name, beta):
+    clean = group_batch()
+    padded = group_batch(pad_extra=3, garbage=True)
+    (a, ga), (b, gb) = run(name, clean, beta=beta), run(name, padded, beta=beta)
+    assert torch.isfinite(a.loss) and num(a.loss, b.loss, 1e-12)
+    assert_close(gb[:, :5], ga, tol=1e-12)
+    assert (gb[~padded.mask] == 0).all()
+    same_metrics(a.metrics, b.metrics)
+    assert ("kl_ref" in a.metrics) == (beta > 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_equal_rewards_give_zero_gradient(name):
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0], dtype=DT)
+    adv = get_advantage("grpo")(rewards, GROUPS)
+    out, grad = run(name, group_batch(advantages=adv))
+    assert (grad == 0).all() and out.loss.item() == 0.0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("name", ALL)
+def test_micro_batches_with_global_counts_sum_to_the_whole(name, beta):
+    whole = group_batch()
+    out, grad = run(name, whole, beta=beta)
+    total_tokens, total_loss = whole.mask.sum(), 0.0
+    whole_groups = get_objective(name).needs_whole_groups
+    splits = (slice(0, 4), slice(4, 8)) if whole_groups else (slice(0, 3), slice(3, 4), slice(4, 8))
+    for rows in splits:
+        width = int(whole.mask[rows].sum(-1).max())
+        part = PolicyBatch(
+            logp=whole.logp[rows, :width], old_logp=whole.old_logp[rows, :width],
+            mask=whole.mask[rows, :width], ref_logp=whole.ref_logp[rows, :width],
+            advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
+            step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
+            num_tokens=total_tokens, num_sequences=8)
+        total_loss = total_loss + get_objective(name, beta=beta)(part).loss
+    (micro_grad,) = torch.autograd.grad(total_loss, whole.logp)
+    assert num(total_loss, out.loss, 1e-12)
+    assert_close(micro_grad, grad, tol=1e-12)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_objective_reports_the_common_metrics_and_has_a_docstring(name):
+    out, _ = run(name, group_batch())
+    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
+                "ratio_std", "pg_loss", "kl_behavior"):
+        assert isinstance(out.metrics[key], float) and math.isfinite(out.metrics[key]), key
+    cls = objectives.OBJECTIVES.get(name)
+    module = sys.modules[cls.__module__]
+    assert re.search(r"arXiv \d{4}\.\d{4,5}", module.__doc__), f"{name}: module docstring must cite the paper"
+    assert cls.default_advantage in objectives.available_advantages()
+    assert get_objective(name).hyperparameters() == cls.hyperparameters()
+
+
+# ----------------------------------------------------------------------------------------------------
+# KL term, errors
+# ----------------------------------------------------------------------------------------------------
+
+def test_beta_adds_k3_kl_hand_checked():
+    ref = [[-1.2, -1.5, -0.5], [-1.0, -0.7, 100.0]]
+    logp = [[-0.9, -1.7, -0.6], [-1.9, -0.5]]
+    batch = make_batch(OLD, D, MASK, ADV, ref_logp=torch.tensor(ref, dtype=DT))
+    plain, plain_grad = run("grpo", batch)
+    out, grad = run("grpo", batch, beta=0.1)
+    diff = [[ref[i][t] - logp[i][t] for t in range(len(logp[i]))] for i in range(2)]
+    k3 = [[E(x) - x - 1 for x in row] for row in diff]
+    kl = (sum(k3[0]) / 3 + sum(k3[1]) / 2) / 2  # seq-mean-token-mean, like the policy term
+    assert num(out.loss, plain.loss.item() + 0.1 * kl)
+    assert num(out.metrics["kl_ref"], (sum(k3[0]) + sum(k3[1])) / 5)
+    dk3 = [[-(E(x) - 1) for x in row] for row in diff]  # d k3 / d logp
+    kl_grad = [[0.1 * x / 3 / 2 for x in dk3[0]], [0.1 * x / 2 / 2 for x in dk3[1]] + [0.0]]
+    assert_close(grad - plain_grad, kl_grad)
+    # token-mean objectives aggregate the KL per token
+    out, _ = run("dapo", batch, beta=0.1)
+    assert num(out.loss, run("dapo", batch)[0].loss.item() + 0.1 * (sum(k3[0]) + sum(k3[1])) / 5)
+
+
+def test_beta_without_reference_raises():
+    with pytest.raises(ValueError, match="ref_logp"):
+        run("grpo", make_batch(OLD, D, MASK, ADV), beta=0.04)
+
+
+def test_unknown_objective_lists_names_and_closest_match():
+    with pytest.raises(UnknownNameError) as err:
+        get_objective("gpso")
+    message = str(err.value)
+    assert "Did you mean 'gspo'" in message
+    for name in ALL:
+        assert name in message
+    with pytest.raises(UnknownNameError, match="Did you mean 'conspo'"):
+        get_objective("con_spo")
+
+
+def test_unknown_and_invalid_hyperparameters():
+    with pytest.raises(TypeError, match=r"no hyperparameter epsilon.*clip_low=0\.2"):
+        get_objective("grpo", epsilon=0.2)
+    with pytest.raises(TypeError, match="must be a number"):
+        get_objective("dapo", clip_high="0.28")
+    with pytest.raises(TypeError, match="must be a string"):
+        get_objective("conspo", schedule=1)
+
+
+@pytest.mark.parametrize("name,hp", [
+    ("grpo", {"clip_low": 1.0}), ("dapo", {"clip_low": 1.5}), ("dr_grpo", {"clip_low": 1.0}),
+    ("gspo", {"clip_low": 1.0}), ("gspo_token", {"clip_low": 1.0}), ("holder", {"clip_low": 1.0}),
+    ("ctpo", {"clip_low": 0.0}), ("ctpo", {"dual_clip": 0.0}), ("sapo", {"tau_pos": 0.0}),
+    ("sapo", {"tau_neg": 0.0}), ("conspo", {"temperature": 0.0}), ("conspo", {"schedule": "exp"}),
+    ("cispo", {"clip_high": -1.0}), ("gmpo", {"clip_low": -0.1}), ("grpo", {"beta": -0.1}),
+    ("holder", {"clip_high": math.inf}), ("conspo", {"margin_end": -0.1}),
+])
+def test_invalid_hyperparameters_raise_value_error(name, hp):
+    with pytest.raises(ValueError, match=next(iter(hp))):
+        get_objective(name, **hp)
+
+
+def test_defaults_are_the_papers():
+    expected = {
+        "grpo": {"clip_low": 0.2, "clip_high": 0.2}, "dapo": {"clip_low": 0.2, "clip_high": 0.28},
+        "dr_grpo": {"clip_low": 0.2, "clip_high": 0.2}, "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
+        "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4}, "cispo": {"clip_low": 1.0, "clip_high": 4.0},
+        "ctpo": {"clip_low": 0.025, "clip_high": 0.05, "dual_clip": 0.05},
+        "sapo": {"tau_pos": 1.0, "tau_neg": 1.05}, "gmpo": {"clip_low": 0.4, "clip_high": 0.4},
+        "holder": {"p_start": 2.0, "p_end": -2.0, "clip_low": 0.2, "clip_high": 0.2},
+    }
+    for name, values in expected.items():
+        params = get_objective(name).hyperparameters()
+        assert params["beta"] == 0.0
+        for key, value in values.items():
+            assert params[key] == value, (name, key)
+    assert objectives.OBJECTIVES.get("dr_grpo").default_advantage == "mean_only"
+    assert get_objective("holder", p_end=-3.0).p_end == -3.0  # negative allowed (signed)
+
+
+def test_sequence_level_objectives_reject_token_advantages():
+    batch = make_batch(OLD, D, MASK, [[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    for name in ("gspo", "gmpo", "holder"):
+        with pytest.raises(ValueError, match="per-sequence advantages"):
+            run(name, batch)
+    run("gspo_token", batch)  # the token form accepts them
+
+
+# ----------------------------------------------------------------------------------------------------
+# Adding an objective: a new module in objectives/ is all it takes
+# ----------------------------------------------------------------------------------------------------
+
+EXAMPLE = '''"""Unclipped importance-weighted policy gradient (illustration).
+
+    l_t = -r_t A_t,   loss = sum_{i,t} mask * l_t / sum mask      (token-mean)
+"""
+
+import torch
+
+from objectives.base import Objective, PolicyBatch, aggregate, clip_metrics, ratio_metrics, register_objective
+
+
+@register_objective("vanilla_pg")
+class VanillaPG(Objective):
+    scale: float = 1.0  # a hyperparameter: an annotated field with its default
+
+    default_advantage = "grpo"
+
+    def policy_loss(self, batch: PolicyBatch):
+        ratio = torch.exp(batch.log_ratio())  # 0 on padding, so r = 1 there
+        loss = aggregate(-self.scale * ratio * batch.token_advantages, batch, "token_mean")
+        nothing = torch.zeros_like(batch.mask)  # no clipping
+        return loss, {**clip_metrics(nothing, nothing, batch), **ratio_metrics(ratio, batch.mask)}
+'''
+
+
+def example_source() -> str:
+    """The README's worked example once README.md has it (so the documented code is the tested one)."""
+    readme = REPO / "README.md"
+    if readme.exists():
+        section = readme.read_text().partition("## Adding an objective")[2]
+        block = re.search(r"```python\n(.*?)```", section, re.S)
+        if block and "@register_objective" in block.group(1):
+            return block.group(1)
+    return EXAMPLE
+
+
+def test_a_new_module_is_registered_automatically(tmp_path):
+    package = tmp_path / "objectives"
+    shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
+    source = example_source()
+    name = re.search(r'@register_objective\("(\w+)"\)', source).group(1)
+    (package / f"{name}.py").write_text(source)
+    script = f"""
+import json, torch, objectives
+from objectives import PolicyBatch, available_objectives, get_objective
+assert objectives.__file__.startswith({str(tmp_path)!r}), objectives.__file__
+assert {name!r} in available_objectives(), available_objectives()
+logp = torch.zeros(2, 3, requires_grad=True)
+mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+batch = PolicyBatch(logp=logp, old_logp=torch.zeros(2, 3), mask=mask, advantages=torch.tensor([1.0, -1.0]))
+out = get_objective({name!r})(batch)
+out.loss.backward()
+assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all() and "clip_frac" in out.metrics
+print(json.dumps({{"loss": out.loss.item(), "grad": logp.grad.tolist(), "metrics": out.metrics}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    if source == EXAMPLE:  # on-policy: loss -mean(A) over 5 tokens, gradient -A/5, ratio 1
+        result = json.loads(done.stdout)
+        assert num(result["loss"], -(3 - 2) / 5, 1e-6) and result["metrics"]["ratio_mean"] == 1.0
+        assert_close(torch.tensor(result["grad"], dtype=DT), [[-0.2] * 3, [0.2, 0.2, 0.0]], tol=1e-6)
+    assert name not in available_objectives()  # the real package is untouched
