@@ -96,6 +96,8 @@ class RunConfig:
     threads: int = 0  # torch CPU threads; 0 = torch's default
     backend: str = "native"
     results_dir: str = "results"
+    profile: str | None = None  # apply profiles[profile] (e.g. the papers' GPU-scale settings) with one override
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -144,6 +146,12 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
     cfg = _merge(*layers)
+    if cfg.profile is not None:
+        if cfg.profile not in cfg.profiles:
+            raise ConfigError(f"profile {cfg.profile!r} is not defined in {path.name}; "
+                              f"profiles: {', '.join(cfg.profiles) or 'none'}")
+        profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
+        cfg = _merge(cfg, profile, layers[-1])  # command-line overrides still win
     for override in overrides or []:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -160,14 +168,15 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
-    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "sweep"])
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("sweep", "profiles")])
+    base.profile = None  # its values are applied; a run's config.yaml is complete without it
     runs = []
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
         dotlist = {**per_objective.get(objective, {}), **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
-        run = OmegaConf.masked_copy(run, [k for k in run if k != "sweep"])
+        run = OmegaConf.masked_copy(run, [k for k in run if k not in ("sweep", "profiles")])
         validate(run)
         runs.append(run)
     unknown_objectives = sorted(set(per_objective) - {r.objective.name for r in runs})

@@ -108,3 +108,11 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
         without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
     again = cli("sweep", *args)  # everything finished: nothing runs again
     assert again.returncode == 0 and "2/2 runs finished" in again.stderr
+
+
+def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
+    runs = run_configs(load_experiment("gsm8k_ablation", ["profile=gpu", "train.steps=7"]))
+    assert {r.model.name for r in runs} == {"Qwen/Qwen2.5-1.5B-Instruct"}
+    assert runs[0].train.prompts_per_step == 32 and runs[0].train.steps == 7 and runs[0].profile is None
+    with pytest.raises(ConfigError, match="profile 'tpu' is not defined"):
+        load_experiment("gsm8k_ablation", ["profile=tpu"])
