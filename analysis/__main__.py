@@ -1,0 +1,39 @@
+"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf]"""
+
+import argparse
+import sys
+import warnings
+
+from analysis.load import AnalysisError
+from analysis.report import build_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
+    parser.add_argument("results", help="the experiment's results folder, e.g. results/<experiment>")
+    parser.add_argument("--out", help="output folder (default: <results>/report)")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing rolling mean over N steps of the train "
+                        "metrics in the curves (default 1: no smoothing; eval accuracy is never smoothed)")
+    parser.add_argument("--formats", default="png,pdf", help="figure formats besides the PNG the report embeds: "
+                        "comma-separated, of png, pdf, svg (default png,pdf)")
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error("--smooth must be >= 1")
+    report, error = None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            report = build_report(args.results, args.out, args.smooth, tuple(filter(None, args.formats.split(","))))
+        except AnalysisError as e:
+            error = e
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"report: {report} (and report.html, figures and tables in {report.parent})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
