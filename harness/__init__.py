@@ -1,0 +1,1 @@
+"""The shared RLVR loop: tasks, models, rollouts and training."""

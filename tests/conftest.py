@@ -1,0 +1,31 @@
+"""Shared fixtures: the local GSM8K copy, a tiny model and tokenizer, a private cache directory."""
+
+from pathlib import Path
+
+import pytest
+
+from harness.models import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    """../shared/data/gsm8k relative to the repository (never committed); tests using it skip without it."""
+    path = REPO.parent / "shared" / "data" / "gsm8k"
+    if not (path / "train.jsonl").is_file():
+        pytest.skip(f"no local GSM8K copy at {path}")
+    return path
+
+
+@pytest.fixture
+def tiny_model():
+    """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
+    return load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64})
+
+
+@pytest.fixture
+def rlvr_cache(tmp_path, monkeypatch) -> Path:
+    """An empty ``RLVR_CACHE`` for this test."""
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -1,0 +1,146 @@
+"""Tasks: GSM8K loading, validation and scoring; the procedural arithmetic task."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness.tasks import Problem, Score, available_tasks, get_task
+from objectives.registry import UnknownNameError
+
+GSM8K_ROW = {"question": "Tom has 3 apples and buys 5. How many?", "answer": "3+5=<<3+5=8>>8\n#### 8"}
+
+
+def write_gsm8k(folder, train_lines, test_lines=None):
+    folder.mkdir(exist_ok=True)
+    for split, lines in (("train", train_lines), ("test", test_lines or [json.dumps(GSM8K_ROW)])):
+        (folder / f"{split}.jsonl").write_text("".join(line + "\n" for line in lines))
+    return folder
+
+
+def test_registry_and_argument_errors():
+    assert {"arith", "gsm8k"} <= set(available_tasks())
+    with pytest.raises(UnknownNameError, match="Did you mean 'gsm8k'"):
+        get_task("gsm8")
+    with pytest.raises(TypeError, match=r"no argument digit; its arguments: .*digits=2"):
+        get_task("arith", digit=3)
+
+
+def test_gsm8k_loads_local_copy_from_env(gsm8k_dir, monkeypatch):
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
+    task = get_task("gsm8k", eval_size=16)
+    train, held_out = task.train_problems(), task.eval_problems()
+    assert len(train) == 7473 and len(held_out) == 16
+    assert held_out == get_task("gsm8k", data_dir=str(gsm8k_dir), eval_size=16).eval_problems()
+    first = held_out[0]
+    assert first.question.startswith("Janet") and first.question.endswith('output the final answer after "####".')
+    assert first.answer == "18" and "<<" not in first.solution and first.solution.endswith("#### 18")
+    assert all(task.score(p.solution, p) == Score(1.0, 1.0) for p in train)
+
+
+def test_gsm8k_kwarg_wins_over_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nowhere"))
+    task = get_task("gsm8k", data_dir=str(write_gsm8k(tmp_path / "d", [json.dumps(GSM8K_ROW)])), eval_size=1)
+    assert task.train_problems()[0] == Problem(
+        question=GSM8K_ROW["question"] + ' Let\'s think step by step and output the final answer after "####".',
+        answer="8",
+        solution="3+5=8\n#### 8",
+    )
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("so 72 in total.\n#### 72", "72", (1, 1)),
+        ("#### 1,080", "1080", (1, 1)),
+        ("#### $18", "18", (1, 1)),
+        ("The answer is #### 18.", "18", (1, 1)),
+        ("#### 18.00", "18", (1, 1)),
+        ("#### 5 wait, no: #### 7", "7", (1, 1)),
+        ("#### 5 wait, no: #### 7", "5", (0, 1)),
+        ("#### -3", "-3", (1, 1)),
+        ("#### 0.5", "0.5", (1, 1)),
+        ("#### 19", "18", (0, 1)),
+        ("so the answer is \\boxed{18}", "18", (1, 0)),
+        ("\\boxed{1,000} but 7", "1000", (1, 0)),
+        ("she makes 9 * 2 = $18.", "18", (1, 0)),
+        ("I don't know", "18", (0, 0)),
+        ("", "18", (0, 0)),
+        ("#### eighteen", "18", (0, 0)),
+        ("#### 1.2.3", "18", (0, 0)),
+    ],
+)
+def test_gsm8k_scoring(completion, answer, expected):
+    problem = Problem(question="q", answer=answer, solution="")
+    assert get_task("gsm8k").score(completion, problem) == Score(*map(float, expected))
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (None, r"train\.jsonl does not exist"),
+        ([], r"train\.jsonl is empty"),
+        ([json.dumps(GSM8K_ROW), "{not json"], r"train\.jsonl, line 2: malformed JSON"),
+        ([json.dumps(GSM8K_ROW), "", json.dumps({"question": "q"})], r"train\.jsonl, line 3: missing .*'answer'"),
+        ([json.dumps({"answer": "#### 1"})], r"line 1: missing string field 'question'"),
+        ([json.dumps({"question": "q", "answer": "it is 4"})], r"line 1: the answer does not end with '#### <number>'"),
+    ],
+)
+def test_gsm8k_bad_data_names_file_and_line(tmp_path, lines, message):
+    folder = write_gsm8k(tmp_path / "d", lines or [])
+    if lines is None:
+        (folder / "train.jsonl").unlink()
+    with pytest.raises(ValueError, match=message):
+        get_task("gsm8k", data_dir=str(folder)).train_problems()
+
+
+def test_gsm8k_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        get_task("gsm8k", data_dir=str(tmp_path / "missing")).eval_problems()
+
+
+def test_arith_is_deterministic_and_eval_is_disjoint():
+    task = get_task("arith", train_size=5000, eval_size=200)
+    again = get_task("arith", train_size=5000, eval_size=200)
+    assert task.train_problems() == again.train_problems() and task.eval_problems() == again.eval_problems()
+    assert task.eval_problems() != get_task("arith", seed=1, eval_size=200).eval_problems()
+    held_out = {p.question for p in task.eval_problems()}
+    assert len(held_out) == 200
+    assert not held_out & {p.question for p in task.train_problems()}
+    operands = [int(x) for p in task.train_problems() for x in re.findall(r"\d+", p.question.split("?")[0])]
+    assert min(operands) == 0 and max(operands) == 99
+
+
+def test_arith_problem_text_and_precedence():
+    problem = get_task("arith", eval_size=1).eval_problems()[0]
+    expression = problem.question.removeprefix("What is ").removesuffix('? Answer after "####".')
+    assert problem.solution == f"{expression}={problem.answer} #### {problem.answer}"
+    for p in get_task("arith", num_operands=3, operators="+-*", eval_size=50, train_size=1).eval_problems():
+        assert p.answer == str(eval(p.solution.split("=")[0]))  # noqa: S307 (our own digits and operators)
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("37+45=82 #### 82", (1, 1)),
+        ("#### 82.", (1, 1)),
+        ("#### 81 #### 82", (1, 1)),
+        ("#### 82 #### 81", (0, 1)),
+        ("#### 82.0", (0, 0)),
+        ("#### 1,2", (0, 0)),
+        ("37+45=82", (0, 0)),
+        ("####", (0, 0)),
+    ],
+)
+def test_arith_verifier(completion, expected):
+    problem = Problem(question="What is 37+45?", answer="82", solution="37+45=82 #### 82")
+    assert get_task("arith", train_size=1, eval_size=1).score(completion, problem) == Score(*map(float, expected))
+
+
+def test_arith_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="operators"):
+        get_task("arith", operators="+/")
+    with pytest.raises(ValueError, match="eval_size"):
+        get_task("arith", digits=1, eval_size=150)
