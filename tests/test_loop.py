@@ -173,3 +173,15 @@ def test_kl_reference_is_loaded_and_logged_when_beta_positive(tmp_path):
     train(run, tmp_path / "kl", progress=False)
     step = read_jsonl(tmp_path / "kl" / "metrics.jsonl")[1]
     assert step["kl_ref"] >= 0
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_trains_one_gsm8k_step(tmp_path, gsm8k_dir, monkeypatch):
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
+    (run,) = run_configs(load_experiment("gsm8k_ablation", [
+        "objective.name=ctpo", "task.eval_size=2", "train.prompts_per_step=2", "train.group_size=2",
+        "train.max_new_tokens=24", "train.num_minibatches=2", "train.steps=1", f"results_dir={tmp_path}"]))
+    summary = train(run, tmp_path / "smol", progress=False)
+    step = read_jsonl(tmp_path / "smol" / "metrics.jsonl")[1]
+    assert summary["status"] == "finished" and step["completion_len_mean"] > 0
+    assert step["mismatch_logp_abs"] < 1e-3 and math.isfinite(step["grad_norm"])
