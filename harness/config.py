@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 EMBEDDED_MODELS = ("tiny", "smollm2-135m-instruct")
+BACKENDS = ("native", "trl")  # native: harness/train.py; trl: TRL's GRPOTrainer (harness/trl_backend.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -179,9 +180,11 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         run = OmegaConf.masked_copy(run, [k for k in run if k not in ("sweep", "profiles")])
         validate(run)
         runs.append(run)
-    unknown_objectives = sorted(set(per_objective) - {r.objective.name for r in runs})
-    if unknown_objectives:
-        raise ConfigError(f"sweep.per_objective names {unknown_objectives}, which no run of the sweep uses")
+    from objectives import OBJECTIVES
+
+    for name in per_objective:
+        if name not in OBJECTIVES:
+            raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
     return runs
@@ -238,5 +241,9 @@ def validate(run: DictConfig) -> None:
     if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
         raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
                           "a local directory, nor a hub id (owner/name)")
-    if run.backend not in ("native",):
-        raise ConfigError(f"backend must be 'native', got {run.backend!r}")
+    if run.backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {' | '.join(BACKENDS)}, got {run.backend!r}")
+    if run.backend == "trl":
+        from harness.trl_backend import check_config
+
+        check_config(run)

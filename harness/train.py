@@ -58,7 +58,7 @@ def build_task(cfg: DictConfig):
 
 def build_policy(cfg: DictConfig, task, device: torch.device):
     """The policy (after the optional, cached supervised warm start) and its tokenizer."""
-    tiny = OmegaConf.to_container(cfg.model.tiny)
+    tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny" else None
     model, tokenizer = load_model(cfg.model.name, tiny=tiny, device=device, dtype=DTYPES[cfg.model.dtype],
                                   seed=cfg.seed)
     if cfg.model.warm_start_steps:
