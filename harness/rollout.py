@@ -54,13 +54,30 @@ class _RecordAndWarp(LogitsProcessor):
         return scaled.masked_fill(drop, float("-inf"))
 
 
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids that skip left padding (as ``generate`` computes them)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, greedy: bool = False) -> Rollout:
-    """Sample one completion per prompt (repeat prompts for a group), batched with left padding."""
+def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
+    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
+
+    Each distinct prompt is prefilled once and its KV cache repeated for the group, so the prompt costs one
+    forward pass per group instead of one per sample.
+    """
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    cache = None
+    if group_size > 1 and prompt_ids.shape[1] > 1:
+        head, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+        cache = model.get_decoder()(input_ids=head, attention_mask=head_mask, position_ids=positions(head_mask),
+                                    use_cache=True).past_key_values
+        cache.batch_repeat_interleave(group_size)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     recorder = _RecordAndWarp(temperature, top_p, greedy)
     was_training = model.training
     model.eval()
@@ -68,6 +85,7 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
         do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0, logits_processor=LogitsProcessorList([recorder]),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
+        past_key_values=cache,
     )
     model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1]:]
@@ -93,8 +111,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention, position_ids=positions(attention),
                          use_cache=False).last_hidden_state
     start, length = prompt_ids.shape[1] - 1, completion_ids.shape[1]
     logits = model.get_output_embeddings()(hidden[:, start : start + length]).float() / temperature

@@ -68,9 +68,10 @@ def build_policy(cfg: DictConfig, task, device: torch.device):
 
 
 def sample_group(policy, tokenizer, problems, cfg: DictConfig) -> Rollout:
-    prompts = [build_prompt(tokenizer, p.question) for p in problems for _ in range(cfg.train.group_size)]
-    return generate(policy, tokenizer, prompts, max_new_tokens=cfg.train.max_new_tokens,
-                    temperature=cfg.train.temperature, top_p=cfg.train.top_p)
+    prompts = [build_prompt(tokenizer, p.question) for p in problems]
+    t = cfg.train
+    return generate(policy, tokenizer, prompts, group_size=t.group_size, max_new_tokens=t.max_new_tokens,
+                    temperature=t.temperature, top_p=t.top_p)
 
 
 @torch.no_grad()
@@ -91,7 +92,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> dict:
         solved = []
         for i in range(0, len(problems), max(1, 64 // k)):
             chunk = problems[i : i + max(1, 64 // k)]
-            out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk for _ in range(k)],
+            out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk], group_size=k,
                            max_new_tokens=max_new, temperature=cfg.train.temperature, top_p=cfg.train.top_p)
             hits = [task.score(t, chunk[j // k]).correct for j, t in enumerate(out.texts)]
             solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]

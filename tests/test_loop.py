@@ -45,14 +45,23 @@ def tiny_policy():
     return model, tokenizer, prompts
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.7])
-def test_sampler_logprobs_equal_trainer_logprobs(tiny_policy, top_p):
+@pytest.mark.parametrize("top_p, group_size", [(1.0, 1), (0.7, 1), (1.0, 3)])
+def test_sampler_logprobs_equal_trainer_logprobs(tiny_policy, top_p, group_size):
     model, tokenizer, prompts = tiny_policy
     torch.manual_seed(0)
-    ro = generate(model, tokenizer, prompts, max_new_tokens=12, temperature=0.9, top_p=top_p)
+    ro = generate(model, tokenizer, prompts, group_size=group_size, max_new_tokens=12, temperature=0.9, top_p=top_p)
+    assert ro.completion_ids.shape[0] == len(prompts) * group_size
     logp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, 0.9)
     assert torch.allclose(logp.masked_fill(~ro.completion_mask, 0), ro.sampler_logp, atol=1e-5)
     assert (ro.sampler_logp[ro.completion_mask] < 0).all()
+
+
+def test_shared_prompt_prefill_matches_repeated_prompts(tiny_policy):
+    model, tokenizer, prompts = tiny_policy
+    grouped = generate(model, tokenizer, prompts, group_size=3, max_new_tokens=10, greedy=True)
+    repeated = generate(model, tokenizer, [p for p in prompts for _ in range(3)], max_new_tokens=10, greedy=True)
+    assert torch.equal(grouped.completion_ids, repeated.completion_ids)
+    assert torch.allclose(grouped.sampler_logp, repeated.sampler_logp, atol=1e-5)
 
 
 def test_completion_mask_ends_at_first_eos(tiny_policy):
