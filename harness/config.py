@@ -39,6 +39,7 @@ class ModelConfig:
     tiny: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_layers, num_heads, intermediate_size
     dtype: str = "float32"  # trainer precision
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); None = policy
+    seed: int = 0  # tiny model's init and warm start: the starting policy, shared by all runs like a checkpoint
     warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached)
     warm_start_lr: float = 1e-3
     warm_start_batch_size: int = 32

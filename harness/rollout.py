@@ -83,7 +83,8 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     model.eval()
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-        do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0, logits_processor=LogitsProcessorList([recorder]),
+        **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
+        logits_processor=LogitsProcessorList([recorder]),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
         past_key_values=cache,
     )

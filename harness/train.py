@@ -60,10 +60,10 @@ def build_policy(cfg: DictConfig, task, device: torch.device):
     """The policy (after the optional, cached supervised warm start) and its tokenizer."""
     tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny" else None
     model, tokenizer = load_model(cfg.model.name, tiny=tiny, device=device, dtype=DTYPES[cfg.model.dtype],
-                                  seed=cfg.seed)
+                                  seed=cfg.model.seed)
     if cfg.model.warm_start_steps:
         model = warm_start(model, tokenizer, task, steps=cfg.model.warm_start_steps, lr=cfg.model.warm_start_lr,
-                           batch_size=cfg.model.warm_start_batch_size, seed=cfg.seed)
+                           batch_size=cfg.model.warm_start_batch_size, seed=cfg.model.seed)
     return model, tokenizer
 
 
