@@ -1,5 +1,8 @@
 """`make bench`: time one full step (rollout + update) of experiments/bench.yaml and compare the update's
-FLOP/s with this machine's matmul peak, measured in the same run.
+FLOP/s with this machine's matmul peak, measured in the same run. Then run TRL's own GRPOTrainer on the same
+model (a copy of the same initial weights), prompts, group size, lengths and minibatches, in the same process,
+and print the per-step wall-time ratio, tokens/s of both and where the time goes in each (``phase_*``).
+Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
 
 Update FLOPs are model FLOPs of the shapes actually computed (padding included), fwd + bwd = 3 x fwd:
   6 * N_body * (prompt + completion positions)           transformer body (N_body: parameters without embeddings)
@@ -9,13 +12,19 @@ Update FLOPs are model FLOPs of the shapes actually computed (padding included),
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import tempfile
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+import harness.train
 from harness.config import DTYPES, load_experiment, run_configs
 from harness.rollout import Rollout
 from harness.train import build_policy, build_task, resolve_device, sample_group, update
@@ -49,6 +58,7 @@ def update_flops(model, ro: Rollout, epochs: int) -> float:
 
 def main(overrides: list[str]) -> int:
     (cfg,) = run_configs(load_experiment("bench", overrides))
+    load_before = os.getloadavg()[0]  # other processes sharing the cores slow both sides alike
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -57,10 +67,12 @@ def main(overrides: list[str]) -> int:
     start = time.perf_counter()
     task = build_task(cfg)
     policy, tokenizer = build_policy(cfg, task, device)
+    initial = copy.deepcopy(policy)  # TRL starts from the same weights
     load_s = time.perf_counter() - start
     problems = list(task.train_problems()[: t.prompts_per_step])
 
-    start = time.perf_counter()
+    sample_group(policy, tokenizer, problems[:1], OmegaConf.merge(cfg, {"train": {"max_new_tokens": 2}}))  # warm-up
+    start, cpu_start = time.perf_counter(), time.process_time()
     ro = sample_group(policy, tokenizer, problems, cfg)
     rollout_s = time.perf_counter() - start
     completion_tokens = int(ro.completion_mask.sum())
@@ -74,9 +86,12 @@ def main(overrides: list[str]) -> int:
     state = {"optimizer_steps": 0, "total_optimizer_steps": t.num_minibatches * t.epochs, "nonfinite_skips": 0,
              "nonfinite_in_row": 0}
     start = time.perf_counter()
-    update(policy, optimizer, scheduler, objective, ro, ro.sampler_logp, None, advantages.to(device),
-           rewards.to(device), group_ids.to(device), cfg, 1, state)
+    phases = defaultdict(float)
+    with timed(harness.train, "completion_logprobs", phases, "logp_forward"):
+        update(policy, optimizer, scheduler, objective, ro, ro.sampler_logp, None, advantages.to(device),
+               rewards.to(device), group_ids.to(device), cfg, 1, state)
     update_s = time.perf_counter() - start
+    step_cpu_s = time.process_time() - cpu_start  # CPU time of this process: less sensitive to other load
     flops = update_flops(policy, ro, t.epochs)
     peak = matmul_peak(DTYPES[cfg.model.dtype]) if device.type == "cpu" else float("nan")
 
@@ -88,8 +103,15 @@ def main(overrides: list[str]) -> int:
         "update_s": update_s, "update_tok_s": completion_tokens * t.epochs / update_s,
         "update_gflop_s": flops / update_s / 1e9, "matmul_peak_gflop_s": peak / 1e9,
         "update_fraction_of_peak": flops / update_s / peak,
-        "step_s": rollout_s + update_s,
+        "step_s": rollout_s + update_s, "step_tok_s": completion_tokens / (rollout_s + update_s),
+        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": phases["logp_forward"],
+        "phase_loss_backward_optimizer_s": update_s - phases["logp_forward"],
     }
+    trl = trl_step(cfg, initial, tokenizer, task, problems)
+    result.update({f"trl_{key}": value for key, value in trl.items()})
+    result["trl_over_native_step_time"] = trl["step_s"] / result["step_s"]
+    result["trl_over_native_tok_s"] = trl["step_tok_s"] / result["step_tok_s"]
+    result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
@@ -97,3 +119,54 @@ def main(overrides: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     return 0
+
+
+@contextmanager
+def timed(module, name: str, phases: dict, phase: str):
+    """Adds the wall time of every call of ``module.name`` to ``phases[phase]`` while in the block."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            phases[phase] += time.perf_counter() - start
+
+    setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
+    """One generation + ``num_minibatches`` optimizer steps of TRL's own GRPOTrainer (loss_type grpo, no
+    gradient checkpointing, as the native loop), phases from its timed methods (harness.trl_backend)."""
+    from harness.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
+
+    t = cfg.train
+    with tempfile.TemporaryDirectory() as out:
+        args = grpo_config(cfg, Path(out), max_steps=t.num_minibatches * t.epochs, shuffle_dataset=False,
+                           save_strategy="no", reward_weights=[1.0, cfg.task.format_weight])
+        trainer = TimedGRPOTrainer(model=policy, reward_funcs=reward_functions(task), args=args,
+                                   train_dataset=problems_dataset(problems, tokenizer), processing_class=tokenizer)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        trainer.train()
+        step_s, step_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    logs = next(entry for entry in trainer.state.log_history if "completions/mean_length" in entry)
+    tokens = logs["completions/mean_length"] * t.prompts_per_step * t.group_size
+    p = trainer.phase_s
+    update_s = step_s - p["rollout"]
+    return {
+        "completion_tokens": int(round(tokens)), "rollout_s": p["rollout"], "rollout_tok_s": tokens / p["rollout"],
+        "update_s": update_s, "update_tok_s": tokens * t.epochs / update_s, "step_s": step_s,
+        "step_tok_s": tokens / step_s, "step_cpu_s": step_cpu_s,
+        "old_logp_recomputed": args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) > 0,
+        "phase_generate_s": p["generate"], "phase_rewards_s": p["rewards"],
+        "phase_old_ref_logp_nograd_s": p["logp_nograd"],
+        "phase_rollout_other_s": p["rollout"] - p["generate"] - p["rewards"] - p["logp_nograd"],
+        "phase_logp_forward_s": p["logp_forward"],
+        "phase_loss_backward_s": p["training_step"] - p["rollout"] - p["logp_forward"],
+        "phase_optimizer_and_trainer_s": step_s - p["training_step"],
+    }

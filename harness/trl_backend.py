@@ -1,0 +1,370 @@
+"""``backend: trl``: an experiment run through TRL's ``GRPOTrainer``, with the registry's objective as its loss.
+
+    python -m harness train quickstart backend=trl                  # this machine (CPU or one GPU)
+    accelerate launch --config_file <ds or fsdp>.yaml -m harness train <exp> backend=trl   # many GPUs
+
+Tasks, rewards, models and the results layout are the native loop's: ``results/<exp>/<run_id>/`` gets
+``config.yaml``, ``metrics.jsonl`` (one row per rollout step, native keys where TRL has the equivalent) and
+``summary.json``. TRL generates, scores and batches; :class:`RegistryGRPOTrainer` replaces only the loss, so
+any registered objective runs here with no per-objective code. How the config maps onto TRL
+(:func:`grpo_config`):
+
+    prompts_per_step x group_size      -> generation batch, num_generations = group_size
+    num_minibatches (optimizer steps)  -> steps_per_generation = num_minibatches x gradient_accumulation_steps
+    micro_batch_size (0 = minibatch)   -> per_device_train_batch_size; accumulation = minibatch / (micro x GPUs)
+    epochs                             -> num_iterations;   steps x num_minibatches x epochs -> max_steps
+    objective.beta                     -> a frozen copy of the (warm-started) policy as TRL's ref_model
+
+Conventions aligned with the native loop (each one differs from stock TRL):
+- advantages: the objective's estimator from the registry (TRL's own divides by std + 1e-4, ours std + 1e-6);
+- aggregation: the objective's, over the optimizer step's minibatch with its exact global token / sequence
+  counts (``num_tokens`` / ``num_sequences``), so summing micro-batches and averaging over GPUs gives the
+  native minibatch loss (TRL's ``dapo`` / ``cispo`` divide by the generation batch's *mean* tokens per step);
+- the KL to the reference is the registry's k3, not multiplied by the ratio (TRL: ``use_bias_correction_kl``);
+- behaviour log-probs: the trainer's (TRL recomputes them before the first update, or they equal the current
+  ones), i.e. ``train.old_logp: recompute``; with vLLM (``use_vllm``) and ``train.old_logp: sampler``, vLLM's own
+  log-probs, as the native sampler's, so the objective's ratio sees the train-inference mismatch (TRL's separate
+  vLLM importance-sampling correction is then off: the objective owns the ratio).
+Remaining differences: ``model.sampler_dtype`` is not supported; TRL draws the prompts (seeded sampler), shuffles
+sequences, not groups, into minibatches and does not reshuffle between epochs; its linear warm-up starts at
+lr 0; ``grad_norm`` is the last optimizer step's; a non-finite update is not skipped.
+Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL_ARGS='{"use_vllm": true}'``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from omegaconf import DictConfig, OmegaConf
+from transformers import PrinterCallback, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+from trl import GRPOConfig, GRPOTrainer
+from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.trainer.utils import add_fused_lm_head
+
+from harness.config import ConfigError
+from harness.models import build_prompt
+from harness.records import MetricsLog, write_json_atomic
+from harness.tasks import Problem
+from harness.train import MetricMeter, build_policy, build_task, evaluate, peak_memory_mb, resolve_device
+from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
+
+# TRL's logged metric -> the native metrics.jsonl key
+TRL_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "rewards/correct/mean": "accuracy",
+            "rewards/format/mean": "format_reward", "completions/mean_length": "completion_len_mean",
+            "completions/max_length": "completion_len_max", "completions/clipped_ratio": "frac_truncated",
+            "frac_reward_zero_std": "frac_zero_std_groups", "grad_norm": "grad_norm", "learning_rate": "lr",
+            "loss": "loss"}
+TRL_DROP = ("epoch", "num_tokens", "step_time")  # TRL's epoch / tokens seen / step time: step_s covers them
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_config(run: DictConfig) -> None:
+    """What the TRL backend cannot run, as ConfigErrors (called by harness.config.validate)."""
+    t = run.train
+    minibatch = t.prompts_per_step * t.group_size // t.num_minibatches
+    micro = t.micro_batch_size or minibatch
+    if minibatch % (micro * world_size()):
+        raise ConfigError(f"backend trl: the minibatch ({minibatch} sequences) must split into micro-batches of "
+                          f"train.micro_batch_size={micro} on each of {world_size()} processes")
+    if t.group_size < 2:
+        raise ConfigError("backend trl: TRL needs train.group_size >= 2")
+    if json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}").get("use_vllm") and run.model.name == "tiny":
+        raise ConfigError("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
+                          "smollm2-135m-instruct")
+    if run.model.sampler_dtype not in (None, run.model.dtype):
+        raise ConfigError("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or "
+                          "with vLLM: RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
+        raise ConfigError(f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL "
+                          "splits groups across micro-batches; use train.num_minibatches=1 with whole-batch "
+                          "micro-batches on one process, or backend=native")
+
+
+def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **overrides) -> GRPOConfig:
+    """The run config as TRL's GRPOConfig (see the module docstring); ``overrides`` and $RLVR_TRL_ARGS win."""
+    t = cfg.train
+    minibatch = t.prompts_per_step * t.group_size // t.num_minibatches
+    micro = t.micro_batch_size or minibatch
+    accumulation = minibatch // (micro * world_size())
+    steps_per_rollout = t.num_minibatches * t.epochs
+    kwargs = dict(
+        output_dir=str(output_dir), seed=cfg.seed, use_cpu=resolve_device(cfg.device).type == "cpu",
+        bf16=cfg.model.dtype == "bfloat16", report_to="none", disable_tqdm=not progress,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=t.num_minibatches * accumulation, num_generations=t.group_size,
+        num_iterations=t.epochs, max_steps=t.steps * steps_per_rollout, max_completion_length=t.max_new_tokens,
+        temperature=t.temperature, top_p=t.top_p, top_k=0, learning_rate=t.lr, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant_with_warmup", warmup_steps=t.warmup_steps,
+        logging_steps=steps_per_rollout, beta=0.0, loss_type="grpo", scale_rewards="group",
+        save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
+        save_total_limit=1, dataloader_num_workers=0, gradient_checkpointing=False,  # TRL's default: on
+        vllm_importance_sampling_correction=False,  # with vLLM, train.old_logp decides (module docstring)
+    )
+    kwargs.update(overrides)
+    kwargs.update(json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}"))
+    return GRPOConfig(**kwargs)
+
+
+def problems_dataset(problems, tokenizer) -> Dataset:
+    """Prompts as TRL takes them: a chat message when the tokenizer has a template (TRL applies it), else the
+    native prompt text; the problem's fields ride along for the reward functions."""
+    prompts = [[{"role": "user", "content": p.question}] if tokenizer.chat_template else build_prompt(tokenizer,
+               p.question) for p in problems]
+    return Dataset.from_dict({"prompt": prompts, "question": [p.question for p in problems],
+                              "answer": [p.answer for p in problems], "solution": [p.solution for p in problems]})
+
+
+def reward_functions(task) -> list:
+    """Two plain callables, ``correct`` and ``format`` (the task's Score fields); TRL weights them
+    (1, task.format_weight) into the reward, as the native loop does."""
+
+    def scorer(field):
+        def reward(completions, question, answer, solution, **_):
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return [getattr(task.score(text, Problem(q, a, s)), field)
+                    for text, q, a, s in zip(texts, question, answer, solution, strict=True)]
+
+        reward.__name__ = field
+        return reward
+
+    return [scorer("correct"), scorer("format")]
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that adds up the wall time of its phases in ``phase_s`` (seconds): ``rollout`` (generate, score,
+    advantages, no-grad log-probs), ``generate``, ``rewards``, ``logp_nograd`` (old / reference log-probs),
+    ``logp_forward`` (training forward), ``training_step`` (rollout when due + forward + loss + backward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phase_s = defaultdict(float)
+
+    def _timed(self, name, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.phase_s[name] += time.perf_counter() - start
+
+    def _generate_and_score_completions(self, inputs):
+        return self._timed("rollout", super()._generate_and_score_completions, inputs)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        return self._timed("generate", super()._generate_single_turn, *args, **kwargs)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        return self._timed("rewards", super()._calculate_rewards, *args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        name = "logp_forward" if torch.is_grad_enabled() else "logp_nograd"
+        return self._timed(name, super()._get_per_token_logps_and_entropies, *args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        return self._timed("training_step", super().training_step, *args, **kwargs)
+
+
+class RegistryGRPOTrainer(TimedGRPOTrainer):
+    """GRPOTrainer whose loss is ``objective`` (any registered one), advantages from ``estimator`` and, when
+    ``reference`` is given (a frozen copy of the policy, made before TRL patches it), a KL term with the
+    objective's beta. ``args.beta`` must be 0: the reference is set up here, not loaded from a path."""
+
+    def __init__(self, *args, objective, estimator, reference=None, old_logp: str = "recompute", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.objective, self.estimator, self.old_logp, self.meter = objective, estimator, old_logp, MetricMeter()
+        if reference is not None:
+            self.beta = objective.beta  # makes TRL compute ref_per_token_logps with self.ref_model
+            add_fused_lm_head(reference.requires_grad_(False), temperature=self.temperature)
+            if self.is_deepspeed_enabled:
+                self.ref_model = prepare_deepspeed(reference, self.accelerator)
+            elif self.is_fsdp_enabled:
+                self.ref_model = prepare_fsdp(reference, self.accelerator)
+            else:
+                self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)  # gathered over processes
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        rewards = (self._rewards_per_func * self.reward_weights.to(self._rewards_per_func.device)).nansum(dim=1)
+        group_ids = torch.arange(len(rewards), device=rewards.device) // self.num_generations
+        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        out["advantages"] = self.estimator(rewards, group_ids)[local].to(out["advantages"].dtype)
+        out["rewards"], out["group_ids"] = rewards[local], group_ids[local]
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        """Adds ``num_tokens_step``: the valid tokens of this optimizer step's minibatch (all its micro-batches, all
+        processes), the native loop's ``num_tokens``."""
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training:
+            index = self._step % self.args.steps_per_generation
+            first = index - index % self.args.gradient_accumulation_steps
+            window = self._buffered_inputs[first : first + self.args.gradient_accumulation_steps]
+            inputs["num_tokens_step"] = self.accelerator.gather(sum(b["completion_mask"].sum() for b in window)).sum()
+        return inputs
+
+    def _compute_loss(self, model, inputs):
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logp, entropy, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True)
+        mask = inputs["completion_mask"].bool()
+        old_logp = inputs.get("old_per_token_logps")  # None when it equals the current log-probs (TRL)
+        old_logp = logp.detach() if old_logp is None else old_logp
+        sampled = inputs.get("sampling_per_token_logps")  # vLLM's log-probs of its samples (NaN: not scored)
+        if self.old_logp == "sampler" and sampled is not None:
+            old_logp = torch.where(torch.isnan(sampled), old_logp, sampled)
+        training = self.model.training
+        accumulation = getattr(self, "current_gradient_accumulation_steps", 1) if training else 1
+        processes = self.accelerator.num_processes
+        num_tokens = inputs.get("num_tokens_step")
+        if num_tokens is None:  # a hand-made batch: TRL's own estimate of the optimizer step's tokens
+            share = accumulation / self.args.steps_per_generation if training else 1.0
+            num_tokens = inputs["num_items_in_batch"] * share
+        batch = PolicyBatch(
+            logp=logp, old_logp=old_logp, mask=mask,
+            advantages=inputs["advantages"], rewards=inputs.get("rewards"), group_ids=inputs.get("group_ids"),
+            ref_logp=inputs.get("ref_per_token_logps"), step=self.state.global_step,
+            total_steps=max(1, self.state.max_steps), max_completion_len=self.max_completion_length,
+            num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes)
+        out = self.objective(batch)
+        tokens = mask.sum().item()
+        self.meter.add({**out.metrics, "entropy": (entropy.detach() * mask).sum().item() / max(tokens, 1)}, tokens)
+        # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
+        return out.loss * processes
+
+    def log(self, logs, start_time=None):
+        if self.model.training:
+            logs.update(self.meter.result())
+            self.meter = MetricMeter()
+        super().log(logs, start_time)
+
+
+class RecordsCallback(TrainerCallback):
+    """Writes the native results files: one metrics.jsonl row per rollout step (TRL logs once per rollout step),
+    the greedy held-out evaluation at step 0, every ``eval_every`` steps and the last, and summary.json."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, task, tokenizer, resume_step: int, elapsed_before: float):
+        self.cfg, self.run_dir, self.task, self.tokenizer = cfg, run_dir, task, tokenizer
+        self.trainer = None  # set once the trainer exists
+        self.main = int(os.environ.get("RANK", "0")) == 0
+        self.log = MetricsLog(run_dir / "metrics.jsonl", resume_step=resume_step) if self.main else None
+        rows = self.log.rows if self.main else []
+        evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+        self.state = {"step": resume_step, "last_eval": evals[-1] if evals else None,
+                      "best_eval": max(evals) if evals else None,
+                      "rollout_tokens": max([r.get("rollout_tokens", 0) for r in rows] or [0])}
+        self.started, self.elapsed_before, self.last_time = time.time(), elapsed_before, time.time()
+
+    def evaluate(self, step: int) -> dict:
+        trainer = self.trainer
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            row = evaluate(model, self.tokenizer, self.task, self.cfg, step)  # every process: ZeRO-3 gathers
+        self.state["last_eval"] = row["eval_accuracy"]
+        self.state["best_eval"] = max(self.state["best_eval"] or 0.0, row["eval_accuracy"])
+        return row
+
+    def summary(self, status: str, error: str | None = None) -> dict:
+        t = self.cfg.train
+        data = {"run_id": self.run_dir.name, "objective": self.cfg.objective.name, "seed": self.cfg.seed,
+                "status": status, "steps_done": self.state["step"], "total_steps": t.steps,
+                "final_eval_accuracy": self.state["last_eval"], "best_eval_accuracy": self.state["best_eval"],
+                "wall_time_s": self.elapsed_before + time.time() - self.started,
+                "rollout_tokens": self.state["rollout_tokens"],
+                "update_tokens": self.state["rollout_tokens"] * t.epochs, "nonfinite_skips": None, "error": error,
+                "backend": "trl"}
+        if self.main:
+            write_json_atomic(self.run_dir / "summary.json", data)
+        return data
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            row = {"step": 0, **self.evaluate(0)}
+            if self.main:
+                self.log.append(row)
+        self.summary("running")
+        self.last_time = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        t = self.cfg.train
+        if not logs or "reward" not in logs:
+            return
+        step = state.global_step // (t.num_minibatches * t.epochs)
+        now, phase = time.time(), self.trainer.phase_s
+        step_s, rollout_s = now - self.last_time, phase.pop("rollout", 0.0)
+        phase.clear()
+        n = t.prompts_per_step * t.group_size
+        tokens = logs["completions/mean_length"] * n
+        self.state["rollout_tokens"] += int(round(tokens))
+        self.state["step"] = step
+        row = {"step": step, "rollout_tokens": self.state["rollout_tokens"],
+               **{new: logs[old] for old, new in TRL_KEYS.items() if old in logs},
+               **{k: v for k, v in logs.items() if "/" not in k and k not in TRL_KEYS and k not in TRL_DROP},
+               "rollout_s": rollout_s, "update_s": step_s - rollout_s, "rollout_tok_s": tokens / max(rollout_s, 1e-9),
+               "update_tok_s": tokens * t.epochs / max(step_s - rollout_s, 1e-9), "step_s": step_s,
+               "peak_mem_mb": peak_memory_mb(self.trainer.accelerator.device)}
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            row.update(self.evaluate(step))
+        if self.main:
+            self.log.append(row)
+        self.summary("running")
+        self.last_time = time.time()
+
+
+def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
+    """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
+    check_config(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    task = build_task(cfg)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    policy, tokenizer = build_policy(cfg, task, device)
+    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
+    estimator = get_advantage(cfg.objective.advantage or objective.default_advantage)
+    reference = copy.deepcopy(policy).eval() if objective.beta > 0 else None
+
+    checkpoint = get_last_checkpoint(str(run_dir / "trl")) if (run_dir / "trl").is_dir() else None
+    steps_per_rollout = cfg.train.num_minibatches * cfg.train.epochs
+    resume_step = int(checkpoint.rsplit("-", 1)[1]) // steps_per_rollout if checkpoint else 0
+    elapsed = 0.0
+    if checkpoint and (run_dir / "summary.json").exists():
+        elapsed = json.loads((run_dir / "summary.json").read_text()).get("wall_time_s") or 0.0
+    records = RecordsCallback(cfg, run_dir, task, tokenizer, resume_step, elapsed)
+    trainer = RegistryGRPOTrainer(
+        model=policy, reward_funcs=reward_functions(task), args=grpo_config(
+            cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
+        train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
+        callbacks=[records], objective=objective, estimator=estimator, reference=reference,
+        old_logp=cfg.train.old_logp)
+    records.trainer = trainer
+    if not progress:
+        trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except BaseException as e:
+        records.summary("failed" if isinstance(e, Exception) else "interrupted", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if records.log is not None:
+            records.log.close()
+    return records.summary("finished")

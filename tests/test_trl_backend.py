@@ -1,0 +1,245 @@
+"""The TRL backend is the native loop's math: (a) on a fixed batch, its loss and gradient equal the native loop's
+(harness.train.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
+run through the backend writes the native results files.
+
+The batch is fixed by calling the trainer's ``_compute_loss`` on a hand-made ``inputs`` dict (the one TRL builds
+in ``_generate_and_score_completions``): sampled completions of a tiny model, behaviour and reference
+log-probs perturbed so that ratios move off 1 and clipping is active.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from trl import GRPOTrainer
+
+from harness.config import ConfigError, load_experiment, run_configs
+from harness.models import build_prompt, load_model
+from harness.records import read_jsonl
+from harness.rollout import generate
+from harness.tasks import get_task
+from harness.train import update
+from harness.trl_backend import (
+    RegistryGRPOTrainer,
+    grpo_config,
+    problems_dataset,
+    reward_functions,
+    train_trl,
+)
+from objectives import get_advantage, get_objective
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+PROMPTS, GROUP, MAX_NEW = 4, 4, 8
+OVERRIDES = [*(f"model.tiny.{k}={v}" for k, v in TINY.items()), "task.eval_size=8", f"train.prompts_per_step={PROMPTS}",
+             f"train.group_size={GROUP}", f"train.max_new_tokens={MAX_NEW}", "train.num_minibatches=1",
+             "train.max_grad_norm=1e9", "train.eval_every=0", "train.steps=1", "threads=1", "device=cpu",
+             "backend=trl"]
+
+
+def run_config(tmp_path, *overrides):
+    (run,) = run_configs(load_experiment("base", [*OVERRIDES, f"results_dir={tmp_path}", *overrides]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """A tiny policy (kept pristine), its tokenizer, the task, and one fixed rollout batch with perturbed
+    behaviour / reference log-probs, random binary rewards and GRPO advantages."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny", tiny=TINY, seed=0)
+    task = get_task("arith", eval_size=8)
+    pool = task.train_problems()[:100]
+    shortest, longest = (f(pool, key=lambda p: len(p.question)) for f in (min, max))
+    problems = [shortest, longest, *pool[: PROMPTS - 2]]  # prompts of different lengths: left padding
+    ro = generate(model, tokenizer, [build_prompt(tokenizer, p.question) for p in problems for _ in range(GROUP)],
+                  max_new_tokens=MAX_NEW, temperature=1.0)
+    # completions of different lengths, as if they had ended at random points (EOS is rare for a random model)
+    width = ro.completion_ids.shape[1]
+    mask = torch.arange(width) < torch.randint(1, width + 1, (PROMPTS * GROUP, 1))
+    ro = dataclasses.replace(ro, completion_mask=mask, sampler_logp=ro.sampler_logp.masked_fill(~mask, 0.0))
+    assert len(set(ro.prompt_mask.sum(-1).tolist())) > 1
+    old_logp = (ro.sampler_logp + 0.3 * torch.randn(mask.shape)).masked_fill(~mask, 0.0)
+    ref_logp = (ro.sampler_logp + 0.3 * torch.randn(mask.shape)).masked_fill(~mask, 0.0)
+    rewards = torch.tensor([1.0, 0.0] * (PROMPTS * GROUP // 2))[torch.randperm(PROMPTS * GROUP)]
+    group_ids = torch.arange(PROMPTS).repeat_interleave(GROUP)
+    advantages = get_advantage("grpo")(rewards, group_ids)
+    return model, tokenizer, task, problems, ro, old_logp, ref_logp, rewards, group_ids, advantages
+
+
+def trl_inputs(fixed) -> dict:
+    """The batch as TRL's _generate_and_score_completions hands it to _compute_loss."""
+    _, _, _, _, ro, old_logp, ref_logp, rewards, group_ids, advantages = fixed
+    return {"prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
+            "completion_mask": ro.completion_mask.long(), "advantages": advantages, "old_per_token_logps": old_logp,
+            "ref_per_token_logps": ref_logp, "num_items_in_batch": ro.completion_mask.sum(), "rewards": rewards,
+            "group_ids": group_ids}
+
+
+def make_trainer(fixed, run, tmp_path, cls=RegistryGRPOTrainer, **trl_options):
+    model, tokenizer, task, problems = fixed[:4]
+    extra = {}
+    if cls is RegistryGRPOTrainer:
+        objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
+        extra = {"objective": objective, "estimator": get_advantage(objective.default_advantage)}
+    trainer = cls(model=copy.deepcopy(model), reward_funcs=reward_functions(task),
+                  args=grpo_config(run, tmp_path / "trl", **trl_options), train_dataset=problems_dataset(
+                      problems, tokenizer), processing_class=tokenizer, **extra)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; the built-in losses read it
+    return trainer
+
+
+def loss_and_grad(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+class GradCapture:
+    """An 'optimizer' for harness.train.update that keeps the gradient of its step instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def assert_same(loss_a, grads_a, loss_b, grads_b):
+    assert torch.allclose(torch.as_tensor(loss_a, dtype=torch.float32), loss_b.float(), rtol=1e-4, atol=1e-6), \
+        (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    scale = max(g.abs().max() for g in grads_a.values())
+    assert scale > 0
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6 * scale), name
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.parametrize("objective, params", [("grpo", {}), ("gspo", {"clip_low": 0.1, "clip_high": 0.1}),
+                                               ("ctpo", {"beta": 0.04})])
+def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, objective, params):
+    model, _, _, _, ro, old_logp, ref_logp, rewards, group_ids, advantages = fixed
+    run = run_config(tmp_path, f"objective.name={objective}", *(f"objective.params.{k}={v}" for k, v in
+                                                                  params.items()))
+    policy = copy.deepcopy(model)
+    capture = GradCapture(policy)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(policy.parameters(), lr=0.0), lambda s: 1.0)
+    state = {"optimizer_steps": 0, "total_optimizer_steps": 1, "nonfinite_skips": 0, "nonfinite_in_row": 0}
+    native = update(policy, capture, scheduler, get_objective(objective, **params), ro, old_logp,
+                    ref_logp if params.get("beta") else None, advantages, rewards, group_ids, run, 1, state)
+    inputs = trl_inputs(fixed)
+    if not params.get("beta"):
+        inputs.pop("ref_per_token_logps")
+    trainer = make_trainer(fixed, run, tmp_path)
+    loss, grads = loss_and_grad(trainer, inputs)
+    assert_same(native["loss"], capture.grads, loss, grads)
+    assert 0 < native["clip_frac"] < 1  # the batch exercises the clipping
+    assert trainer.meter.result()["clip_frac"] == pytest.approx(native["clip_frac"])
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dapo"])
+def test_accumulated_micro_batches_give_the_minibatch_gradient(fixed, tmp_path, objective):
+    """2 minibatches of 8 sequences, micro-batches of 4: TRL's steps_per_generation 4, accumulation 2. The two
+    micro-batches of the first optimizer step, summed as Trainer does, give the objective on their minibatch with
+    its exact token count (seq-mean: GRPO, token-mean: DAPO)."""
+    run = run_config(tmp_path, f"objective.name={objective}", "train.num_minibatches=2", "train.micro_batch_size=4")
+    trainer = make_trainer(fixed, run, tmp_path)
+    assert (trainer.args.steps_per_generation, trainer.args.gradient_accumulation_steps) == (4, 2)
+    trainer._generate_and_score_completions = lambda generation_batch: trl_inputs(fixed)  # the fixed rollout
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.zero_grad(set_to_none=True)
+    micro, loss = [], 0.0
+    for step in range(2):
+        trainer._step = step
+        micro.append(trainer._prepare_inputs(None))
+        part = trainer._compute_loss(trainer.model, micro[-1])
+        part.backward()
+        loss += part.detach()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    tokens = sum(m["completion_mask"].sum() for m in micro)
+    assert micro[0]["num_tokens_step"] == micro[1]["num_tokens_step"] == tokens
+    minibatch = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if v.dim() > 0}
+    trainer.current_gradient_accumulation_steps = 1
+    assert_same(loss, grads, *loss_and_grad(trainer, {**minibatch, "num_tokens_step": tokens}))
+
+
+# (registry objective, its hyperparameters, TRL's built-in options giving the same math)
+TRL_BUILTINS = [
+    ("grpo", {}, {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.2}),
+    ("grpo", {"beta": 0.04}, {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.04}),
+    ("dapo", {"beta": 0.04}, {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04}),
+    ("dr_grpo", {"beta": 0.04}, {"loss_type": "dr_grpo", "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.04}),
+    # TRL's CISPO bound is an absolute cap on r (no floor): epsilon_high = 1 + clip_high, clip_low >= 1
+    ("cispo", {"clip_low": 1.0, "clip_high": 0.5}, {"loss_type": "cispo", "epsilon_high": 1.5}),
+    ("sapo", {"tau_pos": 1.0, "tau_neg": 1.05}, {"loss_type": "sapo", "sapo_temperature_pos": 1.0,
+                                                   "sapo_temperature_neg": 1.05}),
+    ("gspo", {"clip_low": 0.1, "clip_high": 0.1, "beta": 0.04},
+     {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.1, "epsilon_high": 0.1,
+      "beta": 0.04}),
+]
+
+
+@pytest.mark.parametrize("objective, params, options", TRL_BUILTINS,
+                         ids=[f"{o}{'-kl' if p.get('beta') else ''}" for o, p, _ in TRL_BUILTINS])
+def test_registry_objective_equals_trl_builtin_loss(fixed, tmp_path, objective, params, options):
+    run = run_config(tmp_path, f"objective.name={objective}", *(f"objective.params.{k}={v}" for k, v in
+                                                                  params.items()))
+    options = dict(options)
+    beta = options.pop("beta", 0.0)
+    # TRL multiplies the k3 KL by the ratio unless told not to; it loads its reference model from the policy's
+    # hub path when beta > 0, so beta is set after construction (the batch carries the reference log-probs)
+    builtin = make_trainer(fixed, run, tmp_path, cls=GRPOTrainer, use_bias_correction_kl=False, **options)
+    builtin.beta = beta
+    registry = make_trainer(fixed, run, tmp_path)
+    inputs = trl_inputs(fixed)
+    assert_same(*loss_and_grad(builtin, inputs), *loss_and_grad(registry, inputs))
+    if objective not in ("sapo",):
+        assert 0 < registry.meter.result()["clip_frac"] < 1
+
+
+def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_path, rlvr_cache):
+    """A warm-started tiny model (so that rewards vary), 2 minibatches of 2 micro-batches, a KL term; a run killed
+    after step 2 of 3 (its last checkpoint, a torn metrics line) resumes into the uninterrupted run's metrics."""
+    run = run_config(tmp_path, "objective.name=dapo", "train.steps=3", "train.num_minibatches=2",
+                     "train.micro_batch_size=4", "train.max_new_tokens=16", "train.lr=1e-3", "task.args.digits=1",
+                     "task.format_weight=0.5", "objective.params.beta=0.04", "model.warm_start_steps=100",
+                     "model.warm_start_lr=1e-2", "model.warm_start_batch_size=32")
+    summary = train_trl(run, tmp_path / "full", progress=False)
+    assert summary["status"] == "finished" and summary["steps_done"] == 3 and summary["backend"] == "trl"
+    rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for key in ("reward_mean", "reward_std", "accuracy", "completion_len_mean", "frac_truncated", "clip_frac",
+                "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_std", "entropy", "grad_norm", "lr", "kl_ref",
+                "kl_behavior", "loss", "rollout_tokens", "update_tok_s"):
+        assert key in rows[1], key
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[3] and "eval_accuracy" not in rows[1]
+    assert rows[1]["reward_std"] > 0 and rows[1]["kl_ref"] > 0 and rows[1]["grad_norm"] > 0
+    assert rows[1]["ratio_std"] > 0  # the second minibatch sees the first one's update through recomputed old logp
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["status"] == "finished"
+    assert OmegaConf.load(tmp_path / "full" / "config.yaml").backend == "trl"
+
+    train_trl(OmegaConf.merge(run, {"train": {"steps": 2}}), tmp_path / "part", progress=False)
+    with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_me')
+    train_trl(run, tmp_path / "part", progress=False)
+    timing = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb", "eval_accuracy"}
+    full, part = ([{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(tmp_path / d / "metrics.jsonl")]
+                  for d in ("full", "part"))
+    assert part == full
+
+
+def test_config_errors_name_the_backends(tmp_path):
+    with pytest.raises(ConfigError, match="native | trl"):
+        run_config(tmp_path, "backend=jax")
+    with pytest.raises(ConfigError, match="sampler_dtype"):
+        run_config(tmp_path, "model.sampler_dtype=bfloat16")
