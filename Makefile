@@ -1,8 +1,8 @@
-# Everything a user runs. `make setup` once, then e.g. `make sweep EXP=quickstart JOBS=2`.
+# Everything a user runs. `make setup` once, then e.g. `make sweep EXP=quickstart` (JOBS=2 runs at once by default).
 PY       ?= .venv/bin/python
 TORCH    ?= torch==2.13.0
 EXP      ?= quickstart
-JOBS     ?= 1
+JOBS     ?= 2
 OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))

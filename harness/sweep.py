@@ -48,6 +48,22 @@ def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
     return {k: OmegaConf.to_container(v) if isinstance(v, DictConfig | ListConfig) else v for k, v in values.items()}
 
 
+def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
+    """Build each distinct warm-started starting policy once, with all cores, before the runs start (they
+    then load it from the cache instead of training it in parallel, one core each)."""
+    from harness.train import build_policy, build_task, resolve_device
+
+    done = set()
+    for run in runs:
+        key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])),
+                         sort_keys=True)
+        if run.model.warm_start_steps and key not in done:
+            if progress:
+                tqdm.write(f"preparing the starting policy ({run.model.warm_start_steps} warm-start steps, cached)")
+            build_policy(run, build_task(run), resolve_device(run.device))
+            done.add(key)
+
+
 def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dict]:
     """Run (or resume) the sweep; returns the manifest's run entries. Raises if another sweep holds the folder."""
     runs = run_configs(cfg)
@@ -75,6 +91,7 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
 
     save_manifest()
     todo = [e for e in entries if e["status"] != "finished"]
+    prepare_starting_policies([run for run, e in zip(runs, entries, strict=True) if e in todo], progress)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)
