@@ -1,7 +1,7 @@
 """Policies and tokenizers: the embedded SmolLM2-135M-Instruct, a tiny character-level Llama, or any hub model.
 
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 128}, seed=0)
-    model = warm_start(model, tokenizer, task, steps=300, lr=3e-3, batch_size=64, seed=0)
+    model = warm_start(model, tokenizer, task, steps=1250, lr=1e-3, batch_size=32, seed=0)
     prompt = build_prompt(tokenizer, problem.question)
 
 Nothing is downloaded for the embedded models. Everything built here is cached under :func:`cache_dir`
@@ -186,9 +186,9 @@ def warm_start(
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
     *,
-    steps: int = 300,
-    lr: float = 3e-3,
-    batch_size: int = 64,
+    steps: int = 1250,
+    lr: float = 1e-3,
+    batch_size: int = 32,
     seed: int = 0,
     cache_key_extra: str = "",
 ) -> PreTrainedModel:
@@ -200,6 +200,11 @@ def warm_start(
     at a constant ``lr``. The result is cached as safetensors under ``cache_dir()/warm_start``, keyed by a
     hash of the model (config and a sample of its weights), the tokenizer (vocabulary, chat template), the
     task (name and arguments), the settings and ``cache_key_extra``; a cache hit just loads the weights.
+
+    The defaults are the measured recipe for the default tiny model on default ``arith`` (2-digit +/-):
+    greedy eval accuracy 34% with init/data seed 0 but 6% with seed 1, ~150 s on 2 idle CPU cores
+    (0.12 s/step). Accuracy jumps late: with seed 0 about 1% at 250 steps, 9% at 750, 16% at 1000, 34% at
+    1250, 60% at 1500. lr=3e-3 without warmup fails to learn even to copy the expression.
     """
     key = _warm_start_key(model, tokenizer, task, [steps, lr, batch_size, seed, cache_key_extra])
     path = cache_dir() / "warm_start" / f"{key}.safetensors"
