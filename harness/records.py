@@ -37,8 +37,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """metrics.jsonl: on (re)open, keeps only complete lines with step <= ``resume_step``, so a resumed run never
-    writes a step twice; then appends one line per step, flushed and fsynced."""
+    """A JSON-lines file of per-step records (metrics.jsonl, eval_samples.jsonl): on (re)open, keeps only complete
+    lines with step <= ``resume_step``, so a resumed run never writes a step twice; then appends, flushed and
+    fsynced."""
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
@@ -49,11 +50,14 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def append(self, row: dict) -> None:
-        row = {k: _clean(v) for k, v in row.items()}
-        self.file.write(json.dumps(row) + "\n")
+        self.extend([row])
+
+    def extend(self, rows: list[dict]) -> None:
+        rows = [{k: _clean(v) for k, v in row.items()} for row in rows]
+        self.file.write("".join(json.dumps(row) + "\n" for row in rows))
         self.file.flush()
         os.fsync(self.file.fileno())
-        self.rows.append(row)
+        self.rows.extend(rows)
 
     def close(self) -> None:
         self.file.close()

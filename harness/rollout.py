@@ -108,14 +108,31 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
 
     Runs the transformer body on prompt + completion but the LM head only on the positions that predict
     completion tokens: no logits are materialised for prompt tokens. Position ids follow the attention
-    mask, as in ``generate`` with left padding.
+    mask, as in ``generate`` with left padding. Consecutive rows with the same prompt (a group, or the part
+    of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
+    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per
+    row (the sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    decoder = model.get_decoder()
     attention = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention, position_ids=positions(attention),
-                         use_cache=False).last_hidden_state
-    start, length = prompt_ids.shape[1] - 1, completion_ids.shape[1]
-    logits = model.get_output_embeddings()(hidden[:, start : start + length]).float() / temperature
+    position_ids = positions(attention)
+    prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
+    _, prompt_of_row = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1),
+                                                dim=0, return_inverse=True)
+    first_row = torch.cat([prompt_of_row.new_ones(1), prompt_of_row.diff()]).nonzero()[:, 0]  # one row per prompt
+    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
+        head_mask = prompt_mask[first_row, :-1]
+        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                        position_ids=positions(head_mask), use_cache=True).past_key_values
+        cache.batch_select_indices(prompt_of_row)
+        tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
+        hidden = decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                         past_key_values=cache, use_cache=True).last_hidden_state[:, :length]
+    else:
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                         use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
+    logits = model.get_output_embeddings()(hidden).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, completion_ids[..., None])[..., 0]
     entropy = None

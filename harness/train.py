@@ -75,16 +75,23 @@ def sample_group(policy, tokenizer, problems, cfg: DictConfig) -> Rollout:
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> dict:
-    """Greedy accuracy on the fixed eval set; pass@k from k samples per problem when train.pass_k > 0."""
+def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int, samples: MetricsLog | None = None) -> dict:
+    """Greedy accuracy on the fixed eval set; pass@k from k samples per problem when train.pass_k > 0.
+    With ``samples``, one record per problem (greedy completion, answer, score) is appended to it."""
     problems = list(task.eval_problems())
     max_new = cfg.train.eval_max_new_tokens or cfg.train.max_new_tokens
-    correct = []
+    correct, records = [], []
     for i in range(0, len(problems), 64):
         chunk = problems[i : i + 64]
         out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk],
                        max_new_tokens=max_new, greedy=True)
-        correct += [task.score(t, p).correct for t, p in zip(out.texts, chunk, strict=True)]
+        for j, (text, problem, truncated) in enumerate(zip(out.texts, chunk, out.truncated.tolist(), strict=True)):
+            score = task.score(text, problem)
+            correct.append(score.correct)
+            records.append({"step": step, "problem": i + j, "answer": problem.answer, "correct": score.correct,
+                            "format": score.format, "truncated": truncated, "completion": text})
+    if samples is not None:
+        samples.extend(records)
     row = {"eval_accuracy": float(np.mean(correct))}
     k = cfg.train.pass_k
     if k:
@@ -253,6 +260,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     load_checkpoint(run_dir, policy, optimizer, scheduler, state)
     state["total_optimizer_steps"] = t.steps * t.epochs * t.num_minibatches  # for schedules (HölderPO, ConSPO)
     log = MetricsLog(run_dir / "metrics.jsonl", resume_step=state["step"])
+    eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step=state["step"])
     elapsed_before = state["wall_time_s"]
 
     def summary(status: str, error: str | None = None) -> dict:
@@ -273,7 +281,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     bar = tqdm(total=t.steps, initial=state["step"], desc=run_dir.name, disable=not progress, leave=False)
     try:
         if state["step"] == 0:
-            log.append({"step": 0, **record_eval(0, evaluate(policy, tokenizer, task, cfg, 0))})
+            log.append({"step": 0, **record_eval(0, evaluate(policy, tokenizer, task, cfg, 0, eval_samples))})
         for step in range(state["step"] + 1, t.steps + 1):
             # 1. rollout
             t0 = time.time()
@@ -324,7 +332,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                    "peak_mem_mb": peak_memory_mb(device)}
             # 5. evaluation
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-                row.update(record_eval(step, evaluate(policy, tokenizer, task, cfg, step)))
+                row.update(record_eval(step, evaluate(policy, tokenizer, task, cfg, step, eval_samples)))
             log.append(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
@@ -341,4 +349,5 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     finally:
         bar.close()
         log.close()
+        eval_samples.close()
     return summary("finished")

@@ -264,6 +264,7 @@ class RecordsCallback(TrainerCallback):
         self.trainer = None  # set once the trainer exists
         self.main = int(os.environ.get("RANK", "0")) == 0
         self.log = MetricsLog(run_dir / "metrics.jsonl", resume_step=resume_step) if self.main else None
+        self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step=resume_step) if self.main else None
         rows = self.log.rows if self.main else []
         evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
         self.state = {"step": resume_step, "last_eval": evals[-1] if evals else None,
@@ -274,7 +275,7 @@ class RecordsCallback(TrainerCallback):
     def evaluate(self, step: int) -> dict:
         trainer = self.trainer
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-            row = evaluate(model, self.tokenizer, self.task, self.cfg, step)  # every process: ZeRO-3 gathers
+            row = evaluate(model, self.tokenizer, self.task, self.cfg, step, self.eval_samples)  # ZeRO-3: all ranks
         self.state["last_eval"] = row["eval_accuracy"]
         self.state["best_eval"] = max(self.state["best_eval"] or 0.0, row["eval_accuracy"])
         return row
@@ -365,6 +366,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         records.summary("failed" if isinstance(e, Exception) else "interrupted", f"{type(e).__name__}: {e}")
         raise
     finally:
-        if records.log is not None:
+        if records.main:
             records.log.close()
+            records.eval_samples.close()
     return records.summary("finished")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -90,6 +91,41 @@ def test_lm_head_sees_only_completion_positions(tiny_policy):
     assert seen == [torch.Size([len(prompts), ro.completion_ids.shape[1], model.config.hidden_size])]
 
 
+@pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 7)])  # whole groups; a micro-batch cutting two groups
+def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, rows):
+    model, tokenizer, prompts = tiny_policy
+    torch.manual_seed(0)
+    ro = generate(model, tokenizer, [prompts[0], "7*" + prompts[1], *prompts[2:4]], group_size=3, max_new_tokens=9,
+                  temperature=1.5)
+    assert ro.prompt_mask.sum(1).unique().numel() > 1  # prompts of different lengths: left padding is exercised
+    ids, mask, comp, comp_mask = (x[rows] for x in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                                    ro.completion_mask))
+
+    def logp_and_grads(per_row: bool):
+        model.zero_grad()
+        if per_row:
+            logp = torch.cat([completion_logprobs(model, ids[i : i + 1], mask[i : i + 1], comp[i : i + 1],
+                                                  comp_mask[i : i + 1], 0.9)[0] for i in range(len(ids))])
+        else:
+            logp = completion_logprobs(model, ids, mask, comp, comp_mask, 0.9)[0]
+        (logp * comp_mask * torch.linspace(-1, 2, len(ids))[:, None]).sum().backward()
+        return logp.detach()[comp_mask], [p.grad.clone() for p in model.parameters()]
+
+    positions = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: positions.append(i[0].numel()))
+    try:
+        shared, shared_grads = logp_and_grads(per_row=False)
+    finally:
+        hook.remove()
+    distinct = len({tuple(r.tolist()) for r in ids})
+    assert positions == [distinct * (ids.shape[1] - 1), len(ids) * (comp.shape[1] + 1)]  # the prompt ran once
+    single, single_grads = logp_and_grads(per_row=True)
+    assert torch.allclose(shared, single, atol=1e-5)
+    for a, b in zip(shared_grads, single_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+
 @pytest.mark.parametrize("objective", available_objectives())
 def test_every_objective_trains_through_the_loop(tmp_path, objective):
     summary = train(tiny_run(tmp_path, f"objective.name={objective}"), tmp_path / "run", progress=False)
@@ -103,6 +139,11 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
         assert key in rows[1], key
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
+    samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")  # one record per eval problem and eval
+    assert [(r["step"], r["problem"]) for r in samples] == [(s, i) for s in (0, 2) for i in range(8)]
+    assert all(isinstance(r["completion"], str) and r["answer"] for r in samples)
+    for step in (0, 2):
+        assert np.mean([r["correct"] for r in samples if r["step"] == step]) == rows[step]["eval_accuracy"]
 
 
 def test_same_config_and_seed_give_identical_metrics(tmp_path):
@@ -125,6 +166,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
     assert [r["step"] for r in part] == [0, 1, 2, 3]
+    # the 2-step run's records (evals at 0 and 2) are kept, the resumed step 3 appends its own, none repeats
+    assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [2] * 8 + [3] * 8
     drop = {"eval_accuracy"}  # the 2-step run evaluated at its last step, the full run did not
     assert [{k: v for k, v in r.items() if k not in drop} for r in part] == \
            [{k: v for k, v in r.items() if k not in drop} for r in full]
@@ -188,8 +231,9 @@ def test_kl_reference_is_loaded_and_logged_when_beta_positive(tmp_path):
 def test_embedded_smollm2_trains_one_gsm8k_step(tmp_path, gsm8k_dir, monkeypatch):
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     (run,) = run_configs(load_experiment("gsm8k_ablation", [
-        "objective.name=ctpo", "task.eval_size=2", "train.prompts_per_step=2", "train.group_size=2",
-        "train.max_new_tokens=24", "train.num_minibatches=2", "train.steps=1", f"results_dir={tmp_path}"]))
+        "objective.name=ctpo", "model.warm_start_steps=0", "task.eval_size=2", "train.prompts_per_step=2",
+        "train.group_size=2", "train.max_new_tokens=24", "train.num_minibatches=2", "train.steps=1",
+        f"results_dir={tmp_path}"]))
     summary = train(run, tmp_path / "smol", progress=False)
     step = read_jsonl(tmp_path / "smol" / "metrics.jsonl")[1]
     assert summary["status"] == "finished" and step["completion_len_mean"] > 0

@@ -227,6 +227,8 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
     assert rows[1]["ratio_std"] > 0  # the second minibatch sees the first one's update through recomputed old logp
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["status"] == "finished"
     assert OmegaConf.load(tmp_path / "full" / "config.yaml").backend == "trl"
+    samples = read_jsonl(tmp_path / "full" / "eval_samples.jsonl")
+    assert sorted({r["step"] for r in samples}) == [0, 3] and all("completion" in r for r in samples)
 
     train_trl(OmegaConf.merge(run, {"train": {"steps": 2}}), tmp_path / "part", progress=False)
     with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
