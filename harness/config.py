@@ -50,7 +50,9 @@ class TaskConfig:
     name: str = "arith"
     data_dir: str | None = None  # local GSM8K folder with train.jsonl/test.jsonl (else $GSM8K_DIR, else the hub)
     eval_size: int = 64
-    format_weight: float = 0.0  # reward = correct + format_weight * format
+    format_weight: float = 0.0  # reward = correct + format_weight * format (+ the overlong penalty)
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment: the last N tokens before max_new_tokens; 0 = off
+    overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
     args: dict[str, Any] = field(default_factory=dict)  # task-specific arguments (arith: digits, operators, ...)
 
 
@@ -78,6 +80,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     old_logp: str = "sampler"  # "sampler": the sampler's log-probs; "recompute": the trainer's, before updating
     max_nonfinite_in_row: int = 3
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
+    max_sampling_rounds: int = 10  # rounds of prompts_per_step prompts per step (verl DAPO's max_num_gen_batches)
     eval_every: int = 10  # 0 = only at the start and the end
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
@@ -216,9 +220,15 @@ def validate(run: DictConfig) -> None:
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     t, m = run.train, run.model
-    for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches"):
+    for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches",
+                "max_sampling_rounds"):
         if t[key] < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
+    if not 0 <= run.task.overlong_buffer <= t.max_new_tokens or run.task.overlong_penalty < 0:
+        raise ConfigError(f"task.overlong_buffer must be in [0, train.max_new_tokens={t.max_new_tokens}] and "
+                          f"task.overlong_penalty >= 0, got {run.task.overlong_buffer} and {run.task.overlong_penalty}")
+    if t.dynamic_sampling and t.group_size < 2:
+        raise ConfigError("train.dynamic_sampling keeps groups with unequal rewards: it needs train.group_size >= 2")
     batch = t.prompts_per_step * t.group_size
     if batch % t.num_minibatches:
         raise ConfigError(f"train.num_minibatches={t.num_minibatches} must divide "

@@ -54,6 +54,25 @@ class _RecordAndWarp(LogitsProcessor):
         return scaled.masked_fill(drop, float("-inf"))
 
 
+def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_id: int) -> Rollout:
+    """A rollout of the given (rollout index, row) pairs, in that order: prompts re-padded on the left,
+    completions on the right, to the widest of the selected rows."""
+    def stack(tensors: list[Tensor], left: bool, value) -> Tensor:
+        width = max(x.shape[-1] for x in tensors)
+        pad = [(width - x.shape[-1], 0) if left else (0, width - x.shape[-1]) for x in tensors]
+        return torch.stack([torch.nn.functional.pad(x, p, value=value) for x, p in zip(tensors, pad, strict=True)])
+
+    def pick(field: str) -> list[Tensor]:
+        return [getattr(rollouts[r], field)[i] for r, i in rows]
+
+    return Rollout(
+        prompt_ids=stack(pick("prompt_ids"), True, pad_token_id), prompt_mask=stack(pick("prompt_mask"), True, 0),
+        completion_ids=stack(pick("completion_ids"), False, pad_token_id),
+        completion_mask=stack(pick("completion_mask"), False, False),
+        sampler_logp=stack(pick("sampler_logp"), False, 0.0), texts=[rollouts[r].texts[i] for r, i in rows],
+        truncated=torch.stack(pick("truncated")))
+
+
 def positions(attention_mask: Tensor) -> Tensor:
     """Position ids that skip left padding (as ``generate`` computes them)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

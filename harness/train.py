@@ -32,7 +32,7 @@ from tqdm import tqdm
 from harness.config import DTYPES
 from harness.models import build_prompt, load_model, warm_start
 from harness.records import MetricsLog, write_json_atomic
-from harness.rollout import Rollout, completion_logprobs, generate
+from harness.rollout import Rollout, completion_logprobs, generate, select_rows
 from harness.tasks import get_task
 from objectives import PolicyBatch, get_advantage, get_objective
 
@@ -72,6 +72,63 @@ def sample_group(policy, tokenizer, problems, cfg: DictConfig) -> Rollout:
     t = cfg.train
     return generate(policy, tokenizer, prompts, group_size=t.group_size, max_new_tokens=t.max_new_tokens,
                     temperature=t.temperature, top_p=t.top_p)
+
+
+def rewards_of(scores, lengths: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
+    """correct + format_weight * format, plus DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) when
+    task.overlong_buffer = B > 0: with L = train.max_new_tokens, -overlong_penalty * clamp(length - (L - B), 0, B) / B
+    (0 up to L - B tokens, falling linearly to -overlong_penalty at L; verl's overlong_buffer)."""
+    task = cfg.task
+    rewards = torch.tensor([s.correct + task.format_weight * s.format for s in scores], dtype=torch.float32)
+    if task.overlong_buffer:
+        excess = (lengths.float().cpu() - (cfg.train.max_new_tokens - task.overlong_buffer)).clamp(min=0)
+        rewards = rewards - task.overlong_penalty * excess / task.overlong_buffer
+    return rewards
+
+
+def rollout_step(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int):
+    """Steps 1-2: the training batch of one step (``prompts_per_step`` groups), its scores, and statistics of
+    everything sampled. Problems are drawn without replacement by a generator seeded with (seed, step).
+
+    With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
+    (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
+    ``train.max_sampling_rounds`` rounds; the first ``prompts_per_step`` informative groups form the batch. If
+    the rounds run out, dropped groups fill the batch (logged as ``frac_zero_std_groups_trained``) instead of
+    stopping the run as verl does. The statistics (reward, accuracy, lengths, zero-variance groups, tokens)
+    cover every sampled completion, so they describe the policy, not the filter, and ``rollout_tokens``
+    counts the whole sampling cost.
+    """
+    t = cfg.train
+    rng = np.random.default_rng(step_seed(cfg.seed, step))
+    torch.manual_seed(step_seed(cfg.seed, step, stream=2))
+    rollouts, scores, informative, dropped = [], [], [], []
+    for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
+        problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
+        ro = sample_group(sampler, tokenizer, problems, cfg)
+        rollouts.append(ro)
+        scores.append([task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)])
+        rewards = rewards_of(scores[-1], ro.completion_mask.sum(-1), cfg).view(t.prompts_per_step, t.group_size)
+        for g, varied in enumerate((rewards != rewards[:, :1]).any(-1).tolist()):
+            (informative if varied else dropped).append([(round_, g * t.group_size + j) for j in range(t.group_size)])
+        if len(informative) >= t.prompts_per_step:
+            break
+    every = [s for round_scores in scores for s in round_scores]
+    lengths = torch.cat([ro.completion_mask.sum(-1) for ro in rollouts]).float()
+    rewards = rewards_of(every, lengths, cfg)
+    stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+             "accuracy": float(np.mean([s.correct for s in every])),
+             "format_reward": float(np.mean([s.format for s in every])),
+             "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
+             "frac_truncated": torch.cat([ro.truncated for ro in rollouts]).float().mean().item(),
+             "frac_zero_std_groups": len(dropped) / (len(dropped) + len(informative)),
+             "sampled_tokens": int(lengths.sum())}
+    if not t.dynamic_sampling:
+        return rollouts[0], scores[0], stats
+    groups = (informative + dropped)[: t.prompts_per_step]
+    rows = [row for group in groups for row in group]
+    stats.update(sampling_rounds=len(rollouts), frac_zero_std_groups_trained=sum(g in dropped for g in groups)
+                 / t.prompts_per_step)
+    return select_rows(rollouts, rows, tokenizer.pad_token_id), [scores[r][i] for r, i in rows], stats
 
 
 @torch.no_grad()
@@ -283,20 +340,13 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if state["step"] == 0:
             log.append({"step": 0, **record_eval(0, evaluate(policy, tokenizer, task, cfg, 0, eval_samples))})
         for step in range(state["step"] + 1, t.steps + 1):
-            # 1. rollout
+            # 1-2. rollout, rewards (with dynamic sampling: until the batch has prompts_per_step informative groups)
             t0 = time.time()
-            rng = np.random.default_rng(step_seed(cfg.seed, step))
-            problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
             if sampler is not policy:
                 sampler.load_state_dict(policy.state_dict())
-            torch.manual_seed(step_seed(cfg.seed, step, stream=2))
-            ro = sample_group(sampler, tokenizer, problems, cfg)
+            ro, scores, sampled = rollout_step(sampler, tokenizer, task, train_problems, cfg, step)
             rollout_s = time.time() - t0
-            # 2. rewards and advantages
-            scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
-            correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
-            fmt = torch.tensor([s.format for s in scores], dtype=torch.float32)
-            rewards = (correct + cfg.task.format_weight * fmt).to(device)
+            rewards = rewards_of(scores, ro.completion_mask.sum(-1), cfg).to(device)
             group_ids = torch.arange(t.prompts_per_step, device=device).repeat_interleave(t.group_size)
             advantages = estimator(rewards, group_ids).to(device)
             # 3. behaviour and reference log-probs
@@ -313,22 +363,15 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             stats = update(policy, optimizer, scheduler, objective, ro, old_logp, ref_logp, advantages, rewards,
                            group_ids, cfg, step, state)
             update_s = time.time() - t1
-            tokens = int(ro.completion_mask.sum())
-            state["rollout_tokens"] += tokens
+            tokens, sampled_tokens = int(ro.completion_mask.sum()), sampled.pop("sampled_tokens")
+            state["rollout_tokens"] += sampled_tokens
             state["update_tokens"] += tokens * t.epochs
             state["step"] = step
-            lengths = ro.completion_mask.sum(-1).float()
-            zero_std = (rewards.view(t.prompts_per_step, -1).std(-1) == 0).float().mean().item() \
-                if t.group_size > 1 else 1.0
-            row = {"step": step, "rollout_tokens": state["rollout_tokens"],
-                   "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                   "accuracy": correct.mean().item(), "format_reward": fmt.mean().item(),
-                   "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
-                   "frac_truncated": ro.truncated.float().mean().item(), "frac_zero_std_groups": zero_std,
+            row = {"step": step, "rollout_tokens": state["rollout_tokens"], **sampled,
                    "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
                    **stats, **extra, "lr": scheduler.get_last_lr()[0],
                    "nonfinite_skips": state["nonfinite_skips"], "rollout_s": rollout_s, "update_s": update_s,
-                   "rollout_tok_s": tokens / rollout_s, "update_tok_s": tokens * t.epochs / update_s,
+                   "rollout_tok_s": sampled_tokens / rollout_s, "update_tok_s": tokens * t.epochs / update_s,
                    "peak_mem_mb": peak_memory_mb(device)}
             # 5. evaluation
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):

@@ -79,6 +79,12 @@ def check_config(run: DictConfig) -> None:
                           f"train.micro_batch_size={micro} on each of {world_size()} processes")
     if t.group_size < 2:
         raise ConfigError("backend trl: TRL needs train.group_size >= 2")
+    if run.task.overlong_buffer:
+        raise ConfigError("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward "
+                          "function to TRL yourself); use backend=native")
+    if t.dynamic_sampling:
+        raise ConfigError("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group "
+                          "refill); use backend=native")
     if json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}").get("use_vllm") and run.model.name == "tiny":
         raise ConfigError("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
                           "smollm2-135m-instruct")

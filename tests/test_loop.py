@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness.config import load_experiment, run_configs
+from harness.config import ConfigError, load_experiment, run_configs
 from harness.models import build_prompt, load_model
 from harness.records import read_jsonl
 from harness.rollout import completion_logprobs, generate
-from harness.tasks import get_task
-from harness.train import train
+from harness.tasks import Arith, Score, get_task
+from harness.train import build_policy, build_task, rewards_of, rollout_step, train
 from objectives import ObjectiveOutput, available_objectives, get_objective
 
 TINY = [
@@ -238,3 +238,60 @@ def test_embedded_smollm2_trains_one_gsm8k_step(tmp_path, gsm8k_dir, monkeypatch
     step = read_jsonl(tmp_path / "smol" / "metrics.jsonl")[1]
     assert summary["status"] == "finished" and step["completion_len_mean"] > 0
     assert step["mismatch_logp_abs"] < 1e-3 and math.isfinite(step["grad_norm"])
+
+
+def dynamic_sampling_setup(tmp_path, monkeypatch, score):
+    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: score(completion))
+    cfg = tiny_run(tmp_path, "train.dynamic_sampling=true", "train.group_size=2", "train.max_sampling_rounds=6")
+    task = build_task(cfg)
+    model, tokenizer = build_policy(cfg, task, torch.device("cpu"))
+    plain = rollout_step(model, tokenizer, task, task.train_problems(),
+                         OmegaConf.merge(cfg, {"train": {"dynamic_sampling": False}}), step=1)
+    return cfg, task, model, tokenizer, plain, rollout_step(model, tokenizer, task, task.train_problems(), cfg, 1)
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, monkeypatch):
+    cfg, task, model, tokenizer, plain, (ro, scores, stats) = dynamic_sampling_setup(
+        tmp_path, monkeypatch, lambda completion: Score(float(len(completion) % 2 == 0), 0.0))  # parity: varies
+    plain_rewards = rewards_of(plain[1], plain[0].completion_mask.sum(-1), cfg).view(4, 2)
+    assert 0 < plain[2]["frac_zero_std_groups"] < 1 and stats["sampling_rounds"] > 1  # round 1 was not enough
+    rewards = rewards_of(scores, ro.completion_mask.sum(-1), cfg).view(4, 2)
+    assert (rewards[:, 0] != rewards[:, 1]).all() and stats["frac_zero_std_groups_trained"] == 0
+    # round 1 is the plain step's sample: its informative groups open the batch, in order, unchanged
+    kept = [g for g in range(4) if plain_rewards[g, 0] != plain_rewards[g, 1]]
+    assert ro.texts[: 2 * len(kept)] == [plain[0].texts[2 * g + j] for g in kept for j in range(2)]
+    # re-padded rows still carry their own sampler log-probs: the trainer's agree
+    logp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    assert torch.allclose(logp.masked_fill(~ro.completion_mask, 0), ro.sampler_logp, atol=1e-5)
+    assert stats["sampled_tokens"] > plain[2]["sampled_tokens"] == int(plain[0].completion_mask.sum())
+
+
+def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tmp_path, monkeypatch):
+    cfg, task, model, tokenizer, plain, (ro, scores, stats) = dynamic_sampling_setup(
+        tmp_path, monkeypatch, lambda completion: Score(0.0, 0.0))  # every group has equal rewards
+    assert stats["sampling_rounds"] == 6 and stats["frac_zero_std_groups_trained"] == 1.0
+    assert stats["frac_zero_std_groups"] == 1.0 and ro.texts == plain[0].texts  # round 1's groups, in order
+    assert stats["sampled_tokens"] > plain[2]["sampled_tokens"]
+
+
+def test_dynamic_sampling_through_the_loop_counts_every_sampled_token(tmp_path, monkeypatch):
+    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(float(len(completion) % 2 == 0), 0.0))
+    train(tiny_run(tmp_path, "train.dynamic_sampling=true", "train.group_size=2"), tmp_path / "run", progress=False)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert all(r["frac_zero_std_groups_trained"] == 0 and r["adv_std"] > 0 for r in rows)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert any(r["sampling_rounds"] > 1 for r in rows)  # dropped groups were sampled, and their tokens count
+    assert summary["rollout_tokens"] == rows[-1]["rollout_tokens"] > summary["update_tokens"]
+
+
+def test_overlong_penalty_matches_dapo_by_hand(tmp_path):
+    cfg = tiny_run(tmp_path, "train.max_new_tokens=20", "task.overlong_buffer=4", "task.overlong_penalty=0.5",
+                   "task.format_weight=0.1")
+    scores = [Score(1.0, 1.0), Score(0.0, 1.0), Score(1.0, 0.0), Score(0.0, 0.0), Score(1.0, 1.0)]
+    lengths = torch.tensor([3, 16, 17, 19, 20])  # penalty starts after 20 - 4 = 16 tokens, reaches 0.5 at 20
+    expected = torch.tensor([1.1, 0.1, 1.0 - 0.125, 0.0 - 0.375, 1.1 - 0.5])
+    assert torch.allclose(rewards_of(scores, lengths, cfg), expected)
+    assert torch.allclose(rewards_of(scores, lengths, OmegaConf.merge(cfg, {"task": {"overlong_buffer": 0}})),
+                          torch.tensor([1.1, 0.1, 1.0, 0.0, 1.1]))
+    with pytest.raises(ConfigError, match="overlong_buffer"):
+        tiny_run(tmp_path, "train.max_new_tokens=20", "task.overlong_buffer=21")

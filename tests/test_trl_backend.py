@@ -245,3 +245,7 @@ def test_config_errors_name_the_backends(tmp_path):
         run_config(tmp_path, "backend=jax")
     with pytest.raises(ConfigError, match="sampler_dtype"):
         run_config(tmp_path, "model.sampler_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="dynamic_sampling is not supported"):
+        run_config(tmp_path, "train.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match="overlong_buffer is not supported"):
+        run_config(tmp_path, "task.overlong_buffer=4")
