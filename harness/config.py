@@ -200,8 +200,14 @@ def _dot(value) -> str:
 
 
 def run_id(run: DictConfig) -> str:
-    """Readable and stable: <objective>-s<seed>-<hash of the whole run config>."""
-    content = OmegaConf.to_container(run, resolve=True)
+    """Readable and stable: <objective>-s<seed>-<hash of the run's values that differ from the schema defaults>.
+    Hashing only the differences keeps ids (and so resumability) when a new setting is added at its default."""
+    def changed(values: dict, defaults: dict) -> dict:
+        return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+                for k, v in values.items() if k not in defaults or v != defaults[k]}
+
+    content = changed(OmegaConf.to_container(run, resolve=True),
+                      OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
     content.pop("results_dir", None)
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"

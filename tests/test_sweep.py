@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from harness.config import ConfigError, load_experiment, run_configs, run_id
 from harness.records import read_jsonl
@@ -53,6 +54,15 @@ def test_sweep_expands_grid_with_per_objective_overrides():
     ids = [run_id(r) for r in runs]
     assert len(set(ids)) == len(ids) and ids[0].startswith("grpo-s0-")
     assert ids == [run_id(r) for r in run_configs(cfg)]  # stable
+
+
+def test_run_id_hashes_only_what_differs_from_the_defaults():
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    (spelled_out,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0",
+                                                                "train.dynamic_sampling=false", "task.data_dir=null"]))
+    (other,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0", "train.lr=1e-6"]))
+    assert run_id(run) == run_id(spelled_out) != run_id(other)
+    assert run_id(OmegaConf.merge(run, {"results_dir": "elsewhere"})) == run_id(run)
 
 
 def test_cli_reports_config_errors_without_traceback():
