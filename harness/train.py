@@ -92,11 +92,13 @@ def rollout_step(sampler, tokenizer, task, train_problems, cfg: DictConfig, step
 
     With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
     (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
-    ``train.max_sampling_rounds`` rounds; the first ``prompts_per_step`` informative groups form the batch. If
-    the rounds run out, dropped groups fill the batch (logged as ``frac_zero_std_groups_trained``) instead of
-    stopping the run as verl does. The statistics (reward, accuracy, lengths, zero-variance groups, tokens)
-    cover every sampled completion, so they describe the policy, not the filter, and ``rollout_tokens``
-    counts the whole sampling cost.
+    ``train.max_sampling_rounds`` rounds; the first ``prompts_per_step`` informative groups form the batch. The
+    filter reads the reward (verl's ``filter_groups.metric: score``); the paper's accuracy filter is the same when
+    the reward is correctness alone, and with format or overlong shaping the reward filter keeps the groups that
+    still carry a gradient. If the rounds run out, dropped groups fill the batch (logged as
+    ``frac_zero_std_groups_trained``) instead of stopping the run as verl does. The statistics (reward,
+    accuracy, lengths, zero-variance groups, tokens) cover every sampled completion, so they describe the
+    policy, not the filter, and ``rollout_tokens`` counts the whole sampling cost.
     """
     t = cfg.train
     rng = np.random.default_rng(step_seed(cfg.seed, step))
