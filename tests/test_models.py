@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from unittest import mock
 
 import pytest
 import torch
@@ -52,9 +52,8 @@ def test_warm_start_learns_and_is_cached(tiny_model, rlvr_cache):
     assert not list((rlvr_cache / "warm_start").glob(".*"))  # no temp files left behind
 
     fresh, _ = load_model("tiny", tiny=TINY)
-    start = time.perf_counter()
-    warm_start(fresh, tokenizer, task, steps=5, lr=1e-2, batch_size=4, seed=0)
-    assert time.perf_counter() - start < 1.0
+    with mock.patch("harness.models._supervised_batch", side_effect=AssertionError("trained on a cache hit")):
+        warm_start(fresh, tokenizer, task, steps=5, lr=1e-2, batch_size=4, seed=0)  # loads, never trains
     assert all(torch.equal(trained[k], v) for k, v in fresh.state_dict().items())
 
     other, _ = load_model("tiny", tiny=TINY, seed=1)  # different initial weights: a different cache entry
