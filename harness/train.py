@@ -87,8 +87,8 @@ def rewards_of(scores, lengths: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
 
 
 def rollout_step(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int):
-    """Steps 1-2: the training batch of one step (``prompts_per_step`` groups), its scores, and statistics of
-    everything sampled. Problems are drawn without replacement by a generator seeded with (seed, step).
+    """Steps 1-2: the training batch of one step (``prompts_per_step`` groups), its rewards [N], and statistics
+    of everything sampled. Problems are drawn without replacement by a generator seeded with (seed, step).
 
     With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
     (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
@@ -103,21 +103,22 @@ def rollout_step(sampler, tokenizer, task, train_problems, cfg: DictConfig, step
     t = cfg.train
     rng = np.random.default_rng(step_seed(cfg.seed, step))
     torch.manual_seed(step_seed(cfg.seed, step, stream=2))
-    rollouts, scores, informative, dropped = [], [], [], []
+    rollouts, scores, rewards, informative, dropped = [], [], [], [], []
     for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
         problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
         ro = sample_group(sampler, tokenizer, problems, cfg)
         rollouts.append(ro)
         scores.append([task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)])
-        rewards = rewards_of(scores[-1], ro.completion_mask.sum(-1), cfg).view(t.prompts_per_step, t.group_size)
-        for g, varied in enumerate((rewards != rewards[:, :1]).any(-1).tolist()):
+        rewards.append(rewards_of(scores[-1], ro.completion_mask.sum(-1), cfg))
+        grouped = rewards[-1].view(t.prompts_per_step, t.group_size)
+        for g, varied in enumerate((grouped != grouped[:, :1]).any(-1).tolist()):
             (informative if varied else dropped).append([(round_, g * t.group_size + j) for j in range(t.group_size)])
         if len(informative) >= t.prompts_per_step:
             break
     every = [s for round_scores in scores for s in round_scores]
     lengths = torch.cat([ro.completion_mask.sum(-1) for ro in rollouts]).float()
-    rewards = rewards_of(every, lengths, cfg)
-    stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+    every_reward = torch.cat(rewards)
+    stats = {"reward_mean": every_reward.mean().item(), "reward_std": every_reward.std().item(),
              "accuracy": float(np.mean([s.correct for s in every])),
              "format_reward": float(np.mean([s.format for s in every])),
              "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
@@ -125,12 +126,12 @@ def rollout_step(sampler, tokenizer, task, train_problems, cfg: DictConfig, step
              "frac_zero_std_groups": len(dropped) / (len(dropped) + len(informative)),
              "sampled_tokens": int(lengths.sum())}
     if not t.dynamic_sampling:
-        return rollouts[0], scores[0], stats
+        return rollouts[0], rewards[0], stats
     groups = (informative + dropped)[: t.prompts_per_step]
     rows = [row for group in groups for row in group]
     stats.update(sampling_rounds=len(rollouts), frac_zero_std_groups_trained=sum(g in dropped for g in groups)
                  / t.prompts_per_step)
-    return select_rows(rollouts, rows, tokenizer.pad_token_id), [scores[r][i] for r, i in rows], stats
+    return select_rows(rollouts, rows, tokenizer.pad_token_id), torch.stack([rewards[r][i] for r, i in rows]), stats
 
 
 @torch.no_grad()
@@ -346,9 +347,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             t0 = time.time()
             if sampler is not policy:
                 sampler.load_state_dict(policy.state_dict())
-            ro, scores, sampled = rollout_step(sampler, tokenizer, task, train_problems, cfg, step)
+            ro, rewards, sampled = rollout_step(sampler, tokenizer, task, train_problems, cfg, step)
             rollout_s = time.time() - t0
-            rewards = rewards_of(scores, ro.completion_mask.sum(-1), cfg).to(device)
+            rewards = rewards.to(device)
             group_ids = torch.arange(t.prompts_per_step, device=device).repeat_interleave(t.group_size)
             advantages = estimator(rewards, group_ids).to(device)
             # 3. behaviour and reference log-probs

@@ -251,11 +251,13 @@ def dynamic_sampling_setup(tmp_path, monkeypatch, score):
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, monkeypatch):
-    cfg, task, model, tokenizer, plain, (ro, scores, stats) = dynamic_sampling_setup(
+    cfg, task, model, tokenizer, plain, (ro, rewards, stats) = dynamic_sampling_setup(
         tmp_path, monkeypatch, lambda completion: Score(float(len(completion) % 2 == 0), 0.0))  # parity: varies
-    plain_rewards = rewards_of(plain[1], plain[0].completion_mask.sum(-1), cfg).view(4, 2)
+    plain_rewards = plain[1].view(4, 2)
+    assert torch.equal(plain[1], torch.tensor([float(len(x) % 2 == 0) for x in plain[0].texts]))
     assert 0 < plain[2]["frac_zero_std_groups"] < 1 and stats["sampling_rounds"] > 1  # round 1 was not enough
-    rewards = rewards_of(scores, ro.completion_mask.sum(-1), cfg).view(4, 2)
+    assert torch.equal(rewards, torch.tensor([float(len(x) % 2 == 0) for x in ro.texts]))  # each row's own reward
+    rewards = rewards.view(4, 2)
     assert (rewards[:, 0] != rewards[:, 1]).all() and stats["frac_zero_std_groups_trained"] == 0
     # round 1 is the plain step's sample: its informative groups open the batch, in order, unchanged
     kept = [g for g in range(4) if plain_rewards[g, 0] != plain_rewards[g, 1]]
@@ -267,7 +269,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, mo
 
 
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tmp_path, monkeypatch):
-    cfg, task, model, tokenizer, plain, (ro, scores, stats) = dynamic_sampling_setup(
+    cfg, task, model, tokenizer, plain, (ro, rewards, stats) = dynamic_sampling_setup(
         tmp_path, monkeypatch, lambda completion: Score(0.0, 0.0))  # every group has equal rewards
     assert stats["sampling_rounds"] == 6 and stats["frac_zero_std_groups_trained"] == 1.0
     assert stats["frac_zero_std_groups"] == 1.0 and ro.texts == plain[0].texts  # round 1's groups, in order
