@@ -8,6 +8,8 @@
 Every task puts its final answer after ``####`` (verl's GSM8K convention). ``Score.format`` is 1 when that
 marker is followed by a parseable number, ``Score.correct`` is 1 when the extracted answer is right.
 A task is a dataclass: its fields are its keyword arguments, and :meth:`Task.config` returns them.
+A task with several named scorings (``gsm8k``: ``strict``, ``flexible``) trains with the one chosen by its
+``scoring`` argument and reports all of them in :meth:`Task.eval_scores`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -28,8 +30,6 @@ from objectives.registry import Registry
 TASKS: Registry[type[Task]] = Registry("task")
 
 _MARKER = re.compile(r"####\s*([-$]*[0-9][0-9.,]*)")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_NUMBER = re.compile(r"-?\$?[0-9][0-9,]*(?:\.[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,12 @@ class Score:
 
 
 class Task:
-    """Base class of a task; subclasses are dataclasses registered with :func:`register_task`."""
+    """Base class of a task; subclasses are dataclasses registered with :func:`register_task`.
+
+    :meth:`score` is the training reward's verifier. :meth:`eval_scores` maps each named scoring of the task to
+    the completion's correctness (0.0 or 1.0) under it; the eval logs ``eval_accuracy_<name>`` for each. A
+    task with a single scoring returns ``{}``.
+    """
 
     name: ClassVar[str]
 
@@ -59,6 +64,10 @@ class Task:
 
     def score(self, completion: str, problem: Problem) -> Score:
         raise NotImplementedError
+
+    def eval_scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        """Correctness of ``completion`` under each named scoring of the task (``{}``: one scoring only)."""
+        return {}
 
     def config(self) -> dict:
         """The task's keyword arguments (enough to rebuild it with :func:`get_task`)."""
@@ -118,6 +127,28 @@ def _require_int(name: str, value, minimum: int) -> None:
 # ----------------------------------------------------------------------------------------------- GSM8K
 
 GSM8K_INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
+_STRICT = re.compile(r"#### (-?[0-9.,]+)")  # verl gsm8k.py and lm-eval strict-match: exactly one space
+_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # lm-eval flexible-extract
+
+
+def _field_normalised(text: str) -> str:
+    """lm-eval's ``regexes_to_ignore`` for GSM8K: drop every ``,`` and ``$``, then one trailing ``.``."""
+    return re.sub(r"\.$", "", text.replace(",", "").replace("$", ""))
+
+
+def strict_answer(completion: str) -> str | None:
+    """The text matched after the last ``#### `` (normalised), or None without such a marker."""
+    matches = _STRICT.findall(completion)
+    return _field_normalised(matches[-1]) if matches else None
+
+
+def flexible_answer(completion: str) -> str | None:
+    """The last match of lm-eval's flexible-extract regex (normalised), or None if nothing matches."""
+    matches = _FLEXIBLE.findall(completion)
+    return _field_normalised(next(group for group in matches[-1] if group)) if matches else None
+
+
+GSM8K_SCORINGS: dict[str, Callable[[str], str | None]] = {"strict": strict_answer, "flexible": flexible_answer}
 
 
 @register_task("gsm8k")
@@ -131,20 +162,36 @@ class GSM8K(Task):
     Train problems are the first ``train_size`` of the train split (None: all); eval problems are the first
     ``eval_size`` of the test split.
 
-    Scoring: the answer is the number after the last ``####`` (``,`` and ``$`` and a trailing ``.`` removed),
-    else the last ``\\boxed{...}``, else the last number in the text; only the ``####`` form earns
-    ``format`` = 1. Answers are compared as exact decimals ("18.00" == "18"). math_verify is not used:
-    GSM8K answers are plain numbers, so it would add nothing but cost, and its signal-based timeouts raise in
-    worker threads (disabling them lets a pathological completion stall sympy).
+    Scoring (``scoring``, default ``strict``; :meth:`eval_scores` reports both). An answer is extracted, every
+    ``,`` and ``$`` and then one trailing ``.`` are removed, and the rest must equal ``Problem.answer`` as a
+    string (GSM8K's integer answers without commas: "18.00" != "18"), as both references compare strings.
+
+    - ``strict`` (the training reward; verl's GSM8K reward): the last match of ``#### (-?[0-9.,]+)``, exactly
+      one space after the marker; no match, no credit. So ``####18`` and ``#### $18`` earn nothing (the
+      removal of ``$`` never applies: the regex cannot capture it). Follows ``extract_solution(method="strict")``
+      of volcengine/verl ``verl/utils/reward_score/gsm8k.py``, except: verl only searches the last 300
+      characters and keeps a trailing ``.`` ("#### 18." fails there; here it is removed, as lm-eval does).
+      lm-evaluation-harness ``strict-match`` (``lm_eval/tasks/gsm8k/gsm8k.yaml``) uses the same regex but
+      takes the first match: the two differ only when a completion has two markers.
+    - ``flexible`` (lm-eval ``flexible-extract``): the last match of ``(-?[$0-9.,]{2,})|(-?[0-9]+)``
+      anywhere, e.g. ``The answer is 18.`` or ``\\boxed{18}``. As in lm-eval, runs of punctuation match
+      too ("18..." -> "18.." fails). verl's ``flexible`` (a different regex, no ``$`` or ``.`` handling) is
+      not what this follows.
+
+    ``format`` is 1 when ``####`` is followed by a number (spaces and ``$`` allowed), whatever the scoring.
+    math_verify is not used: GSM8K answers are plain numbers and both references compare strings.
     """
 
     data_dir: str | None = None
     train_size: int | None = None
     eval_size: int = 64
+    scoring: str = "strict"
     _splits: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         self.data_dir = self.data_dir or os.environ.get("GSM8K_DIR") or None
+        if self.scoring not in GSM8K_SCORINGS:
+            raise ValueError(f"gsm8k: unknown scoring {self.scoring!r}; choose one of {', '.join(GSM8K_SCORINGS)}")
         if self.train_size is not None:
             _require_int("train_size", self.train_size, 1)
         _require_int("eval_size", self.eval_size, 1)
@@ -157,13 +204,12 @@ class GSM8K(Task):
 
     def score(self, completion: str, problem: Problem) -> Score:
         marked = marker_answer(completion)
-        predicted = canonical_number(marked) if marked is not None else None
-        has_format = predicted is not None
-        if predicted is None:
-            boxed = _BOXED.findall(completion)
-            numbers = _NUMBER.findall(boxed[-1] if boxed else "") or _NUMBER.findall(completion)
-            predicted = canonical_number(numbers[-1]) if numbers else None
-        return Score(correct=float(predicted is not None and predicted == problem.answer), format=float(has_format))
+        has_format = marked is not None and canonical_number(marked) is not None
+        correct = GSM8K_SCORINGS[self.scoring](completion) == problem.answer
+        return Score(correct=float(correct), format=float(has_format))
+
+    def eval_scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        return {name: float(extract(completion) == problem.answer) for name, extract in GSM8K_SCORINGS.items()}
 
     def _split(self, split: str, size: int | None) -> list[Problem]:
         if split not in self._splits:

@@ -50,31 +50,52 @@ def test_gsm8k_kwarg_wins_over_env(tmp_path, monkeypatch):
     )
 
 
-@pytest.mark.parametrize(
-    "completion, answer, expected",
-    [
-        ("so 72 in total.\n#### 72", "72", (1, 1)),
-        ("#### 1,080", "1080", (1, 1)),
-        ("#### $18", "18", (1, 1)),
-        ("The answer is #### 18.", "18", (1, 1)),
-        ("#### 18.00", "18", (1, 1)),
-        ("#### 5 wait, no: #### 7", "7", (1, 1)),
-        ("#### 5 wait, no: #### 7", "5", (0, 1)),
-        ("#### -3", "-3", (1, 1)),
-        ("#### 0.5", "0.5", (1, 1)),
-        ("#### 19", "18", (0, 1)),
-        ("so the answer is \\boxed{18}", "18", (1, 0)),
-        ("\\boxed{1,000} but 7", "1000", (1, 0)),
-        ("she makes 9 * 2 = $18.", "18", (1, 0)),
-        ("I don't know", "18", (0, 0)),
-        ("", "18", (0, 0)),
-        ("#### eighteen", "18", (0, 0)),
-        ("#### 1.2.3", "18", (0, 0)),
-    ],
-)
-def test_gsm8k_scoring(completion, answer, expected):
+# (completion, reference answer, strict, flexible, format), each expected value decided by hand from the
+# conventions in GSM8K's docstring (verl gsm8k.py strict, lm-eval flexible-extract).
+GSM8K_CASES = [
+    ("so 72 in total.\n#### 72", "72", 1, 1, 1),
+    ("#### 1,080", "1080", 1, 1, 1),  # commas removed in both
+    ("####18", "18", 0, 1, 1),  # strict needs "#### " with one space; the marker still counts as format
+    ("####  18", "18", 0, 1, 1),  # two spaces: no strict match either
+    ("#### $18", "18", 0, 1, 1),  # strict's regex cannot capture "$"; flexible's can, then drops it
+    ("The answer is 18.", "18", 0, 1, 0),  # no marker: no strict credit; flexible drops the trailing "."
+    ("The answer is 18...", "18", 0, 0, 0),  # lm-eval drops one trailing ".": "18.." != "18"
+    ("so the answer is \\boxed{18}", "18", 0, 1, 0),
+    ("she makes 9 * 2 = $18.", "18", 0, 1, 0),
+    ("#### 5 wait, no: #### 18", "18", 1, 1, 1),  # two markers: the last one counts (verl)
+    ("#### 5 wait, no: #### 18", "5", 0, 0, 1),  # (lm-eval strict-match would take the first, 5)
+    ("#### -3", "-3", 1, 1, 1),
+    ("it drops 3 degrees, to -3.\n#### -3.", "-3", 1, 1, 1),
+    ("#### 19", "18", 0, 0, 1),  # a wrong number after the marker
+    ("#### 18\nNext question: 5 + 7 = 12", "18", 1, 0, 1),  # right number followed by other numbers
+    ("#### 18.", "18", 1, 1, 1),  # a trailing "." is removed (lm-eval; verl would refuse it)
+    ("#### 18.00", "18", 0, 0, 1),  # strings are compared, not values
+    ("I don't know", "18", 0, 0, 0),
+    ("", "18", 0, 0, 0),
+    ("#### eighteen", "18", 0, 0, 0),
+    ("#### 1.2.3", "18", 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, strict, flexible, has_format", GSM8K_CASES)
+def test_gsm8k_scorings(completion, answer, strict, flexible, has_format):
     problem = Problem(question="q", answer=answer, solution="")
-    assert get_task("gsm8k").score(completion, problem) == Score(*map(float, expected))
+    for scoring, correct in (("strict", strict), ("flexible", flexible)):
+        assert get_task("gsm8k", scoring=scoring).score(completion, problem) == Score(correct, has_format), scoring
+    assert get_task("gsm8k").score(completion, problem).correct == strict  # strict is the default
+    assert get_task("gsm8k", scoring="flexible").eval_scores(completion, problem) == {
+        "strict": strict, "flexible": flexible}
+
+
+def test_gsm8k_unknown_scoring_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown scoring 'lenient'; choose one of strict, flexible"):
+        get_task("gsm8k", scoring="lenient")
+    assert get_task("gsm8k", scoring="flexible").config()["scoring"] == "flexible"
+
+
+def test_single_scoring_tasks_have_no_eval_scores():
+    problem = get_task("arith", eval_size=1).eval_problems()[0]
+    assert get_task("arith", eval_size=1).eval_scores(problem.solution, problem) == {}
 
 
 @pytest.mark.parametrize(
