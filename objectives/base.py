@@ -121,6 +121,34 @@ def sequence_aggregate(per_sequence: Tensor, batch: PolicyBatch) -> Tensor:
     return per_sequence.sum() / batch.sequence_count
 
 
+def sequence_advantages(batch: PolicyBatch, objective: str) -> Tensor:
+    """The advantages A_i [B] (detached, in logp's dtype) of a sequence-level objective; ValueError if [B, T]."""
+    if batch.advantages.dim() != 1:
+        raise ValueError(f"objective {objective!r} is sequence-level and needs per-sequence advantages [B], "
+                         f"got shape {tuple(batch.advantages.shape)}")
+    return batch.advantages.detach().to(batch.logp.dtype)
+
+
+def ppo_clipped_loss(
+    batch: PolicyBatch, clip_low: float, clip_high: float, aggregation: str, log_ratio: Tensor | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped surrogate per token, aggregated, with its clip and ratio metrics.
+
+        l_t = max(-r_t A_t, -clip(r_t, 1 - clip_low, 1 + clip_high) A_t),   loss = aggregate(l, aggregation)
+        clip_frac_low = A < 0 and r < 1 - clip_low,   clip_frac_high = A > 0 and r > 1 + clip_high
+
+    r = exp(``log_ratio``) ([B, T], 0 on padding), by default exp(logp - old_logp); GSPO-token passes its own.
+    """
+    ratio = torch.exp(batch.log_ratio() if log_ratio is None else log_ratio)
+    adv = batch.token_advantages
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(-ratio * adv, -clipped_ratio * adv)
+    low = (ratio < 1.0 - clip_low) & (adv < 0)
+    high = (ratio > 1.0 + clip_high) & (adv > 0)
+    loss = aggregate(per_token, batch, aggregation)
+    return loss, {**clip_metrics(low, high, batch), **ratio_metrics(ratio, batch.mask)}
+
+
 def ratio_metrics(ratio: Tensor, valid: Tensor, prefix: str = "ratio") -> dict[str, float]:
     """mean / min / max / std of an importance ratio over valid entries (tokens [B,T] or sequences [B])."""
     values = ratio.detach()[valid.bool()].float()
@@ -165,19 +193,25 @@ OBJECTIVES: Registry[type[Objective]] = Registry("objective")
 class Objective:
     """Base class. Subclasses are dataclasses whose fields are the hyperparameters (defaults = paper's).
 
-    A subclass implements :meth:`policy_loss` and sets ``default_advantage``. Every objective takes
-    ``beta``: the coefficient of the k3 KL to the reference policy, added per token and aggregated
-    with ``kl_aggregation``.
+    A subclass implements :meth:`policy_loss` and sets the class variables below that differ from the
+    defaults. Every objective takes ``beta``: the coefficient of the k3 KL to the reference policy, added per
+    token and aggregated with ``kl_aggregation``. Numeric hyperparameters are checked before
+    :meth:`validate`: finite, >= 0 unless in ``signed``, > 0 if in ``positive``, < 1 if in ``below_one``.
     """
 
-    name: ClassVar[str] = ""
-    default_advantage: ClassVar[str] = "grpo"
-    kl_aggregation: ClassVar[str] = "seq_mean_token_mean"
+    name: ClassVar[str] = ""  # the registered name (set by register_objective)
+    default_advantage: ClassVar[str] = "grpo"  # advantage estimator used when the run's config names none
+    # how policy_loss reduces its per-token loss (one of AGGREGATIONS); None: it reduces per sequence instead
+    aggregation: ClassVar[str | None] = None
+    kl_aggregation: ClassVar[str] = "seq_mean_token_mean"  # reduction of the beta * k3 KL term
     signed: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters allowed to be negative
+    positive: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters that must be > 0
+    # lower clip widths eps of a ratio floor 1 - eps, which must stay > 0: eps < 1
+    below_one: ClassVar[frozenset[str]] = frozenset()
     # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
     needs_whole_groups: ClassVar[bool] = False
 
-    beta: float = 0.0
+    beta: float = 0.0  # coefficient of the k3 KL to the reference policy
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -195,6 +229,10 @@ class Objective:
                 raise ValueError(f"{where} must be finite, got {value}")
             if value < 0 and name not in self.signed:
                 raise ValueError(f"{where} must be >= 0, got {value}")
+            if value <= 0 and name in self.positive:
+                raise ValueError(f"{where} must be > 0, got {value}")
+            if value >= 1 and name in self.below_one:
+                raise ValueError(f"{where} must be < 1 (ratio floor 1 - {name} > 0), got {value}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
@@ -207,7 +245,7 @@ class Objective:
         return value
 
     def validate(self) -> None:
-        """Extra checks of a subclass (e.g. a lower clip below 1); raise ValueError with a clear message."""
+        """Checks beyond the declared ones (e.g. a string among choices); raise ValueError with a clear message."""
 
     def policy_loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
@@ -238,6 +276,9 @@ def register_objective(name: str):
     """Class decorator: make the class a dataclass of its hyperparameters and register it under ``name``."""
 
     def decorator(cls):
+        for mode in (cls.aggregation, cls.kl_aggregation):
+            if mode is not None and mode not in AGGREGATIONS:
+                raise ValueError(f"objective {name!r}: unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
         cls.name = name
         if "__dataclass_fields__" not in cls.__dict__:
             cls = dataclass(cls)

@@ -48,9 +48,9 @@ from objectives.base import (
     clip_metrics,
     ratio_metrics,
     register_objective,
+    sequence_advantages,
     sequence_aggregate,
 )
-from objectives.gspo import sequence_advantages
 
 SCHEDULES = ("linear", "cosine", "constant")
 
@@ -63,11 +63,10 @@ class ConSPO(Objective):
     schedule: str = "linear"
 
     default_advantage = "grpo"
+    positive = frozenset({"temperature"})
     needs_whole_groups = True
 
     def validate(self):
-        if self.temperature <= 0:
-            raise ValueError(f"objective {self.name!r}: temperature must be > 0, got {self.temperature}")
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"objective {self.name!r}: schedule must be one of {SCHEDULES}, got {self.schedule!r}"

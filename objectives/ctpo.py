@@ -53,14 +53,7 @@ class CTPO(Objective):
     default_advantage = "grpo"
     aggregation = "token_mean"
     kl_aggregation = "token_mean"
-
-    def validate(self):
-        for name in ("clip_low", "clip_high", "dual_clip"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"objective {self.name!r}: {name} is a log-space half-width and must be > 0, "
-                    f"got {getattr(self, name)}"
-                )
+    positive = frozenset({"clip_low", "clip_high", "dual_clip"})  # log-space half-widths of the window
 
     def policy_loss(self, batch: PolicyBatch):
         mask = batch.mask

@@ -13,15 +13,18 @@ refill) and soft overlong punishment (``task.overlong_buffer`` / ``task.overlong
 
 from __future__ import annotations
 
-from objectives.base import register_objective
-from objectives.grpo import GRPO
+from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_objective
 
 
 @register_objective("dapo")
-class DAPO(GRPO):
+class DAPO(Objective):
     clip_low: float = 0.2
     clip_high: float = 0.28
 
     default_advantage = "grpo"
     aggregation = "token_mean"
     kl_aggregation = "token_mean"
+    below_one = frozenset({"clip_low"})
+
+    def policy_loss(self, batch: PolicyBatch):
+        return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation)

@@ -10,15 +10,18 @@ If beta > 0 the KL is aggregated the same way.
 
 from __future__ import annotations
 
-from objectives.base import register_objective
-from objectives.grpo import GRPO
+from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_objective
 
 
 @register_objective("dr_grpo")
-class DrGRPO(GRPO):
+class DrGRPO(Objective):
     clip_low: float = 0.2
     clip_high: float = 0.2
 
     default_advantage = "mean_only"
     aggregation = "seq_mean_token_sum_norm"
     kl_aggregation = "seq_mean_token_sum_norm"
+    below_one = frozenset({"clip_low"})
+
+    def policy_loss(self, batch: PolicyBatch):
+        return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation)

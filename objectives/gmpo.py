@@ -24,9 +24,9 @@ from objectives.base import (
     clip_metrics,
     ratio_metrics,
     register_objective,
+    sequence_advantages,
     sequence_aggregate,
 )
-from objectives.gspo import sequence_advantages
 
 
 @register_objective("gmpo")

@@ -17,15 +17,9 @@ from objectives.base import (
     clip_metrics,
     ratio_metrics,
     register_objective,
+    sequence_advantages,
     sequence_aggregate,
 )
-
-
-def sequence_advantages(batch: PolicyBatch, objective: str) -> torch.Tensor:
-    if batch.advantages.dim() != 1:
-        raise ValueError(f"objective {objective!r} is sequence-level and needs per-sequence advantages [B], "
-                         f"got shape {tuple(batch.advantages.shape)}")
-    return batch.advantages.detach().to(batch.logp.dtype)
 
 
 @register_objective("gspo")
@@ -34,10 +28,7 @@ class GSPO(Objective):
     clip_high: float = 4e-4
 
     default_advantage = "grpo"
-
-    def validate(self):
-        if self.clip_low >= 1:
-            raise ValueError(f"objective {self.name!r}: clip_low must be < 1, got {self.clip_low}")
+    below_one = frozenset({"clip_low"})
 
     def policy_loss(self, batch: PolicyBatch):
         adv = sequence_advantages(batch, self.name)

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import torch
 
-from objectives.base import PolicyBatch, aggregate, clip_metrics, ratio_metrics, register_objective
-from objectives.grpo import ppo_clipped_loss
-from objectives.gspo import GSPO
+from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_objective
 
 
 @register_objective("gspo_token")
-class GSPOToken(GSPO):
+class GSPOToken(Objective):
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+    default_advantage = "grpo"
     aggregation = "seq_mean_token_mean"
+    below_one = frozenset({"clip_low"})
 
     def policy_loss(self, batch: PolicyBatch):
         log_seq = batch.sequence_mean(batch.log_ratio()).detach()
         log_ratio = log_seq[:, None] + batch.logp - batch.logp.detach()
         log_ratio = torch.where(batch.mask, log_ratio, torch.zeros_like(log_ratio))
-        per_token, ratio, low, high = ppo_clipped_loss(batch, self.clip_low, self.clip_high, log_ratio)
-        loss = aggregate(per_token, batch, self.aggregation)
-        return loss, {**clip_metrics(low, high, batch), **ratio_metrics(ratio, batch.mask)}
+        return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation, log_ratio)

@@ -29,9 +29,9 @@ from objectives.base import (
     clip_metrics,
     ratio_metrics,
     register_objective,
+    sequence_advantages,
     sequence_aggregate,
 )
-from objectives.gspo import sequence_advantages
 
 GEOMETRIC_EPS = 1e-6  # |p| below this uses the geometric mean (the p -> 0 limit)
 
@@ -45,11 +45,7 @@ class HolderPO(Objective):
 
     default_advantage = "grpo"
     signed = frozenset({"p_start", "p_end"})
-
-    def validate(self):
-        if self.clip_low >= 1:
-            raise ValueError(f"objective {self.name!r}: clip_low must be < 1 (ratio floor 1 - clip_low > 0), "
-                             f"got {self.clip_low}")
+    below_one = frozenset({"clip_low"})
 
     def exponent(self, batch: PolicyBatch) -> float:
         progress = min(1.0, max(0, batch.step) / max(1, batch.total_steps))

@@ -30,13 +30,7 @@ class SAPO(Objective):
 
     default_advantage = "grpo"
     aggregation = "seq_mean_token_mean"
-
-    def validate(self):
-        for name in ("tau_pos", "tau_neg"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"objective {self.name!r}: temperature {name} must be > 0, got {getattr(self, name)}"
-                )
+    positive = frozenset({"tau_pos", "tau_neg"})  # gate temperatures
 
     def policy_loss(self, batch: PolicyBatch):
         ratio = torch.exp(batch.log_ratio().clamp(-20.0, 20.0))

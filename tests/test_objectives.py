@@ -4,6 +4,8 @@ Expected numbers are written out from the formulas with ``math`` on scalars, nev
 under test. Tensors are float64; ``logp`` is a leaf and gradients are taken w.r.t. it.
 """
 
+import ast
+import dataclasses
 import json
 import math
 import re
@@ -17,12 +19,15 @@ import torch
 
 import objectives
 from objectives import (
+    Objective,
     PolicyBatch,
     UnknownNameError,
     available_objectives,
     get_advantage,
     get_objective,
+    register_objective,
 )
+from objectives.base import AGGREGATIONS
 
 DT = torch.float64
 E = math.exp
@@ -572,6 +577,44 @@ def test_sequence_level_objectives_reject_token_advantages():
         with pytest.raises(ValueError, match="per-sequence advantages"):
             run(name, batch)
     run("gspo_token", batch)  # the token form accepts them
+
+
+# ----------------------------------------------------------------------------------------------------
+# The library: objective files import only objectives.base / objectives.registry; class conventions declared
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_objective_modules_import_only_the_library(name):
+    path = Path(sys.modules[objectives.OBJECTIVES.get(name).__module__].__file__)
+    tree = ast.parse(path.read_text())
+    imported = {"objectives." * bool(node.level) + (node.module or "")
+                for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}  # level > 0: relative import
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert {m for m in imported if m.startswith("objectives")} <= {"objectives.base", "objectives.registry"}
+
+
+def test_class_conventions_are_declared_and_checked():
+    for name in ALL:
+        cls = objectives.OBJECTIVES.get(name)
+        assert cls.aggregation in (None, *AGGREGATIONS) and cls.kl_aggregation in AGGREGATIONS, name
+        assert cls.below_one | cls.positive | cls.signed <= set(cls.hyperparameters()), name
+    with pytest.raises(ValueError, match=r"objective 'bad': unknown aggregation 'token_sum'"):
+        @register_objective("bad")
+        class Bad(Objective):
+            aggregation = "token_sum"
+    assert "bad" not in available_objectives()
+
+    @dataclasses.dataclass
+    class Floor(Objective):
+        eps: float = 0.5
+        below_one = frozenset({"eps"})
+        positive = frozenset({"eps"})
+
+    assert Floor(eps=0.999).eps == 0.999
+    with pytest.raises(ValueError, match=r"hyperparameter eps must be < 1 \(ratio floor 1 - eps > 0\), got 1\.0"):
+        Floor(eps=1.0)
+    with pytest.raises(ValueError, match=r"hyperparameter eps must be > 0, got 0\.0"):
+        Floor(eps=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------
