@@ -17,7 +17,7 @@ def _terminate(signum, frame):
 def cmd_train(args) -> int:
     import torch
 
-    from harness.train import train
+    from harness.backends import backend_train_function
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
@@ -26,9 +26,7 @@ def cmd_train(args) -> int:
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     print(f"run directory: {run_dir}", file=sys.stderr)
-    if run.backend == "trl":  # TRL's GRPOTrainer with the registry's objective (harness/trl_backend.py)
-        from harness.trl_backend import train_trl as train
-    summary = train(run, run_dir, progress=not args.no_progress)
+    summary = backend_train_function(run.backend)(run, run_dir, progress=not args.no_progress)
     print(f"{summary['status']}: final eval accuracy {summary['final_eval_accuracy']}, "
           f"best {summary['best_eval_accuracy']}, {summary['wall_time_s']:.0f} s", file=sys.stderr)
     return 0

@@ -17,18 +17,16 @@ import json
 import os
 import tempfile
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-import harness.train
+from harness.batch import TrainBatch, sample_group
+from harness.build import build_objective, build_policy, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
 from harness.rollout import Rollout
-from harness.train import build_policy, build_task, resolve_device, sample_group, update
-from objectives import get_advantage, get_objective
+from harness.update import RunState, update
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
@@ -42,18 +40,33 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> f
     return 2 * size**3 * reps / (time.perf_counter() - start)
 
 
+def body_parameters(model) -> int:
+    """Parameters of the transformer body: everything but the input embeddings and an untied LM head."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if not model.config.tie_word_embeddings:
+        n -= model.get_output_embeddings().weight.numel()
+    return n
+
+
 def update_flops(model, ro: Rollout, epochs: int) -> float:
     cfg = model.config
-    embed = model.get_input_embeddings().weight.numel()
-    n_body = sum(p.numel() for p in model.parameters()) - embed
-    if not cfg.tie_word_embeddings:
-        n_body -= model.get_output_embeddings().weight.numel()
     prompt_len, completion_len = ro.prompt_ids.shape[1], ro.completion_ids.shape[1]
     rows = ro.prompt_ids.shape[0]
     positions = rows * (prompt_len + completion_len)
     head = 6 * cfg.hidden_size * cfg.vocab_size * rows * completion_len
     attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * positions * (prompt_len + completion_len) / 2
-    return epochs * (6 * n_body * positions + head + attention)
+    return epochs * (6 * body_parameters(model) * positions + head + attention)
+
+
+def decode_flops(model, ro: Rollout) -> float:
+    """Forward model FLOPs of the generated tokens (valid ones only: no work is owed for padding): body, LM head
+    and attention over the mean context; the prompt prefill is not counted."""
+    cfg = model.config
+    tokens = float(ro.completion_mask.sum())
+    context = ro.prompt_mask.sum(-1).float().mean().item() + ro.completion_mask.sum(-1).float().mean().item() / 2
+    per_token = 2 * body_parameters(model) + 2 * cfg.hidden_size * cfg.vocab_size \
+        + 4 * cfg.num_hidden_layers * cfg.hidden_size * context
+    return tokens * per_token
 
 
 def main(overrides: list[str]) -> int:
@@ -66,49 +79,53 @@ def main(overrides: list[str]) -> int:
     t = cfg.train
     start = time.perf_counter()
     task = build_task(cfg)
-    policy, tokenizer = build_policy(cfg, task, device)
+    policy, tokenizer, _ = build_policy(cfg, task, device)
     initial = copy.deepcopy(policy)  # TRL starts from the same weights
     load_s = time.perf_counter() - start
     problems = list(task.train_problems()[: t.prompts_per_step])
 
     sample_group(policy, tokenizer, problems[:1], OmegaConf.merge(cfg, {"train": {"max_new_tokens": 2}}))  # warm-up
+    sync(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     ro = sample_group(policy, tokenizer, problems, cfg)
+    sync(device)
     rollout_s = time.perf_counter() - start
     completion_tokens = int(ro.completion_mask.sum())
 
-    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
+    objective, estimator = build_objective(cfg)
     rewards = torch.tensor([task.score(x, problems[i // t.group_size]).correct for i, x in enumerate(ro.texts)])
     group_ids = torch.arange(t.prompts_per_step).repeat_interleave(t.group_size)
-    advantages = get_advantage(objective.default_advantage)(rewards, group_ids)
+    batch = TrainBatch(ro, rewards.to(device), estimator(rewards, group_ids).to(device), group_ids.to(device),
+                       ro.sampler_logp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = {"optimizer_steps": 0, "total_optimizer_steps": t.num_minibatches * t.epochs, "nonfinite_skips": 0,
-             "nonfinite_in_row": 0}
+    state = RunState(total_optimizer_steps=t.num_minibatches * t.epochs)
+    timings: dict[str, float] = {}
     start = time.perf_counter()
-    phases = defaultdict(float)
-    with timed(harness.train, "completion_logprobs", phases, "logp_forward"):
-        update(policy, optimizer, scheduler, objective, ro, ro.sampler_logp, None, advantages.to(device),
-               rewards.to(device), group_ids.to(device), cfg, 1, state)
+    update(policy, optimizer, scheduler, objective, batch, cfg, 1, state, timings)
+    sync(device)
     update_s = time.perf_counter() - start
     step_cpu_s = time.process_time() - cpu_start  # CPU time of this process: less sensitive to other load
     flops = update_flops(policy, ro, t.epochs)
     peak = matmul_peak(DTYPES[cfg.model.dtype]) if device.type == "cpu" else float("nan")
 
     result = {
-        "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device),
+        "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device), "sampler": t.sampler,
         "prompts_x_samples": f"{t.prompts_per_step}x{t.group_size}", "max_new_tokens": t.max_new_tokens,
         "num_minibatches": t.num_minibatches, "model_load_s": load_s,
         "completion_tokens": completion_tokens, "rollout_s": rollout_s, "rollout_tok_s": completion_tokens / rollout_s,
+        "rollout_gflop_s": decode_flops(policy, ro) / rollout_s / 1e9,
+        "rollout_fraction_of_peak": decode_flops(policy, ro) / rollout_s / peak,
         "update_s": update_s, "update_tok_s": completion_tokens * t.epochs / update_s,
         "update_gflop_s": flops / update_s / 1e9, "matmul_peak_gflop_s": peak / 1e9,
         "update_fraction_of_peak": flops / update_s / peak,
         "step_s": rollout_s + update_s, "step_tok_s": completion_tokens / (rollout_s + update_s),
-        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": phases["logp_forward"],
-        "phase_loss_backward_optimizer_s": update_s - phases["logp_forward"],
+        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings["logp_forward_s"],
+        "phase_loss_backward_optimizer_s": update_s - timings["logp_forward_s"],
     }
     trl = trl_step(cfg, initial, tokenizer, task, problems)
     result.update({f"trl_{key}": value for key, value in trl.items()})
+    result["native_over_trl_rollout_tok_s"] = result["rollout_tok_s"] / trl["rollout_tok_s"]
     result["trl_over_native_step_time"] = trl["step_s"] / result["step_s"]
     result["trl_over_native_tok_s"] = trl["step_tok_s"] / result["step_tok_s"]
     result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
@@ -121,23 +138,9 @@ def main(overrides: list[str]) -> int:
     return 0
 
 
-@contextmanager
-def timed(module, name: str, phases: dict, phase: str):
-    """Adds the wall time of every call of ``module.name`` to ``phases[phase]`` while in the block."""
-    original = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            phases[phase] += time.perf_counter() - start
-
-    setattr(module, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def trl_step(cfg, policy, tokenizer, task, problems) -> dict:

@@ -1,16 +1,18 @@
 """The typed run configuration, experiment files, overrides and sweep expansion.
 
-An experiment is ``experiments/base.yaml`` (shared defaults) merged with ``experiments/<name>.yaml``,
-then with command-line overrides (``key=value``, omegaconf dotlist). Its ``sweep`` section expands into
-runs: every point of ``sweep.grid`` (dotted key -> list of values), with ``sweep.per_objective[<name>]``
-applied to the runs of that objective before the grid point. A command-line override of a swept key pins
-that axis to the given value (``seed=3`` runs seed 3 only). Everything is validated before any run
-starts; errors name the key and list the valid choices.
+An experiment is the schema below (its dataclass defaults are the one source of defaults) merged with
+``experiments/<name>.yaml``, then with command-line overrides (``key=value``, omegaconf dotlist). Its
+``sweep`` section expands into runs: every point of ``sweep.grid`` (dotted key -> list of values), with
+``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point. A command-line
+override of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only). Everything is
+validated before any run starts (including the task's arguments and the tiny model's shape); errors name the
+key and list the valid choices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -23,9 +25,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.backends import BACKENDS, unsupported
+
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 EMBEDDED_MODELS = ("tiny", "smollm2-135m-instruct")
-BACKENDS = ("native", "trl")  # native: harness/train.py; trl: TRL's GRPOTrainer (harness/trl_backend.py)
+SAMPLERS = ("native", "hf")  # harness/rollout.py: our decode loop, or transformers' generate (the reference)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,11 +40,14 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # "tiny" (built from `tiny`), "smollm2-135m-instruct" (embedded), or a hub id / local path
-    tiny: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_layers, num_heads, intermediate_size
+    tiny: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields: hidden_size, num_layers, num_heads, ...
     dtype: str = "float32"  # trainer precision
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); None = policy
     seed: int = 0  # tiny model's init and warm start: the starting policy, shared by all runs like a checkpoint
-    warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached)
+    warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached); with a target: the cap
+    warm_start_target: list[float] | None = None  # [low, high]: stop at the first check with held-out greedy
+    #                                               accuracy in the band (an error if the cap is hit outside it)
+    warm_start_check_every: int = 50  # steps between the target's accuracy checks
     warm_start_lr: float = 1e-3
     warm_start_batch_size: int = 32
 
@@ -49,7 +56,7 @@ class ModelConfig:
 class TaskConfig:
     name: str = "arith"
     data_dir: str | None = None  # local GSM8K folder with train.jsonl/test.jsonl (else $GSM8K_DIR, else the hub)
-    eval_size: int = 64
+    eval_size: int = 128
     format_weight: float = 0.0  # reward = correct + format_weight * format (+ the overlong penalty)
     overlong_buffer: int = 0  # DAPO's soft overlong punishment: the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
@@ -68,13 +75,13 @@ class TrainConfig:
     steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
-    max_new_tokens: int = 32
+    max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     epochs: int = 1  # passes (mu) over each rollout batch
     num_minibatches: int = 4  # optimizer steps per pass
     micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole minibatch
-    lr: float = 1e-5
+    lr: float = 1e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -82,10 +89,11 @@ class TrainConfig:
     max_nonfinite_in_row: int = 3
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_sampling_rounds: int = 10  # rounds of prompts_per_step prompts per step (verl DAPO's max_num_gen_batches)
-    eval_every: int = 10  # 0 = only at the start and the end
+    sampler: str = "native"  # "native": harness/rollout.py's decode loop; "hf": transformers' generate (reference)
+    eval_every: int = 5  # 0 = only at the start and the end
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
-    save_every: int = 10
+    save_every: int = 1  # a checkpoint every N steps: a kill loses at most the unfinished steps since
 
 
 @dataclass
@@ -143,10 +151,15 @@ def experiment_path(name: str) -> Path:
 
 
 def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """base.yaml < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
+    """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
     path = experiment_path(name)
-    layers = [OmegaConf.load(EXPERIMENTS_DIR / "base.yaml")] if path.stem != "base" else []
-    layers.append(OmegaConf.load(path))
+    try:
+        layers = [OmegaConf.load(path)]
+    except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
+            from None
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides or [])))
     except OmegaConfBaseException as e:
@@ -258,9 +271,74 @@ def validate(run: DictConfig) -> None:
     if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
         raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
                           "a local directory, nor a hub id (owner/name)")
+    if t.sampler not in SAMPLERS:
+        raise ConfigError(f"train.sampler must be one of {', '.join(SAMPLERS)}, got {t.sampler!r}")
+    _check_warm_start(m)
+    _check_device(run.device)
+    _check_task_and_model(run)
     if run.backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {' | '.join(BACKENDS)}, got {run.backend!r}")
-    if run.backend == "trl":
-        from harness.trl_backend import check_config
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {run.backend!r}")
+    reason = unsupported(run)
+    if reason:
+        raise ConfigError(reason)
 
-        check_config(run)
+
+def _check_warm_start(m: DictConfig) -> None:
+    if m.warm_start_steps < 0 or m.warm_start_check_every < 1:
+        raise ConfigError(f"need model.warm_start_steps >= 0 and model.warm_start_check_every >= 1, got "
+                          f"{m.warm_start_steps} and {m.warm_start_check_every}")
+    target = m.warm_start_target
+    if target is not None and (len(target) != 2 or not 0 <= target[0] <= target[1] <= 1):
+        raise ConfigError(f"model.warm_start_target must be [low, high] with 0 <= low <= high <= 1, got "
+                          f"{list(target)}")
+    if target is not None and not m.warm_start_steps:
+        raise ConfigError("model.warm_start_target needs model.warm_start_steps > 0 (the step cap)")
+
+
+def _check_device(device: str) -> None:
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        hint = ("this torch is a CPU-only build: install a CUDA one with `make setup TORCH=torch`"
+                if torch.version.cuda is None else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(f"device={device}, but {hint}; or use device=cpu / device=auto")
+
+
+@functools.lru_cache(maxsize=64)
+def _task_error(name: str, arguments: str) -> str | None:
+    from harness.tasks import get_task
+
+    try:
+        get_task(name, **json.loads(arguments))
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _check_task_and_model(run: DictConfig) -> None:
+    """Build the task's problem spec and the tiny model's shape now, so that bad ``task.args`` or ``model.tiny``
+    stop before any run starts (the task's data is not loaded here)."""
+    from harness.models import TinyModelSpec
+
+    arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
+    if run.task.data_dir:
+        arguments["data_dir"] = run.task.data_dir
+    error = _task_error(run.task.name, json.dumps(arguments, sort_keys=True))
+    if error:
+        raise ConfigError(f"task.args: {error}")
+    if run.model.name != "tiny":
+        if run.model.tiny:
+            raise ConfigError(f"model.tiny only applies to model.name=tiny, not {run.model.name!r}; remove it")
+        return
+    valid = [f.name for f in dataclasses.fields(TinyModelSpec)]
+    unknown = sorted(set(run.model.tiny) - set(valid))
+    if unknown:
+        raise ConfigError(f"model.tiny has no field {', '.join(unknown)}; its fields: {', '.join(valid)}")
+    spec = TinyModelSpec(**run.model.tiny)
+    if min(dataclasses.astuple(spec)) < 1 or spec.hidden_size % spec.num_heads:
+        raise ConfigError(f"model.tiny: sizes must be >= 1 and hidden_size ({spec.hidden_size}) a multiple of "
+                          f"num_heads ({spec.num_heads})")

@@ -51,7 +51,7 @@ def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
 def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     """Build each distinct warm-started starting policy once, with all cores, before the runs start (they
     then load it from the cache instead of training it in parallel, one core each)."""
-    from harness.train import build_policy, build_task, resolve_device
+    from harness.build import build_policy, build_task, resolve_device
 
     done = set()
     for run in runs:

@@ -33,8 +33,6 @@ Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import time
 from collections import defaultdict
@@ -42,19 +40,22 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import PrinterCallback, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
+from harness.backends import trl_extra_args, unsupported, world_size
+from harness.build import build_objective, build_policy, build_task, frozen_copy, resolve_device
 from harness.config import ConfigError
+from harness.evaluation import evaluate
+from harness.metrics import MetricMeter, peak_memory_mb
 from harness.models import build_prompt
-from harness.records import MetricsLog, write_json_atomic
+from harness.records import RunRecords
 from harness.tasks import Problem
-from harness.train import MetricMeter, build_policy, build_task, evaluate, peak_memory_mb, resolve_device
-from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
+from objectives import PolicyBatch
 
 # TRL's logged metric -> the native metrics.jsonl key
 TRL_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "rewards/correct/mean": "accuracy",
@@ -63,38 +64,6 @@ TRL_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "rewards/correc
             "frac_reward_zero_std": "frac_zero_std_groups", "grad_norm": "grad_norm", "learning_rate": "lr",
             "loss": "loss"}
 TRL_DROP = ("epoch", "num_tokens", "step_time")  # TRL's epoch / tokens seen / step time: step_s covers them
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_config(run: DictConfig) -> None:
-    """What the TRL backend cannot run, as ConfigErrors (called by harness.config.validate)."""
-    t = run.train
-    minibatch = t.prompts_per_step * t.group_size // t.num_minibatches
-    micro = t.micro_batch_size or minibatch
-    if minibatch % (micro * world_size()):
-        raise ConfigError(f"backend trl: the minibatch ({minibatch} sequences) must split into micro-batches of "
-                          f"train.micro_batch_size={micro} on each of {world_size()} processes")
-    if t.group_size < 2:
-        raise ConfigError("backend trl: TRL needs train.group_size >= 2")
-    if run.task.overlong_buffer:
-        raise ConfigError("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward "
-                          "function to TRL yourself); use backend=native")
-    if t.dynamic_sampling:
-        raise ConfigError("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group "
-                          "refill); use backend=native")
-    if json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}").get("use_vllm") and run.model.name == "tiny":
-        raise ConfigError("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
-                          "smollm2-135m-instruct")
-    if run.model.sampler_dtype not in (None, run.model.dtype):
-        raise ConfigError("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or "
-                          "with vLLM: RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
-    if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
-        raise ConfigError(f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL "
-                          "splits groups across micro-batches; use train.num_minibatches=1 with whole-batch "
-                          "micro-batches on one process, or backend=native")
 
 
 def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **overrides) -> GRPOConfig:
@@ -118,7 +87,7 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         vllm_importance_sampling_correction=False,  # with vLLM, train.old_logp decides (module docstring)
     )
     kwargs.update(overrides)
-    kwargs.update(json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}"))
+    kwargs.update(trl_extra_args())
     return GRPOConfig(**kwargs)
 
 
@@ -262,49 +231,23 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
 
 
 class RecordsCallback(TrainerCallback):
-    """Writes the native results files: one metrics.jsonl row per rollout step (TRL logs once per rollout step),
-    the greedy held-out evaluation at step 0, every ``eval_every`` steps and the last, and summary.json."""
+    """Writes the native results files (harness/records.py): one metrics.jsonl row per rollout step (TRL logs once
+    per rollout step), the held-out evaluation at step 0, every ``eval_every`` steps and the last."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, task, tokenizer, resume_step: int, elapsed_before: float):
-        self.cfg, self.run_dir, self.task, self.tokenizer = cfg, run_dir, task, tokenizer
+    def __init__(self, cfg: DictConfig, records: RunRecords, task, tokenizer):
+        self.cfg, self.records, self.task, self.tokenizer = cfg, records, task, tokenizer
         self.trainer = None  # set once the trainer exists
-        self.main = int(os.environ.get("RANK", "0")) == 0
-        self.log = MetricsLog(run_dir / "metrics.jsonl", resume_step=resume_step) if self.main else None
-        self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step=resume_step) if self.main else None
-        rows = self.log.rows if self.main else []
-        evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
-        self.state = {"step": resume_step, "last_eval": evals[-1] if evals else None,
-                      "best_eval": max(evals) if evals else None,
-                      "rollout_tokens": max([r.get("rollout_tokens", 0) for r in rows] or [0])}
-        self.started, self.elapsed_before, self.last_time = time.time(), elapsed_before, time.time()
+        self.last_time = time.time()
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
         trainer = self.trainer
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-            row = evaluate(model, self.tokenizer, self.task, self.cfg, step, self.eval_samples)  # ZeRO-3: all ranks
-        self.state["last_eval"] = row["eval_accuracy"]
-        self.state["best_eval"] = max(self.state["best_eval"] or 0.0, row["eval_accuracy"])
-        return row
-
-    def summary(self, status: str, error: str | None = None) -> dict:
-        t = self.cfg.train
-        data = {"run_id": self.run_dir.name, "objective": self.cfg.objective.name, "seed": self.cfg.seed,
-                "status": status, "steps_done": self.state["step"], "total_steps": t.steps,
-                "final_eval_accuracy": self.state["last_eval"], "best_eval_accuracy": self.state["best_eval"],
-                "wall_time_s": self.elapsed_before + time.time() - self.started,
-                "rollout_tokens": self.state["rollout_tokens"],
-                "update_tokens": self.state["rollout_tokens"] * t.epochs, "nonfinite_skips": None, "error": error,
-                "backend": "trl"}
-        if self.main:
-            write_json_atomic(self.run_dir / "summary.json", data)
-        return data
+            return evaluate(model, self.tokenizer, self.task, self.cfg, step)  # every rank: ZeRO-3 needs them all
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
-            row = {"step": 0, **self.evaluate(0)}
-            if self.main:
-                self.log.append(row)
-        self.summary("running")
+            row, samples = self.evaluate(0)
+            self.records.log({"step": 0, **row}, samples)
         self.last_time = time.time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -315,64 +258,56 @@ class RecordsCallback(TrainerCallback):
         now, phase = time.time(), self.trainer.phase_s
         step_s, rollout_s = now - self.last_time, phase.pop("rollout", 0.0)
         phase.clear()
-        n = t.prompts_per_step * t.group_size
-        tokens = logs["completions/mean_length"] * n
-        self.state["rollout_tokens"] += int(round(tokens))
-        self.state["step"] = step
-        row = {"step": step, "rollout_tokens": self.state["rollout_tokens"],
+        tokens = logs["completions/mean_length"] * t.prompts_per_step * t.group_size
+        progress = self.records.progress
+        progress["rollout_tokens"] += int(round(tokens))
+        progress["update_tokens"] = progress["rollout_tokens"] * t.epochs
+        row = {"step": step, "rollout_tokens": progress["rollout_tokens"],
                **{new: logs[old] for old, new in TRL_KEYS.items() if old in logs},
                **{k: v for k, v in logs.items() if "/" not in k and k not in TRL_KEYS and k not in TRL_DROP},
                "rollout_s": rollout_s, "update_s": step_s - rollout_s, "rollout_tok_s": tokens / max(rollout_s, 1e-9),
                "update_tok_s": tokens * t.epochs / max(step_s - rollout_s, 1e-9), "step_s": step_s,
                "peak_mem_mb": peak_memory_mb(self.trainer.accelerator.device)}
+        samples = None
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            row.update(self.evaluate(step))
-        if self.main:
-            self.log.append(row)
-        self.summary("running")
+            evaluation, samples = self.evaluate(step)
+            row.update(evaluation)
+        self.records.log(row, samples)
         self.last_time = time.time()
 
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
-    check_config(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    reason = unsupported(cfg)
+    if reason:
+        raise ConfigError(reason)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    task = build_task(cfg)
-    device = resolve_device(cfg.device)
-    if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    policy, tokenizer = build_policy(cfg, task, device)
-    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
-    estimator = get_advantage(cfg.objective.advantage or objective.default_advantage)
-    reference = copy.deepcopy(policy).eval() if objective.beta > 0 else None
-
     checkpoint = get_last_checkpoint(str(run_dir / "trl")) if (run_dir / "trl").is_dir() else None
-    steps_per_rollout = cfg.train.num_minibatches * cfg.train.epochs
-    resume_step = int(checkpoint.rsplit("-", 1)[1]) // steps_per_rollout if checkpoint else 0
-    elapsed = 0.0
-    if checkpoint and (run_dir / "summary.json").exists():
-        elapsed = json.loads((run_dir / "summary.json").read_text()).get("wall_time_s") or 0.0
-    records = RecordsCallback(cfg, run_dir, task, tokenizer, resume_step, elapsed)
-    trainer = RegistryGRPOTrainer(
-        model=policy, reward_funcs=reward_functions(task), args=grpo_config(
-            cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
-        train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
-        callbacks=[records], objective=objective, estimator=estimator, reference=reference,
-        old_logp=cfg.train.old_logp)
-    records.trainer = trainer
-    if not progress:
-        trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
-    try:
+    rollout_steps = cfg.train.num_minibatches * cfg.train.epochs
+    resume_step = int(checkpoint.rsplit("-", 1)[1]) // rollout_steps if checkpoint else None
+    records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl",
+                         main=int(os.environ.get("RANK", "0")) == 0)
+    records.progress["rollout_tokens"] = max([r.get("rollout_tokens", 0) for r in records.rows] or [0])
+    records.progress["update_tokens"] = records.progress["rollout_tokens"] * cfg.train.epochs
+    with records.recording():
+        task = build_task(cfg)
+        device = resolve_device(cfg.device)
+        if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        policy, tokenizer, records.start_policy = build_policy(cfg, task, device)
+        objective, estimator = build_objective(cfg)
+        reference = frozen_copy(policy) if objective.beta > 0 else None
+        callback = RecordsCallback(cfg, records, task, tokenizer)
+        trainer = RegistryGRPOTrainer(
+            model=policy, reward_funcs=reward_functions(task), args=grpo_config(
+                cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
+            train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
+            callbacks=[callback], objective=objective, estimator=estimator, reference=reference,
+            old_logp=cfg.train.old_logp)
+        callback.trainer = trainer
+        if not progress:
+            trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
         trainer.train(resume_from_checkpoint=checkpoint)
-    except BaseException as e:
-        records.summary("failed" if isinstance(e, Exception) else "interrupted", f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        if records.main:
-            records.log.close()
-            records.eval_samples.close()
     return records.summary("finished")

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from harness.models import load_model
+from tests.tiny import TINY_SPEC
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +22,7 @@ def gsm8k_dir() -> Path:
 @pytest.fixture
 def tiny_model():
     """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
-    return load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64})
+    return load_model("tiny", tiny=TINY_SPEC)
 
 
 @pytest.fixture

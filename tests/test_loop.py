@@ -11,36 +11,21 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.batch import collect_batch, rewards_of
+from harness.build import build_policy, build_task
 from harness.config import ConfigError, load_experiment, run_configs
 from harness.models import build_prompt, load_model
 from harness.records import read_jsonl
 from harness.rollout import completion_logprobs, generate
 from harness.tasks import Arith, Score, get_task
-from harness.train import build_policy, build_task, rewards_of, rollout_step, train
+from harness.train import train
 from objectives import ObjectiveOutput, available_objectives, get_objective
-
-TINY = [
-    "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
-    "model.tiny.intermediate_size=64", "task.eval_size=8", "train.prompts_per_step=4", "train.group_size=4",
-    "train.max_new_tokens=8", "train.num_minibatches=2", "train.steps=2", "train.eval_every=0", "threads=1",
-    "train.lr=1e-3",
-]
-TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "peak_mem_mb"}
-
-
-def tiny_run(tmp_path, *overrides):
-    (run,) = run_configs(load_experiment("base", [*TINY, f"results_dir={tmp_path}", *overrides]))
-    return run
-
-
-def without_timing(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+from tests.tiny import TINY_SPEC, tiny_run, without_timing
 
 
 @pytest.fixture(scope="module")
 def tiny_policy():
-    model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
-                                                "intermediate_size": 64}, seed=0)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
     task = get_task("arith")
     prompts = [build_prompt(tokenizer, p.question) for p in task.train_problems()[:6]]
     return model, tokenizer, prompts
@@ -190,7 +175,7 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
         out = real(batch)
         return ObjectiveOutput(out.loss * float("nan"), out.metrics)
 
-    monkeypatch.setattr("harness.train.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
+    monkeypatch.setattr("harness.build.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
     run = tiny_run(tmp_path, "train.steps=3", "train.max_nonfinite_in_row=3")
     with pytest.raises(RuntimeError, match="non-finite"):
         train(run, tmp_path / "nan", progress=False)
@@ -240,23 +225,28 @@ def test_embedded_smollm2_trains_one_gsm8k_step(tmp_path, gsm8k_dir, monkeypatch
     assert step["mismatch_logp_abs"] < 1e-3 and math.isfinite(step["grad_norm"])
 
 
+def parity(completion: str) -> float:
+    """A reward that varies within a group of a random model's completions: the parity of the first character."""
+    return float(ord(completion[0]) % 2 == 0) if completion else 0.0
+
+
 def dynamic_sampling_setup(tmp_path, monkeypatch, score):
     monkeypatch.setattr(Arith, "score", lambda self, completion, problem: score(completion))
     cfg = tiny_run(tmp_path, "train.dynamic_sampling=true", "train.group_size=2", "train.max_sampling_rounds=6")
     task = build_task(cfg)
-    model, tokenizer = build_policy(cfg, task, torch.device("cpu"))
-    plain = rollout_step(model, tokenizer, task, task.train_problems(),
+    model, tokenizer, _ = build_policy(cfg, task, torch.device("cpu"))
+    plain = collect_batch(model, tokenizer, task, task.train_problems(),
                          OmegaConf.merge(cfg, {"train": {"dynamic_sampling": False}}), step=1)
-    return cfg, task, model, tokenizer, plain, rollout_step(model, tokenizer, task, task.train_problems(), cfg, 1)
+    return cfg, task, model, tokenizer, plain, collect_batch(model, tokenizer, task, task.train_problems(), cfg, 1)
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, monkeypatch):
     cfg, task, model, tokenizer, plain, (ro, rewards, stats) = dynamic_sampling_setup(
-        tmp_path, monkeypatch, lambda completion: Score(float(len(completion) % 2 == 0), 0.0))  # parity: varies
+        tmp_path, monkeypatch, lambda completion: Score(parity(completion), 0.0))  # varies within groups
     plain_rewards = plain[1].view(4, 2)
-    assert torch.equal(plain[1], torch.tensor([float(len(x) % 2 == 0) for x in plain[0].texts]))
+    assert torch.equal(plain[1], torch.tensor([parity(x) for x in plain[0].texts]))
     assert 0 < plain[2]["frac_zero_std_groups"] < 1 and stats["sampling_rounds"] > 1  # round 1 was not enough
-    assert torch.equal(rewards, torch.tensor([float(len(x) % 2 == 0) for x in ro.texts]))  # each row's own reward
+    assert torch.equal(rewards, torch.tensor([parity(x) for x in ro.texts]))  # each row's own reward
     rewards = rewards.view(4, 2)
     assert (rewards[:, 0] != rewards[:, 1]).all() and stats["frac_zero_std_groups_trained"] == 0
     # round 1 is the plain step's sample: its informative groups open the batch, in order, unchanged
@@ -277,7 +267,7 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tmp_path
 
 
 def test_dynamic_sampling_through_the_loop_counts_every_sampled_token(tmp_path, monkeypatch):
-    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(float(len(completion) % 2 == 0), 0.0))
+    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(parity(completion), 0.0))
     train(tiny_run(tmp_path, "train.dynamic_sampling=true", "train.group_size=2"), tmp_path / "run", progress=False)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
     assert all(r["frac_zero_std_groups_trained"] == 0 and r["adv_std"] > 0 for r in rows)

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from harness.config import ConfigError, load_experiment, run_configs, run_id
 from harness.records import read_jsonl
-from tests.test_loop import TINY, without_timing
+from tests.tiny import TINY_RUN, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +83,7 @@ def test_cli_lists_registered_names():
 def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
     exp = tmp_path / "killtest.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
-    args = [str(exp), *TINY, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
+    args = [str(exp), *TINY_RUN, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     exp_dir = tmp_path / "res" / "killtest"
@@ -112,7 +113,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
         rows = read_jsonl(exp_dir / run["dir"] / "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(7))
     # the resumed run is the run that was never interrupted
-    out = cli("train", str(exp), *TINY, "train.steps=6", "--run-dir", str(tmp_path / "ref"), "--no-progress")
+    out = cli("train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert out.returncode == 0, out.stderr
     assert without_timing(read_jsonl(first / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
@@ -120,9 +121,15 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
     assert again.returncode == 0 and "2/2 runs finished" in again.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CUDA device on a machine without one")
+def test_cuda_without_a_cuda_torch_is_a_config_error_saying_how_to_install_one():
+    with pytest.raises(ConfigError, match="device=cuda, but .*(make setup TORCH=torch|CUDA_VISIBLE_DEVICES)"):
+        run_configs(load_experiment("gsm8k_ablation", ["profile=gpu"]))
+
+
 def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
-    runs = run_configs(load_experiment("gsm8k_ablation", ["profile=gpu", "train.steps=7"]))
-    assert {r.model.name for r in runs} == {"Qwen/Qwen2.5-1.5B-Instruct"}
+    runs = run_configs(load_experiment("gsm8k_ablation", ["profile=gpu", "train.steps=7", "device=cpu"]))
+    assert {r.model.name for r in runs} == {"Qwen/Qwen2.5-1.5B-Instruct"} and runs[0].device == "cpu"
     assert runs[0].train.prompts_per_step == 32 and runs[0].train.steps == 7 and runs[0].profile is None
     with pytest.raises(ConfigError, match="profile 'tpu' is not defined"):
         load_experiment("gsm8k_ablation", ["profile=tpu"])

@@ -1,5 +1,5 @@
 """The TRL backend is the native loop's math: (a) on a fixed batch, its loss and gradient equal the native loop's
-(harness.train.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
+(harness.update.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
 run through the backend writes the native results files.
 
 The batch is fixed by calling the trainer's ``_compute_loss`` on a hand-made ``inputs`` dict (the one TRL builds
@@ -18,12 +18,12 @@ import torch
 from omegaconf import OmegaConf
 from trl import GRPOTrainer
 
+from harness.batch import TrainBatch
 from harness.config import ConfigError, load_experiment, run_configs
 from harness.models import build_prompt, load_model
 from harness.records import read_jsonl
 from harness.rollout import generate
 from harness.tasks import get_task
-from harness.train import update
 from harness.trl_backend import (
     RegistryGRPOTrainer,
     grpo_config,
@@ -31,14 +31,15 @@ from harness.trl_backend import (
     reward_functions,
     train_trl,
 )
+from harness.update import RunState, update
 from objectives import get_advantage, get_objective
+from tests.tiny import TINY_SPEC
 
-TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
 PROMPTS, GROUP, MAX_NEW = 4, 4, 8
-OVERRIDES = [*(f"model.tiny.{k}={v}" for k, v in TINY.items()), "task.eval_size=8", f"train.prompts_per_step={PROMPTS}",
-             f"train.group_size={GROUP}", f"train.max_new_tokens={MAX_NEW}", "train.num_minibatches=1",
-             "train.max_grad_norm=1e9", "train.eval_every=0", "train.steps=1", "threads=1", "device=cpu",
-             "backend=trl"]
+OVERRIDES = [*(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "task.eval_size=8",
+             f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}", f"train.max_new_tokens={MAX_NEW}",
+             "train.num_minibatches=1", "train.max_grad_norm=1e9", "train.eval_every=0", "train.steps=1", "threads=1",
+             "device=cpu", "backend=trl"]
 
 
 def run_config(tmp_path, *overrides):
@@ -51,7 +52,7 @@ def fixed():
     """A tiny policy (kept pristine), its tokenizer, the task, and one fixed rollout batch with perturbed
     behaviour / reference log-probs, random binary rewards and GRPO advantages."""
     torch.manual_seed(0)
-    model, tokenizer = load_model("tiny", tiny=TINY, seed=0)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
     task = get_task("arith", eval_size=8)
     pool = task.train_problems()[:100]
     shortest, longest = (f(pool, key=lambda p: len(p.question)) for f in (min, max))
@@ -102,7 +103,7 @@ def loss_and_grad(trainer, inputs):
 
 
 class GradCapture:
-    """An 'optimizer' for harness.train.update that keeps the gradient of its step instead of stepping."""
+    """An 'optimizer' for harness.update.update that keeps the gradient of its step instead of stepping."""
 
     def __init__(self, model):
         self.model, self.grads = model, None
@@ -134,9 +135,9 @@ def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, ob
     policy = copy.deepcopy(model)
     capture = GradCapture(policy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(policy.parameters(), lr=0.0), lambda s: 1.0)
-    state = {"optimizer_steps": 0, "total_optimizer_steps": 1, "nonfinite_skips": 0, "nonfinite_in_row": 0}
-    native = update(policy, capture, scheduler, get_objective(objective, **params), ro, old_logp,
-                    ref_logp if params.get("beta") else None, advantages, rewards, group_ids, run, 1, state)
+    batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp if params.get("beta") else None)
+    native = update(policy, capture, scheduler, get_objective(objective, **params), batch, run, 1,
+                    RunState(total_optimizer_steps=1))
     inputs = trl_inputs(fixed)
     if not params.get("beta"):
         inputs.pop("ref_per_token_logps")
@@ -241,7 +242,7 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
 
 
 def test_config_errors_name_the_backends(tmp_path):
-    with pytest.raises(ConfigError, match="native | trl"):
+    with pytest.raises(ConfigError, match="backend must be one of native, trl"):
         run_config(tmp_path, "backend=jax")
     with pytest.raises(ConfigError, match="sampler_dtype"):
         run_config(tmp_path, "model.sampler_dtype=bfloat16")

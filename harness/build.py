@@ -1,0 +1,53 @@
+"""What a run is made of, built from its config the same way for every backend: device, task, starting policy
+(after the cached supervised warm start), objective and advantage estimator, frozen copies (reference, sampler)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import DTYPES
+from harness.models import load_model, warm_start
+from harness.tasks import Task, get_task
+from objectives import get_advantage, get_objective
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_task(cfg: DictConfig) -> Task:
+    data_dir = {"data_dir": cfg.task.data_dir} if cfg.task.data_dir else {}
+    return get_task(cfg.task.name, eval_size=cfg.task.eval_size, **data_dir, **OmegaConf.to_container(cfg.task.args))
+
+
+def build_policy(cfg: DictConfig, task: Task, device: torch.device):
+    """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
+    the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy."""
+    m = cfg.model
+    tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
+    model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
+    start = None
+    if m.warm_start_steps:
+        target = tuple(m.warm_start_target) if m.warm_start_target is not None else None
+        model, start = warm_start(model, tokenizer, task, max_steps=m.warm_start_steps, lr=m.warm_start_lr,
+                                  batch_size=m.warm_start_batch_size, seed=m.seed, target=target,
+                                  check_every=m.warm_start_check_every)
+    return model, tokenizer, start
+
+
+def build_objective(cfg: DictConfig):
+    """The objective (with the config's hyperparameters) and its advantage estimator."""
+    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
+    return objective, get_advantage(cfg.objective.advantage or objective.default_advantage)
+
+
+def frozen_copy(policy, dtype: torch.dtype | None = None):
+    """A copy of ``policy`` without gradients (the KL reference, or a sampler in another precision)."""
+    model = copy.deepcopy(policy).requires_grad_(False).eval()
+    return model.to(dtype) if dtype is not None else model
