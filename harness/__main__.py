@@ -35,12 +35,27 @@ def cmd_train(args) -> int:
 def cmd_sweep(args) -> int:
     from harness.sweep import run_sweep
 
-    entries = run_sweep(load_experiment(args.experiment, args.overrides), jobs=args.jobs,
-                        progress=not args.no_progress)
+    cfg = load_experiment(args.experiment, args.overrides)
+    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress)
     failed = [e["run_id"] for e in entries if e["status"] != "finished"]
     print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
           (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
-    return 1 if failed else 0
+    report_status = 0
+    if not args.no_report:  # the report of whatever exists, in the sweep's own results folder
+        from analysis.__main__ import main as analyse
+
+        report_status = analyse([str(Path(cfg.results_dir) / cfg.name)])
+    return 1 if failed or report_status else 0
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def cmd_list(args) -> int:
@@ -83,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
     sub.choices["train"].add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    sub.choices["sweep"].add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
+    sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")

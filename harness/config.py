@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.backends import BACKENDS, unsupported
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+GRID = "sweep.grid."  # prefix of a command-line grid override
 EMBEDDED_MODELS = ("tiny", "smollm2-135m-instruct")
 SAMPLERS = ("native", "hf")  # harness/rollout.py: our decode loop, or transformers' generate (the reference)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -160,9 +162,14 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
             from None
+    overrides = list(overrides or [])
+    grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
+    overrides = [o for o in overrides if not o.startswith(GRID)]
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
-    except OmegaConfBaseException as e:
+        layers.append(OmegaConf.from_dotlist(overrides))
+        # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
+        layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
     cfg = _merge(*layers)
     if cfg.profile is not None:
@@ -171,7 +178,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
                               f"profiles: {', '.join(cfg.profiles) or 'none'}")
         profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
         cfg = _merge(cfg, profile, layers[-1])  # command-line overrides still win
-    for override in overrides or []:  # a command-line value of a swept key pins that axis of the grid
+    for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
             cfg.sweep.grid[key] = [OmegaConf.select(cfg, key)]
