@@ -177,7 +177,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
             raise ConfigError(f"profile {cfg.profile!r} is not defined in {path.name}; "
                               f"profiles: {', '.join(cfg.profiles) or 'none'}")
         profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
-        cfg = _merge(cfg, profile, layers[-1])  # command-line overrides still win
+        cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
