@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from harness.config import ConfigError, load_experiment, run_configs, run_id
+from harness.records import FolderBusyError
 
 
 def _terminate(signum, frame):
@@ -18,6 +21,7 @@ def cmd_train(args) -> int:
     import torch
 
     from harness.backends import backend_train_function
+    from harness.build import resolve_device
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
@@ -25,10 +29,22 @@ def cmd_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
-    print(f"run directory: {run_dir}", file=sys.stderr)
-    summary = backend_train_function(run.backend)(run, run_dir, progress=not args.no_progress)
-    print(f"{summary['status']}: final eval accuracy {summary['final_eval_accuracy']}, "
-          f"best {summary['best_eval_accuracy']}, {summary['wall_time_s']:.0f} s", file=sys.stderr)
+    device = resolve_device(run.device)
+    print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
+          f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+          f"{run_dir}", file=sys.stderr)
+    try:
+        summary = backend_train_function(run.backend)(run, run_dir, progress=not args.no_progress)
+    except (ConfigError, FolderBusyError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # the run's own failure: one line here, the traceback beside the run
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "traceback.txt").write_text(traceback.format_exc())
+        print(f"error: {type(e).__name__}: {e} (traceback in {run_dir / 'traceback.txt'})", file=sys.stderr)
+        return 1
+    print(f"{summary['status']}: eval accuracy {summary['start_eval_accuracy']} at the start, "
+          f"{summary['final_eval_accuracy']} at the end (best {summary['best_eval_accuracy']}), "
+          f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
     return 0
 
 
@@ -112,6 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except FolderBusyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume (finished steps are kept)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -178,6 +178,11 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
                               f"profiles: {', '.join(cfg.profiles) or 'none'}")
         profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
         cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
+    keys = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+    file_task = OmegaConf.select(layers[0], "task.name", default=None)
+    if ("task.name" in keys and keys["task.name"] != file_task and not any(k.startswith("task.args") for k in keys)) \
+            or keys.get("task.args", "").replace(" ", "") == "{}":
+        cfg.task.args = {}  # another task: the experiment's task arguments were for its own task
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -247,9 +252,16 @@ def validate(run: DictConfig) -> None:
         raise ConfigError(str(e)) from None
     t, m = run.train, run.model
     for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches",
-                "max_sampling_rounds"):
+                "max_sampling_rounds", "max_nonfinite_in_row"):
         if t[key] < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
+    for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every"):
+        if t[key] < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {t[key]}")
+    if t.max_grad_norm <= 0:
+        raise ConfigError(f"train.max_grad_norm must be > 0, got {t.max_grad_norm}")
+    if t.group_size == 1:
+        _check_single_sample_groups(run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage)
     if not 0 <= run.task.overlong_buffer <= t.max_new_tokens or run.task.overlong_penalty < 0:
         raise ConfigError(f"task.overlong_buffer must be in [0, train.max_new_tokens={t.max_new_tokens}] and "
                           f"task.overlong_penalty >= 0, got {run.task.overlong_buffer} and {run.task.overlong_penalty}")
@@ -288,6 +300,18 @@ def validate(run: DictConfig) -> None:
     reason = unsupported(run)
     if reason:
         raise ConfigError(reason)
+
+
+def _check_single_sample_groups(estimator: str) -> None:
+    """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
+    from objectives import ADVANTAGES
+
+    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
+    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups).abs().sum() > 0]
+    if estimator not in working:
+        raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
+                          f"centres rewards within a group): use train.group_size >= 2"
+                          + (f", or objective.advantage one of {', '.join(working)}" if working else ""))
 
 
 def _check_warm_start(m: DictConfig) -> None:
@@ -336,7 +360,7 @@ def _check_task_and_model(run: DictConfig) -> None:
         arguments["data_dir"] = run.task.data_dir
     error = _task_error(run.task.name, json.dumps(arguments, sort_keys=True))
     if error:
-        raise ConfigError(f"task.args: {error}")
+        raise ConfigError(f"task {run.task.name!r}: {error}")
     if run.model.name != "tiny":
         if run.model.tiny:
             raise ConfigError(f"model.tiny only applies to model.name=tiny, not {run.model.name!r}; remove it")

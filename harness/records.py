@@ -12,6 +12,7 @@ On resume both JSON-lines files keep exactly the steps up to the checkpoint's, s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -39,16 +40,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete JSON lines of a file; a truncated last line (a kill mid-write) is dropped."""
+def read_jsonl(path: Path, warn: bool = False) -> list[dict]:
+    """The complete JSON lines of a file; a truncated last line (a kill mid-write) is dropped silently, any other
+    unreadable line with a warning on stderr naming the file and line when ``warn``."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    rows, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            if warn and number < len(lines):
+                print(f"warning: {path}, line {number} is not valid JSON: dropped (the step it held is listed in "
+                      "summary.json's missing_steps)", file=sys.stderr)
     return rows
 
 
@@ -59,7 +63,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         keep = -1 if resume_step is None else resume_step
-        self.rows = [r for r in read_jsonl(path) if r.get("step", math.inf) <= keep]
+        self.rows = [r for r in read_jsonl(path, warn=True) if r.get("step", math.inf) <= keep]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         os.replace(tmp, path)
@@ -91,10 +95,11 @@ class RunRecords:
         self.progress = {"steps_done": resume_step or 0, "rollout_tokens": 0, "update_tokens": 0,
                          "nonfinite_skips": None}
         self.started, self.elapsed_before = time.time(), 0.0
-        self.metrics = self.eval_samples = None
+        self.metrics = self.eval_samples = self.lock = None
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = lock_folder(run_dir / ".run.lock", f"run folder {run_dir} is being written by another process")
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
         self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
@@ -120,11 +125,13 @@ class RunRecords:
 
     def summary(self, status: str, error: str | None = None) -> dict:
         evals = [r["eval_accuracy"] for r in self.rows if r.get("eval_accuracy") is not None]
+        logged = {r["step"] for r in self.rows}
         start_eval = self.rows[0].get("eval_accuracy") if self.rows and self.rows[0]["step"] == 0 else None
         data = {"run_id": self.run_dir.name, "objective": self.cfg.objective.name, "seed": self.cfg.seed,
                 "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
+                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
                 "wall_time_s": self.wall_time_s(), "error": error}
         if self.main:
             write_json_atomic(self.run_dir / "summary.json", data)
@@ -145,6 +152,23 @@ class RunRecords:
             if self.main:
                 self.metrics.close()
                 self.eval_samples.close()
+                self.lock.close()
+
+
+def lock_folder(path: Path, busy: str):
+    """An exclusive lock held while the returned file stays open; raises FolderBusyError(``busy``) if another
+    process holds it."""
+    handle = open(path, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise FolderBusyError(f"{busy}; wait for it or stop it") from None
+    return handle
+
+
+class FolderBusyError(RuntimeError):
+    pass
 
 
 # ------------------------------------------------------------------------- the native loop's checkpoints

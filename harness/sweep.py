@@ -8,7 +8,6 @@ between them; if the sweep process dies (even SIGKILL), its children die with it
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.config import run_configs, run_id
-from harness.records import read_jsonl, write_json_atomic
+from harness.records import lock_folder, read_jsonl, write_json_atomic
 
 
 def _die_with_parent() -> None:
@@ -39,6 +38,13 @@ def _status(run_dir: Path) -> str:
         return json.loads(summary.read_text())["status"]
     except (json.JSONDecodeError, KeyError):
         return "pending"
+
+
+def _error(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("error")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
@@ -65,15 +71,12 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
 
 
 def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dict]:
-    """Run (or resume) the sweep; returns the manifest's run entries. Raises if another sweep holds the folder."""
+    """Run (or resume) the sweep; returns the manifest's run entries. Raises FolderBusyError if another sweep holds
+    the folder."""
     runs = run_configs(cfg)
     exp_dir = Path(cfg.results_dir) / cfg.name
     exp_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(exp_dir / ".sweep.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RuntimeError(f"another sweep is already running in {exp_dir}; wait for it or stop it") from None
+    lock = lock_folder(exp_dir / ".sweep.lock", f"another sweep is already running in {exp_dir}")
 
     entries = []
     for run in runs:
@@ -123,9 +126,11 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
                 if proc.poll() is None:
                     continue
                 entry = next(e for e in entries if e["run_id"] == rid)
-                entry["status"] = _status(exp_dir / rid) if proc.returncode == 0 else "failed"
+                status, error = _status(exp_dir / rid), _error(exp_dir / rid)
+                entry["status"] = status if proc.returncode == 0 or status in ("failed", "interrupted") else "failed"
                 if proc.returncode:
-                    tqdm.write(f"run {rid} failed (exit {proc.returncode}); see {exp_dir / rid / 'train.log'}")
+                    tqdm.write(f"run {rid} {entry['status']} (exit {proc.returncode}): {error or 'no summary'}; "
+                               f"log in {exp_dir / rid / 'train.log'}")
                 save_manifest()
                 bar.close()
                 logfile.close()

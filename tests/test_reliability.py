@@ -1,0 +1,133 @@
+"""Nothing written twice, nothing lost without a word, every failure one line (issue: reliability gaps)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.config import ConfigError, load_experiment, run_configs
+from harness.records import FolderBusyError, RunRecords, read_jsonl
+from harness.train import train
+from tests.tiny import TINY_RUN, tiny_run, without_timing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, monkeypatch):
+    run = tiny_run(tmp_path, "train.eval_every=1")
+    train(run, tmp_path / "full", progress=False)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:  # Ctrl-C right after the step-0 line, before the first checkpoint
+        patch.setattr("harness.train.collect_batch", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train(run, tmp_path / "part", progress=False)
+    assert [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")] == [0]
+    assert json.loads((tmp_path / "part" / "summary.json").read_text())["status"] == "interrupted"
+    train(run, tmp_path / "part", progress=False)
+    part, full = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("part", "full"))
+    assert [r["step"] for r in part] == [0, 1, 2] and without_timing(part) == without_timing(full)
+    samples = [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")]
+    assert samples == [0] * 8 + [1] * 8 + [2] * 8
+
+
+def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(with_steps(run, 2), tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = "{garbage"
+    path.write_text("\n".join(lines) + "\n")
+    summary = train(run, tmp_path / "run", progress=False)
+    assert f"{path}, line 2 is not valid JSON" in capsys.readouterr().err
+    assert summary["status"] == "finished" and summary["missing_steps"] == [1]
+    assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
+
+
+def with_steps(run, steps: int):
+    return OmegaConf.merge(run, {"train": {"steps": steps}})
+
+
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "full", progress=False)
+    train(with_steps(run, 2), tmp_path / "part", progress=False)
+    folder = tmp_path / "part" / "checkpoints"
+    assert (folder / "previous.pt").exists()  # step 1's, kept while step 2's was written
+    (folder / "last.pt").write_bytes(b"torn")
+    train(run, tmp_path / "part", progress=False)  # resumes from step 1: steps 2 and 3 again, nothing twice
+    part, full = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("part", "full"))
+    assert without_timing(part) == without_timing(full)
+    for name in ("last.pt", "previous.pt"):
+        (folder / name).write_bytes(b"torn")
+    with pytest.raises(RuntimeError, match=r"unreadable checkpoint .*last\.pt.*delete .*checkpoints to restart"):
+        train(run, tmp_path / "part", progress=False)
+
+
+def test_two_processes_cannot_write_one_run_folder(tmp_path):
+    run = tiny_run(tmp_path)
+    holder = RunRecords(run, tmp_path / "run", None, None, "native")
+    with pytest.raises(FolderBusyError, match="is being written by another process"):
+        train(run, tmp_path / "run", progress=False)
+    holder.lock.close()
+    assert train(run, tmp_path / "run", progress=False)["status"] == "finished"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=-1", "train.lr must be >= 0"),
+    ("task.eval_size=0", "eval_size must be an integer >= 1"),
+    ("task.args.digit=3", "has no argument digit"),
+    ("model.tiny.hidden=8", "model.tiny has no field hidden"),
+    ("model.tiny.num_heads=3", "a multiple of num_heads"),
+    ("train.group_size=1", "makes every advantage 0"),
+    ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
+])
+def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_configs(load_experiment("quickstart", [override]))
+
+
+def test_replacing_the_task_replaces_its_arguments():
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=gsm8k", "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {}
+    (run,) = run_configs(load_experiment("quickstart", ["task.args={}", "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {}
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1,\n")
+    for args, message in [((str(bad),), "not valid YAML at line 3"), (("quickstart", "train.lr=-1"), "train.lr")]:
+        out = cli("train", *args)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    for jobs in ("0", "-1"):
+        out = cli("sweep", "quickstart", "--jobs", jobs)
+        assert out.returncode == 2 and "--jobs: must be an integer >= 1" in out.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_how_to_resume(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "train", "base", *TINY_RUN, "train.steps=500",
+                             "--run-dir", str(tmp_path / "run"), "--no-progress"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    while len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) < 2:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted: run the same command again to resume" in err
+    assert "Traceback" not in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
