@@ -1,6 +1,6 @@
 """Turn a results/<experiment>/ folder into a report: figures, tables, report.md and report.html.
 
-    python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf]
+    python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]
 """
 
 from analysis.load import AnalysisError, AnalysisWarning, load_experiment

@@ -1,4 +1,4 @@
-"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf]"""
+"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]"""
 
 import argparse
 import sys
@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
                         "metrics in the curves (default 1: no smoothing; eval accuracy is never smoothed)")
     parser.add_argument("--formats", default="png,pdf", help="figure formats besides the PNG the report embeds: "
                         "comma-separated, of png, pdf, svg (default png,pdf)")
+    parser.add_argument("--paper", action="store_true", help="figures for a paper: no title, 3.3 in (single column) "
+                        "or 6.8 in (double column) wide, print-sized fonts, PDF among the formats")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
@@ -23,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            report = build_report(args.results, args.out, args.smooth, tuple(filter(None, args.formats.split(","))))
+            report = build_report(args.results, args.out, args.smooth, tuple(filter(None, args.formats.split(","))),
+                                  args.paper)
         except AnalysisError as e:
             error = e
     for w in caught:

@@ -15,6 +15,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
+SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
 
 
 class AnalysisError(Exception):
@@ -33,7 +34,8 @@ def warn(message: str) -> None:
 class Experiment:
     name: str
     dir: Path
-    runs: pd.DataFrame  # one row per run (manifest order): identity, status, summary numbers, `complete`, `problem`
+    runs: pd.DataFrame  # one row per run (manifest order): identity, status, summary numbers, start policy,
+    # `complete`, `problem`
     metrics: pd.DataFrame  # one row per (run, step): run_id, objective, seed, step and the logged metrics
     configs: dict[str, dict]  # run_id -> config.yaml flattened to dotted keys
 
@@ -103,6 +105,20 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
+def start_policy(summary: dict, path: Path) -> dict:
+    """summary.json's `start_policy` as run columns. start_policy: its key, "none" (null: no warm start) or None
+    (not recorded: runs older than the field)."""
+    info = summary.get("start_policy")
+    if info is None:
+        return {"start_policy": "none" if "start_policy" in summary else None}
+    if not isinstance(info, dict):
+        warn(f"{path}: start_policy is not an object or null, ignored")
+        return {"start_policy": None}
+    return {"start_policy": str(info.get("key") or "?"), "start_policy_steps": info.get("steps"),
+            "start_policy_check_accuracy": info.get("check_accuracy"),
+            "start_policy_eval_accuracy": info.get("eval_accuracy")}
+
+
 def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     run_dir = exp_dir / str(entry.get("dir") or entry.get("run_id"))
     run_id = str(entry.get("run_id") or run_dir.name)
@@ -115,6 +131,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     config = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
     metrics = read_metrics(run_dir / "metrics.jsonl") if found["metrics.jsonl"] else pd.DataFrame()
     evals = metrics["eval_accuracy"].dropna() if "eval_accuracy" in metrics else pd.Series(dtype=float)
+    at_start = evals[metrics.loc[evals.index, "step"] == 0] if len(evals) else evals
     run = {
         "run_id": run_id,
         "objective": str(_first(entry.get("objective"), summary.get("objective"), config.get("objective.name"),
@@ -125,8 +142,13 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         "total_steps": _first(summary.get("total_steps"), config.get("train.steps")),
         "final_eval_accuracy": _first(summary.get("final_eval_accuracy"), evals.iloc[-1] if len(evals) else None),
         "best_eval_accuracy": _first(summary.get("best_eval_accuracy"), evals.max() if len(evals) else None),
+        "start_eval_accuracy": _first(at_start.iloc[0] if len(at_start) else None, summary.get("start_eval_accuracy")),
         "wall_time_s": summary.get("wall_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
+        **start_policy(summary, run_dir / "summary.json"),
+        # the last value of each scoring variant of the eval accuracy (eval_accuracy_strict, ..._flexible)
+        **{f"final_{c}": metrics[c].dropna().iloc[-1] for c in sorted(metrics)
+           if c.startswith(SCORING_PREFIX) and metrics[c].notna().any()},
     }
     problems = []
     if not run_dir.is_dir():
@@ -170,7 +192,8 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     if "rollout_tokens" in metrics:  # the step-0 evaluation precedes any sampling
         before = metrics["step"] == 0
         metrics.loc[before, "rollout_tokens"] = metrics.loc[before, "rollout_tokens"].fillna(0)
-    numbers = ["final_eval_accuracy", "best_eval_accuracy", "wall_time_s", "rollout_tokens"]
+    numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "rollout_tokens",
+               *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     runs[["seed", "total_steps"]] = runs[["seed", "total_steps"]].astype("Int64")  # integers, <NA> when unknown
     name = str((manifest or {}).get("experiment") or exp_dir.name)

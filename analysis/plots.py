@@ -1,9 +1,10 @@
-"""Figures (seaborn style, headless Agg backend, deterministic files). Each figure function returns
-``(figure or None, notes)``: the notes say what was left out and why, and go under the figure in the report."""
+"""Figures (seaborn style, headless Agg backend, deterministic files). Each figure function returns a ``Made``: the
+figure (None when there is nothing to draw), its caption and notes, which go into the report's text, never into the
+image. ``paper=True``: no suptitle, column widths (3.3 in single, 6.8 in double) and print-sized fonts."""
 
 from __future__ import annotations
 
-import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -13,16 +14,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from analysis.stats import CI_METHOD, curve, describe, on_grid, smooth  # noqa: E402
+from analysis.stats import INTERVALS, curve, describe, interval_name, on_grid, smooth  # noqa: E402
 
 PAPER_CLIP_FRAC = {"gspo": 0.15, "grpo": 0.0013}  # read off the bars of the GSPO paper's Fig. 2
 PAPER = "GSPO paper (arXiv 2507.18071, Fig. 2)"
-X_LABELS = {"step": "training step (one rollout batch per step)",
-            "rollout_tokens": "rollout tokens (cumulative sampled completion tokens)"}
-CURVES = {"eval_accuracy": ("Eval accuracy (greedy, held-out)", "accuracy (fraction correct)"),
-          "accuracy": ("Train accuracy (sampled completions)", "accuracy (fraction correct)"),
-          "reward_mean": ("Train reward", "reward (mean per completion)")}
+X_LABELS = {"step": "training step", "rollout_tokens": "rollout tokens"}
+CURVES = {"eval_accuracy": ("Eval accuracy (greedy, held-out)", "accuracy"),
+          "accuracy": ("Train accuracy (sampled)", "accuracy"),
+          "reward_mean": ("Train reward (mean per completion)", "reward")}
 STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens clipped"),
              "ratio_std": ("Importance-ratio spread", "std of ratio π/π_old"),
              "ratio_max": ("Importance-ratio max", "max of ratio π/π_old"),
@@ -32,19 +34,56 @@ STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens cl
              "grad_norm": ("Gradient norm", "L2 norm before clipping"),
              "completion_len_mean": ("Completion length", "length (tokens, mean)"),
              "frac_zero_std_groups": ("Zero-variance groups", "fraction of groups")}
+# per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
+BOOKKEEPING = frozenset({"run_id", "objective", "seed", "step", "lr", "rollout_tokens", "update_tokens",
+                         "sampled_tokens", "nonfinite_skips"})
 SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}  # no timestamps
+SINGLE, DOUBLE = 3.3, 6.8  # paper column widths (inches)
+PAPER_RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick.labelsize": 7,
+            "legend.fontsize": 7, "lines.linewidth": 1.2, "lines.markersize": 3.5, "pdf.fonttype": 42}
+# Okabe-Ito, colour-blind safe, without its yellow (too pale on white); neighbours in sorted order contrast
+COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000"]
+LINESTYLES = ["-", (0, (5, 2)), (0, (1, 1.2)), (0, (6, 2, 1, 2)), (0, (3, 1, 1, 1, 1, 1))]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 sns.set_theme(style="whitegrid", context="paper")
 plt.rcParams["svg.hashsalt"] = "analysis"
 
 
-def palette(objectives) -> dict:
-    objectives = sorted(set(objectives))
-    return dict(zip(objectives, sns.color_palette("colorblind", len(objectives)), strict=True))
+@dataclass(frozen=True)
+class Style:
+    color: str
+    linestyle: object
+    marker: str
+    index: int
+
+
+@dataclass
+class Made:
+    stem: str
+    title: str
+    fig: object | None  # None: not drawn (the notes say why)
+    caption: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def context(paper: bool):
+    """matplotlib settings to draw and save in: print-sized fonts in paper mode."""
+    return plt.rc_context(PAPER_RC if paper else {})
+
+
+def styles(objectives) -> dict[str, Style]:
+    """Colour, line style and marker per objective (sorted), so that coinciding curves stay visible."""
+    return {o: Style(COLORS[i % len(COLORS)], LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)], i)
+            for i, o in enumerate(sorted(set(objectives)))}
 
 
 def reported(metrics: pd.DataFrame, column: str) -> bool:
     return column in metrics and metrics[column].notna().any()
+
+
+def bookkeeping(column: str) -> bool:
+    return column in BOOKKEEPING or column.endswith(("_s", "_mb"))
 
 
 def lacking(metrics: pd.DataFrame, column: str) -> list[str]:
@@ -55,152 +94,247 @@ def lacking(metrics: pd.DataFrame, column: str) -> list[str]:
     return sorted(has.index[~has])
 
 
-def seeds_label(objective: str, n) -> str:
-    lo, hi = int(np.min(n)), int(np.max(n))
-    if hi == 1:
-        return f"{objective} (n=1, no CI)"
-    return f"{objective} (n={hi})" if lo == hi else f"{objective} (n={lo}–{hi})"
+def lacking_notes(metrics: pd.DataFrame, columns: list[str]) -> list[str]:
+    return [f"`{m}` is not reported by: {', '.join(lacking(metrics, m))}." for m in columns if lacking(metrics, m)]
 
 
-def caption(fig, text: str) -> None:
-    width = int(fig.get_figwidth() * 16)
-    fig.text(0.01, 0.0, textwrap.fill(text, width), ha="left", va="top", fontsize=7)
+def same_values(metrics: pd.DataFrame, a: str, b: str) -> bool:
+    """Columns a and b are logged on the same rows with equal values (e.g. the reward is the correctness)."""
+    x, y = metrics[a], metrics[b]
+    return bool((x.isna() == y.isna()).all() and np.allclose(x.dropna(), y.dropna(), rtol=1e-9, atol=0))
 
 
-def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, colors: dict, markers: bool) -> None:
-    """Mean over runs per objective with its CI band: solid where all of the objective's runs contribute, faded
-    where fewer do (runs of different length). Rollout tokens differ per run, so runs are first interpolated onto
-    a shared token grid."""
+def families(metrics: pd.DataFrame, drawn: set[str]) -> dict[str, list[str]]:
+    """Every reported per-step metric not in `drawn` and not bookkeeping, grouped by name prefix (the part before
+    the first underscore: clip_frac_low -> clip); prefixes with a single metric are gathered under "other"."""
+    groups = {}
+    for column in sorted(metrics.columns):
+        if column not in drawn and not bookkeeping(column) and reported(metrics, column):
+            groups.setdefault(column.split("_")[0], []).append(column)
+    out = {prefix: columns for prefix, columns in groups.items() if len(columns) > 1}
+    other = [c for columns in groups.values() if len(columns) == 1 for c in columns]
+    return out | ({"other": other} if other else {})
+
+
+def seeds_label(objective: str, n: int) -> str:
+    return f"{objective} (n={n}, {interval_name(n)})"
+
+
+def width_of(ncols: int, paper: bool, single: bool) -> float:
+    return (SINGLE if single else DOUBLE) if paper else (5.2 if single else 4.2 * ncols)
+
+
+def grid(n: int, paper: bool, title: str, single: bool = False, legend_rows: int = 1):
+    """A constrained-layout figure of n panels (at most 3 a row), with the suptitle except in paper mode."""
+    ncols = 1 if single else min(3, n)
+    nrows = -(-n // ncols)
+    width = width_of(ncols, paper, single)
+    if paper:
+        height = nrows * (2.4 if single else 0.75 * width / ncols) + 0.2 * legend_rows
+    else:
+        height = nrows * 3.0 + 0.25 * legend_rows + 0.3
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, layout="constrained")
+    for ax in axes.flat[n:]:
+        ax.remove()
+    if not paper:
+        fig.suptitle(title)
+    return fig, list(axes.flat[:n])
+
+
+def legend_columns(labels, width: float, paper: bool) -> int:
+    """As many legend entries a row as fit the figure's width."""
+    longest = max(len(label) for label in labels) * (0.055 if paper else 0.075) + 0.5  # inches per entry
+    return max(1, min(len(labels), int(width // longest)))
+
+
+def objective_legend(fig, look: dict[str, Style], labels: dict[str, str], columns: int) -> None:
+    """One legend for the whole figure, below the panels."""
+    handles = [Line2D([], [], color=s.color, linestyle=s.linestyle, marker=s.marker, label=labels[o])
+               for o, s in look.items() if o in labels]
+    fig.legend(handles=handles, loc="outside lower center", ncols=columns, frameon=False)
+
+
+def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]) -> None:
+    """Mean over runs per objective with its interval band: solid where all of the objective's runs contribute,
+    faded where fewer do (runs of different length). Rollout tokens differ per run, so runs are first interpolated
+    onto a shared token grid. On lines of 6+ points, markers are spaced (every 2nd point or sparser, about 8 a line)
+    and offset per objective, so that the markers of coinciding lines alternate."""
     data = on_grid(metrics, x, y) if x == "rollout_tokens" else metrics
-    marker = "o" if markers else None
     for objective, c in curve(data, x, y).groupby("objective"):
+        s = look[objective]
+        every = max(2, len(c) // 8) if len(c) >= 6 else 1
+        kw = {"color": s.color, "linestyle": s.linestyle, "marker": s.marker, "markevery": (s.index % every, every)}
         full = c["n"] == c["n"].max()
-        ax.plot(c[x], c["mean"], color=colors[objective], alpha=0.35, linewidth=1, marker=marker, markersize=2)
-        ax.plot(c[x].where(full), c["mean"].where(full), color=colors[objective], marker=marker, markersize=3,
-                label=seeds_label(objective, c["n"]))
-        ax.fill_between(c[x], c["ci_low"], c["ci_high"], color=colors[objective], alpha=0.2, linewidth=0)
-    ax.legend(fontsize=6)
+        ax.plot(c[x], c["mean"], alpha=0.35, **kw)
+        ax.plot(c[x].where(full), c["mean"].where(full), **kw)
+        ax.fill_between(c[x], c["ci_low"], c["ci_high"], color=s.color, alpha=0.15, linewidth=0)
+    if x == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def band_note(x: str, window: int) -> str:
-    note = (f"Line: mean over seeds; band: {CI_METHOD}. n = seeds contributing; the line is solid where all n "
-            "contribute and faded where fewer do (runs of different length or unfinished).")
+    note = (f"Lines: mean over seeds, one colour, line style and marker per objective; band: {INTERVALS}. The line "
+            "is solid where all of the objective's runs contribute and faded where fewer do (runs of different "
+            "length or unfinished).")
     if x == "rollout_tokens":
-        note += " Each run is linearly interpolated onto a common rollout-token grid before averaging."
+        note += (" x: cumulative sampled completion tokens; each run is linearly interpolated onto a common "
+                 "rollout-token grid before averaging.")
+    else:
+        note += " x: training step (one rollout batch per step)."
     if window > 1:
-        note += f" Train metrics smoothed: trailing rolling mean over {window} steps (eval accuracy not smoothed)."
+        note += f" Train metrics smoothed: trailing rolling mean over {window} steps (eval metrics not smoothed)."
     return note
 
 
-def curves_figure(metrics: pd.DataFrame, x: str, colors: dict, window: int, title: str):
+def lines_figure(metrics: pd.DataFrame, x: str, columns: list[str], look: dict[str, Style], window: int,
+                 titles: dict[str, tuple[str, str]], title: str, paper: bool):
+    """One panel per column (line_panel), one legend."""
+    n = metrics.groupby("objective")["run_id"].nunique()
+    labels = {o: seeds_label(o, k) for o, k in n.items()}
+    per_row = legend_columns(labels.values(), width_of(min(3, len(columns)), paper, False), paper)
+    fig, axes = grid(len(columns), paper, title, legend_rows=-(-len(labels) // per_row))
+    for ax, m in zip(axes, columns, strict=True):
+        data = metrics if m.startswith("eval") else smooth(metrics, [m], window)
+        line_panel(ax, data, x, m, look)
+        panel_title, ylabel = titles.get(m, (m, ""))
+        ax.set(title=panel_title, xlabel=X_LABELS[x], ylabel=ylabel)
+    objective_legend(fig, look, labels, per_row)
+    return fig
+
+
+def curves_figure(metrics: pd.DataFrame, x: str, look: dict[str, Style], window: int, title: str, paper: bool):
+    stem = "curves_step" if x == "step" else "curves_tokens"
     present = [m for m in CURVES if reported(metrics, m)]
     notes = [f"`{m}` is reported by no run: panel left out." for m in CURVES if m not in present]
-    notes += [f"`{m}` is not reported by: {', '.join(lacking(metrics, m))}." for m in present if lacking(metrics, m)]
+    if {"accuracy", "reward_mean"} <= set(present) and same_values(metrics, "accuracy", "reward_mean"):
+        present.remove("reward_mean")
+        notes.append("Train reward equals train accuracy at every logged step of every run (the reward is the "
+                     "correctness): one panel, train accuracy, is drawn for both.")
+    notes += lacking_notes(metrics, present)
     if not reported(metrics, x) or not present:
-        return None, notes + [f"no run reports `{x}` together with accuracy or reward: figure left out."]
-    fig, axes = plt.subplots(1, len(present), figsize=(4.3 * len(present), 3.4), squeeze=False)
-    for ax, m in zip(axes[0], present, strict=True):
-        data = metrics if m == "eval_accuracy" else smooth(metrics, [m], window)
-        line_panel(ax, data, x, m, colors, markers=m == "eval_accuracy" and x == "step")
-        ax.set(title=CURVES[m][0], xlabel=X_LABELS[x], ylabel=CURVES[m][1])
-    fig.suptitle(title)
-    fig.tight_layout()
-    caption(fig, band_note(x, window))
-    return fig, notes
+        return Made(stem, title, None, notes=notes + [f"no run reports `{x}` together with accuracy or reward: "
+                                                      "figure left out."])
+    fig = lines_figure(metrics, x, present, look, window, CURVES, title, paper)
+    return Made(stem, title, fig, band_note(x, window), notes)
 
 
-def stability_figure(metrics: pd.DataFrame, colors: dict, window: int, title: str):
+def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int, title: str, paper: bool):
     present = [m for m in STABILITY if reported(metrics, m)]
     notes = [f"`{m}` is reported by no run: panel left out." for m in STABILITY if m not in present]
-    notes += [f"`{m}` is not reported by: {', '.join(lacking(metrics, m))}." for m in present if lacking(metrics, m)]
-    if not present:
-        return None, notes
-    ncols = min(3, len(present))
-    nrows = -(-len(present) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
-    data = smooth(metrics, present, window)
-    for ax, m in zip(axes.flat, present, strict=False):  # extra axes removed below
-        line_panel(ax, data, "step", m, colors, markers=False)
-        ax.set(title=STABILITY[m][0], xlabel=X_LABELS["step"], ylabel=STABILITY[m][1])
-    for ax in axes.flat[len(present):]:
-        ax.remove()
-    fig.suptitle(title)
-    fig.tight_layout()
-    caption(fig, band_note("step", window) + (" " + " ".join(notes) if notes else ""))
-    return fig, notes
+    notes += lacking_notes(metrics, present)
+    fig = lines_figure(metrics, "step", present, look, window, STABILITY, title, paper) if present else None
+    return Made("stability", title, fig, band_note("step", window), notes)
 
 
-def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, colors: dict, title: str):
+def family_figure(metrics: pd.DataFrame, family: str, columns: list[str], look: dict[str, Style], window: int,
+                  title: str, paper: bool):
+    """The metrics of one name prefix (the objectives' own among them), one panel each, titled by key."""
+    fig = lines_figure(metrics, "step", columns, look, window, {}, title, paper)
+    return Made(f"metrics_{family}", title, fig, band_note("step", window), lacking_notes(metrics, columns))
+
+
+def clip_note(objective: str, values: pd.Series, d: dict) -> str:
+    text = f"{objective}: measured {d['mean']:.3g}"
+    if d["n"] > 1:
+        text += f" ({interval_name(d['n'])} [{d['ci_low']:.3g}, {d['ci_high']:.3g}], n={d['n']})"
+    else:
+        text += " (n=1)"
+    zero = int((values <= 0).sum())
+    if zero:
+        text += (f"; clip fraction 0 (no token clipped at any logged step) in {zero} of {d['n']} runs: "
+                 + ("not drawn" if zero == d["n"] else "those runs are not drawn") + " on the log axis")
+        if 0 < zero < d["n"] and d["ci_low"] <= 0:
+            text += ", and the interval's lower end (0) is left out"
+    if objective in PAPER_CLIP_FRAC:
+        text += f"; paper {PAPER_CLIP_FRAC[objective]:g}"
+    return text + "."
+
+
+def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool):
+    """Per objective: each run's mean clip fraction (small points), their mean with its interval (large filled
+    circle), the paper's value (open diamond); log axis, zeros stated in the notes instead of drawn."""
     if not reported(metrics, "clip_frac"):
-        return None, ["`clip_frac` is reported by no run: clip-fraction comparison left out."]
+        return Made("clip_fraction", title, None,
+                    notes=["`clip_frac` is reported by no run: clip-fraction comparison left out."])
     per_run = metrics.dropna(subset=["clip_frac"]).groupby(["objective", "run_id"])["clip_frac"].mean()
     objectives = sorted(set(per_run.index.get_level_values(0)) | set(PAPER_CLIP_FRAC))
     unfinished = set(runs.loc[~runs["complete"], "run_id"])
+    fig, (ax,) = grid(1, paper, title, single=True)
     notes, labels = [], []
-    fig, ax = plt.subplots(figsize=(1.6 * len(objectives) + 2.5, 3.8))
+    size = plt.rcParams["lines.markersize"]
     for i, objective in enumerate(objectives):
+        color = look[objective].color if objective in look else "0.3"
         values = per_run[objective] if objective in per_run.index else pd.Series(dtype=float)
         d = describe(values)
-        label = f"{objective} (n={d['n']})\nmeasured {d['mean']:.2g}" if d["n"] else f"{objective}\nnot run here"
+        labels.append(f"{objective}\n(n={d['n']})" if d["n"] else f"{objective}\n(not run)")
         if d["n"]:
-            ax.bar(i - 0.2, d["mean"], width=0.38, color=colors[objective], alpha=0.8, label="this run (measured)")
-            if d["n"] > 1:
-                ax.errorbar(i - 0.2, d["mean"], yerr=[[d["mean"] - d["ci_low"]], [d["ci_high"] - d["mean"]]],
-                            color="black", capsize=4)
-            ax.scatter(i - 0.2 + np.linspace(-0.1, 0.1, d["n"]) * (d["n"] > 1), values, color="black", s=12, zorder=3)
-            if (values <= 0).any():
-                notes.append(f"{objective}: a run with clip fraction 0 cannot be drawn on the log axis.")
+            shown = values[values > 0]
+            ax.plot(np.full(len(shown), i - 0.15), shown, marker="o", markersize=0.7 * size, color=color, alpha=0.5,
+                    linestyle="none", markeredgewidth=0, zorder=2)
+            if d["mean"] > 0:
+                below = d["mean"] - d["ci_low"] if d["ci_low"] > 0 else 0.0
+                yerr = [[below], [d["ci_high"] - d["mean"]]] if d["n"] > 1 else None
+                ax.errorbar(i - 0.15, d["mean"], yerr=yerr, fmt="o", color=color, markersize=1.4 * size, capsize=3,
+                            zorder=3)
+            notes.append(clip_note(objective, values, d))
             partial = unfinished & set(values.index)
             if partial:
                 notes.append(f"{objective}: {len(partial)} of the {d['n']} runs are unfinished (mean over their "
                              "logged steps).")
+        elif objective in PAPER_CLIP_FRAC:
+            notes.append(f"{objective}: not run here; paper {PAPER_CLIP_FRAC[objective]:g}.")
         if objective in PAPER_CLIP_FRAC:
-            ax.bar(i + 0.2, PAPER_CLIP_FRAC[objective], width=0.38, color="white", edgecolor="black", hatch="//",
-                   label="paper (reported)")
-            label += f"\npaper {PAPER_CLIP_FRAC[objective]:g}"
-        labels.append(label)
-    handles, names = ax.get_legend_handles_labels()
-    unique = dict(zip(names, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7)
+            ax.plot(i + 0.15, PAPER_CLIP_FRAC[objective], marker="D", markersize=1.3 * size, markerfacecolor="white",
+                    markeredgecolor=color, markeredgewidth=1.5, linestyle="none", zorder=3)
     ax.set_yscale("log")
+    ax.margins(y=0.12)
     ax.set_xticks(range(len(objectives)), labels)
-    ax.set(ylabel="fraction of tokens clipped (log scale)", title=title)
-    fig.tight_layout()
-    caption(fig, f"This run (measured): per run, the mean over logged steps of the token-level clip fraction; "
-                 f"bar = mean over seeds, error bar = {CI_METHOD}, points = seeds. Paper (reported): values read off "
-                 f"the {PAPER} (different model, task and scale): compare orders of magnitude, not exact values."
-                 + (" " + " ".join(notes) if notes else ""))
-    return fig, notes
+    ax.set_xlim(-0.6, len(objectives) - 0.4)
+    ax.set(ylabel="fraction of tokens clipped (log)")
+    neutral = {"linestyle": "none", "color": "0.3"}
+    fig.legend(handles=[Line2D([], [], marker="o", markersize=1.4 * size, label="this run (measured)", **neutral),
+                        Line2D([], [], marker="o", markersize=0.7 * size, alpha=0.5, label="one seed (measured)",
+                               **neutral),
+                        Line2D([], [], marker="D", markersize=1.3 * size, markerfacecolor="white",
+                               markeredgewidth=1.5, label="paper (reported)", **neutral)],
+               loc="outside lower center", ncols=3, frameon=False, handletextpad=0.3, columnspacing=1.0)
+    caption = (f"This run (measured): filled circles; per run (small points), the mean over logged steps of the "
+               f"token-level clip fraction; large circle and bar = mean over seeds with its interval ({INTERVALS}). "
+               f"Paper (reported): open diamonds, values read off the {PAPER} (different model, task and scale): "
+               "compare orders of magnitude, not exact values. Colour: the objective, as in the other figures.")
+    return Made("clip_fraction", title, fig, caption, notes)
 
 
-def final_figure(runs: pd.DataFrame, colors: dict, title: str):
+def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool):
     done = runs[runs["complete"] & runs["final_eval_accuracy"].notna()]
     if done.empty:
-        return None, ["no finished run with a final eval accuracy yet: figure left out."]
+        return Made("final_eval", title, None,
+                    notes=["no finished run with a final eval accuracy yet: figure left out."])
     order = sorted(done["objective"].unique())
-    fig, ax = plt.subplots(figsize=(1.4 * len(order) + 2.5, 3.6))
-    sns.swarmplot(data=done, x="objective", y="final_eval_accuracy", order=order, hue="objective", palette=colors,
-                  size=6, legend=False, ax=ax)
+    fig, (ax,) = grid(1, paper, title, single=True)
+    sns.swarmplot(data=done, x="objective", y="final_eval_accuracy", order=order, hue="objective",
+                  palette={o: look[o].color for o in order}, size=4 if paper else 6, legend=False, ax=ax)
     labels = []
     for i, objective in enumerate(order):
         d = describe(done.loc[done["objective"] == objective, "final_eval_accuracy"])
-        labels.append(f"{objective}\n(n={d['n']}{', no CI' if d['n'] == 1 else ''})")
+        labels.append(f"{objective}\n(n={d['n']}, {interval_name(d['n'])})")
         yerr = [[d["mean"] - d["ci_low"]], [d["ci_high"] - d["mean"]]] if d["n"] > 1 else None
-        ax.errorbar(i + 0.3, d["mean"], yerr=yerr, fmt="D", color="black", capsize=4,
-                    label="mean ± 95% CI" if i == 0 else None)
+        ax.errorbar(i + 0.25, d["mean"], yerr=yerr, fmt="D", color="black", markersize=4, capsize=3)
     ax.set_xticks(range(len(order)), labels)
-    ax.set(xlabel="", ylabel="final eval accuracy (fraction correct)", title=title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    caption(fig, f"Points: each seed's final greedy held-out accuracy (finished runs only). Diamond: mean over "
-                 f"seeds; error bar: {CI_METHOD} (none with 1 seed).")
-    return fig, []
+    ax.set(xlabel="", ylabel="final eval accuracy")
+    fig.legend(handles=[Line2D([], [], marker="o", linestyle="none", color="0.3", label="one seed"),
+                        Line2D([], [], marker="D", color="black", label="mean ± interval")],
+               loc="outside lower center", ncols=2, frameon=False)
+    caption = ("Points: each seed's final greedy held-out accuracy (finished runs only), coloured by objective. "
+               f"Diamond: mean over seeds; bar: {INTERVALS}.")
+    return Made("final_eval", title, fig, caption)
 
 
 def save(fig, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:
+    """At the figure's own size (no tight bounding box: paper widths stay exact)."""
     paths = []
     for fmt in formats:
         paths.append(out_dir / f"{stem}.{fmt}")
-        fig.savefig(paths[-1], dpi=150, bbox_inches="tight", metadata=SAVE_METADATA[fmt])
+        fig.savefig(paths[-1], dpi=200, metadata=SAVE_METADATA[fmt])
     plt.close(fig)
     return paths

@@ -1,9 +1,10 @@
 """Statistics over seeds.
 
-Conventions: the interval is a 95% percentile bootstrap of the mean over seeds: 2000 resamples of the seeds with
-replacement drawn by ``numpy.random.default_rng(0)`` (deterministic), then the 2.5th and 97.5th percentiles of the
-resampled means (``numpy.percentile``, linear). With fewer than 2 seeds there is no interval (NaN). The IQM
-(rliable) is the mean of the middle 50% of seeds, ``scipy.stats.trim_mean(x, 0.25)``, reported with 5+ seeds.
+Conventions: from 3 seeds on, the interval is a 95% percentile bootstrap of the mean over seeds: 2000 resamples of
+the seeds with replacement drawn by ``numpy.random.default_rng(0)`` (deterministic), then the 2.5th and 97.5th
+percentiles of the resampled means (``numpy.percentile``, linear). With 2 seeds such a "CI" is just the two values, so
+the interval is the range (min–max) and is called so; with 1 seed there is none (NaN). The IQM (rliable) is the mean
+of the middle 50% of seeds, ``scipy.stats.trim_mean(x, 0.25)``, reported with 5+ seeds.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ import pandas as pd
 from scipy.stats import trim_mean
 
 N_BOOT, BOOT_SEED, LEVEL = 2000, 0, 0.95
-IQM_MIN_SEEDS = 5
+IQM_MIN_SEEDS, CI_MIN_SEEDS = 5, 3
 CI_METHOD = f"{LEVEL:.0%} percentile bootstrap CI over seeds ({N_BOOT} resamples, seed {BOOT_SEED})"
+INTERVALS = (f"interval: {CI_METHOD} with n >= {CI_MIN_SEEDS} seeds, the range (min–max) with n = 2, none with "
+             "n = 1; n = seeds")
+
+
+def interval_name(n: int) -> str:
+    """What the interval of n seeds is: '95% CI', 'range' or 'no interval'."""
+    return f"{LEVEL:.0%} CI" if n >= CI_MIN_SEEDS else "range" if n == 2 else "no interval"
 
 
 def bootstrap_ci(values) -> tuple[float, float]:
@@ -28,10 +36,11 @@ def bootstrap_ci(values) -> tuple[float, float]:
 
 
 def describe(values) -> dict:
-    """mean, ci_low, ci_high, n (finite values) and iqm (NaN below IQM_MIN_SEEDS) of per-seed values."""
+    """mean, ci_low, ci_high (the bootstrap CI, or the range below CI_MIN_SEEDS: see interval_name), n (finite
+    values) and iqm (NaN below IQM_MIN_SEEDS) of per-seed values."""
     x = np.asarray(values, dtype=float)
     x = x[np.isfinite(x)]
-    lo, hi = bootstrap_ci(x)
+    lo, hi = bootstrap_ci(x) if len(x) >= CI_MIN_SEEDS else (x.min(), x.max()) if len(x) == 2 else (np.nan, np.nan)
     return {"mean": x.mean() if len(x) else np.nan, "ci_low": lo, "ci_high": hi, "n": len(x),
             "iqm": trim_mean(x, 0.25) if len(x) >= IQM_MIN_SEEDS else np.nan}
 
@@ -65,3 +74,20 @@ def curve(metrics: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
     for (objective, xv), group in metrics.dropna(subset=[y]).groupby(["objective", x]):
         rows.append({"objective": objective, x: xv, **describe(group[y])})
     return pd.DataFrame(rows, columns=["objective", x, "mean", "ci_low", "ci_high", "n"])
+
+
+def coinciding(metrics: pd.DataFrame, columns: list[str], rtol: float = 1e-6) -> dict[tuple[str, str], tuple]:
+    """Pairs of objectives whose mean curves (over seeds, by step) are equal to `rtol` at every step both logged:
+    (a, b) -> (the columns where they are, the columns compared: both logged at least 2 shared steps)."""
+    found = {}
+    for column in columns:
+        means = metrics.dropna(subset=[column]).groupby(["step", "objective"])[column].mean().unstack()
+        for i, a in enumerate(means.columns):
+            for b in means.columns[i + 1:]:
+                shared = means[[a, b]].dropna()
+                if len(shared) >= 2:
+                    same, compared = found.setdefault((a, b), ([], []))
+                    compared.append(column)
+                    if np.allclose(shared[a], shared[b], rtol=rtol, atol=1e-12):
+                        same.append(column)
+    return {pair: lists for pair, lists in found.items() if lists[0]}

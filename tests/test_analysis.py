@@ -1,6 +1,7 @@
 """analysis: a synthetic results folder (written to tmp_path) -> report; numbers checked by hand."""
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -10,8 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
+from matplotlib import pyplot as plt
 
-from analysis import AnalysisError, AnalysisWarning, build_report, load_experiment
+from analysis import AnalysisError, AnalysisWarning, build_report, load_experiment, plots
+from analysis import report as report_module
 from analysis.__main__ import main
 from analysis.report import FIGURES, eval_table
 from analysis.stats import bootstrap_ci, describe
@@ -23,27 +26,39 @@ FINAL = {"grpo": {0: 0.40, 1: 0.50, 2: 0.75}, "gspo": {0: 0.55, 1: 0.60, 2: 0.80
 
 
 def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: int = STEPS,
-              status: str = "finished", summary: bool = True, truncate: bool = False) -> dict:
-    """One run folder as the training loop writes it. eval every 3 steps; gspo reports no kl_ref (beta = 0)."""
+              status: str = "finished", summary: bool = True, truncate: bool = False, like: str | None = None,
+              start_policy="absent", scorings: bool = False) -> dict:
+    """One run folder as the training loop writes it. eval every 3 steps; gspo reports no kl_ref (beta = 0);
+    grpo reports holder_p, gspo its gate_* metrics, both clip_frac_low/high and bookkeeping keys (timings, lr...).
+    like: log the metrics of that objective (two objectives whose curves coincide); start_policy: summary.json's
+    field ("absent": none, as older runs); scorings: eval_accuracy_strict / _flexible beside eval_accuracy."""
     run_id = f"{objective}-s{seed}-abcd1234"
+    kind = like or objective
     run_dir = exp / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(
         f"name: {exp.name}\nseed: {seed}\nmodel:\n  name: tiny\ntask:\n  name: arith\nobjective:\n  name: {objective}\n"
-        f"  params:\n    beta: {0.01 if objective == 'grpo' else 0.0}\ntrain:\n  steps: {STEPS}\n  group_size: 4\n"
+        f"  params:\n    beta: {0.01 if kind == 'grpo' else 0.0}\ntrain:\n  steps: {STEPS}\n  group_size: 4\n"
         f"  prompts_per_step: 2\n  lr: 1.0e-05\n")
-    rows = [{"step": 0, "eval_accuracy": 0.1}]
+    rows = [{"step": 0, "eval_accuracy": 0.1, **({"eval_accuracy_strict": 0.05} if scorings else {})}]
     for step in range(1, steps_done + 1):
+        clip = 0.002 * (seed + 1) * (10 if kind == "gspo" else 1)
         row = {"step": step, "rollout_tokens": step * (100 + 10 * seed),
-               "reward_mean": 0.1 * step + OFFSET.get(objective, 0.0), "accuracy": 0.05 * step + 0.01 * seed,
-               "clip_frac": 0.002 * (seed + 1) * (10 if objective == "gspo" else 1), "ratio_std": 0.01 * step,
+               "reward_mean": 0.1 * step + OFFSET.get(kind, 0.0), "accuracy": 0.05 * step + 0.01 * seed,
+               "clip_frac": clip, "clip_frac_low": clip / 4, "clip_frac_high": 3 * clip / 4, "ratio_std": 0.01 * step,
                "ratio_max": 1 + 0.01 * step, "kl_behavior": 1e-3 * step, "entropy": 1.0 - 0.05 * step,
                "grad_norm": 0.5, "completion_len_mean": 20.0 + step, "frac_zero_std_groups": 0.5,
-               "eval_accuracy": None}
-        if objective == "grpo":
-            row["kl_ref"] = 1e-3 * step
+               "eval_accuracy": None, "lr": 1e-5, "rollout_s": 1.5, "update_s": 2.0 + seed, "rollout_tok_s": 80.0,
+               "peak_mem_mb": 900.0, "nonfinite_skips": 0}
+        if kind == "grpo":
+            row.update(kl_ref=1e-3 * step, holder_p=1.0 + 0.1 * step)
+        else:
+            row.update(gate_weight_mean=0.9 - 0.01 * step, gate_weight_min=0.5 - 0.02 * step)
         if step % 3 == 0:
             row["eval_accuracy"] = final if step == STEPS else 0.1 + 0.01 * step
+            if scorings:
+                row.update(eval_accuracy_strict=row["eval_accuracy"] - 0.05,
+                           eval_accuracy_flexible=row["eval_accuracy"] + 0.05)
         rows.append(row)
     text = "".join(json.dumps(r) + "\n" for r in rows)
     (run_dir / "metrics.jsonl").write_text(text + ('{"step": 99, "reward_me' if truncate else ""))
@@ -52,7 +67,8 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
             "run_id": run_id, "objective": objective, "seed": seed, "status": status, "steps_done": steps_done,
             "total_steps": STEPS, "final_eval_accuracy": final if steps_done == STEPS else 0.13,
             "best_eval_accuracy": max(final, 0.13) if steps_done == STEPS else 0.13, "wall_time_s": 100.0 + seed,
-            "rollout_tokens": steps_done * 100, "update_tokens": steps_done * 100, "error": None}))
+            "rollout_tokens": steps_done * 100, "update_tokens": steps_done * 100, "error": None,
+            **({} if start_policy == "absent" else {"start_policy": start_policy})}))
     return {"run_id": run_id, "objective": objective, "seed": seed, "overrides": {}, "status": status, "dir": run_id}
 
 
@@ -114,18 +130,164 @@ def test_table_numbers(report):
         assert row["wall_time_s"] == pytest.approx(101.0)  # 100 + seed, seeds 0..2
         assert row["rollout_tokens"] == pytest.approx(600)
     md = (out / "eval_accuracy.md").read_text()
-    assert "| grpo | 3 | 0.55 | [0.4, 0.75] | n/a |" in md
+    assert "| grpo | 3 | 0.550 | 95% CI [0.400, 0.750] | n/a | 0.550 | 95% CI [0.400, 0.750] | n/a | 101 | 600 | 2 |" \
+        in md
     runs = pd.read_csv(out / "runs.csv")
     assert len(runs) == 9 and runs["complete"].sum() == 6
 
 
+FAMILIES = ("metrics_clip", "metrics_gate", "metrics_other")  # clip_frac_low/high, gate_weight_*, holder_p
+
+
 def test_figures_written(report):
     out = report[0].parent
-    for stem in FIGURES:
+    for stem in [*FIGURES, *FAMILIES]:
         for fmt in ("png", "pdf", "svg"):
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000, f"{stem}.{fmt}"
+    assert sorted(p.stem for p in out.glob("*.png")) == sorted([*FIGURES, *FAMILIES])
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == len(FIGURES)
+    assert html.count("data:image/png;base64,") == len(FIGURES) + len(FAMILIES)
+
+
+def test_every_objective_metric_is_drawn(report):
+    """Metrics an objective reports (not in the fixed figures) are drawn, grouped by prefix; bookkeeping is not."""
+    metrics = load_experiment(report[0].parent.parent).metrics
+    drawn = {m for m in [*plots.CURVES, *plots.STABILITY] if plots.reported(metrics, m)}
+    assert plots.families(metrics, drawn) == {"clip": ["clip_frac_high", "clip_frac_low"],
+                                              "gate": ["gate_weight_mean", "gate_weight_min"],
+                                              "other": ["holder_p"]}
+    md = report[0].read_text()
+    for title, stem in (("Metrics clip_*", "metrics_clip"), ("Metrics gate_*", "metrics_gate"),
+                        ("Other per-step metrics", "metrics_other")):
+        assert f"![toy: {title}]({stem}.png)" in md
+    assert "`holder_p` is not reported by: gspo." in md and "`gate_weight_mean` is not reported by: grpo." in md
+    for key in ("lr", "rollout_s", "update_s", "rollout_tok_s", "peak_mem_mb", "nonfinite_skips", "rollout_tokens"):
+        assert plots.bookkeeping(key) and f"`{key}`" not in md
+
+
+def test_paper_mode(tmp_path):
+    """--paper: PDFs at the column widths, no suptitle; captions are in the report text, not in the images."""
+    exp = write_experiment(tmp_path / "toy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([str(exp), "--paper", "--formats", "png", "--out", str(tmp_path / "paper")]) == 0
+    widths = {stem: float(re.search(rb"/MediaBox \[ *0 0 ([0-9.]+)", (tmp_path / "paper" / f"{stem}.pdf")
+                                    .read_bytes()).group(1)) / 72 for stem in [*FIGURES, *FAMILIES]}
+    assert widths == pytest.approx({stem: 3.3 if stem in ("clip_fraction", "final_eval") else 6.8
+                                    for stem in widths})
+    metrics, look = load_experiment(exp).metrics, plots.styles(["grpo", "gspo"])
+    for paper in (True, False):
+        made = plots.curves_figure(metrics, "step", look, 1, "toy: curves", paper)
+        assert made.fig.get_suptitle() == ("" if paper else "toy: curves")
+        assert [t.get_text() for t in made.fig.texts] == ([] if paper else ["toy: curves"])  # no footnote
+        assert len(made.fig.legends) == 1 and all(ax.get_legend() is None for ax in made.fig.axes)
+        assert made.fig.axes[0].xaxis.get_major_locator()._integer  # integer step ticks
+        plt.close(made.fig)
+    assert "95% percentile bootstrap CI" in (tmp_path / "paper" / "report.md").read_text()  # the caption
+
+
+def write_objectives(exp: Path, start_policy="absent") -> Path:
+    """gspo and gspo_token (identical metrics, 3 seeds each), grpo with 2 seeds, ctpo with 1."""
+    exp.mkdir(parents=True)
+    kw = {"start_policy": start_policy, "scorings": True}
+    entries = [write_run(exp, "gspo", s, 0.5 + 0.05 * s, **kw) for s in range(3)]
+    entries += [write_run(exp, "gspo_token", s, 0.5 + 0.05 * s, like="gspo", **kw) for s in range(3)]
+    entries += [write_run(exp, "grpo", s, 0.0547 + 0.0078 * s, **kw) for s in range(2)]
+    entries += [write_run(exp, "ctpo", 0, 0.45, **kw)]
+    (exp / "manifest.json").write_text(json.dumps({"experiment": exp.name, "runs": entries}))
+    return exp
+
+
+def test_coinciding_objectives_and_intervals(tmp_path):
+    """Identical curves are named; 2 seeds give a "range", 1 seed none; n beside every interval; 3 significant
+    digits in every cell; scoring variants next to eval_accuracy."""
+    exp = write_objectives(tmp_path / "objs", {"key": "3f2a9c", "steps": 1150, "check_accuracy": 0.36,
+                                               "eval_accuracy": 0.34})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        md = build_report(exp, formats=("png",))
+    text = md.read_text()
+    assert ("- gspo and gspo_token coincide on every logged step of every drawn metric both report (17 metrics: "
+            "`eval_accuracy`, `accuracy`, `reward_mean`, `clip_frac`,") in text
+    assert "- ctpo and grpo coincide on every logged step of `reward_mean`," in text  # ctpo logs grpo's metrics
+    assert "gspo and grpo" not in text and "grpo and gspo coincide on every logged step of `eval_accuracy`" not in text
+    headline = text[text.index("## Start and end accuracy"):text.index("## Objectives whose curves coincide")]
+    assert "| grpo | 0.100 | range [0.100, 0.100] | 2 | 0.0586 | range [0.0547, 0.0625] | 2 |" in headline
+    assert "| gspo | 0.100 | 95% CI [0.100, 0.100] | 3 | 0.550 | 95% CI [0.500, 0.600] | 3 |" in headline
+    assert "| ctpo | 0.100 | n/a | 1 | 0.450 | n/a | 1 |" in headline
+    assert "- key `3f2a9c`, warm-started 1,150 steps, check accuracy 0.360, eval accuracy 0.340 (all runs)." in headline
+    table = (md.parent / "eval_accuracy.md").read_text()
+    assert ("| final mean | final interval | final IQM | final, flexible scoring mean | final, flexible scoring "
+            "interval | final, strict scoring mean | final, strict scoring interval | best mean |") in table
+    assert "| grpo | 2 | 0.0586 | range [0.0547, 0.0625] | n/a | 0.109 | range [0.105, 0.113] | 0.00860 |" in table
+    assert "strict scoring (`eval_accuracy_strict`)" in text
+    assert plots.seeds_label("grpo", 2) == "grpo (n=2, range)"
+    assert plots.seeds_label("gspo", 3) == "gspo (n=3, 95% CI)" and plots.seeds_label("ctpo", 1).endswith("interval)")
+
+
+@pytest.mark.parametrize("policy, line", [
+    ("absent", "not recorded (all runs: summary.json has no `start_policy`, runs written before the field)."),
+    (None, "no warm start: the runs start from the base model (all runs).")])
+def test_headline_without_start_policy(tmp_path, policy, line):
+    runs = load_experiment(write_objectives(tmp_path / "objs", policy)).runs
+    assert report_module.start_policy_lines(runs) == [line]
+
+
+def test_headline_with_mixed_start_policies(tmp_path):
+    exp = write_objectives(tmp_path / "objs", {"key": "k1", "steps": 10, "check_accuracy": 0.5})
+    summary = exp / "grpo-s0-abcd1234" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_policy": None}))
+    assert report_module.start_policy_lines(load_experiment(exp).runs) == [
+        "key `k1`, warm-started 10 steps, check accuracy 0.500, eval accuracy n/a (ctpo (1 run), grpo (1 run), "
+        "gspo (3 runs), gspo_token (3 runs)).",
+        "no warm start: the runs start from the base model (grpo (1 run))."]
+
+
+def test_reward_equal_to_accuracy_is_one_panel(tmp_path):
+    exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5, 1: 0.6}}, extra=False)
+    for run in exp.glob("grpo-*/metrics.jsonl"):
+        rows = [json.loads(line) for line in run.read_text().splitlines()]
+        run.write_text("".join(json.dumps({**r, "reward_mean": r.get("accuracy")}) + "\n" for r in rows))
+    made = plots.curves_figure(load_experiment(exp).metrics, "step", plots.styles(["grpo"]), 1, "t", False)
+    assert [ax.get_title() for ax in made.fig.axes] == ["Eval accuracy (greedy, held-out)", "Train accuracy (sampled)"]
+    assert any(note.startswith("Train reward equals train accuracy") for note in made.notes)
+    plt.close(made.fig)
+
+
+def test_clip_fraction_zero_is_stated_not_drawn(tmp_path):
+    metrics = pd.DataFrame({"run_id": ["a", "a", "b", "b"], "objective": ["grpo", "grpo", "gspo", "gspo"],
+                            "step": [1, 2, 1, 2], "clip_frac": [0.0, 0.0, 0.1, 0.2]})
+    runs = pd.DataFrame({"run_id": ["a", "b"], "complete": [True, True]})
+    made = plots.clip_figure(metrics, runs, plots.styles(["grpo", "gspo"]), "t", False)
+    ax = made.fig.axes[0]
+    assert ax.get_yscale() == "log" and not ax.patches  # points, no bars
+    drawn = np.concatenate([line.get_ydata() for line in ax.lines if len(line.get_ydata())])
+    assert 0 not in drawn and min(drawn) == pytest.approx(0.0013)  # the paper's grpo value is the lowest point
+    assert any(n.startswith("grpo: measured 0 (n=1); clip fraction 0 (no token clipped at any logged step) in 1 of "
+                            "1 runs: not drawn on the log axis") for n in made.notes)
+    labels = [t.get_text() for t in made.fig.legends[0].get_texts()]
+    assert labels == ["this run (measured)", "one seed (measured)", "paper (reported)"]
+    plt.close(made.fig)
+
+
+def test_report_is_replaced_atomically(tmp_path, monkeypatch):
+    """A failure midway leaves the previous report as it was, and no temporary folder; a folder that is not a
+    report is never replaced."""
+    exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5}}, extra=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = build_report(exp, formats=("png",)).parent
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        monkeypatch.setattr(report_module, "figures", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError, match="killed"):  # after the tables are written, before the figures
+            build_report(exp, formats=("png", "pdf"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in exp.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
+    (exp / "notes").mkdir()
+    (exp / "notes" / "mine.txt").write_text("x")
+    with pytest.raises(AnalysisError, match="holds no report.md: refusing to replace it"):
+        build_report(exp, out=exp / "notes")
+    assert (exp / "notes" / "mine.txt").exists()
 
 
 def test_report_lists_problems(report):
@@ -159,7 +321,9 @@ def test_deterministic_output(tmp_path, report):
         warnings.simplefilter("ignore")
         md = build_report(exp, smooth=2, formats=("png", "pdf", "svg"))
     first = report[0].parent
-    for name in ["eval_accuracy.csv"] + [f"{s}.{f}" for s in FIGURES for f in ("png", "pdf", "svg")]:
+    names = sorted(p.name for p in first.iterdir() if p.suffix in (".csv", ".png", ".pdf", ".svg"))
+    assert names == sorted(p.name for p in md.parent.iterdir() if p.suffix in (".csv", ".png", ".pdf", ".svg"))
+    for name in names:
         assert (md.parent / name).read_bytes() == (first / name).read_bytes(), name
     assert md.read_text().replace(str(exp), "X") == report[0].read_text().replace(str(first.parent), "X")
 
