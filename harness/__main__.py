@@ -1,4 +1,4 @@
-"""Command line: python -m harness {train,sweep,list,bench,prepare} ...; see README."""
+"""Command line: python -m harness {train,sweep,list,bench,prepare,docs} ...; see README."""
 
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ def cmd_bench(args) -> int:
     return main(args.overrides)
 
 
+def cmd_docs(args) -> int:
+    from harness.docs import main as docs
+
+    return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,13 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
+    docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
+    docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
+    docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "docs": cmd_docs}[args.command](args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
