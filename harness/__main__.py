@@ -75,18 +75,24 @@ def positive_int(text: str) -> int:
 
 
 def cmd_list(args) -> int:
-    from harness.config import EXPERIMENTS_DIR
+    from harness.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
     from harness.tasks import available_tasks
     from objectives import OBJECTIVES, available_advantages
 
-    print("objectives:")
+    print("objectives (objective.name; hyperparameters objective.params.*):")
     for name in OBJECTIVES.names():
         cls = OBJECTIVES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.hyperparameters().items())
         print(f"  {name:12s} advantage={cls.default_advantage:10s} {params}")
-    print("advantages: " + ", ".join(available_advantages()))
-    print("tasks:      " + ", ".join(available_tasks()))
-    print("experiments: " + ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")))
+    print("advantages (objective.advantage): " + ", ".join(available_advantages()))
+    print("tasks (task.name):                " + ", ".join(available_tasks()))
+    print("models (model.name):              " + ", ".join(EMBEDDED_MODELS) + ", or a hub id / local folder")
+    print("samplers (train.sampler):         " + ", ".join(SAMPLERS))
+    print("experiments (EXP=...):")
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        if path.stem != "base":
+            first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.strip()), "")
+            print(f"  {path.stem:20s} {first}")
     return 0
 
 
