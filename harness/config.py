@@ -12,6 +12,7 @@ key and list the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import itertools
@@ -137,8 +138,20 @@ def _explain(e: OmegaConfBaseException) -> str:
         for part in filter(None, parent.split(".")):
             node = getattr(node, part, None)
         valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
-        return f"unknown config key {key!r}." + (f" Valid keys here: {', '.join(valid)}." if valid else "")
+        leaf = key.rsplit(".", 1)[-1]
+        if parent == "objective" and leaf in _hyperparameter_names():
+            hint = f" Hyperparameters go under objective.params: did you mean objective.params.{leaf}?"
+        else:
+            close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean {'.'.join(filter(None, [parent, close[0]]))!r}?" if close else ""
+        return f"unknown config key {key!r}.{hint}" + (f" Valid keys here: {', '.join(valid)}." if valid else "")
     return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
+
+
+def _hyperparameter_names() -> set[str]:
+    from objectives import OBJECTIVES
+
+    return {k for name in OBJECTIVES.names() for k in OBJECTIVES.get(name).hyperparameters()}
 
 
 def experiment_path(name: str) -> Path:
@@ -148,7 +161,9 @@ def experiment_path(name: str) -> Path:
     path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
-        raise ConfigError(f"no experiment {name!r} (looked for {path}). Experiments: {', '.join(known)}.")
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"no experiment {name!r} (looked for {path}).{hint} Experiments: {', '.join(known)}.")
     return path
 
 

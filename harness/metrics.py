@@ -54,3 +54,10 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def progress_fields(row: dict, rows: list[dict]) -> dict[str, str]:
+    """What a progress bar shows beside the step: the step's reward and clip fraction, the last eval accuracy."""
+    evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
+    fields = {"reward": row.get("reward_mean"), "clip": row.get("clip_frac"), "eval": evals[-1] if evals else None}
+    return {k: f"{v:.3g}" for k, v in fields.items() if v is not None}

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.config import run_configs, run_id
+from harness.metrics import progress_fields
 from harness.records import lock_folder, read_jsonl, write_json_atomic
 
 
@@ -120,8 +121,7 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
                 rows = read_jsonl(exp_dir / rid / "metrics.jsonl")
                 if rows:
                     bar.n = rows[-1]["step"]
-                    if rows[-1].get("reward_mean") is not None:
-                        bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}")
+                    bar.set_postfix(progress_fields(rows[-1], rows))
                     bar.refresh()
                 if proc.poll() is None:
                     continue

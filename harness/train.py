@@ -28,7 +28,7 @@ from harness.batch import TrainBatch, collect_batch
 from harness.build import build_objective, build_policy, build_task, frozen_copy, resolve_device
 from harness.config import DTYPES
 from harness.evaluation import evaluate
-from harness.metrics import MismatchMeter, peak_memory_mb
+from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.records import RunRecords, load_checkpoint, save_checkpoint
 from harness.rollout import completion_logprobs
 from harness.update import RunState, update
@@ -120,7 +120,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                                     nonfinite_skips=state.nonfinite_skips)
             records.log(row, samples)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+            bar.set_postfix(progress_fields(row, records.rows))
             if state.nonfinite_in_row >= t.max_nonfinite_in_row:
                 raise NonFiniteError(f"{state.nonfinite_in_row} updates in a row had a non-finite loss or "
                                      f"gradient (step {step}); lower train.lr or check the objective's inputs")

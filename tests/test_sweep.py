@@ -42,8 +42,33 @@ def test_bad_configs_stop_with_a_clear_error(override, message):
 
 
 def test_unknown_experiment_lists_the_shipped_ones():
-    with pytest.raises(ConfigError, match="Experiments: .*quickstart"):
+    with pytest.raises(ConfigError, match="Did you mean 'quickstart'\\? Experiments: .*quickstart"):
         load_experiment("quickstrat")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("objective.clip_low=-1", "did you mean objective.params.clip_low?"),
+    ("train.stepz=3", "Did you mean 'train.steps'?"),
+])
+def test_misplaced_keys_get_a_hint(override, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+        load_experiment("quickstart", [override])
+
+
+def test_grid_overrides_take_the_dotted_form_a_researcher_types():
+    cfg = load_experiment("quickstart", ["sweep.grid.objective.name=[grpo,cispo]", "sweep.grid.seed=[0, 1, 2]"])
+    assert [(r.objective.name, r.seed) for r in run_configs(cfg)] == [
+        (o, s) for o in ("grpo", "cispo") for s in (0, 1, 2)]
+
+
+def test_make_prints_help_by_default_and_compare_sweeps_the_given_objectives():
+    out = subprocess.run(["make", "--no-print-directory"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "make compare" in out.stdout and "make sweep" in out.stdout
+    out = subprocess.run(["make", "-n", "--no-print-directory", "compare", "OBJECTIVES=grpo,cispo", "SEEDS=3"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert "sweep.grid.objective.name=[grpo,cispo]" in out.stdout and "sweep.grid.seed=[0,1,2]" in out.stdout
+    out = subprocess.run(["make", "--no-print-directory", "compare"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "give OBJECTIVES=" in out.stdout
 
 
 def test_sweep_expands_grid_with_per_objective_overrides():
