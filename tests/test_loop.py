@@ -113,7 +113,9 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
 
 @pytest.mark.parametrize("objective", available_objectives())
 def test_every_objective_trains_through_the_loop(tmp_path, objective):
-    summary = train(tiny_run(tmp_path, f"objective.name={objective}"), tmp_path / "run", progress=False)
+    # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow
+    run = tiny_run(tmp_path, f"objective.name={objective}", "task.overlong_buffer=6")
+    summary = train(run, tmp_path / "run", progress=False)
     assert summary["status"] == "finished" and summary["steps_done"] == 2
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -122,6 +124,17 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
                 "entropy", "grad_norm", "lr", "rollout_tok_s", "update_tok_s", "peak_mem_mb", "kl_behavior",
                 "mismatch_logp_abs", "nonfinite_skips"):
         assert key in rows[1], key
+    assert any(row["adv_std"] > 0 for row in rows[1:])
+    for row in rows[1:]:
+        assert (row["grad_norm"] > 0) == (row["adv_std"] > 0) and row["nonfinite_skips"] == 0  # beta = 0
+        assert 0 <= row["clip_frac"] <= 1 and row["ratio_min"] <= row["ratio_mean"] <= row["ratio_max"]
+        assert row["lr"] == run.train.lr and row["mismatch_logp_abs"] < 1e-4  # one model, one precision
+        assert math.isfinite(row["loss"]) and row["entropy"] > 0
+    assert rows[2]["rollout_tokens"] - rows[1]["rollout_tokens"] == round(
+        rows[2]["completion_len_mean"] * run.train.prompts_per_step * run.train.group_size)
+    policy = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)["policy"]
+    start, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    assert any(not torch.equal(policy[k], v) for k, v in start.state_dict().items())  # the update moved it
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
     samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")  # one record per eval problem and eval
@@ -206,10 +219,14 @@ def test_bf16_sampler_mismatch_is_measured(tmp_path):
 
 
 def test_kl_reference_is_loaded_and_logged_when_beta_positive(tmp_path):
-    run = tiny_run(tmp_path, "objective.params.beta=0.04", "train.steps=1")
+    # the overlong penalty gives the random model's groups unequal rewards, so the first minibatch moves the policy
+    # and the second one sees a positive KL to the (frozen) reference; without beta there is no reference at all
+    run = tiny_run(tmp_path, "objective.params.beta=0.04", "train.steps=1", "task.overlong_buffer=6")
     train(run, tmp_path / "kl", progress=False)
     step = read_jsonl(tmp_path / "kl" / "metrics.jsonl")[1]
-    assert step["kl_ref"] >= 0
+    assert step["adv_std"] > 0 and step["kl_ref"] > 1e-9
+    train(tiny_run(tmp_path, "train.steps=1", "task.overlong_buffer=6"), tmp_path / "nokl", progress=False)
+    assert "kl_ref" not in read_jsonl(tmp_path / "nokl" / "metrics.jsonl")[1]
 
 
 @pytest.mark.slow
