@@ -17,7 +17,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from analysis.stats import INTERVALS, curve, describe, interval_name, on_grid, smooth  # noqa: E402
+from analysis.stats import INTERVALS, curve, describe, interval_name, num, on_grid, smooth  # noqa: E402
 
 PAPER_CLIP_FRAC = {"gspo": 0.15, "grpo": 0.0013}  # read off the bars of the GSPO paper's Fig. 2
 PAPER = "GSPO paper (arXiv 2507.18071, Fig. 2)"
@@ -172,15 +172,10 @@ def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def band_note(x: str, window: int) -> str:
-    note = (f"Lines: mean over seeds, one colour, line style and marker per objective; band: {INTERVALS}. The line "
-            "is solid where all of the objective's runs contribute and faded where fewer do (runs of different "
-            "length or unfinished).")
-    if x == "rollout_tokens":
-        note += (" x: cumulative sampled completion tokens; each run is linearly interpolated onto a common "
-                 "rollout-token grid before averaging.")
-    else:
-        note += " x: training step (one rollout batch per step)."
+def axis_note(x: str, window: int) -> str:
+    """The caption of a line figure (the lines and bands are described once, above the figures)."""
+    note = ("x: cumulative sampled completion tokens; each run is linearly interpolated onto a common rollout-token "
+            "grid before averaging." if x == "rollout_tokens" else "x: training step (one rollout batch per step).")
     if window > 1:
         note += f" Train metrics smoothed: trailing rolling mean over {window} steps (eval metrics not smoothed)."
     return note
@@ -215,7 +210,7 @@ def curves_figure(metrics: pd.DataFrame, x: str, look: dict[str, Style], window:
         return Made(stem, title, None, notes=notes + [f"no run reports `{x}` together with accuracy or reward: "
                                                       "figure left out."])
     fig = lines_figure(metrics, x, present, look, window, CURVES, title, paper)
-    return Made(stem, title, fig, band_note(x, window), notes)
+    return Made(stem, title, fig, axis_note(x, window), notes)
 
 
 def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int, title: str, paper: bool):
@@ -223,20 +218,20 @@ def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int,
     notes = [f"`{m}` is reported by no run: panel left out." for m in STABILITY if m not in present]
     notes += lacking_notes(metrics, present)
     fig = lines_figure(metrics, "step", present, look, window, STABILITY, title, paper) if present else None
-    return Made("stability", title, fig, band_note("step", window), notes)
+    return Made("stability", title, fig, axis_note("step", window), notes)
 
 
 def family_figure(metrics: pd.DataFrame, family: str, columns: list[str], look: dict[str, Style], window: int,
                   title: str, paper: bool):
     """The metrics of one name prefix (the objectives' own among them), one panel each, titled by key."""
     fig = lines_figure(metrics, "step", columns, look, window, {}, title, paper)
-    return Made(f"metrics_{family}", title, fig, band_note("step", window), lacking_notes(metrics, columns))
+    return Made(f"metrics_{family}", title, fig, axis_note("step", window), lacking_notes(metrics, columns))
 
 
 def clip_note(objective: str, values: pd.Series, d: dict) -> str:
-    text = f"{objective}: measured {d['mean']:.3g}"
+    text = f"{objective}: measured {num(d['mean'])}"
     if d["n"] > 1:
-        text += f" ({interval_name(d['n'])} [{d['ci_low']:.3g}, {d['ci_high']:.3g}], n={d['n']})"
+        text += f" ({interval_name(d['n'])} [{num(d['ci_low'])}, {num(d['ci_high'])}], n={d['n']})"
     else:
         text += " (n=1)"
     zero = int((values <= 0).sum())

@@ -18,7 +18,7 @@ import pandas as pd
 
 from analysis import plots
 from analysis.load import SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
-from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name
+from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -52,13 +52,6 @@ def eval_table(runs: pd.DataFrame) -> pd.DataFrame:
                    unfinished_runs=len(group) - len(done))
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def num(value) -> str:
-    """3 significant digits, trailing zeros kept (0.0820, 63.0); integers with separators from 1000 on."""
-    if value is None or pd.isna(value):
-        return "n/a"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:#.3g}".rstrip(".")
 
 
 def interval(low, high, n) -> str:
@@ -314,7 +307,7 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                     "the curves use every logged step of every run."),
               ("h2", "Start and end accuracy"),
               ("p", "Greedy held-out eval accuracy of each objective's finished runs at step 0 (the starting policy, "
-                    "before any update) and at the last step. Mean over seeds; " + INTERVALS + "."),
+                    "before any update) and at the last step. Mean over seeds; interval: " + INTERVALS + "."),
               ("table", headline),
               ("p", "Starting policy (summary.json `start_policy`):"), ("ul", start_policy_lines(runs))]
     if coincide:
@@ -333,7 +326,7 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
     scorings = [k.removeprefix("final_") for k in accuracies(runs) if k not in ("start", "final", "best")]
     blocks += [("h2", "Eval accuracy per objective"),
                ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
-                     f"finished runs. Mean over seeds; {INTERVALS}. IQM: mean of the middle 50% of seeds "
+                     f"finished runs. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of seeds "
                      f"(scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and rollout "
                      "tokens: mean per finished run."
                      + (" The same final evaluation scored other ways: "
@@ -343,7 +336,15 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                ("h2", "Runs"),
                ("p", "Last eval acc: the final eval accuracy of a finished run, the latest one of an unfinished run."),
                ("table", runs_display(runs)),
-               ("h2", "Figures")]
+               ("h2", "Figures"),
+               ("p", f"Line figures: the mean over seeds of each objective, told apart by colour, line style and "
+                     f"marker (markers alternate between objectives, so coinciding lines stay visible); band: "
+                     f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
+                     "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
+                     "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
+                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - {"run_id", "objective", "seed"}))
+                     + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
+                     "(`metrics_<prefix>`, single ones in `metrics_other`).")]
     if exp.metrics.empty:
         blocks.append(("p", "No run has logged metrics yet: the curves, stability and clip-fraction figures are "
                             "left out."))

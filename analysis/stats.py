@@ -16,8 +16,15 @@ from scipy.stats import trim_mean
 N_BOOT, BOOT_SEED, LEVEL = 2000, 0, 0.95
 IQM_MIN_SEEDS, CI_MIN_SEEDS = 5, 3
 CI_METHOD = f"{LEVEL:.0%} percentile bootstrap CI over seeds ({N_BOOT} resamples, seed {BOOT_SEED})"
-INTERVALS = (f"interval: {CI_METHOD} with n >= {CI_MIN_SEEDS} seeds, the range (min–max) with n = 2, none with "
-             "n = 1; n = seeds")
+INTERVALS = (f"{CI_METHOD} with n >= {CI_MIN_SEEDS} seeds, the range (min–max) with n = 2, none with n = 1 "
+             "(n = seeds)")
+
+
+def num(value) -> str:
+    """3 significant digits, trailing zeros kept (0.0820, 63.0); integers with separators from 1000 on."""
+    if value is None or pd.isna(value):
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:#.3g}".rstrip(".")
 
 
 def interval_name(n: int) -> str:
