@@ -24,7 +24,7 @@ PAPER = "GSPO paper (arXiv 2507.18071, Fig. 2)"
 X_LABELS = {"step": "training step", "rollout_tokens": "rollout tokens"}
 CURVES = {"eval_accuracy": ("Eval accuracy (greedy, held-out)", "accuracy"),
           "accuracy": ("Train accuracy (sampled)", "accuracy"),
-          "reward_mean": ("Train reward (mean per completion)", "reward")}
+          "reward_mean": ("Train reward", "reward (mean)")}
 STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens clipped"),
              "ratio_std": ("Importance-ratio spread", "std of ratio π/π_old"),
              "ratio_max": ("Importance-ratio max", "max of ratio π/π_old"),
@@ -292,7 +292,8 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
                                **neutral),
                         Line2D([], [], marker="D", markersize=1.3 * size, markerfacecolor="white",
                                markeredgewidth=1.5, label="paper (reported)", **neutral)],
-               loc="outside lower center", ncols=3, frameon=False, handletextpad=0.3, columnspacing=1.0)
+               loc="outside lower center", ncols=2 if paper else 3, frameon=False, handletextpad=0.3,
+               columnspacing=1.0)
     caption = (f"This run (measured): filled circles; per run (small points), the mean over logged steps of the "
                f"token-level clip fraction; large circle and bar = mean over seeds with its interval ({INTERVALS}). "
                f"Paper (reported): open diamonds, values read off the {PAPER} (different model, task and scale): "
