@@ -9,7 +9,7 @@ OVERRIDES ?=
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train plots bench list docs clean-results
+.PHONY: help setup test test-fast lint sweep compare train plots bench list docs soak clean-results
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 
 docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) --jobs $(JOBS)
+
+soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothing is lost or written twice
+	$(PY) -m harness soak --kills $(or $(KILLS),20)
 
 clean-results:  ## delete results/ (every run, report and benchmark)
 	rm -rf results

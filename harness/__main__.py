@@ -1,4 +1,4 @@
-"""Command line: python -m harness {train,sweep,list,bench,prepare,docs} ...; see README."""
+"""Command line: python -m harness {train,sweep,list,bench,prepare,docs,soak} ...; see README."""
 
 from __future__ import annotations
 
@@ -115,6 +115,12 @@ def cmd_docs(args) -> int:
     return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
 
 
+def cmd_soak(args) -> int:
+    from harness.soak import main as soak
+
+    return soak(kills=args.kills, seed=args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
+    soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
+    soak.add_argument("--kills", type=positive_int, default=20)
+    soak.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
-                "bench": cmd_bench, "docs": cmd_docs}[args.command](args)
+                "bench": cmd_bench, "docs": cmd_docs, "soak": cmd_soak}[args.command](args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

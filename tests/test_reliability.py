@@ -131,3 +131,9 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
     assert proc.returncode == 130 and "interrupted: run the same command again to resume" in err
     assert "Traceback" not in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_soak_kills_and_resumes_without_loss():
+    out = cli("soak", "--kills", "3", "--seed", "1", timeout=600)
+    assert out.returncode == 0 and "soak: PASS: 3 kills" in out.stdout, out.stdout + out.stderr
