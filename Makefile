@@ -42,8 +42,8 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: thos
 	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
 
-plots:  ## results/$(EXP)/report/ from whatever runs exist
-	$(PY) -m analysis results/$(EXP)
+plots:  ## results/$(EXP)/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
+	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs the measured peak
 	$(PY) -m harness bench $(OVERRIDES)
