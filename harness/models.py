@@ -1,7 +1,8 @@
 """Policies and tokenizers: the embedded SmolLM2-135M-Instruct, a tiny character-level Llama, or any hub model.
 
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 128}, seed=0)
-    model = warm_start(model, tokenizer, task, steps=1250, lr=1e-3, batch_size=32, seed=0)
+    model, sidecar = warm_start(model, tokenizer, task, max_steps=3000, lr=1e-3, batch_size=32, seed=0,
+                                target=(0.30, 0.45))
     prompt = build_prompt(tokenizer, problem.question)
 
 Nothing is downloaded for the embedded models. Everything built here is cached under :func:`cache_dir`
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -21,9 +23,11 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import load_model as load_safetensors
 from safetensors.torch import save_model as save_safetensors
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -37,6 +41,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from harness.rollout import generate
 from harness.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -181,60 +186,150 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
     return question + "\n"
 
 
+WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash below would not see
+
+
+class WarmStartError(ValueError):
+    """The warm start could not stop inside its target band."""
+
+
 def warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
     *,
-    steps: int = 1250,
-    lr: float = 1e-3,
-    batch_size: int = 32,
-    seed: int = 0,
+    max_steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    target: tuple[float, float] | None = None,
+    check_every: int = 50,
+    check_size: int = 128,
     cache_key_extra: str = "",
-) -> PreTrainedModel:
+) -> tuple[PreTrainedModel, dict]:
     """Supervised fine-tuning on the task's reference solutions, so that RL starts from a policy that solves
-    some problems. Returns ``model`` (updated in place, in eval mode).
+    some problems. Returns ``(model, sidecar)``: ``model`` updated in place, in eval mode, and the cache
+    sidecar (a dict, see below).
 
-    Each step samples ``batch_size`` train problems (seeded), builds ``build_prompt(question)`` +
-    ``solution`` + EOS and minimises the token-mean cross-entropy on the completion tokens only, with AdamW
-    at a constant ``lr``. The result is cached as safetensors under ``cache_dir()/warm_start``, keyed by a
-    hash of the model (config and a sample of its weights), the tokenizer (vocabulary, chat template), the
-    task (name and arguments), the settings and ``cache_key_extra``; a cache hit just loads the weights.
+    Each step samples ``batch_size`` problems (``random.Random(seed)``) from the train problems, builds
+    ``build_prompt(question)`` + ``solution`` + EOS and minimises the token-mean cross-entropy on the
+    completion tokens only, with AdamW at a constant ``lr``.
 
-    The defaults are the measured recipe for the default tiny model on default ``arith`` (2-digit +/-):
-    greedy eval accuracy 34% with init/data seed 0 but 6% with seed 1, ~150 s on 2 idle CPU cores
-    (0.12 s/step). Accuracy jumps late: with seed 0 about 1% at 250 steps, 9% at 750, 16% at 1000, 34% at
-    1250, 60% at 1500. lr=3e-3 without warmup fails to learn even to copy the expression.
+    ``target=None``: exactly ``max_steps`` steps. ``target=(low, high)``: the first ``check_size`` train
+    problems are held out as a check set (never trained on, nor is any train problem with the same
+    question); every ``check_every`` steps (and at ``max_steps``) the greedy accuracy on it is measured
+    and training stops at the first check with ``low <= acc <= high``. A check above ``high``, or
+    ``max_steps`` reached below ``low``, raises :class:`WarmStartError`. The batch stream is the same
+    whatever the checks find, so a given step count always gives the same weights.
+
+    The result is cached under ``cache_dir()/warm_start`` as ``<key>.safetensors`` and the JSON sidecar
+    ``<key>.json`` (steps taken, check accuracy reached, every check's accuracy, the settings, wall time,
+    torch threads, library versions, build time). ``key`` hashes the model (config and a sample of its
+    weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
+    source code of the training functions, so a change to that code invalidates the cache.
     """
-    key = _warm_start_key(model, tokenizer, task, [steps, lr, batch_size, seed, cache_key_extra])
-    path = cache_dir() / "warm_start" / f"{key}.safetensors"
-    if path.is_file():
-        load_safetensors(model, path, device=str(model.device))
-        return model.eval()
+    if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
+        raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
+    checked = target is not None
+    settings = {
+        "max_steps": max_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+        "target": list(target) if checked else None,
+        "check_every": check_every if checked else None, "check_size": check_size if checked else None,
+    }
+    recipe = {"recipe": WARM_START_RECIPE, "recipe_source_hash": _recipe_source_hash()}
+    key = _warm_start_key(model, tokenizer, task, [settings, recipe, cache_key_extra])
+    folder = cache_dir() / "warm_start"
+    weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
+    if weights.is_file() and sidecar_path.is_file():
+        load_safetensors(model, weights, device=str(model.device))
+        return model.eval(), json.loads(sidecar_path.read_text())
+
     start = time.perf_counter()
-    problems = task.train_problems()
+    problems = list(task.train_problems())
+    check_set = problems[:check_size] if checked else []
+    held_out = {problem.question for problem in check_set}
+    pool = [problem for problem in problems[len(check_set):] if problem.question not in held_out]
+    if not pool:
+        raise ValueError(f"no train problems left for the warm start after holding out {len(check_set)}")
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    checks: dict[int, float] = {}
     model.train()
-    for step in range(steps):
-        batch = [problems[rng.randrange(len(problems))] for _ in range(batch_size)]
+    step = 0
+    while step < max_steps:
+        batch = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
         loss = model(**_supervised_batch(tokenizer, batch, model.device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step % 50 == 0 or step == steps - 1:
-            log.info("warm start step %d/%d loss %.4f", step + 1, steps, loss.item())
+        step += 1
+        if step % 50 == 0:
+            log.info("warm start step %d/%d loss %.4f", step, max_steps, loss.item())
+        if checked and (step % check_every == 0 or step == max_steps):
+            checks[step] = _check_accuracy(model, tokenizer, task, check_set)
+            log.info("warm start step %d: check accuracy %.3f (target %s)", step, checks[step], target)
+            if checks[step] > target[1]:
+                raise WarmStartError(
+                    f"warm start overshot its target band [{target[0]:.2f}, {target[1]:.2f}]: check accuracy "
+                    f"{_history(checks)}; lower check_every or lr, or widen the band")
+            if checks[step] >= target[0]:
+                break
+    if checked and checks[step] < target[0]:
+        raise WarmStartError(
+            f"warm start reached max_steps={max_steps} below its target band [{target[0]:.2f}, {target[1]:.2f}]: "
+            f"check accuracy {_history(checks)}; raise max_steps or lr, or lower the band")
     model.eval()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{key}-", delete=False) as tmp:
+
+    sidecar = {
+        "key": key, **recipe, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
+        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(weights, lambda name: save_safetensors(model, name))
+    _write_atomic(sidecar_path, lambda name: Path(name).write_text(json.dumps(sidecar, indent=1) + "\n"))
+    log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
+    return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
+
+
+def _check_accuracy(model, tokenizer, task: Task, problems) -> float:
+    """Greedy accuracy on ``problems`` (chunks of 64, at most the longest solution + EOS new tokens); the
+    model's train/eval mode is restored."""
+    max_new_tokens = 1 + max(len(tokenizer(p.solution, add_special_tokens=False).input_ids) for p in problems)
+    was_training = model.training
+    model.eval()
+    correct = 0.0
+    with torch.no_grad():
+        for i in range(0, len(problems), 64):
+            chunk = problems[i : i + 64]
+            prompts = [build_prompt(tokenizer, problem.question) for problem in chunk]
+            texts = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=True).texts
+            correct += sum(task.score(text, problem).correct for text, problem in zip(texts, chunk, strict=True))
+    model.train(was_training)
+    return correct / len(problems)
+
+
+def _history(checks: dict[int, float]) -> str:
+    """The last few checks as ``0.12 at step 100, 0.50 at step 150``."""
+    return ", ".join(f"{acc:.2f} at step {step}" for step, acc in list(checks.items())[-4:])
+
+
+def _recipe_source_hash() -> str:
+    """Hash of the source code of the functions that train the warm start."""
+    source = "".join(inspect.getsource(f) for f in (warm_start, _supervised_batch, _check_accuracy))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(temp_name)`` to a temp file next to ``path``, then rename it to ``path``."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-", delete=False) as tmp:
         pass
     try:
-        save_safetensors(model, tmp.name)
+        write(tmp.name)
         os.replace(tmp.name, path)
     finally:
         Path(tmp.name).unlink(missing_ok=True)
-    log.info("warm start: %d steps in %.1f s, cached at %s", steps, time.perf_counter() - start, path)
-    return model
 
 
 def _supervised_batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
