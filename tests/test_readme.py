@@ -1,0 +1,22 @@
+"""The README's code examples are the tested ones: the task example registers, builds and scores."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from harness.tasks import TASKS, get_task
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_task_example_registers_and_scores(monkeypatch):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "@register_task(" in b]
+    monkeypatch.setattr(TASKS, "_items", dict(TASKS._items))  # register into a copy: other tests see no parity
+    exec(compile(code, "README.md", "exec"), {})
+    task = get_task("parity", eval_size=8)
+    problem = task.eval_problems()[0]
+    assert len(task.eval_problems()) == 8 and problem.answer == "1"  # 100 is even
+    assert task.score(problem.solution, problem).correct == 1.0
+    assert task.score("#### 0", problem).correct == 0.0 and task.score("yes", problem).format == 0.0
