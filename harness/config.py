@@ -167,16 +167,29 @@ def experiment_path(name: str) -> Path:
     return path
 
 
-def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
-    path = experiment_path(name)
+def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
+    own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
     try:
-        layers = [OmegaConf.load(path)]
+        layer = OmegaConf.load(path)
     except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
             from None
+    parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
+    if parent is None:
+        return layer
+    parent_path = experiment_path(str(parent))
+    if parent_path in seen or parent_path == path:
+        raise ConfigError(f"{path}: inherit: {parent} makes a cycle")
+    return OmegaConf.merge(experiment_layer(parent_path, (*seen, path)), layer)
+
+
+def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
+    """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
+    path = experiment_path(name)
+    layers = [experiment_layer(path)]
     overrides = list(overrides or [])
     grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
     overrides = [o for o in overrides if not o.startswith(GRID)]
@@ -194,7 +207,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
         cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
     keys = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
-    file_task = OmegaConf.select(layers[0], "task.name", default=None)
+    file_task = OmegaConf.select(layers[0], "task.name", default=None)  # the experiment's own task
     if ("task.name" in keys and keys["task.name"] != file_task and not any(k.startswith("task.args") for k in keys)) \
             or keys.get("task.args", "").replace(" ", "") == "{}":
         cfg.task.args = {}  # another task: the experiment's task arguments were for its own task
