@@ -180,3 +180,13 @@ def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
     assert runs[0].train.prompts_per_step == 32 and runs[0].train.steps == 7 and runs[0].profile is None
     with pytest.raises(ConfigError, match="profile 'tpu' is not defined"):
         load_experiment("gsm8k_ablation", ["profile=tpu"])
+
+
+def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
+    quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
+    assert trl.backend == "trl" and trl.train.save_every == 5
+    assert (trl.model, trl.task, trl.train.steps, trl.train.lr) == (quick.model, quick.task, 20, quick.train.lr)
+    (tmp_path / "a.yaml").write_text(f"inherit: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"inherit: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="makes a cycle"):
+        load_experiment(str(tmp_path / "a.yaml"))
