@@ -1,4 +1,5 @@
-"""Sampling with transformers' ``generate`` (KV cache) and completion-only log-probs for the trainer.
+"""Sampling (a native decode loop, or transformers' ``generate`` as the reference) and completion-only log-probs
+for the trainer.
 
 Both sides use the same distribution: log_softmax(logits / temperature) of the full vocabulary (top-p only
 truncates what is sampled, as vLLM's and TRL's log-probs do), so with one model in one precision the
@@ -7,11 +8,13 @@ sampler's log-probs equal the trainer's up to float round-off.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 @dataclass
@@ -47,11 +50,15 @@ class _RecordAndWarp(LogitsProcessor):
         self.previous = torch.log_softmax(scaled, dim=-1)
         if self.greedy or self.top_p >= 1.0:
             return scaled
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) > self.top_p  # keep the smallest set reaching top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        return scaled.masked_fill(drop, float("-inf"))
+        return scaled.masked_fill(_top_p_drop(scaled, self.top_p), float("-inf"))
+
+
+def _top_p_drop(scaled: Tensor, top_p: float) -> Tensor:
+    """True for the tokens outside the smallest most-probable set whose probability reaches ``top_p``."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs > top_p
+    return drop_sorted.scatter(-1, order, drop_sorted)
 
 
 def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_id: int) -> Rollout:
@@ -78,17 +85,10 @@ def positions(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
-    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
-
-    Each distinct prompt is prefilled once and its KV cache repeated for the group, so the prompt costs one
-    forward pass per group instead of one per sample.
-    """
-    device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
+                 temperature: float, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
+    """The reference: transformers' ``generate`` with a logits processor recording the sampler's log-probs.
+    Returns the completions [N, T] and their log-probs [N, T] (garbage after the first EOS)."""
     cache = None
     if group_size > 1 and prompt_ids.shape[1] > 1:
         head, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
@@ -98,8 +98,6 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     recorder = _RecordAndWarp(temperature, top_p, greedy)
-    was_training = model.training
-    model.eval()
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
         **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
@@ -107,17 +105,188 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
         past_key_values=cache,
     )
-    model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1]:]
     recorder.take(completion_ids[:, -1])
     sampler_logp = torch.stack(recorder.logp, dim=1)[:, : completion_ids.shape[1]]
+    return completion_ids, sampler_logp
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's keys/values in a buffer preallocated for ``capacity`` positions: ``update`` writes in place and
+    returns views of the filled prefix (no per-step concatenation)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[-1])
+        self.value_buffer = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def _views(self) -> None:
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times (new buffers)."""
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(self, name)
+            grown = buffer.new_zeros(buffer.shape[0] * repeats, *buffer.shape[1:])
+            grown[:, :, : self.length] = buffer[:, :, : self.length].repeat_interleave(repeats, dim=0)
+            setattr(self, name, grown)
+        self._views()
+
+    def move_rows(self, holes: Tensor, movers: Tensor, rows: int) -> None:
+        """Copy rows ``movers`` into rows ``holes`` (in place) and keep the first ``rows`` rows."""
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(self, name)
+            if len(holes):
+                buffer[holes, :, : self.length] = buffer[movers, :, : self.length]
+            setattr(self, name, buffer[:rows])
+        self._views()
+
+
+def _sample(logits: Tensor, uniform: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
+    """The next token [n] and its log-prob [n] under the full log_softmax(logits / T).
+
+    ``uniform`` [n] in [0, 1): the inverse-CDF draw from softmax(logits / T) truncated to top-p, one number per
+    row (so the draws do not depend on which other rows are in the batch); ``None``: argmax (greedy).
+    """
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if uniform is None:
+        token = scaled.argmax(-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            probs = probs.masked_fill(_top_p_drop(scaled, top_p), 0.0)
+        cdf = probs.cumsum(-1)
+        total = cdf[:, -1]
+        point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+        token = torch.searchsorted(cdf, point[:, None], right=True)[:, 0]  # first cdf > point: probability > 0
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decoder_of(model, compile: bool):
+    """The model's decoder, or a cached ``torch.compile`` of it (dynamic shapes; shares the live weights)."""
+    decoder = model.get_decoder()
+    if not compile:
+        return decoder
+    if decoder not in _COMPILED:
+        _COMPILED[decoder] = torch.compile(decoder, dynamic=True)
+    return _COMPILED[decoder]
+
+
+def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
+                     temperature: float, top_p: float, greedy: bool, eos_token_id: int, compact_every: int,
+                     compile: bool) -> tuple[Tensor, Tensor]:
+    """The native decode loop over the model's decoder + LM head with a preallocated KV cache.
+
+    Prompts [D, P] are prefilled once and their cache repeated ``group_size`` times. Every ``compact_every``
+    steps (0: never) rows that have emitted EOS leave the batch: the last unfinished rows are moved into their
+    slots, so the cost is per finished row. Each step draws one uniform number per output row, so the tokens
+    do not depend on ``compact_every``. Returns the completions [N, T] and log-probs [N, T] (garbage after
+    the first EOS), T = steps run (the loop stops once every row has emitted EOS).
+    """
+    decoder, head = _decoder_of(model, compile), model.get_output_embeddings()
+    rows, width = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
+    layers = model.config.get_text_config().num_hidden_layers
+    cache = Cache(layers=[_SlabLayer(width + max_new_tokens) for _ in range(layers)])
+    hidden = model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
+                                 past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+    logits = head(hidden).repeat_interleave(group_size, dim=0)
+    if group_size > 1:
+        for layer in cache.layers:
+            layer.batch_repeat_interleave(group_size)
+    device = prompt_ids.device
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
+    mask = mask.repeat_interleave(group_size, dim=0)
+    position = prompt_mask.sum(-1).repeat_interleave(group_size)
+    row = torch.arange(rows, device=device)  # the output row of each batch row
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    completion_ids = torch.full((rows, max_new_tokens), eos_token_id, dtype=torch.long, device=device)
+    sampler_logp = torch.zeros(rows, max_new_tokens, device=device)
+    steps = max_new_tokens
+    for t in range(max_new_tokens):
+        uniform = None if greedy else torch.rand(rows, device=device)[row]
+        token, logp = _sample(logits, uniform, temperature, top_p)
+        completion_ids[row, t], sampler_logp[row, t] = token, logp
+        finished |= token == eos_token_id
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            steps = t + 1
+            break
+        if compact_every and (t + 1) % compact_every == 0 and bool(finished.any()):
+            keep = int((~finished).sum())
+            holes = finished[:keep].nonzero()[:, 0]
+            movers = keep + (~finished[keep:]).nonzero()[:, 0]
+            order = torch.arange(keep, device=device)
+            order[holes] = movers
+            for layer in cache.layers:
+                layer.move_rows(holes, movers, keep)
+            row, finished, token, position = row[order], finished[order], token[order], position[order]
+            mask = mask[order]
+        hidden = decoder(input_ids=token[:, None], attention_mask=mask[:, : width + t + 1],
+                         position_ids=(position + t)[:, None], past_key_values=cache, use_cache=True)
+        logits = head(hidden.last_hidden_state[:, -1])
+    return completion_ids[:, :steps], sampler_logp[:, :steps]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",
+             compact_every: int = 4, compile: bool = False) -> Rollout:
+    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
+
+    Each distinct prompt is prefilled once and its KV cache repeated for the group. ``sampler="native"``: the
+    native decode loop (preallocated KV cache, finished rows leave the batch every ``compact_every`` steps,
+    optionally a ``torch.compile``-d decoder); ``"hf"``: transformers' ``generate`` (the reference). Both record
+    log p(token) under log_softmax(logits / temperature) of the full vocabulary; draws use the global torch RNG.
+    Completions are right-padded with the pad token after their first EOS (log-prob 0 there).
+    """
+    if sampler not in ("native", "hf"):
+        raise ValueError(f"sampler must be 'native' or 'hf', got {sampler!r}")
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        if sampler == "hf":
+            completion_ids, sampler_logp = _generate_hf(
+                model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, greedy=greedy)
+        else:
+            completion_ids, sampler_logp = _generate_native(
+                model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
+                compact_every=compact_every, compile=compile)
+    finally:
+        model.train(was_training)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     is_eos = completion_ids == tokenizer.eos_token_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
     completion_mask = ~after_eos
     truncated = ~is_eos.any(-1)
-    sampler_logp = sampler_logp.masked_fill(~completion_mask, 0.0)
-    texts = tokenizer.batch_decode(completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
+    completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
+    sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
 
 
