@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,

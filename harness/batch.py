@@ -44,7 +44,7 @@ def sample_group(sampler, tokenizer, problems, cfg: DictConfig) -> Rollout:
     t = cfg.train
     return generate(sampler, tokenizer, [build_prompt(tokenizer, p.question) for p in problems],
                     group_size=t.group_size, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                    top_p=t.top_p, sampler=t.sampler)
+                    top_p=t.top_p, sampler=t.sampler, compile=t.compile_sampler)
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:

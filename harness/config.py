@@ -93,6 +93,7 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_sampling_rounds: int = 10  # rounds of prompts_per_step prompts per step (verl DAPO's max_num_gen_batches)
     sampler: str = "native"  # "native": harness/rollout.py's decode loop; "hf": transformers' generate (reference)
+    compile_sampler: bool = False  # torch.compile the native sampler's decode step (pays a compile once per process)
     eval_every: int = 5  # 0 = only at the start and the end
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
@@ -320,6 +321,8 @@ def validate(run: DictConfig) -> None:
                           "a local directory, nor a hub id (owner/name)")
     if t.sampler not in SAMPLERS:
         raise ConfigError(f"train.sampler must be one of {', '.join(SAMPLERS)}, got {t.sampler!r}")
+    if t.compile_sampler and t.sampler != "native":
+        raise ConfigError("train.compile_sampler compiles the native sampler: use it with train.sampler=native")
     _check_warm_start(m)
     _check_device(run.device)
     _check_task_and_model(run)
