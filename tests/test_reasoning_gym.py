@@ -1,0 +1,92 @@
+"""The reasoning_gym task: problems, answers and scores from the library, seeded, disjoint eval, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+import reasoning_gym  # noqa: E402
+from reasoning_gym.factory import DATASETS  # noqa: E402
+
+from harness.config import ConfigError, load_experiment, run_configs  # noqa: E402
+from harness.tasks import Problem, Score, available_tasks, get_task, reasoning_gym_datasets  # noqa: E402
+
+PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
+def small(**kwargs):
+    return get_task("reasoning_gym", **{"dataset": "chain_sum", "params": PARAMS, "train_size": 200,
+                                        "eval_size": 16, **kwargs})
+
+
+def test_problems_and_answers_come_from_the_library():
+    task = small()
+    library = reasoning_gym.create_dataset("chain_sum", **PARAMS, seed=0, size=10)
+    first = task.eval_problems()[0]
+    assert first.question == library[0]["question"] + ' Answer after "####".'
+    assert first.answer == library[0]["answer"] and first.solution == f"#### {library[0]['answer']}"
+    assert "reasoning_gym" in available_tasks()
+    assert {"chain_sum", "countdown", "spell_backward"} <= set(reasoning_gym_datasets())
+
+
+def test_scoring_calls_the_library_score_answer(monkeypatch):
+    task = small()
+    problem = task.eval_problems()[0]
+    assert task.score(problem.solution, problem) == Score(1.0, 1.0)
+    assert task.score(f"reasoning... ####  {problem.answer}\n", problem) == Score(1.0, 1.0)
+    assert task.score(f"#### {problem.answer} #### {int(problem.answer) + 1}", problem) == Score(0.0, 1.0)
+    assert task.score(problem.answer, problem) == Score(0.0, 0.0)  # no marker: no answer
+    assert task.score("####   ", problem) == Score(0.0, 0.0)
+    calls = []
+
+    def fake(self, answer, entry):
+        calls.append((type(self).__name__, answer, entry["answer"], "metadata" in entry))
+        return 0.5
+
+    monkeypatch.setattr(DATASETS["chain_sum"][0], "score_answer", fake)  # the library's class, not ours
+    for threshold, correct in ((1.0, 0.0), (0.5, 1.0)):  # partial credit: correct only at or above threshold
+        patched = small(threshold=threshold)
+        problem = patched.eval_problems()[0]
+        assert patched.score("#### whatever", problem) == Score(correct, 1.0)
+    assert calls == [("ChainSumDataset", "whatever", problem.answer, True)] * 2
+
+def test_eval_is_disjoint_from_train_and_seeded():
+    task = small(eval_size=64, train_size=2000)
+    held_out = task.eval_problems()
+    questions = {p.question for p in held_out}
+    assert len(questions) == 64 and not questions & {p.question for p in task.train_problems()}
+    assert len(task.train_problems()) == 2000
+    assert held_out == small(eval_size=64, train_size=2000).eval_problems()
+    assert task.train_problems()[:50] == small(eval_size=64, train_size=2000).train_problems()[:50]
+    assert held_out != small(eval_size=64, train_size=2000, seed=1).eval_problems()
+    assert all(task.score(p.solution, p) == Score(1.0, 1.0) for p in task.train_problems()[:200])
+
+
+def test_errors_name_the_closest_generator_and_arguments():
+    with pytest.raises(ValueError, match="Did you mean 'chain_sum'"):
+        get_task("reasoning_gym", dataset="chain_sun")
+    with pytest.raises(ValueError, match="no argument max_digit; its arguments: .*max_digits"):
+        get_task("reasoning_gym", dataset="chain_sum", params={"max_digit": 2})
+    with pytest.raises(ValueError, match="min_terms must be positive"):  # the library's own validate()
+        get_task("reasoning_gym", dataset="chain_sum", params={"min_terms": 0})
+    with pytest.raises(ValueError, match="task's seed"):
+        get_task("reasoning_gym", dataset="chain_sum", params={"seed": 3})
+    with pytest.raises(ValueError, match="threshold"):
+        get_task("reasoning_gym", dataset="chain_sum", threshold=0)
+
+
+def test_config_error_before_anything_runs():
+    cfg = load_experiment("base", ["task.name=reasoning_gym", "task.args.dataset=chain_sun"])
+    with pytest.raises(ConfigError, match="Did you mean 'chain_sum'"):
+        run_configs(cfg)
+    cfg = load_experiment("base", ["task.name=reasoning_gym", "task.args.dataset=chain_sum",
+                                   "task.args.params.max_digits=2"])
+    assert run_configs(cfg)
+
+
+def test_hand_built_problem_is_scored_by_its_answer():
+    task = small()
+    problem = Problem(question="What is 2+2?", answer="4", solution="#### 4")
+    assert task.score("#### 4", problem) == Score(1.0, 1.0)
+    assert task.score("#### 5", problem) == Score(0.0, 1.0)
