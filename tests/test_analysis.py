@@ -116,6 +116,7 @@ def test_iqm_with_six_seeds(tmp_path):
     assert table.loc["grpo", "seeds"] == 6
 
 
+@pytest.mark.slow
 def test_table_numbers(report):
     out = report[0].parent
     table = pd.read_csv(out / "eval_accuracy.csv").set_index("objective")
@@ -139,6 +140,7 @@ def test_table_numbers(report):
 FAMILIES = ("metrics_clip", "metrics_gate", "metrics_other")  # clip_frac_low/high, gate_weight_*, holder_p
 
 
+@pytest.mark.slow
 def test_figures_written(report):
     out = report[0].parent
     for stem in [*FIGURES, *FAMILIES]:
@@ -149,6 +151,7 @@ def test_figures_written(report):
     assert html.count("data:image/png;base64,") == len(FIGURES) + len(FAMILIES)
 
 
+@pytest.mark.slow
 def test_every_objective_metric_is_drawn(report):
     """Metrics an objective reports (not in the fixed figures) are drawn, grouped by prefix; bookkeeping is not."""
     metrics = load_experiment(report[0].parent.parent).metrics
@@ -166,6 +169,7 @@ def test_every_objective_metric_is_drawn(report):
     assert "Every numeric per-step metric is drawn except bookkeeping (timings `*_s`, `*_mb`, `lr`," in md
 
 
+@pytest.mark.slow
 def test_paper_mode(tmp_path):
     """--paper: PDFs at the column widths, no suptitle; captions are in the report text, not in the images."""
     exp = write_experiment(tmp_path / "toy")
@@ -199,6 +203,7 @@ def write_objectives(exp: Path, start_policy="absent") -> Path:
     return exp
 
 
+@pytest.mark.slow
 def test_coinciding_objectives_and_intervals(tmp_path):
     """Identical curves are named; 2 seeds give a "range", 1 seed none; n beside every interval; 3 significant
     digits in every cell; scoring variants next to eval_accuracy."""
@@ -271,6 +276,7 @@ def test_clip_fraction_zero_is_stated_not_drawn(tmp_path):
     plt.close(made.fig)
 
 
+@pytest.mark.slow
 def test_report_is_replaced_atomically(tmp_path, monkeypatch):
     """A failure midway leaves the previous report as it was, and no temporary folder; a folder that is not a
     report is never replaced."""
@@ -291,6 +297,7 @@ def test_report_is_replaced_atomically(tmp_path, monkeypatch):
     assert (exp / "notes" / "mine.txt").exists()
 
 
+@pytest.mark.slow
 def test_report_lists_problems(report):
     md_path, caught = report
     md = md_path.read_text()
@@ -316,6 +323,7 @@ def test_truncated_line_skipped_with_warning(tmp_path):
     assert list(loaded.metrics.loc[loaded.metrics["run_id"] == "gspo-s3-abcd1234", "step"]) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_deterministic_output(tmp_path, report):
     exp = write_experiment(tmp_path / "toy")
     with warnings.catch_warnings():
@@ -339,6 +347,7 @@ def test_run_without_metrics(tmp_path):
     assert (md.parent / "final_eval.png").exists()  # from summary.json
 
 
+@pytest.mark.slow
 def test_missing_or_empty_results_dir(tmp_path, capsys):
     with pytest.raises(AnalysisError, match="does not exist"):
         load_experiment(tmp_path / "nope")
@@ -353,6 +362,7 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist"
 
 
+@pytest.mark.slow
 def test_cli_prints_warnings(tmp_path, capsys):
     exp = write_experiment(tmp_path / "toy")
     assert main([str(exp), "--out", str(tmp_path / "out"), "--formats", "png"]) == 0

@@ -111,6 +111,7 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
     model.zero_grad()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", available_objectives())
 def test_every_objective_trains_through_the_loop(tmp_path, objective):
     # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow

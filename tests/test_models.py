@@ -81,6 +81,7 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
         warm_start(load_model("tiny", tiny=TINY)[0], tokenizer, task, **BAND)
 
 
+@pytest.mark.slow
 def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
     task, threads = _easy_task(), torch.get_num_threads()
     try:

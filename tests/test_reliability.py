@@ -107,6 +107,7 @@ def test_replacing_the_task_replaces_its_arguments():
     assert run.task.args == {}
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  steps: [1,\n")

@@ -26,7 +26,7 @@ def cli(*args, **kw):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["train.stepz=3"], "unknown config key 'train.stepz'. Valid keys here: steps,"),
+    (["train.stepz=3"], "unknown config key 'train.stepz'. Did you mean 'train.steps'? Valid keys here: steps,"),
     (["train.steps=abc"], "train.steps"),
     (["objective.name=gspoo"], "Did you mean 'gspo'?"),
     (["objective.params.clip_low=-1"], "clip_low must be >= 0"),
