@@ -67,6 +67,26 @@ def mechanics_table(exp_dir: Path) -> str:
     return md_table(pd.DataFrame(rows).fillna("not reported"))
 
 
+def time_table(exp_dir: Path) -> str:
+    """Where a run's wall time goes, per objective (mean over runs): sampling, update, the rest (evaluations,
+    start-up, model loading, records)."""
+    from analysis.load import load_experiment as load_results
+    from analysis.report import md_table
+
+    exp = load_results(exp_dir)
+    train = exp.metrics[exp.metrics["step"] >= 1]
+    rows = []
+    for objective, runs in train.groupby("objective"):
+        wall = exp.runs[exp.runs["objective"] == objective]["wall_time_s"].mean()
+        rollout = runs.groupby("run_id")["rollout_s"].sum().mean()
+        update = runs.groupby("run_id")["update_s"].sum().mean()
+        rows.append({"objective": objective, "wall time per run (s)": f"{wall:.1f}",
+                     "sampling": f"{rollout:.1f} s ({rollout / wall:.0%})", "update": f"{update:.1f} s "
+                     f"({update / wall:.0%})", "evaluation, start-up, records": f"{wall - rollout - update:.1f} s "
+                     f"({(wall - rollout - update) / wall:.0%})"})
+    return md_table(pd.DataFrame(rows))
+
+
 def document(name: str, results_dir: Path, jobs: int) -> str:
     """Sweep ``name``, write its report, copy its figures; returns its section of the results page."""
     from analysis.report import build_report
@@ -88,7 +108,8 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
             f"{load_before:.2f} before, {load_after:.2f} after).\n\n"
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
-            f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n"
+            f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
+            f"### Where a run's time goes ({jobs} runs at a time)\n\n{time_table(exp_dir)}\n"
             f"{figures}")
 
 
