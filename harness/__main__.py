@@ -6,6 +6,7 @@ import argparse
 import errno
 import signal
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def positive_int(text: str) -> int:
 
 def cmd_list(args) -> int:
     from harness.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
-    from harness.tasks import available_tasks
+    from harness.tasks import available_tasks, reasoning_gym_datasets
     from objectives import OBJECTIVES, available_advantages
 
     print("objectives (objective.name; hyperparameters objective.params.*):")
@@ -86,6 +87,9 @@ def cmd_list(args) -> int:
         print(f"  {name:12s} advantage={cls.default_advantage:10s} {params}")
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
     print("tasks (task.name):                " + ", ".join(available_tasks()))
+    generators = reasoning_gym_datasets()
+    print(f"  reasoning_gym generators (task.args.dataset, {len(generators)}):")
+    print(textwrap.fill(", ".join(generators), 116, initial_indent="    ", subsequent_indent="    "))
     print("models (model.name):              " + ", ".join(EMBEDDED_MODELS) + ", or a hub id / local folder")
     print("samplers (train.sampler):         " + ", ".join(SAMPLERS))
     print("experiments (EXP=...):")
