@@ -115,7 +115,7 @@ def start_policy(summary: dict, path: Path) -> dict:
         warn(f"{path}: start_policy is not an object or null, ignored")
         return {"start_policy": None}
     return {"start_policy": str(info.get("key") or "?"), "start_policy_steps": info.get("steps"),
-            "start_policy_check_accuracy": info.get("check_accuracy"),
+            "start_policy_check_accuracy": info.get("accuracy"),
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
 

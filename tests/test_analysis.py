@@ -207,7 +207,7 @@ def write_objectives(exp: Path, start_policy="absent") -> Path:
 def test_coinciding_objectives_and_intervals(tmp_path):
     """Identical curves are named; 2 seeds give a "range", 1 seed none; n beside every interval; 3 significant
     digits in every cell; scoring variants next to eval_accuracy."""
-    exp = write_objectives(tmp_path / "objs", {"key": "3f2a9c", "steps": 1150, "check_accuracy": 0.36,
+    exp = write_objectives(tmp_path / "objs", {"key": "3f2a9c", "steps": 1150, "accuracy": 0.36,
                                                "eval_accuracy": 0.34})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -240,7 +240,7 @@ def test_headline_without_start_policy(tmp_path, policy, line):
 
 
 def test_headline_with_mixed_start_policies(tmp_path):
-    exp = write_objectives(tmp_path / "objs", {"key": "k1", "steps": 10, "check_accuracy": 0.5})
+    exp = write_objectives(tmp_path / "objs", {"key": "k1", "steps": 10, "accuracy": 0.5})
     summary = exp / "grpo-s0-abcd1234" / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_policy": None}))
     assert report_module.start_policy_lines(load_experiment(exp).runs) == [
