@@ -10,8 +10,7 @@ import torch
 import harness.models
 from harness.models import WarmStartError, _check_accuracy, build_prompt, char_tokenizer, load_model, warm_start
 from harness.tasks import get_task
-
-TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+from tests.tiny import TINY_SPEC
 
 
 def test_char_tokenizer_round_trips_exactly():
@@ -27,9 +26,9 @@ def test_char_tokenizer_round_trips_exactly():
 
 
 def test_tiny_model_is_seeded():
-    first, _ = load_model("tiny", tiny=TINY, seed=3)
-    same, _ = load_model("tiny", tiny=TINY, seed=3)
-    other, _ = load_model("tiny", tiny=TINY, seed=4)
+    first, _ = load_model("tiny", tiny=TINY_SPEC, seed=3)
+    same, _ = load_model("tiny", tiny=TINY_SPEC, seed=3)
+    other, _ = load_model("tiny", tiny=TINY_SPEC, seed=4)
     state, same_state = first.state_dict(), same.state_dict()
     assert all(torch.equal(state[k], same_state[k]) for k in state)
     assert not torch.equal(first.model.embed_tokens.weight, other.model.embed_tokens.weight)
@@ -56,7 +55,7 @@ def _no_training(*args, **kwargs):
 
 def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
     task = _easy_task()
-    model, tokenizer = load_model("tiny", tiny=TINY)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
     model, sidecar = warm_start(model, tokenizer, task, **BAND)
     accuracies = {int(step): acc for step, acc in sidecar["checks"].items()}
     assert sidecar["steps"] == max(accuracies) and sidecar["steps"] % BAND["check_every"] == 0
@@ -70,7 +69,7 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
     assert (folder / f"{sidecar['key']}.safetensors").is_file() and not list(folder.glob(".*"))  # no temp files
 
     monkeypatch.setattr(torch.optim, "AdamW", _no_training)
-    fresh, _ = load_model("tiny", tiny=TINY)
+    fresh, _ = load_model("tiny", tiny=TINY_SPEC)
     fresh, hit = warm_start(fresh, tokenizer, task, **BAND)
     assert hit == sidecar and not fresh.training
     trained = model.state_dict()
@@ -78,7 +77,7 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
 
     (folder / f"{sidecar['key']}.json").unlink()  # a hit needs the weights and the sidecar
     with pytest.raises(AssertionError, match="cache hit"):
-        warm_start(load_model("tiny", tiny=TINY)[0], tokenizer, task, **BAND)
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, **BAND)
 
 
 @pytest.mark.slow
@@ -87,7 +86,7 @@ def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            model, tokenizer = load_model("tiny", tiny=TINY)
+            model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
             _, sidecar = warm_start(model, tokenizer, task, **BAND, cache_key_extra=f"threads={n}")
             assert sidecar["torch_threads"] == n and 0.05 <= sidecar["accuracy"] <= 1.0
     finally:
@@ -95,7 +94,7 @@ def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
 
 
 def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
-    model, tokenizer = load_model("tiny", tiny=TINY)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
     settings = {**BAND, "max_steps": 3, "target": (0.9, 1.0)}
     with pytest.raises(WarmStartError, match=r"max_steps=3 below .*0\.00 at step 3; raise max_steps") as error:
         warm_start(model, tokenizer, _easy_task(), **settings)
@@ -109,7 +108,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     monkeypatch.setattr("harness.models._check_accuracy", jumping_check)
     settings = {**BAND, "max_steps": 10, "check_every": 1, "target": (0.3, 0.45)}
     with pytest.raises(WarmStartError, match=r"overshot .*0\.00 at step 1, 0\.80 at step 2; lower check_every"):
-        warm_start(load_model("tiny", tiny=TINY)[0], tokenizer, _easy_task(), **settings)
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), **settings)
     assert not list((rlvr_cache / "warm_start").glob("*"))  # nothing cached on an error
 
 
@@ -118,7 +117,7 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     settings = {**BAND, "max_steps": 1, "check_every": 1, "check_size": 8, "target": (0.0, 1.0)}
 
     def key(**overrides) -> str:
-        model, tokenizer = load_model("tiny", tiny=TINY)  # fresh: the key covers the initial weights
+        model, tokenizer = load_model("tiny", tiny=TINY_SPEC)  # fresh: the key covers the initial weights
         return warm_start(model, tokenizer, task, **{**settings, **overrides})[1]["key"]
 
     first = key()
@@ -139,7 +138,7 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
 
 
 def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
-    model, tokenizer = load_model("tiny", tiny=TINY)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forwards = []
     model.register_forward_hook(lambda *args: forwards.append(1))

@@ -621,39 +621,14 @@ def test_class_conventions_are_declared_and_checked():
 # Adding an objective: a new module in objectives/ is all it takes
 # ----------------------------------------------------------------------------------------------------
 
-EXAMPLE = '''"""Unclipped importance-weighted policy gradient (illustration).
-
-    l_t = -r_t A_t,   loss = sum_{i,t} mask * l_t / sum mask      (token-mean)
-"""
-
-import torch
-
-from objectives.base import Objective, PolicyBatch, aggregate, clip_metrics, ratio_metrics, register_objective
-
-
-@register_objective("vanilla_pg")
-class VanillaPG(Objective):
-    scale: float = 1.0  # a hyperparameter: an annotated field with its default
-
-    default_advantage = "grpo"
-
-    def policy_loss(self, batch: PolicyBatch):
-        ratio = torch.exp(batch.log_ratio())  # 0 on padding, so r = 1 there
-        loss = aggregate(-self.scale * ratio * batch.token_advantages, batch, "token_mean")
-        nothing = torch.zeros_like(batch.mask)  # no clipping
-        return loss, {**clip_metrics(nothing, nothing, batch), **ratio_metrics(ratio, batch.mask)}
-'''
 
 
 def example_source() -> str:
-    """The README's worked example once README.md has it (so the documented code is the tested one)."""
-    readme = REPO / "README.md"
-    if readme.exists():
-        section = readme.read_text().partition("## Adding an objective")[2]
-        block = re.search(r"```python\n(.*?)```", section, re.S)
-        if block and "@register_objective" in block.group(1):
-            return block.group(1)
-    return EXAMPLE
+    """The README's worked example (so the documented code is the tested one); its absence is a failure."""
+    section = (REPO / "README.md").read_text().partition("## Adding an objective")[2]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block and "@register_objective" in block.group(1), "README.md lost its worked objective example"
+    return block.group(1)
 
 
 def test_a_new_module_is_registered_automatically(tmp_path):
@@ -678,8 +653,8 @@ print(json.dumps({{"loss": out.loss.item(), "grad": logp.grad.tolist(), "metrics
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    if source == EXAMPLE:  # on-policy: loss -mean(A) over 5 tokens, gradient -A/5, ratio 1
-        result = json.loads(done.stdout)
-        assert num(result["loss"], -(3 - 2) / 5, 1e-6) and result["metrics"]["ratio_mean"] == 1.0
-        assert_close(torch.tensor(result["grad"], dtype=DT), [[-0.2] * 3, [0.2, 0.2, 0.0]], tol=1e-6)
+    # the example's math, on-policy (ratio 1, default scale 1): loss -mean(A) over 5 tokens, gradient -A/5
+    result = json.loads(done.stdout)
+    assert num(result["loss"], -(3 - 2) / 5, 1e-6) and result["metrics"]["ratio_mean"] == 1.0
+    assert_close(torch.tensor(result["grad"], dtype=DT), [[-0.2] * 3, [0.2, 0.2, 0.0]], tol=1e-6)
     assert name not in available_objectives()  # the real package is untouched
