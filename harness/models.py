@@ -52,6 +52,10 @@ CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 
 
+class ModelUnavailableError(OSError):
+    """A hub model that cannot be reached or found; the message says what to do instead."""
+
+
 @dataclass
 class TinyModelSpec:
     """Shape of the tiny Llama (tied input/output embeddings); the init seed is ``load_model(seed=...)``."""
@@ -90,8 +94,16 @@ def load_model(
         if tiny:
             raise ValueError(f"model.tiny settings only apply to the 'tiny' model, not {name!r}")
         path = prepare_embedded_model() if name == EMBEDDED_NAME else name
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except OSError as error:
+            if Path(str(path)).is_dir():
+                raise
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ModelUnavailableError(
+                f"cannot load {name!r} from the Hugging Face hub ({reason}); give a local model folder as "
+                "model.name, or set HF_HUB_OFFLINE=1 with a cached copy") from None
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"

@@ -159,3 +159,14 @@ def test_embedded_smollm2_loads_and_generates():
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > inputs.input_ids.shape[1]
     assert tokenizer.decode(out[0, inputs.input_ids.shape[1] :]).strip()
+
+
+def test_a_hub_model_that_cannot_be_loaded_is_one_line_saying_what_to_do(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
+    with pytest.raises(OSError, match=r"cannot load 'no-such-owner/no-such-model' from the Hugging Face hub .*local"
+                                      r" model folder.*HF_HUB_OFFLINE") as error:
+        load_model("no-such-owner/no-such-model")
+    assert "\n" not in str(error.value)
