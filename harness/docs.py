@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,6 +121,9 @@ def main(with_gsm8k: bool = False, jobs: int = 2) -> int:
               f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
               "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation, ~1 h).\n\n")
     sections = [document(name, results_dir, jobs) for name in ("quickstart", "gspo_clip_repro")]
+    soak = subprocess.run([sys.executable, "-m", "harness", "soak", "--kills", "10"], cwd=ROOT, capture_output=True,
+                          text=True)
+    sections.append(f"## make soak\n\n`make soak KILLS=10`: {soak.stdout.strip() or soak.stderr.strip()}\n")
     (DOCS / "results.md").write_text("# Measured results\n\n" + header + "\n".join(sections))
     if with_gsm8k:
         section = document("gsm8k_ablation", results_dir, jobs)

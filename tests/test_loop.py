@@ -145,8 +145,9 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
         assert np.mean([r["correct"] for r in samples if r["step"] == step]) == rows[step]["eval_accuracy"]
 
 
-def test_same_config_and_seed_give_identical_metrics(tmp_path):
-    run = tiny_run(tmp_path, "objective.name=gspo", "train.epochs=2")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_config_and_seed_give_identical_metrics(tmp_path, threads):
+    run = tiny_run(tmp_path, "objective.name=gspo", "train.epochs=2", f"threads={threads}")
     train(run, tmp_path / "a", progress=False)
     train(run, tmp_path / "b", progress=False)
     a, b = (without_timing(read_jsonl(tmp_path / d / "metrics.jsonl")) for d in "ab")

@@ -154,6 +154,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
 
     out = cli("sweep", *args)
     assert out.returncode == 0, out.stderr
+    assert (exp_dir / "report" / "report.md").exists()  # the report follows results_dir
     manifest = json.loads((exp_dir / "manifest.json").read_text())
     assert [r["status"] for r in manifest["runs"]] == ["finished", "finished"]
     for run in manifest["runs"]:
