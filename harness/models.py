@@ -248,7 +248,7 @@ def warm_start(
         "target": list(target) if checked else None,
         "check_every": check_every if checked else None, "check_size": check_size if checked else None,
     }
-    recipe = {"recipe": WARM_START_RECIPE, "recipe_source_hash": _recipe_source_hash()}
+    recipe = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
     key = _warm_start_key(model, tokenizer, task, [settings, recipe, cache_key_extra])
     folder = cache_dir() / "warm_start"
     weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
@@ -379,3 +379,8 @@ def _warm_start_key(model, tokenizer, task: Task, settings: list) -> str:
         sample = flat[:: max(1, flat.numel() // 256)][:256]
         digest.update(name.encode() + sample.float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+# taken when the module is imported: the code this process runs (read later, an edit of this file made meanwhile
+# would be read at the old line numbers and give a spurious key)
+RECIPE_SOURCE_HASH = _recipe_source_hash()

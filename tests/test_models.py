@@ -126,7 +126,7 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     monkeypatch.setattr("harness.models.WARM_START_RECIPE", harness.models.WARM_START_RECIPE + 1)
     assert key() != first
     monkeypatch.undo()
-    monkeypatch.setattr("harness.models._recipe_source_hash", lambda: "changed")
+    monkeypatch.setattr("harness.models.RECIPE_SOURCE_HASH", "changed")
     assert key() != first
     monkeypatch.undo()
 
