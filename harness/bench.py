@@ -49,10 +49,12 @@ def body_parameters(model) -> int:
 
 
 def update_flops(model, ro: Rollout, epochs: int) -> float:
+    """Model FLOPs of the update's forward + backward: each distinct prompt runs once (its rows share the pass),
+    every row's completion positions run, padding included."""
     cfg = model.config
     prompt_len, completion_len = ro.prompt_ids.shape[1], ro.completion_ids.shape[1]
-    rows = ro.prompt_ids.shape[0]
-    positions = rows * (prompt_len + completion_len)
+    rows, prompts = ro.prompt_ids.shape[0], len(torch.unique(ro.prompt_ids, dim=0))
+    positions = prompts * prompt_len + rows * completion_len
     head = 6 * cfg.hidden_size * cfg.vocab_size * rows * completion_len
     attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * positions * (prompt_len + completion_len) / 2
     return epochs * (6 * body_parameters(model) * positions + head + attention)
