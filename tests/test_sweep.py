@@ -75,7 +75,7 @@ def test_sweep_expands_grid_with_per_objective_overrides():
     cfg = load_experiment("quickstart", ["sweep.per_objective.gspo={objective.params.clip_high: 0.001}"])
     runs = run_configs(cfg)
     assert [(r.objective.name, r.seed) for r in runs] == [
-        (o, s) for o in ("grpo", "gspo", "gspo_token", "ctpo") for s in (0, 1)]
+        (o, s) for o in ("grpo", "gspo", "gspo_token", "ctpo") for s in (0, 1, 2)]
     assert all((r.objective.params.get("clip_high") == 0.001) == (r.objective.name == "gspo") for r in runs)
     ids = [run_id(r) for r in runs]
     assert len(set(ids)) == len(ids) and ids[0].startswith("grpo-s0-")
