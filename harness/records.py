@@ -6,6 +6,7 @@
     <run_dir>/summary.json         status (running | finished | failed | interrupted), progress, eval accuracies,
                                    the starting policy's record, the error of a failed run; written atomically
     <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
+    <run_dir>/final/               the trained policy in transformers' format (save_pretrained), at the end
 
 On resume both JSON-lines files keep exactly the steps up to the checkpoint's, so no step is ever written twice.
 """
@@ -16,6 +17,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -169,6 +171,17 @@ def lock_folder(path: Path, busy: str):
 
 class FolderBusyError(RuntimeError):
     pass
+
+
+def export_policy(policy, tokenizer, folder: Path) -> None:
+    """The policy as transformers saves it (weights, config, tokenizer, chat template), so that transformers, vLLM
+    or lm-evaluation-harness load it directly; written to a temporary folder, then renamed into place."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
 
 
 # ------------------------------------------------------------------------- the native loop's checkpoints

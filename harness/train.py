@@ -8,7 +8,8 @@ Per step:
      log-probs when the objective's beta > 0;
   4. ``epochs`` passes over the batch, ``num_minibatches`` optimizer steps each (harness/update.py);
   5. every ``eval_every`` steps and at the end: the held-out evaluation (harness/evaluation.py);
-  6. one JSON line of metrics, summary.json, and a checkpoint every ``save_every`` steps (harness/records.py).
+  6. one JSON line of metrics, summary.json, and a checkpoint every ``save_every`` steps (harness/records.py);
+     at the end the policy in transformers' format under <run_dir>/final/.
 The random streams are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
 """
 
@@ -29,7 +30,7 @@ from harness.build import build_objective, build_policy, build_task, frozen_copy
 from harness.config import DTYPES
 from harness.evaluation import evaluate
 from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
-from harness.records import RunRecords, load_checkpoint, save_checkpoint
+from harness.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.rollout import completion_logprobs
 from harness.update import RunState, update
 
@@ -128,6 +129,8 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                 save_checkpoint(run_dir, {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
                                           "scheduler": scheduler.state_dict(), "state": dataclasses.asdict(state)})
         bar.close()
+        if records.main:
+            export_policy(policy, tokenizer, run_dir / "final")
     return records.summary("finished")
 
 

@@ -34,6 +34,7 @@ Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -310,4 +311,9 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if not progress:
             trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
         trainer.train(resume_from_checkpoint=checkpoint)
+        final = run_dir / "final"
+        trainer.save_model(str(final.with_name("final.tmp")))  # every rank: ZeRO-3 / FSDP gather the weights here
+        if records.main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final.with_name("final.tmp"), final)
     return records.summary("finished")

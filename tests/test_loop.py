@@ -306,3 +306,19 @@ def test_overlong_penalty_matches_dapo_by_hand(tmp_path):
                           torch.tensor([1.1, 0.1, 1.0, 0.0, 1.1]))
     with pytest.raises(ConfigError, match="overlong_buffer"):
         tiny_run(tmp_path, "train.max_new_tokens=20", "task.overlong_buffer=21")
+
+
+def test_a_finished_run_exports_a_policy_transformers_loads_with_the_same_logprobs(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train(tiny_run(tmp_path, "train.steps=1", "task.overlong_buffer=6"), tmp_path / "run", progress=False)
+    trained, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    trained.load_state_dict(torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)["policy"])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").eval()
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
+    assert reloaded("What is 1+2?").input_ids == tokenizer("What is 1+2?").input_ids
+    ro = generate(trained, tokenizer, [build_prompt(tokenizer, "What is 1+2?")], group_size=2, max_new_tokens=6)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        before, after = (completion_logprobs(model, *args)[0] for model in (trained, exported))
+    assert torch.allclose(before, after, atol=1e-6)

@@ -230,6 +230,10 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
     assert OmegaConf.load(tmp_path / "full" / "config.yaml").backend == "trl"
     samples = read_jsonl(tmp_path / "full" / "eval_samples.jsonl")
     assert sorted({r["step"] for r in samples}) == [0, 3] and all("completion" in r for r in samples)
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")  # the trained policy, exported
+    assert exported.config.hidden_size == TINY_SPEC["hidden_size"] and not (tmp_path / "full" / "final.tmp").exists()
 
     train_trl(OmegaConf.merge(run, {"train": {"steps": 2}}), tmp_path / "part", progress=False)
     with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
