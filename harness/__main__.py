@@ -110,7 +110,11 @@ def cmd_prepare(args) -> int:
 def cmd_bench(args) -> int:
     from harness.bench import main
 
-    return main(args.overrides)
+    try:
+        return main(args.overrides)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_docs(args) -> int:
