@@ -4,10 +4,14 @@ Notation used by every objective's docstring: tensors are [B, T] over completion
 ``d = logp - old_logp``, ``r = exp(d)``, ``sg`` = stop-gradient (``detach``), ``L_i`` = number of
 valid tokens of sequence i, ``A`` = advantage (per sequence, broadcast over tokens, or per token).
 
-Aggregation is part of each algorithm and lives in one helper, :func:`aggregate`. With micro-batching
-the caller passes the *global* token / sequence counts of the minibatch (``num_tokens``,
+Aggregation is part of each algorithm and lives in two helpers, :func:`aggregate` (a per-token loss) and
+:func:`sequence_loss` (a per-sequence loss). Every objective has the hyperparameter ``aggregation`` (verl's
+``loss_agg_mode``): by default the objective's own (``default_aggregation``), overridable by any mode in
+``AGGREGATIONS`` that the objective accepts (``aggregations``; ConSPO accepts only its own). With
+micro-batching the caller passes the *global* token / sequence counts of the minibatch (``num_tokens``,
 ``num_sequences``), so that summing the losses of the micro-batches gives exactly the minibatch loss
-(verl's "global batch info").
+(verl's "global batch info"), in every mode. Objectives whose loss needs statistics of the whole minibatch
+beyond these counts (P3O's effective sample size) set ``needs_whole_minibatch``.
 """
 
 from __future__ import annotations
@@ -40,11 +44,17 @@ class PolicyBatch:
     max_completion_len: int | None = None  # constant normaliser of Dr. GRPO
     num_tokens: float | None = None  # valid tokens in the whole minibatch (default: this batch's)
     num_sequences: int | None = None  # sequences in the whole minibatch (default: this batch's)
+    # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
+    rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update: HölderPO's
+    #                                   ``p_schedule="rollout_steps"`` (the authors' counter)
+    sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
+    #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
+    #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1).
 
     def __post_init__(self):
         if self.logp.dim() != 2:
             raise ValueError(f"logp must be [B, T], got shape {tuple(self.logp.shape)}")
-        for name in ("old_logp", "mask", "ref_logp"):
+        for name in ("old_logp", "mask", "ref_logp", "sampler_logp"):
             value = getattr(self, name)
             if value is not None and value.shape != self.logp.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logp has {tuple(self.logp.shape)}")
@@ -57,6 +67,8 @@ class PolicyBatch:
         self.old_logp = self.old_logp.detach()
         if self.ref_logp is not None:
             self.ref_logp = self.ref_logp.detach()
+        if self.sampler_logp is not None:
+            self.sampler_logp = self.sampler_logp.detach()
 
     @property
     def token_count(self) -> Tensor | float:
@@ -121,6 +133,19 @@ def sequence_aggregate(per_sequence: Tensor, batch: PolicyBatch) -> Tensor:
     return per_sequence.sum() / batch.sequence_count
 
 
+def sequence_loss(per_sequence: Tensor, batch: PolicyBatch, mode: str) -> Tensor:
+    """Reduce a per-sequence loss l_i [B] as the per-token loss l_i broadcast over the valid tokens of i would be
+    reduced by :func:`aggregate` (verl's sequence-level losses, e.g. ``gspo``, with its ``loss_agg_mode``):
+
+    seq_mean_token_mean:     sum_i l_i / N_seqs                         (= :func:`sequence_aggregate`)
+    token_mean:              sum_i L_i l_i / N_tokens                   (longer sequences weigh more)
+    seq_mean_token_sum_norm: sum_i L_i l_i / (N_seqs * max_completion_len)
+    """
+    if mode == "seq_mean_token_mean":
+        return sequence_aggregate(per_sequence, batch)
+    return aggregate(per_sequence[:, None].expand_as(batch.logp), batch, mode)
+
+
 def sequence_advantages(batch: PolicyBatch, objective: str) -> Tensor:
     """The advantages A_i [B] (detached, in logp's dtype) of a sequence-level objective; ValueError if [B, T]."""
     if batch.advantages.dim() != 1:
@@ -129,8 +154,28 @@ def sequence_advantages(batch: PolicyBatch, objective: str) -> Tensor:
     return batch.advantages.detach().to(batch.logp.dtype)
 
 
+CUM_LOG_RATIO_CLAMP = 20.0  # CTPO: per-token |d| bound before the prefix sum (the authors')
+CUM_RATIO_MODES = ("cumprod", "geomean")
+
+
+def cumulative_log_ratio(batch: PolicyBatch, mode: str) -> Tensor:
+    """CTPO's prefix log-ratio with the stop-gradient decomposition, [B, T], 0 on padding (before any cap):
+
+        c_t = sum_{u <= t, valid} clamp(d_u, -20, 20)        mode "cumprod"  (log of the prefix product)
+        c_t = c_t(cumprod) / n_t,  n_t = valid tokens <= t    mode "geomean"  (log of the prefix geometric mean)
+        log rho_t = sg(c_t) + logp_t - sg(logp_t)             (value c_t; gradient through the current token only)
+    """
+    if mode not in CUM_RATIO_MODES:
+        raise ValueError(f"unknown cumulative ratio mode {mode!r}; choose one of {CUM_RATIO_MODES}")
+    cumulative = torch.cumsum(batch.log_ratio().clamp(-CUM_LOG_RATIO_CLAMP, CUM_LOG_RATIO_CLAMP), dim=-1)
+    if mode == "geomean":
+        cumulative = cumulative / torch.cumsum(batch.mask.to(batch.logp.dtype), dim=-1).clamp(min=1)
+    return masked(cumulative.detach() + batch.logp - batch.logp.detach(), batch.mask)
+
+
 def ppo_clipped_loss(
-    batch: PolicyBatch, clip_low: float, clip_high: float, aggregation: str, log_ratio: Tensor | None = None
+    batch: PolicyBatch, clip_low: float, clip_high: float, aggregation: str, log_ratio: Tensor | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO's clipped surrogate per token, aggregated, with its clip and ratio metrics.
 
@@ -138,6 +183,9 @@ def ppo_clipped_loss(
         clip_frac_low = A < 0 and r < 1 - clip_low,   clip_frac_high = A > 0 and r > 1 + clip_high
 
     r = exp(``log_ratio``) ([B, T], 0 on padding), by default exp(logp - old_logp); GSPO-token passes its own.
+    ``clip_ratio_c`` (> 1; verl's dual clip, Ye et al. arXiv 1912.09729): where A < 0, l_t = min(l_t, -c A_t),
+    so a token with r > c keeps the loss -c A and loses its gradient; reported as ``clip_frac_dual`` (A < 0 and
+    r > c; disjoint from the other two) and added to ``clip_frac``.
     """
     ratio = torch.exp(batch.log_ratio() if log_ratio is None else log_ratio)
     adv = batch.token_advantages
@@ -145,8 +193,24 @@ def ppo_clipped_loss(
     per_token = torch.maximum(-ratio * adv, -clipped_ratio * adv)
     low = (ratio < 1.0 - clip_low) & (adv < 0)
     high = (ratio > 1.0 + clip_high) & (adv > 0)
+    dual = None
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
     loss = aggregate(per_token, batch, aggregation)
-    return loss, {**clip_metrics(low, high, batch), **ratio_metrics(ratio, batch.mask)}
+    metrics = clip_metrics(low, high, batch)
+    if dual is not None:
+        metrics["clip_frac_dual"] = (dual & batch.mask).sum().item() / batch.mask.sum().clamp(min=1).item()
+        metrics["clip_frac"] += metrics["clip_frac_dual"]
+    return loss, {**metrics, **ratio_metrics(ratio, batch.mask)}
+
+
+def validate_dual_clip(objective) -> None:
+    """``clip_ratio_c`` must exceed 1 (verl asserts the same): below, the dual bound would cut unclipped ratios."""
+    if objective.clip_ratio_c <= 1.0:
+        raise ValueError(f"objective {objective.name!r}: hyperparameter clip_ratio_c must be > 1 (verl's dual-clip "
+                         f"bound on the ratio for A < 0), got {objective.clip_ratio_c}")
 
 
 def ratio_metrics(ratio: Tensor, valid: Tensor, prefix: str = "ratio") -> dict[str, float]:
@@ -201,22 +265,39 @@ class Objective:
 
     name: ClassVar[str] = ""  # the registered name (set by register_objective)
     default_advantage: ClassVar[str] = "grpo"  # advantage estimator used when the run's config names none
-    # how policy_loss reduces its per-token loss (one of AGGREGATIONS); None: it reduces per sequence instead
-    aggregation: ClassVar[str | None] = None
-    kl_aggregation: ClassVar[str] = "seq_mean_token_mean"  # reduction of the beta * k3 KL term
+    # the objective's own reduction (one of AGGREGATIONS), the default of the ``aggregation`` hyperparameter;
+    # a sequence-level objective's "mean over sequences" is seq_mean_token_mean (see sequence_loss)
+    default_aggregation: ClassVar[str] = "token_mean"
+    aggregations: ClassVar[tuple[str, ...]] = AGGREGATIONS  # the modes ``aggregation`` may be set to
+    # reduction of the beta * k3 KL term; None: the objective's ``aggregation`` (override included)
+    kl_aggregation: ClassVar[str | None] = None
     signed: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters allowed to be negative
     positive: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters that must be > 0
     # lower clip widths eps of a ratio floor 1 - eps, which must stay > 0: eps < 1
     below_one: ClassVar[frozenset[str]] = frozenset()
     # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
     needs_whole_groups: ClassVar[bool] = False
+    # True if the loss uses a statistic of the whole minibatch beyond its token / sequence counts (P3O's
+    # effective sample size): micro-batches would each see their own statistic, so the loop must evaluate the
+    # objective on the whole minibatch at once (no micro-batching)
+    needs_whole_minibatch: ClassVar[bool] = False
 
     beta: float = 0.0  # coefficient of the k3 KL to the reference policy
+    # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
+    aggregation: str = ""
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, self._checked(f.name, getattr(self, f.name), hints[f.name]))
+        if self.aggregation == "":
+            self.aggregation = self.default_aggregation
+        if self.aggregation not in self.aggregations:
+            where = f"objective {self.name!r}: hyperparameter aggregation"
+            if self.aggregation not in AGGREGATIONS:
+                raise ValueError(f"{where}: unknown mode {self.aggregation!r}; choose one of {AGGREGATIONS}")
+            raise ValueError(f"{where} {self.aggregation!r} is not meaningful for this objective; it accepts "
+                             f"only {self.aggregations}")
         self.validate()
 
     def _checked(self, name: str, value, kind):
@@ -263,22 +344,32 @@ class Objective:
                     f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp"
                 )
             kl = k3_kl(batch)
-            loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation)
+            loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation or self.aggregation)
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
     @classmethod
     def hyperparameters(cls) -> dict[str, object]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+        params = {f.name: f.default for f in dataclasses.fields(cls)}
+        if params.get("aggregation") == "":
+            params["aggregation"] = cls.default_aggregation
+        return params
 
 
 def register_objective(name: str):
     """Class decorator: make the class a dataclass of its hyperparameters and register it under ``name``."""
 
     def decorator(cls):
-        for mode in (cls.aggregation, cls.kl_aggregation):
+        legacy = cls.__dict__.get("aggregation")
+        if isinstance(legacy, str) and "aggregation" not in cls.__dict__.get("__annotations__", {}):
+            cls.default_aggregation = legacy  # an old-style ``aggregation = "..."`` class attribute: its default
+            delattr(cls, "aggregation")
+        for mode in (cls.default_aggregation, cls.kl_aggregation, *cls.aggregations):
             if mode is not None and mode not in AGGREGATIONS:
                 raise ValueError(f"objective {name!r}: unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+        if cls.default_aggregation not in cls.aggregations:
+            raise ValueError(f"objective {name!r}: default_aggregation {cls.default_aggregation!r} is not among "
+                             f"its aggregations {cls.aggregations}")
         cls.name = name
         if "__dataclass_fields__" not in cls.__dict__:
             cls = dataclass(cls)

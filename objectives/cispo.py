@@ -34,8 +34,7 @@ class CISPO(Objective):
     clip_high: float = 4.0
 
     default_advantage = "grpo"
-    aggregation = "token_mean"
-    kl_aggregation = "token_mean"
+    default_aggregation = "token_mean"
 
     def policy_loss(self, batch: PolicyBatch):
         ratio = torch.exp(batch.log_ratio())

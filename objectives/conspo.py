@@ -31,6 +31,9 @@ Assumptions (not fixed by the paper's text):
 - no importance ratio and no clipping: the scores are the current policy's likelihoods, as in the paper's
   description. clip_frac (and _low/_high) are 0; the ratio metrics report the GSPO-style sequence ratio
   exp(mean_t d) as an off-policy diagnostic only.
+- ``aggregation`` is fixed (seq_mean_token_mean: the sum over positives divided by N_seqs): the loss is a
+  contrast between whole sequences, so weighting its terms by token counts has no meaning; any other mode
+  is refused with a ValueError.
 ``PolicyBatch.group_ids`` is required; micro-batches must hold whole groups (``needs_whole_groups``).
 Extra metrics: ``conspo_margin``, ``conspo_contrast_frac`` (fraction of sequences that are positives with
 at least one negative), ``conspo_pos_prob`` (mean InfoNCE probability q_i of those positives).
@@ -63,6 +66,8 @@ class ConSPO(Objective):
     schedule: str = "linear"
 
     default_advantage = "grpo"
+    default_aggregation = "seq_mean_token_mean"
+    aggregations = ("seq_mean_token_mean",)
     positive = frozenset({"temperature"})
     needs_whole_groups = True
 

@@ -1,29 +1,37 @@
 """CTPO — cumulative-token importance sampling (arXiv 2605.07331); reference: the authors' code,
-horizon-llm/CTPO, loss ``cum-token-cumprod-la`` (length-adaptive, cumulative product) in verl's core_algos.py.
+horizon-llm/CTPO (commit acc40211dbeaa8cb37c2347a8b7ad64192b635c4), verl/trainer/ppo/core_algos.py,
+``_compute_policy_loss_cum_token_la_impl``: losses ``cum-token-cumprod-la`` (the default here) and
+``cum-token-geomean-la`` (``ratio_mode="geomean"``). The non-length-adaptive losses ``cum-token-cumprod`` /
+``cum-token-geomean`` (ratio-space clip, dual clip 3) are the sibling objective ``ctpo_clip``.
 
-    c_t        = sum_{u <= t, valid} clamp(d_u, -20, 20)                 (log of the prefix product of ratios)
-    log rho_t  = min(sg(c_t) + logp_t - sg(logp_t), 10)                  (value: prod_{u<=t} r_u;
-                                                                          gradient: the current token only)
+    c_t        = sum_{u <= t, valid} clamp(d_u, -20, 20)                 (ratio_mode "cumprod": log prefix product)
+    c_t        = (sum_{u <= t, valid} clamp(d_u, -20, 20)) / n_t          (ratio_mode "geomean": log prefix geo-mean)
+    log rho_t  = min(sg(c_t) + logp_t - sg(logp_t), 10)                  (value: exp(c_t); gradient: the
+                                                                          current token only, coefficient 1)
     n_t        = number of valid tokens up to and including t            (1-indexed position)
-    rho^c_t    = exp(clamp(log rho_t, -clip_low sqrt(n_t), clip_high sqrt(n_t)))
+    s_t        = n_t ^ la_power                                           (the authors' clip_ratio_la_power)
+    rho^c_t    = exp(clamp(log rho_t, -clip_low s_t, clip_high s_t))
     l_t        = max(-A rho_t, -A rho^c_t)
-    l_t        = min(l_t, -A exp(dual_clip sqrt(n_t)))      only where A < 0 (dual clip)
+    l_t        = min(l_t, -A exp(dual_clip s_t))        only where A < 0 (dual clip)
     loss       = sum_{i,t} mask * l_t / sum_{i,t} mask                   (token-mean, as the authors' default)
 
 Unclipped, d loss / d logp_t = -A rho_t / N_tokens. Defaults clip_low = 0.025, clip_high = 0.05,
-dual_clip = 0.05 (the authors' ``la_clip_low/high/c`` with ``clip_ratio_la_power`` = 0.5): at t = 1 the
-window is [0.975, 1.051], at t = 100 [0.78, 1.65]. Choices, all following the authors' code:
+dual_clip = 0.05, la_power = 0.5 (the authors' ``la_clip_low/high/c`` and ``clip_ratio_la_power``, ctpo.sh):
+at t = 1 the window is [0.975, 1.051], at t = 100 [0.78, 1.65]. The authors recommend la_power = +0.5 for
+cumprod (Var log rho_t ~ t) and -0.5 for geomean (Var ~ 1/t): ``ratio_mode=geomean la_power=-0.5`` is their
+``cum-token-geomean-la``; la_power = 0 gives a uniform log-space window. Choices, all following the
+authors' code:
 - the +-20 clamp of d (before the prefix sum) and the cap of log rho at 10 are theirs (numerical safety);
-- the dual clip applies to A < 0 only, after the PPO max, with threshold exp(dual_clip sqrt(n_t)): with
+- the dual clip applies to A < 0 only, after the PPO max, with threshold exp(dual_clip s_t): with
   the defaults it coincides with the upper edge of the window, so for A < 0 a ratio above the window loses
   its gradient too;
 - clip fractions (over valid tokens; each counts tokens whose gradient the clip removed):
-  clip_frac_low  = A < 0 and log rho_t < -clip_low sqrt(n_t);
-  clip_frac_high = A > 0 and log rho_t > clip_high sqrt(n_t) (or past the cap at 10);
-  clip_frac_dual = A < 0 and the dual clip is active (rho_t > exp(dual_clip sqrt(n_t)), or past the cap);
+  clip_frac_low  = A < 0 and log rho_t < -clip_low s_t;
+  clip_frac_high = A > 0 and log rho_t > clip_high s_t (or past the cap at 10);
+  clip_frac_dual = A < 0 and the dual clip is active (rho_t > exp(dual_clip s_t), or past the cap);
   clip_frac = clip_frac_low + clip_frac_high + clip_frac_dual (the three are disjoint). The authors log
   the same three counts (``pg_update/clip/{low,high,dual}``); verl's ``pg_clipfrac_lower`` is the dual one.
-Ratio metrics are over rho_t (the prefix products, as capped). Advantages may be [B] or [B, T].
+Ratio metrics are over rho_t (as capped). Advantages may be [B] or [B, T]. ``aggregation`` may be any mode.
 """
 
 from __future__ import annotations
@@ -31,16 +39,16 @@ from __future__ import annotations
 import torch
 
 from objectives.base import (
+    CUM_RATIO_MODES,
     Objective,
     PolicyBatch,
     aggregate,
     clip_metrics,
-    masked,
+    cumulative_log_ratio,
     ratio_metrics,
     register_objective,
 )
 
-LOG_RATIO_CLAMP = 20.0  # per-token |d| bound before the prefix sum
 LOG_RHO_CAP = 10.0  # upper cap of log rho_t
 
 
@@ -49,24 +57,30 @@ class CTPO(Objective):
     clip_low: float = 0.025
     clip_high: float = 0.05
     dual_clip: float = 0.05
+    ratio_mode: str = "cumprod"
+    la_power: float = 0.5
 
     default_advantage = "grpo"
-    aggregation = "token_mean"
-    kl_aggregation = "token_mean"
+    default_aggregation = "token_mean"
     positive = frozenset({"clip_low", "clip_high", "dual_clip"})  # log-space half-widths of the window
+    signed = frozenset({"la_power"})
+
+    def validate(self):
+        if self.ratio_mode not in CUM_RATIO_MODES:
+            raise ValueError(f"objective {self.name!r}: ratio_mode must be one of {CUM_RATIO_MODES}, "
+                             f"got {self.ratio_mode!r}")
 
     def policy_loss(self, batch: PolicyBatch):
         mask = batch.mask
-        cumulative = torch.cumsum(batch.log_ratio().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), dim=-1)
-        raw = masked(cumulative.detach() + batch.logp - batch.logp.detach(), mask)
+        raw = cumulative_log_ratio(batch, self.ratio_mode)
         log_rho = raw.clamp(max=LOG_RHO_CAP)
         rho = torch.exp(log_rho)
-        root_n = torch.cumsum(mask.to(batch.logp.dtype), dim=-1).clamp(min=1).sqrt()
-        low_bound, high_bound = -self.clip_low * root_n, self.clip_high * root_n
+        scale = torch.cumsum(mask.to(batch.logp.dtype), dim=-1).clamp(min=1) ** self.la_power
+        low_bound, high_bound = -self.clip_low * scale, self.clip_high * scale
         rho_clipped = torch.exp(torch.clamp(log_rho, low_bound, high_bound))
         adv = batch.token_advantages
         ppo = torch.maximum(-adv * rho, -adv * rho_clipped)
-        dual = -adv * torch.exp(self.dual_clip * root_n)
+        dual = -adv * torch.exp(self.dual_clip * scale)
         per_token = torch.where(adv < 0, torch.minimum(ppo, dual), ppo)
         loss = aggregate(per_token, batch, self.aggregation)
 

@@ -11,7 +11,8 @@ Defaults clip_low = clip_high = 0.4, i.e. token ratios in (e^-0.4, e^0.4) = (0.6
 "wider" clip. A = 0 counts as A >= 0 (as in the authors' code; its loss is 0 either way). Advantages must
 be per sequence. Clip fractions over valid tokens: clip_frac_high = A > 0 and d_t > clip_high,
 clip_frac_low = A < 0 and d_t < -clip_low (exactly the tokens whose gradient is removed).
-Ratio metrics are over the sequence ratios rho_i.
+Ratio metrics are over the sequence ratios rho_i. ``aggregation`` (default seq_mean_token_mean = the mean over
+sequences above) may be token_mean / seq_mean_token_sum_norm: l_i weighted by L_i (base.sequence_loss).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from objectives.base import (
     ratio_metrics,
     register_objective,
     sequence_advantages,
-    sequence_aggregate,
+    sequence_loss,
 )
 
 
@@ -35,6 +36,7 @@ class GMPO(Objective):
     clip_high: float = 0.4
 
     default_advantage = "grpo"
+    default_aggregation = "seq_mean_token_mean"
 
     def policy_loss(self, batch: PolicyBatch):
         adv = sequence_advantages(batch, self.name)
@@ -42,7 +44,7 @@ class GMPO(Objective):
         positive = (adv >= 0)[:, None]
         clipped_d = torch.where(positive, d.clamp(max=self.clip_high), d.clamp(min=-self.clip_low))
         seq_ratio = torch.exp(batch.sequence_mean(clipped_d))
-        loss = sequence_aggregate(-adv * seq_ratio, batch)
+        loss = sequence_loss(-adv * seq_ratio, batch, self.aggregation)
         high = (adv > 0)[:, None] & (d > self.clip_high)
         low = (adv < 0)[:, None] & (d < -self.clip_low)
         valid = batch.mask.any(-1)

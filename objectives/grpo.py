@@ -7,21 +7,34 @@
 Defaults clip 0.2/0.2 and beta = 0 (the paper used beta = 0.04 with G = 64 and one update per rollout).
 The KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1, *not* multiplied by r (TRL 1.16 multiplies
 it by r unless ``use_bias_correction_kl=False``).
+
+Options (off by default; every objective also takes ``aggregation``, see objectives/base.py):
+- ``dual_clip`` / ``clip_ratio_c`` (default 3): verl's dual clip (``clip_ratio_c``; Ye et al., arXiv 1912.09729),
+  for A < 0 only: l_t = min(l_t, -clip_ratio_c A), so a token of a bad response whose ratio exceeds c keeps
+  the bounded loss -c A and loses its gradient. ``clip_frac_dual`` (A < 0 and r > c) is reported (0 when
+  off) and included in ``clip_frac``. Neither the paper nor TRL has it; verl's ``vanilla`` loss always does.
 """
 
 from __future__ import annotations
 
-from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_objective
+from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_objective, validate_dual_clip
 
 
 @register_objective("grpo")
 class GRPO(Objective):
     clip_low: float = 0.2
     clip_high: float = 0.2
+    dual_clip: bool = False
+    clip_ratio_c: float = 3.0
 
     default_advantage = "grpo"
-    aggregation = "seq_mean_token_mean"
+    default_aggregation = "seq_mean_token_mean"
     below_one = frozenset({"clip_low"})
 
+    def validate(self):
+        validate_dual_clip(self)
+
     def policy_loss(self, batch: PolicyBatch):
-        return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation)
+        loss, metrics = ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation,
+                                         clip_ratio_c=self.clip_ratio_c if self.dual_clip else None)
+        return loss, {"clip_frac_dual": 0.0, **metrics}

@@ -5,6 +5,15 @@
     grad = s_i A_i (1/L_i) sum_t grad logp_t   for unclipped sequences; clipping removes whole responses.
 
 Defaults clip_low = 3e-4, clip_high = 4e-4 (the paper's). Advantages must be per sequence.
+
+Options:
+- ``aggregation`` (default seq_mean_token_mean = the paper's mean over sequences): with token_mean the loss
+  is sum_i L_i l_i / N_tokens, as verl's ``gspo`` with ``loss_agg_mode=token-mean`` (see base.sequence_loss).
+- ``cap_log_ratio`` (off by default) / ``log_ratio_cap`` (10): verl's numerical-safety cap,
+  log s_i = min((1/L_i) sum_t d_t, log_ratio_cap). A capped sequence keeps the loss -A exp(cap) (A < 0;
+  A > 0 is clipped anyway) and has no gradient; ``clip_frac_cap`` (tokens of capped sequences with A < 0)
+  is reported when the cap is on and included in ``clip_frac``. Off by default so that ``gspo`` stays the
+  paper's formula; with logp - old_logp averaging above 10 nats/token it only matters for diverged policies.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from objectives.base import (
     ratio_metrics,
     register_objective,
     sequence_advantages,
-    sequence_aggregate,
+    sequence_loss,
 )
 
 
@@ -26,17 +35,29 @@ from objectives.base import (
 class GSPO(Objective):
     clip_low: float = 3e-4
     clip_high: float = 4e-4
+    cap_log_ratio: bool = False
+    log_ratio_cap: float = 10.0
 
     default_advantage = "grpo"
+    default_aggregation = "seq_mean_token_mean"
     below_one = frozenset({"clip_low"})
+    positive = frozenset({"log_ratio_cap"})
 
     def policy_loss(self, batch: PolicyBatch):
         adv = sequence_advantages(batch, self.name)
-        seq_ratio = torch.exp(batch.sequence_mean(batch.log_ratio()))
+        log_seq = batch.sequence_mean(batch.log_ratio())
+        capped = log_seq > self.log_ratio_cap if self.cap_log_ratio else torch.zeros_like(adv, dtype=torch.bool)
+        if self.cap_log_ratio:
+            log_seq = log_seq.clamp(max=self.log_ratio_cap)
+        seq_ratio = torch.exp(log_seq)
         clipped = seq_ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
         per_sequence = torch.maximum(-seq_ratio * adv, -clipped * adv)
         low = (seq_ratio < 1.0 - self.clip_low) & (adv < 0)
         high = (seq_ratio > 1.0 + self.clip_high) & (adv > 0)
         valid = batch.mask.any(-1)
-        loss = sequence_aggregate(per_sequence, batch)
-        return loss, {**clip_metrics(low, high, batch), **ratio_metrics(seq_ratio, valid)}
+        loss = sequence_loss(per_sequence, batch, self.aggregation)
+        metrics = clip_metrics(low, high, batch)
+        if self.cap_log_ratio:
+            metrics["clip_frac_cap"] = clip_metrics(capped & (adv < 0), capped & (adv < 0), batch)["clip_frac_low"]
+            metrics["clip_frac"] += metrics["clip_frac_cap"]
+        return loss, {**metrics, **ratio_metrics(seq_ratio, valid)}

@@ -9,8 +9,10 @@
 With per-sequence advantages every token of a sequence has the same ratio and the same advantage, so the
 clip decision is per sequence and loss, gradient (s_i A_i (1/L_i) grad logp_t) and clip fractions equal
 those of ``gspo``. Unlike ``gspo`` it also accepts per-token advantages [B, T]. Defaults 3e-4 / 4e-4
-(GSPO's). verl's ``gspo`` loss is this form with log s_it capped at 10; there is no cap here, so that the
-objective stays identical to ``gspo``.
+(GSPO's). verl's ``gspo`` loss is this form with log s_it capped at 10 (``torch.clamp(max=10)``: a capped
+token keeps the value and loses the gradient); here the cap is the option ``cap_log_ratio`` (off by default,
+``log_ratio_cap`` = 10), as in ``gspo``, so that with the same options the two objectives stay identical.
+``clip_frac_cap`` (capped tokens with A < 0; those with A > 0 are clipped anyway) is reported when it is on.
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_o
 class GSPOToken(Objective):
     clip_low: float = 3e-4
     clip_high: float = 4e-4
+    cap_log_ratio: bool = False
+    log_ratio_cap: float = 10.0
 
     default_advantage = "grpo"
-    aggregation = "seq_mean_token_mean"
+    default_aggregation = "seq_mean_token_mean"
     below_one = frozenset({"clip_low"})
+    positive = frozenset({"log_ratio_cap"})
 
     def policy_loss(self, batch: PolicyBatch):
         log_seq = batch.sequence_mean(batch.log_ratio()).detach()
         log_ratio = log_seq[:, None] + batch.logp - batch.logp.detach()
         log_ratio = torch.where(batch.mask, log_ratio, torch.zeros_like(log_ratio))
-        return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation, log_ratio)
+        if not self.cap_log_ratio:
+            return ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation, log_ratio)
+        capped = (log_ratio > self.log_ratio_cap) & batch.mask & (batch.token_advantages < 0)
+        loss, metrics = ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation,
+                                         log_ratio.clamp(max=self.log_ratio_cap))
+        metrics["clip_frac_cap"] = capped.sum().item() / batch.mask.sum().clamp(min=1).item()
+        metrics["clip_frac"] += metrics["clip_frac_cap"]
+        return loss, metrics

@@ -29,7 +29,7 @@ class SAPO(Objective):
     tau_neg: float = 1.05
 
     default_advantage = "grpo"
-    aggregation = "seq_mean_token_mean"
+    default_aggregation = "seq_mean_token_mean"
     positive = frozenset({"tau_pos", "tau_neg"})  # gate temperatures
 
     def policy_loss(self, batch: PolicyBatch):

@@ -376,14 +376,19 @@ def test_cispo_weight_carries_no_gradient():
 # Clipping removes exactly the gradients it counts
 # ----------------------------------------------------------------------------------------------------
 
-CLIPPED = {"grpo": 0.3, "dapo": 0.3, "dr_grpo": 0.3, "gspo": 1e-3, "gspo_token": 1e-3, "ctpo": 0.06,
-           "gmpo": 0.6, "holder": 0.3}
+CLIPPED = [("grpo", 0.3, {}), ("dapo", 0.3, {}), ("dr_grpo", 0.3, {}), ("gspo", 1e-3, {}),
+           ("gspo_token", 1e-3, {}), ("ctpo", 0.06, {}), ("gmpo", 0.6, {}), ("holder", 0.3, {}),
+           ("grpo", 0.6, {"dual_clip": True, "clip_ratio_c": 1.5}), ("dapo", 0.6, {"dual_clip": True}),
+           ("dr_grpo", 0.6, {"dual_clip": True, "clip_ratio_c": 1.3}),
+           ("ctpo", 0.06, {"ratio_mode": "geomean", "la_power": -0.5}), ("ctpo_clip", 0.1, {}),
+           ("ctpo_clip", 0.3, {"ratio_mode": "geomean"}), ("holder", 0.3, {"variant": "sequence_w_clip"}),
+           ("holder", 0.3, {"variant": "holder_token"}), ("grpo", 0.3, {"aggregation": "token_mean"})]
 
 
-@pytest.mark.parametrize("name", sorted(CLIPPED))
-def test_clipping_zeroes_exactly_the_counted_gradients(name):
-    batch = random_batch(seed=6, scale=CLIPPED[name], b=24, t=8, step=2, total_steps=4)
-    out, grad = run(name, batch)
+@pytest.mark.parametrize("name,scale,hp", CLIPPED, ids=[f"{n}-{hp}" for n, _, hp in CLIPPED])
+def test_clipping_zeroes_exactly_the_counted_gradients(name, scale, hp):
+    batch = random_batch(seed=6, scale=scale, b=24, t=8, step=2, total_steps=4)
+    out, grad = run(name, batch, **hp)
     mask, n = batch.mask, batch.mask.sum().item()
     zero = (grad == 0) & mask
     adv = batch.token_advantages
@@ -449,19 +454,32 @@ def test_padding_changes_nothing(name, beta):
     assert ("kl_ref" in a.metrics) == (beta > 0)
 
 
+# objectives with a KL to the behaviour policy in the loss: with A = 0 it still acts off-policy, so they are
+# checked on-policy here (tests/test_objectives_family.py checks the off-policy gradient is the KL's alone)
+BEHAVIOUR_KL = {"p3o"}
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_equal_rewards_give_zero_gradient(name):
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0], dtype=DT)
     adv = get_advantage("grpo")(rewards, GROUPS)
-    out, grad = run(name, group_batch(advantages=adv))
+    batch = group_batch(advantages=adv)
+    if name in BEHAVIOUR_KL:
+        batch.old_logp = batch.logp.detach().clone()
+    out, grad = run(name, batch)
     assert (grad == 0).all() and out.loss.item() == 0.0
 
 
+OBJECTIVE_MODES = [(name, mode) for name in ALL for mode in objectives.OBJECTIVES.get(name).aggregations]
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("name", ALL)
-def test_micro_batches_with_global_counts_sum_to_the_whole(name, beta):
+@pytest.mark.parametrize("name,mode", OBJECTIVE_MODES)
+def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
+    if objectives.OBJECTIVES.get(name).needs_whole_minibatch:
+        pytest.skip("evaluated on whole minibatches only (needs_whole_minibatch); see test_objectives_family.py")
     whole = group_batch()
-    out, grad = run(name, whole, beta=beta)
+    out, grad = run(name, whole, beta=beta, aggregation=mode)
     total_tokens, total_loss = whole.mask.sum(), 0.0
     whole_groups = get_objective(name).needs_whole_groups
     splits = (slice(0, 4), slice(4, 8)) if whole_groups else (slice(0, 3), slice(3, 4), slice(4, 8))
@@ -473,7 +491,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole(name, beta):
             advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
             num_tokens=total_tokens, num_sequences=8)
-        total_loss = total_loss + get_objective(name, beta=beta)(part).loss
+        total_loss = total_loss + get_objective(name, beta=beta, aggregation=mode)(part).loss
     (micro_grad,) = torch.autograd.grad(total_loss, whole.logp)
     assert num(total_loss, out.loss, 1e-12)
     assert_close(micro_grad, grad, tol=1e-12)
@@ -596,7 +614,9 @@ def test_objective_modules_import_only_the_library(name):
 def test_class_conventions_are_declared_and_checked():
     for name in ALL:
         cls = objectives.OBJECTIVES.get(name)
-        assert cls.aggregation in (None, *AGGREGATIONS) and cls.kl_aggregation in AGGREGATIONS, name
+        assert cls.default_aggregation in cls.aggregations and set(cls.aggregations) <= set(AGGREGATIONS), name
+        assert cls.kl_aggregation in (None, *AGGREGATIONS), name
+        assert get_objective(name).aggregation == cls.default_aggregation == cls.hyperparameters()["aggregation"]
         assert cls.below_one | cls.positive | cls.signed <= set(cls.hyperparameters()), name
     with pytest.raises(ValueError, match=r"objective 'bad': unknown aggregation 'token_sum'"):
         @register_objective("bad")
