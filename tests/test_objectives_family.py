@@ -1,0 +1,408 @@
+"""The rest of the family (issue 14): P3O, the CTPO and HölderPO variants, verl's dual clip, the GSPO log-ratio
+cap, and aggregation as a hyperparameter. Hand-computed values with ``math`` on scalars, and the authors'
+formulas re-derived here step by step (FeynRL's P3O, the CTPO authors' verl losses, HölderPO's oat branches,
+verl's ``vanilla`` / ``gspo``), compared in value and gradient. Tensors are float64.
+"""
+
+import math
+
+import pytest
+import torch
+
+import objectives
+from objectives import PolicyBatch, get_objective
+from objectives.base import AGGREGATIONS
+from tests.test_objectives import ADV, DT, MASK, OLD, D, assert_close, group_batch, make_batch, num, random_batch, run
+
+E = math.exp
+
+
+def grad_of(loss, batch):
+    (grad,) = torch.autograd.grad(loss, batch.logp)
+    return grad
+
+
+def agg(loss_mat, mask, mode, max_len=8):
+    """verl's agg_loss, written out (float mask)."""
+    m = mask.to(loss_mat.dtype)
+    if mode == "token_mean":
+        return (loss_mat * m).sum() / m.sum()
+    if mode == "seq_mean_token_mean":
+        return ((loss_mat * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    return (loss_mat * m).sum() / (m.shape[0] * max_len)
+
+
+# ----------------------------------------------------------------------------------------------------
+# P3O (FeynRL algs/P3O/p3o.py)
+# ----------------------------------------------------------------------------------------------------
+
+def test_p3o_hand():
+    out, grad = run("p3o", make_batch(OLD, D, MASK, ADV))
+    d = [0.1, 0.3, -0.1, -0.4, 0.2]
+    logp = [-0.9, -1.7, -0.6, -1.9, -0.5]
+    adv = [1.0, 1.0, 1.0, -0.5, -0.5]
+    r = [E(x) for x in d]
+    ess = sum(r) ** 2 / (sum(x * x for x in r) + 1e-8) / 5
+    w = [min(x, ess) for x in r]
+    kl = [x + E(-x) - 1 for x in d]
+    loss = sum(-w[k] * adv[k] * logp[k] + (1 - ess) * kl[k] for k in range(5)) / 5
+    assert num(out.loss, loss)
+    g = [(-w[k] * adv[k] + (1 - ess) * (1 - E(-d[k]))) / 5 for k in range(5)]
+    assert_close(grad, [g[:3], g[3:] + [0.0]])
+    m = out.metrics
+    assert num(m["ess_batch"], ess) and 0 < ess < 1
+    assert num(m["clip_frac_high"], sum(x > ess for x in r) / 5) and m["clip_frac_low"] == 0.0
+    assert num(m["p3o_kl_behavior"], sum(kl) / 5)
+    assert get_objective("p3o").needs_whole_minibatch and not get_objective("grpo").needs_whole_minibatch
+
+
+def feynrl_p3o(logp, old, adv, mask):
+    """FeynRL's compute_policy_loss (P3O) + normalize_loss with the global token count, step by step."""
+    mask_bool = mask > 0.5
+    m = mask_bool.to(logp.dtype)
+    logratio = torch.where(mask_bool, logp - old, torch.zeros_like(logp))
+    ratio = torch.exp(logratio)
+    valid = ratio[mask_bool]
+    sum_w, sum_w2, total = valid.sum().double().item(), valid.pow(2).sum().double().item(), float(valid.numel())
+    ess = (sum_w**2) / (sum_w2 + 1e-8) / total
+    kl = (logp - old) + torch.exp(torch.clamp(old - logp, min=-10.0, max=10.0)) - 1
+    kl = torch.where(mask_bool, kl, torch.zeros_like(kl))
+    rho = torch.clamp(ratio, min=0, max=ess)
+    pi_sum = -(rho.detach() * logp * adv * m).sum()
+    loss_total_sum = pi_sum + (1 - ess) * (kl * m).sum()
+    return loss_total_sum / m.sum(), ess
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, 6.0])
+def test_p3o_matches_feynrl_on_a_whole_minibatch(scale):
+    batch = random_batch(seed=11, scale=scale, b=8, t=6)
+    batch.num_tokens, batch.num_sequences = batch.mask.sum(), 8  # what the loop passes for a whole minibatch
+    out = get_objective("p3o")(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref, ess = feynrl_p3o(batch.logp, batch.old_logp, adv, batch.mask)
+    assert num(out.loss, ref, 1e-12) and num(out.metrics["ess_batch"], ess, 1e-12)
+    grad = grad_of(out.loss, batch)
+    assert_close(grad, grad_of(ref, batch), tol=1e-12)
+    if scale == 0.0:  # on-policy: e_B = n / (n + 1e-8) ~ 1, KL 0: the vanilla policy gradient -e_B A / N_tokens
+        n = batch.mask.sum().item()
+        assert num(ess, n / (n + 1e-8), 1e-14)
+        assert_close(grad, -ess * adv * batch.mask / n, tol=1e-12)
+
+
+def test_p3o_with_equal_rewards_only_the_behaviour_kl_pulls():
+    batch = group_batch(advantages=torch.zeros(8, dtype=DT))
+    out, grad = run("p3o", batch)
+    ess = out.metrics["ess_batch"]
+    d = torch.where(batch.mask, batch.logp - batch.old_logp, torch.zeros_like(batch.logp)).detach()
+    assert_close(grad, (1 - ess) * (1 - torch.exp(-d)) * batch.mask / batch.mask.sum(), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dual clip (verl's clip_ratio_c) for the PPO-clip family
+# ----------------------------------------------------------------------------------------------------
+
+def test_dual_clip_hand():
+    d = [[0.1, 0.3, -0.1], [0.5, 0.2, 7.0]]
+    out, grad = run("grpo", make_batch(OLD, d, MASK, ADV), dual_clip=True, clip_ratio_c=1.5)
+    # seq 1 (A = -0.5): r = e^.5 = 1.65 > c = 1.5 -> loss 0.5 * 1.5, no gradient; r = e^.2 < 1.5 unchanged
+    seq0 = (-E(0.1) - 1.2 - E(-0.1)) / 3
+    seq1 = (0.5 * 1.5 + 0.5 * E(0.2)) / 2
+    assert num(out.loss, (seq0 + seq1) / 2)
+    assert_close(grad, [[-E(0.1) / 6, 0.0, -E(-0.1) / 6], [0.0, 0.5 * E(0.2) / 4, 0.0]])
+    m = out.metrics
+    assert num(m["clip_frac_dual"], 1 / 5) and num(m["clip_frac_high"], 1 / 5) and num(m["clip_frac"], 2 / 5)
+    off, _ = run("grpo", make_batch(OLD, d, MASK, ADV))
+    assert off.metrics["clip_frac_dual"] == 0.0 and not num(off.loss, out.loss)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        get_objective("dapo", dual_clip=True, clip_ratio_c=1.0)
+
+
+def verl_vanilla(logp, old, adv, mask, low, high, c, mode, max_len=8):
+    """verl's compute_policy_loss_vanilla (dual clip always on), written out."""
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip1 = torch.maximum(l1, l2)
+    clip2 = torch.min(-adv * c, clip1)
+    return agg(torch.where(adv < 0, clip2, clip1), mask, mode, max_len)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo"])
+def test_dual_clip_matches_verl_vanilla(name):
+    batch = random_batch(seed=12, scale=0.6, b=16, t=7)
+    batch.logp.data[:, 1] += 1.2  # some ratios above c = 3
+    obj = get_objective(name, dual_clip=True)
+    out = obj(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref = verl_vanilla(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high, 3.0,
+                       obj.aggregation)
+    assert out.metrics["clip_frac_dual"] > 0
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GSPO log-ratio cap (verl's gspo)
+# ----------------------------------------------------------------------------------------------------
+
+def test_gspo_cap_hand():
+    d = [[0.1, 0.3, -0.1], [0.5, 0.3, 7.0]]  # mean d: 0.1 and 0.4
+    batch = make_batch(OLD, d, MASK, ADV)
+    out, grad = run("gspo", batch, clip_low=0.2, clip_high=0.2, cap_log_ratio=True, log_ratio_cap=0.3)
+    # seq 0: log s = 0.1 < cap, s = e^.1 in the window; seq 1 (A < 0): log s = 0.4 capped at 0.3, no gradient
+    assert num(out.loss, (-E(0.1) + 0.5 * E(0.3)) / 2)
+    assert_close(grad, [[-E(0.1) / 6] * 3, [0.0, 0.0, 0.0]])
+    assert num(out.metrics["clip_frac_cap"], 2 / 5) and num(out.metrics["clip_frac"], 2 / 5)
+    plain, plain_grad = run("gspo", batch, clip_low=0.2, clip_high=0.2)
+    assert num(plain.loss, (-E(0.1) + 0.5 * E(0.4)) / 2) and "clip_frac_cap" not in plain.metrics
+    token, token_grad = run("gspo_token", batch, clip_low=0.2, clip_high=0.2, cap_log_ratio=True, log_ratio_cap=0.3)
+    assert num(token.loss, out.loss, 1e-12) and token.metrics["clip_frac"] == out.metrics["clip_frac"]
+    assert_close(token_grad, grad, tol=1e-12)
+
+
+def verl_gspo(logp, old, adv, mask, low, high, cap=10.0):
+    m = mask.to(logp.dtype)
+    seq = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    log_s = torch.clamp(logp - logp.detach() + seq.detach()[:, None], max=cap)
+    s = torch.exp(log_s)
+    loss = torch.maximum(-adv * s, -adv * torch.clamp(s, 1 - low, 1 + high))
+    return agg(loss, mask, "seq_mean_token_mean")
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_cap_matches_verl(name):
+    batch = random_batch(seed=13, scale=0.5, b=16, t=6)
+    batch.logp.data[:3] += 12.0  # three sequences past the cap
+    out = get_objective(name, clip_low=0.2, clip_high=0.2, cap_log_ratio=True)(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref = verl_gspo(batch.logp, batch.old_logp, adv, batch.mask, 0.2, 0.2)
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Aggregation as a hyperparameter
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_with_token_mean_is_dapo(beta):
+    batch = group_batch()
+    a, ga = run("grpo", batch, aggregation="token_mean", clip_high=0.28, beta=beta)
+    b, gb = run("dapo", batch, beta=beta)
+    assert num(a.loss, b.loss, 1e-13)
+    assert_close(ga, gb, tol=1e-13)
+    c, gc = run("dr_grpo", batch, aggregation="token_mean", clip_high=0.28, beta=beta)
+    assert num(c.loss, b.loss, 1e-13)
+    assert_close(gc, gb, tol=1e-13)
+    d, _ = run("dapo", batch, aggregation="seq_mean_token_mean", beta=beta)  # and back
+    e, _ = run("grpo", batch, clip_high=0.28, beta=beta)
+    assert num(d.loss, e.loss, 1e-13)
+
+
+def test_sequence_level_aggregation_weights_by_length():
+    batch = make_batch(OLD, D, MASK, ADV)
+    s0, s1 = E(0.1), E(-0.1)  # unclipped at 0.2 / 0.2
+    for mode, expected in [("seq_mean_token_mean", (-s0 + 0.5 * s1) / 2),
+                           ("token_mean", (-3 * s0 + 2 * 0.5 * s1) / 5),
+                           ("seq_mean_token_sum_norm", (-3 * s0 + 2 * 0.5 * s1) / (2 * 8))]:
+        out, grad = run("gspo", batch, clip_low=0.2, clip_high=0.2, aggregation=mode)
+        assert num(out.loss, expected), mode
+        token, token_grad = run("gspo_token", batch, clip_low=0.2, clip_high=0.2, aggregation=mode)
+        assert num(token.loss, out.loss, 1e-12) and torch.allclose(token_grad, grad, atol=1e-12), mode
+
+
+def test_every_mode_is_accepted_or_refused_clearly():
+    for name in objectives.available_objectives():
+        cls = objectives.OBJECTIVES.get(name)
+        assert get_objective(name).hyperparameters()["aggregation"] == cls.default_aggregation
+        for mode in AGGREGATIONS:
+            if mode in cls.aggregations:
+                assert get_objective(name, aggregation=mode).aggregation == mode
+            else:
+                with pytest.raises(ValueError, match=r"aggregation 'token_mean' is not meaningful|aggregation"):
+                    get_objective(name, aggregation=mode)
+    with pytest.raises(ValueError, match="not meaningful for this objective"):
+        get_objective("conspo", aggregation="token_mean")
+    with pytest.raises(ValueError, match="unknown mode 'token_sum'"):
+        get_objective("grpo", aggregation="token_sum")
+    with pytest.raises(TypeError, match="must be a string"):
+        get_objective("grpo", aggregation=1)
+    assert objectives.OBJECTIVES.get("conspo").aggregations == ("seq_mean_token_mean",)
+
+
+def test_legacy_aggregation_class_attribute_is_the_default():
+    from objectives.base import OBJECTIVES, Objective, aggregate, register_objective
+
+    @register_objective("legacy_test_objective")
+    class Legacy(Objective):
+        aggregation = "seq_mean_token_sum_norm"
+
+        def policy_loss(self, batch):
+            return aggregate(batch.logp, batch, self.aggregation), {}
+
+    try:
+        assert Legacy.default_aggregation == "seq_mean_token_sum_norm"
+        assert get_objective("legacy_test_objective").aggregation == "seq_mean_token_sum_norm"
+        assert get_objective("legacy_test_objective", aggregation="token_mean").aggregation == "token_mean"
+    finally:
+        OBJECTIVES._items.pop("legacy_test_objective")
+
+
+# ----------------------------------------------------------------------------------------------------
+# CTPO variants (horizon-llm/CTPO verl/trainer/ppo/core_algos.py)
+# ----------------------------------------------------------------------------------------------------
+
+def ctpo_reference(logp, old, adv, mask, ratio_mode, la, low=None, high=None, c=None, power=0.5):
+    """The authors' cum-token losses, step by step: ``la`` = True: _compute_policy_loss_cum_token_la_impl
+    (log-space window scaled by t^power, dual threshold exp(c t^power)); False: _compute_policy_loss_cum_token_impl
+    (ratio-space clip, dual clip c). Token-mean."""
+    nkl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    m = mask.to(nkl.dtype)
+    cum = torch.cumsum(nkl * m, dim=-1)
+    if ratio_mode == "geomean":
+        values = torch.where(m > 0, cum / torch.cumsum(m, dim=-1).clamp(min=1.0), torch.zeros_like(cum))
+    else:
+        values = torch.where(m > 0, cum, torch.zeros_like(cum))
+    log_r = torch.clamp(values.detach() + logp - logp.detach(), max=10.0)
+    ratio = torch.where(m > 0, torch.exp(log_r), torch.zeros_like(log_r))
+    if la:
+        scale = torch.cumsum(m, dim=-1).clamp(min=1.0).pow(power)
+        clipped = torch.where(m > 0, torch.exp(torch.clamp(log_r, -low * scale, high * scale)), torch.zeros_like(log_r))
+        threshold = torch.where(m > 0, torch.exp(c * scale), torch.ones_like(scale))
+    else:
+        clipped = torch.clamp(ratio, 1 - low, 1 + high)
+        threshold = c
+    l1 = torch.maximum(-adv * ratio, -adv * clipped)
+    l2 = torch.min(-adv * threshold, l1)
+    return agg(torch.where(adv < 0, l2, l1), mask, "token_mean")
+
+
+CTPO_CASES = [
+    ("ctpo", {}, dict(la=True, ratio_mode="cumprod", low=0.025, high=0.05, c=0.05, power=0.5)),
+    ("ctpo", {"ratio_mode": "geomean", "la_power": -0.5},
+     dict(la=True, ratio_mode="geomean", low=0.025, high=0.05, c=0.05, power=-0.5)),
+    ("ctpo", {"la_power": 0.0}, dict(la=True, ratio_mode="cumprod", low=0.025, high=0.05, c=0.05, power=0.0)),
+    ("ctpo_clip", {}, dict(la=False, ratio_mode="cumprod", low=0.2, high=0.2, c=3.0)),
+    ("ctpo_clip", {"ratio_mode": "geomean"}, dict(la=False, ratio_mode="geomean", low=0.2, high=0.2, c=3.0)),
+]
+
+
+@pytest.mark.parametrize("name,hp,ref", CTPO_CASES, ids=[f"{n}-{hp}" for n, hp, _ in CTPO_CASES])
+@pytest.mark.parametrize("scale", [0.02, 0.3])
+def test_ctpo_variants_match_the_authors(name, hp, ref, scale):
+    batch = random_batch(seed=14, scale=scale, b=16, t=9)
+    batch.logp.data[0, 4:] += 15.0  # past the cap at 10
+    out = get_objective(name, **hp)(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    expected = ctpo_reference(batch.logp, batch.old_logp, adv, batch.mask, **ref)
+    assert num(out.loss, expected, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(expected, batch), tol=1e-12)
+
+
+def test_ctpo_geomean_hand():
+    old = [[-1.0, -2.0, -0.5]]
+    d = [[0.1, -0.3, 0.2]]
+    out, grad = run("ctpo_clip", make_batch(old, d, [[1, 1, 1]], [-1.0]), ratio_mode="geomean")
+    # prefix means: 0.1, -0.1, 0.0 -> rho = e^.1, e^-.1, 1; all inside [0.8, 1.2]; A = -1: l = rho
+    assert num(out.loss, (E(0.1) + E(-0.1) + 1.0) / 3)
+    assert_close(grad, [[E(0.1) / 3, E(-0.1) / 3, 1.0 / 3]])  # d rho_t / d logp_t = rho_t (current token only)
+    out, grad = run("ctpo", make_batch(old, d, [[1, 1, 1]], [-1.0]), ratio_mode="geomean", la_power=-0.5)
+    # windows: t=1 [-.025, .05]: 0.1 above -> dual bound e^.05 (A < 0): l = e^.05, no gradient
+    #          t=2 [-.025/sqrt2, .05/sqrt2] = [-.0177, .0354]: -0.1 below -> l = e^-.0177, no gradient
+    #          t=3: 0.0 inside -> l = 1, gradient 1/3
+    r2 = math.sqrt(2)
+    assert num(out.loss, (E(0.05) + E(-0.025 / r2) + 1.0) / 3)
+    assert_close(grad, [[0.0, 0.0, 1.0 / 3]])
+
+
+# ----------------------------------------------------------------------------------------------------
+# HölderPO variants and the rollout-step schedule (YihangChen9/HolderPO train_zero_math_holder.py)
+# ----------------------------------------------------------------------------------------------------
+
+def holder_reference(new, old, adv, mask, p, variant, clip=0.2):
+    """The authors' three branches (critic_type_modify), step by step, with their 1e-8 guards; mean over rows."""
+    m = mask.to(new.dtype)
+    lengths = m.sum(-1)
+    if variant == "holder_token":
+        r = torch.exp(new - old)
+        rc = torch.clamp(r, 1 - clip, 1 + clip)
+        tmin, tmax = torch.min(r, rc), torch.max(r, rc)
+        if abs(p) < 1e-6:
+            C = torch.exp((torch.log(tmin + 1e-8) * m).sum(-1) / (lengths + 1e-8))
+            D = torch.exp((torch.log(tmax + 1e-8) * m).sum(-1) / (lengths + 1e-8))
+        else:
+            C = ((torch.exp(p * torch.log(tmin + 1e-8)) * m).sum(-1) / (lengths + 1e-8)).pow(1 / p)
+            D = ((torch.exp(p * torch.log(tmax + 1e-8)) * m).sum(-1) / (lengths + 1e-8)).pow(1 / p)
+        return (-(C * (adv > 0) + D * (adv < 0)) * adv).mean()
+    diff = new - old
+    if variant == "sequence_w_clip":
+        delta = math.log(1 + clip)
+        diff = torch.clamp(diff, -delta, delta)
+    if abs(p) < 1e-6:
+        ratio = torch.exp((diff * m).sum(-1) / (lengths + 1e-8))
+    else:
+        ratio = ((torch.exp(p * diff) * m).sum(-1) / (lengths + 1e-8)).pow(1 / p)
+    return torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip)).mean()
+
+
+@pytest.mark.parametrize("variant", ["holder", "sequence_w_clip", "holder_token"])
+@pytest.mark.parametrize("step,p", [(0, 2.0), (2, 0.0), (3, -1.0)])
+def test_holder_variants_match_the_authors(variant, step, p):
+    batch = random_batch(seed=15, scale=0.25, b=16, t=7, step=step, total_steps=4)
+    batch.advantages[3] = 0.0
+    batch.old_logp = torch.where(batch.mask, batch.old_logp, torch.zeros_like(batch.old_logp))
+    batch.logp.data = torch.where(batch.mask, batch.logp.data, torch.zeros_like(batch.logp.data))
+    out = get_objective("holder", variant=variant)(batch)
+    assert out.metrics["holder_p"] == p
+    expected = holder_reference(batch.logp, batch.old_logp, batch.advantages, batch.mask, p, variant)
+    assert num(out.loss, expected, 1e-7)  # the authors' 1e-8 guards
+    assert_close(grad_of(out.loss, batch), grad_of(expected, batch), tol=1e-7)
+
+
+def test_holder_token_hand():
+    d = [[0.1, 0.3, -0.1], [-0.4, 0.2, 7.0]]
+    out, grad = run("holder", make_batch(OLD, d, MASK, ADV, step=1, total_steps=2), variant="holder_token")
+    # p = 0 (halfway from 2 to -2): geometric means. A > 0: u = min(d, log 1.2); A < 0: u = max(d, log 0.8)
+    up, down = math.log(1.2), math.log(0.8)
+    c0 = E((0.1 + up - 0.1) / 3)
+    d1 = E((down + 0.2) / 2)
+    assert num(out.loss, (-c0 + 0.5 * d1) / 2)
+    assert_close(grad, [[-c0 / 6, 0.0, -c0 / 6], [0.0, 0.5 * d1 / 4, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 1 / 5) and num(out.metrics["clip_frac_low"], 1 / 5)
+
+
+def test_holder_sequence_w_clip_hand():
+    d = [[0.1, 0.3, -0.1], [-0.4, 0.15, 7.0]]
+    out, grad = run("holder", make_batch(OLD, d, MASK, ADV, step=1, total_steps=2), variant="sequence_w_clip")
+    delta = math.log(1.2)  # tokens clamped to [-log 1.2, log 1.2]: 0.3 -> .182, -0.4 -> -.182
+    rho0, rho1 = E((0.1 + delta - 0.1) / 3), E((-delta + 0.15) / 2)  # both inside [0.8, 1.2]
+    assert num(out.loss, (-rho0 + 0.5 * rho1) / 2)
+    assert_close(grad, [[-rho0 / 6, 0.0, -rho0 / 6], [0.0, 0.5 * rho1 / 4, 0.0]])
+    assert num(out.metrics["holder_token_clip_frac"], 2 / 5)
+
+
+def test_holder_rollout_step_schedule():
+    obj = get_objective("holder", p_schedule="rollout_steps")
+    assert obj.holder_p_schedule_steps == 500
+    for rollout_step, p in [(0, 2.0), (125, 1.0), (250, 0.0), (500, -2.0), (10_000, -2.0)]:
+        batch = make_batch(OLD, D, MASK, ADV, step=3, total_steps=4, rollout_step=rollout_step)
+        assert obj.exponent(batch) == p
+        assert obj(batch).metrics["holder_p"] == p
+    assert get_objective("holder", p_schedule="rollout_steps", holder_p_schedule_steps=10).exponent(
+        make_batch(OLD, D, MASK, ADV, rollout_step=5)) == 0.0
+    assert get_objective("holder").exponent(make_batch(OLD, D, MASK, ADV, step=3, total_steps=4)) == -1.0
+    with pytest.raises(ValueError, match="rollout_step"):
+        obj(make_batch(OLD, D, MASK, ADV))
+    for bad in ({"p_schedule": "steps"}, {"variant": "token"}, {"holder_p_schedule_steps": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            get_objective("holder", **bad)
+
+
+def test_policy_batch_optional_fields_are_checked():
+    logp = torch.zeros(2, 3, dtype=DT, requires_grad=True)
+    with pytest.raises(ValueError, match="sampler_logp"):
+        PolicyBatch(logp=logp, old_logp=torch.zeros(2, 3, dtype=DT), mask=torch.ones(2, 3),
+                    advantages=torch.zeros(2, dtype=DT), sampler_logp=torch.zeros(2, 2, dtype=DT))
+    batch = PolicyBatch(logp=logp, old_logp=torch.zeros(2, 3, dtype=DT), mask=torch.ones(2, 3),
+                        advantages=torch.zeros(2, dtype=DT), sampler_logp=logp * 2)
+    assert not batch.sampler_logp.requires_grad and batch.rollout_step is None
