@@ -61,6 +61,9 @@ def unsupported(run: DictConfig) -> str | None:
     if run.model.sampler_dtype not in (None, run.model.dtype):
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if OBJECTIVES.get(run.objective.name).needs_whole_minibatch and minibatch // micro > 1:
+        return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
+                "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")
     if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
         return (f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL splits "
                 "groups across micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one "

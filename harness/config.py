@@ -309,6 +309,9 @@ def validate(run: DictConfig) -> None:
         raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
                           f"({batch // t.num_minibatches}) and train.micro_batch_size must be multiples of "
                           f"train.group_size={t.group_size}")
+    if objective.needs_whole_minibatch and t.micro_batch_size not in (0, batch // t.num_minibatches):
+        raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
+                          f"train.micro_batch_size=0 (micro-batching would make it inexact)")
     if t.old_logp not in ("sampler", "recompute"):
         raise ConfigError(f"train.old_logp must be 'sampler' or 'recompute', got {t.old_logp!r}")
     if not 0 < t.top_p <= 1 or t.temperature <= 0:

@@ -94,10 +94,11 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     ("model.tiny.num_heads=3", "a multiple of num_heads"),
     ("train.group_size=1", "makes every advantage 0"),
     ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
+    ("objective.name=p3o train.micro_batch_size=8", "needs statistics of the whole minibatch"),
 ])
 def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
-        run_configs(load_experiment("quickstart", [override]))
+        run_configs(load_experiment("quickstart", override.split()))
 
 
 def test_replacing_the_task_replaces_its_arguments():
