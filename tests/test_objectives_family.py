@@ -406,3 +406,56 @@ def test_policy_batch_optional_fields_are_checked():
     batch = PolicyBatch(logp=logp, old_logp=torch.zeros(2, 3, dtype=DT), mask=torch.ones(2, 3),
                         advantages=torch.zeros(2, dtype=DT), sampler_logp=logp * 2)
     assert not batch.sampler_logp.requires_grad and batch.rollout_step is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# TBPO (QaRL, arXiv 2604.07853; no public code: the formula of objectives/tbpo.py, hand-checked)
+# ----------------------------------------------------------------------------------------------------
+
+def test_tbpo_hand():
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0], [-1.0, -1.0, -1.0]]
+    d = [[0.1, 0.3, -0.1], [0.5, 0.7, 7.0], [0.0, 0.0, 0.0]]
+    mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
+    # sampler log-probs: seq 0 mean(old - sampler) = 0.05 (kept, w = e^.05), seq 1 = 0.0 (w = 1),
+    # seq 2 = 0.2 (w = e^.2 = 1.22 > 1.1: dropped)
+    sampler = torch.tensor(old, dtype=DT) - torch.tensor([[0.05, 0.05, 0.05], [0.0, 0.0, 5.0], [0.2, 0.2, 0.2]],
+                                                          dtype=DT)
+    batch = make_batch(old, d, mask, [1.0, -0.5, 2.0], sampler_logp=sampler)
+    out, grad = run("tbpo", batch, clip_low=0.2, clip_high=0.2, clip_ratio_c=1.5)
+    s0, s1 = E(0.1), E(0.6)  # s0 inside [0.8, 1.2]; s1 = 1.82 > c = 1.5 with A < 0: dual clip, loss 0.5 * 1.5
+    w0 = E(0.05)
+    assert num(out.loss, (-w0 * s0 + 0.5 * 1.5) / 3)
+    assert_close(grad, [[-w0 * s0 / 9] * 3, [0.0] * 3, [0.0] * 3])
+    m = out.metrics
+    assert num(m["tbpo_drop_frac"], 3 / 8) and num(m["clip_frac_dual"], 2 / 8) and num(m["clip_frac"], 5 / 8)
+    assert approx_metric(m["mismatch_weight_max"], E(0.2))
+    # without sampler log-probs: w = 1, nothing dropped: GSPO with a dual clip
+    batch.sampler_logp = None
+    out, _ = run("tbpo", batch, clip_low=0.2, clip_high=0.2, clip_ratio_c=1.5)
+    assert num(out.loss, (-s0 + 0.5 * 1.5 - 2.0 * 1.0) / 3) and out.metrics["tbpo_drop_frac"] == 0.0
+    gspo, _ = run("gspo", batch, clip_low=0.2, clip_high=0.2)
+    assert num(gspo.loss, (-s0 + 0.5 * s1 - 2.0) / 3)
+    with pytest.raises(ValueError, match="band"):
+        get_objective("tbpo", band_low=1.2)
+
+
+def approx_metric(metric, expected):
+    return num(metric, expected, 1e-6)
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_tbpo_with_sampler_logp_micro_batches_and_padding(mode):
+    whole = group_batch()
+    g = torch.Generator().manual_seed(5)
+    whole.sampler_logp = whole.old_logp - 0.15 * torch.randn(8, 5, generator=g, dtype=DT)
+    whole.sampler_logp[~whole.mask] = 40.0  # garbage on padding
+    out, grad = run("tbpo", whole, aggregation=mode, clip_low=0.05, clip_high=0.05)
+    assert 0 < out.metrics["tbpo_drop_frac"] < 1
+    total = 0.0
+    for rows in (slice(0, 3), slice(3, 8)):
+        part = PolicyBatch(logp=whole.logp[rows], old_logp=whole.old_logp[rows], mask=whole.mask[rows],
+                           advantages=whole.advantages[rows], sampler_logp=whole.sampler_logp[rows],
+                           max_completion_len=8, num_tokens=whole.mask.sum(), num_sequences=8)
+        total = total + get_objective("tbpo", aggregation=mode, clip_low=0.05, clip_high=0.05)(part).loss
+    assert num(total, out.loss, 1e-12)
+    assert_close(grad_of(total, whole), grad, tol=1e-12)
