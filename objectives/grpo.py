@@ -2,7 +2,7 @@
 
     r_t = exp(logp_t - old_logp_t)
     l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A)        (+ beta * k3 KL, from the base)
-    loss = mean_i (1/L_i) sum_t l_t                                      (seq-mean-token-mean)
+    loss = mean_i (1/L_i) sum_t l_t                (seq-mean-token-mean: the default of ``aggregation``)
 
 Defaults clip 0.2/0.2 and beta = 0 (the paper used beta = 0.04 with G = 64 and one update per rollout).
 The KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1, *not* multiplied by r (TRL 1.16 multiplies
