@@ -217,7 +217,10 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             advantages=inputs["advantages"], rewards=inputs.get("rewards"), group_ids=inputs.get("group_ids"),
             ref_logp=inputs.get("ref_per_token_logps"), step=self.state.global_step,
             total_steps=max(1, self.state.max_steps), max_completion_len=self.max_completion_length,
-            num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes)
+            num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes,
+            rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
+            sampler_logp=None if sampled is None or self.old_logp == "sampler" else torch.where(
+                torch.isnan(sampled), old_logp, sampled))
         out = self.objective(batch)
         tokens = mask.sum().item()
         self.meter.add({**out.metrics, "entropy": (entropy.detach() * mask).sum().item() / max(tokens, 1)}, tokens)

@@ -48,6 +48,7 @@ def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torc
 
 def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, temperature: float, num_tokens: Tensor,
                     num_sequences: int, max_completion_len: int, state: RunState, with_entropy: bool,
+                    rollout_step: int | None = None, sampler_is_behaviour: bool = True,
                     timings: dict | None = None):
     """Forward the ``rows`` of the batch, evaluate the objective (aggregated with the minibatch's counts) and
     backpropagate. Returns (loss, metrics, valid tokens, the rows' log-probs [rows, width] detached, width)."""
@@ -64,7 +65,8 @@ def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, tempe
         rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps, max_completion_len=max_completion_len,
-        num_tokens=num_tokens, num_sequences=num_sequences))
+        num_tokens=num_tokens, num_sequences=num_sequences, rollout_step=rollout_step,
+        sampler_logp=None if sampler_is_behaviour else ro.sampler_logp[rows, :width]))
     out.loss.backward()
     tokens = mask.sum().item()
     metrics = dict(out.metrics)
@@ -115,7 +117,8 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
                 part, metrics, tokens, logp, width = microbatch_loss(
                     policy, objective, batch, rows, temperature=t.temperature, num_tokens=num_tokens,
                     num_sequences=per_minibatch, max_completion_len=t.max_new_tokens, state=state,
-                    with_entropy=epoch == 0, timings=timings)
+                    with_entropy=epoch == 0, rollout_step=step - 1, sampler_is_behaviour=t.old_logp == "sampler",
+                    timings=timings)
                 if epoch == 0 and k == 0 and t.old_logp == "sampler":
                     mismatch.add(ro.sampler_logp[rows, :width], logp, ro.completion_mask[rows, :width])
                 loss += part
