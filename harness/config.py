@@ -107,6 +107,22 @@ class SweepConfig:
 
 
 @dataclass
+class LabConfig:
+    """The gradient lab (harness/lab.py): every objective's gradient on the same rollout batches."""
+
+    objectives: list[str] = field(default_factory=list)  # objective names; empty = every registered objective
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # per objective: hyperparameters to set
+    batches: int = 8  # independent rollout batches (prompts_per_step x group_size each): CIs and SNR across them
+    staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])  # optimizer steps away from behaviour
+    mover: str = "grpo"  # the objective whose optimizer steps move the policy (the same moves for every objective)
+    mismatch: list[str] = field(default_factory=lambda: ["bfloat16", "temperature"])  # behaviour samplers besides fp32
+    mismatch_temperature: float = 1.3  # the "temperature" sampler's temperature (the trainer keeps train.temperature)
+    reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
+    sketch_dim: int = 65536  # gradients are compared through a count sketch of this size (exact if the model is smaller)
+    policy: str | None = None  # a saved policy folder (a run's final/ or exports/step_N/); None = the starting policy
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     seed: int = 0
@@ -121,6 +137,7 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
 
 
 def _merge(*configs) -> DictConfig:
@@ -228,7 +245,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
-    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("sweep", "profiles")])
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("sweep", "profiles", "lab")])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
     runs = []
     for point in itertools.product(*grid.values()):
@@ -236,7 +253,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         objective = assignment.get("objective.name", base.objective.name)
         dotlist = {**per_objective.get(objective, {}), **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
-        run = OmegaConf.masked_copy(run, [k for k in run if k not in ("sweep", "profiles")])
+        run = OmegaConf.masked_copy(run, [k for k in run if k not in ("sweep", "profiles", "lab")])
         validate(run)
         runs.append(run)
     from objectives import OBJECTIVES
