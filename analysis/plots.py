@@ -17,6 +17,8 @@ import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from analysis.scaling import PAPER as SCALING_PAPER  # noqa: E402
+from analysis.scaling import ObjectiveFit, sigmoid  # noqa: E402
 from analysis.stats import INTERVALS, curve, describe, interval_name, num, on_grid, smooth  # noqa: E402
 
 PAPER_CLIP_FRAC = {"gspo": 0.15, "grpo": 0.0013}  # read off the bars of the GSPO paper's Fig. 2
@@ -38,6 +40,7 @@ STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens cl
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", "step", "lr", "rollout_tokens", "update_tokens",
                          "sampled_tokens", "nonfinite_skips"})
 SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}  # no timestamps
+EXTRAPOLATE = 10  # the fitted sigmoid is drawn (faded) this factor beyond the first and last eval point
 SINGLE, DOUBLE = 3.3, 6.8  # paper column widths (inches)
 PAPER_RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick.labelsize": 7,
             "legend.fontsize": 7, "lines.linewidth": 1.2, "lines.markersize": 3.5, "pdf.fonttype": 42}
@@ -324,6 +327,37 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
     caption = ("Points: each seed's final greedy held-out accuracy (finished runs only), coloured by objective. "
                f"Diamond: mean over seeds; bar: {INTERVALS}.")
     return Made("final_eval", title, fig, caption)
+
+
+def scaling_figure(fits: list[ObjectiveFit], look: dict[str, Style], title: str, paper: bool):
+    """Per objective whose fit converged: its mean eval accuracy at each eval point after step 0 against mean rollout
+    tokens (marker; bar: the interval over seeds), the fitted sigmoid over the points (line) and extrapolated
+    EXTRAPOLATE-fold on either side (faded); log x."""
+    shown = [f for f in fits if f.fit.converged]
+    if not shown:
+        return Made("scaling", title, None, notes=["No objective's compute-performance fit converged (the table says "
+                                                   "why): figure left out."])
+    fig, (ax,) = grid(1, paper, title, single=True)
+    for f in shown:
+        s = look[f.objective]
+        d = pd.DataFrame([describe(points) for points in f.per_seed.T])
+        yerr = [d["mean"] - d["ci_low"], d["ci_high"] - d["mean"]] if f.seeds > 1 else None
+        ax.errorbar(f.tokens, d["mean"], yerr=yerr, fmt=s.marker, color=s.color, capsize=2, zorder=3)
+        low, high = f.tokens.min(), f.tokens.max()
+        kw = {"color": s.color, "linestyle": s.linestyle}
+        for start, end, alpha in ((low / EXTRAPOLATE, low, 0.35), (low, high, 1.0), (high, EXTRAPOLATE * high, 0.35)):
+            c = np.geomspace(start, end, 100)
+            ax.plot(c, sigmoid(c, f.fit.r0, f.fit.a, f.fit.b, f.fit.c_mid), alpha=alpha, **kw)
+    ax.set_xscale("log")
+    ax.set(xlabel=X_LABELS["rollout_tokens"] + " (log)", ylabel="eval accuracy")
+    labels = {f.objective: f"{f.objective} (n={f.seeds}, A={num(f.fit.a)}, B={num(f.fit.b)})" for f in shown}
+    objective_legend(fig, look, labels, legend_columns(labels.values(), width_of(1, paper, True), paper))
+    caption = (f"Compute-performance fit ({SCALING_PAPER}): R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), C = rollout "
+               "tokens, drawn for the objectives whose fit converged (table above). Markers: mean greedy eval "
+               f"accuracy over finished seeds at each eval point after step 0, at the seeds' mean rollout tokens; bar: "
+               f"{INTERVALS}. Line: the fit over the points; faded: extrapolated {EXTRAPOLATE}-fold beyond the first "
+               "and last point (toward R0, the step-0 accuracy, as C -> 0, and toward A).")
+    return Made("scaling", title, fig, caption)
 
 
 def save(fig, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:

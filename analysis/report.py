@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import plots
+from analysis import plots, scaling
 from analysis.load import SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num
 
@@ -220,8 +220,10 @@ def coincide_lines(found: dict) -> list[str]:
     return lines
 
 
-def figures(exp: Experiment, smooth: int, paper: bool) -> tuple[list[plots.Made], list[str]]:
-    """Every figure (drawn or not, with its notes), and the pairs of objectives whose curves coincide."""
+def figures(exp: Experiment, smooth: int, paper: bool, fits: list[scaling.ObjectiveFit]
+            ) -> tuple[list[plots.Made], list[str]]:
+    """Every figure (drawn or not, with its notes), and the pairs of objectives whose curves coincide; `fits`: the
+    compute-performance fits (scaling.fit_objectives)."""
     runs, metrics, name = exp.runs, exp.metrics, exp.name
     look = plots.styles(runs["objective"])
     made = []
@@ -229,6 +231,7 @@ def figures(exp: Experiment, smooth: int, paper: bool) -> tuple[list[plots.Made]
         made += [plots.curves_figure(metrics, "step", look, smooth, f"{name}: accuracy and reward by step", paper),
                  plots.curves_figure(metrics, "rollout_tokens", look, smooth,
                                      f"{name}: accuracy and reward by rollout tokens", paper),
+                 plots.scaling_figure(fits, look, f"{name}: compute-performance fit", paper),
                  plots.stability_figure(metrics, look, smooth, f"{name}: stability diagnostics", paper),
                  plots.clip_figure(metrics, runs, look, f"{name}: clip fraction, measured vs paper", paper)]
     made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper))
@@ -297,7 +300,9 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
     (out_dir / "runs.md").write_text(md_table(runs_display(runs)) + "\n")
     headline = headline_display(table)
     (out_dir / "headline.md").write_text(md_table(headline) + "\n")
-    made, coincide = figures(exp, smooth, paper)
+    fits = scaling.fit_objectives(exp.metrics, runs)
+    scaling.fit_numbers(fits).to_csv(out_dir / "scaling_fit.csv", index=False)
+    made, coincide = figures(exp, smooth, paper, fits)
 
     config_lines, diffs = config_summary(exp)
     unfinished = unfinished_lines(runs)
@@ -333,6 +338,10 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                         + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
                         + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),
                ("table", eval_display(table, runs)),
+               ("h2", "Compute-performance fit"),
+               ("p", scaling.SUMMARY + " Numbers only where the fit converged; otherwise the reason. Figure "
+                     "`scaling` draws the converged fits over their points."),
+               ("table", scaling.fit_table(fits)),
                ("h2", "Runs"),
                ("p", "Last eval acc: the final eval accuracy of a finished run, the latest one of an unfinished run."),
                ("table", runs_display(runs)),
