@@ -19,16 +19,20 @@ What the paper does, and what we do at our scale (a handful of eval points per r
   the fit. Our runs have a few eval points each, the first one eval_every steps in: we leave out none. Every eval
   point after step 0 is fitted.
 - Bounds. A in [R0, 1] (accuracy cannot exceed 1; a recipe that makes the policy worse has no rising sigmoid),
-  B in [0, inf), C_mid in (0, inf). C_mid is fitted as log C_mid (it spans orders of magnitude).
+  B in [0, inf), C_mid > 0 fitted as log C_mid (it spans orders of magnitude) within C_MID_RANGE-fold of the
+  fitted points' tokens (further out the curve is flat over the points; the box keeps the optimizer finite).
 - Start. The main fit starts from 9 points (B in {0.5, 1, 2} x C_mid at the smallest, middle and largest fitted
   C; A at the best mean accuracy) and keeps the least-squares best.
 - Converged, defined: (1) more fitted points than the 3 free parameters, (2) curve_fit returns (no error, no
-  evaluation limit), (3) A, B, C_mid finite, (4) the covariance is not degenerate: the Jacobian of R with respect to
-  (A, B, log C_mid) at the fit has full rank and condition number at most COND_MAX. (4) is what fails when a
-  parameter sits at a bound where the curve stops depending on the others (A = R0 on a flat curve: B and C_mid drop
-  out) or when the data pin down only a combination (a rise with no sign of saturation: A and C_mid trade off).
+  evaluation limit), (3) A, B, C_mid finite and none at a bound (within BOUND_TOL; log C_mid for C_mid): at a
+  bound the estimate is the bound's, not the data's (A = R0: a flat curve, where B and C_mid drop out; A = 1: a
+  rise that shows no saturation), (4) the covariance is not degenerate: the Jacobian of R with respect to
+  (A, B, log C_mid) at the fit has full rank and condition number at most COND_MAX (it fails when the points pin
+  down only a combination of the parameters, e.g. a step: B -> inf, C_mid anywhere between two points).
   A fit that does not converge is not drawn and not tabulated; the reason is.
-- Error bars. The paper estimates the spread of A from repeated runs of one recipe. We bootstrap over seeds with
+- Error bars. The paper gauges the run-to-run spread of A from repeated runs of one recipe (as we read it: about
+  +-0.02; the sources searched here confirm the formula, the parameters' roles and the left-out early regime,
+  not this number). We bootstrap over seeds with
   analysis.stats' conventions: N_BOOT resamples of the seeds with replacement drawn by
   numpy.random.default_rng(BOOT_SEED), the mean curve of each resample refitted (starting from the main fit), the
   LEVEL percentile interval of A and of B over the refits. A resample repeats a multiset of seeds, so each distinct
@@ -52,7 +56,8 @@ from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, LEVEL, N_BOOT, num
 X, Y = "rollout_tokens", "eval_accuracy"
 PARAMETERS = ("A", "B", "C_mid")
 COND_MAX = 1e6  # the largest condition number of the Jacobian (A, B, log C_mid) a converged fit may have
-BOUND_TOL = 1e-3  # A or B this close to a bound is at the bound
+BOUND_TOL = 1e-3  # A, B or log C_mid this close to a bound is at the bound
+C_MID_RANGE = 1e6  # C_mid lies within this factor of the fitted points' rollout tokens
 START_B = (0.5, 1.0, 2.0)
 PAPER = "ScaleRL (arXiv 2510.13786)"
 SUMMARY = (f"The sigmoid of {PAPER}, R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), fitted per objective "
@@ -109,7 +114,7 @@ def fit_curve(compute, accuracy, r0: float, start: tuple[float, float, float] | 
         return Fit(r0, n, reason=f"{n} eval points after step 0, {len(PARAMETERS)} parameters: not identifiable")
     if not r0 < 1:
         return Fit(r0, n, reason=f"R0 = {num(r0)}: starts at the top, nothing to fit")
-    lower, upper = [r0, 0.0, -np.inf], [1.0, np.inf, np.inf]
+    lower, upper = [r0, 0.0, np.log(c.min() / C_MID_RANGE)], [1.0, np.inf, np.log(c.max() * C_MID_RANGE)]
 
     def model(x, a, b, log_c_mid):
         return sigmoid(x, r0, a, b, np.exp(log_c_mid))
@@ -140,12 +145,13 @@ def fit_curve(compute, accuracy, r0: float, start: tuple[float, float, float] | 
     a, b, log_c_mid = best[1]
     if not np.all(np.isfinite(best[1])):
         return Fit(r0, n, reason="curve_fit returned non-finite parameters")
-    pinned = [why for value, bound, why in ((a, r0, f"A at its lower bound R0 = {num(r0)}: a flat curve, B and C_mid "
-                                                   "not identifiable"),
-                                            (a, 1.0, "A at its upper bound 1: the points show no saturation, the "
-                                                     "asymptote is the bound's, not the data's"),
-                                            (b, 0.0, "B at its bound 0: a flat curve, A and C_mid not identifiable"))
-              if abs(value - bound) <= BOUND_TOL]
+    limits = [(a, r0, f"A at its lower bound R0 = {num(r0)}: a flat curve, B and C_mid not identifiable"),
+              (a, 1.0, "A at its upper bound 1: the points show no saturation, the asymptote is the bound's, not "
+                       "the data's"),
+              (b, 0.0, "B at its bound 0: a flat curve, A and C_mid not identifiable"),
+              (log_c_mid, lower[2], f"C_mid at its bound {C_MID_RANGE:.0e}-fold below the points: not identifiable"),
+              (log_c_mid, upper[2], f"C_mid at its bound {C_MID_RANGE:.0e}-fold above the points: not identifiable")]
+    pinned = [why for value, bound, why in limits if abs(value - bound) <= BOUND_TOL]
     if pinned:
         return Fit(r0, n, reason="; ".join(pinned))
     singular = np.linalg.svd(jacobian(c, r0, a, b, log_c_mid), compute_uv=False)
