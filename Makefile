@@ -9,7 +9,7 @@ OVERRIDES ?=
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train plots bench list docs soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims plots bench list explain docs soak clean-results
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -42,6 +42,12 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: thos
 	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
 
+lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
+	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
+
+claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
+	$(PY) -m harness claims --jobs $(JOBS)
+
 plots:  ## results/$(EXP)/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
 
@@ -50,6 +56,9 @@ bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/
 
 list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list
+
+explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
+	$(PY) -m harness explain $(KEY)
 
 docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) --jobs $(JOBS)

@@ -1,4 +1,4 @@
-"""Command line: python -m harness {train,sweep,list,bench,prepare,docs,soak} ...; see README."""
+"""Command line: python -m harness {train,sweep,lab,claims,list,bench,prepare,docs,soak} ...; see README."""
 
 from __future__ import annotations
 
@@ -123,6 +123,37 @@ def cmd_docs(args) -> int:
     return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
 
 
+def cmd_lab(args) -> int:
+    from harness.lab import main as lab
+
+    return lab(args.experiment, args.overrides, progress=not args.no_progress)
+
+
+def cmd_claims(args) -> int:
+    from harness.claims import main as claims
+
+    return claims(args.names, jobs=args.jobs, progress=not args.no_progress)
+
+
+def cmd_explain(args) -> int:
+    from harness import names
+
+    if args.write:
+        changed = names.write_docs()
+        print(f"rewrote the generated tables in {', '.join(map(str, changed))}" if changed else
+              "the generated tables are up to date", file=sys.stderr)
+        return 0
+    if args.markdown:
+        print(names.names_markdown() if args.key is None else names.generated(args.key), end="")
+        return 0
+    try:
+        print(names.explain(args.key))
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_soak(args) -> int:
     from harness.soak import main as soak
 
@@ -142,7 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["train"].add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+    lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
+    lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
+    lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
+    lab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
+    claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
+    claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
+    claims.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
+    explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
+    explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
+    explain.add_argument("--markdown", action="store_true", help="the table as Markdown (KEY names|aliases)")
+    explain.add_argument("--write", action="store_true", help="rewrite the generated tables in docs/trl.md, README.md")
     sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
     docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
@@ -160,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
-                "bench": cmd_bench, "docs": cmd_docs, "soak": cmd_soak}[args.command](args)
+                "bench": cmd_bench, "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab,
+                "claims": cmd_claims, "explain": cmd_explain}[args.command](args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

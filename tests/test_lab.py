@@ -1,0 +1,203 @@
+"""The gradient lab (issue 13): its measurements pinned on hand-checkable tensors, and an end-to-end lab on the tiny
+test model (files, determinism, resume)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from analysis.lab import build_lab_report, gram_snr, snr_interval
+from harness.config import ConfigError, load_experiment
+from harness.gradient_stats import (
+    CountSketch,
+    kish_ess,
+    ratio_by_position,
+    reinforce_loss,
+    token_weights,
+    weight_metrics,
+)
+from harness.lab import lab_config, run_lab
+from objectives import PolicyBatch, available_objectives, get_objective
+from tests.tiny import TINY_RUN
+
+
+def linear_policy(seed=0, rows=4, steps=3, vocab=5, features=3):
+    """logp [rows, steps] of fixed tokens under softmax(W x): a differentiable policy with parameters W."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, features, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(rows, steps, features, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (rows, steps), generator=g)
+    logp = torch.log_softmax(x @ weight.T, -1).gather(-1, tokens[..., None])[..., 0]
+    return weight, logp
+
+
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+ADV = torch.tensor([1.0, -0.5, -1.5, 1.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", available_objectives())
+def test_token_weights_give_the_objectives_parameter_gradient(name):
+    """J^T (dL/dlogp) is the gradient of the loss itself (chain rule): the lab's gradients are the objectives'."""
+    weight, logp = linear_policy()
+    old = (logp + 0.1 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1),
+                                    dtype=torch.float64)).detach()
+    batch = PolicyBatch(logp=logp, old_logp=old, mask=MASK, advantages=ADV, rewards=ADV,
+                        group_ids=torch.tensor([0, 0, 1, 1]), max_completion_len=3)
+    objective = get_objective(name)
+    (direct,) = torch.autograd.grad(objective(batch).loss, weight, retain_graph=True)
+    weights, _ = token_weights(objective, batch)
+    (via_weights,) = torch.autograd.grad(logp, weight, grad_outputs=weights)
+    torch.testing.assert_close(via_weights, direct, rtol=1e-10, atol=1e-12)
+    assert (weights[~MASK] == 0).all()
+
+
+def test_on_policy_grpo_weights_are_reinforce_with_length_normalisation():
+    """On-policy (r = 1), GRPO's weight of token t of sequence i is -A_i / (N L_i); with equal lengths its gradient is
+    the REINFORCE gradient divided by L."""
+    weight, logp = linear_policy()
+    batch = PolicyBatch(logp=logp, old_logp=logp.detach(), mask=MASK, advantages=ADV)
+    weights, _ = token_weights(get_objective("grpo"), batch)
+    lengths = torch.tensor([3.0, 2.0, 1.0, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(weights, torch.where(MASK, -ADV[:, None] / (4 * lengths[:, None]), 0.0))
+    full = torch.ones_like(MASK)
+    batch = PolicyBatch(logp=logp, old_logp=logp.detach(), mask=full, advantages=ADV)
+    weights, _ = token_weights(get_objective("grpo"), batch)
+    (grpo,) = torch.autograd.grad(logp, weight, grad_outputs=weights, retain_graph=True)
+    (reinforce,) = torch.autograd.grad(reinforce_loss(logp, full, ADV), weight)
+    torch.testing.assert_close(grpo, reinforce / 3)
+
+
+def test_kish_ess_by_hand():
+    assert kish_ess(torch.ones(7)) == pytest.approx(7)
+    assert kish_ess(torch.tensor([0.0, 0.0, 2.0])) == pytest.approx(1)
+    assert kish_ess(torch.tensor([1.0, -2.0, 3.0])) == pytest.approx(36 / 14)
+    assert kish_ess(torch.zeros(3)) == 0.0
+
+
+def test_weight_metrics_by_hand():
+    """Two sequences; token 2 of the first has r = e^0.5 > 1.2 with A > 0 (PPO-clip silences it)."""
+    logp = torch.zeros(2, 2, dtype=torch.float64)
+    old = torch.tensor([[0.0, -0.5], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    batch = PolicyBatch(logp=logp, old_logp=old, mask=mask, advantages=torch.tensor([1.0, -1.0]))
+    weights = torch.tensor([[1.0, 0.0], [3.0, 0.0]], dtype=torch.float64)
+    m = weight_metrics(weights, batch)
+    assert m["frac_tokens_with_grad"] == pytest.approx(2 / 3)
+    assert m["ess_token_frac"] == pytest.approx((4**2 / 10) / 3)
+    assert m["ess_sequence_frac"] == pytest.approx((4**2 / 10) / 2)
+    assert m["frac_ppo_clipped"] == pytest.approx(1 / 3)
+    assert m["grad_share_ppo_clipped"] == 0.0  # the silenced token has weight 0 here
+    weights[0, 1] = 4.0
+    assert weight_metrics(weights, batch)["grad_share_ppo_clipped"] == pytest.approx(4 / 8)
+
+
+def test_length_bias_grpo_against_dr_grpo():
+    """Wrong answers of lengths 1, 1, 3, 3 on-policy: GRPO's per-token weight |A|/(N L) makes a long wrong answer's
+    tokens weigh 1/3 of a short one's; Dr. GRPO's |A|/(N L_max) weighs them alike (ratio 1), and the long ones
+    then carry 3/4 of the wrong answers' gradient."""
+    logp = torch.zeros(5, 3, dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, 4.0], dtype=torch.float64)
+    batch = PolicyBatch(logp=logp, old_logp=logp, mask=mask, advantages=adv, max_completion_len=3)
+    grpo = weight_metrics(token_weights(get_objective("grpo"), batch)[0], batch)
+    dr = weight_metrics(token_weights(get_objective("dr_grpo"), batch)[0], batch)
+    assert grpo["token_weight_long_over_short_wrong"] == pytest.approx(1 / 3)
+    assert grpo["grad_share_long_wrong"] == pytest.approx(1 / 2)
+    assert dr["token_weight_long_over_short_wrong"] == pytest.approx(1.0)
+    assert dr["grad_share_long_wrong"] == pytest.approx(3 / 4)
+
+
+def test_ratio_by_position_by_hand():
+    """d = [[1, 1, 0], [-1, 1, pad], [0, 0, 0]]: at t = 1 the token log ratios are (1, -1, 0), variance 1; the
+    cumulative ones at t = 2 are (2, 0, 0), variance 4/3; t = 3 has two sequences."""
+    old = torch.zeros(3, 3)
+    logp = torch.tensor([[1.0, 1.0, 0.0], [-1.0, 1.0, 9.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    rows = ratio_by_position(logp, old, mask)
+    assert [r["position"] for r in rows] == [1, 2, 3] and rows[2]["sequences"] == 2
+    assert rows[0]["var_token"] == pytest.approx(1.0)
+    assert rows[1]["var_cumulative"] == pytest.approx(4 / 3)
+    assert rows[1]["var_prefix_mean"] == pytest.approx(1 / 3)
+    # whole-sequence log ratios (2, 0, 0) and their means over length (2/3, 0, 0)
+    assert rows[0]["var_sequence"] == pytest.approx(4 / 3)
+    assert rows[0]["var_sequence_mean"] == pytest.approx(np.var([2 / 3, 0, 0], ddof=1))
+    assert rows[2]["var_cumulative"] == pytest.approx(np.var([2.0, 0.0], ddof=1))
+
+
+def test_count_sketch_is_exact_for_small_models_and_preserves_inner_products():
+    shapes = [torch.Size([3, 4]), torch.Size([5])]
+    grads = [torch.arange(12.0).reshape(3, 4), torch.ones(5)]
+    exact = CountSketch(shapes, 64, seed=0)
+    assert exact.exact and torch.equal(exact(grads), torch.cat([g.flatten() for g in grads]))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(200_000, generator=g)
+    b = 0.6 * a + 0.8 * torch.randn(200_000, generator=g)
+    sketch = CountSketch([a.shape], 4096, seed=3)
+    sa, sb = sketch([a]), sketch([b])
+    assert not sketch.exact and sa.shape == (4096,)
+    true = (a @ b / (a.norm() * b.norm())).item()
+    assert abs((sa @ sb / (sa.norm() * sb.norm())).item() - true) < 0.05  # ~1/sqrt(4096) = 0.016 per inner product
+    assert torch.equal(sketch([a]), sa)  # identical gradients, identical sketches: cosine exactly 1
+
+
+def test_gradient_snr_from_the_gram_matrix_by_hand():
+    """g1 = (1, 0), g2 = (-1, 0): |mu|^2 ~ <g1, g2> = -1, tr Sigma ~ 1 - (-1) = 2: SNR -1/2. g = (1, 1), (1, -1):
+    signal 0. Copies of one gradient plus a little noise: a large SNR."""
+    assert gram_snr(np.array([[1.0, -1.0], [-1.0, 1.0]])) == pytest.approx(-0.5)
+    assert gram_snr(np.array([[2.0, 0.0], [0.0, 2.0]])) == pytest.approx(0.0)
+    g = np.random.default_rng(0)
+    vectors = np.ones((6, 50)) + 0.1 * g.standard_normal((6, 50))
+    estimate, low, high = snr_interval(vectors @ vectors.T)
+    assert estimate > 50 and low <= estimate <= high  # |mu|^2 = 50, tr Sigma = 0.5: SNR ~ 100
+
+
+def test_lab_settings_are_checked_before_anything_runs(tmp_path):
+    base = [*TINY_RUN, f"results_dir={tmp_path}"]
+    for override, key in (("lab.staleness=[1,2]", "lab.staleness"), ("lab.mismatch=[fp8]", "lab.mismatch"),
+                          ("lab.objectives=[grpoo]", "grpo"), ("lab.batches=1", "lab.batches"),
+                          ("lab.policy=/nonexistent", "lab.policy"), ("lab.mover=nope", "lab")):
+        with pytest.raises(ConfigError, match=key):
+            lab_config(load_experiment("base", [*base, override]))
+    with pytest.raises(ConfigError, match="num_minibatches"):
+        lab_config(load_experiment("base", [*base, "train.num_minibatches=1", "lab.staleness=[0,1]"]))
+
+
+LAB_RUN = ["lab.objectives=[grpo,gspo,gspo_token,cispo]", "lab.batches=3", "lab.staleness=[0,2]",
+           "lab.mismatch=[bfloat16,temperature]", "lab.reference_samples=4", "name=tinylab"]
+
+
+def parity_rewards(self, ro, problems, group_size):
+    """A reward the untrained test model earns about half the time (its first token's id is odd), so groups
+    carry gradient."""
+    return (ro.completion_ids[:, 0] % 2).float()
+
+
+@pytest.mark.slow
+def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr("harness.lab.Lab.rewards", parity_rewards)
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", *LAB_RUN])
+    folder = run_lab(cfg, progress=False)
+    build_lab_report(folder)
+    lab = pd.read_csv(folder / "lab.csv")
+    assert set(lab["objective"]) == {"grpo", "gspo", "gspo_token", "cispo"}
+    assert len(lab) == 4 * 3 * (2 + 2 + 1)  # objectives x batches x (staleness 0, 2; bf16, temperature; fp32 copy)
+    fresh = lab[(lab["axis"] == "staleness") & (lab["staleness"] == 0)]
+    assert np.allclose(fresh["cos_fresh"], 1.0)
+    # on-policy with sequence advantages, GSPO-token's gradient is GSPO's (cosine 1 at every point and batch)
+    pairs = pd.read_csv(folder / "pairwise.csv").query("objective == 'gspo' and other == 'gspo_token'")
+    assert len(pairs) == 3 * 4 and pairs["cosine"].notna().sum() >= 10  # NaN: both gradients 0 (all clipped)
+    assert np.allclose(pairs["cosine"].dropna(), 1.0, atol=1e-6)
+    assert (folder / "report" / "report.md").exists() and (folder / "report" / "staleness.png").exists()
+    snr = pd.read_csv(folder / "snr.csv")
+    assert snr["snr_low"].notna().all()  # 3 batches: a bootstrap interval
+    # rerun after losing one batch: the same table
+    (folder / "batches" / "batch_001.pt").unlink()
+    run_lab(cfg, progress=False)
+    build_lab_report(folder)
+    again = pd.read_csv(folder / "lab.csv")
+    pd.testing.assert_frame_equal(lab, again)
+    with pytest.raises(ConfigError, match="other settings"):
+        run_lab(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", *LAB_RUN, "train.lr=1e-2"]))
+    assert math.isfinite(lab["grad_norm"].max())
