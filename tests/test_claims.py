@@ -1,0 +1,71 @@
+"""The claims ledger (harness/claims.py): every shipped claim file parses and names an existing experiment; the
+checks' verdicts on small tables whose answer is known by hand."""
+
+import pandas as pd
+import pytest
+
+from harness.claims import CLAIMS_DIR, evaluate_check, ledger_rows, load_claim, load_claims, write_ledger
+from harness.config import ConfigError, load_experiment
+
+
+def test_shipped_claims_parse_and_their_experiments_exist():
+    claims = load_claims()
+    assert {c.name for c in claims} >= {"gspo_clips_more", "gspo_token_equals_gspo", "ctpo_prefix_ratio_variance",
+                                        "cispo_keeps_clipped_gradient", "dr_grpo_length_bias", "sequence_ratio_bf16"}
+    for claim in claims:
+        load_experiment(claim.source[1], list(claim.source[2]))
+        assert claim.paper and claim.checks
+
+
+def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("claim: x\npaper: y\nexperiment: {lab: lab, sweep: quickstart}\nchecks: []\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*one lab or one sweep"):
+        load_claim(path)
+    path.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: lab, metric: m}]\n")
+    with pytest.raises(ConfigError, match="compare / within"):
+        load_claim(path)
+    with pytest.raises(ConfigError, match="no claim nope"):
+        load_claims(["nope"])
+    assert CLAIMS_DIR.is_dir()
+
+
+LAB = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2, 3, 3], "objective": ["a", "b"] * 4,
+                    "staleness": [1] * 8, "m": [2.0, 1.0, 2.1, 1.0, 1.9, 1.0, 2.0, 1.0]})
+
+
+def test_compare_greater_and_less_with_a_factor():
+    greater = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b"}}
+    verdict, measured = evaluate_check(greater, {"lab": LAB})
+    assert verdict == "holds" and "a 2.00, b 1.00" in measured and "4 batches" in measured
+    far = {**greater, "compare": {"objective": "a", "than": "b", "factor": 3}}  # 2 > 3 x 1 fails
+    assert evaluate_check(far, {"lab": LAB})[0] == "does not hold"
+    less = {**greater, "compare": {"objective": "a", "than": "b", "direction": "less"}}
+    assert evaluate_check(less, {"lab": LAB})[0] == "does not hold"
+    nothing = {**greater, "where": "staleness == 5"}
+    assert evaluate_check(nothing, {"lab": LAB})[0] == "no data"
+
+
+def test_compare_equal_and_within():
+    same = LAB.assign(m=[1.0, 1.0] * 4)
+    equal = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b", "direction": "equal"}}
+    assert evaluate_check(equal, {"lab": same})[0] == "holds"
+    assert evaluate_check(equal, {"lab": LAB})[0] == "does not hold"
+    within = {"table": "lab", "metric": "m", "objective": "a", "within": [1.95, 2.05]}
+    verdict, measured = evaluate_check(within, {"lab": LAB})
+    assert verdict == "holds" and "mean 2.00" in measured
+    assert evaluate_check({**within, "statistic": "max"}, {"lab": LAB})[0] == "does not hold"  # max 2.1
+
+
+def test_ledger_rows_and_files(tmp_path):
+    claim = load_claim(CLAIMS_DIR / "dr_grpo_length_bias.yaml")
+    table = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2], "objective": ["grpo", "dr_grpo"] * 3, "axis": ["staleness"] * 6,
+                          "staleness": [0] * 6, "token_weight_long_over_short_wrong": [0.5, 1.0, 0.6, 1.0, 0.4, 1.0]})
+    rows = ledger_rows([claim], {claim.source: {"lab": table}})
+    assert rows[0]["holds?"] == "holds"
+    table.loc[1, "token_weight_long_over_short_wrong"] = 2.0  # dr_grpo's mean leaves [0.95, 1.05]
+    rows = ledger_rows([claim], {claim.source: {"lab": table}})
+    assert rows[0]["holds?"] == "does not hold"
+    path = write_ledger(rows, tmp_path, "stamp")
+    text = path.read_text()
+    assert "does not hold" in text and "Dr. GRPO" in text and (tmp_path / "ledger.html").exists()
