@@ -84,7 +84,9 @@ def load_model(
 
     ``"tiny"``: a randomly initialised :class:`TinyModelSpec` Llama (``tiny`` overrides its fields; same
     ``seed``, same weights) with :func:`char_tokenizer`. ``"smollm2-135m-instruct"``: the embedded model
-    (:func:`prepare_embedded_model`). Anything else: a hub id or local path for ``AutoModelForCausalLM``.
+    (:func:`prepare_embedded_model`). Anything else: a hub id or local folder in the hub layout for
+    ``AutoModelForCausalLM`` / ``AutoTokenizer`` (its chat template is what :func:`build_prompt` uses; the
+    ``generation_config`` fields that reshape sampling are unset, :func:`plain_sampling`).
     ``seed`` only matters for ``"tiny"``.
     """
     if name == "tiny":
@@ -107,7 +109,32 @@ def load_model(
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
+        plain_sampling(model)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+# generation_config fields that reshape the next-token distribution beyond temperature / top-p / top-k (which the
+# samplers pass explicitly); e.g. Qwen2.5-Instruct ships repetition_penalty=1.05
+RESHAPING = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+             "min_length", "min_new_tokens", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff",
+             "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+             "forced_eos_token_id", "exponential_decay_length_penalty", "renormalize_logits", "guidance_scale",
+             "watermarking_config")
+
+
+def plain_sampling(model: PreTrainedModel) -> None:
+    """Unset the hub model's ``generation_config`` fields that reshape the sampling distribution (repetition penalty,
+    min_p, minimum length, ...): the policy-gradient ratio needs the sampler's log-probs to be the policy's own at the
+    run's temperature and top-p. transformers' ``generate`` (``train.sampler=hf``) would otherwise apply them; the
+    exported policy carries the config it was trained with."""
+    config = getattr(model, "generation_config", None)
+    changed = [f"{k}={getattr(config, k)}" for k in RESHAPING if getattr(config, k, None) is not None]
+    for key in RESHAPING:
+        if hasattr(config, key):
+            setattr(config, key, None)
+    if changed:
+        log.info("generation_config: unset %s (the samplers draw from the policy's own distribution)",
+                 ", ".join(changed))
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -7,6 +7,8 @@
                                    the starting policy's record, the error of a failed run; written atomically
     <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
     <run_dir>/final/               the trained policy in transformers' format (save_pretrained), at the end
+    <run_dir>/exports/step_<N>/    the same every ``train.export_every`` steps (both backends)
+    <run_dir>/tensorboard/, wandb/ the trackers of ``logging.backends`` beyond jsonl (harness/tracking.py)
 
 On resume both JSON-lines files keep exactly the steps up to the checkpoint's, so no step is ever written twice.
 """
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from harness.tracking import Trackers
 
 
 def _clean(value):
@@ -97,7 +101,7 @@ class RunRecords:
         self.progress = {"steps_done": resume_step or 0, "rollout_tokens": 0, "update_tokens": 0,
                          "nonfinite_skips": None}
         self.started, self.elapsed_before = time.time(), 0.0
-        self.metrics = self.eval_samples = self.lock = None
+        self.metrics = self.eval_samples = self.lock = self.trackers = None
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +109,7 @@ class RunRecords:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
         self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
+        self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (harness/tracking.py)
         previous = run_dir / "summary.json"
         if resume_step and previous.exists():
             self.elapsed_before = json.loads(previous.read_text()).get("wall_time_s") or 0.0
@@ -119,6 +124,7 @@ class RunRecords:
             if eval_records:
                 self.eval_samples.extend(eval_records)
             self.metrics.append(row)
+            self.trackers.log(self.metrics.rows[-1])
         self.progress["steps_done"] = row["step"]
         self.summary("running")
 
@@ -144,8 +150,10 @@ class RunRecords:
         """Marks the run running; on an exception, failed (interrupted for Ctrl-C / SIGTERM) with the error in
         summary.json and on stderr; closes the files."""
         self.summary("running")
+        failed = True
         try:
             yield self
+            failed = False
         except BaseException as e:
             status = "failed" if isinstance(e, Exception) else "interrupted"
             self.summary(status, f"{type(e).__name__}: {e}")
@@ -154,6 +162,7 @@ class RunRecords:
             if self.main:
                 self.metrics.close()
                 self.eval_samples.close()
+                self.trackers.close(failed)
                 self.lock.close()
 
 

@@ -86,6 +86,11 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
         run_dir.mkdir(exist_ok=True)
         if not (run_dir / "config.yaml").exists():
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))
+        elif "logging" in run:  # trackers are not part of the run id: this sweep's apply when a run resumes
+            saved = OmegaConf.load(run_dir / "config.yaml")
+            if OmegaConf.select(saved, "logging") != run.logging:
+                saved.logging = run.logging
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(saved))
         entries.append({"run_id": rid, "objective": run.objective.name, "seed": run.seed,
                         "overrides": _grid_point(run, cfg), "status": _status(run_dir), "dir": rid})
     manifest = exp_dir / "manifest.json"

@@ -1,0 +1,117 @@
+"""TRL-style names (harness/names.py): one table covering every config key, TRL names checked against the installed
+TRL's GRPOConfig, TRL-named overrides rewritten or refused, `explain`, and the generated doc tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from harness import names
+from harness.__main__ import main
+from harness.config import ConfigError, RunConfig, load_experiment, run_configs
+from objectives import OBJECTIVES
+from tests.tiny import tiny_run
+
+
+def test_every_schema_key_has_one_row_and_every_row_is_a_key():
+    keys = names.schema_keys()
+    rows = [n.key for n in names.NAMES]
+    assert len(rows) == len(set(rows)), "a key twice in harness/names.py NAMES"
+    missing = [k for k in keys if k not in rows]
+    assert not missing, f"config keys without a row in harness/names.py NAMES: {missing}"
+    hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
+    extra = [r for r in rows if r not in keys and not (r.startswith("objective.params.") and
+                                                       r.rsplit(".", 1)[1] in hyperparameters)]
+    assert not extra, f"rows for keys the schema does not have: {extra}"
+    assert all(n.meaning and "\n" not in n.meaning for n in names.NAMES)
+
+
+def test_trl_names_are_grpo_config_fields():
+    from trl import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    trainer = {"model", "train_dataset", "reward_funcs", "ref_model"}  # GRPOTrainer's arguments / attributes
+    mentioned = {word for n in names.NAMES for word in re.findall(r"`([a-z_0-9]+)`", n.trl)} - trainer
+    assert mentioned and mentioned <= fields, sorted(mentioned - fields)
+    assert set(names.ALIASES) <= fields, sorted(set(names.ALIASES) - fields)
+    top_level = {f.name for f in dataclasses.fields(RunConfig)}
+    assert not set(names.ALIASES) & top_level  # an alias never shadows one of our own keys
+
+
+def test_trl_named_overrides_become_ours_with_a_note(tmp_path, capsys):
+    run = tiny_run(tmp_path, "num_generations=2", "max_completion_length=12", "epsilon=0.3", "beta=0.04",
+                   "learning_rate=3e-4", "per_device_train_batch_size=4", "num_iterations=2")
+    assert (run.train.group_size, run.train.max_new_tokens, run.train.lr, run.train.micro_batch_size,
+            run.train.epochs) == (2, 12, 3e-4, 4, 2)
+    assert dict(run.objective.params) == {"clip_low": 0.3, "clip_high": 0.3, "beta": 0.04}  # TRL: high = epsilon
+    notes = capsys.readouterr().err.splitlines()
+    assert "note: num_generations=2 (TRL) -> train.group_size=2" in notes
+    assert "note: epsilon=0.3 (TRL) -> objective.params.clip_low=0.3 objective.params.clip_high=0.3" in notes
+    run = tiny_run(tmp_path, "epsilon_high=0.28", "epsilon=0.2", "loss_type=dapo")
+    assert dict(run.objective.params) == {"clip_high": 0.28, "clip_low": 0.2, "aggregation": "token_mean"}
+    assert tiny_run(tmp_path, "loss_type=cispo", "epsilon_high=5").objective.params.clip_high == 4  # 1 + clip_high
+    assert tiny_run(tmp_path, "loss_type=dr_grpo").objective.params.aggregation == "seq_mean_token_sum_norm"
+    assert tiny_run(tmp_path, "importance_sampling_level=sequence").objective.name == "gspo"
+    run = tiny_run(tmp_path, "scale_rewards=none", "report_to=tensorboard", "use_cpu=true")
+    assert (run.objective.advantage, list(run.logging.backends), run.device) == ("mean_only",
+                                                                                ["jsonl", "tensorboard"], "cpu")
+    assert tiny_run(tmp_path, "objective.name=sapo", "sapo_temperature_neg=2").objective.params.tau_neg == 2
+    # the experiment's own objectives decide: quickstart sweeps four, all with clip_low
+    runs = run_configs(load_experiment("quickstart", ["epsilon=0.1", f"results_dir={tmp_path}"]))
+    assert {r.objective.params.clip_low for r in runs} == {0.1}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("max_steps=100", "max_steps (TRL) has no exact equivalent here: set train.steps (TRL counts optimizer steps"),
+    ("loss_type=bnpo", "loss_type=bnpo (TRL): loss_type=bnpo normalises by the local micro-batch"),
+    ("loss_type=vespo", "has no objective here; set objective.name"),
+    ("gradient_accumulation_steps=2", "set train.micro_batch_size"),
+    ("report_to=all", "logging.backends=[jsonl,tensorboard,wandb,trackio]"),
+])
+def test_trl_names_without_an_exact_equivalent_are_refused_naming_ours(tmp_path, override, message):
+    with pytest.raises(ConfigError) as error:
+        tiny_run(tmp_path, override)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_epsilon_maps_only_where_the_objective_has_it(tmp_path):
+    with pytest.raises(ConfigError, match="objective.params.clip_low, which objective sapo does not have"):
+        tiny_run(tmp_path, "objective.name=sapo", "epsilon=0.2")
+    with pytest.raises(ConfigError, match="TRL's cispo has no lower bound"):
+        tiny_run(tmp_path, "objective.name=cispo", "epsilon=0.2")
+    with pytest.raises(ConfigError, match="1 \\+ clip_high for TRL's cispo"):
+        tiny_run(tmp_path, "sweep.grid.objective.name=[cispo,grpo]", "epsilon_high=5")
+
+
+def test_explain_prints_meaning_default_trl_and_verl(capsys):
+    assert main(["explain", "train.group_size"]) == 0
+    out = capsys.readouterr().out
+    assert "completions per prompt" in out and "default: 8" in out and "num_generations" in out
+    assert "actor_rollout_ref.rollout.n" in out
+    assert main(["explain", "clip_ratio_low"]) == 0  # a verl name finds our key
+    assert "objective.params.clip_low" in capsys.readouterr().out
+    assert main(["explain", "epsilon"]) == 0  # a TRL name: the alias rule too
+    out = capsys.readouterr().out
+    assert "TRL epsilon on the command line" in out and "grpo 0.2" in out and "gspo 0.0003" in out
+    assert main(["explain"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{key} = " in out for key in names.schema_keys())
+    assert main(["explain", "group_sise"]) == 2
+    assert "Did you mean train.group_size?" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_explain_passes_the_key():
+    done = subprocess.run(["make", "-n", "explain", "KEY=num_generations"], cwd=names.REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and "-m harness explain num_generations" in done.stdout
+
+
+def test_the_doc_tables_are_the_generated_ones():
+    for path, kind in names.DOCS.items():
+        assert names.section(path.read_text(), kind) == names.generated(kind), (
+            f"{path.name}'s {kind} table is stale: python -m harness explain --markdown --write")
