@@ -56,13 +56,18 @@ class CountSketch:
                                                             dtype=torch.int32) for s in shapes]
 
     def __call__(self, grads: list[Tensor]) -> Tensor:
-        flat = [g.detach().reshape(-1).float().cpu() for g in grads]
+        """The sketch (on the CPU, float32) of the gradient given as one tensor per parameter; computed on the
+        gradients' device."""
+        flat = [g.detach().reshape(-1).float() for g in grads]
         if self.exact:
-            return torch.cat(flat)
-        out = torch.zeros(2 * self.dim)
+            return torch.cat(flat).cpu()
+        device = flat[0].device
+        if self.buckets[0].device != device:
+            self.buckets = [b.to(device) for b in self.buckets]
+        out = torch.zeros(2 * self.dim, device=device)
         for g, buckets in zip(flat, self.buckets, strict=True):
             out.index_add_(0, buckets, g)
-        return out[: self.dim] - out[self.dim :]
+        return (out[: self.dim] - out[self.dim :]).cpu()
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
