@@ -34,6 +34,7 @@ from analysis.report import render_html, render_md
 from analysis.stats import BOOT_SEED, INTERVALS, LEVEL, N_BOOT, describe, num
 
 FRESH = "staleness=0"
+MAX_BANDS = 6  # interval bands are drawn for up to this many objectives (more would hide the lines)
 MEASURES = {"cos_reference": "Cosine to the on-policy gradient", "snr": "Gradient SNR across batches",
             "ess_token_frac": "Kish ESS of token weights / tokens",
             "frac_tokens_with_grad": "Fraction of tokens carrying gradient", "clip_frac": "Clip fraction",
@@ -157,7 +158,7 @@ def staleness_figure(summary_: pd.DataFrame, snr: pd.DataFrame, look, title: str
             c = c.sort_values("staleness")
             st = look[objective]
             ax.plot(c["staleness"], c[measure], color=st.color, linestyle=st.linestyle, marker=st.marker)
-            if low in c:
+            if low in c and len(look) <= MAX_BANDS:
                 ax.fill_between(c["staleness"], c[low], c[high], color=st.color, alpha=0.12, linewidth=0)
         ax.set(title=label, xlabel="staleness (optimizer steps since sampling)")
         if measure == "snr":
@@ -257,8 +258,10 @@ def build_lab_report(folder: str | Path) -> Path:
               f"(inner products within ~{error:.1%} of the product of the gradients' norms)")
     seconds = sum(m["seconds"] for m in batches)
     figures = [("staleness", staleness_figure(found["summary"], found["snr"], look, f"{name}: against staleness"),
-                f"Mean over {len(batches)} batches per objective; band: {INTERVALS.replace('seeds', 'batches')}. "
-                "SNR band: percentile bootstrap over batches (symlog axis)."),
+                f"Mean over {len(batches)} batches per objective; "
+                + (f"band: {INTERVALS.replace('seeds', 'batches')}; SNR band: percentile bootstrap over batches"
+                   if len(look) <= MAX_BANDS else f"intervals (not drawn for more than {MAX_BANDS} objectives): "
+                   "the tables above and summary.csv / snr.csv") + ". SNR on a symlog axis."),
                ("mismatch", mismatch_figure(found["summary"], look, f"{name}: behaviour from another sampler"),
                 "Point: mean over batches; bar: interval over batches. float32 = the fresh on-policy point."),
                ("positions", positions_figure(found["positions"], f"{name}: log-ratio spread by position"),

@@ -167,7 +167,8 @@ def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
                    else "does not hold")
         rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
                      "measured": "; ".join(m for _, m in results), "holds?": verdict,
-                     "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name})
+                     "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name,
+                     "notes": " ".join(claim.notes)})
     return rows
 
 
@@ -178,6 +179,8 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
     shown = frame[["claim", "paper", "reported", "measured", "holds?"]]
+    notes = [f"- {r['name']}: {r['notes']}" for r in rows if r["notes"]]
+    stamp = stamp + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
     files = {"ledger.csv": frame.to_csv(index=False),
              "ledger.md": f"# Paper-claims ledger\n\n{stamp}\n\n{md_table(shown)}\n",
              "ledger.html": ("<!doctype html><html><head><meta charset='utf-8'><title>Paper-claims ledger</title>"
