@@ -58,6 +58,10 @@ def unsupported(run: DictConfig) -> str | None:
     if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
         return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
                 "smollm2-135m-instruct")
+    own = sorted(k for k in trl_extra_args() if k.startswith("vllm_importance_sampling"))
+    if own:
+        return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
+                f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
     if run.model.sampler_dtype not in (None, run.model.dtype):
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")

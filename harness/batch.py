@@ -20,7 +20,8 @@ from harness.tasks import Score
 @dataclass
 class TrainBatch:
     """What one step trains on: the rollout and, per row, reward, advantage and group; per token, the behaviour
-    log-probs (sampler's or recomputed) and the reference log-probs (None without a KL term)."""
+    log-probs (sampler's or recomputed), the reference log-probs (None without a KL term) and the rollout-correction
+    weights (None without ``train.rollout_correction``; harness/update.py's ``rollout_correction``)."""
 
     rollout: Rollout
     rewards: Tensor  # [N]
@@ -28,6 +29,7 @@ class TrainBatch:
     group_ids: Tensor  # [N]
     old_logp: Tensor  # [N, T]
     ref_logp: Tensor | None = None  # [N, T]
+    correction: Tensor | None = None  # [N, T], detached; 0 on padding and on masked tokens
 
 
 @dataclass

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.backends import BACKENDS, unsupported
+from harness.names import translate_overrides
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
@@ -74,6 +75,18 @@ class ObjectiveConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """train.rollout_correction: weight every token's loss by the importance ratio between the trainer's old policy
+    and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
+    A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
+
+    mode: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    threshold: float = 2.0  # C (verl's rollout_is_threshold): truncate at C / mask ratios above C; >= 1
+    threshold_lower: float | None = None  # mask ratios below it (None: 1/C, two-sided as verl; 0: one-sided as TRL)
+    #                                       with a truncate mode, a lower clamp (None: none, as verl and TRL)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 20
     prompts_per_step: int = 8
@@ -89,6 +102,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     old_logp: str = "sampler"  # "sampler": the sampler's log-probs; "recompute": the trainer's, before updating
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     max_nonfinite_in_row: int = 3
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_sampling_rounds: int = 10  # rounds of prompts_per_step prompts per step (verl DAPO's max_num_gen_batches)
@@ -98,6 +112,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
     save_every: int = 1  # a checkpoint every N steps: a kill loses at most the unfinished steps since
+    export_every: int = 0  # also save_pretrained the policy to <run_dir>/exports/step_<N>/ every N steps; 0 = off
 
 
 @dataclass
@@ -118,8 +133,16 @@ class LabConfig:
     mismatch: list[str] = field(default_factory=lambda: ["bfloat16", "temperature"])  # behaviour samplers besides fp32
     mismatch_temperature: float = 1.3  # the "temperature" sampler's temperature (the trainer keeps train.temperature)
     reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
-    sketch_dim: int = 65536  # gradients are compared through a count sketch of this size (exact if the model is smaller)
-    policy: str | None = None  # a saved policy folder (a run's final/ or exports/step_N/); None = the starting policy
+    sketch_dim: int = 65536  # gradients compared through a count sketch this size (exact if the model is smaller)
+    policy: str | None = None  # a saved policy folder (a run final/ or exports/step_N/); None: the starting policy
+
+
+@dataclass
+class LoggingConfig:
+    """Where every metrics row goes besides metrics.jsonl (harness/tracking.py); not part of the run id."""
+
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl (always), tensorboard, wandb, trackio
+    project: str = "rlvr-harness"  # wandb / trackio project; runs are named by run id, grouped by experiment name
 
 
 @dataclass
@@ -138,6 +161,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     lab: LabConfig = field(default_factory=LabConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def _merge(*configs) -> DictConfig:
@@ -208,7 +232,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
     path = experiment_path(name)
     layers = [experiment_layer(path)]
-    overrides = list(overrides or [])
+    overrides = translate_overrides(list(overrides or []), layers[0])  # TRL names (num_generations=8, ...) -> ours
     grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
     overrides = [o for o in overrides if not o.startswith(GRID)]
     try:
@@ -280,6 +304,7 @@ def run_id(run: DictConfig) -> str:
     content = changed(OmegaConf.to_container(run, resolve=True),
                       OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
     content.pop("results_dir", None)
+    content.pop("logging", None)  # where metrics are tracked does not change the run
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
 
@@ -301,7 +326,8 @@ def validate(run: DictConfig) -> None:
                 "max_sampling_rounds", "max_nonfinite_in_row"):
         if t[key] < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
-    for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every"):
+    for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",
+                "export_every"):
         if t[key] < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {t[key]}")
     if t.max_grad_norm <= 0:
@@ -331,6 +357,12 @@ def validate(run: DictConfig) -> None:
                           f"train.micro_batch_size=0 (micro-batching would make it inexact)")
     if t.old_logp not in ("sampler", "recompute"):
         raise ConfigError(f"train.old_logp must be 'sampler' or 'recompute', got {t.old_logp!r}")
+    from objectives.rollout_correction import check_settings
+
+    rc = t.rollout_correction
+    problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
+    if problem:
+        raise ConfigError(problem)
     if not 0 < t.top_p <= 1 or t.temperature <= 0:
         raise ConfigError(f"need 0 < train.top_p <= 1 and train.temperature > 0, got {t.top_p}, {t.temperature}")
     for key in ("dtype", "sampler_dtype"):
@@ -346,6 +378,10 @@ def validate(run: DictConfig) -> None:
     _check_warm_start(m)
     _check_device(run.device)
     _check_task_and_model(run)
+    if "logging" in run:
+        from harness.tracking import check_backends
+
+        check_backends(list(run.logging.backends))
     if run.backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {run.backend!r}")
     reason = unsupported(run)

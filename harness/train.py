@@ -4,12 +4,14 @@ Per step:
   1. draw ``prompts_per_step`` problems; sample ``group_size`` completions each, keeping the sampler's per-token
      log-probs; score them (with dynamic sampling: until the batch holds informative groups);
   2. advantages from the estimator (group = prompt);
-  3. behaviour log-probs: the sampler's, or recomputed by the trainer before the first update; reference
-     log-probs when the objective's beta > 0;
+  3. behaviour log-probs: the sampler's, or recomputed by the trainer before the first update (always with a
+     rollout correction, whose weights between the trainer's and the sampler's log-probs are computed here);
+     reference log-probs when the objective's beta > 0;
   4. ``epochs`` passes over the batch, ``num_minibatches`` optimizer steps each (harness/update.py);
   5. every ``eval_every`` steps and at the end: the held-out evaluation (harness/evaluation.py);
   6. one JSON line of metrics, summary.json, and a checkpoint every ``save_every`` steps (harness/records.py);
-     at the end the policy in transformers' format under <run_dir>/final/.
+     at the end the policy in transformers' format under <run_dir>/final/ (and every ``export_every`` steps under
+     <run_dir>/exports/step_<N>/).
 The random streams are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
 """
 
@@ -32,7 +34,7 @@ from harness.evaluation import evaluate
 from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.rollout import completion_logprobs
-from harness.update import RunState, update
+from harness.update import RunState, behaviour_logp, rollout_correction, update
 
 
 class NonFiniteError(RuntimeError):
@@ -87,17 +89,19 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             rewards = rewards.to(device)
             group_ids = torch.arange(t.prompts_per_step, device=device).repeat_interleave(t.group_size)
             advantages = estimator(rewards, group_ids).to(device)
-            # 3. behaviour and reference log-probs
+            # 3. behaviour and reference log-probs, rollout-correction weights
             t1 = time.time()
             chunk = t.micro_batch_size or len(ro.texts) // t.num_minibatches
             old_logp, recompute_mismatch = ro.sampler_logp, {}
-            if t.old_logp == "recompute":
+            if behaviour_logp(t) == "recompute":
                 old_logp = no_grad_logprobs(policy, ro, t.temperature, chunk)
                 meter = MismatchMeter()
                 meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
                 recompute_mismatch = meter.result()
+            correction, correction_stats = rollout_correction(
+                t, old_logp, ro.sampler_logp if different_sampler else None, ro.completion_mask)
             ref_logp = no_grad_logprobs(reference, ro, t.temperature, chunk) if reference is not None else None
-            batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp)
+            batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp, correction)
             # 4. update
             stats = update(policy, optimizer, scheduler, objective, batch, cfg, step, state)
             update_s = time.time() - t1
@@ -107,7 +111,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             state.update_tokens += tokens * t.epochs
             row = {"step": step, "rollout_tokens": state.rollout_tokens, **sampled,
                    "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
-                   **stats, **recompute_mismatch, "lr": scheduler.get_last_lr()[0],
+                   **stats, **recompute_mismatch, **correction_stats, "lr": scheduler.get_last_lr()[0],
                    "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
                    "rollout_tok_s": sampled_tokens / rollout_s, "update_tok_s": tokens * t.epochs / update_s,
                    "peak_mem_mb": peak_memory_mb(device)}
@@ -125,6 +129,8 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if state.nonfinite_in_row >= t.max_nonfinite_in_row:
                 raise NonFiniteError(f"{state.nonfinite_in_row} updates in a row had a non-finite loss or "
                                      f"gradient (step {step}); lower train.lr or check the objective's inputs")
+            if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
+                export_policy(policy, tokenizer, run_dir / "exports" / f"step_{step}")
             if step == t.steps or (t.save_every and step % t.save_every == 0):
                 save_checkpoint(run_dir, {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
                                           "scheduler": scheduler.state_dict(), "state": dataclasses.asdict(state)})

@@ -24,7 +24,14 @@ Conventions aligned with the native loop (each one differs from stock TRL):
 - behaviour log-probs: the trainer's (TRL recomputes them before the first update, or they equal the current
   ones), i.e. ``train.old_logp: recompute``; with vLLM (``use_vllm``) and ``train.old_logp: sampler``, vLLM's own
   log-probs, as the native sampler's, so the objective's ratio sees the train-inference mismatch (TRL's separate
-  vLLM importance-sampling correction is then off: the objective owns the ratio).
+  vLLM importance-sampling correction is then off: the objective owns the ratio);
+- ``train.rollout_correction`` (a mode other than none): mapped onto TRL's own ``vllm_importance_sampling_*``
+  options, which compute exactly our weights (same modes, product for sequences, clip_max = threshold,
+  clip_min = the lower threshold): TRL recomputes the trainer's old log-probs and its ratio
+  (``importance_sampling_ratio``) becomes ``PolicyBatch.correction`` in ``_compute_loss``, so every objective
+  gets it as natively. Without vLLM TRL samples with the policy itself: no sampler difference, weights 1;
+- objectives with minibatch statistics (P3O's ESS): summed over the optimizer step's micro-batches (all
+  processes) in a no-grad forward at the first micro-batch of the step, as the native loop's two passes.
 Remaining differences: ``model.sampler_dtype`` is not supported; TRL draws the prompts (seeded sampler), shuffles
 sequences, not groups, into minibatches and does not reshuffle between epochs; its linear warm-up starts at
 lr 0; ``grad_norm`` is the last optimizer step's; a non-finite update is not skipped.
@@ -56,7 +63,12 @@ from harness.metrics import MetricMeter, peak_memory_mb
 from harness.models import build_prompt
 from harness.records import RunRecords
 from harness.tasks import Problem
+from harness.update import behaviour_logp, correction_settings, rollout_correction
 from objectives import PolicyBatch
+from objectives.base import sum_statistics
+from objectives.rollout_correction import lower_threshold
+
+STATS_KEY = "minibatch_stats."  # inputs["minibatch_stats.<name>"]: 0-dim sums of the step's minibatch statistics
 
 # TRL's logged metric -> the native metrics.jsonl key
 TRL_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "rewards/correct/mean": "accuracy",
@@ -74,6 +86,12 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
     micro = t.micro_batch_size or minibatch
     accumulation = minibatch // (micro * world_size())
     steps_per_rollout = t.num_minibatches * t.epochs
+    mode, threshold, lower = correction_settings(t)
+    correction = {"vllm_importance_sampling_correction": False}  # with vLLM, train.old_logp decides (docstring)
+    if mode != "none":  # TRL's own options compute exactly our weights (docs/trl.md)
+        correction = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": mode,
+                      "vllm_importance_sampling_clip_max": threshold,
+                      "vllm_importance_sampling_clip_min": lower_threshold(mode, threshold, lower)}
     kwargs = dict(
         output_dir=str(output_dir), seed=cfg.seed, use_cpu=resolve_device(cfg.device).type == "cpu",
         bf16=cfg.model.dtype == "bfloat16", report_to="none", disable_tqdm=not progress,
@@ -85,7 +103,7 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         logging_steps=steps_per_rollout, beta=0.0, loss_type="grpo", scale_rewards="group",
         save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
         save_total_limit=1, dataloader_num_workers=0, gradient_checkpointing=False,  # TRL's default: on
-        vllm_importance_sampling_correction=False,  # with vLLM, train.old_logp decides (module docstring)
+        **correction,
     )
     kwargs.update(overrides)
     kwargs.update(trl_extra_args())
@@ -155,11 +173,16 @@ class TimedGRPOTrainer(GRPOTrainer):
 class RegistryGRPOTrainer(TimedGRPOTrainer):
     """GRPOTrainer whose loss is ``objective`` (any registered one), advantages from ``estimator`` and, when
     ``reference`` is given (a frozen copy of the policy, made before TRL patches it), a KL term with the
-    objective's beta. ``args.beta`` must be 0: the reference is set up here, not loaded from a path."""
+    objective's beta. ``args.beta`` must be 0: the reference is set up here, not loaded from a path. ``train``
+    (the run's ``train`` config) brings the rollout correction; ``old_logp`` is then ``behaviour_logp(train)``."""
 
-    def __init__(self, *args, objective, estimator, reference=None, old_logp: str = "recompute", **kwargs):
+    def __init__(self, *args, objective, estimator, reference=None, old_logp: str = "recompute", train=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.train_cfg = train
+        old_logp = old_logp if train is None else behaviour_logp(train)
         self.objective, self.estimator, self.old_logp, self.meter = objective, estimator, old_logp, MetricMeter()
+        self.correction_on = train is not None and correction_settings(train)[0] != "none"
         if reference is not None:
             self.beta = objective.beta  # makes TRL compute ref_per_token_logps with self.ref_model
             add_fused_lm_head(reference.requires_grad_(False), temperature=self.temperature)
@@ -181,24 +204,77 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
         out["advantages"] = self.estimator(rewards, group_ids)[local].to(out["advantages"].dtype)
         out["rewards"], out["group_ids"] = rewards[local], group_ids[local]
+        if self.correction_on:
+            self.add_rollout_correction(out)
         return out
+
+    def add_rollout_correction(self, out: dict) -> None:
+        """``out["rollout_correction"]`` [B, T]: TRL's ``importance_sampling_ratio`` (vLLM, from the mapped options),
+        else weights 1 (TRL sampled with the policy itself: no sampler difference); and the correction's metrics
+        (harness.update.rollout_correction, as natively) from the trainer's and vLLM's log-probs."""
+        mask = out["completion_mask"].bool()
+        old, sampled = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
+        if old is None or sampled is None:  # no vLLM: the sampler is the policy itself (weights 1)
+            old, sampler = torch.zeros(mask.shape, device=mask.device), None
+        else:  # tokens vLLM could not score (NaN) get no correction, as TRL's nan_to_num
+            sampler = torch.where(torch.isnan(sampled), old, sampled)
+        weights, metrics = rollout_correction(self.train_cfg, old, sampler, mask)
+        ratio = out.get("importance_sampling_ratio")
+        out["rollout_correction"] = weights if ratio is None else ratio.expand(mask.shape).contiguous()
+        self.meter.add(metrics, mask.sum().item())
 
     def _prepare_inputs(self, generation_batch):
         """Adds ``num_tokens_step``: the valid tokens of this optimizer step's minibatch (all its micro-batches, all
-        processes), the native loop's ``num_tokens``."""
+        processes), the native loop's ``num_tokens``; and, at the step's first micro-batch, the objective's
+        minibatch statistics of the step (``minibatch_stats.*``) when it has any and the step is split."""
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training:
             index = self._step % self.args.steps_per_generation
             first = index - index % self.args.gradient_accumulation_steps
             window = self._buffered_inputs[first : first + self.args.gradient_accumulation_steps]
             inputs["num_tokens_step"] = self.accelerator.gather(sum(b["completion_mask"].sum() for b in window)).sum()
+            if index == first:
+                self.add_minibatch_statistics(window)
         return inputs
 
-    def _compute_loss(self, model, inputs):
+    @torch.no_grad()
+    def add_minibatch_statistics(self, window: list[dict]) -> None:
+        """The objective's ``minibatch_statistics`` summed over the optimizer step's micro-batches ``window`` and all
+        processes, from a no-grad forward of the current policy (the first of two passes, as the native loop's
+        harness.update.minibatch_statistics), stored in every micro-batch of the window. Nothing when the objective
+        has no such hook or the step is one micro-batch on one process."""
+        for inputs in window:
+            for key in [k for k in inputs if k.startswith(STATS_KEY)]:
+                del inputs[key]
+        if not self.objective.uses_minibatch_statistics() or len(window) * self.accelerator.num_processes < 2:
+            return
+        stats = sum_statistics([self.objective.minibatch_statistics(
+            self.policy_batch(inputs, self.completion_logp(self.model, inputs)[0])) for inputs in window])
+        keys = sorted(stats)
+        totals = self.accelerator.reduce(torch.stack([stats[k].to(self.accelerator.device) for k in keys]), "sum")
+        for inputs in window:
+            inputs.update({STATS_KEY + k: totals[i] for i, k in enumerate(keys)})
+
+    def completion_logp(self, model, inputs, compute_entropy: bool = False):
+        """The completion tokens' log-probs (and entropies) under ``model``, [B, T]."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logp, entropy, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True)
+            model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=compute_entropy)
+        return logp, entropy
+
+    def _compute_loss(self, model, inputs):
+        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)
+        batch = self.policy_batch(inputs, logp)
+        out = self.objective(batch)
+        tokens = batch.mask.sum().item()
+        self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1)},
+                       tokens)
+        # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
+        return out.loss * self.accelerator.num_processes
+
+    def policy_batch(self, inputs, logp) -> PolicyBatch:
+        """The objective's input for one micro-batch of TRL's ``inputs`` with current log-probs ``logp``."""
         mask = inputs["completion_mask"].bool()
         old_logp = inputs.get("old_per_token_logps")  # None when it equals the current log-probs (TRL)
         old_logp = logp.detach() if old_logp is None else old_logp
@@ -212,20 +288,17 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         if num_tokens is None:  # a hand-made batch: TRL's own estimate of the optimizer step's tokens
             share = accumulation / self.args.steps_per_generation if training else 1.0
             num_tokens = inputs["num_items_in_batch"] * share
-        batch = PolicyBatch(
+        minibatch_stats = {k[len(STATS_KEY):]: v for k, v in inputs.items() if k.startswith(STATS_KEY)} or None
+        return PolicyBatch(
             logp=logp, old_logp=old_logp, mask=mask,
             advantages=inputs["advantages"], rewards=inputs.get("rewards"), group_ids=inputs.get("group_ids"),
             ref_logp=inputs.get("ref_per_token_logps"), step=self.state.global_step,
             total_steps=max(1, self.state.max_steps), max_completion_len=self.max_completion_length,
             num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes,
             rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
-            sampler_logp=None if sampled is None or self.old_logp == "sampler" else torch.where(
-                torch.isnan(sampled), old_logp, sampled))
-        out = self.objective(batch)
-        tokens = mask.sum().item()
-        self.meter.add({**out.metrics, "entropy": (entropy.detach() * mask).sum().item() / max(tokens, 1)}, tokens)
-        # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
-        return out.loss * processes
+            sampler_logp=None if sampled is None or self.old_logp == "sampler" or self.correction_on else torch.where(
+                torch.isnan(sampled), old_logp, sampled),
+            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats)
 
     def log(self, logs, start_time=None):
         if self.model.training:
@@ -277,6 +350,12 @@ class RecordsCallback(TrainerCallback):
             evaluation, samples = self.evaluate(step)
             row.update(evaluation)
         self.records.log(row, samples)
+        if t.export_every and step % t.export_every == 0:  # every rank: ZeRO-3 / FSDP gather the weights here
+            folder = self.records.run_dir / "exports" / f"step_{step}"
+            self.trainer.save_model(str(folder.with_name(folder.name + ".tmp")))
+            if self.records.main:
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(folder.with_name(folder.name + ".tmp"), folder)
         self.last_time = time.time()
 
 
@@ -308,8 +387,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             model=policy, reward_funcs=reward_functions(task), args=grpo_config(
                 cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
             train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
-            callbacks=[callback], objective=objective, estimator=estimator, reference=reference,
-            old_logp=cfg.train.old_logp)
+            callbacks=[callback], objective=objective, estimator=estimator, reference=reference, train=cfg.train)
         callback.trainer = trainer
         if not progress:
             trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them

@@ -3,8 +3,12 @@ optimizer steps; a minibatch is summed over micro-batches with the minibatch's g
 so its gradient is exactly the minibatch objective's whatever the micro-batch size.
 
     order = minibatch_order(...)                    # whole groups stay together when they fit
+    stats = minibatch_statistics(...)               # only objectives with the hook (P3O), only when micro-batching
     loss, metrics = microbatch_loss(...)            # forward, objective, backward for some rows
     grad_norm = optimizer_step(...)                 # clip, skip if non-finite, step
+
+Also shared with the TRL backend: where the behaviour log-probs come from (:func:`behaviour_logp`) and the rollout
+correction weights and metrics of a batch (:func:`rollout_correction`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness.batch import TrainBatch
@@ -22,6 +26,8 @@ from harness.metrics import MetricMeter, MismatchMeter
 from harness.rollout import completion_logprobs
 from harness.seeding import step_seed
 from objectives import PolicyBatch
+from objectives.base import sum_statistics
+from objectives.rollout_correction import DEFAULT_THRESHOLD, correction_metrics, correction_weights
 
 
 @dataclass
@@ -37,6 +43,35 @@ class RunState:
     update_tokens: int = 0  # completion tokens trained on, times epochs
 
 
+def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
+    """``train.rollout_correction``'s (mode, threshold, threshold_lower); mode 'none' when the config has none."""
+    rc = OmegaConf.select(t, "rollout_correction", default=None)
+    if rc is None:
+        return "none", DEFAULT_THRESHOLD, None
+    return rc.mode, rc.threshold, rc.threshold_lower
+
+
+def behaviour_logp(t: DictConfig) -> str:
+    """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
+    rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
+    TRL's ``vllm_importance_sampling_correction`` recompute them too —, else ``train.old_logp``."""
+    return "recompute" if correction_settings(t)[0] != "none" else t.old_logp
+
+
+def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None,
+                       mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+    """The rollout-correction weights [N, T] of a batch and their metrics (objectives/rollout_correction.py), or
+    (None, {}) with ``mode: none``. ``sampler_logp`` None: there is no sampler difference (one model in one
+    precision samples and trains: the decode path's round-off is not a different policy), so the sampler's
+    log-probs are the trainer's and every weight is exactly 1."""
+    mode, threshold, lower = correction_settings(t)
+    if mode == "none":
+        return None, {}
+    sampler_logp = old_logp if sampler_logp is None else sampler_logp
+    weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, lower)
+    return weights, correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights)
+
+
 def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torch.Generator) -> Tensor:
     """A random order of the ``n`` rows; groups stay whole (and contiguous) when a minibatch holds whole groups,
     as group-contrastive objectives need."""
@@ -46,12 +81,10 @@ def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torc
     return torch.randperm(n, generator=generator)
 
 
-def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, temperature: float, num_tokens: Tensor,
-                    num_sequences: int, max_completion_len: int, state: RunState, with_entropy: bool,
-                    rollout_step: int | None = None, sampler_is_behaviour: bool = True,
-                    timings: dict | None = None):
-    """Forward the ``rows`` of the batch, evaluate the objective (aggregated with the minibatch's counts) and
-    backpropagate. Returns (loss, metrics, valid tokens, the rows' log-probs [rows, width] detached, width)."""
+def forward_rows(policy, batch: TrainBatch, rows: Tensor, temperature: float, with_entropy: bool = False,
+                 timings: dict | None = None, timing_key: str = "logp_forward_s"):
+    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped.
+    Returns (logp [rows, width], entropy or None, mask [rows, width], width)."""
     ro = batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
@@ -59,14 +92,58 @@ def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, tempe
     logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
                                         ro.completion_ids[rows, :width], mask, temperature, with_entropy=with_entropy)
     if timings is not None:
-        timings["logp_forward_s"] = timings.get("logp_forward_s", 0.0) + time.perf_counter() - start
-    out = objective(PolicyBatch(
+        timings[timing_key] = timings.get(timing_key, 0.0) + time.perf_counter() - start
+    return logp, entropy, mask, width
+
+
+def rows_policy_batch(batch: TrainBatch, rows: Tensor, logp: Tensor, mask: Tensor, width: int, *,
+                      num_tokens: Tensor, num_sequences: int, max_completion_len: int, state: RunState,
+                      rollout_step: int | None, sampler_is_behaviour: bool,
+                      minibatch_stats: dict | None = None) -> PolicyBatch:
+    """The objective's input for ``rows`` with the current log-probs ``logp``: behaviour / reference / sampler
+    log-probs, the rollout-correction weights and advantages of those rows, the minibatch's counts."""
+    ro = batch.rollout
+    return PolicyBatch(
         logp=logp, old_logp=batch.old_logp[rows, :width], mask=mask, advantages=batch.advantages[rows],
         rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps, max_completion_len=max_completion_len,
         num_tokens=num_tokens, num_sequences=num_sequences, rollout_step=rollout_step,
-        sampler_logp=None if sampler_is_behaviour else ro.sampler_logp[rows, :width]))
+        sampler_logp=None if sampler_is_behaviour else ro.sampler_logp[rows, :width],
+        correction=None if batch.correction is None else batch.correction[rows, :width],
+        minibatch_stats=minibatch_stats)
+
+
+@torch.no_grad()
+def minibatch_statistics(policy, objective, batch: TrainBatch, chunks: list[Tensor], *, temperature: float,
+                         timings: dict | None = None, **batch_fields) -> dict | None:
+    """The objective's ``minibatch_statistics`` summed over the micro-batches ``chunks`` of one minibatch, from a
+    no-grad forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so
+    the same log-probs). None when the objective has no such hook or the minibatch is one micro-batch (it then
+    computes them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
+    uses = getattr(objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests, the lab) has none
+    if len(chunks) < 2 or uses is None or not uses():
+        return None
+    parts = []
+    for rows in chunks:
+        logp, _, mask, width = forward_rows(policy, batch, rows, temperature, timings=timings,
+                                            timing_key="stats_forward_s")
+        parts.append(objective.minibatch_statistics(rows_policy_batch(batch, rows, logp, mask, width, **batch_fields)))
+    return sum_statistics(parts)
+
+
+def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, temperature: float, num_tokens: Tensor,
+                    num_sequences: int, max_completion_len: int, state: RunState, with_entropy: bool,
+                    rollout_step: int | None = None, sampler_is_behaviour: bool = True,
+                    timings: dict | None = None, minibatch_stats: dict | None = None):
+    """Forward the ``rows`` of the batch, evaluate the objective (aggregated with the minibatch's counts; with the
+    minibatch's statistics when given) and backpropagate. Returns (loss, metrics, valid tokens, the rows' log-probs
+    [rows, width] detached, width)."""
+    logp, entropy, mask, width = forward_rows(policy, batch, rows, temperature, with_entropy, timings)
+    out = objective(rows_policy_batch(
+        batch, rows, logp, mask, width, num_tokens=num_tokens, num_sequences=num_sequences,
+        max_completion_len=max_completion_len, state=state, rollout_step=rollout_step,
+        sampler_is_behaviour=sampler_is_behaviour, minibatch_stats=minibatch_stats))
     out.loss.backward()
     tokens = mask.sum().item()
     metrics = dict(out.metrics)
@@ -95,7 +172,9 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
            timings: dict | None = None) -> dict:
     """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch; returns the step's metrics
     (the objective's, entropy, loss, grad norm; the sampler/trainer mismatch of the first minibatch when the
-    behaviour log-probs are the sampler's). ``timings`` (optional) accumulates the forward passes' seconds."""
+    behaviour log-probs are the sampler's). ``timings`` (optional) accumulates the forward passes' seconds.
+    The objective gets the sampler's log-probs (``PolicyBatch.sampler_logp``, TBPO's mismatch weight) only when
+    they are not the behaviour log-probs and no rollout correction (``batch.correction``) accounts for them."""
     t = cfg.train
     ro = batch.rollout
     n = len(ro.texts)
@@ -104,6 +183,7 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
     generator = torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))
     meter, mismatch = MetricMeter(), MismatchMeter()
     params = [p for p in policy.parameters() if p.requires_grad]
+    sampler_behaviour = behaviour_logp(t) == "sampler"
     policy.train()
     for epoch in range(t.epochs):
         order = minibatch_order(n, t.group_size, per_minibatch, generator)
@@ -112,14 +192,17 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
             num_tokens = ro.completion_mask[index].sum().clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
-            for j in range(0, per_minibatch, micro):
-                rows = index[j : j + micro]
+            chunks = [index[j : j + micro] for j in range(0, per_minibatch, micro)]
+            fields = dict(num_tokens=num_tokens, num_sequences=per_minibatch, max_completion_len=t.max_new_tokens,
+                          state=state, rollout_step=step - 1,
+                          sampler_is_behaviour=sampler_behaviour or batch.correction is not None)
+            stats = minibatch_statistics(policy, objective, batch, chunks, temperature=t.temperature, timings=timings,
+                                         **fields)
+            for rows in chunks:
                 part, metrics, tokens, logp, width = microbatch_loss(
-                    policy, objective, batch, rows, temperature=t.temperature, num_tokens=num_tokens,
-                    num_sequences=per_minibatch, max_completion_len=t.max_new_tokens, state=state,
-                    with_entropy=epoch == 0, rollout_step=step - 1, sampler_is_behaviour=t.old_logp == "sampler",
-                    timings=timings)
-                if epoch == 0 and k == 0 and t.old_logp == "sampler":
+                    policy, objective, batch, rows, temperature=t.temperature, with_entropy=epoch == 0,
+                    timings=timings, minibatch_stats=stats, **fields)
+                if epoch == 0 and k == 0 and sampler_behaviour:
                     mismatch.add(ro.sampler_logp[rows, :width], logp, ro.completion_mask[rows, :width])
                 loss += part
                 meter.add(metrics, tokens)

@@ -11,7 +11,18 @@ Aggregation is part of each algorithm and lives in two helpers, :func:`aggregate
 micro-batching the caller passes the *global* token / sequence counts of the minibatch (``num_tokens``,
 ``num_sequences``), so that summing the losses of the micro-batches gives exactly the minibatch loss
 (verl's "global batch info"), in every mode. Objectives whose loss needs statistics of the whole minibatch
-beyond these counts (P3O's effective sample size) set ``needs_whole_minibatch``.
+beyond these counts (P3O's effective sample size) implement :meth:`Objective.minibatch_statistics` (sums over a
+micro-batch's valid tokens): the loop sums them over the minibatch's micro-batches in a no-grad pass before the
+losses and hands the totals back as ``PolicyBatch.minibatch_stats`` (an objective that cannot do so sets
+``needs_whole_minibatch`` instead, and the loop refuses to micro-batch it).
+
+Rollout correction (``train.rollout_correction``, objectives/rollout_correction.py) reaches every objective
+through ``PolicyBatch.correction``: a detached per-token weight [B, T] (the importance weight between the
+trainer's old policy and the sampler; 0 for masked tokens) that :func:`aggregate`, :func:`sequence_loss` and
+:func:`sequence_aggregate` multiply into the objective's per-token / per-sequence loss (a sequence's loss by the
+token mean of its weights), so no objective has code for it. The token and sequence counts of the normalisation
+are unchanged (a masked token keeps its place in N_tokens, L_i, N_seqs); the beta * KL to the reference is not
+weighted. None, or weights exactly 1, leave the loss and its gradient bit-identical.
 """
 
 from __future__ import annotations
@@ -49,12 +60,17 @@ class PolicyBatch:
     #                                   ``p_schedule="rollout_steps"`` (the authors' counter)
     sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
     #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
-    #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1).
+    #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1), or the
+    #   loop's rollout correction (``correction``) accounts for the sampler (never both: no double correction).
+    correction: Tensor | None = None  # [B, T] detached rollout-correction weight (train.rollout_correction), applied
+    #   by aggregate / sequence_loss / sequence_aggregate to the objective's loss; 0 = masked. None: weight 1.
+    minibatch_stats: dict[str, Tensor] | None = None  # the objective's ``minibatch_statistics`` summed over the
+    #   whole minibatch, when the loop splits it into micro-batches; None: this batch is the whole minibatch.
 
     def __post_init__(self):
         if self.logp.dim() != 2:
             raise ValueError(f"logp must be [B, T], got shape {tuple(self.logp.shape)}")
-        for name in ("old_logp", "mask", "ref_logp", "sampler_logp"):
+        for name in ("old_logp", "mask", "ref_logp", "sampler_logp", "correction"):
             value = getattr(self, name)
             if value is not None and value.shape != self.logp.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logp has {tuple(self.logp.shape)}")
@@ -69,6 +85,8 @@ class PolicyBatch:
             self.ref_logp = self.ref_logp.detach()
         if self.sampler_logp is not None:
             self.sampler_logp = self.sampler_logp.detach()
+        if self.correction is not None:
+            self.correction = self.correction.detach().to(self.logp.dtype)
 
     @property
     def token_count(self) -> Tensor | float:
@@ -96,6 +114,13 @@ class PolicyBatch:
         """sum_t(mask * x) / L_i: the per-sequence token mean, [B]."""
         return masked(per_token, self.mask).sum(-1) / self.lengths
 
+    def sequence_correction(self) -> Tensor | None:
+        """c_i = the token mean of ``correction`` over the valid tokens of sequence i [B] (the weight of a
+        per-sequence loss; exactly 1 when every weight is 1; 1 for a row with no valid token), or None."""
+        if self.correction is None:
+            return None
+        return torch.where(self.mask.any(-1), self.sequence_mean(self.correction), torch.ones_like(self.lengths))
+
 
 @dataclass
 class ObjectiveOutput:
@@ -108,14 +133,18 @@ def masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros_like(x))
 
 
-def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str) -> Tensor:
+def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = True) -> Tensor:
     """Reduce a per-token loss [B, T] to the scalar loss of the (micro-)batch.
 
     token_mean:              sum(l * mask) / N_tokens                      (DAPO, CISPO, CTPO, verl default)
     seq_mean_token_mean:     sum_i( sum_t(l * mask) / L_i ) / N_seqs       (GRPO paper, GSPO-token, SAPO)
     seq_mean_token_sum_norm: sum(l * mask) / (N_seqs * max_completion_len) (Dr. GRPO)
-    N_tokens / N_seqs are the minibatch's global counts when given, else this batch's.
+    N_tokens / N_seqs are the minibatch's global counts when given, else this batch's. With
+    ``PolicyBatch.correction`` (and ``correct``; the KL to the reference passes False) l is first multiplied by
+    the rollout-correction weight w: l * w * mask, the counts unchanged.
     """
+    if correct and batch.correction is not None:
+        per_token = per_token * batch.correction
     total = masked(per_token, batch.mask)
     if mode == "token_mean":
         return total.sum() / batch.token_count
@@ -129,7 +158,11 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str) -> Tensor:
 
 
 def sequence_aggregate(per_sequence: Tensor, batch: PolicyBatch) -> Tensor:
-    """Mean of a per-sequence loss [B] over the minibatch's sequences (GSPO, GMPO, HölderPO)."""
+    """Mean of a per-sequence loss [B] over the minibatch's sequences (GSPO, GMPO, HölderPO, ConSPO); with
+    ``PolicyBatch.correction``, l_i is weighted by the token mean c_i of its weights (``sequence_correction``)."""
+    weight = batch.sequence_correction()
+    if weight is not None:
+        per_sequence = per_sequence * weight
     return per_sequence.sum() / batch.sequence_count
 
 
@@ -140,6 +173,8 @@ def sequence_loss(per_sequence: Tensor, batch: PolicyBatch, mode: str) -> Tensor
     seq_mean_token_mean:     sum_i l_i / N_seqs                         (= :func:`sequence_aggregate`)
     token_mean:              sum_i L_i l_i / N_tokens                   (longer sequences weigh more)
     seq_mean_token_sum_norm: sum_i L_i l_i / (N_seqs * max_completion_len)
+    With ``PolicyBatch.correction`` w, each is the aggregate of l_i w_t over the tokens of i (seq_mean_token_mean:
+    sum_i c_i l_i / N_seqs with c_i the token mean of w over sequence i).
     """
     if mode == "seq_mean_token_mean":
         return sequence_aggregate(per_sequence, batch)
@@ -277,9 +312,9 @@ class Objective:
     below_one: ClassVar[frozenset[str]] = frozenset()
     # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
     needs_whole_groups: ClassVar[bool] = False
-    # True if the loss uses a statistic of the whole minibatch beyond its token / sequence counts (P3O's
-    # effective sample size): micro-batches would each see their own statistic, so the loop must evaluate the
-    # objective on the whole minibatch at once (no micro-batching)
+    # True if the loss uses a statistic of the whole minibatch beyond its token / sequence counts and the objective
+    # does not implement ``minibatch_statistics``: the loop must then evaluate it on the whole minibatch at once
+    # (no micro-batching). P3O implements the hook instead.
     needs_whole_minibatch: ClassVar[bool] = False
 
     beta: float = 0.0  # coefficient of the k3 KL to the reference policy
@@ -331,6 +366,21 @@ class Objective:
     def policy_loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def minibatch_statistics(self, batch: PolicyBatch) -> dict[str, Tensor] | None:
+        """Sums over ``batch`` (0-dim tensors) of whatever the loss needs over the whole minibatch (P3O: the count,
+        sum and sum of squares of the ratios of valid tokens); None (the default): nothing beyond the counts.
+
+        An objective that implements this reads ``PolicyBatch.minibatch_stats`` in :meth:`policy_loss` when it is
+        given (the loop summed this method's output over the minibatch's micro-batches, with the current policy's
+        log-probs from a no-grad forward: one extra forward per minibatch, only for such objectives and only when
+        the minibatch is split) and calls this method on the batch itself otherwise."""
+        return None
+
+    @classmethod
+    def uses_minibatch_statistics(cls) -> bool:
+        """Whether the class implements :meth:`minibatch_statistics` (the loop's extra no-grad pass)."""
+        return cls.minibatch_statistics is not Objective.minibatch_statistics
+
     def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
         loss, metrics = self.policy_loss(batch)
         metrics = dict(metrics)
@@ -344,7 +394,7 @@ class Objective:
                     f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp"
                 )
             kl = k3_kl(batch)
-            loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation or self.aggregation)
+            loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation or self.aggregation, correct=False)
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
@@ -376,6 +426,14 @@ def register_objective(name: str):
         return OBJECTIVES.register(name)(cls)
 
     return decorator
+
+
+def sum_statistics(parts: list[dict[str, Tensor] | None]) -> dict[str, Tensor] | None:
+    """The micro-batches' :meth:`Objective.minibatch_statistics`, summed key by key (None if they are None)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return {key: sum(p[key] for p in parts) for key in parts[0]}
 
 
 def get_objective(name: str, **hyperparameters) -> Objective:

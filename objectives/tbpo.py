@@ -25,6 +25,10 @@ Choices (ours, not the paper's verified text):
 - fallback: ``PolicyBatch.sampler_logp`` None (the sampler's log-probs are the proximal ones: no separate
   sampler, or the loop recomputed nothing) gives w_i = 1 for every sequence: nothing is dropped and the
   objective is GSPO with a dual clip.
+- with the loop's rollout correction on (``train.rollout_correction.mode`` not none) the loop passes no
+  ``sampler_logp``: the sampler difference is corrected once, by the loop's weight (``PolicyBatch.correction``,
+  applied by ``sequence_loss`` like for every objective), and TBPO's own w_i and band are off (w_i = 1). TBPO's
+  trust band itself needs ``train.old_logp: recompute`` and ``rollout_correction.mode: none``.
 Advantages must be per sequence. Clip fractions over valid tokens, counting tokens whose gradient is removed
 (disjoint): ``tbpo_drop_frac`` (tokens of dropped sequences), and among kept sequences clip_frac_high (A > 0,
 s > 1 + clip_high), clip_frac_low (A < 0, s < 1 - clip_low), clip_frac_dual (A < 0, s > clip_ratio_c);

@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import harness.update
 from harness.batch import collect_batch, rewards_of
 from harness.build import build_policy, build_task
 from harness.config import ConfigError, load_experiment, run_configs
@@ -173,14 +174,25 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
            [{k: v for k, v in r.items() if k not in drop} for r in full]
 
 
-def test_micro_batches_give_the_minibatch_update(tmp_path):
+@pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
+def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
+    passes, real = [], harness.update.minibatch_statistics
+
+    def spy(*args, **kwargs):
+        passes.append(real(*args, **kwargs))
+        return passes[-1]
+
+    monkeypatch.setattr(harness.update, "minibatch_statistics", spy)
     finals = []
     for micro in (0, 2):
-        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", "objective.name=dapo")
+        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
+                       "task.overlong_buffer=6")
         train(run, tmp_path / f"m{micro}", progress=False)
         finals.append(torch.load(tmp_path / f"m{micro}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
+    # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 micro-batches)
+    assert [p is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):

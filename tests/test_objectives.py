@@ -27,7 +27,7 @@ from objectives import (
     get_objective,
     register_objective,
 )
-from objectives.base import AGGREGATIONS
+from objectives.base import AGGREGATIONS, sum_statistics
 
 DT = torch.float64
 E = math.exp
@@ -476,22 +476,28 @@ OBJECTIVE_MODES = [(name, mode) for name in ALL for mode in objectives.OBJECTIVE
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("name,mode", OBJECTIVE_MODES)
 def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
-    if objectives.OBJECTIVES.get(name).needs_whole_minibatch:
-        pytest.skip("evaluated on whole minibatches only (needs_whole_minibatch); see test_objectives_family.py")
+    """Every objective: micro-batches with the minibatch's counts (and, for objectives with minibatch statistics,
+    e.g. P3O's ESS, the statistics summed over the micro-batches as the loop's first pass does) sum to the whole."""
+    assert not objectives.OBJECTIVES.get(name).needs_whole_minibatch, f"{name} can no longer be micro-batched"
     whole = group_batch()
     out, grad = run(name, whole, beta=beta, aggregation=mode)
     total_tokens, total_loss = whole.mask.sum(), 0.0
-    whole_groups = get_objective(name).needs_whole_groups
-    splits = (slice(0, 4), slice(4, 8)) if whole_groups else (slice(0, 3), slice(3, 4), slice(4, 8))
+    objective = get_objective(name, beta=beta, aggregation=mode)
+    splits = (slice(0, 4), slice(4, 8)) if objective.needs_whole_groups else (slice(0, 3), slice(3, 4), slice(4, 8))
+    parts = []
     for rows in splits:
         width = int(whole.mask[rows].sum(-1).max())
-        part = PolicyBatch(
+        parts.append(PolicyBatch(
             logp=whole.logp[rows, :width], old_logp=whole.old_logp[rows, :width],
             mask=whole.mask[rows, :width], ref_logp=whole.ref_logp[rows, :width],
             advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=total_tokens, num_sequences=8)
-        total_loss = total_loss + get_objective(name, beta=beta, aggregation=mode)(part).loss
+            num_tokens=total_tokens, num_sequences=8))
+    stats = sum_statistics([objective.minibatch_statistics(part) for part in parts])
+    assert (stats is not None) == objective.uses_minibatch_statistics() == (name == "p3o")
+    for part in parts:
+        part.minibatch_stats = stats
+        total_loss = total_loss + objective(part).loss
     (micro_grad,) = torch.autograd.grad(total_loss, whole.logp)
     assert num(total_loss, out.loss, 1e-12)
     assert_close(micro_grad, grad, tol=1e-12)

@@ -53,7 +53,8 @@ def test_p3o_hand():
     assert num(m["ess_batch"], ess) and 0 < ess < 1
     assert num(m["clip_frac_high"], sum(x > ess for x in r) / 5) and m["clip_frac_low"] == 0.0
     assert num(m["p3o_kl_behavior"], sum(kl) / 5)
-    assert get_objective("p3o").needs_whole_minibatch and not get_objective("grpo").needs_whole_minibatch
+    assert get_objective("p3o").uses_minibatch_statistics() and not get_objective("grpo").uses_minibatch_statistics()
+    assert not get_objective("p3o").needs_whole_minibatch  # micro-batched exactly (two passes)
 
 
 def feynrl_p3o(logp, old, adv, mask):
@@ -87,6 +88,29 @@ def test_p3o_matches_feynrl_on_a_whole_minibatch(scale):
         n = batch.mask.sum().item()
         assert num(ess, n / (n + 1e-8), 1e-14)
         assert_close(grad, -ess * adv * batch.mask / n, tol=1e-12)
+
+
+def test_p3o_micro_batches_with_the_minibatch_statistics_match_feynrl_on_the_whole():
+    """The loop's two passes: the micro-batches' sums (n, sum r, sum r^2) added up give the minibatch's e_B, so the
+    summed micro-batch losses are FeynRL's minibatch loss; each micro-batch's own e_B would not be."""
+    whole = random_batch(seed=11, scale=0.5, b=8, t=6)
+    adv = whole.advantages[:, None].expand_as(whole.logp)
+    ref, ess = feynrl_p3o(whole.logp, whole.old_logp, adv, whole.mask)
+    p3o = get_objective("p3o")
+    parts = [PolicyBatch(logp=whole.logp[r], old_logp=whole.old_logp[r], mask=whole.mask[r],
+                         advantages=whole.advantages[r], num_tokens=whole.mask.sum(), num_sequences=8)
+             for r in (slice(0, 2), slice(2, 3), slice(3, 8))]
+    stats = {k: sum(p3o.minibatch_statistics(p)[k] for p in parts) for k in ("n", "sum_r", "sum_r2")}
+    assert stats["n"].item() == whole.mask.sum().item()
+    own = sum(p3o(p).loss for p in parts)  # each micro-batch with its own e_B: not the minibatch loss
+    assert not num(own, ref, 1e-6)
+    for part in parts:
+        part.minibatch_stats = stats
+    outs = [p3o(p) for p in parts]
+    assert all(num(o.metrics["ess_batch"], ess, 1e-12) for o in outs)
+    total = sum(o.loss for o in outs)
+    assert num(total, ref, 1e-12)
+    assert_close(grad_of(total, whole), grad_of(ref, whole), tol=1e-12)
 
 
 def test_p3o_with_equal_rewards_only_the_behaviour_kl_pulls():

@@ -94,7 +94,8 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     ("model.tiny.num_heads=3", "a multiple of num_heads"),
     ("train.group_size=1", "makes every advantage 0"),
     ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
-    ("objective.name=p3o train.micro_batch_size=8", "needs statistics of the whole minibatch"),
+    ("train.rollout_correction.mode=token_clip", "train.rollout_correction.mode must be one of none, "),
+    ("train.rollout_correction.threshold=0.5", "train.rollout_correction.threshold must be a finite number >= 1"),
 ])
 def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -148,11 +148,12 @@ def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, ob
     assert trainer.meter.result()["clip_frac"] == pytest.approx(native["clip_frac"])
 
 
-@pytest.mark.parametrize("objective", ["grpo", "dapo"])
+@pytest.mark.parametrize("objective", ["grpo", "dapo", "p3o"])
 def test_accumulated_micro_batches_give_the_minibatch_gradient(fixed, tmp_path, objective):
     """2 minibatches of 8 sequences, micro-batches of 4: TRL's steps_per_generation 4, accumulation 2. The two
     micro-batches of the first optimizer step, summed as Trainer does, give the objective on their minibatch with
-    its exact token count (seq-mean: GRPO, token-mean: DAPO)."""
+    its exact token count (seq-mean: GRPO, token-mean: DAPO) and, for P3O, its minibatch ESS (the no-grad first
+    pass at the step's first micro-batch)."""
     run = run_config(tmp_path, f"objective.name={objective}", "train.num_minibatches=2", "train.micro_batch_size=4")
     trainer = make_trainer(fixed, run, tmp_path)
     assert (trainer.args.steps_per_generation, trainer.args.gradient_accumulation_steps) == (4, 2)
@@ -169,6 +170,7 @@ def test_accumulated_micro_batches_give_the_minibatch_gradient(fixed, tmp_path, 
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     tokens = sum(m["completion_mask"].sum() for m in micro)
     assert micro[0]["num_tokens_step"] == micro[1]["num_tokens_step"] == tokens
+    assert ("minibatch_stats.n" in micro[1]) == (objective == "p3o")
     minibatch = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if v.dim() > 0}
     trainer.current_gradient_accumulation_steps = 1
     assert_same(loss, grads, *loss_and_grad(trainer, {**minibatch, "num_tokens_step": tokens}))

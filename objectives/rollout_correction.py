@@ -1,0 +1,146 @@
+"""Rollout correction: the importance weight between the trainer's proximal policy and the sampler, for every
+objective (``train.rollout_correction``; a loop option, not an objective: nothing here is registered).
+
+When the behaviour log-probs come from a sampler that differs from the trainer (a bf16 copy, vLLM, FP8), the
+loop recomputes the trainer's log-probs ``old_logp`` before updating (the proximal policy of decoupled PPO)
+and weights each token's loss by the ratio between the two, as verl's rollout correction
+(``verl/trainer/ppo/rollout_corr_helper.py``, "decoupled" mode) and TRL's ``vllm_importance_sampling_*``
+(``GRPOTrainer._generate_and_score_completions``) do. With d_t = old_logp_t - sampler_logp_t on valid tokens:
+
+    rho_t = exp(d_t)                                   token modes
+    rho_i = exp(sum_t d_t) = prod_t rho_t              sequence modes: the product (verl's ``rollout_is:
+                                                       sequence`` and TRL's ``sequence_*``; verl's geometric mean
+                                                       exists only for its rejection sampling), broadcast to the
+                                                       tokens of sequence i
+    w = min(rho, C)                                    *_truncate (truncated IS; verl ``rollout_is``, TRL)
+    w = rho * 1[C_low <= rho <= C]                     *_mask (masked IS; TRL's ``*_mask``, verl's IS + RS)
+
+C = ``threshold`` (verl's ``rollout_is_threshold`` default 2; TRL's ``vllm_importance_sampling_clip_max``
+default 3). C_low = ``threshold_lower``; unset, it is 1/C for the mask modes (two-sided, as verl's
+``rollout_rs_threshold_lower``) and absent for the truncate modes (upper truncation only, as verl and TRL's
+default); set, it is TRL's ``vllm_importance_sampling_clip_min`` (0: one-sided masking, TRL's default; with a
+truncate mode, a lower clamp w = clamp(rho, C_low, C)). Requires 0 <= C_low <= 1 <= C, C_low < C, so that a
+token with no mismatch (rho = 1) keeps weight exactly 1.
+
+The weights are detached, 0 on padding, and computed once per rollout batch (they do not depend on the current
+policy, so micro-batching leaves them unchanged). A masked token or sequence has weight 0 and keeps its place in
+the token / sequence counts the loss is normalised by (TRL's convention: its ``*_mask`` zeroes the ratio and keeps
+``completion_mask``). verl instead removes rejected tokens from ``response_mask``, so its denominators count only
+the kept tokens (its token-mean loss is ours divided by the kept fraction) and its objectives' own statistics
+(GSPO's sequence mean, ...) skip them; here the objective sees the whole rollout and only the weight changes.
+
+Metrics (:func:`correction_metrics`, over valid tokens unless stated; the ratio clamped to exp(+-20) as verl's
+``SAFETY_BOUND`` so that statistics stay finite): ``rollout_corr_ratio_mean/min/max/std`` of rho at the mode's
+level (tokens, or one value per valid sequence), ``rollout_corr_weight_mean`` (w over valid tokens),
+``rollout_corr_truncated_frac`` / ``rollout_corr_masked_frac`` (valid tokens whose weight was truncated /
+masked; every token of a sequence for the sequence modes), ``rollout_corr_chi2_token`` = E_t[rho_t^2] - 1 and
+``rollout_corr_chi2_seq`` = E_i[(prod_t rho_t)^2] - 1 (verl's chi2_token / chi2_seq: the chi-square divergence
+of the trainer's old policy from the sampler, the variance of the IS weights), ``rollout_corr_k3_kl`` = E_t[rho_t
+- log rho_t - 1] (verl's k3_kl: KL(sampler || trainer's old policy), >= 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+DEFAULT_THRESHOLD = 2.0  # verl's rollout_is_threshold
+SAFETY_BOUND = 20.0  # |log rho| bound of the metrics (verl's); the weights use rho itself, as TRL
+
+
+def lower_threshold(mode: str, threshold: float, threshold_lower: float | None) -> float | None:
+    """C_low of ``mode``: ``threshold_lower`` if set, else 1/C for the mask modes (verl) and None (no lower bound)
+    for the truncate modes."""
+    if threshold_lower is not None:
+        return float(threshold_lower)
+    return 1.0 / threshold if mode.endswith("_mask") else None
+
+
+def check_settings(mode: str, threshold: float, threshold_lower: float | None) -> str | None:
+    """What is wrong with the settings (one sentence naming the key), or None."""
+    if mode not in CORRECTION_MODES:
+        return f"train.rollout_correction.mode must be one of {', '.join(CORRECTION_MODES)}, got {mode!r}"
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold) \
+            or threshold < 1:
+        return (f"train.rollout_correction.threshold must be a finite number >= 1 (a ratio of 1, no mismatch, keeps "
+                f"weight 1), got {threshold!r}")
+    if threshold_lower is not None and (isinstance(threshold_lower, bool)
+                                        or not isinstance(threshold_lower, int | float)
+                                        or not 0 <= threshold_lower <= 1 or threshold_lower >= threshold):
+        return (f"train.rollout_correction.threshold_lower must be in [0, 1] and below threshold={threshold} "
+                f"(unset: 1/threshold for the mask modes), got {threshold_lower!r}")
+    low = lower_threshold(mode, threshold, threshold_lower)
+    if low is not None and low >= threshold:
+        return (f"train.rollout_correction: the mask keeps ratios in [threshold_lower, threshold] = [{low}, "
+                f"{threshold}], which is empty or a single point; raise threshold above 1")
+    return None
+
+
+def log_ratio(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
+    """d = old_logp - sampler_logp on valid tokens, exactly 0 on padding, [B, T] (detached)."""
+    mask = mask.bool()
+    return torch.where(mask, old_logp.detach() - sampler_logp.detach(), torch.zeros_like(old_logp))
+
+
+def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
+                       threshold_lower: float | None = None) -> Tensor:
+    """The correction weight w [B, T] of ``mode`` (module docstring): detached, in old_logp's dtype, 0 on padding;
+    exactly 1 on every valid token when old_logp == sampler_logp (no sampler difference). ``mode='none'``: ones."""
+    if check_settings(mode, threshold, threshold_lower):
+        raise ValueError(check_settings(mode, threshold, threshold_lower))
+    mask = mask.bool()
+    if mode == "none":
+        return mask.to(old_logp.dtype)
+    d = log_ratio(old_logp, sampler_logp, mask)
+    level = d if mode.startswith("token") else d.sum(-1, keepdim=True)
+    rho = torch.exp(level)  # a sequence's product may overflow to inf: it is then truncated to C or masked
+    low = lower_threshold(mode, threshold, threshold_lower)
+    if mode.endswith("_truncate"):
+        weight = rho.clamp(min=low, max=threshold)
+    else:
+        keep = (rho <= threshold) if low is None else (rho >= low) & (rho <= threshold)
+        weight = torch.where(keep, rho, torch.zeros_like(rho))
+    return torch.where(mask, weight.expand_as(d), torch.zeros_like(d))
+
+
+def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
+                       threshold_lower: float | None = None, weights: Tensor | None = None) -> dict[str, float]:
+    """The metrics of the correction (module docstring), in float64; ``weights`` = :func:`correction_weights`'s
+    (computed if not given). Empty batches (no valid token) give {}."""
+    mask = mask.bool()
+    if not mask.any():
+        return {}
+    if weights is None:
+        weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, threshold_lower)
+    d = log_ratio(old_logp, sampler_logp, mask).double()
+    n = mask.sum().item()
+    valid_seq = mask.any(-1)
+    token_rho = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    seq_log = d.sum(-1)
+    seq_rho = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    metrics = {
+        "rollout_corr_chi2_token": (token_rho.square() * mask).sum().item() / n - 1.0,
+        "rollout_corr_chi2_seq": seq_rho[valid_seq].square().mean().item() - 1.0,
+        "rollout_corr_k3_kl": (torch.where(mask, torch.expm1(d) - d, torch.zeros_like(d))).sum().item() / n,
+        "rollout_corr_weight_mean": (weights.double() * mask).sum().item() / n,
+    }
+    sequence = mode.startswith("sequence")
+    rho = seq_rho[valid_seq] if sequence else token_rho[mask]
+    metrics.update({"rollout_corr_ratio_mean": rho.mean().item(), "rollout_corr_ratio_min": rho.min().item(),
+                    "rollout_corr_ratio_max": rho.max().item(),
+                    "rollout_corr_ratio_std": rho.std(correction=0).item() if rho.numel() > 1 else 0.0})
+    if mode == "none":
+        return metrics
+    # which tokens had their weight changed, judged in log space (exact for the sequence products, which may
+    # overflow): truncated above C (or below C_low), or masked outside [C_low, C]
+    level = d if not sequence else seq_log[:, None].expand_as(d)
+    low = lower_threshold(mode, threshold, threshold_lower)
+    outside = level > math.log(threshold)
+    if low is not None:
+        outside = outside | (level < (math.log(low) if low > 0 else -math.inf))
+    key = "rollout_corr_truncated_frac" if mode.endswith("_truncate") else "rollout_corr_masked_frac"
+    metrics[key] = (outside & mask).sum().item() / n
+    return metrics
