@@ -1,34 +1,54 @@
 """TBPO — Trust-Band Policy Optimization, from QaRL (Gu et al., "QaRL: Rollout-Aligned Quantization-Aware RL for
-Fast and Stable Training under Training-Inference Mismatch", arXiv 2604.07853). No public code; the paper's
-description: a sequence-level objective, the geometric-mean sequence ratio against the proximal (trainer)
-policy times a sequence-level training-inference mismatch weight, sequences outside a trust band dropped,
-and a dual clip for negative samples. Its equations and defaults could not be consulted while writing this
-file: every formula detail and every default below is OUR CHOICE, stated so it can be checked against the paper.
+Fast and Stable Training under Training-Inference Mismatch", arXiv 2604.07853v1; ACL 2026 Findings). No public code.
+
+What the paper's text that we could read says (the stored copy of the arXiv HTML: only the abstract and the
+opening of §1 could be reached, not the method section, so no equation number of the paper is cited here):
+- QaRL reduces the training-inference mismatch of quantised rollouts upstream, by running the trainer's forward
+  pass with the same quantisation as the rollout engine (abstract);
+- quantised rollouts produce repetitive / garbled "error tokens" in long responses, and TBPO is introduced
+  against them: "a sequence-level objective with dual clipping for negative samples", meant to keep updates
+  within the trust region (abstract).
+Everything else below — the form of the sequence ratio, the mismatch weight, what the "band" bounds, the
+handling of sequences outside it, the aggregation and every default — is OUR READING, unverified against the
+paper's equations; each choice is listed with its alternative.
 
     s_i   = exp((1/L_i) sum_t (logp_t - old_logp_t))          geometric-mean sequence ratio vs the proximal policy
                                                                (old_logp = the trainer's recomputed log-probs)
     w_i   = exp((1/L_i) sum_t (old_logp_t - sampler_logp_t))  sequence mismatch weight, proximal vs the sampler
                                                                (quantised / bf16 / vLLM), a constant (no gradient)
-    keep_i = band_low <= w_i <= band_high                     the trust band; other sequences are dropped
+    keep_i = band_low <= w_i <= band_high                     the trust band (edges inclusive); others dropped
     l_i   = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high))                     (GSPO's clip)
     l_i   = min(l_i, -A_i clip_ratio_c)        where A_i < 0                               (dual clip, as verl)
     loss  = aggregate_i( keep_i * w_i * l_i )                 (default: mean over sequences, dropped ones count 0)
 
-Choices (ours, not the paper's verified text):
-- the mismatch weight multiplies the clipped loss (decoupled PPO, as verl's rollout-correction weights
-  multiply ``pg_losses``), it is the geometric mean over tokens (the same length normalisation as s_i), and
-  it is not truncated beyond the band; the band applies to w_i only (the policy ratio s_i has the clip);
-- a dropped sequence keeps its place in the denominator (N_seqs / N_tokens), like masked importance sampling;
+Gradient per region (kept sequence, seq-mean aggregation over N sequences): d loss / d logp_t =
+-A_i w_i s_i / (N L_i) where the unclipped term is the active one — A > 0 with s <= 1 + clip_high, A < 0 with
+1 - clip_low <= s <= clip_ratio_c — and 0 where the clip (A > 0, s > 1 + clip_high; A < 0, s < 1 - clip_low) or
+the dual clip (A < 0, s > clip_ratio_c) holds the loss constant, and 0 for a dropped sequence.
+
+Choices (ours) and their alternatives:
+- sequence ratio: the length-normalised (geometric-mean) ratio of GSPO, against the proximal policy. Alternative:
+  the plain product ratio, or the ratio against the sampler itself (then w_i is folded into s_i and clipped);
+- mismatch: a separate detached weight w_i, the geometric mean over tokens, multiplying the clipped loss (decoupled
+  PPO, as verl's rollout-correction weights multiply ``pg_losses``), not truncated inside the band. Alternative
+  reading: no w_i at all — the paper's abstract puts the mismatch on QaRL's aligned forward, and the "trust band"
+  may be only the ratio's band [1 - clip_low, 1 + clip_high] closed above by clip_ratio_c for A < 0; that
+  objective is exactly this one with w_i = 1 (no ``sampler_logp``);
+- the band bounds w_i only (the policy ratio s_i has the clip); a sequence outside it is dropped (masked IS; whole
+  sequences, like Trust Region Masking, arXiv 2512.23075), not truncated to the edge; it keeps its place in the
+  denominator (N_seqs / N_tokens);
 - defaults: clip_low = 3e-4, clip_high = 4e-4 (GSPO's, for the same geometric-mean ratio), clip_ratio_c = 3
   (verl's dual clip; must be > 1), band [band_low, band_high] = [0.9, 1.1] (about +-0.1 nats/token of
-  average sampler-trainer disagreement);
+  average sampler-trainer disagreement); none of them is the paper's (its values could not be read);
 - fallback: ``PolicyBatch.sampler_logp`` None (the sampler's log-probs are the proximal ones: no separate
   sampler, or the loop recomputed nothing) gives w_i = 1 for every sequence: nothing is dropped and the
-  objective is GSPO with a dual clip.
+  objective is GSPO with a dual clip;
 - with the loop's rollout correction on (``train.rollout_correction.mode`` not none) the loop passes no
   ``sampler_logp``: the sampler difference is corrected once, by the loop's weight (``PolicyBatch.correction``,
   applied by ``sequence_loss`` like for every objective), and TBPO's own w_i and band are off (w_i = 1). TBPO's
-  trust band itself needs ``train.old_logp: recompute`` and ``rollout_correction.mode: none``.
+  trust band itself needs ``train.old_logp: recompute`` and ``rollout_correction.mode: none``;
+- a dropped sequence's weight is zeroed before it multiplies the loss, so an infinite w_i (a sampler log-prob of
+  -inf) drops the sequence without a NaN gradient.
 Advantages must be per sequence. Clip fractions over valid tokens, counting tokens whose gradient is removed
 (disjoint): ``tbpo_drop_frac`` (tokens of dropped sequences), and among kept sequences clip_frac_high (A > 0,
 s > 1 + clip_high), clip_frac_low (A < 0, s < 1 - clip_low), clip_frac_dual (A < 0, s > clip_ratio_c);
@@ -85,7 +105,8 @@ class TBPO(Objective):
         ppo = torch.maximum(-adv * seq_ratio, -adv * clipped)
         bound = -adv * self.clip_ratio_c
         per_sequence = torch.where(adv < 0, torch.minimum(ppo, bound), ppo)
-        per_sequence = torch.where(keep, weight * per_sequence, torch.zeros_like(per_sequence))
+        kept_weight = torch.where(keep, weight, torch.zeros_like(weight))
+        per_sequence = kept_weight * per_sequence
         loss = sequence_loss(per_sequence, batch, self.aggregation)
 
         low = keep & (adv < 0) & (seq_ratio < 1.0 - self.clip_low)

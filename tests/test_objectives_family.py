@@ -433,7 +433,8 @@ def test_policy_batch_optional_fields_are_checked():
 
 
 # ----------------------------------------------------------------------------------------------------
-# TBPO (QaRL, arXiv 2604.07853; no public code: the formula of objectives/tbpo.py, hand-checked)
+# TBPO (QaRL, arXiv 2604.07853; no public code, the paper's equations unread: the formula of
+# objectives/tbpo.py, hand-checked region by region)
 # ----------------------------------------------------------------------------------------------------
 
 def test_tbpo_hand():
@@ -461,6 +462,69 @@ def test_tbpo_hand():
     assert num(gspo.loss, (-s0 + 0.5 * s1 - 2.0) / 3)
     with pytest.raises(ValueError, match="band"):
         get_objective("tbpo", band_low=1.2)
+
+
+def test_tbpo_every_clip_region_value_and_gradient():
+    """One sequence per region of the formula in objectives/tbpo.py (clip 0.2 / 0.2, c = 1.5, band [0.9, 1.1]),
+    written out: loss_i = keep_i w_i l_i, d loss / d logp_t = -A_i w_i s_i / (N L_i) where the unclipped term is
+    active, else 0. Rows of one valid token check the 1 / L_i factor."""
+    c, eps = 1.5, 0.2
+    rows = [  # (A, per-token d, valid tokens, mean(old - sampler))
+        (1.0, 0.1, 2, 0.05),                    # A > 0, s inside: weighted by w = e^.05 (inside the band)
+        (1.0, 0.3, 1, 0.0),                     # A > 0, s = 1.35 > 1.2: clipped, constant -1.2
+        (1.0, -0.4, 2, 0.0),                    # A > 0, s = 0.67 < 0.8: unclipped (the clip only caps gains)
+        (-1.0, -0.4, 2, 0.0),                   # A < 0, s < 0.8: clipped, constant 0.8
+        (-1.0, 0.3, 2, 0.0),                    # A < 0, 1.2 < s < c: unclipped (PPO's clip does not bound it)
+        (-1.0, math.log(c) - 1e-6, 1, 0.0),     # A < 0, s just below c: unclipped
+        (-1.0, math.log(c) + 1e-6, 2, 0.0),     # A < 0, s just above c: dual clip, constant c
+        (-2.0, 0.5, 2, 0.2),                    # w = e^.2 = 1.22 > 1.1: dropped
+        (1.0, 0.0, 2, -0.2),                    # w = e^-.2 = 0.82 < 0.9: dropped
+        (0.0, 0.3, 2, 0.0),                     # A = 0: nothing
+    ]
+    n = len(rows)
+    old = [[-1.0, -2.0]] * n
+    d = [[x, x] for _, x, _, _ in rows]
+    mask = [[1, 1] if length == 2 else [1, 0] for _, _, length, _ in rows]
+    sampler = torch.tensor(old, dtype=DT) - torch.tensor([[gap, gap] for *_, gap in rows], dtype=DT)
+    batch = make_batch(old, d, mask, [a for a, *_ in rows], sampler_logp=sampler)
+    out, grad = run("tbpo", batch, clip_low=eps, clip_high=eps, clip_ratio_c=c, band_low=0.9, band_high=1.1)
+    s = [E(x) for _, x, _, _ in rows]
+    w0 = E(0.05)
+    losses = [-w0 * s[0], -(1 + eps), -s[2], 1 - eps, s[4], s[5], c, 0.0, 0.0, 0.0]
+    assert num(out.loss, sum(losses) / n)
+    flowing = {0: -w0 * s[0], 2: -s[2], 4: s[4], 5: s[5]}  # -A w s per unclipped row
+    expected = [[flowing.get(i, 0.0) / (n * rows[i][2]) * m for m in mask[i]] for i in range(n)]
+    assert_close(grad, expected)
+    m = out.metrics
+    tokens = sum(length for _, _, length, _ in rows)
+    assert num(m["clip_frac_high"], 1 / tokens) and num(m["clip_frac_low"], 2 / tokens)
+    assert num(m["clip_frac_dual"], 2 / tokens) and num(m["tbpo_drop_frac"], 4 / tokens)
+    assert num(m["clip_frac"], 9 / tokens)
+    assert approx_metric(m["mismatch_weight_min"], E(-0.2)) and approx_metric(m["mismatch_weight_max"], E(0.2))
+
+
+def test_tbpo_band_edges_are_inclusive():
+    """band [1, 1]: a sequence whose sampler log-probs equal old_logp has w = exp(0) = 1 exactly and is kept; a
+    mean gap of +-2^-30 nats puts w just outside on either side: dropped (value and gradient 0)."""
+    tiny = 2.0 ** -30
+    old = [[-1.0, -1.0]] * 3
+    sampler = torch.tensor([[-1.0, -1.0], [-1.0 - tiny, -1.0 - tiny], [-1.0 + tiny, -1.0 + tiny]], dtype=DT)
+    batch = make_batch(old, [[0.1, 0.1]] * 3, [[1, 1]] * 3, [1.0, 1.0, 1.0], sampler_logp=sampler)
+    out, grad = run("tbpo", batch, clip_low=0.2, clip_high=0.2, band_low=1.0, band_high=1.0)
+    assert num(out.loss, -E(0.1) / 3)
+    assert_close(grad, [[-E(0.1) / 6] * 2, [0.0] * 2, [0.0] * 2])
+    assert num(out.metrics["tbpo_drop_frac"], 4 / 6)
+
+
+def test_tbpo_infinite_mismatch_drops_without_nan():
+    """A sampler log-prob of -inf makes w = inf: the sequence is dropped and the gradient stays finite."""
+    sampler = torch.tensor([[-1.0, -1.0], [-float("inf"), -1.0]], dtype=DT)
+    batch = make_batch([[-1.0, -1.0]] * 2, [[0.1, 0.1], [0.2, 0.2]], [[1, 1]] * 2, [1.0, -1.0],
+                       sampler_logp=sampler)
+    out, grad = run("tbpo", batch, clip_low=0.2, clip_high=0.2)
+    assert num(out.loss, -E(0.1) / 2)
+    assert_close(grad, [[-E(0.1) / 4] * 2, [0.0] * 2])
+    assert num(out.metrics["tbpo_drop_frac"], 0.5)
 
 
 def approx_metric(metric, expected):
