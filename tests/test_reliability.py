@@ -123,15 +123,17 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_prints_how_to_resume(tmp_path):
+    # a suite started in the background by a non-interactive shell inherits SIGINT ignored: give the run Ctrl-C back
     proc = subprocess.Popen([sys.executable, "-m", "harness", "train", "base", *TINY_RUN, "train.steps=500",
                              "--run-dir", str(tmp_path / "run"), "--no-progress"], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) < 2:
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted: run the same command again to resume" in err
+    assert proc.returncode == 130 and "interrupted: run the same command again to resume" in err, (proc.returncode, err)
     assert "Traceback" not in err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
 
