@@ -111,7 +111,7 @@ def cmd_bench(args) -> int:
     from harness.bench import main
 
     try:
-        return main(args.overrides)
+        return main(args.overrides, repeats=args.repeats)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
+    bench.add_argument("--repeats", type=positive_int, default=1,
+                       help="measure N times from the same weights and seed; print the medians and the ratios' range")
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`
