@@ -1,0 +1,33 @@
+"""`make bench`: the repeats' summary by hand, and one tiny run of the whole benchmark (native and TRL)."""
+
+import json
+
+import pytest
+
+from harness.bench import main, median_of
+from tests.tiny import TINY_SPEC
+
+RATIOS = ("native_over_trl_rollout_tok_s", "trl_over_native_step_time", "trl_over_native_tok_s")
+
+
+def test_median_of_repeats_and_the_ratios_range():
+    runs = [{"model": "tiny", "rollout_s": s, "completion_tokens": 100, **{k: r for k in RATIOS}}
+            for s, r in ((0.3, 2.0), (0.9, 1.5), (0.4, 2.5))]
+    result = median_of(runs)
+    assert result["rollout_s"] == 0.4 and result["native_over_trl_rollout_tok_s"] == 2.0
+    assert result["model"] == "tiny" and result["completion_tokens"] == 100 and result["repeats"] == 3
+    assert result["trl_over_native_step_time_min_max"] == "1.500 / 2.500"
+    assert median_of(runs[:1]) is runs[0]
+
+
+@pytest.mark.slow
+def test_bench_runs_both_sides_and_writes_its_figures(tmp_path, capsys):
+    overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
+                 "train.group_size=2", "train.num_minibatches=2", "model.warm_start_steps=0", "threads=1",
+                 f"results_dir={tmp_path}", *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+    assert main(overrides, repeats=2) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert result["repeats"] == 2 and all(f"{k}_min_max" in result for k in RATIOS)
+    for key in ("rollout_tok_s", "trl_rollout_tok_s", "trl_over_native_step_time"):  # names scripts read
+        assert result[key] > 0 and key in printed
