@@ -112,8 +112,9 @@ def tables(batches: list[dict]) -> dict[str, pd.DataFrame]:
                 pairs.append({"batch": measured["rows"][0]["batch"], "point": key, "objective": a, "other": b,
                               "cosine": cos(per_objective[a], per_objective[b])})
     lab = pd.DataFrame(rows)
+    with_mismatch = (lab["axis"] == "mismatch").any()  # then the fresh point is also the mismatch axis's float32
     fresh = lab[(lab["axis"] == "staleness") & (lab["staleness"] == 0)].assign(axis="mismatch", point="float32")
-    lab = pd.concat([lab, fresh], ignore_index=True)
+    lab = pd.concat([lab, fresh], ignore_index=True) if with_mismatch else lab
     snr = []
     keys = sorted(batches[0]["sketches"])
     for key in keys:
@@ -127,7 +128,7 @@ def tables(batches: list[dict]) -> dict[str, pd.DataFrame]:
     fresh_snr = snr[snr["axis"] == "staleness"].query("point == '0'").assign(axis="mismatch", point="float32")
     positions = pd.DataFrame([r for m in batches for r in m["positions"]])
     return {"lab": lab, "positions": positions, "pairwise": pd.DataFrame(pairs),
-            "snr": pd.concat([snr, fresh_snr], ignore_index=True)}
+            "snr": pd.concat([snr, fresh_snr], ignore_index=True) if with_mismatch else snr}
 
 
 def summary(lab: pd.DataFrame) -> pd.DataFrame:
@@ -170,6 +171,8 @@ def staleness_figure(summary_: pd.DataFrame, snr: pd.DataFrame, look, title: str
 def mismatch_figure(summary_: pd.DataFrame, look, title: str):
     """Per objective, cos_fresh (to its fp32-behaviour gradient) and cos_reference at each mismatch sampler."""
     data = summary_[summary_["axis"] == "mismatch"]
+    if data.empty:
+        return None
     points = list(dict.fromkeys(data["point"]))
     fig, axes = plots.grid(2, False, title, legend_rows=1)
     for ax, measure in zip(axes, ("cos_fresh", "cos_reference"), strict=True):

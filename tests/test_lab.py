@@ -201,3 +201,23 @@ def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="other settings"):
         run_lab(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", *LAB_RUN, "train.lr=1e-2"]))
     assert math.isfinite(lab["grad_norm"].max())
+
+
+@pytest.mark.slow
+def test_lab_measures_a_policy_a_run_saved(tmp_path, monkeypatch):
+    """lab.policy: the policy a run exported (its final/ folder) replaces the starting policy, warm start off."""
+    from harness.train import train
+    from tests.tiny import tiny_run
+
+    run = tiny_run(tmp_path)
+    train(run, tmp_path / "run", progress=False)
+    monkeypatch.setattr("harness.lab.Lab.rewards", parity_rewards)
+    final = str(tmp_path / "run" / "final")
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", f"lab.policy={final}", "name=fromrun",
+                                   "lab.objectives=[grpo]", "lab.batches=2", "lab.staleness=[0,1]",
+                                   "lab.mismatch=[]", "lab.reference_samples=2"])
+    assert lab_config(cfg).model.name == final
+    folder = run_lab(cfg, progress=False)
+    build_lab_report(folder)
+    lab = pd.read_csv(folder / "lab.csv")
+    assert len(lab) == 2 * 2 and set(lab["objective"]) == {"grpo"}
