@@ -91,6 +91,7 @@ def test_run_id_hashes_only_what_differs_from_the_defaults():
     assert run_id(OmegaConf.merge(run, {"results_dir": "elsewhere"})) == run_id(run)
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors_without_traceback():
     out = cli("train", "quickstart", "objective.name=grpoo")
     assert out.returncode == 2

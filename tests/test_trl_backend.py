@@ -210,6 +210,7 @@ def test_registry_objective_equals_trl_builtin_loss(fixed, tmp_path, objective, 
         assert 0 < registry.meter.result()["clip_frac"] < 1
 
 
+@pytest.mark.slow
 def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_path, rlvr_cache):
     """A warm-started tiny model (so that rewards vary), 2 minibatches of 2 micro-batches, a KL term; a run killed
     after step 2 of 3 (its last checkpoint, a torn metrics line) resumes into the uninterrupted run's metrics."""
