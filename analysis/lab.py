@@ -48,34 +48,32 @@ class LabError(Exception):
     pass
 
 
-def gram_snr(gram: np.ndarray) -> float:
-    """SNR = |mu|^2 / tr Sigma from a Gram matrix of per-batch gradients (module docstring); NaN below 2."""
-    n = len(gram)
-    if n < 2:
+def snr_of(gram: np.ndarray, index: np.ndarray) -> float:
+    """SNR = |mu|^2 / tr Sigma of the batches ``index`` (repeats allowed) from the Gram matrix of per-batch gradients:
+    |mu|^2 = mean of <g_a, g_b> over pairs of distinct batches, tr Sigma = mean of |g_a|^2 - |mu|^2 (module
+    docstring); NaN with fewer than 2 distinct batches or no noise."""
+    sub = gram[np.ix_(index, index)]
+    distinct = index[:, None] != index[None, :]
+    if not distinct.any():
         return float("nan")
-    signal = (gram.sum() - np.trace(gram)) / (n * (n - 1))
-    noise = np.trace(gram) / n - signal
+    signal = sub[distinct].mean()
+    noise = np.diag(sub).mean() - signal
     return float(signal / noise) if noise > 0 else float("nan")
 
 
+def gram_snr(gram: np.ndarray) -> float:
+    """The SNR of all the batches of ``gram``."""
+    return snr_of(gram, np.arange(len(gram)))
+
+
 def snr_interval(gram: np.ndarray) -> tuple[float, float, float]:
-    """(SNR, low, high): the estimate and its percentile bootstrap interval over batches."""
+    """(SNR, low, high): the estimate and its percentile bootstrap interval over batches (none below 3)."""
     n = len(gram)
     estimate = gram_snr(gram)
     if n < 3:
         return estimate, float("nan"), float("nan")
     rng = np.random.default_rng(BOOT_SEED)
-    values = []
-    for _ in range(N_BOOT):
-        index = rng.integers(0, n, n)
-        sub = gram[np.ix_(index, index)]
-        distinct = index[:, None] != index[None, :]
-        if not distinct.any():
-            continue
-        signal = sub[distinct].mean()
-        noise = np.diag(sub).mean() - signal
-        if noise > 0:
-            values.append(signal / noise)
+    values = [v for v in (snr_of(gram, rng.integers(0, n, n)) for _ in range(N_BOOT)) if np.isfinite(v)]
     if not values:
         return estimate, float("nan"), float("nan")
     low, high = np.percentile(values, [50 * (1 - LEVEL), 50 * (1 + LEVEL)])

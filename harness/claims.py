@@ -43,6 +43,7 @@ from harness.config import EXPERIMENTS_DIR, ConfigError, load_experiment
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed"}
+TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs",)}  # what each experiment kind writes
 STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
 
 
@@ -76,6 +77,11 @@ def load_claim(path: Path) -> Claim:
             raise ConfigError(f"{path}: each check needs table, metric and one of compare / within, got {check}")
         if "compare" in check and check["compare"].get("direction", "greater") not in ("greater", "less", "equal"):
             raise ConfigError(f"{path}: compare.direction must be greater, less or equal")
+        if check["table"] not in TABLES[claim.source[0]]:
+            raise ConfigError(f"{path}: a {claim.source[0]} has no table {check['table']!r}; tables: "
+                              f"{', '.join(TABLES[claim.source[0]])}")
+        if check.get("statistic", "mean") not in STATISTICS:
+            raise ConfigError(f"{path}: statistic must be one of {', '.join(STATISTICS)}")
     return claim
 
 
@@ -158,10 +164,19 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
                                                      f" [{num(lo)}, {num(hi)}]")
 
 
+def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
+    """evaluate_check, with a check that cannot be evaluated (a bad ``where``, an unknown metric) reported in the
+    ledger as such instead of stopping it after the experiments have run."""
+    try:
+        return evaluate_check(check, tables)
+    except (KeyError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
+        return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}"
+
+
 def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
     rows = []
     for claim in claims:
-        results = [evaluate_check(c, tables_of[claim.source]) for c in claim.checks]
+        results = [checked(c, tables_of[claim.source]) for c in claim.checks]
         verdicts = [v for v, _ in results]
         verdict = ("no data" if "no data" in verdicts else "holds" if all(v == "holds" for v in verdicts)
                    else "does not hold")

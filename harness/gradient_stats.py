@@ -70,12 +70,6 @@ class CountSketch:
         return (out[: self.dim] - out[self.dim :]).cpu()
 
 
-def cosine(a: Tensor, b: Tensor) -> float:
-    """<a, b> / (|a| |b|); NaN if either is 0."""
-    norm = a.norm() * b.norm()
-    return (a @ b / norm).item() if norm > 0 else float("nan")
-
-
 def kish_ess(weights: Tensor) -> float:
     """Kish's effective sample size (sum |w|)^2 / sum w^2 of the given weights (N if all equal; 0 if all 0)."""
     w = weights.abs().double()

@@ -25,6 +25,9 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: lab, metric: m}]\n")
     with pytest.raises(ConfigError, match="compare / within"):
         load_claim(path)
+    path.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: runs, metric: m, within: [0, 1]}]\n")
+    with pytest.raises(ConfigError, match="a lab has no table 'runs'"):
+        load_claim(path)
     with pytest.raises(ConfigError, match="no claim nope"):
         load_claims(["nope"])
     assert CLAIMS_DIR.is_dir()
@@ -66,6 +69,8 @@ def test_ledger_rows_and_files(tmp_path):
     table.loc[1, "token_weight_long_over_short_wrong"] = 2.0  # dr_grpo's mean leaves [0.95, 1.05]
     rows = ledger_rows([claim], {claim.source: {"lab": table}})
     assert rows[0]["holds?"] == "does not hold"
+    claim.checks[0]["where"] = "no_such_column == 1"  # reported in the ledger, not a crash after the runs
+    assert ledger_rows([claim], {claim.source: {"lab": table}})[0]["holds?"] == "no data"
     path = write_ledger(rows, tmp_path, "stamp")
     text = path.read_text()
     assert "does not hold" in text and "Dr. GRPO" in text and (tmp_path / "ledger.html").exists()
