@@ -8,13 +8,13 @@ sampler's log-probs equal the trainer's up to float round-off.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.cache_utils import Cache, DynamicLayer
+
+from harness.decode import build_decoder, positions
 
 
 @dataclass
@@ -80,11 +80,6 @@ def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_
         truncated=torch.stack(pick("truncated")))
 
 
-def positions(attention_mask: Tensor) -> Tensor:
-    """Position ids that skip left padding (as ``generate`` computes them)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
     """The reference: transformers' ``generate`` with a logits processor recording the sampler's log-probs.
@@ -111,54 +106,6 @@ def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, g
     return completion_ids, sampler_logp
 
 
-class _SlabLayer(DynamicLayer):
-    """One layer's keys/values in a buffer preallocated for ``capacity`` positions: ``update`` writes in place and
-    returns views of the filled prefix (no per-step concatenation)."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity, self.length = capacity, 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.key_buffer = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[-1])
-        self.value_buffer = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[-1])
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self._views()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def _views(self) -> None:
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Each row ``repeats`` times (new buffers)."""
-        for name in ("key_buffer", "value_buffer"):
-            buffer = getattr(self, name)
-            grown = buffer.new_zeros(buffer.shape[0] * repeats, *buffer.shape[1:])
-            grown[:, :, : self.length] = buffer[:, :, : self.length].repeat_interleave(repeats, dim=0)
-            setattr(self, name, grown)
-        self._views()
-
-    def move_rows(self, holes: Tensor, movers: Tensor, rows: int) -> None:
-        """Copy rows ``movers`` into rows ``holes`` (in place) and keep the first ``rows`` rows."""
-        for name in ("key_buffer", "value_buffer"):
-            buffer = getattr(self, name)
-            if len(holes):
-                buffer[holes, :, : self.length] = buffer[movers, :, : self.length]
-            setattr(self, name, buffer[:rows])
-        self._views()
-
-
 def _sample(logits: Tensor, uniform: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
     """The next token [n] and its log-prob [n] under the full log_softmax(logits / T).
 
@@ -180,43 +127,19 @@ def _sample(logits: Tensor, uniform: Tensor | None, temperature: float, top_p: f
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _decoder_of(model, compile: bool):
-    """The model's decoder, or a cached ``torch.compile`` of it (dynamic shapes; shares the live weights)."""
-    decoder = model.get_decoder()
-    if not compile:
-        return decoder
-    if decoder not in _COMPILED:
-        _COMPILED[decoder] = torch.compile(decoder, dynamic=True)
-    return _COMPILED[decoder]
-
-
 def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
                      temperature: float, top_p: float, greedy: bool, eos_token_id: int, compact_every: int,
-                     compile: bool) -> tuple[Tensor, Tensor]:
-    """The native decode loop over the model's decoder + LM head with a preallocated KV cache.
+                     decoder: str, compile: bool) -> tuple[Tensor, Tensor]:
+    """The native decode loop over a :mod:`harness.decode` decoder (prompts [D, P] prefilled once per group).
 
-    Prompts [D, P] are prefilled once and their cache repeated ``group_size`` times. Every ``compact_every``
-    steps (0: never) rows that have emitted EOS leave the batch: the last unfinished rows are moved into their
-    slots, so the cost is per finished row. Each step draws one uniform number per output row, so the tokens
-    do not depend on ``compact_every``. Returns the completions [N, T] and log-probs [N, T] (garbage after
-    the first EOS), T = steps run (the loop stops once every row has emitted EOS).
+    Every ``compact_every`` steps (0: never) rows that have emitted EOS leave the batch: the last unfinished rows
+    are moved into their slots, so the cost is per finished row. Each step draws one uniform number per output
+    row, so the tokens do not depend on ``compact_every``. Returns the completions [N, T] and log-probs [N, T]
+    (garbage after the first EOS), T = steps run (the loop stops once every row has emitted EOS).
     """
-    decoder, head = _decoder_of(model, compile), model.get_output_embeddings()
-    rows, width = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
-    layers = model.config.get_text_config().num_hidden_layers
-    cache = Cache(layers=[_SlabLayer(width + max_new_tokens) for _ in range(layers)])
-    hidden = model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
-                                 past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
-    logits = head(hidden).repeat_interleave(group_size, dim=0)
-    if group_size > 1:
-        for layer in cache.layers:
-            layer.batch_repeat_interleave(group_size)
-    device = prompt_ids.device
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
-    mask = mask.repeat_interleave(group_size, dim=0)
+    step, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                                 kind=decoder, compile=compile)
+    device, rows = prompt_ids.device, prompt_ids.shape[0] * group_size
     position = prompt_mask.sum(-1).repeat_interleave(group_size)
     row = torch.arange(rows, device=device)  # the output row of each batch row
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -233,29 +156,24 @@ def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_si
             break
         if compact_every and (t + 1) % compact_every == 0 and bool(finished.any()):
             keep = int((~finished).sum())
-            holes = finished[:keep].nonzero()[:, 0]
-            movers = keep + (~finished[keep:]).nonzero()[:, 0]
             order = torch.arange(keep, device=device)
-            order[holes] = movers
-            for layer in cache.layers:
-                layer.move_rows(holes, movers, keep)
+            order[finished[:keep].nonzero()[:, 0]] = keep + (~finished[keep:]).nonzero()[:, 0]
+            step.keep(order)
             row, finished, token, position = row[order], finished[order], token[order], position[order]
-            mask = mask[order]
-        hidden = decoder(input_ids=token[:, None], attention_mask=mask[:, : width + t + 1],
-                         position_ids=(position + t)[:, None], past_key_values=cache, use_cache=True)
-        logits = head(hidden.last_hidden_state[:, -1])
+        logits = step.step(token, position + t)
     return completion_ids[:, :steps], sampler_logp[:, :steps]
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",
-             compact_every: int = 4, compile: bool = False) -> Rollout:
+             compact_every: int = 4, decoder: str = "auto", compile: bool = False) -> Rollout:
     """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
 
-    Each distinct prompt is prefilled once and its KV cache repeated for the group. ``sampler="native"``: the
-    native decode loop (preallocated KV cache, finished rows leave the batch every ``compact_every`` steps,
-    optionally a ``torch.compile``-d decoder); ``"hf"``: transformers' ``generate`` (the reference). Both record
+    Each distinct prompt is prefilled once. ``sampler="native"``: the native decode loop (finished rows leave the
+    batch every ``compact_every`` steps) over a :mod:`harness.decode` ``decoder`` (``"auto"``: prompt keys/values
+    shared by the group for Llama-family models; ``"cache"``: the model's forward over a per-row KV cache,
+    optionally ``torch.compile``-d); ``"hf"``: transformers' ``generate`` (the reference). Both record
     log p(token) under log_softmax(logits / temperature) of the full vocabulary; draws use the global torch RNG.
     Completions are right-padded with the pad token after their first EOS (log-prob 0 there).
     """
@@ -275,7 +193,7 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
             completion_ids, sampler_logp = _generate_native(
                 model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_p=top_p, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
-                compact_every=compact_every, compile=compile)
+                compact_every=compact_every, decoder=decoder, compile=compile)
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
