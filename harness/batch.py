@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.models import build_prompt
-from harness.rollout import Rollout, generate, select_rows
+from harness.rollout import Rollout, generate, sampler_options, select_rows
 from harness.seeding import step_seed
 from harness.tasks import Score
 
@@ -46,7 +46,7 @@ def sample_group(sampler, tokenizer, problems, cfg: DictConfig) -> Rollout:
     t = cfg.train
     return generate(sampler, tokenizer, [build_prompt(tokenizer, p.question) for p in problems],
                     group_size=t.group_size, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                    top_p=t.top_p, sampler=t.sampler, compile=t.compile_sampler)
+                    top_p=t.top_p, **sampler_options(t))
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:

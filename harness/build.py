@@ -8,7 +8,8 @@ import copy
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import DTYPES
+from harness.config import DTYPES, ConfigError
+from harness.decode import shared_prefix_unsupported
 from harness.models import load_model, warm_start
 from harness.tasks import Task, get_task
 from objectives import get_advantage, get_objective
@@ -36,6 +37,12 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
+    t = cfg.train
+    if t.sampler == "native" and t.decoder == "shared_prefix":
+        reason = shared_prefix_unsupported(model, t.max_new_tokens)
+        if reason:
+            raise ConfigError(f"train.decoder=shared_prefix cannot run {m.name!r}: {reason}; use train.decoder=auto "
+                              "(falls back to the cache decoder) or cache")
     start = None
     if m.warm_start_steps:
         target = tuple(m.warm_start_target) if m.warm_start_target is not None else None

@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from harness.config import DECODERS
+
 SHARED_PREFIX_MODELS = ("llama", "mistral", "qwen2", "qwen3")
-DECODERS = ("auto", "shared_prefix", "cache")
 
 
 def positions(attention_mask: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from harness.models import build_prompt
-from harness.rollout import generate
+from harness.rollout import generate, sampler_options
 from harness.seeding import step_seed
 
 EVAL_CHUNK = 64  # prompts per generate call
@@ -27,8 +27,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     for i in range(0, len(problems), EVAL_CHUNK):
         chunk = problems[i : i + EVAL_CHUNK]
         out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk],
-                       max_new_tokens=max_new, greedy=True, sampler=cfg.train.sampler,
-                       compile=cfg.train.compile_sampler)
+                       max_new_tokens=max_new, greedy=True, **sampler_options(cfg.train))
         for j, (text, problem, truncated) in enumerate(zip(out.texts, chunk, out.truncated.tolist(), strict=True)):
             score = task.score(text, problem)
             correct.append(score.correct)
@@ -49,7 +48,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
             chunk = problems[i : i + per_call]
             out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk], group_size=k,
                            max_new_tokens=max_new, temperature=cfg.train.temperature, top_p=cfg.train.top_p,
-                           sampler=cfg.train.sampler, compile=cfg.train.compile_sampler)
+                           **sampler_options(cfg.train))
             hits = [task.score(t, chunk[j // k]).correct for j, t in enumerate(out.texts)]
             solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]
         row[f"eval_pass_at_{k}"] = float(np.mean(solved))

@@ -48,7 +48,7 @@ from harness.config import DTYPES, ConfigError, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.models import build_prompt
 from harness.records import lock_folder
-from harness.rollout import Rollout, completion_logprobs, generate
+from harness.rollout import Rollout, completion_logprobs, generate, sampler_options
 from harness.seeding import step_seed
 from harness.update import RunState, microbatch_loss, minibatch_order, optimizer_step
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
@@ -214,7 +214,7 @@ class Lab:
         torch.manual_seed(step_seed(self.cfg.seed, b, STREAM_SAMPLING))
         return generate(model, self.tokenizer, [build_prompt(self.tokenizer, p.question) for p in problems],
                         group_size=t.group_size, max_new_tokens=t.max_new_tokens, temperature=temperature,
-                        top_p=t.top_p, sampler=t.sampler)
+                        top_p=t.top_p, **sampler_options(t))
 
     def rewards(self, ro: Rollout, problems, group_size: int) -> torch.Tensor:
         scores = [self.task.score(text, problems[i // group_size]) for i, text in enumerate(ro.texts)]
@@ -253,7 +253,7 @@ class Lab:
         torch.manual_seed(step_seed(self.cfg.seed, b * 1000 + k, STREAM_REFERENCE))
         ro = generate(model, self.tokenizer, [build_prompt(self.tokenizer, p.question) for p in problems],
                       group_size=n, max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p,
-                      sampler=t.sampler)
+                      **sampler_options(t))
         rewards = self.rewards(ro, problems, n)
         advantages = get_advantage("rloo")(rewards, torch.arange(len(problems)).repeat_interleave(n))
         params = list(model.parameters())

@@ -164,6 +164,12 @@ def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_si
     return completion_ids[:, :steps], sampler_logp[:, :steps]
 
 
+def sampler_options(train) -> dict:
+    """A run's sampler settings (``train.sampler``, ``train.decoder``, ``train.compile_sampler``) as
+    :func:`generate` keywords."""
+    return {"sampler": train.sampler, "decoder": train.decoder, "compile": train.compile_sampler}
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",

@@ -1,0 +1,123 @@
+"""The decoders of harness/decode.py: each step's logits against the model's own full forward (teacher forcing) for
+every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
+fallback rules; and the sampler giving the same rollout through either decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from harness.decode import CacheDecoder, SharedPrefixDecoder, build_decoder, positions, shared_prefix_unsupported
+from harness.models import build_prompt, load_model
+from harness.rollout import generate
+from harness.tasks import get_task
+
+SHAPE = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+ARCHITECTURES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
+    "llama_bias_mha": lambda: LlamaForCausalLM(LlamaConfig(**{**SHAPE, "num_key_value_heads": 4},
+                                                           attention_bias=True, mlp_bias=True)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE, head_dim=8, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),  # biases on q/k/v
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8)),  # RMSNorm on q and k per head
+}
+
+
+def build(name: str, dtype=torch.float32):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ARCHITECTURES[name]().to(dtype).eval()
+
+
+def reference_logits(model, prompt_ids, prompt_mask, completions):
+    """The model's forward on prompt + completion: logits [N, T, V] predicting completion tokens 1..T and the next."""
+    ids = torch.cat([prompt_ids, completions], 1)
+    mask = torch.cat([prompt_mask, torch.ones_like(completions)], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+    return logits[:, prompt_ids.shape[1] - 1 :].float()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("kind", ["shared_prefix", "cache"])
+@torch.no_grad()
+def test_every_step_equals_the_full_forward(name, kind):
+    """3 prompts (two left-padded) x 2 rows; after 2 steps rows 1 and 4 leave, after 4 steps rows 5 and 2 (the
+    third prompt has no row left), and the rest are reordered."""
+    model, group, steps = build(name), 2, 6
+    generator = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(1, 50, (3, 7), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :3] = prompt_mask[2, :1] = 0
+    completions = torch.randint(1, 50, (6, steps), generator=generator)
+    expected = reference_logits(model, prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0),
+                                completions)
+    decoder, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group, max_new_tokens=steps, kind=kind)
+    assert isinstance(decoder, SharedPrefixDecoder if kind == "shared_prefix" else CacheDecoder)
+    rows, position = torch.arange(6), prompt_mask.sum(-1).repeat_interleave(group)
+    torch.testing.assert_close(logits, expected[:, 0], atol=1e-5, rtol=1e-5)
+    for t in range(steps):
+        if t in (2, 4):  # rows [0..5] -> [5, 0, 2, 3] -> [3, 0]
+            order = torch.tensor([5, 0, 2, 3] if t == 2 else [3, 1])
+            decoder.keep(order)
+            rows, position = rows[order], position[order]
+        logits = decoder.step(completions[rows, t], position + t)
+        torch.testing.assert_close(logits, expected[rows, t + 1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_bf16_steps_stay_within_bf16_rounding_of_the_forward():
+    model = build("llama", torch.bfloat16)
+    prompt_ids, completions = torch.randint(1, 50, (2, 5)), torch.randint(1, 50, (4, 4))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = 0
+    expected = reference_logits(model, prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0),
+                                completions)
+    decoder, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=2, max_new_tokens=4)
+    position = prompt_mask.sum(-1).repeat_interleave(2)
+    for t in range(4):
+        assert logits.dtype == torch.bfloat16
+        torch.testing.assert_close(logits.float(), expected[:, t], atol=0.05, rtol=0.02)
+        logits = decoder.step(completions[:, t], position + t)
+
+
+def test_where_the_shared_prefix_decoder_does_not_apply():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=64))
+    assert "gpt2" in shared_prefix_unsupported(gpt2, 10)
+    sliding = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert "sliding" in shared_prefix_unsupported(sliding, 10)
+    mistral = MistralForCausalLM(MistralConfig(**SHAPE, head_dim=8, sliding_window=16))
+    assert shared_prefix_unsupported(mistral, 16) is None and "sliding window" in shared_prefix_unsupported(mistral, 17)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    assert isinstance(build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2)[0], CacheDecoder)
+    with pytest.raises(ValueError, match="shared-prefix decoder cannot run this model: model_type 'gpt2'"):
+        build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2, kind="shared_prefix")
+    with pytest.raises(ValueError, match="decoder must be one of auto, shared_prefix, cache"):
+        build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2, kind="vllm")
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_sampler_gives_the_same_rollout_through_either_decoder(greedy):
+    model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                                "intermediate_size": 64})
+    prompts = [build_prompt(tokenizer, p.question) for p in get_task("arith").train_problems()[:4]]
+    prompts[1] = prompts[1][:15]
+    runs = []
+    for decoder in ("shared_prefix", "cache"):
+        torch.manual_seed(0)
+        runs.append(generate(model, tokenizer, prompts, group_size=3, max_new_tokens=20, temperature=1.2,
+                             greedy=greedy, decoder=decoder))
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].sampler_logp, runs[1].sampler_logp, atol=1e-6, rtol=0)
