@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from harness.config import DECODERS
 
 SHARED_PREFIX_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
 
 
 def positions(attention_mask: Tensor) -> Tensor:
@@ -82,16 +83,18 @@ class Matmul:
     backend uses for linear layers; dense input and output) with the weights stacked and reordered into oneDNN's
     layout once, when it is made (once per rollout: the weights change between rollouts). At decode's few rows it
     runs these shapes faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 157 vs 76
-    GFLOP/s, gate+up 188 vs 153; docs/benchmark.md). Elsewhere, or for a module that is not a plain ``nn.Linear``
-    (a LoRA wrapper, a module with hooks), the modules themselves. Results agree to float round-off
-    (tests/test_decode.py).
+    GFLOP/s, gate+up 188 vs 153; docs/benchmark.md). Below ``ONEDNN_MIN_WEIGHTS`` stacked weights its per-call
+    cost outweighs that (the tiny model decodes ~9% slower through it). Elsewhere, or for a module that is not a
+    plain ``nn.Linear`` (a LoRA wrapper, a module with hooks), the modules themselves. Results agree to float
+    round-off (tests/test_decode.py).
     """
 
     def __init__(self, *modules):
         self.modules = modules
         self.packed = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available() and all(
             type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-            and not (m._forward_hooks or m._forward_pre_hooks) for m in modules)
+            and not (m._forward_hooks or m._forward_pre_hooks) for m in modules) and sum(
+            m.weight.numel() for m in modules) >= ONEDNN_MIN_WEIGHTS
         if self.packed:
             self.sizes = [m.out_features for m in modules]
             self.weight = torch.cat([m.weight.detach() for m in modules]).to_mkldnn()

@@ -19,7 +19,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from harness.decode import CacheDecoder, SharedPrefixDecoder, build_decoder, positions, shared_prefix_unsupported
+from harness import decode
+from harness.decode import (
+    CacheDecoder,
+    Matmul,
+    SharedPrefixDecoder,
+    build_decoder,
+    positions,
+    shared_prefix_unsupported,
+)
 from harness.models import build_prompt, load_model
 from harness.rollout import generate
 from harness.tasks import get_task
@@ -50,10 +58,17 @@ def reference_logits(model, prompt_ids, prompt_mask, completions):
     return logits[:, prompt_ids.shape[1] - 1 :].float()
 
 
+@pytest.fixture(params=["onednn", "modules"])
+def matmuls(request, monkeypatch):
+    """Both ways of running the projections: oneDNN for every size (the threshold lowered), or the modules."""
+    monkeypatch.setattr(decode, "ONEDNN_MIN_WEIGHTS", 0 if request.param == "onednn" else 2**62)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 @pytest.mark.parametrize("kind", ["shared_prefix", "cache"])
 @torch.no_grad()
-def test_every_step_equals_the_full_forward(name, kind):
+def test_every_step_equals_the_full_forward(name, kind, matmuls):
     """3 prompts (two left-padded) x 2 rows; after 2 steps rows 1 and 4 leave, after 4 steps rows 5 and 2 (the
     third prompt has no row left), and the rest are reordered."""
     model, group, steps = build(name), 2, 6
@@ -75,6 +90,22 @@ def test_every_step_equals_the_full_forward(name, kind):
             rows, position = rows[order], position[order]
         logits = decoder.step(completions[rows, t], position + t)
         torch.testing.assert_close(logits, expected[rows, t + 1], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_stacked_onednn_matmul_equals_its_modules():
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(576, 576, bias=False), torch.nn.Linear(576, 192, bias=True)
+    x = torch.randn(5, 576)
+    packed = Matmul(q, k)
+    assert packed.packed == torch.backends.mkldnn.is_available()
+    for got, module in zip(packed(x), (q, k), strict=True):
+        torch.testing.assert_close(got, module(x), atol=1e-5, rtol=1e-5)
+    small, hooked = torch.nn.Linear(32, 32), torch.nn.Linear(576, 576)
+    hooked.register_forward_hook(lambda module, inputs, out: out + 1)
+    assert not Matmul(small).packed and not Matmul(hooked).packed  # too small for oneDNN; hooks must run
+    torch.testing.assert_close(Matmul(hooked)(x)[0], hooked(x))
+    assert not Matmul(q.to(torch.bfloat16)).packed
 
 
 @torch.no_grad()
