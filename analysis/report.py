@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import plots, scaling
+from analysis import plots, scaling, timing
 from analysis.load import SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num
 
@@ -290,6 +290,11 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     return out_dir / "report.md"
 
 
+def timing_block(exp: Experiment) -> tuple:
+    table = timing.time_table(exp.runs, exp.metrics)
+    return ("table", table) if len(table) else ("p", "No finished run yet.")
+
+
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
                  data_warnings: list[str]) -> None:
     runs, name = exp.runs, exp.name
@@ -342,6 +347,11 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                ("p", scaling.SUMMARY + " Numbers only where the fit converged; otherwise the reason. Figure "
                      "`scaling` draws the converged fits over their points."),
                ("table", scaling.fit_table(fits)),
+               ("h2", "Where the time went"),
+               ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
+                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
+                     + timing.PHASES),
+               timing_block(exp),
                ("h2", "Runs"),
                ("p", "Last eval acc: the final eval accuracy of a finished run, the latest one of an unfinished run."),
                ("table", runs_display(runs)),

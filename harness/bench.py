@@ -145,24 +145,31 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
         "update_fraction_of_peak": flops / update_s / peak,
         "step_s": rollout_s + update_s, "step_tok_s": completion_tokens / (rollout_s + update_s),
         "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings["logp_forward_s"],
-        "phase_loss_backward_optimizer_s": update_s - timings["logp_forward_s"],
+        "phase_backward_s": timings["backward_s"], "phase_optimizer_s": timings["optimizer_s"],
+        "phase_update_other_s": update_s - sum(timings.values()),
     }
     trl = trl_step(cfg, initial, tokenizer, task, problems)
     result.update({f"trl_{key}": value for key, value in trl.items()})
     result["native_over_trl_rollout_tok_s"] = result["rollout_tok_s"] / trl["rollout_tok_s"]
+    result["native_over_trl_generate_tok_s"] = result["rollout_tok_s"] / (trl["completion_tokens"] /
+                                                                          trl["phase_generate_s"])
     result["trl_over_native_step_time"] = trl["step_s"] / result["step_s"]
     result["trl_over_native_tok_s"] = trl["step_tok_s"] / result["step_tok_s"]
     return result
 
 
+RATIOS = ("native_over_trl_rollout_tok_s", "native_over_trl_generate_tok_s", "trl_over_native_step_time",
+          "trl_over_native_tok_s")
+
+
 def median_of(runs: list[dict]) -> dict:
     """The median over repeats of every number (so that one noisy sub-second timing does not decide a ratio), and
-    the range of the three ratios the issue's goals read; a single run is returned as it is."""
+    the range of the ratios the goals read (``RATIOS``); a single run is returned as it is."""
     if len(runs) == 1:
         return runs[0]
     result = {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
     result["repeats"] = len(runs)
-    for key in ("native_over_trl_rollout_tok_s", "trl_over_native_step_time", "trl_over_native_tok_s"):
+    for key in RATIOS:
         result[f"{key}_min_max"] = f"{min(r[key] for r in runs):.3f} / {max(r[key] for r in runs):.3f}"
     return result
 

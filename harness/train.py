@@ -76,8 +76,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
         if state.step == 0:  # the starting policy's evaluation
+            t0 = time.time()
             row, samples = evaluate(policy, tokenizer, task, cfg, 0)
-            records.log({"step": 0, **row}, samples)
+            records.log({"step": 0, **row, "eval_s": time.time() - t0}, samples)
         for step in range(state.step + 1, t.steps + 1):
             # 1. rollout and rewards
             t0 = time.time()
@@ -103,7 +104,8 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             ref_logp = no_grad_logprobs(reference, ro, t.temperature, chunk) if reference is not None else None
             batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp, correction)
             # 4. update
-            stats = update(policy, optimizer, scheduler, objective, batch, cfg, step, state)
+            timings: dict[str, float] = {}
+            stats = update(policy, optimizer, scheduler, objective, batch, cfg, step, state, timings)
             update_s = time.time() - t1
             tokens, sampled_tokens = int(ro.completion_mask.sum()), sampled.pop("sampled_tokens")
             state.step = step
@@ -113,13 +115,15 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                    "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
                    **stats, **recompute_mismatch, **correction_stats, "lr": scheduler.get_last_lr()[0],
                    "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
+                   **{f"update_{key}": value for key, value in timings.items()},
                    "rollout_tok_s": sampled_tokens / rollout_s, "update_tok_s": tokens * t.epochs / update_s,
                    "peak_mem_mb": peak_memory_mb(device)}
             # 5. evaluation
             samples = None
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                t2 = time.time()
                 evaluation, samples = evaluate(policy, tokenizer, task, cfg, step)
-                row.update(evaluation)
+                row.update(evaluation, eval_s=time.time() - t2)
             # 6. records and checkpoint
             records.progress.update(rollout_tokens=state.rollout_tokens, update_tokens=state.update_tokens,
                                     nonfinite_skips=state.nonfinite_skips)

@@ -144,7 +144,10 @@ def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, tempe
         batch, rows, logp, mask, width, num_tokens=num_tokens, num_sequences=num_sequences,
         max_completion_len=max_completion_len, state=state, rollout_step=rollout_step,
         sampler_is_behaviour=sampler_is_behaviour, minibatch_stats=minibatch_stats))
+    start = time.perf_counter()
     out.loss.backward()
+    if timings is not None:
+        timings["backward_s"] = timings.get("backward_s", 0.0) + time.perf_counter() - start
     tokens = mask.sum().item()
     metrics = dict(out.metrics)
     if entropy is not None:
@@ -172,7 +175,10 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
            timings: dict | None = None) -> dict:
     """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch; returns the step's metrics
     (the objective's, entropy, loss, grad norm; the sampler/trainer mismatch of the first minibatch when the
-    behaviour log-probs are the sampler's). ``timings`` (optional) accumulates the forward passes' seconds.
+    behaviour log-probs are the sampler's). ``timings`` (optional) accumulates seconds (CPU clock; on a GPU they
+    count launch, not kernel, time): ``logp_forward_s`` (the loss passes' forwards), ``stats_forward_s`` (P3O's
+    statistics pass), ``backward_s``, ``optimizer_s`` (clipping + AdamW); the rest of the update is the objective,
+    the metrics and the bookkeeping.
     The objective gets the sampler's log-probs (``PolicyBatch.sampler_logp``, TBPO's mismatch weight) only when
     they are not the behaviour log-probs and no rollout correction (``batch.correction``) accounts for them."""
     t = cfg.train
@@ -206,6 +212,9 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
                     mismatch.add(ro.sampler_logp[rows, :width], logp, ro.completion_mask[rows, :width])
                 loss += part
                 meter.add(metrics, tokens)
+            start = time.perf_counter()
             grad_norm = optimizer_step(params, optimizer, scheduler, loss, t.max_grad_norm, state)
+            if timings is not None:
+                timings["optimizer_s"] = timings.get("optimizer_s", 0.0) + time.perf_counter() - start
             meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
     return {**meter.result(), **mismatch.result()}

@@ -4,10 +4,8 @@ import json
 
 import pytest
 
-from harness.bench import main, median_of
+from harness.bench import RATIOS, main, median_of
 from tests.tiny import TINY_SPEC
-
-RATIOS = ("native_over_trl_rollout_tok_s", "trl_over_native_step_time", "trl_over_native_tok_s")
 
 
 def test_median_of_repeats_and_the_ratios_range():
@@ -31,3 +29,6 @@ def test_bench_runs_both_sides_and_writes_its_figures(tmp_path, capsys):
     assert result["repeats"] == 2 and all(f"{k}_min_max" in result for k in RATIOS)
     for key in ("rollout_tok_s", "trl_rollout_tok_s", "trl_over_native_step_time"):  # names scripts read
         assert result[key] > 0 and key in printed
+    phases = ("phase_logp_forward_s", "phase_backward_s", "phase_optimizer_s", "phase_update_other_s")
+    assert all(result[key] > 0 for key in (*phases, "native_over_trl_generate_tok_s"))
+    assert sum(result[key] for key in phases) == pytest.approx(result["update_s"], rel=0.2)  # medians of repeats

@@ -10,7 +10,8 @@ TINY_RUN = [
     "train.group_size=4", "train.max_new_tokens=8", "train.num_minibatches=2", "train.steps=2", "train.eval_every=0",
     "threads=1", "train.lr=1e-3",
 ]
-TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb"}
+TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb", "eval_s",
+          "update_logp_forward_s", "update_stats_forward_s", "update_backward_s", "update_optimizer_s"}
 
 
 def tiny_run(tmp_path, *overrides):
