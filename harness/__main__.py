@@ -108,10 +108,10 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import main
+    from harness.bench import main, matmuls_main
 
     try:
-        return main(args.overrides, repeats=args.repeats)
+        return matmuls_main(args.overrides) if args.matmuls else main(args.overrides, repeats=args.repeats)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
+    bench.add_argument("--matmuls", action="store_true",
+                       help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/decode.py)")
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`

@@ -13,6 +13,7 @@ Update FLOPs are model FLOPs of the shapes actually computed (padding included),
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import statistics
@@ -39,6 +40,57 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> f
         a @ b
         reps += 1
     return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def decode_matmuls(model, rows=(64, 32, 8), rounds: int = 10) -> list[dict]:
+    """GFLOP/s of the decode step's matmul shapes (the LM head and, stacked as the shared-prefix decoder runs
+    them, q+k+v, o, gate+up, down) through MKL (``F.linear``, as ``nn.Linear``) and through oneDNN
+    (:class:`harness.decode.Matmul`'s kernel), at each number of ``rows``: medians over ``rounds`` interleaved
+    rounds of 5 calls, random weights of the model's shapes, torch's current thread count."""
+    config = model.config.get_text_config()
+    d, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    shapes = {"lm_head": (config.vocab_size, d), "q+k+v": ((heads + 2 * kv) * head_dim, d),
+              "o": (d, heads * head_dim), "gate+up": (2 * config.intermediate_size, d),
+              "down": (d, config.intermediate_size)}
+    table = []
+    for n in rows:
+        row = {"rows": n}
+        for name, (out_features, in_features) in shapes.items():
+            x, weight = torch.randn(n, in_features), torch.randn(out_features, in_features)
+            packed = weight.to_mkldnn()
+            kernels = {"mkl": functools.partial(torch.nn.functional.linear, x, weight),
+                       "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")}
+            speeds = {kernel: [] for kernel in kernels}
+            for _ in range(rounds):
+                for kernel, call in kernels.items():
+                    call()
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        call()
+                    speeds[kernel].append(2 * n * in_features * out_features * 5 / (time.perf_counter() - start))
+            for kernel, values in speeds.items():
+                row[f"{name}_{kernel}_gflop_s"] = statistics.median(values) / 1e9
+        table.append(row)
+    return table
+
+
+def matmuls_main(overrides: list[str]) -> int:
+    """``bench --matmuls``: :func:`decode_matmuls` for the bench model's shapes, one line per number of rows."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    from harness.models import load_model
+
+    model, _ = load_model(cfg.model.name, tiny=OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny"
+                          else None)
+    print(f"decode matmuls, {torch.get_num_threads()} threads, GFLOP/s MKL / oneDNN "
+          f"(load average {os.getloadavg()[0]:.2f} before)")
+    for row in decode_matmuls(model):
+        cells = [f"{name.removesuffix('_mkl_gflop_s')} {row[name]:.0f} / {row[name.replace('_mkl', '_onednn')]:.0f}"
+                 for name in row if name.endswith("_mkl_gflop_s")]
+        print(f"rows {row['rows']:3d}: " + ", ".join(cells))
+    return 0
 
 
 def body_parameters(model) -> int:

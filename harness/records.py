@@ -30,6 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.tracking import Trackers
 
+# per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
+TIMING_METRICS = frozenset({"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb",
+                            "eval_s", "update_logp_forward_s", "update_stats_forward_s", "update_backward_s",
+                            "update_optimizer_s"})
+
 
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.records import read_jsonl
+from harness.records import TIMING_METRICS, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -31,7 +31,6 @@ SETTINGS = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "model.tiny.intermediate_size=64", "task.eval_size=8", "train.prompts_per_step=4", "train.group_size=4",
             "train.max_new_tokens=8", "train.num_minibatches=2", f"train.steps={STEPS}", "train.eval_every=5",
             "threads=1", "train.lr=1e-3", "task.overlong_buffer=6"]
-TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb"}
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 
 
@@ -129,8 +128,8 @@ def main(kills: int = 20, seed: int = 0) -> int:
         reference = work / "reference" / entry["dir"]
         harness("train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress").wait()
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
-            got = [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(run_dir / name)]
-            want = [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(reference / name)]
+            got = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(run_dir / name)]
+            want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(reference / name)]
             if got != want:
                 problems.append(f"{run_dir / name} differs from the uninterrupted run's")
         if [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] != list(range(STEPS + 1)):

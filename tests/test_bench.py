@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from harness.bench import RATIOS, main, median_of
+from harness.bench import RATIOS, decode_matmuls, main, median_of
+from harness.models import load_model
 from tests.tiny import TINY_SPEC
 
 
@@ -32,3 +33,11 @@ def test_bench_runs_both_sides_and_writes_its_figures(tmp_path, capsys):
     phases = ("phase_logp_forward_s", "phase_backward_s", "phase_optimizer_s", "phase_update_other_s")
     assert all(result[key] > 0 for key in (*phases, "native_over_trl_generate_tok_s"))
     assert sum(result[key] for key in phases) == pytest.approx(result["update_s"], rel=0.2)  # medians of repeats
+
+
+def test_decode_matmul_shapes_of_a_model():
+    model, _ = load_model("tiny", tiny=TINY_SPEC)
+    (row,) = decode_matmuls(model, rows=(3,), rounds=1)
+    names = ("lm_head", "q+k+v", "o", "gate+up", "down")
+    assert row["rows"] == 3 and set(row) == {"rows", *(f"{n}_{k}_gflop_s" for n in names for k in ("mkl", "onednn"))}
+    assert all(value > 0 for value in row.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.config import load_experiment, run_configs
+from harness.records import TIMING_METRICS
 
 TINY_SPEC = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
 TINY_RUN = [
@@ -10,8 +11,6 @@ TINY_RUN = [
     "train.group_size=4", "train.max_new_tokens=8", "train.num_minibatches=2", "train.steps=2", "train.eval_every=0",
     "threads=1", "train.lr=1e-3",
 ]
-TIMING = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb", "eval_s",
-          "update_logp_forward_s", "update_stats_forward_s", "update_backward_s", "update_optimizer_s"}
 
 
 def tiny_run(tmp_path, *overrides):
@@ -21,4 +20,4 @@ def tiny_run(tmp_path, *overrides):
 
 
 def without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
