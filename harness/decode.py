@@ -4,8 +4,8 @@ keys/values kept between steps, rows removable between steps (finished rows leav
 Two implementations with one interface (``step(tokens, positions) -> logits``, ``keep(order)``):
 
 * :class:`SharedPrefixDecoder`, for Llama-family models (``SHARED_PREFIX_MODELS``, full attention): the model's
-  own modules (embedding, RMSNorms, q/k/v/o projections, q/k norms, rotary embedding, MLP, final norm, LM head)
-  called in the order of its forward, with attention written out. A group's rows share one prompt, so its
+  forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
+  norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU). A group's rows share one prompt, so its
   keys/values are stored once per group, not once per row, and read once per group at every step. Row r of
   group g attends to the prompt part (keys K_g, left padding masked) and to its own t+1 generated tokens
   (keys K_r); the two softmax parts are merged exactly: with scores s over the prompt and u over the generated
@@ -82,11 +82,11 @@ class Matmul:
     On CPU in float32: one oneDNN matmul (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
     backend uses for linear layers; dense input and output) with the weights stacked and reordered into oneDNN's
     layout once, when it is made (once per rollout: the weights change between rollouts). At decode's few rows it
-    runs these shapes faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 157 vs 76
-    GFLOP/s, gate+up 188 vs 153; docs/benchmark.md). Below ``ONEDNN_MIN_WEIGHTS`` stacked weights its per-call
-    cost outweighs that (the tiny model decodes ~9% slower through it). Elsewhere, or for a module that is not a
-    plain ``nn.Linear`` (a LoRA wrapper, a module with hooks), the modules themselves. Results agree to float
-    round-off (tests/test_decode.py).
+    runs these shapes faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 154 vs 84
+    GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md). Below ``ONEDNN_MIN_WEIGHTS``
+    stacked weights its per-call cost outweighs that (the tiny model decodes ~9% slower through it). Elsewhere,
+    or for a module that is not a plain ``nn.Linear`` (a LoRA wrapper, a module with hooks), the modules
+    themselves. Results agree to float round-off (tests/test_decode.py).
     """
 
     def __init__(self, *modules):
