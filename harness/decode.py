@@ -5,8 +5,9 @@ Two implementations with one interface (``step(tokens, positions) -> logits``, `
 
 * :class:`SharedPrefixDecoder`, for Llama-family models (``SHARED_PREFIX_MODELS``, full attention): the model's
   forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
-  norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU). A group's rows share one prompt, so its
-  keys/values are stored once per group, not once per row, and read once per group at every step. Row r of
+  norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU).
+  A group's rows share one prompt, so its keys/values are stored once per group, not once per row, and read
+  once per group at every step. Row r of
   group g attends to the prompt part (keys K_g, left padding masked) and to its own t+1 generated tokens
   (keys K_r); the two softmax parts are merged exactly: with scores s over the prompt and u over the generated
   tokens and m = max(max s, max u),
