@@ -214,6 +214,9 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
 
 
+ENTROPY_BLOCK = 16  # positions per block of the entropy's exp * logp
+
+
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T].
@@ -244,11 +247,13 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                          use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
-    logits = model.get_output_embeddings()(hidden).float() / temperature
+    logits = model.get_output_embeddings()(hidden).float()
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [N, T, V] saved
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, completion_ids[..., None])[..., 0]
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1)
+        with torch.no_grad():  # in blocks of positions: no [N, T, V] temporaries
+            entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK, dim=1)], 1)
     return token_logp, entropy
