@@ -133,11 +133,9 @@ class SharedPrefixDecoder:
         hidden = self.model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
                                           position_ids=positions(prompt_mask), past_key_values=cache,
                                           use_cache=True).last_hidden_state[:, -1]
-        # values carry a column of ones: weights @ [V, 1] gives the softmax numerator and denominator in one matmul
-        self.prefix = [(layer.keys, torch.cat([layer.values, layer.values.new_ones(*layer.values.shape[:-1], 1)], -1))
-                       for layer in cache.layers]
+        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
         self.generated = [(k.new_empty(self.rows, k.shape[1], self.max_new_tokens, k.shape[3]),
-                           v.new_ones(self.rows, v.shape[1], self.max_new_tokens, v.shape[3])) for k, v in self.prefix]
+                           v.new_empty(self.rows, v.shape[1], self.max_new_tokens, v.shape[3])) for k, v in self.prefix]
         self.prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]  # [D, 1, 1, P]
         self.group = torch.arange(prompt_mask.shape[0], device=prompt_mask.device).repeat_interleave(group_size)
@@ -195,7 +193,7 @@ class SharedPrefixDecoder:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
         keys, values = generated
-        keys[:n, :, t], values[:n, :, t, :d] = k[:, :, 0], qkv[2].reshape(n, -1, d)
+        keys[:n, :, t], values[:n, :, t] = k[:, :, 0], qkv[2].reshape(n, -1, d)
         kv_heads = keys.shape[1]
         q = q.reshape(n, kv_heads, -1, d) * attn.scaling  # [n, H_kv, G, d]: query head h uses key head h // G
         heads = q.shape[2]
@@ -204,27 +202,27 @@ class SharedPrefixDecoder:
         groups, slots = self.prompt_bias.shape[0], self.slots_per_group
         q_grouped = q[self.row_of_slot].view(groups, slots, kv_heads, heads, d).transpose(1, 2)
         scores = (q_grouped.reshape(groups, kv_heads, slots * heads, d) @ prefix[0].transpose(-1, -2)).float()
-        part_p = torch.cat(_softmax_parts(scores + self.prompt_bias, prefix[1]), -1)
+        out_p, max_p, sum_p = _softmax_parts(scores + self.prompt_bias, prefix[1])
 
         def by_row(x: Tensor) -> Tensor:  # [groups, H_kv, R x G, e] -> [n, H_kv, G, e]
             x = x.view(groups, kv_heads, slots, heads, -1).transpose(1, 2)
             return x.reshape(groups * slots, kv_heads, heads, -1)[self.slot_of_row]
 
-        part_p = by_row(part_p)
-        sums_p, max_p = part_p[..., :-1], part_p[..., -1:]
+        out_p, max_p, sum_p = by_row(out_p), by_row(max_p), by_row(sum_p)
         # the generated part, row by row: [n, H_kv, G, t + 1]
-        sums_g, max_g = _softmax_parts((q @ keys[:n, :, : t + 1].transpose(-1, -2)).float(), values[:n, :, : t + 1])
+        out_g, max_g, sum_g = _softmax_parts((q @ keys[:n, :, : t + 1].transpose(-1, -2)).float(),
+                                             values[:n, :, : t + 1])
         top = torch.maximum(max_p, max_g)
-        sums = sums_p * (max_p - top).exp() + sums_g * (max_g - top).exp()  # [numerator (d), denominator (1)]
-        out = sums[..., :d] / sums[..., d:]
+        w_p, w_g = (max_p - top).exp(), (max_g - top).exp()
+        out = (out_p * w_p + out_g * w_g) / (sum_p * w_p + sum_g * w_g)
         return out.to(qkv[0].dtype).reshape(n, -1)
 
 
-def _softmax_parts(scores: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-    """Unnormalised softmax attention over ``values`` = [V, 1]: ([sum_j e^(s_j - m) v_j, sum_j e^(s_j - m)], m)
-    with m = max_j s_j."""
+def _softmax_parts(scores: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unnormalised softmax attention: (sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)) with m = max_j s_j."""
     top = scores.amax(-1, keepdim=True)
-    return ((scores - top).exp().to(values.dtype) @ values).float(), top
+    weights = (scores - top).exp()
+    return (weights.to(values.dtype) @ values).float(), top, weights.sum(-1, keepdim=True)
 
 
 class _SlabLayer(DynamicLayer):
