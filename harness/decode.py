@@ -87,7 +87,8 @@ class Matmul:
     GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md). Below ``ONEDNN_MIN_WEIGHTS``
     stacked weights its per-call cost outweighs that (the tiny model decodes ~9% slower through it). Elsewhere,
     or for a module that is not a plain ``nn.Linear`` (a LoRA wrapper, a module with hooks), the modules
-    themselves. Results agree to float round-off (tests/test_decode.py).
+    themselves. Results agree to float round-off (tests/test_decode.py). The packed copy holds the layer's
+    weights a second time while the rollout runs (SmolLM2 fp32: ~0.5 GB).
     """
 
     def __init__(self, *modules):
