@@ -26,7 +26,6 @@ Two implementations with one interface (``step(tokens, positions) -> logits``, `
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -78,38 +77,41 @@ def shared_prefix_unsupported(model, length: int) -> str | None:
 
 
 class Matmul:
-    """x [n, in] -> (m_1(x), m_2(x), ...) for Linear modules that read the same input.
+    """x [n, in] -> [n, out_1 + out_2 + ...]: Linear modules that read the same input, as one matmul.
 
-    On CPU in float32: one oneDNN matmul (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
-    backend uses for linear layers; dense input and output) with the weights stacked and reordered into oneDNN's
-    layout once, when it is made (once per rollout: the weights change between rollouts). At decode's few rows it
-    runs these shapes faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 154 vs 84
-    GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md). Below ``ONEDNN_MIN_WEIGHTS``
-    stacked weights its per-call cost outweighs that (the tiny model decodes ~9% slower through it). Elsewhere,
-    or for a module that is not a plain ``nn.Linear`` (a LoRA wrapper, a module with hooks), the modules
-    themselves. Results agree to float round-off (tests/test_decode.py). The packed copy holds the layer's
-    weights a second time while the rollout runs (SmolLM2 fp32: ~0.5 GB).
+    On CPU, for plain ``nn.Linear`` modules without hooks, the weights (and biases) are stacked once, when it is
+    made (once per rollout: the weights change between rollouts), into one matmul: in float32 from
+    ``ONEDNN_MIN_WEIGHTS`` stacked weights through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel
+    torch.compile's CPU backend uses for linear layers) with the weights reordered into its layout, which runs
+    decode's few rows faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 154 vs 84
+    GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md); below that size (where oneDNN's
+    per-call cost loses) through ``F.linear``. The stacked copy holds those weights a second time while the rollout
+    runs (SmolLM2 fp32: ~0.5 GB). Elsewhere (a GPU, where a second copy of a large model's weights is not worth
+    a few kernel launches; a LoRA wrapper; a module with hooks) the modules themselves, outputs concatenated.
+    Results agree to float round-off (tests/test_decode.py).
     """
 
     def __init__(self, *modules):
-        self.modules = modules
-        self.packed = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available() and all(
-            type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-            and not (m._forward_hooks or m._forward_pre_hooks) for m in modules) and sum(
-            m.weight.numel() for m in modules) >= ONEDNN_MIN_WEIGHTS
-        if self.packed:
-            self.sizes = [m.out_features for m in modules]
-            self.weight = torch.cat([m.weight.detach() for m in modules]).to_mkldnn()
+        self.modules, self.kind = modules, "modules"
+        if all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+               and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
+            weights = [m.weight.detach() for m in modules]
+            self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             self.bias = None
             if any(m.bias is not None for m in modules):
                 self.bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
                                        for m in modules])
+            self.kind = "stacked"
+            if (self.weight.dtype == torch.float32 and self.weight.numel() >= ONEDNN_MIN_WEIGHTS
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()):
+                self.kind, self.weight = "onednn", self.weight.to_mkldnn()
 
-    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
-        if not self.packed:
-            return tuple(m(x) for m in self.modules)
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return y.split(self.sizes, dim=-1)
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        if self.kind == "stacked":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
 
 
 class SharedPrefixDecoder:
@@ -117,7 +119,10 @@ class SharedPrefixDecoder:
 
     ``rows`` x ``max_new_tokens`` sizes the generated keys/values [rows, H_kv, max_new_tokens, d] per layer,
     allocated at the prefill; the prompts' keys/values ([D, H_kv, P, d] per layer, after the rotary embedding)
-    are the prefill's.
+    are the prefill's. The rotary embedding's cos/sin come from the model's rotary module, computed once per
+    rollout for every position the rollout can reach, and are applied to q and k together as
+    x cos + rotate_half(x) sin (the Llama family's form) with rotate_half(x) sin = roll(x, d/2) (sin with its
+    first half negated).
     """
 
     def __init__(self, model, rows: int, max_new_tokens: int):
@@ -125,7 +130,6 @@ class SharedPrefixDecoder:
         self.model, self.rows, self.max_new_tokens = model, rows, max_new_tokens
         self.output = model.get_output_embeddings()
         self.embed, self.layers, self.norm, self.rotary = body.embed_tokens, body.layers, body.norm, body.rotary_emb
-        self.apply_rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.length = 0  # generated tokens stored per row
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> Tensor:
@@ -139,13 +143,17 @@ class SharedPrefixDecoder:
                            v.new_empty(self.rows, v.shape[1], self.max_new_tokens, v.shape[3])) for k, v in self.prefix]
         self.prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]  # [D, 1, 1, P]
+        reach = torch.arange(prompt_ids.shape[1] + self.max_new_tokens, device=prompt_ids.device)
+        cos, sin = self.rotary(hidden, reach[None])  # [1, positions, d]
+        half = sin.shape[-1] // 2
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
         self.group = torch.arange(prompt_mask.shape[0], device=prompt_mask.device).repeat_interleave(group_size)
         self._index_groups()
         self.head = Matmul(self.output)
         self.projections = [(Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                              Matmul(layer.self_attn.o_proj), Matmul(layer.mlp.gate_proj, layer.mlp.up_proj),
                              Matmul(layer.mlp.down_proj)) for layer in self.layers]
-        return self.head(hidden)[0].repeat_interleave(group_size, dim=0)
+        return self.head(hidden).repeat_interleave(group_size, dim=0)
 
     def _index_groups(self) -> None:
         """Slots [groups x R] for the rows of each group (R = most rows left in a group; spare slots compute row 0
@@ -175,55 +183,63 @@ class SharedPrefixDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits [n, V] of the next token after ``tokens`` [n] at ``positions`` [n] (rows as left by ``keep``)."""
         hidden = self.embed(tokens)  # [n, hidden]
-        cos_sin = self.rotary(hidden[:, None], positions[:, None])
+        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [n, 1, d]
         for layer, (qkv, o, gate_up, down), prefix, generated in zip(self.layers, self.projections, self.prefix,
                                                                      self.generated, strict=True):
-            attention = self._attention(layer.self_attn, qkv(layer.input_layernorm(hidden)), cos_sin, prefix,
+            attention = self._attention(layer.self_attn, qkv(layer.input_layernorm(hidden)), cos, sin, prefix,
                                         generated)
-            hidden = hidden + o(attention)[0]
-            gate, up = gate_up(layer.post_attention_layernorm(hidden))
-            hidden = hidden + down(layer.mlp.act_fn(gate) * up)[0]
+            hidden = hidden + o(attention)
+            gate, up = gate_up(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + down(layer.mlp.act_fn(gate) * up)
         self.length += 1
-        return self.head(self.norm(hidden))[0]
+        return self.head(self.norm(hidden))
 
-    def _attention(self, attn, qkv: tuple[Tensor, Tensor, Tensor], cos_sin, prefix, generated) -> Tensor:
+    def _attention(self, attn, qkv: Tensor, cos: Tensor, sin: Tensor, prefix, generated) -> Tensor:
         """softmax over [the group's prompt, the row's generated tokens] (module docstring) -> [n, H x d]."""
-        (n, _), d, t = qkv[0].shape, attn.head_dim, self.length
-        q, k = qkv[0].reshape(n, 1, -1, d), qkv[1].reshape(n, 1, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
         keys, values = generated
-        keys[:n, :, t], values[:n, :, t] = k[:, :, 0], qkv[2].reshape(n, -1, d)
-        kv_heads = keys.shape[1]
-        q = q.reshape(n, kv_heads, -1, d) * attn.scaling  # [n, H_kv, G, d]: query head h uses key head h // G
-        heads = q.shape[2]
+        n, t, (kv_heads, d) = qkv.shape[0], self.length, keys.shape[1::2]
+        heads = attn.config.num_attention_heads
+        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
+            qk = torch.cat([attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])], 1)
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        keys[:n, :, t], values[:n, :, t] = qk[:, heads:], qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+        q = qk[:, :heads].view(n, kv_heads, heads // kv_heads, d)  # query head h uses key head h // G
 
         # the prompt part, all rows of a group at once: [groups, H_kv, R x G, P]
         groups, slots = self.prompt_bias.shape[0], self.slots_per_group
-        q_grouped = q[self.row_of_slot].view(groups, slots, kv_heads, heads, d).transpose(1, 2)
-        scores = (q_grouped.reshape(groups, kv_heads, slots * heads, d) @ prefix[0].transpose(-1, -2)).float()
-        out_p, max_p, sum_p = _softmax_parts(scores + self.prompt_bias, prefix[1])
-
-        def by_row(x: Tensor) -> Tensor:  # [groups, H_kv, R x G, e] -> [n, H_kv, G, e]
-            x = x.view(groups, kv_heads, slots, heads, -1).transpose(1, 2)
-            return x.reshape(groups * slots, kv_heads, heads, -1)[self.slot_of_row]
-
-        out_p, max_p, sum_p = by_row(out_p), by_row(max_p), by_row(sum_p)
+        q_grouped = q[self.row_of_slot].view(groups, slots, kv_heads, -1, d).transpose(1, 2)
+        out_p, lse_p = _attend(q_grouped.reshape(groups, kv_heads, -1, d), *prefix, self.prompt_bias, attn.scaling,
+                              fused=True)
+        # by row: [groups, H_kv, R x G, d + 1] -> [n, H_kv, G, d + 1]
+        prompt_part = torch.cat([out_p, lse_p], -1).view(groups, kv_heads, slots, -1, d + 1).transpose(1, 2)
+        prompt_part = prompt_part.reshape(groups * slots, kv_heads, -1, d + 1)[self.slot_of_row]
         # the generated part, row by row: [n, H_kv, G, t + 1]
-        out_g, max_g, sum_g = _softmax_parts((q @ keys[:n, :, : t + 1].transpose(-1, -2)).float(),
-                                             values[:n, :, : t + 1])
-        top = torch.maximum(max_p, max_g)
-        w_p, w_g = (max_p - top).exp(), (max_g - top).exp()
-        out = (out_p * w_p + out_g * w_g) / (sum_p * w_p + sum_g * w_g)
-        return out.to(qkv[0].dtype).reshape(n, -1)
+        out_g, lse_g = _attend(q, keys[:n, :, : t + 1], values[:n, :, : t + 1], None, attn.scaling,
+                              fused=False)
+        # softmax weights of the prompt part: sigmoid(lse_p - lse_g) = e^lse_p / (e^lse_p + e^lse_g)
+        out = torch.lerp(out_g, prompt_part[..., :d], torch.sigmoid(prompt_part[..., d:] - lse_g))
+        return out.to(qkv.dtype).reshape(n, -1)
 
 
-def _softmax_parts(scores: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Unnormalised softmax attention: (sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)) with m = max_j s_j."""
+def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float,
+            fused: bool) -> tuple[Tensor, Tensor]:
+    """Softmax attention [B, H, L, d] of q [B, H, L, d] over keys/values [B, H, S, d] (plus an additive score
+    ``bias``) and the log-sum-exp of its scores [B, H, L, 1], in float32. ``fused`` on CPU: one kernel, the flash
+    attention that ``F.scaled_dot_product_attention`` runs there (which also returns the log-sum-exp); faster for
+    the prompt part (many queries per group), slower than two batched matmuls for the generated part's few
+    queries per row (SmolLM2: 1.7 vs 1.1 ms per layer at 64 rows x 128 keys)."""
+    if fused and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=bias,
+                                                                               scale=scale)
+        return out.float(), lse[..., None]
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
     top = scores.amax(-1, keepdim=True)
     weights = (scores - top).exp()
-    return (weights.to(values.dtype) @ values).float(), top, weights.sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    return (weights.to(values.dtype) @ values).float() / total, top + total.log()
 
 
 class _SlabLayer(DynamicLayer):
@@ -303,7 +319,7 @@ class CacheDecoder:
         self.mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], self.capacity - self.width)], 1)
         self.mask = self.mask.repeat_interleave(group_size, dim=0)
         self.head = Matmul(self.output)
-        return self.head(hidden)[0].repeat_interleave(group_size, dim=0)
+        return self.head(hidden).repeat_interleave(group_size, dim=0)
 
     def keep(self, order: Tensor) -> None:
         """Keep rows ``order`` (new row i = old row order[i]); only rows whose index changes are copied."""
@@ -317,4 +333,4 @@ class CacheDecoder:
         hidden = self.forward(input_ids=tokens[:, None], attention_mask=self.mask[:, : self.width + self.length + 1],
                               position_ids=positions[:, None], past_key_values=self.cache, use_cache=True)
         self.length += 1
-        return self.head(hidden.last_hidden_state[:, -1])[0]
+        return self.head(hidden.last_hidden_state[:, -1])

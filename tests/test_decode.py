@@ -93,19 +93,22 @@ def test_every_step_equals_the_full_forward(name, kind, matmuls):
 
 
 @torch.no_grad()
-def test_a_stacked_onednn_matmul_equals_its_modules():
+def test_a_stacked_matmul_equals_its_modules():
+    """One output [n, out_1 + out_2] equal to the modules' outputs side by side, whichever way it runs: oneDNN
+    (large float32 CPU weights), F.linear on the stacked weights (small or bf16), or the modules themselves (hooks)."""
     torch.manual_seed(0)
     q, k = torch.nn.Linear(576, 576, bias=False), torch.nn.Linear(576, 192, bias=True)
     x = torch.randn(5, 576)
-    packed = Matmul(q, k)
-    assert packed.packed == torch.backends.mkldnn.is_available()
-    for got, module in zip(packed(x), (q, k), strict=True):
-        torch.testing.assert_close(got, module(x), atol=1e-5, rtol=1e-5)
-    small, hooked = torch.nn.Linear(32, 32), torch.nn.Linear(576, 576)
+    small, hooked = torch.nn.Linear(576, 32), torch.nn.Linear(576, 576)
     hooked.register_forward_hook(lambda module, inputs, out: out + 1)
-    assert not Matmul(small).packed and not Matmul(hooked).packed  # too small for oneDNN; hooks must run
-    torch.testing.assert_close(Matmul(hooked)(x)[0], hooked(x))
-    assert not Matmul(q.to(torch.bfloat16)).packed
+    cases = {"onednn" if torch.backends.mkldnn.is_available() else "stacked": (q, k), "stacked": (small, k),
+             "modules": (hooked, k)}
+    for kind, modules in cases.items():
+        matmul = Matmul(*modules)
+        assert matmul.kind == kind
+        torch.testing.assert_close(matmul(x), torch.cat([m(x) for m in modules], -1), atol=1e-5, rtol=1e-5)
+    bf16 = Matmul(q.to(torch.bfloat16))
+    assert bf16.kind == "stacked" and bf16.weight.data_ptr() == q.weight.data_ptr()  # one module: no weight copy
 
 
 @torch.no_grad()

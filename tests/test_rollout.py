@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.models import build_prompt, load_model
-from harness.rollout import completion_logprobs, generate
+from harness.rollout import SAMPLE_BLOCK, _inverse_cdf, _sample, completion_logprobs, generate
 from harness.tasks import get_task
 
 
@@ -73,6 +73,51 @@ def test_sampled_logprobs_equal_teacher_forced_logprobs(tiny_policy, eos_bias, s
     assert torch.allclose(logp.masked_fill(~ro.completion_mask, 0), ro.sampler_logp, atol=1e-5)
     check_eos_contract(ro, tokenizer, 16)
     assert ro.truncated.any() and not ro.truncated.all()
+
+
+def test_the_two_level_inverse_cdf_is_the_exact_one():
+    """Against the float64 inverse CDF over the whole vocabulary (700 entries: blocks of 256 and padding), for
+    draws away from the boundaries; zero-weight entries (a top-p cut, a whole zero block) are never drawn, even
+    for u -> 1 and where rounding leaves the point past a block's own sum."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(64, 700, generator=generator) ** 4
+    weights[:, 300:520] = 0.0  # block 1 partly and the start of block 2 empty
+    weights[::2, 650:] = 0.0  # the last entries of even rows empty
+    weights[2, 649] = weights[3, 699] = 1.0  # the last positive entries of the rows that draw u -> 1
+    uniform = torch.rand(64, generator=generator)
+    uniform[:4] = torch.tensor([0.0, 1e-9, 1 - 1e-7, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))])
+    cdf = weights.double().cumsum(-1)
+    point = uniform.double()[:, None] * cdf[:, -1:]
+    expected = torch.searchsorted(cdf, point, right=True)[:, 0].clamp(max=699)
+    got = _inverse_cdf(weights, uniform)
+    assert SAMPLE_BLOCK < 700 and (weights.gather(-1, got[:, None]) > 0).all()
+    away = ((cdf - point).abs() > 1e-4 * cdf[:, -1:]).all(-1)  # no boundary within float32 rounding
+    assert away[4:].float().mean() > 0.9 and torch.equal(got[away], expected[away])
+    assert got[2] == 649 and got[3] == 699
+    # one block: its sum (vectorised) exceeds its own cumulative sum by rounding in some rows, so u -> 1 points
+    # past the cumulative sum's end; the draw is still the last entry of positive weight (199), not padding (255)
+    weights = torch.zeros(2000, 256)
+    weights[:, :199] = torch.rand(2000, 199, generator=generator) ** 8
+    weights[:, 199] = 1.0
+    u = torch.full((2000,), torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item())
+    past_the_end = u * weights.sum(-1) > weights.cumsum(-1)[:, -1]
+    assert past_the_end.any() and (_inverse_cdf(weights, u) == 199).all()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_a_sampled_token_and_its_logprob(temperature, top_p):
+    """The log-prob is log_softmax(logits / T) at the token for greedy and sampled draws; a sampled token lies in
+    the top-p nucleus; every token is drawn about as often as its probability (10,000 rows of a 5-token vocabulary)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(10_000, 1)
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    token, logp = _sample(logits, None, temperature, top_p)
+    assert (token == 0).all() and torch.allclose(logp, logp_all[:, 0], atol=1e-6, rtol=0)
+    token, logp = _sample(logits, torch.rand(10_000, generator=torch.Generator().manual_seed(0)), temperature, top_p)
+    assert torch.allclose(logp, logp_all.gather(-1, token[:, None])[:, 0], atol=1e-6, rtol=0)
+    probs = logp_all[0].exp()
+    kept = probs.cumsum(-1) - probs <= top_p  # the nucleus: tokens sorted by probability already
+    frequency = torch.bincount(token, minlength=5).float() / 10_000
+    torch.testing.assert_close(frequency, torch.where(kept, probs, 0) / probs[kept].sum(), atol=0.015, rtol=0)
 
 
 def test_same_seed_same_tokens(tiny_policy):

@@ -360,8 +360,10 @@ def test_micro_batches_give_the_minibatch_update_with_a_correction(tmp_path, obj
         finals.append(final_policy(tmp_path / f"m{micro}"))
         row = read_jsonl(tmp_path / f"m{micro}" / "metrics.jsonl")[1]
         assert 0 < row["rollout_corr_truncated_frac"] < 1  # the tight threshold truncates some tokens
+    # AdamW's first steps move a weight by ~lr * sign(g): where |g| is near its eps, summation-order round-off of
+    # the micro-batch sums is amplified (up to ~1.5e-6 seen): the bound is 1e-5 (1% of lr = 1e-3), not float epsilon
     for key in finals[0]:
-        assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
+        assert torch.allclose(finals[0][key], finals[1][key], atol=1e-5), key
 
 
 @pytest.mark.slow
