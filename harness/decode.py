@@ -7,12 +7,12 @@ Two implementations with one interface (``step(tokens, positions) -> logits``, `
   forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
   norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU).
   A group's rows share one prompt, so its keys/values are stored once per group, not once per row, and read
-  once per group at every step. Row r of
-  group g attends to the prompt part (keys K_g, left padding masked) and to its own t+1 generated tokens
-  (keys K_r); the two softmax parts are merged exactly: with scores s over the prompt and u over the generated
-  tokens and m = max(max s, max u),
+  once per group at every step. Row r of group g attends to the prompt part (keys K_g, left padding masked) and
+  to its own t+1 generated tokens (keys K_r); each part is a softmax attention that also gives the log-sum-exp
+  of its scores (out_p, l_p over the prompt's scores s; out_g, l_g over the generated tokens' scores u), and the
+  two are merged exactly:
 
-      out_r = (sum_j e^(s_j - m) V_g,j + sum_j e^(u_j - m) V_r,j) / (sum_j e^(s_j - m) + sum_j e^(u_j - m))
+      out_r = w out_p + (1 - w) out_g,   w = e^l_p / (e^l_p + e^l_g) = sigmoid(l_p - l_g)
 
   = softmax([s, u]) @ [V_g; V_r] (the "cascade" attention of shared-prefix inference engines). No per-step
   attention mask is built and no transformers forward plumbing runs per step. The logits equal the model's
