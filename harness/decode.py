@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from harness.config import DECODERS
 
 SHARED_PREFIX_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
 
 
@@ -73,6 +74,12 @@ def shared_prefix_unsupported(model, length: int) -> str | None:
     window = getattr(config, "sliding_window", None)
     if window is not None and length > window:
         return f"sequences of {length} tokens exceed the sliding window of {window}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_types = {rope.get("rope_type")} if "rope_type" in rope else {
+        value.get("rope_type") for value in rope.values() if isinstance(value, dict)}  # per layer type
+    if rope_types & set(LENGTH_DEPENDENT_ROPE):
+        return (f"its rotary embedding ({', '.join(sorted(rope_types & set(LENGTH_DEPENDENT_ROPE)))}) changes with "
+                "the sequence's length, and the decoder tables it once per rollout")
     return None
 
 
@@ -120,9 +127,10 @@ class SharedPrefixDecoder:
     ``rows`` x ``max_new_tokens`` sizes the generated keys/values [rows, H_kv, max_new_tokens, d] per layer,
     allocated at the prefill; the prompts' keys/values ([D, H_kv, P, d] per layer, after the rotary embedding)
     are the prefill's. The rotary embedding's cos/sin come from the model's rotary module, computed once per
-    rollout for every position the rollout can reach, and are applied to q and k together as
-    x cos + rotate_half(x) sin (the Llama family's form) with rotate_half(x) sin = roll(x, d/2) (sin with its
-    first half negated).
+    rollout for every position the rollout can reach (so rotary types whose frequencies depend on the length,
+    ``LENGTH_DEPENDENT_ROPE``, go to the cache decoder), and are applied to q and k together as
+    x cos + rotate_half(x) sin (the Llama family's form), where rotate_half(x) sin = roll(x, d/2) sin' with sin'
+    = sin with its first half negated.
     """
 
     def __init__(self, model, rows: int, max_new_tokens: int):

@@ -134,6 +134,10 @@ def test_where_the_shared_prefix_decoder_does_not_apply():
     assert "sliding" in shared_prefix_unsupported(sliding, 10)
     mistral = MistralForCausalLM(MistralConfig(**SHAPE, head_dim=8, sliding_window=16))
     assert shared_prefix_unsupported(mistral, 16) is None and "sliding window" in shared_prefix_unsupported(mistral, 17)
+    dynamic = LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                      "rope_theta": 10000.0}))
+    assert "rotary embedding (dynamic) changes with the sequence's length" in shared_prefix_unsupported(dynamic, 10)
+    assert shared_prefix_unsupported(build("llama"), 10) is None
     ids = torch.ones(1, 3, dtype=torch.long)
     assert isinstance(build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2)[0], CacheDecoder)
     with pytest.raises(ValueError, match="shared-prefix decoder cannot run this model: model_type 'gpt2'"):
