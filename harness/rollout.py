@@ -143,7 +143,9 @@ def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     """
     n, vocab = weights.shape
     blocks = -(-vocab // SAMPLE_BLOCK)
-    padded = torch.nn.functional.pad(weights, (0, blocks * SAMPLE_BLOCK - vocab)).view(n, blocks, SAMPLE_BLOCK)
+    if vocab % SAMPLE_BLOCK:  # F.pad copies even when there is nothing to pad
+        weights = torch.nn.functional.pad(weights, (0, blocks * SAMPLE_BLOCK - vocab))
+    padded = weights.view(n, blocks, SAMPLE_BLOCK)
     block_cdf = padded.sum(-1).cumsum(-1)  # [n, blocks]
     total = block_cdf[:, -1:]
     point = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
