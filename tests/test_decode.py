@@ -111,6 +111,26 @@ def test_a_stacked_matmul_equals_its_modules():
     assert bf16.kind == "stacked" and bf16.weight.data_ptr() == q.weight.data_ptr()  # one module: no weight copy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_and_explicit_attention_parts_agree(dtype):
+    """_attend's two ways (the CPU flash kernel; the matmul/softmax path every other device takes) give the same
+    output and log-sum-exp, with a padding bias, grouped queries and keys of another length: the explicit path
+    is what a GPU runs for the prompt part, so it is pinned here on CPU against the kernel and against the
+    definition softmax(q k^T s + b) v, logsumexp(q k^T s + b)."""
+    generator = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(3, 2, l, 8, generator=generator).to(dtype) for l in (6, 9, 9))
+    bias = torch.zeros(3, 1, 1, 9)
+    bias[0, ..., :4] = bias[2, ..., :1] = torch.finfo(torch.float32).min
+    scores = (q.float() @ keys.float().transpose(-1, -2)) * 0.3 + bias
+    expected = (scores.softmax(-1) @ values.float(), scores.logsumexp(-1, keepdim=True))
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for fused in (True, False):
+        out, lse = decode._attend(q, keys, values, bias, 0.3, fused=fused)
+        assert out.dtype == lse.dtype == torch.float32 and lse.shape == (3, 2, 6, 1)
+        torch.testing.assert_close(out, expected[0], **tolerance)
+        torch.testing.assert_close(lse, expected[1], **tolerance)
+
+
 @torch.no_grad()
 def test_bf16_steps_stay_within_bf16_rounding_of_the_forward():
     model = build("llama", torch.bfloat16)
