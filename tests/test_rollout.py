@@ -108,14 +108,14 @@ def test_the_two_level_inverse_cdf_is_the_exact_one():
 def test_a_sampled_token_and_its_logprob(temperature, top_p):
     """The log-prob is log_softmax(logits / T) at the token for greedy and sampled draws; a sampled token lies in
     the top-p nucleus; every token is drawn about as often as its probability (10,000 rows of a 5-token vocabulary)."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(10_000, 1)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(10_000, 1)  # most probable first
     logp_all = torch.log_softmax(logits / temperature, -1)
     token, logp = _sample(logits, None, temperature, top_p)
     assert (token == 0).all() and torch.allclose(logp, logp_all[:, 0], atol=1e-6, rtol=0)
     token, logp = _sample(logits, torch.rand(10_000, generator=torch.Generator().manual_seed(0)), temperature, top_p)
     assert torch.allclose(logp, logp_all.gather(-1, token[:, None])[:, 0], atol=1e-6, rtol=0)
     probs = logp_all[0].exp()
-    kept = probs.cumsum(-1) - probs <= top_p  # the nucleus: tokens sorted by probability already
+    kept = probs.cumsum(-1) - probs <= top_p  # the nucleus (the tokens are in order of probability)
     frequency = torch.bincount(token, minlength=5).float() / 10_000
     torch.testing.assert_close(frequency, torch.where(kept, probs, 0) / probs[kept].sum(), atol=0.015, rtol=0)
 
