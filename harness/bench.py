@@ -163,7 +163,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     objective, estimator = build_objective(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg)
+    warm_up_rollout_s = warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg)
     sync(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     ro = sample_group(policy, tokenizer, problems, cfg)
@@ -187,6 +187,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
 
     result = {
         "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device), "sampler": t.sampler,
+        "decoder": t.decoder, "compile_sampler": t.compile_sampler, "warm_up_rollout_s": warm_up_rollout_s,
         "prompts_x_samples": f"{t.prompts_per_step}x{t.group_size}", "max_new_tokens": t.max_new_tokens,
         "num_minibatches": t.num_minibatches, "model_load_s": load_s, "repeats": 1,
         "completion_tokens": completion_tokens, "rollout_s": rollout_s, "rollout_tok_s": completion_tokens / rollout_s,
@@ -215,24 +216,28 @@ RATIOS = ("native_over_trl_rollout_tok_s", "native_over_trl_generate_tok_s", "tr
 
 
 def median_of(runs: list[dict]) -> dict:
-    """The median over repeats of every number (so that one noisy sub-second timing does not decide a ratio), and
-    the range of the ratios the goals read (``RATIOS``); a single run is returned as it is."""
+    """The median over repeats of every number (so that one noisy sub-second timing does not decide a ratio; the
+    warm-up rollout: the first's, which holds the one-time costs) and the range of the ratios the goals read
+    (``RATIOS``); a single run is returned as it is."""
     if len(runs) == 1:
         return runs[0]
     result = {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
     result["repeats"] = len(runs)
+    result["warm_up_rollout_s"] = runs[0]["warm_up_rollout_s"]  # the first holds the one-time costs (a compile)
     for key in RATIOS:
         result[f"{key}_min_max"] = f"{min(r[key] for r in runs):.3f} / {max(r[key] for r in runs):.3f}"
     return result
 
 
-def warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg) -> None:
+def warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg) -> float:
     """A small rollout and update before timing, so that one-time costs (kernel loading, allocator growth, CUDA
-    handles) are charged to neither side; the weights are restored afterwards (lr 0 would still move AdamW's
-    moments, so the state is saved and put back)."""
+    handles, ``train.compile_sampler``'s compile) are charged to neither side; the weights are restored afterwards
+    (lr 0 would still move AdamW's moments, so the state is saved and put back). Returns the rollout's seconds."""
     saved = copy.deepcopy(policy.state_dict())
     small = OmegaConf.merge(cfg, {"train": {"max_new_tokens": 8}})
+    start = time.perf_counter()
     ro = sample_group(policy, tokenizer, problems[:2], small)
+    rollout_s = time.perf_counter() - start
     n, device = len(ro.texts), ro.completion_ids.device
     batch = TrainBatch(ro, torch.zeros(n, device=device), torch.ones(n, device=device), torch.arange(n, device=device),
                        ro.sampler_logp)
@@ -240,6 +245,7 @@ def warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg) -
         "prompts_per_step": 2, "num_minibatches": 1, "micro_batch_size": 0}}), 0, RunState(total_optimizer_steps=1))
     policy.load_state_dict(saved)
     optimizer.state.clear()
+    return rollout_s
 
 
 def sync(device: torch.device) -> None:

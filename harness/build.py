@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import DTYPES, ConfigError
-from harness.decode import shared_prefix_unsupported
+from harness.decode import written_out_unsupported
 from harness.models import load_model, warm_start
 from harness.tasks import Task, get_task
 from objectives import get_advantage, get_objective
@@ -38,10 +38,10 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     t = cfg.train
-    if t.sampler == "native" and t.decoder == "shared_prefix":
-        reason = shared_prefix_unsupported(model, t.max_new_tokens)
+    if t.sampler == "native" and t.decoder in ("shared_prefix", "per_row"):
+        reason = written_out_unsupported(model, t.max_new_tokens)
         if reason:
-            raise ConfigError(f"train.decoder=shared_prefix cannot run {m.name!r}: {reason}; use train.decoder=auto "
+            raise ConfigError(f"train.decoder={t.decoder} cannot run {m.name!r}: {reason}; use train.decoder=auto "
                               "(falls back to the cache decoder) or cache")
     start = None
     if m.warm_start_steps:

@@ -34,7 +34,7 @@ EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
 EMBEDDED_MODELS = ("tiny", "smollm2-135m-instruct")
 SAMPLERS = ("native", "hf")  # harness/rollout.py: our decode loop, or transformers' generate (the reference)
-DECODERS = ("auto", "shared_prefix", "cache")  # harness/decode.py
+DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # harness/decode.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -108,8 +108,8 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_sampling_rounds: int = 10  # rounds of prompts_per_step prompts per step (verl DAPO's max_num_gen_batches)
     sampler: str = "native"  # "native": harness/rollout.py's decode loop; "hf": transformers' generate (reference)
-    decoder: str = "auto"  # the native sampler's decode step (harness/decode.py): auto | shared_prefix | cache
-    compile_sampler: bool = False  # torch.compile the cache decoder's forward (pays a compile once per process)
+    decoder: str = "auto"  # the native sampler's decode step (harness/decode.py): auto|shared_prefix|per_row|cache
+    compile_sampler: bool = False  # torch.compile the per-row (or cache) decoder's step: a compile per rollout shape
     eval_every: int = 5  # 0 = only at the start and the end
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off
@@ -378,8 +378,8 @@ def validate(run: DictConfig) -> None:
     if t.decoder not in DECODERS:
         raise ConfigError(f"train.decoder must be one of {', '.join(DECODERS)}, got {t.decoder!r}")
     if t.compile_sampler and (t.sampler != "native" or t.decoder == "shared_prefix"):
-        raise ConfigError("train.compile_sampler compiles the native sampler's cache decoder: use it with "
-                          "train.sampler=native and train.decoder=auto or cache")
+        raise ConfigError("train.compile_sampler compiles the native sampler's per-row or cache decoder: use it "
+                          "with train.sampler=native and train.decoder=auto, per_row or cache")
     _check_warm_start(m)
     _check_device(run.device)
     _check_task_and_model(run)

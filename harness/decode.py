@@ -3,7 +3,7 @@ keys/values kept between steps, rows removable between steps (finished rows leav
 
 Two implementations with one interface (``step(tokens, positions) -> logits``, ``keep(order)``):
 
-* :class:`SharedPrefixDecoder`, for Llama-family models (``SHARED_PREFIX_MODELS``, full attention): the model's
+* :class:`SharedPrefixDecoder`, for Llama-family models (``WRITTEN_OUT_MODELS``, full attention): the model's
   forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
   norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU).
   A group's rows share one prompt, so its keys/values are stored once per group, not once per row, and read
@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from harness.config import DECODERS
 
-SHARED_PREFIX_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+WRITTEN_OUT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
 
@@ -48,27 +48,34 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
                   kind: str = "auto", compile: bool = False):
     """Prefill the distinct prompts [D, P] once and return (decoder, first logits [D x group_size, V]).
 
-    ``kind``: ``"auto"`` (:class:`SharedPrefixDecoder` where it applies, else :class:`CacheDecoder`),
-    ``"shared_prefix"`` (an error where it does not apply), ``"cache"``. ``compile``: ``torch.compile`` the
-    :class:`CacheDecoder`'s forward (with ``"auto"``, compiling selects the cache decoder).
+    ``kind``: ``"auto"`` (:class:`SharedPrefixDecoder` where it applies, else :class:`CacheDecoder`; with
+    ``compile``, :class:`PerRowDecoder` where it applies), ``"shared_prefix"`` / ``"per_row"`` (an error where they
+    do not apply), ``"cache"``. ``compile``: ``torch.compile`` the per-row decoder's step, or the cache decoder's
+    forward (not the shared-prefix decoder: its shapes change at every step).
     """
     if kind not in DECODERS:
         raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {kind!r}")
-    reason = shared_prefix_unsupported(model, prompt_ids.shape[1] + max_new_tokens)
-    if kind == "shared_prefix" and reason:
-        raise ValueError(f"the shared-prefix decoder cannot run this model: {reason}; use decoder 'auto' or 'cache'")
-    if kind == "cache" or reason or compile:
+    if kind == "shared_prefix" and compile:
+        raise ValueError("the shared-prefix decoder is not compiled; use decoder 'auto', 'per_row' or 'cache'")
+    reason = written_out_unsupported(model, prompt_ids.shape[1] + max_new_tokens)
+    if kind in ("shared_prefix", "per_row") and reason:
+        raise ValueError(f"the {kind} decoder cannot run this model: {reason}; use decoder 'auto' or 'cache'")
+    rows = prompt_mask.shape[0] * group_size
+    if kind == "cache" or reason:
         decoder = CacheDecoder(model, prompt_ids.shape[1] + max_new_tokens, compile)
+    elif kind == "per_row" or compile:
+        decoder = PerRowDecoder(model, rows, max_new_tokens, compile)
     else:
-        decoder = SharedPrefixDecoder(model, prompt_mask.shape[0] * group_size, max_new_tokens)
+        decoder = SharedPrefixDecoder(model, rows, max_new_tokens)
     return decoder, decoder.prefill(prompt_ids, prompt_mask, group_size)
 
 
-def shared_prefix_unsupported(model, length: int) -> str | None:
-    """Why :class:`SharedPrefixDecoder` cannot run ``model`` for sequences of ``length`` tokens (``None``: it can)."""
+def written_out_unsupported(model, length: int) -> str | None:
+    """Why the written-out decoders (:class:`SharedPrefixDecoder`, :class:`PerRowDecoder`) cannot run ``model`` for
+    sequences of ``length`` tokens (``None``: they can)."""
     config = model.config.get_text_config()
-    if config.model_type not in SHARED_PREFIX_MODELS:
-        return f"model_type {config.model_type!r} is not one of {', '.join(SHARED_PREFIX_MODELS)}"
+    if config.model_type not in WRITTEN_OUT_MODELS:
+        return f"model_type {config.model_type!r} is not one of {', '.join(WRITTEN_OUT_MODELS)}"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "the model has sliding-window layers"
     window = getattr(config, "sliding_window", None)
@@ -121,16 +128,16 @@ class Matmul:
         return torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
 
 
-class SharedPrefixDecoder:
-    """Decode steps of a Llama-family model with each group's prompt keys/values stored once (module docstring).
+class _WrittenOutDecoder:
+    """The forward of a Llama-family model written out over its own modules (embedding, RMSNorms, q/k norms, rotary
+    embedding, activation, final norm) and weights (:class:`Matmul`) for one new token per row; subclasses keep the
+    keys/values (``_prefill_storage``, ``keep``) and attend (``_attention``).
 
-    ``rows`` x ``max_new_tokens`` sizes the generated keys/values [rows, H_kv, max_new_tokens, d] per layer,
-    allocated at the prefill; the prompts' keys/values ([D, H_kv, P, d] per layer, after the rotary embedding)
-    are the prefill's. The rotary embedding's cos/sin come from the model's rotary module, computed once per
-    rollout for every position the rollout can reach (so rotary types whose frequencies depend on the length,
-    ``LENGTH_DEPENDENT_ROPE``, go to the cache decoder), and are applied to q and k together as
-    x cos + rotate_half(x) sin (the Llama family's form), where rotate_half(x) sin = roll(x, d/2) sin' with sin'
-    = sin with its first half negated.
+    ``rows`` x ``max_new_tokens`` sizes the generated keys/values. The rotary embedding's cos/sin come from the
+    model's rotary module, computed once per rollout for every position the rollout can reach (so rotary types
+    whose frequencies depend on the length, ``LENGTH_DEPENDENT_ROPE``, go to the cache decoder), and are applied to
+    q and k together as x cos + rotate_half(x) sin (the Llama family's form), where rotate_half(x) sin =
+    roll(x, d/2) sin' with sin' = sin with its first half negated.
     """
 
     def __init__(self, model, rows: int, max_new_tokens: int):
@@ -146,22 +153,55 @@ class SharedPrefixDecoder:
         hidden = self.model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
                                           position_ids=positions(prompt_mask), past_key_values=cache,
                                           use_cache=True).last_hidden_state[:, -1]
-        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
-        self.generated = [(k.new_empty(self.rows, k.shape[1], self.max_new_tokens, k.shape[3]),
-                           v.new_empty(self.rows, v.shape[1], self.max_new_tokens, v.shape[3])) for k, v in self.prefix]
-        self.prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
+        prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]  # [D, 1, 1, P]
+        self._prefill_storage([(layer.keys, layer.values) for layer in cache.layers], prompt_bias, group_size)
         reach = torch.arange(prompt_ids.shape[1] + self.max_new_tokens, device=prompt_ids.device)
         cos, sin = self.rotary(hidden, reach[None])  # [1, positions, d]
         half = sin.shape[-1] // 2
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-        self.group = torch.arange(prompt_mask.shape[0], device=prompt_mask.device).repeat_interleave(group_size)
-        self._index_groups()
         self.head = Matmul(self.output)
         self.projections = [(Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                              Matmul(layer.self_attn.o_proj), Matmul(layer.mlp.gate_proj, layer.mlp.up_proj),
                              Matmul(layer.mlp.down_proj)) for layer in self.layers]
         return self.head(hidden).repeat_interleave(group_size, dim=0)
+
+    def _layers(self, tokens: Tensor, positions: Tensor, attend) -> Tensor:
+        """Logits [n, V] after ``tokens`` [n] at ``positions`` [n]; ``attend(i, attn, q, k, v)`` -> [n, H x d] is layer
+        i's attention of q [n, H_kv, G, d] (query head h uses key head h // G) given the new k, v [n, H_kv, d]."""
+        hidden = self.embed(tokens)  # [n, hidden]
+        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [n, 1, d]
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, self.projections, strict=True)):
+            q, k, v = self._rotated(layer.self_attn, qkv(layer.input_layernorm(hidden)), cos, sin)
+            hidden = hidden + o(attend(i, layer.self_attn, q, k, v))
+            gate, up = gate_up(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + down(layer.mlp.act_fn(gate) * up)
+        return self.head(self.norm(hidden))
+
+    @staticmethod
+    def _rotated(attn, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [n, H_kv, G, d], k and v [n, H_kv, d] from the stacked projection [n, (H + 2 H_kv) d], q and k rotated."""
+        heads, kv_heads, d = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+        n = qkv.shape[0]
+        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
+            qk = torch.cat([attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])], 1)
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        return (qk[:, :heads].view(n, kv_heads, heads // kv_heads, d), qk[:, heads:],
+                qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d))
+
+
+class SharedPrefixDecoder(_WrittenOutDecoder):
+    """Decode steps with each group's prompt keys/values stored once (module docstring): the prompts' keys/values
+    [D, H_kv, P, d] per layer are the prefill's (after the rotary embedding), the generated ones
+    [rows, H_kv, max_new_tokens, d] per layer are allocated at the prefill."""
+
+    def _prefill_storage(self, prefix: list[tuple[Tensor, Tensor]], prompt_bias: Tensor, group_size: int) -> None:
+        self.prefix, self.prompt_bias = prefix, prompt_bias
+        self.generated = [(k.new_empty(self.rows, k.shape[1], self.max_new_tokens, k.shape[3]),
+                           v.new_empty(self.rows, v.shape[1], self.max_new_tokens, v.shape[3])) for k, v in prefix]
+        self.group = torch.arange(prompt_bias.shape[0], device=prompt_bias.device).repeat_interleave(group_size)
+        self._index_groups()
 
     def _index_groups(self) -> None:
         """Slots [groups x R] for the rows of each group (R = most rows left in a group; spare slots compute row 0
@@ -190,30 +230,16 @@ class SharedPrefixDecoder:
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits [n, V] of the next token after ``tokens`` [n] at ``positions`` [n] (rows as left by ``keep``)."""
-        hidden = self.embed(tokens)  # [n, hidden]
-        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [n, 1, d]
-        for layer, (qkv, o, gate_up, down), prefix, generated in zip(self.layers, self.projections, self.prefix,
-                                                                     self.generated, strict=True):
-            attention = self._attention(layer.self_attn, qkv(layer.input_layernorm(hidden)), cos, sin, prefix,
-                                        generated)
-            hidden = hidden + o(attention)
-            gate, up = gate_up(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + down(layer.mlp.act_fn(gate) * up)
+        logits = self._layers(tokens, positions, self._attention)
         self.length += 1
-        return self.head(self.norm(hidden))
+        return logits
 
-    def _attention(self, attn, qkv: Tensor, cos: Tensor, sin: Tensor, prefix, generated) -> Tensor:
+    def _attention(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """softmax over [the group's prompt, the row's generated tokens] (module docstring) -> [n, H x d]."""
-        keys, values = generated
-        n, t, (kv_heads, d) = qkv.shape[0], self.length, keys.shape[1::2]
-        heads = attn.config.num_attention_heads
-        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
-            qk = torch.cat([attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])], 1)
-        qk = qk * cos + qk.roll(d // 2, -1) * sin
-        keys[:n, :, t], values[:n, :, t] = qk[:, heads:], qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
-        q = qk[:, :heads].view(n, kv_heads, heads // kv_heads, d)  # query head h uses key head h // G
-
+        (keys, values), prefix = self.generated[i], self.prefix[i]
+        n, kv_heads, _, d = q.shape
+        t = self.length
+        keys[:n, :, t], values[:n, :, t] = k, v
         # the prompt part, all rows of a group at once: [groups, H_kv, R x G, P]
         groups, slots = self.prompt_bias.shape[0], self.slots_per_group
         q_grouped = q[self.row_of_slot].view(groups, slots, kv_heads, -1, d).transpose(1, 2)
@@ -227,7 +253,96 @@ class SharedPrefixDecoder:
                               fused=False)
         # softmax weights of the prompt part: sigmoid(lse_p - lse_g) = e^lse_p / (e^lse_p + e^lse_g)
         out = torch.lerp(out_g, prompt_part[..., :d], torch.sigmoid(prompt_part[..., d:] - lse_g))
-        return out.to(qkv.dtype).reshape(n, -1)
+        return out.to(q.dtype).reshape(n, -1)
+
+
+class PerRowDecoder(_WrittenOutDecoder):
+    """Decode steps with every row holding its own copy of its prompt's keys/values, in one slab
+    [rows, H_kv, P + max_new_tokens, d] per layer (prompt, then generated): one softmax attention per layer and
+    step over the written positions and the new token (:func:`_row_step`), the prompt's padding masked by a bias
+    [rows, 1, 1, P + max_new_tokens].
+
+    ``compile``: the step is ``torch.compile``-d once per process with the sizes that change between steps and
+    rollouts (rows left, positions written, positions reachable) marked dynamic, so no step or rollout recompiles
+    it; the new keys/values leave the graph as outputs and are written into the slab outside it (a graph that
+    wrote into its input would copy the slab whole at every step).
+    """
+
+    def __init__(self, model, rows: int, max_new_tokens: int, compile: bool):
+        super().__init__(model, rows, max_new_tokens)
+        self.compile = compile
+
+    def _prefill_storage(self, prefix: list[tuple[Tensor, Tensor]], prompt_bias: Tensor, group_size: int) -> None:
+        self.width = prefix[0][0].shape[2]  # P
+        self.slabs = []
+        for k, v in prefix:
+            keys = k.new_empty(self.rows, k.shape[1], self.width + self.max_new_tokens, k.shape[3])
+            values = torch.empty_like(keys)
+            keys[:, :, : self.width], values[:, :, : self.width] = (k.repeat_interleave(group_size, dim=0),
+                                                                  v.repeat_interleave(group_size, dim=0))
+            self.slabs.append((keys, values))
+        self.bias = torch.nn.functional.pad(prompt_bias, (0, self.max_new_tokens)).repeat_interleave(group_size, dim=0)
+
+    def keep(self, order: Tensor) -> None:
+        """Keep rows ``order`` (new row i = old row order[i]); only rows whose index changes are copied."""
+        moved = (order != torch.arange(len(order), device=order.device)).nonzero()[:, 0]
+        end = self.width + self.length
+        for keys, values in self.slabs:
+            keys[moved, :, :end] = keys[order[moved], :, :end]
+            values[moved, :, :end] = values[order[moved], :, :end]
+        self.bias = self.bias[order]
+
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Logits [n, V] of the next token after ``tokens`` [n] at ``positions`` [n] (rows as left by ``keep``)."""
+        n, written = tokens.shape[0], self.width + self.length  # slab positions filled so far
+        slabs = [(keys[:n, :, :written], values[:n, :, :written]) for keys, values in self.slabs]
+        bias = self.bias[:n, :, :, :written]
+        step = _row_step
+        if self.compile and n > 1:  # one row left: eager (torch would compile a second graph for size 1)
+            for tensor, dims in ((tokens, 0), (positions, 0), (bias, (0, 3)), (self.cos, 0), (self.sin, 0),
+                                 *((t, (0, 2)) for slab in slabs for t in slab)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dims)
+            step = _compiled_row_step()
+        logits, new = step(self, tokens, positions, slabs, bias)
+        for (keys, values), (k, v) in zip(self.slabs, new, strict=True):
+            keys[:n, :, written], values[:n, :, written] = k, v
+        self.length += 1
+        return logits
+
+
+def _row_step(decoder: PerRowDecoder, tokens: Tensor, positions: Tensor, slabs: list[tuple[Tensor, Tensor]],
+              bias: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """One :class:`PerRowDecoder` step: the logits [n, V] and each layer's new keys and values [n, H_kv, d] (for
+    the caller to write into the slab). Row r attends to its written keys/values ``slabs`` [n, H_kv, S, d] (score
+    bias ``bias`` [n, 1, 1, S]) and to its new token, s_own = q . k_new s:
+
+        out = softmax([s_slab, s_own]) @ [V_slab; v_new]
+
+    written as exp(s - m) with m the maximum over both, so the slab is only read."""
+    new = []
+
+    def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = slabs[i]
+        slab = (q @ keys.transpose(-1, -2)).float() * attn.scaling + bias  # [n, H_kv, G, S]
+        own = (q.float() * k[:, :, None].float()).sum(-1, keepdim=True) * attn.scaling  # [n, H_kv, G, 1]
+        top = torch.maximum(slab.amax(-1, keepdim=True), own)
+        slab, own = (slab - top).exp(), (own - top).exp()
+        out = (slab.to(values.dtype) @ values + own.to(v.dtype) * v[:, :, None]).float()
+        new.append((k, v))
+        return (out / (slab.sum(-1, keepdim=True) + own)).to(q.dtype).reshape(q.shape[0], -1)
+
+    return decoder._layers(tokens, positions, attend), new
+
+
+def _compiled_row_step():
+    """``torch.compile`` of :func:`_row_step`, made once per process (one graph for every rollout and step)."""
+    global _COMPILED_ROW_STEP
+    if _COMPILED_ROW_STEP is None:
+        _COMPILED_ROW_STEP = torch.compile(_row_step)
+    return _COMPILED_ROW_STEP
+
+
+_COMPILED_ROW_STEP = None
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float,

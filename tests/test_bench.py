@@ -10,10 +10,11 @@ from tests.tiny import TINY_SPEC
 
 
 def test_median_of_repeats_and_the_ratios_range():
-    runs = [{"model": "tiny", "rollout_s": s, "completion_tokens": 100, **{k: r for k in RATIOS}}
-            for s, r in ((0.3, 2.0), (0.9, 1.5), (0.4, 2.5))]
+    runs = [{"model": "tiny", "rollout_s": s, "warm_up_rollout_s": w, "completion_tokens": 100,
+             **{k: r for k in RATIOS}} for s, w, r in ((0.3, 9.0, 2.0), (0.9, 0.1, 1.5), (0.4, 0.2, 2.5))]
     result = median_of(runs)
     assert result["rollout_s"] == 0.4 and result["native_over_trl_rollout_tok_s"] == 2.0
+    assert result["warm_up_rollout_s"] == 9.0  # the first repeat's: a compile happens there
     assert result["model"] == "tiny" and result["completion_tokens"] == 100 and result["repeats"] == 3
     assert result["trl_over_native_step_time_min_max"] == "1.500 / 2.500"
     assert median_of(runs[:1]) is runs[0]

@@ -1,11 +1,12 @@
 """The decoders of harness/decode.py: each step's logits against the model's own full forward (teacher forcing) for
 every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
-fallback rules; and the sampler giving the same rollout through either decoder."""
+fallback rules; and the sampler giving the same rollout through every decoder."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -23,10 +24,11 @@ from harness import decode
 from harness.decode import (
     CacheDecoder,
     Matmul,
+    PerRowDecoder,
     SharedPrefixDecoder,
     build_decoder,
     positions,
-    shared_prefix_unsupported,
+    written_out_unsupported,
 )
 from harness.models import build_prompt, load_model
 from harness.rollout import generate
@@ -65,27 +67,54 @@ def matmuls(request, monkeypatch):
     return request.param
 
 
+DECODER_CLASSES = {"shared_prefix": SharedPrefixDecoder, "per_row": PerRowDecoder, "cache": CacheDecoder}
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-@pytest.mark.parametrize("kind", ["shared_prefix", "cache"])
+@pytest.mark.parametrize("kind", list(DECODER_CLASSES))
 @torch.no_grad()
 def test_every_step_equals_the_full_forward(name, kind, matmuls):
-    """3 prompts (two left-padded) x 2 rows; after 2 steps rows 1 and 4 leave, after 4 steps rows 5 and 2 (the
-    third prompt has no row left), and the rest are reordered."""
-    model, group, steps = build(name), 2, 6
+    """After 2 steps rows 1 and 4 leave, after 4 steps rows 5 and 2 (the third prompt has no row left), and the
+    rest are reordered."""
+    check_every_step(build(name), kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_every_compiled_step_equals_the_full_forward(name):
+    """The compiled per-row step gives the same logits, and one graph serves every step, row count and rollout
+    (new decoder and stacked weights, another prompt width and length; the single row left runs eagerly, where
+    torch would specialise a second graph to size 1): no step recompiles it."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(name)
+    with torch.no_grad():
+        check_every_step(model, "per_row", compile=True)
+        check_every_step(model, "per_row", compile=True, width=9, steps=8)
+        check_every_step(model, "per_row", compile=True, width=5, steps=8, leave=([5, 0, 2, 3], [3, 1], [1]))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def check_every_step(model, kind: str, compile: bool = False, width: int = 7, steps: int = 6,
+                     leave: tuple[list[int], ...] = ([5, 0, 2, 3], [3, 1])) -> None:
+    """3 prompts of ``width`` tokens (two left-padded) x 2 rows, ``steps`` steps; after steps 2, 4, ... the rows
+    ``leave`` says are kept (new row i = old row order[i])."""
+    group = 2
     generator = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(1, 50, (3, 7), generator=generator)
+    prompt_ids = torch.randint(1, 50, (3, width), generator=generator)
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[0, :3] = prompt_mask[2, :1] = 0
     completions = torch.randint(1, 50, (6, steps), generator=generator)
     expected = reference_logits(model, prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0),
                                 completions)
-    decoder, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group, max_new_tokens=steps, kind=kind)
-    assert isinstance(decoder, SharedPrefixDecoder if kind == "shared_prefix" else CacheDecoder)
+    decoder, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group, max_new_tokens=steps, kind=kind,
+                                    compile=compile)
+    assert type(decoder) is DECODER_CLASSES[kind]
     rows, position = torch.arange(6), prompt_mask.sum(-1).repeat_interleave(group)
     torch.testing.assert_close(logits, expected[:, 0], atol=1e-5, rtol=1e-5)
     for t in range(steps):
-        if t in (2, 4):  # rows [0..5] -> [5, 0, 2, 3] -> [3, 0]
-            order = torch.tensor([5, 0, 2, 3] if t == 2 else [3, 1])
+        if t and t % 2 == 0 and t // 2 <= len(leave):
+            order = torch.tensor(leave[t // 2 - 1])
             decoder.keep(order)
             rows, position = rows[order], position[order]
         logits = decoder.step(completions[rows, t], position + t)
@@ -149,33 +178,38 @@ def test_bf16_steps_stay_within_bf16_rounding_of_the_forward():
 
 def test_where_the_shared_prefix_decoder_does_not_apply():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=64))
-    assert "gpt2" in shared_prefix_unsupported(gpt2, 10)
+    assert "gpt2" in written_out_unsupported(gpt2, 10)
     sliding = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    assert "sliding" in shared_prefix_unsupported(sliding, 10)
+    assert "sliding" in written_out_unsupported(sliding, 10)
     mistral = MistralForCausalLM(MistralConfig(**SHAPE, head_dim=8, sliding_window=16))
-    assert shared_prefix_unsupported(mistral, 16) is None and "sliding window" in shared_prefix_unsupported(mistral, 17)
+    assert written_out_unsupported(mistral, 16) is None and "sliding window" in written_out_unsupported(mistral, 17)
     dynamic = LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                       "rope_theta": 10000.0}))
-    assert "rotary embedding (dynamic) changes with the sequence's length" in shared_prefix_unsupported(dynamic, 10)
-    assert shared_prefix_unsupported(build("llama"), 10) is None
+    assert "rotary embedding (dynamic) changes with the sequence's length" in written_out_unsupported(dynamic, 10)
+    assert written_out_unsupported(build("llama"), 10) is None
     ids = torch.ones(1, 3, dtype=torch.long)
     assert isinstance(build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2)[0], CacheDecoder)
-    with pytest.raises(ValueError, match="shared-prefix decoder cannot run this model: model_type 'gpt2'"):
-        build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2, kind="shared_prefix")
-    with pytest.raises(ValueError, match="decoder must be one of auto, shared_prefix, cache"):
+    for kind in ("shared_prefix", "per_row"):
+        with pytest.raises(ValueError, match=f"the {kind} decoder cannot run this model: model_type 'gpt2'"):
+            build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2, kind=kind)
+    with pytest.raises(ValueError, match="decoder must be one of auto, shared_prefix, per_row, cache"):
         build_decoder(gpt2, ids, torch.ones_like(ids), group_size=2, max_new_tokens=2, kind="vllm")
+    with pytest.raises(ValueError, match="the shared-prefix decoder is not compiled"):
+        build_decoder(build("llama"), ids, torch.ones_like(ids), group_size=2, max_new_tokens=2,
+                      kind="shared_prefix", compile=True)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_the_sampler_gives_the_same_rollout_through_either_decoder(greedy):
+def test_the_sampler_gives_the_same_rollout_through_every_decoder(greedy):
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
                                                 "intermediate_size": 64})
     prompts = [build_prompt(tokenizer, p.question) for p in get_task("arith").train_problems()[:4]]
     prompts[1] = prompts[1][:15]
     runs = []
-    for decoder in ("shared_prefix", "cache"):
+    for decoder in DECODER_CLASSES:
         torch.manual_seed(0)
         runs.append(generate(model, tokenizer, prompts, group_size=3, max_new_tokens=20, temperature=1.2,
                              greedy=greedy, decoder=decoder))
-    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
-    torch.testing.assert_close(runs[0].sampler_logp, runs[1].sampler_logp, atol=1e-6, rtol=0)
+    for run in runs[1:]:
+        assert torch.equal(runs[0].completion_ids, run.completion_ids)
+        torch.testing.assert_close(runs[0].sampler_logp, run.sampler_logp, atol=1e-6, rtol=0)
