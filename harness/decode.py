@@ -100,12 +100,13 @@ class Matmul:
     decode's few rows faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 154 vs 84
     GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md); below that size (where oneDNN's
     per-call cost loses) through ``F.linear``. The stacked copy holds those weights a second time while the rollout
-    runs (SmolLM2 fp32: ~0.5 GB). Elsewhere (a GPU, where a second copy of a large model's weights is not worth
-    a few kernel launches; a LoRA wrapper; a module with hooks) the modules themselves, outputs concatenated.
-    Results agree to float round-off (tests/test_decode.py).
+    runs (SmolLM2 fp32: ~0.5 GB); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
+    keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few kernel
+    launches; a LoRA wrapper; a module with hooks) the modules themselves, outputs concatenated. Results agree to
+    float round-off (tests/test_decode.py).
     """
 
-    def __init__(self, *modules):
+    def __init__(self, *modules, onednn: bool = True):
         self.modules, self.kind = modules, "modules"
         if all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
@@ -116,7 +117,7 @@ class Matmul:
                 self.bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
                                        for m in modules])
             self.kind = "stacked"
-            if (self.weight.dtype == torch.float32 and self.weight.numel() >= ONEDNN_MIN_WEIGHTS
+            if (onednn and self.weight.dtype == torch.float32 and self.weight.numel() >= ONEDNN_MIN_WEIGHTS
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()):
                 self.kind, self.weight = "onednn", self.weight.to_mkldnn()
 
@@ -146,6 +147,7 @@ class _WrittenOutDecoder:
         self.output = model.get_output_embeddings()
         self.embed, self.layers, self.norm, self.rotary = body.embed_tokens, body.layers, body.norm, body.rotary_emb
         self.length = 0  # generated tokens stored per row
+        self.onednn = True  # Matmul through oneDNN where it is faster
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> Tensor:
         """Run the distinct prompts [D, P] (rows: ``group_size`` per prompt, in order); first logits [rows, V]."""
@@ -160,10 +162,12 @@ class _WrittenOutDecoder:
         cos, sin = self.rotary(hidden, reach[None])  # [1, positions, d]
         half = sin.shape[-1] // 2
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-        self.head = Matmul(self.output)
-        self.projections = [(Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                             Matmul(layer.self_attn.o_proj), Matmul(layer.mlp.gate_proj, layer.mlp.up_proj),
-                             Matmul(layer.mlp.down_proj)) for layer in self.layers]
+        onednn = {"onednn": self.onednn}
+        self.head = Matmul(self.output, **onednn)
+        self.projections = [(Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, **onednn),
+                             Matmul(layer.self_attn.o_proj, **onednn),
+                             Matmul(layer.mlp.gate_proj, layer.mlp.up_proj, **onednn),
+                             Matmul(layer.mlp.down_proj, **onednn)) for layer in self.layers]
         return self.head(hidden).repeat_interleave(group_size, dim=0)
 
     def _layers(self, tokens: Tensor, positions: Tensor, attend) -> Tensor:
@@ -270,7 +274,7 @@ class PerRowDecoder(_WrittenOutDecoder):
 
     def __init__(self, model, rows: int, max_new_tokens: int, compile: bool):
         super().__init__(model, rows, max_new_tokens)
-        self.compile = compile
+        self.compile, self.onednn = compile, not compile
 
     def _prefill_storage(self, prefix: list[tuple[Tensor, Tensor]], prompt_bias: Tensor, group_size: int) -> None:
         self.width = prefix[0][0].shape[2]  # P
