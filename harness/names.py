@@ -132,8 +132,10 @@ NAMES: tuple[Name, ...] = (
     Name("train.sampler", "native (our decode loop) or hf (transformers' generate)", "— (`use_vllm`)",
          f"`{R}name`"),
     Name("train.decoder", "the native sampler's decode step: auto, shared_prefix (Llama-family: a group's prompt "
-         "keys/values stored once) or cache (the model's forward, per-row KV cache)"),
-    Name("train.compile_sampler", "torch.compile the native sampler's cache decoder"),
+         "keys/values stored once), per_row (Llama-family: one key/value slab per row, the step that compiles) or "
+         "cache (the model's forward, per-row KV cache)"),
+    Name("train.compile_sampler", "torch.compile the native sampler's decode step (the per-row decoder's; other "
+         "models: the cache decoder's forward)"),
     Name("train.eval_every", "held-out evaluation every N steps; 0 = start and end only", "`eval_steps` (optimizer "
          "steps)", "`trainer.test_freq`"),
     Name("train.eval_max_new_tokens", "evaluation's longest completion; 0 = max_new_tokens"),

@@ -96,6 +96,8 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
     ("train.rollout_correction.mode=token_clip", "train.rollout_correction.mode must be one of none, "),
     ("train.rollout_correction.threshold=0.5", "train.rollout_correction.threshold must be a finite number >= 1"),
+    ("train.decoder=flash", "train.decoder must be one of auto, shared_prefix, per_row, cache"),
+    ("train.compile_sampler=true train.decoder=shared_prefix", "compiles the native sampler's per-row or cache"),
 ])
 def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
