@@ -1,7 +1,7 @@
 """One decode step of a causal LM for the native sampler: the model's next-token logits for one new token per row,
 keys/values kept between steps, rows removable between steps (finished rows leave the batch).
 
-Two implementations with one interface (``step(tokens, positions) -> logits``, ``keep(order)``):
+Three implementations with one interface (``step(tokens, positions) -> logits``, ``keep(order)``):
 
 * :class:`SharedPrefixDecoder`, for Llama-family models (``WRITTEN_OUT_MODELS``, full attention): the model's
   forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
@@ -17,11 +17,13 @@ Two implementations with one interface (``step(tokens, positions) -> logits``, `
   = softmax([s, u]) @ [V_g; V_r] (the "cascade" attention of shared-prefix inference engines). No per-step
   attention mask is built and no transformers forward plumbing runs per step. The logits equal the model's
   forward up to float summation order (tests/test_decode.py).
+* :class:`PerRowDecoder`, the same models: the same written-out forward (:class:`_WrittenOutDecoder`), every row
+  holding its own copy of its prompt's keys/values, one attention per layer; its step is the one that
+  ``torch.compile`` compiles once for every step and rollout (``train.compile_sampler``).
 * :class:`CacheDecoder`, any model: the model's decoder forward over a preallocated KV cache (every row holds
   its own copy of the prompt's keys/values), optionally ``torch.compile``-d.
 
-:func:`build_decoder` picks the first where it applies (``train.decoder``: ``auto`` | ``shared_prefix`` |
-``cache``).
+:func:`build_decoder` picks one (``train.decoder``: ``auto`` | ``shared_prefix`` | ``per_row`` | ``cache``).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class Matmul:
 class _WrittenOutDecoder:
     """The forward of a Llama-family model written out over its own modules (embedding, RMSNorms, q/k norms, rotary
     embedding, activation, final norm) and weights (:class:`Matmul`) for one new token per row; subclasses keep the
-    keys/values (``_prefill_storage``, ``keep``) and attend (``_attention``).
+    keys/values (``_prefill_storage``, ``keep``) and attend (the ``attend`` their ``step`` hands to ``_layers``).
 
     ``rows`` x ``max_new_tokens`` sizes the generated keys/values. The rotary embedding's cos/sin come from the
     model's rotary module, computed once per rollout for every position the rollout can reach (so rotary types
