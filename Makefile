@@ -26,7 +26,7 @@ test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores)
 	$(PY) -m pytest -q
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; under a minute)
-	$(PY) -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process
 
 lint:  ## ruff
 	$(PY) -m ruff check .
