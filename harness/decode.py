@@ -28,6 +28,7 @@ Three implementations with one interface (``step(tokens, positions) -> logits``,
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -320,7 +321,7 @@ def _row_step(decoder: PerRowDecoder, tokens: Tensor, positions: Tensor, slabs: 
               bias: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """One :class:`PerRowDecoder` step: the logits [n, V] and each layer's new keys and values [n, H_kv, d] (for
     the caller to write into the slab). Row r attends to its written keys/values ``slabs`` [n, H_kv, S, d] (score
-    bias ``bias`` [n, 1, 1, S]) and to its new token, s_own = q . k_new s:
+    bias ``bias`` [n, 1, 1, S]) and to its new token, whose score is s_own = (q . k_new) x scaling:
 
         out = softmax([s_slab, s_own]) @ [V_slab; v_new]
 
@@ -340,15 +341,10 @@ def _row_step(decoder: PerRowDecoder, tokens: Tensor, positions: Tensor, slabs: 
     return decoder._layers(tokens, positions, attend), new
 
 
+@functools.cache
 def _compiled_row_step():
     """``torch.compile`` of :func:`_row_step`, made once per process (one graph for every rollout and step)."""
-    global _COMPILED_ROW_STEP
-    if _COMPILED_ROW_STEP is None:
-        _COMPILED_ROW_STEP = torch.compile(_row_step)
-    return _COMPILED_ROW_STEP
-
-
-_COMPILED_ROW_STEP = None
+    return torch.compile(_row_step)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float,
