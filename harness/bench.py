@@ -46,29 +46,35 @@ def decode_matmuls(model, rows=(64, 32, 8), rounds: int = 10) -> list[dict]:
     """GFLOP/s of the decode step's matmul shapes (the LM head and, stacked as the shared-prefix decoder runs
     them, q+k+v, o, gate+up, down) through MKL (``F.linear``, as ``nn.Linear``) and through oneDNN
     (:class:`harness.decode.Matmul`'s kernel), at each number of ``rows``: medians over ``rounds`` interleaved
-    rounds of 5 calls, random weights of the model's shapes, torch's current thread count."""
+    rounds, random weights of the model's shapes, one copy per layer called in turn (as a decode step reads them:
+    from memory, not from a cache a single weight would stay in), torch's current thread count."""
     config = model.config.get_text_config()
     d, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or d // heads
     shapes = {"lm_head": (config.vocab_size, d), "q+k+v": ((heads + 2 * kv) * head_dim, d),
               "o": (d, heads * head_dim), "gate+up": (2 * config.intermediate_size, d),
               "down": (d, config.intermediate_size)}
+    weights = {name: [torch.randn(out_features, in_features)
+                      for _ in range(1 if name == "lm_head" else config.num_hidden_layers)]
+               for name, (out_features, in_features) in shapes.items()}
+    packed = {name: [weight.to_mkldnn() for weight in copies] for name, copies in weights.items()}
     table = []
     for n in rows:
         row = {"rows": n}
         for name, (out_features, in_features) in shapes.items():
-            x, weight = torch.randn(n, in_features), torch.randn(out_features, in_features)
-            packed = weight.to_mkldnn()
-            kernels = {"mkl": functools.partial(torch.nn.functional.linear, x, weight),
-                       "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")}
+            x = torch.randn(n, in_features)
+            kernels = {"mkl": [functools.partial(torch.nn.functional.linear, x, weight) for weight in weights[name]],
+                       "onednn": [functools.partial(torch.ops.mkldnn._linear_pointwise, x, weight, None, "none", [],
+                                                    "") for weight in packed[name]]}
+            calls = max(5, len(weights[name]))  # per round: every copy at least once
             speeds = {kernel: [] for kernel in kernels}
             for _ in range(rounds):
-                for kernel, call in kernels.items():
-                    call()
+                for kernel, copies in kernels.items():
+                    copies[0]()
                     start = time.perf_counter()
-                    for _ in range(5):
-                        call()
-                    speeds[kernel].append(2 * n * in_features * out_features * 5 / (time.perf_counter() - start))
+                    for i in range(calls):
+                        copies[i % len(copies)]()
+                    speeds[kernel].append(2 * n * in_features * out_features * calls / (time.perf_counter() - start))
             for kernel, values in speeds.items():
                 row[f"{name}_{kernel}_gflop_s"] = statistics.median(values) / 1e9
         table.append(row)

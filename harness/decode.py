@@ -40,6 +40,7 @@ from harness.config import DECODERS
 WRITTEN_OUT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
+ONEDNN_MIN_WIDENING = 2  # oneDNN for projections with out_features >= 2 x in_features (gate+up, LM head)
 
 
 def positions(attention_mask: Tensor) -> Tensor:
@@ -98,11 +99,12 @@ class Matmul:
 
     On CPU, for plain ``nn.Linear`` modules without hooks, the weights (and biases) are stacked once, when it is
     made (once per rollout: the weights change between rollouts), into one matmul: in float32 from
-    ``ONEDNN_MIN_WEIGHTS`` stacked weights through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel
-    torch.compile's CPU backend uses for linear layers) with the weights reordered into its layout, which runs
-    decode's few rows faster than the default MKL GEMM on this project's CPU (SmolLM2, 64 rows: LM head 154 vs 84
-    GFLOP/s, gate+up 186 vs 153; ``make bench MATMULS=1``, docs/benchmark.md); below that size (where oneDNN's
-    per-call cost loses) through ``F.linear``. The stacked copy holds those weights a second time while the rollout
+    ``ONEDNN_MIN_WEIGHTS`` stacked weights with at least ``ONEDNN_MIN_WIDENING`` times as many outputs as inputs
+    (gate+up, the LM head) through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
+    backend uses for linear layers) with the weights reordered into its layout, which runs decode's few rows of
+    those wide shapes faster than the default MKL GEMM on this project's CPU; the narrower ones (q+k+v, o, down:
+    MKL faster, with 1 and 2 threads) and the small ones (where oneDNN's per-call cost loses) through ``F.linear``
+    (``make bench MATMULS=1``, docs/benchmark.md). The stacked copy holds those weights a second time while the rollout
     runs (SmolLM2 fp32: ~0.5 GB); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
     keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few kernel
     launches; a LoRA wrapper; a module with hooks) the modules themselves, outputs concatenated. Results agree to
@@ -121,6 +123,7 @@ class Matmul:
                                        for m in modules])
             self.kind = "stacked"
             if (onednn and self.weight.dtype == torch.float32 and self.weight.numel() >= ONEDNN_MIN_WEIGHTS
+                    and self.weight.shape[0] >= ONEDNN_MIN_WIDENING * self.weight.shape[1]
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()):
                 self.kind, self.weight = "onednn", self.weight.to_mkldnn()
 
@@ -154,13 +157,10 @@ class _WrittenOutDecoder:
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> Tensor:
         """Run the distinct prompts [D, P] (rows: ``group_size`` per prompt, in order); first logits [rows, V]."""
-        cache = DynamicCache(config=self.model.config)
-        hidden = self.model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                          position_ids=positions(prompt_mask), past_key_values=cache,
-                                          use_cache=True).last_hidden_state[:, -1]
+        hidden, prefix = self._prompts(prompt_ids, prompt_mask, one_by_one=prompt_ids.device.type == "cpu")
         prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]  # [D, 1, 1, P]
-        self._prefill_storage([(layer.keys, layer.values) for layer in cache.layers], prompt_bias, group_size)
+        self._prefill_storage(prefix, prompt_bias, group_size)
         reach = torch.arange(prompt_ids.shape[1] + self.max_new_tokens, device=prompt_ids.device)
         cos, sin = self.rotary(hidden, reach[None])  # [1, positions, d]
         half = sin.shape[-1] // 2
@@ -172,6 +172,32 @@ class _WrittenOutDecoder:
                              Matmul(layer.mlp.gate_proj, layer.mlp.up_proj, **onednn),
                              Matmul(layer.mlp.down_proj, **onednn)) for layer in self.layers]
         return self.head(hidden).repeat_interleave(group_size, dim=0)
+
+    def _prompts(self, prompt_ids: Tensor, prompt_mask: Tensor,
+                 one_by_one: bool) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The model's body on the left-padded prompts [D, P]: the last position's hidden state [D, hidden] and each
+        layer's keys/values [D, H_kv, P, d] (anything at padded positions). ``one_by_one`` (on CPU, where padding
+        costs its FLOPs: a third of the bench's GSM8K prompt positions): each prompt at its own length; else one
+        batch (a GPU runs the padding in parallel)."""
+        body = self.model.get_decoder()
+        if not one_by_one or not bool(prompt_mask.sum(-1).all()):  # an empty prompt: the batch's left padding
+            cache = DynamicCache(config=self.model.config)
+            hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
+                          past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            return hidden, [(layer.keys, layer.values) for layer in cache.layers]
+        width, hidden, prefix = prompt_ids.shape[1], [], None
+        for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True)):
+            real = ids[mask.bool()][None]  # [1, L]
+            cache = DynamicCache(config=self.model.config)
+            hidden.append(body(input_ids=real, position_ids=torch.arange(real.shape[1], device=real.device)[None],
+                               past_key_values=cache, use_cache=True).last_hidden_state[:, -1])
+            if prefix is None:
+                prefix = [(layer.keys.new_zeros(len(prompt_ids), *layer.keys.shape[1:2], width, layer.keys.shape[3]),
+                           layer.values.new_zeros(len(prompt_ids), *layer.values.shape[1:2], width,
+                                                  layer.values.shape[3])) for layer in cache.layers]
+            for (keys, values), layer in zip(prefix, cache.layers, strict=True):
+                keys[i, :, width - real.shape[1] :], values[i, :, width - real.shape[1] :] = layer.keys[0], layer.values[0]
+        return torch.cat(hidden), prefix
 
     def _layers(self, tokens: Tensor, positions: Tensor, attend) -> Tensor:
         """Logits [n, V] after ``tokens`` [n] at ``positions`` [n]; ``attend(i, attn, q, k, v)`` -> [n, H x d] is layer
@@ -225,6 +251,9 @@ class SharedPrefixDecoder(_WrittenOutDecoder):
         self.slot_of_row = group * self.slots_per_group + rank
         self.row_of_slot = torch.zeros(len(alive) * self.slots_per_group, dtype=torch.long, device=group.device)
         self.row_of_slot[self.slot_of_row] = torch.arange(len(group), device=group.device)
+        # rows in slot order (every group full, rows in group order: the batch before any row leaves): no gathers
+        self.rows_are_slots = len(self.row_of_slot) == len(group) and bool(
+            (self.row_of_slot == torch.arange(len(group), device=group.device)).all())
 
     def keep(self, order: Tensor) -> None:
         """Keep rows ``order`` (new row i = old row order[i]); only rows whose index changes are copied."""
@@ -249,12 +278,15 @@ class SharedPrefixDecoder(_WrittenOutDecoder):
         keys[:n, :, t], values[:n, :, t] = k, v
         # the prompt part, all rows of a group at once: [groups, H_kv, R x G, P]
         groups, slots = self.prompt_bias.shape[0], self.slots_per_group
-        q_grouped = q[self.row_of_slot].view(groups, slots, kv_heads, -1, d).transpose(1, 2)
+        q_grouped = (q if self.rows_are_slots else q.index_select(0, self.row_of_slot)).view(
+            groups, slots, kv_heads, -1, d).transpose(1, 2)
         out_p, lse_p = _attend(q_grouped.reshape(groups, kv_heads, -1, d), *prefix, self.prompt_bias, attn.scaling,
                               fused=True)
         # by row: [groups, H_kv, R x G, d + 1] -> [n, H_kv, G, d + 1]
         prompt_part = torch.cat([out_p, lse_p], -1).view(groups, kv_heads, slots, -1, d + 1).transpose(1, 2)
-        prompt_part = prompt_part.reshape(groups * slots, kv_heads, -1, d + 1)[self.slot_of_row]
+        prompt_part = prompt_part.reshape(groups * slots, kv_heads, -1, d + 1)
+        if not self.rows_are_slots:
+            prompt_part = prompt_part.index_select(0, self.slot_of_row)
         # the generated part, row by row: [n, H_kv, G, t + 1]
         out_g, lse_g = _attend(q, keys[:n, :, : t + 1], values[:n, :, : t + 1], None, attn.scaling,
                               fused=False)

@@ -121,7 +121,7 @@ def _sample(logits: Tensor, uniform: Tensor | None, temperature: float, top_p: f
     if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
         scaled = scaled / temperature
     top = scaled.amax(-1, keepdim=True)
-    weights = (scaled - top).exp()  # unnormalised probabilities
+    weights = (scaled - top).exp_()  # unnormalised probabilities, in place: one fresh [n, V] tensor per step, not two
     log_total = weights.sum(-1).log()
     if uniform is None:
         token = scaled.argmax(-1)

@@ -64,6 +64,7 @@ def reference_logits(model, prompt_ids, prompt_mask, completions):
 def matmuls(request, monkeypatch):
     """Both ways of running the projections: oneDNN for every size (the threshold lowered), or the modules."""
     monkeypatch.setattr(decode, "ONEDNN_MIN_WEIGHTS", 0 if request.param == "onednn" else 2**62)
+    monkeypatch.setattr(decode, "ONEDNN_MIN_WIDENING", 0)  # every shape, narrow outputs too
     return request.param
 
 
@@ -86,6 +87,7 @@ def test_every_compiled_step_equals_the_full_forward(name, monkeypatch):
     (new decoder and stacked weights, another prompt width and length; the single row left runs eagerly, where
     torch would specialise a second graph to size 1): no step recompiles it."""
     monkeypatch.setattr(decode, "ONEDNN_MIN_WEIGHTS", 0)  # the size where eager steps take oneDNN (not traceable)
+    monkeypatch.setattr(decode, "ONEDNN_MIN_WIDENING", 0)
     torch._dynamo.reset()
     counters.clear()
     model = build(name)
@@ -122,18 +124,44 @@ def check_every_step(model, kind: str, compile: bool = False, width: int = 7, st
         torch.testing.assert_close(logits, expected[rows, t + 1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@torch.no_grad()
+def test_prompts_one_by_one_equal_the_padded_batch(name):
+    """The prefill's two ways (CPU: each prompt at its own length; elsewhere: one left-padded batch) give the same
+    last hidden states and the same keys/values at every unpadded position; an empty prompt takes the batch."""
+    model = build(name)
+    prompt_ids = torch.randint(1, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :3] = prompt_mask[2, :6] = 0
+    decoder = SharedPrefixDecoder(model, rows=3, max_new_tokens=2)
+    hidden, prefix = decoder._prompts(prompt_ids, prompt_mask, one_by_one=True)
+    batch_hidden, batch_prefix = decoder._prompts(prompt_ids, prompt_mask, one_by_one=False)
+    torch.testing.assert_close(hidden, batch_hidden, atol=1e-5, rtol=1e-5)
+    real = prompt_mask.bool()
+    for (keys, values), (batch_keys, batch_values) in zip(prefix, batch_prefix, strict=True):
+        assert keys.shape == batch_keys.shape == (3, SHAPE["num_key_value_heads"], 7, keys.shape[-1])
+        torch.testing.assert_close(keys.transpose(1, 2)[real], batch_keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values.transpose(1, 2)[real], batch_values.transpose(1, 2)[real], atol=1e-5,
+                                   rtol=1e-5)
+    prompt_mask[1] = 0  # an empty prompt: no forward of length 0
+    assert decoder._prompts(prompt_ids, prompt_mask, one_by_one=True)[0].shape == hidden.shape
+
+
 @torch.no_grad()
 def test_a_stacked_matmul_equals_its_modules():
     """One output [n, out_1 + out_2] equal to the modules' outputs side by side, whichever way it runs: oneDNN
-    (large float32 CPU weights), F.linear on the stacked weights (small or bf16), or the modules themselves (hooks)."""
+    (large float32 CPU weights with out_features >= 2 x in_features), F.linear on the stacked weights (small,
+    narrow or bf16), or the modules themselves (hooks)."""
     torch.manual_seed(0)
     q, k = torch.nn.Linear(576, 576, bias=False), torch.nn.Linear(576, 192, bias=True)
+    gate, up = torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(576, 1536, bias=True)
     x = torch.randn(5, 576)
     small, hooked = torch.nn.Linear(576, 32), torch.nn.Linear(576, 576)
     hooked.register_forward_hook(lambda module, inputs, out: out + 1)
-    cases = {"onednn" if torch.backends.mkldnn.is_available() else "stacked": (q, k), "stacked": (small, k),
-             "modules": (hooked, k)}
-    for kind, modules in cases.items():
+    cases = [("onednn" if torch.backends.mkldnn.is_available() else "stacked", (gate, up)),
+             ("stacked", (q, k)),  # 2^18 weights or more, but 768 outputs < 2 x 576 inputs
+             ("stacked", (small, k)), ("modules", (hooked, k))]
+    for kind, modules in cases:
         matmul = Matmul(*modules)
         assert matmul.kind == kind
         torch.testing.assert_close(matmul(x), torch.cat([m(x) for m in modules], -1), atol=1e-5, rtol=1e-5)
