@@ -195,8 +195,9 @@ class _WrittenOutDecoder:
                 prefix = [(layer.keys.new_zeros(len(prompt_ids), *layer.keys.shape[1:2], width, layer.keys.shape[3]),
                            layer.values.new_zeros(len(prompt_ids), *layer.values.shape[1:2], width,
                                                   layer.values.shape[3])) for layer in cache.layers]
+            start = width - real.shape[1]  # left padding before
             for (keys, values), layer in zip(prefix, cache.layers, strict=True):
-                keys[i, :, width - real.shape[1] :], values[i, :, width - real.shape[1] :] = layer.keys[0], layer.values[0]
+                keys[i, :, start:], values[i, :, start:] = layer.keys[0], layer.values[0]
         return torch.cat(hidden), prefix
 
     def _layers(self, tokens: Tensor, positions: Tensor, attend) -> Tensor:
