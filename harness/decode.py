@@ -180,7 +180,8 @@ class _WrittenOutDecoder:
         costs its FLOPs: a third of the bench's GSM8K prompt positions): each prompt at its own length; else one
         batch (a GPU runs the padding in parallel)."""
         body = self.model.get_decoder()
-        if not one_by_one or not bool(prompt_mask.sum(-1).all()):  # an empty prompt: the batch's left padding
+        left_padded = bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()) and bool(prompt_mask[:, -1].all())
+        if not one_by_one or not left_padded:  # (an empty prompt, a mask with holes: the batch takes any mask)
             cache = DynamicCache(config=self.model.config)
             hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
                           past_key_values=cache, use_cache=True).last_hidden_state[:, -1]

@@ -143,8 +143,12 @@ def test_prompts_one_by_one_equal_the_padded_batch(name):
         torch.testing.assert_close(keys.transpose(1, 2)[real], batch_keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values.transpose(1, 2)[real], batch_values.transpose(1, 2)[real], atol=1e-5,
                                    rtol=1e-5)
-    prompt_mask[1] = 0  # an empty prompt: no forward of length 0
-    assert decoder._prompts(prompt_ids, prompt_mask, one_by_one=True)[0].shape == hidden.shape
+    for row, holes in ((1, slice(None)), (1, slice(2, 4))):  # an empty prompt; a mask that is not left padding
+        mask = prompt_mask.clone()
+        mask[row, holes] = 0
+        (one, one_prefix), (batch, batch_prefix) = (decoder._prompts(prompt_ids, mask, one_by_one=way)
+                                                    for way in (True, False))
+        assert torch.equal(one, batch) and torch.equal(one_prefix[0][0], batch_prefix[0][0])  # both: the batch
 
 
 @torch.no_grad()
