@@ -10,6 +10,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
+from harness.allocator import keep_freed_memory
 from harness.config import ConfigError, load_experiment, run_configs, run_id
 from harness.records import FolderBusyError
 
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _terminate)
+    keep_freed_memory()
     try:
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
                 "bench": cmd_bench, "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab,

@@ -2,6 +2,9 @@
 FLOP/s with this machine's matmul peak, measured in the same run. Then run TRL's own GRPOTrainer on the same
 model (a copy of the same initial weights), prompts, group size, lengths and minibatches, in the same process,
 and print the per-step wall-time ratio, tokens/s of both and where the time goes in each (``phase_*``).
+Each side is timed at its second step of the same sizes, as in a run of many steps: the first, untimed
+(``warm_up_step_s``, ``trl_warm_up_step_s``), pays the one-time costs; the heap is given back to the kernel before
+each side (harness/allocator.py), so neither inherits the other's pages.
 Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
 
 Update FLOPs are model FLOPs of the shapes actually computed (padding included), fwd + bwd = 3 x fwd:
@@ -16,6 +19,7 @@ import copy
 import functools
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -23,7 +27,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from transformers import TrainerCallback
 
+from harness.allocator import release_freed_memory
 from harness.batch import TrainBatch, sample_group
 from harness.build import build_objective, build_policy, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
@@ -154,6 +160,7 @@ def main(overrides: list[str], repeats: int = 1) -> int:
         runs.append(measure(cfg, policy, initial, tokenizer, task, problems, device, load_s))
     result = median_of(runs)
     result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
+    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
@@ -164,12 +171,15 @@ def main(overrides: list[str], repeats: int = 1) -> int:
 
 
 def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: float) -> dict:
-    """One timed native step (after a warm-up) and one TRL step from ``initial``: every printed figure."""
+    """One native step and one TRL step from ``initial``, each timed at its second full-size step (the first pays
+    the one-time costs): every printed figure."""
     t = cfg.train
     objective, estimator = build_objective(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    warm_up_rollout_s = warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg)
+    release_freed_memory()
+    warm_up_rollout_s, warm_up_step_s = warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task,
+                                                problems, cfg)
     sync(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     ro = sample_group(policy, tokenizer, problems, cfg)
@@ -177,10 +187,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     rollout_s = time.perf_counter() - start
     completion_tokens = int(ro.completion_mask.sum())
 
-    rewards = torch.tensor([task.score(x, problems[i // t.group_size]).correct for i, x in enumerate(ro.texts)])
-    group_ids = torch.arange(t.prompts_per_step).repeat_interleave(t.group_size)
-    batch = TrainBatch(ro, rewards.to(device), estimator(rewards, group_ids).to(device), group_ids.to(device),
-                       ro.sampler_logp)
+    batch = train_batch(ro, task, problems, estimator, cfg)
     state = RunState(total_optimizer_steps=t.num_minibatches * t.epochs)
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -194,6 +201,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     result = {
         "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device), "sampler": t.sampler,
         "decoder": t.decoder, "compile_sampler": t.compile_sampler, "warm_up_rollout_s": warm_up_rollout_s,
+        "warm_up_step_s": warm_up_step_s,
         "prompts_x_samples": f"{t.prompts_per_step}x{t.group_size}", "max_new_tokens": t.max_new_tokens,
         "num_minibatches": t.num_minibatches, "model_load_s": load_s, "repeats": 1,
         "completion_tokens": completion_tokens, "rollout_s": rollout_s, "rollout_tok_s": completion_tokens / rollout_s,
@@ -207,6 +215,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
         "phase_backward_s": timings["backward_s"], "phase_optimizer_s": timings["optimizer_s"],
         "phase_update_other_s": update_s - sum(timings.values()),
     }
+    release_freed_memory()  # TRL grows its own heap in its first, untimed step
     trl = trl_step(cfg, initial, tokenizer, task, problems)
     result.update({f"trl_{key}": value for key, value in trl.items()})
     result["native_over_trl_rollout_tok_s"] = result["rollout_tok_s"] / trl["rollout_tok_s"]
@@ -229,29 +238,37 @@ def median_of(runs: list[dict]) -> dict:
         return runs[0]
     result = {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
     result["repeats"] = len(runs)
-    result["warm_up_rollout_s"] = runs[0]["warm_up_rollout_s"]  # the first holds the one-time costs (a compile)
+    for key in (key for key in runs[0] if "warm_up" in key):  # the first repeat's: it holds the one-time costs
+        result[key] = runs[0][key]
     for key in RATIOS:
         result[f"{key}_min_max"] = f"{min(r[key] for r in runs):.3f} / {max(r[key] for r in runs):.3f}"
     return result
 
 
-def warm_up(policy, optimizer, scheduler, objective, tokenizer, problems, cfg) -> float:
-    """A small rollout and update before timing, so that one-time costs (kernel loading, allocator growth, CUDA
-    handles, ``train.compile_sampler``'s compile) are charged to neither side; the weights are restored afterwards
-    (lr 0 would still move AdamW's moments, so the state is saved and put back). Returns the rollout's seconds."""
+def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
+    """The rollout scored by the task, with the run's advantages and the sampler's log-probs."""
+    t, device = cfg.train, ro.completion_ids.device
+    rewards = torch.tensor([task.score(x, problems[i // t.group_size]).correct for i, x in enumerate(ro.texts)])
+    group_ids = torch.arange(len(ro.texts) // t.group_size).repeat_interleave(t.group_size)
+    return TrainBatch(ro, rewards.to(device), estimator(rewards, group_ids).to(device), group_ids.to(device),
+                      ro.sampler_logp)
+
+
+def warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg) -> tuple[float, float]:
+    """One untimed step of the timed step's sizes, so that one-time costs — kernel loading, the heap's growth to
+    the step's peak memory (harness/allocator.py), CUDA handles, ``train.compile_sampler``'s compile — are charged
+    to neither side (TRL's first step is untimed too); the weights are restored afterwards (lr 0 would still move
+    AdamW's moments, so the state is saved and put back). Returns the seconds of its rollout and of the step."""
     saved = copy.deepcopy(policy.state_dict())
-    small = OmegaConf.merge(cfg, {"train": {"max_new_tokens": 8}})
     start = time.perf_counter()
-    ro = sample_group(policy, tokenizer, problems[:2], small)
+    ro = sample_group(policy, tokenizer, problems, cfg)
     rollout_s = time.perf_counter() - start
-    n, device = len(ro.texts), ro.completion_ids.device
-    batch = TrainBatch(ro, torch.zeros(n, device=device), torch.ones(n, device=device), torch.arange(n, device=device),
-                       ro.sampler_logp)
-    update(policy, optimizer, scheduler, objective, batch, OmegaConf.merge(small, {"train": {
-        "prompts_per_step": 2, "num_minibatches": 1, "micro_batch_size": 0}}), 0, RunState(total_optimizer_steps=1))
+    update(policy, optimizer, scheduler, objective, train_batch(ro, task, problems, estimator, cfg), cfg, 0,
+           RunState(total_optimizer_steps=cfg.train.num_minibatches * cfg.train.epochs))
+    step_s = time.perf_counter() - start
     policy.load_state_dict(saved)
     optimizer.state.clear()
-    return rollout_s
+    return rollout_s, step_s
 
 
 def sync(device: torch.device) -> None:
@@ -259,28 +276,46 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _SecondStepMark(TrainerCallback):
+    """The clocks and TRL's phase totals when its second rollout step begins (global step ``steps``)."""
+
+    def __init__(self, trainer, steps: int):
+        self.trainer, self.steps, self.mark = trainer, steps, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            self.mark = time.perf_counter(), time.process_time(), dict(self.trainer.phase_s)
+
+
 def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
-    """One generation + ``num_minibatches`` optimizer steps of TRL's own GRPOTrainer (loss_type grpo, no
-    gradient checkpointing, as the native loop), phases from its timed methods (harness.trl_backend)."""
+    """Two generations, each followed by ``num_minibatches`` optimizer steps, of TRL's own GRPOTrainer (loss_type
+    grpo, no gradient checkpointing, as the native loop); the second is timed (the first pays the one-time costs, as
+    the native warm-up does), phases from its timed methods (harness.trl_backend)."""
     from harness.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
 
     t = cfg.train
+    steps = t.num_minibatches * t.epochs
     with tempfile.TemporaryDirectory() as out:
-        args = grpo_config(cfg, Path(out), max_steps=t.num_minibatches * t.epochs, shuffle_dataset=False,
+        args = grpo_config(cfg, Path(out), max_steps=2 * steps, shuffle_dataset=False,
                            save_strategy="no", reward_weights=[1.0, cfg.task.format_weight])
         trainer = TimedGRPOTrainer(model=policy, reward_funcs=reward_functions(task), args=args,
                                    train_dataset=problems_dataset(problems, tokenizer), processing_class=tokenizer)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        marker = _SecondStepMark(trainer, steps)
+        trainer.add_callback(marker)
+        start = time.perf_counter()
         trainer.train()
-        step_s, step_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    logs = next(entry for entry in trainer.state.log_history if "completions/mean_length" in entry)
-    tokens = logs["completions/mean_length"] * t.prompts_per_step * t.group_size
-    p = trainer.phase_s
+        end, cpu_end = time.perf_counter(), time.process_time()
+    mark_s, mark_cpu_s, first = marker.mark
+    step_s, step_cpu_s = end - mark_s, cpu_end - mark_cpu_s
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    tokens = logs[-1]["completions/mean_length"] * t.prompts_per_step * t.group_size
+    p = {name: trainer.phase_s[name] - first.get(name, 0.0)  # phase_s: a defaultdict, 0 for a phase never run
+         for name in ("rollout", "generate", "rewards", "logp_nograd", "logp_forward", "training_step")}
     update_s = step_s - p["rollout"]
     return {
         "completion_tokens": int(round(tokens)), "rollout_s": p["rollout"], "rollout_tok_s": tokens / p["rollout"],
         "update_s": update_s, "update_tok_s": tokens * t.epochs / update_s, "step_s": step_s,
-        "step_tok_s": tokens / step_s, "step_cpu_s": step_cpu_s,
+        "step_tok_s": tokens / step_s, "step_cpu_s": step_cpu_s, "warm_up_step_s": mark_s - start,
         "old_logp_recomputed": args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) > 0,
         "phase_generate_s": p["generate"], "phase_rewards_s": p["rewards"],
         "phase_old_ref_logp_nograd_s": p["logp_nograd"],

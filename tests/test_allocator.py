@@ -1,0 +1,48 @@
+"""harness/allocator.py: freed memory is reused without page faults once the command line has set glibc up, the
+environment switch turns it off, and release_freed_memory gives the pages back. Each case runs in a fresh process
+(the settings are process-wide)."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's mallopt only")
+
+FAULTS = """
+import json, resource, torch
+from harness.allocator import keep_freed_memory, release_freed_memory
+kept = keep_freed_memory()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def touch():  # a step's worth: one block above glibc's default mmap threshold (64 MiB) and smaller ones
+    before = faults()
+    big, small = torch.ones(16 << 20), [torch.ones(1 << 20) for _ in range(8)]
+    del big, small
+    return faults() - before
+first, second, third = touch(), touch(), touch()  # the heap's layout settles within a step or two
+release_freed_memory()
+print(json.dumps({"kept": kept, "first": first, "third": third, "after_release": touch()}))
+"""
+
+
+def faults(env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, **env})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_freed_memory_is_reused_and_given_back():
+    pages = (64 + 32) * 2**20 // 4096  # the blocks' 4 KiB pages
+    kept = faults({})
+    assert kept["kept"] and kept["first"] > pages // 2
+    assert kept["third"] < pages // 20  # the same pages again: no faults
+    assert kept["after_release"] > pages // 2  # given back: faulted in anew
+
+
+def test_the_environment_switch_keeps_glibc_defaults():
+    pages = 64 * 2**20 // 4096
+    default = faults({"RLVR_KEEP_FREED_MEMORY": "0"})
+    assert not default["kept"] and default["third"] > pages // 2  # the 64 MiB block is mmap'd and faulted again
