@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="glibc's mallopt only")
+pytestmark = [pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's mallopt only"),
+              pytest.mark.slow]  # two fresh processes importing torch: ~6 s, kept out of `make test-fast`
 
 FAULTS = """
 import json, resource, torch
