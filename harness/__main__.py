@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _terminate)
-    keep_freed_memory()
     try:
+        keep_freed_memory()
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
                 "bench": cmd_bench, "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab,
                 "claims": cmd_claims, "explain": cmd_explain}[args.command](args)

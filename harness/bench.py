@@ -21,6 +21,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -160,7 +161,8 @@ def main(overrides: list[str], repeats: int = 1) -> int:
         runs.append(measure(cfg, policy, initial, tokenizer, task, problems, device, load_s))
     result = median_of(runs)
     result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
-    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (  # bytes on macOS, KiB elsewhere
+        2**30 if sys.platform == "darwin" else 2**20)
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
@@ -290,7 +292,8 @@ class _SecondStepMark(TrainerCallback):
 def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
     """Two generations, each followed by ``num_minibatches`` optimizer steps, of TRL's own GRPOTrainer (loss_type
     grpo, no gradient checkpointing, as the native loop); the second is timed (the first pays the one-time costs, as
-    the native warm-up does), phases from its timed methods (harness.trl_backend)."""
+    the native warm-up does; the second starts from weights its 4 optimizer steps at the bench's lr 1e-6 moved, where
+    the native side restores them), phases from its timed methods (harness.trl_backend)."""
     from harness.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
 
     t = cfg.train

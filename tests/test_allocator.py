@@ -3,6 +3,7 @@ environment switch turns it off, and release_freed_memory gives the pages back. 
 (the settings are process-wide)."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -31,7 +32,7 @@ print(json.dumps({"kept": kept, "first": first, "third": third, "after_release":
 
 def faults(env: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, **env})
+                         env={**os.environ, **env})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -47,3 +48,11 @@ def test_the_environment_switch_keeps_glibc_defaults():
     pages = 64 * 2**20 // 4096
     default = faults({"RLVR_KEEP_FREED_MEMORY": "0"})
     assert not default["kept"] and default["third"] > pages // 2  # the 64 MiB block is mmap'd and faulted again
+
+
+def test_a_bad_switch_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "harness", "list"], capture_output=True, text=True,
+                         env={**os.environ, "RLVR_KEEP_FREED_MEMORY": "yes"})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == ("config error: RLVR_KEEP_FREED_MEMORY='yes': set it to 0 (glibc's defaults) or 1 "
+                                  "(keep freed memory), or unset it")
