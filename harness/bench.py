@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 
 from harness.allocator import release_freed_memory
 from harness.batch import TrainBatch, sample_group
-from harness.build import build_objective, build_policy, build_task, resolve_device
+from harness.build import build_objective, build_optimizer, build_policy, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
 from harness.rollout import Rollout
 from harness.update import RunState, update
@@ -177,7 +177,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     the one-time costs): every printed figure."""
     t = cfg.train
     objective, estimator = build_objective(cfg)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
+    optimizer = build_optimizer(policy.parameters(), t)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     release_freed_memory()
     warm_up_rollout_s, warm_up_step_s = warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task,

@@ -58,6 +58,15 @@ def build_objective(cfg: DictConfig):
     return objective, get_advantage(cfg.objective.advantage or objective.default_advantage)
 
 
+def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:
+    """AdamW with the run's ``lr`` and ``weight_decay``: the fused kernel (one pass over each parameter, its gradient
+    and moments instead of a dozen tensor ops: the same update to round-off, ~4x faster on CPU; what TRL's Trainer
+    runs by default) where torch has it for every parameter's device, the per-tensor loop elsewhere."""
+    params = list(params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+
+
 def frozen_copy(policy, dtype: torch.dtype | None = None):
     """A copy of ``policy`` without gradients (the KL reference, or a sampler in another precision)."""
     model = copy.deepcopy(policy).requires_grad_(False).eval()

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import harness.update
 from harness.batch import collect_batch, rewards_of
-from harness.build import build_policy, build_task
+from harness.build import build_optimizer, build_policy, build_task
 from harness.config import ConfigError, load_experiment, run_configs
 from harness.models import build_prompt, load_model
 from harness.records import read_jsonl
@@ -172,6 +172,33 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     drop = {"eval_accuracy"}  # the 2-step run evaluated at its last step, the full run did not
     assert [{k: v for k, v in r.items() if k not in drop} for r in part] == \
            [{k: v for k, v in r.items() if k not in drop} for r in full]
+
+
+def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
+    """build_optimizer: the fused AdamW kernel on CPU, with the run's lr and weight decay; five steps of it move the
+    weights as the per-tensor loop does (to fp32 round-off), and as AdamW by hand for the first step."""
+    t = OmegaConf.create({"lr": 1e-2, "weight_decay": 0.1})
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+    moved = {}
+    for fused in (True, False):
+        params = [p.clone().requires_grad_() for p in start]
+        optimizer = build_optimizer(params, t) if fused else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        assert optimizer.param_groups[0]["fused"] is (True if fused else None)
+        assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]) == (1e-2, 0.1)
+        for k, step in enumerate(grads):
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            optimizer.step()
+            if k == 0 and fused:  # m = (1-b1) g, v = (1-b2) g^2, bias-corrected: the step is lr g / (|g| + eps')
+                for p, p0, g in zip(params, start, step):
+                    by_hand = p0 * (1 - 1e-2 * 0.1) - 1e-2 * g / (g.abs() + 1e-8)
+                    assert torch.allclose(p.detach(), by_hand, atol=1e-6)
+        moved[fused] = [p.detach() for p in params]
+    for a, b in zip(moved[True], moved[False]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert (moved[True][0] - start[0]).abs().max() > 1e-2  # the steps moved the weights
 
 
 @pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
