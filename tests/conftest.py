@@ -1,11 +1,11 @@
-"""Shared fixtures: the local GSM8K copy, a tiny model and tokenizer, a private cache directory."""
+"""Shared fixtures: the local GSM8K copy, a tiny model and tokenizer, a private cache directory.
+
+Nothing heavy is imported at module level: pytest-xdist's controller process loads this file too, and with torch
+and transformers imported here it would spend ~5-10 s before starting the workers that import them again."""
 
 from pathlib import Path
 
 import pytest
-
-from harness.models import load_model
-from tests.tiny import TINY_SPEC
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,6 +22,9 @@ def gsm8k_dir() -> Path:
 @pytest.fixture
 def tiny_model():
     """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
+    from harness.models import load_model
+    from tests.tiny import TINY_SPEC
+
     return load_model("tiny", tiny=TINY_SPEC)
 
 

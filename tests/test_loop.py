@@ -188,15 +188,15 @@ def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
         assert optimizer.param_groups[0]["fused"] is (True if fused else None)
         assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]) == (1e-2, 0.1)
         for k, step in enumerate(grads):
-            for p, g in zip(params, step):
+            for p, g in zip(params, step, strict=True):
                 p.grad = g.clone()
             optimizer.step()
             if k == 0 and fused:  # m = (1-b1) g, v = (1-b2) g^2, bias-corrected: the step is lr g / (|g| + eps')
-                for p, p0, g in zip(params, start, step):
+                for p, p0, g in zip(params, start, step, strict=True):
                     by_hand = p0 * (1 - 1e-2 * 0.1) - 1e-2 * g / (g.abs() + 1e-8)
                     assert torch.allclose(p.detach(), by_hand, atol=1e-6)
         moved[fused] = [p.detach() for p in params]
-    for a, b in zip(moved[True], moved[False]):
+    for a, b in zip(moved[True], moved[False], strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=0)
     assert (moved[True][0] - start[0]).abs().max() > 1e-2  # the steps moved the weights
 

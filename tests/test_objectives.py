@@ -657,6 +657,7 @@ def example_source() -> str:
     return block.group(1)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch (~3-5 s)
 def test_a_new_module_is_registered_automatically(tmp_path):
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))

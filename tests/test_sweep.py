@@ -99,6 +99,7 @@ def test_cli_reports_config_errors_without_traceback():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and every reasoning-gym generator (~5 s)
 def test_cli_lists_registered_names():
     out = cli("list")
     assert out.returncode == 0
