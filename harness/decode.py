@@ -184,14 +184,14 @@ class _WrittenOutDecoder:
         if not one_by_one or not left_padded:  # (an empty prompt, a mask with holes: the batch takes any mask)
             cache = DynamicCache(config=self.model.config)
             hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
-                          past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+                          cache=cache, use_cache=True).last_hidden_state[:, -1]
             return hidden, [(layer.keys, layer.values) for layer in cache.layers]
         width, hidden, prefix = prompt_ids.shape[1], [], None
         for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True)):
             real = ids[mask.bool()][None]  # [1, L]
             cache = DynamicCache(config=self.model.config)
             hidden.append(body(input_ids=real, position_ids=torch.arange(real.shape[1], device=real.device)[None],
-                               past_key_values=cache, use_cache=True).last_hidden_state[:, -1])
+                               cache=cache, use_cache=True).last_hidden_state[:, -1])
             if prefix is None:
                 prefix = [(layer.keys.new_zeros(len(prompt_ids), *layer.keys.shape[1:2], width, layer.keys.shape[3]),
                            layer.values.new_zeros(len(prompt_ids), *layer.values.shape[1:2], width,
@@ -469,7 +469,7 @@ class CacheDecoder:
         layers = self.model.config.get_text_config().num_hidden_layers
         self.cache = Cache(layers=[_SlabLayer(self.capacity) for _ in range(layers)])
         hidden = self.model.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                          position_ids=positions(prompt_mask), past_key_values=self.cache,
+                                          position_ids=positions(prompt_mask), cache=self.cache,
                                           use_cache=True).last_hidden_state[:, -1]
         if group_size > 1:
             for layer in self.cache.layers:
@@ -490,6 +490,6 @@ class CacheDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits [n, V] of the next token after ``tokens`` [n] at ``positions`` [n]."""
         hidden = self.forward(input_ids=tokens[:, None], attention_mask=self.mask[:, : self.width + self.length + 1],
-                              position_ids=positions[:, None], past_key_values=self.cache, use_cache=True)
+                              position_ids=positions[:, None], cache=self.cache, use_cache=True)
         self.length += 1
         return self.head(hidden.last_hidden_state[:, -1])

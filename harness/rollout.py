@@ -88,7 +88,7 @@ def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, g
     if group_size > 1 and prompt_ids.shape[1] > 1:
         head, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
         cache = model.get_decoder()(input_ids=head, attention_mask=head_mask, position_ids=positions(head_mask),
-                                    use_cache=True).past_key_values
+                                    use_cache=True).cache
         cache.batch_repeat_interleave(group_size)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
@@ -98,7 +98,7 @@ def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, g
         **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
         logits_processor=LogitsProcessorList([recorder]),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
-        past_key_values=cache,
+        cache=cache,
     )
     completion_ids = out[:, prompt_ids.shape[1]:]
     recorder.take(completion_ids[:, -1])
@@ -269,11 +269,11 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     if prompt_len > 1 and len(first_row) < len(prompt_of_row):
         head_mask = prompt_mask[first_row, :-1]
         cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
-                        position_ids=positions(head_mask), use_cache=True).past_key_values
+                        position_ids=positions(head_mask), use_cache=True).cache
         cache.batch_select_indices(prompt_of_row)
         tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
         hidden = decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
-                         past_key_values=cache, use_cache=True).last_hidden_state[:, :length]
+                         cache=cache, use_cache=True).last_hidden_state[:, :length]
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
