@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import signal
 import sys
 import textwrap
@@ -161,6 +162,31 @@ def cmd_soak(args) -> int:
     return soak(kills=args.kills, seed=args.seed)
 
 
+DISTRIBUTION = "rlvr-objectives-harness"  # pyproject.toml's name
+
+
+def unmet_requirement() -> str | None:
+    """The first of the package's own (not optional) requirements that the installed packages miss, e.g. a
+    transformers older than the one whose argument names the harness passes; ``None`` when all are met (or when the
+    harness runs from a checkout that pip has not installed)."""
+    from packaging.requirements import Requirement
+
+    try:
+        requirements = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for requirement in map(Requirement, requirements):
+        if requirement.marker is not None:  # extras (dev, track)
+            continue
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{requirement.name} is not installed (needs {requirement})"
+        if not requirement.specifier.contains(installed, prereleases=True):
+            return f"{requirement.name} {installed} is installed, the harness needs {requirement}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    unmet = unmet_requirement()
+    if unmet:
+        print(f"error: {unmet}: run `make setup` (or `pip install -e .`) again", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _terminate)
     try:
         keep_freed_memory()

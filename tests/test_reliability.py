@@ -123,6 +123,24 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
         assert out.returncode == 2 and "--jobs: must be an integer >= 1" in out.stderr
 
 
+
+@pytest.mark.parametrize("installed", ["5.23.0", "6.0.0"])
+def test_a_transformers_outside_the_requirement_is_refused_in_one_line_before_anything_starts(
+        installed, monkeypatch, capsys, tmp_path):
+    import importlib.metadata
+
+    from harness.__main__ import main, unmet_requirement
+
+    assert unmet_requirement() is None  # the environment the suite runs in meets pyproject's requirements
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: installed if name == "transformers" else version(name))
+    assert main(["train", "quickstart", f"results_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: transformers {installed} is installed, the harness needs transformers<6,>=5.24: "
+                   "run `make setup` (or `pip install -e .`) again\n")
+    assert not any(tmp_path.iterdir())  # nothing started
+
 @pytest.mark.slow
 def test_ctrl_c_prints_how_to_resume(tmp_path):
     # a suite started in the background by a non-interactive shell inherits SIGINT ignored: give the run Ctrl-C back
