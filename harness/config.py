@@ -110,6 +110,7 @@ class TrainConfig:
     sampler: str = "native"  # "native": harness/rollout.py's decode loop; "hf": transformers' generate (reference)
     decoder: str = "auto"  # the native sampler's decode step (harness/decode.py): auto|shared_prefix|per_row|cache
     compile_sampler: bool = False  # torch.compile the per-row (or cache) decoder's step: a compile per rollout shape
+    padding_free: bool = True  # the trainer's forward skips completion padding (harness/packed.py; Llama family)
     eval_every: int = 5  # 0 = only at the start and the end
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     pass_k: int = 0  # also estimate pass@k at eval (k samples per eval problem); 0 = off

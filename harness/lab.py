@@ -238,6 +238,7 @@ class Lab:
             rows = order[m * per_minibatch : (m + 1) * per_minibatch]
             optimizer.zero_grad(set_to_none=True)
             loss, *_ = microbatch_loss(model, self.mover, batch, rows, temperature=t.temperature,
+                                       padding_free=t.padding_free,
                                        num_tokens=ro.completion_mask[rows].sum().clamp(min=1),
                                        num_sequences=len(rows), max_completion_len=t.max_new_tokens, state=state,
                                        with_entropy=False)
@@ -264,7 +265,7 @@ class Lab:
             width = int(ro.completion_mask[rows].sum(-1).max())
             logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
                                           ro.completion_ids[rows, :width], ro.completion_mask[rows, :width],
-                                          t.temperature)
+                                          t.temperature, padding_free=t.padding_free)
             (reinforce_loss(logp, ro.completion_mask[rows, :width], advantages[rows]) * logp.shape[0]
              / len(ro.texts)).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -278,13 +279,14 @@ class Lab:
         mask = ro.completion_mask[rows, :width]
         params = list(model.requires_grad_(True).parameters())
         logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows, :width],
-                                      mask, t.temperature)
+                                      mask, t.temperature, padding_free=t.padding_free)
         old_logp = ro.sampler_logp[rows, :width]
         ref_logp = None
         if any(obj.beta > 0 for obj, _ in self.objectives.values()):
             with torch.no_grad():
                 ref_logp, _ = completion_logprobs(self.policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                                  ro.completion_ids[rows, :width], mask, t.temperature)
+                                                  ro.completion_ids[rows, :width], mask, t.temperature,
+                                                  padding_free=t.padding_free)
         rows_out, sketches = [], {}
         for name, (objective, estimator) in self.objectives.items():
             advantages = estimator(rewards, group_ids)[rows]

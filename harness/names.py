@@ -136,6 +136,9 @@ NAMES: tuple[Name, ...] = (
          "cache (the model's forward, per-row KV cache)"),
     Name("train.compile_sampler", "torch.compile the native sampler's decode step (the per-row decoder's; other "
          "models: the cache decoder's forward)"),
+    Name("train.padding_free", "the trainer's forward runs its token-wise layers on real completion tokens only "
+         "(Llama-family models; others: the model's forward on the padded batch)", "—",
+         "`actor_rollout_ref.model.use_remove_padding`"),
     Name("train.eval_every", "held-out evaluation every N steps; 0 = start and end only", "`eval_steps` (optimizer "
          "steps)", "`trainer.test_freq`"),
     Name("train.eval_max_new_tokens", "evaluation's longest completion; 0 = max_new_tokens"),

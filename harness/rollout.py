@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from harness.decode import build_decoder, positions
+from harness.packed import completion_hidden, distinct_prompts, padding_free_unsupported
 
 
 @dataclass
@@ -245,46 +246,57 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
 
 
-ENTROPY_BLOCK = 16  # positions per block of the entropy's exp * logp
+ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False):
-    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T].
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        padding_free: bool = True):
+    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
+    ``completion_mask`` is 0.
 
-    Runs the transformer body on prompt + completion but the LM head only on the positions that predict
-    completion tokens: no logits are materialised for prompt tokens. Position ids follow the attention
-    mask, as in ``generate`` with left padding. Consecutive rows with the same prompt (a group, or the part
-    of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
-    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per
-    row (the sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
+    The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
+    :func:`harness.packed.padding_free_unsupported` allows): the whole body skips the completions' padding
+    (harness/packed.py). Otherwise the model's forward on prompt + completion, position ids following the
+    attention mask as in ``generate`` with left padding; consecutive rows with the same prompt (a group, or the
+    part of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
+    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per row (the
+    sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
     """
+    valid = completion_mask.bool()
+    if padding_free and padding_free_unsupported(model, prompt_mask, valid) is None:
+        hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
+    else:
+        hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
+    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
+                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+    return token_logp, entropy
+
+
+def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
+    """The model's final hidden states [N, T, hidden] that predict the completion tokens (prompt passes shared by
+    consecutive rows with the same prompt: :func:`completion_logprobs`)."""
     decoder = model.get_decoder()
-    attention = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
     position_ids = positions(attention)
     prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
-    _, prompt_of_row = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1),
-                                                dim=0, return_inverse=True)
-    first_row = torch.cat([prompt_of_row.new_ones(1), prompt_of_row.diff()]).nonzero()[:, 0]  # one row per prompt
+    first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
     if prompt_len > 1 and len(first_row) < len(prompt_of_row):
         head_mask = prompt_mask[first_row, :-1]
         cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
                         position_ids=positions(head_mask), use_cache=True).cache
         cache.batch_select_indices(prompt_of_row)
         tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-        hidden = decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
-                         cache=cache, use_cache=True).last_hidden_state[:, :length]
-    else:
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                         use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
-    logits = model.get_output_embeddings()(hidden).float()
-    if temperature != 1.0:  # x / 1.0 == x: a pass over [N, T, V] saved
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    token_logp = logp.gather(-1, completion_ids[..., None])[..., 0]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():  # in blocks of positions: no [N, T, V] temporaries
-            entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK, dim=1)], 1)
-    return token_logp, entropy
+        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                       cache=cache, use_cache=True).last_hidden_state[:, :length]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]

@@ -95,13 +95,14 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             chunk = t.micro_batch_size or len(ro.texts) // t.num_minibatches
             old_logp, recompute_mismatch = ro.sampler_logp, {}
             if behaviour_logp(t) == "recompute":
-                old_logp = no_grad_logprobs(policy, ro, t.temperature, chunk)
+                old_logp = no_grad_logprobs(policy, ro, t.temperature, chunk, t.padding_free)
                 meter = MismatchMeter()
                 meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
                 recompute_mismatch = meter.result()
             correction, correction_stats = rollout_correction(
                 t, old_logp, ro.sampler_logp if different_sampler else None, ro.completion_mask)
-            ref_logp = no_grad_logprobs(reference, ro, t.temperature, chunk) if reference is not None else None
+            ref_logp = (None if reference is None
+                        else no_grad_logprobs(reference, ro, t.temperature, chunk, t.padding_free))
             batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp, correction)
             # 4. update
             timings: dict[str, float] = {}
@@ -145,8 +146,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
 
 
 @torch.no_grad()
-def no_grad_logprobs(model, ro, temperature: float, chunk: int) -> torch.Tensor:
+def no_grad_logprobs(model, ro, temperature: float, chunk: int, padding_free: bool = True) -> torch.Tensor:
     """Completion log-probs of the whole rollout under ``model``, ``chunk`` rows at a time."""
     return torch.cat([completion_logprobs(model, ro.prompt_ids[i : i + chunk], ro.prompt_mask[i : i + chunk],
                                           ro.completion_ids[i : i + chunk], ro.completion_mask[i : i + chunk],
-                                          temperature)[0] for i in range(0, len(ro.texts), chunk)])
+                                          temperature, padding_free=padding_free)[0]
+                      for i in range(0, len(ro.texts), chunk)])

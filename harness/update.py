@@ -82,15 +82,17 @@ def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torc
 
 
 def forward_rows(policy, batch: TrainBatch, rows: Tensor, temperature: float, with_entropy: bool = False,
-                 timings: dict | None = None, timing_key: str = "logp_forward_s"):
-    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped.
-    Returns (logp [rows, width], entropy or None, mask [rows, width], width)."""
+                 timings: dict | None = None, timing_key: str = "logp_forward_s", padding_free: bool = True):
+    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
+    (``padding_free``: the rest of the padding too, harness/packed.py). Returns (logp [rows, width], entropy or
+    None, mask [rows, width], width)."""
     ro = batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
     start = time.perf_counter()
     logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                        ro.completion_ids[rows, :width], mask, temperature, with_entropy=with_entropy)
+                                        ro.completion_ids[rows, :width], mask, temperature, with_entropy=with_entropy,
+                                        padding_free=padding_free)
     if timings is not None:
         timings[timing_key] = timings.get(timing_key, 0.0) + time.perf_counter() - start
     return logp, entropy, mask, width
@@ -116,7 +118,7 @@ def rows_policy_batch(batch: TrainBatch, rows: Tensor, logp: Tensor, mask: Tenso
 
 @torch.no_grad()
 def minibatch_statistics(policy, objective, batch: TrainBatch, chunks: list[Tensor], *, temperature: float,
-                         timings: dict | None = None, **batch_fields) -> dict | None:
+                         padding_free: bool = True, timings: dict | None = None, **batch_fields) -> dict | None:
     """The objective's ``minibatch_statistics`` summed over the micro-batches ``chunks`` of one minibatch, from a
     no-grad forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so
     the same log-probs). None when the objective has no such hook or the minibatch is one micro-batch (it then
@@ -127,7 +129,7 @@ def minibatch_statistics(policy, objective, batch: TrainBatch, chunks: list[Tens
     parts = []
     for rows in chunks:
         logp, _, mask, width = forward_rows(policy, batch, rows, temperature, timings=timings,
-                                            timing_key="stats_forward_s")
+                                            timing_key="stats_forward_s", padding_free=padding_free)
         parts.append(objective.minibatch_statistics(rows_policy_batch(batch, rows, logp, mask, width, **batch_fields)))
     return sum_statistics(parts)
 
@@ -135,11 +137,12 @@ def minibatch_statistics(policy, objective, batch: TrainBatch, chunks: list[Tens
 def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, temperature: float, num_tokens: Tensor,
                     num_sequences: int, max_completion_len: int, state: RunState, with_entropy: bool,
                     rollout_step: int | None = None, sampler_is_behaviour: bool = True,
-                    timings: dict | None = None, minibatch_stats: dict | None = None):
+                    timings: dict | None = None, minibatch_stats: dict | None = None, padding_free: bool = True):
     """Forward the ``rows`` of the batch, evaluate the objective (aggregated with the minibatch's counts; with the
     minibatch's statistics when given) and backpropagate. Returns (loss, metrics, valid tokens, the rows' log-probs
     [rows, width] detached, width)."""
-    logp, entropy, mask, width = forward_rows(policy, batch, rows, temperature, with_entropy, timings)
+    logp, entropy, mask, width = forward_rows(policy, batch, rows, temperature, with_entropy, timings,
+                                              padding_free=padding_free)
     out = objective(rows_policy_batch(
         batch, rows, logp, mask, width, num_tokens=num_tokens, num_sequences=num_sequences,
         max_completion_len=max_completion_len, state=state, rollout_step=rollout_step,
@@ -202,12 +205,12 @@ def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: Dict
             fields = dict(num_tokens=num_tokens, num_sequences=per_minibatch, max_completion_len=t.max_new_tokens,
                           state=state, rollout_step=step - 1,
                           sampler_is_behaviour=sampler_behaviour or batch.correction is not None)
-            stats = minibatch_statistics(policy, objective, batch, chunks, temperature=t.temperature, timings=timings,
-                                         **fields)
+            stats = minibatch_statistics(policy, objective, batch, chunks, temperature=t.temperature,
+                                         padding_free=t.padding_free, timings=timings, **fields)
             for rows in chunks:
                 part, metrics, tokens, logp, width = microbatch_loss(
                     policy, objective, batch, rows, temperature=t.temperature, with_entropy=epoch == 0,
-                    timings=timings, minibatch_stats=stats, **fields)
+                    timings=timings, minibatch_stats=stats, padding_free=t.padding_free, **fields)
                 if epoch == 0 and k == 0 and sampler_behaviour:
                     mismatch.add(ro.sampler_logp[rows, :width], logp, ro.completion_mask[rows, :width])
                 loss += part

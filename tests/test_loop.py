@@ -65,20 +65,25 @@ def test_completion_mask_ends_at_first_eos(tiny_policy):
             assert ids[n - 1] == eos and eos not in ids[: n - 1].tolist()
 
 
-def test_lm_head_sees_only_completion_positions(tiny_policy):
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_lm_head_sees_only_real_completion_positions(tiny_policy, padding_free):
     model, tokenizer, prompts = tiny_policy
     ro = generate(model, tokenizer, prompts, max_new_tokens=5, greedy=True)
+    ro.completion_mask[0, 2:] = False  # a row that ended early: its padding gets no logits
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
     try:
-        completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        logp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                                      padding_free=padding_free)
     finally:
         hook.remove()
-    assert seen == [torch.Size([len(prompts), ro.completion_ids.shape[1], model.config.hidden_size])]
+    assert seen == [torch.Size([int(ro.completion_mask.sum()), model.config.hidden_size])]
+    assert (logp[~ro.completion_mask] == 0).all()
 
 
+@pytest.mark.parametrize("padding_free", [True, False])
 @pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 7)])  # whole groups; a micro-batch cutting two groups
-def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, rows):
+def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, rows, padding_free):
     model, tokenizer, prompts = tiny_policy
     torch.manual_seed(0)
     ro = generate(model, tokenizer, [prompts[0], "7*" + prompts[1], *prompts[2:4]], group_size=3, max_new_tokens=9,
@@ -91,9 +96,10 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
         model.zero_grad()
         if per_row:
             logp = torch.cat([completion_logprobs(model, ids[i : i + 1], mask[i : i + 1], comp[i : i + 1],
-                                                  comp_mask[i : i + 1], 0.9)[0] for i in range(len(ids))])
+                                                  comp_mask[i : i + 1], 0.9, padding_free=False)[0]
+                              for i in range(len(ids))])
         else:
-            logp = completion_logprobs(model, ids, mask, comp, comp_mask, 0.9)[0]
+            logp = completion_logprobs(model, ids, mask, comp, comp_mask, 0.9, padding_free=padding_free)[0]
         (logp * comp_mask * torch.linspace(-1, 2, len(ids))[:, None]).sum().backward()
         return logp.detach()[comp_mask], [p.grad.clone() for p in model.parameters()]
 
@@ -104,7 +110,8 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
     finally:
         hook.remove()
     distinct = len({tuple(r.tolist()) for r in ids})
-    assert positions == [distinct * (ids.shape[1] - 1), len(ids) * (comp.shape[1] + 1)]  # the prompt ran once
+    tail = int(comp_mask.sum()) if padding_free else len(ids) * (comp.shape[1] + 1)
+    assert positions == [distinct * (ids.shape[1] - 1), tail]  # the prompt ran once (padding-free: no padding)
     single, single_grads = logp_and_grads(per_row=True)
     assert torch.allclose(shared, single, atol=1e-5)
     for a, b in zip(shared_grads, single_grads, strict=True):
