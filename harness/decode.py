@@ -41,6 +41,8 @@ WRITTEN_OUT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
 ONEDNN_MIN_WIDENING = 2  # oneDNN for projections with out_features >= 2 x in_features (gate+up, LM head)
+PER_ROW_MAX_PROMPT_BYTES = 2**25  # auto: per-row copies of the prompts' keys/values up to this size (all layers)
+ONE_BY_ONE_MIN_PADDING = 1 / 8  # CPU prefill: each prompt at its own length from this fraction of padded positions
 
 
 def positions(attention_mask: Tensor) -> Tensor:
@@ -52,10 +54,12 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
                   kind: str = "auto", compile: bool = False):
     """Prefill the distinct prompts [D, P] once and return (decoder, first logits [D x group_size, V]).
 
-    ``kind``: ``"auto"`` (:class:`SharedPrefixDecoder` where it applies, else :class:`CacheDecoder`; with
-    ``compile``, :class:`PerRowDecoder` where it applies), ``"shared_prefix"`` / ``"per_row"`` (an error where they
-    do not apply), ``"cache"``. ``compile``: ``torch.compile`` the per-row decoder's step, or the cache decoder's
-    forward (not the shared-prefix decoder: its shapes change at every step).
+    ``kind``: ``"auto"`` (where the written-out decoders apply, :class:`PerRowDecoder` with ``compile`` or when the
+    rows' copies of their prompts' keys/values would take at most ``PER_ROW_MAX_PROMPT_BYTES`` (small models, short
+    prompts: one attention per layer beats two plus their merge, tiny bench 8% faster), else
+    :class:`SharedPrefixDecoder`; elsewhere :class:`CacheDecoder`), ``"shared_prefix"`` / ``"per_row"`` (an error
+    where they do not apply), ``"cache"``. ``compile``: ``torch.compile`` the per-row decoder's step, or the cache
+    decoder's forward (not the shared-prefix decoder: its shapes change at every step).
     """
     if kind not in DECODERS:
         raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {kind!r}")
@@ -67,11 +71,20 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
     rows = prompt_mask.shape[0] * group_size
     if kind == "cache" or reason:
         decoder = CacheDecoder(model, prompt_ids.shape[1] + max_new_tokens, compile)
-    elif kind == "per_row" or compile:
+    elif kind == "per_row" or compile or (
+            kind == "auto" and prompt_copies_bytes(model, rows, prompt_ids.shape[1]) <= PER_ROW_MAX_PROMPT_BYTES):
         decoder = PerRowDecoder(model, rows, max_new_tokens, compile)
     else:
         decoder = SharedPrefixDecoder(model, rows, max_new_tokens)
     return decoder, decoder.prefill(prompt_ids, prompt_mask, group_size)
+
+
+def prompt_copies_bytes(model, rows: int, prompt_len: int) -> int:
+    """Bytes of the prompts' keys/values held once per row (every layer), as :class:`PerRowDecoder` holds them."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * rows * prompt_len * config.num_key_value_heads * head_dim * config.num_hidden_layers * element
 
 
 def written_out_unsupported(model, length: int) -> str | None:
@@ -157,7 +170,9 @@ class _WrittenOutDecoder:
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> Tensor:
         """Run the distinct prompts [D, P] (rows: ``group_size`` per prompt, in order); first logits [rows, V]."""
-        hidden, prefix = self._prompts(prompt_ids, prompt_mask, one_by_one=prompt_ids.device.type == "cpu")
+        padding = 1 - prompt_mask.float().mean().item()
+        hidden, prefix = self._prompts(prompt_ids, prompt_mask, one_by_one=prompt_ids.device.type == "cpu"
+                                       and padding >= ONE_BY_ONE_MIN_PADDING)
         prompt_bias = torch.zeros(prompt_mask.shape, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]  # [D, 1, 1, P]
         self._prefill_storage(prefix, prompt_bias, group_size)
@@ -177,8 +192,9 @@ class _WrittenOutDecoder:
                  one_by_one: bool) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The model's body on the left-padded prompts [D, P]: the last position's hidden state [D, hidden] and each
         layer's keys/values [D, H_kv, P, d] (anything at padded positions). ``one_by_one`` (on CPU, where padding
-        costs its FLOPs: a third of the bench's GSM8K prompt positions): each prompt at its own length; else one
-        batch (a GPU runs the padding in parallel)."""
+        costs its FLOPs, when it is at least ``ONE_BY_ONE_MIN_PADDING`` of the positions: a third of the bench's GSM8K
+        prompt positions): each prompt at its own length; else one batch (a GPU runs the padding in parallel; a
+        few padded positions cost less than a forward call per prompt: the tiny bench's 0.3% padding, 3x faster)."""
         body = self.model.get_decoder()
         left_padded = bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()) and bool(prompt_mask[:, -1].all())
         if not one_by_one or not left_padded:  # (an empty prompt, a mask with holes: the batch takes any mask)

@@ -233,6 +233,28 @@ def test_where_the_shared_prefix_decoder_does_not_apply():
                       kind="shared_prefix", compile=True)
 
 
+@torch.no_grad()
+def test_auto_picks_per_row_for_small_prompt_copies_and_prefills_one_by_one_only_with_padding(monkeypatch):
+    model = build("llama")
+    ids = torch.ones(2, 6, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    # 2 tensors x 4 rows x 6 positions x 2 key/value heads x 8 dims x 2 layers x 4 bytes
+    assert decode.prompt_copies_bytes(model, 4, 6) == 2 * 4 * 6 * 2 * 8 * 2 * 4
+    assert type(build_decoder(model, ids, mask, group_size=2, max_new_tokens=2)[0]) is PerRowDecoder
+    monkeypatch.setattr(decode, "PER_ROW_MAX_PROMPT_BYTES", decode.prompt_copies_bytes(model, 4, 6) - 1)
+    assert type(build_decoder(model, ids, mask, group_size=2, max_new_tokens=2)[0]) is SharedPrefixDecoder
+    ways = []
+    real = SharedPrefixDecoder._prompts
+    monkeypatch.setattr(SharedPrefixDecoder, "_prompts", lambda self, *a, one_by_one: ways.append(one_by_one)
+                        or real(self, *a, one_by_one=one_by_one))
+    for padded in (0, 1):  # 0 and 1 of 12 positions padded (1/12 < ONE_BY_ONE_MIN_PADDING), then 2 of 12
+        mask[0, :padded] = 0
+        build_decoder(model, ids, mask, group_size=2, max_new_tokens=2)
+    mask[1, :1] = 0
+    build_decoder(model, ids, mask, group_size=2, max_new_tokens=2)
+    assert ways == [False, False, True]
+
+
 def sampler_runs(greedy: bool, settings: list[dict]) -> list:
     """One tiny model's rollouts (4 prompts, one cut short, x 3; 20 tokens; T = 1.2) with each ``generate`` setting."""
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
