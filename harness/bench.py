@@ -7,10 +7,13 @@ Each side is timed at its second step of the same sizes, as in a run of many ste
 each side (harness/allocator.py), so neither inherits the other's pages.
 Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
 
-Update FLOPs are model FLOPs of the shapes actually computed (padding included), fwd + bwd = 3 x fwd:
-  6 * N_body * (prompt + completion positions)           transformer body (N_body: parameters without embeddings)
-+ 6 * d_model * vocab * completion positions             LM head, completion positions only
-+ 6 * n_layers * d_model * positions * mean causal context   attention scores and values
+Update FLOPs are the model FLOPs owed for the real tokens (padding is not work: as for the decode, and since the
+trainer's forward skips the completions' padding, harness/packed.py, a fraction of the peak that a padded forward
+cannot inflate), fwd + bwd = 3 x fwd:
+  6 * N_body * (prompt + completion tokens)           transformer body (N_body: parameters without embeddings;
+                                                      each distinct prompt once, its rows share the pass)
++ 6 * d_model * vocab * completion tokens             LM head, completion positions only
++ 6 * n_layers * d_model * tokens * mean causal context   attention scores and values
 """
 
 from __future__ import annotations
@@ -115,14 +118,18 @@ def body_parameters(model) -> int:
 
 
 def update_flops(model, ro: Rollout, epochs: int) -> float:
-    """Model FLOPs of the update's forward + backward: each distinct prompt runs once (its rows share the pass),
-    every row's completion positions run, padding included."""
+    """Model FLOPs of the update's forward + backward over the real tokens (no work is owed for padding): each
+    distinct prompt once (its rows share the pass) and every row's completion, body, LM head on completion
+    positions, attention over the mean causal context."""
     cfg = model.config
-    prompt_len, completion_len = ro.prompt_ids.shape[1], ro.completion_ids.shape[1]
-    rows, prompts = ro.prompt_ids.shape[0], len(torch.unique(ro.prompt_ids, dim=0))
-    positions = prompts * prompt_len + rows * completion_len
-    head = 6 * cfg.hidden_size * cfg.vocab_size * rows * completion_len
-    attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * positions * (prompt_len + completion_len) / 2
+    distinct, prompt_of_row = torch.unique(torch.cat([ro.prompt_ids, ro.prompt_mask], 1), dim=0, return_inverse=True)
+    prompt_lengths = ro.prompt_mask.sum(-1).float()
+    prompt_tokens = float(prompt_lengths.new_zeros(len(distinct)).scatter_(0, prompt_of_row, prompt_lengths).sum())
+    completion_tokens = float(ro.completion_mask.sum())
+    positions = prompt_tokens + completion_tokens
+    context = ro.prompt_mask.sum(-1).float().mean().item() + ro.completion_mask.sum(-1).float().mean().item() / 2
+    head = 6 * cfg.hidden_size * cfg.vocab_size * completion_tokens
+    attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * positions * context
     return epochs * (6 * body_parameters(model) * positions + head + attention)
 
 
