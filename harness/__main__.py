@@ -110,10 +110,12 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import main, matmuls_main
+    from harness.bench import main, matmuls_main, profile_main
 
     try:
-        return matmuls_main(args.overrides) if args.matmuls else main(args.overrides, repeats=args.repeats)
+        if args.matmuls or args.profile:
+            return (matmuls_main if args.matmuls else profile_main)(args.overrides)
+        return main(args.overrides, repeats=args.repeats)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/decode.py)")
+    bench.add_argument("--profile", action="store_true",
+                       help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`

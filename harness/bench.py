@@ -109,6 +109,37 @@ def matmuls_main(overrides: list[str]) -> int:
     return 0
 
 
+def profile_main(overrides: list[str], rows: int = 15) -> int:
+    """``bench --profile``: after one untimed step (:func:`warm_up`), ``torch.profiler``'s operators of one native
+    rollout and one native update of the bench configuration, by self CPU time (the ``rows`` largest): where the
+    time of each goes, with the op counts that tell per-op cost from compute."""
+    from torch.profiler import profile
+
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    t = cfg.train
+    task = build_task(cfg)
+    policy, tokenizer, _ = build_policy(cfg, task, resolve_device(cfg.device))
+    problems = list(task.train_problems()[: t.prompts_per_step])
+    objective, estimator = build_objective(cfg)
+    optimizer = build_optimizer(policy.parameters(), t)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
+    print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
+    with profile() as rollout_profile:
+        ro = sample_group(policy, tokenizer, problems, cfg)
+    batch = train_batch(ro, task, problems, estimator, cfg)
+    with profile() as update_profile:
+        update(policy, optimizer, scheduler, objective, batch, cfg, 1,
+               RunState(total_optimizer_steps=t.num_minibatches * t.epochs))
+    for name, result in (("rollout", rollout_profile), ("update", update_profile)):
+        print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
+        print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return 0
+
+
 def body_parameters(model) -> int:
     """Parameters of the transformer body: everything but the input embeddings and an untied LM head."""
     n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()

@@ -56,7 +56,7 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
 
     ``kind``: ``"auto"`` (where the written-out decoders apply, :class:`PerRowDecoder` with ``compile`` or when the
     rows' copies of their prompts' keys/values would take at most ``PER_ROW_MAX_PROMPT_BYTES`` (small models, short
-    prompts: one attention per layer beats two plus their merge, tiny bench 8% faster), else
+    prompts: one attention per layer instead of two plus their merge), else
     :class:`SharedPrefixDecoder`; elsewhere :class:`CacheDecoder`), ``"shared_prefix"`` / ``"per_row"`` (an error
     where they do not apply), ``"cache"``. ``compile``: ``torch.compile`` the per-row decoder's step, or the cache
     decoder's forward (not the shared-prefix decoder: its shapes change at every step).
@@ -194,7 +194,7 @@ class _WrittenOutDecoder:
         layer's keys/values [D, H_kv, P, d] (anything at padded positions). ``one_by_one`` (on CPU, where padding
         costs its FLOPs, when it is at least ``ONE_BY_ONE_MIN_PADDING`` of the positions: a third of the bench's GSM8K
         prompt positions): each prompt at its own length; else one batch (a GPU runs the padding in parallel; a
-        few padded positions cost less than a forward call per prompt: the tiny bench's 0.3% padding, 3x faster)."""
+        few padded positions cost less than a forward call per prompt: the tiny bench's 0.3% padding)."""
         body = self.model.get_decoder()
         left_padded = bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()) and bool(prompt_mask[:, -1].all())
         if not one_by_one or not left_padded:  # (an empty prompt, a mask with holes: the batch takes any mask)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.bench import RATIOS, decode_matmuls, main, median_of
+from harness.bench import RATIOS, decode_matmuls, main, median_of, profile_main
 from harness.models import load_model
 from tests.tiny import TINY_SPEC
 
@@ -42,3 +42,14 @@ def test_decode_matmul_shapes_of_a_model():
     names = ("lm_head", "q+k+v", "o", "gate+up", "down")
     assert row["rows"] == 3 and set(row) == {"rows", *(f"{n}_{k}_gflop_s" for n in names for k in ("mkl", "onednn"))}
     assert all(value > 0 for value in row.values())
+
+
+def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
+    overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
+                 "train.group_size=2", "train.num_minibatches=2", "model.warm_start_steps=0", "threads=1",
+                 *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+    assert profile_main(overrides, rows=5) == 0
+    printed = capsys.readouterr().out
+    assert "one rollout (" in printed and "one update (" in printed
+    rollout, update = printed.split("one update (")
+    assert "aten::mm" in update and "Self CPU time total" in rollout and "Self CPU time total" in update
