@@ -23,6 +23,10 @@ Three implementations with one interface (``step(tokens, positions) -> logits``,
 * :class:`CacheDecoder`, any model: the model's decoder forward over a preallocated KV cache (every row holds
   its own copy of the prompt's keys/values), optionally ``torch.compile``-d.
 
+The written-out forward runs the models' RMSNorms as torch's ``F.rms_norm`` (:func:`rms_norm`) and adds the
+residual inside the o and down matmuls (:class:`Matmul`): fewer operations per step, which is most of a small
+model's eager decode step on a CPU.
+
 :func:`build_decoder` picks one (``train.decoder``: ``auto`` | ``shared_prefix`` | ``per_row`` | ``cache``).
 """
 
@@ -140,12 +144,31 @@ class Matmul:
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()):
                 self.kind, self.weight = "onednn", self.weight.to_mkldnn()
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The outputs [n, out], plus ``residual`` [n, out] if given (added inside the matmul where it can be)."""
+        if self.kind == "stacked" and residual is not None and self.bias is None:
+            return torch.addmm(residual, x, self.weight.t())
         if self.kind == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        if self.kind == "stacked":
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        return torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        elif self.kind == "stacked":
+            out = torch.nn.functional.linear(x, self.weight, self.bias)
+        else:
+            out = torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
+        return out if residual is None else residual + out
+
+
+RMS_NORMS = tuple(f"{family}RMSNorm" for family in ("Llama", "Mistral", "Qwen2", "Qwen3"))
+
+
+def rms_norm(norm, x: Tensor) -> Tensor:
+    """``norm(x)`` for a Llama-family RMSNorm module, w * (x / sqrt(mean(x^2) + eps)) computed in float32, as
+    torch's one-kernel ``F.rms_norm`` (instead of the module's six operations) where it has no hooks."""
+    if type(norm).__name__ not in RMS_NORMS or norm._forward_hooks or norm._forward_pre_hooks:
+        return norm(x)
+    if x.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return norm.weight * torch.nn.functional.rms_norm(x.float(), norm.weight.shape, None,
+                                                      norm.variance_epsilon).to(x.dtype)
 
 
 class _WrittenOutDecoder:
@@ -223,11 +246,11 @@ class _WrittenOutDecoder:
         hidden = self.embed(tokens)  # [n, hidden]
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [n, 1, d]
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, self.projections, strict=True)):
-            q, k, v = self._rotated(layer.self_attn, qkv(layer.input_layernorm(hidden)), cos, sin)
-            hidden = hidden + o(attend(i, layer.self_attn, q, k, v))
-            gate, up = gate_up(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + down(layer.mlp.act_fn(gate) * up)
-        return self.head(self.norm(hidden))
+            q, k, v = self._rotated(layer.self_attn, qkv(rms_norm(layer.input_layernorm, hidden)), cos, sin)
+            hidden = o(attend(i, layer.self_attn, q, k, v), residual=hidden)
+            gate, up = gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)
+            hidden = down(layer.mlp.act_fn(gate) * up, residual=hidden)
+        return self.head(rms_norm(self.norm, hidden))
 
     @staticmethod
     def _rotated(attn, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -237,7 +260,7 @@ class _WrittenOutDecoder:
         qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
             qk = torch.cat([attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])], 1)
-        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         return (qk[:, :heads].view(n, kv_heads, heads // kv_heads, d), qk[:, heads:],
                 qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d))
 
@@ -316,13 +339,15 @@ class SharedPrefixDecoder(_WrittenOutDecoder):
 class PerRowDecoder(_WrittenOutDecoder):
     """Decode steps with every row holding its own copy of its prompt's keys/values, in one slab
     [rows, H_kv, P + max_new_tokens, d] per layer (prompt, then generated): one softmax attention per layer and
-    step over the written positions and the new token (:func:`_row_step`), the prompt's padding masked by a bias
-    [rows, 1, 1, P + max_new_tokens].
+    step over the written positions and the new token, the prompt's padding masked by a bias
+    [rows, 1, 1, P + max_new_tokens]. Eagerly the new keys/values are written into the slab first and the
+    attention is three operations (:meth:`_attend_in_slab`).
 
-    ``compile``: the step is ``torch.compile``-d once per process with the sizes that change between steps and
-    rollouts (rows left, positions written, positions reachable) marked dynamic, so no step or rollout recompiles
-    it; the new keys/values leave the graph as outputs and are written into the slab outside it (a graph that
-    wrote into its input would copy the slab whole at every step).
+    ``compile``: the step (:func:`_row_step`) is ``torch.compile``-d once per process with the sizes that change
+    between steps and rollouts (rows left, positions written, positions reachable) marked dynamic, so no step or
+    rollout recompiles it; there the new keys/values leave the graph as outputs and are written into the slab
+    outside it (a graph that wrote into its input would copy the slab whole at every step), so the attention
+    takes the new token's score apart from the slab's.
     """
 
     def __init__(self, model, rows: int, max_new_tokens: int, compile: bool):
@@ -352,26 +377,36 @@ class PerRowDecoder(_WrittenOutDecoder):
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits [n, V] of the next token after ``tokens`` [n] at ``positions`` [n] (rows as left by ``keep``)."""
         n, written = tokens.shape[0], self.width + self.length  # slab positions filled so far
-        slabs = [(keys[:n, :, :written], values[:n, :, :written]) for keys, values in self.slabs]
-        bias = self.bias[:n, :, :, :written]
-        step = _row_step
-        if self.compile and n > 1:  # one row left: eager (torch would compile a second graph for size 1)
+        if not self.compile or n == 1:  # one row left: eager too (torch would compile a second graph for size 1)
+            logits = self._layers(tokens, positions, functools.partial(self._attend_in_slab, n, written))
+        else:
+            slabs = [(keys[:n, :, :written], values[:n, :, :written]) for keys, values in self.slabs]
+            bias = self.bias[:n, :, :, :written]
             for tensor, dims in ((tokens, 0), (positions, 0), (bias, (0, 3)), (self.cos, 0), (self.sin, 0),
                                  *((t, (0, 2)) for slab in slabs for t in slab)):
                 torch._dynamo.maybe_mark_dynamic(tensor, dims)
-            step = _compiled_row_step()
-        logits, new = step(self, tokens, positions, slabs, bias)
-        for (keys, values), (k, v) in zip(self.slabs, new, strict=True):
-            keys[:n, :, written], values[:n, :, written] = k, v
+            logits, new = _compiled_row_step()(self, tokens, positions, slabs, bias)
+            for (keys, values), (k, v) in zip(self.slabs, new, strict=True):
+                keys[:n, :, written], values[:n, :, written] = k, v
         self.length += 1
         return logits
+
+    def _attend_in_slab(self, n: int, written: int, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The eager step's attention of layer i: the new k, v written into the slab at position ``written`` first,
+        then softmax(q K^T x scaling + bias) V over the slab's first ``written`` + 1 positions -> [n, H x d]."""
+        keys, values = (slab[:n, :, : written + 1] for slab in self.slabs[i])
+        keys[:, :, written], values[:, :, written] = k, v
+        scores = torch.add(self.bias[:n, :, :, : written + 1], q @ keys.transpose(-1, -2), alpha=attn.scaling)
+        out = scores.softmax(-1).to(values.dtype) @ values  # [n, H_kv, G, d]
+        return out.reshape(n, -1)
 
 
 def _row_step(decoder: PerRowDecoder, tokens: Tensor, positions: Tensor, slabs: list[tuple[Tensor, Tensor]],
               bias: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-    """One :class:`PerRowDecoder` step: the logits [n, V] and each layer's new keys and values [n, H_kv, d] (for
-    the caller to write into the slab). Row r attends to its written keys/values ``slabs`` [n, H_kv, S, d] (score
-    bias ``bias`` [n, 1, 1, S]) and to its new token, whose score is s_own = (q . k_new) x scaling:
+    """One compiled :class:`PerRowDecoder` step: the logits [n, V] and each layer's new keys and values
+    [n, H_kv, d] (for the caller to write into the slab, outside the graph). Row r attends to its written
+    keys/values ``slabs`` [n, H_kv, S, d] (score bias ``bias`` [n, 1, 1, S]) and to its new token, whose score
+    is s_own = (q . k_new) x scaling:
 
         out = softmax([s_slab, s_own]) @ [V_slab; v_new]
 

@@ -138,24 +138,26 @@ def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     u x (total weight), for u = ``uniform`` [n] in [0, 1); never an index of weight 0.
 
     Two levels, so that no cumulative sum over the whole vocabulary is formed (torch's CPU cumsum runs element by
-    element: ~7 ms of every SmolLM2 decode step at 64 rows): the block of ``SAMPLE_BLOCK`` entries whose
-    cumulative block sum first exceeds the point, then the entry inside it (where float rounding of the block's
-    own cumulative sum leaves the point past its end, its last entry of positive weight).
+    element: ~7 ms of every SmolLM2 decode step at 64 rows): the block of ``SAMPLE_BLOCK`` entries (one block of
+    V entries when V is smaller) whose cumulative block sum first exceeds the point, then the entry inside it;
+    where float rounding of the block's own cumulative sum leaves the point past its end, the entry at which that
+    cumulative sum reaches its final value (a positive weight: the sum grew there).
     """
     n, vocab = weights.shape
-    blocks = -(-vocab // SAMPLE_BLOCK)
-    if vocab % SAMPLE_BLOCK:  # F.pad copies even when there is nothing to pad
-        weights = torch.nn.functional.pad(weights, (0, blocks * SAMPLE_BLOCK - vocab))
-    padded = weights.view(n, blocks, SAMPLE_BLOCK)
+    size = min(SAMPLE_BLOCK, vocab)
+    blocks = -(-vocab // size)
+    if vocab % size:  # F.pad copies even when there is nothing to pad
+        weights = torch.nn.functional.pad(weights, (0, blocks * size - vocab))
+    padded = weights.view(n, blocks, size)
     block_cdf = padded.sum(-1).cumsum(-1)  # [n, blocks]
     total = block_cdf[:, -1:]
     point = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
     block = torch.searchsorted(block_cdf, point, right=True)  # [n, 1]: first block whose cdf > point (its sum > 0)
     before = torch.nn.functional.pad(block_cdf, (1, 0))[:, :-1].gather(-1, block)  # cdf of the blocks before: <= point
-    inside = padded.gather(1, block[:, :, None].expand(n, 1, SAMPLE_BLOCK))[:, 0]  # [n, SAMPLE_BLOCK]
-    entry = torch.searchsorted(inside.cumsum(-1), point - before, right=True)
-    last_positive = (torch.arange(SAMPLE_BLOCK, device=weights.device) * (inside > 0)).amax(-1, keepdim=True)
-    return (block * SAMPLE_BLOCK + torch.minimum(entry, last_positive))[:, 0]
+    first = torch.arange(n, device=weights.device) * blocks  # row r's blocks start at r x blocks in [n x blocks, size]
+    inside = padded.view(n * blocks, size).index_select(0, first + block[:, 0]).cumsum(-1)  # [n, size]
+    entry = torch.searchsorted(inside, point - before, right=True)
+    return (block * size + torch.minimum(entry, torch.searchsorted(inside, inside[:, -1:].contiguous())))[:, 0]
 
 
 def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,

@@ -169,8 +169,35 @@ def test_a_stacked_matmul_equals_its_modules():
         matmul = Matmul(*modules)
         assert matmul.kind == kind
         torch.testing.assert_close(matmul(x), torch.cat([m(x) for m in modules], -1), atol=1e-5, rtol=1e-5)
+        residual = torch.randn(5, sum(m.out_features for m in modules))
+        torch.testing.assert_close(matmul(x, residual=residual), residual + torch.cat([m(x) for m in modules], -1),
+                                   atol=1e-5, rtol=1e-5)
     bf16 = Matmul(q.to(torch.bfloat16))
     assert bf16.kind == "stacked" and bf16.weight.data_ptr() == q.weight.data_ptr()  # one module: no weight copy
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_fused_rms_norm_equals_the_modules(name, dtype):
+    """decode.rms_norm equals each written-out architecture's RMSNorm modules (the layers', the final one, Qwen3's
+    per-head q/k norms) with trained-looking weights, in float32 and bf16; a module with a hook runs itself."""
+    model = build(name, dtype)
+    generator = torch.Generator().manual_seed(0)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) >= 2 * model.config.num_hidden_layers + 1 and all(type(m).__name__ in decode.RMS_NORMS
+                                                                       for m in norms)
+    tolerance = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for norm in norms:
+        norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=generator))
+        x = (3 * torch.randn(4, 3, norm.weight.shape[0], generator=generator)).to(dtype)
+        got = decode.rms_norm(norm, x)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, norm(x), **tolerance)
+    hooked = norms[0]
+    hooked.register_forward_hook(lambda module, inputs, out: out + 1)
+    x = torch.randn(2, hooked.weight.shape[0]).to(dtype)
+    torch.testing.assert_close(decode.rms_norm(hooked, x), hooked(x))  # the hook's + 1 included
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -94,6 +94,15 @@ def test_the_two_level_inverse_cdf_is_the_exact_one():
     away = ((cdf - point).abs() > 1e-4 * cdf[:, -1:]).all(-1)  # no boundary within float32 rounding
     assert away[4:].float().mean() > 0.9 and torch.equal(got[away], expected[away])
     assert got[2] == 649 and got[3] == 699
+    # a vocabulary smaller than a block: one block of V entries, the same draws as the exact inverse CDF
+    small = torch.rand(64, 100, generator=generator) ** 4
+    small[:, 60:] = 0.0
+    cdf = small.double().cumsum(-1)
+    point = uniform.double()[:, None] * cdf[:, -1:]
+    away = ((cdf - point).abs() > 1e-4 * cdf[:, -1:]).all(-1)
+    got = _inverse_cdf(small, uniform)
+    assert (got < 60).all() and away.float().mean() > 0.9
+    assert torch.equal(got[away], torch.searchsorted(cdf, point, right=True)[away, 0])
     # one block: its sum (vectorised) exceeds its own cumulative sum by rounding in some rows, so u -> 1 points
     # past the cumulative sum's end; the draw is still the last entry of positive weight (199), not padding (255)
     weights = torch.zeros(2000, 256)
