@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {unmet}: run `make setup` (or `pip install -e .`) again", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C / kill -INT stop it even when started in the
+    # background by a shell, which makes its children ignore SIGINT (the soak's SIGINT kills rely on it)
     try:
         keep_freed_memory()
         return {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare,
