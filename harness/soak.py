@@ -2,13 +2,13 @@
 
     python -m harness soak [--kills 20] [--seed 0]
 
-A tiny two-objective sweep (30 steps each) is started again and again; each time it is killed with SIGKILL, SIGTERM
-or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window (after the
-starting policy's evaluation line, before the first checkpoint; the first kill aims there) or while a checkpoint is
-being written; a random moment comes sooner when a run reaches its last step, so that a fast machine's sweep cannot
-finish before its kills. After ``kills`` kills the sweep runs to the end. Then every run must be finished, every
-file must parse, metrics.jsonl must hold steps 0..30 once each, and every run's metrics and eval records must equal
-those of the same run trained without interruption. Writes results/soak/soak.json and prints one line.
+A tiny two-objective sweep (30 steps each) is started again and again; each time it is killed with SIGKILL,
+SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
+(after the starting policy's evaluation line, before the first checkpoint; the first kill aims there) or while
+a checkpoint is being written. After ``kills`` kills the sweep runs to the end. Then every run must be
+finished, every file must parse, metrics.jsonl must hold steps 0..30 once each, and every run's metrics and eval
+records must equal those of the same run trained without interruption. Writes results/soak/soak.json and prints
+one line.
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ def in_step0_window(exp_dir: Path) -> bool:
                for run in exp_dir.glob("*-s*-*"))
 
 
-def in_last_step(exp_dir: Path) -> bool:
-    """A run has logged steps 0..STEPS-1 and not yet STEPS."""
-    return any(len(read_jsonl(run / "metrics.jsonl")) == STEPS for run in exp_dir.glob("*-s*-*"))
-
-
 def writing_checkpoint(exp_dir: Path) -> bool:
     return any(exp_dir.glob("*/checkpoints/last.pt.tmp"))
 
@@ -107,9 +102,8 @@ def main(kills: int = 20, seed: int = 0) -> int:
             hit = wait_for(lambda: in_step0_window(exp_dir), 30)
         elif moment == "checkpoint":
             hit = wait_for(lambda: writing_checkpoint(exp_dir), 30)
-        else:  # a random time, or sooner if a run reaches its last step (a fast sweep would finish unkilled)
-            wait_for(lambda process=sweep: process.poll() is not None or in_last_step(exp_dir), rng.uniform(0.5, 8.0))
-            hit = sweep.poll() is None
+        else:
+            hit = not wait_for(lambda process=sweep: process.poll() is not None, rng.uniform(0.5, 8.0))
         name = rng.choice(list(SIGNALS))
         runs = run_processes(exp_dir)
         target = "run" if runs and rng.random() < 0.4 else "sweep"

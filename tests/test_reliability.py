@@ -162,3 +162,16 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
 def test_soak_kills_and_resumes_without_loss():
     out = cli("soak", "--kills", "3", "--seed", "1", timeout=600)
     assert out.returncode == 0 and "soak: PASS: 3 kills" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
+    """A shell's background job starts with SIGINT ignored; the CLI installs Python's handler itself, so Ctrl-C /
+    kill -INT still stops it (the soak's SIGINT kills and users' `kill -INT` of a background sweep rely on it)."""
+    from harness.__main__ import main
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["list"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
