@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.allocator import keep_freed_memory
 from harness.config import ConfigError, load_experiment, run_configs, run_id
-from harness.records import FolderBusyError
+from harness.locks import FolderBusyError
 
 
 def _terminate(signum, frame):

@@ -46,8 +46,8 @@ from harness.batch import TrainBatch, rewards_of
 from harness.build import build_optimizer, build_policy, build_task, frozen_copy, resolve_device
 from harness.config import DTYPES, ConfigError, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
+from harness.locks import lock_folder
 from harness.models import build_prompt
-from harness.records import lock_folder
 from harness.rollout import Rollout, completion_logprobs, generate, sampler_options
 from harness.seeding import step_seed
 from harness.update import RunState, microbatch_loss, minibatch_order, optimizer_step

@@ -15,7 +15,6 @@ On resume both JSON-lines files keep exactly the steps up to the checkpoint's, s
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.locks import RUN_LOCK, lock_folder
 from harness.tracking import Trackers
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
@@ -110,7 +110,7 @@ class RunRecords:
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = lock_folder(run_dir / ".run.lock", f"run folder {run_dir} is being written by another process")
+        self.lock = lock_folder(run_dir / RUN_LOCK, f"run folder {run_dir} is being written by another process")
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
         self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
@@ -169,22 +169,6 @@ class RunRecords:
                 self.eval_samples.close()
                 self.trackers.close(failed)
                 self.lock.close()
-
-
-def lock_folder(path: Path, busy: str):
-    """An exclusive lock held while the returned file stays open; raises FolderBusyError(``busy``) if another
-    process holds it."""
-    handle = open(path, "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise FolderBusyError(f"{busy}; wait for it or stop it") from None
-    return handle
-
-
-class FolderBusyError(RuntimeError):
-    pass
 
 
 def export_policy(policy, tokenizer, folder: Path) -> None:

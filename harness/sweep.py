@@ -20,8 +20,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.config import run_configs, run_id
+from harness.locks import lock_folder
 from harness.metrics import progress_fields
-from harness.records import lock_folder, read_jsonl, write_json_atomic
+from harness.records import read_jsonl, write_json_atomic
 
 
 def _die_with_parent() -> None:

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.config import ConfigError, load_experiment, run_configs
-from harness.records import FolderBusyError, RunRecords, read_jsonl
+from harness.locks import FolderBusyError
+from harness.records import RunRecords, read_jsonl
 from harness.train import train
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 

@@ -1,0 +1,39 @@
+"""Folder locks tell a live writer from a dead one (harness/locks.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.locks import FolderBusyError, is_held, lock_folder
+
+
+def test_lock_is_exclusive_and_is_held_sees_it(tmp_path):
+    path = tmp_path / ".run.lock"
+    assert not is_held(path) and not path.exists()  # probing never creates the file
+    handle = lock_folder(path, "busy")
+    assert is_held(path)
+    with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
+        lock_folder(path, "busy")
+    handle.close()
+    assert not is_held(path)
+
+
+def test_a_killed_holder_releases_the_lock(tmp_path):
+    path = tmp_path / ".run.lock"
+    code = ("import sys, time; from pathlib import Path; from harness.locks import lock_folder; "
+            f"h = lock_folder(Path({str(path)!r}), 'busy'); print('locked', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        assert is_held(path)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        time.sleep(0.05)
+        assert not is_held(path)  # the kernel dropped the dead process's lock
+    finally:
+        proc.kill()
