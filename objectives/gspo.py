@@ -7,8 +7,11 @@
 Defaults clip_low = 3e-4, clip_high = 4e-4 (the paper's). Advantages must be per sequence.
 
 Options:
-- ``aggregation`` (default seq_mean_token_mean = the paper's mean over sequences): with token_mean the loss
-  is sum_i L_i l_i / N_tokens, as verl's ``gspo`` with ``loss_agg_mode=token-mean`` (see base.sequence_loss).
+- ``aggregation`` (default seq_mean_token_mean = the paper's mean over sequences, and verl's ``gspo``, which
+  hard-codes seq-mean-token-mean whatever its ``loss_agg_mode``): with token_mean the loss is
+  sum_i L_i l_i / N_tokens, TRL's sequence-level loss (``importance_sampling_level="sequence"``) with
+  ``loss_type="dapo"`` (or ``"bnpo"`` over one micro-batch), tested against a transcription of TRL 1.16's
+  ``_compute_loss``; seq_mean_token_sum (sum_i L_i l_i / N_seqs) is TRL's ``luspo`` (objective ``luspo``).
 - ``cap_log_ratio`` (off by default) / ``log_ratio_cap`` (10): verl's numerical-safety cap,
   log s_i = min((1/L_i) sum_t d_t, log_ratio_cap). A capped sequence keeps the loss -A exp(cap) (A < 0;
   A > 0 is clipped anyway) and has no gradient; ``clip_frac_cap`` (tokens of capped sequences with A < 0)
