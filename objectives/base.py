@@ -56,8 +56,8 @@ class PolicyBatch:
     num_tokens: float | None = None  # valid tokens in the whole minibatch (default: this batch's)
     num_sequences: int | None = None  # sequences in the whole minibatch (default: this batch's)
     # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
-    rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update: HölderPO's
-    #                                   ``p_schedule="rollout_steps"`` (the authors' counter)
+    rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update, 0 for the first
+    #   rollout: HölderPO's ``p_schedule="rollout_steps"`` (which adds 1: the authors count rollouts from 1)
     sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
     #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
     #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1), or the

@@ -406,14 +406,18 @@ def test_holder_sequence_w_clip_hand():
 
 
 def test_holder_rollout_step_schedule():
+    """The authors' p(k / 500) at rollout k counted from 1 (oat's learner ``steps`` is 1 during the first rollout's
+    update); ``rollout_step`` is the number of rollouts done before this update, so rollout k has rollout_step k - 1
+    (audit item 1: the first rollout used p(0) = p_start, one rollout late)."""
     obj = get_objective("holder", p_schedule="rollout_steps")
     assert obj.holder_p_schedule_steps == 500
-    for rollout_step, p in [(0, 2.0), (125, 1.0), (250, 0.0), (500, -2.0), (10_000, -2.0)]:
+    for rollout_step, p in [(0, 2.0 - 4 / 500), (124, 1.0), (249, 0.0), (498, -2.0 + 4 / 500), (499, -2.0),
+                            (500, -2.0), (10_000, -2.0)]:
         batch = make_batch(OLD, D, MASK, ADV, step=3, total_steps=4, rollout_step=rollout_step)
-        assert obj.exponent(batch) == p
-        assert obj(batch).metrics["holder_p"] == p
+        assert num(obj.exponent(batch), p, 1e-14), rollout_step
+        assert num(obj(batch).metrics["holder_p"], p, 1e-14)
     assert get_objective("holder", p_schedule="rollout_steps", holder_p_schedule_steps=10).exponent(
-        make_batch(OLD, D, MASK, ADV, rollout_step=5)) == 0.0
+        make_batch(OLD, D, MASK, ADV, rollout_step=4)) == 0.0  # rollout 5 of 10
     assert get_objective("holder").exponent(make_batch(OLD, D, MASK, ADV, step=3, total_steps=4)) == -1.0
     with pytest.raises(ValueError, match="rollout_step"):
         obj(make_batch(OLD, D, MASK, ADV))
