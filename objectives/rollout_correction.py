@@ -29,9 +29,9 @@ modes mask only ratios above C by default, our threshold_lower=0; with a truncat
 w = clamp(rho, C_low, C)). Requires 0 <= C_low <= 1 <= C, C_low < C, so that a token with no mismatch (rho = 1)
 keeps weight exactly 1.
 
-IcePop (OpenRLHF ``--algo.advantage.is_correction_type icepop``, ``openrlhf/models/loss.py``, default bounds
-[0.5, 5.0]; verl's ``rollout_is: token`` with ``rollout_is_threshold: "0.5_5.0"``,
-``compute_rollout_correction_weights`` in verl 0.10): w_t = rho_t if 0.5 <= rho_t <= 5 else 0, per token, is the mode ``token_mask`` with ``threshold: 5``,
+IcePop (OpenRLHF ``--algo.advantage.is_correction_type icepop``, ``openrlhf/models/loss.py``, default bounds [0.5,
+5.0]; verl's ``rollout_is: token`` with ``rollout_is_threshold: "0.5_5.0"``, ``compute_rollout_correction_weights``
+in verl 0.10): w_t = rho_t if 0.5 <= rho_t <= 5 else 0, per token, is the mode ``token_mask`` with ``threshold: 5``,
 ``threshold_lower: 0.5`` (tested against both). It is a rollout correction, not an objective: it depends only on the
 trainer's old log-probs and the sampler's, so it is computed once per rollout batch and multiplies any objective's
 loss, as both references apply it to whatever loss is configured. Off-policy sequence masking (OPSM) is instead an
