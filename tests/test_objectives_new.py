@@ -148,3 +148,25 @@ def test_dppo_tv_prime_rl_setting_matches_prime_rl(seed):
     verl_form = get_objective("dppo_tv", clip_low=0.2, clip_high=0.2, kl_coef=1e-3, ratio_cap=1e9)(batch)
     assert_close(grad_of(verl_form.loss, batch), grad, tol=1e-12)
     assert not num(verl_form.loss, out.loss, 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPG (verl compute_policy_loss_gpg)
+# ----------------------------------------------------------------------------------------------------
+
+def test_gpg_hand_and_verl():
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
+    d = [[0.1, 0.3, -0.1], [-0.4, 0.2, 7.0]]
+    batch = make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [1.0, -0.5])
+    out, grad = run("gpg", batch)
+    logp = [[-0.9, -1.7, -0.6], [-1.9, -0.5]]
+    assert num(out.loss, (-sum(logp[0]) + 0.5 * sum(logp[1])) / 5)
+    assert_close(grad, [[-1 / 5] * 3, [0.5 / 5, 0.5 / 5, 0.0]])  # no ratio: old_logp plays no part
+    assert out.metrics["clip_frac"] == 0.0 and get_objective("gpg").default_advantage == "gpg"
+    m = batch.mask.to(DT)
+    for mode, verl in [("token_mean", token_mean(-batch.logp * batch.advantages[:, None], batch.mask)),
+                       ("seq_mean_token_mean",  # the authors' trainer
+                        ((-batch.logp * batch.advantages[:, None] * m).sum(-1) / m.sum(-1)).mean())]:
+        out, grad = run("gpg", batch, aggregation=mode)
+        assert num(out.loss, verl, 1e-12)
+        assert_close(grad, grad_of(verl, batch), tol=1e-12)
