@@ -170,3 +170,138 @@ def test_gpg_hand_and_verl():
         out, grad = run("gpg", batch, aggregation=mode)
         assert num(out.loss, verl, 1e-12)
         assert_close(grad, grad_of(verl, batch), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Clip-Cov and KL-Cov (verl compute_policy_loss_clip_cov / _kl_cov; PRIME-RL/Entropy-Mechanism-of-RL)
+# ----------------------------------------------------------------------------------------------------
+
+def cov_batch(logp, d, adv, step=0):
+    """Two rows of two valid tokens and a garbage padding column; logp given directly (old = logp - d)."""
+    logp = torch.tensor([row + [40.0] for row in logp], dtype=DT)
+    old = logp - torch.tensor([row + [-30.0] for row in d], dtype=DT)
+    return PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=torch.tensor([[1, 1, 0], [1, 1, 0]]),
+                       advantages=torch.tensor(adv, dtype=DT), step=step)
+
+
+def test_clip_cov_hand():
+    # mean A = 0, mean logp = -1.75: cov = [[2.5, -2.5], [-2.5, 2.5]]; candidates in (1, 5): (0, 0) and (1, 1), but
+    # (1, 1) is already PPO-clipped (A < 0, r = e^-.5 < 0.8) and excluded; one token chosen: (0, 0)
+    batch = cov_batch([[-0.5, -3.0], [-0.5, -3.0]], [[0.0, 0.0], [0.0, -0.5]], [2.0, -2.0])
+    out, grad = run("clip_cov", batch, clip_low=0.2, clip_high=0.2)
+    assert num(out.loss, (0.0 - 2.0 + 2.0 + 2 * 0.8) / 4)
+    assert_close(grad, [[0.0, -2 / 4, 0.0], [2 / 4, 0.0, 0.0]])
+    m = out.metrics
+    assert num(m["clip_frac_high"], 1 / 4) and num(m["clip_frac_low"], 1 / 4) and num(m["clip_cov_frac"], 1 / 4)
+    assert num(m["clip_cov_candidates"], 1 / 4)
+    # the defaults: the authors' recipe (PPO clip relaxed to [0, 2]): (1, 1) is no longer PPO-clipped, it becomes a
+    # candidate, and one of the two candidates is drawn
+    obj = get_objective("clip_cov")
+    assert (obj.clip_low, obj.clip_high, obj.clip_cov_ratio, obj.clip_cov_lb, obj.clip_cov_ub) == (1, 1, 2e-4, 1, 5)
+    out, _ = run("clip_cov", batch)
+    assert num(out.metrics["clip_cov_candidates"], 2 / 4) and num(out.metrics["clip_cov_frac"], 1 / 4)
+
+
+def verl_clip_cov(logp, old, adv, mask, low, high, ratio_k, lb, ub, generator):
+    """verl compute_policy_loss_clip_cov (token-mean), written out; the permutation from ``generator``."""
+    m = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (pg2 > pg1) & (mask > 0)
+    mean_adv = (adv * m).sum() / (m.sum() + 1e-8)
+    mean_logp = (logp.detach() * m).sum() / (m.sum() + 1e-8)
+    cov = (adv - mean_adv) * (logp - mean_logp)
+    cov = cov.detach().clone()
+    cov[mask == 0] = -torch.inf
+    cov[clip_by_origin] = -torch.inf
+    clip_num = max(int(ratio_k * m.sum().item()), 1)
+    idx = torch.nonzero((cov < ub) & (cov > lb) & (mask > 0))
+    corr = torch.ones_like(adv)
+    if len(idx) > 0:
+        idx = idx[torch.randperm(len(idx), generator=generator)[: min(clip_num, len(idx))]]
+        corr[idx[:, 0], idx[:, 1]] = 0
+    return token_mean(torch.maximum(pg1, pg2) * corr, mask)
+
+
+def cov_random_batch(seed, step=0):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 16, 8
+    old = -torch.rand(b, t, generator=g, dtype=DT) * 4
+    logp = old + 0.4 * torch.randn(b, t, generator=g, dtype=DT)
+    mask = torch.arange(t)[None, :] < torch.randint(2, t + 1, (b, 1), generator=g)
+    adv = 2.5 * torch.randn(b, generator=g, dtype=DT)
+    logp[~mask] = 30.0
+    return PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=mask, advantages=adv, step=step)
+
+
+@pytest.mark.parametrize("seed,step,hp", [(0, 0, {}), (1, 7, {"clip_low": 0.2, "clip_high": 0.28}),
+                                          (2, 3, {"clip_cov_ratio": 0.05, "clip_low": 0.2, "clip_high": 0.2}),
+                                          (3, 0, {"clip_cov_ratio": 0.05, "selection_seed": 5})])
+def test_clip_cov_matches_verl(seed, step, hp):
+    batch = cov_random_batch(seed, step)
+    obj = get_objective("clip_cov", **hp)
+    out = obj(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    generator = torch.Generator().manual_seed(obj.selection_seed * 1_000_003 + step)
+    ref = verl_clip_cov(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high, obj.clip_cov_ratio,
+                        obj.clip_cov_lb, obj.clip_cov_ub, generator)
+    m = out.metrics
+    assert m["clip_cov_frac"] > 0 and m["clip_cov_candidates"] > m["clip_cov_frac"]  # a real draw among candidates
+    if hp.get("clip_low") == 0.2:
+        assert m["clip_frac"] > m["clip_cov_frac"]  # PPO-clipped tokens too
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+
+
+def test_clip_cov_draw_depends_on_seed_and_step_only():
+    a = get_objective("clip_cov", clip_cov_ratio=0.05)
+    grads = []
+    for seed, step in [(0, 0), (0, 0), (0, 1), (1, 0)]:
+        batch = cov_random_batch(3, step)
+        grads.append(grad_of(get_objective("clip_cov", clip_cov_ratio=0.05, selection_seed=seed)(batch).loss, batch))
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    assert not torch.equal(grads[0], grads[3]) and a.needs_whole_minibatch
+
+
+def test_kl_cov_hand():
+    # mean A = 0.5, mean logp = -1.725: cov = [[1.8375, -1.9125], [-1.9875, 1.9125]]: the top-1 is (1, 1), d = -0.5
+    batch = cov_batch([[-0.5, -3.0], [-0.4, -3.0]], [[0.0, 0.0], [0.0, -0.5]], [2.0, -1.0])
+    out, grad = run("kl_cov", batch)
+    assert num(out.loss, (-2.0 - 2.0 + 1.0 + E(-0.5) + 0.5) / 4)
+    assert_close(grad, [[-2 / 4, -2 / 4, 0.0], [1 / 4, (E(-0.5) - 1.0) / 4, 0.0]])
+    m = out.metrics
+    assert num(m["kl_cov_frac"], 1 / 4) and m["clip_frac"] == 0.0 and num(m["kl_cov_abs_kl"], 0.5 / 4)
+    obj = get_objective("kl_cov")
+    assert (obj.kl_cov_ratio, obj.kl_coef) == (2e-4, 1.0) and obj.needs_whole_minibatch
+    assert num(run("kl_cov", batch, kl_cov_ratio=0.45)[0].metrics["kl_cov_frac"], 1 / 4)  # floor(1.8) = 1 token
+    assert num(run("kl_cov", batch, kl_cov_ratio=0.5)[0].metrics["kl_cov_frac"], 2 / 4)
+
+
+def verl_kl_cov(logp, old, adv, mask, ratio_k, coef):
+    """verl compute_policy_loss_kl_cov (token-mean), written out."""
+    d = logp - old
+    ratio = torch.exp(d)
+    pg = -adv * ratio
+    pg_kl = -adv * ratio + coef * d.abs()
+    valid = mask > 0
+    valid_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    a, lp = adv[valid].detach().reshape(-1), logp[valid].detach().reshape(-1)
+    cov = (a - a.mean()) * (lp - lp.mean())
+    k = max(1, int(len(cov) * ratio_k))
+    top = valid_idx[torch.topk(cov, k, largest=True).indices]
+    pg = pg.clone()
+    rows, cols = top // adv.shape[1], top % adv.shape[1]
+    pg[rows, cols] = pg_kl[rows, cols]
+    return token_mean(pg, mask)
+
+
+@pytest.mark.parametrize("seed,hp", [(0, {}), (1, {"kl_cov_ratio": 0.1, "kl_coef": 0.3}), (2, {"kl_cov_ratio": 0.3})])
+def test_kl_cov_matches_verl(seed, hp):
+    batch = cov_random_batch(seed)
+    obj = get_objective("kl_cov", **hp)
+    out = obj(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref = verl_kl_cov(batch.logp, batch.old_logp, adv, batch.mask, obj.kl_cov_ratio, obj.kl_coef)
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
