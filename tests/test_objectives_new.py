@@ -305,3 +305,73 @@ def test_kl_cov_matches_verl(seed, hp):
     ref = verl_kl_cov(batch.logp, batch.old_logp, adv, batch.mask, obj.kl_cov_ratio, obj.kl_coef)
     assert num(out.loss, ref, 1e-12)
     assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# VESPO (TRL 1.16 get_gamma_weights / _compute_loss, loss_type="vespo")
+# ----------------------------------------------------------------------------------------------------
+
+def phi(w, k, lam):
+    return E(lam) * w**k * E(-lam * w)
+
+
+def test_vespo_hand():
+    # row 0 (A > 0): sequence log-ratio 0.1 + 0.2 = 0.3; row 1 (A < 0): -0.4 + 0.2 = -0.2 (padding slot ignored)
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
+    d = [[0.1, 0.2, 0.0], [-0.4, 0.2, 7.0]]
+    batch = make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [1.0, -0.5])
+    out, grad = run("vespo", batch)
+    p0, p1 = phi(E(0.3), 2.0, 3.0), phi(E(-0.2), 3.0, 2.0)
+    logp = [[-0.9, -1.8, -0.5], [-1.9, -0.5]]
+    assert num(out.loss, (-p0 * sum(logp[0]) + 0.5 * p1 * sum(logp[1])) / 5)
+    assert_close(grad, [[-p0 / 5] * 3, [0.5 * p1 / 5, 0.5 * p1 / 5, 0.0]])
+    assert num(out.metrics["vespo_phi_mean"], (p0 + p1) / 2, 1e-6) and out.metrics["clip_frac"] == 0.0
+    zero = make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [0.0, -0.5])  # A = 0 takes the A >= 0 shape (TRL's)
+    assert num(run("vespo", zero)[0].metrics["vespo_phi_mean"], (p0 + p1) / 2, 1e-6)
+    on_policy = make_batch(old, [[0.0] * 3] * 2, [[1, 1, 1], [1, 1, 0]], [1.0, -0.5])
+    assert num(run("vespo", on_policy)[0].metrics["vespo_phi_mean"], 1.0, 1e-12)  # phi(1) = 1
+
+
+def trl_vespo_loss(logp, old, adv, mask, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """TRL 1.16 get_gamma_weights + the vespo branch of _compute_loss (no vLLM IS ratio, one micro-batch)."""
+    m = mask.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    with torch.no_grad():
+        lower = math.log(1e-8)
+        seq_log = torch.sum(torch.clamp(logp - old, -20.0, 20.0) * m, dim=-1, keepdim=True)
+        log_w = torch.clamp(seq_log, lower, 20.0)
+        w = torch.exp(log_w)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, k_pos, k_neg)
+        lam = torch.where(nonneg, lam_pos, lam_neg).clamp(min=1e-4)
+        weight = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return ((-weight * adv * logp) * m).sum() / m.sum().clamp(min=1.0)
+
+
+@pytest.mark.parametrize("hp", [{}, {"k_pos": 1.5, "lambda_pos": 0.5, "k_neg": 0.1, "lambda_neg": 2.0}])
+def test_vespo_matches_trl(hp):
+    g = torch.Generator().manual_seed(8)
+    b, t = 10, 6
+    old = -torch.rand(b, t, generator=g, dtype=DT) * 3
+    logp = old + 0.3 * torch.randn(b, t, generator=g, dtype=DT)
+    logp[0] = old[0] + 5.0  # log w = 30 -> clamped at 20: phi underflows to 0
+    logp[1] = old[1] - 5.0  # log w = -30 -> clamped at log 1e-8
+    mask = torch.arange(t)[None, :] < torch.randint(2, t + 1, (b, 1), generator=g)
+    logp[~mask], old[~mask] = 40.0, -40.0
+    adv = torch.randn(b, generator=g, dtype=DT)
+    adv[1], adv[2] = -1.0, 0.0  # row 1 (log w at the 1e-8 floor) negative: with k_neg = 0.1 the floor shows
+    batch = PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=mask, advantages=adv)
+    out = get_objective("vespo", **hp)(batch)
+    kw = {"k_pos": hp.get("k_pos", 2.0), "lam_pos": hp.get("lambda_pos", 3.0), "k_neg": hp.get("k_neg", 3.0),
+          "lam_neg": hp.get("lambda_neg", 2.0)}
+    ref = trl_vespo_loss(batch.logp, old, adv, mask, **kw)
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+    adv_t = adv[:, None].expand(b, t).clone()
+    adv_t[3, 0] = -abs(adv_t[3, 0]) - 0.1  # per-token advantages of both signs in one row
+    adv_t[3, 1] = abs(adv_t[3, 1]) + 0.1
+    batch_t = PolicyBatch(logp=batch.logp, old_logp=old, mask=mask, advantages=adv_t)
+    ref_t = trl_vespo_loss(batch.logp, old, adv_t, mask, **kw)
+    out_t = get_objective("vespo", **hp)(batch_t)
+    assert num(out_t.loss, ref_t, 1e-12)
+    assert_close(grad_of(out_t.loss, batch_t), grad_of(ref_t, batch_t), tol=1e-12)
