@@ -17,6 +17,14 @@ Options:
   A > 0 is clipped anyway) and has no gradient; ``clip_frac_cap`` (tokens of capped sequences with A < 0)
   is reported when the cap is on and included in ``clip_frac``. Off by default so that ``gspo`` stays the
   paper's formula; with logp - old_logp averaging above 10 nats/token it only matters for diverged policies.
+
+Alias ``luspo`` (LUSPO, Liu et al., "Length-Unbiased Sequence Policy Optimization", arXiv 2602.05261; reference
+TRL 1.16's ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``, ``_compute_loss``, the installed
+wheel; the authors' murphy4122/LUSPO verl ``core_algos.py`` could not be read here): this objective with
+``aggregation=seq_mean_token_sum`` by default, loss = sum_i L_i l_i / N_seqs (TRL: ``(per_token_loss * mask)
+.sum(-1).mean()`` with a (B, 1) loss). GSPO's mean over sequences gives a long response less weight per token; the
+L_i factor makes the per-token weight length-independent. Clip defaults GSPO's 3e-4 / 4e-4 (our reading: LUSPO
+modifies GSPO; TRL's ``epsilon`` 0.2 is its default for every loss type).
 """
 
 from __future__ import annotations
@@ -64,3 +72,10 @@ class GSPO(Objective):
             metrics["clip_frac_cap"] = clip_metrics(capped & (adv < 0), capped & (adv < 0), batch)["clip_frac_low"]
             metrics["clip_frac"] += metrics["clip_frac_cap"]
         return loss, {**metrics, **ratio_metrics(seq_ratio, valid)}
+
+
+@register_objective("luspo")
+class LUSPO(GSPO):
+    """LUSPO: ``gspo`` with seq_mean_token_sum aggregation (module docstring)."""
+
+    default_aggregation = "seq_mean_token_sum"

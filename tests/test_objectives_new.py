@@ -375,3 +375,49 @@ def test_vespo_matches_trl(hp):
     out_t = get_objective("vespo", **hp)(batch_t)
     assert num(out_t.loss, ref_t, 1e-12)
     assert_close(grad_of(out_t.loss, batch_t), grad_of(ref_t, batch_t), tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LUSPO and BNPO: aliases (gspo / grpo with another default aggregation), against TRL's loss types
+# ----------------------------------------------------------------------------------------------------
+
+def test_luspo_is_gspo_with_seq_mean_token_sum_and_trls_luspo():
+    from tests.test_objectives_knobs import trl_sequence_level_loss
+
+    g = torch.Generator().manual_seed(9)
+    old = -torch.rand(8, 6, generator=g, dtype=DT)
+    batch = PolicyBatch(logp=(old + 0.01 * torch.randn(8, 6, generator=g, dtype=DT)).requires_grad_(True),
+                        old_logp=old, mask=torch.arange(6)[None, :] < torch.randint(1, 7, (8, 1), generator=g),
+                        advantages=torch.randn(8, generator=g, dtype=DT))
+    luspo, g1 = run("luspo", batch, clip_low=0.001, clip_high=0.002)
+    gspo, g2 = run("gspo", batch, clip_low=0.001, clip_high=0.002, aggregation="seq_mean_token_sum")
+    ref = trl_sequence_level_loss(batch.logp, old, batch.advantages, batch.mask, 0.001, 0.002, "luspo")
+    assert 0 < luspo.metrics["clip_frac"] < 1
+    assert luspo.loss.item() == gspo.loss.item() and torch.equal(g1, g2)
+    assert num(luspo.loss, ref, 1e-12)
+    assert_close(g1, grad_of(ref, batch), tol=1e-12)
+    assert get_objective("luspo").hyperparameters() == {**get_objective("gspo").hyperparameters(),
+                                                        "aggregation": "seq_mean_token_sum"}
+
+
+def trl_token_level_loss(logp, old, adv, mask, eps_low, eps_high, loss_type):
+    """TRL 1.16 _compute_loss, importance_sampling_level="token", one micro-batch."""
+    m = mask.to(logp.dtype)
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    if loss_type == "bnpo":
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()  # grpo
+
+
+def test_bnpo_is_grpo_with_token_mean_and_trls_bnpo():
+    batch = cov_random_batch(4)
+    bnpo, g1 = run("bnpo", batch)
+    grpo, g2 = run("grpo", batch, aggregation="token_mean")
+    ref = trl_token_level_loss(batch.logp, batch.old_logp, batch.advantages, batch.mask, 0.2, 0.2, "bnpo")
+    assert 0 < bnpo.metrics["clip_frac"] < 1
+    assert bnpo.loss.item() == grpo.loss.item() and torch.equal(g1, g2)
+    assert num(bnpo.loss, ref, 1e-12)
+    assert_close(g1, grad_of(ref, batch), tol=1e-12)
+    assert not num(run("grpo", batch)[0].loss, ref, 1e-6)  # grpo's own default is TRL's grpo, not bnpo
