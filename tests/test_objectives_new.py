@@ -421,3 +421,85 @@ def test_bnpo_is_grpo_with_token_mean_and_trls_bnpo():
     assert num(bnpo.loss, ref, 1e-12)
     assert_close(g1, grad_of(ref, batch), tol=1e-12)
     assert not num(run("grpo", batch)[0].loss, ref, 1e-6)  # grpo's own default is TRL's grpo, not bnpo
+
+
+# ----------------------------------------------------------------------------------------------------
+# M2PO (AReaL _apply_m2po_masking / _get_m2po_loss_mask, ppo_actor_loss_fn)
+# ----------------------------------------------------------------------------------------------------
+
+def test_m2po_hand():
+    # d = logp - old: row 0 (A = 1): 0.5, 0.1, -0.05; row 1 (A = -1): -0.3, 0.02 (+ padding)
+    # m = 0.25, 0.01, 0.0025, 0.09, 0.0004; sorted: .25 .09 .01 .0025 .0004; suffix means: .0706, .0257, ...
+    # threshold 0.04: the first suffix mean below it starts at index 1 -> drop 1 token (d = 0.5)
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
+    d = [[0.5, 0.1, -0.05], [-0.3, 0.02, 7.0]]
+    batch = make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [1.0, -1.0])
+    out, grad = run("m2po", batch)
+    assert num(out.loss, (-E(0.1) - E(-0.05) + E(-0.3) + E(0.02)) / 4)  # 4 kept tokens
+    assert_close(grad, [[0.0, -E(0.1) / 4, -E(-0.05) / 4], [E(-0.3) / 4, E(0.02) / 4, 0.0]])
+    m = out.metrics
+    assert num(m["clip_frac_high"], 1 / 5) and m["clip_frac_low"] == 0.0 and num(m["m2po_dropped_frac"], 1 / 5)
+    assert num(m["m2po_m2"], (0.25 + 0.01 + 0.0025 + 0.09 + 0.0004) / 5, 1e-12)
+    # threshold 0.02: drop two (.25, .09: the rest's mean .0043 < .02); 0.001: every suffix mean is above -> all but one
+    assert num(run("m2po", batch, m2_threshold=0.02)[0].metrics["m2po_dropped_frac"], 2 / 5)
+    low, low_grad = run("m2po", batch, m2_threshold=0.0001)
+    assert num(low.metrics["m2po_dropped_frac"], 4 / 5) and num(low.loss, -E(0.02) * -1.0)
+    # the loop passes the minibatch's token count: the kept tokens stay the normaliser (AReaL's)
+    counted, _ = run("m2po", make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [1.0, -1.0], num_tokens=5))
+    assert num(counted.loss, out.loss, 1e-14)
+    # a suffix mean exactly at the threshold is not below it (binary-exact m: .25, .0625 x 3; means .109, .0625 ...)
+    edge = make_batch([[-1.0] * 4], [[0.5, 0.25, 0.25, 0.25]], [[1] * 4], [1.0])
+    assert num(run("m2po", edge, m2_threshold=0.0625)[0].metrics["m2po_dropped_frac"], 3 / 4)
+    assert num(run("m2po", edge, m2_threshold=0.0626)[0].metrics["m2po_dropped_frac"], 1 / 4)
+    on_policy, on_grad = run("m2po", make_batch(old, [[0.0] * 3] * 2, [[1, 1, 1], [1, 1, 0]], [1.0, -1.0]))
+    assert on_policy.metrics["m2po_dropped_frac"] == 0.0
+    assert_close(on_grad, [[-1 / 5] * 3, [1 / 5, 1 / 5, 0.0]])  # the vanilla policy gradient
+
+
+def areal_m2po_example_loss(logp, old, adv, mask, threshold, upper=5.0):
+    """AReaL grpo_loss_fn + ppo_actor_loss_fn as in examples/math/gsm8k_m2po.yaml with one minibatch per rollout:
+    proximal = the current policy (detached), eps_clip 0, decoupled loss with token rejection sampling (ratio above
+    ``upper`` masked, behaviour weight pi_prox / pi_behave), written out."""
+    prox = logp.detach()
+    delta = old - prox
+    m2 = delta * delta
+    flat = mask.reshape(-1)
+    selected = m2.reshape(-1)[flat]
+    sorted_m2, indices = torch.sort(selected, descending=True)
+    restored = torch.argsort(indices)
+    n = sorted_m2.numel()
+    suffix = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=sorted_m2.dtype)
+    below = torch.where(suffix < threshold)[0]
+    num_to_mask = below[0].item() if len(below) > 0 else n - 1
+    keep_sorted = torch.ones(n, dtype=torch.bool)
+    keep_sorted[:num_to_mask] = False
+    full = torch.zeros_like(flat)
+    full[flat] = keep_sorted[restored]
+    loss_mask = full.view_as(mask)
+    # rejection sampling (token, ratio, upper, mask action) on the M2-masked loss mask
+    behave_w = torch.exp(prox - old)
+    loss_mask = loss_mask & (behave_w <= upper)
+    count = loss_mask.count_nonzero()
+    ratio = torch.where(loss_mask, torch.exp(logp - prox), 0)
+    clipped = torch.clamp(ratio, 1.0 - 0.0, 1.0 + 0.0)
+    pg = torch.max(-adv * ratio, -adv * clipped) * behave_w
+    return torch.where(loss_mask, pg, 0).sum() / count
+
+
+@pytest.mark.parametrize("seed,threshold", [(0, 0.04), (1, 0.01), (2, 0.07)])
+def test_m2po_matches_areals_example(seed, threshold):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 10, 7
+    old = -torch.rand(b, t, generator=g, dtype=DT) * 3
+    logp = old + 0.3 * torch.randn(b, t, generator=g, dtype=DT)  # every ratio below 5 (AReaL's rejection bound)
+    mask = torch.arange(t)[None, :] < torch.randint(2, t + 1, (b, 1), generator=g)
+    logp[~mask] = 30.0
+    adv = torch.randn(b, generator=g, dtype=DT)
+    batch = PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=mask, advantages=adv)
+    out = get_objective("m2po", m2_threshold=threshold)(batch)
+    ref = areal_m2po_example_loss(batch.logp, old, adv[:, None].expand(b, t), mask, threshold)
+    assert 0 < out.metrics["m2po_dropped_frac"] < 1
+    assert num(out.loss, ref, 1e-12)
+    # AReaL's eps_clip = 0: max(-A r, -A clamp(r, 1, 1)) at r = 1 is a tie whose two sides carry the same gradient
+    # (clamp passes it at its bounds), so the gradient is the unclipped one
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
