@@ -382,7 +382,11 @@ CLIPPED = [("grpo", 0.3, {}), ("dapo", 0.3, {}), ("dr_grpo", 0.3, {}), ("gspo", 
            ("dr_grpo", 0.6, {"dual_clip": True, "clip_ratio_c": 1.3}),
            ("ctpo", 0.06, {"ratio_mode": "geomean", "la_power": -0.5}), ("ctpo_clip", 0.1, {}),
            ("ctpo_clip", 0.3, {"ratio_mode": "geomean"}), ("holder", 0.3, {"variant": "sequence_w_clip"}),
-           ("holder", 0.3, {"variant": "holder_token"}), ("grpo", 0.3, {"aggregation": "token_mean"})]
+           ("holder", 0.3, {"variant": "holder_token"}), ("grpo", 0.3, {"aggregation": "token_mean"}),
+           ("dppo_tv", 0.6, {"clip_low": 0.03, "clip_high": 0.03}),
+           ("dppo_kl", 0.6, {"clip_low": 0.01, "clip_high": 0.01}),
+           ("clip_cov", 0.3, {"clip_low": 0.2, "clip_high": 0.2, "clip_cov_ratio": 0.1, "clip_cov_lb": 0.05}),
+           ("m2po", 0.6, {}), ("tbpo", 1e-3, {}), ("bnpo", 0.3, {})]
 
 
 @pytest.mark.parametrize("name,scale,hp", CLIPPED, ids=[f"{n}-{hp}" for n, _, hp in CLIPPED])
