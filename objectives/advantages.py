@@ -73,6 +73,94 @@ def batch_std_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return _singletons_to_zero((r - mean) / (std + STD_EPS), size, rewards)
 
 
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Pass@k training (Chen et al., arXiv 2503.19595; verl ``compute_grpo_passk_outcome_advantage``, verl-project/verl
+    1dda039b, ``norm_adv_by_std_in_grpo`` True): in each group only the best response gets an advantage,
+    A = (R_max - R_second) / (std_g + 1e-6) (unbiased std); every other response gets 0. Ties for the best give 0
+    (R_max = R_second), so which tied response verl's ``topk`` would pick does not matter. verl raises for a group of
+    one; here it gets 0, like every estimator."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    r = rewards.to(torch.float64)
+    _, std, size = group_stats(rewards, group_ids)
+    adv = torch.zeros_like(r)
+    for g in range(int(index.max()) + 1 if len(index) else 0):
+        members = (index == g).nonzero().squeeze(-1)
+        if len(members) < 2:
+            continue
+        top = torch.sort(r[members], descending=True, stable=True)
+        adv[members[top.indices[0]]] = (top.values[0] - top.values[1]) / (std[members[0]] + STD_EPS)
+    return _singletons_to_zero(adv, size, rewards)
+
+
+@ADVANTAGES.register("gpg")
+def gpg_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """GPG (Chu et al., arXiv 2504.02546; verl ``compute_gpg_outcome_advantage``, verl-project/verl 1dda039b, f_norm 1):
+    A_i = alpha (R_i - mean_g), alpha = B / max(1, number of nonzero rewards in the batch): no std division, the
+    batch scaled up by the inverse share of rewarded responses. The authors' trainer (AMAP-ML/GPG) instead scales by the
+    inverse share of responses in groups whose rewards differ (``inverse_alpha``) and also divides by the group std
+    unless ``adjust_gd``: verl's reading is the one followed. A group of one gets 0 (verl: alpha R_i)."""
+    mean, _, size = group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    alpha = r.numel() / max(1, int(torch.count_nonzero(r)))
+    return _singletons_to_zero(alpha * (r - mean), size, rewards)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Estimators that need the completion lengths L_i (valid tokens of each response). The loop calls an estimator with
+# (rewards, group_ids) only, so these are not registered yet: registering one needs the loop to pass the lengths
+# (harness/train.py's estimator call and the config's group-of-one check, issue 35 phase 2). Their math is here and
+# tested against verl so that the registration is one line each.
+# ----------------------------------------------------------------------------------------------------------------
+
+WHITEN_EPS = 1e-8  # verl masked_whiten: (x - mean) * rsqrt(var + 1e-8)
+
+
+def token_whiten(values: Tensor, lengths: Tensor) -> Tensor:
+    """verl ``masked_whiten`` of a per-sequence value broadcast over each sequence's L_i tokens: mean and unbiased
+    variance over all N = sum_i L_i tokens (a sequence weighs by its length), (v_i - mean) / sqrt(var + 1e-8) [B]."""
+    v, n_i = values.to(torch.float64), lengths.to(torch.float64)
+    n = n_i.sum()
+    if n < 2:
+        raise ValueError(f"token whitening needs at least 2 valid tokens in the batch, got {int(n)} (verl raises too)")
+    mean = (n_i * v).sum() / n
+    var = (n_i * (v - mean) ** 2).sum() / n * n / (n - 1)
+    return (v - mean) / torch.sqrt(var + WHITEN_EPS)
+
+
+def reinforce_plus_plus_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+    """REINFORCE++ (Hu, arXiv 2501.03262; verl ``compute_reinforce_plus_plus_outcome_advantage`` with gamma = 1,
+    verl's default): the return of every token is the outcome reward R_i, whitened over the batch's tokens,
+    A_i = (R_i - mean_tok) / sqrt(var_tok + 1e-8). No group baseline (made for one sample per prompt), so a group of
+    one keeps its advantage. gamma < 1 makes the return per token (gamma^(L_i - 1 - t) R_i): not implemented."""
+    del group_ids
+    return token_whiten(rewards, lengths).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def reinforce_plus_plus_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+    """REINFORCE++-baseline (verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``): R_i - mean_g, then
+    whitened over the batch's tokens as :func:`reinforce_plus_plus_advantage`. verl's group of one has mean 0 (so
+    R_i enters the whitening), followed here."""
+    mean, _, size = group_stats(rewards, group_ids)
+    centred = rewards.to(torch.float64) - torch.where(size > 1, mean, torch.zeros_like(mean))
+    return token_whiten(centred, lengths).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+    """OPO (Hao et al., arXiv 2505.23585; verl ``compute_opo_outcome_advantage``): the length-weighted group baseline,
+    A_i = R_i - sum_g L_j R_j / sum_g L_j (the variance-optimal baseline when the gradient's norm grows with length).
+    A group of one gets 0 (verl: R_i)."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    r, n_i = rewards.to(torch.float64), lengths.to(torch.float64)
+    _, _, size = group_stats(rewards, group_ids)
+    num = torch.zeros(int(index.max()) + 1, dtype=torch.float64).index_add_(0, index, n_i * r)
+    den = torch.zeros_like(num).index_add_(0, index, n_i)
+    low = torch.full_like(num, torch.inf).scatter_reduce(0, index, r, "amin")
+    high = torch.full_like(num, -torch.inf).scatter_reduce(0, index, r, "amax")
+    baseline = torch.where((low == high)[index], r, (num / den.clamp(min=1))[index])  # equal rewards: exactly 0
+    return _singletons_to_zero(r - baseline, size, rewards)
+
+
 def get_advantage(name: str) -> AdvantageEstimator:
     return ADVANTAGES.get(name)
 

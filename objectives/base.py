@@ -38,7 +38,7 @@ from torch import Tensor
 
 from objectives.registry import Registry
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 
 
 @dataclass
@@ -56,8 +56,8 @@ class PolicyBatch:
     num_tokens: float | None = None  # valid tokens in the whole minibatch (default: this batch's)
     num_sequences: int | None = None  # sequences in the whole minibatch (default: this batch's)
     # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
-    rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update: HölderPO's
-    #                                   ``p_schedule="rollout_steps"`` (the authors' counter)
+    rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update, 0 for the first
+    #   rollout: HölderPO's ``p_schedule="rollout_steps"`` (which adds 1: the authors count rollouts from 1)
     sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
     #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
     #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1), or the
@@ -139,6 +139,7 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = 
     token_mean:              sum(l * mask) / N_tokens                      (DAPO, CISPO, CTPO, verl default)
     seq_mean_token_mean:     sum_i( sum_t(l * mask) / L_i ) / N_seqs       (GRPO paper, GSPO-token, SAPO)
     seq_mean_token_sum_norm: sum(l * mask) / (N_seqs * max_completion_len) (Dr. GRPO)
+    seq_mean_token_sum:      sum(l * mask) / N_seqs                        (verl's seq-mean-token-sum; LUSPO)
     N_tokens / N_seqs are the minibatch's global counts when given, else this batch's. With
     ``PolicyBatch.correction`` (and ``correct``; the KL to the reference passes False) l is first multiplied by
     the rollout-correction weight w: l * w * mask, the counts unchanged.
@@ -154,6 +155,8 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = 
         if batch.max_completion_len is None:
             raise ValueError("seq_mean_token_sum_norm needs PolicyBatch.max_completion_len")
         return total.sum() / (batch.sequence_count * batch.max_completion_len)
+    if mode == "seq_mean_token_sum":
+        return total.sum() / batch.sequence_count
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
@@ -168,11 +171,15 @@ def sequence_aggregate(per_sequence: Tensor, batch: PolicyBatch) -> Tensor:
 
 def sequence_loss(per_sequence: Tensor, batch: PolicyBatch, mode: str) -> Tensor:
     """Reduce a per-sequence loss l_i [B] as the per-token loss l_i broadcast over the valid tokens of i would be
-    reduced by :func:`aggregate` (verl's sequence-level losses, e.g. ``gspo``, with its ``loss_agg_mode``):
+    reduced by :func:`aggregate` (TRL's ``importance_sampling_level="sequence"``: its (B, 1) loss broadcast over the
+    completion mask and reduced by the ``loss_type``'s normaliser):
 
-    seq_mean_token_mean:     sum_i l_i / N_seqs                         (= :func:`sequence_aggregate`)
-    token_mean:              sum_i L_i l_i / N_tokens                   (longer sequences weigh more)
-    seq_mean_token_sum_norm: sum_i L_i l_i / (N_seqs * max_completion_len)
+    seq_mean_token_mean:     sum_i l_i / N_seqs                         (= :func:`sequence_aggregate`; TRL ``grpo``)
+    token_mean:              sum_i L_i l_i / N_tokens                   (longer sequences weigh more; TRL ``dapo``,
+                                                                         and ``bnpo`` over one micro-batch)
+    seq_mean_token_sum_norm: sum_i L_i l_i / (N_seqs * max_completion_len)   (TRL ``dr_grpo``)
+    seq_mean_token_sum:      sum_i L_i l_i / N_seqs                     (TRL ``luspo``)
+    (verl's ``gspo`` broadcasts the same way but hard-codes seq-mean-token-mean, whatever ``loss_agg_mode`` says.)
     With ``PolicyBatch.correction`` w, each is the aggregate of l_i w_t over the tokens of i (seq_mean_token_mean:
     sum_i c_i l_i / N_seqs with c_i the token mean of w over sequence i).
     """
@@ -279,10 +286,66 @@ def clip_metrics(clipped_low: Tensor, clipped_high: Tensor, batch: PolicyBatch) 
     return {"clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high}
 
 
-def k3_kl(batch: PolicyBatch) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (0 on padding)."""
-    diff = torch.where(batch.mask, batch.ref_logp - batch.logp, torch.zeros_like(batch.logp))
-    return torch.exp(diff) - diff - 1
+KL_ESTIMATORS = ("k3", "k1", "kl", "k2", "mse", "low_var_kl", "abs")  # each also with a "+" suffix (straight-through)
+LOW_VAR_KL_LOG_CLAMP = 20.0  # verl's low_var_kl: the log-ratio ref - logp clamped to +-20 before exp ...
+LOW_VAR_KL_VALUE_CLAMP = 10.0  # ... and the estimate to [-10, 10]
+
+
+def check_kl_estimator(name: str) -> str | None:
+    """What is wrong with a ``kl_estimator`` name (one sentence listing the choices), or None."""
+    base = name[:-1] if name.endswith("+") else name
+    if base in KL_ESTIMATORS:
+        return None
+    return (f"unknown kl_estimator {name!r}; choose one of {', '.join(KL_ESTIMATORS)}, each optionally with '+' "
+            "(value of the estimator, gradient of k2: verl's straight-through variants)")
+
+
+def reference_kl(batch: PolicyBatch, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) [B, T], 0 on padding, x = logp - ref_logp (J. Schulman, "Approximating
+    KL divergence", 2020; verl ``kl_penalty`` / ``kl_loss_type``, core_algos.py):
+
+        k3          exp(-x) + x - 1                        (default; TRL's GRPO term, unclamped)
+        low_var_kl  clamp(exp(c) - c - 1, -10, 10), c = clamp(-x, -20, 20)   (verl's k3 with its clamps)
+        k1 / kl     x
+        k2 / mse    x^2 / 2                                 (its gradient x is the unbiased reverse-KL gradient)
+        abs         |x|
+        name + "+"  value of the named estimator, gradient of k2 (straight-through: k2 - sg(k2) + sg(value));
+                    k2+ / mse+ are k2.
+    verl treats k3 and low_var_kl as one name (both clamped); here k3 is the unclamped form, so that the default is
+    the formula the objectives always had, and low_var_kl is verl's.
+    """
+    problem = check_kl_estimator(estimator)
+    if problem:
+        raise ValueError(problem)
+    straight_through = estimator.endswith("+")
+    base = estimator[:-1] if straight_through else estimator
+    diff = torch.where(batch.mask, batch.ref_logp - batch.logp, torch.zeros_like(batch.logp))  # -x
+    if base == "k3":
+        value = torch.exp(diff) - diff - 1
+    elif base == "low_var_kl":
+        c = diff.clamp(-LOW_VAR_KL_LOG_CLAMP, LOW_VAR_KL_LOG_CLAMP)
+        value = (torch.exp(c) - c - 1).clamp(-LOW_VAR_KL_VALUE_CLAMP, LOW_VAR_KL_VALUE_CLAMP)
+    elif base in ("k1", "kl"):
+        value = -diff
+    elif base in ("k2", "mse"):
+        value = 0.5 * diff.square()
+    else:  # abs
+        value = diff.abs()
+    if not straight_through or base in ("k2", "mse"):
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()
+
+
+def off_policy_keep(batch: PolicyBatch, threshold: float) -> Tensor:
+    """Off-policy sequence masking (OPSM; DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL 1.16 ``get_off_policy_mask``):
+    keep = A >= 0  or  mean_t(sampler_logp - sg(logp)) <= threshold, a bool [B, T] over the tokens of each sequence
+    (per token when the advantages are per token, as TRL's broadcast). The sampler's log-probs are
+    ``batch.sampler_logp`` when the loop passes them, else ``old_logp`` (the behaviour policy, TRL's fallback)."""
+    behaviour = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
+    drift = masked(behaviour - batch.logp.detach(), batch.mask)
+    mean_drift = drift.sum(-1) / batch.mask.sum(-1).clamp(min=1).to(drift.dtype)
+    return (batch.token_advantages >= 0) | (mean_drift <= threshold)[:, None]
 
 
 OBJECTIVES: Registry[type[Objective]] = Registry("objective")
@@ -293,8 +356,10 @@ class Objective:
     """Base class. Subclasses are dataclasses whose fields are the hyperparameters (defaults = paper's).
 
     A subclass implements :meth:`policy_loss` and sets the class variables below that differ from the
-    defaults. Every objective takes ``beta``: the coefficient of the k3 KL to the reference policy, added per
-    token and aggregated with ``kl_aggregation``. Numeric hyperparameters are checked before
+    defaults. Every objective takes ``beta``: the coefficient of the KL to the reference policy (estimator
+    ``kl_estimator``, default k3: :func:`reference_kl`), added per token and aggregated with ``kl_aggregation``, and
+    ``off_policy_mask`` / ``off_policy_mask_threshold`` (OPSM: :func:`off_policy_keep`, applied through the correction
+    weight, so to the policy loss and not to the KL term). Numeric hyperparameters are checked before
     :meth:`validate`: finite, >= 0 unless in ``signed``, > 0 if in ``positive``, < 1 if in ``below_one``.
     """
 
@@ -317,9 +382,16 @@ class Objective:
     # (no micro-batching). P3O implements the hook instead.
     needs_whole_minibatch: ClassVar[bool] = False
 
-    beta: float = 0.0  # coefficient of the k3 KL to the reference policy
+    beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
     aggregation: str = ""
+    # estimator of KL(pi || pi_ref) that beta multiplies (verl's kl_loss_type): k3 (default), low_var_kl, k1/kl,
+    # k2/mse, abs, each with "+" for verl's straight-through variant (value of the estimator, gradient of k2)
+    kl_estimator: str = "k3"
+    # off-policy sequence masking (OPSM, DeepSeek-V3.2; TRL's off_policy_mask_threshold): drop from the policy loss
+    # the sequences with A < 0 whose mean drift mean_t(sampler_logp - logp) exceeds off_policy_mask_threshold
+    off_policy_mask: bool = False
+    off_policy_mask_threshold: float = 0.5  # delta of DeepSeek-V3.2 Eq. 9 (TRL's example value 0.5)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -333,6 +405,9 @@ class Objective:
                 raise ValueError(f"{where}: unknown mode {self.aggregation!r}; choose one of {AGGREGATIONS}")
             raise ValueError(f"{where} {self.aggregation!r} is not meaningful for this objective; it accepts "
                              f"only {self.aggregations}")
+        if check_kl_estimator(self.kl_estimator):
+            raise ValueError(f"objective {self.name!r}: hyperparameter kl_estimator: "
+                             f"{check_kl_estimator(self.kl_estimator)}")
         self.validate()
 
     def _checked(self, name: str, value, kind):
@@ -382,18 +457,27 @@ class Objective:
         return cls.minibatch_statistics is not Objective.minibatch_statistics
 
     def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
+        n_valid = batch.mask.sum().clamp(min=1)
+        opsm = {}
+        if self.off_policy_mask:
+            # OPSM enters the policy loss as a 0/1 factor of the correction weight, so every objective's shared
+            # aggregation applies it (as TRL multiplies the per-token loss before the KL term is added)
+            keep = off_policy_keep(batch, self.off_policy_mask_threshold)
+            factor = keep.to(batch.logp.dtype)
+            batch = dataclasses.replace(batch, correction=factor if batch.correction is None
+                                        else batch.correction * factor)
+            opsm["off_policy_masked_frac"] = ((~keep) & batch.mask).sum().item() / n_valid.item()
         loss, metrics = self.policy_loss(batch)
-        metrics = dict(metrics)
+        metrics = {**metrics, **opsm}
         metrics["pg_loss"] = loss.item()
         # KL between behaviour and current policy (verl's ppo_kl): token mean of -d.
-        n_valid = batch.mask.sum().clamp(min=1)
         metrics["kl_behavior"] = (masked(-batch.log_ratio(), batch.mask).sum() / n_valid).item()
         if self.beta > 0:
             if batch.ref_logp is None:
                 raise ValueError(
                     f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp"
                 )
-            kl = k3_kl(batch)
+            kl = reference_kl(batch, self.kl_estimator)
             loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation or self.aggregation, correct=False)
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)

@@ -13,6 +13,12 @@ Options (off by default; every objective also takes ``aggregation``, see objecti
   for A < 0 only: l_t = min(l_t, -clip_ratio_c A), so a token of a bad response whose ratio exceeds c keeps
   the bounded loss -c A and loses its gradient. ``clip_frac_dual`` (A < 0 and r > c) is reported (0 when
   off) and included in ``clip_frac``. Neither the paper nor TRL has it; verl's ``vanilla`` loss always does.
+
+Alias ``bnpo`` (TRL 1.16's ``loss_type="bnpo"``, ``trl/trainer/grpo_trainer.py`` ``_compute_loss``, the installed
+wheel): this objective with ``aggregation=token_mean`` by default, i.e. GRPO's 0.2 / 0.2 clip normalised by the valid
+tokens, sum(l * mask) / N_tokens (DAPO's token-mean at GRPO's clip range). TRL divides by the *micro-batch's* tokens
+and averages the micro-batches (its loss then depends on the micro-batch size, as its documentation warns); the loop
+passes the minibatch's token count, so ``bnpo`` equals TRL's when the optimizer step is one micro-batch (tested).
 """
 
 from __future__ import annotations
@@ -38,3 +44,10 @@ class GRPO(Objective):
         loss, metrics = ppo_clipped_loss(batch, self.clip_low, self.clip_high, self.aggregation,
                                          clip_ratio_c=self.clip_ratio_c if self.dual_clip else None)
         return loss, {"clip_frac_dual": 0.0, **metrics}
+
+
+@register_objective("bnpo")
+class BNPO(GRPO):
+    """TRL's ``bnpo`` loss type: ``grpo`` with token-mean aggregation (module docstring)."""
+
+    default_aggregation = "token_mean"

@@ -7,13 +7,24 @@
 Defaults clip_low = 3e-4, clip_high = 4e-4 (the paper's). Advantages must be per sequence.
 
 Options:
-- ``aggregation`` (default seq_mean_token_mean = the paper's mean over sequences): with token_mean the loss
-  is sum_i L_i l_i / N_tokens, as verl's ``gspo`` with ``loss_agg_mode=token-mean`` (see base.sequence_loss).
+- ``aggregation`` (default seq_mean_token_mean = the paper's mean over sequences, and verl's ``gspo``, which
+  hard-codes seq-mean-token-mean whatever its ``loss_agg_mode``): with token_mean the loss is
+  sum_i L_i l_i / N_tokens, TRL's sequence-level loss (``importance_sampling_level="sequence"``) with
+  ``loss_type="dapo"`` (or ``"bnpo"`` over one micro-batch), tested against a transcription of TRL 1.16's
+  ``_compute_loss``; seq_mean_token_sum (sum_i L_i l_i / N_seqs) is TRL's ``luspo`` (objective ``luspo``).
 - ``cap_log_ratio`` (off by default) / ``log_ratio_cap`` (10): verl's numerical-safety cap,
   log s_i = min((1/L_i) sum_t d_t, log_ratio_cap). A capped sequence keeps the loss -A exp(cap) (A < 0;
   A > 0 is clipped anyway) and has no gradient; ``clip_frac_cap`` (tokens of capped sequences with A < 0)
   is reported when the cap is on and included in ``clip_frac``. Off by default so that ``gspo`` stays the
   paper's formula; with logp - old_logp averaging above 10 nats/token it only matters for diverged policies.
+
+Alias ``luspo`` (LUSPO, Liu et al., "Length-Unbiased Sequence Policy Optimization", arXiv 2602.05261; reference
+TRL 1.16's ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``, ``_compute_loss``, the installed
+wheel; the authors' murphy4122/LUSPO verl ``core_algos.py`` could not be read here): this objective with
+``aggregation=seq_mean_token_sum`` by default, loss = sum_i L_i l_i / N_seqs (TRL: ``(per_token_loss * mask)
+.sum(-1).mean()`` with a (B, 1) loss). GSPO's mean over sequences gives a long response less weight per token; the
+L_i factor makes the per-token weight length-independent. Clip defaults GSPO's 3e-4 / 4e-4 (our reading: LUSPO
+modifies GSPO; TRL's ``epsilon`` 0.2 is its default for every loss type).
 """
 
 from __future__ import annotations
@@ -61,3 +72,10 @@ class GSPO(Objective):
             metrics["clip_frac_cap"] = clip_metrics(capped & (adv < 0), capped & (adv < 0), batch)["clip_frac_low"]
             metrics["clip_frac"] += metrics["clip_frac_cap"]
         return loss, {**metrics, **ratio_metrics(seq_ratio, valid)}
+
+
+@register_objective("luspo")
+class LUSPO(GSPO):
+    """LUSPO: ``gspo`` with seq_mean_token_sum aggregation (module docstring)."""
+
+    default_aggregation = "seq_mean_token_sum"

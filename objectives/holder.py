@@ -21,13 +21,20 @@ variant = "holder_token" (the authors' code): the PPO pessimism is applied per t
 
 p schedule (linear from p_start to p_end, then held at p_end), ``p_schedule``:
     "run_length" (default): progress = min(1, step / total_steps) over the run's optimizer steps
-                            (``PolicyBatch.step`` / ``total_steps``), so p reaches p_end at the end of any run;
-    "rollout_steps":        progress = min(1, rollout_step / holder_p_schedule_steps), the authors' schedule:
-                            their counter (oat's learner ``steps``) advances once per learning step on a prompt
-                            batch, i.e. once per rollout, not per optimizer step; their script sets
-                            ``holder_p_schedule_steps`` = 500 (the code's default is 1000), after which p stays
-                            at holder_p_min. Needs ``PolicyBatch.rollout_step`` (a ValueError if the loop
-                            does not pass it).
+                            (``PolicyBatch.step`` = optimizer steps done before this one, / ``total_steps``): the
+                            authors' linear_dec shape on our time base, the run's length (p_start at the first
+                            update, p_start + (p_end - p_start)(N - 1)/N at the last of N), so any run sweeps the
+                            whole range; the authors' time base is a fixed 500 rollouts ("rollout_steps");
+    "rollout_steps":        progress = min(1, k / holder_p_schedule_steps) at rollout k = rollout_step + 1
+                            (counted from 1), the authors' schedule: their counter (oat's learner ``steps``)
+                            advances once per learning step on a prompt batch, i.e. once per rollout, not per
+                            optimizer step, and is already 1 during the first rollout's update (released
+                            ``update_interval`` 1), so p(1/500) is their first exponent and p_end is reached at
+                            rollout 500; their script sets ``holder_p_schedule_steps`` = 500 (the code's default
+                            is 1000), after which p stays at holder_p_min. ``PolicyBatch.rollout_step`` counts the
+                            rollouts done *before* this update (the loop passes step - 1, TRL's backend
+                            global_step // optimizer steps per rollout, the lab 0 = the first rollout); a
+                            ValueError if the loop does not pass it.
 p > 1 leans towards the largest token ratios, p < 0 towards the smallest; p = 1 is the arithmetic mean.
 Defaults p_start = 2, p_end = -2 (the released script's ``linear_dec`` between holder_p_max/min) and the
 sequence-level clip 0.2 / 0.2 (the script's cliprange), i.e. rho in [0.8, 1.2]. Advantages must be per
@@ -102,7 +109,8 @@ class HolderPO(Objective):
             if batch.rollout_step is None:
                 raise ValueError(f"objective {self.name!r} with p_schedule='rollout_steps' needs "
                                  "PolicyBatch.rollout_step (rollout steps done)")
-            progress = min(1.0, max(0, batch.rollout_step) / self.holder_p_schedule_steps)
+            rollout = max(0, batch.rollout_step) + 1  # the authors count rollouts from 1
+            progress = min(1.0, rollout / self.holder_p_schedule_steps)
         else:
             progress = min(1.0, max(0, batch.step) / max(1, batch.total_steps))
         return self.p_start + (self.p_end - self.p_start) * progress

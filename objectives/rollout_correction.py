@@ -16,11 +16,27 @@ and weights each token's loss by the ratio between the two, as verl's rollout co
     w = rho * 1[C_low <= rho <= C]                     *_mask (masked IS; TRL's ``*_mask``, verl's IS + RS)
 
 C = ``threshold`` (verl's ``rollout_is_threshold`` default 2; TRL's ``vllm_importance_sampling_clip_max``
-default 3). C_low = ``threshold_lower``; unset, it is 1/C for the mask modes (two-sided, as verl's
-``rollout_rs_threshold_lower``) and absent for the truncate modes (upper truncation only, as verl and TRL's
-default); set, it is TRL's ``vllm_importance_sampling_clip_min`` (0: one-sided masking, TRL's default; with a
-truncate mode, a lower clamp w = clamp(rho, C_low, C)). Requires 0 <= C_low <= 1 <= C, C_low < C, so that a
-token with no mismatch (rho = 1) keeps weight exactly 1.
+default 3). C_low = ``threshold_lower``; unset, it is 1/C for the mask modes (two-sided) and absent for the truncate
+modes (upper truncation only, as verl's ``rollout_is`` and TRL's default). The mask modes' unset C_low = 1/C is the
+rejection-sampling bound of verl 0.6.1 to 0.7.0 (``rollout_rs`` token / sequence with ``rollout_rs_threshold`` and
+``rollout_rs_threshold_lower``, whose default is 1 / upper; ``verl/trainer/ppo/rollout_corr_helper.py``
+``compute_rollout_rejection_mask``, tag v0.7.0): our keep set [C_low, C] equals its mask. verl >= 0.8 (commit
+97eac90, January 2026) replaced that API by divergence rules (``rollout_rs`` token_k1 / seq_sum_k1 / ... with
+``rollout_rs_threshold`` strings, "lower_upper" for the k1 rules) that map asymmetric bounds differently, so
+our mask modes no longer equal current verl's rejection sampling except through IcePop (below). Set, C_low is
+TRL's ``vllm_importance_sampling_clip_min``, which defaults to None in TRL 1.16 (no lower bound: TRL's ``*_mask``
+modes mask only ratios above C by default, our threshold_lower=0; with a truncate mode, a lower clamp
+w = clamp(rho, C_low, C)). Requires 0 <= C_low <= 1 <= C, C_low < C, so that a token with no mismatch (rho = 1)
+keeps weight exactly 1.
+
+IcePop (OpenRLHF ``--algo.advantage.is_correction_type icepop``, ``openrlhf/models/loss.py``, default bounds [0.5,
+5.0]; verl's ``rollout_is: token`` with ``rollout_is_threshold: "0.5_5.0"``, ``compute_rollout_correction_weights``
+in verl 0.10): w_t = rho_t if 0.5 <= rho_t <= 5 else 0, per token, is the mode ``token_mask`` with ``threshold: 5``,
+``threshold_lower: 0.5`` (tested against both). It is a rollout correction, not an objective: it depends only on the
+trainer's old log-probs and the sampler's, so it is computed once per rollout batch and multiplies any objective's
+loss, as both references apply it to whatever loss is configured. Off-policy sequence masking (OPSM) is instead an
+objective option (``Objective.off_policy_mask``, objectives/base.py): its test reads the current policy's log-probs
+and the advantage's sign at every update (TRL's ``get_off_policy_mask`` inside ``_compute_loss``).
 
 The weights are detached, 0 on padding, and computed once per rollout batch (they do not depend on the current
 policy, so micro-batching leaves them unchanged). A masked token or sequence has weight 0 and keeps its place in

@@ -406,14 +406,18 @@ def test_holder_sequence_w_clip_hand():
 
 
 def test_holder_rollout_step_schedule():
+    """The authors' p(k / 500) at rollout k counted from 1 (oat's learner ``steps`` is 1 during the first rollout's
+    update); ``rollout_step`` is the number of rollouts done before this update, so rollout k has rollout_step k - 1
+    (audit item 1: the first rollout used p(0) = p_start, one rollout late)."""
     obj = get_objective("holder", p_schedule="rollout_steps")
     assert obj.holder_p_schedule_steps == 500
-    for rollout_step, p in [(0, 2.0), (125, 1.0), (250, 0.0), (500, -2.0), (10_000, -2.0)]:
+    for rollout_step, p in [(0, 2.0 - 4 / 500), (124, 1.0), (249, 0.0), (498, -2.0 + 4 / 500), (499, -2.0),
+                            (500, -2.0), (10_000, -2.0)]:
         batch = make_batch(OLD, D, MASK, ADV, step=3, total_steps=4, rollout_step=rollout_step)
-        assert obj.exponent(batch) == p
-        assert obj(batch).metrics["holder_p"] == p
+        assert num(obj.exponent(batch), p, 1e-14), rollout_step
+        assert num(obj(batch).metrics["holder_p"], p, 1e-14)
     assert get_objective("holder", p_schedule="rollout_steps", holder_p_schedule_steps=10).exponent(
-        make_batch(OLD, D, MASK, ADV, rollout_step=5)) == 0.0
+        make_batch(OLD, D, MASK, ADV, rollout_step=4)) == 0.0  # rollout 5 of 10
     assert get_objective("holder").exponent(make_batch(OLD, D, MASK, ADV, step=3, total_steps=4)) == -1.0
     with pytest.raises(ValueError, match="rollout_step"):
         obj(make_batch(OLD, D, MASK, ADV))
@@ -547,3 +551,32 @@ def test_tbpo_with_sampler_logp_micro_batches_and_padding(mode):
         total = total + get_objective("tbpo", aggregation=mode, clip_low=0.05, clip_high=0.05)(part).loss
     assert num(total, out.loss, 1e-12)
     assert_close(grad_of(total, whole), grad, tol=1e-12)
+
+
+def test_tbpo_dual_clip_fires_at_default_settings_and_verls_constant_does_not():
+    """Audit item 4. Default c = 1 + clip_high: a negative sample whose geometric-mean ratio leaves the band
+    [1 - clip_low, 1 + clip_high] above is dual-clipped (constant loss -A c, no gradient); just inside, it keeps its
+    gradient. With verl's constant c = 3 the dual clip needs a mean log-ratio above ln 3 per token: at GSPO's clip
+    scale it never fires, even for ratios far outside the band."""
+    up = math.log(1 + 4e-4)
+    d = [[up + 1e-6] * 2, [up - 1e-6] * 2, [0.5] * 2]  # mean log-ratios: above the band, inside it, far above
+    batch = make_batch([[-1.0, -2.0]] * 3, d, [[1, 1]] * 3, [-1.0, -1.0, -1.0])
+    out, grad = run("tbpo", batch)
+    assert get_objective("tbpo").clip_ratio_c == 0.0
+    c = 1 + 4e-4
+    assert num(out.loss, (c + E(up - 1e-6) + c) / 3, 1e-12)
+    assert_close(grad, [[0.0, 0.0], [E(up - 1e-6) / 6] * 2, [0.0, 0.0]])
+    assert num(out.metrics["clip_frac_dual"], 4 / 6)
+    # verl's constant: nothing fires at GSPO scale (mean d = 0.5 < ln 3): the negative samples keep -A s with gradient
+    verl, verl_grad = run("tbpo", batch, clip_ratio_c=3.0)
+    s = [E(up + 1e-6), E(up - 1e-6), E(0.5)]
+    assert num(verl.loss, sum(s) / 3, 1e-12) and verl.metrics["clip_frac_dual"] == 0.0
+    assert (verl_grad != 0).all()
+    # ... and fires only past ln 3 per token
+    edge = make_batch([[-1.0, -2.0]] * 2, [[math.log(3) - 1e-9] * 2, [math.log(3) + 1e-9] * 2], [[1, 1]] * 2,
+                      [-1.0, -1.0])
+    out3, grad3 = run("tbpo", edge, clip_ratio_c=3.0)
+    assert num(out3.metrics["clip_frac_dual"], 0.5) and (grad3[0] != 0).all() and (grad3[1] == 0).all()
+    for bad in (0.5, 1.0):
+        with pytest.raises(ValueError, match="clip_ratio_c must be 0"):
+            get_objective("tbpo", clip_ratio_c=bad)

@@ -217,7 +217,8 @@ def test_a_masked_sequence_gets_no_gradient(name):
     weights = torch.ones_like(batch.logp)
     weights[[1, 6]] = 0.0  # sequence_mask dropped sequences 1 and 6
     batch.correction = weights
-    _, grad = run_objective(name, batch)
+    # tbpo's default band (clip 3e-4 / 4e-4 on both sides for A < 0) clips every row of this batch: widen it
+    _, grad = run_objective(name, batch, **({"clip_low": 0.5, "clip_high": 0.5} if name == "tbpo" else {}))
     if name == "conspo":  # group-contrastive: a dropped positive's term is 0, but a dropped negative still
         positives = batch.advantages > 0  # shapes the kept positives' terms (it is no term of its own)
         assert (grad[[i for i in (1, 6) if positives[i]]] == 0).all()
@@ -236,6 +237,8 @@ def correction_of(batch, seed, sequence):
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("name", ALL)
 def test_micro_batches_sum_to_the_minibatch_with_a_correction(name, sequence):
+    if objectives.OBJECTIVES.get(name).needs_whole_minibatch:
+        return  # the loop never micro-batches it (clip_cov, kl_cov, m2po: a sort / draw over the whole minibatch)
     for mode in objectives.OBJECTIVES.get(name).aggregations:
         whole = group_batch()
         whole.correction = correction_of(whole, 3, sequence)
