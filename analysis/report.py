@@ -38,6 +38,7 @@ FIGURES = {"curves_step": "Accuracy and reward against training step",
            "clip_fraction": "Clip fraction: this run (measured) vs the GSPO paper (reported)",
            "final_eval": "Final eval accuracy per objective"}
 STALE_S = 3600  # a temporary report folder older than this was left by a killed analysis
+IDENTITY_COLUMNS = {"run_id", "objective", "seed", "cell", "cell_id", "counted"}  # metrics columns naming the run
 ENDED = "ended (finished, or diverged: stopped by the loop for non-finite updates, scored by its last eval)"
 
 
@@ -546,7 +547,7 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                      f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
                      "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
                      "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
-                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - {"run_id", "objective", "seed", "cell", "cell_id", "counted"}))
+                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - IDENTITY_COLUMNS))
                      + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
                      "(`metrics_<prefix>`, single ones in `metrics_other`)."
                      + (" One set of figures per cell (stems end in `_c<cell>`), after the figures over the swept "
