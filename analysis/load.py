@@ -145,10 +145,10 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
     for key, steps in sorted(read.nulls.items()):
         warn(f"{path}: `{key}` is null (NaN or inf when written) at step{'s' * (len(steps) > 1)} {steps_text(steps)}")
     logged = set(read.frame["step"].astype(int)) if len(read.frame) else set()
-    missing = summary.get("missing_steps")
-    if not isinstance(missing, list) or not all(isinstance(s, int) for s in missing):
-        missing = sorted(set(range(steps_done + 1)) - logged) if logged else []
-    missing = [s for s in missing if s not in logged]
+    listed = summary.get("missing_steps")  # what the loop knew was missing; the file may have lost more since
+    listed = {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
+    expected = set(range(steps_done + 1)) if logged else set()
+    missing = sorted((listed | expected) - logged - {read.truncated_step})
     if missing:
         warn(f"{path}: step{'s' * (len(missing) > 1)} {steps_text(missing)} missing (steps done: {steps_done})")
 
