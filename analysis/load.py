@@ -21,6 +21,7 @@ from harness.locks import RUN_LOCK, is_held
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
+SWEEP_LOCK = ".sweep.lock"  # held by a live sweep in results/<exp>/ (harness/sweep.py)
 COLLAPSE_RULE = CollapseRule()  # the rule applied to runs whose summary.json has no `collapse` record
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
 
@@ -243,8 +244,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     evals = metrics["eval_accuracy"].dropna() if "eval_accuracy" in metrics else pd.Series(dtype=float)
     at_start = evals[metrics.loc[evals.index, "step"] == 0] if len(evals) else evals
     status = _first(summary.get("status"), entry.get("status"), "unknown")
-    # a run that says "running" but whose folder lock nobody holds was killed (the kernel drops a dead holder's lock)
-    stopped = status == "running" and run_dir.is_dir() and not is_held(run_dir / RUN_LOCK)
+    # a run that says "running" but whose folder lock nobody holds was killed (the kernel drops a dead holder's lock),
+    # unless it has not written its summary yet while its sweep, alive, is starting it
+    stopped = (status == "running" and run_dir.is_dir() and not is_held(run_dir / RUN_LOCK)
+               and (found["summary.json"] or not is_held(exp_dir / SWEEP_LOCK)))
     run = {
         "run_id": run_id,
         "objective": str(_first(entry.get("objective"), summary.get("objective"), config.get("objective.name"),

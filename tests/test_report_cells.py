@@ -124,7 +124,8 @@ def test_collapse_is_read_from_summary_when_present_else_detected(tmp_path):
     exp, _ = load(fake_experiment(exp_dir, entries))
     runs = exp.runs.set_index("seed")
     grpo = runs[runs["objective"] == "grpo"]
-    assert [c if isinstance(c, str) else None for c in grpo["collapse_cause"]] == ["eval_drop", "clip_saturation", None, "non_finite_loss"]
+    causes = [c if isinstance(c, str) else None for c in grpo["collapse_cause"]]
+    assert causes == ["eval_drop", "clip_saturation", None, "non_finite_loss"]
     assert list(grpo["collapse_step"].fillna(-1)) == [4, 3, -1, 4]
     assert list(grpo["collapse_source"]) == ["metrics (the report's rule)", "summary.json", "summary.json",
                                              "metrics (the report's rule)"]
@@ -158,6 +159,13 @@ def test_a_killed_run_is_stopped_and_a_live_one_running(tmp_path):
     assert lines[0] == "2 runs: 1 running now, 1 stopped (killed: run the same command to resume)."
     exp, _ = load(exp_dir)  # the trainer died: its lock is gone
     assert set(exp.runs["status"]) == {"stopped"}
+    (exp_dir / entries[1]["dir"] / "summary.json").unlink()  # a run its sweep has launched, not yet started
+    sweep = lock_folder(exp_dir / ".sweep.lock", "busy")
+    try:
+        exp, _ = load(exp_dir)
+    finally:
+        sweep.close()
+    assert list(exp.runs["status"]) == ["stopped", "running"]
 
 
 def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
@@ -255,7 +263,8 @@ def test_two_axis_sweep_report(tmp_path):
 
     exp_dir = grid_experiment(tmp_path / "grid", {"train.epochs": [1, 2], "train.rollout_correction.mode":
                                                   ["none", "token_truncate"]}, effect=effect)
-    collapsed = next(exp_dir.glob("grpo-s0-*"))  # one run collapsed, by the loop's record
+    first = json.loads((exp_dir / "manifest.json").read_text())["runs"][0]  # grpo, seed 0, epochs 1, mode none
+    collapsed = exp_dir / first["dir"]  # collapsed, by the loop's record
     summary = json.loads((collapsed / "summary.json").read_text())
     (collapsed / "summary.json").write_text(json.dumps({**summary, "collapse": {"step": 2, "cause": "entropy_floor"}}))
     text, out, _ = report(exp_dir)
@@ -291,8 +300,7 @@ def test_end_to_end_two_axis_sweep(tmp_path):
     from tests.tiny import TINY_RUN
 
     exp = tmp_path / "axes.yaml"
-    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n    train.num_minibatches: [1, 2]\n"
-                   "    train.lr: [1.0e-4, 1.0e-3]\n")
+    exp.write_text("sweep:\n  grid:\n    train.num_minibatches: [1, 2]\n    train.lr: [1.0e-4, 1.0e-3]\n")  # 4 runs
     tiny = [o for o in TINY_RUN if not o.startswith(("train.num_minibatches=", "train.lr="))]  # would pin the axes
     out = subprocess.run([sys.executable, "-m", "harness", "sweep", str(exp), *tiny, "train.steps=2",
                           "model.warm_start_steps=0", "model.warm_start_target=null", f"results_dir={tmp_path}/res",
@@ -304,4 +312,4 @@ def test_end_to_end_two_axis_sweep(tmp_path):
     assert "Cells (4):" in text and "- cell 4: `train.lr=0.001, train.num_minibatches=2`" in text
     for stem in ("axis_1", "axis_2", "heatmap_1"):
         assert (report_dir / f"{stem}.png").exists(), stem
-    assert len(pd.read_csv(report_dir / "eval_accuracy.csv")) == 8
+    assert len(pd.read_csv(report_dir / "eval_accuracy.csv")) == 4
