@@ -228,6 +228,16 @@ def collapse_of(summary: dict, read: MetricsFile, path: Path) -> dict:
             "collapse_source": "metrics (the report's rule)"}
 
 
+def log_error(path: Path) -> str | None:
+    """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = next((line for line in reversed(lines) if line.startswith("error: ")), None)
+    return last.removeprefix("error: ")[:300] if last else None
+
+
 def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     run_dir = exp_dir / str(entry.get("dir") or entry.get("run_id"))
     run_id = str(entry.get("run_id") or run_dir.name)
@@ -261,6 +271,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         "start_eval_accuracy": _first(at_start.iloc[0] if len(at_start) else None, summary.get("start_eval_accuracy")),
         "wall_time_s": summary.get("wall_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
+        "has_summary": bool(summary),
         **start_policy(summary, run_dir / "summary.json"),
         **collapse_of(summary, read, run_dir / "summary.json"),
         # the last value of each scoring variant of the eval accuracy (eval_accuracy_strict, ..._flexible)
@@ -282,8 +293,9 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         problems.insert(0, f"status {run['status']}")
     if not stopped and total is not None and run["steps_done"] < total:
         problems.append(f"{run['steps_done']}/{total} steps")
-    if summary.get("error"):
-        problems.append(f"error: {summary['error']}")
+    error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
+    if error:
+        problems.append(f"error: {error}")
     if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
         run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
     run["complete"] = not problems

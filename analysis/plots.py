@@ -34,7 +34,7 @@ STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens cl
              # kl_behavior (objectives/base.py): the k1 estimate of KL(π_old || π), token mean of log π_old - log π,
              # unbiased but one batch's value can be < 0; a k3 estimate logged as kl_behavior_k3 is drawn instead
              "kl_behavior_k3": ("KL to behaviour policy (k3)", "k3 KL (nats/token, >= 0)"),
-             "kl_behavior": ("KL to behaviour policy (k1 estimate)", "k1: mean log π_old − log π (can be < 0)"),
+             "kl_behavior": ("KL to behaviour policy (k1 estimate)", "k1 KL (nats/token, can be < 0)"),
              "entropy": ("Entropy", "entropy (nats/token)"),
              "grad_norm": ("Gradient norm", "L2 norm before clipping"),
              "completion_len_mean": ("Completion length", "length (tokens, mean)"),

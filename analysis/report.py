@@ -167,10 +167,15 @@ def rule_text() -> str:
 def start_policy_lines(runs: pd.DataFrame) -> list[str]:
     """One line per distinct starting policy (summary.json's start_policy), naming the runs that used it."""
     lines = []
+    written = runs[runs["has_summary"]] if "has_summary" in runs else runs
+    if written.empty:
+        return ["not known yet: no run has written its summary.json."]
+    everyone = "all runs" if len(written) == len(runs) else "every run with a summary.json"
+    runs = written
     keys = runs["start_policy"].fillna("")
     for key, group in runs.groupby(keys, sort=True):
         counts = group["objective"].value_counts().sort_index()
-        which = "all runs" if len(group) == len(runs) else ", ".join(f"{o} ({plural(k, 'run')})"
+        which = everyone if len(group) == len(runs) else ", ".join(f"{o} ({plural(k, 'run')})"
                                                                      for o, k in counts.items())
         if key == "none":
             lines.append(f"no warm start: the runs start from the base model ({which}).")

@@ -204,6 +204,13 @@ def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
     table = eval_table(exp.runs)
     assert "gspo: no run has ended (1 failed); error: RuntimeError: set_num_threads expects a positive integer: " \
            "its accuracy is n/a." in status_lines(exp, table, [])
+    # a sweep's run that failed before writing summary.json: the error its train.log ends with
+    run_dir = exp_dir / entries[1]["dir"]
+    (run_dir / "summary.json").unlink()
+    (run_dir / "train.log").write_text("native run on cpu ...\nerror: RuntimeError: no threads (traceback in x)\n")
+    exp, _ = load(exp_dir)
+    assert exp.runs.set_index("objective").loc["gspo", "problem"] == \
+        "status failed; no summary.json; 0/6 steps; error: RuntimeError: no threads (traceback in x)"
 
 
 STATES = {
