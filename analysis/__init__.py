@@ -1,9 +1,16 @@
 """Turn a results/<experiment>/ folder into a report: figures, tables, report.md and report.html.
 
     python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]
+
+For other tools (a leaderboard over many experiments): ``load_experiment(dir)`` gives the runs (one row each, with
+their cell, axis values, ``counted``, ``ended`` and collapse columns), the metrics and the cells; ``eval_table(runs,
+cells.axes)`` the per-(cell, objective) numbers (accuracies with intervals, collapse k/n and rate); and
+analysis.paired's ``per_cell``, ``aggregate`` and ``iqm`` the paired comparisons and the IQM across cells.
 """
 
 from analysis.load import AnalysisError, AnalysisWarning, load_experiment
-from analysis.report import build_report
+from analysis.paired import aggregate, iqm, per_cell
+from analysis.report import build_report, eval_table
 
-__all__ = ["AnalysisError", "AnalysisWarning", "build_report", "load_experiment"]
+__all__ = ["AnalysisError", "AnalysisWarning", "aggregate", "build_report", "eval_table", "iqm", "load_experiment",
+           "per_cell"]

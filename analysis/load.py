@@ -7,15 +7,23 @@ names the file, and the run is reported with what exists. A folder with nothing 
 from __future__ import annotations
 
 import json
+import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 from omegaconf import OmegaConf
 
+from analysis.cells import Cells, assign_cells
+from harness.collapse import CollapseRule, detect_collapse
+from harness.locks import RUN_LOCK, is_held
+
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
+SWEEP_LOCK = ".sweep.lock"  # held by a live sweep in results/<exp>/ (harness/sweep.py)
+COLLAPSE_RULE = CollapseRule()  # the rule applied to runs whose summary.json has no `collapse` record
+NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
 
 
 class AnalysisError(Exception):
@@ -35,9 +43,12 @@ class Experiment:
     name: str
     dir: Path
     runs: pd.DataFrame  # one row per run (manifest order): identity, status, summary numbers, start policy,
-    # `complete`, `problem`
+    # collapse_step/_cause/_source, `complete` (finished, every step), `ended` (complete or diverged), `problem`
     metrics: pd.DataFrame  # one row per (run, step): run_id, objective, seed, step and the logged metrics
     configs: dict[str, dict]  # run_id -> config.yaml flattened to dotted keys
+    overrides: dict[str, dict] = field(default_factory=dict)  # run_id -> manifest.json's grid point of the run
+    cells: Cells = field(default_factory=Cells)  # the axes, objective settings and cells (analysis/cells.py); runs
+    # carry cell, cell_id, one column per axis, counted and duplicate_of; metrics rows cell, cell_id and counted
 
 
 def read_json(path: Path) -> dict | None:
@@ -52,27 +63,58 @@ def read_json(path: Path) -> dict | None:
     return data
 
 
-def read_metrics(path: Path) -> pd.DataFrame:
-    """metrics.jsonl as a frame sorted by step; bad lines are skipped with a warning naming the file."""
-    lines = path.read_text(errors="replace").rstrip("\n").split("\n")
-    rows = []
+STEP_IN_LINE = re.compile(r'"step"\s*:\s*(\d+)')
+
+
+@dataclass
+class MetricsFile:
+    """metrics.jsonl as read: the frame (sorted by step, numeric), the rows as written (JSON null kept as None, absent
+    keys absent: the collapse rule tells them apart), the step of a truncated last line (None when the file ends
+    whole; -1 when the step cannot be read from it) and, per key, the steps where the value is null."""
+    frame: pd.DataFrame
+    rows: list[dict]
+    truncated_step: int | None = None
+    nulls: dict[str, list[int]] = field(default_factory=dict)
+
+
+def parse_metrics(path: Path) -> MetricsFile:
+    """metrics.jsonl read line by line; bad lines are skipped with a warning naming the file (the truncated last line
+    with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        warn(f"{path}: unreadable, ignored ({e})")
+        return MetricsFile(pd.DataFrame(), [])
+    lines = text.rstrip("\n").split("\n")
+    rows, truncated = [], None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            what = "truncated last line" if i == len(lines) else "malformed line"
-            warn(f"{path}: skipped {what} {i}")
+            if i == len(lines):
+                found = STEP_IN_LINE.search(line)
+                truncated = int(found.group(1)) if found else -1
+                lost = f"step {truncated}" if found else "a step whose number is cut off"
+                warn(f"{path}: skipped truncated last line {i} ({lost} lost: the write was cut short, e.g. by a kill "
+                     "or a full disk)")
+            else:
+                warn(f"{path}: skipped malformed line {i}")
             continue
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int | float):
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int | float) or isinstance(row["step"], bool):
             warn(f"{path}: skipped line {i} (not an object with a numeric 'step')")
             continue
         rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
         warn(f"{path}: no metrics (empty file)")
-        return df
+        return MetricsFile(df, rows, truncated)
+    nulls = {}
+    for row in rows:
+        for key, value in row.items():
+            if value is None and not key.startswith(NULL_OK):
+                nulls.setdefault(key, []).append(int(row["step"]))
     for col in df.columns:
         values = pd.to_numeric(df[col], errors="coerce")
         if values.isna().sum() > df[col].isna().sum():
@@ -81,7 +123,35 @@ def read_metrics(path: Path) -> pd.DataFrame:
     if df["step"].duplicated().any():
         warn(f"{path}: repeated steps, kept the last line of each")
         df = df.drop_duplicates("step", keep="last")
-    return df.sort_values("step", ignore_index=True)
+    return MetricsFile(df.sort_values("step", ignore_index=True), rows, truncated, nulls)
+
+
+def read_metrics(path: Path) -> pd.DataFrame:
+    """metrics.jsonl as a frame sorted by step (parse_metrics)."""
+    return parse_metrics(path).frame
+
+
+def steps_text(steps: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(s) for s in steps[:most])
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
+
+
+def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
+    """Warnings about what a run's metrics lost: a truncated last line of a finished run, null (non-finite when
+    written) values where a number belongs, steps missing from the file."""
+    if read.truncated_step is not None and status in ("finished", "diverged"):
+        step = read.truncated_step if read.truncated_step >= 0 else "?"
+        warn(f"{path}: the run is {status} but its last line is truncated: step {step} lost (its metrics are not in "
+             "the figures; the summary's numbers still are)")
+    for key, steps in sorted(read.nulls.items()):
+        warn(f"{path}: `{key}` is null (NaN or inf when written) at step{'s' * (len(steps) > 1)} {steps_text(steps)}")
+    logged = set(read.frame["step"].astype(int)) if len(read.frame) else set()
+    listed = summary.get("missing_steps")  # what the loop knew was missing; the file may have lost more since
+    listed = {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
+    expected = set(range(steps_done + 1)) if logged else set()
+    missing = sorted((listed | expected) - logged - {read.truncated_step})
+    if missing:
+        warn(f"{path}: step{'s' * (len(missing) > 1)} {steps_text(missing)} missing (steps done: {steps_done})")
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -119,6 +189,55 @@ def start_policy(summary: dict, path: Path) -> dict:
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
 
+SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
+                   "best_eval_accuracy", "wall_time_s", "rollout_tokens")
+
+
+def checked_summary(summary: dict, path: Path) -> dict:
+    """summary.json with each number the report reads checked: a value that is not a number is dropped with a
+    warning (the report then falls back on the metrics or says n/a)."""
+    out = dict(summary)
+    for key in SUMMARY_NUMBERS:
+        value = out.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            warn(f"{path}: `{key}` is {value!r}, not a number: ignored")
+            out.pop(key)
+    for key in ("status", "objective"):
+        if key in out and not isinstance(out[key], str):
+            warn(f"{path}: `{key}` is {out[key]!r}, not a string: ignored")
+            out.pop(key)
+    return out
+
+
+def collapse_of(summary: dict, read: MetricsFile, path: Path) -> dict:
+    """The run's collapse columns: summary.json's `collapse` when the key is there (null: none), else the rule of
+    harness/collapse.py applied to its metrics (runs written before the loop recorded it)."""
+    if "collapse" in summary:
+        record = summary["collapse"]
+        if record is None:
+            return {"collapse_step": None, "collapse_cause": None, "collapse_source": "summary.json"}
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("cause"), str):
+            return {"collapse_step": record["step"], "collapse_cause": record["cause"],
+                    "collapse_source": "summary.json"}
+        warn(f"{path}: `collapse` is not null or an object with an integer step and a cause; the report applies the "
+             "rule to the metrics instead")
+    if not read.rows:
+        return {"collapse_step": None, "collapse_cause": None, "collapse_source": None}
+    found = detect_collapse(read.rows, COLLAPSE_RULE)
+    return {"collapse_step": found and found["step"], "collapse_cause": found and found["cause"],
+            "collapse_source": "metrics (the report's rule)"}
+
+
+def log_error(path: Path) -> str | None:
+    """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = next((line for line in reversed(lines) if line.startswith("error: ")), None)
+    return last.removeprefix("error: ")[:300] if last else None
+
+
 def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     run_dir = exp_dir / str(entry.get("dir") or entry.get("run_id"))
     run_id = str(entry.get("run_id") or run_dir.name)
@@ -127,17 +246,24 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         for name, exists in found.items():
             if not exists:
                 warn(f"{run_dir / name}: missing")
-    summary = (read_json(run_dir / "summary.json") if found["summary.json"] else None) or {}
+    summary = checked_summary((read_json(run_dir / "summary.json") if found["summary.json"] else None) or {},
+                              run_dir / "summary.json")
     config = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
-    metrics = read_metrics(run_dir / "metrics.jsonl") if found["metrics.jsonl"] else pd.DataFrame()
+    read = parse_metrics(run_dir / "metrics.jsonl") if found["metrics.jsonl"] else MetricsFile(pd.DataFrame(), [])
+    metrics = read.frame
     evals = metrics["eval_accuracy"].dropna() if "eval_accuracy" in metrics else pd.Series(dtype=float)
     at_start = evals[metrics.loc[evals.index, "step"] == 0] if len(evals) else evals
+    status = _first(summary.get("status"), entry.get("status"), "unknown")
+    # a run that says "running" but whose folder lock nobody holds was killed (the kernel drops a dead holder's lock),
+    # unless it has not written its summary yet while its sweep, alive, is starting it
+    stopped = (status == "running" and run_dir.is_dir() and not is_held(run_dir / RUN_LOCK)
+               and (found["summary.json"] or not is_held(exp_dir / SWEEP_LOCK)))
     run = {
         "run_id": run_id,
         "objective": str(_first(entry.get("objective"), summary.get("objective"), config.get("objective.name"),
                                 "unknown")),
         "seed": _first(entry.get("seed"), summary.get("seed"), config.get("seed")),
-        "status": _first(summary.get("status"), entry.get("status"), "unknown"),
+        "status": "stopped" if stopped else status,
         "steps_done": int(_first(summary.get("steps_done"), metrics["step"].max() if len(metrics) else None, 0)),
         "total_steps": _first(summary.get("total_steps"), config.get("train.steps")),
         "final_eval_accuracy": _first(summary.get("final_eval_accuracy"), evals.iloc[-1] if len(evals) else None),
@@ -145,23 +271,36 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         "start_eval_accuracy": _first(at_start.iloc[0] if len(at_start) else None, summary.get("start_eval_accuracy")),
         "wall_time_s": summary.get("wall_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
+        "has_summary": bool(summary),
         **start_policy(summary, run_dir / "summary.json"),
+        **collapse_of(summary, read, run_dir / "summary.json"),
         # the last value of each scoring variant of the eval accuracy (eval_accuracy_strict, ..._flexible)
         **{f"final_{c}": metrics[c].dropna().iloc[-1] for c in sorted(metrics)
            if c.startswith(SCORING_PREFIX) and metrics[c].notna().any()},
     }
+    if found["metrics.jsonl"]:
+        data_warnings(run_dir / "metrics.jsonl", read, run["status"], run["steps_done"], summary)
     problems = []
     if not run_dir.is_dir():
         problems.append(f"not started (no folder {run_dir.name}/)")
     else:
         problems += [f"no {name}" for name in ("summary.json", "metrics.jsonl") if not found[name]]
-    if run["status"] != "finished":
+    total = run["total_steps"]
+    if stopped:
+        problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total} (killed; run the "
+                           "same command to resume)")
+    elif run["status"] != "finished":
         problems.insert(0, f"status {run['status']}")
-    if run["total_steps"] is not None and run["steps_done"] < run["total_steps"]:
-        problems.append(f"{run['steps_done']}/{run['total_steps']} steps")
-    if summary.get("error"):
-        problems.append(f"error: {summary['error']}")
+    if not stopped and total is not None and run["steps_done"] < total:
+        problems.append(f"{run['steps_done']}/{total} steps")
+    error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
+    if error:
+        problems.append(f"error: {error}")
+    if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
+        run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
     run["complete"] = not problems
+    # ended: a result to count: finished, or diverged (stopped by the loop for non-finite updates, records intact)
+    run["ended"] = run["complete"] or (run["status"] == "diverged" and bool(len(metrics)))
     run["problem"] = "; ".join(problems)
     if len(metrics):
         metrics.insert(0, "run_id", run_id)
@@ -193,8 +332,17 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         before = metrics["step"] == 0
         metrics.loc[before, "rollout_tokens"] = metrics.loc[before, "rollout_tokens"].fillna(0)
     numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "rollout_tokens",
+               "collapse_step",
                *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     runs[["seed", "total_steps"]] = runs[["seed", "total_steps"]].astype("Int64")  # integers, <NA> when unknown
     name = str((manifest or {}).get("experiment") or exp_dir.name)
-    return Experiment(name, exp_dir, runs, metrics, {run["run_id"]: config for run, _, config in loaded})
+    overrides = {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in entries
+                 if isinstance(e.get("overrides"), dict)}
+    configs = {run["run_id"]: config for run, _, config in loaded}
+    runs, cells, notes = assign_cells(runs, configs, overrides)
+    for note in notes:
+        warn(note)
+    extra = runs.set_index("run_id")[["cell", "cell_id", "counted"]]
+    metrics = metrics.join(extra, on="run_id")  # each metrics row knows its run's cell and whether it is counted
+    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells)

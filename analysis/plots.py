@@ -31,14 +31,17 @@ STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens cl
              "ratio_std": ("Importance-ratio spread", "std of ratio π/π_old"),
              "ratio_max": ("Importance-ratio max", "max of ratio π/π_old"),
              "kl_ref": ("KL to reference", "k3 KL (nats/token)"),
-             "kl_behavior": ("KL to behaviour policy", "KL (nats/token)"),
+             # kl_behavior (objectives/base.py): the k1 estimate of KL(π_old || π), token mean of log π_old - log π,
+             # unbiased but one batch's value can be < 0; a k3 estimate logged as kl_behavior_k3 is drawn instead
+             "kl_behavior_k3": ("KL to behaviour policy (k3)", "k3 KL (nats/token, >= 0)"),
+             "kl_behavior": ("KL to behaviour policy (k1 estimate)", "k1 KL (nats/token, can be < 0)"),
              "entropy": ("Entropy", "entropy (nats/token)"),
              "grad_norm": ("Gradient norm", "L2 norm before clipping"),
              "completion_len_mean": ("Completion length", "length (tokens, mean)"),
              "frac_zero_std_groups": ("Zero-variance groups", "fraction of groups")}
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
-BOOKKEEPING = frozenset({"run_id", "objective", "seed", "step", "lr", "rollout_tokens", "update_tokens",
-                         "sampled_tokens", "nonfinite_skips"})
+BOOKKEEPING = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step", "lr", "rollout_tokens",
+                         "update_tokens", "sampled_tokens", "nonfinite_skips"})
 SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}  # no timestamps
 EXTRAPOLATE = 10  # the fitted sigmoid is drawn (faded) this factor beyond the first and last eval point
 SINGLE, DOUBLE = 3.3, 6.8  # paper column widths (inches)
@@ -218,7 +221,16 @@ def curves_figure(metrics: pd.DataFrame, x: str, look: dict[str, Style], window:
 
 def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int, title: str, paper: bool):
     present = [m for m in STABILITY if reported(metrics, m)]
-    notes = [f"`{m}` is reported by no run: panel left out." for m in STABILITY if m not in present]
+    notes = [f"`{m}` is reported by no run: panel left out." for m in STABILITY if m not in present
+             and m != "kl_behavior_k3"]
+    if "kl_behavior_k3" in present and "kl_behavior" in present:
+        present.remove("kl_behavior")
+        notes.append("KL to behaviour: the k3 estimate (`kl_behavior_k3`, never negative) is drawn; the k1 estimate "
+                     "`kl_behavior` is not.")
+    elif "kl_behavior" in present:
+        notes.append("KL to behaviour: `kl_behavior` is the k1 estimate (token mean of log π_old − log π over the "
+                     "sampled tokens): unbiased, but a single batch's value can be negative; a k3 estimate is not "
+                     "logged by these runs.")
     notes += lacking_notes(metrics, present)
     fig = lines_figure(metrics, "step", present, look, window, STABILITY, title, paper) if present else None
     return Made("stability", title, fig, axis_note("step", window), notes)
@@ -305,7 +317,7 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
 
 
 def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool):
-    done = runs[runs["complete"] & runs["final_eval_accuracy"].notna()]
+    done = runs[runs["ended" if "ended" in runs else "complete"] & runs["final_eval_accuracy"].notna()]
     if done.empty:
         return Made("final_eval", title, None,
                     notes=["no finished run with a final eval accuracy yet: figure left out."])
@@ -324,7 +336,8 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
     fig.legend(handles=[Line2D([], [], marker="o", linestyle="none", color="0.3", label="one seed"),
                         Line2D([], [], marker="D", color="black", label="mean ± interval")],
                loc="outside lower center", ncols=2, frameon=False)
-    caption = ("Points: each seed's final greedy held-out accuracy (finished runs only), coloured by objective. "
+    caption = ("Points: each seed's final greedy held-out accuracy (runs that ended: finished, or diverged with their "
+               "last eval), coloured by objective. "
                f"Diamond: mean over seeds; bar: {INTERVALS}.")
     return Made("final_eval", title, fig, caption)
 

@@ -1,6 +1,13 @@
 """results/<exp>/ -> results/<exp>/report/: figures, tables (CSV and Markdown), report.md and a self-contained
 report.html (figures embedded as base64 PNG). The folder is written beside the target and renamed into place, so a
-killed analysis leaves the previous report whole."""
+killed analysis leaves the previous report whole.
+
+Order: the headline (start and end accuracy per objective and cell, what is missing), the figures (over the swept
+axes, then per cell), then the tables. Every number is per (objective, cell) (analysis/cells.py): runs that differ
+in a setting are never pooled, and n counts distinct seeds. Whatever the folder holds (a sweep still running, an
+objective whose runs all failed, a deleted summary.json, a run with only step 0, an empty metrics file) the report
+is written and says what is missing.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +21,25 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from analysis import plots, scaling, timing
-from analysis.load import SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
-from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num
+from analysis import axes, paired, plots, scaling, timing
+from analysis.cells import Cells, short_names, show
+from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
+from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
-# the fixed figures; besides them, metrics_<prefix> draws the other per-step metrics of one name prefix
+# the fixed figures of a cell; besides them, metrics_<prefix> draws the other per-step metrics of one name prefix
 FIGURES = {"curves_step": "Accuracy and reward against training step",
            "curves_tokens": "Accuracy and reward against rollout tokens",
            "stability": "Stability diagnostics against training step",
            "clip_fraction": "Clip fraction: this run (measured) vs the GSPO paper (reported)",
            "final_eval": "Final eval accuracy per objective"}
 STALE_S = 3600  # a temporary report folder older than this was left by a killed analysis
+IDENTITY_COLUMNS = {"run_id", "objective", "seed", "cell", "cell_id", "counted"}  # metrics columns naming the run
+ENDED = "ended (finished, or diverged: stopped by the loop for non-finite updates, scored by its last eval)"
 
 
 def accuracies(runs: pd.DataFrame) -> dict[str, str]:
@@ -38,18 +49,45 @@ def accuracies(runs: pd.DataFrame) -> dict[str, str]:
     return {"start": "start_eval_accuracy", "final": "final_eval_accuracy", "best": "best_eval_accuracy", **variants}
 
 
-def eval_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per objective, over its finished runs: start, final, best (and per scoring variant final) eval accuracy:
-    mean, interval (see stats), n, IQM; mean cost per run."""
+def cell_identity(runs: pd.DataFrame) -> pd.DataFrame:
+    """The cell columns a table needs; runs loaded without cells (a hand-made frame) form one cell."""
+    runs = runs.copy()
+    for column, default in (("cell_id", 0), ("cell", "all runs"), ("counted", True), ("duplicate_of", "")):
+        if column not in runs:
+            runs[column] = default
+    if "ended" not in runs:
+        runs["ended"] = runs["complete"]
+    for column in ("collapse_cause", "collapse_source"):
+        if column not in runs:
+            runs[column] = None
+    return runs
+
+
+def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = ()) -> pd.DataFrame:
+    """One row per (cell, objective): over its counted runs that ended (seeds: their number, one per distinct seed)
+    the start, final, best (and per scoring variant final) eval accuracy as mean, interval (see stats), n, IQM; the
+    collapses (k of the runs whose collapse state is known, rate, Wilson interval, causes); mean cost per run; the
+    runs not ended and the duplicates left out."""
+    runs = cell_identity(runs)
     rows = []
-    for objective, group in runs.groupby("objective"):
-        done = group[group["complete"]]
-        row = {"objective": objective, "seeds": len(done)}
+    for (cell_id, objective), group in runs.groupby(["cell_id", "objective"], sort=True):
+        counted = group[group["counted"]]
+        done = counted[counted["ended"]]
+        first = group.iloc[0]
+        row = {"cell_id": cell_id, "cell": first["cell"], **{a: first[a] for a in axes_keys}, "objective": objective,
+               "seeds": len(done)}
         for kind, column in accuracies(runs).items():
             d = describe(done[column])
             row.update({f"{kind}_{k}": d[k] for k in ("mean", "ci_low", "ci_high", "n", "iqm")})
-        row.update(wall_time_s=done["wall_time_s"].mean(), rollout_tokens=done["rollout_tokens"].mean(),
-                   unfinished_runs=len(group) - len(done))
+        known = done[done["collapse_source"].notna()]
+        k, n = int(known["collapse_cause"].notna().sum()), len(known)
+        low, high = rate_interval(k, n)
+        causes = known["collapse_cause"].dropna().value_counts().sort_index()
+        row.update(collapse_k=k, collapse_n=n, collapse_rate=k / n if n else np.nan, collapse_low=low,
+                   collapse_high=high, collapse_causes=", ".join(f"{c} {m}" for c, m in causes.items()),
+                   diverged=int((done["status"] == "diverged").sum()),
+                   wall_time_s=done["wall_time_s"].mean(), rollout_tokens=done["rollout_tokens"].mean(),
+                   unfinished_runs=len(counted) - len(done), duplicates=int((group["duplicate_of"] != "").sum()))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -68,34 +106,76 @@ def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True
     return out
 
 
-def eval_display(table: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """Final, then final under each scoring variant (no IQM), then best."""
-    out = {"objective": table["objective"], "n (finished)": table["seeds"]}
+def cell_columns(table: pd.DataFrame, cells: Cells) -> dict:
+    """One column per axis (its short name) when there is more than one cell; nothing otherwise."""
+    if len(cells.labels) < 2:
+        return {}
+    if not cells.axes:  # several cells only because some runs' settings are unknown
+        return {"cell": table["cell"]}
+    names = short_names(cells.axes)
+    return {names[a]: table[a].map(show) for a in cells.axes}
+
+
+def collapsed_column(table: pd.DataFrame) -> list[str]:
+    return [f"{k}/{n}" if n else "n/a" for k, n in zip(table["collapse_k"], table["collapse_n"], strict=True)]
+
+
+def eval_display(table: pd.DataFrame, runs: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
+    """Final, then final under each scoring variant (no IQM), then best; collapses; cost."""
+    out = {**cell_columns(table, cells or Cells()), "objective": table["objective"], "n (ended)": table["seeds"]}
     out.update(summary_columns(table, "final", "final"))
     for kind in accuracies(runs):
         if kind.startswith("final_"):
             out.update(summary_columns(table, kind, f"final, {kind.removeprefix('final_')} scoring", iqm=False))
     out.update(summary_columns(table, "best", "best"))
-    out.update({"wall time (s/run)": table["wall_time_s"].map(num),
-                "rollout tokens (/run)": table["rollout_tokens"].map(num), "unfinished runs": table["unfinished_runs"]})
+    out.update({"collapsed": collapsed_column(table), "wall time (s/run)": table["wall_time_s"].map(num),
+                "rollout tokens (/run)": table["rollout_tokens"].map(num),
+                "unfinished runs": table["unfinished_runs"]})
     return pd.DataFrame(out)
 
 
-def headline_display(table: pd.DataFrame) -> pd.DataFrame:
-    out = {"objective": table["objective"]}
+def headline_display(table: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
+    out = {**cell_columns(table, cells or Cells()), "objective": table["objective"]}
     for kind, label in (("start", "start (step 0)"), ("final", "end")):
         out.update(summary_columns(table, kind, label, iqm=False))
         out[f"{label} n"] = table[f"{kind}_n"]
+    out["collapsed"] = collapsed_column(table)
     return pd.DataFrame(out)
+
+
+def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:
+    return pd.DataFrame({**cell_columns(table, cells), "objective": table["objective"],
+                         "collapsed": collapsed_column(table), "rate": table["collapse_rate"].map(num),
+                         "Wilson 95% interval": [f"[{num(lo)}, {num(hi)}]" if n else "n/a" for lo, hi, n in
+                                                 zip(table["collapse_low"], table["collapse_high"],
+                                                     table["collapse_n"], strict=True)],
+                         "causes": table["collapse_causes"].replace("", "none"), "diverged": table["diverged"]})
+
+
+def rule_text() -> str:
+    r = COLLAPSE_RULE
+    return (f"A run collapsed (harness/collapse.py) when its eval accuracy stays more than {r.eval_margin:g} below its "
+            f"step-0 accuracy for {r.eval_consecutive} evaluations in a row (`eval_drop`), a training step's loss or "
+            f"gradient is non-finite or skips an update for it (`non_finite_loss`, {r.nonfinite_consecutive} step), "
+            f"the entropy stays below {r.entropy_floor:g} nats/token for {r.entropy_consecutive} steps "
+            f"(`entropy_floor`) or the clip fraction at or above {r.clip_ceiling:g} for {r.clip_consecutive} steps "
+            "(`clip_saturation`). The record is summary.json's `collapse` when the run wrote one, else the same rule "
+            "applied here to its metrics. Rate: collapsed / ended runs of the cell (n: distinct seeds), with a "
+            "Wilson score 95% interval.")
 
 
 def start_policy_lines(runs: pd.DataFrame) -> list[str]:
     """One line per distinct starting policy (summary.json's start_policy), naming the runs that used it."""
     lines = []
+    written = runs[runs["has_summary"]] if "has_summary" in runs else runs
+    if written.empty:
+        return ["not known yet: no run has written its summary.json."]
+    everyone = "all runs" if len(written) == len(runs) else "every run with a summary.json"
+    runs = written
     keys = runs["start_policy"].fillna("")
     for key, group in runs.groupby(keys, sort=True):
         counts = group["objective"].value_counts().sort_index()
-        which = "all runs" if len(group) == len(runs) else ", ".join(f"{o} ({plural(k, 'run')})"
+        which = everyone if len(group) == len(runs) else ", ".join(f"{o} ({plural(k, 'run')})"
                                                                      for o, k in counts.items())
         if key == "none":
             lines.append(f"no warm start: the runs start from the base model ({which}).")
@@ -111,20 +191,36 @@ def start_policy_lines(runs: pd.DataFrame) -> list[str]:
     return lines
 
 
-def runs_display(runs: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({
-        "run_id": runs["run_id"], "objective": runs["objective"], "seed": runs["seed"].astype("string").fillna("?"),
-        "status": runs["status"],
+def collapse_text(run) -> str:
+    """'step 12: eval_drop', 'no' (the rule found none) or 'n/a' (no record and no metrics)."""
+    if isinstance(run.collapse_cause, str):
+        return f"step {num(run.collapse_step)}: {run.collapse_cause}"
+    return "no" if isinstance(run.collapse_source, str) else "n/a"
+
+
+def runs_display(runs: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
+    runs = cell_identity(runs)
+    cells = cells or Cells()
+    out = {"run_id": runs["run_id"], "objective": runs["objective"]}
+    if len(cells.labels) > 1:
+        out["cell"] = runs["cell"]
+    out.update({
+        "seed": runs["seed"].astype("string").fillna("?"), "status": runs["status"],
         "steps": runs["steps_done"].astype(str) + "/" + runs["total_steps"].astype("string").fillna("?"),
         "last eval acc": runs["final_eval_accuracy"].map(num), "best eval acc": runs["best_eval_accuracy"].map(num),
+        "collapse": [collapse_text(r) for r in runs.itertuples()],
+        "counted": ["yes" if c else (f"no: duplicate of {d}" if d else "no: seed unknown")
+                    for c, d in zip(runs["counted"], runs["duplicate_of"], strict=True)],
         "wall time (s)": runs["wall_time_s"].map(num)})
+    return pd.DataFrame(out)
 
 
 def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
-    """The shared settings, and every config key (other than objective and seed) whose value differs between runs."""
+    """The shared settings, and the settings that differ between runs: the swept axes (cells) and the objective
+    settings (constant within each objective)."""
     configs = {run_id: c for run_id, c in exp.configs.items() if c}
-    objective_of = exp.runs.set_index("run_id")["objective"]
     counts = exp.runs["objective"].value_counts().sort_index()
+    cells = exp.cells
     lines = []
     for label, key in CONFIG_KEYS.items() if configs else ():
         values = sorted({str(c.get(key, "unset")) for c in configs.values()})
@@ -134,21 +230,11 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
     if len(configs) < len(exp.runs):
         lines.append(f"config.yaml found for {len(configs)} of {plural(len(exp.runs), 'run')}")
     diffs = []
-    for key in sorted(set().union(*configs.values()) - {"seed", "objective.name"}):
-        values = {run_id: str(c.get(key, "unset")) for run_id, c in configs.items()}
-        if len(set(values.values())) < 2:
-            continue
-        per_objective = {}
-        for run_id, value in values.items():
-            per_objective.setdefault(objective_of[run_id], set()).add(value)
-        if all(len(v) == 1 for v in per_objective.values()):
-            diffs.append(f"{key}: per objective: "
-                         + ", ".join(f"{o}={v.pop()}" for o, v in sorted(per_objective.items())))
-        else:
-            by_value = {}
-            for run_id, value in values.items():
-                by_value.setdefault(value, []).append(run_id)
-            diffs.append(f"{key}: " + "; ".join(f"{v} ({', '.join(ids)})" for v, ids in sorted(by_value.items())))
+    for axis in cells.axes:
+        values = sorted({show(v) for v in exp.runs[axis]}, key=lambda v: (len(v), v))
+        diffs.append(f"{axis}: swept axis (one cell per value): {', '.join(values)}")
+    for key, per_objective in cells.objective_settings.items():
+        diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in per_objective.items()))
     return lines, diffs
 
 
@@ -166,7 +252,7 @@ def md_table(df: pd.DataFrame) -> str:
 def render_md(blocks: list[tuple]) -> str:
     out = []
     for kind, *args in blocks:
-        if kind in ("h1", "h2"):
+        if kind in ("h1", "h2", "h3"):
             out.append("#" * int(kind[1]) + " " + args[0])
         elif kind == "p":
             out.append(args[0])
@@ -189,7 +275,7 @@ def render_html(blocks: list[tuple], out_dir: Path, title: str) -> str:
            "body{font-family:sans-serif;max-width:1100px;margin:auto;padding:1em}table{border-collapse:collapse;"
            "font-size:0.85em}td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}</style></head><body>"]
     for kind, *args in blocks:
-        if kind in ("h1", "h2", "p"):
+        if kind in ("h1", "h2", "h3", "p"):
             out.append(f"<{kind}>{inline(args[0])}</{kind}>")
         elif kind == "ul":
             out.append("<ul>" + "".join(f"<li>{inline(item)}</li>" for item in args[0]) + "</ul>")
@@ -208,24 +294,23 @@ def unfinished_lines(runs: pd.DataFrame) -> list[str]:
             for r in runs.itertuples() if not r.complete]
 
 
-def coincide_lines(found: dict) -> list[str]:
+def coincide_lines(found: dict, prefix: str = "") -> list[str]:
     lines = []
     for (a, b), (same, compared) in found.items():
         if same == compared:
-            lines.append(f"{a} and {b} coincide on every logged step of every drawn metric both report "
+            lines.append(f"{prefix}{a} and {b} coincide on every logged step of every drawn metric both report "
                          f"({plural(len(same), 'metric')}: {', '.join(f'`{m}`' for m in same)}).")
         else:
-            lines.append(f"{a} and {b} coincide on every logged step of {', '.join(f'`{m}`' for m in same)} "
+            lines.append(f"{prefix}{a} and {b} coincide on every logged step of {', '.join(f'`{m}`' for m in same)} "
                          f"({len(same)} of the {len(compared)} drawn metrics both report).")
     return lines
 
 
-def figures(exp: Experiment, smooth: int, paper: bool, fits: list[scaling.ObjectiveFit]
+def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, paper: bool,
+            fits: list[scaling.ObjectiveFit], look: dict[str, plots.Style], suffix: str = ""
             ) -> tuple[list[plots.Made], list[str]]:
-    """Every figure (drawn or not, with its notes), and the pairs of objectives whose curves coincide; `fits`: the
-    compute-performance fits (scaling.fit_objectives)."""
-    runs, metrics, name = exp.runs, exp.metrics, exp.name
-    look = plots.styles(runs["objective"])
+    """Every figure of one cell (drawn or not, with its notes; stems end in `suffix`), and the pairs of objectives
+    whose curves coincide; `fits`: the cell's compute-performance fits (scaling.fit_objectives)."""
     made = []
     if not metrics.empty:
         made += [plots.curves_figure(metrics, "step", look, smooth, f"{name}: accuracy and reward by step", paper),
@@ -235,14 +320,17 @@ def figures(exp: Experiment, smooth: int, paper: bool, fits: list[scaling.Object
                  plots.stability_figure(metrics, look, smooth, f"{name}: stability diagnostics", paper),
                  plots.clip_figure(metrics, runs, look, f"{name}: clip fraction, measured vs paper", paper)]
     made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper))
-    if metrics.empty:
-        return made, []
-    drawn = [m for m in [*plots.CURVES, *plots.STABILITY] if plots.reported(metrics, m)]
-    for family, columns in plots.families(metrics, set(drawn)).items():
-        title = "Other per-step metrics" if family == "other" else f"Metrics {family}_*"
-        made.append(plots.family_figure(metrics, family, columns, look, smooth, f"{name}: {title}", paper))
-        drawn += columns
-    return made, coincide_lines(coinciding(metrics, drawn))
+    coincide = []
+    if not metrics.empty:
+        drawn = [m for m in [*plots.CURVES, *plots.STABILITY] if plots.reported(metrics, m)]
+        for family, columns in plots.families(metrics, set(drawn)).items():
+            title = "Other per-step metrics" if family == "other" else f"Metrics {family}_*"
+            made.append(plots.family_figure(metrics, family, columns, look, smooth, f"{name}: {title}", paper))
+            drawn += columns
+        coincide = coincide_lines(coinciding(metrics, drawn))
+    for figure in made:
+        figure.stem += suffix
+    return made, coincide
 
 
 def replace_dir(new: Path, target: Path) -> None:
@@ -290,83 +378,252 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     return out_dir / "report.md"
 
 
-def timing_block(exp: Experiment) -> tuple:
-    table = timing.time_table(exp.runs, exp.metrics)
-    return ("table", table) if len(table) else ("p", "No finished run yet.")
+def status_lines(exp: Experiment, table: pd.DataFrame, data_warnings: list[str]) -> list[str]:
+    """What the headline's numbers rest on and what is missing: runs by status, the (objective, cell)s without an
+    ended run, duplicates left out, data warnings."""
+    runs = exp.runs
+    counts = runs["status"].value_counts()
+    what = {"finished": "finished", "diverged": "diverged (stopped by the loop for non-finite updates)",
+            "running": "running now", "stopped": "stopped (killed: run the same command to resume)",
+            "failed": "failed", "interrupted": "interrupted (Ctrl-C / SIGTERM: run the same command to resume)",
+            "pending": "not started"}
+    parts = [f"{counts[s]} {label}" for s, label in what.items() if s in counts]
+    parts += [f"{k} with status {s}" for s, k in counts.items() if s not in what]
+    lines = [f"{plural(len(runs), 'run')}: " + ", ".join(parts) + "."]
+    multi = len(exp.cells.labels) > 1
+    for row in table[table["seeds"] == 0].itertuples():
+        group = runs[(runs["objective"] == row.objective) & (runs["cell_id"] == row.cell_id)]
+        states = ", ".join(f"{k} {s}" for s, k in group["status"].value_counts().sort_index().items())
+        errors = sorted({e.split("error: ", 1)[1] for e in group["problem"] if "error: " in e})
+        where = f" in cell `{row.cell}`" if multi else ""
+        lines.append(f"{row.objective}{where}: no run has ended ({states})"
+                     + (f"; error: {errors[0]}" if errors else "") + ": its accuracy is n/a.")
+    partial = table[(table["seeds"] > 0) & (table["unfinished_runs"] > 0)]
+    if len(partial):
+        lines.append("Not ended yet (left out of the numbers): " + ", ".join(
+            f"{r.objective}{f' [{r.cell}]' if multi else ''} {r.unfinished_runs}" for r in partial.itertuples()) + ".")
+    if exp.cells.duplicates:
+        lines.append(f"{plural(len(exp.cells.duplicates), 'set')} of duplicate runs (same objective, cell and seed): "
+                     "one of each counted (see Data warnings).")
+    if data_warnings:
+        lines.append(f"{plural(len(data_warnings), 'data warning')}: see Data warnings below.")
+    return lines
+
+
+def cell_lines(exp: Experiment) -> list[str]:
+    """The cells, named explicitly, with their runs."""
+    runs = exp.runs
+    lines = []
+    for i, label in enumerate(exp.cells.labels):
+        group = runs[(runs["cell_id"] == i) & runs["counted"]]
+        per = group.groupby("objective")["seed"].nunique()
+        lines.append(f"cell {i + 1}: `{label}` — " + (", ".join(f"{o} ({plural(k, 'seed')})" for o, k in per.items())
+                                                      or "no counted run"))
+    return lines
+
+
+def cell_subsets(exp: Experiment) -> list[tuple[int, pd.DataFrame, pd.DataFrame]]:
+    """(cell id, its counted runs, their metrics) for each cell with a counted run."""
+    out = []
+    for i in range(len(exp.cells.labels)):
+        runs = exp.runs[(exp.runs["cell_id"] == i) & exp.runs["counted"]]
+        if len(runs):
+            metrics = exp.metrics[exp.metrics["run_id"].isin(set(runs["run_id"]))] if len(exp.metrics) else \
+                exp.metrics
+            out.append((i, runs, metrics))
+    return out
+
+
+def with_cell(frame: pd.DataFrame, label: str, multi: bool) -> pd.DataFrame:
+    if multi and len(frame):
+        frame = frame.copy()
+        frame.insert(0, "cell", label)
+    return frame
+
+
+def paired_display(per_cell: pd.DataFrame, cells: Cells) -> pd.DataFrame:
+    frame = per_cell.copy()
+    for a in cells.axes:
+        frame[a] = [cells.values[i][a] for i in frame["cell_id"]]
+    return pd.DataFrame({
+        **cell_columns(frame, cells), "A": frame["a"], "B": frame["b"], "paired seeds": frame["n"],
+        "A − B (final acc)": frame["difference"].map(num),
+        "interval": [interval(lo, hi, n) for lo, hi, n in
+                     zip(frame["difference_low"], frame["difference_high"], frame["n"], strict=True)],
+        "wins/ties/losses": [f"{w}/{t}/{lo}" for w, t, lo in zip(frame["wins"], frame["ties"], frame["losses"],
+                                                                 strict=True)],
+        "P(A > B)": frame["p_improvement"].map(num),
+        "P interval": [f"[{num(lo)}, {num(hi)}]" if pd.notna(lo) else "n/a"
+                       for lo, hi in zip(frame["p_low"], frame["p_high"], strict=True)]})
+
+
+def ci_text(low, high) -> str:
+    return "n/a" if pd.isna(low) else f"[{num(low)}, {num(high)}]"
+
+
+def aggregate_display(frame: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"A": frame["a"], "B": frame["b"], "cells": frame["cells"], "seed pairs": frame["n"],
+                         "mean over cells of A − B": frame["difference"].map(num),
+                         "95% CI (stratified)": [ci_text(lo, hi) for lo, hi in
+                                                 zip(frame["difference_low"], frame["difference_high"], strict=True)],
+                         "P(A > B)": frame["p_improvement"].map(num),
+                         "P 95% CI (stratified)": [ci_text(lo, hi) for lo, hi in
+                                                   zip(frame["p_low"], frame["p_high"], strict=True)]})
+
+
+def iqm_display(frame: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"objective": frame["objective"], "cells": frame["cells"], "runs": frame["n"],
+                         "IQM": frame["iqm"].map(num),
+                         "IQM 95% CI": [ci_text(lo, hi) for lo, hi in zip(frame["iqm_low"], frame["iqm_high"],
+                                                                          strict=True)],
+                         "mean": frame["mean"].map(num),
+                         "mean 95% CI": [ci_text(lo, hi) for lo, hi in zip(frame["mean_low"], frame["mean_high"],
+                                                                           strict=True)]})
 
 
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
                  data_warnings: list[str]) -> None:
-    runs, name = exp.runs, exp.name
-    table = eval_table(runs)
+    runs, name, cells = exp.runs, exp.name, exp.cells
+    multi = len(cells.labels) > 1
+    look = plots.styles(runs["objective"])
+
+    # numbers: per (objective, cell)
+    table = eval_table(runs, cells.axes)
     table.to_csv(out_dir / "eval_accuracy.csv", index=False)
     runs.to_csv(out_dir / "runs.csv", index=False)
-    (out_dir / "eval_accuracy.md").write_text(md_table(eval_display(table, runs)) + "\n")
-    (out_dir / "runs.md").write_text(md_table(runs_display(runs)) + "\n")
-    headline = headline_display(table)
+    (out_dir / "eval_accuracy.md").write_text(md_table(eval_display(table, runs, cells)) + "\n")
+    (out_dir / "runs.md").write_text(md_table(runs_display(runs, cells)) + "\n")
+    headline = headline_display(table, cells)
     (out_dir / "headline.md").write_text(md_table(headline) + "\n")
-    fits = scaling.fit_objectives(exp.metrics, runs)
-    scaling.fit_numbers(fits).to_csv(out_dir / "scaling_fit.csv", index=False)
-    made, coincide = figures(exp, smooth, paper, fits)
+    collapse = collapse_display(table, cells)
+    (out_dir / "collapse.md").write_text(md_table(collapse) + "\n")
+    pairs, aggregated, iqms = paired.per_cell(runs), paired.aggregate(runs), paired.iqm(runs)
+    pairs.to_csv(out_dir / "paired.csv", index=False)
+    aggregated.to_csv(out_dir / "paired_aggregate.csv", index=False)
+    iqms.to_csv(out_dir / "iqm.csv", index=False)
+    (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
+
+    # per cell: fits, timing, figures
+    subsets = cell_subsets(exp)
+    fit_tables, fit_numbers, time_tables, cell_blocks, coincide = [], [], [], [], []
+    for cell_id, cell_runs, cell_metrics in subsets:
+        label = cells.labels[cell_id]
+        fits = scaling.fit_objectives(cell_metrics, cell_runs)
+        fit_tables.append(with_cell(scaling.fit_table(fits), label, multi))
+        fit_numbers.append(with_cell(scaling.fit_numbers(fits), label, multi))
+        time_tables.append(with_cell(timing.time_table(cell_runs, cell_metrics), label, multi))
+        title = f"{name} [{cells.short(cell_id)}]" if multi else name
+        made, lines = figures(cell_runs, cell_metrics, title, smooth, paper, fits, look,
+                              f"_c{cell_id + 1}" if multi else "")
+        coincide += [f"cell `{label}`: {line}" if multi else line for line in lines]
+        if multi:
+            cell_blocks.append(("h3", f"Cell {cell_id + 1}: {label}"))
+        if cell_metrics.empty:
+            cell_blocks.append(("p", f"No run{' of this cell' if multi else ''} has logged metrics yet: the curves, "
+                                     "stability and clip-fraction figures are left out."))
+        cell_blocks += figure_blocks(made, out_dir, formats)
+    fit_table = pd.concat(fit_tables, ignore_index=True) if fit_tables else pd.DataFrame()
+    (pd.concat(fit_numbers, ignore_index=True) if fit_numbers else pd.DataFrame()).to_csv(
+        out_dir / "scaling_fit.csv", index=False)
+    times = pd.concat([t for t in time_tables if len(t)], ignore_index=True) if any(len(t) for t in time_tables) \
+        else pd.DataFrame()
+    overview = axes.axis_figures(table, cells, look, name, paper) if cells.axes else []
 
     config_lines, diffs = config_summary(exp)
     unfinished = unfinished_lines(runs)
     blocks = [("h1", f"Report: {name}"),
-              ("p", f"Source: `{exp.dir}`. {plural(len(runs), 'run')} listed, {int(runs['complete'].sum())} finished, "
-                    f"{len(unfinished)} not finished. Tables and the final-accuracy figure use finished runs only; "
-                    "the curves use every logged step of every run."),
+              ("p", f"Source: `{exp.dir}`. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} ended, "
+                    f"{len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
+                    "combination of the settings that differ between runs of an objective; runs that differ in a "
+                    "setting are never pooled) and n counts distinct seeds. Tables and the final-accuracy figures "
+                    f"use the runs that {ENDED}; the curves use every logged step of every counted run."),
               ("h2", "Start and end accuracy"),
-              ("p", "Greedy held-out eval accuracy of each objective's finished runs at step 0 (the starting policy, "
-                    "before any update) and at the last step. Mean over seeds; interval: " + INTERVALS + "."),
-              ("table", headline),
-              ("p", "Starting policy (summary.json `start_policy`):"), ("ul", start_policy_lines(runs))]
-    if coincide:
-        blocks += [("h2", "Objectives whose curves coincide"),
-                   ("p", "Mean over seeds equal (to 6 significant digits) at every step both objectives logged: in "
-                         "the figures their lines lie on each other, told apart by line style and marker."),
-                   ("ul", coincide)]
-    blocks += [("h2", "Configuration"), ("ul", config_lines),
-               ("p", "Differences between runs other than objective and seed:" if diffs else
-                     "No differences between runs other than objective and seed."),
-               *([("ul", diffs)] if diffs else []),
-               ("h2", "Runs that did not finish"),
-               ("ul", unfinished) if unfinished else ("p", "All runs finished.")]
-    if data_warnings:
-        blocks += [("h2", "Data warnings"), ("ul", data_warnings)]
-    scorings = [k.removeprefix("final_") for k in accuracies(runs) if k not in ("start", "final", "best")]
-    blocks += [("h2", "Eval accuracy per objective"),
-               ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
-                     f"finished runs. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of seeds "
-                     f"(scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and rollout "
-                     "tokens: mean per finished run."
-                     + (" The same final evaluation scored other ways: "
-                        + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
-                        + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),
-               ("table", eval_display(table, runs)),
-               ("h2", "Compute-performance fit"),
-               ("p", scaling.SUMMARY + " Numbers only where the fit converged; otherwise the reason. Figure "
-                     "`scaling` draws the converged fits over their points."),
-               ("table", scaling.fit_table(fits)),
-               ("h2", "Where the time went"),
-               ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
-                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
-                     + timing.PHASES),
-               timing_block(exp),
-               ("h2", "Runs"),
-               ("p", "Last eval acc: the final eval accuracy of a finished run, the latest one of an unfinished run."),
-               ("table", runs_display(runs)),
-               ("h2", "Figures"),
+              ("p", "Greedy held-out eval accuracy of each objective's ended runs at step 0 (the starting policy, "
+                    "before any update) and at the last step, per cell. Mean over seeds; interval: " + INTERVALS
+                    + ". Collapsed: runs that collapsed (see Collapse) of those that ended."),
+              ("table", headline), ("ul", status_lines(exp, table, data_warnings))]
+    if multi:
+        blocks += [("p", f"Cells ({len(cells.labels)}):"), ("ul", cell_lines(exp))]
+    blocks += [("p", "Starting policy (summary.json `start_policy`):"), ("ul", start_policy_lines(runs))]
+
+    blocks += [("h2", "Figures"),
                ("p", f"Line figures: the mean over seeds of each objective, told apart by colour, line style and "
                      f"marker (markers alternate between objectives, so coinciding lines stay visible); band: "
                      f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
                      "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
                      "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
-                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - {"run_id", "objective", "seed"}))
+                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - IDENTITY_COLUMNS))
                      + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
-                     "(`metrics_<prefix>`, single ones in `metrics_other`).")]
-    if exp.metrics.empty:
-        blocks.append(("p", "No run has logged metrics yet: the curves, stability and clip-fraction figures are "
-                            "left out."))
+                     "(`metrics_<prefix>`, single ones in `metrics_other`)."
+                     + (" One set of figures per cell (stems end in `_c<cell>`), after the figures over the swept "
+                        "axes." if multi else ""))]
+    if coincide:
+        blocks += [("p", "Objectives whose curves coincide (mean over seeds equal to 6 significant digits at every "
+                         "step both logged: their lines lie on each other, told apart by line style and marker):"),
+                   ("ul", coincide)]
+    if overview:
+        blocks += [("h3", "Over the swept axes")] + figure_blocks(overview, out_dir, formats)
+    blocks += cell_blocks
+
+    scorings = [k.removeprefix("final_") for k in accuracies(runs) if k not in ("start", "final", "best")]
+    blocks += [("h2", "Eval accuracy per objective" + (" and cell" if multi else "")),
+               ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
+                     f"the runs that {ENDED}. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of "
+                     f"seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
+                     "rollout tokens: mean per ended run."
+                     + (" The same final evaluation scored other ways: "
+                        + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
+                        + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),
+               ("table", eval_display(table, runs, cells)),
+               ("h2", "Collapse"), ("p", rule_text()), ("table", collapse),
+               ("h2", "Paired comparisons"),
+               ("p", "Runs of two objectives with the same seed in the same cell share their first rollouts, so "
+                     "objectives are compared per cell by per-seed differences of final eval accuracy (A − B over "
+                     f"the seeds both ended; interval: {INTERVALS} of the differences), wins/ties/losses over those "
+                     "seeds, and the probability of improvement P(A > B) (rliable's: Mann–Whitney U / (n_A n_B), "
+                     "ties 0.5; 95% bootstrap over seed pairs from 3 pairs). Method and conventions: "
+                     "analysis/paired.py (rliable's, arXiv 2108.13264, computed with numpy/scipy)."),
+               ("table", paired_display(pairs, cells)) if len(pairs) else
+               ("p", "No pair of objectives has a seed both ended in the same cell: nothing to compare."),
+               ("p", "Aggregated over cells: the mean over cells of each cell's mean difference and of its P(A > B), "
+                     "with rliable's stratified bootstrap (seeds resampled within each cell; 2000 resamples; needs "
+                     "2+ seeds in every cell and 3 in all)."),
+               ("table", aggregate_display(aggregated)) if len(aggregated) else ("p", "Nothing to aggregate."),
+               ("p", "Per objective over the cells every objective ended a run in: IQM (rliable's aggregate_iqm: "
+                     f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs) and mean of final eval accuracy, "
+                     "stratified-bootstrap 95% CIs."),
+               ("table", iqm_display(iqms)) if len(iqms) else ("p", "No objective has an ended run."),
+               ("h2", "Compute-performance fit"),
+               ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit converged; otherwise the reason. "
+                     "Figure `scaling` draws the converged fits over their points."),
+               ("table", fit_table) if len(fit_table) else ("p", "No counted run yet."),
+               ("h2", "Where the time went"),
+               ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
+                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
+                     + timing.PHASES),
+               ("table", times) if len(times) else ("p", "No finished run yet."),
+               ("h2", "Configuration"), ("ul", config_lines),
+               ("p", "Settings that differ between runs (besides objective and seed; an axis makes cells, a "
+                     "per-objective setting is part of the objective):" if diffs else
+                     "No settings differ between runs besides objective and seed."),
+               *([("ul", diffs)] if diffs else []),
+               ("h2", "Runs that did not finish"),
+               ("ul", unfinished) if unfinished else ("p", "All runs finished.")]
+    if data_warnings:
+        blocks += [("h2", "Data warnings"), ("ul", data_warnings)]
+    blocks += [("h2", "Runs"),
+               ("p", "Last eval acc: the final eval accuracy of a finished run, the latest one of an unfinished run. "
+                     "Counted: whether the run is one of its cell's seeds (a duplicate of the same objective, cell "
+                     "and seed is not)."),
+               ("table", runs_display(runs, cells))]
+
+    (out_dir / "report.md").write_text(render_md(blocks))
+    (out_dir / "report.html").write_text(render_html(blocks, out_dir, f"Report: {name}"))
+
+
+def figure_blocks(made: list[plots.Made], out_dir: Path, formats: list[str]) -> list[tuple]:
+    """Save each drawn figure; the report blocks that show it (or say it is not drawn) with its notes."""
+    blocks = []
     for figure in made:
         if figure.fig is not None:
             plots.save(figure.fig, out_dir, figure.stem, formats)
@@ -375,6 +632,4 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
             blocks.append(("p", f"{figure.title}: not drawn."))
         if figure.notes:
             blocks.append(("ul", figure.notes))
-
-    (out_dir / "report.md").write_text(render_md(blocks))
-    (out_dir / "report.html").write_text(render_html(blocks, out_dir, f"Report: {name}"))
+    return blocks

@@ -205,9 +205,13 @@ def seed_curves(metrics: pd.DataFrame, run_ids) -> pd.DataFrame | None:
     if X not in metrics or Y not in metrics:
         return None
     evals = metrics[metrics["run_id"].isin(list(run_ids))].dropna(subset=[X, Y])
+    if evals.empty:
+        return None
     table = evals.pivot_table(index="run_id", columns="step", values=[X, Y]).dropna(axis=1)
+    if table.empty or X not in table.columns.get_level_values(0) or Y not in table.columns.get_level_values(0):
+        return None
     shared = sorted(set(table[X].columns) & set(table[Y].columns))
-    if table.empty or not shared:
+    if not shared:
         return None
     return table.loc[:, [(q, s) for q in (X, Y) for s in shared]]
 
@@ -215,8 +219,8 @@ def seed_curves(metrics: pd.DataFrame, run_ids) -> pd.DataFrame | None:
 def fit_objective(objective: str, metrics: pd.DataFrame, run_ids) -> ObjectiveFit:
     """The fit of one objective on its runs' mean curve (see the module docstring), with the bootstrap of A, B."""
     run_ids = list(run_ids)
-    curves = seed_curves(metrics, run_ids)
-    if not run_ids or curves is None:
+    curves = seed_curves(metrics, run_ids) if run_ids else None
+    if curves is None:
         return ObjectiveFit(objective, len(run_ids), Fit(np.nan, 0, reason="no eval points shared by its finished "
                                                                             "runs"))
     seeds = len(curves)

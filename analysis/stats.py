@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import trim_mean
+from scipy.stats import binomtest, trim_mean
 
 N_BOOT, BOOT_SEED, LEVEL = 2000, 0, 0.95
 IQM_MIN_SEEDS, CI_MIN_SEEDS = 5, 3
@@ -98,3 +98,12 @@ def coinciding(metrics: pd.DataFrame, columns: list[str], rtol: float = 1e-6) ->
                     if np.allclose(shared[a], shared[b], rtol=rtol, atol=1e-12):
                         same.append(column)
     return {pair: lists for pair, lists in found.items() if lists[0]}
+
+
+def rate_interval(k: int, n: int) -> tuple[float, float]:
+    """Wilson score 95% interval of a proportion k/n (scipy.stats.binomtest(...).proportion_ci(method="wilson"));
+    NaNs when n = 0. Wilson rather than the normal approximation: it stays inside [0, 1] and is not empty at k = 0."""
+    if n == 0:
+        return np.nan, np.nan
+    ci = binomtest(int(k), int(n)).proportion_ci(LEVEL, method="wilson")
+    return float(ci.low), float(ci.high)

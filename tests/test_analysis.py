@@ -131,8 +131,8 @@ def test_table_numbers(report):
         assert row["wall_time_s"] == pytest.approx(101.0)  # 100 + seed, seeds 0..2
         assert row["rollout_tokens"] == pytest.approx(600)
     md = (out / "eval_accuracy.md").read_text()
-    assert "| grpo | 3 | 0.550 | 95% CI [0.400, 0.750] | n/a | 0.550 | 95% CI [0.400, 0.750] | n/a | 101 | 600 | 2 |" \
-        in md
+    assert ("| grpo | 3 | 0.550 | 95% CI [0.400, 0.750] | n/a | 0.550 | 95% CI [0.400, 0.750] | n/a | 0/3 | 101 | 600 "
+            "| 2 |") in md
     runs = pd.read_csv(out / "runs.csv")
     assert len(runs) == 9 and runs["complete"].sum() == 6
 
@@ -217,7 +217,7 @@ def test_coinciding_objectives_and_intervals(tmp_path):
             "`eval_accuracy`, `accuracy`, `reward_mean`, `clip_frac`,") in text
     assert "- ctpo and grpo coincide on every logged step of `reward_mean`," in text  # ctpo logs grpo's metrics
     assert "gspo and grpo" not in text and "grpo and gspo coincide on every logged step of `eval_accuracy`" not in text
-    headline = text[text.index("## Start and end accuracy"):text.index("## Objectives whose curves coincide")]
+    headline = text[text.index("## Start and end accuracy"):text.index("## Figures")]
     assert "| grpo | 0.100 | range [0.100, 0.100] | 2 | 0.0586 | range [0.0547, 0.0625] | 2 |" in headline
     assert "| gspo | 0.100 | 95% CI [0.100, 0.100] | 3 | 0.550 | 95% CI [0.500, 0.600] | 3 |" in headline
     assert "| ctpo | 0.100 | n/a | 1 | 0.450 | n/a | 1 |" in headline
@@ -253,7 +253,8 @@ def test_reward_equal_to_accuracy_is_one_panel(tmp_path):
     exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5, 1: 0.6}}, extra=False)
     for run in exp.glob("grpo-*/metrics.jsonl"):
         rows = [json.loads(line) for line in run.read_text().splitlines()]
-        run.write_text("".join(json.dumps({**r, "reward_mean": r.get("accuracy")}) + "\n" for r in rows))
+        run.write_text("".join(json.dumps({**r, "reward_mean": r["accuracy"]} if "accuracy" in r else r) + "\n"
+                               for r in rows))
     made = plots.curves_figure(load_experiment(exp).metrics, "step", plots.styles(["grpo"]), 1, "t", False)
     assert [ax.get_title() for ax in made.fig.axes] == ["Eval accuracy (greedy, held-out)", "Train accuracy (sampled)"]
     assert any(note.startswith("Train reward equals train accuracy") for note in made.notes)
@@ -301,8 +302,11 @@ def test_report_is_replaced_atomically(tmp_path, monkeypatch):
 def test_report_lists_problems(report):
     md_path, caught = report
     md = md_path.read_text()
-    assert "`grpo-s3-abcd1234` (grpo, seed 3): status running; 4/6 steps" in md
-    assert "`gspo-s3-abcd1234` (gspo, seed 3): status running; no summary.json; 2/6 steps" in md
+    # summary.json (or the manifest) says running, but no process holds the run's lock: killed
+    assert "`grpo-s3-abcd1234` (grpo, seed 3): stopped at step 4/6 (killed; run the same command to resume)" in md
+    assert ("`gspo-s3-abcd1234` (gspo, seed 3): stopped at step 2/6 (killed; run the same command to resume); no "
+            "summary.json") in md
+    assert "| grpo-s3-abcd1234 | grpo | 3 | stopped | 4/6 |" in md and "| running |" not in md
     assert "`grpo-s4-abcd1234` (grpo, seed 4): status pending; not started (no folder grpo-s4-abcd1234/)" in md
     assert "`kl_ref` is not reported by: gspo." in md
     assert "objective.params.beta: per objective: grpo=0.01, gspo=0.0" in md
@@ -318,7 +322,8 @@ def test_truncated_line_skipped_with_warning(tmp_path):
         loaded = load_experiment(exp)
     messages = [str(w.message) for w in caught if w.category is AnalysisWarning]
     metrics = exp / "gspo-s3-abcd1234" / "metrics.jsonl"
-    assert f"{metrics}: skipped truncated last line 4" in messages
+    assert (f"{metrics}: skipped truncated last line 4 (step 99 lost: the write was cut short, e.g. by a kill or a "
+            "full disk)") in messages
     assert f"{metrics.with_name('summary.json')}: missing" in messages
     assert list(loaded.metrics.loc[loaded.metrics["run_id"] == "gspo-s3-abcd1234", "step"]) == [0, 1, 2]
 

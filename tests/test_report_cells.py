@@ -1,0 +1,322 @@
+"""The report per (objective, cell), on synthetic results folders (tests/fake_runs.py): cells and duplicates, killed
+runs, collapse counts, data warnings, every damaged or unfinished state, the figures over swept axes, the order."""
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import build_report, load_experiment
+from analysis.report import eval_table, headline_display, md_table, status_lines
+from harness.locks import RUN_LOCK, lock_folder
+from tests.fake_runs import fake_experiment, fake_run, grid_experiment
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(exp: Path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_experiment(exp)
+    return loaded, [str(w.message) for w in caught]
+
+
+def report(exp: Path) -> tuple[str, Path, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        md = build_report(exp, formats=("png",))
+    return md.read_text(), md.parent, [str(w.message) for w in caught]
+
+
+# ---------------------------------------------------------------------------------------------- cells and seeds
+
+
+def test_a_grid_over_minibatches_with_one_seed_is_two_cells_not_two_seeds(tmp_path):
+    exp, _ = load(grid_experiment(tmp_path / "mb", {"train.num_minibatches": [1, 2]}, objectives=("grpo",),
+                                  seeds=(0,)))
+    assert exp.cells.axes == ["train.num_minibatches"]
+    assert exp.cells.labels == ["train.num_minibatches=1", "train.num_minibatches=2"]
+    table = eval_table(exp.runs, exp.cells.axes)
+    assert list(table["seeds"]) == [1, 1] and list(table["train.num_minibatches"]) == [1, 2]
+    shown = md_table(headline_display(table, exp.cells))
+    assert "range" not in shown and "| 1 | grpo |" in shown and "| 2 | grpo |" in shown
+
+
+def test_shipped_mismatch_stability_has_one_cell_per_correction_mode(tmp_path):
+    """The shipped sweep's grid and per-objective settings (read from its YAML): its three rollout-correction modes
+    are cells; TBPO's train.old_logp (sweep.per_objective) is a setting of the objective, not a cell."""
+    import itertools
+
+    import yaml
+
+    sweep = yaml.safe_load((ROOT / "experiments" / "mismatch_stability.yaml").read_text())["sweep"]
+    grid = sweep["grid"]
+    exp_dir = tmp_path / "mismatch_stability"
+    entries = []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values, strict=True))
+        objective, seed = point.pop("objective.name"), point.pop("seed")
+        settings = {"train.old_logp": "sampler", "model.sampler_dtype": "bfloat16", **point,
+                    **sweep.get("per_objective", {}).get(objective, {})}
+        entries.append(fake_run(exp_dir, objective, seed, settings))
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    modes = sorted(grid["train.rollout_correction.mode"])
+    assert exp.cells.axes == ["train.rollout_correction.mode"] and len(modes) == 3
+    assert exp.cells.labels == [f"train.rollout_correction.mode={m}" for m in modes]
+    assert exp.cells.objective_settings["train.old_logp"]["tbpo"] == "recompute"
+    assert exp.cells.objective_settings["train.old_logp"]["grpo"] == "sampler"
+    table = eval_table(exp.runs, exp.cells.axes)
+    objectives = grid["objective.name"]
+    assert len(table) == len(objectives) * 3 and set(table["seeds"]) == {len(grid["seed"])}
+
+
+def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path):
+    """Three seed-0 grpo runs copied from different experiments: two differ only in the experiment's name (the same
+    condition: duplicates, one counted), the third in its learning rate (another cell)."""
+    exp_dir = tmp_path / "mixed"
+    entries = [fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, name="quickstart", final=0.5),
+               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, name="quickstart-compare", final=0.5),
+               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-3}, name="lr_sweep", final=0.5)]
+    exp, caught = load(fake_experiment(exp_dir, entries))
+    table = eval_table(exp.runs, exp.cells.axes)
+    assert list(table["seeds"]) == [1, 1] and exp.cells.axes == ["train.lr"]
+    assert not table["final_ci_low"].notna().any()  # one seed per cell: no interval, never "95% CI [...] | 3"
+    (line,) = [w for w in caught if w.startswith("duplicate runs")]
+    kept, other = sorted(r["run_id"] for r in entries[:2])
+    assert f"`{other}` has the same settings and seed as `{kept}`; only `{kept}` is counted" in line
+    assert exp.runs.set_index("run_id").loc[other, "duplicate_of"] == kept
+
+
+def test_duplicates_keep_the_ended_run(tmp_path):
+    exp_dir = tmp_path / "dup"
+    finished = fake_run(exp_dir, "grpo", 0, name="b", final=0.6)
+    stopped = fake_run(exp_dir, "grpo", 0, name="a", status="running", steps_done=2)  # first by run id, not ended
+    exp, _ = load(fake_experiment(exp_dir, [stopped, finished]))
+    counted = exp.runs.set_index("run_id")["counted"]
+    assert counted[finished["run_id"]] and not counted[stopped["run_id"]]
+
+
+def test_a_run_without_any_settings_is_a_cell_of_its_own(tmp_path):
+    exp_dir = tmp_path / "noconf"
+    entries = [fake_run(exp_dir, "grpo", 0), fake_run(exp_dir, "grpo", 1, {"train.lr": 1e-3})]
+    lost = fake_run(exp_dir, "grpo", 2, write_config=False)
+    lost.pop("overrides")
+    exp, caught = load(fake_experiment(exp_dir, [*entries, lost]))
+    assert exp.runs.set_index("run_id").loc[lost["run_id"], "cell"] == f"settings unknown ({lost['run_id']})"
+    assert any("its settings are unknown, so it is a cell of its own" in w for w in caught)
+
+
+# ---------------------------------------------------------------------------------------------- collapse
+
+
+def test_collapse_is_read_from_summary_when_present_else_detected(tmp_path):
+    exp_dir = tmp_path / "collapse"
+    drop = {4: {"eval_accuracy": 0.05}, 6: {"eval_accuracy": 0.05}}  # 0.2 at the start: a drop of 0.15, twice
+    record = {"step": 3, "cause": "clip_saturation", "detail": {"confirmed_at": 5}}
+    entries = [fake_run(exp_dir, "grpo", 0, rows=drop, final=0.05),  # old run: the rule finds the drop
+               fake_run(exp_dir, "grpo", 1, summary_extra={"collapse": record}),  # the loop's record wins
+               fake_run(exp_dir, "grpo", 2, rows=drop, final=0.05, summary_extra={"collapse": None}),  # none
+               fake_run(exp_dir, "grpo", 3, status="diverged", steps_done=4, rows={4: {"loss": None}}),
+               fake_run(exp_dir, "gspo", 0)]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    runs = exp.runs.set_index("seed")
+    grpo = runs[runs["objective"] == "grpo"]
+    causes = [c if isinstance(c, str) else None for c in grpo["collapse_cause"]]
+    assert causes == ["eval_drop", "clip_saturation", None, "non_finite_loss"]
+    assert list(grpo["collapse_step"].fillna(-1)) == [4, 3, -1, 4]
+    assert list(grpo["collapse_source"]) == ["metrics (the report's rule)", "summary.json", "summary.json",
+                                             "metrics (the report's rule)"]
+    table = eval_table(exp.runs).set_index("objective")
+    assert (table.loc["grpo", "collapse_k"], table.loc["grpo", "collapse_n"]) == (3, 4)  # the diverged run counts
+    assert table.loc["grpo", "collapse_causes"] == "clip_saturation 1, eval_drop 1, non_finite_loss 1"
+    assert table.loc["grpo", "diverged"] == 1 and table.loc["grpo", "seeds"] == 4
+    assert (table.loc["gspo", "collapse_k"], table.loc["gspo", "collapse_n"]) == (0, 1)
+    assert "| grpo |" in md_table(headline_display(eval_table(exp.runs))) and \
+        "3/4" in md_table(headline_display(eval_table(exp.runs)))
+
+
+# ---------------------------------------------------------------------------------------------- run states
+
+
+def test_a_killed_run_is_stopped_and_a_live_one_running(tmp_path):
+    exp_dir = tmp_path / "live"
+    entries = [fake_run(exp_dir, "grpo", 0, status="running", steps_done=3),
+               fake_run(exp_dir, "grpo", 1, status="running", steps_done=2)]
+    fake_experiment(exp_dir, entries)
+    holder = lock_folder(exp_dir / entries[1]["dir"] / RUN_LOCK, "busy")  # a live trainer holds its run's lock
+    try:
+        exp, _ = load(exp_dir)
+    finally:
+        holder.close()
+    runs = exp.runs.set_index("seed")
+    assert runs.loc[0, "status"] == "stopped" and runs.loc[1, "status"] == "running"
+    assert runs.loc[0, "problem"] == "stopped at step 3/6 (killed; run the same command to resume)"
+    assert runs.loc[1, "problem"] == "status running; 2/6 steps"
+    lines = status_lines(exp, eval_table(exp.runs), [])
+    assert lines[0] == "2 runs: 1 running now, 1 stopped (killed: run the same command to resume)."
+    exp, _ = load(exp_dir)  # the trainer died: its lock is gone
+    assert set(exp.runs["status"]) == {"stopped"}
+    (exp_dir / entries[1]["dir"] / "summary.json").unlink()  # a run its sweep has launched, not yet started
+    sweep = lock_folder(exp_dir / ".sweep.lock", "busy")
+    try:
+        exp, _ = load(exp_dir)
+    finally:
+        sweep.close()
+    assert list(exp.runs["status"]) == ["stopped", "running"]
+
+
+def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
+    exp_dir = tmp_path / "warn"
+    entries = [fake_run(exp_dir, "grpo", 0, rows={2: {"loss": None, "grad_norm": None}, 4: {"loss": None}}),
+               fake_run(exp_dir, "grpo", 1), fake_run(exp_dir, "grpo", 2)]
+    fake_experiment(exp_dir, entries)
+    cut = exp_dir / entries[1]["dir"] / "metrics.jsonl"  # a finished run whose last line was cut mid-write
+    lines = cut.read_text().splitlines()
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])
+    gap = exp_dir / entries[2]["dir"] / "metrics.jsonl"
+    gap.write_text("".join(line + "\n" for line in gap.read_text().splitlines() if '"step": 3,' not in line))
+    _, caught = load(exp_dir)
+    assert f"{exp_dir / entries[0]['dir'] / 'metrics.jsonl'}: `loss` is null (NaN or inf when written) at steps 2, 4" \
+        in caught
+    assert any(w.endswith("`grad_norm` is null (NaN or inf when written) at step 2") for w in caught)
+    assert f"{cut}: the run is finished but its last line is truncated: step 6 lost (its metrics are not in the " \
+           "figures; the summary's numbers still are)" in caught
+    assert f"{gap}: step 3 missing (steps done: 6)" in caught
+
+
+def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
+    """As `sweep quickstart ... sweep.per_objective={gspo: {threads: -1}}` left it: gspo failed before its first
+    step (KeyError 'rollout_tokens' in the compute-performance fit before)."""
+    from analysis import scaling
+
+    exp_dir = tmp_path / "failed"
+    entries = [fake_run(exp_dir, "grpo", 0),
+               fake_run(exp_dir, "gspo", 0, {"threads": -1}, status="failed", steps_done=0,
+                        summary_extra={"error": "RuntimeError: set_num_threads expects a positive integer"})]
+    (exp_dir / entries[1]["dir"] / "metrics.jsonl").write_text("")
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert len(exp.cells.labels) == 1  # threads changes no result: grpo and gspo share the cell
+    fits = {f.objective: f for f in scaling.fit_objectives(exp.metrics, exp.runs)}
+    assert fits["gspo"].fit.reason == "no eval points shared by its finished runs"
+    table = eval_table(exp.runs)
+    assert "gspo: no run has ended (1 failed); error: RuntimeError: set_num_threads expects a positive integer: " \
+           "its accuracy is n/a." in status_lines(exp, table, [])
+    # a sweep's run that failed before writing summary.json: the error its train.log ends with
+    run_dir = exp_dir / entries[1]["dir"]
+    (run_dir / "summary.json").unlink()
+    (run_dir / "train.log").write_text("native run on cpu ...\nerror: RuntimeError: no threads (traceback in x)\n")
+    exp, _ = load(exp_dir)
+    assert exp.runs.set_index("objective").loc["gspo", "problem"] == \
+        "status failed; no summary.json; 0/6 steps; error: RuntimeError: no threads (traceback in x)"
+
+
+STATES = {
+    "sweep still running": "1 running now, 1 not started",
+    "all runs of an objective failed": "gspo: no run has ended (2 failed); error: ValueError: boom",
+    "summary.json deleted": "no summary.json",
+    "summary.json unreadable": "unreadable JSON, ignored",
+    "only step 0": "stopped at step 0/6 (killed; run the same command to resume)",
+    "empty metrics file": "metrics.jsonl: no metrics (empty file)",
+}
+
+
+def write_state(exp_dir: Path, state: str) -> Path:
+    entries = [fake_run(exp_dir, "grpo", s, final=0.4 + 0.1 * s) for s in range(2)]
+    entries += [fake_run(exp_dir, "gspo", 0, final=0.5)]
+    if state == "sweep still running":
+        entries.append(fake_run(exp_dir, "gspo", 1, status="running", steps_done=2))
+        entries.append(fake_run(exp_dir, "gspo", 2, status="pending", started=False))
+    elif state == "all runs of an objective failed":
+        entries = entries[:2] + [fake_run(exp_dir, "gspo", s, {"threads": -1}, status="failed", steps_done=0,
+                                          summary_extra={"error": "ValueError: boom"}) for s in range(2)]
+    elif state == "summary.json deleted":
+        (exp_dir / entries[2]["dir"] / "summary.json").unlink()
+    elif state == "summary.json unreadable":
+        (exp_dir / entries[2]["dir"] / "summary.json").write_text('{"status": "fini')
+    elif state == "only step 0":
+        entries.append(fake_run(exp_dir, "gspo", 1, status="running", steps_done=0))
+    elif state == "empty metrics file":
+        (exp_dir / entries[2]["dir"] / "metrics.jsonl").write_text("")
+    return fake_experiment(exp_dir, entries)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", STATES)
+def test_the_report_is_written_whatever_the_folder_holds(tmp_path, state):
+    exp_dir = write_state(tmp_path / "exp", state)
+    if state == "sweep still running":
+        holder = lock_folder(next(exp_dir.glob("gspo-s1-*")) / RUN_LOCK, "busy")  # its trainer is alive
+    try:
+        text, out, caught = report(exp_dir)
+    finally:
+        if state == "sweep still running":
+            holder.close()
+    assert STATES[state] in text, state
+    assert (out / "report.html").exists() and (out / "eval_accuracy.csv").exists()
+    headline = text[text.index("## Start and end accuracy"):text.index("## Figures")]
+    assert "| grpo |" in headline
+
+
+# ---------------------------------------------------------------------------------------------- swept axes
+
+
+@pytest.mark.slow
+def test_two_axis_sweep_report(tmp_path):
+    def effect(objective, point, seed):
+        return 0.3 + 0.05 * point["train.epochs"] * (1 if objective == "gspo" else -1) + 0.01 * seed
+
+    exp_dir = grid_experiment(tmp_path / "grid", {"train.epochs": [1, 2], "train.rollout_correction.mode":
+                                                  ["none", "token_truncate"]}, effect=effect)
+    first = json.loads((exp_dir / "manifest.json").read_text())["runs"][0]  # grpo, seed 0, epochs 1, mode none
+    collapsed = exp_dir / first["dir"]  # collapsed, by the loop's record
+    summary = json.loads((collapsed / "summary.json").read_text())
+    (collapsed / "summary.json").write_text(json.dumps({**summary, "collapse": {"step": 2, "cause": "entropy_floor"}}))
+    text, out, _ = report(exp_dir)
+    for stem in ("axis_1", "axis_2", "heatmap_1", "heatmap_collapse_1", "curves_step_c1", "curves_step_c4"):
+        assert (out / f"{stem}.png").stat().st_size > 10_000, stem
+    # order: headline, then the figures (axes first), then the tables
+    first_figure, first_table = text.index("!["), text.index("## Eval accuracy per objective and cell")
+    assert text.index("## Start and end accuracy") < text.index("## Figures") < first_figure < first_table
+    assert text.index("(axis_1.png)") < text.index("(curves_step_c1.png)")
+    assert text.index("## Paired comparisons") > first_table and text.index("## Runs\n") > text.index("## Collapse")
+    assert "- cell 1: `train.epochs=1, train.rollout_correction.mode=none` — grpo (3 seeds), gspo (3 seeds)" in text
+    table = pd.read_csv(out / "eval_accuracy.csv")
+    assert len(table) == 8 and {"train.epochs", "train.rollout_correction.mode"} <= set(table.columns)
+    row = table[(table["objective"] == "grpo") & (table["train.epochs"] == 1)
+                & (table["train.rollout_correction.mode"] == "none")].iloc[0]
+    assert row["final_mean"] == pytest.approx(0.26) and (row["collapse_k"], row["collapse_n"]) == (1, 3)
+    pairs = pd.read_csv(out / "paired.csv")
+    assert len(pairs) == 4 and set(pairs["n"]) == {3}
+    epochs2 = pairs[pairs["cell"].str.startswith("train.epochs=2")]
+    assert np.allclose(epochs2["difference"], -0.2)  # grpo - gspo at 2 epochs: -0.1 - 0.1, every seed
+    assert "| epochs | mode | A | B | paired seeds |" in text
+    aggregate = pd.read_csv(out / "paired_aggregate.csv").iloc[0]
+    assert aggregate["cells"] == 4 and aggregate["difference"] == pytest.approx(-0.15)
+    assert "KL to behaviour: `kl_behavior` is the k1 estimate" in text
+
+
+@pytest.mark.slow
+def test_end_to_end_two_axis_sweep(tmp_path):
+    """A real (tiny) sweep over two axes, then its report: the cells, the axis figures and the heat map."""
+    import subprocess
+    import sys
+
+    from tests.tiny import TINY_RUN
+
+    exp = tmp_path / "axes.yaml"
+    exp.write_text("sweep:\n  grid:\n    train.num_minibatches: [1, 2]\n    train.lr: [1.0e-4, 1.0e-3]\n")  # 4 runs
+    tiny = [o for o in TINY_RUN if not o.startswith(("train.num_minibatches=", "train.lr="))]  # would pin the axes
+    out = subprocess.run([sys.executable, "-m", "harness", "sweep", str(exp), *tiny, "train.steps=2",
+                          "model.warm_start_steps=0", "model.warm_start_target=null", f"results_dir={tmp_path}/res",
+                          "--jobs", "2", "--no-progress"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report_dir = tmp_path / "res" / "axes" / "report"
+    text = (report_dir / "report.md").read_text()
+    assert "Cells (4):" in text and "- cell 4: `train.lr=0.001, train.num_minibatches=2`" in text
+    for stem in ("axis_1", "axis_2", "heatmap_1"):
+        assert (report_dir / f"{stem}.png").exists(), stem
+    assert len(pd.read_csv(report_dir / "eval_accuracy.csv")) == 4
