@@ -17,11 +17,10 @@ from omegaconf import OmegaConf
 
 from analysis.cells import Cells, assign_cells
 from harness.collapse import CollapseRule, detect_collapse
-from harness.locks import RUN_LOCK, is_held
+from harness.locks import RUN_LOCK, SWEEP_LOCK, is_held
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
-SWEEP_LOCK = ".sweep.lock"  # held by a live sweep in results/<exp>/ (harness/sweep.py)
 COLLAPSE_RULE = CollapseRule()  # the rule applied to runs whose summary.json has no `collapse` record
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
 

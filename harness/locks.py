@@ -9,6 +9,7 @@ import fcntl
 from pathlib import Path
 
 RUN_LOCK = ".run.lock"  # in a run folder, held by the process that trains it
+SWEEP_LOCK = ".sweep.lock"  # in results/<exp>/, held by the sweep that runs it
 
 
 class FolderBusyError(RuntimeError):

@@ -470,8 +470,11 @@ class Objective:
         loss, metrics = self.policy_loss(batch)
         metrics = {**metrics, **opsm}
         metrics["pg_loss"] = loss.item()
-        # KL between behaviour and current policy (verl's ppo_kl): token mean of -d.
-        metrics["kl_behavior"] = (masked(-batch.log_ratio(), batch.mask).sum() / n_valid).item()
+        # KL(behaviour || current) over the behaviour's samples, token means: k1 = -d (verl's ppo_kl; an unbiased
+        # estimate that can be negative) and k3 = (r - 1) - d (never negative; Schulman's low-variance estimator)
+        d = batch.log_ratio()
+        metrics["kl_behavior"] = (masked(-d, batch.mask).sum() / n_valid).item()
+        metrics["kl_behavior_k3"] = (masked(torch.expm1(d) - d, batch.mask).sum() / n_valid).item()
         if self.beta > 0:
             if batch.ref_logp is None:
                 raise ValueError(

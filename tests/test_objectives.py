@@ -94,6 +94,7 @@ def test_grpo_hand():
     assert approx(m["ratio_max"], E(0.3)) and approx(m["ratio_min"], E(-0.4))
     assert approx(m["ratio_mean"], (E(0.1) + E(0.3) + E(-0.1) + E(-0.4) + E(0.2)) / 5)
     assert num(m["kl_behavior"], -(0.1 + 0.3 - 0.1 - 0.4 + 0.2) / 5)
+    assert approx(m["kl_behavior_k3"], sum(E(d) - 1 - d for d in (0.1, 0.3, -0.1, -0.4, 0.2)) / 5)
     assert "kl_ref" not in m
 
 
