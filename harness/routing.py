@@ -41,6 +41,9 @@ alternative:
 * a token whose record is missing in any of its k slots (-1) keeps the live routing (verl falls back the same
   way for rows without a valid record); the alternative, refusing, would forbid replaying on a record that never
   saw a completion's last token, which no log-prob depends on;
+* a record that names an expert the model lacks, repeats an expert within a token's k, or comes from other
+  routers (layer names, k, expert count) is refused before the forward (ValueError; verl falls back to native
+  routing for rows with duplicate indices instead); records made here never have them;
 * a token laid out on several grid rows (a prompt shared by a group) is forced to one of those rows' records;
   records made here agree across them (one forward routed it for all of them);
 * micro-batches replay :meth:`RoutingRecord.select` of the minibatch record (rows, and the completion columns the
@@ -56,7 +59,8 @@ alternative:
   ``context_fn``; :func:`enable_checkpointing`); a recompute without them stops with an error instead of
   silently routing natively.
 Every capture also records the live router's own top-k (``Capture.record``), so under replay the disagreement
-between the behaviour routing and the current policy's is measured at the forward replay overrides.
+between the behaviour routing and the current policy's is measured at the forward replay overrides: each layer's
+router as the current weights choose given the replayed layers below it (what R2/R3 override at that layer).
 """
 
 from __future__ import annotations

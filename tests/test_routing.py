@@ -63,6 +63,7 @@ def test_replay_forces_recorded_experts_with_live_gate_weights(norm_topk_prob):
     routing, batch = Routing(model), padded_batch(tokenizer)
     behaviour = record_forward(model, routing, batch)
     perturb_routers(model)
+    native = record_forward(model, routing, batch)  # the moved routers' own routing, nothing replayed
     experts, logits_seen = experts_inputs(model), router_logits(model)
     model.train()
     with routing.capture(replay=behaviour) as cap:
@@ -71,6 +72,7 @@ def test_replay_forces_recorded_experts_with_live_gate_weights(norm_topk_prob):
     mask = torch.cat([batch[1], batch[3]], 1).bool()
     live = cap.record
     assert bool((live.indices != behaviour.indices)[:, mask].any()), "the perturbation changed no routing"
+    assert torch.equal(live.indices[0], native.indices[0])  # the live top-k: layer 0's input is not replayed yet
     for layer, ((index, weights), logits) in enumerate(zip(experts, logits_seen, strict=True)):
         forced = index.view(*mask.shape, -1)
         assert torch.equal(forced[mask], behaviour.indices[layer][mask].long())  # exactly the recorded experts
