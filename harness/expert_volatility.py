@@ -66,6 +66,23 @@ def expert_volatility(behaviour: RoutingRecord, current: RoutingRecord, mask: Te
                       layer_changed_frac=tuple(per_layer), tokens=n)
 
 
+def merge_volatility(parts: list[Volatility]) -> Volatility:
+    """The volatility of the union of the parts' tokens (e.g. a minibatch's micro-batches): their fractions
+    weighted by their token counts (every part has the same layers and k)."""
+    counted = [part for part in parts if part.tokens]
+    total = sum(part.tokens for part in counted)
+    if not total:
+        return Volatility(math.nan, math.nan, parts[0].layer_changed_frac if parts else (), 0)
+
+    def mean(values: list[float]) -> float:
+        return sum(value * part.tokens for value, part in zip(values, counted, strict=True)) / total
+
+    layers = tuple(mean([part.layer_changed_frac[i] for part in counted])
+                   for i in range(len(counted[0].layer_changed_frac)))
+    return Volatility(mean([part.changed_frac for part in counted]),
+                      mean([part.token_changed_frac for part in counted]), layers, total)
+
+
 def expert_load_entropy(record: RoutingRecord, mask: Tensor | None = None) -> float:
     """Mean over layers of the entropy of the expert load (each expert's share of the layer's token x k
     assignments) divided by log(num_experts): 1 when every expert gets the same share, 0 when one gets all."""

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from harness.expert_volatility import expert_load_entropy, expert_volatility
+from harness.expert_volatility import expert_load_entropy, expert_volatility, merge_volatility
 from harness.routing import RoutingRecord
 
 
@@ -47,3 +47,17 @@ def test_load_entropy():
     skewed = record([[[[0, 1], [0, 1], [-1, -1]]]])  # half to expert 0, half to 1, of 4: log 2 / log 4
     assert expert_load_entropy(skewed) == pytest.approx(0.5)
     assert expert_load_entropy(skewed, mask=torch.tensor([[True, False, False]])) == pytest.approx(0.5)
+
+
+def test_merged_parts_equal_the_whole():
+    before = record([[[[0, 1], [2, 3], [0, 2], [1, 3]]], [[[1, 2], [0, 3], [1, 3], [0, 1]]]])
+    after = record([[[[1, 0], [2, 0], [0, 3], [1, 3]]], [[[1, 2], [1, 2], [3, 1], [-1, -1]]]])
+    whole = expert_volatility(before, after)
+    columns = (torch.tensor([[True, True, False, False]]), torch.tensor([[False, False, True, True]]))
+    merged = merge_volatility([expert_volatility(before, after, mask) for mask in columns])
+    assert merged.tokens == whole.tokens == 3
+    for field in ("changed_frac", "token_changed_frac"):
+        assert getattr(merged, field) == pytest.approx(getattr(whole, field))
+    assert merged.layer_changed_frac == pytest.approx(whole.layer_changed_frac)
+    nothing = expert_volatility(before, after, torch.zeros(1, 4, dtype=torch.bool))
+    assert math.isnan(merge_volatility([nothing]).changed_frac)
