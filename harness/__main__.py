@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.allocator import keep_freed_memory
 from harness.config import ConfigError, load_experiment, run_configs, run_id
 from harness.locks import FolderBusyError
+from harness.records import atomic_write, check_resume, disk_full_error
 
 
 def _terminate(signum, frame):
@@ -32,6 +33,7 @@ def cmd_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
+    check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
     device = resolve_device(run.device)
     print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
           f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
@@ -41,9 +43,17 @@ def cmd_train(args) -> int:
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
         raise
     except Exception as e:  # the run's own failure: one line here, the traceback beside the run
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "traceback.txt").write_text(traceback.format_exc())
-        print(f"error: {type(e).__name__}: {e} (traceback in {run_dir / 'traceback.txt'})", file=sys.stderr)
+        full = disk_full_error(e, run_dir)
+        if full is not None:  # no traceback file: there is no room for it, and the line says all
+            print(f"error: {full}", file=sys.stderr)
+            return 1
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(run_dir / "traceback.txt", traceback.format_exc())
+            where = f" (traceback in {run_dir / 'traceback.txt'})"
+        except OSError as write_error:
+            where = f" (no traceback file: {write_error.strerror or write_error})"
+        print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
         return 1
     print(f"{summary['status']}: eval accuracy {summary['start_eval_accuracy']} at the start, "
           f"{summary['final_eval_accuracy']} at the end (best {summary['best_eval_accuracy']}), "
@@ -258,12 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:
         if e.errno != errno.EROFS:
-            raise
+            full = disk_full_error(e)
+            if full is None:
+                raise
+            print(f"error: {full}", file=sys.stderr)
+            return 1
         print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume (finished steps are kept)", file=sys.stderr)
         return 130
+    except Exception as e:
+        full = disk_full_error(e)
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)  # a sweep's manifest, a lab's batch, a cache file, ...
+        return 1
 
 
 if __name__ == "__main__":

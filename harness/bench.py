@@ -37,6 +37,7 @@ from harness.allocator import release_freed_memory
 from harness.batch import TrainBatch, sample_group
 from harness.build import build_objective, build_optimizer, build_policy, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
+from harness.records import atomic_write
 from harness.rollout import Rollout
 from harness.update import RunState, update
 
@@ -206,7 +207,7 @@ def main(overrides: list[str], repeats: int = 1) -> int:
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
     out = Path(cfg.results_dir) / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    atomic_write(out / "bench.json", json.dumps(result, indent=2))
     return 0
 
 

@@ -31,7 +31,6 @@ and reruns give the same files; the tables, the SNR across batches and the repor
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from harness.config import DTYPES, ConfigError, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.locks import lock_folder
 from harness.models import build_prompt
+from harness.records import atomic_write
 from harness.rollout import Rollout, completion_logprobs, generate, sampler_options
 from harness.seeding import step_seed
 from harness.update import RunState, microbatch_loss, minibatch_order, optimizer_step
@@ -199,9 +199,7 @@ class Lab:
             start = time.time()
             result = self.measure_batch(b, bar)
             result["seconds"] = time.time() - start
-            tmp = batch_path(out, b).with_suffix(".tmp")
-            torch.save(result, tmp)
-            os.replace(tmp, batch_path(out, b))
+            atomic_write(batch_path(out, b), write=lambda path, result=result: torch.save(result, path))
         bar.close()
 
     # ------------------------------------------------------------------------------------------ one batch

@@ -50,12 +50,12 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    checkpoint = load_checkpoint(run_dir, device)
+    checkpoint, checkpoint_path = load_checkpoint(run_dir, device)
     fields = {f.name for f in dataclasses.fields(RunState)}
     state = RunState(**{k: v for k, v in checkpoint["state"].items() if k in fields}) if checkpoint else RunState()
     state.total_optimizer_steps = t.steps * t.epochs * t.num_minibatches
     records = RunRecords(cfg, run_dir, resume_step=state.step if checkpoint else None, start_policy=None,
-                         backend="native")
+                         backend="native", checkpoint=str(checkpoint_path))
     records.progress.update(rollout_tokens=state.rollout_tokens, update_tokens=state.update_tokens,
                             nonfinite_skips=state.nonfinite_skips)
     with records.recording():

@@ -50,7 +50,6 @@ import torch
 from datasets import Dataset
 from omegaconf import DictConfig
 from transformers import PrinterCallback, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
@@ -61,7 +60,7 @@ from harness.config import ConfigError
 from harness.evaluation import evaluate
 from harness.metrics import MetricMeter, peak_memory_mb
 from harness.models import build_prompt
-from harness.records import RunRecords
+from harness.records import TMP, RunRecords, atomic_write
 from harness.tasks import Problem
 from harness.update import behaviour_logp, correction_settings, rollout_correction
 from objectives import PolicyBatch
@@ -350,13 +349,31 @@ class RecordsCallback(TrainerCallback):
             evaluation, samples = self.evaluate(step)
             row.update(evaluation)
         self.records.log(row, samples)
-        if t.export_every and step % t.export_every == 0:  # every rank: ZeRO-3 / FSDP gather the weights here
-            folder = self.records.run_dir / "exports" / f"step_{step}"
-            self.trainer.save_model(str(folder.with_name(folder.name + ".tmp")))
-            if self.records.main:
-                shutil.rmtree(folder, ignore_errors=True)
-                os.replace(folder.with_name(folder.name + ".tmp"), folder)
+        if t.export_every and step % t.export_every == 0:
+            save_model(self.trainer, self.records.run_dir / "exports" / f"step_{step}", self.records.main)
         self.last_time = time.time()
+
+
+def save_model(trainer, folder: Path, main: bool) -> None:
+    """``trainer.save_model`` into ``folder`` atomically (harness.records.atomic_write). Every rank calls it: ZeRO-3
+    / FSDP gather the weights there; the main process writes."""
+    if main:
+        atomic_write(folder, write=lambda tmp: trainer.save_model(str(tmp)))
+    else:
+        trainer.save_model(str(folder.with_name(folder.name + TMP)))
+
+
+def trl_checkpoints(folder: Path) -> tuple[str | None, list[Path]]:
+    """The newest ``checkpoint-N`` of Trainer's output folder written to the end (its trainer_state.json, written
+    last, exists; None when there is none), and the newer ones a kill or a full disk cut short."""
+    numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in folder.glob("checkpoint-*")
+                      if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()) if folder.is_dir() else []
+    torn = []
+    for _, path in reversed(numbered):
+        if (path / "trainer_state.json").is_file():
+            return str(path), torn
+        torn.append(path)
+    return None, torn
 
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
@@ -367,11 +384,14 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    checkpoint = get_last_checkpoint(str(run_dir / "trl")) if (run_dir / "trl").is_dir() else None
+    main = int(os.environ.get("RANK", "0")) == 0
+    checkpoint, torn = trl_checkpoints(run_dir / "trl")
     rollout_steps = cfg.train.num_minibatches * cfg.train.epochs
     resume_step = int(checkpoint.rsplit("-", 1)[1]) // rollout_steps if checkpoint else None
-    records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl",
-                         main=int(os.environ.get("RANK", "0")) == 0)
+    records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl", main=main,
+                         checkpoint=checkpoint)
+    for path in torn if main else []:  # under the run's lock now
+        shutil.rmtree(path, ignore_errors=True)
     records.progress["rollout_tokens"] = max([r.get("rollout_tokens", 0) for r in records.rows] or [0])
     records.progress["update_tokens"] = records.progress["rollout_tokens"] * cfg.train.epochs
     with records.recording():
@@ -392,9 +412,5 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if not progress:
             trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
         trainer.train(resume_from_checkpoint=checkpoint)
-        final = run_dir / "final"
-        trainer.save_model(str(final.with_name("final.tmp")))  # every rank: ZeRO-3 / FSDP gather the weights here
-        if records.main:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final.with_name("final.tmp"), final)
+        save_model(trainer, run_dir / "final", records.main)
     return records.summary("finished")

@@ -16,6 +16,7 @@ from harness.config import ConfigError, load_experiment, run_configs
 from harness.locks import FolderBusyError
 from harness.records import RunRecords, read_jsonl
 from harness.train import train
+from tests.interrupt import stopped_before
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,8 @@ def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, 
 
 def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
     run = tiny_run(tmp_path, "train.steps=3")
-    train(with_steps(run, 2), tmp_path / "run", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "run", progress=False)
     path = tmp_path / "run" / "metrics.jsonl"
     lines = path.read_text().splitlines()
     lines[1] = "{garbage"
@@ -58,14 +60,11 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
 
 
-def with_steps(run, steps: int):
-    return OmegaConf.merge(run, {"train": {"steps": steps}})
-
-
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
-    train(with_steps(run, 2), tmp_path / "part", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
     folder = tmp_path / "part" / "checkpoints"
     assert (folder / "previous.pt").exists()  # step 1's, kept while step 2's was written
     (folder / "last.pt").write_bytes(b"torn")
