@@ -216,12 +216,17 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
     own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
     try:
-        layer = OmegaConf.load(path)
+        top = yaml.safe_load(path.read_text())
+        layer = OmegaConf.load(path) if isinstance(top, dict) else OmegaConf.create()
     except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
             from None
+    if top is not None and not isinstance(top, dict):  # empty (or only comments, as base.yaml): the defaults
+        kind = "a list" if isinstance(top, list) else f"the {type(top).__name__} {str(top)[:40]!r}"
+        raise ConfigError(f"{path}: the top level must be a mapping of settings (e.g. `train:` then `  steps: 20`), "
+                          f"not {kind}")
     parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
     if parent is None:
         return layer

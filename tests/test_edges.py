@@ -292,3 +292,25 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     (line,) = error_lines(out.stderr)
     assert "disk full: could not write" in line and temporaries(small_disk) == []
+
+
+# ------------------------------------------------------------------------------ 6. experiment files
+
+
+@pytest.mark.parametrize("text, kind", [("- train.steps: 3\n- seed: 1\n", "not a list"), ("42\n", "not the int '42'"),
+                                        ("grpo\n", "not the str 'grpo'")])
+def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error_naming_it(tmp_path, text, kind):
+    from harness.config import load_experiment
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}: the top level must be a mapping of settings .*{kind}$"):
+        load_experiment(str(path))
+
+
+def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
+    from harness.config import load_experiment
+
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    cfg = load_experiment(str(tmp_path / "empty.yaml"))
+    assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
