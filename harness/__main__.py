@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from harness.allocator import keep_freed_memory
-from harness.config import ConfigError, load_experiment, run_configs, run_id
+from harness.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
 from harness.locks import FolderBusyError
 from harness.records import atomic_write, check_resume, disk_full_error
 
@@ -32,6 +32,7 @@ def cmd_train(args) -> int:
     (run,) = run_configs(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_this_machine([run])
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
     device = resolve_device(run.device)

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from harness.batch import TrainBatch, rewards_of
 from harness.build import build_optimizer, build_policy, build_task, frozen_copy, resolve_device
-from harness.config import DTYPES, ConfigError, load_experiment, validate
+from harness.config import DTYPES, ConfigError, check_this_machine, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.locks import lock_folder
 from harness.models import build_prompt
@@ -145,6 +145,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     """Measure every missing batch into ``lab_dir(cfg)/batches/``; returns the folder. The caller writes the
     report (analysis/lab.py)."""
     cfg = lab_config(cfg)
+    check_this_machine([cfg])
     out = lab_dir(cfg)
     (out / "batches").mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
@@ -153,7 +154,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         if saved.exists() and comparable(OmegaConf.load(saved)) != comparable(cfg):
             raise ConfigError(f"{out} holds a lab with other settings (only lab.batches may change between calls): "
                               "delete it or choose another name=...")
-        OmegaConf.save(cfg, saved)
+        atomic_write(saved, OmegaConf.to_yaml(cfg))
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:
             Lab(cfg).measure(todo, out, progress)

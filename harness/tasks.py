@@ -189,7 +189,16 @@ class GSM8K(Task):
     _splits: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
+        source = "task.data_dir" if self.data_dir else "the environment's GSM8K_DIR"
         self.data_dir = self.data_dir or os.environ.get("GSM8K_DIR") or None
+        if self.data_dir is not None:  # a folder that is not there stops the config check, not the run
+            folder = Path(self.data_dir).expanduser()
+            missing = [name for name in ("train.jsonl", "test.jsonl") if not (folder / name).is_file()]
+            if missing:
+                what = (" does not exist" if not folder.is_dir() else
+                        f": {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist")
+                raise ValueError(f"gsm8k: {source}={self.data_dir}{what}; point it at a folder with train.jsonl "
+                                 "and test.jsonl (openai/gsm8k's main split), or unset it to load the hub's copy")
         if self.scoring not in GSM8K_SCORINGS:
             raise ValueError(f"gsm8k: unknown scoring {self.scoring!r}; choose one of {', '.join(GSM8K_SCORINGS)}")
         if self.train_size is not None:

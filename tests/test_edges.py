@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.__main__ import main
-from harness.config import ConfigError
+from harness.config import ConfigError, load_experiment, run_configs
 from harness.locks import RUN_LOCK, lock_folder
 from harness.records import DiskFullError, atomic_write, read_jsonl, run_status
 from harness.train import train
@@ -314,3 +315,87 @@ def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
     cfg = load_experiment(str(tmp_path / "empty.yaml"))
     assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
+
+
+# ------------------------------------------------------------------------------ 7. refused before anything exists
+
+QUICK = ["model.warm_start_steps=0", "model.warm_start_target=null", "train.steps=3", "task.eval_size=16",
+         "train.prompts_per_step=4", "threads=1"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("device=mps", "device=mps, but torch has no MPS"),
+    ("device=cuda:7", "device=cuda:7, but "),
+    ("device=meta", "device=meta: the harness runs on cpu, cuda or mps"),
+    ("threads=-1", "threads must be >= 0"),
+    ("seed=-1", r"seed must be an integer in \[0, 2\*\*32\)"),
+    ("model.seed=-1", r"model.seed must be an integer in \[0, 2\*\*32\)"),
+    ("task.name=gsm8k task.data_dir=/nonexistent", "gsm8k: task.data_dir=/nonexistent does not exist; point it"),
+    ("model.name=/nonexistent/model", "neither a local folder .* nor a hub id"),
+])
+def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(tmp_path, capsys, override, message):
+    assert main(["train", "quickstart", *QUICK, *override.split(), f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: ") and re.search(message, err), err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nonexistent"))
+    assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the environment's GSM8K_DIR={tmp_path / 'nonexistent'} does not exist" in err
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "empty"))
+    assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
+    assert f"GSM8K_DIR={tmp_path / 'empty'}: train.jsonl and test.jsonl do not exist" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.fixture
+def hub_check(monkeypatch):
+    import huggingface_hub
+
+    from harness import config
+
+    config._hub_model_problem.cache_clear()
+    calls = []
+
+    def model_info(name, timeout=None):
+        calls.append(timeout)
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.setattr("harness.models.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded: the check came too late"))
+    yield calls
+    config._hub_model_problem.cache_clear()
+
+
+def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
+    from harness.config import HUB_TIMEOUT_S
+
+    args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'nobody/nothing' is not in the local Hugging Face cache and the hub cannot be " \
+        "reached" in err and hub_check == [HUB_TIMEOUT_S]
+    assert main(["sweep", *args, "sweep.grid.seed=[0,1]"]) == 2 and hub_check == [HUB_TIMEOUT_S]  # asked once
+    assert not (tmp_path / "results").exists()
+
+
+def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_path, capsys, hub_check, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["train", "quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path}/r"]) == 2
+    assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err and hub_check == []
+
+
+def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
+    from harness import config
+
+    config._hub_model_problem.cache_clear()
+    run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
+    with pytest.raises(ConfigError, match="model.name 'nobody-x9/nothing-x9'.*(no such model|cannot be reached)"):
+        config.check_this_machine([run])
