@@ -258,9 +258,11 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
     keys = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
     file_task = OmegaConf.select(layers[0], "task.name", default=None)  # the experiment's own task
-    if ("task.name" in keys and keys["task.name"] != file_task and not any(k.startswith("task.args") for k in keys)) \
-            or keys.get("task.args", "").replace(" ", "") == "{}":
-        cfg.task.args = {}  # another task: the experiment's task arguments were for its own task
+    if "task.name" in keys and keys["task.name"] != (file_task or TaskConfig.name):
+        # another task: the experiment's task arguments were for its own task; only the command line's apply
+        cfg.task.args = OmegaConf.select(layers[1], "task.args", default=None) or {}
+    elif keys.get("task.args", "").replace(" ", "") == "{}":
+        cfg.task.args = {}
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -426,7 +428,8 @@ def _check_warm_start(m: DictConfig) -> None:
         raise ConfigError(f"model.warm_start_target must be [low, high] with 0 <= low <= high <= 1, got "
                           f"{list(target)}")
     if target is not None and not m.warm_start_steps:
-        raise ConfigError("model.warm_start_target needs model.warm_start_steps > 0 (the step cap)")
+        raise ConfigError(f"model.warm_start_target={list(target)} needs model.warm_start_steps > 0 (the step cap); "
+                          "for no warm start set both: model.warm_start_steps=0 model.warm_start_target=null")
 
 
 def _check_device(device: str) -> None:

@@ -87,7 +87,8 @@ def register_task(name: str):
 def get_task(name: str, **kwargs) -> Task:
     """Build a registered task; unknown names and keyword arguments raise errors listing the choices."""
     cls = TASKS.get(name)
-    valid = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+    valid = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         choices = ", ".join(f"{k}={v!r}" for k, v in valid.items())

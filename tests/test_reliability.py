@@ -109,6 +109,28 @@ def test_replacing_the_task_replaces_its_arguments():
     assert run.task.args == {}
     (run,) = run_configs(load_experiment("quickstart", ["task.args={}", "seed=0", "objective.name=grpo"]))
     assert run.task.args == {}
+    # another task with arguments of its own: those, not the experiment's (arith's digits, ...) as well
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_sum",
+                                                        "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {"dataset": "chain_sum"}
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=arith", "task.args.digits=3", "seed=0",
+                                                        "objective.name=grpo"]))  # the same task: merged
+    assert run.task.args == {"num_operands": 2, "digits": 3, "operators": "+-"}
+
+
+def test_a_misspelt_generator_of_another_task_is_named_not_the_experiments_arguments():
+    with pytest.raises(ConfigError) as error:
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_summ"]))
+    assert "Did you mean 'chain_sum'" in str(error.value) and "digits" not in str(error.value)
+    with pytest.raises(ConfigError) as error:  # the task's arguments with their defaults, a factory's too
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.digit=3"]))
+    assert "params={}" in str(error.value) and "MISSING" not in str(error.value)
+    assert not str(error.value).startswith("task 'reasoning_gym': task")  # the task named once
+
+
+def test_a_warm_start_band_without_steps_names_both_settings_of_no_warm_start():
+    with pytest.raises(ConfigError, match=r"model.warm_start_steps=0 model.warm_start_target=null$"):
+        run_configs(load_experiment("quickstart", ["model.warm_start_steps=0"]))
 
 
 @pytest.mark.slow
