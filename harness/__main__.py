@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.metadata
+import os
 import signal
 import sys
 import textwrap
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     except FolderBusyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m harness explain | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except PermissionError as e:
         print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
         return 2

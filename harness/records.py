@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers.utils import logging as hf_logging
 
 from harness.locks import RUN_LOCK, is_held, lock_folder
 from harness.tracking import Trackers
@@ -439,6 +440,18 @@ class RunRecords:
             self.lock.close()
 
 
+@contextmanager
+def no_save_progress_bar():
+    """transformers' "Writing model shards" bar off while saving (a bar per export is noise in a run's log)."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def export_policy(policy, tokenizer, folder: Path) -> None:
     """The policy as transformers saves it (weights, config, tokenizer, chat template), so that transformers, vLLM
     or lm-evaluation-harness load it directly; written to a temporary folder, then renamed into place."""
@@ -447,7 +460,8 @@ def export_policy(policy, tokenizer, folder: Path) -> None:
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    atomic_write(folder, write=write)
+    with no_save_progress_bar():
+        atomic_write(folder, write=write)
 
 
 # ------------------------------------------------------------------------- the native loop's checkpoints

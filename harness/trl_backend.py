@@ -60,7 +60,7 @@ from harness.config import ConfigError
 from harness.evaluation import evaluate
 from harness.metrics import MetricMeter, peak_memory_mb
 from harness.models import build_prompt
-from harness.records import TMP, RunRecords, atomic_write
+from harness.records import TMP, RunRecords, atomic_write, no_save_progress_bar
 from harness.tasks import Problem
 from harness.update import behaviour_logp, correction_settings, rollout_correction
 from objectives import PolicyBatch
@@ -357,10 +357,11 @@ class RecordsCallback(TrainerCallback):
 def save_model(trainer, folder: Path, main: bool) -> None:
     """``trainer.save_model`` into ``folder`` atomically (harness.records.atomic_write). Every rank calls it: ZeRO-3
     / FSDP gather the weights there; the main process writes."""
-    if main:
-        atomic_write(folder, write=lambda tmp: trainer.save_model(str(tmp)))
-    else:
-        trainer.save_model(str(folder.with_name(folder.name + TMP)))
+    with no_save_progress_bar():
+        if main:
+            atomic_write(folder, write=lambda tmp: trainer.save_model(str(tmp)))
+        else:
+            trainer.save_model(str(folder.with_name(folder.name + TMP)))
 
 
 def trl_checkpoints(folder: Path) -> tuple[str | None, list[Path]]:

@@ -399,3 +399,30 @@ def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path
     run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
     with pytest.raises(ConfigError, match="model.name 'nobody-x9/nothing-x9'.*(no such model|cannot be reached)"):
         config.check_this_machine([run])
+
+
+# ------------------------------------------------------------------------------ 9. a torn line that is not redone
+
+
+def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half of step 3's line: a cut copy
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2] and capsys.readouterr().err == ""  # a live reader
+    read_jsonl(path, warn=True, complete=True)  # a reader that knows the writer is done
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is" in capsys.readouterr().err
+    summary = train(run, tmp_path / "run", progress=False)  # the same command again: step 3 is not redone
+    err = capsys.readouterr().err
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is listed in summary.json's " \
+        "missing_steps)" in err
+    assert summary["status"] == "finished" and summary["missing_steps"] == [3]
+
+
+def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_run, capsys):
+    run, run_dir = stopped_run
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward_me')  # the step after the checkpoint, torn by the kill
+    assert train(run, run_dir, progress=False)["missing_steps"] == []
+    assert "warning" not in capsys.readouterr().err

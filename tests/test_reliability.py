@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from harness.config import ConfigError, load_experiment, run_configs
 from harness.locks import FolderBusyError
