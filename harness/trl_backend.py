@@ -40,16 +40,18 @@ Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from omegaconf import DictConfig
-from transformers import PrinterCallback, TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
@@ -58,7 +60,7 @@ from harness.backends import trl_extra_args, unsupported, world_size
 from harness.build import build_objective, build_policy, build_task, frozen_copy, resolve_device
 from harness.config import ConfigError
 from harness.evaluation import evaluate
-from harness.metrics import MetricMeter, peak_memory_mb
+from harness.metrics import MetricMeter, peak_memory_mb, progress_fields
 from harness.models import build_prompt
 from harness.records import TMP, RunRecords, atomic_write, no_save_progress_bar
 from harness.tasks import Problem
@@ -354,6 +356,39 @@ class RecordsCallback(TrainerCallback):
         self.last_time = time.time()
 
 
+class ProgressLine(ProgressCallback):
+    """TRL's progress bar (optimizer steps) with the native one's fields (reward, clip fraction, last eval accuracy)
+    instead of printing TRL's raw metrics dict at every log: metrics.jsonl has them. Runs after RecordsCallback."""
+
+    def __init__(self, records: RunRecords):
+        super().__init__()
+        self.records = records
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.records.run_dir.name)
+            self.training_bar.leave = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        rows = self.records.rows
+        if self.training_bar is not None and rows:
+            self.training_bar.set_postfix(progress_fields(rows[-1], rows))
+
+
+def quiet_transformers() -> None:
+    """Silence what transformers and TRL print at every step without telling the user anything: TRL's generation
+    context reads the deprecated ``is_gradient_checkpointing`` (a FutureWarning per generation), and checkpoint
+    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number)."""
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+    class NoMtimeNote(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "mtime may not be reliable" not in record.getMessage()
+
+    logging.getLogger("transformers.trainer_utils").addFilter(NoMtimeNote())
+
+
 def save_model(trainer, folder: Path, main: bool) -> None:
     """``trainer.save_model`` into ``folder`` atomically (harness.records.atomic_write). Every rank calls it: ZeRO-3
     / FSDP gather the weights there; the main process writes."""
@@ -410,8 +445,12 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
             callbacks=[callback], objective=objective, estimator=estimator, reference=reference, train=cfg.train)
         callback.trainer = trainer
-        if not progress:
-            trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.remove_callback(PrinterCallback)  # both print every log dict; metrics.jsonl has them
+        trainer.remove_callback(ProgressCallback)
+        if progress:
+            trainer.add_callback(ProgressLine(records))
+        quiet_transformers()
+        with no_save_progress_bar():  # a "Writing model shards" bar per checkpoint
+            trainer.train(resume_from_checkpoint=checkpoint)
         save_model(trainer, run_dir / "final", records.main)
     return records.summary("finished")

@@ -426,3 +426,33 @@ def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_r
         f.write('{"step": 2, "reward_me')  # the step after the checkpoint, torn by the kill
     assert train(run, run_dir, progress=False)["missing_steps"] == []
     assert "warning" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ 10. the terminal
+
+
+def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, monkeypatch):
+    from harness.metrics import progress_fields
+
+    monkeypatch.setattr("harness.train.evaluate", lambda policy, tokenizer, task, cfg, step: (
+        {"eval_accuracy": 1 / 120 * (step + 1)}, []))
+    assert main(["train", "base", *TINY_RUN, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"finished: eval accuracy 0\.008 at the start, 0\.025 at the end \(best 0\.025\), \d+ s",
+                        last), last
+    rows = [{"step": 1, "reward_mean": 0.3333333, "clip_frac": 1.23456e-4, "eval_accuracy": 0.008333333333}]
+    assert progress_fields(rows[0], rows) == {"reward": "0.333", "clip": "0.000123", "eval": "0.008"}
+
+
+@pytest.mark.slow
+def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnings(tmp_path, capsys):
+    from harness.trl_backend import train_trl
+
+    run = tiny_run(tmp_path, "backend=trl", "train.steps=2", "train.eval_every=1", "train.save_every=1")
+    assert train_trl(run, tmp_path / "run", progress=True)["status"] == "finished"
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "reward=" in out and "eval=" in out  # our fields on TRL's bar
+    for noise in ("{'loss'", "'learning_rate'", "train_runtime", "is_gradient_checkpointing", "Writing model shards",
+                  "mtime may not be reliable"):
+        assert noise not in out, noise
