@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from harness.allocator import release_freed_memory
 from harness.batch import TrainBatch, sample_group
-from harness.build import build_objective, build_optimizer, build_policy, build_task, resolve_device
+from harness.build import build_objective, build_optimizer, build_policy, build_scheduler, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
 from harness.records import atomic_write
 from harness.rollout import Rollout
@@ -126,7 +126,7 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     problems = list(task.train_problems()[: t.prompts_per_step])
     objective, estimator = build_objective(cfg)
     optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheduler = build_scheduler(optimizer, t)
     warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
     with profile() as rollout_profile:
@@ -217,7 +217,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     t = cfg.train
     objective, estimator = build_objective(cfg)
     optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheduler = build_scheduler(optimizer, t)
     release_freed_memory()
     warm_up_rollout_s, warm_up_step_s = warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task,
                                                 problems, cfg)

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.batch import TrainBatch, rewards_of
-from harness.build import build_optimizer, build_policy, build_task, frozen_copy, resolve_device
+from harness.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy, resolve_device
 from harness.config import DTYPES, ConfigError, check_this_machine, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.locks import lock_folder
@@ -229,7 +229,7 @@ class Lab:
         model = copy.deepcopy(self.policy).requires_grad_(True).train()
         params = list(model.parameters())
         optimizer = build_optimizer(params, t)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        scheduler = build_scheduler(optimizer, t)
         batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
         state = RunState(total_optimizer_steps=staleness[-1])
         for k in range(1, staleness[-1] + 1):

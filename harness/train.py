@@ -28,7 +28,15 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from harness.batch import TrainBatch, collect_batch
-from harness.build import build_objective, build_optimizer, build_policy, build_task, frozen_copy, resolve_device
+from harness.build import (
+    build_objective,
+    build_optimizer,
+    build_policy,
+    build_scheduler,
+    build_task,
+    frozen_copy,
+    resolve_device,
+)
 from harness.config import DTYPES
 from harness.evaluation import evaluate
 from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
@@ -68,7 +76,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         different_sampler = cfg.model.sampler_dtype not in (None, cfg.model.dtype)
         sampler = frozen_copy(policy, DTYPES[cfg.model.sampler_dtype]) if different_sampler else policy
         optimizer = build_optimizer(policy.parameters(), t)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
+        scheduler = build_scheduler(optimizer, t)
         if checkpoint:
             policy.load_state_dict(checkpoint["policy"])
             optimizer.load_state_dict(checkpoint["optimizer"])
