@@ -16,6 +16,7 @@ from harness.allocator import keep_freed_memory
 from harness.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
 from harness.locks import FolderBusyError
 from harness.records import atomic_write, check_resume, disk_full_error
+from harness.threads import prefer as prefer_threads
 
 
 def _terminate(signum, frame):
@@ -23,16 +24,13 @@ def _terminate(signum, frame):
 
 
 def cmd_train(args) -> int:
-    import torch
-
     from harness.backends import backend_train_function
     from harness.build import resolve_device
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
     (run,) = run_configs(cfg)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    prefer_threads(args.threads)  # a sweep's share of the cores, for a run without its own threads
     check_this_machine([run])
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
@@ -94,6 +92,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def cmd_list(args) -> int:
     from harness.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
     from harness.tasks import available_tasks, reasoning_gym_datasets
@@ -127,9 +135,11 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import main, matmuls_main, profile_main
+    from harness.bench import busy_main, main, matmuls_main, profile_main, step_main
 
     try:
+        if args.busy or args.step:
+            return (busy_main if args.busy else step_main)(args.overrides)
         if args.matmuls or args.profile:
             return (matmuls_main if args.matmuls else profile_main)(args.overrides)
         return main(args.overrides, repeats=args.repeats)
@@ -216,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
-    sub.choices["train"].add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
+                                      help="torch CPU threads of a run without its own threads setting (0: the "
+                                           "cores free when it starts; harness/threads.py)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
@@ -243,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
+    bench.add_argument("--busy", action="store_true",
+                       help="one native step per thread setting, on this machine as it is and beside a busy process "
+                            "(oversubscription; README Threads)")
+    bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/decode.py)")
     bench.add_argument("--profile", action="store_true",

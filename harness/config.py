@@ -153,7 +153,7 @@ class RunConfig:
     name: str = "run"
     seed: int = 0
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    threads: int = 0  # torch CPU threads; 0 = torch's default
+    threads: int = 0  # torch CPU threads; 0 = the cores free when the run starts (kept on resume: harness/threads.py)
     backend: str = "native"
     results_dir: str = "results"
     profile: str | None = None  # apply profiles[profile] (e.g. the papers' GPU-scale settings) with one override
@@ -385,7 +385,7 @@ def validate(run: DictConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
             raise ConfigError(f"{key} must be an integer in [0, 2**32) (numpy's and torch's seeds), got {value!r}")
     if run.threads < 0:
-        raise ConfigError(f"threads must be >= 0 (0: as many as the cores this process may use), got {run.threads}")
+        raise ConfigError(f"threads must be >= 0 (0: the cores free when the run starts), got {run.threads}")
     if t.sampler not in SAMPLERS:
         raise ConfigError(f"train.sampler must be one of {', '.join(SAMPLERS)}, got {t.sampler!r}")
     if t.decoder not in DECODERS:

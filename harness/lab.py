@@ -50,6 +50,7 @@ from harness.models import build_prompt
 from harness.records import atomic_write
 from harness.rollout import Rollout, completion_logprobs, generate, sampler_options
 from harness.seeding import step_seed
+from harness.threads import run_threads
 from harness.update import RunState, microbatch_loss, minibatch_order, optimizer_step
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
 
@@ -178,8 +179,7 @@ class Lab:
     """The policy, its frozen copies and the objectives, built once; :meth:`measure_batch` is one batch."""
 
     def __init__(self, cfg: DictConfig):
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        run_threads(cfg.threads)
         self.cfg, self.t = cfg, cfg.train
         self.device = resolve_device(cfg.device)
         self.task = build_task(cfg)

@@ -44,7 +44,7 @@ NAMES: tuple[Name, ...] = (
     Name("name", "experiment name: results/<name>/, the trackers' group", "—", "`trainer.experiment_name`"),
     Name("seed", "the run's seed (sampling, minibatch order, prompts)", "`seed`", "`data.seed` (data shuffling only)"),
     Name("device", "auto (cuda if available), cpu, cuda, cuda:N", "`use_cpu` (device=cpu)", "`trainer.device`"),
-    Name("threads", "torch CPU threads; 0 = torch's default"),
+    Name("threads", "torch CPU threads; 0 = the cores free when the run starts (its resumes keep that count)"),
     Name("backend", "native (harness/train.py) or trl (TRL's GRPOTrainer with our loss)"),
     Name("results_dir", "root of results/<name>/<run_id>/", "`output_dir` (ours is the root: a run goes to "
          "<results_dir>/<name>/<run_id>)", "`trainer.default_local_dir`"),

@@ -354,6 +354,7 @@ class RunRecords:
         self.progress = {"steps_done": resume_step or 0, "rollout_tokens": 0, "update_tokens": 0,
                          "nonfinite_skips": None}
         self.started, self.elapsed_before = time.time(), 0.0
+        self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir)
         if not main:
@@ -371,8 +372,10 @@ class RunRecords:
             self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
             self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
             previous = run_dir / "summary.json"
-            if resume_step and previous.exists():
-                self.elapsed_before = json.loads(previous.read_text()).get("wall_time_s") or 0.0
+            if resume_step is not None and previous.exists():
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.previous = json.loads(previous.read_text())
+                self.elapsed_before = self.previous.get("wall_time_s") or 0.0
         except BaseException:
             self.close(failed=True)
             raise

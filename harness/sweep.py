@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from harness.config import check_this_machine, run_configs, run_id
 from harness.locks import RUN_LOCK, is_held, lock_folder
 from harness.metrics import progress_fields
 from harness.records import atomic_write, read_jsonl, remove_stale_temporaries, run_status, write_json_atomic
+from harness.threads import free_threads, run_threads
 
 
 def _die_with_parent() -> None:
@@ -61,6 +61,8 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     then load it from the cache instead of training it in parallel, one core each)."""
     from harness.build import build_policy, build_task, resolve_device
 
+    if any(run.model.warm_start_steps for run in runs):
+        run_threads(runs[0].threads)
     done = set()
     for run in runs:
         key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])),
@@ -104,7 +106,11 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     save_manifest()
     todo = [e for e in entries if e["status"] != "finished"]
     prepare_starting_policies([run for run, e in zip(runs, entries, strict=True) if e in todo], progress)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    free, available, busy = free_threads()
+    threads = max(1, free // jobs)  # each run's share of the cores free now (harness/threads.py)
+    if free < available:
+        tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
+                   f"thread{'s' if threads > 1 else ''} per run")
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)
     active: dict[str, tuple[subprocess.Popen, tqdm, object]] = {}

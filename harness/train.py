@@ -42,6 +42,7 @@ from harness.evaluation import evaluate
 from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.rollout import completion_logprobs
+from harness.threads import run_threads
 from harness.update import RunState, behaviour_logp, rollout_correction, update
 
 
@@ -52,8 +53,6 @@ class NonFiniteError(RuntimeError):
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run into ``run_dir`` (resuming from its checkpoint if there is one); returns the summary."""
     t = cfg.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -66,6 +65,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                          backend="native", checkpoint=str(checkpoint_path))
     records.progress.update(rollout_tokens=state.rollout_tokens, update_tokens=state.update_tokens,
                             nonfinite_skips=state.nonfinite_skips)
+    records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
         # setup: task, starting policy, objective, frozen copies, optimizer
         task = build_task(cfg)

@@ -64,6 +64,7 @@ from harness.metrics import MetricMeter, peak_memory_mb, progress_fields
 from harness.models import build_prompt
 from harness.records import TMP, RunRecords, atomic_write, no_save_progress_bar
 from harness.tasks import Problem
+from harness.threads import run_threads
 from harness.update import behaviour_logp, correction_settings, rollout_correction
 from objectives import PolicyBatch
 from objectives.base import sum_statistics
@@ -417,8 +418,6 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     reason = unsupported(cfg)
     if reason:
         raise ConfigError(reason)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     main = int(os.environ.get("RANK", "0")) == 0
     checkpoint, torn = trl_checkpoints(run_dir / "trl")
@@ -430,6 +429,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         shutil.rmtree(path, ignore_errors=True)
     records.progress["rollout_tokens"] = max([r.get("rollout_tokens", 0) for r in records.rows] or [0])
     records.progress["update_tokens"] = records.progress["rollout_tokens"] * cfg.train.epochs
+    records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
         task = build_task(cfg)
         device = resolve_device(cfg.device)
