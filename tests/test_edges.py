@@ -75,6 +75,7 @@ def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_run):
     from harness.trl_backend import train_trl
 
@@ -199,9 +200,9 @@ def fill_disk_at(monkeypatch, name: str, after: int = 0, code: int = errno.ENOSP
 
 @pytest.mark.parametrize("name, after, code", [
     ("last.pt.tmp", 1, errno.ENOSPC),  # the second checkpoint (step 2)
-    ("metrics.jsonl", 2, errno.ENOSPC),  # step 2's row (after step 0's and step 1's)
-    ("summary.json.tmp", 3, errno.EDQUOT),  # a quota, at the summary after step 1
-    ("config.yaml.tmp", 0, errno.ENOSPC),  # before the first step
+    pytest.param("metrics.jsonl", 2, errno.ENOSPC, marks=pytest.mark.slow),  # step 2's row (after 0's and 1's)
+    pytest.param("summary.json.tmp", 3, errno.EDQUOT, marks=pytest.mark.slow),  # a quota, at step 1's summary
+    pytest.param("config.yaml.tmp", 0, errno.ENOSPC, marks=pytest.mark.slow),  # before the first step
 ])
 def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_path, monkeypatch, capsys, reference,
                                                                           name, after, code):
@@ -392,6 +393,7 @@ def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_pat
     assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err and hub_check == []
 
 
+@pytest.mark.slow
 def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
     from harness import config
 
