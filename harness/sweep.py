@@ -148,6 +148,8 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
                 if proc.returncode:
                     tqdm.write(f"run {rid} {entry['status']} (exit {proc.returncode}): {error or 'no summary'}; "
                                f"log in {exp_dir / rid / 'train.log'}")
+                if error and error.startswith(("error: disk full", "error: disk quota")):
+                    todo.clear()  # the next runs would stop the same way: free space, then run the sweep again
                 save_manifest()
                 bar.close()
                 logfile.close()

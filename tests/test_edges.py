@@ -458,3 +458,16 @@ def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnin
     for noise in ("{'loss'", "'learning_rate'", "train_runtime", "is_gradient_checkpointing", "Writing model shards",
                   "mtime may not be reliable"):
         assert noise not in out, noise
+
+
+def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the_lock(tmp_path):
+    from harness.trl_backend import trl_checkpoints
+
+    trl = tmp_path / "trl"
+    for step, complete in ((4, True), (8, True), (12, False)):  # checkpoint-12: a kill or a full disk mid-save
+        (trl / f"checkpoint-{step}").mkdir(parents=True)
+        (trl / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+        if complete:
+            (trl / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert trl_checkpoints(trl) == (str(trl / "checkpoint-8"), [trl / "checkpoint-12"])
+    assert trl_checkpoints(tmp_path / "none") == (None, [])
