@@ -173,6 +173,7 @@ NAMES: tuple[Name, ...] = (
 PARAMS = "objective.params."
 
 
+@functools.cache
 def _field_comments(cls) -> dict[str, str]:
     """``{field: comment}`` of the classes in ``cls``'s MRO: the comment after a field's line (``x: float = 1.0
     # meaning``, the README's template) or, failing that, the comment lines right above it."""
@@ -504,8 +505,6 @@ def schema_keys() -> list[str]:
 
 def default(key: str) -> str:
     """The schema default of ``key``; for an objective hyperparameter, each objective's default."""
-    from harness.config import RunConfig
-
     if key.startswith("objective.params."):
         from objectives import OBJECTIVES
 
@@ -515,8 +514,15 @@ def default(key: str) -> str:
         if len(values) > 1 and len(set(values.values())) == 1:
             return f"{next(iter(values.values()))} ({', '.join(values)})"
         return ", ".join(f"{name} {value}" for name, value in values.items())
-    value = OmegaConf.select(OmegaConf.structured(RunConfig), key)
+    value = OmegaConf.select(_schema(), key)
     return _shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    from harness.config import RunConfig
+
+    return OmegaConf.structured(RunConfig)
 
 
 def _shown(value) -> str:
