@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.metadata
+import os
 import signal
 import sys
 import textwrap
@@ -12,8 +13,10 @@ import traceback
 from pathlib import Path
 
 from harness.allocator import keep_freed_memory
-from harness.config import ConfigError, load_experiment, run_configs, run_id
+from harness.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
 from harness.locks import FolderBusyError
+from harness.records import atomic_write, check_resume, disk_full_error
+from harness.threads import prefer as prefer_threads
 
 
 def _terminate(signum, frame):
@@ -21,17 +24,16 @@ def _terminate(signum, frame):
 
 
 def cmd_train(args) -> int:
-    import torch
-
     from harness.backends import backend_train_function
     from harness.build import resolve_device
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
     (run,) = run_configs(cfg)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    prefer_threads(args.threads)  # a sweep's share of the cores, for a run without its own threads
+    check_this_machine([run])
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
+    check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
     device = resolve_device(run.device)
     print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
           f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
@@ -41,14 +43,27 @@ def cmd_train(args) -> int:
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
         raise
     except Exception as e:  # the run's own failure: one line here, the traceback beside the run
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "traceback.txt").write_text(traceback.format_exc())
-        print(f"error: {type(e).__name__}: {e} (traceback in {run_dir / 'traceback.txt'})", file=sys.stderr)
+        full = disk_full_error(e, run_dir)
+        if full is not None:  # no traceback file: there is no room for it, and the line says all
+            print(f"error: {full}", file=sys.stderr)
+            return 1
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(run_dir / "traceback.txt", traceback.format_exc())
+            where = f" (traceback in {run_dir / 'traceback.txt'})"
+        except OSError as write_error:
+            where = f" (no traceback file: {write_error.strerror or write_error})"
+        print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
         return 1
-    print(f"{summary['status']}: eval accuracy {summary['start_eval_accuracy']} at the start, "
-          f"{summary['final_eval_accuracy']} at the end (best {summary['best_eval_accuracy']}), "
+    print(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
+          f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
           f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
     return 0
+
+
+def rounded(value: float | None) -> str:
+    """A figure for the terminal: 3 decimals (an accuracy over 120 problems is 0.008, not 0.008333333333333333)."""
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def cmd_sweep(args) -> int:
@@ -74,6 +89,16 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -110,9 +135,11 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import main, matmuls_main, profile_main
+    from harness.bench import busy_main, main, matmuls_main, profile_main, step_main
 
     try:
+        if args.busy or args.step:
+            return (busy_main if args.busy else step_main)(args.overrides)
         if args.matmuls or args.profile:
             return (matmuls_main if args.matmuls else profile_main)(args.overrides)
         return main(args.overrides, repeats=args.repeats)
@@ -199,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
-    sub.choices["train"].add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
+                                      help="torch CPU threads of a run without its own threads setting (0: the "
+                                           "cores free when it starts; harness/threads.py)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
@@ -226,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
+    bench.add_argument("--busy", action="store_true",
+                       help="one native step per thread setting, on this machine as it is and beside a busy process "
+                            "(oversubscription; README Threads)")
+    bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/decode.py)")
     bench.add_argument("--profile", action="store_true",
@@ -253,17 +286,30 @@ def main(argv: list[str] | None = None) -> int:
     except FolderBusyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m harness explain | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except PermissionError as e:
         print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
         return 2
     except OSError as e:
         if e.errno != errno.EROFS:
-            raise
+            full = disk_full_error(e)
+            if full is None:
+                raise
+            print(f"error: {full}", file=sys.stderr)
+            return 1
         print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume (finished steps are kept)", file=sys.stderr)
         return 130
+    except Exception as e:
+        full = disk_full_error(e)
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)  # a sweep's manifest, a lab's batch, a cache file, ...
+        return 1
 
 
 if __name__ == "__main__":

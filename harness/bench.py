@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +36,12 @@ from transformers import TrainerCallback
 
 from harness.allocator import release_freed_memory
 from harness.batch import TrainBatch, sample_group
-from harness.build import build_objective, build_optimizer, build_policy, build_task, resolve_device
+from harness.build import build_objective, build_optimizer, build_policy, build_scheduler, build_task, resolve_device
 from harness.config import DTYPES, load_experiment, run_configs
+from harness.records import atomic_write
 from harness.rollout import Rollout
+from harness.threads import cores as threads_cores
+from harness.threads import run_threads
 from harness.update import RunState, update
 
 
@@ -94,8 +98,7 @@ def decode_matmuls(model, rows=(64, 32, 8), rounds: int = 10) -> list[dict]:
 def matmuls_main(overrides: list[str]) -> int:
     """``bench --matmuls``: :func:`decode_matmuls` for the bench model's shapes, one line per number of rows."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    run_threads(cfg.threads)
     from harness.models import load_model
 
     model, _ = load_model(cfg.model.name, tiny=OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny"
@@ -116,8 +119,7 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     from torch.profiler import profile
 
     (cfg,) = run_configs(load_experiment("bench", overrides))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    run_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t = cfg.train
     task = build_task(cfg)
@@ -125,7 +127,7 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     problems = list(task.train_problems()[: t.prompts_per_step])
     objective, estimator = build_objective(cfg)
     optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheduler = build_scheduler(optimizer, t)
     warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
     with profile() as rollout_profile:
@@ -137,6 +139,76 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     for name, result in (("rollout", rollout_profile), ("update", update_profile)):
         print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
         print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return 0
+
+
+def step_main(overrides: list[str]) -> int:
+    """``bench --step`` (a child of ``--busy``): one native step (rollout + update) timed after an untimed one of
+    the same sizes; prints one JSON line with the threads used and the seconds."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    threads = run_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    t = cfg.train
+    task = build_task(cfg)
+    policy, tokenizer, _ = build_policy(cfg, task, resolve_device(cfg.device))
+    problems = list(task.train_problems()[: t.prompts_per_step])
+    objective, estimator = build_objective(cfg)
+    optimizer = build_optimizer(policy.parameters(), t)
+    scheduler = build_scheduler(optimizer, t)
+    warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
+    start = time.perf_counter()
+    ro = sample_group(policy, tokenizer, problems, cfg)
+    rollout_s = time.perf_counter() - start
+    update(policy, optimizer, scheduler, objective, train_batch(ro, task, problems, estimator, cfg), cfg, 1,
+           RunState(total_optimizer_steps=t.num_minibatches * t.epochs))
+    step_s = time.perf_counter() - start
+    print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s}))
+    return 0
+
+
+BUSY_PROCESS = "while True: pass"  # the other busy process of ``bench --busy``: one core's worth of work
+
+
+def busy_main(overrides: list[str]) -> int:
+    """``bench --busy``: the cost of oversubscribed cores. One native step (``bench --step``, a fresh process each)
+    per thread setting — all cores (torch's default), threads=0 (the free cores: harness/threads.py), one thread,
+    all cores with a passive OpenMP wait — first on the machine as it is, then beside one busy process. Prints a
+    table and writes results/bench/busy.json; the load before each half is printed: other load skews both."""
+    all_cores = threads_cores()
+    settings = [("all cores (torch's default)", all_cores, {}), ("threads=0 (the free cores)", 0, {}),
+                ("threads=1", 1, {}), ("all cores, OMP_WAIT_POLICY=PASSIVE", all_cores, {"OMP_WAIT_POLICY": "PASSIVE"})]
+    results = []
+    for background in ("as it is", "beside a busy process"):
+        spinner = (subprocess.Popen([sys.executable, "-c", BUSY_PROCESS]) if background != "as it is" else None)
+        try:
+            if spinner:
+                time.sleep(1.0)
+            load = os.getloadavg()[0]
+            print(f"{background}: load average {load:.2f} on {all_cores} cores", file=sys.stderr)
+            for name, threads, env in settings:
+                child_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | env
+                out = subprocess.run([sys.executable, "-m", "harness", "bench", "--step", *overrides,
+                                      f"threads={threads}"], capture_output=True, text=True, env=child_env)
+                if out.returncode:
+                    print(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "bench --step failed",
+                          file=sys.stderr)
+                    return 1
+                step = json.loads(out.stdout.strip().splitlines()[-1])
+                results.append({"machine": background, "load_avg_1m": load, "setting": name, **step})
+        finally:
+            if spinner:
+                spinner.kill()
+                spinner.wait()
+    width = max(len(r["setting"]) for r in results)
+    print(f"{'setting':{width}s}  {'threads':>7s}  {'step s (as it is)':>17s}  {'step s (beside a busy process)':>30s}")
+    for name, _, _ in settings:
+        idle, busy = (next(r for r in results if r["setting"] == name and r["machine"] == m)
+                      for m in ("as it is", "beside a busy process"))
+        print(f"{name:{width}s}  {idle['threads']:>3d} {busy['threads']:>3d}  {idle['step_s']:17.2f}  "
+              f"{busy['step_s']:30.2f}")
+    out = Path("results") / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "busy.json", json.dumps(results, indent=2))
     return 0
 
 
@@ -178,8 +250,7 @@ def decode_flops(model, ro: Rollout) -> float:
 def main(overrides: list[str], repeats: int = 1) -> int:
     (cfg,) = run_configs(load_experiment("bench", overrides))
     load_before = os.getloadavg()[0]  # other processes sharing the cores slow both sides alike
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    run_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     t = cfg.train
@@ -206,7 +277,7 @@ def main(overrides: list[str], repeats: int = 1) -> int:
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
     out = Path(cfg.results_dir) / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    atomic_write(out / "bench.json", json.dumps(result, indent=2))
     return 0
 
 
@@ -216,7 +287,7 @@ def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: flo
     t = cfg.train
     objective, estimator = build_objective(cfg)
     optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheduler = build_scheduler(optimizer, t)
     release_freed_memory()
     warm_up_rollout_s, warm_up_step_s = warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task,
                                                 problems, cfg)

@@ -67,6 +67,15 @@ def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
 
 
+def build_scheduler(optimizer, t: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule: linear warm-up over ``train.warmup_steps`` applied updates, then constant. The
+    k-th update (k = 0, 1, ...) uses lr x min(1, (k + 1) / (warmup_steps + 1)); ``harness.update.optimizer_step``
+    steps it only after an applied update (a non-finite one skipped consumes no value, as transformers' Trainer
+    does when its optimizer step is skipped). Build it on the optimizer the loop steps: the scheduler counts that
+    optimizer's steps (torch warns "lr_scheduler.step() before optimizer.step()" otherwise)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (t.warmup_steps + 1)))
+
+
 def frozen_copy(policy, dtype: torch.dtype | None = None):
     """A copy of ``policy`` without gradients (the KL reference, or a sampler in another precision)."""
     model = copy.deepcopy(policy).requires_grad_(False).eval()

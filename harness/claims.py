@@ -40,6 +40,7 @@ import pandas as pd
 import yaml
 
 from harness.config import EXPERIMENTS_DIR, ConfigError, load_experiment
+from harness.records import atomic_write
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed"}
@@ -204,9 +205,7 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
                              f"<body><h1>Paper-claims ledger</h1><p>{html.escape(stamp)}</p>"
                              f"{shown.to_html(index=False, border=0)}</body></html>\n")}
     for name, text in files.items():
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write(out / name, text)
     return out / "ledger.md"
 
 

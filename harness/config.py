@@ -153,7 +153,7 @@ class RunConfig:
     name: str = "run"
     seed: int = 0
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    threads: int = 0  # torch CPU threads; 0 = torch's default
+    threads: int = 0  # torch CPU threads; 0 = the cores free when the run starts (kept on resume: harness/threads.py)
     backend: str = "native"
     results_dir: str = "results"
     profile: str | None = None  # apply profiles[profile] (e.g. the papers' GPU-scale settings) with one override
@@ -216,12 +216,17 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
     own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
     try:
-        layer = OmegaConf.load(path)
+        top = yaml.safe_load(path.read_text())
+        layer = OmegaConf.load(path) if isinstance(top, dict) else OmegaConf.create()
     except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
             from None
+    if top is not None and not isinstance(top, dict):  # empty (or only comments, as base.yaml): the defaults
+        kind = "a list" if isinstance(top, list) else f"the {type(top).__name__} {str(top)[:40]!r}"
+        raise ConfigError(f"{path}: the top level must be a mapping of settings (e.g. `train:` then `  steps: 20`), "
+                          f"not {kind}")
     parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
     if parent is None:
         return layer
@@ -253,9 +258,11 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
     keys = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
     file_task = OmegaConf.select(layers[0], "task.name", default=None)  # the experiment's own task
-    if ("task.name" in keys and keys["task.name"] != file_task and not any(k.startswith("task.args") for k in keys)) \
-            or keys.get("task.args", "").replace(" ", "") == "{}":
-        cfg.task.args = {}  # another task: the experiment's task arguments were for its own task
+    if "task.name" in keys and keys["task.name"] != (file_task or TaskConfig.name):
+        # another task: the experiment's task arguments were for its own task; only the command line's apply
+        cfg.task.args = OmegaConf.select(layers[1], "task.args", default=None) or {}
+    elif keys.get("task.args", "").replace(" ", "") == "{}":
+        cfg.task.args = {}
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -374,6 +381,11 @@ def validate(run: DictConfig) -> None:
     if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
         raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
                           "a local directory, nor a hub id (owner/name)")
+    for key, value in (("seed", run.seed), ("model.seed", m.seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            raise ConfigError(f"{key} must be an integer in [0, 2**32) (numpy's and torch's seeds), got {value!r}")
+    if run.threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0: the cores free when the run starts), got {run.threads}")
     if t.sampler not in SAMPLERS:
         raise ConfigError(f"train.sampler must be one of {', '.join(SAMPLERS)}, got {t.sampler!r}")
     if t.decoder not in DECODERS:
@@ -416,24 +428,80 @@ def _check_warm_start(m: DictConfig) -> None:
         raise ConfigError(f"model.warm_start_target must be [low, high] with 0 <= low <= high <= 1, got "
                           f"{list(target)}")
     if target is not None and not m.warm_start_steps:
-        raise ConfigError("model.warm_start_target needs model.warm_start_steps > 0 (the step cap)")
+        raise ConfigError(f"model.warm_start_target={list(target)} needs model.warm_start_steps > 0 (the step cap); "
+                          "for no warm start set both: model.warm_start_steps=0 model.warm_start_target=null")
 
 
 def _check_device(device: str) -> None:
+    """auto, cpu, or a CUDA (or Apple MPS) device this torch can use here."""
     if device == "auto":
         return
     try:
-        kind = torch.device(device).type
+        where = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+    if where.type == "cuda" and not torch.cuda.is_available():
         hint = ("this torch is a CPU-only build: install a CUDA one with `make setup TORCH=torch`"
                 if torch.version.cuda is None else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
         raise ConfigError(f"device={device}, but {hint}; or use device=cpu / device=auto")
+    if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device}, but this machine has {torch.cuda.device_count()} CUDA device(s) "
+                          f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); or use device=auto")
+    if where.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={device}, but torch has no MPS (Apple GPU) device here; use device=cpu or "
+                          "device=auto")
+    if where.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device}: the harness runs on cpu, cuda or mps; use device=auto, cpu or cuda:N")
+
+
+def check_this_machine(runs: list[DictConfig]) -> None:
+    """What :func:`validate` leaves to the moment runs start on this machine, so that configs still expand
+    anywhere: each hub model is in the local cache or on a reachable hub (at most HUB_TIMEOUT_S each, instead of
+    the half minute of retries loading it would take). Called by ``train`` and ``sweep`` before any folder exists."""
+    for name in dict.fromkeys(run.model.name for run in runs):
+        if name not in EMBEDDED_MODELS and not os.path.isdir(name):
+            problem = _hub_model_problem(name)
+            if problem:
+                raise ConfigError(problem)
+
+
+HUB_TIMEOUT_S = 5  # how long the check of a hub model id waits for the hub
+
+
+@functools.lru_cache(maxsize=16)
+def _hub_model_problem(name: str) -> str | None:
+    """Why the hub model ``name`` cannot be loaded, found out now in at most HUB_TIMEOUT_S (loading it would retry
+    for half a minute): not in the local Hugging Face cache and the hub unreachable or offline, or no such
+    model. None when it is cached, or the hub has it."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    fix = "give a local model folder, an embedded model (smollm2-135m-instruct, tiny), or a cached hub id"
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError:
+        return f"model.name {name!r} is neither a local folder (there is none at that path) nor a hub id; {fix}"
+    if constants.HF_HUB_OFFLINE:
+        return f"model.name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}"
+    try:
+        model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return None  # it exists; loading says what access it needs
+    except RepositoryNotFoundError:
+        return (f"model.name {name!r}: no such model on the Hugging Face hub (or a private one: `hf auth login`); "
+                f"{fix}")
+    except HfHubHTTPError:
+        return None  # the hub answered: loading will say more
+    except Exception as e:  # noqa: BLE001 - no network (httpx's ConnectError, a timeout, ...)
+        return (f"model.name {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                f"({type(e).__name__}); {fix}")
+    return None
 
 
 @functools.lru_cache(maxsize=64)
-def _task_error(name: str, arguments: str) -> str | None:
+def _task_error(name: str, arguments: str, gsm8k_dir: str | None = None) -> str | None:
+    """The task's error for these arguments (``gsm8k_dir``: $GSM8K_DIR, which the gsm8k task reads: a cache key)."""
     from harness.tasks import get_task
 
     try:
@@ -451,9 +519,10 @@ def _check_task_and_model(run: DictConfig) -> None:
     arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
     if run.task.data_dir:
         arguments["data_dir"] = run.task.data_dir
-    error = _task_error(run.task.name, json.dumps(arguments, sort_keys=True))
-    if error:
-        raise ConfigError(f"task {run.task.name!r}: {error}")
+    error = _task_error(run.task.name, json.dumps(arguments, sort_keys=True), os.environ.get("GSM8K_DIR"))
+    if error:  # the task's own message, prefixed with its name unless it starts with it
+        named = error.startswith((f"task {run.task.name!r}", f"{run.task.name}:", f"{run.task.name} "))
+        raise ConfigError(error if named else f"task {run.task.name!r}: {error}")
     if run.model.name != "tiny":
         if run.model.tiny:
             raise ConfigError(f"model.tiny only applies to model.name=tiny, not {run.model.name!r}; remove it")

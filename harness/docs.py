@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from harness.config import load_experiment
+from harness.records import atomic_write
 from harness.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,9 +125,9 @@ def main(with_gsm8k: bool = False, jobs: int = 2) -> int:
     soak = subprocess.run([sys.executable, "-m", "harness", "soak", "--kills", "10"], cwd=ROOT, capture_output=True,
                           text=True)
     sections.append(f"## make soak\n\n`make soak KILLS=10`: {soak.stdout.strip() or soak.stderr.strip()}\n")
-    (DOCS / "results.md").write_text("# Measured results\n\n" + header + "\n".join(sections))
+    atomic_write(DOCS / "results.md", "# Measured results\n\n" + header + "\n".join(sections))
     if with_gsm8k:
         section = document("gsm8k_ablation", results_dir, jobs)
-        (DOCS / "results_gsm8k.md").write_text("# gsm8k_ablation, measured\n\n" + header + section)
+        atomic_write(DOCS / "results_gsm8k.md", "# gsm8k_ablation, measured\n\n" + header + section)
     print(f"wrote {DOCS / 'results.md'}" + (f" and {DOCS / 'results_gsm8k.md'}" if with_gsm8k else ""))
     return 0

@@ -31,7 +31,6 @@ and reruns give the same files; the tables, the SNR across batches and the repor
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -43,13 +42,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.batch import TrainBatch, rewards_of
-from harness.build import build_optimizer, build_policy, build_task, frozen_copy, resolve_device
-from harness.config import DTYPES, ConfigError, load_experiment, validate
+from harness.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy, resolve_device
+from harness.config import DTYPES, ConfigError, check_this_machine, load_experiment, validate
 from harness.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.locks import lock_folder
 from harness.models import build_prompt
+from harness.records import atomic_write
 from harness.rollout import Rollout, completion_logprobs, generate, sampler_options
 from harness.seeding import step_seed
+from harness.threads import run_threads
 from harness.update import RunState, microbatch_loss, minibatch_order, optimizer_step
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
 
@@ -145,6 +146,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     """Measure every missing batch into ``lab_dir(cfg)/batches/``; returns the folder. The caller writes the
     report (analysis/lab.py)."""
     cfg = lab_config(cfg)
+    check_this_machine([cfg])
     out = lab_dir(cfg)
     (out / "batches").mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
@@ -153,7 +155,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         if saved.exists() and comparable(OmegaConf.load(saved)) != comparable(cfg):
             raise ConfigError(f"{out} holds a lab with other settings (only lab.batches may change between calls): "
                               "delete it or choose another name=...")
-        OmegaConf.save(cfg, saved)
+        atomic_write(saved, OmegaConf.to_yaml(cfg))
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:
             Lab(cfg).measure(todo, out, progress)
@@ -177,8 +179,7 @@ class Lab:
     """The policy, its frozen copies and the objectives, built once; :meth:`measure_batch` is one batch."""
 
     def __init__(self, cfg: DictConfig):
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        run_threads(cfg.threads)
         self.cfg, self.t = cfg, cfg.train
         self.device = resolve_device(cfg.device)
         self.task = build_task(cfg)
@@ -199,9 +200,7 @@ class Lab:
             start = time.time()
             result = self.measure_batch(b, bar)
             result["seconds"] = time.time() - start
-            tmp = batch_path(out, b).with_suffix(".tmp")
-            torch.save(result, tmp)
-            os.replace(tmp, batch_path(out, b))
+            atomic_write(batch_path(out, b), write=lambda path, result=result: torch.save(result, path))
         bar.close()
 
     # ------------------------------------------------------------------------------------------ one batch
@@ -230,7 +229,7 @@ class Lab:
         model = copy.deepcopy(self.policy).requires_grad_(True).train()
         params = list(model.parameters())
         optimizer = build_optimizer(params, t)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        scheduler = build_scheduler(optimizer, t)
         batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
         state = RunState(total_optimizer_steps=staleness[-1])
         for k in range(1, staleness[-1] + 1):

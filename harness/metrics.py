@@ -57,7 +57,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def progress_fields(row: dict, rows: list[dict]) -> dict[str, str]:
-    """What a progress bar shows beside the step: the step's reward and clip fraction, the last eval accuracy."""
+    """What a progress bar shows beside the step: the step's reward and clip fraction, the last eval accuracy;
+    rewards and accuracies with 3 decimals, the clip fraction (often 1e-4) with 3 significant digits."""
     evals = [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
-    fields = {"reward": row.get("reward_mean"), "clip": row.get("clip_frac"), "eval": evals[-1] if evals else None}
-    return {k: f"{v:.3g}" for k, v in fields.items() if v is not None}
+    fields = {"reward": (row.get("reward_mean"), ".3f"), "clip": (row.get("clip_frac"), ".3g"),
+              "eval": (evals[-1] if evals else None, ".3f")}
+    return {k: format(v, spec) for k, (v, spec) in fields.items() if v is not None}

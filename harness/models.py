@@ -41,6 +41,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from harness.records import atomic_write
 from harness.rollout import generate
 from harness.tasks import Task
 
@@ -361,14 +362,9 @@ def _recipe_source_hash() -> str:
 
 
 def _write_atomic(path: Path, write) -> None:
-    """``write(temp_name)`` to a temp file next to ``path``, then rename it to ``path``."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}-", delete=False) as tmp:
-        pass
-    try:
-        write(tmp.name)
-        os.replace(tmp.name, path)
-    finally:
-        Path(tmp.name).unlink(missing_ok=True)
+    """``write(temp_name)`` to a temporary file of this process's own beside ``path``, then renamed to ``path``
+    (harness.records.atomic_write; other processes may write the same cache file meanwhile)."""
+    atomic_write(path, write=lambda tmp: write(str(tmp)), shared=True)
 
 
 def _supervised_batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = {REPO / "docs" / "trl.md": "names", REPO / "README.md": "aliases"}  # file -> the generated table it holds
@@ -42,7 +44,7 @@ NAMES: tuple[Name, ...] = (
     Name("name", "experiment name: results/<name>/, the trackers' group", "—", "`trainer.experiment_name`"),
     Name("seed", "the run's seed (sampling, minibatch order, prompts)", "`seed`", "`data.seed` (data shuffling only)"),
     Name("device", "auto (cuda if available), cpu, cuda, cuda:N", "`use_cpu` (device=cpu)", "`trainer.device`"),
-    Name("threads", "torch CPU threads; 0 = torch's default"),
+    Name("threads", "torch CPU threads; 0 = the cores free when the run starts (its resumes keep that count)"),
     Name("backend", "native (harness/train.py) or trl (TRL's GRPOTrainer with our loss)"),
     Name("results_dir", "root of results/<name>/<run_id>/", "`output_dir` (ours is the root: a run goes to "
          "<results_dir>/<name>/<run_id>)", "`trainer.default_local_dir`"),
@@ -84,7 +86,8 @@ NAMES: tuple[Name, ...] = (
          f"`{A}kl_loss_coef` (`use_kl_loss=true`, `kl_loss_type=low_var_kl`)"),
     Name("objective.params.aggregation", "token_mean, seq_mean_token_mean or seq_mean_token_sum_norm",
          "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)"),
-    Name("objective.params.dual_clip", "dual clip for negative advantages (grpo, dapo, dr_grpo)", "—",
+    Name("objective.params.dual_clip", "grpo, dapo, dr_grpo: true = the dual clip for A < 0 (bound clip_ratio_c); "
+         "ctpo: its width in log space (threshold exp(dual_clip n_t^la_power))", "—",
          "— (verl's vanilla loss always applies it)"),
     Name("objective.params.clip_ratio_c", "the dual clip's bound c", "—", f"`{A}clip_ratio_c`"),
     Name("objective.params.tau_pos", "SAPO's gate temperature for A > 0", "`sapo_temperature_pos`", f"`{A}tau_pos`"),
@@ -163,7 +166,124 @@ NAMES: tuple[Name, ...] = (
     Name("logging.project", "wandb / trackio project", "— (`WANDB_PROJECT`, `TRACKIO_PROJECT`)",
          "`trainer.project_name`"),
 )
-BY_KEY = {n.key: n for n in NAMES}
+
+
+# ------------------------------------------------------------------ objective hyperparameters, from the registry
+
+PARAMS = "objective.params."
+
+
+@functools.cache
+def _field_comments(cls) -> dict[str, str]:
+    """``{field: comment}`` of the classes in ``cls``'s MRO: the comment after a field's line (``x: float = 1.0
+    # meaning``, the README's template) or, failing that, the comment lines right above it."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        above: list[str] = []
+        for line in lines:
+            stripped = line.strip()
+            field = re.match(r"(\w+)\s*:\s*[^=#]+=[^#]*(?:#\s*(.*))?$", stripped)
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            if field and not stripped.startswith(("def ", "class ", "return ")):
+                text = field.group(2) or " ".join(above)
+                if text:
+                    comments[field.group(1)] = text
+            above = []
+    return comments
+
+
+def _docstring_line(cls, param: str) -> str | None:
+    """The first line of the objective's module docstring that names ``param`` (````param```` preferred)."""
+    doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
+    lines = [" ".join(line.split()) for line in doc.splitlines()]
+    quoted = [line for line in lines if f"``{param}``" in line]
+    named = quoted or [line for line in lines if re.search(rf"\b{re.escape(param)}\b", line)]
+    return named[0].lstrip("-* ") if named else None
+
+
+# one line per hyperparameter without a NAMES row, for the objectives named (others with the same name get their
+# own field comment or docstring line); a new objective needs no entry here: comment its fields (the README's way)
+MEANINGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "cap_log_ratio": (("gspo", "gspo_token"), "cap the log sequence ratio at log_ratio_cap (verl's numerical-safety "
+                      "cap); off = the paper's formula"),
+    "log_ratio_cap": (("gspo", "gspo_token"), "the cap on the log sequence ratio with cap_log_ratio (a capped "
+                      "sequence keeps its loss value and loses its gradient)"),
+    "ratio_mode": (("ctpo", "ctpo_clip"), "token t's cumulative ratio: cumprod (the product of its prefix's ratios) "
+                   "or geomean (their geometric mean)"),
+    "la_power": (("ctpo",), "length-adaptive window: the log-ratio clip bounds scale with n_t^la_power (n_t = valid "
+                 "tokens so far; the authors' clip_ratio_la_power: +0.5 for cumprod, -0.5 for geomean)"),
+    "temperature": (("conspo",), "the InfoNCE temperature T over length-normalised sequence log-probs (gradient "
+                    "scale ~1/T)"),
+    "margin_start": (("conspo",), "the contrastive margin m (nats per token) at the start of its schedule"),
+    "margin_end": (("conspo",), "the contrastive margin m (nats per token) at the end of its schedule"),
+    "schedule": (("conspo",), "how the margin moves from margin_start to margin_end over the run's optimizer steps: "
+                 "linear, cosine or constant"),
+    "p_start": (("holder",), "the power-mean exponent p at the start of its linear schedule (p > 1 leans on the "
+                "largest token ratios, p < 0 on the smallest, 0 = geometric mean)"),
+    "p_end": (("holder",), "the power-mean exponent p at the end of its linear schedule"),
+    "variant": (("holder",), "holder (the paper's), sequence_w_clip or holder_token (the authors' code's variants)"),
+    "p_schedule": (("holder",), "what p's schedule counts: run_length (the run's optimizer steps) or rollout_steps "
+                   "(the authors': rollout steps, up to holder_p_schedule_steps)"),
+    "holder_p_schedule_steps": (("holder",), "rollout steps over which p moves from p_start to p_end with "
+                                "p_schedule=rollout_steps (the authors' script: 500)"),
+    "band_low": (("tbpo",), "lower edge of the trust band on the sequence mismatch weight w_i (proximal vs sampler): "
+                 "a sequence outside it is dropped (our reading of the paper)"),
+    "band_high": (("tbpo",), "upper edge of the trust band on the sequence mismatch weight w_i"),
+}
+
+
+def hyperparameter_meaning(param: str) -> str:
+    """One line: what ``objective.params.<param>`` does, from the objectives that take it: the ``help`` metadata or
+    the comment of the field (the README's way to document a hyperparameter), else :data:`MEANINGS`, else the line
+    of the objective's docstring that names it, with the file. Where objectives differ, each one's is given."""
+    from objectives import OBJECTIVES
+
+    meanings: dict[str, list[str]] = {}
+    for name in OBJECTIVES.names():
+        cls = OBJECTIVES.get(name)
+        if param not in cls.hyperparameters():
+            continue
+        field = next(f for f in dataclasses.fields(cls) if f.name == param)
+        text = field.metadata.get("help") or _field_comments(cls).get(param)
+        if text is None and name in MEANINGS.get(param, ((), ""))[0]:
+            text = MEANINGS[param][1]
+        if text is None:
+            line = _docstring_line(cls, param)
+            text = f"see {cls.__module__.replace('.', '/')}.py" + (f": {line}" if line else "")
+        meanings.setdefault(text, []).append(name)
+    if len(meanings) == 1:
+        return next(iter(meanings))
+    return "; ".join(f"{', '.join(objectives)}: {text}" for text, objectives in meanings.items())
+
+
+def objectives_taking(param: str) -> list[str]:
+    from objectives import OBJECTIVES
+
+    return [name for name in OBJECTIVES.names() if param in OBJECTIVES.get(name).hyperparameters()]
+
+
+@functools.lru_cache(maxsize=1)
+def all_names() -> tuple[Name, ...]:
+    """:data:`NAMES` plus a row for every objective hyperparameter the registry knows (generated: a new objective's
+    hyperparameters appear here, in ``explain`` and in docs/trl.md without an edit of this file); a hand-written
+    row (with TRL / verl names) wins over the generated one."""
+    from objectives import OBJECTIVES
+
+    params = dict.fromkeys(p for name in OBJECTIVES.names() for p in OBJECTIVES.get(name).hyperparameters())
+    written = {n.key for n in NAMES}
+    generated = [Name(PARAMS + p, hyperparameter_meaning(p)) for p in params if PARAMS + p not in written]
+    last = max(i for i, n in enumerate(NAMES) if n.key.startswith(PARAMS))
+    return (*NAMES[: last + 1], *generated, *NAMES[last + 1 :])
+
+
+def by_key() -> dict[str, Name]:
+    return {n.key: n for n in all_names()}
 
 
 # ------------------------------------------------------------------------------------ TRL names on the command line
@@ -385,19 +505,27 @@ def schema_keys() -> list[str]:
 
 def default(key: str) -> str:
     """The schema default of ``key``; for an objective hyperparameter, each objective's default."""
-    from harness.config import RunConfig
-
     if key.startswith("objective.params."):
         from objectives import OBJECTIVES
 
         param = key.rsplit(".", 1)[1]
-        values = {name: OBJECTIVES.get(name).hyperparameters()[param] for name in OBJECTIVES.names()
+        values = {name: _shown(OBJECTIVES.get(name).hyperparameters()[param]) for name in OBJECTIVES.names()
                   if param in OBJECTIVES.get(name).hyperparameters()}
-        if len(set(map(str, values.values()))) == 1:
-            return f"{next(iter(values.values()))} (every objective that has it)"
+        if len(values) > 1 and len(set(values.values())) == 1:
+            return f"{next(iter(values.values()))} ({', '.join(values)})"
         return ", ".join(f"{name} {value}" for name, value in values.items())
-    value = OmegaConf.select(OmegaConf.structured(RunConfig), key)
-    value = OmegaConf.to_container(value) if isinstance(value, DictConfig | type(OmegaConf.create([]))) else value
+    value = OmegaConf.select(_schema(), key)
+    return _shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    from harness.config import RunConfig
+
+    return OmegaConf.structured(RunConfig)
+
+
+def _shown(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -406,27 +534,32 @@ def plain(text: str) -> str:
 
 
 def find(query: str) -> list[Name]:
-    """Rows for ``query``: our key, a TRL alias, or a TRL / verl name mentioned in a row."""
-    if query in BY_KEY:
-        return [BY_KEY[query]]
-    if query in ALIASES:
-        return [BY_KEY[ALIASES[query].key]]
+    """Rows for ``query``: our key, a TRL alias, the last part of our keys (``la_power``, ``group_size``), or a TRL
+    / verl name mentioned in a row."""
+    keys = by_key()
+    if query in keys:
+        return [keys[query]]
+    rows = [keys[ALIASES[query].key]] if query in ALIASES else []  # TRL's beta: ours; our own beta too
+    rows += [n for n in all_names() if n.key.rsplit(".", 1)[-1] == query and n not in rows]
+    if rows:
+        return rows
     pattern = re.compile(rf"`([\w.]*\.)?{re.escape(query)}`")
-    return [n for n in NAMES if pattern.search(n.trl) or pattern.search(n.verl)]
+    return [n for n in all_names() if pattern.search(n.trl) or pattern.search(n.verl)]
 
 
 def explain(query: str | None = None) -> str:
     """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown."""
     if query is None:
         lines = []
-        for n in NAMES:
+        for n in all_names():
             lines += [f"{n.key} = {default(n.key) if not n.key.startswith('objective.params.') else '(per objective)'}",
                       f"    {n.meaning}", f"    TRL: {plain(n.trl)} | verl: {plain(n.verl)}"]
         return "\n".join(lines + ["", "python -m harness explain KEY: one key in full (KEY may be a TRL or verl name)"])
     rows = find(query)
     if not rows:
-        leaves = {key.rsplit(".", 1)[-1]: key for key in BY_KEY}
-        close = difflib.get_close_matches(query, [*BY_KEY, *ALIASES], n=3, cutoff=0.6)
+        keys = by_key()
+        leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
+        close = difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
         close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise KeyError(f"no config key, TRL or verl name {query!r}.{hint} The whole table: python -m harness explain")
@@ -436,8 +569,10 @@ def explain(query: str | None = None) -> str:
         out.append(f"TRL {query} on the command line: refused, set {a.key} ({a.rule})" if a.refused else
                    f"TRL {query} on the command line: -> {a.key}: {a.rule}")
     for n in rows:
-        out += [f"{n.key}: {n.meaning}", f"  default: {default(n.key)}", f"  TRL GRPOConfig: {plain(n.trl)}",
-                f"  verl: {plain(n.verl)}"]
+        out.append(f"{n.key}: {n.meaning}")
+        if n.key.startswith(PARAMS):
+            out.append(f"  objectives: {', '.join(objectives_taking(n.key[len(PARAMS):])) or 'none'}")
+        out += [f"  default: {default(n.key)}", f"  TRL GRPOConfig: {plain(n.trl)}", f"  verl: {plain(n.verl)}"]
     return "\n".join(out)
 
 
@@ -450,8 +585,8 @@ def _cell(text: str) -> str:
 def names_markdown() -> str:
     """docs/trl.md's table: every key, its meaning, default, TRL and verl names."""
     lines = ["| key | meaning | default | TRL `GRPOConfig` | verl |", "|---|---|---|---|---|"]
-    for n in NAMES:
-        value = "per objective" if n.key.startswith("objective.params.") else f"`{default(n.key)}`"
+    for n in all_names():
+        value = default(n.key) if n.key.startswith(PARAMS) else f"`{default(n.key)}`"
         lines.append(f"| `{n.key}` | {_cell(n.meaning)} | {_cell(value)} | {_cell(n.trl)} | {_cell(n.verl)} |")
     return "\n".join(lines) + "\n"
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.records import TIMING_METRICS, read_jsonl
+from harness.records import TIMING_METRICS, atomic_write, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -142,7 +142,7 @@ def main(kills: int = 20, seed: int = 0) -> int:
               "log": log}
     out = ROOT / "results" / "soak"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(result, indent=2))
+    atomic_write(out / "soak.json", json.dumps(result, indent=2))
     print(f"soak: {'PASS' if not problems else 'FAIL'}: {len(log)} kills ({result['by_moment']}, "
           f"{result['by_target']}, {result['by_signal']}), {len(manifest['runs'])} runs resumed to the end, "
           f"{len(problems)} problems{': ' + '; '.join(problems[:3]) if problems else ''} "

@@ -1,7 +1,8 @@
 """Run every point of an experiment's sweep, each run in its own process, resumable and in parallel.
 
-results/<exp>/manifest.json lists the runs and their status. Running the same sweep again skips finished
-runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
+results/<exp>/manifest.json lists the runs and their status (pending, running, finished, failed, interrupted, or
+stopped: killed, its summary still saying running while no process holds its lock). Running the same sweep again
+skips finished runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
 between them; if the sweep process dies (even SIGKILL), its children die with it.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,10 +19,11 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.config import run_configs, run_id
-from harness.locks import lock_folder
+from harness.config import check_this_machine, run_configs, run_id
+from harness.locks import RUN_LOCK, is_held, lock_folder
 from harness.metrics import progress_fields
-from harness.records import read_jsonl, write_json_atomic
+from harness.records import atomic_write, read_jsonl, remove_stale_temporaries, run_status, write_json_atomic
+from harness.threads import free_threads, run_threads
 
 
 def _die_with_parent() -> None:
@@ -32,21 +33,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _status(run_dir: Path) -> str:
-    summary = run_dir / "summary.json"
-    if not summary.exists():
-        return "pending"
-    try:
-        return json.loads(summary.read_text())["status"]
-    except (json.JSONDecodeError, KeyError):
-        return "pending"
-
-
 def _error(run_dir: Path) -> str | None:
+    """A stopped run's error: summary.json's, else the last line of its train.log (e.g. a full disk's, when the
+    summary could not be written)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("error")
-    except (OSError, json.JSONDecodeError):
+        error = json.loads((run_dir / "summary.json").read_text()).get("error")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        error = None
+    if error:
+        return error
+    try:
+        lines = [line for line in (run_dir / "train.log").read_text().splitlines() if line.strip()]
+    except OSError:
         return None
+    return lines[-1] if lines else None
 
 
 def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
@@ -61,6 +61,8 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     then load it from the cache instead of training it in parallel, one core each)."""
     from harness.build import build_policy, build_task, resolve_device
 
+    if any(run.model.warm_start_steps for run in runs):
+        run_threads(runs[0].threads)
     done = set()
     for run in runs:
         key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])),
@@ -76,9 +78,11 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     """Run (or resume) the sweep; returns the manifest's run entries. Raises FolderBusyError if another sweep holds
     the folder."""
     runs = run_configs(cfg)
+    check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / ".sweep.lock", f"another sweep is already running in {exp_dir}")
+    remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
 
     entries = []
     for run in runs:
@@ -86,14 +90,14 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
         run_dir = exp_dir / rid
         run_dir.mkdir(exist_ok=True)
         if not (run_dir / "config.yaml").exists():
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))
-        elif "logging" in run:  # trackers are not part of the run id: this sweep's apply when a run resumes
-            saved = OmegaConf.load(run_dir / "config.yaml")
+            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
+        elif "logging" in run and not is_held(run_dir / RUN_LOCK):  # trackers are not part of the run id: this
+            saved = OmegaConf.load(run_dir / "config.yaml")  # sweep's apply when a run resumes
             if OmegaConf.select(saved, "logging") != run.logging:
                 saved.logging = run.logging
-                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+                atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
         entries.append({"run_id": rid, "objective": run.objective.name, "seed": run.seed,
-                        "overrides": _grid_point(run, cfg), "status": _status(run_dir), "dir": rid})
+                        "overrides": _grid_point(run, cfg), "status": run_status(run_dir), "dir": rid})
     manifest = exp_dir / "manifest.json"
 
     def save_manifest() -> None:
@@ -102,10 +106,15 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     save_manifest()
     todo = [e for e in entries if e["status"] != "finished"]
     prepare_starting_policies([run for run, e in zip(runs, entries, strict=True) if e in todo], progress)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    free, available, busy = free_threads()
+    threads = max(1, free // jobs)  # each run's share of the cores free now (harness/threads.py)
+    if free < available:
+        tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
+                   f"thread{'s' if threads > 1 else ''} per run")
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)
     active: dict[str, tuple[subprocess.Popen, tqdm, object]] = {}
+    done = False
     try:
         while todo or active:
             while todo and len(active) < jobs:
@@ -132,16 +141,21 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
                 if proc.poll() is None:
                     continue
                 entry = next(e for e in entries if e["run_id"] == rid)
-                status, error = _status(exp_dir / rid), _error(exp_dir / rid)
-                entry["status"] = status if proc.returncode == 0 or status in ("failed", "interrupted") else "failed"
+                status, error = run_status(exp_dir / rid), _error(exp_dir / rid)
+                if proc.returncode and status not in ("failed", "interrupted"):  # it could not write its summary
+                    status = "stopped" if proc.returncode < 0 else "failed"  # killed by a signal / e.g. a full disk
+                entry["status"] = status
                 if proc.returncode:
                     tqdm.write(f"run {rid} {entry['status']} (exit {proc.returncode}): {error or 'no summary'}; "
                                f"log in {exp_dir / rid / 'train.log'}")
+                if error and error.startswith(("error: disk full", "error: disk quota")):
+                    todo.clear()  # the next runs would stop the same way: free space, then run the sweep again
                 save_manifest()
                 bar.close()
                 logfile.close()
                 del active[rid]
                 sweep_bar.update(1)
+        done = True
     finally:
         for proc, bar, logfile in active.values():
             proc.terminate()
@@ -150,8 +164,13 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
             logfile.close()
         for entry in entries:
             if entry["status"] == "running":
-                entry["status"] = _status(exp_dir / entry["dir"])
-        save_manifest()
-        sweep_bar.close()
-        lock.close()
+                entry["status"] = run_status(exp_dir / entry["dir"])
+        try:
+            save_manifest()
+        except OSError:
+            if done:
+                raise  # else already on the way out with an error (a full disk's, ...): that one is reported
+        finally:
+            sweep_bar.close()
+            lock.close()
     return entries

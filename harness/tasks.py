@@ -87,7 +87,8 @@ def register_task(name: str):
 def get_task(name: str, **kwargs) -> Task:
     """Build a registered task; unknown names and keyword arguments raise errors listing the choices."""
     cls = TASKS.get(name)
-    valid = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+    valid = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         choices = ", ".join(f"{k}={v!r}" for k, v in valid.items())
@@ -189,7 +190,16 @@ class GSM8K(Task):
     _splits: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
+        source = "task.data_dir" if self.data_dir else "the environment's GSM8K_DIR"
         self.data_dir = self.data_dir or os.environ.get("GSM8K_DIR") or None
+        if self.data_dir is not None:  # a folder that is not there stops the config check, not the run
+            folder = Path(self.data_dir).expanduser()
+            missing = [name for name in ("train.jsonl", "test.jsonl") if not (folder / name).is_file()]
+            if missing:
+                what = (" does not exist" if not folder.is_dir() else
+                        f": {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist")
+                raise ValueError(f"gsm8k: {source}={self.data_dir}{what}; point it at a folder with train.jsonl "
+                                 "and test.jsonl (openai/gsm8k's main split), or unset it to load the hub's copy")
         if self.scoring not in GSM8K_SCORINGS:
             raise ValueError(f"gsm8k: unknown scoring {self.scoring!r}; choose one of {', '.join(GSM8K_SCORINGS)}")
         if self.train_size is not None:

@@ -28,12 +28,21 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from harness.batch import TrainBatch, collect_batch
-from harness.build import build_objective, build_optimizer, build_policy, build_task, frozen_copy, resolve_device
+from harness.build import (
+    build_objective,
+    build_optimizer,
+    build_policy,
+    build_scheduler,
+    build_task,
+    frozen_copy,
+    resolve_device,
+)
 from harness.config import DTYPES
 from harness.evaluation import evaluate
 from harness.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.rollout import completion_logprobs
+from harness.threads import run_threads
 from harness.update import RunState, behaviour_logp, rollout_correction, update
 
 
@@ -44,20 +53,19 @@ class NonFiniteError(RuntimeError):
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run into ``run_dir`` (resuming from its checkpoint if there is one); returns the summary."""
     t = cfg.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    checkpoint = load_checkpoint(run_dir, device)
+    checkpoint, checkpoint_path = load_checkpoint(run_dir, device)
     fields = {f.name for f in dataclasses.fields(RunState)}
     state = RunState(**{k: v for k, v in checkpoint["state"].items() if k in fields}) if checkpoint else RunState()
     state.total_optimizer_steps = t.steps * t.epochs * t.num_minibatches
     records = RunRecords(cfg, run_dir, resume_step=state.step if checkpoint else None, start_policy=None,
-                         backend="native")
+                         backend="native", checkpoint=str(checkpoint_path))
     records.progress.update(rollout_tokens=state.rollout_tokens, update_tokens=state.update_tokens,
                             nonfinite_skips=state.nonfinite_skips)
+    records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
         # setup: task, starting policy, objective, frozen copies, optimizer
         task = build_task(cfg)
@@ -68,7 +76,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         different_sampler = cfg.model.sampler_dtype not in (None, cfg.model.dtype)
         sampler = frozen_copy(policy, DTYPES[cfg.model.sampler_dtype]) if different_sampler else policy
         optimizer = build_optimizer(policy.parameters(), t)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
+        scheduler = build_scheduler(optimizer, t)
         if checkpoint:
             policy.load_state_dict(checkpoint["policy"])
             optimizer.load_state_dict(checkpoint["optimizer"])

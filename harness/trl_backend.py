@@ -40,17 +40,18 @@ Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from omegaconf import DictConfig
-from transformers import PrinterCallback, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
@@ -59,10 +60,11 @@ from harness.backends import trl_extra_args, unsupported, world_size
 from harness.build import build_objective, build_policy, build_task, frozen_copy, resolve_device
 from harness.config import ConfigError
 from harness.evaluation import evaluate
-from harness.metrics import MetricMeter, peak_memory_mb
+from harness.metrics import MetricMeter, peak_memory_mb, progress_fields
 from harness.models import build_prompt
-from harness.records import RunRecords
+from harness.records import TMP, RunRecords, atomic_write, no_save_progress_bar
 from harness.tasks import Problem
+from harness.threads import run_threads
 from harness.update import behaviour_logp, correction_settings, rollout_correction
 from objectives import PolicyBatch
 from objectives.base import sum_statistics
@@ -350,13 +352,65 @@ class RecordsCallback(TrainerCallback):
             evaluation, samples = self.evaluate(step)
             row.update(evaluation)
         self.records.log(row, samples)
-        if t.export_every and step % t.export_every == 0:  # every rank: ZeRO-3 / FSDP gather the weights here
-            folder = self.records.run_dir / "exports" / f"step_{step}"
-            self.trainer.save_model(str(folder.with_name(folder.name + ".tmp")))
-            if self.records.main:
-                shutil.rmtree(folder, ignore_errors=True)
-                os.replace(folder.with_name(folder.name + ".tmp"), folder)
+        if t.export_every and step % t.export_every == 0:
+            save_model(self.trainer, self.records.run_dir / "exports" / f"step_{step}", self.records.main)
         self.last_time = time.time()
+
+
+class ProgressLine(ProgressCallback):
+    """TRL's progress bar (optimizer steps) with the native one's fields (reward, clip fraction, last eval accuracy)
+    instead of printing TRL's raw metrics dict at every log: metrics.jsonl has them. Runs after RecordsCallback."""
+
+    def __init__(self, records: RunRecords):
+        super().__init__()
+        self.records = records
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.records.run_dir.name)
+            self.training_bar.leave = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        rows = self.records.rows
+        if self.training_bar is not None and rows:
+            self.training_bar.set_postfix(progress_fields(rows[-1], rows))
+
+
+def quiet_transformers() -> None:
+    """Silence what transformers and TRL print at every step without telling the user anything: TRL's generation
+    context reads the deprecated ``is_gradient_checkpointing`` (a FutureWarning per generation), and checkpoint
+    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number)."""
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+    class NoMtimeNote(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "mtime may not be reliable" not in record.getMessage()
+
+    logging.getLogger("transformers.trainer_utils").addFilter(NoMtimeNote())
+
+
+def save_model(trainer, folder: Path, main: bool) -> None:
+    """``trainer.save_model`` into ``folder`` atomically (harness.records.atomic_write). Every rank calls it: ZeRO-3
+    / FSDP gather the weights there; the main process writes."""
+    with no_save_progress_bar():
+        if main:
+            atomic_write(folder, write=lambda tmp: trainer.save_model(str(tmp)))
+        else:
+            trainer.save_model(str(folder.with_name(folder.name + TMP)))
+
+
+def trl_checkpoints(folder: Path) -> tuple[str | None, list[Path]]:
+    """The newest ``checkpoint-N`` of Trainer's output folder written to the end (its trainer_state.json, written
+    last, exists; None when there is none), and the newer ones a kill or a full disk cut short."""
+    numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in folder.glob("checkpoint-*")
+                      if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()) if folder.is_dir() else []
+    torn = []
+    for _, path in reversed(numbered):
+        if (path / "trainer_state.json").is_file():
+            return str(path), torn
+        torn.append(path)
+    return None, torn
 
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
@@ -364,16 +418,18 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     reason = unsupported(cfg)
     if reason:
         raise ConfigError(reason)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    checkpoint = get_last_checkpoint(str(run_dir / "trl")) if (run_dir / "trl").is_dir() else None
+    main = int(os.environ.get("RANK", "0")) == 0
+    checkpoint, torn = trl_checkpoints(run_dir / "trl")
     rollout_steps = cfg.train.num_minibatches * cfg.train.epochs
     resume_step = int(checkpoint.rsplit("-", 1)[1]) // rollout_steps if checkpoint else None
-    records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl",
-                         main=int(os.environ.get("RANK", "0")) == 0)
+    records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl", main=main,
+                         checkpoint=checkpoint)
+    for path in torn if main else []:  # under the run's lock now
+        shutil.rmtree(path, ignore_errors=True)
     records.progress["rollout_tokens"] = max([r.get("rollout_tokens", 0) for r in records.rows] or [0])
     records.progress["update_tokens"] = records.progress["rollout_tokens"] * cfg.train.epochs
+    records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
         task = build_task(cfg)
         device = resolve_device(cfg.device)
@@ -389,12 +445,12 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
             callbacks=[callback], objective=objective, estimator=estimator, reference=reference, train=cfg.train)
         callback.trainer = trainer
-        if not progress:
-            trainer.remove_callback(PrinterCallback)  # it prints every log dict; metrics.jsonl has them
-        trainer.train(resume_from_checkpoint=checkpoint)
-        final = run_dir / "final"
-        trainer.save_model(str(final.with_name("final.tmp")))  # every rank: ZeRO-3 / FSDP gather the weights here
-        if records.main:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final.with_name("final.tmp"), final)
+        trainer.remove_callback(PrinterCallback)  # both print every log dict; metrics.jsonl has them
+        trainer.remove_callback(ProgressCallback)
+        if progress:
+            trainer.add_callback(ProgressLine(records))
+        quiet_transformers()
+        with no_save_progress_bar():  # a "Writing model shards" bar per checkpoint
+            trainer.train(resume_from_checkpoint=checkpoint)
+        save_model(trainer, run_dir / "final", records.main)
     return records.summary("finished")

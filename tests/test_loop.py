@@ -21,6 +21,7 @@ from harness.rollout import completion_logprobs, generate
 from harness.tasks import Arith, Score, get_task
 from harness.train import train
 from objectives import ObjectiveOutput, available_objectives, get_objective
+from tests.interrupt import stopped_before
 from tests.tiny import TINY_SPEC, tiny_run, without_timing
 
 
@@ -167,18 +168,16 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
     # a kill after step 2 of 3: the checkpoint of step 2, and a torn line at the end of the metrics file
-    train(OmegaConf.merge(run, {"train": {"steps": 2}}), tmp_path / "part", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
     with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "reward_me')
     train(run, tmp_path / "part", progress=False)
     full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
-    assert [r["step"] for r in part] == [0, 1, 2, 3]
-    # the 2-step run's records (evals at 0 and 2) are kept, the resumed step 3 appends its own, none repeats
-    assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [2] * 8 + [3] * 8
-    drop = {"eval_accuracy"}  # the 2-step run evaluated at its last step, the full run did not
-    assert [{k: v for k, v in r.items() if k not in drop} for r in part] == \
-           [{k: v for k, v in r.items() if k not in drop} for r in full]
+    assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
+    # the first attempt's records (the eval at 0) are kept, the resumed step 3 appends its own, none repeats
+    assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [3] * 8
 
 
 def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
@@ -368,3 +367,57 @@ def test_a_finished_run_exports_a_policy_transformers_loads_with_the_same_logpro
     with torch.no_grad():
         before, after = (completion_logprobs(model, *args)[0] for model in (trained, exported))
     assert torch.allclose(before, after, atol=1e-6)
+
+
+def _lr_spy(monkeypatch, used: list):
+    """Record the learning rate of every optimizer step the loop makes (as the optimizer reads it when it steps)."""
+    from harness import train as train_module
+
+    build = train_module.build_optimizer
+
+    def spied(params, t):
+        optimizer = build(params, t)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+        return optimizer
+
+    monkeypatch.setattr(train_module, "build_optimizer", spied)
+
+
+def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is_skipped(tmp_path, monkeypatch):
+    """Warm-up over 3 updates, 2 updates per step, 3 steps: the k-th update uses lr x min(1, (k + 1) / 4), also when
+    the run is stopped after step 1 and resumed; torch never warns that a schedule value was skipped. A row's ``lr``
+    is the schedule's value after the step's updates (the next update's), as transformers' Trainer logs it."""
+    import warnings
+
+    run = tiny_run(tmp_path, "train.warmup_steps=3", "train.steps=3", "train.lr=0.01")
+    expected = [0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01]
+    used: list[float] = []
+    _lr_spy(monkeypatch, used)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(run, tmp_path / "full", progress=False)
+        with stopped_before(2):
+            train(run, tmp_path / "part", progress=False)
+        train(run, tmp_path / "part", progress=False)
+    # the stopped attempt made steps 1 and 2 (4 updates) before its stop at step 2's record; the resume redoes
+    # step 2 from step 1's checkpoint, with the schedule's state of then
+    assert used[:6] == pytest.approx(expected) and used[6:] == pytest.approx(expected[:4] + expected[2:])
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    for folder in ("full", "part"):
+        assert [r["lr"] for r in read_jsonl(tmp_path / folder / "metrics.jsonl")[1:]] == \
+            pytest.approx([0.0075, 0.01, 0.01])
+
+
+def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
+    from harness.build import build_optimizer, build_scheduler
+    from harness.update import RunState, optimizer_step
+
+    param = torch.nn.Parameter(torch.ones(3))
+    t = OmegaConf.create({"lr": 0.01, "weight_decay": 0.0, "warmup_steps": 3})
+    optimizer = build_optimizer([param], t)
+    scheduler, state, used = build_scheduler(optimizer, t), RunState(), []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
+        param.grad = torch.ones(3)
+        optimizer_step([param], optimizer, scheduler, loss, 1.0, state)
+    assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1

@@ -115,3 +115,44 @@ def test_the_doc_tables_are_the_generated_ones():
     for path, kind in names.DOCS.items():
         assert names.section(path.read_text(), kind) == names.generated(kind), (
             f"{path.name}'s {kind} table is stale: python -m harness explain --markdown --write")
+
+
+def test_explain_knows_every_objective_hyperparameter(capsys):
+    hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
+    for param in sorted(hyperparameters):
+        assert main(["explain", param]) == 0, param  # `make explain KEY=la_power` said "no config key"
+        out = capsys.readouterr().out
+        taking = [o for o in OBJECTIVES.names() if param in OBJECTIVES.get(o).hyperparameters()]
+        assert f"objective.params.{param}: " in out and f"  objectives: {', '.join(taking)}\n" in out, out
+    assert main(["explain", "objective.params.la_power"]) == 0
+    out = capsys.readouterr().out
+    assert "n_t^la_power" in out and "default: ctpo 0.5" in out
+    assert {n.key for n in names.all_names()} >= {f"objective.params.{p}" for p in hyperparameters}
+
+
+def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkeypatch, capsys):
+    from objectives.base import Objective, register_objective
+
+    monkeypatch.setattr(OBJECTIVES, "_items", dict(OBJECTIVES._items))  # registered for this test only
+    names.all_names.cache_clear()
+
+    @register_objective("edge_knobs")
+    class EdgeKnobs(Objective):
+        knob_a: float = 0.5  # how hard the test turns its knob
+        # a knob documented above its line
+        knob_b: int = 3
+        la_power: float = 2.0  # this objective's own la_power
+
+    try:
+        assert main(["explain", "knob_a"]) == 0
+        out = capsys.readouterr().out
+        assert "objective.params.knob_a: how hard the test turns its knob" in out and "objectives: edge_knobs" in out
+        assert main(["explain", "knob_b"]) == 0
+        assert "knob_b: a knob documented above its line" in capsys.readouterr().out
+        assert main(["explain", "la_power"]) == 0  # a name another objective has: each one's meaning
+        out = capsys.readouterr().out
+        assert "ctpo: length-adaptive window" in out and "edge_knobs: this objective's own la_power" in out
+        assert "| `objective.params.knob_a` | how hard the test turns its knob | edge_knobs 0.5 |" in \
+            names.names_markdown()
+    finally:
+        names.all_names.cache_clear()

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from harness.config import ConfigError, load_experiment, run_configs
 from harness.locks import FolderBusyError
 from harness.records import RunRecords, read_jsonl
 from harness.train import train
+from tests.interrupt import stopped_before
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,8 @@ def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, 
 
 def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
     run = tiny_run(tmp_path, "train.steps=3")
-    train(with_steps(run, 2), tmp_path / "run", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "run", progress=False)
     path = tmp_path / "run" / "metrics.jsonl"
     lines = path.read_text().splitlines()
     lines[1] = "{garbage"
@@ -58,14 +59,11 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
 
 
-def with_steps(run, steps: int):
-    return OmegaConf.merge(run, {"train": {"steps": steps}})
-
-
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
-    train(with_steps(run, 2), tmp_path / "part", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
     folder = tmp_path / "part" / "checkpoints"
     assert (folder / "previous.pt").exists()  # step 1's, kept while step 2's was written
     (folder / "last.pt").write_bytes(b"torn")
@@ -110,6 +108,28 @@ def test_replacing_the_task_replaces_its_arguments():
     assert run.task.args == {}
     (run,) = run_configs(load_experiment("quickstart", ["task.args={}", "seed=0", "objective.name=grpo"]))
     assert run.task.args == {}
+    # another task with arguments of its own: those, not the experiment's (arith's digits, ...) as well
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_sum",
+                                                        "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {"dataset": "chain_sum"}
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=arith", "task.args.digits=3", "seed=0",
+                                                        "objective.name=grpo"]))  # the same task: merged
+    assert run.task.args == {"num_operands": 2, "digits": 3, "operators": "+-"}
+
+
+def test_a_misspelt_generator_of_another_task_is_named_not_the_experiments_arguments():
+    with pytest.raises(ConfigError) as error:
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_summ"]))
+    assert "Did you mean 'chain_sum'" in str(error.value) and "digits" not in str(error.value)
+    with pytest.raises(ConfigError) as error:  # the task's arguments with their defaults, a factory's too
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.digit=3"]))
+    assert "params={}" in str(error.value) and "MISSING" not in str(error.value)
+    assert not str(error.value).startswith("task 'reasoning_gym': task")  # the task named once
+
+
+def test_a_warm_start_band_without_steps_names_both_settings_of_no_warm_start():
+    with pytest.raises(ConfigError, match=r"model.warm_start_steps=0 model.warm_start_target=null$"):
+        run_configs(load_experiment("quickstart", ["model.warm_start_steps=0"]))
 
 
 @pytest.mark.slow

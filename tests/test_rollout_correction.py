@@ -35,6 +35,7 @@ from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, 
 from tests.test_objectives import DT, group_batch, num
 from tests.test_trl_backend import (  # fixed: the TRL tests' fixed rollout batch (a fixture)
     GradCapture,
+    NoSchedule,
     assert_same,
     fixed,  # noqa: F401
     loss_and_grad,
@@ -443,7 +444,6 @@ def test_trl_mode_none_keeps_trl_correction_off_and_own_options_are_refused(tmp_
         run_configs(load_experiment("base", base))
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
 @pytest.mark.parametrize("objective, mode", [("grpo", "token_truncate"), ("gspo", "sequence_mask"),
                                              ("p3o", "token_mask")])
 def test_trl_backend_applies_the_correction_as_the_native_loop(fixed, tmp_path, objective, mode):  # noqa: F811
@@ -467,15 +467,14 @@ def test_trl_backend_applies_the_correction_as_the_native_loop(fixed, tmp_path, 
 
     policy = copy.deepcopy(model)
     capture = GradCapture(policy)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(policy.parameters(), lr=0.0), lambda s: 1.0)
     batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, None, weights)
-    native = update(policy, capture, scheduler, get_objective(objective), batch, run, 1,
+    native = update(policy, capture, NoSchedule(), get_objective(objective), batch, run, 1,
                     RunState(total_optimizer_steps=1))
     loss, grads = loss_and_grad(trainer, out)
     assert_same(native["loss"], capture.grads, loss, grads)
     plain = copy.deepcopy(policy)
     capture_plain = GradCapture(plain)
-    update(plain, capture_plain, scheduler, get_objective(objective), TrainBatch(
+    update(plain, capture_plain, NoSchedule(), get_objective(objective), TrainBatch(
         ro, rewards, advantages, group_ids, old_logp), run, 1, RunState(total_optimizer_steps=1))
     assert any(not torch.allclose(capture_plain.grads[k], capture.grads[k]) for k in grads)  # it changed something
 

@@ -1,0 +1,473 @@
+"""The edges a hostile user finds (issue 31): resuming a run folder with other settings, a full disk, killed runs
+shown as running. Each refuses in one line before anything starts, or recovers exactly and says so."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.__main__ import main
+from harness.config import ConfigError, load_experiment, run_configs
+from harness.locks import RUN_LOCK, lock_folder
+from harness.records import DiskFullError, atomic_write, read_jsonl, run_status
+from harness.train import train
+from tests.interrupt import stopped_before
+from tests.tiny import TINY_RUN, tiny_run, without_timing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under ``folder`` with its bytes and modification time."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def temporaries(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if ".tmp" in p.name)
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(("error", "config error"))]
+
+
+# ------------------------------------------------------------------------------ 2. one run folder, one run
+
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A grpo run killed after step 1 of 3 (its checkpoint, rows 0 and 1; summary.json says running)."""
+    run = tiny_run(tmp_path, "train.steps=3")
+    with stopped_before(2):
+        train(run, tmp_path / "run", progress=False)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary["status"] = "running"  # as a SIGKILL leaves it (the interruption above could still write it)
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
+    return run, tmp_path / "run"
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("objective.name=gspo", "objective.name grpo -> gspo"), ("train.lr=0.01", "train.lr 0.001 -> 0.01"),
+    ("objective.params.clip_low=0.3", "objective.params.clip_low (unset) -> 0.3")])
+def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing(stopped_run, override, shown,
+                                                                                   capsys):
+    run, run_dir = stopped_run
+    before = snapshot(run_dir)
+    code = main(["train", "base", *TINY_RUN, "train.steps=3", override, "--run-dir", str(run_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("config error: "), err
+    assert shown in err and "mix two runs" in err and f"train {run_dir / 'config.yaml'} --run-dir {run_dir}" in err
+    assert snapshot(run_dir) == before  # summary.json, config.yaml, metrics, checkpoints: untouched
+    assert run_status(run_dir) == "stopped"  # and it does not claim to be running
+    with pytest.raises(ConfigError, match="other settings"):  # the Python entry points refuse as well
+        train(OmegaConf.merge(run, OmegaConf.from_dotlist([override])), run_dir, progress=False)
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
+def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_run):
+    from harness.trl_backend import train_trl
+
+    run, run_dir = stopped_run
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match="backend native -> trl"):
+        train_trl(OmegaConf.merge(run, {"backend": "trl"}), run_dir, progress=False)
+    assert snapshot(run_dir) == before
+
+
+def test_the_same_settings_resume_and_say_from_which_step(stopped_run, tmp_path, capsys):
+    run, run_dir = stopped_run
+    elsewhere = OmegaConf.merge(run, {"results_dir": str(tmp_path / "other"), "logging": {"project": "p"}})
+    summary = train(elsewhere, run_dir, progress=False)  # results_dir and logging do not change a run
+    assert f"resuming {run_dir.name} from step 1 (checkpoint {run_dir / 'checkpoints' / 'last.pt'})" in \
+        capsys.readouterr().err
+    train(run, tmp_path / "full", progress=False)
+    assert summary["status"] == "finished"
+    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+def test_a_setting_added_to_the_schema_since_does_not_block_a_resume(stopped_run):
+    run, run_dir = stopped_run
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    del saved.train["pass_k"]  # a run from before train.pass_k existed
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert train(run, run_dir, progress=False)["status"] == "finished"
+
+
+# ------------------------------------------------------------------------------ 5. killed runs are stopped
+
+
+def test_a_run_whose_summary_says_running_is_stopped_unless_a_process_holds_its_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert run_status(run_dir) == "pending"
+    (run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
+    assert run_status(run_dir) == "stopped"
+    lock = lock_folder(run_dir / RUN_LOCK, "busy")
+    try:
+        assert run_status(run_dir) == "running"
+    finally:
+        lock.close()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert run_status(run_dir) == "finished"
+
+
+def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch):
+    from harness import sweep
+    from harness.config import load_experiment, run_configs, run_id
+
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp"])
+    (run,) = run_configs(cfg)
+    run_dir = tmp_path / "exp" / run_id(run)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "running"}))  # SIGKILLed
+    seen = []
+
+    class Child:  # the run's process: records the manifest it starts with, then exits killed
+        returncode = -9
+
+        def __init__(self, *args, **kwargs):
+            seen.append(json.loads((tmp_path / "exp" / "manifest.json").read_text())["runs"][0]["status"])
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Child)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    entries = sweep.run_sweep(cfg, progress=False)
+    assert seen == ["stopped"] and entries[0]["status"] == "stopped"
+    assert json.loads((tmp_path / "exp" / "manifest.json").read_text())["runs"][0]["status"] == "stopped"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_is_stopped_and_a_refused_resume_leaves_it_so(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "harness", "train", "base", *TINY_RUN, "train.steps=500", "--run-dir", str(run_dir),
+            "--no-progress"]
+    proc = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.DEVNULL)
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < 2:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    assert run_status(run_dir) == "running"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    assert run_status(run_dir) == "stopped"
+    before = snapshot(run_dir)
+    out = subprocess.run([*args, "objective.name=gspo"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "objective.name grpo -> gspo" in out.stderr
+    assert snapshot(run_dir) == before and run_status(run_dir) == "stopped"
+
+
+# ------------------------------------------------------------------------------ 3. full disk
+
+
+@pytest.fixture
+def reference(tmp_path):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "reference", progress=False)
+    return without_timing(read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
+
+
+def fill_disk_at(monkeypatch, name: str, after: int = 0, code: int = errno.ENOSPC):
+    """Make the ``after``-th and later flushes to disk (fsync) of a file named ``name`` fail with ``code``, as
+    the kernel reports a full disk: what was written stays in the file (a temporary's part, a torn line)."""
+    fsync, calls = os.fsync, []
+
+    def failing(fd):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+            calls.append(fd)
+            if len(calls) > after:
+                raise OSError(code, os.strerror(code))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    return calls
+
+
+@pytest.mark.parametrize("name, after, code", [
+    ("last.pt.tmp", 1, errno.ENOSPC),  # the second checkpoint (step 2)
+    pytest.param("metrics.jsonl", 2, errno.ENOSPC, marks=pytest.mark.slow),  # step 2's row (after 0's and 1's)
+    pytest.param("summary.json.tmp", 3, errno.EDQUOT, marks=pytest.mark.slow),  # a quota, at step 1's summary
+    pytest.param("config.yaml.tmp", 0, errno.ENOSPC, marks=pytest.mark.slow),  # before the first step
+])
+def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_path, monkeypatch, capsys, reference,
+                                                                          name, after, code):
+    run_dir = tmp_path / "run"
+    args = ["train", "base", *TINY_RUN, "train.steps=3", "--run-dir", str(run_dir), "--no-progress"]
+    with monkeypatch.context() as patch:
+        calls = fill_disk_at(patch, name, after, code)
+        assert main(args) == 1
+    assert len(calls) > after  # the failure happened where intended
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "During handling" not in err
+    (line,) = error_lines(err)
+    assert line.startswith("error: disk full: could not write " if code == errno.ENOSPC else
+                           "error: disk quota exceeded: could not write ")
+    assert name.removesuffix(".tmp") in line and "free there" in line and "run the same command again" in line
+    assert temporaries(run_dir) == [] and not (run_dir / "traceback.txt").exists()
+    assert run_status(run_dir) in ("stopped", "failed", "pending")  # never "running": no process holds it
+    assert main(args) == 0  # space freed: the same command resumes
+    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == reference
+    assert temporaries(run_dir) == []
+
+
+def test_atomic_write_keeps_the_old_file_and_no_temporary_on_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    atomic_write(path, "old")
+    fill_disk_at(monkeypatch, "summary.json.tmp")
+    with pytest.raises(DiskFullError, match=r"disk full: could not write .*summary\.json \(.* free there\)"):
+        atomic_write(path, "new")
+    assert path.read_text() == "old" and temporaries(tmp_path) == []
+    monkeypatch.undo()
+    (tmp_path / "summary.json.tmp").write_text("half")  # a killed writer's leftover is replaced, not appended to
+    atomic_write(path, "new")
+    assert path.read_text() == "new" and temporaries(tmp_path) == []
+
+
+def test_stale_temporaries_are_swept_away_when_a_run_resumes(stopped_run):
+    run, run_dir = stopped_run
+    for stale in (run_dir / "summary.json.tmp", run_dir / "checkpoints" / "last.pt.tmp"):
+        stale.write_bytes(b"torn")
+    (run_dir / "exports" / "step_1.tmp").mkdir(parents=True)
+    train(run, run_dir, progress=False)
+    assert temporaries(run_dir) == []
+
+
+def test_the_sweep_manifest_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    with monkeypatch.context() as patch:
+        fill_disk_at(patch, "manifest.json.tmp")
+        code = main(["sweep", "base", *TINY_RUN, f"results_dir={tmp_path}", "name=exp", "--no-progress",
+                     "--no-report"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    (line,) = error_lines(err)
+    assert line.startswith("error: disk full: could not write ") and "manifest.json" in line
+    assert temporaries(tmp_path / "exp") == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MB tmpfs (needs root and mount); skipped where it cannot be mounted."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                                                       capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_space_is_freed(
+        small_disk, tmp_path, reference):
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - 700 * 1024))  # room for two checkpoints only
+    args = ["train", "base", *TINY_RUN, "train.steps=3", "--run-dir", str(small_disk / "run"), "--no-progress"]
+    out = subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    (line,) = error_lines(out.stderr)
+    assert line.startswith("error: disk full: could not write ") and "run the same command again" in line, line
+    assert temporaries(small_disk) == []
+    assert run_status(small_disk / "run") != "running"
+    filler.unlink()
+    out = subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "resuming run from step" in out.stderr, out.stderr
+    assert without_timing(read_jsonl(small_disk / "run" / "metrics.jsonl")) == reference
+    # a sweep whose manifest cannot be written: one line as well
+    filler.write_bytes(b"\0" * shutil.disk_usage(small_disk).free)
+    out = subprocess.run([sys.executable, "-m", "harness", "sweep", "base", *TINY_RUN, f"results_dir={small_disk}",
+                          "name=exp", "--no-progress", "--no-report"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    (line,) = error_lines(out.stderr)
+    assert "disk full: could not write" in line and temporaries(small_disk) == []
+
+
+# ------------------------------------------------------------------------------ 6. experiment files
+
+
+@pytest.mark.parametrize("text, kind", [("- train.steps: 3\n- seed: 1\n", "not a list"), ("42\n", "not the int '42'"),
+                                        ("grpo\n", "not the str 'grpo'")])
+def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error_naming_it(tmp_path, text, kind):
+    from harness.config import load_experiment
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}: the top level must be a mapping of settings .*{kind}$"):
+        load_experiment(str(path))
+
+
+def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
+    from harness.config import load_experiment
+
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    cfg = load_experiment(str(tmp_path / "empty.yaml"))
+    assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
+
+
+# ------------------------------------------------------------------------------ 7. refused before anything exists
+
+QUICK = ["model.warm_start_steps=0", "model.warm_start_target=null", "train.steps=3", "task.eval_size=16",
+         "train.prompts_per_step=4", "threads=1"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("device=mps", "device=mps, but torch has no MPS"),
+    ("device=cuda:7", "device=cuda:7, but "),
+    ("device=meta", "device=meta: the harness runs on cpu, cuda or mps"),
+    ("threads=-1", "threads must be >= 0"),
+    ("seed=-1", r"seed must be an integer in \[0, 2\*\*32\)"),
+    ("model.seed=-1", r"model.seed must be an integer in \[0, 2\*\*32\)"),
+    ("task.name=gsm8k task.data_dir=/nonexistent", "gsm8k: task.data_dir=/nonexistent does not exist; point it"),
+    ("model.name=/nonexistent/model", "neither a local folder .* nor a hub id"),
+])
+def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(tmp_path, capsys, override, message):
+    assert main(["train", "quickstart", *QUICK, *override.split(), f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: ") and re.search(message, err), err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nonexistent"))
+    assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the environment's GSM8K_DIR={tmp_path / 'nonexistent'} does not exist" in err
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "empty"))
+    assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
+    assert f"GSM8K_DIR={tmp_path / 'empty'}: train.jsonl and test.jsonl do not exist" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.fixture
+def hub_check(monkeypatch):
+    import huggingface_hub
+
+    from harness import config
+
+    config._hub_model_problem.cache_clear()
+    calls = []
+
+    def model_info(name, timeout=None):
+        calls.append(timeout)
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.setattr("harness.models.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded: the check came too late"))
+    yield calls
+    config._hub_model_problem.cache_clear()
+
+
+def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
+    from harness.config import HUB_TIMEOUT_S
+
+    args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'nobody/nothing' is not in the local Hugging Face cache and the hub cannot be " \
+        "reached" in err and hub_check == [HUB_TIMEOUT_S]
+    assert main(["sweep", *args, "sweep.grid.seed=[0,1]"]) == 2 and hub_check == [HUB_TIMEOUT_S]  # asked once
+    assert not (tmp_path / "results").exists()
+
+
+def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_path, capsys, hub_check, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["train", "quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path}/r"]) == 2
+    assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err and hub_check == []
+
+
+@pytest.mark.slow
+def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
+    from harness import config
+
+    config._hub_model_problem.cache_clear()
+    run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
+    with pytest.raises(ConfigError, match="model.name 'nobody-x9/nothing-x9'.*(no such model|cannot be reached)"):
+        config.check_this_machine([run])
+
+
+# ------------------------------------------------------------------------------ 9. a torn line that is not redone
+
+
+def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half of step 3's line: a cut copy
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2] and capsys.readouterr().err == ""  # a live reader
+    read_jsonl(path, warn=True, complete=True)  # a reader that knows the writer is done
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is" in capsys.readouterr().err
+    summary = train(run, tmp_path / "run", progress=False)  # the same command again: step 3 is not redone
+    err = capsys.readouterr().err
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is listed in summary.json's " \
+        "missing_steps)" in err
+    assert summary["status"] == "finished" and summary["missing_steps"] == [3]
+
+
+def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_run, capsys):
+    run, run_dir = stopped_run
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward_me')  # the step after the checkpoint, torn by the kill
+    assert train(run, run_dir, progress=False)["missing_steps"] == []
+    assert "warning" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ 10. the terminal
+
+
+def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, monkeypatch):
+    from harness.metrics import progress_fields
+
+    monkeypatch.setattr("harness.train.evaluate", lambda policy, tokenizer, task, cfg, step: (
+        {"eval_accuracy": 1 / 120 * (step + 1)}, []))
+    assert main(["train", "base", *TINY_RUN, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"finished: eval accuracy 0\.008 at the start, 0\.025 at the end \(best 0\.025\), \d+ s",
+                        last), last
+    rows = [{"step": 1, "reward_mean": 0.3333333, "clip_frac": 1.23456e-4, "eval_accuracy": 0.008333333333}]
+    assert progress_fields(rows[0], rows) == {"reward": "0.333", "clip": "0.000123", "eval": "0.008"}
+
+
+@pytest.mark.slow
+def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnings(tmp_path, capsys):
+    from harness.trl_backend import train_trl
+
+    run = tiny_run(tmp_path, "backend=trl", "train.steps=2", "train.eval_every=1", "train.save_every=1")
+    assert train_trl(run, tmp_path / "run", progress=True)["status"] == "finished"
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "reward=" in out and "eval=" in out  # our fields on TRL's bar
+    for noise in ("{'loss'", "'learning_rate'", "train_runtime", "is_gradient_checkpointing", "Writing model shards",
+                  "mtime may not be reliable"):
+        assert noise not in out, noise
+
+
+def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the_lock(tmp_path):
+    from harness.trl_backend import trl_checkpoints
+
+    trl = tmp_path / "trl"
+    for step, complete in ((4, True), (8, True), (12, False)):  # checkpoint-12: a kill or a full disk mid-save
+        (trl / f"checkpoint-{step}").mkdir(parents=True)
+        (trl / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+        if complete:
+            (trl / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert trl_checkpoints(trl) == (str(trl / "checkpoint-8"), [trl / "checkpoint-12"])
+    assert trl_checkpoints(tmp_path / "none") == (None, [])
