@@ -39,6 +39,7 @@ from harness.moe import TinyMoeSpec, build_tiny_moe
 from harness.rollout import Rollout, completion_logprobs, generate
 from harness.routing import Grid, Routing, RoutingRecord, full_layout
 from harness.tasks import Task, get_task
+from harness.threads import run_threads
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-steps", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_threads(args.threads)
     task = get_task("arith", eval_size=128, num_operands=2, digits=2, operators="+-")
     probe = UpdateProbe(depths=tuple(args.depths), seeds=tuple(args.seeds), lrs=tuple(args.lrs),
                         sft_steps=args.sft_steps)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.config import check_this_machine, run_configs, run_id
-from harness.locks import RUN_LOCK, is_held, lock_folder
+from harness.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
 from harness.metrics import progress_fields
 from harness.records import atomic_write, read_jsonl, remove_stale_temporaries, run_status, write_json_atomic
 from harness.threads import free_threads, run_threads
@@ -81,7 +81,7 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     exp_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_folder(exp_dir / ".sweep.lock", f"another sweep is already running in {exp_dir}")
+    lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
 
     entries = []

@@ -52,4 +52,9 @@ def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     printed = capsys.readouterr().out
     assert "one rollout (" in printed and "one update (" in printed
     rollout, update = printed.split("one update (")
-    assert "aten::mm" in update and "Self CPU time total" in rollout and "Self CPU time total" in update
+    # the table's rows are ranked by measured time, so which operators make the top rows depends on the machine's
+    # load: check the table's shape, not its ranking
+    assert "Self CPU time total" in rollout and "Self CPU time total" in update
+    for table in (rollout, update):  # the header and five operator rows, each with Self CPU % and CPU total %
+        assert sum(line.count("%") == 2 for line in table.splitlines()) == 1 + 5
+        assert "aten::" in table
