@@ -1,4 +1,4 @@
-"""results/lab/<name>/ (written by harness/lab.py) -> tidy tables, statistics across batches, figures, report.
+"""results/lab/<name>/ (written by harness/apps/lab.py) -> tidy tables, statistics across batches, figures, report.
 
 Tables (CSV, in the lab folder):
     lab.csv        one row per objective x axis point x batch: the objective's loss and metrics, its gradient's

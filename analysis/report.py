@@ -154,11 +154,12 @@ def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:
 
 def rule_text() -> str:
     r = COLLAPSE_RULE
-    return (f"A run collapsed (harness/collapse.py) when its eval accuracy stays more than {r.eval_margin:g} below its "
-            f"step-0 accuracy for {r.eval_consecutive} evaluations in a row (`eval_drop`), a training step's loss or "
-            f"gradient is non-finite or skips an update for it (`non_finite_loss`, {r.nonfinite_consecutive} step), "
-            f"the entropy stays below {r.entropy_floor:g} nats/token for {r.entropy_consecutive} steps "
-            f"(`entropy_floor`) or the clip fraction at or above {r.clip_ceiling:g} for {r.clip_consecutive} steps "
+    return (f"A run collapsed (harness/run/collapse.py) when its eval accuracy stays more than {r.eval_margin:g} "
+            f"below its step-0 accuracy for {r.eval_consecutive} evaluations in a row (`eval_drop`), a training "
+            f"step's loss or gradient is non-finite or skips an update for it (`non_finite_loss`, "
+            f"{r.nonfinite_consecutive} step), the entropy stays below {r.entropy_floor:g} nats/token for "
+            f"{r.entropy_consecutive} steps (`entropy_floor`) or the clip fraction at or above {r.clip_ceiling:g} "
+            f"for {r.clip_consecutive} steps "
             "(`clip_saturation`). The record is summary.json's `collapse` when the run wrote one, else the same rule "
             "applied here to its metrics. Rate: collapsed / ended runs of the cell (n: distinct seeds), with a "
             "Wilson score 95% interval.")

@@ -12,11 +12,11 @@ import textwrap
 import traceback
 from pathlib import Path
 
-from harness.allocator import keep_freed_memory
-from harness.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
-from harness.locks import FolderBusyError
-from harness.records import atomic_write, check_resume, disk_full_error
-from harness.threads import prefer as prefer_threads
+from harness.run.allocator import keep_freed_memory
+from harness.run.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
+from harness.run.locks import FolderBusyError
+from harness.run.records import atomic_write, check_resume, disk_full_error
+from harness.run.threads import prefer as prefer_threads
 
 
 def _terminate(signum, frame):
@@ -24,8 +24,8 @@ def _terminate(signum, frame):
 
 
 def cmd_train(args) -> int:
-    from harness.backends import backend_train_function
-    from harness.build import resolve_device
+    from harness.loop.backends import backend_train_function
+    from harness.loop.build import resolve_device
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
@@ -67,7 +67,7 @@ def rounded(value: float | None) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from harness.sweep import run_sweep
+    from harness.apps.sweep import run_sweep
 
     cfg = load_experiment(args.experiment, args.overrides)
     entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress)
@@ -103,7 +103,7 @@ def non_negative_int(text: str) -> int:
 
 
 def cmd_list(args) -> int:
-    from harness.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
+    from harness.run.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
     from harness.tasks import available_tasks, reasoning_gym_datasets
     from objectives import OBJECTIVES, available_advantages
 
@@ -128,14 +128,14 @@ def cmd_list(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from harness.models import prepare_embedded_model
+    from harness.policy.models import prepare_embedded_model
 
     print(f"embedded model cached at {prepare_embedded_model()}")
     return 0
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import busy_main, main, matmuls_main, profile_main, step_main
+    from harness.apps.bench import busy_main, main, matmuls_main, profile_main, step_main
 
     try:
         if args.busy or args.step:
@@ -149,25 +149,25 @@ def cmd_bench(args) -> int:
 
 
 def cmd_docs(args) -> int:
-    from harness.docs import main as docs
+    from harness.apps.docs import main as docs
 
     return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
 
 
 def cmd_lab(args) -> int:
-    from harness.lab import main as lab
+    from harness.apps.lab import main as lab
 
     return lab(args.experiment, args.overrides, progress=not args.no_progress)
 
 
 def cmd_claims(args) -> int:
-    from harness.claims import main as claims
+    from harness.apps.claims import main as claims
 
     return claims(args.names, jobs=args.jobs, progress=not args.no_progress)
 
 
 def cmd_explain(args) -> int:
-    from harness import names
+    from harness.run import names
 
     if args.write:
         changed = names.write_docs()
@@ -186,7 +186,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    from harness.soak import main as soak
+    from harness.apps.soak import main as soak
 
     return soak(kills=args.kills, seed=args.seed)
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
     sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
                                       help="torch CPU threads of a run without its own threads setting (0: the "
-                                           "cores free when it starts; harness/threads.py)")
+                                           "cores free when it starts; harness/run/threads.py)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                             "(oversubscription; README Threads)")
     bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
     bench.add_argument("--matmuls", action="store_true",
-                       help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/decode.py)")
+                       help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
                        help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
     args, extra = parser.parse_known_args(argv)

@@ -5,7 +5,7 @@
     loss = sum_{i,t} mask * l_t / sum_{i,t} mask                      (token-mean over the whole minibatch)
 
 No KL in the paper (beta = 0; if beta > 0 the KL is token-mean aggregated as well). DAPO's other two
-ingredients act on the rollouts, not on the loss, and live in the training loop (harness/train.py), available
+ingredients act on the rollouts, not on the loss, and live in the training loop (harness/loop/native.py), available
 to every objective: dynamic sampling (``train.dynamic_sampling``: drop groups whose rewards are all equal and
 refill) and soft overlong punishment (``task.overlong_buffer`` / ``task.overlong_penalty``). The full recipe:
 ``objective.name=dapo train.dynamic_sampling=true task.overlong_buffer=<L_cache>``.

@@ -22,7 +22,7 @@ def gsm8k_dir() -> Path:
 @pytest.fixture
 def tiny_model():
     """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
-    from harness.models import load_model
+    from harness.policy.models import load_model
     from tests.tiny import TINY_SPEC
 
     return load_model("tiny", tiny=TINY_SPEC)

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from harness.records import RunRecords
+from harness.run.records import RunRecords
 
 
 @contextmanager

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from harness.bench import RATIOS, decode_matmuls, main, median_of, profile_main
-from harness.models import load_model
+from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, profile_main
+from harness.policy.models import load_model
 from tests.tiny import TINY_SPEC
 
 

@@ -1,5 +1,5 @@
-"""The decoders of harness/decode.py: each step's logits against the model's own full forward (teacher forcing) for
-every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
+"""The decoders of harness/policy/decode.py: each step's logits against the model's own full forward (teacher forcing)
+for every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
 fallback rules; and the sampler giving the same rollout through every decoder."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from harness import decode
-from harness.decode import (
+from harness.policy import decode
+from harness.policy.decode import (
     CacheDecoder,
     Matmul,
     PerRowDecoder,
@@ -30,8 +30,8 @@ from harness.decode import (
     positions,
     written_out_unsupported,
 )
-from harness.models import build_prompt, load_model
-from harness.rollout import generate
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import generate
 from harness.tasks import get_task
 
 SHAPE = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -18,10 +18,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.__main__ import main
-from harness.config import ConfigError, load_experiment, run_configs
-from harness.locks import RUN_LOCK, lock_folder
-from harness.records import DiskFullError, atomic_write, read_jsonl, run_status
-from harness.train import train
+from harness.loop.native import train
+from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.locks import RUN_LOCK, lock_folder
+from harness.run.records import DiskFullError, atomic_write, read_jsonl, run_status
 from tests.interrupt import stopped_before
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 
@@ -77,7 +77,7 @@ def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing
 
 @pytest.mark.slow
 def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_run):
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     run, run_dir = stopped_run
     before = snapshot(run_dir)
@@ -125,8 +125,8 @@ def test_a_run_whose_summary_says_running_is_stopped_unless_a_process_holds_its_
 
 
 def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch):
-    from harness import sweep
-    from harness.config import load_experiment, run_configs, run_id
+    from harness.apps import sweep
+    from harness.run.config import load_experiment, run_configs, run_id
 
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp"])
     (run,) = run_configs(cfg)
@@ -302,7 +302,7 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_
 @pytest.mark.parametrize("text, kind", [("- train.steps: 3\n- seed: 1\n", "not a list"), ("42\n", "not the int '42'"),
                                         ("grpo\n", "not the str 'grpo'")])
 def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error_naming_it(tmp_path, text, kind):
-    from harness.config import load_experiment
+    from harness.run.config import load_experiment
 
     path = tmp_path / "exp.yaml"
     path.write_text(text)
@@ -311,7 +311,7 @@ def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error
 
 
 def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
-    from harness.config import load_experiment
+    from harness.run.config import load_experiment
 
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
     cfg = load_experiment(str(tmp_path / "empty.yaml"))
@@ -357,7 +357,7 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
 def hub_check(monkeypatch):
     import huggingface_hub
 
-    from harness import config
+    from harness.run import config
 
     config._hub_model_problem.cache_clear()
     calls = []
@@ -367,14 +367,14 @@ def hub_check(monkeypatch):
         raise ConnectionError("Name or service not known")
 
     monkeypatch.setattr(huggingface_hub, "model_info", model_info)
-    monkeypatch.setattr("harness.models.AutoModelForCausalLM.from_pretrained",
+    monkeypatch.setattr("harness.policy.models.AutoModelForCausalLM.from_pretrained",
                         lambda *a, **k: pytest.fail("the model was loaded: the check came too late"))
     yield calls
     config._hub_model_problem.cache_clear()
 
 
 def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
-    from harness.config import HUB_TIMEOUT_S
+    from harness.run.config import HUB_TIMEOUT_S
 
     args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
     assert main(["train", *args]) == 2
@@ -395,7 +395,7 @@ def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_pat
 
 @pytest.mark.slow
 def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
-    from harness import config
+    from harness.run import config
 
     config._hub_model_problem.cache_clear()
     run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
@@ -434,9 +434,9 @@ def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_r
 
 
 def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, monkeypatch):
-    from harness.metrics import progress_fields
+    from harness.loop.metrics import progress_fields
 
-    monkeypatch.setattr("harness.train.evaluate", lambda policy, tokenizer, task, cfg, step: (
+    monkeypatch.setattr("harness.loop.native.evaluate", lambda policy, tokenizer, task, cfg, step: (
         {"eval_accuracy": 1 / 120 * (step + 1)}, []))
     assert main(["train", "base", *TINY_RUN, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -448,7 +448,7 @@ def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, mo
 
 @pytest.mark.slow
 def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnings(tmp_path, capsys):
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     run = tiny_run(tmp_path, "backend=trl", "train.steps=2", "train.eval_every=1", "train.save_every=1")
     assert train_trl(run, tmp_path / "run", progress=True)["status"] == "finished"
@@ -461,7 +461,7 @@ def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnin
 
 
 def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the_lock(tmp_path):
-    from harness.trl_backend import trl_checkpoints
+    from harness.loop.trl_backend import trl_checkpoints
 
     trl = tmp_path / "trl"
     for step, complete in ((4, True), (8, True), (12, False)):  # checkpoint-12: a kill or a full disk mid-save

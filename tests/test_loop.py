@@ -11,15 +11,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import harness.update
-from harness.batch import collect_batch, rewards_of
-from harness.build import build_optimizer, build_policy, build_task
-from harness.config import ConfigError, load_experiment, run_configs
-from harness.models import build_prompt, load_model
-from harness.records import read_jsonl
-from harness.rollout import completion_logprobs, generate
+import harness.loop.update
+from harness.loop.batch import collect_batch, rewards_of
+from harness.loop.build import build_optimizer, build_policy, build_task
+from harness.loop.native import train
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import completion_logprobs, generate
+from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
-from harness.train import train
 from objectives import ObjectiveOutput, available_objectives, get_objective
 from tests.interrupt import stopped_before
 from tests.tiny import TINY_SPEC, tiny_run, without_timing
@@ -209,13 +209,13 @@ def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
 
 @pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
-    passes, real = [], harness.update.minibatch_statistics
+    passes, real = [], harness.loop.update.minibatch_statistics
 
     def spy(*args, **kwargs):
         passes.append(real(*args, **kwargs))
         return passes[-1]
 
-    monkeypatch.setattr(harness.update, "minibatch_statistics", spy)
+    monkeypatch.setattr(harness.loop.update, "minibatch_statistics", spy)
     finals = []
     for micro in (0, 2):
         run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
@@ -235,7 +235,7 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
         out = real(batch)
         return ObjectiveOutput(out.loss * float("nan"), out.metrics)
 
-    monkeypatch.setattr("harness.build.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
+    monkeypatch.setattr("harness.loop.build.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
     run = tiny_run(tmp_path, "train.steps=3", "train.max_nonfinite_in_row=3")
     with pytest.raises(RuntimeError, match="non-finite"):
         train(run, tmp_path / "nan", progress=False)
@@ -371,7 +371,7 @@ def test_a_finished_run_exports_a_policy_transformers_loads_with_the_same_logpro
 
 def _lr_spy(monkeypatch, used: list):
     """Record the learning rate of every optimizer step the loop makes (as the optimizer reads it when it steps)."""
-    from harness import train as train_module
+    from harness.loop import native as train_module
 
     build = train_module.build_optimizer
 
@@ -409,8 +409,8 @@ def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is
 
 
 def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
-    from harness.build import build_optimizer, build_scheduler
-    from harness.update import RunState, optimizer_step
+    from harness.loop.build import build_optimizer, build_scheduler
+    from harness.loop.update import RunState, optimizer_step
 
     param = torch.nn.Parameter(torch.ones(3))
     t = OmegaConf.create({"lr": 0.01, "weight_decay": 0.0, "warmup_steps": 3})

@@ -1,5 +1,5 @@
-"""The tiny MoE (harness/moe.py): transformers' Qwen3MoeForCausalLM of the spec's shape with the char tokenizer;
-bad shapes stop in one line; the router's auxiliary loss enters a labels loss as the class defines it."""
+"""The tiny MoE (harness/policy/tiny_moe.py): transformers' Qwen3MoeForCausalLM of the spec's shape with the char
+tokenizer; bad shapes stop in one line; the router's auxiliary loss enters a labels loss as the class defines it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 
-from harness.moe import TinyMoeSpec, build_tiny_moe
-from harness.routing import find_routers
+from harness.policy.routing import find_routers
+from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
 from tests.tiny_moe import TINY_MOE_SPEC, padded_batch, tiny_moe
 
 

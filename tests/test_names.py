@@ -1,4 +1,4 @@
-"""TRL-style names (harness/names.py): one table covering every config key, TRL names checked against the installed
+"""TRL-style names (harness/run/names.py): one table covering every config key, TRL names checked against the installed
 TRL's GRPOConfig, TRL-named overrides rewritten or refused, `explain`, and the generated doc tables."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from harness import names
 from harness.__main__ import main
-from harness.config import ConfigError, RunConfig, load_experiment, run_configs
+from harness.run import names
+from harness.run.config import ConfigError, RunConfig, load_experiment, run_configs
 from objectives import OBJECTIVES
 from tests.tiny import tiny_run
 
@@ -20,9 +20,9 @@ from tests.tiny import tiny_run
 def test_every_schema_key_has_one_row_and_every_row_is_a_key():
     keys = names.schema_keys()
     rows = [n.key for n in names.NAMES]
-    assert len(rows) == len(set(rows)), "a key twice in harness/names.py NAMES"
+    assert len(rows) == len(set(rows)), "a key twice in harness/run/names.py NAMES"
     missing = [k for k in keys if k not in rows]
-    assert not missing, f"config keys without a row in harness/names.py NAMES: {missing}"
+    assert not missing, f"config keys without a row in harness/run/names.py NAMES: {missing}"
     hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
     extra = [r for r in rows if r not in keys and not (r.startswith("objective.params.") and
                                                        r.rsplit(".", 1)[1] in hyperparameters)]

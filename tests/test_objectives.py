@@ -477,7 +477,7 @@ def test_equal_rewards_give_zero_gradient(name):
 
 OBJECTIVE_MODES = [(name, mode) for name in ALL for mode in objectives.OBJECTIVES.get(name).aggregations]
 # objectives whose loss selects tokens by a statistic of the whole minibatch (a sort / top-k / random draw): they set
-# needs_whole_minibatch and the loop refuses to micro-batch them (harness/config.py)
+# needs_whole_minibatch and the loop refuses to micro-batch them (harness/run/config.py)
 WHOLE_MINIBATCH = {"clip_cov", "kl_cov", "m2po"}
 
 

@@ -1,4 +1,4 @@
-"""The padding-free trainer forward (harness/packed.py) against the model's own forward on the padded batch: the
+"""The padding-free trainer forward (harness/policy/packed.py) against the model's own forward on the padded batch: the
 same completion log-probs, entropies and parameter gradients for every written-out architecture, with left-padded
 prompts of different lengths, groups sharing a prompt, completions from 0 tokens to the full width; what its
 padding costs (nothing); and the cases it leaves to the model's forward."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from harness import rollout
-from harness.packed import padding_free_unsupported
-from harness.rollout import completion_logprobs
+from harness.policy import sampler as rollout
+from harness.policy.packed import padding_free_unsupported
+from harness.policy.sampler import completion_logprobs
 from tests.test_decode import ARCHITECTURES, build
 
 VOCAB = 50
@@ -104,7 +104,7 @@ def test_where_padding_free_does_not_apply_the_models_forward_runs(case, reason,
 
 @pytest.mark.parametrize("old_logp", ["sampler", "recompute"])  # recompute: the no-grad forward before the update
 def test_a_run_with_and_without_padding_free_ends_at_the_same_weights(tmp_path, monkeypatch, old_logp):
-    from harness.train import train
+    from harness.loop.native import train
     from tests.tiny import tiny_run
 
     packed_rows, real = [], rollout.completion_hidden

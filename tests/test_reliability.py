@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import ConfigError, load_experiment, run_configs
-from harness.locks import FolderBusyError
-from harness.records import RunRecords, read_jsonl
-from harness.train import train
+from harness.loop.native import train
+from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.locks import FolderBusyError
+from harness.run.records import RunRecords, read_jsonl
 from tests.interrupt import stopped_before
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 
@@ -33,7 +33,7 @@ def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, 
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:  # Ctrl-C right after the step-0 line, before the first checkpoint
-        patch.setattr("harness.train.collect_batch", interrupted)
+        patch.setattr("harness.loop.native.collect_batch", interrupted)
         with pytest.raises(KeyboardInterrupt):
             train(run, tmp_path / "part", progress=False)
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")] == [0]

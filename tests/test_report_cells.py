@@ -11,7 +11,7 @@ import pytest
 
 from analysis import build_report, load_experiment
 from analysis.report import eval_table, headline_display, md_table, status_lines
-from harness.locks import RUN_LOCK, lock_folder
+from harness.run.locks import RUN_LOCK, lock_folder
 from tests.fake_runs import fake_experiment, fake_run, grid_experiment
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,12 +1,13 @@
-"""The samplers (harness/rollout.py): the native decode loop against transformers' ``generate`` and the trainer."""
+"""The samplers (harness/policy/sampler.py): the native decode loop against transformers' ``generate`` and the
+trainer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness.models import build_prompt, load_model
-from harness.rollout import SAMPLE_BLOCK, _inverse_cdf, _sample, completion_logprobs, generate
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import SAMPLE_BLOCK, _inverse_cdf, _sample, completion_logprobs, generate
 from harness.tasks import get_task
 
 

@@ -20,15 +20,15 @@ import torch
 from omegaconf import OmegaConf
 
 import objectives
-from harness.batch import TrainBatch
-from harness.build import frozen_copy
-from harness.config import ConfigError, load_experiment, run_configs, run_id
-from harness.models import build_prompt, load_model
-from harness.records import read_jsonl
-from harness.rollout import completion_logprobs, generate
+from harness.loop.batch import TrainBatch
+from harness.loop.build import frozen_copy
+from harness.loop.native import train
+from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import completion_logprobs, generate
+from harness.run.config import ConfigError, load_experiment, run_configs, run_id
+from harness.run.records import read_jsonl
 from harness.tasks import get_task
-from harness.train import train
-from harness.update import RunState, behaviour_logp, rollout_correction, update
 from objectives import PolicyBatch, available_objectives, get_objective
 from objectives.base import sum_statistics
 from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, correction_weights
@@ -409,7 +409,7 @@ def trl_reference_ratio(old, sampling, mask, mode, clip_min, clip_max):
 @pytest.mark.parametrize("threshold_lower", [None, 0.0, 0.8])
 @pytest.mark.parametrize("mode", MODES)
 def test_trl_options_compute_exactly_our_weights(tmp_path, bf16_logprobs, mode, threshold_lower):
-    from harness.trl_backend import grpo_config
+    from harness.loop.trl_backend import grpo_config
 
     c = 1.0005 if mode.startswith("token") else 1.002  # bites into the tiny model's bf16 mismatch
     overrides = [*(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "train.prompts_per_step=4",
@@ -433,7 +433,7 @@ def test_trl_options_compute_exactly_our_weights(tmp_path, bf16_logprobs, mode, 
 
 
 def test_trl_mode_none_keeps_trl_correction_off_and_own_options_are_refused(tmp_path, monkeypatch):
-    from harness.trl_backend import grpo_config
+    from harness.loop.trl_backend import grpo_config
 
     base = [*(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "train.prompts_per_step=4",
             "train.group_size=4", "backend=trl", "device=cpu"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness.config import ConfigError, load_experiment, run_configs, run_id
-from harness.records import read_jsonl
+from harness.run.config import ConfigError, load_experiment, run_configs, run_id
+from harness.run.records import read_jsonl
 from tests.tiny import TINY_RUN, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent

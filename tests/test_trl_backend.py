@@ -1,5 +1,5 @@
 """The TRL backend is the native loop's math: (a) on a fixed batch, its loss and gradient equal the native loop's
-(harness.update.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
+(harness.loop.update.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
 run through the backend writes the native results files.
 
 The batch is fixed by calling the trainer's ``_compute_loss`` on a hand-made ``inputs`` dict (the one TRL builds
@@ -18,20 +18,20 @@ import torch
 from omegaconf import OmegaConf
 from trl import GRPOTrainer
 
-from harness.batch import TrainBatch
-from harness.config import ConfigError, load_experiment, run_configs
-from harness.models import build_prompt, load_model
-from harness.records import read_jsonl
-from harness.rollout import generate
-from harness.tasks import get_task
-from harness.trl_backend import (
+from harness.loop.batch import TrainBatch
+from harness.loop.trl_backend import (
     RegistryGRPOTrainer,
     grpo_config,
     problems_dataset,
     reward_functions,
     train_trl,
 )
-from harness.update import RunState, update
+from harness.loop.update import RunState, update
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import generate
+from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.records import read_jsonl
+from harness.tasks import get_task
 from objectives import get_advantage, get_objective
 from tests.interrupt import stopped_before
 from tests.tiny import TINY_SPEC
@@ -104,7 +104,7 @@ def loss_and_grad(trainer, inputs):
 
 
 class GradCapture:
-    """An 'optimizer' for harness.update.update that keeps the gradient of its step instead of stepping."""
+    """An 'optimizer' for harness.loop.update.update that keeps the gradient of its step instead of stepping."""
 
     def __init__(self, model):
         self.model, self.grads = model, None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from harness.config import load_experiment, run_configs
-from harness.records import TIMING_METRICS
+from harness.run.config import load_experiment, run_configs
+from harness.run.records import TIMING_METRICS
 
 TINY_SPEC = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
 TINY_RUN = [

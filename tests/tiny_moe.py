@@ -7,13 +7,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from harness import decode, rollout
-from harness.decode import positions
-from harness.models import char_tokenizer
-from harness.moe import TinyMoeSpec, build_tiny_moe
-from harness.packed import distinct_prompts
-from harness.rollout import Rollout
-from harness.routing import (
+from harness.policy import decode
+from harness.policy import sampler as rollout
+from harness.policy.decode import positions
+from harness.policy.models import char_tokenizer
+from harness.policy.packed import distinct_prompts
+from harness.policy.routing import (
     Grid,
     RecordingDecoder,
     Routing,
@@ -23,6 +22,8 @@ from harness.routing import (
     shared_prompt_layout,
     tail_layout,
 )
+from harness.policy.sampler import Rollout
+from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
 
 TINY_MOE_SPEC = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2, expert_intermediate_size=16)
 PROMPTS = ["12+30=\n", "7-4=\n", "7-4=\n", "100+1=\n"]  # rows 1 and 2 share a prompt
@@ -53,8 +54,8 @@ def full_forward(model, routing: Routing, prompt_ids, prompt_mask, completion_id
 
 
 def shared_prompt_forward(model, routing: Routing, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Tensor:
-    """The trainer's shared-prompt forward (harness/rollout.py's ``_model_hidden``): each distinct prompt's head once,
-    then every row's last prompt token and completion over its cache; final hidden states [N, T + 1, hidden]."""
+    """The trainer's shared-prompt forward (harness/policy/sampler.py's ``_model_hidden``): each distinct prompt's head
+    once, then every row's last prompt token and completion over its cache; final hidden states [N, T + 1, hidden]."""
     body = model.get_decoder()
     first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
     head_mask = prompt_mask[first_row, :-1]
@@ -82,7 +83,7 @@ def record_forward(model, routing: Routing, batch, forward=full_forward) -> Rout
 
 def sample_recorded(model, tokenizer, routing: Routing, prompts: list[str], *, group_size: int,
                     max_new_tokens: int, eos_bonus: float = 3.0) -> tuple[Rollout, RoutingRecord]:
-    """``generate`` through the cache decoder with the sampler's routing recorded (R3): harness.decode's
+    """``generate`` through the cache decoder with the sampler's routing recorded (R3): harness.policy.decode's
     CacheDecoder wrapped in a RecordingDecoder, EOS made likelier (``eos_bonus`` added to its logit when drawing,
     so rows finish at different steps and leave the batch). Returns the rollout and its record on the rollout's
     grid, -1 outside its real tokens."""

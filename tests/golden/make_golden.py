@@ -101,7 +101,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _config(overrides: list[str], results: Path):
-    from harness.config import load_experiment, run_configs
+    from harness.run.config import load_experiment, run_configs
 
     cfg = load_experiment("base", [*COMMON, *overrides, f"results_dir={results}"])
     return cfg, run_configs(cfg)[0]
@@ -111,12 +111,12 @@ def run_one(name: str, workdir: Path) -> dict:
     """Run ``RUNS[name]`` under ``workdir``; what the goldens keep of it (JSON-ready)."""
     from safetensors.torch import load_file
 
-    from harness.records import TIMING_METRICS, read_jsonl
+    from harness.run.records import TIMING_METRICS, read_jsonl
 
     kind, overrides = RUNS[name]
     cfg, run = _config(overrides, workdir / "results")
     if kind == "lab":
-        from harness.lab import run_lab
+        from harness.apps.lab import run_lab
 
         folder = run_lab(cfg, progress=False)
         batches = [torch.load(p, weights_only=False) for p in sorted((folder / "batches").glob("*.pt"))]
@@ -128,9 +128,9 @@ def run_one(name: str, workdir: Path) -> dict:
                                       for k, v in b["references"].items()})}
     run_dir = workdir / name
     if kind == "trl":
-        from harness.trl_backend import train_trl as train
+        from harness.loop.trl_backend import train_trl as train
     else:
-        from harness.train import train
+        from harness.loop.native import train
     summary = train(run, run_dir, progress=False)
     assert summary["status"] == "finished", summary
     metrics = [{k: v for k, v in row.items() if k not in TIMING_METRICS}

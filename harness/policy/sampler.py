@@ -1,0 +1,304 @@
+"""Sampling (a native decode loop, or transformers' ``generate`` as the reference) and completion-only log-probs
+for the trainer.
+
+Both sides use the same distribution: log_softmax(logits / temperature) of the full vocabulary (top-p only
+truncates what is sampled, as vLLM's and TRL's log-probs do), so with one model in one precision the
+sampler's log-probs equal the trainer's up to float round-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from harness.policy.decode import build_decoder, positions
+from harness.policy.packed import completion_hidden, distinct_prompts, padding_free_unsupported
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P]
+    completion_ids: Tensor  # [N, T] right-padded
+    completion_mask: Tensor  # [N, T] bool: tokens up to and including the first EOS
+    sampler_logp: Tensor  # [N, T] log-probs of the sampled tokens under the sampler (0 on padding)
+    texts: list[str]  # decoded completions
+    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+
+
+class _RecordAndWarp(LogitsProcessor):
+    """Records log p(token) of each sampled token under log_softmax(logits / T), then applies T and top-p.
+
+    At step t the processor sees the token sampled at step t-1 as the last input id, so it only keeps the
+    previous step's log-probs (one [N, V] tensor), never the whole [N, T, V] history.
+    """
+
+    def __init__(self, temperature: float, top_p: float, greedy: bool):
+        self.temperature, self.top_p, self.greedy = temperature, top_p, greedy
+        self.previous: Tensor | None = None
+        self.logp: list[Tensor] = []
+
+    def take(self, tokens: Tensor) -> None:
+        self.logp.append(self.previous.gather(-1, tokens[:, None])[:, 0])
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.previous is not None:
+            self.take(input_ids[:, -1])
+        scaled = scores.float() / self.temperature
+        self.previous = torch.log_softmax(scaled, dim=-1)
+        if self.greedy or self.top_p >= 1.0:
+            return scaled
+        return scaled.masked_fill(_top_p_drop(scaled, self.top_p), float("-inf"))
+
+
+def _top_p_drop(scaled: Tensor, top_p: float) -> Tensor:
+    """True for the tokens outside the smallest most-probable set whose probability reaches ``top_p``."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs > top_p
+    return drop_sorted.scatter(-1, order, drop_sorted)
+
+
+def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_id: int) -> Rollout:
+    """A rollout of the given (rollout index, row) pairs, in that order: prompts re-padded on the left,
+    completions on the right, to the widest of the selected rows."""
+    def stack(tensors: list[Tensor], left: bool, value) -> Tensor:
+        width = max(x.shape[-1] for x in tensors)
+        pad = [(width - x.shape[-1], 0) if left else (0, width - x.shape[-1]) for x in tensors]
+        return torch.stack([torch.nn.functional.pad(x, p, value=value) for x, p in zip(tensors, pad, strict=True)])
+
+    def pick(field: str) -> list[Tensor]:
+        return [getattr(rollouts[r], field)[i] for r, i in rows]
+
+    return Rollout(
+        prompt_ids=stack(pick("prompt_ids"), True, pad_token_id), prompt_mask=stack(pick("prompt_mask"), True, 0),
+        completion_ids=stack(pick("completion_ids"), False, pad_token_id),
+        completion_mask=stack(pick("completion_mask"), False, False),
+        sampler_logp=stack(pick("sampler_logp"), False, 0.0), texts=[rollouts[r].texts[i] for r, i in rows],
+        truncated=torch.stack(pick("truncated")))
+
+
+def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
+                 temperature: float, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
+    """The reference: transformers' ``generate`` with a logits processor recording the sampler's log-probs.
+    Returns the completions [N, T] and their log-probs [N, T] (garbage after the first EOS)."""
+    cache = None
+    if group_size > 1 and prompt_ids.shape[1] > 1:
+        head, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+        cache = model.get_decoder()(input_ids=head, attention_mask=head_mask, position_ids=positions(head_mask),
+                                    use_cache=True).cache
+        cache.batch_repeat_interleave(group_size)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    recorder = _RecordAndWarp(temperature, top_p, greedy)
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+        **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
+        logits_processor=LogitsProcessorList([recorder]),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
+        cache=cache,
+    )
+    completion_ids = out[:, prompt_ids.shape[1]:]
+    recorder.take(completion_ids[:, -1])
+    sampler_logp = torch.stack(recorder.logp, dim=1)[:, : completion_ids.shape[1]]
+    return completion_ids, sampler_logp
+
+
+SAMPLE_BLOCK = 256  # vocabulary entries per block of the sampler's two-level inverse CDF
+
+
+def _sample(logits: Tensor, uniform: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
+    """The next token [n] and its log-prob [n] under the full log_softmax(logits / T).
+
+    ``uniform`` [n] in [0, 1): the inverse-CDF draw from softmax(logits / T) truncated to top-p (:func:`_inverse_cdf`),
+    one number per row (so the draws do not depend on which other rows are in the batch); ``None``: argmax
+    (greedy). The log-prob is computed as log_softmax does, (x - max) - log(sum e^(x - max)), for the drawn token
+    only.
+    """
+    scaled = logits.float()
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
+        scaled = scaled / temperature
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()  # unnormalised probabilities, in place: one fresh [n, V] tensor per step, not two
+    log_total = weights.sum(-1).log()
+    if uniform is None:
+        token = scaled.argmax(-1)
+    else:
+        if top_p < 1.0:
+            weights = weights.masked_fill(_top_p_drop(scaled, top_p), 0.0)
+        token = _inverse_cdf(weights, uniform)
+    return token, (scaled.gather(-1, token[:, None]) - top)[:, 0] - log_total
+
+
+def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
+    """Per row of ``weights`` [n, V] (>= 0, some > 0): the first index whose cumulative weight exceeds
+    u x (total weight), for u = ``uniform`` [n] in [0, 1); never an index of weight 0.
+
+    Two levels, so that no cumulative sum over the whole vocabulary is formed (torch's CPU cumsum runs element by
+    element: ~7 ms of every SmolLM2 decode step at 64 rows): the block of ``SAMPLE_BLOCK`` entries (one block of
+    V entries when V is smaller) whose cumulative block sum first exceeds the point, then the entry inside it;
+    where float rounding of the block's own cumulative sum leaves the point past its end, the entry at which that
+    cumulative sum reaches its final value (a positive weight: the sum grew there).
+    """
+    n, vocab = weights.shape
+    size = min(SAMPLE_BLOCK, vocab)
+    blocks = -(-vocab // size)
+    if vocab % size:  # F.pad copies even when there is nothing to pad
+        weights = torch.nn.functional.pad(weights, (0, blocks * size - vocab))
+    padded = weights.view(n, blocks, size)
+    block_cdf = padded.sum(-1).cumsum(-1)  # [n, blocks]
+    total = block_cdf[:, -1:]
+    point = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    block = torch.searchsorted(block_cdf, point, right=True)  # [n, 1]: first block whose cdf > point (its sum > 0)
+    before = torch.nn.functional.pad(block_cdf, (1, 0))[:, :-1].gather(-1, block)  # cdf of the blocks before: <= point
+    first = torch.arange(n, device=weights.device) * blocks  # row r's blocks start at r x blocks in [n x blocks, size]
+    inside = padded.view(n * blocks, size).index_select(0, first + block[:, 0]).cumsum(-1)  # [n, size]
+    entry = torch.searchsorted(inside, point - before, right=True)
+    return (block * size + torch.minimum(entry, torch.searchsorted(inside, inside[:, -1:].contiguous())))[:, 0]
+
+
+def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
+                     temperature: float, top_p: float, greedy: bool, eos_token_id: int, compact_every: int,
+                     decoder: str, compile: bool) -> tuple[Tensor, Tensor]:
+    """The native decode loop over a :mod:`harness.policy.decode` decoder (prompts [D, P] prefilled once per group).
+
+    Every ``compact_every`` steps (0: never) rows that have emitted EOS leave the batch: the last unfinished rows
+    are moved into their slots, so the cost is per finished row. Each step draws one uniform number per output
+    row, so the tokens do not depend on ``compact_every``. Returns the completions [N, T] and log-probs [N, T]
+    (garbage after the first EOS), T = steps run (the loop stops once every row has emitted EOS).
+    """
+    step, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                                 kind=decoder, compile=compile)
+    device, rows = prompt_ids.device, prompt_ids.shape[0] * group_size
+    position = prompt_mask.sum(-1).repeat_interleave(group_size)
+    row = torch.arange(rows, device=device)  # the output row of each batch row
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    completion_ids = torch.full((rows, max_new_tokens), eos_token_id, dtype=torch.long, device=device)
+    sampler_logp = torch.zeros(rows, max_new_tokens, device=device)
+    steps = max_new_tokens
+    for t in range(max_new_tokens):
+        uniform = None if greedy else torch.rand(rows, device=device)[row]
+        token, logp = _sample(logits, uniform, temperature, top_p)
+        completion_ids[row, t], sampler_logp[row, t] = token, logp
+        finished |= token == eos_token_id
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            steps = t + 1
+            break
+        if compact_every and (t + 1) % compact_every == 0 and bool(finished.any()):
+            keep = int((~finished).sum())
+            order = torch.arange(keep, device=device)
+            order[finished[:keep].nonzero()[:, 0]] = keep + (~finished[keep:]).nonzero()[:, 0]
+            step.keep(order)
+            row, finished, token, position = row[order], finished[order], token[order], position[order]
+        logits = step.step(token, position + t)
+    return completion_ids[:, :steps], sampler_logp[:, :steps]
+
+
+def sampler_options(train) -> dict:
+    """A run's sampler settings (``train.sampler``, ``train.decoder``, ``train.compile_sampler``) as
+    :func:`generate` keywords."""
+    return {"sampler": train.sampler, "decoder": train.decoder, "compile": train.compile_sampler}
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",
+             compact_every: int = 4, decoder: str = "auto", compile: bool = False) -> Rollout:
+    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
+
+    Each distinct prompt is prefilled once. ``sampler="native"``: the native decode loop (finished rows leave the
+    batch every ``compact_every`` steps) over a :mod:`harness.policy.decode` ``decoder`` (``"auto"``: prompt keys/values
+    shared by the group for Llama-family models; ``"cache"``: the model's forward over a per-row KV cache,
+    optionally ``torch.compile``-d); ``"hf"``: transformers' ``generate`` (the reference). Both record
+    log p(token) under log_softmax(logits / temperature) of the full vocabulary; draws use the global torch RNG.
+    Completions are right-padded with the pad token after their first EOS (log-prob 0 there).
+    """
+    if sampler not in ("native", "hf"):
+        raise ValueError(f"sampler must be 'native' or 'hf', got {sampler!r}")
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        if sampler == "hf":
+            completion_ids, sampler_logp = _generate_hf(
+                model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, greedy=greedy)
+        else:
+            with torch.inference_mode():  # no autograd bookkeeping per op; what is returned is copied by the ops below
+                completion_ids, sampler_logp = _generate_native(
+                    model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
+                    compact_every=compact_every, decoder=decoder, compile=compile)
+    finally:
+        model.train(was_training)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    is_eos = completion_ids == tokenizer.eos_token_id
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    completion_mask = ~after_eos
+    truncated = ~is_eos.any(-1)
+    completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
+    sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
+
+
+ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        padding_free: bool = True):
+    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
+    ``completion_mask`` is 0.
+
+    The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
+    :func:`harness.policy.packed.padding_free_unsupported` allows): the whole body skips the completions' padding
+    (harness/policy/packed.py). Otherwise the model's forward on prompt + completion, position ids following the
+    attention mask as in ``generate`` with left padding; consecutive rows with the same prompt (a group, or the
+    part of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
+    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per row (the
+    sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
+    """
+    valid = completion_mask.bool()
+    if padding_free and padding_free_unsupported(model, prompt_mask, valid) is None:
+        hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
+    else:
+        hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
+    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
+                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+    return token_logp, entropy
+
+
+def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
+    """The model's final hidden states [N, T, hidden] that predict the completion tokens (prompt passes shared by
+    consecutive rows with the same prompt: :func:`completion_logprobs`)."""
+    decoder = model.get_decoder()
+    attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
+    position_ids = positions(attention)
+    prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
+    first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
+    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
+        head_mask = prompt_mask[first_row, :-1]
+        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                        position_ids=positions(head_mask), use_cache=True).cache
+        cache.batch_select_indices(prompt_of_row)
+        tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
+        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                       cache=cache, use_cache=True).last_hidden_state[:, :length]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
