@@ -13,9 +13,11 @@ import traceback
 from pathlib import Path
 
 from harness.run.allocator import keep_freed_memory
-from harness.run.config import ConfigError, check_this_machine, load_experiment, run_configs, run_id
+from harness.run.atomic import atomic_write, disk_full_error
+from harness.run.config import check_this_machine, load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
-from harness.run.records import atomic_write, check_resume, disk_full_error
+from harness.run.records import check_resume
 from harness.run.threads import prefer as prefer_threads
 
 
@@ -24,8 +26,8 @@ def _terminate(signum, frame):
 
 
 def cmd_train(args) -> int:
-    from harness.loop.backends import backend_train_function
-    from harness.loop.build import resolve_device
+    from harness.loop.backends import BACKENDS
+    from harness.policy.device import resolve_device
 
     cfg = load_experiment(args.experiment, args.overrides)
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
@@ -39,7 +41,7 @@ def cmd_train(args) -> int:
           f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
           f"{run_dir}", file=sys.stderr)
     try:
-        summary = backend_train_function(run.backend)(run, run_dir, progress=not args.no_progress)
+        summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
         raise
     except Exception as e:  # the run's own failure: one line here, the traceback beside the run
@@ -103,7 +105,9 @@ def non_negative_int(text: str) -> int:
 
 
 def cmd_list(args) -> int:
-    from harness.run.config import EMBEDDED_MODELS, EXPERIMENTS_DIR, SAMPLERS
+    from harness.policy.models import EMBEDDED_MODELS
+    from harness.policy.sampler import SAMPLERS
+    from harness.run.config import EXPERIMENTS_DIR
     from harness.tasks import available_tasks, reasoning_gym_datasets
     from objectives import OBJECTIVES, available_advantages
 

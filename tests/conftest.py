@@ -10,6 +10,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_checks():
+    """Every component's config check registered (harness/run/checks.py), as the entry points have them: a test may
+    validate a config without importing an app."""
+    import harness.apps  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     """../shared/data/gsm8k relative to the repository (never committed); tests using it skip without it."""

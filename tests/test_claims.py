@@ -5,7 +5,8 @@ import pandas as pd
 import pytest
 
 from harness.apps.claims import CLAIMS_DIR, evaluate_check, ledger_rows, load_claim, load_claims, write_ledger
-from harness.run.config import ConfigError, load_experiment
+from harness.run.config import load_experiment
+from harness.run.errors import ConfigError
 
 
 def test_shipped_claims_parse_and_their_experiments_exist():

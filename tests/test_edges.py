@@ -19,9 +19,11 @@ from omegaconf import OmegaConf
 
 from harness.__main__ import main
 from harness.loop.native import train
-from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.atomic import DiskFullError, atomic_write
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
-from harness.run.records import DiskFullError, atomic_write, read_jsonl, run_status
+from harness.run.records import read_jsonl, run_status
 from tests.interrupt import stopped_before
 from tests.tiny import TINY_RUN, tiny_run, without_timing
 
@@ -357,9 +359,9 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
 def hub_check(monkeypatch):
     import huggingface_hub
 
-    from harness.run import config
+    from harness.policy import models
 
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
     calls = []
 
     def model_info(name, timeout=None):
@@ -370,11 +372,11 @@ def hub_check(monkeypatch):
     monkeypatch.setattr("harness.policy.models.AutoModelForCausalLM.from_pretrained",
                         lambda *a, **k: pytest.fail("the model was loaded: the check came too late"))
     yield calls
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
 
 
 def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
-    from harness.run.config import HUB_TIMEOUT_S
+    from harness.policy.models import HUB_TIMEOUT_S
 
     args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
     assert main(["train", *args]) == 2
@@ -395,9 +397,10 @@ def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_pat
 
 @pytest.mark.slow
 def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
+    from harness.policy import models
     from harness.run import config
 
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
     run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
     with pytest.raises(ConfigError, match="model.name 'nobody-x9/nothing-x9'.*(no such model|cannot be reached)"):
         config.check_this_machine([run])

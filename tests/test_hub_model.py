@@ -145,7 +145,7 @@ def test_export_every_saves_policies_that_reload_with_the_same_logprobs(tmp_path
 
 
 def test_export_every_is_checked(tmp_path):
-    from harness.run.config import ConfigError
+    from harness.run.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.export_every must be >= 0"):
         tiny_run(tmp_path, "train.export_every=-1")

@@ -18,7 +18,8 @@ from harness.apps.gradient_stats import (
     weight_metrics,
 )
 from harness.apps.lab import lab_config, run_lab
-from harness.run.config import ConfigError, load_experiment
+from harness.run.config import load_experiment
+from harness.run.errors import ConfigError
 from objectives import PolicyBatch, available_objectives, get_objective
 from tests.tiny import TINY_RUN
 

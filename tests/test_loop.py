@@ -17,7 +17,8 @@ from harness.loop.build import build_optimizer, build_policy, build_task
 from harness.loop.native import train
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import completion_logprobs, generate
-from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
 from objectives import ObjectiveOutput, available_objectives, get_objective

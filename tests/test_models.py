@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-import harness.policy.models
-from harness.policy.models import WarmStartError, _check_accuracy, build_prompt, char_tokenizer, load_model, warm_start
+import harness.policy.warm_start
+from harness.policy.models import build_prompt, char_tokenizer, load_model
+from harness.policy.warm_start import WarmStartError, _check_accuracy, warm_start
 from harness.tasks import get_task
 from tests.tiny import TINY_SPEC
 
@@ -105,7 +106,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     def jumping_check(model, tokenizer, task, problems):
         return next(accuracies)
 
-    monkeypatch.setattr("harness.policy.models._check_accuracy", jumping_check)
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", jumping_check)
     settings = {**BAND, "max_steps": 10, "check_every": 1, "target": (0.3, 0.45)}
     with pytest.raises(WarmStartError, match=r"overshot .*0\.00 at step 1, 0\.80 at step 2; lower check_every"):
         warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), **settings)
@@ -122,19 +123,19 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
 
     first = key()
     assert key() == first and key(target=(0.0, 0.9)) != first
-    source_hash = harness.policy.models._recipe_source_hash()
-    monkeypatch.setattr("harness.policy.models.WARM_START_RECIPE", harness.policy.models.WARM_START_RECIPE + 1)
+    source_hash = harness.policy.warm_start._recipe_source_hash()
+    monkeypatch.setattr("harness.policy.warm_start.WARM_START_RECIPE", harness.policy.warm_start.WARM_START_RECIPE + 1)
     assert key() != first
     monkeypatch.undo()
-    monkeypatch.setattr("harness.policy.models.RECIPE_SOURCE_HASH", "changed")
+    monkeypatch.setattr("harness.policy.warm_start.RECIPE_SOURCE_HASH", "changed")
     assert key() != first
     monkeypatch.undo()
 
     def edited_check(model, tokenizer, task, problems):
         return 0.5
 
-    monkeypatch.setattr("harness.policy.models._check_accuracy", edited_check)
-    assert harness.policy.models._recipe_source_hash() != source_hash
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", edited_check)
+    assert harness.policy.warm_start._recipe_source_hash() != source_hash
 
 
 def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):

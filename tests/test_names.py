@@ -12,7 +12,8 @@ import pytest
 
 from harness.__main__ import main
 from harness.run import names
-from harness.run.config import ConfigError, RunConfig, load_experiment, run_configs
+from harness.run.config import RunConfig, load_experiment, run_configs
+from harness.run.errors import ConfigError
 from objectives import OBJECTIVES
 from tests.tiny import tiny_run
 
@@ -27,7 +28,9 @@ def test_every_schema_key_has_one_row_and_every_row_is_a_key():
     extra = [r for r in rows if r not in keys and not (r.startswith("objective.params.") and
                                                        r.rsplit(".", 1)[1] in hyperparameters)]
     assert not extra, f"rows for keys the schema does not have: {extra}"
-    assert all(n.meaning and "\n" not in n.meaning for n in names.NAMES)
+    assert all(n.meaning and "\n" not in n.meaning for n in names.all_names())
+    assert all(names.schema_meanings()[k] for k in keys), "a schema field without its comment (harness/run/config.py)"
+    assert not [n.key for n in names.NAMES if n.key in keys and n.meaning], "a meaning written twice: keep the field's"
 
 
 def test_trl_names_are_grpo_config_fields():

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from harness.loop.native import train
-from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, read_jsonl
 from tests.interrupt import stopped_before

@@ -26,7 +26,8 @@ from harness.loop.native import train
 from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import completion_logprobs, generate
-from harness.run.config import ConfigError, load_experiment, run_configs, run_id
+from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import get_task
 from objectives import PolicyBatch, available_objectives, get_objective

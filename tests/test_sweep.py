@@ -14,7 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness.run.config import ConfigError, load_experiment, run_configs, run_id
+from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from tests.tiny import TINY_RUN, without_timing
 

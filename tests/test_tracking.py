@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from harness.loop.native import train
-from harness.run.config import ConfigError, run_id
+from harness.run.config import run_id
+from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, read_jsonl
 from harness.run.tracking import numeric
 from tests.tiny import tiny_run

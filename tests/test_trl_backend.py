@@ -29,7 +29,8 @@ from harness.loop.trl_backend import (
 from harness.loop.update import RunState, update
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import generate
-from harness.run.config import ConfigError, load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import get_task
 from objectives import get_advantage, get_objective

@@ -35,19 +35,13 @@ from omegaconf import OmegaConf
 from transformers import TrainerCallback
 
 from harness.loop.batch import TrainBatch, sample_group
-from harness.loop.build import (
-    build_objective,
-    build_optimizer,
-    build_policy,
-    build_scheduler,
-    build_task,
-    resolve_device,
-)
+from harness.loop.build import build_objective, build_optimizer, build_policy, build_scheduler, build_task
 from harness.loop.update import RunState, update
+from harness.policy.device import DTYPES, resolve_device
 from harness.policy.sampler import Rollout
 from harness.run.allocator import release_freed_memory
-from harness.run.config import DTYPES, load_experiment, run_configs
-from harness.run.records import atomic_write
+from harness.run.atomic import atomic_write
+from harness.run.config import load_experiment, run_configs
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
 

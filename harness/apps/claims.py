@@ -39,8 +39,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness.run.config import EXPERIMENTS_DIR, ConfigError, load_experiment
-from harness.run.records import atomic_write
+from harness.run.atomic import atomic_write
+from harness.run.config import EXPERIMENTS_DIR, load_experiment
+from harness.run.errors import ConfigError
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed"}

@@ -24,8 +24,8 @@ import torch
 import transformers
 
 from harness.apps.sweep import run_sweep
+from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
-from harness.run.records import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

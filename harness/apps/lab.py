@@ -43,13 +43,15 @@ from tqdm import tqdm
 
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
-from harness.loop.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy, resolve_device
+from harness.loop.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy
 from harness.loop.update import RunState, microbatch_loss, minibatch_order, optimizer_step
+from harness.policy.device import DTYPES, resolve_device
 from harness.policy.models import build_prompt
 from harness.policy.sampler import Rollout, completion_logprobs, generate, sampler_options
-from harness.run.config import DTYPES, ConfigError, check_this_machine, load_experiment, validate
+from harness.run.atomic import atomic_write
+from harness.run.config import check_this_machine, load_experiment, validate
+from harness.run.errors import ConfigError
 from harness.run.locks import lock_folder
-from harness.run.records import atomic_write
 from harness.run.seeding import step_seed
 from harness.run.threads import run_threads
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective

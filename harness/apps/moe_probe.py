@@ -6,7 +6,7 @@ models" (arXiv 2507.18071, §5.3), measured on tiny_moe at several depths.
     python -m harness.apps.moe_probe --depths 2 4 8 --sft-steps 200                     # the same, printed as a table
 
 Per (depth, seed): a tiny_moe of that depth (init seed = seed; the other shape knobs from ``UpdateProbe.spec``),
-optionally ``sft_steps`` of the cached supervised warm start on the task's solutions (harness.policy.models.warm_start,
+optionally ``sft_steps`` of the cached supervised warm start on the task's solutions (harness.policy.warm_start,
 exactly that many steps: "briefly trained"; 0 = random weights, whose near-uniform routers flip on small
 changes). Then per learning rate, on a copy: sample ``group_size`` completions of ``prompts`` train prompts (the
 native sampler), record the routing of every real prompt and completion token in a teacher-forced forward, take ONE
@@ -34,10 +34,11 @@ import torch
 
 from harness.policy.decode import positions
 from harness.policy.expert_volatility import expert_load_entropy, expert_volatility
-from harness.policy.models import build_prompt, char_tokenizer, warm_start
+from harness.policy.models import build_prompt, char_tokenizer
 from harness.policy.routing import Grid, Routing, RoutingRecord, full_layout
 from harness.policy.sampler import Rollout, completion_logprobs, generate
 from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.policy.warm_start import warm_start
 from harness.run.threads import run_threads
 from harness.tasks import Task, get_task
 

@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.run.records import TIMING_METRICS, atomic_write, read_jsonl
+from harness.run.atomic import atomic_write
+from harness.run.records import TIMING_METRICS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30

@@ -20,9 +20,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.loop.metrics import progress_fields
+from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
-from harness.run.records import atomic_write, read_jsonl, remove_stale_temporaries, run_status, write_json_atomic
+from harness.run.records import read_jsonl, run_status, write_json_atomic
 from harness.run.threads import free_threads, run_threads
 
 
@@ -59,7 +60,8 @@ def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
 def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     """Build each distinct warm-started starting policy once, with all cores, before the runs start (they
     then load it from the cache instead of training it in parallel, one core each)."""
-    from harness.loop.build import build_policy, build_task, resolve_device
+    from harness.loop.build import build_policy, build_task
+    from harness.policy.device import resolve_device
 
     if any(run.model.warm_start_steps for run in runs):
         run_threads(runs[0].threads)

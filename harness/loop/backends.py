@@ -1,75 +1,47 @@
 """The training backends, chosen by ``backend`` from one table: the native loop and TRL's GRPOTrainer.
 
-    train = backend_train_function(run.backend)      # imports the backend's module only now
-    summary = train(run, run_dir, progress=True)
+    summary = BACKENDS[run.backend].train(run, run_dir, progress=True)
 
-Each backend also names what it cannot run (:func:`unsupported`), checked by ``harness.run.config.validate`` before
-anything starts. This module imports no backend (and no trl) itself, so validating a config stays light.
+Each backend names what it cannot run (``unsupported``), checked with the config (harness/run/checks.py) before
+anything starts.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 
-from objectives import OBJECTIVES
-
-# backend name -> (module, function train(cfg, run_dir, progress) -> summary dict)
-BACKENDS = {"native": ("harness.loop.native", "train"), "trl": ("harness.loop.trl_backend", "train_trl")}
-
-
-def backend_train_function(name: str) -> Callable:
-    module, function = BACKENDS[name]
-    return getattr(importlib.import_module(module), function)
+from harness.loop import native
+from harness.loop.trl_limits import trl_unsupported
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
 
 
-def world_size() -> int:
-    """Processes of a distributed launch (accelerate / torchrun set WORLD_SIZE), 1 otherwise."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
+    """The TRL backend's run (harness/loop/trl_backend.py)."""
+    # imported here, when a TRL run starts: trl takes seconds to import, and a native run never needs it
+    from harness.loop.trl_backend import train_trl as run
+
+    return run(cfg, run_dir, progress)
 
 
-def trl_extra_args() -> dict:
-    """Extra GRPOConfig arguments from $RLVR_TRL_ARGS (JSON), e.g. '{"use_vllm": true}'."""
-    return json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}")
+@dataclass(frozen=True)
+class Backend:
+    train: Callable[..., dict]  # (cfg, run_dir, progress) -> the run's summary
+    unsupported: Callable[[DictConfig], str | None]  # why it cannot run a config (one sentence), or None
 
 
-def unsupported(run: DictConfig) -> str | None:
-    """Why ``run.backend`` cannot run this config (one sentence saying what to change), or None."""
-    if run.backend != "trl":
-        return None
-    t = run.train
-    minibatch = t.prompts_per_step * t.group_size // t.num_minibatches
-    micro = t.micro_batch_size or minibatch
-    if minibatch % (micro * world_size()):
-        return (f"backend trl: the minibatch ({minibatch} sequences) must split into micro-batches of "
-                f"train.micro_batch_size={micro} on each of {world_size()} processes")
-    if t.group_size < 2:
-        return "backend trl: TRL needs train.group_size >= 2"
-    if run.task.overlong_buffer:
-        return ("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward function to TRL "
-                "yourself); use backend=native")
-    if t.dynamic_sampling:
-        return ("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group refill); "
-                "use backend=native")
-    if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
-        return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
-                "smollm2-135m-instruct")
-    own = sorted(k for k in trl_extra_args() if k.startswith("vllm_importance_sampling"))
-    if own:
-        return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
-                f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
-    if run.model.sampler_dtype not in (None, run.model.dtype):
-        return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
-                "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
-    if OBJECTIVES.get(run.objective.name).needs_whole_minibatch and minibatch // micro > 1:
-        return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
-                "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")
-    if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
-        return (f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL splits "
-                "groups across micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one "
-                "process, or backend=native")
-    return None
+BACKENDS = {"native": Backend(native.train, lambda run: None), "trl": Backend(train_trl, trl_unsupported)}
+
+
+@register_check("backend")
+def check_backend(run: DictConfig) -> None:
+    """``backend`` is in the table and can run this config."""
+    if run.backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {run.backend!r}")
+    reason = BACKENDS[run.backend].unsupported(run)
+    if reason:
+        raise ConfigError(reason)

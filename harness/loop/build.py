@@ -8,22 +8,12 @@ import copy
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.policy.decode import written_out_unsupported
-from harness.policy.models import load_model, warm_start
-from harness.run.config import DTYPES, ConfigError
+from harness.policy.device import DTYPES
+from harness.policy.models import load_model
+from harness.policy.sampler import check_decoder
+from harness.policy.warm_start import warm_start
 from harness.tasks import Task, get_task
 from objectives import get_advantage, get_objective
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto``: cuda when available, else cpu. On CUDA the cuDNN attention backend is switched off: it builds an
-    execution plan for every new sequence length, and decoding (a new key length every step) and variable-length
-    minibatches then spend most of their time building plans (measured on an H100 in bf16: a SmolLM2-sized decode
-    3x slower than with it off); PyTorch's flash / memory-efficient kernels take its place."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    return device
 
 
 def build_task(cfg: DictConfig) -> Task:
@@ -37,12 +27,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
-    t = cfg.train
-    if t.sampler == "native" and t.decoder in ("shared_prefix", "per_row"):
-        reason = written_out_unsupported(model, t.max_new_tokens)
-        if reason:
-            raise ConfigError(f"train.decoder={t.decoder} cannot run {m.name!r}: {reason}; use train.decoder=auto "
-                              "(falls back to the cache decoder) or cache")
+    check_decoder(model, cfg)
     start = None
     if m.warm_start_steps:
         target = tuple(m.warm_start_target) if m.warm_start_target is not None else None

@@ -28,20 +28,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from harness.loop.batch import TrainBatch, collect_batch
-from harness.loop.build import (
-    build_objective,
-    build_optimizer,
-    build_policy,
-    build_scheduler,
-    build_task,
-    frozen_copy,
-    resolve_device,
-)
+from harness.loop.build import build_objective, build_optimizer, build_policy, build_scheduler, build_task, frozen_copy
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
+from harness.policy.device import DTYPES, resolve_device
 from harness.policy.sampler import completion_logprobs
-from harness.run.config import DTYPES
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 

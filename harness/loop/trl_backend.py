@@ -56,14 +56,16 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
-from harness.loop.backends import trl_extra_args, unsupported, world_size
-from harness.loop.build import build_objective, build_policy, build_task, frozen_copy, resolve_device
+from harness.loop.build import build_objective, build_policy, build_task, frozen_copy
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, peak_memory_mb, progress_fields
+from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.loop.update import behaviour_logp, correction_settings, rollout_correction
+from harness.policy.device import resolve_device
 from harness.policy.models import build_prompt
-from harness.run.config import ConfigError
-from harness.run.records import TMP, RunRecords, atomic_write, no_save_progress_bar
+from harness.run.atomic import TMP, atomic_write
+from harness.run.errors import ConfigError
+from harness.run.records import RunRecords, no_save_progress_bar
 from harness.run.threads import run_threads
 from harness.tasks import Problem
 from objectives import PolicyBatch
@@ -391,7 +393,7 @@ def quiet_transformers() -> None:
 
 
 def save_model(trainer, folder: Path, main: bool) -> None:
-    """``trainer.save_model`` into ``folder`` atomically (harness.run.records.atomic_write). Every rank calls it: ZeRO-3
+    """``trainer.save_model`` into ``folder`` atomically (harness.run.atomic.atomic_write). Every rank calls it: ZeRO-3
     / FSDP gather the weights there; the main process writes."""
     with no_save_progress_bar():
         if main:
@@ -415,7 +417,7 @@ def trl_checkpoints(folder: Path) -> tuple[str | None, list[Path]]:
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
-    reason = unsupported(cfg)
+    reason = trl_unsupported(cfg)
     if reason:
         raise ConfigError(reason)
     torch.manual_seed(cfg.seed)

@@ -39,8 +39,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from harness.run.config import DECODERS
-
+DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # train.decoder: build_decoder's kinds
 WRITTEN_OUT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17

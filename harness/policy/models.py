@@ -1,8 +1,8 @@
-"""Policies and tokenizers: the embedded SmolLM2-135M-Instruct, a tiny character-level Llama, or any hub model.
+"""Policies and tokenizers: the embedded SmolLM2-135M-Instruct, a tiny character-level Llama, or any hub model;
+the prompt a question becomes; the config check of ``model.*`` (and, when runs start, whether a hub model can be
+loaded here).
 
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 128}, seed=0)
-    model, sidecar = warm_start(model, tokenizer, task, max_steps=3000, lr=1e-3, batch_size=32, seed=0,
-                                target=(0.30, 0.45))
     prompt = build_prompt(tokenizer, problem.question)
 
 Nothing is downloaded for the embedded models. Everything built here is cached under :func:`cache_dir`
@@ -12,24 +12,20 @@ so a killed process never leaves a broken entry behind.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import functools
 import importlib.util
-import inspect
-import json
 import logging
 import os
-import random
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
+import huggingface_hub
 import torch
-import transformers
-from safetensors.torch import load_model as load_safetensors
-from safetensors.torch import save_model as save_safetensors
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from omegaconf import DictConfig
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -41,14 +37,15 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from harness.policy.sampler import generate
-from harness.run.records import atomic_write
-from harness.tasks import Task
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODELS = ("tiny", EMBEDDED_NAME)  # model.name values that need nothing from the hub
+HUB_TIMEOUT_S = 5  # how long the check of a hub model id waits for the hub
 CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 
@@ -226,184 +223,62 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
     return question + "\n"
 
 
-WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash below would not see
+@register_check("model")
+def check_model(run: DictConfig) -> None:
+    """``model.name`` is an embedded model, a folder or a hub id; ``model.tiny`` (only for the tiny model) names
+    :class:`TinyModelSpec` fields with sizes >= 1 and whole attention heads."""
+    m = run.model
+    if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
+        raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                          "a local directory, nor a hub id (owner/name)")
+    if m.name != "tiny":
+        if m.tiny:
+            raise ConfigError(f"model.tiny only applies to model.name=tiny, not {m.name!r}; remove it")
+        return
+    valid = [f.name for f in dataclasses.fields(TinyModelSpec)]
+    unknown = sorted(set(m.tiny) - set(valid))
+    if unknown:
+        raise ConfigError(f"model.tiny has no field {', '.join(unknown)}; its fields: {', '.join(valid)}")
+    spec = TinyModelSpec(**m.tiny)
+    if min(dataclasses.astuple(spec)) < 1 or spec.hidden_size % spec.num_heads:
+        raise ConfigError(f"model.tiny: sizes must be >= 1 and hidden_size ({spec.hidden_size}) a multiple of "
+                          f"num_heads ({spec.num_heads})")
 
 
-class WarmStartError(ValueError):
-    """The warm start could not stop inside its target band."""
+@register_check("hub_model", when="machine")
+def check_hub_model(run: DictConfig) -> None:
+    """When runs start here: a hub model is in the local cache or on a hub that answers (in at most
+    :data:`HUB_TIMEOUT_S`, instead of the half minute of retries loading it would take)."""
+    name = run.model.name
+    if name not in EMBEDDED_MODELS and not os.path.isdir(name):
+        problem = hub_model_problem(name)
+        if problem:
+            raise ConfigError(problem)
 
 
-def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    *,
-    max_steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    target: tuple[float, float] | None = None,
-    check_every: int = 50,
-    check_size: int = 128,
-    cache_key_extra: str = "",
-) -> tuple[PreTrainedModel, dict]:
-    """Supervised fine-tuning on the task's reference solutions, so that RL starts from a policy that solves
-    some problems. Returns ``(model, sidecar)``: ``model`` updated in place, in eval mode, and the cache
-    sidecar (a dict, see below).
-
-    Each step samples ``batch_size`` problems (``random.Random(seed)``) from the train problems, builds
-    ``build_prompt(question)`` + ``solution`` + EOS and minimises the token-mean cross-entropy on the
-    completion tokens only, with AdamW at a constant ``lr``.
-
-    ``target=None``: exactly ``max_steps`` steps. ``target=(low, high)``: the first ``check_size`` train
-    problems are held out as a check set (never trained on, nor is any train problem with the same
-    question); every ``check_every`` steps (and at ``max_steps``) the greedy accuracy on it is measured
-    and training stops at the first check with ``low <= acc <= high``. A check above ``high``, or
-    ``max_steps`` reached below ``low``, raises :class:`WarmStartError`. The batch stream is the same
-    whatever the checks find, so a given step count always gives the same weights.
-
-    The result is cached under ``cache_dir()/warm_start`` as ``<key>.safetensors`` and the JSON sidecar
-    ``<key>.json`` (steps taken, check accuracy reached, every check's accuracy, the settings, wall time,
-    torch threads, library versions, build time). ``key`` hashes the model (config and a sample of its
-    weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
-    source code of the training functions, so a change to that code invalidates the cache.
-    """
-    if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
-        raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
-    checked = target is not None
-    settings = {
-        "max_steps": max_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
-        "target": list(target) if checked else None,
-        "check_every": check_every if checked else None, "check_size": check_size if checked else None,
-    }
-    recipe = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
-    key = _warm_start_key(model, tokenizer, task, [settings, recipe, cache_key_extra])
-    folder = cache_dir() / "warm_start"
-    weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
-    if weights.is_file() and sidecar_path.is_file():
-        load_safetensors(model, weights, device=str(model.device))
-        return model.eval(), json.loads(sidecar_path.read_text())
-
-    start = time.perf_counter()
-    problems = list(task.train_problems())
-    check_set = problems[:check_size] if checked else []
-    held_out = {problem.question for problem in check_set}
-    pool = [problem for problem in problems[len(check_set):] if problem.question not in held_out]
-    if not pool:
-        raise ValueError(f"no train problems left for the warm start after holding out {len(check_set)}")
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    checks: dict[int, float] = {}
-    model.train()
-    step = 0
-    while step < max_steps:
-        batch = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
-        loss = model(**_supervised_batch(tokenizer, batch, model.device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        step += 1
-        if step % 50 == 0:
-            log.info("warm start step %d/%d loss %.4f", step, max_steps, loss.item())
-        if checked and (step % check_every == 0 or step == max_steps):
-            checks[step] = _check_accuracy(model, tokenizer, task, check_set)
-            log.info("warm start step %d: check accuracy %.3f (target %s)", step, checks[step], target)
-            if checks[step] > target[1]:
-                raise WarmStartError(
-                    f"warm start overshot its target band [{target[0]:.2f}, {target[1]:.2f}]: check accuracy "
-                    f"{_history(checks)}; lower check_every or lr, or widen the band")
-            if checks[step] >= target[0]:
-                break
-    if checked and checks[step] < target[0]:
-        raise WarmStartError(
-            f"warm start reached max_steps={max_steps} below its target band [{target[0]:.2f}, {target[1]:.2f}]: "
-            f"check accuracy {_history(checks)}; raise max_steps or lr, or lower the band")
-    model.eval()
-
-    sidecar = {
-        "key": key, **recipe, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
-        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(weights, lambda name: save_safetensors(model, name))
-    _write_atomic(sidecar_path, lambda name: Path(name).write_text(json.dumps(sidecar, indent=1) + "\n"))
-    log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
-    return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
-
-
-def _check_accuracy(model, tokenizer, task: Task, problems) -> float:
-    """Greedy accuracy on ``problems`` (chunks of 64, at most the longest solution + EOS new tokens); the
-    model's train/eval mode is restored."""
-    max_new_tokens = 1 + max(len(tokenizer(p.solution, add_special_tokens=False).input_ids) for p in problems)
-    was_training = model.training
-    model.eval()
-    correct = 0.0
-    with torch.no_grad():
-        for i in range(0, len(problems), 64):
-            chunk = problems[i : i + 64]
-            prompts = [build_prompt(tokenizer, problem.question) for problem in chunk]
-            texts = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=True).texts
-            correct += sum(task.score(text, problem).correct for text, problem in zip(texts, chunk, strict=True))
-    model.train(was_training)
-    return correct / len(problems)
-
-
-def _history(checks: dict[int, float]) -> str:
-    """The last few checks as ``0.12 at step 100, 0.50 at step 150``."""
-    return ", ".join(f"{acc:.2f} at step {step}" for step, acc in list(checks.items())[-4:])
-
-
-def _recipe_source_hash() -> str:
-    """Hash of the source code of the functions that train the warm start."""
-    source = "".join(inspect.getsource(f) for f in (warm_start, _supervised_batch, _check_accuracy))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def _write_atomic(path: Path, write) -> None:
-    """``write(temp_name)`` to a temporary file of this process's own beside ``path``, then renamed to ``path``
-    (harness.run.records.atomic_write; other processes may write the same cache file meanwhile)."""
-    atomic_write(path, write=lambda tmp: write(str(tmp)), shared=True)
-
-
-def _supervised_batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels (-100 on prompt and padding)."""
-    rows = []
-    for problem in problems:
-        prompt = tokenizer(build_prompt(tokenizer, problem.question), add_special_tokens=False).input_ids
-        completion = tokenizer(problem.solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        rows.append((prompt + completion, [-100] * len(prompt) + completion))
-    width = max(len(ids) for ids, _ in rows)
-    pad = [tokenizer.pad_token_id]
-    input_ids = torch.tensor([ids + pad * (width - len(ids)) for ids, _ in rows], device=device)
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows], device=device)
-    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows], device=device)
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
-
-
-def _warm_start_key(model, tokenizer, task: Task, settings: list) -> str:
-    """Hash of everything the warm-started weights depend on (weights sampled: fast even for 135M params)."""
-    digest = hashlib.sha256()
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype"):  # dtype: the actual one is hashed
-        config.pop(volatile, None)
-    content = [
-        config,
-        str(model.dtype),
-        sorted(tokenizer.get_vocab().items()),
-        tokenizer.chat_template,
-        task.name,
-        task.config(),
-    ]
-    digest.update(json.dumps(content + settings, sort_keys=True, default=str).encode())
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 256)][:256]
-        digest.update(name.encode() + sample.float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-# taken when the module is imported: the code this process runs (read later, an edit of this file made meanwhile
-# would be read at the old line numbers and give a spurious key)
-RECIPE_SOURCE_HASH = _recipe_source_hash()
+@functools.lru_cache(maxsize=16)
+def hub_model_problem(name: str) -> str | None:
+    """Why the hub model ``name`` cannot be loaded, found out now in at most HUB_TIMEOUT_S (loading it would retry
+    for half a minute): not in the local Hugging Face cache and the hub unreachable or offline, or no such
+    model. None when it is cached, or the hub has it."""
+    fix = "give a local model folder, an embedded model (smollm2-135m-instruct, tiny), or a cached hub id"
+    try:
+        if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError:
+        return f"model.name {name!r} is neither a local folder (there is none at that path) nor a hub id; {fix}"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return f"model.name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}"
+    try:
+        huggingface_hub.model_info(name, timeout=HUB_TIMEOUT_S)  # looked up now: tests replace it
+    except GatedRepoError:
+        return None  # it exists; loading says what access it needs
+    except RepositoryNotFoundError:
+        return (f"model.name {name!r}: no such model on the Hugging Face hub (or a private one: `hf auth login`); "
+                f"{fix}")
+    except HfHubHTTPError:
+        return None  # the hub answered: loading will say more
+    except Exception as e:  # noqa: BLE001 - no network (httpx's ConnectError, a timeout, ...)
+        return (f"model.name {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                f"({type(e).__name__}); {fix}")
+    return None

@@ -11,11 +11,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from harness.policy.decode import build_decoder, positions
+from harness.policy.decode import DECODERS, build_decoder, positions, written_out_unsupported
+from harness.policy.models import build_prompt
 from harness.policy.packed import completion_hidden, distinct_prompts, padding_free_unsupported
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
+SAMPLERS = ("native", "hf")  # train.sampler: our decode loop, or transformers' generate (the reference)
+
+
+@register_check("sampler")
+def check_sampler(run: DictConfig) -> None:
+    """``train.sampler``, ``train.decoder``, ``train.compile_sampler`` and the sampling distribution's settings."""
+    t = run.train
+    if not 0 < t.top_p <= 1 or t.temperature <= 0:
+        raise ConfigError(f"need 0 < train.top_p <= 1 and train.temperature > 0, got {t.top_p}, {t.temperature}")
+    if t.sampler not in SAMPLERS:
+        raise ConfigError(f"train.sampler must be one of {', '.join(SAMPLERS)}, got {t.sampler!r}")
+    if t.decoder not in DECODERS:
+        raise ConfigError(f"train.decoder must be one of {', '.join(DECODERS)}, got {t.decoder!r}")
+    if t.compile_sampler and (t.sampler != "native" or t.decoder == "shared_prefix"):
+        raise ConfigError("train.compile_sampler compiles the native sampler's per-row or cache decoder: use it "
+                          "with train.sampler=native and train.decoder=auto, per_row or cache")
+
+
+def check_decoder(model, run: DictConfig) -> None:
+    """Once the model is loaded: a written-out decoder asked for by name (``train.decoder=shared_prefix`` or
+    ``per_row``) can run it (``auto`` falls back to the cache decoder)."""
+    t = run.train
+    if t.sampler == "native" and t.decoder in ("shared_prefix", "per_row"):
+        reason = written_out_unsupported(model, t.max_new_tokens)
+        if reason:
+            raise ConfigError(f"train.decoder={t.decoder} cannot run {run.model.name!r}: {reason}; use "
+                              "train.decoder=auto (falls back to the cache decoder) or cache")
 
 
 @dataclass
@@ -201,6 +233,20 @@ def sampler_options(train) -> dict:
     """A run's sampler settings (``train.sampler``, ``train.decoder``, ``train.compile_sampler``) as
     :func:`generate` keywords."""
     return {"sampler": train.sampler, "decoder": train.decoder, "compile": train.compile_sampler}
+
+
+def sample_problems(model, tokenizer, problems, train: DictConfig | None = None, **settings) -> Rollout:
+    """Completions of each problem's prompt (:func:`harness.policy.models.build_prompt` of its question): with a
+    run's ``train`` section, its sampling (``group_size``, ``max_new_tokens``, ``temperature``, ``top_p``, the
+    sampler, decoder and compile settings), else :func:`generate`'s defaults; ``settings`` override either (e.g.
+    ``greedy=True``, another ``group_size``). Greedy decoding ignores the run's temperature and top-p."""
+    options = {}
+    if train is not None:
+        options = {"group_size": train.group_size, "max_new_tokens": train.max_new_tokens, **sampler_options(train)}
+        if not settings.get("greedy"):
+            options.update(temperature=train.temperature, top_p=train.top_p)
+    prompts = [build_prompt(tokenizer, problem.question) for problem in problems]
+    return generate(model, tokenizer, prompts, **{**options, **settings})
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import ctypes.util
 import os
 import platform
 
-from harness.run.config import ConfigError
+from harness.run.errors import ConfigError
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 ENV = "RLVR_KEEP_FREED_MEMORY"

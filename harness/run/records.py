@@ -20,15 +20,12 @@ atomic_write (temporary + fsync + rename); a full disk is one DiskFullError nami
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +33,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as hf_logging
 
+from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, write_temporary
+from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, RunConfig
+from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.tracking import Trackers
 
@@ -43,155 +43,12 @@ from harness.run.tracking import Trackers
 TIMING_METRICS = frozenset({"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb",
                             "eval_s", "update_logp_forward_s", "update_stats_forward_s", "update_backward_s",
                             "update_optimizer_s"})
-TMP = ".tmp"  # suffix of what atomic_write / atomic_folder write before renaming it into place
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-FULL_BELOW = 1 << 20  # a write that fails with less free space than this (1 MiB) is taken for a full disk
 
 
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/inf; analysis reads null as missing
     return value
-
-
-# ------------------------------------------------------------------------------------------ writes and full disks
-
-
-class DiskFullError(OSError):
-    """No space left (ENOSPC) or over quota (EDQUOT) while writing ``filename``; ``str()`` is the one line the CLI
-    prints: what could not be written, the free space, and how to resume."""
-
-    def __init__(self, path: Path | str, code: int = errno.ENOSPC):
-        super().__init__(code, os.strerror(code), str(path))
-
-    def __str__(self) -> str:
-        return (f"{'disk full' if self.errno == errno.ENOSPC else 'disk quota exceeded'}: could not write "
-                f"{self.filename} ({free_space(Path(self.filename))} free there); free some space, then run the same "
-                "command again to resume (every step written before is kept)")
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes of the file system holding ``path`` (or its nearest existing parent); a large number if unknown."""
-    for folder in (path, *path.parents):
-        try:
-            return shutil.disk_usage(folder).free
-        except OSError:
-            continue
-    return 2**62
-
-
-def free_space(path: Path) -> str:
-    """The free space of the file system holding ``path``, e.g. ``'12.0 KiB'``."""
-    free = _free_bytes(path)
-    if free == 2**62:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if free < 1024 or unit == "GiB":
-            return f"{free:.0f} B" if unit == "B" else f"{free:.1f} {unit}"
-        free /= 1024
-    return "unknown"
-
-
-def disk_full_error(error: BaseException, path: Path | str | None = None) -> DiskFullError | None:
-    """``error`` as a DiskFullError when it (or an error it was raised from) is ENOSPC / EDQUOT, or when it is any
-    other failure while writing ``path`` and that file system has less than :data:`FULL_BELOW` bytes free (libraries
-    report a full disk in their own words: torch.save's "unexpected pos ..." or "file write failed", safetensors'
-    "IoError"); None otherwise."""
-    seen, cause = set(), error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, DiskFullError):
-            return cause
-        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
-            return DiskFullError(cause.filename or path or "?", cause.errno)
-        cause = cause.__cause__ or cause.__context__
-    if path is None or not isinstance(error, Exception) or isinstance(error, OSError) and error.errno is not None:
-        return None  # an interruption, or an OS error of another kind (permissions, ...)
-    return DiskFullError(path) if _free_bytes(Path(path)) < FULL_BELOW else None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _fsync(path: Path) -> None:
-    """Flush ``path`` (a file, or a folder: its files and itself) to disk."""
-    items = [*sorted(path.rglob("*")), path] if path.is_dir() else [path]
-    for item in items:
-        flags = os.O_RDONLY | (os.O_DIRECTORY if item.is_dir() else 0)
-        try:
-            fd = os.open(item, flags)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno in DISK_FULL:
-                raise
-        finally:
-            os.close(fd)
-
-
-def write_temporary(path: Path, content: str | bytes | None = None, *,
-                    write: Callable[[Path], None] | None = None, shared: bool = False) -> Path:
-    """Write ``content`` (text or bytes), or what ``write(tmp)`` writes (a file or a folder), to ``<path>.tmp``,
-    flushed to disk; returns that path, for the caller to rename into place. ``shared``: a folder other processes
-    may write the same file into without a lock (a cache): a temporary of this process's own,
-    ``.<name>.<pid>.tmp``. On any failure nothing is left behind (the temporary is removed) and a full disk
-    (ENOSPC, EDQUOT) is raised as :class:`DiskFullError` naming ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP}" if shared else path.name + TMP)
-    try:
-        _remove(tmp)  # a stale one from a killed writer
-        if write is None:
-            data = content.encode() if isinstance(content, str) else content
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            write(tmp)
-            _fsync(tmp)
-    except BaseException as e:
-        full = disk_full_error(e, path)
-        with contextlib.suppress(OSError):
-            _remove(tmp)
-        if full is not None:
-            raise full from None
-        raise
-    return tmp
-
-
-def atomic_write(path: Path, content: str | bytes | None = None, *,
-                 write: Callable[[Path], None] | None = None, shared: bool = False) -> None:
-    """Replace ``path`` all at once: ``content`` (text or bytes), or what ``write(tmp)`` writes to the temporary
-    path (a file, or a folder), goes to ``<path>.tmp`` beside it, is flushed to disk, then renamed over ``path``
-    (a folder: the old one is removed first). A reader, or a kill, sees the old ``path`` or the new one, never a
-    part; a failure leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`.
-    ``shared``: see :func:`write_temporary`.
-    The one way the harness writes a file it replaces (summary, manifest, config, checkpoints, exports, caches)."""
-    path = Path(path)
-    tmp = write_temporary(path, content, write=write, shared=shared)
-    try:
-        if tmp.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            _remove(tmp)
-        raise
-
-
-def remove_stale_temporaries(*folders: Path) -> list[Path]:
-    """Remove what a killed (or disk-full) writer left of an atomic write directly in ``folders`` (``*.tmp`` files
-    and folders); returns them. Call only while holding the folders' lock."""
-    stale = sorted(p for folder in folders if folder.is_dir() for p in folder.glob(f"*{TMP}"))
-    for path in stale:
-        _remove(path)
-    return stale
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -271,8 +128,8 @@ def _torn_step(path: Path, keep: int) -> bool:
 
 # ------------------------------------------------------------------------------------ resume: the same run only
 
-IGNORED_ON_RESUME = ("results_dir", "logging")  # settings that do not change a run (as harness.run.config.run_id)
-NOT_RUN_SETTINGS = ("sweep", "profiles", "profile", "lab")  # not part of a run's config.yaml
+IGNORED_ON_RESUME = NOT_IN_RUN_ID  # settings that do not change a run
+NOT_RUN_SETTINGS = (*NOT_RUN_SECTIONS, "profile")  # not part of a run's config.yaml
 
 
 def _flat(value, prefix: str = "") -> dict:
@@ -295,8 +152,6 @@ _UNSET = object()
 def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
     """``key old -> new`` for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what does
     not change a run (results_dir, logging) and settings added to the schema since at their default."""
-    from harness.run.config import RunConfig
-
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
     old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
     differences = []
@@ -314,8 +169,6 @@ def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
 def check_resume(cfg: DictConfig, run_dir: Path) -> None:
     """Refuse (ConfigError, one line, before anything is touched) to continue the run in ``run_dir`` with settings
     other than those in its config.yaml: its steps would mix two runs."""
-    from harness.run.config import ConfigError
-
     saved_path = run_dir / "config.yaml"
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None

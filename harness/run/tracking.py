@@ -38,25 +38,28 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
 INSTALL = 'pip install -e ".[track]"'
-# backend -> the module it needs (None: nothing beyond the harness)
-BACKENDS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
-def check_backends(backends: list[str]) -> None:
-    """A one-line ConfigError for an unknown backend, a list without jsonl, or a backend that is not installed."""
-    from harness.run.config import ConfigError
-
+@register_check("tracking")
+def check_trackers(run: DictConfig) -> None:
+    """``logging.backends``: a one-line ConfigError for an unknown tracker, a list without jsonl, or a tracker that is
+    not installed. (A run's config.yaml from before the logging section has none: jsonl only.)"""
+    backends = list(OmegaConf.select(run, "logging.backends", default=None) or ["jsonl"])
     for name in backends:
-        if name not in BACKENDS:
-            close = difflib.get_close_matches(str(name), BACKENDS, n=1, cutoff=0.6)
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(str(name), TRACKERS, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"logging.backends: unknown backend {name!r}.{hint} Backends: {', '.join(BACKENDS)}")
+            raise ConfigError(f"logging.backends: unknown backend {name!r}.{hint} Backends: {', '.join(TRACKERS)}")
     if "jsonl" not in backends:
         example = ",".join(["jsonl", *backends] if backends else ["jsonl", "tensorboard"])
         raise ConfigError("logging.backends must include jsonl (metrics.jsonl is what analysis, resume and the report "
                           f"read); add trackers beside it: logging.backends=[{example}]")
-    missing = [name for name in backends if BACKENDS[name] and importlib.util.find_spec(BACKENDS[name]) is None]
+    missing = [name for name in backends
+               if TRACKERS[name].requires and importlib.util.find_spec(TRACKERS[name].requires) is None]
     if missing:
         raise ConfigError(f"logging.backends: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                           f"installed: {INSTALL} (or pip install {' '.join(missing)})")
@@ -87,6 +90,8 @@ def flat_config(cfg: DictConfig) -> dict:
 class JsonlTracker:
     """metrics.jsonl itself is written by ``RunRecords`` (harness/run/records.py, ``MetricsLog``); nothing to add."""
 
+    requires = None  # the module it needs (None: nothing beyond the harness)
+
     def __init__(self, cfg, run_dir, resume_step):
         pass
 
@@ -100,7 +105,10 @@ class JsonlTracker:
 class TensorBoardTracker:
     """Event files in ``<run_dir>/tensorboard/``: one scalar per metrics.jsonl key; config as hparams and text."""
 
+    requires = "tensorboard"  # the module it needs (None: nothing beyond the harness)
+
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None):
+        # an optional dependency, imported only when the tracker is on (pip install -e ".[track]")
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
@@ -142,8 +150,10 @@ def _wandb_mode_configured() -> bool:
 class WandbTracker:
     """A W&B run (offline unless configured otherwise) in ``<run_dir>/wandb/``; resumed by id."""
 
+    requires = "wandb"  # the module it needs (None: nothing beyond the harness)
+
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None):
-        import wandb
+        import wandb  # an optional dependency, imported only when the tracker is on
 
         folder = str(run_dir.resolve())
         kwargs = {"mode": "offline"} if not _wandb_mode_configured() else {}
@@ -165,8 +175,10 @@ class WandbTracker:
 class TrackioTracker:
     """A trackio run in the local trackio database; resumed by name, skipping the steps it already holds."""
 
+    requires = "trackio"  # the module it needs (None: nothing beyond the harness)
+
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None):
-        import trackio
+        import trackio  # an optional dependency, imported only when the tracker is on
 
         with contextlib.redirect_stdout(sys.stderr):  # trackio prints where it logs: keep stdout clean
             self.run = trackio.init(project=cfg.logging.project, name=run_dir.name, group=cfg.name,
@@ -184,6 +196,7 @@ class TrackioTracker:
             self.run.finish()
 
 
+# logging.backends' names -> trackers
 TRACKERS = {"jsonl": JsonlTracker, "tensorboard": TensorBoardTracker, "wandb": WandbTracker,
             "trackio": TrackioTracker}
 
