@@ -21,15 +21,8 @@ from transformers import (
 )
 
 from harness.policy import decode
-from harness.policy.decode import (
-    CacheDecoder,
-    Matmul,
-    PerRowDecoder,
-    SharedPrefixDecoder,
-    build_decoder,
-    positions,
-    written_out_unsupported,
-)
+from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.decode import CacheDecoder, Matmul, PerRowDecoder, SharedPrefixDecoder, build_decoder
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import generate
 from harness.tasks import get_task

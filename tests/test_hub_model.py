@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from harness.loop import batch, evaluation
 from harness.loop.native import train
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, char_tokenizer, load_model
-from harness.policy.sampler import completion_logprobs, generate
+from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs
 from harness.run.records import read_jsonl
 from tests.tiny import TINY_RUN, TINY_SPEC, tiny_run

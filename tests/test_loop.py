@@ -15,8 +15,9 @@ import harness.loop.update
 from harness.loop.batch import collect_batch, rewards_of
 from harness.loop.build import build_optimizer, build_policy, build_task
 from harness.loop.native import train
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
-from harness.policy.sampler import completion_logprobs, generate
+from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl

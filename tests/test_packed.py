@@ -1,4 +1,4 @@
-"""The padding-free trainer forward (harness/policy/packed.py) against the model's own forward on the padded batch: the
+"""The padding-free trainer forward (harness/policy/forward.py) against the model's own forward on the padded batch: the
 same completion log-probs, entropies and parameter gradients for every written-out architecture, with left-padded
 prompts of different lengths, groups sharing a prompt, completions from 0 tokens to the full width; what its
 padding costs (nothing); and the cases it leaves to the model's forward."""
@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from harness.policy import sampler as rollout
-from harness.policy.packed import padding_free_unsupported
-from harness.policy.sampler import completion_logprobs
+from harness.policy import forward
+from harness.policy.forward import completion_logprobs, padding_free_unsupported
 from tests.test_decode import ARCHITECTURES, build
 
 VOCAB = 50
@@ -97,7 +96,7 @@ def test_where_padding_free_does_not_apply_the_models_forward_runs(case, reason,
     if case == "dropout":
         model.config.attention_dropout = 0.1
     assert reason in padding_free_unsupported(model, prompt_mask, completion_mask)
-    monkeypatch.setattr(rollout, "completion_hidden", lambda *a: pytest.fail("the padding-free forward ran"))
+    monkeypatch.setattr(forward, "completion_hidden", lambda *a: pytest.fail("the padding-free forward ran"))
     logp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     assert torch.isfinite(logp).all() and (logp[~completion_mask] == 0).all()
 
@@ -107,8 +106,8 @@ def test_a_run_with_and_without_padding_free_ends_at_the_same_weights(tmp_path, 
     from harness.loop.native import train
     from tests.tiny import tiny_run
 
-    packed_rows, real = [], rollout.completion_hidden
-    monkeypatch.setattr(rollout, "completion_hidden",
+    packed_rows, real = [], forward.completion_hidden
+    monkeypatch.setattr(forward, "completion_hidden",
                         lambda model, *args: packed_rows.append(len(args[0])) or real(model, *args))
     finals = []
     for setting in (True, False):

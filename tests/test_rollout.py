@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
-from harness.policy.sampler import SAMPLE_BLOCK, _inverse_cdf, _sample, completion_logprobs, generate
+from harness.policy.sampler import SAMPLE_BLOCK, _inverse_cdf, _sample, generate
 from harness.tasks import get_task
 
 

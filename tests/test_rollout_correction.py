@@ -24,8 +24,9 @@ from harness.loop.batch import TrainBatch
 from harness.loop.build import frozen_copy
 from harness.loop.native import train
 from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
-from harness.policy.sampler import completion_logprobs, generate
+from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl

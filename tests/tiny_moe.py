@@ -9,9 +9,9 @@ from torch import Tensor
 
 from harness.policy import decode
 from harness.policy import sampler as rollout
-from harness.policy.decode import positions
+from harness.policy.architecture import positions
+from harness.policy.forward import distinct_prompts
 from harness.policy.models import char_tokenizer
-from harness.policy.packed import distinct_prompts
 from harness.policy.routing import (
     Grid,
     RecordingDecoder,
@@ -54,7 +54,7 @@ def full_forward(model, routing: Routing, prompt_ids, prompt_mask, completion_id
 
 
 def shared_prompt_forward(model, routing: Routing, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Tensor:
-    """The trainer's shared-prompt forward (harness/policy/sampler.py's ``_model_hidden``): each distinct prompt's head
+    """The trainer's shared-prompt forward (harness/policy/forward.py's ``_model_hidden``): each distinct prompt's head
     once, then every row's last prompt token and completion over its cache; final hidden states [N, T + 1, hidden]."""
     body = model.get_decoder()
     first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)

@@ -8,8 +8,8 @@ each side (harness/run/allocator.py), so neither inherits the other's pages.
 Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
 
 Update FLOPs are the model FLOPs owed for the real tokens (padding is not work: as for the decode, and since the
-trainer's forward skips the completions' padding, harness/policy/packed.py, a fraction of the peak that a padded forward
-cannot inflate), fwd + bwd = 3 x fwd:
+trainer's forward skips the completions' padding, harness/policy/forward.py, a fraction of the peak that a padded
+forward cannot inflate), fwd + bwd = 3 x fwd:
   6 * N_body * (prompt + completion tokens)           transformer body (N_body: parameters without embeddings;
                                                       each distinct prompt once, its rows share the pass)
 + 6 * d_model * vocab * completion tokens             LM head, completion positions only

@@ -46,8 +46,9 @@ from harness.loop.batch import TrainBatch, rewards_of
 from harness.loop.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy
 from harness.loop.update import RunState, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt
-from harness.policy.sampler import Rollout, completion_logprobs, generate, sampler_options
+from harness.policy.sampler import Rollout, generate, sampler_options
 from harness.run.atomic import atomic_write
 from harness.run.config import check_this_machine, load_experiment, validate
 from harness.run.errors import ConfigError

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.policy.decode import positions
+from harness.policy.architecture import positions
 from harness.policy.expert_volatility import expert_load_entropy, expert_volatility
+from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, char_tokenizer
 from harness.policy.routing import Grid, Routing, RoutingRecord, full_layout
-from harness.policy.sampler import Rollout, completion_logprobs, generate
+from harness.policy.sampler import Rollout, generate
 from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
 from harness.policy.warm_start import warm_start
 from harness.run.threads import run_threads

@@ -33,7 +33,7 @@ from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MismatchMeter, peak_memory_mb, progress_fields
 from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
 from harness.policy.device import DTYPES, resolve_device
-from harness.policy.sampler import completion_logprobs
+from harness.policy.forward import completion_logprobs
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from harness.loop.batch import TrainBatch
 from harness.loop.metrics import MetricMeter, MismatchMeter
-from harness.policy.sampler import completion_logprobs
+from harness.policy.forward import completion_logprobs
 from harness.run.seeding import step_seed
 from objectives import PolicyBatch
 from objectives.base import sum_statistics
@@ -84,7 +84,7 @@ def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torc
 def forward_rows(policy, batch: TrainBatch, rows: Tensor, temperature: float, with_entropy: bool = False,
                  timings: dict | None = None, timing_key: str = "logp_forward_s", padding_free: bool = True):
     """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
-    (``padding_free``: the rest of the padding too, harness/policy/packed.py). Returns (logp [rows, width], entropy or
+    (``padding_free``: the rest of the padding too, harness/policy/forward.py). Returns (logp [rows, width], entropy or
     None, mask [rows, width], width)."""
     ro = batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns

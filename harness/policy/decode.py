@@ -3,14 +3,14 @@ keys/values kept between steps, rows removable between steps (finished rows leav
 
 Three implementations with one interface (``step(tokens, positions) -> logits``, ``keep(order)``):
 
-* :class:`SharedPrefixDecoder`, for Llama-family models (``WRITTEN_OUT_MODELS``, full attention): the model's
-  forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary embedding, activation, final
-  norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head: :class:`Matmul`, oneDNN on CPU).
-  A group's rows share one prompt, so its keys/values are stored once per group, not once per row, and read
-  once per group at every step. Row r of group g attends to the prompt part (keys K_g, left padding masked) and
-  to its own t+1 generated tokens (keys K_r); each part is a softmax attention that also gives the log-sum-exp
-  of its scores (out_p, l_p over the prompt's scores s; out_g, l_g over the generated tokens' scores u), and the
-  two are merged exactly:
+* :class:`SharedPrefixDecoder`, for Llama-family models (``WRITTEN_OUT_MODELS`` of harness/policy/architecture.py,
+  full attention): the model's forward written out over its own modules (embedding, RMSNorms, q/k norms, rotary
+  embedding, activation, final norm) and weights (q+k+v and gate+up each as one matmul, o, down, LM head:
+  :class:`Matmul`, oneDNN on CPU). A group's rows share one prompt, so its keys/values are stored once per group, not
+  once per row, and read once per group at every step. Row r of group g attends to the prompt part (keys K_g, left
+  padding masked) and to its own t+1 generated tokens (keys K_r); each part is a softmax attention that also gives the
+  log-sum-exp of its scores (out_p, l_p over the prompt's scores s; out_g, l_g over the generated tokens' scores u),
+  and the two are merged exactly:
 
       out_r = w out_p + (1 - w) out_g,   w = e^l_p / (e^l_p + e^l_g) = sigmoid(l_p - l_g)
 
@@ -39,18 +39,13 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from harness.policy.architecture import positions, written_out_unsupported
+
 DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # train.decoder: build_decoder's kinds
-WRITTEN_OUT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies recomputed from the longest position seen
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
 ONEDNN_MIN_WIDENING = 2  # oneDNN for projections with out_features >= 2 x in_features (gate+up, LM head)
 PER_ROW_MAX_PROMPT_BYTES = 2**25  # auto: per-row copies of the prompts' keys/values up to this size (all layers)
 ONE_BY_ONE_MIN_PADDING = 1 / 8  # CPU prefill: each prompt at its own length from this fraction of padded positions
-
-
-def positions(attention_mask: Tensor) -> Tensor:
-    """Position ids that skip left padding (as ``generate`` computes them)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
@@ -88,26 +83,6 @@ def prompt_copies_bytes(model, rows: int, prompt_len: int) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = next(model.parameters()).element_size()
     return 2 * rows * prompt_len * config.num_key_value_heads * head_dim * config.num_hidden_layers * element
-
-
-def written_out_unsupported(model, length: int) -> str | None:
-    """Why the written-out decoders (:class:`SharedPrefixDecoder`, :class:`PerRowDecoder`) cannot run ``model`` for
-    sequences of ``length`` tokens (``None``: they can)."""
-    config = model.config.get_text_config()
-    if config.model_type not in WRITTEN_OUT_MODELS:
-        return f"model_type {config.model_type!r} is not one of {', '.join(WRITTEN_OUT_MODELS)}"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "the model has sliding-window layers"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and length > window:
-        return f"sequences of {length} tokens exceed the sliding window of {window}"
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_types = {rope.get("rope_type")} if "rope_type" in rope else {
-        value.get("rope_type") for value in rope.values() if isinstance(value, dict)}  # per layer type
-    if rope_types & set(LENGTH_DEPENDENT_ROPE):
-        return (f"its rotary embedding ({', '.join(sorted(rope_types & set(LENGTH_DEPENDENT_ROPE)))}) changes with "
-                "the sequence's length, and the decoder tables it once per rollout")
-    return None
 
 
 class Matmul:

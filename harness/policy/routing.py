@@ -25,7 +25,7 @@ differently shaped forwards of the same tokens fill the same record:
   shared-prompt forward (:func:`shared_prompt_layout` for the prompts' heads once per distinct prompt,
   :func:`tail_layout` for each row's last prompt token and completion).
 With the same weights and tokens they give the same record, up to float round-off flipping a near-tie (the tests
-compare them exactly in float32). The padding-free forward (harness/policy/packed.py) runs Llama-family models only,
+compare them exactly in float32). The padding-free forward (harness/policy/forward.py) runs Llama-family models only,
 so MoE models always take these paths.
 
 **Replay.** While a record is replayed the router's forward runs unchanged (its logits keep their graph), then

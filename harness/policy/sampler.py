@@ -1,9 +1,10 @@
-"""Sampling (a native decode loop, or transformers' ``generate`` as the reference) and completion-only log-probs
-for the trainer.
+"""The sampler: a native decode loop over harness/policy/decode.py's decoders, or transformers' ``generate`` as the
+reference, recording each sampled token's log-prob; its config check; "sample these problems with the run's
+settings" (:func:`sample_problems`).
 
-Both sides use the same distribution: log_softmax(logits / temperature) of the full vocabulary (top-p only
-truncates what is sampled, as vLLM's and TRL's log-probs do), so with one model in one precision the
-sampler's log-probs equal the trainer's up to float round-off.
+The sampler and the trainer's forward (harness/policy/forward.py) use the same distribution: log_softmax(logits /
+temperature) of the full vocabulary (top-p only truncates what is sampled, as vLLM's and TRL's log-probs do), so with
+one model in one precision the sampler's log-probs equal the trainer's up to float round-off.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from omegaconf import DictConfig
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from harness.policy.decode import DECODERS, build_decoder, positions, written_out_unsupported
+from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.decode import DECODERS, build_decoder
 from harness.policy.models import build_prompt
-from harness.policy.packed import completion_hidden, distinct_prompts, padding_free_unsupported
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 
@@ -292,59 +293,3 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
-
-
-ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
-
-
-def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        padding_free: bool = True):
-    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
-    ``completion_mask`` is 0.
-
-    The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
-    :func:`harness.policy.packed.padding_free_unsupported` allows): the whole body skips the completions' padding
-    (harness/policy/packed.py). Otherwise the model's forward on prompt + completion, position ids following the
-    attention mask as in ``generate`` with left padding; consecutive rows with the same prompt (a group, or the
-    part of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
-    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per row (the
-    sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
-    """
-    valid = completion_mask.bool()
-    if padding_free and padding_free_unsupported(model, prompt_mask, valid) is None:
-        hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
-    else:
-        hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
-    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
-    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
-            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
-                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
-    return token_logp, entropy
-
-
-def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
-    """The model's final hidden states [N, T, hidden] that predict the completion tokens (prompt passes shared by
-    consecutive rows with the same prompt: :func:`completion_logprobs`)."""
-    decoder = model.get_decoder()
-    attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
-    position_ids = positions(attention)
-    prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
-    first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
-    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
-        head_mask = prompt_mask[first_row, :-1]
-        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
-                        position_ids=positions(head_mask), use_cache=True).cache
-        cache.batch_select_indices(prompt_of_row)
-        tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
-                       cache=cache, use_cache=True).last_hidden_state[:, :length]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]

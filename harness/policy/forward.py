@@ -1,4 +1,14 @@
-"""The trainer's forward without completion padding (``train.padding_free``), for Llama-family models.
+"""The trainer's forward: the completion tokens' log-probs (and entropies) under the policy, for the loss.
+
+    logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                        temperature, with_entropy=True, padding_free=True)
+
+The LM head runs on the positions that predict real completion tokens only. Two bodies: the model's own forward
+(prompt + completion, prompts shared by the rows of a group: :func:`_model_hidden`), or, for Llama-family models,
+the padding-free forward below (:func:`completion_hidden`). The sampler's decoders (harness/policy/decode.py) share
+what they need with it in harness/policy/architecture.py.
+
+The padding-free forward (``train.padding_free``):
 
 A minibatch's completions are right-padded to its longest one; on a CPU every padded position costs its FLOPs in
 every matmul (the tiny bench's update: a quarter of its positions). Here the token-wise parts of the model (the
@@ -10,7 +20,7 @@ packed [n, hidden]; only the attention sees the rows, as [rows, heads, T, d] wit
 
 (a padded query still sees its diagonal, so no softmax row is empty and no NaN reaches the gradient). Each distinct
 prompt (a group's rows share one) runs once through the model's own forward, with gradients, for its keys/values,
-as in :func:`harness.policy.sampler.completion_logprobs`' other path. Everything is the model's own modules, so adapters
+as in :func:`_model_hidden`. Everything is the model's own modules, so adapters
 and hooks on them run; the result equals the model's forward to float round-off (tests/test_packed.py).
 """
 
@@ -19,7 +29,62 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from harness.policy.decode import positions, written_out_unsupported
+from harness.policy.architecture import positions, written_out_unsupported
+
+ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        padding_free: bool = True):
+    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
+    ``completion_mask`` is 0.
+
+    The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
+    :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
+    (:func:`completion_hidden`). Otherwise the model's forward on prompt + completion, position ids following the
+    attention mask as in ``generate`` with left padding; consecutive rows with the same prompt (a group, or the
+    part of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
+    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per row (the
+    sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
+    """
+    valid = completion_mask.bool()
+    if padding_free and padding_free_unsupported(model, prompt_mask, valid) is None:
+        hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
+    else:
+        hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
+    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
+                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+    return token_logp, entropy
+
+
+def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
+    """The model's final hidden states [N, T, hidden] that predict the completion tokens (prompt passes shared by
+    consecutive rows with the same prompt: :func:`completion_logprobs`)."""
+    decoder = model.get_decoder()
+    attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
+    position_ids = positions(attention)
+    prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
+    first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
+    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
+        head_mask = prompt_mask[first_row, :-1]
+        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                        position_ids=positions(head_mask), use_cache=True).cache
+        cache.batch_select_indices(prompt_of_row)
+        tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
+        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                       cache=cache, use_cache=True).last_hidden_state[:, :length]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
 
 
 def padding_free_unsupported(model, prompt_mask: Tensor, completion_mask: Tensor) -> str | None:
