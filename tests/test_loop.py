@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import harness.loop.update
+import harness.loop.native
 from harness.loop.batch import collect_batch, rewards_of
 from harness.loop.build import build_optimizer, build_policy, build_task
 from harness.loop.native import train
@@ -211,13 +211,13 @@ def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
 
 @pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
-    passes, real = [], harness.loop.update.minibatch_statistics
+    passes, real = [], harness.loop.native.with_statistics
 
     def spy(*args, **kwargs):
         passes.append(real(*args, **kwargs))
         return passes[-1]
 
-    monkeypatch.setattr(harness.loop.update, "minibatch_statistics", spy)
+    monkeypatch.setattr(harness.loop.native, "with_statistics", spy)
     finals = []
     for micro in (0, 2):
         run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
@@ -227,7 +227,7 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatc
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
     # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 micro-batches)
-    assert [p is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
+    assert [p.stats is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
@@ -373,16 +373,16 @@ def test_a_finished_run_exports_a_policy_transformers_loads_with_the_same_logpro
 
 def _lr_spy(monkeypatch, used: list):
     """Record the learning rate of every optimizer step the loop makes (as the optimizer reads it when it steps)."""
-    from harness.loop import native as train_module
+    from harness.loop import build as build_module
 
-    build = train_module.build_optimizer
+    build = build_module.build_optimizer
 
     def spied(params, t):
         optimizer = build(params, t)
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
         return optimizer
 
-    monkeypatch.setattr(train_module, "build_optimizer", spied)
+    monkeypatch.setattr(build_module, "build_optimizer", spied)
 
 
 def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is_skipped(tmp_path, monkeypatch):
@@ -412,7 +412,7 @@ def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is
 
 def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
     from harness.loop.build import build_optimizer, build_scheduler
-    from harness.loop.update import RunState, optimizer_step
+    from harness.loop.update import Learner, RunState, optimizer_step
 
     param = torch.nn.Parameter(torch.ones(3))
     t = OmegaConf.create({"lr": 0.01, "weight_decay": 0.0, "warmup_steps": 3})
@@ -421,5 +421,5 @@ def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
         param.grad = torch.ones(3)
-        optimizer_step([param], optimizer, scheduler, loss, 1.0, state)
+        optimizer_step(Learner(torch.nn.ParameterList([param]), None, optimizer, scheduler), loss, 1.0, state)
     assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1

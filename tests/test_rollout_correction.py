@@ -21,9 +21,10 @@ from omegaconf import OmegaConf
 
 import objectives
 from harness.loop.batch import TrainBatch
+from harness.loop.behaviour import behaviour_logp, rollout_correction
 from harness.loop.build import frozen_copy
-from harness.loop.native import train
-from harness.loop.update import RunState, behaviour_logp, rollout_correction, update
+from harness.loop.native import train, update
+from harness.loop.update import Learner, RunState, UpdatePlan
 from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import generate
@@ -288,8 +289,8 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
         batch = TrainBatch(ro, torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.long), ro.sampler_logp,
                            None, weights)
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-        update(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), Spy(), batch, run, 1,
-               RunState(total_optimizer_steps=1))
+        update(Learner(policy, Spy(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
+               UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
     assert seen == [(True, False), (False, True)]
 
 
@@ -470,13 +471,13 @@ def test_trl_backend_applies_the_correction_as_the_native_loop(fixed, tmp_path, 
     policy = copy.deepcopy(model)
     capture = GradCapture(policy)
     batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, None, weights)
-    native = update(policy, capture, NoSchedule(), get_objective(objective), batch, run, 1,
+    native = update(Learner(policy, get_objective(objective), capture, NoSchedule()), UpdatePlan.of(batch, run, 1),
                     RunState(total_optimizer_steps=1))
     loss, grads = loss_and_grad(trainer, out)
     assert_same(native["loss"], capture.grads, loss, grads)
     plain = copy.deepcopy(policy)
     capture_plain = GradCapture(plain)
-    update(plain, capture_plain, NoSchedule(), get_objective(objective), TrainBatch(
-        ro, rewards, advantages, group_ids, old_logp), run, 1, RunState(total_optimizer_steps=1))
+    update(Learner(plain, get_objective(objective), capture_plain, NoSchedule()), UpdatePlan.of(TrainBatch(
+        ro, rewards, advantages, group_ids, old_logp), run, 1), RunState(total_optimizer_steps=1))
     assert any(not torch.allclose(capture_plain.grads[k], capture.grads[k]) for k in grads)  # it changed something
 

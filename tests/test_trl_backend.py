@@ -1,5 +1,5 @@
 """The TRL backend is the native loop's math: (a) on a fixed batch, its loss and gradient equal the native loop's
-(harness.loop.update.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
+(harness.loop.native.update); (b) the registry's objectives equal TRL's built-in loss types where TRL has one; (c) a
 run through the backend writes the native results files.
 
 The batch is fixed by calling the trainer's ``_compute_loss`` on a hand-made ``inputs`` dict (the one TRL builds
@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from trl import GRPOTrainer
 
 from harness.loop.batch import TrainBatch
+from harness.loop.native import update
 from harness.loop.trl_backend import (
     RegistryGRPOTrainer,
     grpo_config,
@@ -26,7 +27,7 @@ from harness.loop.trl_backend import (
     reward_functions,
     train_trl,
 )
-from harness.loop.update import RunState, update
+from harness.loop.update import Learner, RunState, UpdatePlan
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs
@@ -105,7 +106,7 @@ def loss_and_grad(trainer, inputs):
 
 
 class GradCapture:
-    """An 'optimizer' for harness.loop.update.update that keeps the gradient of its step instead of stepping."""
+    """An 'optimizer' for harness.loop.native.update that keeps the gradient of its step instead of stepping."""
 
     def __init__(self, model):
         self.model, self.grads = model, None
@@ -144,8 +145,8 @@ def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, ob
     policy = copy.deepcopy(model)
     capture = GradCapture(policy)
     batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp if params.get("beta") else None)
-    native = update(policy, capture, NoSchedule(), get_objective(objective, **params), batch, run, 1,
-                    RunState(total_optimizer_steps=1))
+    native = update(Learner(policy, get_objective(objective, **params), capture, NoSchedule()),
+                    UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
     inputs = trl_inputs(fixed)
     if not params.get("beta"):
         inputs.pop("ref_per_token_logps")

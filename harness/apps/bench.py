@@ -31,14 +31,16 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import TrainerCallback
 
-from harness.loop.batch import TrainBatch, sample_group
-from harness.loop.build import build_objective, build_optimizer, build_policy, build_scheduler, build_task
-from harness.loop.update import RunState, update
+from harness.loop.batch import TrainBatch
+from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.native import update
+from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
-from harness.policy.sampler import Rollout
+from harness.policy.models import load_model
+from harness.policy.sampler import Rollout, sample_problems
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs
@@ -100,8 +102,6 @@ def matmuls_main(overrides: list[str]) -> int:
     """``bench --matmuls``: :func:`decode_matmuls` for the bench model's shapes, one line per number of rows."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
     run_threads(cfg.threads)
-    from harness.policy.models import load_model
-
     model, _ = load_model(cfg.model.name, tiny=OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny"
                           else None)
     print(f"decode matmuls, {torch.get_num_threads()} threads, GFLOP/s MKL / oneDNN "
@@ -113,30 +113,31 @@ def matmuls_main(overrides: list[str]) -> int:
     return 0
 
 
+def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
+    """experiments/bench.yaml with ``overrides``: its config, its torch threads set and seeded, what the run is made
+    of (harness/loop/build.py), the first ``prompts_per_step`` train problems (the timed steps' prompts), the thread
+    count."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    threads = run_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    setup = setup_run(cfg, resolve_device(cfg.device))
+    return cfg, setup, list(setup.train_problems[: cfg.train.prompts_per_step]), threads
+
+
 def profile_main(overrides: list[str], rows: int = 15) -> int:
     """``bench --profile``: after one untimed step (:func:`warm_up`), ``torch.profiler``'s operators of one native
     rollout and one native update of the bench configuration, by self CPU time (the ``rows`` largest): where the
     time of each goes, with the op counts that tell per-op cost from compute."""
     from torch.profiler import profile
 
-    (cfg,) = run_configs(load_experiment("bench", overrides))
-    run_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    t = cfg.train
-    task = build_task(cfg)
-    policy, tokenizer, _ = build_policy(cfg, task, resolve_device(cfg.device))
-    problems = list(task.train_problems()[: t.prompts_per_step])
-    objective, estimator = build_objective(cfg)
-    optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = build_scheduler(optimizer, t)
-    warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
+    cfg, setup, problems, _ = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
     with profile() as rollout_profile:
-        ro = sample_group(policy, tokenizer, problems, cfg)
-    batch = train_batch(ro, task, problems, estimator, cfg)
+        ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     with profile() as update_profile:
-        update(policy, optimizer, scheduler, objective, batch, cfg, 1,
-               RunState(total_optimizer_steps=t.num_minibatches * t.epochs))
+        bench_update(learner, setup, ro, problems, cfg, 1)
     for name, result in (("rollout", rollout_profile), ("update", update_profile)):
         print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
         print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
@@ -146,22 +147,13 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
 def step_main(overrides: list[str]) -> int:
     """``bench --step`` (a child of ``--busy``): one native step (rollout + update) timed after an untimed one of
     the same sizes; prints one JSON line with the threads used and the seconds."""
-    (cfg,) = run_configs(load_experiment("bench", overrides))
-    threads = run_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    t = cfg.train
-    task = build_task(cfg)
-    policy, tokenizer, _ = build_policy(cfg, task, resolve_device(cfg.device))
-    problems = list(task.train_problems()[: t.prompts_per_step])
-    objective, estimator = build_objective(cfg)
-    optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = build_scheduler(optimizer, t)
-    warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg)
+    cfg, setup, problems, threads = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
     start = time.perf_counter()
-    ro = sample_group(policy, tokenizer, problems, cfg)
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     rollout_s = time.perf_counter() - start
-    update(policy, optimizer, scheduler, objective, train_batch(ro, task, problems, estimator, cfg), cfg, 1,
-           RunState(total_optimizer_steps=t.num_minibatches * t.epochs))
+    bench_update(learner, setup, ro, problems, cfg, 1)
     step_s = time.perf_counter() - start
     print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s}))
     return 0
@@ -249,26 +241,19 @@ def decode_flops(model, ro: Rollout) -> float:
 
 
 def main(overrides: list[str], repeats: int = 1) -> int:
-    (cfg,) = run_configs(load_experiment("bench", overrides))
     load_before = os.getloadavg()[0]  # other processes sharing the cores slow both sides alike
-    run_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    t = cfg.train
     start = time.perf_counter()
-    task = build_task(cfg)
-    policy, tokenizer, _ = build_policy(cfg, task, device)
-    initial = copy.deepcopy(policy)  # TRL starts from the same weights
+    cfg, setup, problems, _ = bench_run(overrides)
+    initial = copy.deepcopy(setup.policy)  # TRL starts from the same weights
     load_s = time.perf_counter() - start
-    problems = list(task.train_problems()[: t.prompts_per_step])
-
-    pristine = copy.deepcopy(policy.state_dict())
+    pristine = copy.deepcopy(setup.policy.state_dict())
     runs = []
     for _ in range(repeats):  # every repeat starts from the same weights and random stream: the same work
-        policy.load_state_dict(pristine)
+        setup.policy.load_state_dict(pristine)
         initial.load_state_dict(pristine)
         torch.manual_seed(cfg.seed)
-        runs.append(measure(cfg, policy, initial, tokenizer, task, problems, device, load_s))
+        runs.append(with_ratios({**measure(cfg, setup, problems), "model_load_s": load_s,
+                                 **trl_measure(cfg, setup, problems, initial)}))
     result = median_of(runs)
     result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
     result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (  # bytes on macOS, KiB elsewhere
@@ -282,60 +267,59 @@ def main(overrides: list[str], repeats: int = 1) -> int:
     return 0
 
 
-def measure(cfg, policy, initial, tokenizer, task, problems, device, load_s: float) -> dict:
-    """One native step and one TRL step from ``initial``, each timed at its second full-size step (the first pays
-    the one-time costs): every printed figure."""
-    t = cfg.train
-    objective, estimator = build_objective(cfg)
-    optimizer = build_optimizer(policy.parameters(), t)
-    scheduler = build_scheduler(optimizer, t)
+def measure(cfg: DictConfig, setup: RunSetup, problems: list) -> dict:
+    """One native step, timed at its second full-size step (the first pays the one-time costs)."""
+    t, device, policy = cfg.train, setup.device, setup.policy
+    learner = build_learner(policy, setup.objective, t)
     release_freed_memory()
-    warm_up_rollout_s, warm_up_step_s = warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task,
-                                                problems, cfg)
+    warm_up_rollout_s, warm_up_step_s = warm_up(learner, setup, problems, cfg)
     sync(device)
     start, cpu_start = time.perf_counter(), time.process_time()
-    ro = sample_group(policy, tokenizer, problems, cfg)
+    ro = sample_problems(policy, setup.tokenizer, problems, t)
     sync(device)
     rollout_s = time.perf_counter() - start
-    completion_tokens = int(ro.completion_mask.sum())
-
-    batch = train_batch(ro, task, problems, estimator, cfg)
-    state = RunState(total_optimizer_steps=t.num_minibatches * t.epochs)
-    timings: dict[str, float] = {}
+    tokens = int(ro.completion_mask.sum())
+    timings = Timings()
     start = time.perf_counter()
-    update(policy, optimizer, scheduler, objective, batch, cfg, 1, state, timings)
+    bench_update(learner, setup, ro, problems, cfg, 1, timings)
     sync(device)
     update_s = time.perf_counter() - start
     step_cpu_s = time.process_time() - cpu_start  # CPU time of this process: less sensitive to other load
-    flops = update_flops(policy, ro, t.epochs)
+    flops, decode = update_flops(policy, ro, t.epochs), decode_flops(policy, ro)
     peak = matmul_peak(DTYPES[cfg.model.dtype]) if device.type == "cpu" else float("nan")
-
-    result = {
+    phases = timings.metrics()
+    return {
         "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device), "sampler": t.sampler,
         "decoder": t.decoder, "compile_sampler": t.compile_sampler, "warm_up_rollout_s": warm_up_rollout_s,
         "warm_up_step_s": warm_up_step_s,
         "prompts_x_samples": f"{t.prompts_per_step}x{t.group_size}", "max_new_tokens": t.max_new_tokens,
-        "num_minibatches": t.num_minibatches, "model_load_s": load_s, "repeats": 1,
-        "completion_tokens": completion_tokens, "rollout_s": rollout_s, "rollout_tok_s": completion_tokens / rollout_s,
-        "rollout_gflop_s": decode_flops(policy, ro) / rollout_s / 1e9,
-        "rollout_fraction_of_peak": decode_flops(policy, ro) / rollout_s / peak,
-        "update_s": update_s, "update_tok_s": completion_tokens * t.epochs / update_s,
+        "num_minibatches": t.num_minibatches, "repeats": 1,
+        "completion_tokens": tokens, "rollout_s": rollout_s, "rollout_tok_s": tokens / rollout_s,
+        "rollout_gflop_s": decode / rollout_s / 1e9, "rollout_fraction_of_peak": decode / rollout_s / peak,
+        "update_s": update_s, "update_tok_s": tokens * t.epochs / update_s,
         "update_gflop_s": flops / update_s / 1e9, "matmul_peak_gflop_s": peak / 1e9,
         "update_fraction_of_peak": flops / update_s / peak,
-        "step_s": rollout_s + update_s, "step_tok_s": completion_tokens / (rollout_s + update_s),
-        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings["logp_forward_s"],
-        "phase_backward_s": timings["backward_s"], "phase_optimizer_s": timings["optimizer_s"],
-        "phase_update_other_s": update_s - sum(timings.values()),
+        "step_s": rollout_s + update_s, "step_tok_s": tokens / (rollout_s + update_s),
+        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings.logp_forward_s,
+        "phase_backward_s": timings.backward_s, "phase_optimizer_s": timings.optimizer_s,
+        "phase_update_other_s": update_s - sum(phases.values()),
     }
+
+
+def trl_measure(cfg: DictConfig, setup: RunSetup, problems: list, initial) -> dict:
+    """TRL's step from ``initial`` (:func:`trl_step`) as ``trl_*`` figures."""
     release_freed_memory()  # TRL grows its own heap in its first, untimed step
-    trl = trl_step(cfg, initial, tokenizer, task, problems)
-    result.update({f"trl_{key}": value for key, value in trl.items()})
-    result["native_over_trl_rollout_tok_s"] = result["rollout_tok_s"] / trl["rollout_tok_s"]
-    result["native_over_trl_generate_tok_s"] = result["rollout_tok_s"] / (trl["completion_tokens"] /
-                                                                          trl["phase_generate_s"])
-    result["trl_over_native_step_time"] = trl["step_s"] / result["step_s"]
-    result["trl_over_native_tok_s"] = trl["step_tok_s"] / result["step_tok_s"]
-    return result
+    trl = trl_step(cfg, initial, setup.tokenizer, setup.task, problems)
+    return {f"trl_{key}": value for key, value in trl.items()}
+
+
+def with_ratios(result: dict) -> dict:
+    """``result`` with the native / TRL ratios (:data:`RATIOS`)."""
+    trl_generate_tok_s = result["trl_completion_tokens"] / result["trl_phase_generate_s"]
+    return {**result, "native_over_trl_rollout_tok_s": result["rollout_tok_s"] / result["trl_rollout_tok_s"],
+            "native_over_trl_generate_tok_s": result["rollout_tok_s"] / trl_generate_tok_s,
+            "trl_over_native_step_time": result["trl_step_s"] / result["step_s"],
+            "trl_over_native_tok_s": result["trl_step_tok_s"] / result["step_tok_s"]}
 
 
 RATIOS = ("native_over_trl_rollout_tok_s", "native_over_trl_generate_tok_s", "trl_over_native_step_time",
@@ -357,6 +341,14 @@ def median_of(runs: list[dict]) -> dict:
     return result
 
 
+def bench_update(learner: Learner, setup: RunSetup, ro: Rollout, problems: list, cfg: DictConfig, step: int,
+                 timings: Timings | None = None) -> dict:
+    """The native update of ``ro`` (scored by :func:`train_batch`) as rollout step ``step``."""
+    batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
+    state = RunState(total_optimizer_steps=cfg.train.num_minibatches * cfg.train.epochs)
+    return update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+
+
 def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
     """The rollout scored by the task, with the run's advantages and the sampler's log-probs."""
     t, device = cfg.train, ro.completion_ids.device
@@ -366,20 +358,19 @@ def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
                       ro.sampler_logp)
 
 
-def warm_up(policy, optimizer, scheduler, objective, estimator, tokenizer, task, problems, cfg) -> tuple[float, float]:
+def warm_up(learner: Learner, setup: RunSetup, problems: list, cfg: DictConfig) -> tuple[float, float]:
     """One untimed step of the timed step's sizes, so that one-time costs — kernel loading, the heap's growth to
     the step's peak memory (harness/run/allocator.py), CUDA handles, ``train.compile_sampler``'s compile — are charged
     to neither side (TRL's first step is untimed too); the weights are restored afterwards (lr 0 would still move
     AdamW's moments, so the state is saved and put back). Returns the seconds of its rollout and of the step."""
-    saved = copy.deepcopy(policy.state_dict())
+    saved = copy.deepcopy(learner.policy.state_dict())
     start = time.perf_counter()
-    ro = sample_group(policy, tokenizer, problems, cfg)
+    ro = sample_problems(learner.policy, setup.tokenizer, problems, cfg.train)
     rollout_s = time.perf_counter() - start
-    update(policy, optimizer, scheduler, objective, train_batch(ro, task, problems, estimator, cfg), cfg, 0,
-           RunState(total_optimizer_steps=cfg.train.num_minibatches * cfg.train.epochs))
+    bench_update(learner, setup, ro, problems, cfg, 0)
     step_s = time.perf_counter() - start
-    policy.load_state_dict(saved)
-    optimizer.state.clear()
+    learner.policy.load_state_dict(saved)
+    learner.optimizer.state.clear()
     return rollout_s, step_s
 
 

@@ -31,6 +31,7 @@ and reruns give the same files; the tables, the SNR across batches and the repor
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -43,8 +44,8 @@ from tqdm import tqdm
 
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
-from harness.loop.build import build_optimizer, build_policy, build_scheduler, build_task, frozen_copy
-from harness.loop.update import RunState, microbatch_loss, minibatch_order, optimizer_step
+from harness.loop.build import build_learner, build_policy, build_task, frozen_copy
+from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt
@@ -229,24 +230,20 @@ class Lab:
         states = {0: self.policy.state_dict()}
         if staleness[-1] == 0:
             return states
-        model = copy.deepcopy(self.policy).requires_grad_(True).train()
-        params = list(model.parameters())
-        optimizer = build_optimizer(params, t)
-        scheduler = build_scheduler(optimizer, t)
+        learner = build_learner(copy.deepcopy(self.policy).requires_grad_(True).train(), self.mover, t)
         batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
+        # one minibatch per step, the sampler's log-probs as behaviour, outside a run's rollout steps
+        plan = dataclasses.replace(UpdatePlan.of(batch, self.cfg, 0), rollout_step=None, behaviour="sampler")
         state = RunState(total_optimizer_steps=staleness[-1])
         for k in range(1, staleness[-1] + 1):
             m = 1 + (k - 1) % (t.num_minibatches - 1)
             rows = order[m * per_minibatch : (m + 1) * per_minibatch]
-            optimizer.zero_grad(set_to_none=True)
-            loss, *_ = microbatch_loss(model, self.mover, batch, rows, temperature=t.temperature,
-                                       padding_free=t.padding_free,
-                                       num_tokens=ro.completion_mask[rows].sum().clamp(min=1),
-                                       num_sequences=len(rows), max_completion_len=t.max_new_tokens, state=state,
-                                       with_entropy=False)
-            optimizer_step(params, optimizer, scheduler, loss, t.max_grad_norm, state)
+            learner.optimizer.zero_grad(set_to_none=True)
+            minibatch = Minibatch(rows, ro.completion_mask[rows].sum().clamp(min=1))
+            part = microbatch_loss(learner, plan, minibatch, rows, state)
+            optimizer_step(learner, part.loss, t.max_grad_norm, state)
             if k in staleness:
-                states[k] = {name: value.detach().clone() for name, value in model.state_dict().items()}
+                states[k] = {name: value.detach().clone() for name, value in learner.policy.state_dict().items()}
         return states
 
     def reference_gradient(self, model, problems, b: int, k: int) -> torch.Tensor:

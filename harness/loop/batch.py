@@ -21,7 +21,7 @@ from harness.tasks import Score
 class TrainBatch:
     """What one step trains on: the rollout and, per row, reward, advantage and group; per token, the behaviour
     log-probs (sampler's or recomputed), the reference log-probs (None without a KL term) and the rollout-correction
-    weights (None without ``train.rollout_correction``; harness/loop/update.py's ``rollout_correction``)."""
+    weights (None without ``train.rollout_correction``; harness/loop/behaviour.py's ``rollout_correction``)."""
 
     rollout: Rollout
     rewards: Tensor  # [N]

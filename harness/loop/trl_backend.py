@@ -56,11 +56,11 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
+from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
 from harness.loop.build import build_objective, build_policy, build_task, frozen_copy
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, peak_memory_mb, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
-from harness.loop.update import behaviour_logp, correction_settings, rollout_correction
 from harness.policy.device import resolve_device
 from harness.policy.models import build_prompt
 from harness.run.atomic import TMP, atomic_write
@@ -215,7 +215,7 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
     def add_rollout_correction(self, out: dict) -> None:
         """``out["rollout_correction"]`` [B, T]: TRL's ``importance_sampling_ratio`` (vLLM, from the mapped options),
         else weights 1 (TRL sampled with the policy itself: no sampler difference); and the correction's metrics
-        (harness.loop.update.rollout_correction, as natively) from the trainer's and vLLM's log-probs."""
+        (harness.loop.behaviour.rollout_correction, as natively) from the trainer's and vLLM's log-probs."""
         mask = out["completion_mask"].bool()
         old, sampled = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
         if old is None or sampled is None:  # no vLLM: the sampler is the policy itself (weights 1)
@@ -245,7 +245,7 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
     def add_minibatch_statistics(self, window: list[dict]) -> None:
         """The objective's ``minibatch_statistics`` summed over the optimizer step's micro-batches ``window`` and all
         processes, from a no-grad forward of the current policy (the first of two passes, as the native loop's
-        harness.loop.update.minibatch_statistics), stored in every micro-batch of the window. Nothing when the objective
+        harness.loop.update.with_statistics), stored in every micro-batch of the window. Nothing when the objective
         has no such hook or the step is one micro-batch on one process."""
         for inputs in window:
             for key in [k for k in inputs if k.startswith(STATS_KEY)]:

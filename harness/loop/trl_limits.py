@@ -10,6 +10,7 @@ import os
 
 from omegaconf import DictConfig
 
+from harness.policy.device import sampler_dtype
 from harness.run.config import microbatch_size, minibatch_size
 from objectives import OBJECTIVES
 
@@ -46,7 +47,7 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if own:
         return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
                 f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
-    if run.model.sampler_dtype not in (None, run.model.dtype):
+    if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
     if OBJECTIVES.get(run.objective.name).needs_whole_minibatch and minibatch // micro > 1:

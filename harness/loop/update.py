@@ -1,33 +1,38 @@
-"""The native loop's update: ``epochs`` passes over one rollout batch, each split into ``num_minibatches``
-optimizer steps; a minibatch is summed over micro-batches with the minibatch's global token and sequence counts,
-so its gradient is exactly the minibatch objective's whatever the micro-batch size.
+"""The update's parts, as data: what every minibatch loss of a step needs is one value (:class:`UpdatePlan`, made
+once per step), a minibatch another (:class:`Minibatch`), the policy being trained with its objective, optimizer
+and schedule a third (:class:`Learner`). The native loop (harness/loop/native.py's ``update``) runs them:
 
-    order = minibatch_order(...)                    # whole groups stay together when they fit
-    stats = minibatch_statistics(...)               # only objectives with the hook (P3O), only when micro-batching
-    loss, metrics = microbatch_loss(...)            # forward, objective, backward for some rows
-    grad_norm = optimizer_step(...)                 # clip, skip if non-finite, step
+    for epoch in range(plan.epochs):
+        for minibatch in minibatches(plan, generator):           # whole groups stay together when they fit
+            minibatch = with_statistics(learner, plan, minibatch, state)   # P3O's statistics, when micro-batched
+            for rows in minibatch.chunks(plan.microbatch_size):
+                part = microbatch_loss(learner, plan, minibatch, rows, state)  # forward, objective, backward
+            grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)  # clip, skip if non-finite, step
 
-Also shared with the TRL backend: where the behaviour log-probs come from (:func:`behaviour_logp`) and the rollout
-correction weights and metrics of a batch (:func:`rollout_correction`).
+A minibatch is summed over micro-batches with the minibatch's global token and sequence counts, so its gradient is
+exactly the minibatch objective's whatever the micro-batch size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.metrics import MetricMeter, MismatchMeter
+from harness.loop.behaviour import behaviour_logp
 from harness.policy.forward import completion_logprobs
+from harness.run.config import microbatch_size, minibatch_size
 from harness.run.seeding import step_seed
 from objectives import PolicyBatch
 from objectives.base import sum_statistics
-from objectives.rollout_correction import DEFAULT_THRESHOLD, correction_metrics, correction_weights
 
 
 @dataclass
@@ -42,34 +47,103 @@ class RunState:
     rollout_tokens: int = 0  # every sampled completion token (dynamic sampling included)
     update_tokens: int = 0  # completion tokens trained on, times epochs
 
-
-def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
-    """``train.rollout_correction``'s (mode, threshold, threshold_lower); mode 'none' when the config has none."""
-    rc = OmegaConf.select(t, "rollout_correction", default=None)
-    if rc is None:
-        return "none", DEFAULT_THRESHOLD, None
-    return rc.mode, rc.threshold, rc.threshold_lower
-
-
-def behaviour_logp(t: DictConfig) -> str:
-    """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
-    rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
-    TRL's ``vllm_importance_sampling_correction`` recompute them too —, else ``train.old_logp``."""
-    return "recompute" if correction_settings(t)[0] != "none" else t.old_logp
+    @classmethod
+    def resumed(cls, checkpoint: dict | None, t: DictConfig) -> RunState:
+        """The counters a checkpoint saved (a fresh run's without one), with this run's optimizer-step total."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        state = cls(**{k: v for k, v in checkpoint["state"].items() if k in fields}) if checkpoint else cls()
+        state.total_optimizer_steps = t.steps * t.epochs * t.num_minibatches
+        return state
 
 
-def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None,
-                       mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
-    """The rollout-correction weights [N, T] of a batch and their metrics (objectives/rollout_correction.py), or
-    (None, {}) with ``mode: none``. ``sampler_logp`` None: there is no sampler difference (one model in one
-    precision samples and trains: the decode path's round-off is not a different policy), so the sampler's
-    log-probs are the trainer's and every weight is exactly 1."""
-    mode, threshold, lower = correction_settings(t)
-    if mode == "none":
-        return None, {}
-    sampler_logp = old_logp if sampler_logp is None else sampler_logp
-    weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, lower)
-    return weights, correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights)
+@dataclass
+class Timings:
+    """Seconds of the update's phases (CPU clock; on a GPU they count launch, not kernel, time), each None until it
+    runs: the loss passes' forwards, P3O's statistics pass, the backward passes, clipping + the optimizer step. The
+    rest of the update is the objective, the metrics and the bookkeeping."""
+
+    logp_forward_s: float | None = None
+    stats_forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        setattr(self, phase, (getattr(self, phase) or 0.0) + time.perf_counter() - start)
+
+    def metrics(self) -> dict[str, float]:
+        """The phases that ran, as the metrics row's ``update_<phase>`` keys."""
+        return {f"update_{k}": v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@contextmanager
+def timed(timings: Timings | None, phase: str):
+    """``timings.timed(phase)``, or nothing without timings."""
+    if timings is None:
+        yield
+    else:
+        with timings.timed(phase):
+            yield
+
+
+@dataclass(frozen=True)
+class Learner:
+    """The policy being trained, its objective, optimizer and learning-rate schedule."""
+
+    policy: torch.nn.Module
+    objective: Callable  # PolicyBatch -> ObjectiveOutput (a registered objective, or any callable like one)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What every minibatch loss of one rollout step needs, made once per step (:meth:`of`)."""
+
+    batch: TrainBatch  # rollout, rewards, advantages, groups; behaviour / reference log-probs; correction weights
+    epochs: int  # passes over the batch
+    minibatch_size: int  # sequences per optimizer step (the objective's sequence count)
+    microbatch_size: int  # sequences per forward/backward
+    group_size: int  # minibatches keep groups whole when they hold whole groups
+    temperature: float  # divides the trainer's logits, as the sampler's
+    padding_free: bool  # the trainer's forward skips completion padding (harness/policy/forward.py)
+    max_completion_len: int  # the objective's L (Dr. GRPO's constant normaliser, ...)
+    max_grad_norm: float
+    rollout_step: int | None  # the rollout step (from 0) for objectives' schedules; None: not in a run
+    behaviour: str  # where batch.old_logp came from: "sampler" or "recompute" (harness/loop/behaviour.py)
+    order_seed: int  # the random stream of the minibatch order
+    timings: Timings | None = None
+
+    @property
+    def sampler_is_behaviour(self) -> bool:
+        """The objective gets no separate sampler log-probs (TBPO's mismatch weight) when they are the behaviour
+        log-probs, or a rollout correction (``batch.correction``) accounts for them."""
+        return self.behaviour == "sampler" or self.batch.correction is not None
+
+    @classmethod
+    def of(cls, batch: TrainBatch, cfg: DictConfig, step: int, timings: Timings | None = None) -> UpdatePlan:
+        """The plan of rollout step ``step`` of a run."""
+        t = cfg.train
+        return cls(batch=batch, epochs=t.epochs, minibatch_size=minibatch_size(t), microbatch_size=microbatch_size(t),
+                   group_size=t.group_size, temperature=t.temperature, padding_free=t.padding_free,
+                   max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
+                   behaviour=behaviour_logp(t),
+                   order_seed=step_seed(cfg.seed, step, stream=1), timings=timings)
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The rows of one optimizer step and what their loss is normalised by."""
+
+    rows: Tensor  # row indices into the batch
+    num_tokens: Tensor  # their valid tokens (>= 1): every micro-batch's token-mean denominator
+    stats: dict | None = None  # the objective's minibatch statistics (P3O); None: each micro-batch's own
+
+    def chunks(self, size: int) -> list[Tensor]:
+        """The micro-batches: ``size`` rows each."""
+        return [self.rows[j : j + size] for j in range(0, len(self.rows), size)]
 
 
 def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torch.Generator) -> Tensor:
@@ -81,143 +155,107 @@ def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torc
     return torch.randperm(n, generator=generator)
 
 
-def forward_rows(policy, batch: TrainBatch, rows: Tensor, temperature: float, with_entropy: bool = False,
-                 timings: dict | None = None, timing_key: str = "logp_forward_s", padding_free: bool = True):
+def minibatches(plan: UpdatePlan, generator: torch.Generator) -> Iterator[Minibatch]:
+    """One pass over the batch: its rows in a random order (:func:`minibatch_order`), ``plan.minibatch_size`` each."""
+    mask, size = plan.batch.rollout.completion_mask, plan.minibatch_size
+    order = minibatch_order(len(mask), plan.group_size, size, generator)
+    for k in range(len(mask) // size):
+        rows = order[k * size : (k + 1) * size]
+        yield Minibatch(rows, mask[rows].sum().clamp(min=1))
+
+
+@dataclass(frozen=True)
+class RowsForward:
+    """The current policy on some rows: log-probs (and entropies) of their completions, all-padding columns dropped."""
+
+    rows: Tensor
+    logp: Tensor  # [rows, width]
+    entropy: Tensor | None  # [rows, width], or None
+    mask: Tensor  # [rows, width]
+    width: int
+
+
+def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = False,
+                 phase: str = "logp_forward_s") -> RowsForward:
     """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
-    (``padding_free``: the rest of the padding too, harness/policy/forward.py). Returns (logp [rows, width], entropy or
-    None, mask [rows, width], width)."""
-    ro = batch.rollout
+    (``plan.padding_free``: the rest of the padding too), timed as ``phase``."""
+    ro = plan.batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
-    start = time.perf_counter()
-    logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                        ro.completion_ids[rows, :width], mask, temperature, with_entropy=with_entropy,
-                                        padding_free=padding_free)
-    if timings is not None:
-        timings[timing_key] = timings.get(timing_key, 0.0) + time.perf_counter() - start
-    return logp, entropy, mask, width
+    with timed(plan.timings, phase):
+        logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                            ro.completion_ids[rows, :width], mask, plan.temperature,
+                                            with_entropy=with_entropy, padding_free=plan.padding_free)
+    return RowsForward(rows, logp, entropy, mask, width)
 
 
-def rows_policy_batch(batch: TrainBatch, rows: Tensor, logp: Tensor, mask: Tensor, width: int, *,
-                      num_tokens: Tensor, num_sequences: int, max_completion_len: int, state: RunState,
-                      rollout_step: int | None, sampler_is_behaviour: bool,
-                      minibatch_stats: dict | None = None) -> PolicyBatch:
-    """The objective's input for ``rows`` with the current log-probs ``logp``: behaviour / reference / sampler
-    log-probs, the rollout-correction weights and advantages of those rows, the minibatch's counts."""
-    ro = batch.rollout
+def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
+    """The objective's input for the rows of ``forward``: their current log-probs; behaviour / reference / sampler
+    log-probs, rollout-correction weights, advantages, rewards and groups; the minibatch's counts and statistics."""
+    batch, rows, width = plan.batch, forward.rows, forward.width
     return PolicyBatch(
-        logp=logp, old_logp=batch.old_logp[rows, :width], mask=mask, advantages=batch.advantages[rows],
-        rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
+        logp=forward.logp, old_logp=batch.old_logp[rows, :width], mask=forward.mask,
+        advantages=batch.advantages[rows], rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
-        step=state.optimizer_steps, total_steps=state.total_optimizer_steps, max_completion_len=max_completion_len,
-        num_tokens=num_tokens, num_sequences=num_sequences, rollout_step=rollout_step,
-        sampler_logp=None if sampler_is_behaviour else ro.sampler_logp[rows, :width],
+        step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
+        max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,
+        num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
+        sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
-        minibatch_stats=minibatch_stats)
+        minibatch_stats=minibatch.stats)
 
 
 @torch.no_grad()
-def minibatch_statistics(policy, objective, batch: TrainBatch, chunks: list[Tensor], *, temperature: float,
-                         padding_free: bool = True, timings: dict | None = None, **batch_fields) -> dict | None:
-    """The objective's ``minibatch_statistics`` summed over the micro-batches ``chunks`` of one minibatch, from a
-    no-grad forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so
-    the same log-probs). None when the objective has no such hook or the minibatch is one micro-batch (it then
-    computes them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
-    uses = getattr(objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests, the lab) has none
+def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, state: RunState) -> Minibatch:
+    """``minibatch`` with the objective's ``minibatch_statistics`` summed over its micro-batches, from a no-grad
+    forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same
+    log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
+    them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
+    uses = getattr(learner.objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests) has none
+    chunks = minibatch.chunks(plan.microbatch_size)
     if len(chunks) < 2 or uses is None or not uses():
-        return None
-    parts = []
-    for rows in chunks:
-        logp, _, mask, width = forward_rows(policy, batch, rows, temperature, timings=timings,
-                                            timing_key="stats_forward_s", padding_free=padding_free)
-        parts.append(objective.minibatch_statistics(rows_policy_batch(batch, rows, logp, mask, width, **batch_fields)))
-    return sum_statistics(parts)
+        return minibatch
+    parts = [learner.objective.minibatch_statistics(policy_batch(
+        plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state)) for rows in chunks]
+    return dataclasses.replace(minibatch, stats=sum_statistics(parts))
 
 
-def microbatch_loss(policy, objective, batch: TrainBatch, rows: Tensor, *, temperature: float, num_tokens: Tensor,
-                    num_sequences: int, max_completion_len: int, state: RunState, with_entropy: bool,
-                    rollout_step: int | None = None, sampler_is_behaviour: bool = True,
-                    timings: dict | None = None, minibatch_stats: dict | None = None, padding_free: bool = True):
-    """Forward the ``rows`` of the batch, evaluate the objective (aggregated with the minibatch's counts; with the
-    minibatch's statistics when given) and backpropagate. Returns (loss, metrics, valid tokens, the rows' log-probs
-    [rows, width] detached, width)."""
-    logp, entropy, mask, width = forward_rows(policy, batch, rows, temperature, with_entropy, timings,
-                                              padding_free=padding_free)
-    out = objective(rows_policy_batch(
-        batch, rows, logp, mask, width, num_tokens=num_tokens, num_sequences=num_sequences,
-        max_completion_len=max_completion_len, state=state, rollout_step=rollout_step,
-        sampler_is_behaviour=sampler_is_behaviour, minibatch_stats=minibatch_stats))
-    start = time.perf_counter()
-    out.loss.backward()
-    if timings is not None:
-        timings["backward_s"] = timings.get("backward_s", 0.0) + time.perf_counter() - start
-    tokens = mask.sum().item()
+@dataclass(frozen=True)
+class MicrobatchLoss:
+    loss: float  # this micro-batch's part of the minibatch loss
+    metrics: dict  # the objective's metrics (and the entropy)
+    tokens: int  # valid tokens: the metrics' weight
+    forward: RowsForward  # its log-probs, detached
+
+
+def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, rows: Tensor, state: RunState,
+                    with_entropy: bool = False) -> MicrobatchLoss:
+    """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
+    statistics) and backpropagate."""
+    forward = forward_rows(learner.policy, plan, rows, with_entropy)
+    out = learner.objective(policy_batch(plan, minibatch, forward, state))
+    with timed(plan.timings, "backward_s"):
+        out.loss.backward()
+    tokens = forward.mask.sum().item()
     metrics = dict(out.metrics)
-    if entropy is not None:
-        metrics["entropy"] = (entropy * mask).sum().item() / max(tokens, 1)
-    return out.loss.item(), metrics, tokens, logp.detach(), width
+    if forward.entropy is not None:
+        metrics["entropy"] = (forward.entropy * forward.mask).sum().item() / max(tokens, 1)
+    detached = dataclasses.replace(forward, logp=forward.logp.detach())
+    return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
 
-def optimizer_step(params: list, optimizer, scheduler, loss: float, max_grad_norm: float, state: RunState) -> float:
+def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState) -> float:
     """Clip the gradient norm and step, unless the loss or the gradient is non-finite: then drop the gradient and
     count the skip. Returns the gradient norm before clipping."""
+    params = [p for p in learner.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     state.optimizer_steps += 1
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
+        learner.optimizer.zero_grad(set_to_none=True)
         state.nonfinite_skips += 1
         state.nonfinite_in_row += 1
         return grad_norm
     state.nonfinite_in_row = 0
-    optimizer.step()
-    scheduler.step()
+    learner.optimizer.step()
+    learner.scheduler.step()
     return grad_norm
-
-
-def update(policy, optimizer, scheduler, objective, batch: TrainBatch, cfg: DictConfig, step: int, state: RunState,
-           timings: dict | None = None) -> dict:
-    """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch; returns the step's metrics
-    (the objective's, entropy, loss, grad norm; the sampler/trainer mismatch of the first minibatch when the
-    behaviour log-probs are the sampler's). ``timings`` (optional) accumulates seconds (CPU clock; on a GPU they
-    count launch, not kernel, time): ``logp_forward_s`` (the loss passes' forwards), ``stats_forward_s`` (P3O's
-    statistics pass), ``backward_s``, ``optimizer_s`` (clipping + AdamW); the rest of the update is the objective,
-    the metrics and the bookkeeping.
-    The objective gets the sampler's log-probs (``PolicyBatch.sampler_logp``, TBPO's mismatch weight) only when
-    they are not the behaviour log-probs and no rollout correction (``batch.correction``) accounts for them."""
-    t = cfg.train
-    ro = batch.rollout
-    n = len(ro.texts)
-    per_minibatch = n // t.num_minibatches
-    micro = t.micro_batch_size or per_minibatch
-    generator = torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))
-    meter, mismatch = MetricMeter(), MismatchMeter()
-    params = [p for p in policy.parameters() if p.requires_grad]
-    sampler_behaviour = behaviour_logp(t) == "sampler"
-    policy.train()
-    for epoch in range(t.epochs):
-        order = minibatch_order(n, t.group_size, per_minibatch, generator)
-        for k in range(t.num_minibatches):
-            index = order[k * per_minibatch : (k + 1) * per_minibatch]
-            num_tokens = ro.completion_mask[index].sum().clamp(min=1)
-            optimizer.zero_grad(set_to_none=True)
-            loss = 0.0
-            chunks = [index[j : j + micro] for j in range(0, per_minibatch, micro)]
-            fields = dict(num_tokens=num_tokens, num_sequences=per_minibatch, max_completion_len=t.max_new_tokens,
-                          state=state, rollout_step=step - 1,
-                          sampler_is_behaviour=sampler_behaviour or batch.correction is not None)
-            stats = minibatch_statistics(policy, objective, batch, chunks, temperature=t.temperature,
-                                         padding_free=t.padding_free, timings=timings, **fields)
-            for rows in chunks:
-                part, metrics, tokens, logp, width = microbatch_loss(
-                    policy, objective, batch, rows, temperature=t.temperature, with_entropy=epoch == 0,
-                    timings=timings, minibatch_stats=stats, padding_free=t.padding_free, **fields)
-                if epoch == 0 and k == 0 and sampler_behaviour:
-                    mismatch.add(ro.sampler_logp[rows, :width], logp, ro.completion_mask[rows, :width])
-                loss += part
-                meter.add(metrics, tokens)
-            start = time.perf_counter()
-            grad_norm = optimizer_step(params, optimizer, scheduler, loss, t.max_grad_norm, state)
-            if timings is not None:
-                timings["optimizer_s"] = timings.get("optimizer_s", 0.0) + time.perf_counter() - start
-            meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
-    return {**meter.result(), **mismatch.result()}

@@ -23,6 +23,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def sampler_dtype(cfg: DictConfig) -> torch.dtype | None:
+    """The precision of a separate sampler copy (``model.sampler_dtype`` other than ``model.dtype``), or None: the
+    policy samples itself."""
+    m = cfg.model
+    return DTYPES[m.sampler_dtype] if m.sampler_dtype not in (None, m.dtype) else None
+
+
 @register_check("device")
 def check_device(run: DictConfig) -> None:
     """The precisions are known; the device is auto, cpu, or a CUDA (or Apple MPS) device this torch can use here."""
