@@ -422,7 +422,7 @@ class ReasoningGym(Task):
     ``eval_size`` distinct questions are the eval set; the items after them are the train set, minus every item
     whose question is an eval question (so the two are disjoint by question text; train questions may repeat).
     Same arguments, same problems (the library seeds item ``i`` with ``seed + i``). They are generated on first
-    use, not at construction (so config checks stay fast): ~0.01 ms an item for chain_sum, ~10 ms for countdown.
+    use, not at construction (so config checks stay fast: some generators, as countdown, are slow per item).
 
     Prompt: the library's question + ``Answer after "####".``. ``Problem.answer`` is the library's answer;
     ``Problem.solution`` is ``#### <answer>`` (no generator of reasoning-gym 0.1.x gives a worked solution, so

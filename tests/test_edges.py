@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from harness.__main__ import main
+from harness.apps.cli import main
 from harness.loop.native import train
 from harness.run.atomic import DiskFullError, atomic_write
 from harness.run.config import load_experiment, run_configs

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from harness.loop import batch, evaluation
 from harness.loop.native import train
+from harness.policy import sampler as sampler_module
 from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, char_tokenizer, load_model
 from harness.policy.sampler import generate
@@ -78,8 +78,7 @@ def spy_prompts(monkeypatch) -> list[str]:
         prompts.append(build_prompt(tokenizer, question))
         return prompts[-1]
 
-    monkeypatch.setattr(batch, "build_prompt", spy)
-    monkeypatch.setattr(evaluation, "build_prompt", spy)
+    monkeypatch.setattr(sampler_module, "build_prompt", spy)  # the rollout's and the evaluation's (sample_problems)
     return prompts
 
 

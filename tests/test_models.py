@@ -9,7 +9,7 @@ import torch
 
 import harness.policy.warm_start
 from harness.policy.models import build_prompt, char_tokenizer, load_model
-from harness.policy.warm_start import WarmStartError, _check_accuracy, warm_start
+from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
 from harness.tasks import get_task
 from tests.tiny import TINY_SPEC
 
@@ -57,7 +57,7 @@ def _no_training(*args, **kwargs):
 def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
     task = _easy_task()
     model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
-    model, sidecar = warm_start(model, tokenizer, task, **BAND)
+    model, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND))
     accuracies = {int(step): acc for step, acc in sidecar["checks"].items()}
     assert sidecar["steps"] == max(accuracies) and sidecar["steps"] % BAND["check_every"] == 0
     assert 0.05 <= sidecar["accuracy"] == accuracies[sidecar["steps"]] <= 1.0
@@ -71,14 +71,14 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
 
     monkeypatch.setattr(torch.optim, "AdamW", _no_training)
     fresh, _ = load_model("tiny", tiny=TINY_SPEC)
-    fresh, hit = warm_start(fresh, tokenizer, task, **BAND)
+    fresh, hit = warm_start(fresh, tokenizer, task, WarmStartRecipe(**BAND))
     assert hit == sidecar and not fresh.training
     trained = model.state_dict()
     assert all(torch.equal(trained[k], v) for k, v in fresh.state_dict().items())
 
     (folder / f"{sidecar['key']}.json").unlink()  # a hit needs the weights and the sidecar
     with pytest.raises(AssertionError, match="cache hit"):
-        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, **BAND)
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, WarmStartRecipe(**BAND))
 
 
 @pytest.mark.slow
@@ -88,7 +88,8 @@ def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
         for n in (1, 2):
             torch.set_num_threads(n)
             model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
-            _, sidecar = warm_start(model, tokenizer, task, **BAND, cache_key_extra=f"threads={n}")
+            _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND),
+                                         cache_key_extra=f"threads={n}")
             assert sidecar["torch_threads"] == n and 0.05 <= sidecar["accuracy"] <= 1.0
     finally:
         torch.set_num_threads(threads)
@@ -98,7 +99,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
     settings = {**BAND, "max_steps": 3, "target": (0.9, 1.0)}
     with pytest.raises(WarmStartError, match=r"max_steps=3 below .*0\.00 at step 3; raise max_steps") as error:
-        warm_start(model, tokenizer, _easy_task(), **settings)
+        warm_start(model, tokenizer, _easy_task(), WarmStartRecipe(**settings))
     assert "\n" not in str(error.value)
 
     accuracies = iter([0.0, 0.8])
@@ -109,7 +110,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     monkeypatch.setattr("harness.policy.warm_start._check_accuracy", jumping_check)
     settings = {**BAND, "max_steps": 10, "check_every": 1, "target": (0.3, 0.45)}
     with pytest.raises(WarmStartError, match=r"overshot .*0\.00 at step 1, 0\.80 at step 2; lower check_every"):
-        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), **settings)
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), WarmStartRecipe(**settings))
     assert not list((rlvr_cache / "warm_start").glob("*"))  # nothing cached on an error
 
 
@@ -119,7 +120,7 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
 
     def key(**overrides) -> str:
         model, tokenizer = load_model("tiny", tiny=TINY_SPEC)  # fresh: the key covers the initial weights
-        return warm_start(model, tokenizer, task, **{**settings, **overrides})[1]["key"]
+        return warm_start(model, tokenizer, task, WarmStartRecipe(**{**settings, **overrides}))[1]["key"]
 
     first = key()
     assert key() == first and key(target=(0.0, 0.9)) != first
@@ -143,7 +144,8 @@ def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forwards = []
     model.register_forward_hook(lambda *args: forwards.append(1))
-    model, sidecar = warm_start(model, tokenizer, _easy_task(), max_steps=7, lr=1e-2, batch_size=4, seed=0)
+    recipe = WarmStartRecipe(max_steps=7, lr=1e-2, batch_size=4, seed=0)
+    model, sidecar = warm_start(model, tokenizer, _easy_task(), recipe)
     assert len(forwards) == 7 and sidecar["steps"] == 7 and sidecar["checks"] == {}
     assert sidecar["accuracy"] is None and sidecar["target"] is None
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

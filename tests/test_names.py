@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from harness.__main__ import main
+from harness.apps.cli import main
 from harness.run import names
 from harness.run.config import RunConfig, load_experiment, run_configs
 from harness.run.errors import ConfigError

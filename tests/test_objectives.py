@@ -615,17 +615,20 @@ def test_sequence_level_objectives_reject_token_advantages():
 
 
 # ----------------------------------------------------------------------------------------------------
-# The library: objective files import only objectives.base / objectives.registry; class conventions declared
+# The library: objective files import only objectives.base / objectives.registry (a variant, such as dapo, also the
+# objective whose loss it takes with its own defaults); class conventions declared
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL)
 def test_objective_modules_import_only_the_library(name):
-    path = Path(sys.modules[objectives.OBJECTIVES.get(name).__module__].__file__)
+    cls = objectives.OBJECTIVES.get(name)
+    path = Path(sys.modules[cls.__module__].__file__)
     tree = ast.parse(path.read_text())
     imported = {"objectives." * bool(node.level) + (node.module or "")
                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}  # level > 0: relative import
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert {m for m in imported if m.startswith("objectives")} <= {"objectives.base", "objectives.registry"}
+    parents = {base.__module__ for base in cls.__mro__[1:] if getattr(base, "name", None) in objectives.OBJECTIVES}
+    assert {m for m in imported if m.startswith("objectives")} <= {"objectives.base", "objectives.registry", *parents}
 
 
 def test_class_conventions_are_declared_and_checked():

@@ -151,7 +151,7 @@ def test_a_transformers_outside_the_requirement_is_refused_in_one_line_before_an
         installed, monkeypatch, capsys, tmp_path):
     import importlib.metadata
 
-    from harness.__main__ import main, unmet_requirement
+    from harness.apps.cli import main, unmet_requirement
 
     assert unmet_requirement() is None  # the environment the suite runs in meets pyproject's requirements
     version = importlib.metadata.version
@@ -189,7 +189,7 @@ def test_soak_kills_and_resumes_without_loss():
 def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
     """A shell's background job starts with SIGINT ignored; the CLI installs Python's handler itself, so Ctrl-C /
     kill -INT still stops it (the soak's SIGINT kills and users' `kill -INT` of a background sweep rely on it)."""
-    from harness.__main__ import main
+    from harness.apps.cli import main
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -43,7 +43,7 @@ from harness.policy.models import load_model
 from harness.policy.sampler import Rollout, sample_problems
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
-from harness.run.config import load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs, updates_per_step
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
 
@@ -345,7 +345,7 @@ def bench_update(learner: Learner, setup: RunSetup, ro: Rollout, problems: list,
                  timings: Timings | None = None) -> dict:
     """The native update of ``ro`` (scored by :func:`train_batch`) as rollout step ``step``."""
     batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
-    state = RunState(total_optimizer_steps=cfg.train.num_minibatches * cfg.train.epochs)
+    state = RunState(total_optimizer_steps=updates_per_step(cfg.train))
     return update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
 
 
@@ -395,10 +395,11 @@ def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
     grpo, no gradient checkpointing, as the native loop); the second is timed (the first pays the one-time costs, as
     the native warm-up does; the second starts from weights its 4 optimizer steps at the bench's lr 1e-6 moved, where
     the native side restores them), phases from its timed methods (harness.loop.trl_backend)."""
+    # imported when TRL runs: trl takes seconds to import, which `bench --step` and `--profile` never need
     from harness.loop.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
 
     t = cfg.train
-    steps = t.num_minibatches * t.epochs
+    steps = updates_per_step(t)
     with tempfile.TemporaryDirectory() as out:
         args = grpo_config(cfg, Path(out), max_steps=2 * steps, shuffle_dataset=False,
                            save_strategy="no", reward_weights=[1.0, cfg.task.format_weight])

@@ -39,6 +39,12 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from analysis.lab import build_lab_report
+from analysis.load import load_experiment as load_results
+from analysis.report import md_table
+from analysis.stats import bootstrap_ci, num
+from harness.apps.lab import run_lab
+from harness.apps.sweep import run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment
 from harness.run.errors import ConfigError
@@ -102,15 +108,9 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, prog
     """Run (or resume) the claim's experiment; its tables by name."""
     cfg = load_experiment(name, list(overrides))
     if kind == "lab":
-        from analysis.lab import build_lab_report
-        from harness.apps.lab import run_lab
-
         folder = run_lab(cfg, progress)
         build_lab_report(folder)
         return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
-    from analysis.load import load_experiment as load_results
-    from harness.apps.sweep import run_sweep
-
     run_sweep(cfg, jobs=jobs, progress=progress)
     return {"runs": load_results(Path(cfg.results_dir) / cfg.name).metrics}
 
@@ -127,8 +127,6 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
 
 def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
     """(verdict, what was measured) of one check."""
-    from analysis.stats import bootstrap_ci, num
-
     table = tables[check["table"]]
     metric = check["metric"]
     if "within" in check:
@@ -191,8 +189,6 @@ def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
 
 def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     """ledger.csv, ledger.md and ledger.html, each written whole then renamed into place."""
-    from analysis.report import md_table
-
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
     shown = frame[["claim", "paper", "reported", "measured", "holds?"]]

@@ -23,6 +23,8 @@ import pandas as pd
 import torch
 import transformers
 
+from analysis.load import load_experiment as load_results
+from analysis.report import build_report, md_table
 from harness.apps.sweep import run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
@@ -53,9 +55,6 @@ def machine(jobs: int) -> str:
 
 def mechanics_table(exp_dir: Path) -> str:
     """Per objective: the mean over steps of each mechanics metric, averaged over seeds (min–max over seeds)."""
-    from analysis.load import load_experiment as load_results
-    from analysis.report import md_table
-
     metrics = load_results(exp_dir).metrics
     train = metrics[metrics["step"] >= 1]
     rows = []
@@ -72,9 +71,6 @@ def mechanics_table(exp_dir: Path) -> str:
 def time_table(exp_dir: Path) -> str:
     """Where a run's wall time goes, per objective (mean over runs): sampling, update, the rest (evaluations,
     start-up, model loading, records)."""
-    from analysis.load import load_experiment as load_results
-    from analysis.report import md_table
-
     exp = load_results(exp_dir)
     train = exp.metrics[exp.metrics["step"] >= 1]
     rows = []
@@ -91,8 +87,6 @@ def time_table(exp_dir: Path) -> str:
 
 def document(name: str, results_dir: Path, jobs: int) -> str:
     """Sweep ``name``, write its report, copy its figures; returns its section of the results page."""
-    from analysis.report import build_report
-
     cfg = load_experiment(name, [f"results_dir={results_dir}"])
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs)

@@ -42,16 +42,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from analysis.lab import build_lab_report
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
-from harness.loop.build import build_learner, build_policy, build_task, frozen_copy
+from harness.loop.build import build_learner, frozen_copy, setup_run
 from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
-from harness.policy.models import build_prompt
-from harness.policy.sampler import Rollout, generate, sampler_options
+from harness.policy.sampler import Rollout, sample_problems
 from harness.run.atomic import atomic_write
-from harness.run.config import check_this_machine, load_experiment, validate
+from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
 from harness.run.locks import lock_folder
 from harness.run.seeding import step_seed
@@ -185,11 +185,9 @@ class Lab:
     def __init__(self, cfg: DictConfig):
         run_threads(cfg.threads)
         self.cfg, self.t = cfg, cfg.train
-        self.device = resolve_device(cfg.device)
-        self.task = build_task(cfg)
-        self.problems = self.task.train_problems()
-        self.policy, self.tokenizer, _ = build_policy(cfg, self.task, self.device)
-        self.policy.requires_grad_(False).eval()
+        setup = setup_run(cfg, resolve_device(cfg.device))  # harness/loop/build.py, as a run's
+        self.task, self.problems, self.tokenizer = setup.task, setup.train_problems, setup.tokenizer
+        self.policy = setup.policy.requires_grad_(False).eval()
         self.objectives = lab_objectives(cfg)
         self.mover, self.mover_estimator = lab_objective(cfg, cfg.lab.mover)
         self.samplers = {s: frozen_copy(self.policy, DTYPES[s]) for s in cfg.lab.mismatch if s in DTYPES}
@@ -215,9 +213,7 @@ class Lab:
         model = self.samplers.get(sampler, self.policy)
         temperature = self.cfg.lab.mismatch_temperature if sampler == "temperature" else t.temperature
         torch.manual_seed(step_seed(self.cfg.seed, b, STREAM_SAMPLING))
-        return generate(model, self.tokenizer, [build_prompt(self.tokenizer, p.question) for p in problems],
-                        group_size=t.group_size, max_new_tokens=t.max_new_tokens, temperature=temperature,
-                        top_p=t.top_p, **sampler_options(t))
+        return sample_problems(model, self.tokenizer, problems, t, temperature=temperature)
 
     def rewards(self, ro: Rollout, problems, group_size: int) -> torch.Tensor:
         scores = [self.task.score(text, problems[i // group_size]) for i, text in enumerate(ro.texts)]
@@ -251,14 +247,12 @@ class Lab:
         each of ``problems``, accumulated in chunks of one minibatch's size."""
         t, n = self.t, self.cfg.lab.reference_samples
         torch.manual_seed(step_seed(self.cfg.seed, b * 1000 + k, STREAM_REFERENCE))
-        ro = generate(model, self.tokenizer, [build_prompt(self.tokenizer, p.question) for p in problems],
-                      group_size=n, max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p,
-                      **sampler_options(t))
+        ro = sample_problems(model, self.tokenizer, problems, t, group_size=n)
         rewards = self.rewards(ro, problems, n)
         advantages = get_advantage("rloo")(rewards, torch.arange(len(problems)).repeat_interleave(n))
         params = list(model.parameters())
         model.requires_grad_(True).zero_grad(set_to_none=True)
-        chunk = max(self.t.prompts_per_step * self.t.group_size // self.t.num_minibatches, n)
+        chunk = max(minibatch_size(self.t), n)
         for i in range(0, len(ro.texts), chunk):
             rows = slice(i, i + chunk)
             width = int(ro.completion_mask[rows].sum(-1).max())
@@ -310,8 +304,7 @@ class Lab:
         t, cfg = self.t, self.cfg
         rng = np.random.default_rng(step_seed(cfg.seed, b, STREAM_PROMPTS))
         problems = [self.problems[i] for i in rng.choice(len(self.problems), t.prompts_per_step, replace=False)]
-        n = t.prompts_per_step * t.group_size
-        per_minibatch = n // t.num_minibatches
+        n, per_minibatch = rollout_size(t), minibatch_size(t)
         group_ids = torch.arange(t.prompts_per_step).repeat_interleave(t.group_size)
         order = minibatch_order(n, t.group_size, per_minibatch,
                                 torch.Generator().manual_seed(step_seed(cfg.seed, b, STREAM_ORDER)))
@@ -343,8 +336,6 @@ class Lab:
 
 def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
     """``python -m harness lab``: measure, then write the tables and the report."""
-    from analysis.lab import build_lab_report
-
     cfg = load_experiment(experiment, overrides)
     start = time.time()
     out = run_lab(cfg, progress)

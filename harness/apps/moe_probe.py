@@ -39,7 +39,7 @@ from harness.policy.models import build_prompt, char_tokenizer
 from harness.policy.routing import Grid, Routing, RoutingRecord, full_layout
 from harness.policy.sampler import Rollout, generate
 from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
-from harness.policy.warm_start import warm_start
+from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.run.threads import run_threads
 from harness.tasks import Task, get_task
 
@@ -107,8 +107,8 @@ def probe_model(depth: int, seed: int, probe: UpdateProbe, task: Task):
     tokenizer = char_tokenizer()
     model = build_tiny_moe(tokenizer, TinyMoeSpec(**{**probe.spec, "num_layers": depth}), seed)
     if probe.sft_steps:
-        model, _ = warm_start(model, tokenizer, task, max_steps=probe.sft_steps, lr=probe.sft_lr, batch_size=32,
-                              seed=seed)
+        model, _ = warm_start(model, tokenizer, task,
+                              WarmStartRecipe(max_steps=probe.sft_steps, lr=probe.sft_lr, batch_size=32, seed=seed))
     return model, tokenizer
 
 

@@ -14,12 +14,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
+from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
+from harness.policy.device import resolve_device
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
@@ -60,9 +63,6 @@ def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
 def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     """Build each distinct warm-started starting policy once, with all cores, before the runs start (they
     then load it from the cache instead of training it in parallel, one core each)."""
-    from harness.loop.build import build_policy, build_task
-    from harness.policy.device import resolve_device
-
     if any(run.model.warm_start_steps for run in runs):
         run_threads(runs[0].threads)
     done = set()
@@ -85,21 +85,7 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
-
-    entries = []
-    for run in runs:
-        rid = run_id(run)
-        run_dir = exp_dir / rid
-        run_dir.mkdir(exist_ok=True)
-        if not (run_dir / "config.yaml").exists():
-            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
-        elif "logging" in run and not is_held(run_dir / RUN_LOCK):  # trackers are not part of the run id: this
-            saved = OmegaConf.load(run_dir / "config.yaml")  # sweep's apply when a run resumes
-            if OmegaConf.select(saved, "logging") != run.logging:
-                saved.logging = run.logging
-                atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
-        entries.append({"run_id": rid, "objective": run.objective.name, "seed": run.seed,
-                        "overrides": _grid_point(run, cfg), "status": run_status(run_dir), "dir": rid})
+    entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
 
     def save_manifest() -> None:
@@ -108,62 +94,33 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
     save_manifest()
     todo = [e for e in entries if e["status"] != "finished"]
     prepare_starting_policies([run for run, e in zip(runs, entries, strict=True) if e in todo], progress)
-    free, available, busy = free_threads()
-    threads = max(1, free // jobs)  # each run's share of the cores free now (harness/run/threads.py)
-    if free < available:
-        tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
-                   f"thread{'s' if threads > 1 else ''} per run")
+    threads = threads_per_run(jobs)
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)
-    active: dict[str, tuple[subprocess.Popen, tqdm, object]] = {}
+    active: dict[str, Child] = {}
     done = False
     try:
         while todo or active:
-            while todo and len(active) < jobs:
+            while todo and len(active) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
-                run_dir = exp_dir / entry["dir"]
-                logfile = open(run_dir / "train.log", "a")
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "harness", "train", str(run_dir / "config.yaml"), "--run-dir",
-                     str(run_dir), "--threads", str(threads), "--no-progress"],
-                    stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                active[entry["run_id"]] = Child.start(exp_dir / entry["dir"], threads, progress, 1 + len(active))
                 entry["status"] = "running"
                 save_manifest()
-                total = OmegaConf.load(run_dir / "config.yaml").train.steps
-                bar = tqdm(total=total, desc=entry["run_id"], unit="step", leave=False, disable=not progress,
-                           position=1 + len(active))
-                active[entry["run_id"]] = (proc, bar, logfile)
             time.sleep(1.0)
-            for rid, (proc, bar, logfile) in list(active.items()):
-                rows = read_jsonl(exp_dir / rid / "metrics.jsonl")
-                if rows:
-                    bar.n = rows[-1]["step"]
-                    bar.set_postfix(progress_fields(rows[-1], rows))
-                    bar.refresh()
-                if proc.poll() is None:
+            for rid, child in list(active.items()):  # progress bars; the runs that ended
+                if child.poll():
                     continue
                 entry = next(e for e in entries if e["run_id"] == rid)
-                status, error = run_status(exp_dir / rid), _error(exp_dir / rid)
-                if proc.returncode and status not in ("failed", "interrupted"):  # it could not write its summary
-                    status = "stopped" if proc.returncode < 0 else "failed"  # killed by a signal / e.g. a full disk
-                entry["status"] = status
-                if proc.returncode:
-                    tqdm.write(f"run {rid} {entry['status']} (exit {proc.returncode}): {error or 'no summary'}; "
-                               f"log in {exp_dir / rid / 'train.log'}")
+                entry["status"], error = child.ended(rid)
                 if error and error.startswith(("error: disk full", "error: disk quota")):
                     todo.clear()  # the next runs would stop the same way: free space, then run the sweep again
                 save_manifest()
-                bar.close()
-                logfile.close()
                 del active[rid]
                 sweep_bar.update(1)
         done = True
     finally:
-        for proc, bar, logfile in active.values():
-            proc.terminate()
-            proc.wait()
-            bar.close()
-            logfile.close()
+        for child in active.values():
+            child.stop()
         for entry in entries:
             if entry["status"] == "running":
                 entry["status"] = run_status(exp_dir / entry["dir"])
@@ -176,3 +133,80 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
             sweep_bar.close()
             lock.close()
     return entries
+
+
+def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
+    """The run's folder with its config.yaml (a resumed run's gets this sweep's trackers, which are not part of the
+    run id), and its manifest entry."""
+    rid = run_id(run)
+    run_dir = exp_dir / rid
+    run_dir.mkdir(exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
+    elif "logging" in run and not is_held(run_dir / RUN_LOCK):
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        if OmegaConf.select(saved, "logging") != run.logging:
+            saved.logging = run.logging
+            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
+    return {"run_id": rid, "objective": run.objective.name, "seed": run.seed, "overrides": _grid_point(run, cfg),
+            "status": run_status(run_dir), "dir": rid}
+
+
+def threads_per_run(jobs: int) -> int:
+    """Each run's share of the cores free now (harness/run/threads.py), with a note when others keep some busy."""
+    free, available, busy = free_threads()
+    threads = max(1, free // jobs)
+    if free < available:
+        tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
+                   f"thread{'s' if threads > 1 else ''} per run")
+    return threads
+
+
+@dataclass
+class Child:
+    """One run's process (``python -m harness train <run_dir>/config.yaml``), its log file and progress bar."""
+
+    run_dir: Path
+    proc: subprocess.Popen
+    bar: tqdm
+    logfile: object
+
+    @classmethod
+    def start(cls, run_dir: Path, threads: int, progress: bool, position: int) -> Child:
+        logfile = open(run_dir / "train.log", "a")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness", "train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
+             "--threads", str(threads), "--no-progress"],
+            stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        total = OmegaConf.load(run_dir / "config.yaml").train.steps
+        bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
+        return cls(run_dir, proc, bar, logfile)
+
+    def poll(self) -> bool:
+        """Refresh the progress bar from metrics.jsonl; whether the process is still running."""
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        if rows:
+            self.bar.n = rows[-1]["step"]
+            self.bar.set_postfix(progress_fields(rows[-1], rows))
+            self.bar.refresh()
+        return self.proc.poll() is None
+
+    def ended(self, rid: str) -> tuple[str, str | None]:
+        """The ended run's status and error (said on the terminal when it did not finish); closes its bar and log."""
+        status, error = run_status(self.run_dir), _error(self.run_dir)
+        code = self.proc.returncode
+        if code and status not in ("failed", "interrupted"):  # it could not write its summary
+            status = "stopped" if code < 0 else "failed"  # killed by a signal / e.g. a full disk
+        if code:
+            tqdm.write(f"run {rid} {status} (exit {code}): {error or 'no summary'}; "
+                       f"log in {self.run_dir / 'train.log'}")
+        self.bar.close()
+        self.logfile.close()
+        return status, error
+
+    def stop(self) -> None:
+        """Terminate the process (the sweep is stopping) and close its bar and log."""
+        self.proc.terminate()
+        self.proc.wait()
+        self.bar.close()
+        self.logfile.close()

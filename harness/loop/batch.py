@@ -11,8 +11,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from harness.policy.models import build_prompt
-from harness.policy.sampler import Rollout, generate, sampler_options, select_rows
+from harness.policy.sampler import Rollout, sample_problems, select_rows
 from harness.run.seeding import step_seed
 from harness.tasks import Score
 
@@ -39,14 +38,6 @@ class SampledRound:
     rollout: Rollout
     scores: list[Score]
     rewards: Tensor  # [prompts_per_step * group_size]
-
-
-def sample_group(sampler, tokenizer, problems, cfg: DictConfig) -> Rollout:
-    """``group_size`` completions of each problem, with the run's sampling settings."""
-    t = cfg.train
-    return generate(sampler, tokenizer, [build_prompt(tokenizer, p.question) for p in problems],
-                    group_size=t.group_size, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                    top_p=t.top_p, **sampler_options(t))
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
@@ -82,7 +73,7 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
     informative, dropped = [], []  # groups as (round, group index)
     for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
         problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
-        ro = sample_group(sampler, tokenizer, problems, cfg)
+        ro = sample_problems(sampler, tokenizer, problems, t)
         scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
         rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg)))
         grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)

@@ -19,7 +19,7 @@ from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
 from harness.policy.models import load_model
 from harness.policy.sampler import check_decoder
-from harness.policy.warm_start import warm_start
+from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.tasks import Problem, Task, get_task
 from objectives import get_advantage, get_objective
 
@@ -74,9 +74,9 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     start = None
     if m.warm_start_steps:
         target = tuple(m.warm_start_target) if m.warm_start_target is not None else None
-        model, start = warm_start(model, tokenizer, task, max_steps=m.warm_start_steps, lr=m.warm_start_lr,
-                                  batch_size=m.warm_start_batch_size, seed=m.seed, target=target,
-                                  check_every=m.warm_start_check_every)
+        recipe = WarmStartRecipe(max_steps=m.warm_start_steps, lr=m.warm_start_lr, batch_size=m.warm_start_batch_size,
+                                 seed=m.seed, target=target, check_every=m.warm_start_check_every)
+        model, start = warm_start(model, tokenizer, task, recipe)
     return model, tokenizer, start
 
 

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from harness.policy.models import build_prompt
-from harness.policy.sampler import generate, sampler_options
+from harness.policy.sampler import sample_problems
 from harness.run.seeding import step_seed
 
 EVAL_CHUNK = 64  # prompts per generate call
@@ -26,8 +25,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     correct, by_scoring, records = [], defaultdict(list), []
     for i in range(0, len(problems), EVAL_CHUNK):
         chunk = problems[i : i + EVAL_CHUNK]
-        out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk],
-                       max_new_tokens=max_new, greedy=True, **sampler_options(cfg.train))
+        out = sample_problems(policy, tokenizer, chunk, cfg.train, group_size=1, max_new_tokens=max_new, greedy=True)
         for j, (text, problem, truncated) in enumerate(zip(out.texts, chunk, out.truncated.tolist(), strict=True)):
             score = task.score(text, problem)
             correct.append(score.correct)
@@ -46,9 +44,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
         solved = []
         for i in range(0, len(problems), per_call):
             chunk = problems[i : i + per_call]
-            out = generate(policy, tokenizer, [build_prompt(tokenizer, p.question) for p in chunk], group_size=k,
-                           max_new_tokens=max_new, temperature=cfg.train.temperature, top_p=cfg.train.top_p,
-                           **sampler_options(cfg.train))
+            out = sample_problems(policy, tokenizer, chunk, cfg.train, group_size=k, max_new_tokens=max_new)
             hits = [task.score(t, chunk[j // k]).correct for j, t in enumerate(out.texts)]
             solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]
         row[f"eval_pass_at_{k}"] = float(np.mean(solved))

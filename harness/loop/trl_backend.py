@@ -57,13 +57,14 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 from trl.trainer.utils import add_fused_lm_head
 
 from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
-from harness.loop.build import build_objective, build_policy, build_task, frozen_copy
+from harness.loop.build import setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, peak_memory_mb, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.models import build_prompt
 from harness.run.atomic import TMP, atomic_write
+from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, no_save_progress_bar
 from harness.run.threads import run_threads
@@ -86,10 +87,8 @@ TRL_DROP = ("epoch", "num_tokens", "step_time")  # TRL's epoch / tokens seen / s
 def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **overrides) -> GRPOConfig:
     """The run config as TRL's GRPOConfig (see the module docstring); ``overrides`` and $RLVR_TRL_ARGS win."""
     t = cfg.train
-    minibatch = t.prompts_per_step * t.group_size // t.num_minibatches
-    micro = t.micro_batch_size or minibatch
-    accumulation = minibatch // (micro * world_size())
-    steps_per_rollout = t.num_minibatches * t.epochs
+    accumulation = minibatch_size(t) // (microbatch_size(t) * world_size())
+    steps_per_rollout = updates_per_step(t)
     mode, threshold, lower = correction_settings(t)
     correction = {"vllm_importance_sampling_correction": False}  # with vLLM, train.old_logp decides (docstring)
     if mode != "none":  # TRL's own options compute exactly our weights (docs/trl.md)
@@ -99,7 +98,7 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
     kwargs = dict(
         output_dir=str(output_dir), seed=cfg.seed, use_cpu=resolve_device(cfg.device).type == "cpu",
         bf16=cfg.model.dtype == "bfloat16", report_to="none", disable_tqdm=not progress,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        per_device_train_batch_size=microbatch_size(t), gradient_accumulation_steps=accumulation,
         steps_per_generation=t.num_minibatches * accumulation, num_generations=t.group_size,
         num_iterations=t.epochs, max_steps=t.steps * steps_per_rollout, max_completion_length=t.max_new_tokens,
         temperature=t.temperature, top_p=t.top_p, top_k=0, learning_rate=t.lr, weight_decay=t.weight_decay,
@@ -335,7 +334,7 @@ class RecordsCallback(TrainerCallback):
         t = self.cfg.train
         if not logs or "reward" not in logs:
             return
-        step = state.global_step // (t.num_minibatches * t.epochs)
+        step = state.global_step // updates_per_step(t)
         now, phase = time.time(), self.trainer.phase_s
         step_s, rollout_s = now - self.last_time, phase.pop("rollout", 0.0)
         phase.clear()
@@ -423,7 +422,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     main = int(os.environ.get("RANK", "0")) == 0
     checkpoint, torn = trl_checkpoints(run_dir / "trl")
-    rollout_steps = cfg.train.num_minibatches * cfg.train.epochs
+    rollout_steps = updates_per_step(cfg.train)
     resume_step = int(checkpoint.rsplit("-", 1)[1]) // rollout_steps if checkpoint else None
     records = RunRecords(cfg, run_dir, resume_step, start_policy=None, backend="trl", main=main,
                          checkpoint=checkpoint)
@@ -433,19 +432,18 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     records.progress["update_tokens"] = records.progress["rollout_tokens"] * cfg.train.epochs
     records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
-        task = build_task(cfg)
         device = resolve_device(cfg.device)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        policy, tokenizer, records.start_policy = build_policy(cfg, task, device)
-        objective, estimator = build_objective(cfg)
-        reference = frozen_copy(policy) if objective.beta > 0 else None
-        callback = RecordsCallback(cfg, records, task, tokenizer)
+        setup = setup_run(cfg, device)  # harness/loop/build.py, as the native loop's
+        records.start_policy = setup.start_policy
+        callback = RecordsCallback(cfg, records, setup.task, setup.tokenizer)
         trainer = RegistryGRPOTrainer(
-            model=policy, reward_funcs=reward_functions(task), args=grpo_config(
+            model=setup.policy, reward_funcs=reward_functions(setup.task), args=grpo_config(
                 cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
-            train_dataset=problems_dataset(task.train_problems(), tokenizer), processing_class=tokenizer,
-            callbacks=[callback], objective=objective, estimator=estimator, reference=reference, train=cfg.train)
+            train_dataset=problems_dataset(setup.train_problems, setup.tokenizer), processing_class=setup.tokenizer,
+            callbacks=[callback], objective=setup.objective, estimator=setup.estimator, reference=setup.reference,
+            train=cfg.train)
         callback.trainer = trainer
         trainer.remove_callback(PrinterCallback)  # both print every log dict; metrics.jsonl has them
         trainer.remove_callback(ProgressCallback)

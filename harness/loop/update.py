@@ -29,7 +29,7 @@ from torch import Tensor
 from harness.loop.batch import TrainBatch
 from harness.loop.behaviour import behaviour_logp
 from harness.policy.forward import completion_logprobs
-from harness.run.config import microbatch_size, minibatch_size
+from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
 from objectives import PolicyBatch
 from objectives.base import sum_statistics
@@ -52,7 +52,7 @@ class RunState:
         """The counters a checkpoint saved (a fresh run's without one), with this run's optimizer-step total."""
         fields = {f.name for f in dataclasses.fields(cls)}
         state = cls(**{k: v for k, v in checkpoint["state"].items() if k in fields}) if checkpoint else cls()
-        state.total_optimizer_steps = t.steps * t.epochs * t.num_minibatches
+        state.total_optimizer_steps = t.steps * updates_per_step(t)
         return state
 
 

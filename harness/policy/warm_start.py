@@ -1,8 +1,8 @@
 """The supervised warm start: the starting policy of a run, trained on the task's solutions until it solves some
 problems, cached, the same for every run of a sweep (like an RL run's starting checkpoint).
 
-    model, sidecar = warm_start(model, tokenizer, task, max_steps=3000, lr=1e-3, batch_size=32, seed=0,
-                                target=(0.30, 0.45))
+    recipe = WarmStartRecipe(max_steps=3000, lr=1e-3, batch_size=32, seed=0, target=(0.30, 0.45))
+    model, sidecar = warm_start(model, tokenizer, task, recipe)
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -56,25 +57,26 @@ def check_warm_start(run: DictConfig) -> None:
                           "for no warm start set both: model.warm_start_steps=0 model.warm_start_target=null")
 
 
-def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    *,
-    max_steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    target: tuple[float, float] | None = None,
-    check_every: int = 50,
-    check_size: int = 128,
-    cache_key_extra: str = "",
-) -> tuple[PreTrainedModel, dict]:
+@dataclass(frozen=True)
+class WarmStartRecipe:
+    """How the warm start trains (:func:`warm_start`)."""
+
+    max_steps: int  # steps (the cap, with a target)
+    lr: float  # AdamW, constant
+    batch_size: int  # problems per step
+    seed: int  # the batches' random stream
+    target: tuple[float, float] | None = None  # (low, high): stop at the first check in the band
+    check_every: int = 50  # steps between checks (with a target)
+    check_size: int = 128  # train problems held out as the check set (with a target)
+
+
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, recipe: WarmStartRecipe,
+               cache_key_extra: str = "") -> tuple[PreTrainedModel, dict]:
     """Supervised fine-tuning on the task's reference solutions, so that RL starts from a policy that solves
     some problems. Returns ``(model, sidecar)``: ``model`` updated in place, in eval mode, and the cache
     sidecar (a dict, see below).
 
-    Each step samples ``batch_size`` problems (``random.Random(seed)``) from the train problems, builds
+    Each step samples ``recipe.batch_size`` problems (``random.Random(seed)``) from the train problems, builds
     ``build_prompt(question)`` + ``solution`` + EOS and minimises the token-mean cross-entropy on the
     completion tokens only, with AdamW at a constant ``lr``.
 
@@ -91,16 +93,17 @@ def warm_start(
     weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
     source code of the training functions, so a change to that code invalidates the cache.
     """
+    target = recipe.target
     if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
         raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
     checked = target is not None
     settings = {
-        "max_steps": max_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+        "max_steps": recipe.max_steps, "lr": recipe.lr, "batch_size": recipe.batch_size, "seed": recipe.seed,
         "target": list(target) if checked else None,
-        "check_every": check_every if checked else None, "check_size": check_size if checked else None,
+        "check_every": recipe.check_every if checked else None, "check_size": recipe.check_size if checked else None,
     }
-    recipe = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
-    key = _warm_start_key(model, tokenizer, task, [settings, recipe, cache_key_extra])
+    version = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
+    key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
     folder = cache_dir() / "warm_start"
     weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
     if weights.is_file() and sidecar_path.is_file():
@@ -108,10 +111,9 @@ def warm_start(
         return model.eval(), json.loads(sidecar_path.read_text())
 
     start = time.perf_counter()
-    step, checks = _train(model, tokenizer, task, max_steps=max_steps, lr=lr, batch_size=batch_size, seed=seed,
-                          target=target, check_every=check_every, check_size=check_size)
+    step, checks = _train(model, tokenizer, task, recipe)
     sidecar = {
-        "key": key, **recipe, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
+        "key": key, **version, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
         "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -123,24 +125,24 @@ def warm_start(
     return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
 
 
-def _train(model, tokenizer, task: Task, *, max_steps: int, lr: float, batch_size: int, seed: int,
-           target: tuple[float, float] | None, check_every: int, check_size: int) -> tuple[int, dict[int, float]]:
+def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe) -> tuple[int, dict[int, float]]:
     """The warm start's training (:func:`warm_start`'s docstring): the steps taken and each check's accuracy; the
     model is left in eval mode."""
-    checked = target is not None
+    r, target = recipe, recipe.target
+    max_steps, check_every, checked = r.max_steps, r.check_every, target is not None
     problems = list(task.train_problems())
-    check_set = problems[:check_size] if checked else []
+    check_set = problems[: r.check_size] if checked else []
     held_out = {problem.question for problem in check_set}
     pool = [problem for problem in problems[len(check_set):] if problem.question not in held_out]
     if not pool:
         raise ValueError(f"no train problems left for the warm start after holding out {len(check_set)}")
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(r.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr)
     checks: dict[int, float] = {}
     model.train()
     step = 0
     while step < max_steps:
-        batch = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
+        batch = [pool[rng.randrange(len(pool))] for _ in range(r.batch_size)]
         loss = model(**_supervised_batch(tokenizer, batch, model.device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -130,20 +130,41 @@ def atomic_write(path: Path, content: str | bytes | None = None, *,
                  write: Callable[[Path], None] | None = None, shared: bool = False) -> None:
     """Replace ``path`` all at once: ``content`` (text or bytes), or what ``write(tmp)`` writes to the temporary
     path (a file, or a folder), goes to ``<path>.tmp`` beside it, is flushed to disk, then renamed over ``path``
-    (a folder: the old one is removed first). A reader, or a kill, sees the old ``path`` or the new one, never a
-    part; a failure leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`.
-    ``shared``: see :func:`write_temporary`.
-    The one way the harness writes a file it replaces (summary, manifest, config, checkpoints, exports, caches)."""
+    (a folder: :func:`_swap`). A reader, or a kill, sees the old ``path`` or the new one, never a part; a failure
+    leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`. ``shared``: see
+    :func:`write_temporary`. The one way the harness and the analysis write what they replace (summary, manifest,
+    config, checkpoints, exports, caches, the embedded model, reports)."""
     path = Path(path)
     tmp = write_temporary(path, content, write=write, shared=shared)
     try:
-        if tmp.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        if tmp.is_dir() and path.exists():
+            _swap(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             _remove(tmp)
         raise
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    """Put the folder ``tmp`` in place of the folder ``path``: the old one renamed aside (a temporary, swept as the
+    others if a kill comes first), the new one renamed in, the old one removed; the old one is put back if the new
+    one cannot be."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.old{TMP}")
+    _remove(aside)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another writer of a shared folder moved it meanwhile
+        aside = None
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, path)
+        raise
+    if aside is not None:
+        _remove(aside)
 
 
 def remove_stale_temporaries(*folders: Path) -> list[Path]:

@@ -197,6 +197,11 @@ def microbatch_size(t: DictConfig) -> int:
     return t.micro_batch_size or minibatch_size(t)
 
 
+def updates_per_step(t: DictConfig) -> int:
+    """Optimizer steps per rollout step (``train.num_minibatches x train.epochs``)."""
+    return t.num_minibatches * t.epochs
+
+
 def _merge(*configs) -> DictConfig:
     try:
         return OmegaConf.merge(OmegaConf.structured(RunConfig), *configs)

@@ -2,8 +2,8 @@
 
 torch's default is one OpenMP thread per core. Beside another busy process that oversubscribes the cores: a
 parallel region waits for its slowest thread, and a thread that lost its core makes the others spin at the
-barrier (measured on 2 shared cores: ~15 s per step instead of ~1 s with one thread; ``python -m harness bench
---busy`` measures it on any machine, README "Threads"). So a run's thread count, unless set, is the number of cores
+barrier, and a step takes many times longer than with one thread (``python -m harness bench --busy`` measures it
+on any machine; README "Threads" has a measured table). So a run's thread count, unless set, is the number of cores
 free when it starts (the cores this process may use minus those other processes keep busy), with a one-line note
 when that is fewer than the cores; and it stays with the run: a resume uses the count the run started with, since
 CPU reductions may round differently with another count and a resume must reproduce the uninterrupted run.
