@@ -30,9 +30,17 @@ def gsm8k_dir() -> Path:
 def tiny_model():
     """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
     from harness.policy.models import load_model
-    from tests.tiny import TINY_SPEC
+    from tests.helpers.tiny import TINY_SPEC
 
     return load_model("tiny", tiny=TINY_SPEC)
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """The TRL tests' fixed rollout batch of the tiny model (tests/helpers/trl.py), one per test module."""
+    from tests.helpers.trl import fixed_batch
+
+    return fixed_batch()
 
 
 @pytest.fixture

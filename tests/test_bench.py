@@ -6,7 +6,7 @@ import pytest
 
 from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, profile_main
 from harness.policy.models import load_model
-from tests.tiny import TINY_SPEC
+from tests.helpers.tiny import TINY_SPEC
 
 
 def test_median_of_repeats_and_the_ratios_range():

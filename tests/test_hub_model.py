@@ -18,7 +18,7 @@ from harness.policy.models import build_prompt, char_tokenizer, load_model
 from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs
 from harness.run.records import read_jsonl
-from tests.tiny import TINY_RUN, TINY_SPEC, tiny_run
+from tests.helpers.tiny import TINY_RUN, TINY_SPEC, tiny_run
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

@@ -21,7 +21,7 @@ from harness.apps.lab import lab_config, run_lab
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from objectives import PolicyBatch, available_objectives, get_objective
-from tests.tiny import TINY_RUN
+from tests.helpers.tiny import TINY_RUN
 
 
 def linear_policy(seed=0, rows=4, steps=3, vocab=5, features=3):
@@ -208,7 +208,7 @@ def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
 def test_lab_measures_a_policy_a_run_saved(tmp_path, monkeypatch):
     """lab.policy: the policy a run exported (its final/ folder) replaces the starting policy, warm start off."""
     from harness.loop.native import train
-    from tests.tiny import tiny_run
+    from tests.helpers.tiny import tiny_run
 
     run = tiny_run(tmp_path)
     train(run, tmp_path / "run", progress=False)

@@ -1,6 +1,6 @@
 """The house's rules, read from the code: every import (function-local ones included) points down the layers
-apps -> analysis -> loop -> policy -> tasks -> run -> objectives, no two modules import each other through any
-chain, and the config checks of every component are registered by the entry points (harness/run/checks.py)."""
+apps -> analysis -> loop -> policy -> tasks -> run -> objectives, and no two modules import each other through any
+chain (README "Layout")."""
 
 from __future__ import annotations
 
@@ -79,21 +79,3 @@ def test_the_config_layer_imports_nothing_above_it():
     assert {t for t in graph["harness.run.config"] if not t.startswith(("harness.run.", "objectives"))} == set()
 
 
-def test_every_expected_config_check_is_registered_by_the_apps():
-    import harness.apps  # noqa: F401
-    from harness.run import checks
-
-    for when, expected in checks.EXPECTED.items():
-        assert set(checks._CHECKS[when]) == set(expected), when
-
-
-def test_a_check_nobody_registered_is_a_loud_programming_error(monkeypatch):
-    from harness.run import checks
-    from tests.tiny import tiny_run
-
-    run = tiny_run(Path("/nonexistent"))
-    monkeypatch.setitem(checks._CHECKS, "config", {k: v for k, v in checks._CHECKS["config"].items() if k != "sampler"})
-    with pytest.raises(RuntimeError, match=r"not registered: sampler \(harness.policy.sampler\)"):
-        checks.run_checks(run)
-    with pytest.raises(ValueError, match="unknown config check"):
-        checks.register_check("nobody_expects_it")

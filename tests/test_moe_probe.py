@@ -7,7 +7,7 @@ import pytest
 
 from harness.apps.moe_probe import UpdateProbe, one_update_volatility, volatility_by_depth
 from harness.tasks import get_task
-from tests.tiny_moe import TINY_MOE_SPEC, tiny_moe
+from tests.helpers.tiny_moe import TINY_MOE_SPEC, tiny_moe
 
 
 @pytest.mark.parametrize(("lr", "moved"), [(0.0, False), (1e-2, True)])

@@ -15,7 +15,7 @@ from harness.run import names
 from harness.run.config import RunConfig, load_experiment, run_configs
 from harness.run.errors import ConfigError
 from objectives import OBJECTIVES
-from tests.tiny import tiny_run
+from tests.helpers.tiny import tiny_run
 
 
 def test_every_schema_key_has_one_row_and_every_row_is_a_key():

@@ -35,18 +35,17 @@ from harness.tasks import get_task
 from objectives import PolicyBatch, available_objectives, get_objective
 from objectives.base import sum_statistics
 from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, correction_weights
-from tests.test_objectives import DT, group_batch, num
-from tests.test_trl_backend import (  # fixed: the TRL tests' fixed rollout batch (a fixture)
+from tests.helpers.objectives import DT, group_batch, num
+from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
+from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py's fixture
     GradCapture,
     NoSchedule,
     assert_same,
-    fixed,  # noqa: F401
     loss_and_grad,
     make_trainer,
     run_config,
     trl_inputs,
 )
-from tests.tiny import TINY_SPEC, tiny_run, without_timing
 
 ALL = available_objectives()
 MODES = [m for m in CORRECTION_MODES if m != "none"]

@@ -19,8 +19,8 @@ from harness.policy.routing import (
     routing_unsupported,
     select_record_rows,
 )
-from tests.tiny import TINY_SPEC
-from tests.tiny_moe import (
+from tests.helpers.tiny import TINY_SPEC
+from tests.helpers.tiny_moe import (
     full_forward,
     gradients,
     padded_batch,

@@ -23,7 +23,14 @@ from transformers import (
 
 from harness.policy.models import char_tokenizer, load_model
 from harness.policy.routing import Routing, find_routers
-from tests.tiny_moe import full_forward, gradients, padded_batch, perturb_routers, record_forward, sample_recorded
+from tests.helpers.tiny_moe import (
+    full_forward,
+    gradients,
+    padded_batch,
+    perturb_routers,
+    record_forward,
+    sample_recorded,
+)
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False)

@@ -13,8 +13,8 @@ import torch
 
 from harness.loop.native import train
 from harness.run import threads
-from tests.interrupt import stopped_before
-from tests.tiny import tiny_run
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

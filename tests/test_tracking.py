@@ -19,7 +19,7 @@ from harness.run.config import run_id
 from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, read_jsonl
 from harness.run.tracking import numeric
-from tests.tiny import tiny_run
+from tests.helpers.tiny import tiny_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,7 +132,7 @@ def test_a_sweep_resumes_its_runs_with_the_trackers_asked_for_now(tmp_path):
 
     from harness.apps.sweep import run_sweep
     from harness.run.config import load_experiment, run_configs
-    from tests.tiny import TINY_RUN
+    from tests.helpers.tiny import TINY_RUN
 
     def experiment(*overrides):
         return load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=swept", "train.steps=1",
@@ -154,7 +154,7 @@ CHILD = """
 import json, sys
 from pathlib import Path
 from harness.loop.native import train
-from tests.tiny import tiny_run
+from tests.helpers.tiny import tiny_run
 
 tmp = Path(sys.argv[1])
 train(tiny_run(tmp, "logging.backends=[jsonl,{backend}]", "name=tracked"), tmp / "run", progress=False)

@@ -21,7 +21,7 @@ packed [n, hidden]; only the attention sees the rows, as [rows, heads, T, d] wit
 (a padded query still sees its diagonal, so no softmax row is empty and no NaN reaches the gradient). Each distinct
 prompt (a group's rows share one) runs once through the model's own forward, with gradients, for its keys/values,
 as in :func:`_model_hidden`. Everything is the model's own modules, so adapters
-and hooks on them run; the result equals the model's forward to float round-off (tests/test_packed.py).
+and hooks on them run; the result equals the model's forward to float round-off (tests/test_forward.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from harness.policy.routing import find_routers
 from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
-from tests.tiny_moe import TINY_MOE_SPEC, padded_batch, tiny_moe
+from tests.helpers.tiny_moe import TINY_MOE_SPEC, padded_batch, tiny_moe
 
 
 def test_tiny_moe_has_the_specs_shape():

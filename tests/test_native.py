@@ -1,5 +1,6 @@
-"""The shared loop end to end with a tiny model: sampling, log-probs, every objective, determinism, resume,
-non-finite handling, micro-batching, train-inference mismatch."""
+"""harness/loop/native.py, the shared loop end to end with a tiny model: sampling, log-probs, every objective,
+determinism, resume, non-finite handling, train-inference mismatch, dynamic sampling, exports (the update's parts:
+tests/test_update.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import harness.loop.native
 from harness.loop.batch import collect_batch, rewards_of
-from harness.loop.build import build_optimizer, build_policy, build_task
+from harness.loop.build import build_policy, build_task
 from harness.loop.native import train
 from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
@@ -23,8 +23,8 @@ from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
 from objectives import ObjectiveOutput, available_objectives, get_objective
-from tests.interrupt import stopped_before
-from tests.tiny import TINY_SPEC, tiny_run, without_timing
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
 
 @pytest.fixture(scope="module")
@@ -180,54 +180,6 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
     # the first attempt's records (the eval at 0) are kept, the resumed step 3 appends its own, none repeats
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [3] * 8
-
-
-def test_the_loop_optimizer_is_fused_adamw_with_the_per_tensor_update():
-    """build_optimizer: the fused AdamW kernel on CPU, with the run's lr and weight decay; five steps of it move the
-    weights as the per-tensor loop does (to fp32 round-off), and as AdamW by hand for the first step."""
-    t = OmegaConf.create({"lr": 1e-2, "weight_decay": 0.1})
-    torch.manual_seed(0)
-    start = [torch.randn(64, 32), torch.randn(32)]
-    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
-    moved = {}
-    for fused in (True, False):
-        params = [p.clone().requires_grad_() for p in start]
-        optimizer = build_optimizer(params, t) if fused else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-        assert optimizer.param_groups[0]["fused"] is (True if fused else None)
-        assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]) == (1e-2, 0.1)
-        for k, step in enumerate(grads):
-            for p, g in zip(params, step, strict=True):
-                p.grad = g.clone()
-            optimizer.step()
-            if k == 0 and fused:  # m = (1-b1) g, v = (1-b2) g^2, bias-corrected: the step is lr g / (|g| + eps')
-                for p, p0, g in zip(params, start, step, strict=True):
-                    by_hand = p0 * (1 - 1e-2 * 0.1) - 1e-2 * g / (g.abs() + 1e-8)
-                    assert torch.allclose(p.detach(), by_hand, atol=1e-6)
-        moved[fused] = [p.detach() for p in params]
-    for a, b in zip(moved[True], moved[False], strict=True):
-        assert torch.allclose(a, b, atol=1e-6, rtol=0)
-    assert (moved[True][0] - start[0]).abs().max() > 1e-2  # the steps moved the weights
-
-
-@pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
-def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
-    passes, real = [], harness.loop.native.with_statistics
-
-    def spy(*args, **kwargs):
-        passes.append(real(*args, **kwargs))
-        return passes[-1]
-
-    monkeypatch.setattr(harness.loop.native, "with_statistics", spy)
-    finals = []
-    for micro in (0, 2):
-        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
-                       "task.overlong_buffer=6")
-        train(run, tmp_path / f"m{micro}", progress=False)
-        finals.append(torch.load(tmp_path / f"m{micro}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
-    for key in finals[0]:
-        assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
-    # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 micro-batches)
-    assert [p.stats is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
@@ -410,16 +362,3 @@ def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is
             pytest.approx([0.0075, 0.01, 0.01])
 
 
-def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
-    from harness.loop.build import build_optimizer, build_scheduler
-    from harness.loop.update import Learner, RunState, optimizer_step
-
-    param = torch.nn.Parameter(torch.ones(3))
-    t = OmegaConf.create({"lr": 0.01, "weight_decay": 0.0, "warmup_steps": 3})
-    optimizer = build_optimizer([param], t)
-    scheduler, state, used = build_scheduler(optimizer, t), RunState(), []
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
-    for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
-        param.grad = torch.ones(3)
-        optimizer_step(Learner(torch.nn.ParameterList([param]), None, optimizer, scheduler), loss, 1.0, state)
-    assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1

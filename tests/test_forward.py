@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from harness.policy import forward
 from harness.policy.forward import completion_logprobs, padding_free_unsupported
-from tests.test_decode import ARCHITECTURES, build
+from tests.helpers.architectures import ARCHITECTURES, build
 
 VOCAB = 50
 
@@ -104,7 +104,7 @@ def test_where_padding_free_does_not_apply_the_models_forward_runs(case, reason,
 @pytest.mark.parametrize("old_logp", ["sampler", "recompute"])  # recompute: the no-grad forward before the update
 def test_a_run_with_and_without_padding_free_ends_at_the_same_weights(tmp_path, monkeypatch, old_logp):
     from harness.loop.native import train
-    from tests.tiny import tiny_run
+    from tests.helpers.tiny import tiny_run
 
     packed_rows, real = [], forward.completion_hidden
     monkeypatch.setattr(forward, "completion_hidden",
