@@ -2,7 +2,7 @@
 
 A run's *settings* are its resolved config.yaml (flattened to dotted keys) without the keys that do not change what
 is computed: ``seed`` (what varies between the seeds of a cell), ``name`` (the experiment's label), ``results_dir``,
-``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/config.py run_id leaves
+``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/run/config.py run_id leaves
 ``results_dir`` and ``logging`` out of the run id for the same reason) and ``profile``/``profiles`` (applied already).
 ``objective.name`` names the objective.
 

@@ -1,4 +1,4 @@
-"""results/lab/<name>/ (written by harness/lab.py) -> tidy tables, statistics across batches, figures, report.
+"""results/lab/<name>/ (written by harness/apps/lab.py) -> tidy tables, statistics across batches, figures, report.
 
 Tables (CSV, in the lab folder):
     lab.csv        one row per objective x axis point x batch: the objective's loss and metrics, its gradient's
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 from analysis import plots
 from analysis.report import render_html, render_md
 from analysis.stats import BOOT_SEED, INTERVALS, LEVEL, N_BOOT, describe, num
+from harness.run.atomic import atomic_write
 
 FRESH = "staleness=0"
 MAX_BANDS = 6  # interval bands are drawn for up to this many objectives (more would hide the lines)
@@ -247,9 +247,12 @@ def build_lab_report(folder: str | Path) -> Path:
     found["sqrt_growth"] = sqrt_growth(found["positions"])
     for name, table in found.items():
         table.to_csv(folder / f"{name}.csv", index=False)
-    out = folder / "report"
-    tmp = folder / ".report.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    atomic_write(folder / "report", write=lambda tmp: write_lab_report(folder, batches, found, tmp), shared=True)
+    return folder / "report" / "report.md"
+
+
+def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) -> None:
+    """The lab's report (report.md, report.html, figures) into the new folder ``tmp``."""
     tmp.mkdir()
     name = folder.name
     look = plots.styles(found["lab"]["objective"])
@@ -283,6 +286,3 @@ def build_lab_report(folder: str | Path) -> Path:
         blocks.append(("figure", stem, stem, caption))
     (tmp / "report.md").write_text(render_md(blocks))
     (tmp / "report.html").write_text(render_html(blocks, tmp, f"Gradient lab: {name}"))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out / "report.md"

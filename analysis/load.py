@@ -16,8 +16,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.cells import Cells, assign_cells
-from harness.collapse import CollapseRule, detect_collapse
-from harness.locks import RUN_LOCK, SWEEP_LOCK, is_held
+from harness.run.collapse import CollapseRule, detect_collapse
+from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
@@ -210,7 +210,7 @@ def checked_summary(summary: dict, path: Path) -> dict:
 
 def collapse_of(summary: dict, read: MetricsFile, path: Path) -> dict:
     """The run's collapse columns: summary.json's `collapse` when the key is there (null: none), else the rule of
-    harness/collapse.py applied to its metrics (runs written before the loop recorded it)."""
+    harness/run/collapse.py applied to its metrics (runs written before the loop recorded it)."""
     if "collapse" in summary:
         record = summary["collapse"]
         if record is None:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 import re
-import secrets
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from analysis import axes, paired, plots, scaling, timing
 from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
+from harness.run.atomic import TMP, atomic_write
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -154,11 +154,12 @@ def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:
 
 def rule_text() -> str:
     r = COLLAPSE_RULE
-    return (f"A run collapsed (harness/collapse.py) when its eval accuracy stays more than {r.eval_margin:g} below its "
-            f"step-0 accuracy for {r.eval_consecutive} evaluations in a row (`eval_drop`), a training step's loss or "
-            f"gradient is non-finite or skips an update for it (`non_finite_loss`, {r.nonfinite_consecutive} step), "
-            f"the entropy stays below {r.entropy_floor:g} nats/token for {r.entropy_consecutive} steps "
-            f"(`entropy_floor`) or the clip fraction at or above {r.clip_ceiling:g} for {r.clip_consecutive} steps "
+    return (f"A run collapsed (harness/run/collapse.py) when its eval accuracy stays more than {r.eval_margin:g} "
+            f"below its step-0 accuracy for {r.eval_consecutive} evaluations in a row (`eval_drop`), a training "
+            f"step's loss or gradient is non-finite or skips an update for it (`non_finite_loss`, "
+            f"{r.nonfinite_consecutive} step), the entropy stays below {r.entropy_floor:g} nats/token for "
+            f"{r.entropy_consecutive} steps (`entropy_floor`) or the clip fraction at or above {r.clip_ceiling:g} "
+            f"for {r.clip_consecutive} steps "
             "(`clip_saturation`). The record is summary.json's `collapse` when the run wrote one, else the same rule "
             "applied here to its metrics. Rate: collapsed / ended runs of the cell (n: distinct seeds), with a "
             "Wilson score 95% interval.")
@@ -333,15 +334,6 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
     return made, coincide
 
 
-def replace_dir(new: Path, target: Path) -> None:
-    """Put `new` in place of `target` (two renames; the old folder is deleted once the new one is in place)."""
-    old = new.with_name(new.name.replace(".tmp-", ".old-"))
-    if target.exists():
-        target.rename(old)
-    new.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int = 1,
                  formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False) -> Path:
     """Write the report folder; returns the path of report.md. Data problems are warned (AnalysisWarning) and
@@ -362,19 +354,16 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
         raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to replace it; choose another "
                             "--out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
-        for stale in out_dir.parent.glob(pattern):
-            if time.time() - stale.stat().st_mtime > STALE_S:
-                shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    try:
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*{TMP}"):  # a killed writer's (another may be writing now)
+        if time.time() - stale.stat().st_mtime > STALE_S:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
         with plots.context(paper):
             write_report(exp, tmp, smooth, formats, paper, data_warnings)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    atomic_write(out_dir, write=write, shared=True)  # shared: two reports of one experiment may be written at once
     return out_dir / "report.md"
 
 
@@ -481,13 +470,44 @@ def iqm_display(frame: pd.DataFrame) -> pd.DataFrame:
                                                                            strict=True)]})
 
 
+@dataclass(frozen=True)
+class Numbers:
+    """The report's tables per (objective, cell), as written to its csv / md files."""
+
+    table: pd.DataFrame  # eval_table: accuracies, intervals, collapse rates
+    headline: pd.DataFrame
+    collapse: pd.DataFrame
+    pairs: pd.DataFrame  # paired comparisons per cell
+    aggregated: pd.DataFrame  # ... aggregated over cells
+    iqms: pd.DataFrame
+
+
+@dataclass(frozen=True)
+class CellParts:
+    """What each cell adds: its compute-performance fits, where its time went, its figures."""
+
+    fit_table: pd.DataFrame
+    times: pd.DataFrame
+    blocks: list  # the cells' figure blocks
+    coincide: list[str]  # objectives whose curves coincide
+
+
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
                  data_warnings: list[str]) -> None:
-    runs, name, cells = exp.runs, exp.name, exp.cells
-    multi = len(cells.labels) > 1
-    look = plots.styles(runs["objective"])
+    """report.md and report.html (and every table and figure they show) into ``out_dir``."""
+    look = plots.styles(exp.runs["objective"])
+    numbers = write_numbers(exp, out_dir)
+    parts = write_cells(exp, out_dir, smooth, formats, paper, look)
+    overview = axes.axis_figures(numbers.table, exp.cells, look, exp.name, paper) if exp.cells.axes else []
+    blocks = [*intro_blocks(exp, numbers, data_warnings), *figures_section(exp, parts, overview, out_dir, formats),
+              *results_blocks(exp, numbers, parts, data_warnings)]
+    (out_dir / "report.md").write_text(render_md(blocks))
+    (out_dir / "report.html").write_text(render_html(blocks, out_dir, f"Report: {exp.name}"))
 
-    # numbers: per (objective, cell)
+
+def write_numbers(exp: Experiment, out_dir: Path) -> Numbers:
+    """Per (objective, cell): the eval, headline, collapse and paired tables, as csv and md."""
+    runs, cells = exp.runs, exp.cells
     table = eval_table(runs, cells.axes)
     table.to_csv(out_dir / "eval_accuracy.csv", index=False)
     runs.to_csv(out_dir / "runs.csv", index=False)
@@ -502,11 +522,15 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
     aggregated.to_csv(out_dir / "paired_aggregate.csv", index=False)
     iqms.to_csv(out_dir / "iqm.csv", index=False)
     (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
+    return Numbers(table, headline, collapse, pairs, aggregated, iqms)
 
-    # per cell: fits, timing, figures
-    subsets = cell_subsets(exp)
+
+def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool, look) -> CellParts:
+    """Per cell: the compute-performance fits (scaling_fit.csv), where the time went, the figures."""
+    name, cells = exp.name, exp.cells
+    multi = len(cells.labels) > 1
     fit_tables, fit_numbers, time_tables, cell_blocks, coincide = [], [], [], [], []
-    for cell_id, cell_runs, cell_metrics in subsets:
+    for cell_id, cell_runs, cell_metrics in cell_subsets(exp):
         label = cells.labels[cell_id]
         fits = scaling.fit_objectives(cell_metrics, cell_runs)
         fit_tables.append(with_cell(scaling.fit_table(fits), label, multi))
@@ -527,9 +551,13 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
         out_dir / "scaling_fit.csv", index=False)
     times = pd.concat([t for t in time_tables if len(t)], ignore_index=True) if any(len(t) for t in time_tables) \
         else pd.DataFrame()
-    overview = axes.axis_figures(table, cells, look, name, paper) if cells.axes else []
+    return CellParts(fit_table, times, cell_blocks, coincide)
 
-    config_lines, diffs = config_summary(exp)
+
+def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) -> list[tuple]:
+    """The title, what the numbers rest on, the headline table, the cells and the starting policies."""
+    runs, name, cells, headline, table = exp.runs, exp.name, exp.cells, numbers.headline, numbers.table
+    multi = len(cells.labels) > 1
     unfinished = unfinished_lines(runs)
     blocks = [("h1", f"Report: {name}"),
               ("p", f"Source: `{exp.dir}`. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} ended, "
@@ -545,70 +573,85 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
     if multi:
         blocks += [("p", f"Cells ({len(cells.labels)}):"), ("ul", cell_lines(exp))]
     blocks += [("p", "Starting policy (summary.json `start_policy`):"), ("ul", start_policy_lines(runs))]
+    return blocks
 
-    blocks += [("h2", "Figures"),
-               ("p", f"Line figures: the mean over seeds of each objective, told apart by colour, line style and "
-                     f"marker (markers alternate between objectives, so coinciding lines stay visible); band: "
-                     f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
-                     "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
-                     "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
-                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - IDENTITY_COLUMNS))
-                     + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
-                     "(`metrics_<prefix>`, single ones in `metrics_other`)."
-                     + (" One set of figures per cell (stems end in `_c<cell>`), after the figures over the swept "
-                        "axes." if multi else ""))]
+
+def figures_section(exp: Experiment, parts: CellParts, overview: list, out_dir: Path, formats: list[str]) -> list:
+    """The figures: how to read them, the coinciding curves, those over the swept axes, each cell's."""
+    multi, coincide = len(exp.cells.labels) > 1, parts.coincide
+    blocks = [("h2", "Figures"),
+              ("p", f"Line figures: the mean over seeds of each objective, told apart by colour, line style and "
+                    f"marker (markers alternate between objectives, so coinciding lines stay visible); band: "
+                    f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
+                    "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
+                    "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
+                    + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - IDENTITY_COLUMNS))
+                    + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
+                    "(`metrics_<prefix>`, single ones in `metrics_other`)."
+                    + (" One set of figures per cell (stems end in `_c<cell>`), after the figures over the swept "
+                       "axes." if multi else ""))]
     if coincide:
         blocks += [("p", "Objectives whose curves coincide (mean over seeds equal to 6 significant digits at every "
                          "step both logged: their lines lie on each other, told apart by line style and marker):"),
                    ("ul", coincide)]
     if overview:
         blocks += [("h3", "Over the swept axes")] + figure_blocks(overview, out_dir, formats)
-    blocks += cell_blocks
+    blocks += parts.blocks
+    return blocks
 
+
+def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_warnings: list[str]) -> list[tuple]:
+    """Eval accuracy, collapse, paired comparisons, the fit, where the time went, configuration, runs."""
+    runs, cells, table, collapse = exp.runs, exp.cells, numbers.table, numbers.collapse
+    pairs, aggregated, iqms, fit_table, times = numbers.pairs, numbers.aggregated, numbers.iqms, parts.fit_table, \
+        parts.times
+    multi = len(cells.labels) > 1
+    config_lines, diffs = config_summary(exp)
+    unfinished = unfinished_lines(runs)
     scorings = [k.removeprefix("final_") for k in accuracies(runs) if k not in ("start", "final", "best")]
-    blocks += [("h2", "Eval accuracy per objective" + (" and cell" if multi else "")),
-               ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
-                     f"the runs that {ENDED}. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of "
-                     f"seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
-                     "rollout tokens: mean per ended run."
-                     + (" The same final evaluation scored other ways: "
-                        + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
-                        + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),
-               ("table", eval_display(table, runs, cells)),
-               ("h2", "Collapse"), ("p", rule_text()), ("table", collapse),
-               ("h2", "Paired comparisons"),
-               ("p", "Runs of two objectives with the same seed in the same cell share their first rollouts, so "
-                     "objectives are compared per cell by per-seed differences of final eval accuracy (A − B over "
-                     f"the seeds both ended; interval: {INTERVALS} of the differences), wins/ties/losses over those "
-                     "seeds, and the probability of improvement P(A > B) (rliable's: Mann–Whitney U / (n_A n_B), "
-                     "ties 0.5; 95% bootstrap over seed pairs from 3 pairs). Method and conventions: "
-                     "analysis/paired.py (rliable's, arXiv 2108.13264, computed with numpy/scipy)."),
-               ("table", paired_display(pairs, cells)) if len(pairs) else
-               ("p", "No pair of objectives has a seed both ended in the same cell: nothing to compare."),
-               ("p", "Aggregated over cells: the mean over cells of each cell's mean difference and of its P(A > B), "
-                     "with rliable's stratified bootstrap (seeds resampled within each cell; 2000 resamples; needs "
-                     "2+ seeds in every cell and 3 in all)."),
-               ("table", aggregate_display(aggregated)) if len(aggregated) else ("p", "Nothing to aggregate."),
-               ("p", "Per objective over the cells every objective ended a run in: IQM (rliable's aggregate_iqm: "
-                     f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs) and mean of final eval accuracy, "
-                     "stratified-bootstrap 95% CIs."),
-               ("table", iqm_display(iqms)) if len(iqms) else ("p", "No objective has an ended run."),
-               ("h2", "Compute-performance fit"),
-               ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit converged; otherwise the reason. "
-                     "Figure `scaling` draws the converged fits over their points."),
-               ("table", fit_table) if len(fit_table) else ("p", "No counted run yet."),
-               ("h2", "Where the time went"),
-               ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
-                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
-                     + timing.PHASES),
-               ("table", times) if len(times) else ("p", "No finished run yet."),
-               ("h2", "Configuration"), ("ul", config_lines),
-               ("p", "Settings that differ between runs (besides objective and seed; an axis makes cells, a "
-                     "per-objective setting is part of the objective):" if diffs else
-                     "No settings differ between runs besides objective and seed."),
-               *([("ul", diffs)] if diffs else []),
-               ("h2", "Runs that did not finish"),
-               ("ul", unfinished) if unfinished else ("p", "All runs finished.")]
+    blocks = [("h2", "Eval accuracy per objective" + (" and cell" if multi else "")),
+              ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
+                    f"the runs that {ENDED}. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of "
+                    f"seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
+                    "rollout tokens: mean per ended run."
+                    + (" The same final evaluation scored other ways: "
+                       + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
+                       + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),
+              ("table", eval_display(table, runs, cells)),
+              ("h2", "Collapse"), ("p", rule_text()), ("table", collapse),
+              ("h2", "Paired comparisons"),
+              ("p", "Runs of two objectives with the same seed in the same cell share their first rollouts, so "
+                    "objectives are compared per cell by per-seed differences of final eval accuracy (A − B over "
+                    f"the seeds both ended; interval: {INTERVALS} of the differences), wins/ties/losses over those "
+                    "seeds, and the probability of improvement P(A > B) (rliable's: Mann–Whitney U / (n_A n_B), "
+                    "ties 0.5; 95% bootstrap over seed pairs from 3 pairs). Method and conventions: "
+                    "analysis/paired.py (rliable's, arXiv 2108.13264, computed with numpy/scipy)."),
+              ("table", paired_display(pairs, cells)) if len(pairs) else
+              ("p", "No pair of objectives has a seed both ended in the same cell: nothing to compare."),
+              ("p", "Aggregated over cells: the mean over cells of each cell's mean difference and of its P(A > B), "
+                    "with rliable's stratified bootstrap (seeds resampled within each cell; 2000 resamples; needs "
+                    "2+ seeds in every cell and 3 in all)."),
+              ("table", aggregate_display(aggregated)) if len(aggregated) else ("p", "Nothing to aggregate."),
+              ("p", "Per objective over the cells every objective ended a run in: IQM (rliable's aggregate_iqm: "
+                    f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs) and mean of final eval accuracy, "
+                    "stratified-bootstrap 95% CIs."),
+              ("table", iqm_display(iqms)) if len(iqms) else ("p", "No objective has an ended run."),
+              ("h2", "Compute-performance fit"),
+              ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit converged; otherwise the reason. "
+                    "Figure `scaling` draws the converged fits over their points."),
+              ("table", fit_table) if len(fit_table) else ("p", "No counted run yet."),
+              ("h2", "Where the time went"),
+              ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
+                    "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
+                    + timing.PHASES),
+              ("table", times) if len(times) else ("p", "No finished run yet."),
+              ("h2", "Configuration"), ("ul", config_lines),
+              ("p", "Settings that differ between runs (besides objective and seed; an axis makes cells, a "
+                    "per-objective setting is part of the objective):" if diffs else
+                    "No settings differ between runs besides objective and seed."),
+              *([("ul", diffs)] if diffs else []),
+              ("h2", "Runs that did not finish"),
+              ("ul", unfinished) if unfinished else ("p", "All runs finished.")]
     if data_warnings:
         blocks += [("h2", "Data warnings"), ("ul", data_warnings)]
     blocks += [("h2", "Runs"),
@@ -617,8 +660,7 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
                      "and seed is not)."),
                ("table", runs_display(runs, cells))]
 
-    (out_dir / "report.md").write_text(render_md(blocks))
-    (out_dir / "report.html").write_text(render_html(blocks, out_dir, f"Report: {name}"))
+    return blocks
 
 
 def figure_blocks(made: list[plots.Made], out_dir: Path, formats: list[str]) -> list[tuple]:

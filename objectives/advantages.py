@@ -109,8 +109,8 @@ def gpg_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Estimators that need the completion lengths L_i (valid tokens of each response). The loop calls an estimator with
 # (rewards, group_ids) only, so these are not registered yet: registering one needs the loop to pass the lengths
-# (harness/train.py's estimator call and the config's group-of-one check, issue 35 phase 2). Their math is here and
-# tested against verl so that the registration is one line each.
+# (harness/loop/native.py's estimator call and the config's group-of-one check, issue 35 phase 2). Their math is here
+# and tested against verl so that the registration is one line each.
 # ----------------------------------------------------------------------------------------------------------------
 
 WHITEN_EPS = 1e-8  # verl masked_whiten: (x - mean) * rsqrt(var + 1e-8)

@@ -10,6 +10,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_checks():
+    """Every component's config check registered (harness/run/checks.py), as the entry points have them: a test may
+    validate a config without importing an app."""
+    import harness.apps  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     """../shared/data/gsm8k relative to the repository (never committed); tests using it skip without it."""
@@ -22,10 +29,18 @@ def gsm8k_dir() -> Path:
 @pytest.fixture
 def tiny_model():
     """A small randomly initialised char-level Llama (hidden 32, 2 layers) and its tokenizer."""
-    from harness.models import load_model
-    from tests.tiny import TINY_SPEC
+    from harness.policy.models import load_model
+    from tests.helpers.tiny import TINY_SPEC
 
     return load_model("tiny", tiny=TINY_SPEC)
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """The TRL tests' fixed rollout batch of the tiny model (tests/helpers/trl.py), one per test module."""
+    from tests.helpers.trl import fixed_batch
+
+    return fixed_batch()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""harness/allocator.py: freed memory is reused without page faults once the command line has set glibc up, the
+"""harness/run/allocator.py: freed memory is reused without page faults once the command line has set glibc up, the
 environment switch turns it off, and release_freed_memory gives the pages back. Each case runs in a fresh process
 (the settings are process-wide)."""
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.skipif(platform.system() != "Linux" or platform.libc_v
 
 FAULTS = """
 import json, resource, torch
-from harness.allocator import keep_freed_memory, release_freed_memory
+from harness.run.allocator import keep_freed_memory, release_freed_memory
 kept = keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def touch():  # a step's worth: one block above glibc's default mmap threshold (64 MiB) and smaller ones

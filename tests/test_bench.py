@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from harness.bench import RATIOS, decode_matmuls, main, median_of, profile_main
-from harness.models import load_model
-from tests.tiny import TINY_SPEC
+from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, profile_main
+from harness.policy.models import load_model
+from tests.helpers.tiny import TINY_SPEC
 
 
 def test_median_of_repeats_and_the_ratios_range():

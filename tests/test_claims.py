@@ -1,11 +1,12 @@
-"""The claims ledger (harness/claims.py): every shipped claim file parses and names an existing experiment; the
+"""The claims ledger (harness/apps/claims.py): every shipped claim file parses and names an existing experiment; the
 checks' verdicts on small tables whose answer is known by hand."""
 
 import pandas as pd
 import pytest
 
-from harness.claims import CLAIMS_DIR, evaluate_check, ledger_rows, load_claim, load_claims, write_ledger
-from harness.config import ConfigError, load_experiment
+from harness.apps.claims import CLAIMS_DIR, evaluate_check, ledger_rows, load_claim, load_claims, write_ledger
+from harness.run.config import load_experiment
+from harness.run.errors import ConfigError
 
 
 def test_shipped_claims_parse_and_their_experiments_exist():

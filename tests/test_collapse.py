@@ -1,11 +1,12 @@
-"""harness/collapse.py: the collapse rule pinned on hand-made metric rows (each cause, the boundaries, null = NaN)."""
+"""harness/run/collapse.py: the collapse rule pinned on hand-made metric rows (each cause, the boundaries, null =
+NaN)."""
 
 import json
 import math
 
 import pytest
 
-from harness.collapse import CAUSES, CollapseRule, detect_collapse
+from harness.run.collapse import CAUSES, CollapseRule, detect_collapse
 
 
 def run(steps: int = 12, start: float = 0.5, evals: dict | None = None, eval_every: int = 2, **per_step) -> list[dict]:
@@ -107,7 +108,7 @@ def test_module_is_pure():
     import ast
     from pathlib import Path
 
-    import harness.collapse as module
+    import harness.run.collapse as module
 
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -1,5 +1,5 @@
-"""The decoders of harness/decode.py: each step's logits against the model's own full forward (teacher forcing) for
-every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
+"""The decoders of harness/policy/decode.py: each step's logits against the model's own full forward (teacher forcing)
+for every supported architecture, with left padding, grouped-query attention and rows leaving the batch; the
 fallback rules; and the sampler giving the same rollout through every decoder."""
 
 from __future__ import annotations
@@ -16,40 +16,15 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
-from harness import decode
-from harness.decode import (
-    CacheDecoder,
-    Matmul,
-    PerRowDecoder,
-    SharedPrefixDecoder,
-    build_decoder,
-    positions,
-    written_out_unsupported,
-)
-from harness.models import build_prompt, load_model
-from harness.rollout import generate
+from harness.policy import decode
+from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.decode import CacheDecoder, Matmul, PerRowDecoder, SharedPrefixDecoder, build_decoder
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import generate
 from harness.tasks import get_task
-
-SHAPE = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
-ARCHITECTURES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
-    "llama_bias_mha": lambda: LlamaForCausalLM(LlamaConfig(**{**SHAPE, "num_key_value_heads": 4},
-                                                           attention_bias=True, mlp_bias=True)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE, head_dim=8, sliding_window=None)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),  # biases on q/k/v
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8)),  # RMSNorm on q and k per head
-}
-
-
-def build(name: str, dtype=torch.float32):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return ARCHITECTURES[name]().to(dtype).eval()
+from tests.helpers.architectures import ARCHITECTURES, SHAPE, build
 
 
 def reference_logits(model, prompt_ids, prompt_mask, completions):

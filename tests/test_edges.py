@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import shutil
 import signal
@@ -17,13 +16,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from harness.__main__ import main
-from harness.config import ConfigError, load_experiment, run_configs
-from harness.locks import RUN_LOCK, lock_folder
-from harness.records import DiskFullError, atomic_write, read_jsonl, run_status
-from harness.train import train
-from tests.interrupt import stopped_before
-from tests.tiny import TINY_RUN, tiny_run, without_timing
+from harness.apps.cli import main
+from harness.loop.native import train
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
+from harness.run.locks import RUN_LOCK, lock_folder
+from harness.run.records import read_jsonl, run_status
+from tests.helpers.disk import fill_disk_at, temporaries
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,10 +33,6 @@ def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` with its bytes and modification time."""
     return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def temporaries(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if ".tmp" in p.name)
 
 
 def error_lines(err: str) -> list[str]:
@@ -77,7 +74,7 @@ def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing
 
 @pytest.mark.slow
 def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_run):
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     run, run_dir = stopped_run
     before = snapshot(run_dir)
@@ -125,8 +122,8 @@ def test_a_run_whose_summary_says_running_is_stopped_unless_a_process_holds_its_
 
 
 def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch):
-    from harness import sweep
-    from harness.config import load_experiment, run_configs, run_id
+    from harness.apps import sweep
+    from harness.run.config import load_experiment, run_configs, run_id
 
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp"])
     (run,) = run_configs(cfg)
@@ -182,22 +179,6 @@ def reference(tmp_path):
     return without_timing(read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
 
 
-def fill_disk_at(monkeypatch, name: str, after: int = 0, code: int = errno.ENOSPC):
-    """Make the ``after``-th and later flushes to disk (fsync) of a file named ``name`` fail with ``code``, as
-    the kernel reports a full disk: what was written stays in the file (a temporary's part, a torn line)."""
-    fsync, calls = os.fsync, []
-
-    def failing(fd):
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
-            calls.append(fd)
-            if len(calls) > after:
-                raise OSError(code, os.strerror(code))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing)
-    return calls
-
-
 @pytest.mark.parametrize("name, after, code", [
     ("last.pt.tmp", 1, errno.ENOSPC),  # the second checkpoint (step 2)
     pytest.param("metrics.jsonl", 2, errno.ENOSPC, marks=pytest.mark.slow),  # step 2's row (after 0's and 1's)
@@ -223,19 +204,6 @@ def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_pat
     assert main(args) == 0  # space freed: the same command resumes
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == reference
     assert temporaries(run_dir) == []
-
-
-def test_atomic_write_keeps_the_old_file_and_no_temporary_on_a_full_disk(tmp_path, monkeypatch):
-    path = tmp_path / "summary.json"
-    atomic_write(path, "old")
-    fill_disk_at(monkeypatch, "summary.json.tmp")
-    with pytest.raises(DiskFullError, match=r"disk full: could not write .*summary\.json \(.* free there\)"):
-        atomic_write(path, "new")
-    assert path.read_text() == "old" and temporaries(tmp_path) == []
-    monkeypatch.undo()
-    (tmp_path / "summary.json.tmp").write_text("half")  # a killed writer's leftover is replaced, not appended to
-    atomic_write(path, "new")
-    assert path.read_text() == "new" and temporaries(tmp_path) == []
 
 
 def test_stale_temporaries_are_swept_away_when_a_run_resumes(stopped_run):
@@ -299,25 +267,6 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_
 # ------------------------------------------------------------------------------ 6. experiment files
 
 
-@pytest.mark.parametrize("text, kind", [("- train.steps: 3\n- seed: 1\n", "not a list"), ("42\n", "not the int '42'"),
-                                        ("grpo\n", "not the str 'grpo'")])
-def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error_naming_it(tmp_path, text, kind):
-    from harness.config import load_experiment
-
-    path = tmp_path / "exp.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=rf"^{path}: the top level must be a mapping of settings .*{kind}$"):
-        load_experiment(str(path))
-
-
-def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
-    from harness.config import load_experiment
-
-    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
-    cfg = load_experiment(str(tmp_path / "empty.yaml"))
-    assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
-
-
 # ------------------------------------------------------------------------------ 7. refused before anything exists
 
 QUICK = ["model.warm_start_steps=0", "model.warm_start_target=null", "train.steps=3", "task.eval_size=16",
@@ -357,9 +306,9 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
 def hub_check(monkeypatch):
     import huggingface_hub
 
-    from harness import config
+    from harness.policy import models
 
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
     calls = []
 
     def model_info(name, timeout=None):
@@ -367,14 +316,14 @@ def hub_check(monkeypatch):
         raise ConnectionError("Name or service not known")
 
     monkeypatch.setattr(huggingface_hub, "model_info", model_info)
-    monkeypatch.setattr("harness.models.AutoModelForCausalLM.from_pretrained",
+    monkeypatch.setattr("harness.policy.models.AutoModelForCausalLM.from_pretrained",
                         lambda *a, **k: pytest.fail("the model was loaded: the check came too late"))
     yield calls
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
 
 
 def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
-    from harness.config import HUB_TIMEOUT_S
+    from harness.policy.models import HUB_TIMEOUT_S
 
     args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
     assert main(["train", *args]) == 2
@@ -395,31 +344,16 @@ def test_hf_hub_offline_refuses_an_uncached_model_without_asking_the_hub(tmp_pat
 
 @pytest.mark.slow
 def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path):
-    from harness import config
+    from harness.policy import models
+    from harness.run import config
 
-    config._hub_model_problem.cache_clear()
+    models.hub_model_problem.cache_clear()
     run = run_configs(load_experiment("quickstart", [*QUICK, "model.name=nobody-x9/nothing-x9"]))[0]
     with pytest.raises(ConfigError, match="model.name 'nobody-x9/nothing-x9'.*(no such model|cannot be reached)"):
         config.check_this_machine([run])
 
 
 # ------------------------------------------------------------------------------ 9. a torn line that is not redone
-
-
-def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
-    run = tiny_run(tmp_path, "train.steps=3")
-    train(run, tmp_path / "run", progress=False)
-    path = tmp_path / "run" / "metrics.jsonl"
-    text = path.read_text()
-    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half of step 3's line: a cut copy
-    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2] and capsys.readouterr().err == ""  # a live reader
-    read_jsonl(path, warn=True, complete=True)  # a reader that knows the writer is done
-    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is" in capsys.readouterr().err
-    summary = train(run, tmp_path / "run", progress=False)  # the same command again: step 3 is not redone
-    err = capsys.readouterr().err
-    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is listed in summary.json's " \
-        "missing_steps)" in err
-    assert summary["status"] == "finished" and summary["missing_steps"] == [3]
 
 
 def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_run, capsys):
@@ -434,9 +368,9 @@ def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_r
 
 
 def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, monkeypatch):
-    from harness.metrics import progress_fields
+    from harness.loop.metrics import progress_fields
 
-    monkeypatch.setattr("harness.train.evaluate", lambda policy, tokenizer, task, cfg, step: (
+    monkeypatch.setattr("harness.loop.native.evaluate", lambda policy, tokenizer, task, cfg, step: (
         {"eval_accuracy": 1 / 120 * (step + 1)}, []))
     assert main(["train", "base", *TINY_RUN, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -448,7 +382,7 @@ def test_the_final_line_and_the_progress_fields_are_rounded(tmp_path, capsys, mo
 
 @pytest.mark.slow
 def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnings(tmp_path, capsys):
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     run = tiny_run(tmp_path, "backend=trl", "train.steps=2", "train.eval_every=1", "train.save_every=1")
     assert train_trl(run, tmp_path / "run", progress=True)["status"] == "finished"
@@ -461,7 +395,7 @@ def test_the_trl_backend_shows_our_progress_line_not_trls_metrics_dict_or_warnin
 
 
 def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the_lock(tmp_path):
-    from harness.trl_backend import trl_checkpoints
+    from harness.loop.trl_backend import trl_checkpoints
 
     trl = tmp_path / "trl"
     for step, complete in ((4, True), (8, True), (12, False)):  # checkpoint-12: a kill or a full disk mid-save

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from harness.expert_volatility import expert_load_entropy, expert_volatility, merge_volatility
-from harness.routing import RoutingRecord
+from harness.policy.expert_volatility import expert_load_entropy, expert_volatility, merge_volatility
+from harness.policy.routing import RoutingRecord
 
 
 def record(indices) -> RoutingRecord:

@@ -11,13 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from harness import batch, evaluation
-from harness.config import load_experiment, run_configs
-from harness.models import build_prompt, char_tokenizer, load_model
-from harness.records import read_jsonl
-from harness.rollout import completion_logprobs, generate
-from harness.train import train
-from tests.tiny import TINY_RUN, TINY_SPEC, tiny_run
+from harness.loop.native import train
+from harness.policy import sampler as sampler_module
+from harness.policy.forward import completion_logprobs
+from harness.policy.models import build_prompt, char_tokenizer, load_model
+from harness.policy.sampler import generate
+from harness.run.config import load_experiment, run_configs
+from harness.run.records import read_jsonl
+from tests.helpers.tiny import TINY_RUN, TINY_SPEC, tiny_run
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -77,8 +78,7 @@ def spy_prompts(monkeypatch) -> list[str]:
         prompts.append(build_prompt(tokenizer, question))
         return prompts[-1]
 
-    monkeypatch.setattr(batch, "build_prompt", spy)
-    monkeypatch.setattr(evaluation, "build_prompt", spy)
+    monkeypatch.setattr(sampler_module, "build_prompt", spy)  # the rollout's and the evaluation's (sample_problems)
     return prompts
 
 
@@ -117,7 +117,7 @@ def test_a_run_trains_a_hub_model_with_chat_template_prompts(tmp_path, hub_folde
 
 @pytest.mark.slow
 def test_the_trl_backend_trains_a_hub_model_with_its_chat_template(tmp_path, hub_folder):
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     summary = train_trl(hub_run(tmp_path, hub_folder, "backend=trl", "train.export_every=1"), tmp_path / "run",
                         progress=False)
@@ -145,7 +145,7 @@ def test_export_every_saves_policies_that_reload_with_the_same_logprobs(tmp_path
 
 
 def test_export_every_is_checked(tmp_path):
-    from harness.config import ConfigError
+    from harness.run.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.export_every must be >= 0"):
         tiny_run(tmp_path, "train.export_every=-1")

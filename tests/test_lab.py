@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from analysis.lab import build_lab_report, gram_snr, snr_interval
-from harness.config import ConfigError, load_experiment
-from harness.gradient_stats import (
+from harness.apps.gradient_stats import (
     CountSketch,
     kish_ess,
     ratio_by_position,
@@ -18,9 +17,11 @@ from harness.gradient_stats import (
     token_weights,
     weight_metrics,
 )
-from harness.lab import lab_config, run_lab
+from harness.apps.lab import lab_config, run_lab
+from harness.run.config import load_experiment
+from harness.run.errors import ConfigError
 from objectives import PolicyBatch, available_objectives, get_objective
-from tests.tiny import TINY_RUN
+from tests.helpers.tiny import TINY_RUN
 
 
 def linear_policy(seed=0, rows=4, steps=3, vocab=5, features=3):
@@ -176,7 +177,7 @@ def parity_rewards(self, ro, problems, group_size):
 
 @pytest.mark.slow
 def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
-    monkeypatch.setattr("harness.lab.Lab.rewards", parity_rewards)
+    monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", *LAB_RUN])
     folder = run_lab(cfg, progress=False)
     build_lab_report(folder)
@@ -206,12 +207,12 @@ def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_lab_measures_a_policy_a_run_saved(tmp_path, monkeypatch):
     """lab.policy: the policy a run exported (its final/ folder) replaces the starting policy, warm start off."""
-    from harness.train import train
-    from tests.tiny import tiny_run
+    from harness.loop.native import train
+    from tests.helpers.tiny import tiny_run
 
     run = tiny_run(tmp_path)
     train(run, tmp_path / "run", progress=False)
-    monkeypatch.setattr("harness.lab.Lab.rewards", parity_rewards)
+    monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
     final = str(tmp_path / "run" / "final")
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", f"lab.policy={final}", "name=fromrun",
                                    "lab.objectives=[grpo]", "lab.batches=2", "lab.staleness=[0,1]",

@@ -1,4 +1,4 @@
-"""Folder locks tell a live writer from a dead one (harness/locks.py)."""
+"""Folder locks tell a live writer from a dead one (harness/run/locks.py)."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness.locks import FolderBusyError, is_held, lock_folder
+from harness.run.locks import FolderBusyError, is_held, lock_folder
 
 
 def test_lock_is_exclusive_and_is_held_sees_it(tmp_path):
@@ -24,7 +24,7 @@ def test_lock_is_exclusive_and_is_held_sees_it(tmp_path):
 
 def test_a_killed_holder_releases_the_lock(tmp_path):
     path = tmp_path / ".run.lock"
-    code = ("import sys, time; from pathlib import Path; from harness.locks import lock_folder; "
+    code = ("import sys, time; from pathlib import Path; from harness.run.locks import lock_folder; "
             f"h = lock_folder(Path({str(path)!r}), 'busy'); print('locked', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -1,13 +1,13 @@
-"""The one-update volatility probe (harness/moe_probe.py): nothing moves at lr 0, routing moves at a large lr, and
+"""The one-update volatility probe (harness/apps/moe_probe.py): nothing moves at lr 0, routing moves at a large lr, and
 the by-depth rows carry the settings with the metrics."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.moe_probe import UpdateProbe, one_update_volatility, volatility_by_depth
+from harness.apps.moe_probe import UpdateProbe, one_update_volatility, volatility_by_depth
 from harness.tasks import get_task
-from tests.tiny_moe import TINY_MOE_SPEC, tiny_moe
+from tests.helpers.tiny_moe import TINY_MOE_SPEC, tiny_moe
 
 
 @pytest.mark.parametrize(("lr", "moved"), [(0.0, False), (1e-2, True)])

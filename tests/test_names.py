@@ -1,4 +1,4 @@
-"""TRL-style names (harness/names.py): one table covering every config key, TRL names checked against the installed
+"""TRL-style names (harness/run/names.py): one table covering every config key, TRL names checked against the installed
 TRL's GRPOConfig, TRL-named overrides rewritten or refused, `explain`, and the generated doc tables."""
 
 from __future__ import annotations
@@ -10,24 +10,27 @@ import subprocess
 
 import pytest
 
-from harness import names
-from harness.__main__ import main
-from harness.config import ConfigError, RunConfig, load_experiment, run_configs
+from harness.apps.cli import main
+from harness.run import names
+from harness.run.config import RunConfig, load_experiment, run_configs
+from harness.run.errors import ConfigError
 from objectives import OBJECTIVES
-from tests.tiny import tiny_run
+from tests.helpers.tiny import tiny_run
 
 
 def test_every_schema_key_has_one_row_and_every_row_is_a_key():
     keys = names.schema_keys()
     rows = [n.key for n in names.NAMES]
-    assert len(rows) == len(set(rows)), "a key twice in harness/names.py NAMES"
+    assert len(rows) == len(set(rows)), "a key twice in harness/run/names.py NAMES"
     missing = [k for k in keys if k not in rows]
-    assert not missing, f"config keys without a row in harness/names.py NAMES: {missing}"
+    assert not missing, f"config keys without a row in harness/run/names.py NAMES: {missing}"
     hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
     extra = [r for r in rows if r not in keys and not (r.startswith("objective.params.") and
                                                        r.rsplit(".", 1)[1] in hyperparameters)]
     assert not extra, f"rows for keys the schema does not have: {extra}"
-    assert all(n.meaning and "\n" not in n.meaning for n in names.NAMES)
+    assert all(n.meaning and "\n" not in n.meaning for n in names.all_names())
+    assert all(names.schema_meanings()[k] for k in keys), "a schema field without its comment (harness/run/config.py)"
+    assert not [n.key for n in names.NAMES if n.key in keys and n.meaning], "a meaning written twice: keep the field's"
 
 
 def test_trl_names_are_grpo_config_fields():

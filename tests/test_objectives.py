@@ -28,53 +28,26 @@ from objectives import (
     register_objective,
 )
 from objectives.base import AGGREGATIONS, sum_statistics
+from tests.helpers.objectives import (
+    ADV,
+    DT,
+    GROUPS,
+    MASK,
+    OLD,
+    D,
+    approx,
+    assert_close,
+    group_batch,
+    make_batch,
+    num,
+    random_batch,
+    run,
+    sig,
+)
 
-DT = torch.float64
 E = math.exp
 ALL = available_objectives()
 REPO = Path(__file__).resolve().parents[1]
-
-
-def sig(x):
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-def make_batch(old, d, mask, adv, **kw):
-    """logp = old + d as a leaf (with grad), old_logp = old. Values of old/d on padding are irrelevant."""
-    old = torch.as_tensor(old, dtype=DT)
-    logp = (old + torch.as_tensor(d, dtype=DT)).detach().requires_grad_(True)
-    kw.setdefault("max_completion_len", 8)
-    return PolicyBatch(logp=logp, old_logp=old, mask=torch.as_tensor(mask).bool(),
-                       advantages=torch.as_tensor(adv, dtype=DT), **kw)
-
-
-def run(name, batch, **hp):
-    out = get_objective(name, **hp)(batch)
-    (grad,) = torch.autograd.grad(out.loss, batch.logp, allow_unused=True)
-    return out, torch.zeros_like(batch.logp) if grad is None else grad
-
-
-def assert_close(actual, expected, tol=1e-10):
-    expected = torch.as_tensor(expected, dtype=DT)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert torch.allclose(actual.detach(), expected, rtol=tol, atol=tol), (actual, expected)
-
-
-def num(x, y, tol=1e-10):
-    x, y = (v.detach() if isinstance(v, torch.Tensor) else v for v in (x, y))
-    return math.isclose(float(x), float(y), rel_tol=tol, abs_tol=tol)
-
-
-def approx(metric, expected):
-    """Metrics are float32 statistics (``ratio_metrics``) or fractions: compare at 1e-6."""
-    return num(metric, expected, 1e-6)
-
-
-# Shared hand-check batch: two sequences, lengths 3 and 2 (one padding slot holding garbage).
-OLD = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
-MASK = [[1, 1, 1], [1, 1, 0]]
-D = [[0.1, 0.3, -0.1], [-0.4, 0.2, 7.0]]
-ADV = [1.0, -0.5]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -291,16 +264,6 @@ def test_conspo_needs_group_ids():
 # Equivalences and exact-gradient properties
 # ----------------------------------------------------------------------------------------------------
 
-def random_batch(seed=0, scale=0.3, per_sequence=True, b=8, t=6, **kw):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, t, generator=g, dtype=DT) * 3
-    d = scale * torch.randn(b, t, generator=g, dtype=DT)
-    lengths = torch.randint(1, t + 1, (b,), generator=g)
-    lengths[0] = t
-    mask = torch.arange(t)[None, :] < lengths[:, None]
-    adv = torch.randn(b if per_sequence else (b, t), generator=g, dtype=DT)
-    return make_batch(old, d, mask, adv, **kw)
-
 
 def test_on_policy_grpo_gspo_gspo_token_same_gradient():
     batch = random_batch(seed=1, scale=0.0)  # old_logp == logp
@@ -409,35 +372,6 @@ def test_clipping_zeroes_exactly_the_counted_gradients(name, scale, hp):
 # Properties of every registered objective
 # ----------------------------------------------------------------------------------------------------
 
-GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0], dtype=DT)
-LENGTHS = torch.tensor([5, 3, 4, 2, 5, 1, 4, 3])
-
-
-def group_batch(t=5, pad_extra=0, garbage=False, seed=7, advantages=None, beta_ref=True):
-    """8 sequences in 2 groups of 4; ``pad_extra`` garbage columns appended; garbage on padding slots."""
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(8, t, generator=g, dtype=DT) * 2
-    logp = old + 0.3 * torch.randn(8, t, generator=g, dtype=DT)
-    ref = old + 0.2 * torch.randn(8, t, generator=g, dtype=DT)
-    mask = torch.arange(t)[None, :] < LENGTHS[:, None]
-    if pad_extra:
-        cols = t + pad_extra
-        mask = torch.arange(cols)[None, :] < LENGTHS[:, None]
-        junk = torch.Generator().manual_seed(99)
-        extra = [10 * torch.randn(8, pad_extra, generator=junk, dtype=DT) for _ in range(3)]
-        extra[0][0, 0], extra[1][1, 0], extra[2][2, -1] = 50.0, -50.0, 50.0
-        old, logp, ref = (torch.cat([x, e], dim=1) for x, e in zip((old, logp, ref), extra, strict=True))
-    if garbage:
-        junk = torch.Generator().manual_seed(123)
-        for x in (old, logp, ref):
-            x[~mask] = 30 * torch.randn(int((~mask).sum()), generator=junk, dtype=DT)
-        logp[~mask] = torch.where(torch.arange(int((~mask).sum())) % 3 == 0, 50.0, logp[~mask])
-    adv = get_advantage("grpo")(REWARDS, GROUPS) if advantages is None else advantages
-    return PolicyBatch(logp=logp.detach().requires_grad_(True), old_logp=old, mask=mask, advantages=adv,
-                       rewards=REWARDS, group_ids=GROUPS, ref_logp=ref if beta_ref else None, step=1,
-                       total_steps=3, max_completion_len=8)
-
 
 def same_metrics(a, b):
     assert a.keys() == b.keys()
@@ -477,7 +411,7 @@ def test_equal_rewards_give_zero_gradient(name):
 
 OBJECTIVE_MODES = [(name, mode) for name in ALL for mode in objectives.OBJECTIVES.get(name).aggregations]
 # objectives whose loss selects tokens by a statistic of the whole minibatch (a sort / top-k / random draw): they set
-# needs_whole_minibatch and the loop refuses to micro-batch them (harness/config.py)
+# needs_whole_minibatch and the loop refuses to micro-batch them (harness/run/config.py)
 WHOLE_MINIBATCH = {"clip_cov", "kl_cov", "m2po"}
 
 
@@ -615,17 +549,20 @@ def test_sequence_level_objectives_reject_token_advantages():
 
 
 # ----------------------------------------------------------------------------------------------------
-# The library: objective files import only objectives.base / objectives.registry; class conventions declared
+# The library: objective files import only objectives.base / objectives.registry (a variant, such as dapo, also the
+# objective whose loss it takes with its own defaults); class conventions declared
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL)
 def test_objective_modules_import_only_the_library(name):
-    path = Path(sys.modules[objectives.OBJECTIVES.get(name).__module__].__file__)
+    cls = objectives.OBJECTIVES.get(name)
+    path = Path(sys.modules[cls.__module__].__file__)
     tree = ast.parse(path.read_text())
     imported = {"objectives." * bool(node.level) + (node.module or "")
                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}  # level > 0: relative import
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert {m for m in imported if m.startswith("objectives")} <= {"objectives.base", "objectives.registry"}
+    parents = {base.__module__ for base in cls.__mro__[1:] if getattr(base, "name", None) in objectives.OBJECTIVES}
+    assert {m for m in imported if m.startswith("objectives")} <= {"objectives.base", "objectives.registry", *parents}
 
 
 def test_class_conventions_are_declared_and_checked():
@@ -657,7 +594,6 @@ def test_class_conventions_are_declared_and_checked():
 # ----------------------------------------------------------------------------------------------------
 # Adding an objective: a new module in objectives/ is all it takes
 # ----------------------------------------------------------------------------------------------------
-
 
 
 def example_source() -> str:

@@ -12,7 +12,19 @@ import torch
 import objectives
 from objectives import PolicyBatch, get_objective
 from objectives.base import AGGREGATIONS
-from tests.test_objectives import ADV, DT, MASK, OLD, D, assert_close, group_batch, make_batch, num, random_batch, run
+from tests.helpers.objectives import (
+    ADV,
+    DT,
+    MASK,
+    OLD,
+    D,
+    assert_close,
+    group_batch,
+    make_batch,
+    num,
+    random_batch,
+    run,
+)
 
 E = math.exp
 

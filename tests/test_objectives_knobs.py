@@ -14,7 +14,20 @@ import torch
 
 from objectives import PolicyBatch, get_objective
 from objectives.base import AGGREGATIONS, KL_ESTIMATORS, reference_kl
-from tests.test_objectives import ADV, DT, MASK, OLD, D, assert_close, group_batch, make_batch, num, random_batch, run
+from tests.helpers.objectives import (
+    ADV,
+    DT,
+    MASK,
+    OLD,
+    D,
+    assert_close,
+    group_batch,
+    make_batch,
+    num,
+    random_batch,
+    run,
+    trl_sequence_level_loss,
+)
 
 E = math.exp
 
@@ -254,26 +267,6 @@ def test_aggregation_modes_match_verl_agg_loss(mode):
     tol = 1e-8 if mode == "seq_mean_token_mean" else 1e-13  # verl adds 1e-8 to L_i there
     assert num(out.loss, ref, tol)
     assert_close(grad, grad_of(ref, batch), tol=tol)
-
-
-def trl_sequence_level_loss(logp, old, adv, mask, eps_low, eps_high, loss_type, max_len=8):
-    """TRL 1.16 _compute_loss with importance_sampling_level="sequence", one process, one micro-batch per optimizer
-    step (num_items_in_batch = the batch's tokens), written out."""
-    m = mask.to(logp.dtype)
-    log_w = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-    coef_1 = torch.exp(log_w)[:, None]
-    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-    adv = adv[:, None]
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv)  # (B, 1), broadcast over the mask below
-    if loss_type == "grpo":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo"):
-        return (per_token * m).sum() / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * m).sum() / (per_token.size(0) * max_len)
-    if loss_type == "luspo":
-        return (per_token * m).sum(-1).mean()
-    raise ValueError(loss_type)
 
 
 @pytest.mark.parametrize("loss_type,mode", [("grpo", "seq_mean_token_mean"), ("dapo", "token_mean"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from objectives import PolicyBatch, get_objective
-from tests.test_objectives import DT, assert_close, make_batch, num, run
+from tests.helpers.objectives import DT, assert_close, make_batch, num, run
 
 E = math.exp
 L = math.log
@@ -382,7 +382,7 @@ def test_vespo_matches_trl(hp):
 # ----------------------------------------------------------------------------------------------------
 
 def test_luspo_is_gspo_with_seq_mean_token_sum_and_trls_luspo():
-    from tests.test_objectives_knobs import trl_sequence_level_loss
+    from tests.helpers.objectives import trl_sequence_level_loss
 
     g = torch.Generator().manual_seed(9)
     old = -torch.rand(8, 6, generator=g, dtype=DT)

@@ -24,7 +24,7 @@ def test_the_readme_task_example_registers_and_scores(monkeypatch):
 
 def test_every_make_target_and_experiment_the_readme_names_exists():
     """`make X` in the README's shell blocks is a Makefile target; `EXP=name` an experiment file."""
-    from harness.config import EXPERIMENTS_DIR
+    from harness.run.config import EXPERIMENTS_DIR
 
     text = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
     makefile = (README.parent / "Makefile").read_text()

@@ -9,7 +9,8 @@ pytest.importorskip("reasoning_gym")
 import reasoning_gym  # noqa: E402
 from reasoning_gym.factory import DATASETS  # noqa: E402
 
-from harness.config import ConfigError, load_experiment, run_configs  # noqa: E402
+from harness.run.config import load_experiment, run_configs  # noqa: E402
+from harness.run.errors import ConfigError
 from harness.tasks import Problem, Score, available_tasks, get_task, reasoning_gym_datasets  # noqa: E402
 
 PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}

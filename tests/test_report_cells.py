@@ -11,8 +11,8 @@ import pytest
 
 from analysis import build_report, load_experiment
 from analysis.report import eval_table, headline_display, md_table, status_lines
-from harness.locks import RUN_LOCK, lock_folder
-from tests.fake_runs import fake_experiment, fake_run, grid_experiment
+from harness.run.locks import RUN_LOCK, lock_folder
+from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -304,7 +304,7 @@ def test_end_to_end_two_axis_sweep(tmp_path):
     import subprocess
     import sys
 
-    from tests.tiny import TINY_RUN
+    from tests.helpers.tiny import TINY_RUN
 
     exp = tmp_path / "axes.yaml"
     exp.write_text("sweep:\n  grid:\n    train.num_minibatches: [1, 2]\n    train.lr: [1.0e-4, 1.0e-3]\n")  # 4 runs

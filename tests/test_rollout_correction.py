@@ -20,30 +20,32 @@ import torch
 from omegaconf import OmegaConf
 
 import objectives
-from harness.batch import TrainBatch
-from harness.build import frozen_copy
-from harness.config import ConfigError, load_experiment, run_configs, run_id
-from harness.models import build_prompt, load_model
-from harness.records import read_jsonl
-from harness.rollout import completion_logprobs, generate
+from harness.loop.batch import TrainBatch
+from harness.loop.behaviour import behaviour_logp, rollout_correction
+from harness.loop.build import frozen_copy
+from harness.loop.native import train, update
+from harness.loop.update import Learner, RunState, UpdatePlan
+from harness.policy.forward import completion_logprobs
+from harness.policy.models import build_prompt, load_model
+from harness.policy.sampler import generate
+from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
+from harness.run.records import read_jsonl
 from harness.tasks import get_task
-from harness.train import train
-from harness.update import RunState, behaviour_logp, rollout_correction, update
 from objectives import PolicyBatch, available_objectives, get_objective
 from objectives.base import sum_statistics
 from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, correction_weights
-from tests.test_objectives import DT, group_batch, num
-from tests.test_trl_backend import (  # fixed: the TRL tests' fixed rollout batch (a fixture)
+from tests.helpers.objectives import DT, group_batch, num
+from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
+from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py's fixture
     GradCapture,
     NoSchedule,
     assert_same,
-    fixed,  # noqa: F401
     loss_and_grad,
     make_trainer,
     run_config,
     trl_inputs,
 )
-from tests.tiny import TINY_SPEC, tiny_run, without_timing
 
 ALL = available_objectives()
 MODES = [m for m in CORRECTION_MODES if m != "none"]
@@ -286,8 +288,8 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
         batch = TrainBatch(ro, torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.long), ro.sampler_logp,
                            None, weights)
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-        update(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), Spy(), batch, run, 1,
-               RunState(total_optimizer_steps=1))
+        update(Learner(policy, Spy(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
+               UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
     assert seen == [(True, False), (False, True)]
 
 
@@ -409,7 +411,7 @@ def trl_reference_ratio(old, sampling, mask, mode, clip_min, clip_max):
 @pytest.mark.parametrize("threshold_lower", [None, 0.0, 0.8])
 @pytest.mark.parametrize("mode", MODES)
 def test_trl_options_compute_exactly_our_weights(tmp_path, bf16_logprobs, mode, threshold_lower):
-    from harness.trl_backend import grpo_config
+    from harness.loop.trl_backend import grpo_config
 
     c = 1.0005 if mode.startswith("token") else 1.002  # bites into the tiny model's bf16 mismatch
     overrides = [*(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "train.prompts_per_step=4",
@@ -433,7 +435,7 @@ def test_trl_options_compute_exactly_our_weights(tmp_path, bf16_logprobs, mode, 
 
 
 def test_trl_mode_none_keeps_trl_correction_off_and_own_options_are_refused(tmp_path, monkeypatch):
-    from harness.trl_backend import grpo_config
+    from harness.loop.trl_backend import grpo_config
 
     base = [*(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "train.prompts_per_step=4",
             "train.group_size=4", "backend=trl", "device=cpu"]
@@ -468,13 +470,13 @@ def test_trl_backend_applies_the_correction_as_the_native_loop(fixed, tmp_path, 
     policy = copy.deepcopy(model)
     capture = GradCapture(policy)
     batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, None, weights)
-    native = update(policy, capture, NoSchedule(), get_objective(objective), batch, run, 1,
+    native = update(Learner(policy, get_objective(objective), capture, NoSchedule()), UpdatePlan.of(batch, run, 1),
                     RunState(total_optimizer_steps=1))
     loss, grads = loss_and_grad(trainer, out)
     assert_same(native["loss"], capture.grads, loss, grads)
     plain = copy.deepcopy(policy)
     capture_plain = GradCapture(plain)
-    update(plain, capture_plain, NoSchedule(), get_objective(objective), TrainBatch(
-        ro, rewards, advantages, group_ids, old_logp), run, 1, RunState(total_optimizer_steps=1))
+    update(Learner(plain, get_objective(objective), capture_plain, NoSchedule()), UpdatePlan.of(TrainBatch(
+        ro, rewards, advantages, group_ids, old_logp), run, 1), RunState(total_optimizer_steps=1))
     assert any(not torch.allclose(capture_plain.grads[k], capture.grads[k]) for k in grads)  # it changed something
 

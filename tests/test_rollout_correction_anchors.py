@@ -17,7 +17,7 @@ import torch
 
 from objectives import PolicyBatch, get_objective
 from objectives.rollout_correction import correction_weights
-from tests.test_objectives import DT, assert_close, num
+from tests.helpers.objectives import DT, assert_close, num
 
 SAFETY_BOUND = 20.0
 

@@ -1,4 +1,4 @@
-"""Routing record and replay (harness/routing.py) on the tiny MoE: replay forces the recorded experts while the
+"""Routing record and replay (harness/policy/routing.py) on the tiny MoE: replay forces the recorded experts while the
 router keeps its gradient; with unchanged weights it changes nothing, bit for bit; the sampler's record (prefill +
 KV-cache decode steps, rows leaving the batch) equals the teacher-forced forward's; micro-batches replay slices of
 the minibatch record; activation checkpointing's recompute replays too; bad records and layouts stop in one line."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.models import load_model
-from harness.routing import (
+from harness.policy.models import load_model
+from harness.policy.routing import (
     Grid,
     Routing,
     RoutingRecord,
@@ -19,8 +19,8 @@ from harness.routing import (
     routing_unsupported,
     select_record_rows,
 )
-from tests.tiny import TINY_SPEC
-from tests.tiny_moe import (
+from tests.helpers.tiny import TINY_SPEC
+from tests.helpers.tiny_moe import (
     full_forward,
     gradients,
     padded_batch,

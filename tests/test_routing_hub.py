@@ -1,8 +1,8 @@
 """Routing record and replay on transformers' hub MoE classes (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE,
-Mixtral): each with a tiny random config saved in the hub layout and loaded back through harness.models.load_model,
-as tests/test_hub_model.py does for Qwen2. For each: the record is the class's own top-k, the sampler's record
-equals the teacher-forced one, replay is bit-exact with unchanged weights and forces the record (with router
-gradients) after the routers move."""
+Mixtral): each with a tiny random config saved in the hub layout and loaded back through
+harness.policy.models.load_model, as tests/test_hub_model.py does for Qwen2. For each: the record is the class's own
+top-k, the sampler's record equals the teacher-forced one, replay is bit-exact with unchanged weights and forces the
+record (with router gradients) after the routers move."""
 
 from __future__ import annotations
 
@@ -21,9 +21,16 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from harness.models import char_tokenizer, load_model
-from harness.routing import Routing, find_routers
-from tests.tiny_moe import full_forward, gradients, padded_batch, perturb_routers, record_forward, sample_recorded
+from harness.policy.models import char_tokenizer, load_model
+from harness.policy.routing import Routing, find_routers
+from tests.helpers.tiny_moe import (
+    full_forward,
+    gradients,
+    padded_batch,
+    perturb_routers,
+    record_forward,
+    sample_recorded,
+)
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False)

@@ -10,7 +10,7 @@ import pytest
 from analysis import build_report, load_experiment
 from analysis.scaling import bootstrap, fit_curve, fit_objectives, fit_table, jacobian, sigmoid
 from analysis.stats import N_BOOT
-from tests.test_analysis import write_experiment
+from tests.helpers.toy_experiment import write_experiment
 
 TRUTH = {"r0": 0.1, "a": 0.6, "b": 1.2, "c_mid": 3e4}
 TOKENS = np.geomspace(1e3, 1e6, 12)

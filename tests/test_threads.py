@@ -1,4 +1,4 @@
-"""Torch's CPU threads (harness/threads.py, issue 31 item 11): set in one place; a run without its own setting
+"""Torch's CPU threads (harness/run/threads.py, issue 31 item 11): set in one place; a run without its own setting
 takes the cores free when it starts, with a one-line note when that is fewer than the cores, and keeps that count
 when it resumes (so that the resume reproduces the uninterrupted run)."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import threads
-from harness.train import train
-from tests.interrupt import stopped_before
-from tests.tiny import tiny_run
+from harness.loop.native import train
+from harness.run import threads
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,13 +69,13 @@ def test_a_resumed_run_keeps_the_thread_count_it_started_with(machine, tmp_path,
 
 
 def test_torch_threads_are_set_in_one_place():
-    calls = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "harness").glob("*.py"))
+    calls = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "harness").rglob("*.py"))
              if re.search(r"\bset_num_threads\(", path.read_text())]
-    assert calls == ["harness/threads.py"]
+    assert calls == ["harness/run/threads.py"]
 
 
 def test_bench_step_prints_one_steps_seconds_and_threads(capsys, machine):
-    from harness.bench import step_main
+    from harness.apps.bench import step_main
 
     assert step_main(["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
                       "train.group_size=2", "train.num_minibatches=1", "threads=1"]) == 0

@@ -1,5 +1,5 @@
-"""Experiment trackers (harness/tracking.py): every metrics.jsonl row reaches TensorBoard, wandb (offline) and trackio
-with the same values, from both backends; a resumed run shows each step once; config errors are one line."""
+"""Experiment trackers (harness/run/tracking.py): every metrics.jsonl row reaches TensorBoard, wandb (offline) and
+trackio with the same values, from both backends; a resumed run shows each step once; config errors are one line."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import ConfigError, run_id
-from harness.records import RunRecords, read_jsonl
-from harness.tracking import numeric
-from harness.train import train
-from tests.tiny import tiny_run
+from harness.loop.native import train
+from harness.run.config import run_id
+from harness.run.errors import ConfigError
+from harness.run.records import RunRecords, read_jsonl
+from harness.run.tracking import numeric
+from tests.helpers.tiny import tiny_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
 
 def test_a_failing_tracker_leaves_the_run_and_metrics_jsonl_alone(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tensorboard")
-    from harness import tracking
+    from harness.run import tracking
 
     monkeypatch.setattr(tracking.TensorBoardTracker, "log", lambda self, step, values: 1 / 0)
     train(tiny_run(tmp_path, "logging.backends=[jsonl,tensorboard]"), tmp_path / "run", progress=False)
@@ -115,7 +116,7 @@ def test_a_failing_tracker_leaves_the_run_and_metrics_jsonl_alone(tmp_path, monk
 @pytest.mark.slow
 def test_the_trl_backend_tracks_through_the_same_records(tmp_path):
     pytest.importorskip("tensorboard")
-    from harness.trl_backend import train_trl
+    from harness.loop.trl_backend import train_trl
 
     train_trl(tiny_run(tmp_path, "backend=trl", "logging.backends=[jsonl,tensorboard]"), tmp_path / "run",
               progress=False)
@@ -129,9 +130,9 @@ def test_a_sweep_resumes_its_runs_with_the_trackers_asked_for_now(tmp_path):
     pytest.importorskip("tensorboard")
     from omegaconf import OmegaConf
 
-    from harness.config import load_experiment, run_configs
-    from harness.sweep import run_sweep
-    from tests.tiny import TINY_RUN
+    from harness.apps.sweep import run_sweep
+    from harness.run.config import load_experiment, run_configs
+    from tests.helpers.tiny import TINY_RUN
 
     def experiment(*overrides):
         return load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=swept", "train.steps=1",
@@ -152,8 +153,8 @@ def test_a_sweep_resumes_its_runs_with_the_trackers_asked_for_now(tmp_path):
 CHILD = """
 import json, sys
 from pathlib import Path
-from harness.train import train
-from tests.tiny import tiny_run
+from harness.loop.native import train
+from tests.helpers.tiny import tiny_run
 
 tmp = Path(sys.argv[1])
 train(tiny_run(tmp, "logging.backends=[jsonl,{backend}]", "name=tracked"), tmp / "run", progress=False)

@@ -1,0 +1,431 @@
+"""`make bench`: time one full step (rollout + update) of experiments/bench.yaml and compare the update's
+FLOP/s with this machine's matmul peak, measured in the same run. Then run TRL's own GRPOTrainer on the same
+model (a copy of the same initial weights), prompts, group size, lengths and minibatches, in the same process,
+and print the per-step wall-time ratio, tokens/s of both and where the time goes in each (``phase_*``).
+Each side is timed at its second step of the same sizes, as in a run of many steps: the first, untimed
+(``warm_up_step_s``, ``trl_warm_up_step_s``), pays the one-time costs; the heap is given back to the kernel before
+each side (harness/run/allocator.py), so neither inherits the other's pages.
+Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
+
+Update FLOPs are the model FLOPs owed for the real tokens (padding is not work: as for the decode, and since the
+trainer's forward skips the completions' padding, harness/policy/forward.py, a fraction of the peak that a padded
+forward cannot inflate), fwd + bwd = 3 x fwd:
+  6 * N_body * (prompt + completion tokens)           transformer body (N_body: parameters without embeddings;
+                                                      each distinct prompt once, its rows share the pass)
++ 6 * d_model * vocab * completion tokens             LM head, completion positions only
++ 6 * n_layers * d_model * tokens * mean causal context   attention scores and values
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import TrainerCallback
+
+from harness.loop.batch import TrainBatch
+from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.native import update
+from harness.loop.update import Learner, RunState, Timings, UpdatePlan
+from harness.policy.device import DTYPES, resolve_device
+from harness.policy.models import load_model
+from harness.policy.sampler import Rollout, sample_problems
+from harness.run.allocator import release_freed_memory
+from harness.run.atomic import atomic_write
+from harness.run.config import load_experiment, run_configs, updates_per_step
+from harness.run.threads import cores as threads_cores
+from harness.run.threads import run_threads
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
+    """Sustained FLOP/s of a square matmul in ``dtype`` on the CPU, with torch's current thread count."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def decode_matmuls(model, rows=(64, 32, 8), rounds: int = 10) -> list[dict]:
+    """GFLOP/s of the decode step's matmul shapes (the LM head and, stacked as the shared-prefix decoder runs
+    them, q+k+v, o, gate+up, down) through MKL (``F.linear``, as ``nn.Linear``) and through oneDNN
+    (:class:`harness.policy.decode.Matmul`'s kernel), at each number of ``rows``: medians over ``rounds`` interleaved
+    rounds, random weights of the model's shapes, one copy per layer called in turn (as a decode step reads them:
+    from memory, not from a cache a single weight would stay in), torch's current thread count."""
+    config = model.config.get_text_config()
+    d, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    shapes = {"lm_head": (config.vocab_size, d), "q+k+v": ((heads + 2 * kv) * head_dim, d),
+              "o": (d, heads * head_dim), "gate+up": (2 * config.intermediate_size, d),
+              "down": (d, config.intermediate_size)}
+    weights = {name: [torch.randn(out_features, in_features)
+                      for _ in range(1 if name == "lm_head" else config.num_hidden_layers)]
+               for name, (out_features, in_features) in shapes.items()}
+    packed = {name: [weight.to_mkldnn() for weight in copies] for name, copies in weights.items()}
+    table = []
+    for n in rows:
+        row = {"rows": n}
+        for name, (out_features, in_features) in shapes.items():
+            x = torch.randn(n, in_features)
+            kernels = {"mkl": [functools.partial(torch.nn.functional.linear, x, weight) for weight in weights[name]],
+                       "onednn": [functools.partial(torch.ops.mkldnn._linear_pointwise, x, weight, None, "none", [],
+                                                    "") for weight in packed[name]]}
+            calls = max(5, len(weights[name]))  # per round: every copy at least once
+            speeds = {kernel: [] for kernel in kernels}
+            for _ in range(rounds):
+                for kernel, copies in kernels.items():
+                    copies[0]()
+                    start = time.perf_counter()
+                    for i in range(calls):
+                        copies[i % len(copies)]()
+                    speeds[kernel].append(2 * n * in_features * out_features * calls / (time.perf_counter() - start))
+            for kernel, values in speeds.items():
+                row[f"{name}_{kernel}_gflop_s"] = statistics.median(values) / 1e9
+        table.append(row)
+    return table
+
+
+def matmuls_main(overrides: list[str]) -> int:
+    """``bench --matmuls``: :func:`decode_matmuls` for the bench model's shapes, one line per number of rows."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    run_threads(cfg.threads)
+    model, _ = load_model(cfg.model.name, tiny=OmegaConf.to_container(cfg.model.tiny) if cfg.model.name == "tiny"
+                          else None)
+    print(f"decode matmuls, {torch.get_num_threads()} threads, GFLOP/s MKL / oneDNN "
+          f"(load average {os.getloadavg()[0]:.2f} before)")
+    for row in decode_matmuls(model):
+        cells = [f"{name.removesuffix('_mkl_gflop_s')} {row[name]:.0f} / {row[name.replace('_mkl', '_onednn')]:.0f}"
+                 for name in row if name.endswith("_mkl_gflop_s")]
+        print(f"rows {row['rows']:3d}: " + ", ".join(cells))
+    return 0
+
+
+def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
+    """experiments/bench.yaml with ``overrides``: its config, its torch threads set and seeded, what the run is made
+    of (harness/loop/build.py), the first ``prompts_per_step`` train problems (the timed steps' prompts), the thread
+    count."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    threads = run_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    setup = setup_run(cfg, resolve_device(cfg.device))
+    return cfg, setup, list(setup.train_problems[: cfg.train.prompts_per_step]), threads
+
+
+def profile_main(overrides: list[str], rows: int = 15) -> int:
+    """``bench --profile``: after one untimed step (:func:`warm_up`), ``torch.profiler``'s operators of one native
+    rollout and one native update of the bench configuration, by self CPU time (the ``rows`` largest): where the
+    time of each goes, with the op counts that tell per-op cost from compute."""
+    from torch.profiler import profile
+
+    cfg, setup, problems, _ = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
+    print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
+    with profile() as rollout_profile:
+        ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    with profile() as update_profile:
+        bench_update(learner, setup, ro, problems, cfg, 1)
+    for name, result in (("rollout", rollout_profile), ("update", update_profile)):
+        print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
+        print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return 0
+
+
+def step_main(overrides: list[str]) -> int:
+    """``bench --step`` (a child of ``--busy``): one native step (rollout + update) timed after an untimed one of
+    the same sizes; prints one JSON line with the threads used and the seconds."""
+    cfg, setup, problems, threads = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
+    start = time.perf_counter()
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    rollout_s = time.perf_counter() - start
+    bench_update(learner, setup, ro, problems, cfg, 1)
+    step_s = time.perf_counter() - start
+    print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s}))
+    return 0
+
+
+BUSY_PROCESS = "while True: pass"  # the other busy process of ``bench --busy``: one core's worth of work
+
+
+def busy_main(overrides: list[str]) -> int:
+    """``bench --busy``: the cost of oversubscribed cores. One native step (``bench --step``, a fresh process each)
+    per thread setting — all cores (torch's default), threads=0 (the free cores: harness/run/threads.py), one thread,
+    all cores with a passive OpenMP wait — first on the machine as it is, then beside one busy process. Prints a
+    table and writes results/bench/busy.json; the load before each half is printed: other load skews both."""
+    all_cores = threads_cores()
+    settings = [("all cores (torch's default)", all_cores, {}), ("threads=0 (the free cores)", 0, {}),
+                ("threads=1", 1, {}), ("all cores, OMP_WAIT_POLICY=PASSIVE", all_cores, {"OMP_WAIT_POLICY": "PASSIVE"})]
+    results = []
+    for background in ("as it is", "beside a busy process"):
+        spinner = (subprocess.Popen([sys.executable, "-c", BUSY_PROCESS]) if background != "as it is" else None)
+        try:
+            if spinner:
+                time.sleep(1.0)
+            load = os.getloadavg()[0]
+            print(f"{background}: load average {load:.2f} on {all_cores} cores", file=sys.stderr)
+            for name, threads, env in settings:
+                child_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | env
+                out = subprocess.run([sys.executable, "-m", "harness", "bench", "--step", *overrides,
+                                      f"threads={threads}"], capture_output=True, text=True, env=child_env)
+                if out.returncode:
+                    print(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "bench --step failed",
+                          file=sys.stderr)
+                    return 1
+                step = json.loads(out.stdout.strip().splitlines()[-1])
+                results.append({"machine": background, "load_avg_1m": load, "setting": name, **step})
+        finally:
+            if spinner:
+                spinner.kill()
+                spinner.wait()
+    width = max(len(r["setting"]) for r in results)
+    print(f"{'setting':{width}s}  {'threads':>7s}  {'step s (as it is)':>17s}  {'step s (beside a busy process)':>30s}")
+    for name, _, _ in settings:
+        idle, busy = (next(r for r in results if r["setting"] == name and r["machine"] == m)
+                      for m in ("as it is", "beside a busy process"))
+        print(f"{name:{width}s}  {idle['threads']:>3d} {busy['threads']:>3d}  {idle['step_s']:17.2f}  "
+              f"{busy['step_s']:30.2f}")
+    out = Path("results") / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "busy.json", json.dumps(results, indent=2))
+    return 0
+
+
+def body_parameters(model) -> int:
+    """Parameters of the transformer body: everything but the input embeddings and an untied LM head."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if not model.config.tie_word_embeddings:
+        n -= model.get_output_embeddings().weight.numel()
+    return n
+
+
+def update_flops(model, ro: Rollout, epochs: int) -> float:
+    """Model FLOPs of the update's forward + backward over the real tokens (no work is owed for padding): each
+    distinct prompt once (its rows share the pass) and every row's completion, body, LM head on completion
+    positions, attention over the mean causal context."""
+    cfg = model.config
+    distinct, prompt_of_row = torch.unique(torch.cat([ro.prompt_ids, ro.prompt_mask], 1), dim=0, return_inverse=True)
+    prompt_lengths = ro.prompt_mask.sum(-1).float()
+    prompt_tokens = float(prompt_lengths.new_zeros(len(distinct)).scatter_(0, prompt_of_row, prompt_lengths).sum())
+    completion_tokens = float(ro.completion_mask.sum())
+    positions = prompt_tokens + completion_tokens
+    context = ro.prompt_mask.sum(-1).float().mean().item() + ro.completion_mask.sum(-1).float().mean().item() / 2
+    head = 6 * cfg.hidden_size * cfg.vocab_size * completion_tokens
+    attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * positions * context
+    return epochs * (6 * body_parameters(model) * positions + head + attention)
+
+
+def decode_flops(model, ro: Rollout) -> float:
+    """Forward model FLOPs of the generated tokens (valid ones only: no work is owed for padding): body, LM head
+    and attention over the mean context; the prompt prefill is not counted."""
+    cfg = model.config
+    tokens = float(ro.completion_mask.sum())
+    context = ro.prompt_mask.sum(-1).float().mean().item() + ro.completion_mask.sum(-1).float().mean().item() / 2
+    per_token = 2 * body_parameters(model) + 2 * cfg.hidden_size * cfg.vocab_size \
+        + 4 * cfg.num_hidden_layers * cfg.hidden_size * context
+    return tokens * per_token
+
+
+def main(overrides: list[str], repeats: int = 1) -> int:
+    load_before = os.getloadavg()[0]  # other processes sharing the cores slow both sides alike
+    start = time.perf_counter()
+    cfg, setup, problems, _ = bench_run(overrides)
+    initial = copy.deepcopy(setup.policy)  # TRL starts from the same weights
+    load_s = time.perf_counter() - start
+    pristine = copy.deepcopy(setup.policy.state_dict())
+    runs = []
+    for _ in range(repeats):  # every repeat starts from the same weights and random stream: the same work
+        setup.policy.load_state_dict(pristine)
+        initial.load_state_dict(pristine)
+        torch.manual_seed(cfg.seed)
+        runs.append(with_ratios({**measure(cfg, setup, problems), "model_load_s": load_s,
+                                 **trl_measure(cfg, setup, problems, initial)}))
+    result = median_of(runs)
+    result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
+    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (  # bytes on macOS, KiB elsewhere
+        2**30 if sys.platform == "darwin" else 2**20)
+    width = max(map(len, result))
+    for key, value in result.items():
+        print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
+    out = Path(cfg.results_dir) / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "bench.json", json.dumps(result, indent=2))
+    return 0
+
+
+def measure(cfg: DictConfig, setup: RunSetup, problems: list) -> dict:
+    """One native step, timed at its second full-size step (the first pays the one-time costs)."""
+    t, device, policy = cfg.train, setup.device, setup.policy
+    learner = build_learner(policy, setup.objective, t)
+    release_freed_memory()
+    warm_up_rollout_s, warm_up_step_s = warm_up(learner, setup, problems, cfg)
+    sync(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    ro = sample_problems(policy, setup.tokenizer, problems, t)
+    sync(device)
+    rollout_s = time.perf_counter() - start
+    tokens = int(ro.completion_mask.sum())
+    timings = Timings()
+    start = time.perf_counter()
+    bench_update(learner, setup, ro, problems, cfg, 1, timings)
+    sync(device)
+    update_s = time.perf_counter() - start
+    step_cpu_s = time.process_time() - cpu_start  # CPU time of this process: less sensitive to other load
+    flops, decode = update_flops(policy, ro, t.epochs), decode_flops(policy, ro)
+    peak = matmul_peak(DTYPES[cfg.model.dtype]) if device.type == "cpu" else float("nan")
+    phases = timings.metrics()
+    return {
+        "model": cfg.model.name, "threads": torch.get_num_threads(), "device": str(device), "sampler": t.sampler,
+        "decoder": t.decoder, "compile_sampler": t.compile_sampler, "warm_up_rollout_s": warm_up_rollout_s,
+        "warm_up_step_s": warm_up_step_s,
+        "prompts_x_samples": f"{t.prompts_per_step}x{t.group_size}", "max_new_tokens": t.max_new_tokens,
+        "num_minibatches": t.num_minibatches, "repeats": 1,
+        "completion_tokens": tokens, "rollout_s": rollout_s, "rollout_tok_s": tokens / rollout_s,
+        "rollout_gflop_s": decode / rollout_s / 1e9, "rollout_fraction_of_peak": decode / rollout_s / peak,
+        "update_s": update_s, "update_tok_s": tokens * t.epochs / update_s,
+        "update_gflop_s": flops / update_s / 1e9, "matmul_peak_gflop_s": peak / 1e9,
+        "update_fraction_of_peak": flops / update_s / peak,
+        "step_s": rollout_s + update_s, "step_tok_s": tokens / (rollout_s + update_s),
+        "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings.logp_forward_s,
+        "phase_backward_s": timings.backward_s, "phase_optimizer_s": timings.optimizer_s,
+        "phase_update_other_s": update_s - sum(phases.values()),
+    }
+
+
+def trl_measure(cfg: DictConfig, setup: RunSetup, problems: list, initial) -> dict:
+    """TRL's step from ``initial`` (:func:`trl_step`) as ``trl_*`` figures."""
+    release_freed_memory()  # TRL grows its own heap in its first, untimed step
+    trl = trl_step(cfg, initial, setup.tokenizer, setup.task, problems)
+    return {f"trl_{key}": value for key, value in trl.items()}
+
+
+def with_ratios(result: dict) -> dict:
+    """``result`` with the native / TRL ratios (:data:`RATIOS`)."""
+    trl_generate_tok_s = result["trl_completion_tokens"] / result["trl_phase_generate_s"]
+    return {**result, "native_over_trl_rollout_tok_s": result["rollout_tok_s"] / result["trl_rollout_tok_s"],
+            "native_over_trl_generate_tok_s": result["rollout_tok_s"] / trl_generate_tok_s,
+            "trl_over_native_step_time": result["trl_step_s"] / result["step_s"],
+            "trl_over_native_tok_s": result["trl_step_tok_s"] / result["step_tok_s"]}
+
+
+RATIOS = ("native_over_trl_rollout_tok_s", "native_over_trl_generate_tok_s", "trl_over_native_step_time",
+          "trl_over_native_tok_s")
+
+
+def median_of(runs: list[dict]) -> dict:
+    """The median over repeats of every number (so that one noisy sub-second timing does not decide a ratio; the
+    warm-up rollout: the first's, which holds the one-time costs) and the range of the ratios the goals read
+    (``RATIOS``); a single run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    result = {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
+    result["repeats"] = len(runs)
+    for key in (key for key in runs[0] if "warm_up" in key):  # the first repeat's: it holds the one-time costs
+        result[key] = runs[0][key]
+    for key in RATIOS:
+        result[f"{key}_min_max"] = f"{min(r[key] for r in runs):.3f} / {max(r[key] for r in runs):.3f}"
+    return result
+
+
+def bench_update(learner: Learner, setup: RunSetup, ro: Rollout, problems: list, cfg: DictConfig, step: int,
+                 timings: Timings | None = None) -> dict:
+    """The native update of ``ro`` (scored by :func:`train_batch`) as rollout step ``step``."""
+    batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
+    state = RunState(total_optimizer_steps=updates_per_step(cfg.train))
+    return update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+
+
+def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
+    """The rollout scored by the task, with the run's advantages and the sampler's log-probs."""
+    t, device = cfg.train, ro.completion_ids.device
+    rewards = torch.tensor([task.score(x, problems[i // t.group_size]).correct for i, x in enumerate(ro.texts)])
+    group_ids = torch.arange(len(ro.texts) // t.group_size).repeat_interleave(t.group_size)
+    return TrainBatch(ro, rewards.to(device), estimator(rewards, group_ids).to(device), group_ids.to(device),
+                      ro.sampler_logp)
+
+
+def warm_up(learner: Learner, setup: RunSetup, problems: list, cfg: DictConfig) -> tuple[float, float]:
+    """One untimed step of the timed step's sizes, so that one-time costs — kernel loading, the heap's growth to
+    the step's peak memory (harness/run/allocator.py), CUDA handles, ``train.compile_sampler``'s compile — are charged
+    to neither side (TRL's first step is untimed too); the weights are restored afterwards (lr 0 would still move
+    AdamW's moments, so the state is saved and put back). Returns the seconds of its rollout and of the step."""
+    saved = copy.deepcopy(learner.policy.state_dict())
+    start = time.perf_counter()
+    ro = sample_problems(learner.policy, setup.tokenizer, problems, cfg.train)
+    rollout_s = time.perf_counter() - start
+    bench_update(learner, setup, ro, problems, cfg, 0)
+    step_s = time.perf_counter() - start
+    learner.policy.load_state_dict(saved)
+    learner.optimizer.state.clear()
+    return rollout_s, step_s
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _SecondStepMark(TrainerCallback):
+    """The clocks and TRL's phase totals when its second rollout step begins (global step ``steps``)."""
+
+    def __init__(self, trainer, steps: int):
+        self.trainer, self.steps, self.mark = trainer, steps, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            self.mark = time.perf_counter(), time.process_time(), dict(self.trainer.phase_s)
+
+
+def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
+    """Two generations, each followed by ``num_minibatches`` optimizer steps, of TRL's own GRPOTrainer (loss_type
+    grpo, no gradient checkpointing, as the native loop); the second is timed (the first pays the one-time costs, as
+    the native warm-up does; the second starts from weights its 4 optimizer steps at the bench's lr 1e-6 moved, where
+    the native side restores them), phases from its timed methods (harness.loop.trl_backend)."""
+    # imported when TRL runs: trl takes seconds to import, which `bench --step` and `--profile` never need
+    from harness.loop.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
+
+    t = cfg.train
+    steps = updates_per_step(t)
+    with tempfile.TemporaryDirectory() as out:
+        args = grpo_config(cfg, Path(out), max_steps=2 * steps, shuffle_dataset=False,
+                           save_strategy="no", reward_weights=[1.0, cfg.task.format_weight])
+        trainer = TimedGRPOTrainer(model=policy, reward_funcs=reward_functions(task), args=args,
+                                   train_dataset=problems_dataset(problems, tokenizer), processing_class=tokenizer)
+        marker = _SecondStepMark(trainer, steps)
+        trainer.add_callback(marker)
+        start = time.perf_counter()
+        trainer.train()
+        end, cpu_end = time.perf_counter(), time.process_time()
+    mark_s, mark_cpu_s, first = marker.mark
+    step_s, step_cpu_s = end - mark_s, cpu_end - mark_cpu_s
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    tokens = logs[-1]["completions/mean_length"] * t.prompts_per_step * t.group_size
+    p = {name: trainer.phase_s[name] - first.get(name, 0.0)  # phase_s: a defaultdict, 0 for a phase never run
+         for name in ("rollout", "generate", "rewards", "logp_nograd", "logp_forward", "training_step")}
+    update_s = step_s - p["rollout"]
+    return {
+        "completion_tokens": int(round(tokens)), "rollout_s": p["rollout"], "rollout_tok_s": tokens / p["rollout"],
+        "update_s": update_s, "update_tok_s": tokens * t.epochs / update_s, "step_s": step_s,
+        "step_tok_s": tokens / step_s, "step_cpu_s": step_cpu_s, "warm_up_step_s": mark_s - start,
+        "old_logp_recomputed": args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) > 0,
+        "phase_generate_s": p["generate"], "phase_rewards_s": p["rewards"],
+        "phase_old_ref_logp_nograd_s": p["logp_nograd"],
+        "phase_rollout_other_s": p["rollout"] - p["generate"] - p["rewards"] - p["logp_nograd"],
+        "phase_logp_forward_s": p["logp_forward"],
+        "phase_loss_backward_s": p["training_step"] - p["rollout"] - p["logp_forward"],
+        "phase_optimizer_and_trainer_s": step_s - p["training_step"],
+    }

@@ -1,0 +1,224 @@
+"""The paper-claims ledger: one YAML per claim in experiments/claims/, run and checked by `make claims`.
+
+    python -m harness claims [NAME ...]          # -> results/claims/ledger.md, ledger.html, ledger.csv
+
+A claim file::
+
+    claim: GSPO clips far more tokens than GRPO at the papers' clip ranges.
+    paper: GSPO, arXiv 2507.18071, Fig. 2
+    reported: "~0.15 vs ~0.0013 of tokens"        # the paper's value, as text (optional)
+    experiment: {lab: lab}                         # or {sweep: gspo_clip_repro}; optional `overrides: [k=v, ...]`
+    checks:                                        # every check must hold
+      - {table: lab, metric: clip_frac, where: "axis == 'staleness' and staleness >= 1",
+         compare: {objective: gspo, than: grpo, direction: greater, factor: 10}}
+
+Tables: a lab's ``lab``, ``pairwise``, ``snr``, ``sqrt_growth`` (analysis/lab.py); a sweep's ``runs`` (one row per
+run and logged step: every per-step metric, from analysis/load.py). ``where`` is a pandas query on the table. A
+check's *units* are the lab's batches or the sweep's seeds: the metric is averaged over the selected rows of each
+unit first (a table without units, such as ``sqrt_growth``, has one unit per row).
+
+- ``compare``: per unit, x = metric of ``objective``, y = metric of ``than`` (paired by unit). ``greater`` holds if
+  mean(x) > factor * mean(y) and the percentile bootstrap interval of mean(x - factor * y) lies above 0; ``less``
+  mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units.
+- ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
+  ``objective`` when given, lies in [low, high].
+The ledger says "holds", "does not hold" (with the numbers) or "no data" (a check found nothing to measure).
+Experiments are resumable (labs per batch, sweeps per run), so `make claims` continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from analysis.lab import build_lab_report
+from analysis.load import load_experiment as load_results
+from analysis.report import md_table
+from analysis.stats import bootstrap_ci, num
+from harness.apps.lab import run_lab
+from harness.apps.sweep import run_sweep
+from harness.run.atomic import atomic_write
+from harness.run.config import EXPERIMENTS_DIR, load_experiment
+from harness.run.errors import ConfigError
+
+CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
+UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed"}
+TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs",)}  # what each experiment kind writes
+STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
+
+
+@dataclass
+class Claim:
+    name: str
+    claim: str
+    paper: str
+    experiment: dict[str, Any]
+    checks: list[dict[str, Any]]
+    reported: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> tuple[str, str, tuple[str, ...]]:
+        kind = "lab" if "lab" in self.experiment else "sweep"
+        return kind, self.experiment[kind], tuple(self.experiment.get("overrides", []))
+
+
+def load_claim(path: Path) -> Claim:
+    """A claim file, checked: one line naming the file and the problem."""
+    try:
+        data = yaml.safe_load(path.read_text())
+        claim = Claim(name=path.stem, **data)
+    except (yaml.YAMLError, TypeError) as e:
+        raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
+    if sum(k in claim.experiment for k in ("lab", "sweep")) != 1:
+        raise ConfigError(f"{path}: experiment must name one lab or one sweep, e.g. {{lab: lab}}")
+    for check in claim.checks:
+        if ("compare" in check) == ("within" in check) or "table" not in check or "metric" not in check:
+            raise ConfigError(f"{path}: each check needs table, metric and one of compare / within, got {check}")
+        if "compare" in check and check["compare"].get("direction", "greater") not in ("greater", "less", "equal"):
+            raise ConfigError(f"{path}: compare.direction must be greater, less or equal")
+        if check["table"] not in TABLES[claim.source[0]]:
+            raise ConfigError(f"{path}: a {claim.source[0]} has no table {check['table']!r}; tables: "
+                              f"{', '.join(TABLES[claim.source[0]])}")
+        if check.get("statistic", "mean") not in STATISTICS:
+            raise ConfigError(f"{path}: statistic must be one of {', '.join(STATISTICS)}")
+    return claim
+
+
+def load_claims(names: list[str] | None = None) -> list[Claim]:
+    paths = sorted(CLAIMS_DIR.glob("*.yaml"))
+    if names:
+        known = {p.stem: p for p in paths}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ConfigError(f"no claim {', '.join(missing)} in {CLAIMS_DIR}; claims: {', '.join(known)}")
+        paths = [known[n] for n in names]
+    return [load_claim(p) for p in paths]
+
+
+def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool) -> dict[str, pd.DataFrame]:
+    """Run (or resume) the claim's experiment; its tables by name."""
+    cfg = load_experiment(name, list(overrides))
+    if kind == "lab":
+        folder = run_lab(cfg, progress)
+        build_lab_report(folder)
+        return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
+    run_sweep(cfg, jobs=jobs, progress=progress)
+    return {"runs": load_results(Path(cfg.results_dir) / cfg.name).metrics}
+
+
+def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.Series:
+    """The check's metric averaged per unit (batch / seed) over the selected rows (of ``objective`` if given)."""
+    rows = table.query(check["where"]) if check.get("where") else table
+    if objective is not None:
+        rows = rows[rows["objective"] == objective]
+    unit = UNITS.get(check["table"])
+    values = rows[[unit, check["metric"]]].dropna() if unit else rows[[check["metric"]]].dropna()
+    return values.groupby(unit)[check["metric"]].mean() if unit else values[check["metric"]].reset_index(drop=True)
+
+
+def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
+    """(verdict, what was measured) of one check."""
+    table = tables[check["table"]]
+    metric = check["metric"]
+    if "within" in check:
+        low, high = check["within"]
+        values = unit_values(table, check, check.get("objective"))
+        if values.empty:
+            return "no data", f"{metric}: nothing selected"
+        statistic = check.get("statistic", "mean")
+        value = float(STATISTICS[statistic](values.to_numpy()))
+        lo, hi = bootstrap_ci(values.to_numpy()) if statistic == "mean" else (np.nan, np.nan)
+        who = f"{check['objective']} " if check.get("objective") else ""
+        interval = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else ""
+        measured = f"{who}{metric} {statistic} {num(value)}{interval} (n={len(values)}; expected in [{low}, {high}])"
+        return ("holds" if low <= value <= high else "does not hold"), measured
+    spec = check["compare"]
+    a, b = spec["objective"], spec["than"]
+    x, y = unit_values(table, check, a), unit_values(table, check, b)
+    common = x.index.intersection(y.index)
+    if not len(common):
+        return "no data", f"{metric}: nothing selected for {a} and {b}"
+    x, y = x[common].to_numpy(), y[common].to_numpy()
+    direction, factor = spec.get("direction", "greater"), spec.get("factor", 1.0)
+    numbers = f"{a} {num(x.mean())}, {b} {num(y.mean())} ({metric}, mean over {len(x)} {UNITS[check['table']]}es)"
+    numbers = numbers.replace("seedes", "seeds")
+    if direction == "equal":
+        gap = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
+        tolerance = spec.get("tolerance", 1e-6)
+        return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}"
+    sign = 1 if direction == "greater" else -1
+    difference = sign * (x - factor * y)
+    lo, hi = bootstrap_ci(difference)
+    holds = difference.mean() > 0 and (np.isfinite(lo) and lo > 0)
+    relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
+    return ("holds" if holds else "does not hold"), (f"{numbers}; {a} {relation} {b}: margin {num(difference.mean())}"
+                                                     f" [{num(lo)}, {num(hi)}]")
+
+
+def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
+    """evaluate_check, with a check that cannot be evaluated (a bad ``where``, an unknown metric) reported in the
+    ledger as such instead of stopping it after the experiments have run."""
+    try:
+        return evaluate_check(check, tables)
+    except (KeyError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
+        return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}"
+
+
+def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
+    rows = []
+    for claim in claims:
+        results = [checked(c, tables_of[claim.source]) for c in claim.checks]
+        verdicts = [v for v, _ in results]
+        verdict = ("no data" if "no data" in verdicts else "holds" if all(v == "holds" for v in verdicts)
+                   else "does not hold")
+        rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
+                     "measured": "; ".join(m for _, m in results), "holds?": verdict,
+                     "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name,
+                     "notes": " ".join(claim.notes)})
+    return rows
+
+
+def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
+    """ledger.csv, ledger.md and ledger.html, each written whole then renamed into place."""
+    out.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    shown = frame[["claim", "paper", "reported", "measured", "holds?"]]
+    notes = [f"- {r['name']}: {r['notes']}" for r in rows if r["notes"]]
+    stamp = stamp + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
+    files = {"ledger.csv": frame.to_csv(index=False),
+             "ledger.md": f"# Paper-claims ledger\n\n{stamp}\n\n{md_table(shown)}\n",
+             "ledger.html": ("<!doctype html><html><head><meta charset='utf-8'><title>Paper-claims ledger</title>"
+                             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto}td,th{border:1px solid"
+                             " #ccc;padding:3px 6px}table{border-collapse:collapse;font-size:0.85em}</style></head>"
+                             f"<body><h1>Paper-claims ledger</h1><p>{html.escape(stamp)}</p>"
+                             f"{shown.to_html(index=False, border=0)}</body></html>\n")}
+    for name, text in files.items():
+        atomic_write(out / name, text)
+    return out / "ledger.md"
+
+
+def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results") -> int:
+    """Run every claim's experiment (each once, resumable), check the claims, write results/claims/."""
+    claims = load_claims(names)
+    for claim in claims:  # every experiment is checked before the first one runs
+        load_experiment(claim.source[1], list(claim.source[2]))
+    start = time.time()
+    tables_of = {}
+    for source in dict.fromkeys(c.source for c in claims):
+        print(f"claims: {source[0]} {source[1]} {' '.join(source[2])}", file=sys.stderr)
+        tables_of[source] = run_source(*source, jobs=jobs, progress=progress)
+    rows = ledger_rows(claims, tables_of)
+    stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold; experiments run or resumed in "
+             f"{time.time() - start:.0f} s by `make claims` (wall time of this call).")
+    path = write_ledger(rows, Path(results_dir) / "claims", stamp)
+    print(f"{stamp}\nledger: {path}", file=sys.stderr)
+    return 0

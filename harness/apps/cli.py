@@ -1,0 +1,323 @@
+"""Command line: python -m harness {train,sweep,lab,claims,list,bench,prepare,docs,soak} ...; see README."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib.metadata
+import os
+import signal
+import sys
+import textwrap
+import traceback
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from harness.apps.bench import busy_main, matmuls_main, profile_main, step_main
+from harness.apps.bench import main as bench
+from harness.apps.soak import main as soak
+from harness.apps.sweep import run_sweep
+from harness.loop.backends import BACKENDS
+from harness.policy.device import resolve_device
+from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
+from harness.policy.sampler import SAMPLERS
+from harness.run import names
+from harness.run.allocator import keep_freed_memory
+from harness.run.atomic import atomic_write, disk_full_error
+from harness.run.config import EXPERIMENTS_DIR, check_this_machine, load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
+from harness.run.locks import FolderBusyError
+from harness.run.records import check_resume
+from harness.run.threads import prefer as prefer_threads
+from harness.tasks import available_tasks, reasoning_gym_datasets
+from objectives import OBJECTIVES, available_advantages
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # so a terminated run writes status "interrupted" and closes its files
+
+
+def cmd_train(args) -> int:
+    cfg = load_experiment(args.experiment, args.overrides)
+    cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
+    (run,) = run_configs(cfg)
+    prefer_threads(args.threads)  # a sweep's share of the cores, for a run without its own threads
+    check_this_machine([run])
+    run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
+    check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
+    device = resolve_device(run.device)
+    print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
+          f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+          f"{run_dir}", file=sys.stderr)
+    try:
+        summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)
+    except (ConfigError, FolderBusyError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # the run's own failure: one line here, the traceback beside the run
+        full = disk_full_error(e, run_dir)
+        if full is not None:  # no traceback file: there is no room for it, and the line says all
+            print(f"error: {full}", file=sys.stderr)
+            return 1
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(run_dir / "traceback.txt", traceback.format_exc())
+            where = f" (traceback in {run_dir / 'traceback.txt'})"
+        except OSError as write_error:
+            where = f" (no traceback file: {write_error.strerror or write_error})"
+        print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
+        return 1
+    print(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
+          f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
+          f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def rounded(value: float | None) -> str:
+    """A figure for the terminal: 3 decimals (an accuracy over 120 problems is 0.008, not 0.008333333333333333)."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def cmd_sweep(args) -> int:
+    cfg = load_experiment(args.experiment, args.overrides)
+    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress)
+    failed = [e["run_id"] for e in entries if e["status"] != "finished"]
+    print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
+          (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    report_status = 0
+    if not args.no_report:  # the report of whatever exists, in the sweep's own results folder
+        # imported when a report is written: the plotting stack takes seconds, which every run of a sweep (a
+        # `python -m harness train` process of its own) would pay
+        from analysis.__main__ import main as analyse
+
+        report_status = analyse([str(Path(cfg.results_dir) / cfg.name)])
+    return 1 if failed or report_status else 0
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def cmd_list(args) -> int:
+    print("objectives (objective.name; hyperparameters objective.params.*):")
+    for name in OBJECTIVES.names():
+        cls = OBJECTIVES.get(name)
+        params = ", ".join(f"{k}={v}" for k, v in cls.hyperparameters().items())
+        print(f"  {name:12s} advantage={cls.default_advantage:10s} {params}")
+    print("advantages (objective.advantage): " + ", ".join(available_advantages()))
+    print("tasks (task.name):                " + ", ".join(available_tasks()))
+    generators = reasoning_gym_datasets()
+    print(f"  reasoning_gym generators (task.args.dataset, {len(generators)}):")
+    print(textwrap.fill(", ".join(generators), 116, initial_indent="    ", subsequent_indent="    "))
+    print("models (model.name):              " + ", ".join(EMBEDDED_MODELS) + ", or a hub id / local folder")
+    print("samplers (train.sampler):         " + ", ".join(SAMPLERS))
+    print("experiments (EXP=...):")
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        if path.stem != "base":
+            first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.strip()), "")
+            print(f"  {path.stem:20s} {first}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    print(f"embedded model cached at {prepare_embedded_model()}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    try:
+        if args.busy or args.step:
+            return (busy_main if args.busy else step_main)(args.overrides)
+        if args.matmuls or args.profile:
+            return (matmuls_main if args.matmuls else profile_main)(args.overrides)
+        return bench(args.overrides, repeats=args.repeats)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_docs(args) -> int:
+    from harness.apps.docs import main as docs  # imported when used: the plotting stack (cmd_sweep's note)
+
+    return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
+
+
+def cmd_lab(args) -> int:
+    from harness.apps.lab import main as lab  # imported when used: the plotting stack (cmd_sweep's note)
+
+    return lab(args.experiment, args.overrides, progress=not args.no_progress)
+
+
+def cmd_claims(args) -> int:
+    from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
+
+    return claims(args.names, jobs=args.jobs, progress=not args.no_progress)
+
+
+def cmd_explain(args) -> int:
+    if args.write:
+        changed = names.write_docs()
+        print(f"rewrote the generated tables in {', '.join(map(str, changed))}" if changed else
+              "the generated tables are up to date", file=sys.stderr)
+        return 0
+    if args.markdown:
+        print(names.names_markdown() if args.key is None else names.generated(args.key), end="")
+        return 0
+    try:
+        print(names.explain(args.key))
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_soak(args) -> int:
+    return soak(kills=args.kills, seed=args.seed)
+
+
+DISTRIBUTION = "rlvr-objectives-harness"  # pyproject.toml's name
+
+
+def unmet_requirement() -> str | None:
+    """The first of the package's own (not optional) requirements that the installed packages miss, e.g. a
+    transformers older than the one whose argument names the harness passes; ``None`` when all are met (or when the
+    harness runs from a checkout that pip has not installed)."""
+    try:
+        requirements = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for requirement in map(Requirement, requirements):
+        if requirement.marker is not None:  # extras (dev, track)
+            continue
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{requirement.name} is not installed (needs {requirement})"
+        if not requirement.specifier.contains(installed, prereleases=True):
+            return f"{requirement.name} {installed} is installed, the harness needs {requirement}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command, its arguments and their help."""
+    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "train one run of an experiment (its sweep section is ignored)"),
+                            ("sweep", "run or resume every run of an experiment's sweep")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("experiment", help="experiment name in experiments/ or a path to a YAML file")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
+    sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
+                                      help="torch CPU threads of a run without its own threads setting (0: the "
+                                           "cores free when it starts; harness/run/threads.py)")
+    sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
+    sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+    lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
+    lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
+    lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
+    lab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
+    claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
+    claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
+    claims.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
+    explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
+    explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
+    explain.add_argument("--markdown", action="store_true", help="the table as Markdown (KEY names|aliases)")
+    explain.add_argument("--write", action="store_true", help="rewrite the generated tables in docs/trl.md, README.md")
+    sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
+    docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
+    docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
+    docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
+    soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
+    soak.add_argument("--kills", type=positive_int, default=20)
+    soak.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
+    bench.add_argument("overrides", nargs="*")
+    bench.add_argument("--repeats", type=positive_int, default=1,
+                       help="measure N times from the same weights and seed; print the medians and the ratios' range")
+    bench.add_argument("--busy", action="store_true",
+                       help="one native step per thread setting, on this machine as it is and beside a busy process "
+                            "(oversubscription; README Threads)")
+    bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
+    bench.add_argument("--matmuls", action="store_true",
+                       help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
+    bench.add_argument("--profile", action="store_true",
+                       help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra  # overrides after an option: `sweep quickstart --jobs 2 seed=3`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    unmet = unmet_requirement()
+    if unmet:
+        print(f"error: {unmet}: run `make setup` (or `pip install -e .`) again", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C / kill -INT stop it even when started in the
+    # background by a shell, which makes its children ignore SIGINT (the soak's SIGINT kills rely on it)
+    try:
+        keep_freed_memory()
+        return COMMANDS[args.command](args)
+    except Exception as e:
+        status = failure_status(e)
+        if status is None:
+            raise
+        return status
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume (finished steps are kept)", file=sys.stderr)
+        return 130
+
+
+COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
+            "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain}
+
+
+def failure_status(e: Exception) -> int | None:
+    """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
+    full disk, 0: the reader of stdout has gone); None for any other (its traceback is raised)."""
+    if isinstance(e, ConfigError):
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, FolderBusyError):
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, BrokenPipeError):  # `python -m harness explain | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if isinstance(e, PermissionError):
+        print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError) and e.errno == errno.EROFS:
+        print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)
+        return 2
+    full = disk_full_error(e)  # a sweep's manifest, a lab's batch, a cache file, ...
+    if full is None:
+        return None
+    print(f"error: {full}", file=sys.stderr)
+    return 1
+
+

@@ -1,0 +1,127 @@
+"""`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
+
+    python -m harness docs [--with-gsm8k] [--jobs N]        # RLVR_CACHE=$(mktemp -d) to include the warm start
+
+Each experiment is swept into ``results/docs/<commit>/`` (a new commit re-runs everything; the same commit
+resumes), its report is written, its figures are copied into ``docs/`` and its tables into
+``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation), stamped with the commit, the date, the
+machine (CPU, cores, torch threads per run, load before and after) and the wall time of each sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pandas as pd
+import torch
+import transformers
+
+from analysis.load import load_experiment as load_results
+from analysis.report import build_report, md_table
+from harness.apps.sweep import run_sweep
+from harness.run.atomic import atomic_write
+from harness.run.config import load_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+# experiment -> (report figure -> docs/ file name)
+FIGURES = {"quickstart": {"curves_step": "quickstart_curves.png", "stability": "quickstart_stability.png"},
+           "gspo_clip_repro": {"clip_fraction": "gspo_clip_repro.png", "stability": "gspo_clip_repro_stability.png"},
+           "gsm8k_ablation": {"stability": "gsm8k_ablation_stability.png", "curves_step": "gsm8k_ablation_curves.png"}}
+MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm")  # per-run means over training steps
+
+
+def commit() -> str:
+    def git(*args) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("-dirty" if git("status", "--porcelain") else "")
+
+
+def machine(jobs: int) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    cores = os.cpu_count() or 1
+    return (f"{cpu}, {cores} cores, {jobs} runs at a time with {max(1, cores // jobs)} torch thread(s) each; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}")
+
+
+def mechanics_table(exp_dir: Path) -> str:
+    """Per objective: the mean over steps of each mechanics metric, averaged over seeds (min–max over seeds)."""
+    metrics = load_results(exp_dir).metrics
+    train = metrics[metrics["step"] >= 1]
+    rows = []
+    for objective, runs in train.groupby("objective"):
+        row = {"objective": objective, "seeds": runs["run_id"].nunique()}
+        for key in MECHANICS:
+            if key in runs and runs[key].notna().any():
+                per_run = runs.groupby("run_id")[key].mean()
+                row[key] = f"{per_run.mean():.3g} ({per_run.min():.3g}–{per_run.max():.3g})"
+        rows.append(row)
+    return md_table(pd.DataFrame(rows).fillna("not reported"))
+
+
+def time_table(exp_dir: Path) -> str:
+    """Where a run's wall time goes, per objective (mean over runs): sampling, update, the rest (evaluations,
+    start-up, model loading, records)."""
+    exp = load_results(exp_dir)
+    train = exp.metrics[exp.metrics["step"] >= 1]
+    rows = []
+    for objective, runs in train.groupby("objective"):
+        wall = exp.runs[exp.runs["objective"] == objective]["wall_time_s"].mean()
+        rollout = runs.groupby("run_id")["rollout_s"].sum().mean()
+        update = runs.groupby("run_id")["update_s"].sum().mean()
+        rows.append({"objective": objective, "wall time per run (s)": f"{wall:.1f}",
+                     "sampling": f"{rollout:.1f} s ({rollout / wall:.0%})", "update": f"{update:.1f} s "
+                     f"({update / wall:.0%})", "evaluation, start-up, records": f"{wall - rollout - update:.1f} s "
+                     f"({(wall - rollout - update) / wall:.0%})"})
+    return md_table(pd.DataFrame(rows))
+
+
+def document(name: str, results_dir: Path, jobs: int) -> str:
+    """Sweep ``name``, write its report, copy its figures; returns its section of the results page."""
+    cfg = load_experiment(name, [f"results_dir={results_dir}"])
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    entries = run_sweep(cfg, jobs=jobs)
+    wall = time.perf_counter() - start
+    load_after = os.getloadavg()[0]
+    exp_dir = results_dir / name
+    report = build_report(exp_dir).parent
+    for figure, target in FIGURES.get(name, {}).items():
+        if (report / f"{figure}.png").exists():
+            shutil.copyfile(report / f"{figure}.png", DOCS / target)
+    finished = sum(e["status"] == "finished" for e in entries)
+    figures = "".join(f"\n![{name} {figure}]({target})\n" for figure, target in FIGURES.get(name, {}).items())
+    return (f"## {name}\n\n`make sweep EXP={name}` — {finished}/{len(entries)} runs finished in {wall / 60:.1f} min "
+            f"(wall time of the sweep, including a warm start when the cache lacked it; 1-minute load average "
+            f"{load_before:.2f} before, {load_after:.2f} after).\n\n"
+            f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
+            f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
+            f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
+            f"### Where a run's time goes ({jobs} runs at a time)\n\n{time_table(exp_dir)}\n"
+            f"{figures}")
+
+
+def main(with_gsm8k: bool = False, jobs: int = 2) -> int:
+    stamp = commit()
+    results_dir = ROOT / "results" / "docs" / stamp
+    header = (f"Generated by `make docs` at commit {stamp} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.\n"
+              f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
+              "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation, ~1 h).\n\n")
+    sections = [document(name, results_dir, jobs) for name in ("quickstart", "gspo_clip_repro")]
+    soak = subprocess.run([sys.executable, "-m", "harness", "soak", "--kills", "10"], cwd=ROOT, capture_output=True,
+                          text=True)
+    sections.append(f"## make soak\n\n`make soak KILLS=10`: {soak.stdout.strip() or soak.stderr.strip()}\n")
+    atomic_write(DOCS / "results.md", "# Measured results\n\n" + header + "\n".join(sections))
+    if with_gsm8k:
+        section = document("gsm8k_ablation", results_dir, jobs)
+        atomic_write(DOCS / "results_gsm8k.md", "# gsm8k_ablation, measured\n\n" + header + section)
+    print(f"wrote {DOCS / 'results.md'}" + (f" and {DOCS / 'results_gsm8k.md'}" if with_gsm8k else ""))
+    return 0

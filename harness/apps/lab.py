@@ -1,0 +1,345 @@
+"""The gradient lab: every objective's gradient on the same rollout batches, along two axes.
+
+    python -m harness lab EXP [key=value ...]        # make lab EXP=lab; writes results/lab/<name>/
+
+Fix a policy (the experiment's starting policy, or ``lab.policy``: a saved policy folder) and, for each of
+``lab.batches`` independent batches (``prompts_per_step`` prompts x ``group_size`` completions, seeded by (seed,
+batch) as the loop seeds its steps):
+
+1. sample the batch from the fp32 policy at ``train.temperature``, and again, with the same random stream, from
+   each ``lab.mismatch`` sampler: a bf16 (or fp16) copy, or the policy at ``lab.mismatch_temperature``; each
+   rollout keeps its sampler's log-probs as the behaviour log-probs (as the loop does with ``sampler_dtype``);
+2. split the fp32 rollout into ``train.num_minibatches`` minibatches as the loop does (groups whole); the first is
+   the *evaluation minibatch*; **staleness axis**: take k = 1 .. max(``lab.staleness``) optimizer steps (AdamW,
+   ``train.lr``, constant) with the ``lab.mover`` objective on the other minibatches in turn, as the loop's
+   later minibatches see a policy moved by the earlier ones. The moves are the same for every objective, so
+   at each k all objectives are evaluated at the same policy theta_k on the same tokens;
+3. at each axis point (theta_k with the fp32 behaviour; theta_0 with each mismatch sampler's rollout), one
+   forward pass of the evaluation minibatch, then per objective its token weights c = dL/dlogp and its
+   parameter gradient (one vector-Jacobian product; harness/apps/gradient_stats.py), its loss and metrics (clip
+   fractions, ratio statistics, ...), which tokens carry gradient, Kish ESS, length bias, and a count sketch of
+   the gradient (``lab.sketch_dim``) for the cosines and the SNR;
+4. the **reference direction** at theta_k: the REINFORCE gradient with leave-one-out baselines of
+   ``lab.reference_samples`` fresh completions per prompt of the evaluation minibatch, sampled on-policy
+   (fp32, ``train.temperature``): an unbiased estimate of -grad E[R] on those prompts;
+5. the variance of the log ratios (token, cumulative prefix, prefix mean, sequence) against position.
+
+Each batch is written atomically to ``batches/batch_<b>.pt`` when done, so a killed lab resumes where it stopped
+and reruns give the same files; the tables, the SNR across batches and the report come from analysis/lab.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from analysis.lab import build_lab_report
+from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
+from harness.loop.batch import TrainBatch, rewards_of
+from harness.loop.build import build_learner, frozen_copy, setup_run
+from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
+from harness.policy.device import DTYPES, resolve_device
+from harness.policy.forward import completion_logprobs
+from harness.policy.sampler import Rollout, sample_problems
+from harness.run.atomic import atomic_write
+from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
+from harness.run.errors import ConfigError
+from harness.run.locks import lock_folder
+from harness.run.seeding import step_seed
+from harness.run.threads import run_threads
+from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
+
+MISMATCH_SAMPLERS = ("bfloat16", "float16", "temperature")
+STREAM_PROMPTS, STREAM_ORDER, STREAM_SAMPLING, STREAM_REFERENCE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class AxisPoint:
+    axis: str  # "staleness" or "mismatch"
+    value: str  # the point on its axis: "0", "4", "bfloat16", "temperature=1.3"
+    staleness: int  # optimizer steps between the behaviour policy and the evaluated one
+    sampler: str  # "float32" or one of MISMATCH_SAMPLERS
+
+    @property
+    def key(self) -> str:
+        return f"{self.axis}={self.value}"
+
+
+def axis_points(lab: DictConfig) -> list[AxisPoint]:
+    """The measured points: every staleness k (fp32 behaviour), then every mismatch sampler at k = 0. The
+    mismatch axis's fp32 point is staleness 0 (analysis/lab.py shows it on both axes)."""
+    points = [AxisPoint("staleness", str(k), k, "float32") for k in lab.staleness]
+    for sampler in lab.mismatch:
+        value = f"temperature={lab.mismatch_temperature:g}" if sampler == "temperature" else sampler
+        points.append(AxisPoint("mismatch", value, 0, sampler))
+    return points
+
+
+def lab_objective(cfg: DictConfig, name: str):
+    """(objective, advantage estimator) of ``name`` with ``lab.params[name]`` (its key ``advantage``: the
+    estimator, else the objective's default)."""
+    params = dict(OmegaConf.to_container(cfg.lab.params).get(name) or {})
+    estimator = params.pop("advantage", None)
+    objective = get_objective(name, **params)
+    return objective, get_advantage(estimator or objective.default_advantage)
+
+
+def lab_objectives(cfg: DictConfig) -> dict:
+    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all)."""
+    return {name: lab_objective(cfg, name) for name in list(cfg.lab.objectives) or OBJECTIVES.names()}
+
+
+def validate_lab(cfg: DictConfig) -> None:
+    """The lab's settings, checked before anything runs (one-line ConfigError naming the key)."""
+    lab, t = cfg.lab, cfg.train
+    try:
+        lab_objectives(cfg)
+        lab_objective(cfg, lab.mover)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"lab: {e}") from None
+    unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
+    if unknown:
+        raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")
+    staleness = list(lab.staleness)
+    if not staleness or 0 not in staleness or min(staleness) < 0 or len(set(staleness)) != len(staleness):
+        raise ConfigError(f"lab.staleness must be distinct steps >= 0 including 0 (the fresh point), got {staleness}")
+    if max(staleness) > 0 and t.num_minibatches < 2:
+        raise ConfigError("lab.staleness > 0 moves the policy on the batch's other minibatches: set "
+                          "train.num_minibatches >= 2")
+    for sampler in lab.mismatch:
+        if sampler not in MISMATCH_SAMPLERS:
+            raise ConfigError(f"lab.mismatch entries must be among {', '.join(MISMATCH_SAMPLERS)}, got {sampler!r}")
+    if lab.batches < 2 or lab.reference_samples < 2:
+        raise ConfigError(f"lab.batches and lab.reference_samples must be >= 2 (SNR across batches, leave-one-out "
+                          f"baselines), got {lab.batches} and {lab.reference_samples}")
+    if lab.sketch_dim < 0 or lab.mismatch_temperature <= 0:
+        raise ConfigError(f"need lab.sketch_dim >= 0 and lab.mismatch_temperature > 0, got {lab.sketch_dim} and "
+                          f"{lab.mismatch_temperature}")
+    if lab.policy is not None and not (Path(lab.policy) / "config.json").exists():
+        raise ConfigError(f"lab.policy {lab.policy!r} is not a saved policy folder (no config.json): give a run's "
+                          "final/ folder")
+
+
+def lab_config(cfg: DictConfig) -> DictConfig:
+    """The experiment's config as the lab uses it: ``lab.policy`` replaces the model (no warm start); checked."""
+    cfg = copy.deepcopy(cfg)
+    cfg.sweep.grid, cfg.sweep.per_objective = {}, {}
+    if cfg.lab.policy is not None:
+        cfg.model.name, cfg.model.tiny = cfg.lab.policy, {}
+        cfg.model.warm_start_steps, cfg.model.warm_start_target = 0, None
+    validate_lab(cfg)
+    run = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("sweep", "profiles", "lab")])
+    validate(run)
+    return cfg
+
+
+def lab_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.results_dir) / "lab" / cfg.name
+
+
+def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
+    """Measure every missing batch into ``lab_dir(cfg)/batches/``; returns the folder. The caller writes the
+    report (analysis/lab.py)."""
+    cfg = lab_config(cfg)
+    check_this_machine([cfg])
+    out = lab_dir(cfg)
+    (out / "batches").mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
+    try:
+        saved = out / "config.yaml"
+        if saved.exists() and comparable(OmegaConf.load(saved)) != comparable(cfg):
+            raise ConfigError(f"{out} holds a lab with other settings (only lab.batches may change between calls): "
+                              "delete it or choose another name=...")
+        atomic_write(saved, OmegaConf.to_yaml(cfg))
+        todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
+        if todo:
+            Lab(cfg).measure(todo, out, progress)
+    finally:
+        lock.close()
+    return out
+
+
+def comparable(cfg: DictConfig) -> dict:
+    """The settings that must match for batches to be pooled: all but the number of batches."""
+    values = OmegaConf.to_container(cfg, resolve=True)
+    values["lab"].pop("batches")
+    return values
+
+
+def batch_path(out: Path, b: int) -> Path:
+    return out / "batches" / f"batch_{b:03d}.pt"
+
+
+class Lab:
+    """The policy, its frozen copies and the objectives, built once; :meth:`measure_batch` is one batch."""
+
+    def __init__(self, cfg: DictConfig):
+        run_threads(cfg.threads)
+        self.cfg, self.t = cfg, cfg.train
+        setup = setup_run(cfg, resolve_device(cfg.device))  # harness/loop/build.py, as a run's
+        self.task, self.problems, self.tokenizer = setup.task, setup.train_problems, setup.tokenizer
+        self.policy = setup.policy.requires_grad_(False).eval()
+        self.objectives = lab_objectives(cfg)
+        self.mover, self.mover_estimator = lab_objective(cfg, cfg.lab.mover)
+        self.samplers = {s: frozen_copy(self.policy, DTYPES[s]) for s in cfg.lab.mismatch if s in DTYPES}
+        shapes = [p.shape for p in self.policy.parameters()]
+        self.sketch = CountSketch(shapes, cfg.lab.sketch_dim, seed=cfg.seed)
+        self.points = axis_points(cfg.lab)
+
+    def measure(self, batches: list[int], out: Path, progress: bool) -> None:
+        bar = tqdm(total=len(batches) * len(self.points), desc=f"lab {self.cfg.name}", disable=not progress,
+                   leave=False)
+        for b in batches:
+            start = time.time()
+            result = self.measure_batch(b, bar)
+            result["seconds"] = time.time() - start
+            atomic_write(batch_path(out, b), write=lambda path, result=result: torch.save(result, path))
+        bar.close()
+
+    # ------------------------------------------------------------------------------------------ one batch
+
+    def sample(self, problems, b: int, sampler: str) -> Rollout:
+        """The batch's completions from ``sampler``, all drawn from the same random stream (seed, batch)."""
+        t = self.t
+        model = self.samplers.get(sampler, self.policy)
+        temperature = self.cfg.lab.mismatch_temperature if sampler == "temperature" else t.temperature
+        torch.manual_seed(step_seed(self.cfg.seed, b, STREAM_SAMPLING))
+        return sample_problems(model, self.tokenizer, problems, t, temperature=temperature)
+
+    def rewards(self, ro: Rollout, problems, group_size: int) -> torch.Tensor:
+        scores = [self.task.score(text, problems[i // group_size]) for i, text in enumerate(ro.texts)]
+        return rewards_of(scores, ro.completion_mask.sum(-1), self.cfg)
+
+    def moved_policies(self, ro: Rollout, rewards, group_ids, order, per_minibatch: int) -> dict[int, dict]:
+        """theta_k (state dicts) for every k of lab.staleness: k AdamW steps of the mover objective on
+        minibatches 1, 2, ..., M-1, 1, 2, ... of ``order`` (minibatch 0 is the evaluation minibatch)."""
+        t, staleness = self.t, sorted(self.cfg.lab.staleness)
+        states = {0: self.policy.state_dict()}
+        if staleness[-1] == 0:
+            return states
+        learner = build_learner(copy.deepcopy(self.policy).requires_grad_(True).train(), self.mover, t)
+        batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
+        # one minibatch per step, the sampler's log-probs as behaviour, outside a run's rollout steps
+        plan = dataclasses.replace(UpdatePlan.of(batch, self.cfg, 0), rollout_step=None, behaviour="sampler")
+        state = RunState(total_optimizer_steps=staleness[-1])
+        for k in range(1, staleness[-1] + 1):
+            m = 1 + (k - 1) % (t.num_minibatches - 1)
+            rows = order[m * per_minibatch : (m + 1) * per_minibatch]
+            learner.optimizer.zero_grad(set_to_none=True)
+            minibatch = Minibatch(rows, ro.completion_mask[rows].sum().clamp(min=1))
+            part = microbatch_loss(learner, plan, minibatch, rows, state)
+            optimizer_step(learner, part.loss, t.max_grad_norm, state)
+            if k in staleness:
+                states[k] = {name: value.detach().clone() for name, value in learner.policy.state_dict().items()}
+        return states
+
+    def reference_gradient(self, model, problems, b: int, k: int) -> torch.Tensor:
+        """Sketch of the REINFORCE (leave-one-out) gradient of ``reference_samples`` on-policy completions of
+        each of ``problems``, accumulated in chunks of one minibatch's size."""
+        t, n = self.t, self.cfg.lab.reference_samples
+        torch.manual_seed(step_seed(self.cfg.seed, b * 1000 + k, STREAM_REFERENCE))
+        ro = sample_problems(model, self.tokenizer, problems, t, group_size=n)
+        rewards = self.rewards(ro, problems, n)
+        advantages = get_advantage("rloo")(rewards, torch.arange(len(problems)).repeat_interleave(n))
+        params = list(model.parameters())
+        model.requires_grad_(True).zero_grad(set_to_none=True)
+        chunk = max(minibatch_size(self.t), n)
+        for i in range(0, len(ro.texts), chunk):
+            rows = slice(i, i + chunk)
+            width = int(ro.completion_mask[rows].sum(-1).max())
+            logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                          ro.completion_ids[rows, :width], ro.completion_mask[rows, :width],
+                                          t.temperature, padding_free=t.padding_free)
+            (reinforce_loss(logp, ro.completion_mask[rows, :width], advantages[rows]) * logp.shape[0]
+             / len(ro.texts)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        model.requires_grad_(False)
+        return self.sketch(grads)
+
+    def measure_point(self, model, point: AxisPoint, ro: Rollout, rewards, rows, group_ids, batch_index: int):
+        """Per objective: a table row and the gradient's sketch, at ``model`` on the ``rows`` of ``ro``."""
+        t = self.t
+        width = int(ro.completion_mask[rows].sum(-1).max())
+        mask = ro.completion_mask[rows, :width]
+        params = list(model.requires_grad_(True).parameters())
+        logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows, :width],
+                                      mask, t.temperature, padding_free=t.padding_free)
+        old_logp = ro.sampler_logp[rows, :width]
+        ref_logp = None
+        if any(obj.beta > 0 for obj, _ in self.objectives.values()):
+            with torch.no_grad():
+                ref_logp, _ = completion_logprobs(self.policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                                  ro.completion_ids[rows, :width], mask, t.temperature,
+                                                  padding_free=t.padding_free)
+        rows_out, sketches = [], {}
+        for name, (objective, estimator) in self.objectives.items():
+            advantages = estimator(rewards, group_ids)[rows]
+            batch = PolicyBatch(logp=logp.detach(), old_logp=old_logp, mask=mask, advantages=advantages,
+                                rewards=rewards[rows], group_ids=group_ids[rows], ref_logp=ref_logp,
+                                max_completion_len=t.max_new_tokens, rollout_step=0)
+            weights, out = token_weights(objective, batch)
+            grads = torch.autograd.grad(logp, params, grad_outputs=weights, retain_graph=True, allow_unused=True)
+            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]
+            sketches[name] = self.sketch(grads)
+            rows_out.append({"batch": batch_index, "objective": name, "axis": point.axis, "point": point.value,
+                             "staleness": point.staleness, "sampler": point.sampler, "loss": out.loss.item(),
+                             "grad_norm": torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item(),
+                             **weight_metrics(weights, batch), **out.metrics})
+        model.requires_grad_(False)
+        positions = [{"batch": batch_index, "axis": point.axis, "point": point.value, "staleness": point.staleness,
+                      **row} for row in ratio_by_position(logp.detach(), old_logp, mask)]
+        return rows_out, sketches, positions
+
+    def measure_batch(self, b: int, bar) -> dict:
+        """Everything the lab records of batch ``b``: table rows, position rows, gradient sketches per point."""
+        t, cfg = self.t, self.cfg
+        rng = np.random.default_rng(step_seed(cfg.seed, b, STREAM_PROMPTS))
+        problems = [self.problems[i] for i in rng.choice(len(self.problems), t.prompts_per_step, replace=False)]
+        n, per_minibatch = rollout_size(t), minibatch_size(t)
+        group_ids = torch.arange(t.prompts_per_step).repeat_interleave(t.group_size)
+        order = minibatch_order(n, t.group_size, per_minibatch,
+                                torch.Generator().manual_seed(step_seed(cfg.seed, b, STREAM_ORDER)))
+        rows = order[:per_minibatch]
+        eval_problems = [problems[g] for g in dict.fromkeys(int(i) // t.group_size for i in rows)]
+        rollouts = {"float32": self.sample(problems, b, "float32")}
+        rollouts.update({s: self.sample(problems, b, s) for s in cfg.lab.mismatch})
+        rewards = {s: self.rewards(ro, problems, t.group_size) for s, ro in rollouts.items()}
+        states = self.moved_policies(rollouts["float32"], rewards["float32"], group_ids, order, per_minibatch)
+        model = copy.deepcopy(self.policy)
+        table, positions, sketches, references = [], [], {}, {}
+        for point in self.points:
+            model.load_state_dict(states[point.staleness])
+            if point.staleness not in references:
+                references[point.staleness] = self.reference_gradient(model, eval_problems, b, point.staleness)
+            found, point_sketches, point_positions = self.measure_point(
+                model, point, rollouts[point.sampler], rewards[point.sampler], rows, group_ids, b)
+            for row in found:
+                row["reward_mean"] = rewards[point.sampler][rows].mean().item()
+            table += found
+            positions += point_positions
+            sketches[point.key] = point_sketches
+            bar.update(1)
+        return {"rows": table, "positions": positions, "sketches": sketches,
+                "references": {f"staleness={k}": v for k, v in references.items()},
+                "eval_prompts": len(eval_problems), "sketch_exact": self.sketch.exact, "sketch_dim": self.sketch.dim,
+                "parameters": self.sketch.numel}
+
+
+def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
+    """``python -m harness lab``: measure, then write the tables and the report."""
+    cfg = load_experiment(experiment, overrides)
+    start = time.time()
+    out = run_lab(cfg, progress)
+    report = build_lab_report(out)
+    print(f"lab {cfg.name}: {cfg.lab.batches} batches in {out} ({time.time() - start:.0f} s this call); "
+          f"report {report}", file=sys.stderr)
+    return 0

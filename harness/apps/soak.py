@@ -1,0 +1,151 @@
+"""`make soak`: kill sweeps and runs at random moments, resume, and check that nothing was lost or written twice.
+
+    python -m harness soak [--kills 20] [--seed 0]
+
+A tiny two-objective sweep (30 steps each) is started again and again; each time it is killed with SIGKILL,
+SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
+(after the starting policy's evaluation line, before the first checkpoint; the first kill aims there) or while
+a checkpoint is being written. After ``kills`` kills the sweep runs to the end. Then every run must be
+finished, every file must parse, metrics.jsonl must hold steps 0..30 once each, and every run's metrics and eval
+records must equal those of the same run trained without interruption. Writes results/soak/soak.json and prints
+one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.run.atomic import atomic_write
+from harness.run.records import TIMING_METRICS, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 30
+SETTINGS = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+            "model.tiny.intermediate_size=64", "task.eval_size=8", "train.prompts_per_step=4", "train.group_size=4",
+            "train.max_new_tokens=8", "train.num_minibatches=2", f"train.steps={STEPS}", "train.eval_every=5",
+            "threads=1", "train.lr=1e-3", "task.overlong_buffer=6"]
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+
+
+def harness(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, **kwargs)
+
+
+def run_processes(exp_dir: Path) -> list[int]:
+    """Pids of the runs a sweep of ``exp_dir`` has started (their command line names their run folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if " train " in command and str(exp_dir) in command:
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def in_step0_window(exp_dir: Path) -> bool:
+    return any(len(read_jsonl(run / "metrics.jsonl")) == 1 and not (run / "checkpoints").exists()
+               for run in exp_dir.glob("*-s*-*"))
+
+
+def writing_checkpoint(exp_dir: Path) -> bool:
+    return any(exp_dir.glob("*/checkpoints/last.pt.tmp"))
+
+
+def check_files(exp_dir: Path) -> list[str]:
+    """Problems with the files as a reader finds them at this moment (a torn last JSON line is allowed)."""
+    problems = []
+    for path in [exp_dir / "manifest.json", *exp_dir.glob("*/summary.json")]:
+        try:
+            json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            problems.append(f"{path}: {e}")
+    for path in exp_dir.glob("*/metrics.jsonl"):
+        steps = [r["step"] for r in read_jsonl(path)]
+        if len(steps) != len(set(steps)):
+            problems.append(f"{path}: a step written twice: {steps}")
+    return problems
+
+
+def main(kills: int = 20, seed: int = 0) -> int:
+    rng = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix="soak-"))
+    experiment = work / "soak.yaml"
+    experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
+    sweep_args = ["sweep", str(experiment), *SETTINGS, f"results_dir={work}/res", "--no-progress", "--no-report",
+                  "--jobs", "2"]
+    exp_dir = work / "res" / "soak"
+    log, problems, started = [], [], time.time()
+    while len(log) < kills:
+        sweep = harness(*sweep_args)
+        moment = "step0" if not log else rng.choice(["random", "random", "checkpoint"])
+        if moment == "step0":
+            hit = wait_for(lambda: in_step0_window(exp_dir), 30)
+        elif moment == "checkpoint":
+            hit = wait_for(lambda: writing_checkpoint(exp_dir), 30)
+        else:
+            hit = not wait_for(lambda process=sweep: process.poll() is not None, rng.uniform(0.5, 8.0))
+        name = rng.choice(list(SIGNALS))
+        runs = run_processes(exp_dir)
+        target = "run" if runs and rng.random() < 0.4 else "sweep"
+        if sweep.poll() is None:
+            os.kill(rng.choice(runs) if target == "run" else sweep.pid, SIGNALS[name])
+        log.append({"moment": moment if hit else "random", "signal": name, "target": target})
+        if target == "run" and sweep.poll() is None:
+            sweep.kill()  # the sweep goes on after a run dies; stop it too, so each round starts afresh
+        sweep.wait()
+        wait_for(lambda: not run_processes(exp_dir), 30)
+        problems += check_files(exp_dir)
+        if sweep.returncode == 0:
+            break  # finished before the planned kills: nothing left to interrupt
+    final = harness(*sweep_args)
+    final.wait()
+    manifest = json.loads((exp_dir / "manifest.json").read_text())
+    for entry in manifest["runs"]:
+        run_dir = exp_dir / entry["dir"]
+        if entry["status"] != "finished":
+            problems.append(f"{entry['run_id']}: {entry['status']} after the final resume")
+            continue
+        reference = work / "reference" / entry["dir"]
+        harness("train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress").wait()
+        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+            got = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(run_dir / name)]
+            want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(reference / name)]
+            if got != want:
+                problems.append(f"{run_dir / name} differs from the uninterrupted run's")
+        if [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] != list(range(STEPS + 1)):
+            problems.append(f"{run_dir}/metrics.jsonl does not hold steps 0..{STEPS} once each")
+    result = {"kills": len(log), "by_moment": {m: sum(e["moment"] == m for e in log) for m in
+                                               ("random", "step0", "checkpoint")},
+              "by_target": {t: sum(e["target"] == t for e in log) for t in ("sweep", "run")},
+              "by_signal": {s: sum(e["signal"] == s for e in log) for s in SIGNALS}, "runs": len(manifest["runs"]),
+              "problems": problems, "passed": not problems, "seed": seed, "wall_time_s": time.time() - started,
+              "log": log}
+    out = ROOT / "results" / "soak"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "soak.json", json.dumps(result, indent=2))
+    print(f"soak: {'PASS' if not problems else 'FAIL'}: {len(log)} kills ({result['by_moment']}, "
+          f"{result['by_target']}, {result['by_signal']}), {len(manifest['runs'])} runs resumed to the end, "
+          f"{len(problems)} problems{': ' + '; '.join(problems[:3]) if problems else ''} "
+          f"({result['wall_time_s']:.0f} s; results/soak/soak.json)")
+    return 0 if not problems else 1

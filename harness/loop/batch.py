@@ -1,0 +1,105 @@
+"""One step's rollout batch for the native loop: draw prompts, sample a group of completions per prompt, score
+them, shape the rewards (format weight, DAPO's overlong penalty), and with DAPO's dynamic sampling refill the
+batch with groups that carry a gradient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from harness.policy.sampler import Rollout, sample_problems, select_rows
+from harness.run.seeding import step_seed
+from harness.tasks import Score
+
+
+@dataclass
+class TrainBatch:
+    """What one step trains on: the rollout and, per row, reward, advantage and group; per token, the behaviour
+    log-probs (sampler's or recomputed), the reference log-probs (None without a KL term) and the rollout-correction
+    weights (None without ``train.rollout_correction``; harness/loop/behaviour.py's ``rollout_correction``)."""
+
+    rollout: Rollout
+    rewards: Tensor  # [N]
+    advantages: Tensor  # [N]
+    group_ids: Tensor  # [N]
+    old_logp: Tensor  # [N, T]
+    ref_logp: Tensor | None = None  # [N, T]
+    correction: Tensor | None = None  # [N, T], detached; 0 on padding and on masked tokens
+
+
+@dataclass
+class SampledRound:
+    """One round of ``prompts_per_step`` groups: the rollout, each completion's score and reward."""
+
+    rollout: Rollout
+    scores: list[Score]
+    rewards: Tensor  # [prompts_per_step * group_size]
+
+
+def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
+    """correct + format_weight * format, plus DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) when
+    task.overlong_buffer = B > 0: with L = train.max_new_tokens, -overlong_penalty * clamp(length - (L - B), 0, B) / B
+    (0 up to L - B tokens, falling linearly to -overlong_penalty at L; verl's overlong_buffer)."""
+    task = cfg.task
+    rewards = torch.tensor([s.correct + task.format_weight * s.format for s in scores], dtype=torch.float32)
+    if task.overlong_buffer:
+        excess = (lengths.float().cpu() - (cfg.train.max_new_tokens - task.overlong_buffer)).clamp(min=0)
+        rewards = rewards - task.overlong_penalty * excess / task.overlong_buffer
+    return rewards
+
+
+def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int):
+    """The step's rollout (``prompts_per_step`` groups), its rewards [N], and statistics of everything sampled.
+    Problems are drawn without replacement by a generator seeded with (seed, step).
+
+    With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
+    (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
+    ``train.max_sampling_rounds`` rounds; the first ``prompts_per_step`` informative groups form the batch. The
+    filter reads the reward (verl's ``filter_groups.metric: score``); the paper's accuracy filter is the same when
+    the reward is correctness alone, and with format or overlong shaping the reward filter keeps the groups that
+    still carry a gradient. If the rounds run out, dropped groups fill the batch (logged as
+    ``frac_zero_std_groups_trained``) instead of stopping the run as verl does. The statistics (reward,
+    accuracy, lengths, zero-variance groups, tokens) cover every sampled completion, so they describe the
+    policy, not the filter, and ``sampled_tokens`` counts the whole sampling cost.
+    """
+    t = cfg.train
+    rng = np.random.default_rng(step_seed(cfg.seed, step))
+    torch.manual_seed(step_seed(cfg.seed, step, stream=2))
+    rounds: list[SampledRound] = []
+    informative, dropped = [], []  # groups as (round, group index)
+    for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
+        problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
+        ro = sample_problems(sampler, tokenizer, problems, t)
+        scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
+        rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg)))
+        grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)
+        for g, varied in enumerate((grouped != grouped[:, :1]).any(-1).tolist()):
+            (informative if varied else dropped).append((round_, g))
+        if len(informative) >= t.prompts_per_step:
+            break
+    stats = sampling_stats(rounds, zero_std_groups=len(dropped), groups=len(dropped) + len(informative))
+    if not t.dynamic_sampling:
+        return rounds[0].rollout, rounds[0].rewards, stats
+    groups = (informative + dropped)[: t.prompts_per_step]
+    rows = [(r, g * t.group_size + j) for r, g in groups for j in range(t.group_size)]
+    stats.update(sampling_rounds=len(rounds),
+                 frac_zero_std_groups_trained=sum(g in dropped for g in groups) / t.prompts_per_step)
+    rollout = select_rows([r.rollout for r in rounds], rows, tokenizer.pad_token_id)
+    return rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats
+
+
+def sampling_stats(rounds: list[SampledRound], zero_std_groups: int, groups: int) -> dict:
+    """Reward, accuracy, format, lengths and truncation over every sampled completion of the step."""
+    scores = [s for r in rounds for s in r.scores]
+    lengths = torch.cat([r.rollout.completion_mask.sum(-1) for r in rounds]).float()
+    rewards = torch.cat([r.rewards for r in rounds])
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy": float(np.mean([s.correct for s in scores])),
+            "format_reward": float(np.mean([s.format for s in scores])),
+            "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
+            "frac_truncated": torch.cat([r.rollout.truncated for r in rounds]).float().mean().item(),
+            "frac_zero_std_groups": zero_std_groups / groups, "sampled_tokens": int(lengths.sum())}

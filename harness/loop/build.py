@@ -1,0 +1,110 @@
+"""What a run is made of, built from its config the same way for the native loop, the TRL backend, the lab and the
+bench: task, starting policy (after the cached supervised warm start), objective and advantage estimator, frozen
+copies (reference, sampler), optimizer and learning-rate schedule.
+
+    setup = setup_run(cfg, device)          # RunSetup: task, problems, policy, tokenizer, objective, copies
+    learner = build_learner(setup.policy, setup.objective, cfg.train)   # + AdamW and its warm-up schedule
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.loop.update import Learner
+from harness.policy.device import DTYPES, sampler_dtype
+from harness.policy.models import load_model
+from harness.policy.sampler import check_decoder
+from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.tasks import Problem, Task, get_task
+from objectives import get_advantage, get_objective
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run is made of, built from its config (:func:`setup_run`)."""
+
+    device: torch.device
+    task: Task
+    train_problems: Sequence[Problem]
+    policy: torch.nn.Module  # the starting policy (warm-started), trainable
+    tokenizer: object
+    start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
+    objective: Callable  # the config's objective, with its hyperparameters
+    estimator: Callable  # its advantage estimator
+    reference: torch.nn.Module | None  # a frozen copy of the starting policy for the KL term (beta > 0), else None
+    sampler: torch.nn.Module  # the policy itself, or a frozen copy in model.sampler_dtype (refreshed every step)
+
+
+def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
+    """Build the task, the starting policy, the objective and the frozen copies, in that order."""
+    task = build_task(cfg)
+    train_problems = task.train_problems()
+    policy, tokenizer, start_policy = build_policy(cfg, task, device)
+    objective, estimator = build_objective(cfg)
+    reference = frozen_copy(policy) if objective.beta > 0 else None
+    dtype = sampler_dtype(cfg)
+    sampler = frozen_copy(policy, dtype) if dtype is not None else policy
+    return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, objective, estimator, reference,
+                    sampler)
+
+
+def build_learner(policy, objective, t: DictConfig) -> Learner:
+    """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`)."""
+    optimizer = build_optimizer(policy.parameters(), t)
+    return Learner(policy, objective, optimizer, build_scheduler(optimizer, t))
+
+
+def build_task(cfg: DictConfig) -> Task:
+    data_dir = {"data_dir": cfg.task.data_dir} if cfg.task.data_dir else {}
+    return get_task(cfg.task.name, eval_size=cfg.task.eval_size, **data_dir, **OmegaConf.to_container(cfg.task.args))
+
+
+def build_policy(cfg: DictConfig, task: Task, device: torch.device):
+    """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
+    the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy."""
+    m = cfg.model
+    tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
+    model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
+    check_decoder(model, cfg)
+    start = None
+    if m.warm_start_steps:
+        target = tuple(m.warm_start_target) if m.warm_start_target is not None else None
+        recipe = WarmStartRecipe(max_steps=m.warm_start_steps, lr=m.warm_start_lr, batch_size=m.warm_start_batch_size,
+                                 seed=m.seed, target=target, check_every=m.warm_start_check_every)
+        model, start = warm_start(model, tokenizer, task, recipe)
+    return model, tokenizer, start
+
+
+def build_objective(cfg: DictConfig):
+    """The objective (with the config's hyperparameters) and its advantage estimator."""
+    objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
+    return objective, get_advantage(cfg.objective.advantage or objective.default_advantage)
+
+
+def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:
+    """AdamW with the run's ``lr`` and ``weight_decay``: the fused kernel (one pass over each parameter, its gradient
+    and moments instead of a dozen tensor ops: the same update to round-off, faster on CPU (docs/benchmark.md); what
+    TRL's Trainer runs by default) where torch has it for every parameter's device, the per-tensor loop elsewhere."""
+    params = list(params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+
+
+def build_scheduler(optimizer, t: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule: linear warm-up over ``train.warmup_steps`` applied updates, then constant. The
+    k-th update (k = 0, 1, ...) uses lr x min(1, (k + 1) / (warmup_steps + 1)); ``harness.loop.update.optimizer_step``
+    steps it only after an applied update (a non-finite one skipped consumes no value, as transformers' Trainer
+    does when its optimizer step is skipped). Build it on the optimizer the loop steps: the scheduler counts that
+    optimizer's steps (torch warns "lr_scheduler.step() before optimizer.step()" otherwise)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (t.warmup_steps + 1)))
+
+
+def frozen_copy(policy, dtype: torch.dtype | None = None):
+    """A copy of ``policy`` without gradients (the KL reference, or a sampler in another precision)."""
+    model = copy.deepcopy(policy).requires_grad_(False).eval()
+    return model.to(dtype) if dtype is not None else model

@@ -1,0 +1,177 @@
+"""The native backend: the one shared rollout/update loop. Every objective runs through exactly this code.
+
+    summary = train(cfg, run_dir)        # setup, step 0's evaluation, then per step:
+      1. rollout: ``prompts_per_step`` problems, ``group_size`` completions each from the sampler, with its per-token
+         log-probs; scored, rewards shaped (with dynamic sampling: until the batch holds informative groups);
+      2. advantages from the estimator (group = prompt);
+      3. behaviour log-probs (the sampler's, or the trainer's recomputed; always recomputed with a rollout
+         correction, whose weights come here), reference log-probs when the objective's beta > 0;
+      4. for each epoch, for each minibatch: the loss over its micro-batches, one optimizer step (:func:`update`);
+      5. every ``eval_every`` steps and at the end: the held-out evaluation;
+      6. one JSON line of metrics, summary.json, a checkpoint every ``save_every`` steps; at the end the policy in
+         transformers' format under <run_dir>/final/ (and every ``export_every`` steps under exports/step_<N>/).
+
+The random streams are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from harness.loop.batch import TrainBatch, collect_batch
+from harness.loop.behaviour import behaviour_logprobs
+from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.evaluation import evaluate
+from harness.loop.metrics import MetricMeter, MismatchMeter, peak_memory_mb, progress_fields
+from harness.loop.update import (
+    Learner,
+    RunState,
+    Timings,
+    UpdatePlan,
+    microbatch_loss,
+    minibatches,
+    optimizer_step,
+    timed,
+    with_statistics,
+)
+from harness.policy.device import resolve_device
+from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
+from harness.run.threads import run_threads
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
+    """Train one run into ``run_dir`` (resuming from its checkpoint if there is one); returns the summary."""
+    t = cfg.train
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    checkpoint, checkpoint_path = load_checkpoint(run_dir, device)
+    state = RunState.resumed(checkpoint, t)
+    records = RunRecords(cfg, run_dir, resume_step=state.step if checkpoint else None, start_policy=None,
+                         backend="native", checkpoint=str(checkpoint_path))
+    count(records, state)
+    records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
+    with records.recording():
+        # setup: task, starting policy, objective, frozen copies (harness/loop/build.py); AdamW and its schedule
+        run = setup_run(cfg, device)
+        records.start_policy = run.start_policy
+        learner = build_learner(run.policy, run.objective, t)
+        if checkpoint:
+            for part in ("policy", "optimizer", "scheduler"):
+                getattr(learner, part).load_state_dict(checkpoint[part])
+        bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
+                   leave=False)
+        if state.step == 0:  # the starting policy's evaluation is step 0
+            evaluation, samples = evaluated(run, cfg, 0)
+            records.log({"step": 0, **evaluation}, samples)
+        for step in range(state.step + 1, t.steps + 1):
+            # 1-4. rollout, advantages, behaviour log-probs, update
+            row = train_step(run, learner, cfg, step, state)
+            # 5. evaluation
+            samples = None
+            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                evaluation, samples = evaluated(run, cfg, step)
+                row.update(evaluation)
+            # 6. records and checkpoint
+            count(records, state)
+            records.log(row, samples)
+            bar.update(1)
+            bar.set_postfix(progress_fields(row, records.rows))
+            if state.nonfinite_in_row >= t.max_nonfinite_in_row:
+                raise NonFiniteError(f"{state.nonfinite_in_row} updates in a row had a non-finite loss or "
+                                     f"gradient (step {step}); lower train.lr or check the objective's inputs")
+            if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
+                export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
+            if step == t.steps or (t.save_every and step % t.save_every == 0):
+                save_checkpoint(run_dir, {**{part: getattr(learner, part).state_dict()
+                                             for part in ("policy", "optimizer", "scheduler")},
+                                          "state": dataclasses.asdict(state)})
+        bar.close()
+        if records.main:
+            export_policy(run.policy, run.tokenizer, run_dir / "final")
+    return records.summary("finished")
+
+
+def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState) -> dict:
+    """Stages 1-4 of rollout step ``step`` (module docstring); returns its metrics row."""
+    t = cfg.train
+    # 1. rollout and rewards, from the sampler (a copy in model.sampler_dtype refreshed from the policy, or itself)
+    t0 = time.time()
+    if run.sampler is not run.policy:
+        run.sampler.load_state_dict(run.policy.state_dict())
+    ro, rewards, sampled = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step)
+    rollout_s = time.time() - t0
+    # 2. advantages (group = prompt)
+    rewards = rewards.to(run.device)
+    group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
+    advantages = run.estimator(rewards, group_ids).to(run.device)
+    # 3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py)
+    t1 = time.time()
+    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy)
+    batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
+                       behaviour.correction)
+    # 4. for each epoch, for each minibatch: loss, optimizer step
+    timings = Timings()
+    stats = update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+    update_s = time.time() - t1
+    tokens, sampled_tokens = int(ro.completion_mask.sum()), sampled.pop("sampled_tokens")
+    state.step = step
+    state.rollout_tokens += sampled_tokens
+    state.update_tokens += tokens * t.epochs
+    return {"step": step, "rollout_tokens": state.rollout_tokens, **sampled,
+            "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
+            **stats, **behaviour.metrics, "lr": learner.scheduler.get_last_lr()[0],
+            "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
+            **timings.metrics(), "rollout_tok_s": sampled_tokens / rollout_s,
+            "update_tok_s": tokens * t.epochs / update_s, "peak_mem_mb": peak_memory_mb(run.device)}
+
+
+def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
+    """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch; returns the step's metrics
+    (the objective's, entropy, loss, grad norm; the sampler/trainer mismatch of the first minibatch when the
+    behaviour log-probs are the sampler's)."""
+    generator = torch.Generator().manual_seed(plan.order_seed)
+    meter, mismatch = MetricMeter(), MismatchMeter()
+    learner.policy.train()
+    for epoch in range(plan.epochs):
+        for k, minibatch in enumerate(minibatches(plan, generator)):  # a new order each epoch, groups whole
+            learner.optimizer.zero_grad(set_to_none=True)
+            minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
+            loss = 0.0
+            for rows in minibatch.chunks(plan.microbatch_size):  # forward, objective, backward
+                part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
+                if epoch == 0 and k == 0 and plan.behaviour == "sampler":
+                    ro, forward = plan.batch.rollout, part.forward
+                    mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
+                loss += part.loss
+                meter.add(part.metrics, part.tokens)
+            with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
+                grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)
+            meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
+    return {**meter.result(), **mismatch.result()}
+
+
+def evaluated(run: RunSetup, cfg: DictConfig, step: int) -> tuple[dict, list[dict]]:
+    """The held-out evaluation's metrics at ``step`` (with its seconds, ``eval_s``) and its samples."""
+    start = time.time()
+    row, samples = evaluate(run.policy, run.tokenizer, run.task, cfg, step)
+    return {**row, "eval_s": time.time() - start}, samples
+
+
+def count(records: RunRecords, state: RunState) -> None:
+    """The run's counters into summary.json's progress."""
+    records.progress.update(rollout_tokens=state.rollout_tokens, update_tokens=state.update_tokens,
+                            nonfinite_skips=state.nonfinite_skips)

@@ -1,0 +1,60 @@
+"""What the TRL backend cannot run, and the launch environment it reads (``WORLD_SIZE``, ``$RLVR_TRL_ARGS``).
+
+No trl import here: the config check of a TRL run (harness/loop/backends.py) stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig
+
+from harness.policy.device import sampler_dtype
+from harness.run.config import microbatch_size, minibatch_size
+from objectives import OBJECTIVES
+
+
+def world_size() -> int:
+    """Processes of a distributed launch (accelerate / torchrun set WORLD_SIZE), 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def trl_extra_args() -> dict:
+    """Extra GRPOConfig arguments from $RLVR_TRL_ARGS (JSON), e.g. '{"use_vllm": true}'."""
+    return json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}")
+
+
+def trl_unsupported(run: DictConfig) -> str | None:
+    """Why the TRL backend cannot run this config (one sentence saying what to change), or None."""
+    t = run.train
+    minibatch, micro = minibatch_size(t), microbatch_size(t)
+    if minibatch % (micro * world_size()):
+        return (f"backend trl: the minibatch ({minibatch} sequences) must split into micro-batches of "
+                f"train.micro_batch_size={micro} on each of {world_size()} processes")
+    if t.group_size < 2:
+        return "backend trl: TRL needs train.group_size >= 2"
+    if run.task.overlong_buffer:
+        return ("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward function to TRL "
+                "yourself); use backend=native")
+    if t.dynamic_sampling:
+        return ("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group refill); "
+                "use backend=native")
+    if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
+        return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
+                "smollm2-135m-instruct")
+    own = sorted(k for k in trl_extra_args() if k.startswith("vllm_importance_sampling"))
+    if own:
+        return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
+                f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
+    if sampler_dtype(run) is not None:
+        return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
+                "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if OBJECTIVES.get(run.objective.name).needs_whole_minibatch and minibatch // micro > 1:
+        return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
+                "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")
+    if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
+        return (f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL splits "
+                "groups across micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one "
+                "process, or backend=native")
+    return None

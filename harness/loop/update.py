@@ -1,0 +1,261 @@
+"""The update's parts, as data: what every minibatch loss of a step needs is one value (:class:`UpdatePlan`, made
+once per step), a minibatch another (:class:`Minibatch`), the policy being trained with its objective, optimizer
+and schedule a third (:class:`Learner`). The native loop (harness/loop/native.py's ``update``) runs them:
+
+    for epoch in range(plan.epochs):
+        for minibatch in minibatches(plan, generator):           # whole groups stay together when they fit
+            minibatch = with_statistics(learner, plan, minibatch, state)   # P3O's statistics, when micro-batched
+            for rows in minibatch.chunks(plan.microbatch_size):
+                part = microbatch_loss(learner, plan, minibatch, rows, state)  # forward, objective, backward
+            grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)  # clip, skip if non-finite, step
+
+A minibatch is summed over micro-batches with the minibatch's global token and sequence counts, so its gradient is
+exactly the minibatch objective's whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from harness.loop.batch import TrainBatch
+from harness.loop.behaviour import behaviour_logp
+from harness.policy.forward import completion_logprobs
+from harness.run.config import microbatch_size, minibatch_size, updates_per_step
+from harness.run.seeding import step_seed
+from objectives import PolicyBatch
+from objectives.base import sum_statistics
+
+
+@dataclass
+class RunState:
+    """Counters of a native run; saved in its checkpoint."""
+
+    step: int = 0  # rollout steps done
+    optimizer_steps: int = 0
+    total_optimizer_steps: int = 0  # steps x epochs x num_minibatches: for objectives' schedules (HölderPO, ConSPO)
+    nonfinite_skips: int = 0
+    nonfinite_in_row: int = 0
+    rollout_tokens: int = 0  # every sampled completion token (dynamic sampling included)
+    update_tokens: int = 0  # completion tokens trained on, times epochs
+
+    @classmethod
+    def resumed(cls, checkpoint: dict | None, t: DictConfig) -> RunState:
+        """The counters a checkpoint saved (a fresh run's without one), with this run's optimizer-step total."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        state = cls(**{k: v for k, v in checkpoint["state"].items() if k in fields}) if checkpoint else cls()
+        state.total_optimizer_steps = t.steps * updates_per_step(t)
+        return state
+
+
+@dataclass
+class Timings:
+    """Seconds of the update's phases (CPU clock; on a GPU they count launch, not kernel, time), each None until it
+    runs: the loss passes' forwards, P3O's statistics pass, the backward passes, clipping + the optimizer step. The
+    rest of the update is the objective, the metrics and the bookkeeping."""
+
+    logp_forward_s: float | None = None
+    stats_forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        setattr(self, phase, (getattr(self, phase) or 0.0) + time.perf_counter() - start)
+
+    def metrics(self) -> dict[str, float]:
+        """The phases that ran, as the metrics row's ``update_<phase>`` keys."""
+        return {f"update_{k}": v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@contextmanager
+def timed(timings: Timings | None, phase: str):
+    """``timings.timed(phase)``, or nothing without timings."""
+    if timings is None:
+        yield
+    else:
+        with timings.timed(phase):
+            yield
+
+
+@dataclass(frozen=True)
+class Learner:
+    """The policy being trained, its objective, optimizer and learning-rate schedule."""
+
+    policy: torch.nn.Module
+    objective: Callable  # PolicyBatch -> ObjectiveOutput (a registered objective, or any callable like one)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What every minibatch loss of one rollout step needs, made once per step (:meth:`of`)."""
+
+    batch: TrainBatch  # rollout, rewards, advantages, groups; behaviour / reference log-probs; correction weights
+    epochs: int  # passes over the batch
+    minibatch_size: int  # sequences per optimizer step (the objective's sequence count)
+    microbatch_size: int  # sequences per forward/backward
+    group_size: int  # minibatches keep groups whole when they hold whole groups
+    temperature: float  # divides the trainer's logits, as the sampler's
+    padding_free: bool  # the trainer's forward skips completion padding (harness/policy/forward.py)
+    max_completion_len: int  # the objective's L (Dr. GRPO's constant normaliser, ...)
+    max_grad_norm: float
+    rollout_step: int | None  # the rollout step (from 0) for objectives' schedules; None: not in a run
+    behaviour: str  # where batch.old_logp came from: "sampler" or "recompute" (harness/loop/behaviour.py)
+    order_seed: int  # the random stream of the minibatch order
+    timings: Timings | None = None
+
+    @property
+    def sampler_is_behaviour(self) -> bool:
+        """The objective gets no separate sampler log-probs (TBPO's mismatch weight) when they are the behaviour
+        log-probs, or a rollout correction (``batch.correction``) accounts for them."""
+        return self.behaviour == "sampler" or self.batch.correction is not None
+
+    @classmethod
+    def of(cls, batch: TrainBatch, cfg: DictConfig, step: int, timings: Timings | None = None) -> UpdatePlan:
+        """The plan of rollout step ``step`` of a run."""
+        t = cfg.train
+        return cls(batch=batch, epochs=t.epochs, minibatch_size=minibatch_size(t), microbatch_size=microbatch_size(t),
+                   group_size=t.group_size, temperature=t.temperature, padding_free=t.padding_free,
+                   max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
+                   behaviour=behaviour_logp(t),
+                   order_seed=step_seed(cfg.seed, step, stream=1), timings=timings)
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The rows of one optimizer step and what their loss is normalised by."""
+
+    rows: Tensor  # row indices into the batch
+    num_tokens: Tensor  # their valid tokens (>= 1): every micro-batch's token-mean denominator
+    stats: dict | None = None  # the objective's minibatch statistics (P3O); None: each micro-batch's own
+
+    def chunks(self, size: int) -> list[Tensor]:
+        """The micro-batches: ``size`` rows each."""
+        return [self.rows[j : j + size] for j in range(0, len(self.rows), size)]
+
+
+def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torch.Generator) -> Tensor:
+    """A random order of the ``n`` rows; groups stay whole (and contiguous) when a minibatch holds whole groups,
+    as group-contrastive objectives need."""
+    if per_minibatch % group_size == 0:
+        groups = torch.randperm(n // group_size, generator=generator)
+        return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+    return torch.randperm(n, generator=generator)
+
+
+def minibatches(plan: UpdatePlan, generator: torch.Generator) -> Iterator[Minibatch]:
+    """One pass over the batch: its rows in a random order (:func:`minibatch_order`), ``plan.minibatch_size`` each."""
+    mask, size = plan.batch.rollout.completion_mask, plan.minibatch_size
+    order = minibatch_order(len(mask), plan.group_size, size, generator)
+    for k in range(len(mask) // size):
+        rows = order[k * size : (k + 1) * size]
+        yield Minibatch(rows, mask[rows].sum().clamp(min=1))
+
+
+@dataclass(frozen=True)
+class RowsForward:
+    """The current policy on some rows: log-probs (and entropies) of their completions, all-padding columns dropped."""
+
+    rows: Tensor
+    logp: Tensor  # [rows, width]
+    entropy: Tensor | None  # [rows, width], or None
+    mask: Tensor  # [rows, width]
+    width: int
+
+
+def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = False,
+                 phase: str = "logp_forward_s") -> RowsForward:
+    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
+    (``plan.padding_free``: the rest of the padding too), timed as ``phase``."""
+    ro = plan.batch.rollout
+    width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
+    mask = ro.completion_mask[rows, :width]
+    with timed(plan.timings, phase):
+        logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                            ro.completion_ids[rows, :width], mask, plan.temperature,
+                                            with_entropy=with_entropy, padding_free=plan.padding_free)
+    return RowsForward(rows, logp, entropy, mask, width)
+
+
+def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
+    """The objective's input for the rows of ``forward``: their current log-probs; behaviour / reference / sampler
+    log-probs, rollout-correction weights, advantages, rewards and groups; the minibatch's counts and statistics."""
+    batch, rows, width = plan.batch, forward.rows, forward.width
+    return PolicyBatch(
+        logp=forward.logp, old_logp=batch.old_logp[rows, :width], mask=forward.mask,
+        advantages=batch.advantages[rows], rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
+        ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
+        step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
+        max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,
+        num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
+        sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
+        correction=None if batch.correction is None else batch.correction[rows, :width],
+        minibatch_stats=minibatch.stats)
+
+
+@torch.no_grad()
+def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, state: RunState) -> Minibatch:
+    """``minibatch`` with the objective's ``minibatch_statistics`` summed over its micro-batches, from a no-grad
+    forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same
+    log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
+    them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
+    uses = getattr(learner.objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests) has none
+    chunks = minibatch.chunks(plan.microbatch_size)
+    if len(chunks) < 2 or uses is None or not uses():
+        return minibatch
+    parts = [learner.objective.minibatch_statistics(policy_batch(
+        plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state)) for rows in chunks]
+    return dataclasses.replace(minibatch, stats=sum_statistics(parts))
+
+
+@dataclass(frozen=True)
+class MicrobatchLoss:
+    loss: float  # this micro-batch's part of the minibatch loss
+    metrics: dict  # the objective's metrics (and the entropy)
+    tokens: int  # valid tokens: the metrics' weight
+    forward: RowsForward  # its log-probs, detached
+
+
+def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, rows: Tensor, state: RunState,
+                    with_entropy: bool = False) -> MicrobatchLoss:
+    """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
+    statistics) and backpropagate."""
+    forward = forward_rows(learner.policy, plan, rows, with_entropy)
+    out = learner.objective(policy_batch(plan, minibatch, forward, state))
+    with timed(plan.timings, "backward_s"):
+        out.loss.backward()
+    tokens = forward.mask.sum().item()
+    metrics = dict(out.metrics)
+    if forward.entropy is not None:
+        metrics["entropy"] = (forward.entropy * forward.mask).sum().item() / max(tokens, 1)
+    detached = dataclasses.replace(forward, logp=forward.logp.detach())
+    return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
+
+
+def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState) -> float:
+    """Clip the gradient norm and step, unless the loss or the gradient is non-finite: then drop the gradient and
+    count the skip. Returns the gradient norm before clipping."""
+    params = [p for p in learner.policy.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    state.optimizer_steps += 1
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        learner.optimizer.zero_grad(set_to_none=True)
+        state.nonfinite_skips += 1
+        state.nonfinite_in_row += 1
+        return grad_norm
+    state.nonfinite_in_row = 0
+    learner.optimizer.step()
+    learner.scheduler.step()
+    return grad_norm

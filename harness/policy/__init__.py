@@ -1,0 +1,1 @@
+"""The policy: models and tokenizers, the warm start, the sampler and its decoders, the trainer's forward."""

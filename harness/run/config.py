@@ -1,0 +1,446 @@
+"""The typed run configuration (the schema: every key, its one default and its meaning), experiment files,
+overrides, sweep expansion and the schema's own checks.
+
+An experiment is the schema below merged with ``experiments/<name>.yaml``, then with command-line overrides
+(``key=value``, omegaconf dotlist; TRL's names are translated first, harness/run/aliases.py). Its ``sweep`` section
+expands into runs: every point of ``sweep.grid`` (dotted key -> list of values), with
+``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point. A command-line override
+of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only).
+
+Everything is validated before any run starts: here what the schema alone decides (sizes, batching, the objective
+and its hyperparameters, the rollout correction, seeds); then each component's own check of its settings (the task's
+arguments, the model's name and shape, the device, the sampler's decoders, the trackers, the backends), registered in
+harness/run/checks.py, so that this module imports nothing above it. Errors name the key and the fix.
+
+Each field's comment is its meaning: ``python -m harness explain KEY`` and docs/trl.md show it (harness/run/names.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from harness.run.aliases import translate_overrides
+from harness.run.checks import run_checks
+from harness.run.errors import ConfigError
+from objectives import ADVANTAGES, OBJECTIVES, get_objective
+from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS_DIR = REPO / "experiments"
+GRID = "sweep.grid."  # prefix of a command-line grid override
+NOT_RUN_SECTIONS = ("sweep", "profiles", "lab")  # an experiment's, not a run's: a run's config.yaml leaves them out
+NOT_IN_RUN_ID = ("results_dir", "logging")  # settings that do not change a run (nor its id, nor a resume's check)
+OLD_LOGP = ("sampler", "recompute")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # tiny (the char-level Llama of `tiny`), smollm2-135m-instruct (embedded), a hub id or a folder
+    tiny: dict[str, Any] = field(default_factory=dict)  # the tiny Llama's shape (hidden_size, num_layers, ...)
+    dtype: str = "float32"  # trainer precision: float32, bfloat16, float16 (weights and compute)
+    sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); null = policy
+    seed: int = 0  # the tiny model's init and warm-start seed: the starting policy, shared by every run of a sweep
+    warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached); with a target: the cap
+    # [low, high]: stop at the first check whose held-out greedy accuracy is in the band (an error if the cap is hit
+    # outside it)
+    warm_start_target: list[float] | None = None
+    warm_start_check_every: int = 50  # warm-start steps between the target's accuracy checks
+    warm_start_lr: float = 1e-3  # warm-start learning rate (AdamW, constant)
+    warm_start_batch_size: int = 32  # warm-start problems per step
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"  # arith, gsm8k, reasoning_gym (`make list`)
+    data_dir: str | None = None  # local GSM8K folder (train.jsonl, test.jsonl); else $GSM8K_DIR, else the hub
+    eval_size: int = 128  # held-out problems of each evaluation (greedy)
+    format_weight: float = 0.0  # reward = correct + format_weight x format (+ the overlong penalty)
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
+    overlong_penalty: float = 1.0  # the overlong penalty reached at max_new_tokens
+    # the task's own arguments (arith: digits, operators; reasoning_gym: dataset, params)
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "grpo"  # the loss (`make list`)
+    # the objective's hyperparameters; omitted ones take the paper's defaults (all of them: `make list`)
+    params: dict[str, Any] = field(default_factory=dict)
+    advantage: str | None = None  # advantage estimator; null = the objective's default
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """train.rollout_correction: weight every token's loss by the importance ratio between the trainer's old policy
+    and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
+    A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
+
+    # importance weights between the trainer's old policy and the sampler: none, token_truncate, token_mask,
+    # sequence_truncate, sequence_mask
+    mode: str = "none"
+    threshold: float = DEFAULT_THRESHOLD  # the weights' upper bound C (truncate at C / mask above C); >= 1
+    # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
+    # none, as verl and TRL)
+    threshold_lower: float | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20  # rollout steps
+    prompts_per_step: int = 8  # prompts per rollout step
+    group_size: int = 8  # completions per prompt (the group)
+    max_new_tokens: int = 16  # longest completion (tokens)
+    temperature: float = 1.0  # sampling temperature (also divides the trainer's logits)
+    top_p: float = 1.0  # nucleus sampling
+    epochs: int = 1  # passes (μ) over each rollout batch
+    num_minibatches: int = 4  # optimizer steps per pass
+    micro_batch_size: int = 0  # sequences per forward/backward (per GPU); 0 = the whole minibatch
+    lr: float = 1e-4  # AdamW learning rate
+    warmup_steps: int = 0  # linear warm-up (optimizer steps)
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping (global norm)
+    old_logp: str = "sampler"  # behaviour log-probs: sampler (the sampler's) or recompute (the trainer's, recomputed)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    max_nonfinite_in_row: int = 3  # stop after this many non-finite updates in a row
+    dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, sample more prompts to refill
+    max_sampling_rounds: int = 10  # dynamic sampling's rounds of prompts per step (verl's max_num_gen_batches)
+    sampler: str = "native"  # native (our decode loop) or hf (transformers' generate, the reference)
+    # the native sampler's decode step: auto, shared_prefix (Llama-family: a group's prompt keys/values stored once),
+    # per_row (Llama-family: one key/value slab per row, the step that compiles) or cache (the model's forward, per-row
+    # KV cache)
+    decoder: str = "auto"
+    # torch.compile the native sampler's decode step (the per-row decoder's; other models: the cache decoder's forward)
+    compile_sampler: bool = False
+    # the trainer's forward runs its token-wise layers on real completion tokens only (Llama-family models; others: the
+    # model's forward on the padded batch)
+    padding_free: bool = True
+    eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
+    eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
+    pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
+    save_every: int = 1  # a checkpoint every N steps (resume): a kill loses at most the unfinished steps since
+    export_every: int = 0  # save_pretrained the policy to exports/step_N/ every N steps; 0 = final/ only
+
+
+@dataclass
+class SweepConfig:
+    grid: dict[str, list[Any]] = field(default_factory=dict)  # dotted key -> list of values: every combination is a run
+    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)  # objective -> settings for its runs
+
+
+@dataclass
+class LabConfig:
+    """The gradient lab (harness/apps/lab.py): every objective's gradient on the same rollout batches."""
+
+    objectives: list[str] = field(default_factory=list)  # the objectives compared; empty = every registered one
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # per objective, hyperparameters to set
+    batches: int = 8  # independent rollout batches (prompts_per_step x group_size each): CIs and SNR across them
+    staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])  # optimizer steps away from the behaviour
+    mover: str = "grpo"  # the objective whose optimizer steps move the policy (the same moves for every objective)
+    mismatch: list[str] = field(default_factory=lambda: ["bfloat16", "temperature"])  # behaviour samplers besides fp32
+    mismatch_temperature: float = 1.3  # the temperature sampler's temperature (the trainer keeps train.temperature)
+    reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
+    sketch_dim: int = 65536  # size of the gradients' count sketch (exact if the model is smaller)
+    policy: str | None = None  # a saved policy folder (final/, exports/step_N/); null = the starting policy
+
+
+@dataclass
+class LoggingConfig:
+    """Where every metrics row goes besides metrics.jsonl (harness/run/tracking.py); not part of the run id."""
+
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl (always), tensorboard, wandb, trackio
+    project: str = "rlvr-harness"  # wandb / trackio project; runs are named by run id, grouped by experiment name
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # experiment name: results/<name>/, the trackers' group (the experiment file's by default)
+    seed: int = 0  # the run's seed (prompts, sampling, minibatch order)
+    device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
+    threads: int = 0  # torch CPU threads; 0 = the cores free when the run starts (its resumes keep that count)
+    backend: str = "native"  # native (harness/loop/native.py) or trl (TRL's GRPOTrainer with our loss)
+    results_dir: str = "results"  # root of results/<name>/<run_id>/
+    profile: str | None = None  # apply profiles[profile] of the experiment (e.g. the papers' GPU-scale settings)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # named sets of overrides (gpu scale, ...)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def rollout_size(t: DictConfig) -> int:
+    """Sequences of one rollout step (``train.prompts_per_step x train.group_size``)."""
+    return t.prompts_per_step * t.group_size
+
+
+def minibatch_size(t: DictConfig) -> int:
+    """Sequences of one optimizer step (the rollout split into ``train.num_minibatches``)."""
+    return rollout_size(t) // t.num_minibatches
+
+
+def microbatch_size(t: DictConfig) -> int:
+    """Sequences of one forward/backward (``train.micro_batch_size``, 0 = the whole minibatch)."""
+    return t.micro_batch_size or minibatch_size(t)
+
+
+def updates_per_step(t: DictConfig) -> int:
+    """Optimizer steps per rollout step (``train.num_minibatches x train.epochs``)."""
+    return t.num_minibatches * t.epochs
+
+
+def _merge(*configs) -> DictConfig:
+    try:
+        return OmegaConf.merge(OmegaConf.structured(RunConfig), *configs)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    msg = str(e).split("\n")[0]
+    key = getattr(e, "full_key", None)
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        node = RunConfig()
+        for part in filter(None, parent.split(".")):
+            node = getattr(node, part, None)
+        valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        leaf = key.rsplit(".", 1)[-1]
+        if parent == "objective" and leaf in _hyperparameter_names():
+            hint = f" Hyperparameters go under objective.params: did you mean objective.params.{leaf}?"
+        else:
+            close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean {'.'.join(filter(None, [parent, close[0]]))!r}?" if close else ""
+        return f"unknown config key {key!r}.{hint}" + (f" Valid keys here: {', '.join(valid)}." if valid else "")
+    return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
+
+
+def _hyperparameter_names() -> set[str]:
+    return {k for name in OBJECTIVES.names() for k in OBJECTIVES.get(name).hyperparameters()}
+
+
+def experiment_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    path = EXPERIMENTS_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"no experiment {name!r} (looked for {path}).{hint} Experiments: {', '.join(known)}.")
+    return path
+
+
+def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
+    own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
+    try:
+        top = yaml.safe_load(path.read_text())
+        layer = OmegaConf.load(path) if isinstance(top, dict) else OmegaConf.create()
+    except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
+            from None
+    if top is not None and not isinstance(top, dict):  # empty (or only comments, as base.yaml): the defaults
+        kind = "a list" if isinstance(top, list) else f"the {type(top).__name__} {str(top)[:40]!r}"
+        raise ConfigError(f"{path}: the top level must be a mapping of settings (e.g. `train:` then `  steps: 20`), "
+                          f"not {kind}")
+    parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
+    if parent is None:
+        return layer
+    parent_path = experiment_path(str(parent))
+    if parent_path in seen or parent_path == path:
+        raise ConfigError(f"{path}: inherit: {parent} makes a cycle")
+    return OmegaConf.merge(experiment_layer(parent_path, (*seen, path)), layer)
+
+
+def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
+    """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
+    path = experiment_path(name)
+    layers = [experiment_layer(path)]
+    overrides = translate_overrides(list(overrides or []), layers[0])  # TRL names (num_generations=8, ...) -> ours
+    grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
+    overrides = [o for o in overrides if not o.startswith(GRID)]
+    try:
+        layers.append(OmegaConf.from_dotlist(overrides))
+        # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
+        layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
+    cfg = _merge(*layers)
+    if cfg.profile is not None:
+        if cfg.profile not in cfg.profiles:
+            raise ConfigError(f"profile {cfg.profile!r} is not defined in {path.name}; "
+                              f"profiles: {', '.join(cfg.profiles) or 'none'}")
+        profile = OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in cfg.profiles[cfg.profile].items()])
+        cfg = _merge(cfg, profile, *layers[1:])  # command-line overrides still win
+    keys = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+    file_task = OmegaConf.select(layers[0], "task.name", default=None)  # the experiment's own task
+    if "task.name" in keys and keys["task.name"] != (file_task or TaskConfig.name):
+        # another task: the experiment's task arguments were for its own task; only the command line's apply
+        cfg.task.args = OmegaConf.select(layers[1], "task.args", default=None) or {}
+    elif keys.get("task.args", "").replace(" ", "") == "{}":
+        cfg.task.args = {}
+    for override in overrides:  # a command-line value of a swept key pins that axis of the grid
+        key, _, _ = override.partition("=")
+        if key in cfg.sweep.grid:
+            cfg.sweep.grid[key] = [OmegaConf.select(cfg, key)]
+    if cfg.name == "run":
+        cfg.name = path.stem
+    return cfg
+
+
+def run_configs(cfg: DictConfig) -> list[DictConfig]:
+    """Expand the sweep into validated run configs (the sweep section removed). No grid = one run."""
+    grid = OmegaConf.to_container(cfg.sweep.grid)
+    per_objective = OmegaConf.to_container(cfg.sweep.per_objective)
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
+    base.profile = None  # its values are applied; a run's config.yaml is complete without it
+    runs = []
+    for point in itertools.product(*grid.values()):
+        assignment = dict(zip(grid, point, strict=True))
+        objective = assignment.get("objective.name", base.objective.name)
+        dotlist = {**per_objective.get(objective, {}), **assignment}
+        run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
+        run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
+        validate(run)
+        runs.append(run)
+    for name in per_objective:
+        if name not in OBJECTIVES:
+            raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
+    if not runs:
+        raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
+    return runs
+
+
+def _dot(value) -> str:
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def run_id(run: DictConfig) -> str:
+    """Readable and stable: <objective>-s<seed>-<hash of the run's values that differ from the schema defaults>.
+    Hashing only the differences keeps ids (and so resumability) when a new setting is added at its default."""
+    def changed(values: dict, defaults: dict) -> dict:
+        return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+                for k, v in values.items() if k not in defaults or v != defaults[k]}
+
+    content = changed(OmegaConf.to_container(run, resolve=True),
+                      OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
+    for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
+        content.pop(key, None)
+    digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def validate(run: DictConfig) -> None:
+    """Every check of a run's settings, before anything starts: the schema's own here, then each component's
+    (harness/run/checks.py). Raises ConfigError (one line naming the key and the fix)."""
+    _check_objective(run)
+    _check_train(run.train)
+    _check_batching(run)
+    _check_seeds(run)
+    run_checks(run)
+
+
+def check_this_machine(runs: list[DictConfig]) -> None:
+    """What :func:`validate` leaves to the moment runs start on this machine, so that configs still expand anywhere
+    (e.g. whether a hub model is cached or reachable). Called by ``train``, ``sweep`` and the lab before any folder
+    exists."""
+    for run in runs:
+        run_checks(run, when="machine")
+
+
+def _check_objective(run: DictConfig) -> None:
+    """The objective exists and takes its hyperparameters; its advantage estimator exists and, with one sample per
+    group, does not make every advantage 0; the rollout correction's settings are valid."""
+    try:
+        get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
+        if run.objective.advantage is not None:
+            ADVANTAGES.get(run.objective.advantage)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if run.train.group_size == 1:
+        _check_single_sample_groups(run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage)
+    rc = run.train.rollout_correction
+    problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
+    if problem:
+        raise ConfigError(problem)
+
+
+def _check_single_sample_groups(estimator: str) -> None:
+    """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
+    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
+    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups).abs().sum() > 0]
+    if estimator not in working:
+        raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
+                          f"centres rewards within a group): use train.group_size >= 2"
+                          + (f", or objective.advantage one of {', '.join(working)}" if working else ""))
+
+
+def _check_train(t: DictConfig) -> None:
+    """The train section's numbers are in range and its choices known."""
+    for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches",
+                "max_sampling_rounds", "max_nonfinite_in_row"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
+    for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",
+                "export_every"):
+        if t[key] < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {t[key]}")
+    if t.max_grad_norm <= 0:
+        raise ConfigError(f"train.max_grad_norm must be > 0, got {t.max_grad_norm}")
+    if t.old_logp not in OLD_LOGP:
+        raise ConfigError(f"train.old_logp must be 'sampler' or 'recompute', got {t.old_logp!r}")
+    if t.dynamic_sampling and t.group_size < 2:
+        raise ConfigError("train.dynamic_sampling keeps groups with unequal rewards: it needs train.group_size >= 2")
+
+
+def _check_batching(run: DictConfig) -> None:
+    """Minibatches and micro-batches split the rollout evenly, and keep whole what the objective compares; the
+    overlong penalty fits the completions."""
+    t, task = run.train, run.task
+    if not 0 <= task.overlong_buffer <= t.max_new_tokens or task.overlong_penalty < 0:
+        raise ConfigError(f"task.overlong_buffer must be in [0, train.max_new_tokens={t.max_new_tokens}] and "
+                          f"task.overlong_penalty >= 0, got {task.overlong_buffer} and {task.overlong_penalty}")
+    if rollout_size(t) % t.num_minibatches:
+        raise ConfigError(f"train.num_minibatches={t.num_minibatches} must divide "
+                          f"prompts_per_step x group_size = {rollout_size(t)}")
+    minibatch = minibatch_size(t)
+    if t.micro_batch_size < 0 or minibatch % microbatch_size(t):
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
+                          f"({minibatch} sequences), or be 0")
+    objective = OBJECTIVES.get(run.objective.name)
+    if objective.needs_whole_groups and (minibatch % t.group_size or microbatch_size(t) % t.group_size):
+        raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
+                          f"({minibatch}) and train.micro_batch_size must be multiples of "
+                          f"train.group_size={t.group_size}")
+    if objective.needs_whole_minibatch and microbatch_size(t) != minibatch:
+        raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
+                          f"train.micro_batch_size=0 (micro-batching would make it inexact)")
+
+
+def _check_seeds(run: DictConfig) -> None:
+    """Seeds numpy and torch accept; a thread count."""
+    for key, value in (("seed", run.seed), ("model.seed", run.model.seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            raise ConfigError(f"{key} must be an integer in [0, 2**32) (numpy's and torch's seeds), got {value!r}")
+    if run.threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0: the cores free when the run starts), got {run.threads}")

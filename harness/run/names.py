@@ -1,0 +1,412 @@
+"""Every config key with its meaning and its TRL ``GRPOConfig`` / verl equivalents, in one table (:data:`NAMES`), and
+the TRL names accepted on the command line (harness/run/aliases.py's :data:`ALIASES`).
+
+    python -m harness explain train.group_size     # meaning, default, TRL and verl names (a TRL or verl name works too)
+    python -m harness explain                      # the whole table
+    python -m harness explain --markdown --write   # rewrite the generated tables in docs/trl.md and README.md
+
+TRL names are TRL 1.16's ``GRPOConfig`` fields (``trl/trainer/grpo_config.py``), verl names its ``ppo_trainer.yaml``
+keys (and the DAPO recipe's ``reward_model.overlong_buffer``). ``—``: no equivalent. A TRL-named override
+(``num_generations=8``) is rewritten to ours with a one-line note on stderr (harness/run/aliases.py, called by
+``load_experiment``), or refused with a one-line error naming our key where the two do not mean exactly the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from harness.run.aliases import ALIASES
+from harness.run.config import REPO, RunConfig
+from objectives import OBJECTIVES
+
+DOCS = {REPO / "docs" / "trl.md": "names", REPO / "README.md": "aliases"}  # file -> the generated table it holds
+
+
+@dataclass(frozen=True)
+class Name:
+    key: str  # ours, dotted
+    trl: str = "—"  # TRL GRPOConfig field(s), in backticks, with a short note where the match is not one to one
+    verl: str = "—"  # verl ppo_trainer.yaml key(s)
+    meaning: str = ""  # one line; a schema key's is its field's comment in harness/run/config.py (:func:`all_names`)
+
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+NAMES: tuple[Name, ...] = (
+    Name("name", "—", "`trainer.experiment_name`"),
+    Name("seed", "`seed`", "`data.seed` (data shuffling only)"),
+    Name("device", "`use_cpu` (device=cpu)", "`trainer.device`"),
+    Name("threads"),
+    Name("backend"),
+    Name("results_dir", "`output_dir` (ours is the root: a run goes to <results_dir>/<name>/<run_id>)",
+         "`trainer.default_local_dir`"),
+    Name("profile"),
+    Name("profiles"),
+    Name("model.name", "the trainer's `model` argument", "`actor_rollout_ref.model.path`"),
+    Name("model.tiny"),
+    Name("model.dtype", "`bf16` / `fp16` (mixed precision)",
+         f"— (FSDP mixed precision: `{A}fsdp_config.mixed_precision`)"),
+    Name("model.sampler_dtype", "— (vLLM: `vllm_*`)", f"`{R}dtype`"),
+    Name("model.seed"),
+    Name("model.warm_start_steps"),
+    Name("model.warm_start_target"),
+    Name("model.warm_start_check_every"),
+    Name("model.warm_start_lr"),
+    Name("model.warm_start_batch_size"),
+    Name("task.name", "the trainer's `train_dataset` + `reward_funcs`",
+         "`data.train_files` + `custom_reward_function.path`"),
+    Name("task.data_dir", "—", "`data.train_files`, `data.val_files`"),
+    Name("task.eval_size", "—", "`data.val_max_samples`"),
+    Name("task.format_weight", "`reward_weights` = [1, format_weight]"),
+    Name("task.overlong_buffer", "—", "`reward_model.overlong_buffer.len` (DAPO recipe)"),
+    Name("task.overlong_penalty", "—", "`reward_model.overlong_buffer.penalty_factor`"),
+    Name("task.args"),
+    Name("objective.name", "`loss_type` (cispo, sapo) / `importance_sampling_level=sequence` (gspo)",
+         f"`{A}policy_loss.loss_mode`"),
+    Name("objective.params"),
+    Name("objective.params.clip_low", "`epsilon`", f"`{A}clip_ratio_low`",
+         meaning="ε_low of the ratio clip (its meaning per objective: docs/objectives.md)"),
+    Name("objective.params.clip_high", "`epsilon_high` (cispo: `epsilon_high` = 1 + clip_high)",
+         f"`{A}clip_ratio_high`", meaning="ε_high of the ratio clip"),
+    Name("objective.params.beta", "`beta` (backend trl: a frozen copy of the starting policy as `ref_model`)",
+         f"`{A}kl_loss_coef` (`use_kl_loss=true`, `kl_loss_type=low_var_kl`)",
+         meaning="weight of the k3 KL to the reference policy; 0 = no reference"),
+    Name("objective.params.aggregation", "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)",
+         meaning="token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"),
+    Name("objective.params.dual_clip", "—", "— (verl's vanilla loss always applies it)", meaning="grpo, dapo, "
+         "dr_grpo: true = the dual clip for A < 0 (bound clip_ratio_c); ctpo: its width in log space (threshold "
+         "exp(dual_clip n_t^la_power))"),
+    Name("objective.params.clip_ratio_c", "—", f"`{A}clip_ratio_c`", meaning="the dual clip's bound c"),
+    Name("objective.params.tau_pos", "`sapo_temperature_pos`", f"`{A}tau_pos`",
+         meaning="SAPO's gate temperature for A > 0"),
+    Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
+         meaning="SAPO's gate temperature for A <= 0"),
+    Name("objective.advantage",
+         "`scale_rewards` (group: grpo, batch: batch_std, none: mean_only; TRL's std + 1e-4, ours + 1e-6)",
+         "`algorithm.adv_estimator` (+ `norm_adv_by_std_in_grpo`)"),
+    Name("train.steps", "`max_steps` = steps x num_minibatches x epochs", "`trainer.total_training_steps`"),
+    Name("train.prompts_per_step", "`generation_batch_size` = prompts_per_step x group_size",
+         "`data.train_batch_size`"),
+    Name("train.group_size", "`num_generations`", f"`{R}n`"),
+    Name("train.max_new_tokens", "`max_completion_length`", "`data.max_response_length`"),
+    Name("train.temperature", "`temperature`", f"`{R}temperature`"),
+    Name("train.top_p", "`top_p` (`top_k` = 0)", f"`{R}top_p`"),
+    Name("train.epochs", "`num_iterations`", f"`{A}ppo_epochs`"),
+    Name("train.num_minibatches", "`steps_per_generation` = num_minibatches x `gradient_accumulation_steps`",
+         f"`{A}ppo_mini_batch_size` = prompts_per_step / num_minibatches"),
+    Name("train.micro_batch_size",
+         "`per_device_train_batch_size`; `gradient_accumulation_steps` = minibatch / (micro x GPUs)",
+         f"`{A}ppo_micro_batch_size_per_gpu`"),
+    Name("train.lr", "`learning_rate`", f"`{A}optim.lr`"),
+    Name("train.warmup_steps", "`warmup_steps` (`lr_scheduler_type=constant_with_warmup`; TRL's starts at 0)",
+         f"`{A}optim.lr_warmup_steps`"),
+    Name("train.weight_decay", "`weight_decay`", f"`{A}optim.weight_decay`"),
+    Name("train.max_grad_norm", "`max_grad_norm`", f"`{A}grad_clip`"),
+    Name("train.old_logp", "— (the trainer's; with vLLM: see docs/trl.md)",
+         "`algorithm.rollout_correction.bypass_mode` (sampler = true)"),
+    Name("train.rollout_correction.mode",
+         "`vllm_importance_sampling_mode` (none: `vllm_importance_sampling_correction=false`)",
+         "`algorithm.rollout_correction.rollout_is` (token / sequence) + `rollout_rs`"),
+    Name("train.rollout_correction.threshold", "`vllm_importance_sampling_clip_max`",
+         "`algorithm.rollout_correction.rollout_is_threshold`"),
+    Name("train.rollout_correction.threshold_lower", "`vllm_importance_sampling_clip_min`",
+         "`algorithm.rollout_correction.rollout_rs_threshold_lower`"),
+    Name("train.max_nonfinite_in_row"),
+    Name("train.dynamic_sampling", "—", "`algorithm.filter_groups.enable`"),
+    Name("train.max_sampling_rounds", "—", "`algorithm.filter_groups.max_num_gen_batches`"),
+    Name("train.sampler", "— (`use_vllm`)", f"`{R}name`"),
+    Name("train.decoder"),
+    Name("train.compile_sampler"),
+    Name("train.padding_free", "—", "`actor_rollout_ref.model.use_remove_padding`"),
+    Name("train.eval_every", "`eval_steps` (optimizer steps)", "`trainer.test_freq`"),
+    Name("train.eval_max_new_tokens"),
+    Name("train.pass_k", "—", f"`{R}val_kwargs.n`"),
+    Name("train.save_every", "`save_steps` (optimizer steps)", "`trainer.save_freq`"),
+    Name("train.export_every"),
+    Name("sweep.grid"),
+    Name("sweep.per_objective"),
+    Name("lab.objectives"),
+    Name("lab.params"),
+    Name("lab.batches"),
+    Name("lab.staleness"),
+    Name("lab.mover"),
+    Name("lab.mismatch"),
+    Name("lab.mismatch_temperature"),
+    Name("lab.reference_samples"),
+    Name("lab.sketch_dim"),
+    Name("lab.policy"),
+    Name("logging.backends", "`report_to`", "`trainer.logger`"),
+    Name("logging.project", "— (`WANDB_PROJECT`, `TRACKIO_PROJECT`)", "`trainer.project_name`"),
+)
+
+
+# ------------------------------------------------------------------ objective hyperparameters, from the registry
+
+PARAMS = "objective.params."
+
+
+@functools.cache
+def _field_comments(cls) -> dict[str, str]:
+    """``{field: comment}`` of the classes in ``cls``'s MRO: the comment after a field's line (``x: float = 1.0
+    # meaning``, the README's template) or, failing that, the comment lines right above it."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        above: list[str] = []
+        for line in lines:
+            stripped = line.strip()
+            field = re.match(r"(\w+)\s*:\s*[^=#]+=[^#]*(?:#\s*(.*))?$", stripped)
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            if field and not stripped.startswith(("def ", "class ", "return ")):
+                text = field.group(2) or " ".join(above)
+                if text:
+                    comments[field.group(1)] = text
+            above = []
+    return comments
+
+
+def _docstring_line(cls, param: str) -> str | None:
+    """The first line of the objective's module docstring that names ``param`` (````param```` preferred)."""
+    doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
+    lines = [" ".join(line.split()) for line in doc.splitlines()]
+    quoted = [line for line in lines if f"``{param}``" in line]
+    named = quoted or [line for line in lines if re.search(rf"\b{re.escape(param)}\b", line)]
+    return named[0].lstrip("-* ") if named else None
+
+
+# one line per hyperparameter without a NAMES row, for the objectives named (others with the same name get their
+# own field comment or docstring line); a new objective needs no entry here: comment its fields (the README's way)
+MEANINGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "cap_log_ratio": (("gspo", "gspo_token"), "cap the log sequence ratio at log_ratio_cap (verl's numerical-safety "
+                      "cap); off = the paper's formula"),
+    "log_ratio_cap": (("gspo", "gspo_token"), "the cap on the log sequence ratio with cap_log_ratio (a capped "
+                      "sequence keeps its loss value and loses its gradient)"),
+    "ratio_mode": (("ctpo", "ctpo_clip"), "token t's cumulative ratio: cumprod (the product of its prefix's ratios) "
+                   "or geomean (their geometric mean)"),
+    "la_power": (("ctpo",), "length-adaptive window: the log-ratio clip bounds scale with n_t^la_power (n_t = valid "
+                 "tokens so far; the authors' clip_ratio_la_power: +0.5 for cumprod, -0.5 for geomean)"),
+    "temperature": (("conspo",), "the InfoNCE temperature T over length-normalised sequence log-probs (gradient "
+                    "scale ~1/T)"),
+    "margin_start": (("conspo",), "the contrastive margin m (nats per token) at the start of its schedule"),
+    "margin_end": (("conspo",), "the contrastive margin m (nats per token) at the end of its schedule"),
+    "schedule": (("conspo",), "how the margin moves from margin_start to margin_end over the run's optimizer steps: "
+                 "linear, cosine or constant"),
+    "p_start": (("holder",), "the power-mean exponent p at the start of its linear schedule (p > 1 leans on the "
+                "largest token ratios, p < 0 on the smallest, 0 = geometric mean)"),
+    "p_end": (("holder",), "the power-mean exponent p at the end of its linear schedule"),
+    "variant": (("holder",), "holder (the paper's), sequence_w_clip or holder_token (the authors' code's variants)"),
+    "p_schedule": (("holder",), "what p's schedule counts: run_length (the run's optimizer steps) or rollout_steps "
+                   "(the authors': rollout steps, up to holder_p_schedule_steps)"),
+    "holder_p_schedule_steps": (("holder",), "rollout steps over which p moves from p_start to p_end with "
+                                "p_schedule=rollout_steps (the authors' script: 500)"),
+    "band_low": (("tbpo",), "lower edge of the trust band on the sequence mismatch weight w_i (proximal vs sampler): "
+                 "a sequence outside it is dropped (our reading of the paper)"),
+    "band_high": (("tbpo",), "upper edge of the trust band on the sequence mismatch weight w_i"),
+}
+
+
+def hyperparameter_meaning(param: str) -> str:
+    """One line: what ``objective.params.<param>`` does, from the objectives that take it: the ``help`` metadata or
+    the comment of the field (the README's way to document a hyperparameter), else :data:`MEANINGS`, else the line
+    of the objective's docstring that names it, with the file. Where objectives differ, each one's is given."""
+    meanings: dict[str, list[str]] = {}
+    for name in OBJECTIVES.names():
+        cls = OBJECTIVES.get(name)
+        if param not in cls.hyperparameters():
+            continue
+        field = next(f for f in dataclasses.fields(cls) if f.name == param)
+        text = field.metadata.get("help") or _field_comments(cls).get(param)
+        if text is None and name in MEANINGS.get(param, ((), ""))[0]:
+            text = MEANINGS[param][1]
+        if text is None:
+            line = _docstring_line(cls, param)
+            text = f"see {cls.__module__.replace('.', '/')}.py" + (f": {line}" if line else "")
+        meanings.setdefault(text, []).append(name)
+    if len(meanings) == 1:
+        return next(iter(meanings))
+    return "; ".join(f"{', '.join(objectives)}: {text}" for text, objectives in meanings.items())
+
+
+def objectives_taking(param: str) -> list[str]:
+    return [name for name in OBJECTIVES.names() if param in OBJECTIVES.get(name).hyperparameters()]
+
+
+@functools.lru_cache(maxsize=1)
+def all_names() -> tuple[Name, ...]:
+    """:data:`NAMES` plus a row for every objective hyperparameter the registry knows (generated: a new objective's
+    hyperparameters appear here, in ``explain`` and in docs/trl.md without an edit of this file); a hand-written
+    row (with TRL / verl names) wins over the generated one."""
+    params = dict.fromkeys(p for name in OBJECTIVES.names() for p in OBJECTIVES.get(name).hyperparameters())
+    written = {n.key for n in NAMES}
+    generated = [Name(PARAMS + p, meaning=hyperparameter_meaning(p)) for p in params if PARAMS + p not in written]
+    meanings = schema_meanings()
+    rows = [n if n.meaning else dataclasses.replace(n, meaning=meanings[n.key]) for n in NAMES]
+    last = max(i for i, n in enumerate(rows) if n.key.startswith(PARAMS))
+    return (*rows[: last + 1], *generated, *rows[last + 1 :])
+
+
+def by_key() -> dict[str, Name]:
+    return {n.key: n for n in all_names()}
+
+
+# ---------------------------------------------------------------------------------------------- explain and docs
+
+
+def schema_keys() -> list[str]:
+    """Every leaf key of the schema (dict-valued settings are leaves), dotted, in schema order."""
+    return list(schema_meanings())
+
+
+@functools.lru_cache(maxsize=1)
+def schema_meanings() -> dict[str, str]:
+    """Every leaf key of the schema -> its meaning: the field's comment in harness/run/config.py (the one place it is
+    written), ``lab.*`` prefixed with "gradient lab: "."""
+    def walk(cls, prefix):
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                yield from walk(type(default), f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", ("gradient lab: " if prefix == "lab." else "") + comments.get(f.name, "")
+
+    return dict(walk(RunConfig, ""))
+
+
+def default(key: str) -> str:
+    """The schema default of ``key``; for an objective hyperparameter, each objective's default."""
+    if key.startswith("objective.params."):
+        param = key.rsplit(".", 1)[1]
+        values = {name: _shown(OBJECTIVES.get(name).hyperparameters()[param]) for name in OBJECTIVES.names()
+                  if param in OBJECTIVES.get(name).hyperparameters()}
+        if len(values) > 1 and len(set(values.values())) == 1:
+            return f"{next(iter(values.values()))} ({', '.join(values)})"
+        return ", ".join(f"{name} {value}" for name, value in values.items())
+    value = OmegaConf.select(_schema(), key)
+    return _shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    return OmegaConf.structured(RunConfig)
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def plain(text: str) -> str:
+    return text.replace("`", "")
+
+
+def find(query: str) -> list[Name]:
+    """Rows for ``query``: our key, a TRL alias, the last part of our keys (``la_power``, ``group_size``), or a TRL
+    / verl name mentioned in a row."""
+    keys = by_key()
+    if query in keys:
+        return [keys[query]]
+    rows = [keys[ALIASES[query].key]] if query in ALIASES else []  # TRL's beta: ours; our own beta too
+    rows += [n for n in all_names() if n.key.rsplit(".", 1)[-1] == query and n not in rows]
+    if rows:
+        return rows
+    pattern = re.compile(rf"`([\w.]*\.)?{re.escape(query)}`")
+    return [n for n in all_names() if pattern.search(n.trl) or pattern.search(n.verl)]
+
+
+def explain(query: str | None = None) -> str:
+    """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown."""
+    if query is None:
+        lines = []
+        for n in all_names():
+            lines += [f"{n.key} = {default(n.key) if not n.key.startswith('objective.params.') else '(per objective)'}",
+                      f"    {n.meaning}", f"    TRL: {plain(n.trl)} | verl: {plain(n.verl)}"]
+        return "\n".join(lines + ["", "python -m harness explain KEY: one key in full (KEY may be a TRL or verl name)"])
+    rows = find(query)
+    if not rows:
+        keys = by_key()
+        leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
+        close = difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
+        close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"no config key, TRL or verl name {query!r}.{hint} The whole table: python -m harness explain")
+    out = []
+    if query in ALIASES:
+        a = ALIASES[query]
+        out.append(f"TRL {query} on the command line: refused, set {a.key} ({a.rule})" if a.refused else
+                   f"TRL {query} on the command line: -> {a.key}: {a.rule}")
+    for n in rows:
+        out.append(f"{n.key}: {n.meaning}")
+        if n.key.startswith(PARAMS):
+            out.append(f"  objectives: {', '.join(objectives_taking(n.key[len(PARAMS):])) or 'none'}")
+        out += [f"  default: {default(n.key)}", f"  TRL GRPOConfig: {plain(n.trl)}", f"  verl: {plain(n.verl)}"]
+    return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: pipes escaped, and <...> outside code spans as entities (not HTML tags)."""
+    parts = re.split(r"(`[^`]*`)", text.replace("|", "\\|"))
+    return "".join(p if p.startswith("`") else p.replace("<", "&lt;").replace(">", "&gt;") for p in parts)
+
+
+def names_markdown() -> str:
+    """docs/trl.md's table: every key, its meaning, default, TRL and verl names."""
+    lines = ["| key | meaning | default | TRL `GRPOConfig` | verl |", "|---|---|---|---|---|"]
+    for n in all_names():
+        value = default(n.key) if n.key.startswith(PARAMS) else f"`{default(n.key)}`"
+        lines.append(f"| `{n.key}` | {_cell(n.meaning)} | {_cell(value)} | {_cell(n.trl)} | {_cell(n.verl)} |")
+    return "\n".join(lines) + "\n"
+
+
+def aliases_markdown() -> str:
+    """The README's table: the TRL names accepted (or refused) on the command line."""
+    lines = ["| TRL name | ours | how |", "|---|---|---|"]
+    for a in ALIASES.values():
+        lines.append(f"| `{a.trl}` | `{a.key}` | {'refused: ' if a.refused else ''}{_cell(a.rule)} |")
+    return "\n".join(lines) + "\n"
+
+
+def generated(kind: str) -> str:
+    return {"names": names_markdown, "aliases": aliases_markdown}[kind]()
+
+
+def markers(kind: str) -> tuple[str, str]:
+    return (f"<!-- generated: {kind} (python -m harness explain --markdown --write) -->",
+            f"<!-- end generated: {kind} -->")
+
+
+def section(text: str, kind: str) -> str | None:
+    """The generated block of ``kind`` in ``text`` (between its markers), or None."""
+    start, end = markers(kind)
+    if start not in text or end not in text:
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
+
+
+def write_docs() -> list[Path]:
+    """Rewrite the generated tables in :data:`DOCS`; returns the files changed."""
+    changed = []
+    for path, kind in DOCS.items():
+        text = path.read_text()
+        old = section(text, kind)
+        if old is None:
+            raise RuntimeError(f"{path}: no {' ... '.join(markers(kind))} block to write the {kind} table into")
+        start, end = markers(kind)
+        new = text.split(start, 1)[0] + start + "\n" + generated(kind) + end + text.split(end, 1)[1]
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed

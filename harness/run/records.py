@@ -1,0 +1,357 @@
+"""A run's files, crash-safe and the same for both backends:
+
+    <run_dir>/config.yaml          the resolved config
+    <run_dir>/metrics.jsonl        one line per step (step 0: the starting policy's evaluation), flushed and fsynced
+    <run_dir>/eval_samples.jsonl   one line per eval problem and evaluation (greedy completion, answer, score)
+    <run_dir>/summary.json         status (running | finished | failed | interrupted), progress, eval accuracies,
+                                   the starting policy's record, the error of a failed run; written atomically.
+                                   "running" is only true while a process holds <run_dir>/.run.lock: read the
+                                   status with run_status(), which says "stopped" for a killed run
+    <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
+    <run_dir>/final/               the trained policy in transformers' format (save_pretrained), at the end
+    <run_dir>/exports/step_<N>/    the same every ``train.export_every`` steps (both backends)
+    <run_dir>/tensorboard/, wandb/ the trackers of ``logging.backends`` beyond jsonl (harness/run/tracking.py)
+
+On resume both JSON-lines files keep exactly the steps up to the checkpoint's, so no step is ever written twice, and
+only with the settings of the run's config.yaml (check_resume). Every file that is replaced goes through
+atomic_write (temporary + fsync + rename); a full disk is one DiskFullError naming the file, and leaves no temporary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers.utils import logging as hf_logging
+
+from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, write_temporary
+from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, RunConfig
+from harness.run.errors import ConfigError
+from harness.run.locks import RUN_LOCK, is_held, lock_folder
+from harness.run.tracking import Trackers
+
+# per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
+TIMING_METRICS = frozenset({"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb",
+                            "eval_s", "update_logp_forward_s", "update_stats_forward_s", "update_backward_s",
+                            "update_optimizer_s"})
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf; analysis reads null as missing
+    return value
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    atomic_write(path, json.dumps({k: _clean(v) for k, v in data.items()}, indent=2))
+
+
+def read_jsonl(path: Path, warn: bool = False, complete: bool = False) -> list[dict]:
+    """The complete JSON lines of a file. An unreadable line inside the file is dropped, with a warning on stderr
+    naming the file and line when ``warn``. An unreadable *last* line is what a kill (or a full disk) in the middle
+    of writing it leaves: dropped silently, since the run redoes that step on resume, unless ``complete`` (the
+    writer is done, e.g. a finished run: the step is lost), which warns as for any other line, naming its step."""
+    if not path.exists():
+        return []
+    rows, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if warn and (number < len(lines) or complete):
+                step = re.match(r'\{"step": (\d+)', line)
+                what = f"step {step.group(1)}" if step else "the step it held"
+                print(f"warning: {path}, line {number}{' (the last)' if number == len(lines) else ''} is not valid "
+                      f"JSON: dropped ({what} is listed in summary.json's missing_steps)", file=sys.stderr)
+    return rows
+
+
+class MetricsLog:
+    """A JSON-lines file of per-step records: on (re)open, keeps only complete lines with step <= ``resume_step``
+    (None: keep nothing), so a resumed run never writes a step twice; then appends, flushed and fsynced. A cut-short
+    last line of a step the checkpoint already covers (the step is lost, not redone) is warned about."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        keep = -1 if resume_step is None else resume_step
+        self.rows = [r for r in read_jsonl(path, warn=True, complete=keep >= 0 and _torn_step(path, keep))
+                     if r.get("step", math.inf) <= keep]
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.file = open(path, "a")
+
+    def append(self, row: dict) -> None:
+        self.extend([row])
+
+    def extend(self, rows: list[dict]) -> None:
+        rows = [{k: _clean(v) for k, v in row.items()} for row in rows]
+        try:
+            self.file.write("".join(json.dumps(row) + "\n" for row in rows))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            full = disk_full_error(e, self.path)
+            if full is None:
+                raise
+            raise full from None
+        self.rows.extend(rows)
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:  # what a full disk kept in the buffer: the torn line is dropped on resume
+            pass
+
+
+def _torn_step(path: Path, keep: int) -> bool:
+    """Whether ``path``'s last line is cut short and held a step <= ``keep`` (one that will not be redone)."""
+    if not path.exists():
+        return False
+    lines = path.read_text().splitlines()
+    if not lines:
+        return False
+    try:
+        json.loads(lines[-1])
+        return False
+    except json.JSONDecodeError:
+        step = re.match(r'\{"step": (\d+)', lines[-1])
+        return step is not None and int(step.group(1)) <= keep
+
+
+# ------------------------------------------------------------------------------------ resume: the same run only
+
+IGNORED_ON_RESUME = NOT_IN_RUN_ID  # settings that do not change a run
+NOT_RUN_SETTINGS = (*NOT_RUN_SECTIONS, "profile")  # not part of a run's config.yaml
+
+
+def _flat(value, prefix: str = "") -> dict:
+    """A nested config as {dotted key: value} (empty mappings dropped: they hold nothing)."""
+    if not isinstance(value, dict):
+        return {prefix.rstrip("."): value}
+    out = {}
+    for key, item in value.items():
+        out.update(_flat(item, f"{prefix}{key}.") if isinstance(item, dict) else {f"{prefix}{key}": item})
+    return out
+
+
+def _shown(value) -> str:
+    return "(unset)" if value is _UNSET else "null" if value is None else str(value)
+
+
+_UNSET = object()
+
+
+def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
+    """``key old -> new`` for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what does
+    not change a run (results_dir, logging) and settings added to the schema since at their default."""
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
+    old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    differences = []
+    for key in dict.fromkeys([*new, *old]):
+        if key.split(".")[0] in IGNORED_ON_RESUME + NOT_RUN_SETTINGS:
+            continue
+        before, after = old.get(key, _UNSET), new.get(key, _UNSET)
+        if before is _UNSET and after == defaults.get(key, _UNSET):
+            continue  # a setting added to the schema since the run started, at its default
+        if before != after:
+            differences.append(f"{key} {_shown(before)} -> {_shown(after)}")
+    return differences
+
+
+def check_resume(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse (ConfigError, one line, before anything is touched) to continue the run in ``run_dir`` with settings
+    other than those in its config.yaml: its steps would mix two runs."""
+    saved_path = run_dir / "config.yaml"
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
+    except Exception:  # noqa: BLE001 - a damaged config.yaml: nothing to compare with
+        saved = None
+    if not isinstance(saved, dict) or not saved:
+        return
+    differences = settings_differences(saved, cfg)
+    if differences:
+        shown = ", ".join(differences[:6]) + (f" and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise ConfigError(f"{run_dir} holds a run with other settings ({shown}); continuing it would mix two runs: "
+                          f"give a fresh --run-dir (or none) for these settings, or resume that run with its own: "
+                          f"python -m harness train {saved_path} --run-dir {run_dir}")
+
+
+def run_status(run_dir: Path) -> str:
+    """A run's status as summary.json says (pending without one), except that a run whose summary says running
+    while no process holds its lock is ``stopped`` (killed, even by SIGKILL, or refused: resumable)."""
+    try:
+        status = json.loads((run_dir / "summary.json").read_text())["status"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return "pending"
+    return "stopped" if status == "running" and not is_held(run_dir / RUN_LOCK) else status
+
+
+class RunRecords:
+    """The files of one run. ``resume_step``: the step of the checkpoint the run continues from (None: a fresh
+    start, whatever an earlier attempt logged is dropped; ``checkpoint`` names it for the terminal). Only the
+    ``main`` process of a distributed run writes. Counters that go into summary.json are set by the backend in
+    ``progress``. Refuses (ConfigError) to continue a run folder whose config.yaml has other settings."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None, start_policy: dict | None,
+                 backend: str, main: bool = True, checkpoint: str | None = None):
+        self.cfg, self.run_dir, self.main, self.backend = cfg, run_dir, main, backend
+        self.start_policy = start_policy
+        self.progress = {"steps_done": resume_step or 0, "rollout_tokens": 0, "update_tokens": 0,
+                         "nonfinite_skips": None}
+        self.started, self.elapsed_before = time.time(), 0.0
+        self.previous: dict = {}  # the summary.json of the attempt this one resumes
+        self.metrics = self.eval_samples = self.lock = self.trackers = None
+        check_resume(cfg, run_dir)
+        if not main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = lock_folder(run_dir / RUN_LOCK, f"run folder {run_dir} is being written by another process")
+        try:
+            remove_stale_temporaries(run_dir, run_dir / "checkpoints", run_dir / "exports")
+            if resume_step is not None:
+                print(f"resuming {run_dir.name} from step {resume_step} (checkpoint {checkpoint})", file=sys.stderr)
+            elif (run_dir / "metrics.jsonl").exists():
+                print(f"restarting {run_dir.name} from step 0 (no checkpoint yet)", file=sys.stderr)
+            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+            self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
+            self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
+            self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
+            previous = run_dir / "summary.json"
+            if resume_step is not None and previous.exists():
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.previous = json.loads(previous.read_text())
+                self.elapsed_before = self.previous.get("wall_time_s") or 0.0
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.metrics.rows if self.metrics else []
+
+    def log(self, row: dict, eval_records: list[dict] | None = None) -> None:
+        """Append one step's metrics (and its evaluation's records) and refresh summary.json."""
+        if self.main:
+            if eval_records:
+                self.eval_samples.extend(eval_records)
+            self.metrics.append(row)
+            self.trackers.log(self.metrics.rows[-1])
+        self.progress["steps_done"] = row["step"]
+        self.summary("running")
+
+    def wall_time_s(self) -> float:
+        return self.elapsed_before + time.time() - self.started
+
+    def summary(self, status: str, error: str | None = None) -> dict:
+        evals = [r["eval_accuracy"] for r in self.rows if r.get("eval_accuracy") is not None]
+        logged = {r["step"] for r in self.rows}
+        start_eval = self.rows[0].get("eval_accuracy") if self.rows and self.rows[0]["step"] == 0 else None
+        data = {"run_id": self.run_dir.name, "objective": self.cfg.objective.name, "seed": self.cfg.seed,
+                "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
+                "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
+                "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
+                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
+                "wall_time_s": self.wall_time_s(), "error": error}
+        if self.main:
+            write_json_atomic(self.run_dir / "summary.json", data)
+        return data
+
+    @contextmanager
+    def recording(self):
+        """Marks the run running; on an exception, failed (interrupted for Ctrl-C / SIGTERM) with the error in
+        summary.json; closes the files. If summary.json cannot be written then (a full disk), it keeps saying
+        running, which :func:`run_status` reads as stopped (the lock is released): the original error is raised."""
+        failed = True
+        try:
+            self.summary("running")
+            yield self
+            failed = False
+        except BaseException as e:
+            status = "failed" if isinstance(e, Exception) else "interrupted"
+            with contextlib.suppress(OSError):
+                self.summary(status, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self.close(failed)
+
+    def close(self, failed: bool) -> None:
+        """Close the files and trackers and release the lock; never raises (a full disk's leftovers are dropped)."""
+        if not self.main:
+            return
+        for item in (self.metrics, self.eval_samples):
+            if item is not None:
+                item.close()
+        if self.trackers is not None:
+            with contextlib.suppress(Exception):
+                self.trackers.close(failed)
+        if self.lock is not None:
+            self.lock.close()
+
+
+@contextmanager
+def no_save_progress_bar():
+    """transformers' "Writing model shards" bar off while saving (a bar per export is noise in a run's log)."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def export_policy(policy, tokenizer, folder: Path) -> None:
+    """The policy as transformers saves it (weights, config, tokenizer, chat template), so that transformers, vLLM
+    or lm-evaluation-harness load it directly; written to a temporary folder, then renamed into place."""
+
+    def write(tmp: Path) -> None:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    with no_save_progress_bar():
+        atomic_write(folder, write=write)
+
+
+# ------------------------------------------------------------------------- the native loop's checkpoints
+
+
+def save_checkpoint(run_dir: Path, payload: dict) -> None:
+    """Writes checkpoints/last.pt atomically; the one it replaces is kept as previous.pt until then."""
+    folder = run_dir / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    last = folder / "last.pt"
+    tmp = write_temporary(last, write=lambda path: torch.save(payload, path))
+    if last.exists():
+        os.replace(last, folder / "previous.pt")
+    os.replace(tmp, last)
+
+
+def load_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None, Path | None]:
+    """The newest readable checkpoint (last.pt, else previous.pt with a warning) and its path, or (None, None) when
+    there is none. Raises RuntimeError naming the file and the fix when none of them can be read."""
+    folder = run_dir / "checkpoints"
+    errors = []
+    for name in ("last.pt", "previous.pt"):
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            payload = torch.load(path, map_location=device, weights_only=False)
+        except Exception as e:  # a torn or corrupted file: zip errors, EOFError, unpickling errors
+            errors.append(f"{path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            continue
+        if errors:
+            print(f"warning: unreadable checkpoint {errors[0]}; resuming from {path}", file=sys.stderr)
+        return payload, path
+    if errors:
+        raise RuntimeError(f"unreadable checkpoint {'; '.join(errors)}: delete {folder} to restart this run "
+                           "from step 0")
+    return None, None

@@ -1,0 +1,23 @@
+"""The tiny test model and run settings, defined once for every test module."""
+
+from __future__ import annotations
+
+from harness.run.config import load_experiment, run_configs
+from harness.run.records import TIMING_METRICS
+
+TINY_SPEC = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
+TINY_RUN = [
+    *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items()), "task.eval_size=8", "train.prompts_per_step=4",
+    "train.group_size=4", "train.max_new_tokens=8", "train.num_minibatches=2", "train.steps=2", "train.eval_every=0",
+    "threads=1", "train.lr=1e-3",
+]
+
+
+def tiny_run(tmp_path, *overrides):
+    """One validated run of the default experiment with the tiny settings, writing under ``tmp_path``."""
+    (run,) = run_configs(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", *overrides]))
+    return run
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]

@@ -1,0 +1,62 @@
+"""harness/run/atomic.py: a replaced file or folder is the old one or the new one, never a part, and no temporary is
+left behind (a full disk, a failing writer)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from harness.run.atomic import DiskFullError, atomic_write
+from tests.helpers.disk import fill_disk_at, temporaries
+
+
+def test_atomic_write_keeps_the_old_file_and_no_temporary_on_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    atomic_write(path, "old")
+    fill_disk_at(monkeypatch, "summary.json.tmp")
+    with pytest.raises(DiskFullError, match=r"disk full: could not write .*summary\.json \(.* free there\)"):
+        atomic_write(path, "new")
+    assert path.read_text() == "old" and temporaries(tmp_path) == []
+    monkeypatch.undo()
+    (tmp_path / "summary.json.tmp").write_text("half")  # a killed writer's leftover is replaced, not appended to
+    atomic_write(path, "new")
+    assert path.read_text() == "new" and temporaries(tmp_path) == []
+
+
+def test_a_folder_is_replaced_whole_and_kept_when_its_writer_fails(tmp_path):
+    folder = tmp_path / "report"
+
+    def write(files: dict):
+        def writer(tmp):
+            tmp.mkdir()
+            for name, text in files.items():
+                if text is None:
+                    raise RuntimeError("killed while writing")
+                (tmp / name).write_text(text)
+        return writer
+
+    atomic_write(folder, write=write({"a.md": "old", "b.md": "old"}))
+    with pytest.raises(RuntimeError, match="killed"):
+        atomic_write(folder, write=write({"a.md": "new", "b.md": None}))
+    assert sorted(p.name for p in folder.iterdir()) == ["a.md", "b.md"] and (folder / "a.md").read_text() == "old"
+    atomic_write(folder, write=write({"c.md": "new"}), shared=True)  # shared: a temporary of this process's own
+    assert [p.name for p in folder.iterdir()] == ["c.md"] and temporaries(tmp_path) == []
+
+
+def test_a_folder_that_cannot_be_put_in_place_puts_the_old_one_back(tmp_path, monkeypatch):
+    folder = tmp_path / "final"
+    atomic_write(folder, write=lambda tmp: (tmp.mkdir(), (tmp / "w").write_text("old")))
+    replace = os.replace
+
+    def failing(src, dst):
+        if str(src).endswith(".tmp") and ".old" not in str(src):  # the new folder's rename into place
+            raise OSError(errno.EIO, "I/O error")
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="I/O error"):
+        atomic_write(folder, write=lambda tmp: (tmp.mkdir(), (tmp / "w").write_text("new")))
+    monkeypatch.undo()
+    assert (folder / "w").read_text() == "old" and temporaries(tmp_path) == []

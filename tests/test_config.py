@@ -1,0 +1,161 @@
+"""harness/run/config.py: experiment files, overrides, the sweep's expansion, run ids, and the one-line errors of every
+check a config goes through before anything starts (the schema's own and the components' registered ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.stepz=3"], "unknown config key 'train.stepz'. Did you mean 'train.steps'? Valid keys here: steps,"),
+    (["train.steps=abc"], "train.steps"),
+    (["objective.name=gspoo"], "Did you mean 'gspo'?"),
+    (["objective.params.clip_low=-1"], "clip_low must be >= 0"),
+    (["objective.params.eps=0.1"], "has no hyperparameter eps"),
+    (["task.name=gsm9k"], "Did you mean 'gsm8k'?"),
+    (["train.num_minibatches=3"], "must divide prompts_per_step x group_size"),
+    (["model.dtype=fp8"], "model.dtype must be one of"),
+    (["sweep.grid.seed=[]"], "zero runs"),
+])
+def test_bad_configs_stop_with_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        run_configs(load_experiment("quickstart", override))
+
+
+def test_unknown_experiment_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="Did you mean 'quickstart'\\? Experiments: .*quickstart"):
+        load_experiment("quickstrat")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("objective.clip_low=-1", "did you mean objective.params.clip_low?"),
+    ("train.stepz=3", "Did you mean 'train.steps'?"),
+])
+def test_misplaced_keys_get_a_hint(override, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+        load_experiment("quickstart", [override])
+
+
+def test_grid_overrides_take_the_dotted_form_a_researcher_types():
+    cfg = load_experiment("quickstart", ["sweep.grid.objective.name=[grpo,cispo]", "sweep.grid.seed=[0, 1, 2]"])
+    assert [(r.objective.name, r.seed) for r in run_configs(cfg)] == [
+        (o, s) for o in ("grpo", "cispo") for s in (0, 1, 2)]
+
+
+def test_sweep_expands_grid_with_per_objective_overrides():
+    cfg = load_experiment("quickstart", ["sweep.per_objective.gspo={objective.params.clip_high: 0.001}"])
+    runs = run_configs(cfg)
+    assert [(r.objective.name, r.seed) for r in runs] == [
+        (o, s) for o in ("grpo", "gspo", "gspo_token", "ctpo") for s in (0, 1, 2)]
+    assert all((r.objective.params.get("clip_high") == 0.001) == (r.objective.name == "gspo") for r in runs)
+    ids = [run_id(r) for r in runs]
+    assert len(set(ids)) == len(ids) and ids[0].startswith("grpo-s0-")
+    assert ids == [run_id(r) for r in run_configs(cfg)]  # stable
+
+
+def test_run_id_hashes_only_what_differs_from_the_defaults():
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    (spelled_out,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0",
+                                                                "train.dynamic_sampling=false", "task.data_dir=null"]))
+    (other,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0", "train.lr=1e-6"]))
+    assert run_id(run) == run_id(spelled_out) != run_id(other)
+    assert run_id(OmegaConf.merge(run, {"results_dir": "elsewhere"})) == run_id(run)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CUDA device on a machine without one")
+def test_cuda_without_a_cuda_torch_is_a_config_error_saying_how_to_install_one():
+    with pytest.raises(ConfigError, match="device=cuda, but .*(make setup TORCH=torch|CUDA_VISIBLE_DEVICES)"):
+        run_configs(load_experiment("gsm8k_ablation", ["profile=gpu"]))
+
+
+def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
+    runs = run_configs(load_experiment("gsm8k_ablation", ["profile=gpu", "train.steps=7", "device=cpu"]))
+    assert {r.model.name for r in runs} == {"Qwen/Qwen2.5-1.5B-Instruct"} and runs[0].device == "cpu"
+    assert runs[0].train.prompts_per_step == 32 and runs[0].train.steps == 7 and runs[0].profile is None
+    with pytest.raises(ConfigError, match="profile 'tpu' is not defined"):
+        load_experiment("gsm8k_ablation", ["profile=tpu"])
+
+
+def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
+    quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
+    assert trl.backend == "trl" and trl.train.save_every == 5
+    assert (trl.model, trl.task, trl.train.steps, trl.train.lr) == (quick.model, quick.task, 20, quick.train.lr)
+    (tmp_path / "a.yaml").write_text(f"inherit: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"inherit: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="makes a cycle"):
+        load_experiment(str(tmp_path / "a.yaml"))
+
+
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=-1", "train.lr must be >= 0"),
+    ("task.eval_size=0", "eval_size must be an integer >= 1"),
+    ("task.args.digit=3", "has no argument digit"),
+    ("model.tiny.hidden=8", "model.tiny has no field hidden"),
+    ("model.tiny.num_heads=3", "a multiple of num_heads"),
+    ("train.group_size=1", "makes every advantage 0"),
+    ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
+    ("train.rollout_correction.mode=token_clip", "train.rollout_correction.mode must be one of none, "),
+    ("train.rollout_correction.threshold=0.5", "train.rollout_correction.threshold must be a finite number >= 1"),
+    ("train.decoder=flash", "train.decoder must be one of auto, shared_prefix, per_row, cache"),
+    ("train.compile_sampler=true train.decoder=shared_prefix", "compiles the native sampler's per-row or cache"),
+])
+def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_configs(load_experiment("quickstart", override.split()))
+
+
+def test_replacing_the_task_replaces_its_arguments():
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=gsm8k", "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {}
+    (run,) = run_configs(load_experiment("quickstart", ["task.args={}", "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {}
+    # another task with arguments of its own: those, not the experiment's (arith's digits, ...) as well
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_sum",
+                                                        "seed=0", "objective.name=grpo"]))
+    assert run.task.args == {"dataset": "chain_sum"}
+    (run,) = run_configs(load_experiment("quickstart", ["task.name=arith", "task.args.digits=3", "seed=0",
+                                                        "objective.name=grpo"]))  # the same task: merged
+    assert run.task.args == {"num_operands": 2, "digits": 3, "operators": "+-"}
+
+
+def test_a_misspelt_generator_of_another_task_is_named_not_the_experiments_arguments():
+    with pytest.raises(ConfigError) as error:
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_summ"]))
+    assert "Did you mean 'chain_sum'" in str(error.value) and "digits" not in str(error.value)
+    with pytest.raises(ConfigError) as error:  # the task's arguments with their defaults, a factory's too
+        run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.digit=3"]))
+    assert "params={}" in str(error.value) and "MISSING" not in str(error.value)
+    assert not str(error.value).startswith("task 'reasoning_gym': task")  # the task named once
+
+
+def test_a_warm_start_band_without_steps_names_both_settings_of_no_warm_start():
+    with pytest.raises(ConfigError, match=r"model.warm_start_steps=0 model.warm_start_target=null$"):
+        run_configs(load_experiment("quickstart", ["model.warm_start_steps=0"]))
+
+
+
+
+@pytest.mark.parametrize("text, kind", [("- train.steps: 3\n- seed: 1\n", "not a list"), ("42\n", "not the int '42'"),
+                                        ("grpo\n", "not the str 'grpo'")])
+def test_an_experiment_file_whose_top_level_is_not_a_mapping_is_one_config_error_naming_it(tmp_path, text, kind):
+    from harness.run.config import load_experiment
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}: the top level must be a mapping of settings .*{kind}$"):
+        load_experiment(str(path))
+
+
+def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
+    from harness.run.config import load_experiment
+
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    cfg = load_experiment(str(tmp_path / "empty.yaml"))
+    assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"

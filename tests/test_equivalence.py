@@ -1,0 +1,57 @@
+"""A restructuring changes no result: the runs of tests/golden/make_golden.py (native loop: grpo with a KL term,
+epochs and warm-up, gspo micro-batched with shuffled rows and a padded forward, ctpo recomputing old log-probs with
+the cache decoder, p3o's minibatch statistics, cispo / gspo_token / tbpo under a bf16 sampler with and without a
+rollout correction, dapo's dynamic sampling with the hf sampler, conspo's whole groups; the TRL backend: grpo with
+a KL term, gspo with a rollout correction, p3o's statistics; the gradient lab) give bit-identical metrics, eval
+samples and final weights to those recorded in tests/golden/golden.json.
+
+The goldens hold for the build they were made with (torch / transformers / trl versions and the CPU's vector
+instructions, golden.json's ``build``): elsewhere this test skips and says what differs. Regenerate them with
+``OMP_NUM_THREADS=1 .venv/bin/python -m tests.golden.make_golden`` on a commit you trust, then run this test on the
+commit under test. ~30 s on one loaded core.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.golden.make_golden import GOLDEN, RUNS, build, fresh_cache, run_one
+
+GOLDENS = json.loads(GOLDEN.read_text())
+
+
+@pytest.fixture(scope="module")
+def warm_start_cache():
+    """One empty RLVR_CACHE for these runs: the warm start is trained here once (its code is covered too)."""
+    import os
+
+    before = os.environ.get("RLVR_CACHE")
+    folder = fresh_cache()
+    yield folder.name
+    folder.cleanup()
+    if before is None:
+        os.environ.pop("RLVR_CACHE", None)
+    else:
+        os.environ["RLVR_CACHE"] = before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_run_equals_its_golden(name, warm_start_cache, tmp_path):
+    here = build()
+    if here != GOLDENS["build"]:
+        differ = {k: (GOLDENS["build"].get(k), v) for k, v in here.items() if GOLDENS["build"].get(k) != v}
+        pytest.skip(f"goldens made on another build ({differ}): regenerate them (module docstring)")
+    found = json.loads(json.dumps(run_one(name, tmp_path)))  # as golden.json holds it: floats exactly
+    want = GOLDENS["runs"][name]
+    for key in want:
+        if isinstance(want[key], list) and found[key] != want[key]:  # the first differing row, for the message
+            first = next(i for i, (a, b) in enumerate(zip(found[key], want[key], strict=False)) if a != b) \
+                if len(found[key]) == len(want[key]) else None
+            diff = {} if first is None else {k: (found[key][first].get(k), v) for k, v in want[key][first].items()
+                                             if isinstance(v, int | float | str | None)
+                                             and found[key][first].get(k) != v}
+            pytest.fail(f"{name}: {key} differ (row {first}; found, golden: {diff})")
+    assert found == want

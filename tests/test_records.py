@@ -1,0 +1,70 @@
+"""harness/run/records.py: a run's files: metrics lines cut short or damaged, checkpoints that cannot be read, one
+writer per run folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.loop.native import train
+from harness.run.locks import FolderBusyError
+from harness.run.records import RunRecords, read_jsonl
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import tiny_run, without_timing
+
+
+def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
+    run = tiny_run(tmp_path, "train.steps=3")
+    with stopped_before(3):
+        train(run, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = "{garbage"
+    path.write_text("\n".join(lines) + "\n")
+    summary = train(run, tmp_path / "run", progress=False)
+    assert f"{path}, line 2 is not valid JSON" in capsys.readouterr().err
+    assert summary["status"] == "finished" and summary["missing_steps"] == [1]
+    assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
+
+
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
+    folder = tmp_path / "part" / "checkpoints"
+    assert (folder / "previous.pt").exists()  # step 1's, kept while step 2's was written
+    (folder / "last.pt").write_bytes(b"torn")
+    train(run, tmp_path / "part", progress=False)  # resumes from step 1: steps 2 and 3 again, nothing twice
+    part, full = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("part", "full"))
+    assert without_timing(part) == without_timing(full)
+    for name in ("last.pt", "previous.pt"):
+        (folder / name).write_bytes(b"torn")
+    with pytest.raises(RuntimeError, match=r"unreadable checkpoint .*last\.pt.*delete .*checkpoints to restart"):
+        train(run, tmp_path / "part", progress=False)
+
+
+def test_two_processes_cannot_write_one_run_folder(tmp_path):
+    run = tiny_run(tmp_path)
+    holder = RunRecords(run, tmp_path / "run", None, None, "native")
+    with pytest.raises(FolderBusyError, match="is being written by another process"):
+        train(run, tmp_path / "run", progress=False)
+    holder.lock.close()
+    assert train(run, tmp_path / "run", progress=False)["status"] == "finished"
+
+
+
+
+def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
+    run = tiny_run(tmp_path, "train.steps=3")
+    train(run, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half of step 3's line: a cut copy
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2] and capsys.readouterr().err == ""  # a live reader
+    read_jsonl(path, warn=True, complete=True)  # a reader that knows the writer is done
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is" in capsys.readouterr().err
+    summary = train(run, tmp_path / "run", progress=False)  # the same command again: step 3 is not redone
+    err = capsys.readouterr().err
+    assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is listed in summary.json's " \
+        "missing_steps)" in err
+    assert summary["status"] == "finished" and summary["missing_steps"] == [3]

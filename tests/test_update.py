@@ -1,0 +1,134 @@
+"""harness/loop/update.py: the update's values (plan, minibatches, timings, learner) and parts, and the native loop's
+epochs x minibatches over them: micro-batches give exactly the minibatch's update, a non-finite update is skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import harness.loop.native
+from harness.loop.batch import TrainBatch
+from harness.loop.native import train
+from harness.loop.update import (
+    Learner,
+    RunState,
+    Timings,
+    UpdatePlan,
+    microbatch_loss,
+    minibatches,
+    timed,
+)
+from harness.policy.sampler import Rollout
+from objectives import ObjectiveOutput
+from tests.helpers.tiny import tiny_run
+
+
+@pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
+def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
+    passes, real = [], harness.loop.native.with_statistics
+
+    def spy(*args, **kwargs):
+        passes.append(real(*args, **kwargs))
+        return passes[-1]
+
+    monkeypatch.setattr(harness.loop.native, "with_statistics", spy)
+    finals = []
+    for micro in (0, 2):
+        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
+                       "task.overlong_buffer=6")
+        train(run, tmp_path / f"m{micro}", progress=False)
+        finals.append(torch.load(tmp_path / f"m{micro}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
+    for key in finals[0]:
+        assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
+    # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 micro-batches)
+    assert [p.stats is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
+
+
+def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
+    from harness.loop.build import build_optimizer, build_scheduler
+    from harness.loop.update import Learner, RunState, optimizer_step
+
+    param = torch.nn.Parameter(torch.ones(3))
+    t = OmegaConf.create({"lr": 0.01, "weight_decay": 0.0, "warmup_steps": 3})
+    optimizer = build_optimizer([param], t)
+    scheduler, state, used = build_scheduler(optimizer, t), RunState(), []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
+        param.grad = torch.ones(3)
+        optimizer_step(Learner(torch.nn.ParameterList([param]), None, optimizer, scheduler), loss, 1.0, state)
+    assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1
+
+
+def toy_batch(rows: int = 16, width: int = 5, correction: bool = False) -> TrainBatch:
+    """A rollout of ``rows`` completions of char tokens (prompts of 3), completions 1..width long, and its batch."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = torch.arange(width)[None] < lengths[:, None]
+    ro = Rollout(prompt_ids=torch.randint(5, 60, (rows, 3), generator=g),
+                 prompt_mask=torch.ones(rows, 3, dtype=torch.long),
+                 completion_ids=torch.randint(5, 60, (rows, width), generator=g), completion_mask=mask,
+                 sampler_logp=-torch.rand(rows, width, generator=g) * mask, texts=[""] * rows,
+                 truncated=torch.zeros(rows, dtype=torch.bool))
+    return TrainBatch(ro, torch.rand(rows, generator=g), torch.randn(rows, generator=g),
+                      torch.arange(rows // 4).repeat_interleave(4), ro.sampler_logp - 0.1,
+                      correction=torch.ones(rows, width) * mask if correction else None)
+
+
+def toy_plan(batch: TrainBatch, *settings: str, step: int = 3) -> UpdatePlan:
+    return UpdatePlan.of(batch, OmegaConf.create({"seed": 0, "train": {
+        "prompts_per_step": 4, "group_size": 4, "num_minibatches": 2, "micro_batch_size": 4, "epochs": 1,
+        "temperature": 1.0, "padding_free": True, "max_new_tokens": 8, "max_grad_norm": 1.0, "old_logp": "sampler",
+        **dict(s.split("=") for s in settings)}}), step)
+
+
+@pytest.mark.parametrize("size", [8, 2])  # 8: whole groups of 4 per minibatch; 2: rows shuffled one by one
+def test_minibatches_cover_every_row_once_and_keep_groups_whole_when_they_fit(size):
+    batch = toy_batch()
+    plan = dataclasses.replace(toy_plan(batch), minibatch_size=size, microbatch_size=size // 2)
+    parts = list(minibatches(plan, torch.Generator().manual_seed(plan.order_seed)))
+    assert sorted(torch.cat([m.rows for m in parts]).tolist()) == list(range(16))
+    assert all(len(m.rows) == size for m in parts) and len(parts) == 16 // size
+    for m in parts:
+        assert m.num_tokens == batch.rollout.completion_mask[m.rows].sum() and m.stats is None
+        assert [len(c) for c in m.chunks(plan.microbatch_size)] == [size // 2] * 2
+        if size % 4 == 0:  # whole groups, each contiguous
+            assert all(len(set((m.rows[i : i + 4] // 4).tolist())) == 1 for i in range(0, size, 4))
+    again = list(minibatches(plan, torch.Generator().manual_seed(plan.order_seed)))
+    assert all(torch.equal(a.rows, b.rows) for a, b in zip(parts, again, strict=True))  # the seed decides the order
+
+
+@pytest.mark.parametrize("old_logp, correction, sampler_is_behaviour", [
+    ("sampler", False, True), ("recompute", False, False), ("recompute", True, True)])
+def test_the_objective_gets_the_sampler_logprobs_only_when_nothing_else_accounts_for_them(
+        old_logp, correction, sampler_is_behaviour, tiny_model):
+    policy, _ = tiny_model
+    batch = toy_batch(correction=correction)
+    plan = toy_plan(batch, f"old_logp={old_logp}")
+    assert plan.sampler_is_behaviour == sampler_is_behaviour and plan.rollout_step == 2
+    seen = []
+
+    def objective(policy_batch):
+        seen.append(policy_batch)
+        return ObjectiveOutput((policy_batch.logp * policy_batch.mask).sum(), {"x": 1.0})
+
+    minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
+    learner = Learner(policy, objective, None, None)
+    part = microbatch_loss(learner, plan, minibatch, minibatch.rows[:4], RunState(optimizer_steps=5), with_entropy=True)
+    (seen_batch,) = seen
+    assert seen_batch.num_tokens == minibatch.num_tokens and seen_batch.num_sequences == plan.minibatch_size == 8
+    assert (seen_batch.sampler_logp is None) == sampler_is_behaviour and seen_batch.step == 5
+    assert (seen_batch.correction is None) != correction
+    assert part.tokens == int(batch.rollout.completion_mask[minibatch.rows[:4]].sum()) and "entropy" in part.metrics
+    assert not part.forward.logp.requires_grad and part.forward.width == seen_batch.logp.shape[1]
+
+
+def test_timings_report_only_the_phases_that_ran():
+    timings = Timings()
+    with timings.timed("backward_s"):
+        pass
+    with timed(None, "optimizer_s"):  # no timings: nothing recorded, nothing fails
+        pass
+    assert list(timings.metrics()) == ["update_backward_s"] and timings.metrics()["update_backward_s"] >= 0

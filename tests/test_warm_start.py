@@ -1,0 +1,123 @@
+"""harness/policy/warm_start.py: the supervised warm start stops in its band, is cached under a key that covers its
+recipe, and errors outside the band."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import harness.policy.warm_start
+from harness.policy.models import load_model
+from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
+from harness.tasks import get_task
+from tests.helpers.tiny import TINY_SPEC
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("trained on a cache hit")
+
+
+def _easy_task():
+    return get_task("arith", num_operands=2, digits=1, train_size=2000, eval_size=8)
+
+BAND = {"max_steps": 150, "lr": 1e-2, "batch_size": 16, "seed": 0, "target": (0.05, 1.0), "check_every": 10,
+        "check_size": 32}
+
+
+def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
+    task = _easy_task()
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    model, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND))
+    accuracies = {int(step): acc for step, acc in sidecar["checks"].items()}
+    assert sidecar["steps"] == max(accuracies) and sidecar["steps"] % BAND["check_every"] == 0
+    assert 0.05 <= sidecar["accuracy"] == accuracies[sidecar["steps"]] <= 1.0
+    assert all(acc < 0.05 for step, acc in accuracies.items() if step < sidecar["steps"])
+    check_set = task.train_problems()[: BAND["check_size"]]
+    assert _check_accuracy(model, tokenizer, task, check_set) == sidecar["accuracy"] and not model.training
+    assert sidecar["target"] == [0.05, 1.0] and sidecar["max_steps"] == 150 and sidecar["torch_threads"] >= 1
+    folder = rlvr_cache / "warm_start"
+    assert json.loads((folder / f"{sidecar['key']}.json").read_text()) == sidecar
+    assert (folder / f"{sidecar['key']}.safetensors").is_file() and not list(folder.glob(".*"))  # no temp files
+
+    monkeypatch.setattr(torch.optim, "AdamW", _no_training)
+    fresh, _ = load_model("tiny", tiny=TINY_SPEC)
+    fresh, hit = warm_start(fresh, tokenizer, task, WarmStartRecipe(**BAND))
+    assert hit == sidecar and not fresh.training
+    trained = model.state_dict()
+    assert all(torch.equal(trained[k], v) for k, v in fresh.state_dict().items())
+
+    (folder / f"{sidecar['key']}.json").unlink()  # a hit needs the weights and the sidecar
+    with pytest.raises(AssertionError, match="cache hit"):
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, WarmStartRecipe(**BAND))
+
+
+@pytest.mark.slow
+def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
+    task, threads = _easy_task(), torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+            _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND),
+                                         cache_key_extra=f"threads={n}")
+            assert sidecar["torch_threads"] == n and 0.05 <= sidecar["accuracy"] <= 1.0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    settings = {**BAND, "max_steps": 3, "target": (0.9, 1.0)}
+    with pytest.raises(WarmStartError, match=r"max_steps=3 below .*0\.00 at step 3; raise max_steps") as error:
+        warm_start(model, tokenizer, _easy_task(), WarmStartRecipe(**settings))
+    assert "\n" not in str(error.value)
+
+    accuracies = iter([0.0, 0.8])
+
+    def jumping_check(model, tokenizer, task, problems):
+        return next(accuracies)
+
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", jumping_check)
+    settings = {**BAND, "max_steps": 10, "check_every": 1, "target": (0.3, 0.45)}
+    with pytest.raises(WarmStartError, match=r"overshot .*0\.00 at step 1, 0\.80 at step 2; lower check_every"):
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), WarmStartRecipe(**settings))
+    assert not list((rlvr_cache / "warm_start").glob("*"))  # nothing cached on an error
+
+
+def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
+    task = _easy_task()
+    settings = {**BAND, "max_steps": 1, "check_every": 1, "check_size": 8, "target": (0.0, 1.0)}
+
+    def key(**overrides) -> str:
+        model, tokenizer = load_model("tiny", tiny=TINY_SPEC)  # fresh: the key covers the initial weights
+        return warm_start(model, tokenizer, task, WarmStartRecipe(**{**settings, **overrides}))[1]["key"]
+
+    first = key()
+    assert key() == first and key(target=(0.0, 0.9)) != first
+    source_hash = harness.policy.warm_start._recipe_source_hash()
+    monkeypatch.setattr("harness.policy.warm_start.WARM_START_RECIPE", harness.policy.warm_start.WARM_START_RECIPE + 1)
+    assert key() != first
+    monkeypatch.undo()
+    monkeypatch.setattr("harness.policy.warm_start.RECIPE_SOURCE_HASH", "changed")
+    assert key() != first
+    monkeypatch.undo()
+
+    def edited_check(model, tokenizer, task, problems):
+        return 0.5
+
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", edited_check)
+    assert harness.policy.warm_start._recipe_source_hash() != source_hash
+
+
+def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    recipe = WarmStartRecipe(max_steps=7, lr=1e-2, batch_size=4, seed=0)
+    model, sidecar = warm_start(model, tokenizer, _easy_task(), recipe)
+    assert len(forwards) == 7 and sidecar["steps"] == 7 and sidecar["checks"] == {}
+    assert sidecar["accuracy"] is None and sidecar["target"] is None
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
