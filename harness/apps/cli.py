@@ -34,6 +34,8 @@ from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, available_advantages
 
+MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
+
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # so a terminated run writes status "interrupted" and closes its files
@@ -48,9 +50,10 @@ def cmd_train(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
     device = resolve_device(run.device)
-    print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
-          f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
-          f"{run_dir}", file=sys.stderr)
+    say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
+    say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
+        f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+        f"{run_dir}", file=sys.stderr)
     try:
         summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
@@ -68,9 +71,9 @@ def cmd_train(args) -> int:
             where = f" (no traceback file: {write_error.strerror or write_error})"
         print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
         return 1
-    print(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
-          f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
-          f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
+    say(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
+        f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
+        f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
     return 0
 
 
@@ -314,7 +317,8 @@ def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
     full disk, 0: the reader of stdout has gone); None for any other (its traceback is raised)."""
     if isinstance(e, ConfigError):
-        print(f"config error: {e}", file=sys.stderr)
+        if MAIN_PROCESS:  # every process of a distributed launch finds the same
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     if isinstance(e, FolderBusyError):
         print(f"error: {e}", file=sys.stderr)
