@@ -154,6 +154,6 @@ def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
               "ray", "launcher.address=127.0.0.1:9")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (`ray start --head`), "
+        "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
         "fix the address, or leave it empty for a local Ray cluster"]
     assert not (tmp_path / "results").exists()

@@ -144,12 +144,13 @@ def test_a_killed_two_process_run_resumes_exactly(runs, tmp_path):
 
 
 def documented_launches() -> list[str]:
-    """Every ``accelerate launch`` command in docs/trl.md and README.md, continuation lines joined."""
+    """Every ``accelerate launch`` command in the code blocks of docs/trl.md and README.md, continuations joined."""
     commands = []
     for doc in (ROOT / "docs" / "trl.md", ROOT / "README.md"):
-        text = doc.read_text().replace("\\\n", " ")
-        commands += [line.strip() for line in text.splitlines() if "accelerate launch" in line
-                     and not line.lstrip().startswith(("#", "`for"))]
+        blocks = re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S)
+        for block in blocks:
+            commands += [line.strip() for line in block.replace("\\\n", " ").splitlines()
+                         if "accelerate launch" in line and not line.lstrip().startswith(("#", "for "))]
     return commands
 
 

@@ -196,7 +196,7 @@ class RayLauncher:
         if not ray.is_initialized():
             if address and address != "auto" and not _reachable(address):
                 raise ConfigError(f"no Ray cluster answers at launcher.address={address}: start one there "
-                                  "(`ray start --head`), fix the address, or leave it empty for a local Ray cluster")
+                                  "(ray start --head), fix the address, or leave it empty for a local Ray cluster")
             try:
                 ray.init(address=address or None, include_dashboard=False if not address else None,
                          log_to_driver=False, logging_level=logging.ERROR)

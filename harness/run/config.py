@@ -175,8 +175,8 @@ class LauncherConfig:
     partition: str | None = None  # slurm: the partition (null: the cluster's default)
     time_min: int = 240  # slurm: each run's time limit in minutes (a run stopped by it resumes on the next sweep)
     mem_gb: int | None = None  # slurm: memory per run in GB (null: the partition's default)
-    slurm_args: dict[str, Any] = field(default_factory=dict)  # slurm: other sbatch options by submitit's slurm_<name>
-    #                                                           (account, qos, constraint, exclude, ...)
+    # slurm: other sbatch options, named as submitit's slurm_<name> without the prefix (account, qos, constraint, ...)
+    slurm_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
