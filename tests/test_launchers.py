@@ -17,8 +17,8 @@ from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
-from tests.test_sweep import cli, processes_with, wait_until
-from tests.tiny import TINY_RUN, without_timing
+from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.tiny import TINY_RUN, without_timing
 
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
 # a launcher that mixed runs up would show), 6 steps (room to kill a run mid-way).

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from harness.loop.trl_backend import trl_checkpoints
 from harness.run.records import read_jsonl
-from tests.test_sweep import processes_with, wait_until
-from tests.tiny import TINY_SPEC, without_timing
+from tests.helpers.processes import processes_with, wait_until
+from tests.helpers.tiny import TINY_SPEC, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "trl_launch.py")
@@ -203,7 +203,7 @@ def test_a_cpu_launch_accelerate_would_run_otherwise_is_refused_before_the_run_s
                                                                                       message):
     from harness.loop.trl_backend import train_trl
     from harness.run.config import ConfigError
-    from tests.tiny import tiny_run
+    from tests.helpers.tiny import tiny_run
 
     for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
