@@ -160,9 +160,10 @@ def test_the_documented_launch_commands_pass_accelerates_validation_and_ours(mon
     validation with that launch's WORLD_SIZE (micro-batches x processes must divide the minibatch)."""
     from accelerate.commands import launch as accelerate_launch
 
+    from harness.run import checks
     from harness.run import config as harness_config
 
-    monkeypatch.setattr(harness_config, "_check_device", lambda device: None)  # device=cuda: no GPU here
+    monkeypatch.setitem(checks._CHECKS["config"], "device", lambda run: None)  # device=cuda: no GPU here
     configs = Path(importlib.util.find_spec("trl").origin).parent / "accelerate_configs"  # not importing trl (slow)
     commands = documented_launches()
     assert len(commands) >= 4, commands
