@@ -3,10 +3,14 @@ PY        ?= .venv/bin/python
 TORCH     ?= torch==2.13.0
 EXP       ?= quickstart
 JOBS      ?= 2
+LAUNCHER  ?= local
 SEEDS     ?= 2
 OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
+
+# JOBS runs at once here; on a cluster (LAUNCHER=ray|slurm) every run at once unless JOBS is given
+SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast lint sweep compare train lab claims plots bench list explain docs soak clean-results
@@ -34,8 +38,8 @@ lint:  ## ruff
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
-sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report
-	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --jobs $(JOBS)
+sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report; LAUNCHER=ray|slurm: on a cluster
+	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
 	@test -n "$(OBJECTIVES)" || { echo "make compare: give OBJECTIVES=name,name (see make list)"; exit 2; }

@@ -122,7 +122,7 @@ def test_a_run_whose_summary_says_running_is_stopped_unless_a_process_holds_its_
 
 
 def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch):
-    from harness.apps import sweep
+    from harness.apps import launchers, sweep
     from harness.run.config import load_experiment, run_configs, run_id
 
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp"])
@@ -142,7 +142,7 @@ def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch)
         def poll(self):
             return self.returncode
 
-    monkeypatch.setattr(sweep.subprocess, "Popen", Child)
+    monkeypatch.setattr(launchers.subprocess, "Popen", Child)
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     entries = sweep.run_sweep(cfg, progress=False)
     assert seen == ["stopped"] and entries[0]["status"] == "stopped"

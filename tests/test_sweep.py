@@ -4,23 +4,18 @@ killed with SIGKILL and resumed (the config's own checks and expansion: tests/te
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from harness.run.records import read_jsonl
+from tests.helpers.processes import cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True, **kw)
 
 
 def test_make_prints_help_by_default_and_compare_sweeps_the_given_objectives():
@@ -47,31 +42,6 @@ def test_cli_lists_registered_names():
     assert out.returncode == 0
     for name in ("grpo", "gspo", "gspo_token", "ctpo", "arith", "gsm8k", "quickstart", "rloo"):
         assert name in out.stdout
-
-
-def wait_until(condition, timeout: float):
-    """Polls ``condition`` until it returns something truthy (returned) or ``timeout`` seconds pass (None)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    return None
-
-
-def processes_with(marker: str) -> list[int]:
-    """Live processes other than this one whose command line contains ``marker`` (zombies have none)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if marker in command:
-                pids.append(int(entry.name))
-    return pids
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ from packaging.requirements import Requirement
 
 from harness.apps.bench import busy_main, matmuls_main, profile_main, step_main
 from harness.apps.bench import main as bench
+from harness.apps.launchers import LAUNCHERS
 from harness.apps.soak import main as soak
-from harness.apps.sweep import run_sweep
+from harness.apps.sweep import prepare_starting_policies, run_sweep
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
 from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
@@ -33,6 +34,8 @@ from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, available_advantages
 
+MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
+
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # so a terminated run writes status "interrupted" and closes its files
@@ -47,9 +50,10 @@ def cmd_train(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     check_resume(run, run_dir)  # another run's folder: refused before anything is printed or touched
     device = resolve_device(run.device)
-    print(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
-          f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
-          f"{run_dir}", file=sys.stderr)
+    say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
+    say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
+        f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+        f"{run_dir}", file=sys.stderr)
     try:
         summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
@@ -67,9 +71,9 @@ def cmd_train(args) -> int:
             where = f" (no traceback file: {write_error.strerror or write_error})"
         print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
         return 1
-    print(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
-          f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
-          f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
+    say(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
+        f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "
+        f"{summary['wall_time_s']:.0f} s", file=sys.stderr)
     return 0
 
 
@@ -80,7 +84,7 @@ def rounded(value: float | None) -> str:
 
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
-    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress)
+    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher)
     failed = [e["run_id"] for e in entries if e["status"] != "finished"]
     print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
           (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
@@ -136,6 +140,11 @@ def cmd_list(args) -> int:
 
 
 def cmd_prepare(args) -> int:
+    if args.experiment:  # a sweep's starting policies, built on the node a launcher picked (harness/apps/sweep.py)
+        runs = run_configs(load_experiment(args.experiment, args.overrides))
+        prefer_threads(args.threads)
+        prepare_starting_policies(runs, progress=True)
+        return 0
     print(f"embedded model cached at {prepare_embedded_model()}")
     return 0
 
@@ -228,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
                                       help="torch CPU threads of a run without its own threads setting (0: the "
                                            "cores free when it starts; harness/run/threads.py)")
-    sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes")
+    sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=None,
+                                      help="runs at once (default: 1 with --launcher local, all on a cluster)")
+    sub.choices["sweep"].add_argument("--launcher", choices=LAUNCHERS, default="local",
+                                      help="where runs execute: child processes here, Ray tasks, SLURM jobs "
+                                           "(submitit); settings in the experiment's launcher section")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
     lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
@@ -243,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
     explain.add_argument("--markdown", action="store_true", help="the table as Markdown (KEY names|aliases)")
     explain.add_argument("--write", action="store_true", help="rewrite the generated tables in docs/trl.md, README.md")
-    sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors")
+    prepare = sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors; "
+                                             "with an experiment: cache its runs' starting policies (warm starts)")
+    prepare.add_argument("experiment", nargs="?", help="an experiment or a run's config.yaml")
+    prepare.add_argument("overrides", nargs="*", help="key=value overrides")
+    prepare.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: the free cores)")
     docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
@@ -300,7 +317,8 @@ def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
     full disk, 0: the reader of stdout has gone); None for any other (its traceback is raised)."""
     if isinstance(e, ConfigError):
-        print(f"config error: {e}", file=sys.stderr)
+        if MAIN_PROCESS:  # every process of a distributed launch finds the same
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     if isinstance(e, FolderBusyError):
         print(f"error: {e}", file=sys.stderr)

@@ -3,16 +3,13 @@
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, failed, interrupted, or
 stopped: killed, its summary still saying running while no process holds its lock). Running the same sweep again
 skips finished runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
-between them; if the sweep process dies (even SIGKILL), its children die with it.
+between them; if the sweep process dies (even SIGKILL), its children die with it. Where a run's process executes
+is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
+from harness.apps.launchers import Launcher, RunHandle, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
@@ -27,14 +25,7 @@ from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
 from harness.run.records import read_jsonl, run_status, write_json_atomic
-from harness.run.threads import free_threads, run_threads
-
-
-def _die_with_parent() -> None:
-    try:  # Linux: the child gets SIGKILL when the sweep process dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
+from harness.run.threads import run_threads
 
 
 def _error(run_dir: Path) -> str | None:
@@ -67,8 +58,7 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
         run_threads(runs[0].threads)
     done = set()
     for run in runs:
-        key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])),
-                         sort_keys=True)
+        key = _policy_key(run)
         if run.model.warm_start_steps and key not in done:
             if progress:
                 tqdm.write(f"preparing the starting policy ({run.model.warm_start_steps} warm-start steps, cached)")
@@ -76,12 +66,53 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
             done.add(key)
 
 
-def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dict]:
-    """Run (or resume) the sweep; returns the manifest's run entries. Raises FolderBusyError if another sweep holds
-    the folder."""
+def _policy_key(run: DictConfig) -> str:
+    """What a starting policy depends on: runs with the same key start from the same cached policy."""
+    return json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])), sort_keys=True)
+
+
+def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool) -> None:
+    """Build each distinct warm-started starting policy once through ``runner`` (``python -m harness prepare
+    <run config>``, logged in that run's train.log) and wait for it, before the runs start, so that every run of the
+    sweep loads the same cached policy ($RLVR_CACHE on a shared file system) instead of training its own."""
+    first = {}
+    for run, run_dir in pending:
+        if run.model.warm_start_steps:
+            first.setdefault(_policy_key(run), run_dir)
+    for run_dir in first.values():
+        if progress:
+            tqdm.write(f"preparing the starting policy through --launcher {runner.name} (log: {run_dir / 'train.log'})")
+        handle = runner.start(["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(1))],
+                              run_dir / "train.log", f"prepare-{run_dir.name}")
+        try:
+            while (code := handle.poll()) is None:
+                time.sleep(1.0)
+        except BaseException:
+            handle.stop()
+            raise
+        if code:
+            raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
+                               f"{handle.error or _error(run_dir) or 'no output'}; log in {run_dir / 'train.log'}")
+
+
+def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local") -> list[dict]:
+    """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
+    once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
+    Raises ConfigError (a launcher that cannot start: a missing extra, no cluster) before any folder is touched, and
+    FolderBusyError if another sweep holds the folder."""
     runs = run_configs(cfg)
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
+    runner = make_launcher(launcher, cfg.launcher, exp_dir)
+    runner.check()
+    try:
+        return _sweep(cfg, runs, exp_dir, runner, jobs or (1 if launcher == "local" else len(runs)), progress)
+    finally:
+        runner.close()
+
+
+def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launcher, jobs: int,
+           progress: bool) -> list[dict]:
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
@@ -93,8 +124,12 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
 
     save_manifest()
     todo = [e for e in entries if e["status"] != "finished"]
-    prepare_starting_policies([run for run, e in zip(runs, entries, strict=True) if e in todo], progress)
-    threads = threads_per_run(jobs)
+    pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
+    if runner.name == "local":
+        prepare_starting_policies([run for run, _ in pending], progress)
+    else:  # on the cluster, as a job: the runs' nodes may differ from this one (a login node)
+        prepare_remotely(pending, runner, progress)
+    threads = runner.threads(jobs)
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)
     active: dict[str, Child] = {}
@@ -103,7 +138,8 @@ def run_sweep(cfg: DictConfig, jobs: int = 1, progress: bool = True) -> list[dic
         while todo or active:
             while todo and len(active) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
-                active[entry["run_id"]] = Child.start(exp_dir / entry["dir"], threads, progress, 1 + len(active))
+                active[entry["run_id"]] = Child.start(runner, exp_dir / entry["dir"], threads, progress,
+                                                      1 + len(active))
                 entry["status"] = "running"
                 save_manifest()
             time.sleep(1.0)
@@ -152,35 +188,23 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
             "status": run_status(run_dir), "dir": rid}
 
 
-def threads_per_run(jobs: int) -> int:
-    """Each run's share of the cores free now (harness/run/threads.py), with a note when others keep some busy."""
-    free, available, busy = free_threads()
-    threads = max(1, free // jobs)
-    if free < available:
-        tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
-                   f"thread{'s' if threads > 1 else ''} per run")
-    return threads
-
-
 @dataclass
 class Child:
-    """One run's process (``python -m harness train <run_dir>/config.yaml``), its log file and progress bar."""
+    """One run's process (``python -m harness train <run_dir>/config.yaml``, wherever the launcher started it, its
+    output in the run's train.log) and its progress bar."""
 
     run_dir: Path
-    proc: subprocess.Popen
+    handle: RunHandle
     bar: tqdm
-    logfile: object
+    code: int | None = None
 
     @classmethod
-    def start(cls, run_dir: Path, threads: int, progress: bool, position: int) -> Child:
-        logfile = open(run_dir / "train.log", "a")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "harness", "train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
-             "--threads", str(threads), "--no-progress"],
-            stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int) -> Child:
+        handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
+                               str(threads), "--no-progress"], run_dir / "train.log", run_dir.name)
         total = OmegaConf.load(run_dir / "config.yaml").train.steps
         bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
-        return cls(run_dir, proc, bar, logfile)
+        return cls(run_dir, handle, bar)
 
     def poll(self) -> bool:
         """Refresh the progress bar from metrics.jsonl; whether the process is still running."""
@@ -189,24 +213,23 @@ class Child:
             self.bar.n = rows[-1]["step"]
             self.bar.set_postfix(progress_fields(rows[-1], rows))
             self.bar.refresh()
-        return self.proc.poll() is None
+        self.code = self.handle.poll()
+        return self.code is None
 
     def ended(self, rid: str) -> tuple[str, str | None]:
-        """The ended run's status and error (said on the terminal when it did not finish); closes its bar and log."""
+        """The ended run's status and error (said on the terminal when it did not finish); closes its bar."""
         status, error = run_status(self.run_dir), _error(self.run_dir)
-        code = self.proc.returncode
+        code = self.code
         if code and status not in ("failed", "interrupted"):  # it could not write its summary
-            status = "stopped" if code < 0 else "failed"  # killed by a signal / e.g. a full disk
+            status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk
+            error = self.handle.error or error
         if code:
             tqdm.write(f"run {rid} {status} (exit {code}): {error or 'no summary'}; "
                        f"log in {self.run_dir / 'train.log'}")
         self.bar.close()
-        self.logfile.close()
         return status, error
 
     def stop(self) -> None:
-        """Terminate the process (the sweep is stopping) and close its bar and log."""
-        self.proc.terminate()
-        self.proc.wait()
+        """Stop the run (the sweep is stopping: SIGTERM, it writes "interrupted") and close its bar."""
+        self.handle.stop()
         self.bar.close()
-        self.logfile.close()

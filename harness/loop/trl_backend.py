@@ -49,6 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from omegaconf import DictConfig
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
@@ -305,9 +306,24 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
 
     def log(self, logs, start_time=None):
         if self.model.training:
-            logs.update(self.meter.result())
+            logs.update(self.gathered_meter().result())
             self.meter = MetricMeter()
         super().log(logs, start_time)
+
+    def gathered_meter(self) -> MetricMeter:
+        """The objective's metrics over every process's micro-batches since the last log (token-weighted sums and
+        weights added, extremes min / max), as one process holding the whole batch would log them. Trainer calls
+        ``log`` on every process at the same steps, so the gather (a collective) is matched."""
+        if self.accelerator.num_processes == 1:
+            return self.meter
+        total = MetricMeter()
+        for sums, weights, extremes in gather_object([(dict(self.meter.sums), dict(self.meter.weights),
+                                                       self.meter.extremes)]):
+            for key, value in sums.items():
+                total.sums[key] += value
+                total.weights[key] += weights[key]
+            total.add(extremes, 1.0)  # *_min / *_max keys only: min / max
+        return total
 
 
 class RecordsCallback(TrainerCallback):
@@ -414,9 +430,28 @@ def trl_checkpoints(folder: Path) -> tuple[str | None, list[Path]]:
     return None, torn
 
 
+def launch_problem(device: torch.device) -> str | None:
+    """What is wrong with how ``accelerate launch`` started this process on a CPU, which accelerate would run
+    otherwise than asked without a word (docs/trl.md): ``--cpu --num_processes N`` starts one process (accelerate's
+    simple launcher, without MPI), and an FSDP or DeepSpeed launch runs as plain DDP (accelerate 1.15 applies neither
+    on CPU). None when the launch does what it says."""
+    if device.type != "cpu":
+        return None
+    several = "WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_PORT" in os.environ and not several:
+        return ("accelerate launch --cpu --num_processes N starts one process without MPI; for N CPU processes "
+                "(DDP over gloo) use accelerate launch --multi_gpu --num_processes N (docs/trl.md)")
+    for variable, engine in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if world_size() > 1 and os.environ.get(variable, "").lower() == "true":
+            return (f"accelerate runs {'an' if engine == 'FSDP' else 'a'} {engine} launch on CPU as plain DDP (it "
+                    f"shards nothing): on CPU use "
+                    f"accelerate launch --multi_gpu --num_processes N, {engine} on GPUs (docs/trl.md)")
+    return None
+
+
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
-    reason = trl_unsupported(cfg)
+    reason = trl_unsupported(cfg) or launch_problem(resolve_device(cfg.device))
     if reason:
         raise ConfigError(reason)
     torch.manual_seed(cfg.seed)

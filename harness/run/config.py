@@ -40,7 +40,7 @@ from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
-NOT_RUN_SECTIONS = ("sweep", "profiles", "lab")  # an experiment's, not a run's: a run's config.yaml leaves them out
+NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, not in a run's config.yaml
 NOT_IN_RUN_ID = ("results_dir", "logging")  # settings that do not change a run (nor its id, nor a resume's check)
 OLD_LOGP = ("sampler", "recompute")
 
@@ -164,6 +164,22 @@ class LoggingConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """Where a sweep's runs execute with `sweep --launcher ray|slurm` (harness/apps/launchers.py); not part of a run
+    (nor of its run id): the same runs, wherever they go."""
+
+    cpus_per_run: int = 1  # CPU cores per run: the Ray task's num_cpus, SLURM's cpus_per_task, the run's torch threads
+    gpus_per_run: int = 0  # GPUs per run: the Ray task's num_gpus, SLURM's gpus_per_node
+    address: str | None = None  # ray: the cluster (host:port, ray://host:10001, auto); null = a local Ray cluster
+    cluster: str = "slurm"  # slurm: submit with sbatch; local: submitit's local executor on this machine (a dry run)
+    partition: str | None = None  # slurm: the partition (null: the cluster's default)
+    time_min: int = 240  # slurm: each run's time limit in minutes (a run stopped by it resumes on the next sweep)
+    mem_gb: int | None = None  # slurm: memory per run in GB (null: the partition's default)
+    # slurm: other sbatch options, named as submitit's slurm_<name> without the prefix (account, qos, constraint, ...)
+    slurm_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"  # experiment name: results/<name>/, the trackers' group (the experiment file's by default)
     seed: int = 0  # the run's seed (prompts, sampling, minibatch order)
@@ -180,6 +196,7 @@ class RunConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     lab: LabConfig = field(default_factory=LabConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
 def rollout_size(t: DictConfig) -> int:

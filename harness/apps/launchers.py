@@ -1,0 +1,312 @@
+"""Where the runs of a sweep execute: ``python -m harness sweep EXP --launcher local|ray|slurm``.
+
+    launcher = make_launcher("ray", cfg.launcher)   # the launcher section of the experiment (harness/run/config.py)
+    launcher.check()                                 # one-line ConfigError before any run starts
+    handle = launcher.start(["train", config, "--run-dir", run_dir, ...], log=run_dir / "train.log", name=run_id)
+    handle.poll()                                    # None while it runs, then its exit code (< 0: killed)
+    handle.stop()                                    # SIGTERM (the run writes "interrupted"), then wait
+
+Every launcher executes the same command, ``python -m harness train <run_dir>/config.yaml --run-dir <run_dir>``,
+with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep, ``ray`` as a Ray task
+(``launcher.cpus_per_run`` / ``gpus_per_run`` as the task's resources) that starts the same child process on the node
+Ray picks, ``slurm`` as one submitit job per run (partition, time, GPUs from the launcher section). So the sweep loop
+(harness/apps/sweep.py) is one code path: the results folder, run ids, the run's lock, "skip finished, resume the
+rest", the progress bars and the report are the same whichever launcher runs it. On a cluster the checkout, the
+results folder and ``$RLVR_CACHE`` (the cached starting policies) must be on a file system every node sees.
+
+A child process dies with the process that started it (the sweep, the Ray worker, the SLURM job's process), so a
+killed worker leaves a stopped run (its summary says running, no process holds its lock), which the same sweep
+command resumes. Ray and submitit are optional (``pip install -e ".[ray]"``, ``".[slurm]"``); they are imported here
+only when their launcher is chosen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from harness.run.errors import ConfigError
+from harness.run.threads import free_threads
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working directory, so ``-m harness`` imports it
+LAUNCHERS = ("local", "ray", "slurm")
+FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
+STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
+
+
+def die_with_parent() -> None:
+    try:  # Linux: the child gets SIGKILL when the process that started it dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def forwarded_env() -> dict[str, str]:
+    """The sweep's settings a run reads from the environment (caches, data, threads), for a Ray task's worker."""
+    return {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("RLVR_")}
+
+
+def run_harness(args: list[str], log: str, cwd: str, env: dict[str, str]) -> int:
+    """``python -m harness <args>`` with this machine's Python, output appended to ``log``; its exit code. What a Ray
+    task or a SLURM job executes. Cancelled (KeyboardInterrupt, SIGTERM), it stops the child with SIGTERM first."""
+    with open(log, "a") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=cwd, env={**os.environ, **env}, preexec_fn=die_with_parent)
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # scancel, a SLURM time limit
+        try:
+            return proc.wait()
+        except BaseException:
+            proc.terminate()
+            proc.wait()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class RunHandle(Protocol):
+    error: str | None  # the launcher's own reason when the run's process was lost (a Ray worker died, ...)
+
+    def poll(self) -> int | None: ...
+
+    def stop(self) -> None: ...
+
+
+class Launcher(Protocol):
+    name: str
+
+    def check(self) -> None: ...
+
+    def threads(self, jobs: int) -> int: ...
+
+    def start(self, args: list[str], log: Path, name: str) -> RunHandle: ...
+
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------------------- local
+
+
+class LocalHandle:
+    def __init__(self, proc: subprocess.Popen, logfile):
+        self.proc, self.logfile, self.error = proc, logfile, None
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None:
+            self.logfile.close()
+        return code
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+        self.logfile.close()
+
+
+class LocalLauncher:
+    """Each run a child process of the sweep on this machine; ``jobs`` at once, the free cores split between them."""
+
+    name = "local"
+
+    def check(self) -> None:
+        pass
+
+    def threads(self, jobs: int) -> int:
+        free, available, busy = free_threads()
+        threads = max(1, free // jobs)  # each run's share of the cores free now (harness/run/threads.py)
+        if free < available:
+            tqdm.write(f"note: {busy:.1f} of {available} cores are busy with other processes: {threads} torch "
+                       f"thread{'s' if threads > 1 else ''} per run")
+        return threads
+
+    def start(self, args: list[str], log: Path, name: str) -> LocalHandle:
+        logfile = open(log, "a")
+        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
+        return LocalHandle(proc, logfile)
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------------------- ray
+
+
+def _reachable(address: str, timeout: float = 5.0) -> bool:
+    """Whether something listens at ``[ray://]host:port`` (ray.init would otherwise retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class RayHandle:
+    def __init__(self, ray, ref):
+        self.ray, self.ref, self.error = ray, ref, None
+
+    def poll(self) -> int | None:
+        ready, _ = self.ray.wait([self.ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            return self.ray.get(self.ref)
+        except self.ray.exceptions.RayError as e:  # the worker died (killed, its node lost), the task was cancelled
+            self.error = f"Ray: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            return -signal.SIGKILL
+
+    def stop(self) -> None:
+        self.ray.cancel(self.ref)  # KeyboardInterrupt in the task: run_harness stops the run with SIGTERM
+        ready, _ = self.ray.wait([self.ref], timeout=STOP_WAIT_S)
+        if not ready:
+            self.ray.cancel(self.ref, force=True)  # kills the worker; the run dies with it
+
+
+class RayLauncher:
+    """Each run a Ray task on the cluster at ``launcher.address`` (none: a local Ray cluster for this sweep, or the
+    one this process already joined with ``ray.init``), with ``cpus_per_run`` CPUs and ``gpus_per_run`` GPUs."""
+
+    name = "ray"
+
+    def __init__(self, settings: DictConfig):
+        self.settings, self.ray, self.task, self.started = settings, None, None, False
+
+    def check(self) -> None:
+        try:
+            import ray  # optional extra: only this launcher needs it
+        except ImportError:
+            raise ConfigError('--launcher ray needs Ray: pip install -e ".[ray]"') from None
+        self.ray = ray
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # a worker runs run_harness without
+        # importing the harness (and torch) itself: only the run's own process does
+        self.task = ray.remote(run_harness)
+        address = self.settings.address
+        if not ray.is_initialized():
+            if address and address != "auto" and not _reachable(address):
+                raise ConfigError(f"no Ray cluster answers at launcher.address={address}: start one there "
+                                  "(ray start --head), fix the address, or leave it empty for a local Ray cluster")
+            try:
+                ray.init(address=address or None, include_dashboard=False if not address else None,
+                         log_to_driver=False, logging_level=logging.ERROR)
+            except ConnectionError as e:  # address=auto with no cluster on this machine
+                raise ConfigError(f"no Ray cluster at launcher.address={address}: {str(e).splitlines()[0]}") \
+                    from None
+            self.started = True
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        for key, need in (("CPU", self.settings.cpus_per_run), ("GPU", self.settings.gpus_per_run)):
+            most = max((n.get(key, 0) for n in nodes), default=0)
+            if need > most:
+                self.close()
+                raise ConfigError(f"launcher.{key.lower()}s_per_run={need}, but no node of the Ray cluster has more "
+                                  f"than {most:g} {key}s: lower it, or add such nodes")
+
+    def threads(self, jobs: int) -> int:
+        return self.settings.cpus_per_run
+
+    def start(self, args: list[str], log: Path, name: str) -> RayHandle:
+        task = self.task.options(
+            name=name, num_cpus=self.settings.cpus_per_run, num_gpus=self.settings.gpus_per_run, max_retries=0,
+            runtime_env={"env_vars": forwarded_env()})
+        return RayHandle(self.ray, task.remote(args, str(log), str(ROOT), {}))
+
+    def close(self) -> None:
+        if self.started and self.ray is not None:
+            self.ray.shutdown()
+            self.started = False
+
+
+# ------------------------------------------------------------------------------------------------------------- slurm
+
+
+class SlurmHandle:
+    def __init__(self, job):
+        self.job, self.error = job, None
+
+    def poll(self) -> int | None:
+        if not self.job.done():
+            return None
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+
+        try:
+            return self.job.result()
+        except UncompletedJobError as e:  # cancelled, timed out, node failure: the run is resumable
+            self.error = f"SLURM job {self.job.job_id}: {str(e).strip().splitlines()[0]}"
+            return -signal.SIGKILL
+        except FailedJobError as e:
+            self.error = f"SLURM job {self.job.job_id}: {str(e).strip().splitlines()[0]}"
+            return 1
+
+    def stop(self) -> None:
+        self.job.cancel(check=False)  # scancel: SIGTERM to the job, which stops the run with SIGTERM
+        deadline = time.monotonic() + STOP_WAIT_S
+        while not self.job.done() and time.monotonic() < deadline:
+            time.sleep(1.0)
+
+
+class SlurmLauncher:
+    """Each run one job submitted with submitit (``launcher.cluster``: slurm = sbatch, local = submitit's
+    LocalExecutor on this machine); job logs in ``<results>/<exp>/.submitit/``."""
+
+    name = "slurm"
+
+    def __init__(self, settings: DictConfig, folder: Path):
+        self.settings, self.folder, self.executor = settings, folder, None
+
+    def check(self) -> None:
+        s = self.settings
+        try:
+            import submitit  # optional extra: only this launcher needs it
+        except ImportError:
+            raise ConfigError('--launcher slurm needs submitit: pip install -e ".[slurm]"') from None
+        import cloudpickle  # submitit's
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])  # a job runs run_harness without importing torch
+        if s.cluster not in ("slurm", "local"):
+            raise ConfigError(f"launcher.cluster must be slurm or local, got {s.cluster!r}")
+        if s.cluster == "slurm" and shutil.which("sbatch") is None:
+            raise ConfigError("--launcher slurm: no `sbatch` on this machine: submit from a SLURM login node, or "
+                              "launcher.cluster=local to try the path here with submitit's local executor")
+        self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=s.cluster)
+        extra = {f"slurm_{k}": v for k, v in s.slurm_args.items()}
+        self.executor.update_parameters(
+            timeout_min=s.time_min, cpus_per_task=s.cpus_per_run, gpus_per_node=s.gpus_per_run,
+            **({"slurm_partition": s.partition} if s.partition else {}),
+            **({"mem_gb": s.mem_gb} if s.mem_gb else {}), **extra)
+
+    def threads(self, jobs: int) -> int:
+        return self.settings.cpus_per_run
+
+    def start(self, args: list[str], log: Path, name: str) -> SlurmHandle:
+        self.executor.update_parameters(name=name)
+        return SlurmHandle(self.executor.submit(run_harness, args, str(log), str(ROOT), {}))
+
+    def close(self) -> None:
+        pass
+
+
+def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
+    """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place)."""
+    if name == "local":
+        return LocalLauncher()
+    for key, low in (("cpus_per_run", 1), ("gpus_per_run", 0), ("time_min", 1)):
+        if settings[key] < low:
+            raise ConfigError(f"launcher.{key} must be >= {low}, got {settings[key]}")
+    if settings.mem_gb is not None and settings.mem_gb < 1:
+        raise ConfigError(f"launcher.mem_gb must be >= 1 or null, got {settings.mem_gb}")
+    if name == "ray":
+        return RayLauncher(settings)
+    if name == "slurm":
+        return SlurmLauncher(settings, exp_dir / ".submitit")
+    raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {name!r}")

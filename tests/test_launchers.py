@@ -1,0 +1,159 @@
+"""Sweeps through the launchers (harness/apps/launchers.py): a local Ray cluster and submitit's local executor run
+the same tiny sweep as the local launcher, into the same folder layout, with the same metrics; a Ray worker killed
+mid-run leaves a stopped run that the same sweep resumes with no step written twice; every launcher error is one
+line before any folder exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from harness.apps.sweep import run_sweep
+from harness.run.config import load_experiment
+from harness.run.errors import ConfigError
+from harness.run.records import read_jsonl
+from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.tiny import TINY_RUN, without_timing
+
+# Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
+# a launcher that mixed runs up would show), 6 steps (room to kill a run mid-way).
+SETTINGS = [*TINY_RUN, "threads=1", "train.steps=6", "train.max_new_tokens=16", "train.micro_batch_size=0",
+            "task.args.digits=1", "task.format_weight=0.5", "model.warm_start_steps=100", "model.warm_start_lr=1e-2",
+            "model.warm_start_batch_size=32", "model.warm_start_target=null"]
+EXPERIMENT = "sweep:\n  grid:\n    objective.name: [grpo, gspo]\n"
+
+
+def experiment(folder: Path, results: Path, *overrides: str):
+    exp = folder / "launch.yaml"
+    exp.write_text(EXPERIMENT)
+    return load_experiment(str(exp), [*SETTINGS, f"results_dir={results}", *overrides])
+
+
+def metrics(exp_dir: Path) -> dict[str, list[dict]]:
+    manifest = json.loads((exp_dir / "manifest.json").read_text())
+    return {r["run_id"]: without_timing(read_jsonl(exp_dir / r["dir"] / "metrics.jsonl")) for r in manifest["runs"]}
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+    """The local launcher's sweep (the reference), with a cache of its own that the other launchers' runs share."""
+    folder = tmp_path_factory.mktemp("local")
+    previous = os.environ.get("RLVR_CACHE")
+    os.environ["RLVR_CACHE"] = str(folder / "cache")
+    try:
+        entries = run_sweep(experiment(folder, folder / "results"), jobs=2, progress=False)
+        assert [e["status"] for e in entries] == ["finished", "finished"]
+        reference = metrics(folder / "results" / "launch")
+        assert len({json.dumps(rows) for rows in reference.values()}) == 2  # grpo's and gspo's runs differ
+        assert all(rows[1]["reward_std"] > 0 for rows in reference.values())
+        yield folder, reference
+    finally:
+        if previous is None:
+            os.environ.pop("RLVR_CACHE", None)
+        else:
+            os.environ["RLVR_CACHE"] = previous
+
+
+@pytest.mark.slow
+def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resumable(local_sweep, tmp_path):
+    ray = pytest.importorskip("ray")
+    folder, reference = local_sweep
+    cfg = experiment(folder, tmp_path)
+    exp_dir = tmp_path / "launch"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        outcome = {}
+        sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(cfg, progress=False,
+                                                                                 launcher="ray")))
+        sweep.start()
+
+        def a_run_two_steps_in():
+            runs = sorted(exp_dir.glob("gspo-*")) if exp_dir.is_dir() else []
+            return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None  # eval + 2 steps
+
+        killed = wait_until(a_run_two_steps_in, timeout=240)
+        assert killed is not None, "the Ray sweep made no progress"
+        (train,) = processes_with(f"--run-dir {killed}")
+        worker = int(Path(f"/proc/{train}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        os.kill(worker, signal.SIGKILL)  # the Ray worker running the task; the run dies with it
+        sweep.join(timeout=240)
+        assert not sweep.is_alive()
+        status = {e["run_id"]: e["status"] for e in outcome["entries"]}
+        assert status[killed.name] == "stopped" and sorted(status.values()) == ["finished", "stopped"]
+        assert json.loads((exp_dir / "manifest.json").read_text())["runs"][1]["status"] == "stopped"
+        assert len(read_jsonl(killed / "metrics.jsonl")) < 7  # it was killed before its end
+
+        entries = run_sweep(cfg, progress=False, launcher="ray")  # the same sweep again: resumes the killed run
+        assert [e["status"] for e in entries] == ["finished", "finished"]
+    finally:
+        ray.shutdown()
+    assert "resuming" in (killed / "train.log").read_text()
+    result = metrics(exp_dir)
+    assert list(result) == list(reference)  # the same run ids, in the same order
+    for run_id, rows in result.items():
+        assert [r["step"] for r in rows] == list(range(7)), run_id  # every step once
+        assert rows == reference[run_id], run_id  # the local launcher's metrics, the killed run's too
+
+
+@pytest.mark.slow
+def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_sweep, tmp_path):
+    pytest.importorskip("submitit")
+    folder, reference = local_sweep
+    entries = run_sweep(experiment(folder, tmp_path, "launcher.cluster=local", "launcher.time_min=30"),
+                        progress=False, launcher="slurm")
+    assert [e["status"] for e in entries] == ["finished", "finished"]
+    assert metrics(tmp_path / "launch") == reference
+    jobs = [p for p in (tmp_path / "launch" / ".submitit").iterdir() if p.name.isdigit()]
+    assert len(jobs) == 3  # the starting policy's preparation, then one job per run
+
+
+@pytest.mark.parametrize("launcher, override, message", [
+    ("ray", "launcher.address=127.0.0.1:9", "no Ray cluster answers at launcher.address=127.0.0.1:9: start one"),
+    ("slurm", "launcher.cluster=slurm", "--launcher slurm: no `sbatch` on this machine"),
+    ("slurm", "launcher.cluster=pbs", "launcher.cluster must be slurm or local"),
+    ("ray", "launcher.cpus_per_run=0", "launcher.cpus_per_run must be >= 1"),
+    pytest.param("ray", "launcher.gpus_per_run=1", "launcher.gpus_per_run=1, but no node of the Ray cluster has "
+                 "more than 0 GPUs", marks=pytest.mark.slow),  # starts a local Ray cluster (~10 s)
+])
+def test_launcher_errors_stop_the_sweep_before_any_folder_exists(tmp_path, monkeypatch, launcher, override,
+                                                                  message):
+    pytest.importorskip(launcher if launcher == "ray" else "submitit")
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no sbatch here, whatever this machine has
+    if "gpus_per_run" in override:  # a local Ray cluster without GPUs
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            run_sweep(experiment(tmp_path, tmp_path / "results", override), progress=False, launcher=launcher)
+    finally:
+        if "gpus_per_run" in override:
+            import ray
+
+            ray.shutdown()
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("module, extra", [("ray", "ray"), ("submitit", "slurm")])
+def test_a_missing_extra_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, module, extra):
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=rf'--launcher {extra} needs .*: pip install -e "\.\[{extra}\]"'):
+        run_sweep(experiment(tmp_path, tmp_path / "results"), progress=False, launcher=extra)
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
+    (tmp_path / "launch.yaml").write_text(EXPERIMENT)
+    out = cli("sweep", str(tmp_path / "launch.yaml"), *SETTINGS, f"results_dir={tmp_path}/results", "--launcher",
+              "ray", "launcher.address=127.0.0.1:9")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
+        "fix the address, or leave it empty for a local Ray cluster"]
+    assert not (tmp_path / "results").exists()
