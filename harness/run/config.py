@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import itertools
 import json
@@ -219,9 +220,22 @@ def updates_per_step(t: DictConfig) -> int:
     return t.num_minibatches * t.epochs
 
 
+@functools.cache
+def schema() -> DictConfig:
+    """The schema with its defaults, built once (OmegaConf.structured is the slow part of expanding a sweep).
+    Read only: merge copies it."""
+    return OmegaConf.structured(RunConfig)
+
+
+@functools.cache
+def schema_defaults() -> dict:
+    """The schema's defaults as plain values, for :func:`run_id` (read only)."""
+    return OmegaConf.to_container(schema(), resolve=True)
+
+
 def _merge(*configs) -> DictConfig:
     try:
-        return OmegaConf.merge(OmegaConf.structured(RunConfig), *configs)
+        return OmegaConf.merge(schema(), *configs)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
 
@@ -359,8 +373,7 @@ def run_id(run: DictConfig) -> str:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
 
-    content = changed(OmegaConf.to_container(run, resolve=True),
-                      OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
+    content = changed(OmegaConf.to_container(run, resolve=True), schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]

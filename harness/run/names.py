@@ -25,7 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from harness.run.aliases import ALIASES
-from harness.run.config import REPO, RunConfig
+from harness.run.config import REPO, RunConfig, schema
 from objectives import OBJECTIVES
 
 DOCS = {REPO / "docs" / "trl.md": "names", REPO / "README.md": "aliases"}  # file -> the generated table it holds
@@ -304,13 +304,8 @@ def default(key: str) -> str:
         if len(values) > 1 and len(set(values.values())) == 1:
             return f"{next(iter(values.values()))} ({', '.join(values)})"
         return ", ".join(f"{name} {value}" for name, value in values.items())
-    value = OmegaConf.select(_schema(), key)
+    value = OmegaConf.select(schema(), key)
     return _shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
-
-
-@functools.lru_cache(maxsize=1)
-def _schema() -> DictConfig:
-    return OmegaConf.structured(RunConfig)
 
 
 def _shown(value) -> str:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as hf_logging
 
 from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, write_temporary
-from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, RunConfig
+from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, schema_defaults
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.tracking import Trackers
@@ -152,7 +152,7 @@ _UNSET = object()
 def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
     """``key old -> new`` for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what does
     not change a run (results_dir, logging) and settings added to the schema since at their default."""
-    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
+    defaults = _flat(schema_defaults())
     old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
     differences = []
     for key in dict.fromkeys([*new, *old]):
