@@ -44,6 +44,7 @@ def test_decode_matmul_shapes_of_a_model():
     assert all(value > 0 for value in row.values())
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
                  "train.group_size=2", "train.num_minibatches=2", "model.warm_start_steps=0", "threads=1",

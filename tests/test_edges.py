@@ -83,6 +83,7 @@ def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_the_same_settings_resume_and_say_from_which_step(stopped_run, tmp_path, capsys):
     run, run_dir = stopped_run
     elsewhere = OmegaConf.merge(run, {"results_dir": str(tmp_path / "other"), "logging": {"project": "p"}})

@@ -156,6 +156,7 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
         assert np.mean([r["correct"] for r in samples if r["step"] == step]) == rows[step]["eval_accuracy"]
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 @pytest.mark.parametrize("threads", [1, 2])
 def test_same_config_and_seed_give_identical_metrics(tmp_path, threads):
     run = tiny_run(tmp_path, "objective.name=gspo", "train.epochs=2", f"threads={threads}")
@@ -166,6 +167,7 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path, threads):
     assert any(r.get("ratio_std", 0) > 0 for r in a)  # several minibatches move the ratios off 1
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_resume_from_checkpoint_continues_exactly(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
@@ -219,6 +221,7 @@ def test_bf16_sampler_mismatch_is_measured(tmp_path):
     assert step["mismatch_logp_abs"] < 1e-5
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_kl_reference_is_loaded_and_logged_when_beta_positive(tmp_path):
     # the overlong penalty gives the random model's groups unequal rewards, so the first minibatch moves the policy
     # and the second one sees a positive KL to the (frozen) reference; without beta there is no reference at all
@@ -337,6 +340,7 @@ def _lr_spy(monkeypatch, used: list):
     monkeypatch.setattr(build_module, "build_optimizer", spied)
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is_skipped(tmp_path, monkeypatch):
     """Warm-up over 3 updates, 2 updates per step, 3 steps: the k-th update uses lr x min(1, (k + 1) / 4), also when
     the run is stopped after step 1 and resumed; torch never warns that a schedule value was skipped. A row's ``lr``

@@ -26,6 +26,7 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")
     train(run, tmp_path / "full", progress=False)

@@ -23,6 +23,7 @@ def cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True, **kw)
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, monkeypatch):
     run = tiny_run(tmp_path, "train.eval_every=1")
     train(run, tmp_path / "full", progress=False)

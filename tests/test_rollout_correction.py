@@ -321,6 +321,7 @@ def test_a_correction_without_a_sampler_difference_is_allowed_and_defaults_keep_
     assert run_id(default) == run_id(OmegaConf.create(bare)) != run_id(run)
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_mismatch_stability_runs_every_correction_mode_and_the_new_objectives():
     runs = run_configs(load_experiment("mismatch_stability"))
     modes = {r.train.rollout_correction.mode for r in runs}

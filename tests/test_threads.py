@@ -14,7 +14,7 @@ import torch
 from harness.loop.native import train
 from harness.run import threads
 from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import tiny_run
+from tests.helpers.tiny import tiny_run, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +56,7 @@ def test_an_explicit_count_wins_then_the_runs_own_then_the_processes_then_omp_nu
     assert threads.run_threads(0) == 1 and "busy" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole run (or several): make test
 def test_a_resumed_run_keeps_the_thread_count_it_started_with(machine, tmp_path, capsys):
     run = tiny_run(tmp_path, "threads=0", "train.steps=3")
     with stopped_before(2):
@@ -81,3 +82,16 @@ def test_bench_step_prints_one_steps_seconds_and_threads(capsys, machine):
                       "train.group_size=2", "train.num_minibatches=1", "threads=1"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["threads"] == 1 and result["step_s"] > result["rollout_s"] > 0
+
+
+@pytest.mark.slow  # two whole runs: make test
+def test_the_tiny_runs_metrics_do_not_depend_on_the_thread_count(tmp_path):
+    """threads=0 picks the free cores, so a fresh run's count depends on the machine's load; on the tiny model that
+    must not change a result: 1 and 2 threads give the same metrics bit for bit (if a torch upgrade breaks this,
+    the default must become a fixed count)."""
+    rows = {}
+    for n in (1, 2):
+        train(tiny_run(tmp_path, f"threads={n}", "train.steps=2"), tmp_path / f"t{n}", progress=False)
+        lines = (tmp_path / f"t{n}" / "metrics.jsonl").read_text().splitlines()
+        rows[n] = without_timing([{k: v for k, v in json.loads(line).items() if k != "threads"} for line in lines])
+    assert rows[1] == rows[2] and len(rows[1]) == 3
