@@ -10,9 +10,11 @@ every metrics.jsonl value except time and memory (:data:`TIMING_METRICS`), every
 final weights (a lab: its table and position rows and a digest of its gradient sketches).
 
 tests/test_equivalence.py reruns them and requires exact float equality. Float results depend on the CPU's
-instruction set and on the torch / transformers / trl builds, so the file records them (:func:`build`) and the test
-skips, naming the difference, on another build: regenerate the goldens there from a commit you trust (e.g. the
-restructuring's base), then check the new code against them.
+instruction set and on the torch / transformers / trl builds, so the file holds one entry per build (:func:`build`):
+``{"goldens": [{"build": {...}, "runs": {...}}, ...]}``; the test uses the entry of the build it runs on and skips,
+naming the builds it has, on another: add that build's entry from a commit you trust (e.g. the restructuring's base,
+9a22299: ``git worktree add /tmp/base 9a22299`` and run this module there with ``PYTHONPATH=/tmp/base``, then copy
+its entry over), then check the new code against it.
 """
 
 from __future__ import annotations
@@ -139,6 +141,16 @@ def run_one(name: str, workdir: Path) -> dict:
             "final_weights": digest(load_file(run_dir / "final" / "model.safetensors"))}
 
 
+def load_goldens() -> list[dict]:
+    """golden.json's entries, one per build."""
+    return json.loads(GOLDEN.read_text())["goldens"] if GOLDEN.exists() else []
+
+
+def build_entry(goldens: list[dict], here: dict) -> dict:
+    """The entry made on the build ``here`` (an empty one when there is none)."""
+    return next((g for g in goldens if g["build"] == here), {"build": here, "runs": {}})
+
+
 def fresh_cache() -> tempfile.TemporaryDirectory:
     """An empty RLVR_CACHE for the whole process, so that the warm start runs here (its code is covered too)."""
     folder = tempfile.TemporaryDirectory(prefix="golden-cache-")
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="runs to make (default: all)")
     args = parser.parse_args(argv)
     cache = fresh_cache()
-    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"runs": {}}
+    golden = build_entry(load_goldens(), build())
     found, differ = {}, []
     with tempfile.TemporaryDirectory(prefix="golden-") as work:
         for name in args.names or RUNS:
@@ -165,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(found) - len(differ)}/{len(found)} runs equal the goldens" +
               (f"; differ: {', '.join(differ)}" if differ else ""), file=sys.stderr)
         return 1 if differ else 0
-    golden["build"] = build()
     golden["runs"] = {**golden["runs"], **found} if args.names else found
-    GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    goldens = [g for g in load_goldens() if g["build"] != golden["build"]] + [golden]
+    GOLDEN.write_text(json.dumps({"goldens": goldens}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
     return 0
 
