@@ -29,7 +29,7 @@ from harness.run.atomic import atomic_write, disk_full_error
 from harness.run.config import EXPERIMENTS_DIR, check_this_machine, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
-from harness.run.records import check_resume
+from harness.run.records import ENDED, check_resume
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, available_advantages
@@ -85,8 +85,10 @@ def rounded(value: float | None) -> str:
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
     entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher)
-    failed = [e["run_id"] for e in entries if e["status"] != "finished"]
-    print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
+    failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
+    finished = sum(e["status"] == "finished" for e in entries)
+    print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
+                                                         if finished + len(failed) < len(entries) else "") +
           (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     report_status = 0
     if not args.no_report:  # the report of whatever exists, in the sweep's own results folder

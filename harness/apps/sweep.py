@@ -1,8 +1,8 @@
 """Run every point of an experiment's sweep, each run in its own process, resumable and in parallel.
 
-results/<exp>/manifest.json lists the runs and their status (pending, running, finished, failed, interrupted, or
-stopped: killed, its summary still saying running while no process holds its lock). Running the same sweep again
-skips finished runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
+results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
+interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
+sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
 between them; if the sweep process dies (even SIGKILL), its children die with it. Where a run's process executes
 is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
@@ -24,7 +24,7 @@ from harness.policy.device import resolve_device
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
-from harness.run.records import read_jsonl, run_status, write_json_atomic
+from harness.run.records import ENDED, read_jsonl, run_status, write_json_atomic
 from harness.run.threads import run_threads
 
 
@@ -123,7 +123,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
         write_json_atomic(manifest, {"experiment": cfg.name, "runs": entries})
 
     save_manifest()
-    todo = [e for e in entries if e["status"] != "finished"]
+    todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
     if runner.name == "local":
         prepare_starting_policies([run for run, _ in pending], progress)
