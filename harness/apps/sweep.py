@@ -2,8 +2,8 @@
 
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
-sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
-between them; if the sweep process dies (even SIGKILL), its children die with it. Where a run's process executes
+sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs
+go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it. Where a run's process executes
 is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
 
@@ -95,12 +95,14 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
                                f"{handle.error or _error(run_dir) or 'no output'}; log in {run_dir / 'train.log'}")
 
 
-def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local") -> list[dict]:
+def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
+              runs: list[DictConfig] | None = None) -> list[dict]:
     """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
     once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
-    Raises ConfigError (a launcher that cannot start: a missing extra, no cluster) before any folder is touched, and
-    FolderBusyError if another sweep holds the folder."""
-    runs = run_configs(cfg)
+    ``runs``: these run configs instead of ``cfg``'s grid (the zoo's union of several experiments' grids; ``cfg``
+    then names the folder and the keys the manifest records). Raises ConfigError (a launcher that cannot start: a
+    missing extra, no cluster) before any folder is touched, and FolderBusyError if another sweep holds the folder."""
+    runs = run_configs(cfg) if runs is None else runs
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
