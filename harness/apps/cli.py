@@ -185,6 +185,8 @@ def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
     given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
+    if args.objectives:
+        given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
                report=not args.no_report)
 
@@ -266,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=float, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
+    zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
