@@ -1,14 +1,15 @@
 """`make zoo`: every registered objective through the shipped stress regimes on the tiny model, then the leaderboard.
 
-    python -m harness zoo [--seeds N] [--jobs N] [--target ACC] [--no-report] [key=value ...]
+    python -m harness zoo [--seeds N] [--jobs N] [--target ACC] [--objectives a,b] [--no-report] [key=value ...]
         -> results/zoo/<run_id>/ (resumable, as any sweep), results/zoo/leaderboard.md, .html, .csv
            and results/zoo/report/ (the per-cell report: axis figures, heat map, paired tables)
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
 next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, the
 README's experiment table) at the axis values listed, crossed with every objective and ``--seeds`` seeds; all runs go
-into one folder under the experiment name ``zoo``, so a cell two regimes share (quickstart's settings) is one set of
-runs (run ids are the settings' hash). Overrides apply to every run (e.g. ``train.steps=2`` for a smoke test).
+into one folder under the experiment name ``zoo``, so a cell two regimes share (e.g. quickstart's settings, were both
+to list it) is one set of runs (run ids are the settings' hash). Overrides apply to every run (e.g. ``train.steps=2``
+for a smoke test).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.records import ENDED
 from objectives import available_objectives
 
-# regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed); the
-# README's "Where objectives differ" says what each one showed and what the whole zoo costs
+# regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
+# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). The README's
+# "Where objectives differ" says what was explored, what each regime showed and how the budget is computed.
 CELLS: dict[str, dict[str, list]] = {
-    "quickstart": {},
-    "offpolicy": {"train.num_minibatches": [16]},
-    "step_size": {"train.lr": [5.0e-4]},
+    "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
+    "step_size": {"train.lr": [5.0e-4]},  # 10x quickstart's learning rate
 }
 SEEDS = 3
 TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstart's starting policy (0.30-0.45 band)
