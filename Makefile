@@ -13,7 +13,7 @@ export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims plots bench list explain docs soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs soak clean-results
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
 	$(PY) -m harness claims --jobs $(JOBS)
 
+zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: README; SEEDS=N)
+	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
+
 plots:  ## results/$(EXP)/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
 
@@ -64,8 +67,8 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation
-	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) --jobs $(JOBS)
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md)
+	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) --jobs $(JOBS)
 
 soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothing is lost or written twice
 	$(PY) -m harness soak --kills $(or $(KILLS),20)

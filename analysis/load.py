@@ -16,12 +16,12 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.cells import Cells, assign_cells
-from harness.run.collapse import CollapseRule, detect_collapse
+from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
+from harness.run.records import COLLAPSE_RULE, ENDED
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
-COLLAPSE_RULE = CollapseRule()  # the rule applied to runs whose summary.json has no `collapse` record
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
 
 
@@ -138,7 +138,7 @@ def steps_text(steps: list[int], most: int = 8) -> str:
 def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
     """Warnings about what a run's metrics lost: a truncated last line of a finished run, null (non-finite when
     written) values where a number belongs, steps missing from the file."""
-    if read.truncated_step is not None and status in ("finished", "diverged"):
+    if read.truncated_step is not None and status in ENDED:
         step = read.truncated_step if read.truncated_step >= 0 else "?"
         warn(f"{path}: the run is {status} but its last line is truncated: step {step} lost (its metrics are not in "
              "the figures; the summary's numbers still are)")

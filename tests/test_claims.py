@@ -29,6 +29,10 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: runs, metric: m, within: [0, 1]}]\n")
     with pytest.raises(ConfigError, match="a lab has no table 'runs'"):
         load_claim(path)
+    path.write_text("claim: x\npaper: y\nexperiment: {sweep: quickstart}\nchecks: [{table: final, metric: m, "
+                    "compare: {objective: a, than: b, direction: equivalent}}]\n")
+    with pytest.raises(ConfigError, match="compare.margin is the equivalence margin"):
+        load_claim(path)
     with pytest.raises(ConfigError, match="no claim nope"):
         load_claims(["nope"])
     assert CLAIMS_DIR.is_dir()
@@ -59,6 +63,24 @@ def test_compare_equal_and_within():
     verdict, measured = evaluate_check(within, {"lab": LAB})
     assert verdict == "holds" and "mean 2.00" in measured
     assert evaluate_check({**within, "statistic": "max"}, {"lab": LAB})[0] == "does not hold"  # max 2.1
+
+
+def test_compare_equivalent_on_final_accuracies_paired_by_seed():
+    """``final`` rows (one per run): per seed, the selected cells' mean; equivalence when the bootstrap interval of
+    the paired mean difference is inside the margin."""
+    final = pd.DataFrame({"seed": [0, 1, 2] * 4, "objective": ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3,
+                          "train.lr": [1e-4] * 6 + [5e-4] * 6,
+                          "final_eval_accuracy": [0.50, 0.52, 0.48, 0.49, 0.50, 0.50, 0.1, 0.1, 0.1, 0.4, 0.4, 0.4]})
+    check = {"table": "final", "metric": "final_eval_accuracy", "where": "`train.lr` == 1e-4",
+             "compare": {"objective": "a", "than": "b", "direction": "equivalent", "margin": 0.05}}
+    verdict, measured = evaluate_check(check, {"final": final})
+    assert verdict == "holds" and "a - b: 0.00333 [" in measured and "3 seeds" in measured  # +0.01, +0.02, -0.02
+    assert evaluate_check({**check, "compare": {**check["compare"], "margin": 0.01}}, {"final": final})[0] == \
+        "does not hold"  # the interval reaches beyond +-0.01
+    assert evaluate_check({**check, "where": "`train.lr` == 5e-4"}, {"final": final})[0] == "does not hold"  # -0.3
+    both = {**check, "where": None, "compare": {"objective": "a", "than": "b", "direction": "less"}}
+    verdict, measured = evaluate_check(both, {"final": final})  # per seed, the two cells' mean: a < b by 0.148
+    assert verdict == "holds" and "a 0.300, b 0.448" in measured
 
 
 def test_ledger_rows_and_files(tmp_path):

@@ -184,7 +184,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [3] * 8
 
 
-def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tmp_path, monkeypatch):
     real = get_objective("grpo")
 
     def nan_objective(batch):
@@ -192,14 +192,22 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
         return ObjectiveOutput(out.loss * float("nan"), out.metrics)
 
     monkeypatch.setattr("harness.loop.build.get_objective", lambda name, **kw: _Wrap(nan_objective, real))
-    run = tiny_run(tmp_path, "train.steps=3", "train.max_nonfinite_in_row=3")
-    with pytest.raises(RuntimeError, match="non-finite"):
-        train(run, tmp_path / "nan", progress=False)
+    run = tiny_run(tmp_path, "train.steps=3", "train.max_nonfinite_in_row=3", "train.save_every=1")
+    summary = train(run, tmp_path / "nan", progress=False)
     rows = read_jsonl(tmp_path / "nan" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 2 (the 4th skip in a row) is logged, then the run stops
     assert rows[1]["nonfinite_skips"] == 2 and rows[2]["nonfinite_skips"] == 4
-    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "non-finite" in summary["error"]
+    on_disk = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert on_disk == summary and summary["status"] == "diverged" and summary["error"] is None
+    assert summary["steps_done"] == 2 and summary["start_eval_accuracy"] is not None
+    assert summary["collapse"]["step"] == 1 and summary["collapse"]["cause"] == "non_finite_loss"
+    assert summary["collapse"]["detail"]["key"] == "nonfinite_skips"  # the NaN loss itself is not logged
+    assert not (tmp_path / "nan" / "final").exists()  # a diverged policy is not exported
+    # run again, it resumes from step 1's checkpoint (the diverging step saved none) and diverges the same way,
+    # nothing written twice
+    again = train(run, tmp_path / "nan", progress=False)
+    assert without_timing(read_jsonl(tmp_path / "nan" / "metrics.jsonl")) == without_timing(rows)
+    assert again["status"] == "diverged" and again["collapse"] == summary["collapse"]
 
 
 class _Wrap:

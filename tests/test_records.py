@@ -3,9 +3,12 @@ writer per run folder."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.loop.native import train
+from harness.run.collapse import CollapseRule
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, read_jsonl
 from tests.helpers.interrupt import stopped_before
@@ -69,3 +72,25 @@ def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and
     assert f"warning: {path}, line 4 (the last) is not valid JSON: dropped (step 3 is listed in summary.json's " \
         "missing_steps)" in err
     assert summary["status"] == "finished" and summary["missing_steps"] == [3]
+
+
+def test_summary_carries_the_collapse_record_of_the_rows_so_far_across_a_resume(tmp_path):
+    """summary.json's `collapse` is the rule of harness/run/collapse.py on the logged rows, written at every step:
+    null until the streak is confirmed, then the onset and cause (with the rule), kept through a resume."""
+    run = tiny_run(tmp_path)
+    summary = lambda: json.loads((tmp_path / "run" / "summary.json").read_text())  # noqa: E731
+    first = RunRecords(run, tmp_path / "run", None, None, "native")
+    with first.recording():
+        first.log({"step": 0, "eval_accuracy": 0.5})
+        for step in (1, 2, 3):  # entropy below the floor from step 2 on: 2 of the 5 steps the rule asks for
+            first.log({"step": step, "entropy": 0.5 if step == 1 else 0.001, "clip_frac": 0.0, "loss": 0.1})
+        assert summary()["collapse"] is None
+    again = RunRecords(run, tmp_path / "run", 3, None, "native")  # resumed from step 3's checkpoint
+    with again.recording():
+        for step in (4, 5, 6):
+            again.log({"step": step, "entropy": 0.001, "clip_frac": 0.0, "loss": 0.1})
+            assert (summary()["collapse"] is None) == (step < 6)
+    record = summary()["collapse"]
+    assert record["step"] == 2 and record["cause"] == "entropy_floor" and record["detail"]["confirmed_at"] == 6
+    assert record["detail"]["values"] == [0.001] * 5 and record["rule"] == CollapseRule().as_dict()
+    assert again.summary("finished")["collapse"] == record

@@ -13,13 +13,18 @@ A claim file::
          compare: {objective: gspo, than: grpo, direction: greater, factor: 10}}
 
 Tables: a lab's ``lab``, ``pairwise``, ``snr``, ``sqrt_growth`` (analysis/lab.py); a sweep's ``runs`` (one row per
-run and logged step: every per-step metric, from analysis/load.py). ``where`` is a pandas query on the table. A
-check's *units* are the lab's batches or the sweep's seeds: the metric is averaged over the selected rows of each
-unit first (a table without units, such as ``sqrt_growth``, has one unit per row).
+run and logged step: every per-step metric, from analysis/load.py) and ``final`` (one row per run that ended and is
+counted, analysis/load.py's run table: ``final_eval_accuracy``, ``best_eval_accuracy``, ``collapsed`` (1 when its
+collapse record names a cause, else 0), the swept keys as columns, e.g. ```train.num_minibatches` == 16``). ``where``
+is a pandas query on the table. A check's *units* are the lab's batches or the sweep's seeds: the metric is averaged
+over the selected rows of each unit first (a table without units, such as ``sqrt_growth``, has one unit per row), so
+a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one seed share their first rollouts).
 
 - ``compare``: per unit, x = metric of ``objective``, y = metric of ``than`` (paired by unit). ``greater`` holds if
   mean(x) > factor * mean(y) and the percentile bootstrap interval of mean(x - factor * y) lies above 0; ``less``
-  mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units.
+  mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent`` holds if the
+  bootstrap interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
+  that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
 The ledger says "holds", "does not hold" (with the numbers) or "no data" (a check found nothing to measure).
@@ -50,8 +55,9 @@ from harness.run.config import EXPERIMENTS_DIR, load_experiment
 from harness.run.errors import ConfigError
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
-UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed"}
-TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs",)}  # what each experiment kind writes
+UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed"}
+TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final")}  # each experiment kind's
+DIRECTIONS = ("greater", "less", "equal", "equivalent")
 STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
 
 
@@ -83,8 +89,11 @@ def load_claim(path: Path) -> Claim:
     for check in claim.checks:
         if ("compare" in check) == ("within" in check) or "table" not in check or "metric" not in check:
             raise ConfigError(f"{path}: each check needs table, metric and one of compare / within, got {check}")
-        if "compare" in check and check["compare"].get("direction", "greater") not in ("greater", "less", "equal"):
-            raise ConfigError(f"{path}: compare.direction must be greater, less or equal")
+        if "compare" in check and check["compare"].get("direction", "greater") not in DIRECTIONS:
+            raise ConfigError(f"{path}: compare.direction must be one of {', '.join(DIRECTIONS)}")
+        if "compare" in check and (check["compare"].get("direction") == "equivalent") != ("margin" in check["compare"]):
+            raise ConfigError(f"{path}: compare.margin is the equivalence margin: give it with direction equivalent "
+                              "(only)")
         if check["table"] not in TABLES[claim.source[0]]:
             raise ConfigError(f"{path}: a {claim.source[0]} has no table {check['table']!r}; tables: "
                               f"{', '.join(TABLES[claim.source[0]])}")
@@ -112,7 +121,9 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, prog
         build_lab_report(folder)
         return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
     run_sweep(cfg, jobs=jobs, progress=progress)
-    return {"runs": load_results(Path(cfg.results_dir) / cfg.name).metrics}
+    exp = load_results(Path(cfg.results_dir) / cfg.name)
+    final = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
+    return {"runs": exp.metrics, "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
 
 
 def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.Series:
@@ -155,6 +166,12 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
         gap = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
         tolerance = spec.get("tolerance", 1e-6)
         return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}"
+    if direction == "equivalent":
+        lo, hi = bootstrap_ci(x - y)
+        margin = spec["margin"]
+        holds = np.isfinite(lo) and -margin <= lo and hi <= margin
+        return ("holds" if holds else "does not hold"), (f"{numbers}; {a} - {b}: {num((x - y).mean())} "
+                                                         f"[{num(lo)}, {num(hi)}], equivalence margin +-{margin:g}")
     sign = 1 if direction == "greater" else -1
     difference = sign * (x - factor * y)
     lo, hi = bootstrap_ci(difference)

@@ -1,4 +1,4 @@
-"""Command line: python -m harness {train,sweep,lab,claims,list,bench,prepare,docs,soak} ...; see README."""
+"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,prepare,docs,soak} ...; see README."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from harness.run.atomic import atomic_write, disk_full_error
 from harness.run.config import EXPERIMENTS_DIR, check_this_machine, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
-from harness.run.records import check_resume
+from harness.run.records import ENDED, check_resume
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, available_advantages
@@ -85,8 +85,10 @@ def rounded(value: float | None) -> str:
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
     entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher)
-    failed = [e["run_id"] for e in entries if e["status"] != "finished"]
-    print(f"{len(entries) - len(failed)}/{len(entries)} runs finished" +
+    failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
+    finished = sum(e["status"] == "finished" for e in entries)
+    print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
+                                                         if finished + len(failed) < len(entries) else "") +
           (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     report_status = 0
     if not args.no_report:  # the report of whatever exists, in the sweep's own results folder
@@ -164,7 +166,7 @@ def cmd_bench(args) -> int:
 def cmd_docs(args) -> int:
     from harness.apps.docs import main as docs  # imported when used: the plotting stack (cmd_sweep's note)
 
-    return docs(with_gsm8k=args.with_gsm8k, jobs=args.jobs)
+    return docs(with_gsm8k=args.with_gsm8k, with_zoo=args.with_zoo, jobs=args.jobs)
 
 
 def cmd_lab(args) -> int:
@@ -177,6 +179,16 @@ def cmd_claims(args) -> int:
     from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
 
     return claims(args.names, jobs=args.jobs, progress=not args.no_progress)
+
+
+def cmd_zoo(args) -> int:
+    from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
+
+    given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
+    if args.objectives:
+        given["objectives"] = args.objectives.split(",")
+    return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
+               report=not args.no_report)
 
 
 def cmd_explain(args) -> int:
@@ -251,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
+    zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
+    zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
+    zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
+    zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
+    zoo.add_argument("--target", type=float, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
+    zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
+    zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
     explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
@@ -263,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: the free cores)")
     docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
+    docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md (README budget)")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
@@ -310,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
-            "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain}
+            "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
+            "zoo": cmd_zoo}
 
 
 def failure_status(e: Exception) -> int | None:

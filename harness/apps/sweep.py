@@ -1,10 +1,11 @@
 """Run every point of an experiment's sweep, each run in its own process, resumable and in parallel.
 
-results/<exp>/manifest.json lists the runs and their status (pending, running, finished, failed, interrupted, or
-stopped: killed, its summary still saying running while no process holds its lock). Running the same sweep again
-skips finished runs and resumes the others from their last checkpoint. ``jobs`` runs go at once, CPU threads split
-between them; if the sweep process dies (even SIGKILL), its children die with it. Where a run's process executes
-is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
+results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
+interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
+sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs
+go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
+Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
+SLURM); the loop is the same.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from harness.policy.device import resolve_device
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
-from harness.run.records import read_jsonl, run_status, write_json_atomic
+from harness.run.records import ENDED, read_jsonl, run_status, write_json_atomic
 from harness.run.threads import run_threads
 
 
@@ -95,12 +96,14 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
                                f"{handle.error or _error(run_dir) or 'no output'}; log in {run_dir / 'train.log'}")
 
 
-def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local") -> list[dict]:
+def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
+              runs: list[DictConfig] | None = None) -> list[dict]:
     """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
     once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
-    Raises ConfigError (a launcher that cannot start: a missing extra, no cluster) before any folder is touched, and
-    FolderBusyError if another sweep holds the folder."""
-    runs = run_configs(cfg)
+    ``runs``: these run configs instead of ``cfg``'s grid (the zoo's union of several experiments' grids; ``cfg``
+    then names the folder and the keys the manifest records). Raises ConfigError (a launcher that cannot start: a
+    missing extra, no cluster) before any folder is touched, and FolderBusyError if another sweep holds the folder."""
+    runs = run_configs(cfg) if runs is None else runs
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
@@ -123,7 +126,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
         write_json_atomic(manifest, {"experiment": cfg.name, "runs": entries})
 
     save_manifest()
-    todo = [e for e in entries if e["status"] != "finished"]
+    todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
     if runner.name == "local":
         prepare_starting_policies([run for run, _ in pending], progress)

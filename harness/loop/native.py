@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -47,10 +48,6 @@ from harness.run.records import RunRecords, export_policy, load_checkpoint, save
 from harness.run.threads import run_threads
 
 
-class NonFiniteError(RuntimeError):
-    pass
-
-
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run into ``run_dir`` (resuming from its checkpoint if there is one); returns the summary."""
     t = cfg.train
@@ -77,6 +74,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if state.step == 0:  # the starting policy's evaluation is step 0
             evaluation, samples = evaluated(run, cfg, 0)
             records.log({"step": 0, **evaluation}, samples)
+        status = "finished"
         for step in range(state.step + 1, t.steps + 1):
             # 1-4. rollout, advantages, behaviour log-probs, update
             row = train_step(run, learner, cfg, step, state)
@@ -90,9 +88,12 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             records.log(row, samples)
             bar.update(1)
             bar.set_postfix(progress_fields(row, records.rows))
-            if state.nonfinite_in_row >= t.max_nonfinite_in_row:
-                raise NonFiniteError(f"{state.nonfinite_in_row} updates in a row had a non-finite loss or "
-                                     f"gradient (step {step}); lower train.lr or check the objective's inputs")
+            if state.nonfinite_in_row >= t.max_nonfinite_in_row:  # diverged: the records so far stay as they are
+                status = "diverged"
+                tqdm.write(f"diverged: {state.nonfinite_in_row} updates in a row had a non-finite loss or gradient "
+                           f"(step {step}); the run stops here (a lower train.lr, or check the objective's inputs)",
+                           file=sys.stderr)
+                break
             if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
                 export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
             if step == t.steps or (t.save_every and step % t.save_every == 0):
@@ -100,9 +101,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                                              for part in ("policy", "optimizer", "scheduler")},
                                           "state": dataclasses.asdict(state)})
         bar.close()
-        if records.main:
+        if records.main and status == "finished":
             export_policy(run.policy, run.tokenizer, run_dir / "final")
-    return records.summary("finished")
+    return records.summary(status)
 
 
 def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState) -> dict:

@@ -1,7 +1,8 @@
 """Collapse detection: a stated rule that says whether, where and why a run collapsed, from its per-step metric rows.
 
-Pure (standard library only): the training loop can call it on the rows it logged (and write the result into
-summary.json as ``summary["collapse"]``), and the analysis calls it on old runs' metrics.jsonl, so both agree.
+Pure (standard library only): a run's records (harness/run/records.py, both backends) apply it to the rows logged so
+far every time they write summary.json, as ``summary["collapse"]``, and the analysis applies it to the metrics.jsonl
+of runs written before that, so both agree.
 
 A run has collapsed when any of these holds (each cause's onset step is reported; when several causes hold, the one
 confirmed first wins, ties in the order of ``CAUSES``):
@@ -47,7 +48,8 @@ class CollapseRule:
     eval_margin: float = 0.1
     eval_consecutive: int = 2
     # non_finite_loss: one step is enough. A NaN/inf loss or gradient is not noise: the objective's numerics broke
-    # (the loop skips that update and stops the run after train.max_nonfinite_in_row skips in a row).
+    # (the native loop skips that update, and after train.max_nonfinite_in_row skips in a row stops the run with
+    # status "diverged").
     nonfinite_consecutive: int = 1
     # entropy_floor (nats per token): at 0.01 the sampler's top token has probability > 0.999 almost everywhere, so a
     # group's completions are nearly identical, its rewards equal and its group-relative advantages 0: learning

@@ -3,8 +3,10 @@
     <run_dir>/config.yaml          the resolved config
     <run_dir>/metrics.jsonl        one line per step (step 0: the starting policy's evaluation), flushed and fsynced
     <run_dir>/eval_samples.jsonl   one line per eval problem and evaluation (greedy completion, answer, score)
-    <run_dir>/summary.json         status (running | finished | failed | interrupted), progress, eval accuracies,
-                                   the starting policy's record, the error of a failed run; written atomically.
+    <run_dir>/summary.json         status (running | finished | diverged | failed | interrupted), progress, eval
+                                   accuracies, the starting policy's record, the run's ``collapse`` record so far
+                                   (harness/run/collapse.py's rule on its metric rows, null: none), the error of a
+                                   failed run; written atomically.
                                    "running" is only true while a process holds <run_dir>/.run.lock: read the
                                    status with run_status(), which says "stopped" for a killed run
     <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
@@ -34,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as hf_logging
 
 from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, write_temporary
+from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, schema_defaults
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
@@ -184,6 +187,12 @@ def check_resume(cfg: DictConfig, run_dir: Path) -> None:
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
 
 
+# the statuses of a run that has ended by itself: it ran every step, or the native loop stopped it for non-finite
+# updates (train.max_nonfinite_in_row in a row). A sweep does not start either again; any other status is resumed.
+ENDED = ("finished", "diverged")
+COLLAPSE_RULE = CollapseRule()  # the rule of summary.json's `collapse` record (and of the report, for older runs)
+
+
 def run_status(run_dir: Path) -> str:
     """A run's status as summary.json says (pending without one), except that a run whose summary says running
     while no process holds its lock is ``stopped`` (killed, even by SIGKILL, or refused: resumable)."""
@@ -259,10 +268,16 @@ class RunRecords:
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
-                "wall_time_s": self.wall_time_s(), "error": error}
+                "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse()}
         if self.main:
             write_json_atomic(self.run_dir / "summary.json", data)
         return data
+
+    def collapse(self) -> dict | None:
+        """The collapse record of the rows logged so far (harness/run/collapse.py's format, with the rule), or None.
+        Rows come in step order, so an onset found once stays the one found later."""
+        found = detect_collapse(self.rows, COLLAPSE_RULE)
+        return found and {**found, "rule": COLLAPSE_RULE.as_dict()}
 
     @contextmanager
     def recording(self):

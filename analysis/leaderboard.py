@@ -1,0 +1,170 @@
+"""The objective leaderboard of a results folder that holds several cells (`make zoo`: results/zoo/).
+
+    write_leaderboard(exp_dir, out_dir, stamp, target)   # -> leaderboard.csv, leaderboard.md, leaderboard.html
+
+One row per objective, over the *shared cells* (analysis.paired.shared_cells: the cells in which every objective that
+ended a run has one, so that no objective is ranked on cells another one was never run in), from the counted runs
+that ended (finished, or diverged: scored by their last evaluation; analysis/load.py):
+
+- mean rank: per shared cell, the objectives ranked by their mean final eval accuracy over seeds (1 = best, ties share
+  the mean of their ranks, pandas' ``rank(method="average")``), averaged over the cells;
+- IQM of final eval accuracy with its stratified-bootstrap 95% interval: analysis.paired.iqm (rliable's conventions);
+- vs the baseline objective (``baseline``, grpo by default): the mean over cells of the per-seed paired difference of
+  final accuracy and P(this > baseline), each with its stratified-bootstrap interval: analysis.paired.aggregate;
+- collapse rate: runs whose collapse record (harness/run/collapse.py, read by analysis/load.py) names a cause, of the
+  ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
+- tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
+  when none is); the median over runs ("not reached" when more than half never reach it), and how many runs reached it;
+- clip fraction and ratio spread: per run, the mean over its training steps of ``clip_frac`` and of ``ratio_std``
+  (the standard deviation of the importance ratios over the minibatch's tokens, as the objective logs it); the mean
+  over runs. "not logged" for objectives that log neither (no ratio, or no clipping).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import paired
+from analysis.load import Experiment, load_experiment
+from analysis.report import eval_table, render_html, render_md
+from analysis.stats import LEVEL, num, rate_interval
+from harness.run.atomic import atomic_write
+
+ACCURACY = "final_eval_accuracy"
+MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-run means over training steps
+
+
+def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
+    """The counted, ended runs of the shared cells, and those cells."""
+    cells = paired.shared_cells(exp.runs, ACCURACY)
+    runs = exp.runs
+    return runs[runs["counted"] & runs["ended"] & runs["cell_id"].isin(cells)], cells
+
+
+def mean_ranks(exp: Experiment, cells: list[int]) -> pd.Series:
+    """Per objective: the mean over ``cells`` of its rank by mean final accuracy in the cell (1 = best)."""
+    table = eval_table(exp.runs, exp.cells.axes)
+    table = table[table["cell_id"].isin(cells) & table["final_mean"].notna()]
+    ranks = table.groupby("cell_id")["final_mean"].rank(ascending=False, method="average")
+    return ranks.groupby(table["objective"]).mean()
+
+
+def tokens_to_target(metrics: pd.DataFrame, runs: pd.DataFrame, target: float) -> pd.Series:
+    """Per run id: rollout tokens sampled when its eval accuracy first reached ``target`` (inf: never)."""
+    rows = metrics[metrics["run_id"].isin(runs["run_id"])]
+    if "eval_accuracy" not in rows or "rollout_tokens" not in rows:
+        return pd.Series(np.inf, index=runs["run_id"])
+    reached = rows[rows["eval_accuracy"] >= target].sort_values("step").groupby("run_id")["rollout_tokens"].first()
+    return reached.reindex(runs["run_id"]).fillna(np.inf)
+
+
+def run_means(metrics: pd.DataFrame, runs: pd.DataFrame, key: str) -> pd.Series:
+    """Per run id: the mean over its training steps (step >= 1) of ``key`` (NaN when it never logged it)."""
+    rows = metrics[metrics["run_id"].isin(runs["run_id"]) & (metrics["step"] >= 1)]
+    if key not in rows:
+        return pd.Series(np.nan, index=runs["run_id"])
+    return rows.groupby("run_id")[key].mean().reindex(runs["run_id"])
+
+
+def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.DataFrame:
+    """The leaderboard's numbers, one row per objective, best mean rank first (see the module docstring)."""
+    runs, cells = shared_runs(exp)
+    ranks = mean_ranks(exp, cells)
+    iqms = paired.iqm(exp.runs, ACCURACY).set_index("objective")
+    versus = paired.aggregate(exp.runs[exp.runs["cell_id"].isin(cells)], ACCURACY)
+    tokens = tokens_to_target(exp.metrics, runs, target)
+    means = {key: run_means(exp.metrics, runs, key) for key in MECHANICS}
+    rows = []
+    for objective, group in runs.groupby("objective", sort=True):
+        ids = group["run_id"]
+        known = group[group["collapse_source"].notna()]
+        k, n = int(known["collapse_cause"].notna().sum()), len(known)
+        low, high = rate_interval(k, n)
+        reach = tokens[ids].to_numpy()
+        row = {"objective": objective, "cells": len(cells), "runs": len(group), "mean_rank": ranks.get(objective),
+               **iqms.loc[objective, ["iqm", "iqm_low", "iqm_high"]].to_dict(),
+               **baseline_columns(versus, objective, baseline),
+               "collapse_k": k, "collapse_n": n, "collapse_rate": k / n if n else np.nan, "collapse_low": low,
+               "collapse_high": high, "tokens_to_target": float(np.median(reach)) if len(reach) else np.nan,
+               "reached_target": int(np.isfinite(reach).sum()),
+               **{key: float(means[key][ids].mean()) for key in MECHANICS}}
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    return frame.sort_values(["mean_rank", "objective"], ignore_index=True) if len(frame) else frame
+
+
+def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dict:
+    """analysis.paired.aggregate's row for (objective, baseline), signed as objective - baseline."""
+    out = dict.fromkeys(["vs_baseline", "vs_baseline_low", "vs_baseline_high", "p_baseline", "p_baseline_low",
+                         "p_baseline_high"], np.nan)
+    pair = versus[(versus["a"].isin([objective, baseline])) & (versus["b"].isin([objective, baseline]))
+                  & (versus["a"] != versus["b"])]
+    if objective == baseline or pair.empty:
+        return out
+    row = pair.iloc[0]
+    sign = 1 if row["a"] == objective else -1
+    low, high = (row["difference_low"], row["difference_high"])[::sign]
+    p_low, p_high = (row["p_low"], row["p_high"]) if sign > 0 else (1 - row["p_high"], 1 - row["p_low"])
+    return {"vs_baseline": sign * row["difference"], "vs_baseline_low": sign * low, "vs_baseline_high": sign * high,
+            "p_baseline": row["p_improvement"] if sign > 0 else 1 - row["p_improvement"], "p_baseline_low": p_low,
+            "p_baseline_high": p_high}
+
+
+def bracket(value, low, high) -> str:
+    return num(value) + ("" if pd.isna(low) else f" [{num(low)}, {num(high)}]")
+
+
+def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """The leaderboard as shown in leaderboard.md/.html."""
+    tokens = [("not reached" if not np.isfinite(t) else num(t)) + f" ({r}/{n})" for t, r, n in
+              zip(board["tokens_to_target"], board["reached_target"], board["runs"], strict=True)]
+    return pd.DataFrame({
+        "objective": board["objective"], "mean rank": board["mean_rank"].map(num),
+        "IQM final accuracy [95% CI]": [bracket(*v) for v in zip(board["iqm"], board["iqm_low"], board["iqm_high"],
+                                                                  strict=True)],
+        f"vs {baseline} [95% CI]": [bracket(*v) for v in zip(board["vs_baseline"], board["vs_baseline_low"],
+                                                             board["vs_baseline_high"], strict=True)],
+        f"P(> {baseline}) [95% CI]": [bracket(*v) for v in zip(board["p_baseline"], board["p_baseline_low"],
+                                                                board["p_baseline_high"], strict=True)],
+        "collapsed [Wilson 95%]": [f"{k}/{n} " + bracket(r, lo, hi) if n else "n/a" for k, n, r, lo, hi in
+                                   zip(board["collapse_k"], board["collapse_n"], board["collapse_rate"],
+                                       board["collapse_low"], board["collapse_high"], strict=True)],
+        "tokens to target (reached)": tokens,
+        **{label: board[key].map(lambda v: "not logged" if pd.isna(v) else num(v)) for key, label in MECHANICS.items()},
+        "runs": board["runs"]})
+
+
+def explanation(exp: Experiment, cells: list[int], target: float, baseline: str) -> list[str]:
+    labels = [exp.cells.labels[c] for c in cells]
+    left_out = [label for i, label in enumerate(exp.cells.labels) if i not in cells]
+    return [f"Cells ({len(cells)}, each objective x its seeds): " + "; ".join(f"`{c}`" for c in labels) + "."
+            + (f" Left out (not every objective has an ended run there): {'; '.join(left_out)}." if left_out else ""),
+            "Mean rank: per cell, objectives ranked by mean final eval accuracy over seeds (1 = best, ties share "
+            f"their mean rank), averaged over the cells. IQM: of every run's final accuracy pooled over the cells, "
+            f"{LEVEL:.0%} stratified bootstrap (seeds resampled within cells; analysis/paired.py). vs {baseline}: "
+            "mean over cells of the per-seed paired difference of final accuracy, and the probability of "
+            "improvement P(objective > baseline), same bootstrap; an interval that excludes 0 (or 0.5) is a "
+            "difference at this scale. Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
+            f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
+            f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
+            "did not; in brackets the runs that reached it). Clip fraction and ratio spread (ratio_std): per-run "
+            "means over training steps, averaged over runs. Module: analysis/leaderboard.py."]
+
+
+def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, baseline: str = "grpo") -> Path:
+    """leaderboard.csv, .md and .html of the runs in ``exp_dir`` into ``out_dir`` (each written whole, then renamed
+    into place); ``stamp``: the commit, machine and budget line. Returns the .md's path."""
+    exp = load_experiment(exp_dir)
+    _, cells = shared_runs(exp)
+    board = leaderboard(exp, target, baseline)
+    shown = display(board, baseline) if len(board) else pd.DataFrame({"objective": []})
+    blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp), ("table", shown),
+              *[("p", text) for text in explanation(exp, cells, target, baseline)]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "leaderboard.csv", board.to_csv(index=False))
+    atomic_write(out_dir / "leaderboard.md", render_md(blocks))
+    atomic_write(out_dir / "leaderboard.html", render_html(blocks, out_dir, f"Objective leaderboard: {exp.name}"))
+    return out_dir / "leaderboard.md"

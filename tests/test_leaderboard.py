@@ -1,0 +1,69 @@
+"""analysis/leaderboard.py: the objective leaderboard of a folder with several cells, on synthetic run folders whose
+numbers are known by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.leaderboard import leaderboard, write_leaderboard
+from analysis.load import load_experiment
+from tests.helpers.fake_runs import fake_experiment, fake_run
+
+SEEDS = range(5)
+# final eval accuracy per (cell's lr, objective), plus 0.01 x seed
+FINAL = {1e-4: {"grpo": 0.40, "gspo": 0.45, "ctpo": 0.50}, 3e-4: {"grpo": 0.50, "gspo": 0.40, "ctpo": 0.45}}
+CLIP = {"grpo": 0.01, "gspo": 0.2, "ctpo": 0.05}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    exp = tmp_path_factory.mktemp("results") / "zoo"
+    entries = []
+    for lr, finals in FINAL.items():
+        for objective, final in finals.items():
+            for seed in SEEDS:
+                collapsed = objective == "gspo" and lr == 3e-4 and seed < 2  # 2 of gspo's 10 runs collapsed
+                record = {"step": 3, "cause": "eval_drop", "detail": {}} if collapsed else None
+                rows = {s: {"clip_frac": CLIP[objective] * (1 + (s % 2)), "ratio_std": 0.1 * seed} for s in (1, 2, 3,
+                                                                                                          4, 5, 6)}
+                entries.append(fake_run(exp, objective, seed, {"train.lr": lr}, final=final + 0.01 * seed,
+                                        rows=rows, summary_extra={"collapse": record}))
+    return fake_experiment(exp, entries)
+
+
+def test_rank_iqm_paired_collapse_tokens_and_mechanics_by_hand(zoo):
+    board = leaderboard(load_experiment(zoo), target=0.47).set_index("objective")
+    # ranks: lr 1e-4: ctpo 1, gspo 2, grpo 3; lr 3e-4: grpo 1, ctpo 2, gspo 3
+    assert board.index.tolist() == ["ctpo", "grpo", "gspo"]
+    assert board["mean_rank"].tolist() == [1.5, 2.0, 2.5]
+    assert (board["cells"] == 2).all() and (board["runs"] == 10).all()
+    # ctpo's 10 finals: 0.45 ... 0.54; trim_mean(0.25) drops 2 at each end: mean of 0.47 ... 0.52
+    assert board.loc["ctpo", "iqm"] == pytest.approx(0.495)
+    # ctpo - grpo per seed: +0.10 in one cell, -0.05 in the other (every seed): 0.025, no spread to resample
+    assert board.loc["ctpo", "vs_baseline"] == pytest.approx(0.025)
+    assert board.loc["ctpo", "vs_baseline_low"] == pytest.approx(0.025)
+    assert board.loc["ctpo", "vs_baseline_high"] == pytest.approx(0.025)
+    assert board.loc["ctpo", "p_baseline"] == pytest.approx(0.5)  # P = 1 in one cell, 0 in the other
+    assert board.loc["gspo", "vs_baseline"] == pytest.approx(-0.025)  # gspo - grpo: +0.05, -0.10
+    assert np.isnan(board.loc["grpo", "vs_baseline"])  # the baseline itself
+    assert board.loc["gspo", ["collapse_k", "collapse_n"]].tolist() == [2, 10]
+    assert board.loc["gspo", "collapse_rate"] == pytest.approx(0.2)
+    assert board.loc["grpo", "collapse_k"] == 0 and board.loc["gspo", "collapse_low"] > 0
+    # target 0.47 reached at the last eval (step 6: 600 tokens) by finals >= 0.47; the step-3 eval is halfway
+    # from 0.2: never. ctpo: 0.47-0.54 (8 of 10); grpo: 0.47-0.54 (3 + 5 = 8); gspo: 0.47-0.49 (3): median inf
+    assert board.loc["ctpo", ["tokens_to_target", "reached_target"]].tolist() == [600, 8]
+    assert board.loc["gspo", "reached_target"] == 3 and board.loc["gspo", "tokens_to_target"] == np.inf
+    # clip fraction: c on odd steps, 2c on even ones: 1.5 c; ratio_std 0.1 x seed: 0.2 on average
+    assert board.loc["gspo", "clip_frac"] == pytest.approx(0.3)
+    assert board.loc["grpo", "ratio_std"] == pytest.approx(0.2)
+
+
+def test_written_files_name_the_stamp_cells_and_every_objective(zoo, tmp_path):
+    path = write_leaderboard(zoo, tmp_path / "out", "commit abc on a test machine", target=0.47)
+    text = path.read_text()
+    assert "commit abc on a test machine" in text and "`train.lr=0.0001`" in text and "`train.lr=0.0003`" in text
+    assert "| ctpo | 1.50 | 0.495 [" in text and "not reached (3/10)" in text and "2/10 0.200 [" in text
+    assert pd.read_csv(tmp_path / "out" / "leaderboard.csv")["objective"].tolist() == ["ctpo", "grpo", "gspo"]
+    assert "<table" in (tmp_path / "out" / "leaderboard.html").read_text()

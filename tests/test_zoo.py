@@ -1,0 +1,27 @@
+"""harness/apps/zoo.py: the zoo's runs come from the objective registry and the regime cells, each run once."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.apps import zoo
+from harness.run.config import run_id
+from objectives import OBJECTIVES, available_objectives
+
+
+@pytest.fixture
+def two_cells(monkeypatch):
+    monkeypatch.setattr(zoo, "CELLS", {"quickstart": {}, "offpolicy": {"train.num_minibatches": [4, 16]}})
+
+
+def test_every_registered_objective_each_cell_once(two_cells, monkeypatch):
+    monkeypatch.setitem(OBJECTIVES._items, "grpo_copy", OBJECTIVES.get("grpo"))  # registered after the zoo
+    objectives = available_objectives()
+    assert "grpo_copy" in objectives
+    folder, runs = zoo.zoo_runs(1, ["train.steps=2"])
+    # quickstart's num_minibatches is 4: offpolicy's 4 is quickstart's cell, run once
+    assert len(runs) == len(objectives) * 2 == len({run_id(r) for r in runs})
+    assert {(r.objective.name, r.seed, r.train.num_minibatches) for r in runs} == {
+        (o, s, m) for o in objectives for s in (0,) for m in (4, 16)}
+    assert all(r.name == "zoo" and r.train.steps == 2 for r in runs) and folder.name == "zoo"
+    assert set(folder.sweep.grid) == {"objective.name", "seed", "train.num_minibatches"}
