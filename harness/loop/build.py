@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
-from harness.policy.models import load_model
+from harness.policy.models import TINY_MODELS, load_model
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.tasks import Problem, Task, get_task
@@ -68,7 +68,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
     the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy."""
     m = cfg.model
-    tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
+    tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     check_decoder(model, cfg)
     start = None

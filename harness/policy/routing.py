@@ -66,13 +66,25 @@ router as the current weights choose given the replayed layers below it (what R2
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import huggingface_hub
 import torch
+from omegaconf import DictConfig
 from torch import Tensor
+
+from harness.policy.models import EMBEDDED_MODELS
+from harness.policy.tiny_moe import TINY_MOE
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
+REPLAY_MODES = ("none", "r2", "r3")  # train.routing_replay
 
 
 def _softmax_topk_weights(module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -114,6 +126,42 @@ def routing_unsupported(model: torch.nn.Module) -> str | None:
         return (f"{type(model).__name__} is a Mixture-of-Experts model whose router class is not one of "
                 f"{', '.join(ROUTER_WEIGHTS)}")
     return f"{type(model).__name__} is not a Mixture-of-Experts model (no router to record)"
+
+
+def config_is_moe(name: str) -> bool | None:
+    """Whether ``model.name`` is a Mixture-of-Experts model, read from its config without loading it: the embedded
+    models by name, a folder's or a hub id's cached ``config.json`` by :data:`MOE_CONFIG_KEYS` (its text config's
+    too); None when a hub id's config is not in the local cache (then building the run's routing hooks decides)."""
+    if name == TINY_MOE or name in EMBEDDED_MODELS:
+        return name == TINY_MOE
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else \
+        huggingface_hub.try_to_load_from_cache(name, "config.json")
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        config = json.load(file)
+    return any(config.get(key) or (config.get("text_config") or {}).get(key) for key in MOE_CONFIG_KEYS)
+
+
+@register_check("routing_replay")
+def check_routing_replay(run: DictConfig) -> None:
+    """``train.routing_replay``: a known mode; r2/r3 only on a Mixture-of-Experts model, in the native backend; r3 only
+    with a sampler whose forwards the routing hooks can lay out (the native sampler, uncompiled)."""
+    t = run.train
+    mode = t.routing_replay
+    if mode not in REPLAY_MODES:
+        raise ConfigError(f"train.routing_replay must be one of {', '.join(REPLAY_MODES)}, got {mode!r}")
+    if mode == "none":
+        return
+    if config_is_moe(run.model.name) is False:
+        raise ConfigError(f"train.routing_replay={mode} needs a Mixture-of-Experts model ({run.model.name!r} is dense): "
+                          f"use model.name={TINY_MOE} or a hub MoE, or train.routing_replay=none")
+    if run.backend != "native":
+        raise ConfigError(f"backend {run.backend}: train.routing_replay={mode} is not supported (TRL has no routing "
+                          "replay); use backend=native")
+    if mode == "r3" and (t.sampler != "native" or t.compile_sampler):
+        raise ConfigError("train.routing_replay=r3 records the sampler's routing in the native decode loop: use "
+                          "train.sampler=native with train.compile_sampler=false, or train.routing_replay=r2")
 
 
 @dataclass(frozen=True)

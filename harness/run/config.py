@@ -48,8 +48,11 @@ OLD_LOGP = ("sampler", "recompute")
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # tiny (the char-level Llama of `tiny`), smollm2-135m-instruct (embedded), a hub id or a folder
-    tiny: dict[str, Any] = field(default_factory=dict)  # the tiny Llama's shape (hidden_size, num_layers, ...)
+    # tiny (the char-level Llama), tiny_moe (a char-level Qwen3-MoE), smollm2-135m-instruct (embedded), a hub id or a
+    # folder
+    name: str = "tiny"
+    # the tiny model's shape: tiny's (hidden_size, num_layers, ...) or tiny_moe's (+ num_experts, top_k, ...)
+    tiny: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # trainer precision: float32, bfloat16, float16 (weights and compute)
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); null = policy
     seed: int = 0  # the tiny model's init and warm-start seed: the starting policy, shared by every run of a sweep
@@ -127,6 +130,11 @@ class TrainConfig:
     # the trainer's forward runs its token-wise layers on real completion tokens only (Llama-family models; others: the
     # model's forward on the padded batch)
     padding_free: bool = True
+    # Mixture-of-Experts routing replay (harness/policy/routing.py): none; r2 (the experts each token's router chose in
+    # the trainer's old-policy forward of the batch, forced in every update forward); r3 (the sampler's own routing,
+    # forced in the old-policy recompute and every update forward). r2/r3 recompute the behaviour log-probs; MoE
+    # models only, native backend
+    routing_replay: str = "none"
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
