@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.loop.behaviour import replay_mode, routing_recorded_at
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
 from harness.policy.models import TINY_MODELS, load_model
+from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
 from objectives import get_advantage, get_objective
 
@@ -51,6 +54,20 @@ def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
     return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, objective, estimator, reference,
                     sampler)
+
+
+def hook_routing(run: RunSetup, t: DictConfig) -> None:
+    """An MoE policy's routing hooks (harness/policy/routing.py), and its sampler copy's when the sampler records the
+    routing (R3): idle outside the captures of the native loop's forwards. A dense policy gets none; replay asked of
+    one (a hub model whose config was not cached when the config was checked) stops here in one line."""
+    reason = routing_unsupported(run.policy)
+    if reason is not None:
+        if replay_mode(t) != "none":
+            raise ConfigError(f"train.routing_replay={replay_mode(t)}: {reason}; use train.routing_replay=none")
+        return
+    Routing(run.policy)
+    if run.sampler is not run.policy and routing_recorded_at(t, moe=True) == "sampler":
+        Routing(run.sampler)
 
 
 def build_learner(policy, objective, t: DictConfig) -> Learner:

@@ -317,11 +317,20 @@ class Routing:
         self._state: _State | None = None
         self._handles = [module.register_forward_hook(self._hook_of(layer))
                          for layer, module in enumerate(routers.values())]
+        self._model = weakref.ref(model)
+        _ATTACHED[model] = self  # routing_of(model): what the trainer's forward and the sampler lay out their calls on
+
+    @property
+    def capturing(self) -> bool:
+        return self._state is not None
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        model = self._model()
+        if model is not None and _ATTACHED.get(model) is self:
+            del _ATTACHED[model]
 
     @contextmanager
     def capture(self, grid: Grid | None = None, *, replay: RoutingRecord | None = None,
@@ -440,6 +449,28 @@ class Routing:
         use = (recorded >= 0).all(-1)
         forced = indices.index_put((layout.token[use],), recorded[use])
         return logits, ROUTER_WEIGHTS[type(module).__name__](module, logits, forced), forced
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Routing (the latest made)
+
+
+def routing_of(model) -> Routing | None:
+    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed), or None."""
+    return _ATTACHED.get(model)
+
+
+def laid_out(model, layout: Callable[[], Layout]):
+    """Context for one forward call of ``model``: its tokens' grid positions (``layout()``, built only then) while
+    ``model``'s routing is capturing; nothing otherwise (dense models, no capture)."""
+    routing = _ATTACHED.get(model)
+    return routing.tokens(layout()) if routing is not None and routing.capturing else nullcontext()
+
+
+def recording(model, decoder, width: int):
+    """``decoder`` wrapped in a :class:`RecordingDecoder` while ``model``'s routing is capturing (the sampler's
+    routing, R3), else ``decoder`` itself. ``width``: the grid's prompt width + max_new_tokens."""
+    routing = _ATTACHED.get(model)
+    return RecordingDecoder(decoder, routing, width) if routing is not None and routing.capturing else decoder
 
 
 def enable_checkpointing(model, routing: Routing) -> None:
