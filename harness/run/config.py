@@ -4,8 +4,9 @@ overrides, sweep expansion and the schema's own checks.
 An experiment is the schema below merged with ``experiments/<name>.yaml``, then with command-line overrides
 (``key=value``, omegaconf dotlist; TRL's names are translated first, harness/run/aliases.py). Its ``sweep`` section
 expands into runs: every point of ``sweep.grid`` (dotted key -> list of values), with
-``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point. A command-line override
-of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only).
+``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point; a per-objective value of
+a swept key pins that axis for that objective's runs (moe_stability: grpo with every routing replay, the others with
+none). A command-line override of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only).
 
 Everything is validated before any run starts: here what the schema alone decides (sizes, batching, the objective
 and its hyperparameters, the rollout correction, seeds); then each component's own check of its settings (the task's
@@ -145,7 +146,8 @@ class TrainConfig:
 @dataclass
 class SweepConfig:
     grid: dict[str, list[Any]] = field(default_factory=dict)  # dotted key -> list of values: every combination is a run
-    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)  # objective -> settings for its runs
+    # objective -> settings for its runs (a swept key's value pins that axis for them)
+    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -357,7 +359,10 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
-        dotlist = {**per_objective.get(objective, {}), **assignment}
+        own = per_objective.get(objective, {})
+        if any(key in own and own[key] != value for key, value in assignment.items()):
+            continue  # a per-objective value of a swept key pins that axis for the objective's runs
+        dotlist = {**own, **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
         validate(run)
