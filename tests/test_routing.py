@@ -23,7 +23,6 @@ from harness.policy.routing import (
 from harness.run.errors import ConfigError
 from tests.helpers.tiny import TINY_SPEC, tiny_run
 from tests.helpers.tiny_moe import (
-    tiny_moe_run,
     full_forward,
     gradients,
     padded_batch,
@@ -32,6 +31,7 @@ from tests.helpers.tiny_moe import (
     sample_recorded,
     shared_prompt_forward,
     tiny_moe,
+    tiny_moe_run,
 )
 
 

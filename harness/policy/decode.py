@@ -75,7 +75,7 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
         decoder = PerRowDecoder(model, rows, max_new_tokens, compile)
     else:
         decoder = SharedPrefixDecoder(model, rows, max_new_tokens)
-    decoder = recording(model, decoder, prompt_ids.shape[1] + max_new_tokens)  # R3: the routing laid out while capturing
+    decoder = recording(model, decoder, prompt_ids.shape[1] + max_new_tokens)  # R3: laid out while capturing
     return decoder, decoder.prefill(prompt_ids, prompt_mask, group_size)
 
 

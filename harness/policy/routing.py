@@ -154,8 +154,8 @@ def check_routing_replay(run: DictConfig) -> None:
     if mode == "none":
         return
     if config_is_moe(run.model.name) is False:
-        raise ConfigError(f"train.routing_replay={mode} needs a Mixture-of-Experts model ({run.model.name!r} is dense): "
-                          f"use model.name={TINY_MOE} or a hub MoE, or train.routing_replay=none")
+        raise ConfigError(f"train.routing_replay={mode} needs a Mixture-of-Experts model ({run.model.name!r} is "
+                          f"dense): use model.name={TINY_MOE} or a hub MoE, or train.routing_replay=none")
     if run.backend != "native":
         raise ConfigError(f"backend {run.backend}: train.routing_replay={mode} is not supported (TRL has no routing "
                           "replay); use backend=native")

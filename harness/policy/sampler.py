@@ -334,7 +334,8 @@ def _routing_capture(model, prompt_ids: Tensor, how: Sampling):
         return
     routing = routing_of(model)
     if routing is None:
-        raise ValueError(f"record_routing: no routing hooks on the sampler ({routing_unsupported(model) or 'none made'})")
+        reason = routing_unsupported(model) or "none made"
+        raise ValueError(f"record_routing: no routing hooks on the sampler ({reason})")
     width = prompt_ids.shape[1]
     with routing.capture(Grid(len(prompt_ids) * how.group_size, width + how.max_new_tokens, width)) as capture:
         yield capture
