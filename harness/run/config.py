@@ -376,7 +376,8 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
 
 
 def _dot(value) -> str:
-    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+    """A value as a dotlist's right-hand side (None: null, not the string 'None')."""
+    return json.dumps(value) if isinstance(value, list | dict) or value is None else str(value)
 
 
 def run_id(run: DictConfig) -> str:
