@@ -39,6 +39,13 @@ STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens cl
              "grad_norm": ("Gradient norm", "L2 norm before clipping"),
              "completion_len_mean": ("Completion length", "length (tokens, mean)"),
              "frac_zero_std_groups": ("Zero-variance groups", "fraction of groups")}
+# a Mixture-of-Experts policy's routing (harness/policy/expert_volatility.py, docs/loop.md): panels of the stability
+# figure where some run reports them, no note where none does (dense policies)
+ROUTING = {"expert_changed_frac": ("Expert volatility", "(token, layer, slot) assignments changed"),
+           "expert_token_changed_frac": ("Tokens with a changed expert", "fraction of tokens (>= 1 layer)"),
+           "expert_layer_changed_max": ("Expert volatility, most volatile layer", "fraction of its assignments"),
+           "expert_load_entropy": ("Expert-load entropy", "entropy / log(experts)"),
+           "router_aux_loss": ("Router load-balancing loss", "aux loss (measured, not trained on)")}
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step", "lr", "rollout_tokens",
                          "update_tokens", "sampled_tokens", "nonfinite_skips"})
@@ -231,8 +238,10 @@ def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int,
         notes.append("KL to behaviour: `kl_behavior` is the k1 estimate (token mean of log π_old − log π over the "
                      "sampled tokens): unbiased, but a single batch's value can be negative; a k3 estimate is not "
                      "logged by these runs.")
+    present += [m for m in ROUTING if reported(metrics, m)]
     notes += lacking_notes(metrics, present)
-    fig = lines_figure(metrics, "step", present, look, window, STABILITY, title, paper) if present else None
+    fig = lines_figure(metrics, "step", present, look, window, {**STABILITY, **ROUTING}, title, paper) \
+        if present else None
     return Made("stability", title, fig, axis_note("step", window), notes)
 
 

@@ -309,3 +309,16 @@ def test_cli_prints_warnings(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "warning: " in captured.err and "skipped truncated last line" in captured.err
     assert (tmp_path / "out" / "report.html").exists() and not (tmp_path / "out" / "stability.pdf").exists()
+
+
+def test_an_moe_runs_routing_metrics_are_panels_of_the_stability_figure():
+    rows = [{"objective": "grpo", "run_id": "a", "seed": 0, "step": step, "clip_frac": 0.1,
+             "expert_changed_frac": 0.01 * step, "router_aux_loss": 1.0} for step in (1, 2, 3)]
+    metrics = pd.DataFrame(rows)
+    made = plots.stability_figure(metrics, plots.styles(metrics["objective"]), 1, "t", paper=False)
+    titles = {ax.get_title() for ax in made.fig.axes}
+    assert {"Expert volatility", "Router load-balancing loss"} <= titles
+    assert not any("expert_token_changed_frac" in note for note in made.notes)  # unreported routing: no note
+    dense = plots.stability_figure(metrics.drop(columns=["expert_changed_frac", "router_aux_loss"]),
+                                   plots.styles(metrics["objective"]), 1, "t", paper=False)
+    assert "Expert volatility" not in {ax.get_title() for ax in dense.fig.axes}

@@ -54,6 +54,16 @@ def test_compare_greater_and_less_with_a_factor():
     assert evaluate_check(nothing, {"lab": LAB})[0] == "no data"
 
 
+def test_compare_two_selections_of_one_objective():
+    cells = LAB.assign(objective="a", cell=["x", "y"] * 4)
+    check = {"table": "lab", "metric": "m", "where": "staleness == 1",
+             "compare": {"objective": "a", "than": "a", "where": "cell == 'x'", "than_where": "cell == 'y'"}}
+    verdict, measured = evaluate_check(check, {"lab": cells})
+    assert verdict == "holds" and "a [cell == 'x'] 2.00, a [cell == 'y'] 1.00" in measured
+    swapped = {**check, "compare": {**check["compare"], "where": "cell == 'y'", "than_where": "cell == 'x'"}}
+    assert evaluate_check(swapped, {"lab": cells})[0] == "does not hold"
+
+
 def test_compare_equal_and_within():
     same = LAB.assign(m=[1.0, 1.0] * 4)
     equal = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b", "direction": "equal"}}

@@ -58,6 +58,17 @@ def test_sweep_expands_grid_with_per_objective_overrides():
     assert ids == [run_id(r) for r in run_configs(cfg)]  # stable
 
 
+def test_a_per_objective_value_of_a_swept_key_pins_that_axis_for_the_objective():
+    cfg = load_experiment("quickstart", ["sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.seed=[0]",
+                                         "sweep.grid.train.epochs=[1,2]",
+                                         "sweep.per_objective.gspo={train.epochs: 2, objective.advantage: null}"])
+    assert [(r.objective.name, r.train.epochs) for r in run_configs(cfg)] == [("grpo", 1), ("grpo", 2), ("gspo", 2)]
+    assert run_configs(cfg)[-1].objective.advantage is None  # null, not the string 'None'
+    arms = {(r.objective.name, r.train.routing_replay) for r in run_configs(load_experiment("moe_stability"))}
+    assert arms == {("grpo", "none"), ("grpo", "r2"), ("grpo", "r3"), ("gspo", "none"), ("gspo_token", "none"),
+                    ("ctpo", "none")}
+
+
 def test_run_id_hashes_only_what_differs_from_the_defaults():
     (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
     (spelled_out,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0",

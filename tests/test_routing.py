@@ -13,13 +13,15 @@ from harness.policy.routing import (
     Grid,
     Routing,
     RoutingRecord,
+    config_is_moe,
     enable_checkpointing,
     find_routers,
     full_layout,
     routing_unsupported,
     select_record_rows,
 )
-from tests.helpers.tiny import TINY_SPEC
+from harness.run.errors import ConfigError
+from tests.helpers.tiny import TINY_SPEC, tiny_run
 from tests.helpers.tiny_moe import (
     full_forward,
     gradients,
@@ -29,6 +31,7 @@ from tests.helpers.tiny_moe import (
     sample_recorded,
     shared_prompt_forward,
     tiny_moe,
+    tiny_moe_run,
 )
 
 
@@ -233,3 +236,27 @@ def test_errors_are_one_line():
             RuntimeError, match="describes 3 tokens"):
         model(ids)
     assert routing_unsupported(model) is None
+
+
+@pytest.mark.parametrize("make, overrides, words", [
+    (tiny_moe_run, ["train.routing_replay=r4"], "must be one of none, r2, r3"),
+    (tiny_run, ["train.routing_replay=r2"], "needs a Mixture-of-Experts model ('tiny' is dense)"),
+    (tiny_moe_run, ["train.routing_replay=r2", "backend=trl"], "backend trl: train.routing_replay=r2 is not supported"),
+    (tiny_moe_run, ["train.routing_replay=r3", "train.sampler=hf"], "use train.sampler=native"),
+    (tiny_moe_run, ["train.routing_replay=r3", "train.compile_sampler=true"], "train.compile_sampler=false"),
+    (tiny_moe_run, ["model.tiny.top_k=9"], "model.tiny.top_k must be an integer in"),
+    (tiny_moe_run, ["model.tiny.intermediate_size=9"], "model.tiny has no field intermediate_size for tiny_moe"),
+])
+def test_routing_replay_settings_are_one_line_config_errors(tmp_path, make, overrides, words):
+    with pytest.raises(ConfigError) as info:
+        make(tmp_path, *overrides)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_replay_on_a_folder_reads_its_config(tmp_path):
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    load_model("tiny", tiny=TINY_SPEC)[0].save_pretrained(dense)
+    tiny_moe()[0].save_pretrained(moe)
+    assert (config_is_moe(str(dense)), config_is_moe(str(moe)), config_is_moe("tiny_moe")) == (False, True, True)
+    for r in ("r2", "r3"):
+        tiny_moe_run(tmp_path, f"train.routing_replay={r}")  # valid

@@ -20,7 +20,8 @@ is a pandas query on the table. A check's *units* are the lab's batches or the s
 over the selected rows of each unit first (a table without units, such as ``sqrt_growth``, has one unit per row), so
 a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one seed share their first rollouts).
 
-- ``compare``: per unit, x = metric of ``objective``, y = metric of ``than`` (paired by unit). ``greater`` holds if
+- ``compare``: per unit, x = metric of ``objective``, y = metric of ``than`` (paired by unit; the compare's own
+  ``where`` / ``than_where`` narrow x's / y's rows further, e.g. two cells of one objective). ``greater`` holds if
   mean(x) > factor * mean(y) and the percentile bootstrap interval of mean(x - factor * y) lies above 0; ``less``
   mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent`` holds if the
   bootstrap interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
@@ -136,6 +137,12 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
     return values.groupby(unit)[check["metric"]].mean() if unit else values[check["metric"]].reset_index(drop=True)
 
 
+def narrowed(check: dict, where: str | None) -> dict:
+    """``check`` with ``where`` and-ed to its own selection."""
+    both = [w for w in (check.get("where"), where) if w]
+    return {**check, "where": " and ".join(f"({w})" for w in both)} if both else check
+
+
 def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
     """(verdict, what was measured) of one check."""
     table = tables[check["table"]]
@@ -154,7 +161,9 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
         return ("holds" if low <= value <= high else "does not hold"), measured
     spec = check["compare"]
     a, b = spec["objective"], spec["than"]
-    x, y = unit_values(table, check, a), unit_values(table, check, b)
+    x, y = unit_values(table, narrowed(check, spec.get("where")), a), \
+        unit_values(table, narrowed(check, spec.get("than_where")), b)
+    a, b = (f"{name} [{spec[key]}]" if spec.get(key) else name for name, key in ((a, "where"), (b, "than_where")))
     common = x.index.intersection(y.index)
     if not len(common):
         return "no data", f"{metric}: nothing selected for {a} and {b}"

@@ -11,6 +11,8 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from harness.loop.behaviour import routing_recorded_at
+from harness.policy.routing import RoutingRecord, routing_of
 from harness.policy.sampler import Rollout, sample_problems, select_rows
 from harness.run.seeding import step_seed
 from harness.tasks import Score
@@ -29,6 +31,7 @@ class TrainBatch:
     old_logp: Tensor  # [N, T]
     ref_logp: Tensor | None = None  # [N, T]
     correction: Tensor | None = None  # [N, T], detached; 0 on padding and on masked tokens
+    routing: RoutingRecord | None = None  # an MoE's behaviour routing [layers, N, P + T, k] (harness/loop/behaviour.py)
 
 
 @dataclass
@@ -70,10 +73,11 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
     rng = np.random.default_rng(step_seed(cfg.seed, step))
     torch.manual_seed(step_seed(cfg.seed, step, stream=2))
     rounds: list[SampledRound] = []
+    record = routing_recorded_at(t, routing_of(sampler) is not None) == "sampler"  # the sampler's routing (R3)
     informative, dropped = [], []  # groups as (round, group index)
     for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
         problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
-        ro = sample_problems(sampler, tokenizer, problems, t)
+        ro = sample_problems(sampler, tokenizer, problems, t, record_routing=record)
         scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
         rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg)))
         grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)

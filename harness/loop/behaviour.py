@@ -1,5 +1,6 @@
 """A step's behaviour side, before the update: where the behaviour (old) log-probs come from, the reference
-log-probs of a KL term, and the rollout-correction weights between the trainer's old policy and the sampler.
+log-probs of a KL term, the rollout-correction weights between the trainer's old policy and the sampler, and a
+Mixture-of-Experts policy's behaviour routing (what ``train.routing_replay`` forces in the update).
 
     behaviour = behaviour_logprobs(policy, reference, ro, cfg, separate_sampler)   # the native loop's stage 3
 
@@ -8,6 +9,8 @@ log-probs of a KL term, and the rollout-correction weights between the trainer's
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness.loop.metrics import MismatchMeter
+from harness.policy.expert_volatility import expert_volatility
 from harness.policy.forward import completion_logprobs
+from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
 from objectives.rollout_correction import DEFAULT_THRESHOLD, correction_metrics, correction_weights
@@ -32,8 +37,28 @@ def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
 def behaviour_logp(t: DictConfig) -> str:
     """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
     rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
-    TRL's ``vllm_importance_sampling_correction`` recompute them too —, else ``train.old_logp``."""
-    return "recompute" if correction_settings(t)[0] != "none" else t.old_logp
+    TRL's ``vllm_importance_sampling_correction`` recompute them too — or routing replay is (R2 records the routing
+    in that forward, R3 replays the sampler's there, as verl and slime do), else ``train.old_logp``."""
+    return "recompute" if correction_settings(t)[0] != "none" or replay_mode(t) != "none" else t.old_logp
+
+
+def replay_mode(t: DictConfig) -> str:
+    """``train.routing_replay`` ('none' when the config has none)."""
+    return OmegaConf.select(t, "routing_replay", default="none")
+
+
+def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:
+    """Where an MoE run records the behaviour routing (what replay forces, what expert volatility compares the
+    update's routing with): 'sampler' (R3; without replay when the behaviour log-probs are the native sampler's),
+    'recompute' (R2; without replay when the behaviour log-probs are recomputed), None (a dense model, or no replay
+    with a sampler whose routing cannot be recorded: then no volatility)."""
+    if not moe:
+        return None
+    if replay_mode(t) == "r3":
+        return "sampler"
+    if behaviour_logp(t) == "recompute":
+        return "recompute"
+    return "sampler" if t.sampler == "native" and not t.compile_sampler else None
 
 
 def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None,
@@ -57,7 +82,8 @@ class Behaviour:
     old_logp: Tensor  # [N, T] the behaviour log-probs: the sampler's, or the trainer's recomputed
     ref_logp: Tensor | None  # [N, T] the frozen reference's (a KL term), else None
     correction: Tensor | None  # [N, T] the rollout-correction weights, else None
-    metrics: dict  # the recomputation's mismatch with the sampler, the correction's statistics
+    metrics: dict  # the recomputation's mismatch with the sampler (and routing's), the correction's statistics
+    routing: RoutingRecord | None = None  # an MoE's behaviour routing on [prompt | completion] (routing_recorded_at)
 
 
 def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate_sampler: bool) -> Behaviour:
@@ -66,24 +92,42 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
     copy of the policy in another precision (``model.sampler_dtype``), whose log-probs the correction weighs against
     the trainer's; else the sampler is the policy and every weight is 1."""
     t = cfg.train
-    old_logp, metrics = ro.sampler_logp, {}
+    old_logp, metrics, routing = ro.sampler_logp, {}, ro.routing
     if behaviour_logp(t) == "recompute":
-        old_logp = no_grad_logprobs(policy, ro, t)
+        replay = ro.routing if replay_mode(t) == "r3" else None  # R3: the sampler's routing, forced here too
+        old_logp, recorded = no_grad_logprobs(policy, ro, t, record=routing_of(policy) is not None, replay=replay)
         meter = MismatchMeter()
         meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
         metrics = meter.result()
+        if replay is not None:  # the trainer's own routing where R3 forces the sampler's
+            metrics.update({f"recompute_{k}": v for k, v in expert_volatility(replay, recorded).metrics().items()})
+        elif recorded is not None:
+            routing = recorded
     correction, correction_stats = rollout_correction(
         t, old_logp, ro.sampler_logp if separate_sampler else None, ro.completion_mask)
-    ref_logp = None if reference is None else no_grad_logprobs(reference, ro, t)
-    return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats})
+    ref_logp = None if reference is None else no_grad_logprobs(reference, ro, t)[0]
+    return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats}, routing)
 
 
 @torch.no_grad()
-def no_grad_logprobs(model, ro: Rollout, t: DictConfig) -> Tensor:
+def no_grad_logprobs(model, ro: Rollout, t: DictConfig, record: bool = False,
+                     replay: RoutingRecord | None = None) -> tuple[Tensor, RoutingRecord | None]:
     """Completion log-probs of the whole rollout under ``model``, one micro-batch (``train.micro_batch_size``) of
-    rows at a time, at ``train.temperature``, through the run's forward (``train.padding_free``)."""
-    chunk = microbatch_size(t)
-    return torch.cat([completion_logprobs(model, ro.prompt_ids[i : i + chunk], ro.prompt_mask[i : i + chunk],
-                                          ro.completion_ids[i : i + chunk], ro.completion_mask[i : i + chunk],
-                                          t.temperature, padding_free=t.padding_free)[0]
-                      for i in range(0, len(ro.texts), chunk)])
+    rows at a time, at ``train.temperature``, through the run's forward (``train.padding_free``); with ``record``
+    (an MoE with its routing hooks) also the routing of the rollout's real tokens on its [prompt | completion] grid,
+    forcing ``replay``'s (R3) when given (else None)."""
+    chunk, rows = microbatch_size(t), len(ro.texts)
+    grid = Grid(chunk, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1], ro.prompt_ids.shape[1])
+    parts, records = [], []
+    for i in range(0, rows, chunk):
+        part = torch.arange(i, min(i + chunk, rows))
+        with (routing_of(model).capture(dataclasses.replace(grid, rows=len(part)),
+                                        replay=None if replay is None else replay.select(part))
+              if record or replay is not None else nullcontext()) as capture:
+            parts.append(completion_logprobs(model, ro.prompt_ids[part], ro.prompt_mask[part],
+                                             ro.completion_ids[part], ro.completion_mask[part], t.temperature,
+                                             padding_free=t.padding_free)[0])
+        records += [] if capture is None else [capture.record]
+    joined = select_record_rows(records, [(k, j) for k, r in enumerate(records) for j in range(r.grid.rows)]) \
+        if records else None
+    return torch.cat(parts), joined

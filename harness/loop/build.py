@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.loop.behaviour import replay_mode, routing_recorded_at
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
-from harness.policy.models import load_model
+from harness.policy.models import TINY_MODELS, load_model
+from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
 from objectives import get_advantage, get_objective
 
@@ -53,6 +56,20 @@ def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
                     sampler)
 
 
+def hook_routing(run: RunSetup, t: DictConfig) -> None:
+    """An MoE policy's routing hooks (harness/policy/routing.py), and its sampler copy's when the sampler records the
+    routing (R3): idle outside the captures of the native loop's forwards. A dense policy gets none; replay asked of
+    one (a hub model whose config was not cached when the config was checked) stops here in one line."""
+    reason = routing_unsupported(run.policy)
+    if reason is not None:
+        if replay_mode(t) != "none":
+            raise ConfigError(f"train.routing_replay={replay_mode(t)}: {reason}; use train.routing_replay=none")
+        return
+    Routing(run.policy)
+    if run.sampler is not run.policy and routing_recorded_at(t, moe=True) == "sampler":
+        Routing(run.sampler)
+
+
 def build_learner(policy, objective, t: DictConfig) -> Learner:
     """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`)."""
     optimizer = build_optimizer(policy.parameters(), t)
@@ -68,7 +85,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
     the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy."""
     m = cfg.model
-    tiny = OmegaConf.to_container(m.tiny) if m.name == "tiny" else None
+    tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     check_decoder(model, cfg)
     start = None

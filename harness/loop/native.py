@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from harness.loop.batch import TrainBatch, collect_batch
 from harness.loop.behaviour import behaviour_logprobs
-from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, MismatchMeter, peak_memory_mb, progress_fields
 from harness.loop.update import (
@@ -44,6 +44,7 @@ from harness.loop.update import (
     with_statistics,
 )
 from harness.policy.device import resolve_device
+from harness.policy.expert_volatility import merge_volatility
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 
@@ -64,6 +65,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     with records.recording():
         # setup: task, starting policy, objective, frozen copies (harness/loop/build.py); AdamW and its schedule
         run = setup_run(cfg, device)
+        hook_routing(run, t)  # an MoE's routing hooks (record, replay, volatility)
         records.start_policy = run.start_policy
         learner = build_learner(run.policy, run.objective, t)
         if checkpoint:
@@ -123,7 +125,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     t1 = time.time()
     behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy)
     batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
-                       behaviour.correction)
+                       behaviour.correction, behaviour.routing)
     # 4. for each epoch, for each minibatch: loss, optimizer step
     timings = Timings()
     stats = update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
@@ -143,9 +145,10 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
 def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
     """``epochs`` passes x ``num_minibatches`` optimizer steps over one rollout batch; returns the step's metrics
     (the objective's, entropy, loss, grad norm; the sampler/trainer mismatch of the first minibatch when the
-    behaviour log-probs are the sampler's)."""
+    behaviour log-probs are the sampler's; an MoE's expert volatility over all its forwards, expert-load entropy and
+    router aux loss)."""
     generator = torch.Generator().manual_seed(plan.order_seed)
-    meter, mismatch = MetricMeter(), MismatchMeter()
+    meter, mismatch, volatility = MetricMeter(), MismatchMeter(), []
     learner.policy.train()
     for epoch in range(plan.epochs):
         for k, minibatch in enumerate(minibatches(plan, generator)):  # a new order each epoch, groups whole
@@ -159,10 +162,12 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
                     mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
                 loss += part.loss
                 meter.add(part.metrics, part.tokens)
+                volatility += [] if part.forward.volatility is None else [part.forward.volatility]
             with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
                 grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)
             meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
-    return {**meter.result(), **mismatch.result()}
+    routing = merge_volatility(volatility).metrics() if volatility else {}  # an MoE's, over every update forward
+    return {**meter.result(), **mismatch.result(), **routing}
 
 
 def evaluated(run: RunSetup, cfg: DictConfig, step: int) -> tuple[dict, list[dict]]:

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +27,10 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp
+from harness.loop.behaviour import behaviour_logp, replay_mode
+from harness.policy.expert_volatility import Volatility, capture_metrics
 from harness.policy.forward import completion_logprobs
+from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
 from objectives import PolicyBatch
@@ -115,6 +117,7 @@ class UpdatePlan:
     behaviour: str  # where batch.old_logp came from: "sampler" or "recompute" (harness/loop/behaviour.py)
     order_seed: int  # the random stream of the minibatch order
     timings: Timings | None = None
+    replay: bool = False  # force batch.routing's experts in every forward of the update (train.routing_replay)
 
     @property
     def sampler_is_behaviour(self) -> bool:
@@ -130,7 +133,8 @@ class UpdatePlan:
                    group_size=t.group_size, temperature=t.temperature, padding_free=t.padding_free,
                    max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
                    behaviour=behaviour_logp(t),
-                   order_seed=step_seed(cfg.seed, step, stream=1), timings=timings)
+                   order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
+                   replay=replay_mode(t) != "none")
 
 
 @dataclass(frozen=True)
@@ -173,20 +177,28 @@ class RowsForward:
     entropy: Tensor | None  # [rows, width], or None
     mask: Tensor  # [rows, width]
     width: int
+    volatility: Volatility | None = None  # an MoE's live routing vs the behaviour routing (batch.routing)
+    routing_metrics: dict = dataclasses.field(default_factory=dict)  # its expert-load entropy and router aux loss
 
 
 def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = False,
                  phase: str = "logp_forward_s") -> RowsForward:
     """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
-    (``plan.padding_free``: the rest of the padding too), timed as ``phase``."""
+    (``plan.padding_free``: the rest of the padding too), timed as ``phase``. An MoE with a behaviour routing
+    (``batch.routing``): its slice for these rows is forced (``plan.replay``) and compared with the live routing."""
     ro = plan.batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
-    with timed(plan.timings, phase):
+    routing, record = routing_of(policy), plan.batch.routing
+    behaviour = None if routing is None or record is None else record.select(rows, width)
+    with timed(plan.timings, phase), (nullcontext() if behaviour is None else routing.capture(
+            behaviour.grid, replay=behaviour if plan.replay else None, router_logits=True)) as capture:
         logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
                                             ro.completion_ids[rows, :width], mask, plan.temperature,
                                             with_entropy=with_entropy, padding_free=plan.padding_free)
-    return RowsForward(rows, logp, entropy, mask, width)
+    if capture is None:
+        return RowsForward(rows, logp, entropy, mask, width)
+    return RowsForward(rows, logp, entropy, mask, width, *capture_metrics(behaviour, capture))
 
 
 def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
@@ -237,7 +249,7 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
     tokens = forward.mask.sum().item()
-    metrics = dict(out.metrics)
+    metrics = {**out.metrics, **forward.routing_metrics}
     if forward.entropy is not None:
         metrics["entropy"] = (forward.entropy * forward.mask).sum().item() / max(tokens, 1)
     detached = dataclasses.replace(forward, logp=forward.logp.detach())

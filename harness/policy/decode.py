@@ -40,6 +40,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.routing import recording
 
 DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # train.decoder: build_decoder's kinds
 ONEDNN_MIN_WEIGHTS = 2**18  # SmolLM2's smallest stacked projection (o: 576 x 576) has 331,776; the tiny model's < 2**17
@@ -74,6 +75,7 @@ def build_decoder(model, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size:
         decoder = PerRowDecoder(model, rows, max_new_tokens, compile)
     else:
         decoder = SharedPrefixDecoder(model, rows, max_new_tokens)
+    decoder = recording(model, decoder, prompt_ids.shape[1] + max_new_tokens)  # R3: laid out while capturing
     return decoder, decoder.prefill(prompt_ids, prompt_mask, group_size)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from harness.policy.routing import RoutingRecord
+from harness.policy.routing import Capture, RoutingRecord
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,14 @@ def expert_load_entropy(record: RoutingRecord, mask: Tensor | None = None) -> fl
         share = torch.bincount(layer.flatten(), minlength=record.num_experts).double() / layer.numel()
         entropies.append(-(share * share.log()).nan_to_num().sum().item() / math.log(record.num_experts))
     return sum(entropies) / len(entropies)
+
+
+def capture_metrics(behaviour: RoutingRecord, capture: Capture) -> tuple[Volatility, dict[str, float]]:
+    """What one update forward (``capture``, with router logits) says about routing: its live routing against the
+    ``behaviour`` record of the same tokens (the assignments replay overrides), and as metrics the live routing's
+    expert-load entropy and the router's auxiliary load-balancing loss (the model class's own, measured, not
+    trained on)."""
+    with torch.no_grad():
+        aux_loss = capture.aux_loss().item()
+    return expert_volatility(behaviour, capture.record), {
+        "expert_load_entropy": expert_load_entropy(capture.record), "router_aux_loss": aux_loss}

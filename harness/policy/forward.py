@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.routing import full_layout, laid_out, shared_prompt_layout, tail_layout
 
 ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 
@@ -73,18 +74,22 @@ def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids
     attention = torch.cat([prompt_mask, valid.to(prompt_mask.dtype)], dim=1)
     position_ids = positions(attention)
     prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
+    width = prompt_len + length  # an MoE's routing grid: [prompt | completion] (harness/policy/routing.py)
     first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
     if prompt_len > 1 and len(first_row) < len(prompt_of_row):
         head_mask = prompt_mask[first_row, :-1]
-        cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
-                        position_ids=positions(head_mask), use_cache=True).cache
+        with laid_out(model, lambda: shared_prompt_layout(prompt_of_row, head_mask, width)):
+            cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                            position_ids=positions(head_mask), use_cache=True).cache
         cache.batch_select_indices(prompt_of_row)
         tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-        return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
-                       cache=cache, use_cache=True).last_hidden_state[:, :length]
+        with laid_out(model, lambda: tail_layout(attention[:, prompt_len - 1 :], prompt_len - 1, width)):
+            return decoder(input_ids=tail, attention_mask=attention, position_ids=position_ids[:, prompt_len - 1 :],
+                           cache=cache, use_cache=True).last_hidden_state[:, :length]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
+    with laid_out(model, lambda: full_layout(attention)):
+        return decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                       use_cache=False).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + length]
 
 
 def padding_free_unsupported(model, prompt_mask: Tensor, completion_mask: Tensor) -> str | None:

@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from harness.policy.tiny_moe import TINY_MOE, TinyMoeSpec, build_tiny_moe
 from harness.run.atomic import atomic_write
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_MODELS = ("tiny", EMBEDDED_NAME)  # model.name values that need nothing from the hub
+EMBEDDED_MODELS = ("tiny", TINY_MOE, EMBEDDED_NAME)  # model.name values that need nothing from the hub
+TINY_MODELS = ("tiny", TINY_MOE)  # built here at random (model.tiny: their shape), not loaded
 HUB_TIMEOUT_S = 5  # how long the check of a hub model id waits for the hub
 CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
@@ -80,18 +82,22 @@ def load_model(
     """A causal LM in eval mode and its tokenizer (with a pad token and ``padding_side="left"``).
 
     ``"tiny"``: a randomly initialised :class:`TinyModelSpec` Llama (``tiny`` overrides its fields; same
-    ``seed``, same weights) with :func:`char_tokenizer`. ``"smollm2-135m-instruct"``: the embedded model
+    ``seed``, same weights) with :func:`char_tokenizer`; ``"tiny_moe"``: the same for the Mixture-of-Experts
+    :class:`harness.policy.tiny_moe.TinyMoeSpec` (a Qwen3-MoE). ``"smollm2-135m-instruct"``: the embedded model
     (:func:`prepare_embedded_model`). Anything else: a hub id or local folder in the hub layout for
     ``AutoModelForCausalLM`` / ``AutoTokenizer`` (its chat template is what :func:`build_prompt` uses; the
     ``generation_config`` fields that reshape sampling are unset, :func:`plain_sampling`).
-    ``seed`` only matters for ``"tiny"``.
+    ``seed`` only matters for the tiny models.
     """
     if name == "tiny":
         tokenizer = char_tokenizer()
         model = build_tiny_model(tokenizer, TinyModelSpec(**(tiny or {})), seed)
+    elif name == TINY_MOE:
+        tokenizer = char_tokenizer()
+        model = build_tiny_moe(tokenizer, TinyMoeSpec(**(tiny or {})), seed)
     else:
         if tiny:
-            raise ValueError(f"model.tiny settings only apply to the 'tiny' model, not {name!r}")
+            raise ValueError(f"model.tiny settings only apply to the tiny models, not {name!r}")
         path = prepare_embedded_model() if name == EMBEDDED_NAME else name
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -219,20 +225,28 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
 
 @register_check("model")
 def check_model(run: DictConfig) -> None:
-    """``model.name`` is an embedded model, a folder or a hub id; ``model.tiny`` (only for the tiny model) names
-    :class:`TinyModelSpec` fields with sizes >= 1 and whole attention heads."""
+    """``model.name`` is an embedded model, a folder or a hub id; ``model.tiny`` (only for the tiny models) names
+    :class:`TinyModelSpec` fields with sizes >= 1 and whole attention heads (tiny), or valid
+    :class:`harness.policy.tiny_moe.TinyMoeSpec` fields (tiny_moe)."""
     m = run.model
     if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
         raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
                           "a local directory, nor a hub id (owner/name)")
-    if m.name != "tiny":
+    if m.name not in TINY_MODELS:
         if m.tiny:
-            raise ConfigError(f"model.tiny only applies to model.name=tiny, not {m.name!r}; remove it")
+            raise ConfigError(f"model.tiny only applies to model.name=tiny or {TINY_MOE}, not {m.name!r}; remove it")
         return
-    valid = [f.name for f in dataclasses.fields(TinyModelSpec)]
+    spec_class = TinyModelSpec if m.name == "tiny" else TinyMoeSpec
+    valid = [f.name for f in dataclasses.fields(spec_class)]
     unknown = sorted(set(m.tiny) - set(valid))
     if unknown:
-        raise ConfigError(f"model.tiny has no field {', '.join(unknown)}; its fields: {', '.join(valid)}")
+        raise ConfigError(f"model.tiny has no field {', '.join(unknown)} for {m.name}; its fields: {', '.join(valid)}")
+    if m.name == TINY_MOE:
+        try:
+            TinyMoeSpec(**m.tiny).check()
+        except ValueError as error:
+            raise ConfigError(f"model.tiny.{str(error).removeprefix(TINY_MOE + '.')}") from None
+        return
     spec = TinyModelSpec(**m.tiny)
     if min(dataclasses.astuple(spec)) < 1 or spec.hidden_size % spec.num_heads:
         raise ConfigError(f"model.tiny: sizes must be >= 1 and hidden_size ({spec.hidden_size}) a multiple of "

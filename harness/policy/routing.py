@@ -66,13 +66,25 @@ router as the current weights choose given the replayed layers below it (what R2
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import huggingface_hub
 import torch
+from omegaconf import DictConfig
 from torch import Tensor
+
+from harness.policy.models import EMBEDDED_MODELS
+from harness.policy.tiny_moe import TINY_MOE
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
+REPLAY_MODES = ("none", "r2", "r3")  # train.routing_replay
 
 
 def _softmax_topk_weights(module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -114,6 +126,42 @@ def routing_unsupported(model: torch.nn.Module) -> str | None:
         return (f"{type(model).__name__} is a Mixture-of-Experts model whose router class is not one of "
                 f"{', '.join(ROUTER_WEIGHTS)}")
     return f"{type(model).__name__} is not a Mixture-of-Experts model (no router to record)"
+
+
+def config_is_moe(name: str) -> bool | None:
+    """Whether ``model.name`` is a Mixture-of-Experts model, read from its config without loading it: the embedded
+    models by name, a folder's or a hub id's cached ``config.json`` by :data:`MOE_CONFIG_KEYS` (its text config's
+    too); None when a hub id's config is not in the local cache (then building the run's routing hooks decides)."""
+    if name == TINY_MOE or name in EMBEDDED_MODELS:
+        return name == TINY_MOE
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else \
+        huggingface_hub.try_to_load_from_cache(name, "config.json")
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        config = json.load(file)
+    return any(config.get(key) or (config.get("text_config") or {}).get(key) for key in MOE_CONFIG_KEYS)
+
+
+@register_check("routing_replay")
+def check_routing_replay(run: DictConfig) -> None:
+    """``train.routing_replay``: a known mode; r2/r3 only on a Mixture-of-Experts model, in the native backend; r3 only
+    with a sampler whose forwards the routing hooks can lay out (the native sampler, uncompiled)."""
+    t = run.train
+    mode = t.routing_replay
+    if mode not in REPLAY_MODES:
+        raise ConfigError(f"train.routing_replay must be one of {', '.join(REPLAY_MODES)}, got {mode!r}")
+    if mode == "none":
+        return
+    if config_is_moe(run.model.name) is False:
+        raise ConfigError(f"train.routing_replay={mode} needs a Mixture-of-Experts model ({run.model.name!r} is "
+                          f"dense): use model.name={TINY_MOE} or a hub MoE, or train.routing_replay=none")
+    if run.backend != "native":
+        raise ConfigError(f"backend {run.backend}: train.routing_replay={mode} is not supported (TRL has no routing "
+                          "replay); use backend=native")
+    if mode == "r3" and (t.sampler != "native" or t.compile_sampler):
+        raise ConfigError("train.routing_replay=r3 records the sampler's routing in the native decode loop: use "
+                          "train.sampler=native with train.compile_sampler=false, or train.routing_replay=r2")
 
 
 @dataclass(frozen=True)
@@ -269,11 +317,20 @@ class Routing:
         self._state: _State | None = None
         self._handles = [module.register_forward_hook(self._hook_of(layer))
                          for layer, module in enumerate(routers.values())]
+        self._model = weakref.ref(model)
+        _ATTACHED[model] = self  # routing_of(model): what the trainer's forward and the sampler lay out their calls on
+
+    @property
+    def capturing(self) -> bool:
+        return self._state is not None
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        model = self._model()
+        if model is not None and _ATTACHED.get(model) is self:
+            del _ATTACHED[model]
 
     @contextmanager
     def capture(self, grid: Grid | None = None, *, replay: RoutingRecord | None = None,
@@ -392,6 +449,28 @@ class Routing:
         use = (recorded >= 0).all(-1)
         forced = indices.index_put((layout.token[use],), recorded[use])
         return logits, ROUTER_WEIGHTS[type(module).__name__](module, logits, forced), forced
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Routing (the latest made)
+
+
+def routing_of(model) -> Routing | None:
+    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed), or None."""
+    return _ATTACHED.get(model)
+
+
+def laid_out(model, layout: Callable[[], Layout]):
+    """Context for one forward call of ``model``: its tokens' grid positions (``layout()``, built only then) while
+    ``model``'s routing is capturing; nothing otherwise (dense models, no capture)."""
+    routing = _ATTACHED.get(model)
+    return routing.tokens(layout()) if routing is not None and routing.capturing else nullcontext()
+
+
+def recording(model, decoder, width: int):
+    """``decoder`` wrapped in a :class:`RecordingDecoder` while ``model``'s routing is capturing (the sampler's
+    routing, R3), else ``decoder`` itself. ``width``: the grid's prompt width + max_new_tokens."""
+    routing = _ATTACHED.get(model)
+    return RecordingDecoder(decoder, routing, width) if routing is not None and routing.capturing else decoder
 
 
 def enable_checkpointing(model, routing: Routing) -> None:

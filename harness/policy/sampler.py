@@ -9,6 +9,8 @@ one model in one precision the sampler's log-probs equal the trainer's up to flo
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.decode import DECODERS, build_decoder
 from harness.policy.models import build_prompt
+from harness.policy.routing import Grid, RoutingRecord, routing_of, routing_unsupported, select_record_rows
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 
@@ -60,6 +63,7 @@ class Rollout:
     sampler_logp: Tensor  # [N, T] log-probs of the sampled tokens under the sampler (0 on padding)
     texts: list[str]  # decoded completions
     truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+    routing: RoutingRecord | None = None  # an MoE sampler's own routing on [prompt | completion] (R3), -1 elsewhere
 
 
 class _RecordAndWarp(LogitsProcessor):
@@ -111,7 +115,8 @@ def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_
         completion_ids=stack(pick("completion_ids"), False, pad_token_id),
         completion_mask=stack(pick("completion_mask"), False, False),
         sampler_logp=stack(pick("sampler_logp"), False, 0.0), texts=[rollouts[r].texts[i] for r, i in rows],
-        truncated=torch.stack(pick("truncated")))
+        truncated=torch.stack(pick("truncated")),
+        routing=select_record_rows([r.routing for r in rollouts], rows) if rollouts[0].routing is not None else None)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class Sampling:
     compact_every: int  # native: finished rows leave the batch every this many steps (0: never)
     decoder: str  # native: harness/policy/decode.py's kind
     compile: bool  # native: torch.compile the decoder's step
+    record_routing: bool = False  # native, MoE: record the sampler's routing (R3) on the rollout
 
 
 def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, how: Sampling) -> tuple[Tensor, Tensor]:
@@ -268,7 +274,8 @@ def sample_problems(model, tokenizer, problems, train: DictConfig | None = None,
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",
-             compact_every: int = 4, decoder: str = "auto", compile: bool = False) -> Rollout:
+             compact_every: int = 4, decoder: str = "auto", compile: bool = False,
+             record_routing: bool = False) -> Rollout:
     """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
 
     Each distinct prompt is prefilled once. ``sampler="native"``: the native decode loop (finished rows leave the
@@ -277,10 +284,13 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     optionally ``torch.compile``-d); ``"hf"``: transformers' ``generate`` (the reference). Both record
     log p(token) under log_softmax(logits / temperature) of the full vocabulary; draws use the global torch RNG.
     Completions are right-padded with the pad token after their first EOS (log-prob 0 there).
+    ``record_routing`` (an MoE model with a :class:`harness.policy.routing.Routing` hooked on, the native sampler):
+    the rollout carries the sampler's routing of its real tokens (``Rollout.routing``; R3).
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    how = Sampling(group_size, max_new_tokens, temperature, top_p, greedy, sampler, compact_every, decoder, compile)
+    how = Sampling(group_size, max_new_tokens, temperature, top_p, greedy, sampler, compact_every, decoder, compile,
+                   record_routing)
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
@@ -288,9 +298,12 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     model.eval()
     try:
         if sampler == "hf":
+            if record_routing:
+                raise ValueError("record_routing needs the native sampler (transformers' generate is not laid out)")
             completion_ids, sampler_logp = _generate_hf(model, tokenizer, prompt_ids, prompt_mask, how)
         else:
-            with torch.inference_mode():  # no autograd bookkeeping per op; what is returned is copied by the ops below
+            with torch.inference_mode(), _routing_capture(model, prompt_ids, how) as capture:
+                # no autograd bookkeeping per op; what is returned is copied by the ops below
                 completion_ids, sampler_logp = _generate_native(model, prompt_ids, prompt_mask, how,
                                                                 tokenizer.eos_token_id)
     finally:
@@ -304,4 +317,25 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
     sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated)
+    routing = None
+    if record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
+        record = capture.record.select(torch.arange(len(texts)), completion_ids.shape[1])
+        routing = dataclasses.replace(record, indices=record.indices.clone()).masked(
+            torch.cat([prompt_mask.bool(), completion_mask], 1))
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated, routing)
+
+
+@contextmanager
+def _routing_capture(model, prompt_ids: Tensor, how: Sampling):
+    """With ``how.record_routing``: a capture of ``model``'s routing on the rollout's grid (rows x [prompt |
+    max_new_tokens]), which the decoder's forwards fill (harness/policy/routing.py's RecordingDecoder); else None."""
+    if not how.record_routing:
+        yield None
+        return
+    routing = routing_of(model)
+    if routing is None:
+        reason = routing_unsupported(model) or "none made"
+        raise ValueError(f"record_routing: no routing hooks on the sampler ({reason})")
+    width = prompt_ids.shape[1]
+    with routing.capture(Grid(len(prompt_ids) * how.group_size, width + how.max_new_tokens, width)) as capture:
+        yield capture

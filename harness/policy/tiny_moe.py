@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+TINY_MOE = "tiny_moe"  # its model.name
+
 
 @dataclass(frozen=True)
 class TinyMoeSpec:

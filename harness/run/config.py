@@ -4,8 +4,9 @@ overrides, sweep expansion and the schema's own checks.
 An experiment is the schema below merged with ``experiments/<name>.yaml``, then with command-line overrides
 (``key=value``, omegaconf dotlist; TRL's names are translated first, harness/run/aliases.py). Its ``sweep`` section
 expands into runs: every point of ``sweep.grid`` (dotted key -> list of values), with
-``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point. A command-line override
-of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only).
+``sweep.per_objective[<name>]`` applied to the runs of that objective before the grid point; a per-objective value of
+a swept key pins that axis for that objective's runs (moe_stability: grpo with every routing replay, the others with
+none). A command-line override of a swept key pins that axis to the given value (``seed=3`` runs seed 3 only).
 
 Everything is validated before any run starts: here what the schema alone decides (sizes, batching, the objective
 and its hyperparameters, the rollout correction, seeds); then each component's own check of its settings (the task's
@@ -48,8 +49,11 @@ OLD_LOGP = ("sampler", "recompute")
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # tiny (the char-level Llama of `tiny`), smollm2-135m-instruct (embedded), a hub id or a folder
-    tiny: dict[str, Any] = field(default_factory=dict)  # the tiny Llama's shape (hidden_size, num_layers, ...)
+    # tiny (the char-level Llama), tiny_moe (a char-level Qwen3-MoE), smollm2-135m-instruct (embedded), a hub id or a
+    # folder
+    name: str = "tiny"
+    # the tiny model's shape: tiny's (hidden_size, num_layers, ...) or tiny_moe's (+ num_experts, top_k, ...)
+    tiny: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # trainer precision: float32, bfloat16, float16 (weights and compute)
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); null = policy
     seed: int = 0  # the tiny model's init and warm-start seed: the starting policy, shared by every run of a sweep
@@ -127,6 +131,11 @@ class TrainConfig:
     # the trainer's forward runs its token-wise layers on real completion tokens only (Llama-family models; others: the
     # model's forward on the padded batch)
     padding_free: bool = True
+    # Mixture-of-Experts routing replay (harness/policy/routing.py): none; r2 (the experts each token's router chose in
+    # the trainer's old-policy forward of the batch, forced in every update forward); r3 (the sampler's own routing,
+    # forced in the old-policy recompute and every update forward). r2/r3 recompute the behaviour log-probs; MoE
+    # models only, native backend
+    routing_replay: str = "none"
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
@@ -137,7 +146,8 @@ class TrainConfig:
 @dataclass
 class SweepConfig:
     grid: dict[str, list[Any]] = field(default_factory=dict)  # dotted key -> list of values: every combination is a run
-    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)  # objective -> settings for its runs
+    # objective -> settings for its runs (a swept key's value pins that axis for them)
+    per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -349,7 +359,10 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
-        dotlist = {**per_objective.get(objective, {}), **assignment}
+        own = per_objective.get(objective, {})
+        if any(key in own and own[key] != value for key, value in assignment.items()):
+            continue  # a per-objective value of a swept key pins that axis for the objective's runs
+        dotlist = {**own, **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
         validate(run)
@@ -363,7 +376,8 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
 
 
 def _dot(value) -> str:
-    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+    """A value as a dotlist's right-hand side (None: null, not the string 'None')."""
+    return json.dumps(value) if isinstance(value, list | dict) or value is None else str(value)
 
 
 def run_id(run: DictConfig) -> str:

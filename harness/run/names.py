@@ -127,6 +127,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.decoder"),
     Name("train.compile_sampler"),
     Name("train.padding_free", "—", "`actor_rollout_ref.model.use_remove_padding`"),
+    Name("train.routing_replay", "—", f"`{A}router_replay.mode` (disabled / R2 / R3)"),
     Name("train.eval_every", "`eval_steps` (optimizer steps)", "`trainer.test_freq`"),
     Name("train.eval_max_new_tokens"),
     Name("train.pass_k", "—", f"`{R}val_kwargs.n`"),

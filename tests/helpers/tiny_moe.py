@@ -24,10 +24,21 @@ from harness.policy.routing import (
 )
 from harness.policy.sampler import Rollout
 from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.run.config import load_experiment, run_configs
+from tests.helpers.tiny import TINY_RUN
 
 TINY_MOE_SPEC = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2, expert_intermediate_size=16)
 PROMPTS = ["12+30=\n", "7-4=\n", "7-4=\n", "100+1=\n"]  # rows 1 and 2 share a prompt
 COMPLETIONS = ["42", "3", "3 and more", "101 ok"]
+# the tiny run's settings (tests/helpers/tiny.py) with the small tiny_moe instead of the tiny Llama
+TINY_MOE_RUN = ["model.name=tiny_moe", *(f"model.tiny.{k}={v}" for k, v in TINY_MOE_SPEC.items()),
+                *(o for o in TINY_RUN if not o.startswith("model.tiny."))]
+
+
+def tiny_moe_run(tmp_path, *overrides):
+    """One validated run of the default experiment with the tiny settings on the small tiny_moe, under ``tmp_path``."""
+    (run,) = run_configs(load_experiment("base", [*TINY_MOE_RUN, f"results_dir={tmp_path}", *overrides]))
+    return run
 
 
 def tiny_moe(seed: int = 0, **overrides):
