@@ -158,7 +158,8 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
     for key in ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_mb"):  # every step's memory, and the eval's
         assert all(r[key] > 0 for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")[1:])
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["peak_mem_eval_mb"] > 0
-    full, part = ([{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(tmp_path / d / "metrics.jsonl")]
+    full, part = ([{k: v for k, v in r.items() if k not in TIMING_METRICS}
+                   for r in read_jsonl(tmp_path / d / "metrics.jsonl")]
                   for d in ("full", "part"))
     assert part == full
 

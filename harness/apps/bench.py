@@ -147,6 +147,34 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     return 0
 
 
+def memory_main(overrides: list[str], rows: int = 12) -> int:
+    """``bench --memory``: after one untimed step (:func:`warm_up`), the peak memory of one native rollout and one
+    native update of the bench configuration (harness/loop/metrics.py), beside what the model's size implies
+    (weights, gradients, AdamW's two moments) and the largest minibatch's logits [real completion tokens, vocab] in
+    fp32; then ``torch.profiler``'s operators of the update by the memory they allocate (``Self CPU Mem``)."""
+    from torch.profiler import profile
+
+    cfg, setup, problems, _ = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
+    print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
+    memory = PhaseMemory(setup.device)
+    memory.start("rollout")
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    memory.start("update")
+    with profile(profile_memory=True) as update_profile:
+        bench_update(learner, setup, ro, problems, cfg, 1)
+    mib = 2**20
+    weights = sum(p.numel() * p.element_size() for p in setup.policy.parameters()) / mib
+    per_minibatch = ro.completion_mask.sum(-1).view(cfg.train.num_minibatches, -1).sum(-1)  # bench: rows in order
+    logits = int(per_minibatch.max()) * setup.policy.config.get_text_config().vocab_size * 4 / mib
+    for key, value in {**memory.metrics(), "weights_mb": weights, "gradients_mb": weights,
+                       "adamw_moments_mb": 2 * weights, "largest_minibatch_logits_fp32_mb": logits}.items():
+        print(f"{key:34s} {value:9.0f}")
+    print(update_profile.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=rows))
+    return 0
+
+
 def step_main(overrides: list[str]) -> int:
     """``bench --step`` (a child of ``--busy``): one native step (rollout + update) timed after an untimed one of
     the same sizes; prints one JSON line with the threads used and the seconds."""

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
+from harness.policy.forward import set_memory_settings
 from harness.policy.models import load_model
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
@@ -45,6 +46,7 @@ def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
     task = build_task(cfg)
     train_problems = task.train_problems()
     policy, tokenizer, start_policy = build_policy(cfg, task, device)
+    set_memory_settings(policy, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)  # the copies' too
     objective, estimator = build_objective(cfg)
     reference = frozen_copy(policy) if objective.beta > 0 else None
     dtype = sampler_dtype(cfg)

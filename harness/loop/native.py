@@ -153,7 +153,7 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
             loss = 0.0
-            for rows in minibatch.chunks(plan.microbatch_size):  # forward, objective, backward
+            for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":
                     ro, forward = plan.batch.rollout, part.forward

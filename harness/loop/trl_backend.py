@@ -106,7 +106,8 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant_with_warmup", warmup_steps=t.warmup_steps,
         logging_steps=steps_per_rollout, beta=0.0, loss_type="grpo", scale_rewards="group",
         save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
-        save_total_limit=1, dataloader_num_workers=0, activation_checkpointing=False,  # TRL turns it on by default
+        save_total_limit=1, dataloader_num_workers=0,
+        activation_checkpointing=t.activation_checkpointing,  # TRL's gradient_checkpointing, on by default in TRL
         **correction,
     )
     kwargs.update(overrides)
