@@ -31,7 +31,7 @@ from harness.loop.behaviour import behaviour_logp
 from harness.policy.forward import completion_logprobs
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
-from objectives import PolicyBatch
+from objectives import OBJECTIVES, PolicyBatch
 from objectives.base import sum_statistics
 
 
@@ -116,18 +116,18 @@ class UpdatePlan:
     order_seed: int  # the random stream of the minibatch order
     timings: Timings | None = None
     max_tokens_per_micro_batch: int = 0  # micro-batches packed to this many tokens instead of microbatch_size rows
+    micro_batch_unit: int = 1  # rows a token-budget micro-batch keeps together (a group, for group objectives)
 
     def microbatches(self, minibatch: Minibatch) -> list[Tensor]:
         """The minibatch's micro-batches: ``microbatch_size`` rows each, or with ``max_tokens_per_micro_batch``
         consecutive rows up to that many real prompt + completion tokens (:func:`token_budget_chunks`), whole groups
-        when minibatches hold whole groups. Any split gives the minibatch's loss and gradient: every micro-batch is
-        normalised by the minibatch's counts (:class:`Minibatch`)."""
+        for objectives that compare a group's samples. Any split gives the minibatch's loss and gradient: every
+        micro-batch is normalised by the minibatch's counts (:class:`Minibatch`)."""
         if not self.max_tokens_per_micro_batch:
             return minibatch.chunks(self.microbatch_size)
         ro, rows = self.batch.rollout, minibatch.rows
         tokens = ro.prompt_mask[rows].sum(-1) + ro.completion_mask[rows].sum(-1)
-        unit = self.group_size if self.minibatch_size % self.group_size == 0 else 1
-        return token_budget_chunks(rows, tokens, self.max_tokens_per_micro_batch, unit)
+        return token_budget_chunks(rows, tokens, self.max_tokens_per_micro_batch, self.micro_batch_unit)
 
     @property
     def sampler_is_behaviour(self) -> bool:
@@ -143,7 +143,8 @@ class UpdatePlan:
                    group_size=t.group_size, temperature=t.temperature, padding_free=t.padding_free,
                    max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
                    behaviour=behaviour_logp(t), order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
-                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1)
 
 
 @dataclass(frozen=True)

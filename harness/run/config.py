@@ -134,8 +134,9 @@ class TrainConfig:
     # recompute each layer's activations in the backward pass instead of keeping them (transformers' activation
     # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers
     activation_checkpointing: bool = False
-    # micro-batches of consecutive rows up to this many real prompt + completion tokens (whole groups when minibatches
-    # hold whole groups; a larger group or row alone) instead of train.micro_batch_size rows; 0 = off (native backend)
+    # micro-batches of consecutive rows up to this many real prompt + completion tokens (whole groups for objectives
+    # that compare a group's samples; a larger row or group alone) instead of train.micro_batch_size rows; 0 = off
+    # (native backend)
     max_tokens_per_micro_batch: int = 0
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
