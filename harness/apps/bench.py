@@ -158,12 +158,16 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
     learner = build_learner(setup.policy, setup.objective, cfg.train)
     warm_up(learner, setup, problems, cfg)
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
-    memory = PhaseMemory(setup.device)
+    memory, clocks = PhaseMemory(setup.device), [(time.perf_counter(), time.process_time())]
     memory.start("rollout")
     ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     memory.start("update")
-    with profile(profile_memory=True) as update_profile:
+    clocks.append((time.perf_counter(), time.process_time()))
+    with profile(profile_memory=True) as update_profile:  # the profiler's bookkeeping slows the update a little
         bench_update(learner, setup, ro, problems, cfg, 1)
+    clocks.append((time.perf_counter(), time.process_time()))
+    for name, k in (("rollout", 0), ("update", 1)):
+        print(f"{name}_s {clocks[k + 1][0] - clocks[k][0]:.1f} (CPU {clocks[k + 1][1] - clocks[k][1]:.1f} s)")
     mib = 2**20
     weights = sum(p.numel() * p.element_size() for p in setup.policy.parameters()) / mib
     per_minibatch = ro.completion_mask.sum(-1).view(cfg.train.num_minibatches, -1).sum(-1)  # bench: rows in order
