@@ -643,7 +643,7 @@ def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_war
               ("h2", "Where the time went"),
               ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
-                    + timing.PHASES),
+                    + timing.PHASES + " " + timing.MEMORY_NOTE),
               ("table", times) if len(times) else ("p", "No finished run yet."),
               ("h2", "Configuration"), ("ul", config_lines),
               ("p", "Settings that differ between runs (besides objective and seed; an axis makes cells, a "

@@ -1,6 +1,6 @@
 """Where a run's time goes: its wall time split into the phases its metrics log (``PHASES``), in seconds per run
 (mean over an objective's finished runs) and as a share of the wall time. "Other" is the wall time minus every
-logged phase."""
+logged phase. Beside it the memory: each run's peak per phase (``MEMORY``), as a mean over the runs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ LABELS = {"rollout_s": "rollout", "update_logp_forward_s": "update: forward", "u
           "update: statistics forward", "update_backward_s": "update: backward", "update_optimizer_s":
           "update: optimizer", "update_other_s": "update: rest", "update_s": "update", "eval_s": "evaluations",
           "other_s": "other (setup, records, checkpoints)"}
+MEMORY = ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_eval_mb")  # harness/loop/metrics.py's PhaseMemory
+MEMORY_LABEL = "peak memory (MiB): rollout / update / eval"
+MEMORY_NOTE = ("Peak memory: the largest of each run's steps in each phase (CPU: the process's resident set size, "
+               "which includes the weights, the optimizer state and the heap kept for reuse; GPU: allocated memory), "
+               "the mean over the runs; - where a run logged none.")
 
 
 def run_phases(runs: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
@@ -35,6 +40,7 @@ def run_phases(runs: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
         row["eval_s"] = total.get("eval_s", 0.0)
         row["other_s"] = row["wall_time_s"] - sum(v for k, v in row.items() if k not in ("run_id", "objective",
                                                                                          "wall_time_s"))
+        row.update({c: float(m[c].max()) for c in MEMORY if c in m and m[c].notna().any()})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -50,4 +56,9 @@ def time_table(runs: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
                           "wall time (s)": mean["wall_time_s"].round(1).values})
     for c in columns:
         table[LABELS[c]] = [f"{s:.1f} s ({s / w:.0%})" for s, w in zip(mean[c], mean["wall_time_s"], strict=True)]
+    logged = [c for c in MEMORY if c in phases]
+    if logged:
+        memory = phases.groupby("objective")[logged].mean().reindex(columns=list(MEMORY))
+        table[MEMORY_LABEL] = [" / ".join("-" if pd.isna(v) else f"{v:.0f}" for v in values)
+                               for values in memory.itertuples(index=False)]
     return table

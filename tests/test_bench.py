@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, profile_main
+from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, memory_main, profile_main
 from harness.policy.models import load_model
 from tests.helpers.tiny import TINY_SPEC
 
@@ -34,6 +34,9 @@ def test_bench_runs_both_sides_and_writes_its_figures(tmp_path, capsys):
     phases = ("phase_logp_forward_s", "phase_backward_s", "phase_optimizer_s", "phase_update_other_s")
     assert all(result[key] > 0 for key in (*phases, "native_over_trl_generate_tok_s"))
     assert sum(result[key] for key in phases) == pytest.approx(result["update_s"], rel=0.2)  # medians of repeats
+    for side in ("", "trl_"):  # each side's own peak memory per phase, and the process's
+        assert 0 < result[f"{side}peak_mem_rollout_mb"] <= result[f"{side}peak_mem_mb"] <= result["max_rss_gb"] * 1024
+        assert f"{side}peak_mem_update_mb" in printed
 
 
 def test_decode_matmul_shapes_of_a_model():
@@ -59,3 +62,18 @@ def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     for table in (rollout, update):  # the header and five operator rows, each with Self CPU % and CPU total %
         assert sum(line.count("%") == 2 for line in table.splitlines()) == 1 + 5
         assert "aten::" in table
+
+
+@pytest.mark.slow  # a whole run: make test
+def test_memory_prints_each_phase_peak_and_the_updates_allocations(capsys):
+    overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
+                 "train.group_size=2", "train.num_minibatches=2", "model.warm_start_steps=0", "threads=1",
+                 *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+    assert memory_main(overrides, rows=5) == 0
+    printed = capsys.readouterr().out
+    figures = {line.split()[0]: line.split()[1] for line in printed.splitlines() if line.split()[:1] and
+               line.split()[0].endswith(("_mb", "_s"))}
+    assert {"peak_mem_rollout_mb", "peak_mem_update_mb", "weights_mb", "adamw_moments_mb", "rollout_s",
+            "update_s"} <= set(figures)
+    assert float(figures["adamw_moments_mb"]) == 2 * float(figures["weights_mb"])
+    assert "Self CPU Mem" in printed and "aten::" in printed

@@ -21,6 +21,10 @@ from harness.run.errors import ConfigError
     (["train.num_minibatches=3"], "must divide prompts_per_step x group_size"),
     (["model.dtype=fp8"], "model.dtype must be one of"),
     (["sweep.grid.seed=[]"], "zero runs"),
+    (["train.lm_head_chunk=-1"], "train.lm_head_chunk and train.max_tokens_per_micro_batch must be >= 0"),
+    (["train.max_tokens_per_micro_batch=512", "train.micro_batch_size=4"], "not both"),
+    (["objective.name=clip_cov", "train.max_tokens_per_micro_batch=512"], "needs statistics of the whole minibatch"),
+    (["backend=trl", "train.lm_head_chunk=256"], "are the native backend's"),
 ])
 def test_bad_configs_stop_with_a_clear_error(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):

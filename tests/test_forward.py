@@ -120,3 +120,40 @@ def test_a_run_with_and_without_padding_free_ends_at_the_same_weights(tmp_path, 
     assert ran >= 2 and packed_rows == []  # every minibatch padding-free, then none
     for key in finals[0]:
         torch.testing.assert_close(finals[0][key], finals[1][key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_the_lm_head_in_chunks_gives_the_same_logprobs_entropies_and_gradients(padding_free, monkeypatch):
+    model, args = build("llama").train(), batch()  # 29 real positions; chunks of 4: 8 chunks, the last of 1
+    whole, entropy_whole, grads_whole = logp_entropy_grads(model, args, padding_free)
+    seen, real = [], forward._head_part
+    monkeypatch.setattr(forward, "_head_part", lambda head, t, e, hidden, targets: seen.append(len(hidden)) or
+                        real(head, t, e, hidden, targets))
+    forward.set_memory_settings(model, lm_head_chunk=4)
+    chunked, entropy_chunked, grads_chunked = logp_entropy_grads(model, args, padding_free)
+    assert max(seen) == 4 and sum(seen) == 2 * int(args[3].sum())  # every chunk, then again in the backward
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy_chunked, entropy_whole, atol=1e-6, rtol=1e-6)
+    for key, grad in grads_whole.items():
+        torch.testing.assert_close(grads_chunked[key], grad, atol=1e-6, rtol=1e-5, msg=key)
+    with torch.no_grad():  # without gradients: the chunks once, no recompute
+        seen.clear()
+        assert torch.equal(completion_logprobs(model, *args, 0.7, padding_free=padding_free)[0], chunked)
+        assert sum(seen) == int(args[3].sum())
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_activation_checkpointing_recomputes_the_layers_with_the_same_gradients(padding_free):
+    model, args = build("qwen3").train(), batch()  # groups share prompts: the prompt pass keeps its cache
+    plain, entropy_plain, grads_plain = logp_entropy_grads(model, args, padding_free)
+    forward.set_memory_settings(model, activation_checkpointing=True)
+    calls = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    logp, entropy, grads = logp_entropy_grads(model, args, padding_free)
+    assert len(calls) == (3 if padding_free else 2)  # recomputed in the backward (padding-free: + the prompt pass)
+    torch.testing.assert_close(logp, plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, entropy_plain, atol=1e-6, rtol=1e-6)
+    for key, grad in grads_plain.items():
+        torch.testing.assert_close(grads[key], grad, atol=1e-6, rtol=1e-5, msg=key)
+    forward.set_memory_settings(model)
+    assert not model.is_activation_checkpointing

@@ -303,6 +303,10 @@ def test_dynamic_sampling_through_the_loop_counts_every_sampled_token(tmp_path, 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert any(r["sampling_rounds"] > 1 for r in rows)  # dropped groups were sampled, and their tokens count
     assert summary["rollout_tokens"] == rows[-1]["rollout_tokens"] > summary["update_tokens"]
+    everything = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    for phase in ("rollout", "update", "eval"):  # the run's peak memory per phase: the largest of its steps'
+        key = f"peak_mem_{phase}_mb"
+        assert summary[key] == max(r[key] for r in everything if key in r) > 0
 
 
 def test_overlong_penalty_matches_dapo_by_hand(tmp_path):

@@ -2,7 +2,7 @@
 
 import pandas as pd
 
-from analysis.timing import run_phases, time_table
+from analysis.timing import MEMORY, MEMORY_LABEL, run_phases, time_table
 
 
 def test_phases_add_up_to_the_wall_time():
@@ -22,3 +22,17 @@ def test_phases_add_up_to_the_wall_time():
     table = time_table(runs, metrics)
     assert table.loc[0, "runs"] == 2 and table.loc[0, "wall time (s)"] == 110.0
     assert table.loc[0, "rollout"] == "26.0 s (24%)" and table.loc[0, "evaluations"] == "18.0 s (16%)"
+
+
+def test_the_table_shows_each_phase_peak_memory_of_the_runs():
+    runs = pd.DataFrame({"run_id": ["a", "b"], "objective": ["grpo", "grpo"], "wall_time_s": [100.0, 120.0],
+                         "complete": [True, True]})
+    metrics = pd.DataFrame({
+        "run_id": ["a", "a", "a", "b", "b"], "step": [0, 1, 2, 0, 1], "rollout_s": [None, 10.0, 12.0, None, 30.0],
+        "update_s": [None, 20.0, 20.0, None, 40.0], "eval_s": [8.0, None, 8.0, 10.0, 10.0],
+        "peak_mem_rollout_mb": [None, 500.0, 700.0, None, 900.0],
+        "peak_mem_update_mb": [None, 800.0, 600.0, None, 1000.0],
+        "peak_mem_eval_mb": [400.0, None, 450.0, None, None]})
+    table = time_table(runs, metrics)  # per run the largest step, then the mean over runs; b logged no eval peak
+    assert table.loc[0, MEMORY_LABEL] == "800 / 900 / 450"
+    assert MEMORY_LABEL not in time_table(runs, metrics.drop(columns=list(MEMORY)))  # runs logged before it

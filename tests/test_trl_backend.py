@@ -24,7 +24,7 @@ from harness.loop.trl_backend import (
 )
 from harness.loop.update import Learner, RunState, UpdatePlan
 from harness.run.errors import ConfigError
-from harness.run.records import read_jsonl
+from harness.run.records import TIMING_METRICS, read_jsonl
 from objectives import get_objective
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC
@@ -155,8 +155,11 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
     with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "reward_me')
     train_trl(run, tmp_path / "part", progress=False)
-    timing = {"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb"}
-    full, part = ([{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(tmp_path / d / "metrics.jsonl")]
+    for key in ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_mb"):  # every step's memory, and the eval's
+        assert all(r[key] > 0 for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")[1:])
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["peak_mem_eval_mb"] > 0
+    full, part = ([{k: v for k, v in r.items() if k not in TIMING_METRICS}
+                   for r in read_jsonl(tmp_path / d / "metrics.jsonl")]
                   for d in ("full", "part"))
     assert part == full
 

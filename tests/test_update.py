@@ -20,13 +20,15 @@ from harness.loop.update import (
     microbatch_loss,
     minibatches,
     timed,
+    token_budget_chunks,
 )
 from harness.policy.sampler import Rollout
 from objectives import ObjectiveOutput
 from tests.helpers.tiny import tiny_run
 
 
-@pytest.mark.parametrize("objective", ["dapo", "p3o"])  # p3o: its minibatch ESS from the loop's no-grad first pass
+# p3o: its minibatch ESS from the loop's no-grad first pass; conspo compares a group's samples (micro-batches: groups)
+@pytest.mark.parametrize("objective", ["dapo", "p3o", "conspo"])
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
     passes, real = [], harness.loop.native.with_statistics
 
@@ -35,16 +37,51 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatc
         return passes[-1]
 
     monkeypatch.setattr(harness.loop.native, "with_statistics", spy)
-    finals = []
-    for micro in (0, 2):
-        run = tiny_run(tmp_path, f"train.micro_batch_size={micro}", "train.steps=1", f"objective.name={objective}",
-                       "task.overlong_buffer=6")
-        train(run, tmp_path / f"m{micro}", progress=False)
-        finals.append(torch.load(tmp_path / f"m{micro}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
+    sizes, real_loss = [], harness.loop.native.microbatch_loss
+    monkeypatch.setattr(harness.loop.native, "microbatch_loss",
+                        lambda learner, plan, minibatch, rows, *a, **k: sizes.append(len(rows)) or
+                        real_loss(learner, plan, minibatch, rows, *a, **k))
+    finals, counts = [], []
+    # whole minibatches, 4 rows, a token budget (rows of 35 or 36 prompt and 6 to 8 completion tokens)
+    for k, setting in enumerate(("train.micro_batch_size=0", "train.micro_batch_size=4",
+                                 "train.max_tokens_per_micro_batch=130")):
+        run = tiny_run(tmp_path, setting, "train.steps=1", f"objective.name={objective}", "task.overlong_buffer=6")
+        sizes.clear()
+        train(run, tmp_path / f"m{k}", progress=False)
+        finals.append(torch.load(tmp_path / f"m{k}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
+        counts.append(list(sizes))
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
-    # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 micro-batches)
-    assert [p.stats is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 2
+        assert torch.allclose(finals[0][key], finals[2][key], atol=1e-6), key
+    assert counts[:2] == [[8, 8], [4] * 4] and sum(counts[2]) == 16 and len(counts[2]) > 2
+    if objective == "conspo":  # whole groups of 4: each over the budget, alone
+        assert counts[2] == [4] * 4
+    else:
+        assert len(set(counts[2])) > 1, counts  # packed to the budget: micro-batches of different sizes
+    # the extra pass ran only for p3o and only when micro-batching (2 minibatches of 2 or more micro-batches)
+    assert [p.stats is not None for p in passes] == [False] * 2 + [objective == "p3o"] * 4
+
+
+def test_token_budget_micro_batches_pack_consecutive_rows_or_groups():
+    rows, tokens = torch.arange(10, 16), torch.tensor([5, 3, 9, 2, 2, 7])
+    chunks = [c.tolist() for c in token_budget_chunks(rows, tokens, budget=8)]
+    assert chunks == [[10, 11], [12], [13, 14], [15]]  # 8, 9 alone (over the budget), 4 (+7 would be 11), 7
+    groups = [c.tolist() for c in token_budget_chunks(rows, tokens, budget=20, unit=2)]
+    assert groups == [[10, 11, 12, 13], [14, 15]]  # groups of 8, 11 and 9 tokens
+    assert [c.tolist() for c in token_budget_chunks(rows, tokens, budget=100, unit=3)] == [list(range(10, 16))]
+
+
+def test_a_plan_splits_by_rows_or_by_its_token_budget():
+    batch = toy_batch()
+    plan = toy_plan(batch)
+    minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
+    assert [len(c) for c in plan.microbatches(minibatch)] == [4, 4]
+    budget = dataclasses.replace(plan, max_tokens_per_micro_batch=1)  # every row over the budget: one each
+    assert [c.tolist() for c in budget.microbatches(minibatch)] == [[row] for row in minibatch.rows.tolist()]
+    groups = dataclasses.replace(budget, micro_batch_unit=4)  # every group over the budget: one each
+    assert [c.tolist() for c in groups.microbatches(minibatch)] == [minibatch.rows[:4].tolist(),
+                                                                    minibatch.rows[4:].tolist()]
+    assert plan.micro_batch_unit == 1 and toy_plan(batch, objective="conspo").micro_batch_unit == 4
 
 
 def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
@@ -77,11 +114,14 @@ def toy_batch(rows: int = 16, width: int = 5, correction: bool = False) -> Train
                       correction=torch.ones(rows, width) * mask if correction else None)
 
 
-def toy_plan(batch: TrainBatch, *settings: str, step: int = 3) -> UpdatePlan:
-    return UpdatePlan.of(batch, OmegaConf.create({"seed": 0, "train": {
-        "prompts_per_step": 4, "group_size": 4, "num_minibatches": 2, "micro_batch_size": 4, "epochs": 1,
-        "temperature": 1.0, "padding_free": True, "max_new_tokens": 8, "max_grad_norm": 1.0, "old_logp": "sampler",
-        **dict(s.split("=") for s in settings)}}), step)
+TOY_TRAIN = {"prompts_per_step": 4, "group_size": 4, "num_minibatches": 2, "micro_batch_size": 4, "epochs": 1,
+             "temperature": 1.0, "padding_free": True, "max_new_tokens": 8, "max_grad_norm": 1.0,
+             "old_logp": "sampler", "max_tokens_per_micro_batch": 0}
+
+
+def toy_plan(batch: TrainBatch, *settings: str, step: int = 3, objective: str = "grpo") -> UpdatePlan:
+    return UpdatePlan.of(batch, OmegaConf.create({"seed": 0, "objective": {"name": objective}, "train": {
+        **TOY_TRAIN, **dict(s.split("=") for s in settings)}}), step)
 
 
 @pytest.mark.parametrize("size", [8, 2])  # 8: whole groups of 4 per minibatch; 2: rows shuffled one by one

@@ -4,7 +4,10 @@ model (a copy of the same initial weights), prompts, group size, lengths and min
 and print the per-step wall-time ratio, tokens/s of both and where the time goes in each (``phase_*``).
 Each side is timed at its second step of the same sizes, as in a run of many steps: the first, untimed
 (``warm_up_step_s``, ``trl_warm_up_step_s``), pays the one-time costs; the heap is given back to the kernel before
-each side (harness/run/allocator.py), so neither inherits the other's pages.
+each side (harness/run/allocator.py), so neither inherits the other's pages. Each side's peak memory per phase
+(``peak_mem_rollout_mb``, ``peak_mem_update_mb``; ``trl_peak_mem_*``: over TRL's two steps) is the process's peak
+resident set size in that phase on the CPU (harness/loop/metrics.py; the process holds both sides' weights), the
+peak allocated memory on a GPU; ``max_rss_gb`` is the whole process's.
 Any model: ``python -m harness bench model.name=tiny task.name=arith train.max_new_tokens=64`` (about a minute).
 
 Update FLOPs are the model FLOPs owed for the real tokens (padding is not work: as for the decode, and since the
@@ -22,7 +25,6 @@ import copy
 import functools
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from transformers import TrainerCallback
 
 from harness.loop.batch import TrainBatch
 from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
@@ -141,6 +144,38 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
     for name, result in (("rollout", rollout_profile), ("update", update_profile)):
         print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
         print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return 0
+
+
+def memory_main(overrides: list[str], rows: int = 12) -> int:
+    """``bench --memory``: after one untimed step (:func:`warm_up`), the peak memory of one native rollout and one
+    native update of the bench configuration (harness/loop/metrics.py), beside what the model's size implies
+    (weights, gradients, AdamW's two moments) and the largest minibatch's logits [real completion tokens, vocab] in
+    fp32; then ``torch.profiler``'s operators of the update by the memory they allocate (``Self CPU Mem``)."""
+    from torch.profiler import profile
+
+    cfg, setup, problems, _ = bench_run(overrides)
+    learner = build_learner(setup.policy, setup.objective, cfg.train)
+    warm_up(learner, setup, problems, cfg)
+    print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
+    memory, clocks = PhaseMemory(setup.device), [(time.perf_counter(), time.process_time())]
+    memory.start("rollout")
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    memory.start("update")
+    clocks.append((time.perf_counter(), time.process_time()))
+    with profile(profile_memory=True) as update_profile:  # the profiler's bookkeeping slows the update a little
+        bench_update(learner, setup, ro, problems, cfg, 1)
+    clocks.append((time.perf_counter(), time.process_time()))
+    for name, k in (("rollout", 0), ("update", 1)):
+        print(f"{name}_s {clocks[k + 1][0] - clocks[k][0]:.1f} (CPU {clocks[k + 1][1] - clocks[k][1]:.1f} s)")
+    mib = 2**20
+    weights = sum(p.numel() * p.element_size() for p in setup.policy.parameters()) / mib
+    per_minibatch = ro.completion_mask.sum(-1).view(cfg.train.num_minibatches, -1).sum(-1)  # bench: rows in order
+    logits = int(per_minibatch.max()) * setup.policy.config.get_text_config().vocab_size * 4 / mib
+    for key, value in {**memory.metrics(), "weights_mb": weights, "gradients_mb": weights,
+                       "adamw_moments_mb": 2 * weights, "largest_minibatch_logits_fp32_mb": logits}.items():
+        print(f"{key:34s} {value:9.0f}")
+    print(update_profile.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=rows))
     return 0
 
 
@@ -256,8 +291,9 @@ def main(overrides: list[str], repeats: int = 1) -> int:
                                  **trl_measure(cfg, setup, problems, initial)}))
     result = median_of(runs)
     result["load_avg_1m_before_after"] = f"{load_before:.2f} / {os.getloadavg()[0]:.2f}"
-    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (  # bytes on macOS, KiB elsewhere
-        2**30 if sys.platform == "darwin" else 2**20)
+    # the phases' peaks reset the kernel's high-water mark (harness/loop/metrics.py): the largest of them and since
+    result["max_rss_gb"] = max([peak_memory_mb(torch.device("cpu")), *(v for k, v in result.items()
+                                if k.startswith(("peak_mem", "trl_peak_mem")))]) / 1024
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:{width}s}  {value:.3f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
@@ -274,12 +310,15 @@ def measure(cfg: DictConfig, setup: RunSetup, problems: list) -> dict:
     release_freed_memory()
     warm_up_rollout_s, warm_up_step_s = warm_up(learner, setup, problems, cfg)
     sync(device)
+    memory = PhaseMemory(device)
+    memory.start("rollout")
     start, cpu_start = time.perf_counter(), time.process_time()
     ro = sample_problems(policy, setup.tokenizer, problems, t)
     sync(device)
     rollout_s = time.perf_counter() - start
     tokens = int(ro.completion_mask.sum())
     timings = Timings()
+    memory.start("update")
     start = time.perf_counter()
     bench_update(learner, setup, ro, problems, cfg, 1, timings)
     sync(device)
@@ -302,7 +341,7 @@ def measure(cfg: DictConfig, setup: RunSetup, problems: list) -> dict:
         "step_s": rollout_s + update_s, "step_tok_s": tokens / (rollout_s + update_s),
         "step_cpu_s": step_cpu_s, "phase_generate_s": rollout_s, "phase_logp_forward_s": timings.logp_forward_s,
         "phase_backward_s": timings.backward_s, "phase_optimizer_s": timings.optimizer_s,
-        "phase_update_other_s": update_s - sum(phases.values()),
+        "phase_update_other_s": update_s - sum(phases.values()), **memory.metrics(),
     }
 
 
@@ -427,5 +466,5 @@ def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
         "phase_rollout_other_s": p["rollout"] - p["generate"] - p["rewards"] - p["logp_nograd"],
         "phase_logp_forward_s": p["logp_forward"],
         "phase_loss_backward_s": p["training_step"] - p["rollout"] - p["logp_forward"],
-        "phase_optimizer_and_trainer_s": step_s - p["training_step"],
+        "phase_optimizer_and_trainer_s": step_s - p["training_step"], **trainer.memory.metrics(),
     }

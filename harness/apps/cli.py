@@ -14,7 +14,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from harness.apps.bench import busy_main, matmuls_main, profile_main, step_main
+from harness.apps.bench import busy_main, matmuls_main, memory_main, profile_main, step_main
 from harness.apps.bench import main as bench
 from harness.apps.launchers import LAUNCHERS
 from harness.apps.soak import main as soak
@@ -155,8 +155,8 @@ def cmd_bench(args) -> int:
     try:
         if args.busy or args.step:
             return (busy_main if args.busy else step_main)(args.overrides)
-        if args.matmuls or args.profile:
-            return (matmuls_main if args.matmuls else profile_main)(args.overrides)
+        if args.matmuls or args.profile or args.memory:
+            return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
                        help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
+    bench.add_argument("--memory", action="store_true",
+                       help="only the peak memory of one native rollout and one update after a warm-up, what the "
+                            "model's size implies, and the update's operators by the memory they allocate")
     return parser
 
 

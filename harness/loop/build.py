@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.loop.behaviour import replay_mode, routing_recorded_at
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
+from harness.policy.forward import set_memory_settings
 from harness.policy.models import TINY_MODELS, load_model
 from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
@@ -48,6 +49,7 @@ def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
     task = build_task(cfg)
     train_problems = task.train_problems()
     policy, tokenizer, start_policy = build_policy(cfg, task, device)
+    set_memory_settings(policy, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)  # the copies' too
     objective, estimator = build_objective(cfg)
     reference = frozen_copy(policy) if objective.beta > 0 else None
     dtype = sampler_dtype(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 from collections import defaultdict
 
 import torch
@@ -49,11 +50,61 @@ class MismatchMeter:
         return {"mismatch_logp_abs": self.abs_sum / self.tokens, "mismatch_kl": self.kl_sum / self.tokens}
 
 
+STATUS, CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"  # Linux: VmHWM, and its reset (write "5")
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated CUDA memory on a GPU, the process's peak resident set size on the CPU (MiB)."""
+    """Peak allocated CUDA memory on a GPU (since :func:`reset_peak_memory`), the process's peak resident set size
+    on the CPU (MiB): Linux's VmHWM, which :func:`reset_peak_memory` resets; elsewhere ``ru_maxrss``, the peak of the
+    process's whole life."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        with open(STATUS) as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for :func:`peak_memory_mb`: CUDA's peak statistics, or the process's VmHWM (Linux: set to the
+    current resident set size; where the kernel does not allow it the peak stays the process's)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open(CLEAR_REFS, "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+
+
+class PhaseMemory:
+    """Peak memory of each phase of a step (``peak_mem_<phase>_mb``: the rollout, the update, the evaluation) and of
+    the step's rollout and update (``peak_mem_mb``, the largest). A phase runs from its :meth:`start` to the next
+    phase's start or :meth:`metrics`. On the CPU a phase's peak is the process's resident set size at its highest
+    in the phase, so it includes what earlier phases left allocated (weights, optimizer state, and the heap
+    harness/run/allocator.py keeps for reuse)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peaks, self.current = device, {}, None
+
+    def start(self, phase: str) -> None:
+        self.stop()
+        reset_peak_memory(self.device)
+        self.current = phase
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak_memory_mb(self.device))
+            self.current = None
+
+    def metrics(self, total: bool = True) -> dict[str, float]:
+        """``peak_mem_<phase>_mb`` of the phases run, and with ``total`` their largest as ``peak_mem_mb``."""
+        self.stop()
+        peaks = {f"peak_mem_{name}_mb": mb for name, mb in self.peaks.items()}
+        return {**peaks, "peak_mem_mb": max(self.peaks.values())} if total and peaks else peaks
 
 
 def progress_fields(row: dict, rows: list[dict]) -> dict[str, str]:

@@ -31,7 +31,7 @@ from harness.loop.batch import TrainBatch, collect_batch
 from harness.loop.behaviour import behaviour_logprobs
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
-from harness.loop.metrics import MetricMeter, MismatchMeter, peak_memory_mb, progress_fields
+from harness.loop.metrics import MetricMeter, MismatchMeter, PhaseMemory, progress_fields
 from harness.loop.update import (
     Learner,
     RunState,
@@ -112,7 +112,8 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     """Stages 1-4 of rollout step ``step`` (module docstring); returns its metrics row."""
     t = cfg.train
     # 1. rollout and rewards, from the sampler (a copy in model.sampler_dtype refreshed from the policy, or itself)
-    t0 = time.time()
+    t0, memory = time.time(), PhaseMemory(run.device)
+    memory.start("rollout")
     if run.sampler is not run.policy:
         run.sampler.load_state_dict(run.policy.state_dict())
     ro, rewards, sampled = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step)
@@ -123,6 +124,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     advantages = run.estimator(rewards, group_ids).to(run.device)
     # 3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py)
     t1 = time.time()
+    memory.start("update")
     behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy)
     batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
                        behaviour.correction, behaviour.routing)
@@ -139,7 +141,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
             **stats, **behaviour.metrics, "lr": learner.scheduler.get_last_lr()[0],
             "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
             **timings.metrics(), "rollout_tok_s": sampled_tokens / rollout_s,
-            "update_tok_s": tokens * t.epochs / update_s, "peak_mem_mb": peak_memory_mb(run.device)}
+            "update_tok_s": tokens * t.epochs / update_s, **memory.metrics()}
 
 
 def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
@@ -155,7 +157,7 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
             loss = 0.0
-            for rows in minibatch.chunks(plan.microbatch_size):  # forward, objective, backward
+            for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":
                     ro, forward = plan.batch.rollout, part.forward
@@ -171,10 +173,12 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
 
 
 def evaluated(run: RunSetup, cfg: DictConfig, step: int) -> tuple[dict, list[dict]]:
-    """The held-out evaluation's metrics at ``step`` (with its seconds, ``eval_s``) and its samples."""
-    start = time.time()
+    """The held-out evaluation's metrics at ``step`` (with its seconds, ``eval_s``, and peak memory,
+    ``peak_mem_eval_mb``) and its samples."""
+    start, memory = time.time(), PhaseMemory(run.device)
+    memory.start("eval")
     row, samples = evaluate(run.policy, run.tokenizer, run.task, cfg, step)
-    return {**row, "eval_s": time.time() - start}, samples
+    return {**row, "eval_s": time.time() - start, **memory.metrics(total=False)}, samples
 
 
 def count(records: RunRecords, state: RunState) -> None:

@@ -60,7 +60,7 @@ from trl.trainer.utils import add_fused_lm_head
 from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
 from harness.loop.build import setup_run
 from harness.loop.evaluation import evaluate
-from harness.loop.metrics import MetricMeter, peak_memory_mb, progress_fields
+from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.models import build_prompt
@@ -106,7 +106,8 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant_with_warmup", warmup_steps=t.warmup_steps,
         logging_steps=steps_per_rollout, beta=0.0, loss_type="grpo", scale_rewards="group",
         save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
-        save_total_limit=1, dataloader_num_workers=0, activation_checkpointing=False,  # TRL turns it on by default
+        save_total_limit=1, dataloader_num_workers=0,
+        activation_checkpointing=t.activation_checkpointing,  # TRL's gradient_checkpointing, on by default in TRL
         **correction,
     )
     kwargs.update(overrides)
@@ -142,11 +143,13 @@ def reward_functions(task) -> list:
 class TimedGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that adds up the wall time of its phases in ``phase_s`` (seconds): ``rollout`` (generate, score,
     advantages, no-grad log-probs), ``generate``, ``rewards``, ``logp_nograd`` (old / reference log-probs),
-    ``logp_forward`` (training forward), ``training_step`` (rollout when due + forward + loss + backward)."""
+    ``logp_forward`` (training forward), ``training_step`` (rollout when due + forward + loss + backward); and the
+    peak memory of the rollouts and of the rest (``memory``: the update) until the records take it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.phase_s = defaultdict(float)
+        self.memory = PhaseMemory(self.accelerator.device)
 
     def _timed(self, name, fn, *args, **kwargs):
         start = time.perf_counter()
@@ -158,7 +161,11 @@ class TimedGRPOTrainer(GRPOTrainer):
             self.phase_s[name] += time.perf_counter() - start
 
     def _generate_and_score_completions(self, inputs):
-        return self._timed("rollout", super()._generate_and_score_completions, inputs)
+        self.memory.start("rollout")
+        try:
+            return self._timed("rollout", super()._generate_and_score_completions, inputs)
+        finally:
+            self.memory.start("update")
 
     def _generate_single_turn(self, *args, **kwargs):
         return self._timed("generate", super()._generate_single_turn, *args, **kwargs)
@@ -336,9 +343,11 @@ class RecordsCallback(TrainerCallback):
         self.last_time = time.time()
 
     def evaluate(self, step: int) -> tuple[dict, list[dict]]:
-        trainer = self.trainer
+        trainer, memory = self.trainer, PhaseMemory(self.trainer.accelerator.device)
+        memory.start("eval")
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-            return evaluate(model, self.tokenizer, self.task, self.cfg, step)  # every rank: ZeRO-3 needs them all
+            row, samples = evaluate(model, self.tokenizer, self.task, self.cfg, step)  # every rank: ZeRO-3 needs them
+        return {**row, **memory.metrics(total=False)}, samples
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
@@ -363,7 +372,8 @@ class RecordsCallback(TrainerCallback):
                **{k: v for k, v in logs.items() if "/" not in k and k not in TRL_KEYS and k not in TRL_DROP},
                "rollout_s": rollout_s, "update_s": step_s - rollout_s, "rollout_tok_s": tokens / max(rollout_s, 1e-9),
                "update_tok_s": tokens * t.epochs / max(step_s - rollout_s, 1e-9), "step_s": step_s,
-               "peak_mem_mb": peak_memory_mb(self.trainer.accelerator.device)}
+               **self.trainer.memory.metrics()}
+        self.trainer.memory = PhaseMemory(self.trainer.accelerator.device)  # the next step's peaks
         samples = None
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             evaluation, samples = self.evaluate(step)

@@ -34,6 +34,10 @@ def trl_unsupported(run: DictConfig) -> str | None:
                 f"train.micro_batch_size={micro} on each of {world_size()} processes")
     if t.group_size < 2:
         return "backend trl: TRL needs train.group_size >= 2"
+    if t.lm_head_chunk or t.max_tokens_per_micro_batch:
+        return ("backend trl: train.lm_head_chunk and train.max_tokens_per_micro_batch are the native backend's "
+                "(TRL computes its own log-probs, in train.micro_batch_size rows); set them to 0, or use "
+                "backend=native")
     if run.task.overlong_buffer:
         return ("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward function to TRL "
                 "yourself); use backend=native")

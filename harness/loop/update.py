@@ -5,7 +5,7 @@ and schedule a third (:class:`Learner`). The native loop (harness/loop/native.py
     for epoch in range(plan.epochs):
         for minibatch in minibatches(plan, generator):           # whole groups stay together when they fit
             minibatch = with_statistics(learner, plan, minibatch, state)   # P3O's statistics, when micro-batched
-            for rows in minibatch.chunks(plan.microbatch_size):
+            for rows in plan.microbatches(minibatch):
                 part = microbatch_loss(learner, plan, minibatch, rows, state)  # forward, objective, backward
             grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)  # clip, skip if non-finite, step
 
@@ -33,7 +33,7 @@ from harness.policy.forward import completion_logprobs
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
-from objectives import PolicyBatch
+from objectives import OBJECTIVES, PolicyBatch
 from objectives.base import sum_statistics
 
 
@@ -118,6 +118,19 @@ class UpdatePlan:
     order_seed: int  # the random stream of the minibatch order
     timings: Timings | None = None
     replay: bool = False  # force batch.routing's experts in every forward of the update (train.routing_replay)
+    max_tokens_per_micro_batch: int = 0  # micro-batches packed to this many tokens instead of microbatch_size rows
+    micro_batch_unit: int = 1  # rows a token-budget micro-batch keeps together (a group, for group objectives)
+
+    def microbatches(self, minibatch: Minibatch) -> list[Tensor]:
+        """The minibatch's micro-batches: ``microbatch_size`` rows each, or with ``max_tokens_per_micro_batch``
+        consecutive rows up to that many real prompt + completion tokens (:func:`token_budget_chunks`), whole groups
+        for objectives that compare a group's samples. Any split gives the minibatch's loss and gradient: every
+        micro-batch is normalised by the minibatch's counts (:class:`Minibatch`)."""
+        if not self.max_tokens_per_micro_batch:
+            return minibatch.chunks(self.microbatch_size)
+        ro, rows = self.batch.rollout, minibatch.rows
+        tokens = ro.prompt_mask[rows].sum(-1) + ro.completion_mask[rows].sum(-1)
+        return token_budget_chunks(rows, tokens, self.max_tokens_per_micro_batch, self.micro_batch_unit)
 
     @property
     def sampler_is_behaviour(self) -> bool:
@@ -132,9 +145,9 @@ class UpdatePlan:
         return cls(batch=batch, epochs=t.epochs, minibatch_size=minibatch_size(t), microbatch_size=microbatch_size(t),
                    group_size=t.group_size, temperature=t.temperature, padding_free=t.padding_free,
                    max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
-                   behaviour=behaviour_logp(t),
-                   order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
-                   replay=replay_mode(t) != "none")
+                   behaviour=behaviour_logp(t), order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
+                   replay=replay_mode(t) != "none", max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1)
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,21 @@ class Minibatch:
     def chunks(self, size: int) -> list[Tensor]:
         """The micro-batches: ``size`` rows each."""
         return [self.rows[j : j + size] for j in range(0, len(self.rows), size)]
+
+
+def token_budget_chunks(rows: Tensor, tokens: Tensor, budget: int, unit: int = 1) -> list[Tensor]:
+    """``rows`` in order, cut into runs of ``unit`` rows (a group), packed greedily into chunks of at most ``budget``
+    tokens (``tokens`` per row): a chunk closes when the next run would take it over; a run over the budget alone
+    is a chunk of its own (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``, in order)."""
+    runs = [(rows[j : j + unit], int(tokens[j : j + unit].sum())) for j in range(0, len(rows), unit)]
+    chunks, current, filled = [], [], 0
+    for run, size in runs:
+        if current and filled + size > budget:
+            chunks.append(torch.cat(current))
+            current, filled = [], 0
+        current.append(run)
+        filled += size
+    return chunks + [torch.cat(current)] if current else chunks
 
 
 def minibatch_order(n: int, group_size: int, per_minibatch: int, generator: torch.Generator) -> Tensor:
@@ -224,7 +252,7 @@ def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, st
     log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
     them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
     uses = getattr(learner.objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests) has none
-    chunks = minibatch.chunks(plan.microbatch_size)
+    chunks = plan.microbatches(minibatch)
     if len(chunks) < 2 or uses is None or not uses():
         return minibatch
     parts = [learner.objective.minibatch_statistics(policy_batch(

@@ -26,13 +26,17 @@ and hooks on them run; the result equals the model's forward to float round-off 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.routing import full_layout, laid_out, shared_prompt_layout, tail_layout
 
 ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
+LM_HEAD_CHUNK = "rlvr_lm_head_chunk"  # the model's attribute: positions per chunk of the LM head (set_memory_settings)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -54,16 +58,67 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)
     else:
         hidden = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, valid)[valid]
-    logits = model.get_output_embeddings()(hidden).float()  # [n, V]: real positions only
+    token_logp, entropy = head_logprobs(model, hidden, completion_ids[valid], temperature, with_entropy)
+    token_logp = token_logp.new_zeros(valid.shape).masked_scatter(valid, token_logp)
+    if entropy is not None:
+        entropy = entropy.new_zeros(valid.shape).masked_scatter(valid, entropy)
+    return token_logp, entropy
+
+
+def set_memory_settings(model, lm_head_chunk: int = 0, activation_checkpointing: bool = False) -> None:
+    """How the trainer's forward of ``model`` bounds its memory (``train.lm_head_chunk``,
+    ``train.activation_checkpointing``), kept on the model so that its frozen copies inherit them: the LM head
+    ``lm_head_chunk`` positions at a time (0: all at once; :func:`head_logprobs`), and transformers' activation
+    checkpointing, which the padding-free forward follows layer by layer (:func:`completion_hidden`)."""
+    setattr(model, LM_HEAD_CHUNK, lm_head_chunk)
+    if activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif getattr(model, "is_activation_checkpointing", False):
+        model.activation_checkpointing_disable()
+
+
+def head_logprobs(model, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    """log p(target) [n] under log_softmax(LM head(hidden) / temperature) and, with ``with_entropy``, the entropy [n]
+    (no gradient), ``hidden`` [n, hidden_size]. With the model's LM-head chunk (:func:`set_memory_settings`) the
+    positions go through the head a chunk at a time, so no [n, V] tensor exists: without gradients each chunk's
+    logits are freed before the next; with gradients each chunk is checkpointed (its logits recomputed in the
+    backward pass, one chunk at a time), the same values and gradient as all at once."""
+    chunk = getattr(model, LM_HEAD_CHUNK, 0)
+    head = model.get_output_embeddings()
+    if not chunk or len(hidden) <= chunk:
+        return _head_part(head, temperature, with_entropy, hidden, targets)
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True):
+        if checkpointed:
+            once = {"with_entropy": with_entropy}  # the entropy on the first pass, not on the backward's recompute
+            logp = checkpoint(_checkpointed_part, head, temperature, once, h, t, use_reentrant=False)
+            parts.append((logp, once.get("entropy")))
+        else:
+            parts.append(_head_part(head, temperature, with_entropy, h, t))
+    logp = torch.cat([p[0] for p in parts])
+    return logp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+def _checkpointed_part(head, temperature: float, once: dict, hidden: Tensor, targets: Tensor) -> Tensor:
+    """:func:`_head_part`'s log-probs; the entropy into ``once`` if it asks (the first call only)."""
+    logp, entropy = _head_part(head, temperature, once.pop("with_entropy", False), hidden, targets)
+    if entropy is not None:
+        once["entropy"] = entropy
+    return logp
+
+
+def _head_part(head, temperature: float, with_entropy: bool, hidden: Tensor, targets: Tensor):
+    """:func:`head_logprobs` of some positions, all at once."""
+    logits = head(hidden).float()  # [n, V]: real positions only
     if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
+    token_logp = logp.gather(-1, targets[:, None])[:, 0]
     entropy = None
     if with_entropy:
         with torch.no_grad():  # in blocks of positions: no temporary as large as logp
-            entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
-                [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+            entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)])
     return token_logp, entropy
 
 
@@ -76,7 +131,7 @@ def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids
     prompt_len, length = prompt_ids.shape[1], completion_ids.shape[1]
     width = prompt_len + length  # an MoE's routing grid: [prompt | completion] (harness/policy/routing.py)
     first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
-    if prompt_len > 1 and len(first_row) < len(prompt_of_row):
+    if prompt_len > 1 and len(first_row) < len(prompt_of_row) and not checkpointing(model):  # (its layers drop caches)
         head_mask = prompt_mask[first_row, :-1]
         with laid_out(model, lambda: shared_prompt_layout(prompt_of_row, head_mask, width)):
             cache = decoder(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
@@ -127,8 +182,9 @@ def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion
     if prompt_ids.shape[1] > 1:  # the prompts but their last token, once per distinct prompt
         first_row, prompt_of_row = distinct_prompts(prompt_ids, prompt_mask)
         head_mask = prompt_mask[first_row, :-1]
-        cache = body(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
-                     position_ids=positions(head_mask), use_cache=True).cache
+        with _uncheckpointed(body):  # checkpointed layers would drop the cache
+            cache = body(input_ids=prompt_ids[first_row, :-1], attention_mask=head_mask,
+                         position_ids=positions(head_mask), use_cache=True).cache
         prefix = [(layer.keys[prompt_of_row], layer.values[prompt_of_row]) for layer in cache.layers]
         prompt_allowed = prompt_mask[:, None, None, :-1].bool().expand(rows, 1, width, prompt_ids.shape[1] - 1)
         allowed = torch.cat([prompt_allowed, allowed], -1)
@@ -143,7 +199,7 @@ def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion
         grid = x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, index, x)
         return grid.view(rows, width, *x.shape[1:]).transpose(1, 2)
 
-    for layer, (prefix_keys, prefix_values) in zip(body.layers, prefix, strict=True):
+    def run_layer(layer, hidden: Tensor, prefix_keys: Tensor | None, prefix_values: Tensor | None) -> Tensor:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         q, k, v = (proj(x).view(len(index), -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -160,8 +216,35 @@ def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion
                                                                scale=attn.scaling)
         out = out.transpose(1, 2).reshape(rows * width, -1).index_select(0, index)
         hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    recompute = checkpointing(model)  # transformers' activation checkpointing, on the layers its forward would
+    for layer, (prefix_keys, prefix_values) in zip(body.layers, prefix, strict=True):
+        if recompute and getattr(layer, "gradient_checkpointing", True):
+            hidden = checkpoint(run_layer, layer, hidden, prefix_keys, prefix_values, use_reentrant=False)
+        else:
+            hidden = run_layer(layer, hidden, prefix_keys, prefix_values)
     return body.norm(hidden)
+
+
+def checkpointing(model) -> bool:
+    """Whether this forward of ``model`` recomputes its layers' activations in the backward pass (transformers'
+    activation checkpointing is on, the model trains, and gradients are recorded)."""
+    return getattr(model, "is_activation_checkpointing", False) and model.training and torch.is_grad_enabled()
+
+
+@contextmanager
+def _uncheckpointed(body):
+    """``body``'s modules with transformers' activation checkpointing off (a prompt pass's cache is dropped by it; the
+    prompts, once per distinct prompt, keep their activations)."""
+    modules = [m for m in body.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in modules:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.gradient_checkpointing = True
 
 
 def _rotate_half(x: Tensor) -> Tensor:

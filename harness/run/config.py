@@ -136,6 +136,17 @@ class TrainConfig:
     # forced in the old-policy recompute and every update forward). r2/r3 recompute the behaviour log-probs; MoE
     # models only, native backend
     routing_replay: str = "none"
+    # positions per chunk of the trainer's LM head (logits, log-softmax, entropy), so that no [positions, vocab] tensor
+    # larger than a chunk's exists; with gradients each chunk is recomputed in the backward pass (the same gradient);
+    # 0 = all positions at once (native backend)
+    lm_head_chunk: int = 0
+    # recompute each layer's activations in the backward pass instead of keeping them (transformers' activation
+    # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers
+    activation_checkpointing: bool = False
+    # micro-batches of consecutive rows up to this many real prompt + completion tokens (whole groups for objectives
+    # that compare a group's samples; a larger row or group alone) instead of train.micro_batch_size rows; 0 = off
+    # (native backend)
+    max_tokens_per_micro_batch: int = 0
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
@@ -471,14 +482,20 @@ def _check_batching(run: DictConfig) -> None:
     if t.micro_batch_size < 0 or minibatch % microbatch_size(t):
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
                           f"({minibatch} sequences), or be 0")
+    if t.lm_head_chunk < 0 or t.max_tokens_per_micro_batch < 0:
+        raise ConfigError(f"train.lm_head_chunk and train.max_tokens_per_micro_batch must be >= 0 (0: off), got "
+                          f"{t.lm_head_chunk} and {t.max_tokens_per_micro_batch}")
+    if t.max_tokens_per_micro_batch and t.micro_batch_size:
+        raise ConfigError("set train.micro_batch_size (rows) or train.max_tokens_per_micro_batch (tokens), not both")
     objective = OBJECTIVES.get(run.objective.name)
     if objective.needs_whole_groups and (minibatch % t.group_size or microbatch_size(t) % t.group_size):
         raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
                           f"({minibatch}) and train.micro_batch_size must be multiples of "
                           f"train.group_size={t.group_size}")
-    if objective.needs_whole_minibatch and microbatch_size(t) != minibatch:
+    if objective.needs_whole_minibatch and (microbatch_size(t) != minibatch or t.max_tokens_per_micro_batch):
         raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
-                          f"train.micro_batch_size=0 (micro-batching would make it inexact)")
+                          f"train.micro_batch_size=0 and train.max_tokens_per_micro_batch=0 (micro-batching would "
+                          f"make it inexact)")
 
 
 def _check_seeds(run: DictConfig) -> None:

@@ -43,7 +43,8 @@ from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.tracking import Trackers
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
-TIMING_METRICS = frozenset({"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", "peak_mem_mb",
+PEAK_MEMORY = ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_eval_mb", "peak_mem_mb")  # per phase, step
+TIMING_METRICS = frozenset({"rollout_s", "update_s", "rollout_tok_s", "update_tok_s", "step_s", *PEAK_MEMORY,
                             "eval_s", "update_logp_forward_s", "update_stats_forward_s", "update_backward_s",
                             "update_optimizer_s"})
 
@@ -268,7 +269,9 @@ class RunRecords:
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
-                "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse()}
+                "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse(),
+                **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
+                   for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
         if self.main:
             write_json_atomic(self.run_dir / "summary.json", data)
         return data

@@ -1,0 +1,24 @@
+"""harness/loop/metrics.py: each phase's own peak memory."""
+
+import os
+
+import pytest
+import torch
+
+from harness.loop.metrics import CLEAR_REFS, PhaseMemory, peak_memory_mb
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.skipif(not os.access(CLEAR_REFS, os.W_OK), reason="the kernel's peak RSS cannot be reset here")
+def test_a_phase_peak_is_its_own_not_the_process_peak_before_it():
+    memory = PhaseMemory(CPU)
+    memory.start("big")
+    block = torch.ones(64 * 2**20)  # 256 MiB touched, then given back (glibc unmaps a block this large)
+    del block
+    memory.start("small")
+    torch.ones(2**10).sum()
+    got = memory.metrics()
+    assert got["peak_mem_big_mb"] - got["peak_mem_small_mb"] > 200
+    assert got["peak_mem_mb"] == got["peak_mem_big_mb"] and got["peak_mem_small_mb"] <= peak_memory_mb(CPU) + 1
+    assert set(memory.metrics(total=False)) == {"peak_mem_big_mb", "peak_mem_small_mb"}
