@@ -161,6 +161,9 @@ class LabConfig:
     mover: str = "grpo"  # the objective whose optimizer steps move the policy (the same moves for every objective)
     mismatch: list[str] = field(default_factory=lambda: ["bfloat16", "temperature"])  # behaviour samplers besides fp32
     mismatch_temperature: float = 1.3  # the temperature sampler's temperature (the trainer keeps train.temperature)
+    # MoE policies: routing-replay points (r2: theta_0's teacher-forced routing; r3: the sampler's) at the largest
+    # staleness: the same moved policy with the behaviour routing forced, beside the staleness point without
+    routing: list[str] = field(default_factory=list)
     reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
     sketch_dim: int = 65536  # size of the gradients' count sketch (exact if the model is smaller)
     policy: str | None = None  # a saved policy folder (final/, exports/step_N/); null = the starting policy
