@@ -168,3 +168,13 @@ def test_dynamic_sampling_repads_the_samplers_routing_with_its_rows(tmp_path, mo
     valid = ro.routing.valid
     assert bool(valid.any()) and bool(forced.valid[valid].all())
     assert torch.equal(ro.routing.indices[:, valid], forced.indices[:, valid])
+
+
+def test_r3_records_a_sampler_copy_in_another_precision(tmp_path):
+    """model.sampler_dtype: the bf16 copy samples with its own routing hooks; the fp32 recompute replays its record
+    and measures how often the trainer would route otherwise (the routing part of the train-inference mismatch)."""
+    cfg, run, batch, behaviour = moe_step(tmp_path, "r3", "model.sampler_dtype=bfloat16")
+    assert run.sampler is not run.policy and batch.routing is batch.rollout.routing
+    assert bool(batch.routing.valid.any())
+    assert 0.0 <= behaviour.metrics["recompute_expert_changed_frac"] <= 1.0
+    assert behaviour.metrics["recompute_routed_tokens"] > 0
