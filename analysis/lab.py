@@ -277,6 +277,9 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
                     "snr.csv, pairwise.csv, positions.csv, sqrt_growth.csv."),
               ("h2", "Staleness axis"), ("table", display(found["summary"], found["snr"], "staleness")),
               ("h2", "Mismatch axis"), ("table", display(found["summary"], found["snr"], "mismatch")),
+              *([("h2", "Routing axis (MoE: the largest staleness with the behaviour routing forced; replay off is "
+                        "that staleness point)"), ("table", display(found["summary"], found["snr"], "routing"))]
+                if (found["summary"]["axis"] == "routing").any() else []),
               ("h2", "Growth of the cumulative log ratio"), ("table", found["sqrt_growth"].round(3))]
     for stem, fig, caption in figures:
         if fig is None:

@@ -174,3 +174,9 @@ def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
     cfg = load_experiment(str(tmp_path / "empty.yaml"))
     assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
+
+
+def test_a_grid_the_per_objective_pins_leave_empty_says_so():
+    with pytest.raises(ConfigError, match=r"sweep.per_objective pins train.routing_replay=none for gspo") as info:
+        run_configs(load_experiment("moe_stability", ["objective.name=gspo", "train.routing_replay=r2"]))
+    assert "\n" not in str(info.value)

@@ -2,6 +2,7 @@
 test model (files, determinism, resume)."""
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,7 @@ from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from objectives import PolicyBatch, available_objectives, get_objective
 from tests.helpers.tiny import TINY_RUN
+from tests.helpers.tiny_moe import TINY_MOE_RUN
 
 
 def linear_policy(seed=0, rows=4, steps=3, vocab=5, features=3):
@@ -222,3 +224,37 @@ def test_lab_measures_a_policy_a_run_saved(tmp_path, monkeypatch):
     build_lab_report(folder)
     lab = pd.read_csv(folder / "lab.csv")
     assert len(lab) == 2 * 2 and set(lab["objective"]) == {"grpo"}
+
+
+def test_lab_routing_settings_are_one_line_errors(tmp_path):
+    moe = [*TINY_MOE_RUN, f"results_dir={tmp_path}"]
+    for base, override, words in (
+            ([*TINY_RUN, f"results_dir={tmp_path}"], "lab.routing=[r2]", "needs a Mixture-of-Experts policy"),
+            (moe, "lab.routing=[r2,r2]", "distinct entries among r2, r3"),
+            (moe, "lab.routing=[r4]", "distinct entries among r2, r3"),
+            ([*moe, "lab.staleness=[0]"], "lab.routing=[r2]", "largest lab.staleness, which is 0"),
+            ([*moe, "train.sampler=hf"], "lab.routing=[r3]", "train.sampler=native")):
+        with pytest.raises(ConfigError, match=re.escape(words)) as info:
+            lab_config(load_experiment("base", [*base, override]))
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow  # a lab: make test
+def test_lab_routing_axis_replays_the_behaviour_routing_at_the_largest_staleness(tmp_path, monkeypatch):
+    monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
+    cfg = load_experiment("base", [*TINY_MOE_RUN, f"results_dir={tmp_path}", "lab.objectives=[grpo,gspo]",
+                                   "lab.batches=2", "lab.staleness=[0,2]", "lab.mismatch=[]", "lab.reference_samples=2",
+                                   "lab.routing=[r2,r3]", "train.lr=3e-2", "name=moelab"])
+    folder = run_lab(cfg, progress=False)
+    build_lab_report(folder)
+    lab = pd.read_csv(folder / "lab.csv")
+    assert len(lab) == 2 * 2 * (2 + 2)  # objectives x batches x (staleness 0, 2; routing r2, r3)
+    key = ["batch", "objective"]
+    stale = lab.query("axis == 'staleness' and staleness == 2").set_index(key).sort_index()
+    r2, r3 = (lab.query(f"axis == 'routing' and point == '{m}'").set_index(key).sort_index() for m in ("r2", "r3"))
+    assert (r2["staleness"] == 2).all()
+    # fp32: the sampler's routing is theta_0's teacher-forced one (a completion's last token, which no log-prob
+    # depends on, aside), so R2 and R3 force the same experts
+    assert np.allclose(r2["loss"], r3["loss"], rtol=0, atol=0) and np.allclose(r2["grad_norm"], r3["grad_norm"])
+    assert not np.allclose(r2["grad_norm"], stale["grad_norm"], rtol=1e-6, atol=0)  # the moved routing, overridden
+    assert "Routing axis" in (folder / "report" / "report.md").read_text()

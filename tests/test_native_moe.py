@@ -23,6 +23,7 @@ from harness.policy.routing import find_routers
 from harness.policy.sampler import generate
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
+from harness.tasks import Arith, Score
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import tiny_run, without_timing
 from tests.helpers.tiny_moe import perturb_routers, tiny_moe_run
@@ -152,3 +153,28 @@ def test_new_error_paths_are_one_line(tmp_path):
         with pytest.raises(error, match=words) as info:
             make()
         assert "\n" not in str(info.value)
+
+
+def test_dynamic_sampling_repads_the_samplers_routing_with_its_rows(tmp_path, monkeypatch):
+    """Groups of several sampling rounds (prompts of different widths) keep their own R3 record, re-padded as
+    their rows are: it still equals the trainer's teacher-forced routing of the batch."""
+    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(float(len(completion) % 2), 0.0))
+    cfg = tiny_moe_run(tmp_path, "train.routing_replay=r3", "train.dynamic_sampling=true", "train.group_size=2")
+    run = setup_run(cfg, torch.device("cpu"))
+    hook_routing(run, cfg.train)
+    ro, _, stats = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
+    assert stats["sampling_rounds"] > 1 and stats["frac_zero_std_groups_trained"] == 0
+    _, forced = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
+    valid = ro.routing.valid
+    assert bool(valid.any()) and bool(forced.valid[valid].all())
+    assert torch.equal(ro.routing.indices[:, valid], forced.indices[:, valid])
+
+
+def test_r3_records_a_sampler_copy_in_another_precision(tmp_path):
+    """model.sampler_dtype: the bf16 copy samples with its own routing hooks; the fp32 recompute replays its record
+    and measures how often the trainer would route otherwise (the routing part of the train-inference mismatch)."""
+    cfg, run, batch, behaviour = moe_step(tmp_path, "r3", "model.sampler_dtype=bfloat16")
+    assert run.sampler is not run.policy and batch.routing is batch.rollout.routing
+    assert bool(batch.routing.valid.any())
+    assert 0.0 <= behaviour.metrics["recompute_expert_changed_frac"] <= 1.0
+    assert behaviour.metrics["recompute_routed_tokens"] > 0

@@ -21,9 +21,13 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from harness.loop.native import train
 from harness.policy.models import char_tokenizer, load_model
 from harness.policy.routing import Routing, find_routers
+from harness.run.config import load_experiment, run_configs
+from harness.run.records import read_jsonl
 from tests.helpers.tiny_moe import (
+    TINY_MOE_RUN,
     full_forward,
     gradients,
     padded_batch,
@@ -133,3 +137,17 @@ def test_replay_forces_the_record_after_the_routers_move(hub_model):
         assert bool(router.weight.grad.abs().sum() > 0)
     if hasattr(model.model.layers[0].mlp, "shared_expert_gate"):  # Qwen2-MoE: the shared expert trains as is
         assert bool(model.model.layers[0].mlp.shared_expert_gate.weight.grad.abs().sum() > 0)
+
+
+def test_an_r3_run_of_the_native_loop_records_and_replays_the_class(hub_model, tmp_path):
+    """model.name = the saved folder, train.routing_replay=r3: the sampler records through the cache decoder, the
+    recompute replays it (in fp32 the trainer routes as the sampler did), the update forwards measure volatility."""
+    model, _ = hub_model
+    settings = [o for o in TINY_MOE_RUN if not o.startswith("model.")]
+    (run,) = run_configs(load_experiment("base", [
+        *settings, f"results_dir={tmp_path}", f"model.name={model.name_or_path}", "train.routing_replay=r3",
+        "task.overlong_buffer=4", "train.max_new_tokens=6", "train.steps=1"]))
+    train(run, tmp_path / "run", progress=False)
+    (row,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1]
+    assert row["recompute_expert_changed_frac"] == 0.0 and row["routed_tokens"] > 0
+    assert 0.0 <= row["expert_changed_frac"] <= 1.0 and row["router_aux_loss"] > 0

@@ -22,7 +22,11 @@ batch) as the loop seeds its steps):
 4. the **reference direction** at theta_k: the REINFORCE gradient with leave-one-out baselines of
    ``lab.reference_samples`` fresh completions per prompt of the evaluation minibatch, sampled on-policy
    (fp32, ``train.temperature``): an unbiased estimate of -grad E[R] on those prompts;
-5. the variance of the log ratios (token, cumulative prefix, prefix mean, sequence) against position.
+5. the variance of the log ratios (token, cumulative prefix, prefix mean, sequence) against position;
+6. **routing axis** (Mixture-of-Experts policies, ``lab.routing``): at the largest staleness K, the same theta_K on
+   the same tokens with the behaviour routing forced (harness/policy/routing.py): ``r2`` theta_0's teacher-forced
+   routing of the fp32 rollout, ``r3`` the fp32 sampler's own routing; the staleness-K point is replay off. What
+   routing changes add to the ratios' spread and take from each objective's gradient, at the same policy.
 
 Each batch is written atomically to ``batches/batch_<b>.pt`` when done, so a killed lab resumes where it stopped
 and reruns give the same files; the tables, the SNR across batches and the report come from analysis/lab.py.
@@ -34,6 +38,7 @@ import copy
 import dataclasses
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +50,12 @@ from tqdm import tqdm
 from analysis.lab import build_lab_report
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
+from harness.loop.behaviour import no_grad_logprobs
 from harness.loop.build import build_learner, frozen_copy, setup_run
 from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
+from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routing_of
 from harness.policy.sampler import Rollout, sample_problems
 from harness.run.atomic import atomic_write
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
@@ -64,8 +71,8 @@ STREAM_PROMPTS, STREAM_ORDER, STREAM_SAMPLING, STREAM_REFERENCE = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class AxisPoint:
-    axis: str  # "staleness" or "mismatch"
-    value: str  # the point on its axis: "0", "4", "bfloat16", "temperature=1.3"
+    axis: str  # "staleness", "mismatch" or "routing"
+    value: str  # the point on its axis: "0", "4", "bfloat16", "temperature=1.3", "r2"
     staleness: int  # optimizer steps between the behaviour policy and the evaluated one
     sampler: str  # "float32" or one of MISMATCH_SAMPLERS
 
@@ -75,13 +82,15 @@ class AxisPoint:
 
 
 def axis_points(lab: DictConfig) -> list[AxisPoint]:
-    """The measured points: every staleness k (fp32 behaviour), then every mismatch sampler at k = 0. The
-    mismatch axis's fp32 point is staleness 0 (analysis/lab.py shows it on both axes)."""
+    """The measured points: every staleness k (fp32 behaviour), then every mismatch sampler at k = 0, then every
+    routing replay at the largest k. The mismatch axis's fp32 point is staleness 0 (analysis/lab.py shows it on both
+    axes)."""
     points = [AxisPoint("staleness", str(k), k, "float32") for k in lab.staleness]
     for sampler in lab.mismatch:
         value = f"temperature={lab.mismatch_temperature:g}" if sampler == "temperature" else sampler
         points.append(AxisPoint("mismatch", value, 0, sampler))
-    return points
+    routing = OmegaConf.select(lab, "routing", default=None) or []
+    return points + [AxisPoint("routing", mode, max(lab.staleness), "float32") for mode in routing]
 
 
 def lab_objective(cfg: DictConfig, name: str):
@@ -121,12 +130,32 @@ def validate_lab(cfg: DictConfig) -> None:
     if lab.batches < 2 or lab.reference_samples < 2:
         raise ConfigError(f"lab.batches and lab.reference_samples must be >= 2 (SNR across batches, leave-one-out "
                           f"baselines), got {lab.batches} and {lab.reference_samples}")
+    check_lab_routing(cfg)
     if lab.sketch_dim < 0 or lab.mismatch_temperature <= 0:
         raise ConfigError(f"need lab.sketch_dim >= 0 and lab.mismatch_temperature > 0, got {lab.sketch_dim} and "
                           f"{lab.mismatch_temperature}")
     if lab.policy is not None and not (Path(lab.policy) / "config.json").exists():
         raise ConfigError(f"lab.policy {lab.policy!r} is not a saved policy folder (no config.json): give a run's "
                           "final/ folder")
+
+
+def check_lab_routing(cfg: DictConfig) -> None:
+    """``lab.routing``: distinct r2 / r3, on a Mixture-of-Experts policy, at a staleness > 0; r3 with the native,
+    uncompiled sampler (whose routing can be recorded)."""
+    modes, t = list(cfg.lab.routing), cfg.train
+    if not modes:
+        return
+    if any(mode not in ("r2", "r3") for mode in modes) or len(set(modes)) != len(modes):
+        raise ConfigError(f"lab.routing must be distinct entries among r2, r3, got {modes}")
+    if config_is_moe(cfg.lab.policy or cfg.model.name) is False:
+        raise ConfigError(f"lab.routing needs a Mixture-of-Experts policy ({cfg.lab.policy or cfg.model.name!r} is "
+                          "dense): use model.name=tiny_moe, or lab.routing=[]")
+    if max(cfg.lab.staleness) == 0:
+        raise ConfigError("lab.routing replays at the largest lab.staleness, which is 0 (nothing moved): add a "
+                          "staleness > 0")
+    if "r3" in modes and (t.sampler != "native" or t.compile_sampler):
+        raise ConfigError("lab.routing r3 records the sampler's routing: use train.sampler=native with "
+                          "train.compile_sampler=false")
 
 
 def lab_config(cfg: DictConfig) -> DictConfig:
@@ -194,6 +223,9 @@ class Lab:
         shapes = [p.shape for p in self.policy.parameters()]
         self.sketch = CountSketch(shapes, cfg.lab.sketch_dim, seed=cfg.seed)
         self.points = axis_points(cfg.lab)
+        self.routing = list(cfg.lab.routing)
+        if self.routing:  # record (and replay) the policy's routing (harness/policy/routing.py)
+            Routing(self.policy)
 
     def measure(self, batches: list[int], out: Path, progress: bool) -> None:
         bar = tqdm(total=len(batches) * len(self.points), desc=f"lab {self.cfg.name}", disable=not progress,
@@ -213,7 +245,8 @@ class Lab:
         model = self.samplers.get(sampler, self.policy)
         temperature = self.cfg.lab.mismatch_temperature if sampler == "temperature" else t.temperature
         torch.manual_seed(step_seed(self.cfg.seed, b, STREAM_SAMPLING))
-        return sample_problems(model, self.tokenizer, problems, t, temperature=temperature)
+        return sample_problems(model, self.tokenizer, problems, t, temperature=temperature,
+                               record_routing=sampler == "float32" and "r3" in self.routing)
 
     def rewards(self, ro: Rollout, problems, group_size: int) -> torch.Tensor:
         scores = [self.task.score(text, problems[i // group_size]) for i, text in enumerate(ro.texts)]
@@ -265,14 +298,26 @@ class Lab:
         model.requires_grad_(False)
         return self.sketch(grads)
 
-    def measure_point(self, model, point: AxisPoint, ro: Rollout, rewards, rows, group_ids, batch_index: int):
-        """Per objective: a table row and the gradient's sketch, at ``model`` on the ``rows`` of ``ro``."""
+    def behaviour_routing(self, ro: Rollout) -> dict[str, RoutingRecord]:
+        """The routing each ``lab.routing`` mode forces: r2 theta_0's teacher-forced routing of the fp32 rollout
+        (harness/loop/behaviour.py's recompute forward), r3 the sampler's own (recorded while sampling)."""
+        records = {"r3": ro.routing} if "r3" in self.routing else {}
+        if "r2" in self.routing:
+            records["r2"] = no_grad_logprobs(self.policy, ro, self.t, record=True)[1]
+        return records
+
+    def measure_point(self, model, point: AxisPoint, ro: Rollout, rewards, rows, group_ids, batch_index: int,
+                      replay: RoutingRecord | None = None):
+        """Per objective: a table row and the gradient's sketch, at ``model`` on the ``rows`` of ``ro`` (with
+        ``replay``'s routing forced: a routing point)."""
         t = self.t
         width = int(ro.completion_mask[rows].sum(-1).max())
         mask = ro.completion_mask[rows, :width]
         params = list(model.requires_grad_(True).parameters())
-        logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows, :width],
-                                      mask, t.temperature, padding_free=t.padding_free)
+        with nullcontext() if replay is None else routing_of(model).capture(replay=replay.select(rows, width)):
+            logp, _ = completion_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                          ro.completion_ids[rows, :width], mask, t.temperature,
+                                          padding_free=t.padding_free)
         old_logp = ro.sampler_logp[rows, :width]
         ref_logp = None
         if any(obj.beta > 0 for obj, _ in self.objectives.values()):
@@ -314,14 +359,18 @@ class Lab:
         rollouts.update({s: self.sample(problems, b, s) for s in cfg.lab.mismatch})
         rewards = {s: self.rewards(ro, problems, t.group_size) for s, ro in rollouts.items()}
         states = self.moved_policies(rollouts["float32"], rewards["float32"], group_ids, order, per_minibatch)
+        records = self.behaviour_routing(rollouts["float32"])
         model = copy.deepcopy(self.policy)
+        if records:
+            Routing(model)
         table, positions, sketches, references = [], [], {}, {}
         for point in self.points:
             model.load_state_dict(states[point.staleness])
             if point.staleness not in references:
                 references[point.staleness] = self.reference_gradient(model, eval_problems, b, point.staleness)
             found, point_sketches, point_positions = self.measure_point(
-                model, point, rollouts[point.sampler], rewards[point.sampler], rows, group_ids, b)
+                model, point, rollouts[point.sampler], rewards[point.sampler], rows, group_ids, b,
+                records.get(point.value) if point.axis == "routing" else None)
             for row in found:
                 row["reward_mean"] = rewards[point.sampler][rows].mean().item()
             table += found

@@ -172,6 +172,9 @@ class LabConfig:
     mover: str = "grpo"  # the objective whose optimizer steps move the policy (the same moves for every objective)
     mismatch: list[str] = field(default_factory=lambda: ["bfloat16", "temperature"])  # behaviour samplers besides fp32
     mismatch_temperature: float = 1.3  # the temperature sampler's temperature (the trainer keeps train.temperature)
+    # MoE policies: routing-replay points (r2: theta_0's teacher-forced routing; r3: the sampler's) at the largest
+    # staleness: the same moved policy with the behaviour routing forced, beside the staleness point without
+    routing: list[str] = field(default_factory=list)
     reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
     sketch_dim: int = 65536  # size of the gradients' count sketch (exact if the model is smaller)
     policy: str | None = None  # a saved policy folder (final/, exports/step_N/); null = the starting policy
@@ -366,13 +369,16 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
-    runs = []
+    runs, skipped = [], None  # skipped: the last grid point a per-objective value pinned out
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
         own = per_objective.get(objective, {})
-        if any(key in own and own[key] != value for key, value in assignment.items()):
-            continue  # a per-objective value of a swept key pins that axis for the objective's runs
+        pinned = [f"{key}={own[key]} for {objective}" for key, value in assignment.items()
+                  if key in own and own[key] != value]
+        if pinned:  # a per-objective value of a swept key pins that axis for the objective's runs
+            skipped = pinned[0]
+            continue
         dotlist = {**own, **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
@@ -381,6 +387,9 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for name in per_objective:
         if name not in OBJECTIVES:
             raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
+    if not runs and skipped:
+        raise ConfigError(f"the sweep expands to zero runs: sweep.per_objective pins {skipped}, and the grid or a "
+                          "command-line override asks for another value")
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
     return runs

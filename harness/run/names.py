@@ -147,6 +147,7 @@ NAMES: tuple[Name, ...] = (
     Name("lab.mover"),
     Name("lab.mismatch"),
     Name("lab.mismatch_temperature"),
+    Name("lab.routing"),
     Name("lab.reference_samples"),
     Name("lab.sketch_dim"),
     Name("lab.policy"),
