@@ -119,19 +119,19 @@ def select_rows(rollouts: list[Rollout], rows: list[tuple[int, int]], pad_token_
         routing=select_record_rows([r.routing for r in rollouts], rows) if rollouts[0].routing is not None else None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How :func:`generate` samples (its keywords)."""
+    """How :func:`generate` samples: its keywords, each with its default (``max_new_tokens`` has none)."""
 
-    group_size: int  # completions per prompt
     max_new_tokens: int
-    temperature: float
-    top_p: float
-    greedy: bool  # argmax instead of a draw
-    sampler: str  # "native" (our decode loop) or "hf" (transformers' generate)
-    compact_every: int  # native: finished rows leave the batch every this many steps (0: never)
-    decoder: str  # native: harness/policy/decode.py's kind
-    compile: bool  # native: torch.compile the decoder's step
+    group_size: int = 1  # completions per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # argmax instead of a draw
+    sampler: str = "native"  # "native" (our decode loop) or "hf" (transformers' generate)
+    compact_every: int = 4  # native: finished rows leave the batch every this many steps (0: never)
+    decoder: str = "auto"  # native: harness/policy/decode.py's kind
+    compile: bool = False  # native: torch.compile the decoder's step
     record_routing: bool = False  # native, MoE: record the sampler's routing (R3) on the rollout
 
 
@@ -145,8 +145,8 @@ def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, how:
         cache = model.get_decoder()(input_ids=head, attention_mask=head_mask, position_ids=positions(head_mask),
                                     use_cache=True).cache
         cache.batch_repeat_interleave(group_size)
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    prompt_ids = prompt_ids.repeat_interleave(how.group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(how.group_size, dim=0)
     recorder = _RecordAndWarp(how.temperature, how.top_p, greedy)
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=how.max_new_tokens,
@@ -272,11 +272,9 @@ def sample_problems(model, tokenizer, problems, train: DictConfig | None = None,
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, sampler: str = "native",
-             compact_every: int = 4, decoder: str = "auto", compile: bool = False,
-             record_routing: bool = False) -> Rollout:
-    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded.
+def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
+    """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded;
+    ``settings`` are :class:`Sampling`'s fields (an unknown one, or no ``max_new_tokens``, is a TypeError).
 
     Each distinct prompt is prefilled once. ``sampler="native"``: the native decode loop (finished rows leave the
     batch every ``compact_every`` steps) over a :mod:`harness.policy.decode` ``decoder`` (``"auto"``: prompt keys/values
@@ -287,18 +285,17 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     ``record_routing`` (an MoE model with a :class:`harness.policy.routing.Routing` hooked on, the native sampler):
     the rollout carries the sampler's routing of its real tokens (``Rollout.routing``; R3).
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    how = Sampling(group_size, max_new_tokens, temperature, top_p, greedy, sampler, compact_every, decoder, compile,
-                   record_routing)
+    how = Sampling(**settings)
+    if how.sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {how.sampler!r}")
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
     was_training = model.training
     model.eval()
     try:
-        if sampler == "hf":
-            if record_routing:
+        if how.sampler == "hf":
+            if how.record_routing:
                 raise ValueError("record_routing needs the native sampler (transformers' generate is not laid out)")
             completion_ids, sampler_logp = _generate_hf(model, tokenizer, prompt_ids, prompt_mask, how)
         else:
@@ -308,8 +305,8 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
                                                                 tokenizer.eos_token_id)
     finally:
         model.train(was_training)
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    prompt_ids = prompt_ids.repeat_interleave(how.group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(how.group_size, dim=0)
     is_eos = completion_ids == tokenizer.eos_token_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
     completion_mask = ~after_eos
@@ -318,7 +315,7 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, max_n
     sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     routing = None
-    if record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
+    if how.record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
         record = capture.record.select(torch.arange(len(texts)), completion_ids.shape[1])
         routing = dataclasses.replace(record, indices=record.indices.clone()).masked(
             torch.cat([prompt_mask.bool(), completion_mask], 1))
