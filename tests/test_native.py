@@ -22,7 +22,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
-from objectives import ObjectiveOutput, available_objectives, get_objective
+from objectives import ObjectiveOutput, available_advantages, available_objectives, get_objective
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
@@ -154,6 +154,16 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
     assert all(isinstance(r["completion"], str) and r["answer"] for r in samples)
     for step in (0, 2):
         assert np.mean([r["correct"] for r in samples if r["step"] == step]) == rows[step]["eval_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", available_advantages())
+def test_every_advantage_estimator_trains_through_the_loop(tmp_path, estimator):
+    """Each registered estimator gets what it needs from the loop (the completion lengths: REINFORCE++, OPO)."""
+    run = tiny_run(tmp_path, "objective.name=grpo", f"objective.advantage={estimator}", "task.overlong_buffer=6")
+    assert train(run, tmp_path / "run", progress=False)["steps_done"] == 2
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert any(row["adv_std"] > 0 for row in rows[1:]) and all(math.isfinite(row["loss"]) for row in rows[1:])
 
 
 @pytest.mark.slow  # a whole run (or several): make test

@@ -227,7 +227,8 @@ class Lab:
         if staleness[-1] == 0:
             return states
         learner = build_learner(copy.deepcopy(self.policy).requires_grad_(True).train(), self.mover, t)
-        batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
+        batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids, ro.completion_mask.sum(-1)),
+                           group_ids, ro.sampler_logp)
         # one minibatch per step, the sampler's log-probs as behaviour, outside a run's rollout steps
         plan = dataclasses.replace(UpdatePlan.of(batch, self.cfg, 0), rollout_step=None, behaviour="sampler")
         state = RunState(total_optimizer_steps=staleness[-1])
@@ -282,7 +283,7 @@ class Lab:
                                                   padding_free=t.padding_free)
         rows_out, sketches = [], {}
         for name, (objective, estimator) in self.objectives.items():
-            advantages = estimator(rewards, group_ids)[rows]
+            advantages = estimator(rewards, group_ids, ro.completion_mask.sum(-1))[rows]
             batch = PolicyBatch(logp=logp.detach(), old_logp=old_logp, mask=mask, advantages=advantages,
                                 rewards=rewards[rows], group_ids=group_ids[rows], ref_logp=ref_logp,
                                 max_completion_len=t.max_new_tokens, rollout_step=0)

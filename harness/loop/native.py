@@ -114,10 +114,10 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
         run.sampler.load_state_dict(run.policy.state_dict())
     ro, rewards, sampled = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step)
     rollout_s = time.time() - t0
-    # 2. advantages (group = prompt)
+    # 2. advantages (group = prompt; the completion lengths for the estimators that weigh by tokens)
     rewards = rewards.to(run.device)
     group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
-    advantages = run.estimator(rewards, group_ids).to(run.device)
+    advantages = run.estimator(rewards, group_ids, ro.completion_mask.sum(-1).to(run.device)).to(run.device)
     # 3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py)
     t1 = time.time()
     behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy)

@@ -206,7 +206,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         rewards = (self._rewards_per_func * self.reward_weights.to(self._rewards_per_func.device)).nansum(dim=1)
         group_ids = torch.arange(len(rewards), device=rewards.device) // self.num_generations
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        out["advantages"] = self.estimator(rewards, group_ids)[local].to(out["advantages"].dtype)
+        lengths = self.accelerator.gather(out["completion_mask"].sum(-1)).to(rewards.device)  # every process's rows
+        out["advantages"] = self.estimator(rewards, group_ids, lengths)[local].to(out["advantages"].dtype)
         out["rewards"], out["group_ids"] = rewards[local], group_ids[local]
         if self.correction_on:
             self.add_rollout_correction(out)

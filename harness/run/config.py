@@ -417,8 +417,8 @@ def _check_objective(run: DictConfig) -> None:
 
 def _check_single_sample_groups(estimator: str) -> None:
     """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
-    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
-    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups).abs().sum() > 0]
+    rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
+    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups, lengths).abs().sum() > 0]
     if estimator not in working:
         raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
                           f"centres rewards within a group): use train.group_size >= 2"
