@@ -21,6 +21,9 @@ Conventions aligned with the native loop (each one differs from stock TRL):
   counts (``num_tokens`` / ``num_sequences``), so summing micro-batches and averaging over GPUs gives the
   native minibatch loss (TRL's ``dapo`` / ``cispo`` divide by the generation batch's *mean* tokens per step);
 - the KL to the reference is the registry's k3, not multiplied by the ratio (TRL: ``use_bias_correction_kl``);
+- the entropy bonus and top-entropy masking (``objective.params.entropy_coef`` / ``top_entropy_quantile``): the
+  registry objective's, on TRL's (differentiable) entropies; equal to TRL's own options of the same names on one
+  micro-batch (tests/test_trl_backend.py), exact over the minibatch where TRL's bonus is a per-micro-batch mean;
 - behaviour log-probs: the trainer's (TRL recomputes them before the first update, or they equal the current
   ones), i.e. ``train.old_logp: recompute``; with vLLM (``use_vllm``) and ``train.old_logp: sampler``, vLLM's own
   log-probs, as the native sampler's, so the objective's ratio sees the train-inference mismatch (TRL's separate
@@ -269,8 +272,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         return logp, entropy
 
     def _compute_loss(self, model, inputs):
-        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)
-        batch = self.policy_batch(inputs, logp)
+        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)  # TRL's fused head: differentiable
+        batch = self.policy_batch(inputs, logp, entropy)
         out = self.objective(batch)
         tokens = batch.mask.sum().item()
         self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1)},
@@ -278,8 +281,9 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
         return out.loss * self.accelerator.num_processes
 
-    def policy_batch(self, inputs, logp) -> PolicyBatch:
-        """The objective's input for one micro-batch of TRL's ``inputs`` with current log-probs ``logp``."""
+    def policy_batch(self, inputs, logp, entropy=None) -> PolicyBatch:
+        """The objective's input for one micro-batch of TRL's ``inputs`` with current log-probs ``logp`` (and
+        entropies, for the entropy bonus and top-entropy masking)."""
         mask = inputs["completion_mask"].bool()
         old_logp = inputs.get("old_per_token_logps")  # None when it equals the current log-probs (TRL)
         old_logp = logp.detach() if old_logp is None else old_logp
@@ -303,7 +307,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
             sampler_logp=None if sampled is None or self.old_logp == "sampler" or self.correction_on else torch.where(
                 torch.isnan(sampled), old_logp, sampled),
-            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats)
+            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats,
+            entropy=None if entropy is None else entropy.masked_fill(~mask, 0.0))
 
     def log(self, logs, start_time=None):
         if self.model.training:

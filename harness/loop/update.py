@@ -175,17 +175,19 @@ class RowsForward:
     width: int
 
 
-def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = False,
+def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: str = "",
                  phase: str = "logp_forward_s") -> RowsForward:
-    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
-    (``plan.padding_free``: the rest of the padding too), timed as ``phase``."""
+    """The current policy's log-probs (and entropies: ``with_entropy`` "value", or "gradient" for an entropy bonus)
+    of the ``rows``' completions, all-padding columns dropped (``plan.padding_free``: the rest of the padding too),
+    timed as ``phase``."""
     ro = plan.batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
     with timed(plan.timings, phase):
         logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
                                             ro.completion_ids[rows, :width], mask, plan.temperature,
-                                            with_entropy=with_entropy, padding_free=plan.padding_free)
+                                            with_entropy=bool(with_entropy), padding_free=plan.padding_free,
+                                            entropy_grad=with_entropy == "gradient")
     return RowsForward(rows, logp, entropy, mask, width)
 
 
@@ -202,7 +204,7 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
         sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
-        minibatch_stats=minibatch.stats)
+        minibatch_stats=minibatch.stats, entropy=forward.entropy)
 
 
 @torch.no_grad()
@@ -231,16 +233,19 @@ class MicrobatchLoss:
 def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, rows: Tensor, state: RunState,
                     with_entropy: bool = False) -> MicrobatchLoss:
     """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
-    statistics) and backpropagate."""
-    forward = forward_rows(learner.policy, plan, rows, with_entropy)
+    statistics) and backpropagate. The entropy is computed for the metric (``with_entropy``) or when the objective
+    asks for it (``entropy_need``: top-entropy masking, or with gradient an entropy bonus)."""
+    need = getattr(learner.objective, "entropy_need", lambda: "")()  # a wrapped callable (tests) has none
+    forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""))
     out = learner.objective(policy_batch(plan, minibatch, forward, state))
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
     tokens = forward.mask.sum().item()
     metrics = dict(out.metrics)
-    if forward.entropy is not None:
-        metrics["entropy"] = (forward.entropy * forward.mask).sum().item() / max(tokens, 1)
-    detached = dataclasses.replace(forward, logp=forward.logp.detach())
+    if with_entropy:
+        metrics["entropy"] = (forward.entropy.detach() * forward.mask).sum().item() / max(tokens, 1)
+    detached = dataclasses.replace(forward, logp=forward.logp.detach(),
+                                   entropy=None if forward.entropy is None else forward.entropy.detach())
     return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
 

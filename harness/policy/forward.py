@@ -36,9 +36,9 @@ ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        padding_free: bool = True):
+                        padding_free: bool = True, entropy_grad: bool = False):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
-    ``completion_mask`` is 0.
+    ``completion_mask`` is 0. The entropy carries the gradient only with ``entropy_grad`` (an entropy bonus).
 
     The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
     :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
@@ -60,7 +60,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
     entropy = None
     if with_entropy:
-        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # in blocks: no temporary as large
+            # as logp (without gradient; with it, autograd keeps each block's product for the backward)
             entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
                 [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
     return token_logp, entropy

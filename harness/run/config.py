@@ -457,12 +457,12 @@ def _check_batching(run: DictConfig) -> None:
     if t.micro_batch_size < 0 or minibatch % microbatch_size(t):
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide the minibatch "
                           f"({minibatch} sequences), or be 0")
-    objective = OBJECTIVES.get(run.objective.name)
+    objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     if objective.needs_whole_groups and (minibatch % t.group_size or microbatch_size(t) % t.group_size):
         raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
                           f"({minibatch}) and train.micro_batch_size must be multiples of "
                           f"train.group_size={t.group_size}")
-    if objective.needs_whole_minibatch and microbatch_size(t) != minibatch:
+    if objective.needs_minibatch_at_once() and microbatch_size(t) != minibatch:
         raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
                           f"train.micro_batch_size=0 (micro-batching would make it inexact)")
 
