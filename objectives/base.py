@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -68,6 +69,10 @@ class PolicyBatch:
     #   whole minibatch, when the loop splits it into micro-batches; None: this batch is the whole minibatch.
     entropy: Tensor | None = None  # [B, T] the current policy's entropy at each completion position (0 on padding),
     #   when the objective asks for it (:meth:`Objective.entropy_need`); carries the gradient for the entropy bonus
+    hidden: Tensor | None = None  # [B, T, D] the policy's final (post-norm) hidden states that predict the completion
+    #   tokens (0 on padding), with gradient, when the objective sets ``needs_hidden_states`` (POPO)
+    hidden_of: Callable[[torch.nn.Module], Tensor] | None = None  # the same [B, T, D] of another model of the policy's
+    #   architecture on these rows (no gradient), e.g. the objective's moving copy of the policy; with ``hidden``
 
     def __post_init__(self):
         if self.logp.dim() != 2:
@@ -399,6 +404,8 @@ class Objective:
     # does not implement ``minibatch_statistics``: the loop must then evaluate it on the whole minibatch at once
     # (no micro-batching). P3O implements the hook instead.
     needs_whole_minibatch: ClassVar[bool] = False
+    # True if the loss reads the policy's hidden states (``PolicyBatch.hidden`` and ``hidden_of``; POPO)
+    needs_hidden_states: ClassVar[bool] = False
 
     beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
@@ -487,6 +494,36 @@ class Objective:
         """Whether the loss must see the whole minibatch at once (no micro-batching): the class's
         ``needs_whole_minibatch``, or top-entropy masking (a quantile over the minibatch's tokens)."""
         return self.needs_whole_minibatch or self.top_entropy_quantile < 1
+
+    # --- state of the objective's own (POPO: a trained predictor, a moving copy of the policy). The loop calls these
+    # hooks with no objective-specific code: ``setup`` once before making the optimizer, ``trainable_parameters`` in
+    # a parameter group of their own, ``after_optimizer_step`` after each applied optimizer step, ``state_dict`` in
+    # every checkpoint and ``load_state_dict`` on resume. The defaults: no state.
+
+    def setup(self, policy: torch.nn.Module) -> None:
+        """Build what the objective keeps beside the policy (on the policy's device and dtype)."""
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters the objective trains beside the policy's (the loop's optimizer: a group of their own)."""
+        return []
+
+    def after_optimizer_step(self, policy: torch.nn.Module) -> None:
+        """Called after each optimizer step that updated the policy (an EMA copy follows the policy here)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume the objective exactly (tensors; {} without state)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (after :meth:`setup`)."""
+        if state:
+            raise ValueError(f"objective {self.name!r} keeps no state, but the checkpoint has {sorted(state)}")
+
+    @classmethod
+    def keeps_state(cls) -> bool:
+        """Whether the objective has state of its own (implements :meth:`setup`) or reads hidden states: what the
+        native loop provides and other trainers (TRL, the gradient lab) do not."""
+        return cls.setup is not Objective.setup or cls.needs_hidden_states
 
     @classmethod
     def uses_minibatch_statistics(cls) -> bool:

@@ -125,8 +125,10 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", available_objectives())
 def test_every_objective_trains_through_the_loop(tmp_path, objective):
-    # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow
-    run = tiny_run(tmp_path, f"objective.name={objective}", "task.overlong_buffer=6")
+    # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow (POPO
+    # learns from positives only: with rewards in [-1, 0], tau_r = -1.5 makes every completion one)
+    popo = ["objective.params.tau_r=-1.5", "objective.params.predictor_hidden_dim=16"] if objective == "popo" else []
+    run = tiny_run(tmp_path, f"objective.name={objective}", "task.overlong_buffer=6", *popo)
     summary = train(run, tmp_path / "run", progress=False)
     assert summary["status"] == "finished" and summary["steps_done"] == 2
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")

@@ -19,6 +19,7 @@ from tests.helpers.objectives import (
     DT,
     MASK,
     OLD,
+    ON_BATCHES,
     D,
     assert_close,
     group_batch,
@@ -140,9 +141,8 @@ def test_kl_estimator_is_refused_clearly():
 def test_kl_estimator_reaches_every_objective(estimator):
     """One place: the base class applies the estimator for every registered objective (the KL term differs from
     k3's by exactly beta * aggregate(estimator - k3))."""
-    import objectives
 
-    for name in objectives.available_objectives():
+    for name in ON_BATCHES:
         batch = group_batch()
         k3, _ = run(name, batch, beta=0.1)
         other, _ = run(name, batch, beta=0.1, kl_estimator=estimator)

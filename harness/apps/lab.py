@@ -94,8 +94,10 @@ def lab_objective(cfg: DictConfig, name: str):
 
 
 def lab_objectives(cfg: DictConfig) -> dict:
-    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all)."""
-    return {name: lab_objective(cfg, name) for name in list(cfg.lab.objectives) or OBJECTIVES.names()}
+    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all but those with
+    state of their own, which the lab's fixed batches cannot evaluate: :meth:`Objective.keeps_state`)."""
+    names = list(cfg.lab.objectives) or [n for n in OBJECTIVES.names() if not OBJECTIVES.get(n).keeps_state()]
+    return {name: lab_objective(cfg, name) for name in names}
 
 
 def validate_lab(cfg: DictConfig) -> None:
@@ -106,6 +108,10 @@ def validate_lab(cfg: DictConfig) -> None:
         lab_objective(cfg, lab.mover)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lab: {e}") from None
+    stateful = [n for n in [*lab.objectives, lab.mover] if OBJECTIVES.get(n).keeps_state()]
+    if stateful:
+        raise ConfigError(f"lab: objective {stateful[0]!r} trains state of its own or reads hidden states, which the "
+                          "lab's fixed batches do not provide; leave it out of lab.objectives and lab.mover")
     unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
     if unknown:
         raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")

@@ -72,6 +72,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if checkpoint:
             for part in ("policy", "optimizer", "scheduler"):
                 getattr(learner, part).load_state_dict(checkpoint[part])
+            learner.objective.load_state_dict(checkpoint.get("objective", {}))  # its own state (POPO's), if any
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
         if state.step == 0:  # the starting policy's evaluation is step 0
@@ -98,6 +99,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if step == t.steps or (t.save_every and step % t.save_every == 0):
                 save_checkpoint(run_dir, {**{part: getattr(learner, part).state_dict()
                                              for part in ("policy", "optimizer", "scheduler")},
+                                          "objective": learner.objective.state_dict(),
                                           "state": dataclasses.asdict(state)})
         bar.close()
         if records.main:

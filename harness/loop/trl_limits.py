@@ -51,6 +51,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
+    if objective.keeps_state():
+        return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
+                "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")

@@ -173,10 +173,11 @@ class RowsForward:
     entropy: Tensor | None  # [rows, width], or None
     mask: Tensor  # [rows, width]
     width: int
+    hidden: Tensor | None = None  # [rows, width, hidden] final hidden states, when the objective reads them
 
 
 def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: str = "",
-                 phase: str = "logp_forward_s") -> RowsForward:
+                 phase: str = "logp_forward_s", with_hidden: bool = False) -> RowsForward:
     """The current policy's log-probs (and entropies: ``with_entropy`` "value", or "gradient" for an entropy bonus)
     of the ``rows``' completions, all-padding columns dropped (``plan.padding_free``: the rest of the padding too),
     timed as ``phase``."""
@@ -184,11 +185,22 @@ def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: str = "",
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
     with timed(plan.timings, phase):
-        logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                            ro.completion_ids[rows, :width], mask, plan.temperature,
-                                            with_entropy=bool(with_entropy), padding_free=plan.padding_free,
-                                            entropy_grad=with_entropy == "gradient")
-    return RowsForward(rows, logp, entropy, mask, width)
+        logp, entropy, *hidden = completion_logprobs(
+            policy, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows, :width], mask,
+            plan.temperature, with_entropy=bool(with_entropy), padding_free=plan.padding_free,
+            entropy_grad=with_entropy == "gradient", with_hidden=with_hidden)
+    return RowsForward(rows, logp, entropy, mask, width, *hidden)
+
+
+def hidden_of(plan: UpdatePlan, rows: Tensor) -> Callable[[torch.nn.Module], Tensor]:
+    """model -> its final hidden states on the ``rows``' completions [rows, width, hidden], without gradient (an
+    objective's own copy of the policy: ``PolicyBatch.hidden_of``)."""
+
+    @torch.no_grad()
+    def forward(model: torch.nn.Module) -> Tensor:
+        return forward_rows(model, dataclasses.replace(plan, timings=None), rows, with_hidden=True).hidden
+
+    return forward
 
 
 def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
@@ -204,7 +216,8 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
         sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
-        minibatch_stats=minibatch.stats, entropy=forward.entropy)
+        minibatch_stats=minibatch.stats, entropy=forward.entropy, hidden=forward.hidden,
+        hidden_of=None if forward.hidden is None else hidden_of(plan, rows))
 
 
 @torch.no_grad()
@@ -236,7 +249,8 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     statistics) and backpropagate. The entropy is computed for the metric (``with_entropy``) or when the objective
     asks for it (``entropy_need``: top-entropy masking, or with gradient an entropy bonus)."""
     need = getattr(learner.objective, "entropy_need", lambda: "")()  # a wrapped callable (tests) has none
-    forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""))
+    forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""),
+                           with_hidden=getattr(learner.objective, "needs_hidden_states", False))
     out = learner.objective(policy_batch(plan, minibatch, forward, state))
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
@@ -244,7 +258,7 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     metrics = dict(out.metrics)
     if with_entropy:
         metrics["entropy"] = (forward.entropy.detach() * forward.mask).sum().item() / max(tokens, 1)
-    detached = dataclasses.replace(forward, logp=forward.logp.detach(),
+    detached = dataclasses.replace(forward, logp=forward.logp.detach(), hidden=None,
                                    entropy=None if forward.entropy is None else forward.entropy.detach())
     return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
@@ -263,4 +277,5 @@ def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: R
     state.nonfinite_in_row = 0
     learner.optimizer.step()
     learner.scheduler.step()
+    getattr(learner.objective, "after_optimizer_step", lambda policy: None)(learner.policy)  # e.g. an EMA copy
     return grad_norm

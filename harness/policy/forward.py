@@ -36,9 +36,11 @@ ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        padding_free: bool = True, entropy_grad: bool = False):
+                        padding_free: bool = True, entropy_grad: bool = False, with_hidden: bool = False):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
     ``completion_mask`` is 0. The entropy carries the gradient only with ``entropy_grad`` (an entropy bonus).
+    ``with_hidden``: a third output, the final hidden states [N, T, hidden] that predict the completion tokens (0 on
+    padding), with gradient (an objective that reads them: ``Objective.needs_hidden_states``).
 
     The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
     :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
@@ -64,6 +66,9 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             # as logp (without gradient; with it, autograd keeps each block's product for the backward)
             entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
                 [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
+    if with_hidden:
+        return token_logp, entropy, hidden.new_zeros(*valid.shape, hidden.shape[-1]).masked_scatter(
+            valid[..., None], hidden)
     return token_logp, entropy
 
 
