@@ -57,10 +57,9 @@ def build_learner(policy, objective, t: DictConfig) -> Learner:
     """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`).
     An objective with state of its own builds it first (``setup``); the parameters it trains get a group of their
     own (the run's lr and weight decay)."""
-    objective.setup(policy)
-    groups = [{"params": list(policy.parameters())}]
-    if objective.trainable_parameters():
-        groups.append({"params": objective.trainable_parameters()})
+    getattr(objective, "setup", lambda policy: None)(policy)  # a plain callable (tests) has no hooks
+    own = list(getattr(objective, "trainable_parameters", list)())
+    groups = [{"params": list(policy.parameters())}, *([{"params": own}] if own else [])]
     optimizer = build_optimizer(groups, t)
     return Learner(policy, objective, optimizer, build_scheduler(optimizer, t))
 
