@@ -28,7 +28,7 @@ from torch import Tensor
 
 from harness.loop.batch import TrainBatch
 from harness.loop.behaviour import behaviour_logp
-from harness.policy.forward import completion_logprobs
+from harness.policy.forward import completion_forward
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
 from objectives import PolicyBatch
@@ -185,11 +185,12 @@ def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: str = "",
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
     with timed(plan.timings, phase):
-        logp, entropy, *hidden = completion_logprobs(
-            policy, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows, :width], mask,
-            plan.temperature, with_entropy=bool(with_entropy), padding_free=plan.padding_free,
-            entropy_grad=with_entropy == "gradient", with_hidden=with_hidden)
-    return RowsForward(rows, logp, entropy, mask, width, *hidden)
+        logp, entropy, hidden = completion_forward(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                                   ro.completion_ids[rows, :width], mask, plan.temperature,
+                                                   with_entropy=with_entropy, padding_free=plan.padding_free)
+    if with_hidden:  # [n, hidden] at the valid positions -> [rows, width, hidden], 0 on padding
+        hidden = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(mask.bool()[..., None], hidden)
+    return RowsForward(rows, logp, entropy, mask, width, hidden if with_hidden else None)
 
 
 def hidden_of(plan: UpdatePlan, rows: Tensor) -> Callable[[torch.nn.Module], Tensor]:

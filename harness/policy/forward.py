@@ -35,12 +35,22 @@ ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        padding_free: bool = True, entropy_grad: bool = False, with_hidden: bool = False):
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,
+                        padding_free: bool = True):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
-    ``completion_mask`` is 0. The entropy carries the gradient only with ``entropy_grad`` (an entropy bonus).
-    ``with_hidden``: a third output, the final hidden states [N, T, hidden] that predict the completion tokens (0 on
-    padding), with gradient (an objective that reads them: ``Objective.needs_hidden_states``).
+    ``completion_mask`` is 0. The entropy carries the gradient only with ``with_entropy="gradient"`` (an entropy
+    bonus). :func:`completion_forward` also gives the hidden states."""
+    logp, entropy, _ = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          temperature, with_entropy, padding_free)
+    return logp, entropy
+
+
+def completion_forward(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                       completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,
+                       padding_free: bool = True):
+    """:func:`completion_logprobs`'s log-probs and entropy, and the final hidden states [n, hidden] that predict the n
+    real completion tokens, in row-major order (as ``hidden[completion_mask]``), with gradient (for an objective that
+    reads them: ``Objective.needs_hidden_states``).
 
     The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
     :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
@@ -62,14 +72,11 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     token_logp = logp.new_zeros(valid.shape).masked_scatter(valid, logp.gather(-1, completion_ids[valid][:, None]))
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # in blocks: no temporary as large
-            # as logp (without gradient; with it, autograd keeps each block's product for the backward)
+        # in blocks: no temporary as large as logp (without gradient; with it, autograd keeps each block's product)
+        with torch.set_grad_enabled(with_entropy == "gradient" and torch.is_grad_enabled()):
             entropy = logp.new_zeros(valid.shape).masked_scatter(valid, torch.cat(
                 [-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)]))
-    if with_hidden:
-        return token_logp, entropy, hidden.new_zeros(*valid.shape, hidden.shape[-1]).masked_scatter(
-            valid[..., None], hidden)
-    return token_logp, entropy
+    return token_logp, entropy, hidden
 
 
 def _model_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, valid: Tensor) -> Tensor:
