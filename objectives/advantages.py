@@ -1,7 +1,9 @@
-"""Advantage estimators, registered by name: rewards [B] and group ids [B] (same id = same prompt) in,
-[B] out.
+"""Advantage estimators, registered by name: rewards [B], group ids [B] (same id = same prompt) and the completion
+lengths [B] (valid tokens L_i of each response) in, [B] out: ``estimator(rewards, group_ids, lengths)``.
 
-A group of size 1 has no baseline: its advantage is defined as 0 (no learning signal), for every estimator.
+Most estimators ignore the lengths; those that weigh or whiten by tokens (REINFORCE++, REINFORCE++-baseline, OPO)
+raise a ValueError without them. A group of size 1 has no group baseline: its advantage is 0 (no learning signal)
+for every group-centred estimator; REINFORCE++ and REINFORCE++-baseline (made for one sample per prompt) keep it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import Tensor
 
 from objectives.registry import Registry
 
-AdvantageEstimator = Callable[[Tensor, Tensor], Tensor]
+AdvantageEstimator = Callable[..., Tensor]  # (rewards [B], group_ids [B], lengths [B] | None = None) -> [B]
 ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 STD_EPS = 1e-6
@@ -37,34 +39,38 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     return mean, std[index], size[index]
 
 
+def _in_dtype_of(adv: Tensor, like: Tensor) -> Tensor:
+    """``adv`` in the rewards' float dtype (float32 for integer rewards)."""
+    return adv.to(like.dtype if like.is_floating_point() else torch.float32)
+
+
 def _singletons_to_zero(adv: Tensor, size: Tensor, like: Tensor) -> Tensor:
-    dtype = like.dtype if like.is_floating_point() else torch.float32
-    return torch.where(size > 1, adv, torch.zeros_like(adv)).to(dtype)
+    return _in_dtype_of(torch.where(size > 1, adv, torch.zeros_like(adv)), like)
 
 
 @ADVANTAGES.register("grpo")
-def grpo_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def grpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """A_i = (R_i - mean_g) / (std_g + 1e-6), unbiased group std (DeepSeekMath; verl, TRL default)."""
     mean, std, size = group_stats(rewards, group_ids)
     return _singletons_to_zero((rewards - mean) / (std + STD_EPS), size, rewards)
 
 
 @ADVANTAGES.register("mean_only")
-def mean_only_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def mean_only_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """A_i = R_i - mean_g (Dr. GRPO: no std division, which biases towards easy/hard prompts)."""
     mean, _, size = group_stats(rewards, group_ids)
     return _singletons_to_zero(rewards - mean, size, rewards)
 
 
 @ADVANTAGES.register("rloo")
-def rloo_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def rloo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """A_i = R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean_g) (leave-one-out baseline)."""
     mean, _, size = group_stats(rewards, group_ids)
     return _singletons_to_zero(size / (size - 1).clamp(min=1) * (rewards - mean), size, rewards)
 
 
 @ADVANTAGES.register("batch_std")
-def batch_std_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def batch_std_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """A_i = (R_i - mean_g) / (std_batch + 1e-6): group-centred, scaled by the unbiased std of the whole
     batch's rewards (TRL ``scale_rewards="batch"``)."""
     mean, _, size = group_stats(rewards, group_ids)
@@ -74,7 +80,7 @@ def batch_std_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 @ADVANTAGES.register("grpo_passk")
-def grpo_passk_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def grpo_passk_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """Pass@k training (Chen et al., arXiv 2503.19595; verl ``compute_grpo_passk_outcome_advantage``, verl-project/verl
     1dda039b, ``norm_adv_by_std_in_grpo`` True): in each group only the best response gets an advantage,
     A = (R_max - R_second) / (std_g + 1e-6) (unbiased std); every other response gets 0. Ties for the best give 0
@@ -94,7 +100,7 @@ def grpo_passk_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 @ADVANTAGES.register("gpg")
-def gpg_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def gpg_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """GPG (Chu et al., arXiv 2504.02546; verl ``compute_gpg_outcome_advantage``, verl-project/verl 1dda039b, f_norm 1):
     A_i = alpha (R_i - mean_g), alpha = B / max(1, number of nonzero rewards in the batch): no std division, the
     batch scaled up by the inverse share of rewarded responses. The authors' trainer (AMAP-ML/GPG) instead scales by the
@@ -107,10 +113,10 @@ def gpg_advantage(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Estimators that need the completion lengths L_i (valid tokens of each response). The loop calls an estimator with
-# (rewards, group_ids) only, so these are not registered yet: registering one needs the loop to pass the lengths
-# (harness/loop/native.py's estimator call and the config's group-of-one check, issue 35 phase 2). Their math is here
-# and tested against verl so that the registration is one line each.
+# Estimators that need the completion lengths L_i (valid tokens of each response), pinned to verl's core_algos.py
+# (volcengine/verl b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py; the same functions as at
+# verl-project/verl 1dda039b): verl's token-level [B, T] output (outcome reward on the last valid token) equals ours
+# broadcast over each sequence's valid tokens.
 # ----------------------------------------------------------------------------------------------------------------
 
 WHITEN_EPS = 1e-8  # verl masked_whiten: (x - mean) * rsqrt(var + 1e-8)
@@ -128,32 +134,44 @@ def token_whiten(values: Tensor, lengths: Tensor) -> Tensor:
     return (v - mean) / torch.sqrt(var + WHITEN_EPS)
 
 
-def reinforce_plus_plus_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+def needed_lengths(lengths: Tensor | None, estimator: str) -> Tensor:
+    """``lengths``, or a ValueError naming the estimator that needs them."""
+    if lengths is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs the completion lengths: call it as "
+                         "estimator(rewards, group_ids, lengths) with lengths = completion_mask.sum(-1)")
+    return lengths
+
+
+@ADVANTAGES.register("reinforce_plus_plus")
+def reinforce_plus_plus_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """REINFORCE++ (Hu, arXiv 2501.03262; verl ``compute_reinforce_plus_plus_outcome_advantage`` with gamma = 1,
     verl's default): the return of every token is the outcome reward R_i, whitened over the batch's tokens,
     A_i = (R_i - mean_tok) / sqrt(var_tok + 1e-8). No group baseline (made for one sample per prompt), so a group of
     one keeps its advantage. gamma < 1 makes the return per token (gamma^(L_i - 1 - t) R_i): not implemented."""
     del group_ids
-    return token_whiten(rewards, lengths).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return _in_dtype_of(token_whiten(rewards, needed_lengths(lengths, "reinforce_plus_plus")), rewards)
 
 
-def reinforce_plus_plus_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+@ADVANTAGES.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantage(rewards: Tensor, group_ids: Tensor,
+                                           lengths: Tensor | None = None) -> Tensor:
     """REINFORCE++-baseline (verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``): R_i - mean_g, then
     whitened over the batch's tokens as :func:`reinforce_plus_plus_advantage`. verl's group of one has mean 0 (so
     R_i enters the whitening), followed here."""
     mean, _, size = group_stats(rewards, group_ids)
     centred = rewards.to(torch.float64) - torch.where(size > 1, mean, torch.zeros_like(mean))
-    return token_whiten(centred, lengths).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return _in_dtype_of(token_whiten(centred, needed_lengths(lengths, "reinforce_plus_plus_baseline")), rewards)
 
 
-def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor:
+@ADVANTAGES.register("opo")
+def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
     """OPO (Hao et al., arXiv 2505.23585; verl ``compute_opo_outcome_advantage``): the length-weighted group baseline,
     A_i = R_i - sum_g L_j R_j / sum_g L_j (the variance-optimal baseline when the gradient's norm grows with length).
     A group of one gets 0 (verl: R_i)."""
     _, index = torch.unique(group_ids, return_inverse=True)
-    r, n_i = rewards.to(torch.float64), lengths.to(torch.float64)
+    r, n_i = rewards.to(torch.float64), needed_lengths(lengths, "opo").to(torch.float64)
     _, _, size = group_stats(rewards, group_ids)
-    num = torch.zeros(int(index.max()) + 1, dtype=torch.float64).index_add_(0, index, n_i * r)
+    num = r.new_zeros(int(index.max()) + 1).index_add_(0, index, n_i * r)
     den = torch.zeros_like(num).index_add_(0, index, n_i)
     low = torch.full_like(num, torch.inf).scatter_reduce(0, index, r, "amin")
     high = torch.full_like(num, -torch.inf).scatter_reduce(0, index, r, "amax")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,11 +67,17 @@ class PolicyBatch:
     #   by aggregate / sequence_loss / sequence_aggregate to the objective's loss; 0 = masked. None: weight 1.
     minibatch_stats: dict[str, Tensor] | None = None  # the objective's ``minibatch_statistics`` summed over the
     #   whole minibatch, when the loop splits it into micro-batches; None: this batch is the whole minibatch.
+    entropy: Tensor | None = None  # [B, T] the current policy's entropy at each completion position (0 on padding),
+    #   when the objective asks for it (:meth:`Objective.entropy_need`); carries the gradient for the entropy bonus
+    hidden: Tensor | None = None  # [B, T, D] the policy's final (post-norm) hidden states that predict the completion
+    #   tokens (0 on padding), with gradient, when the objective sets ``needs_hidden_states`` (POPO)
+    hidden_of: Callable[[torch.nn.Module], Tensor] | None = None  # the same [B, T, D] of another model of the policy's
+    #   architecture on these rows (no gradient), e.g. the objective's moving copy of the policy; with ``hidden``
 
     def __post_init__(self):
         if self.logp.dim() != 2:
             raise ValueError(f"logp must be [B, T], got shape {tuple(self.logp.shape)}")
-        for name in ("old_logp", "mask", "ref_logp", "sampler_logp", "correction"):
+        for name in ("old_logp", "mask", "ref_logp", "sampler_logp", "correction", "entropy"):
             value = getattr(self, name)
             if value is not None and value.shape != self.logp.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logp has {tuple(self.logp.shape)}")
@@ -348,6 +355,22 @@ def off_policy_keep(batch: PolicyBatch, threshold: float) -> Tensor:
     return (batch.token_advantages >= 0) | (mean_drift <= threshold)[:, None]
 
 
+def high_entropy_keep(batch: PolicyBatch, top_quantile: float) -> Tensor:
+    """Top-entropy token masking ("Beyond the 80/20 rule", Wang et al., arXiv 2506.01939; TRL 1.16
+    ``get_high_entropy_mask`` with ``threshold = 1 - top_entropy_quantile``): keep = H_t >= q and valid, q the
+    (1 - top_quantile) quantile (``torch.quantile``, linear interpolation) of the entropies of the batch's valid tokens,
+    a bool [B, T]. top_quantile 0 keeps the highest-entropy token(s) only; no valid token: nothing kept."""
+    if batch.entropy is None:
+        raise ValueError("top-entropy token masking needs PolicyBatch.entropy (the loop passes it when the objective's "
+                         "entropy_need() asks)")
+    entropy = batch.entropy.detach()
+    valid = entropy[batch.mask].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(batch.mask)
+    threshold = torch.quantile(valid, 1.0 - top_quantile)
+    return (masked(entropy, batch.mask) >= threshold) & batch.mask
+
+
 OBJECTIVES: Registry[type[Objective]] = Registry("objective")
 
 
@@ -381,6 +404,8 @@ class Objective:
     # does not implement ``minibatch_statistics``: the loop must then evaluate it on the whole minibatch at once
     # (no micro-batching). P3O implements the hook instead.
     needs_whole_minibatch: ClassVar[bool] = False
+    # True if the loss reads the policy's hidden states (``PolicyBatch.hidden`` and ``hidden_of``; POPO)
+    needs_hidden_states: ClassVar[bool] = False
 
     beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
@@ -392,6 +417,12 @@ class Objective:
     # the sequences with A < 0 whose mean drift mean_t(sampler_logp - logp) exceeds off_policy_mask_threshold
     off_policy_mask: bool = False
     off_policy_mask_threshold: float = 0.5  # delta of DeepSeek-V3.2 Eq. 9 (TRL's example value 0.5)
+    # entropy bonus (TRL entropy_coef, verl actor.entropy_coeff): the loss minus entropy_coef times the mean entropy of
+    # the current policy over the valid tokens (those top_entropy_quantile keeps); 0 = off
+    entropy_coef: float = 0.0
+    # top-entropy token masking (TRL top_entropy_quantile, rho of arXiv 2506.01939, which recommends 0.2): only the
+    # tokens whose entropy is in the top quantile of the minibatch's tokens enter the policy loss; 1 = all tokens
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -408,6 +439,9 @@ class Objective:
         if check_kl_estimator(self.kl_estimator):
             raise ValueError(f"objective {self.name!r}: hyperparameter kl_estimator: "
                              f"{check_kl_estimator(self.kl_estimator)}")
+        if self.top_entropy_quantile > 1:
+            raise ValueError(f"objective {self.name!r}: hyperparameter top_entropy_quantile must be in [0, 1] (the "
+                             f"share of tokens kept by entropy; 1 keeps all), got {self.top_entropy_quantile}")
         self.validate()
 
     def _checked(self, name: str, value, kind):
@@ -451,25 +485,92 @@ class Objective:
         the minibatch is split) and calls this method on the batch itself otherwise."""
         return None
 
+    def entropy_need(self) -> str:
+        """What the objective needs of the current policy's entropy (``PolicyBatch.entropy``): "gradient" (the entropy
+        bonus), "value" (top-entropy masking only) or "" (nothing)."""
+        return "gradient" if self.entropy_coef > 0 else "value" if self.top_entropy_quantile < 1 else ""
+
+    def needs_minibatch_at_once(self) -> bool:
+        """Whether the loss must see the whole minibatch at once (no micro-batching): the class's
+        ``needs_whole_minibatch``, or top-entropy masking (a quantile over the minibatch's tokens)."""
+        return self.needs_whole_minibatch or self.top_entropy_quantile < 1
+
+    # --- state of the objective's own (POPO: a trained predictor, a moving copy of the policy). The loop calls these
+    # hooks with no objective-specific code: ``setup`` once before making the optimizer, ``trainable_parameters`` in
+    # a parameter group of their own, ``after_optimizer_step`` after each applied optimizer step, ``state_dict`` in
+    # every checkpoint and ``load_state_dict`` on resume. The defaults: no state.
+
+    def setup(self, policy: torch.nn.Module) -> None:
+        """Build what the objective keeps beside the policy (on the policy's device and dtype)."""
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters the objective trains beside the policy's (the loop's optimizer: a group of their own)."""
+        return []
+
+    def after_optimizer_step(self, policy: torch.nn.Module) -> None:
+        """Called after each optimizer step that updated the policy (an EMA copy follows the policy here)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume the objective exactly (tensors; {} without state)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (after :meth:`setup`)."""
+        if state:
+            raise ValueError(f"objective {self.name!r} keeps no state, but the checkpoint has {sorted(state)}")
+
+    @classmethod
+    def keeps_state(cls) -> bool:
+        """Whether the objective has state of its own (implements :meth:`setup`) or reads hidden states: what the
+        native loop provides and other trainers (TRL, the gradient lab) do not."""
+        return cls.setup is not Objective.setup or cls.needs_hidden_states
+
     @classmethod
     def uses_minibatch_statistics(cls) -> bool:
         """Whether the class implements :meth:`minibatch_statistics` (the loop's extra no-grad pass)."""
         return cls.minibatch_statistics is not Objective.minibatch_statistics
 
-    def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
-        n_valid = batch.mask.sum().clamp(min=1)
-        opsm = {}
+    def token_masks(self, batch: PolicyBatch) -> tuple[PolicyBatch, Tensor | None, dict[str, float]]:
+        """OPSM and top-entropy masking as 0/1 factors of the correction weight, so that every objective's shared
+        aggregation applies them to the policy loss and not to the KL term (as TRL multiplies its per-token loss
+        before adding the KL). Returns the batch, the top-entropy keep mask (None when off) and their metrics."""
+        n_valid, metrics, entropy_keep = batch.mask.sum().clamp(min=1).item(), {}, None
+        keeps = []
         if self.off_policy_mask:
-            # OPSM enters the policy loss as a 0/1 factor of the correction weight, so every objective's shared
-            # aggregation applies it (as TRL multiplies the per-token loss before the KL term is added)
-            keep = off_policy_keep(batch, self.off_policy_mask_threshold)
+            keeps.append(off_policy_keep(batch, self.off_policy_mask_threshold))
+            metrics["off_policy_masked_frac"] = ((~keeps[-1]) & batch.mask).sum().item() / n_valid
+        if self.top_entropy_quantile < 1:
+            entropy_keep = high_entropy_keep(batch, self.top_entropy_quantile)
+            keeps.append(entropy_keep)
+            metrics["entropy_masked_frac"] = ((~entropy_keep) & batch.mask).sum().item() / n_valid
+        for keep in keeps:
             factor = keep.to(batch.logp.dtype)
             batch = dataclasses.replace(batch, correction=factor if batch.correction is None
                                         else batch.correction * factor)
-            opsm["off_policy_masked_frac"] = ((~keep) & batch.mask).sum().item() / n_valid.item()
+        return batch, entropy_keep, metrics
+
+    def entropy_bonus(self, batch: PolicyBatch, keep: Tensor | None) -> Tensor:
+        """H = sum_t(H_t m_t) / N: the mean entropy over the tokens m the policy loss keeps (TRL 1.16's entropy bonus:
+        a token mean whatever the aggregation; verl aggregates it with ``loss_agg_mode``, the same for token-mean).
+        N is the minibatch's token count (micro-batches sum to the minibatch's mean), or with top-entropy masking
+        (whole minibatches only) the kept tokens; OPSM and rollout-correction weights do not enter (as in TRL)."""
+        if batch.entropy is None:
+            raise ValueError(f"objective {self.name!r} has entropy_coef={self.entropy_coef} > 0 but the batch has no "
+                             "entropy")
+        if keep is None:
+            return masked(batch.entropy, batch.mask).sum() / batch.token_count
+        return masked(batch.entropy, keep).sum() / keep.sum().clamp(min=1)
+
+    def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
+        n_valid = batch.mask.sum().clamp(min=1)
+        batch, entropy_keep, masking = self.token_masks(batch)
         loss, metrics = self.policy_loss(batch)
-        metrics = {**metrics, **opsm}
+        metrics = {**metrics, **masking}
         metrics["pg_loss"] = loss.item()
+        if self.entropy_coef > 0:
+            bonus = self.entropy_bonus(batch, entropy_keep)
+            loss = loss - self.entropy_coef * bonus
+            metrics["entropy_bonus"] = bonus.item()
         # KL(behaviour || current) over the behaviour's samples, token means: k1 = -d (verl's ppo_kl; an unbiased
         # estimate that can be negative) and k3 = (r - 1) - d (never negative; Schulman's low-variance estimator)
         d = batch.log_ratio()

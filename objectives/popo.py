@@ -1,13 +1,16 @@
-"""POPO — positive-only policy optimisation (arXiv 2605.06650): the tensor math of its loss, as pure functions.
+"""POPO — positive-only policy optimisation (arXiv 2605.06650), registered as ``popo``.
 Reference: the authors' momo1443/colm2026-POPO (commit 7f22607bcf406fe05e2667a0da6d74d0f6f6b311):
 ``src/popo/weights.py`` (``compute_popo_weights``, ``compute_sequence_log_probs``), ``src/popo/loss.py``
-(``POPOLoss``), ``src/popo/ema.py`` (``EMATarget.update``), ``src/popo/trainer.py`` (``_masked_mean_pool``,
-``_precompute_popo_weights``), ``configs/popo/default.yaml``.
+(``POPOLoss``), ``src/popo/ema.py`` (``EMATargetPolicy``), ``src/popo/predictor.py`` (``PredictorMLP``),
+``src/popo/trainer.py`` (``_masked_mean_pool``, ``_precompute_popo_weights``, ``_compute_loss``,
+``create_optimizer``, checkpoints), ``configs/popo/default.yaml`` (the defaults below).
 
-NOT an objective yet (nothing here is registered): POPO trains extra parameters (a predictor MLP on the policy's
-pooled hidden states), keeps an EMA copy of the policy (updated after each optimizer step) and reads hidden states
-and entropies with gradient. The loop has no interface for an objective's own parameters, target model or hidden
-states (issue 35, phase 2); these functions are what that objective will call, tested against the authors' code.
+The first objective with state of its own, provided by the loop through the objective interface
+(objectives/base.py: ``setup``, ``trainable_parameters``, ``after_optimizer_step``, ``state_dict``,
+``needs_hidden_states``): a predictor MLP h_phi (trained in its own optimizer group, at the run's lr and weight
+decay as the authors' ``create_optimizer``), an EMA target copy of the policy (xi <- tau xi + (1 - tau) theta after
+each applied optimizer step, the authors' ``EMAUpdateCallback.on_step_end``), both in the run's checkpoint; the
+policy's hidden states with gradient (``PolicyBatch.hidden``) and the target's (``PolicyBatch.hidden_of``).
 
 With positives S+(x) = {y : R(y) > tau_r} (tau_r = 0 for binary rewards) in each prompt's group:
 
@@ -23,17 +26,42 @@ With positives S+(x) = {y : R(y) > tau_r} (tau_r = 0 for binary rewards) in each
     EMA     xi <- tau xi + (1 - tau) theta after each optimizer step (tau 0.995 in the config)
 
 The weights are computed once per rollout batch without gradient (the authors' ``_precompute_popo_weights`` runs the
-policy under ``torch.no_grad`` right after generation), so they are constants of the loss. The authors group by
-contiguous blocks of ``num_generations``; here by ``group_ids`` (the same when the groups are contiguous, tested).
-Their target-feature noise (std 0.02, training only) is drawn inside their loss; here it is an argument, so the
-function is deterministic and the loop owns the random stream.
+policy under ``torch.no_grad`` right after generation), so they are constants of the loss: here from
+``PolicyBatch.old_logp``, the behaviour policy's log-probs (the same policy with ``train.epochs=1``, the authors'
+``num_iterations: 1``). The authors group by contiguous blocks of ``num_generations``; here by ``group_ids`` (the
+same when the groups are contiguous, tested). Positives: ``rewards > tau_r`` (the run's reward; the authors average
+their reward functions). A batch with no positive has loss 0 and no gradient (the authors' zero loss, entropy term
+included).
+
+Our choices, where the loop differs from the authors' TRL trainer:
+- pooled features: the mean of the hidden states that *predict* the completion tokens (the shared forward's: the
+  last prompt token's through the second-to-last completion token's); the authors pool the states *at* the
+  completion tokens (one position later: the first completion token's through the last's), which the shared
+  forward does not compute. Same for the EMA target.
+- the loss is over the whole minibatch (``needs_whole_minibatch``); the authors evaluate it per micro-batch of
+  ``per_device_train_batch_size`` sequences and average (their L_NLL and L_sim normalisers are per micro-batch).
+- the target-feature noise N(0, feature_noise_std^2) (training only in theirs; always here: the loss is only
+  evaluated in training) is drawn from a generator seeded by (``noise_seed``, optimizer step), so a resumed run
+  draws what the uninterrupted one drew; theirs is the global random stream.
+- the predictor's Xavier initialisation draws from a generator seeded by ``noise_seed`` (theirs: the global stream).
+- gradient clipping (``train.max_grad_norm``) covers the policy's parameters only, as the authors' Trainer clips
+  ``model.parameters()`` (the predictor is outside the model).
+- POPO is native-loop only: TRL's trainer and the gradient lab do not provide its state (one-line refusals).
+- a rollout correction (or OPSM / top-entropy masking) weight multiplies each token's NLL term and, by its token mean,
+  each sequence's similarity term, the normalisers unchanged (the authors have none); the KL to a reference (beta,
+  the authors' 0) is the shared term. ``aggregation`` accepts only token_mean: the loss has its own normalisers.
 """
 
 from __future__ import annotations
 
+import copy
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from objectives.base import Objective, PolicyBatch, ratio_metrics, register_objective
 
 WEIGHT_MODES = ("softmax", "uniform")
 WEIGHT_SUM_EPS = 1e-8  # the authors' clamp of sum(w) in L_sim and of the renormalisation
@@ -80,12 +108,15 @@ def popo_nll(logp: Tensor, mask: Tensor, weights: Tensor) -> Tensor:
     return weighted.sum() / count
 
 
-def popo_similarity(predicted: Tensor, target: Tensor, weights: Tensor, noise: Tensor | None = None) -> Tensor:
+def popo_similarity(predicted: Tensor, target: Tensor, weights: Tensor, noise: Tensor | None = None,
+                    scale: Tensor | None = None) -> Tensor:
     """L_sim: minus the weighted cosine between the predictor's output h_phi(z) [B, D] and the stop-gradient EMA
-    target features (+ ``noise``, the authors' Gaussian N(0, 0.02^2) in training), normalised by sum(w)."""
+    target features (+ ``noise``, the authors' Gaussian N(0, 0.02^2) in training), normalised by sum(w).
+    ``scale`` [B] (ours: the rollout correction's per-sequence weight) multiplies each term, not the normaliser."""
     target = target.detach() if noise is None else target.detach() + noise
     cos = (F.normalize(predicted, dim=-1) * F.normalize(target, dim=-1)).sum(-1)
-    return -(weights * cos).sum() / weights.sum().clamp(min=WEIGHT_SUM_EPS)
+    terms = weights * cos if scale is None else weights * scale.to(cos.dtype) * cos
+    return -terms.sum() / weights.sum().clamp(min=WEIGHT_SUM_EPS)
 
 
 def popo_entropy(entropies: Tensor, mask: Tensor) -> Tensor:
@@ -114,3 +145,121 @@ def ema_update(target: list[Tensor], online: list[Tensor], tau: float) -> None:
         raise ValueError(f"EMA tau must be in [0, 1], got {tau}")
     for xi, theta in zip(target, online, strict=True):
         xi.mul_(tau).add_(theta.to(xi.device), alpha=1.0 - tau)
+
+
+class PredictorMLP(torch.nn.Module):
+    """h_phi (the authors' ``PredictorMLP``): [Linear -> LayerNorm -> ReLU] x (layers - 1) -> Linear, input and
+    output the policy's hidden size, Xavier-uniform weights and zero biases."""
+
+    def __init__(self, size: int, hidden: int, layers: int, generator: torch.Generator | None = None):
+        super().__init__()
+        if layers < 2:
+            raise ValueError(f"POPO predictor_layers must be >= 2, got {layers}")
+        dims = [size] + [hidden] * (layers - 1)
+        parts: list[torch.nn.Module] = []
+        for a, b in zip(dims[:-1], dims[1:], strict=True):
+            parts += [torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*parts, torch.nn.Linear(hidden, size))
+        for module in self.net:
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.xavier_uniform_(module.weight, generator=generator)
+                torch.nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+@register_objective("popo")
+class POPO(Objective):
+    """Positive-only policy optimisation: L_NLL + alpha L_sim + beta_entropy L_ent (module docstring)."""
+
+    needs_whole_minibatch: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = True
+    aggregations: ClassVar[tuple[str, ...]] = ("token_mean",)  # its own normalisers (module docstring)
+
+    alpha: float = 0.1  # weight of the similarity loss L_sim (the authors' config: 0.1)
+    beta_entropy: float = 0.01  # weight of L_ent = -mean entropy (0.01); 0 in a batch with no positive (theirs)
+    tau: float = 0.995  # EMA momentum of the target policy
+    tau_r: float = 0.0  # reward threshold of a positive (R > tau_r; 0 for binary rewards)
+    weight_mode: str = "softmax"  # softmax (over the group's positives of s(y) / weight_temperature) or uniform
+    weight_temperature: float = 1.0  # T of the softmax weights
+    length_normalize: bool = False  # weights / |y|, renormalised within the group (the authors' option)
+    predictor_hidden_dim: int = 1024  # width of the predictor MLP
+    predictor_layers: int = 2  # linear layers of the predictor MLP (>= 2)
+    feature_noise_std: float = 0.02  # std of the Gaussian noise on the target features
+    noise_seed: int = 0  # seeds the predictor's initialisation and the target-feature noise (our choice)
+
+    positive: ClassVar[frozenset[str]] = frozenset({"weight_temperature"})
+    signed: ClassVar[frozenset[str]] = frozenset({"tau_r"})
+
+    def validate(self) -> None:
+        if self.weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"objective 'popo': weight_mode must be one of {WEIGHT_MODES}, got {self.weight_mode!r}")
+        if self.tau > 1:
+            raise ValueError(f"objective 'popo': tau (EMA momentum) must be in [0, 1], got {self.tau}")
+        if self.predictor_layers < 2:
+            raise ValueError(f"objective 'popo': predictor_layers must be >= 2, got {self.predictor_layers}")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.predictor: PredictorMLP | None = None  # built by setup(policy)
+        self.target: torch.nn.Module | None = None  # the EMA copy of the policy, built by setup(policy)
+
+    def entropy_need(self) -> str:
+        return "gradient" if self.beta_entropy > 0 else super().entropy_need()
+
+    def setup(self, policy: torch.nn.Module) -> None:
+        """The predictor (on the policy's device, float32 as the authors') and the EMA target: a frozen copy."""
+        size = policy.config.get_text_config().hidden_size
+        device = next(policy.parameters()).device
+        generator = torch.Generator().manual_seed(self.noise_seed)
+        self.predictor = PredictorMLP(size, self.predictor_hidden_dim, self.predictor_layers, generator).to(device)
+        self.target = copy.deepcopy(policy).requires_grad_(False).eval()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._built().predictor.parameters())
+
+    def after_optimizer_step(self, policy: torch.nn.Module) -> None:
+        ema_update(list(self._built().target.parameters()), list(policy.parameters()), self.tau)
+
+    def state_dict(self) -> dict:
+        built = self._built()
+        return {"predictor": built.predictor.state_dict(), "target": built.target.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        built = self._built()
+        built.predictor.load_state_dict(state["predictor"])
+        built.target.load_state_dict(state["target"])
+
+    def _built(self) -> POPO:
+        if self.predictor is None:
+            raise ValueError("objective 'popo' has no predictor and target yet: the loop calls setup(policy) first")
+        return self
+
+    def policy_loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, float]]:
+        if batch.rewards is None or batch.group_ids is None or batch.hidden is None or batch.hidden_of is None:
+            raise ValueError("objective 'popo' needs PolicyBatch.rewards, group_ids, hidden and hidden_of")
+        self._built()
+        positive = batch.rewards > self.tau_r
+        weights = popo_weights(batch.old_logp, batch.mask, positive, batch.group_ids, self.weight_temperature,
+                               self.weight_mode, self.length_normalize).to(batch.logp.dtype)
+        dtype = next(self.predictor.parameters()).dtype
+        predicted = self.predictor(masked_mean_pool(batch.hidden, batch.mask).to(dtype))
+        with torch.no_grad():
+            target = masked_mean_pool(batch.hidden_of(self.target), batch.mask).to(dtype)
+        generator = torch.Generator().manual_seed(self.noise_seed * 1_000_003 + batch.step)
+        noise = (torch.randn(target.shape, generator=generator, dtype=dtype) * self.feature_noise_std).to(
+            target.device) if self.feature_noise_std > 0 else None
+        metrics = {"popo_positive_frac": positive.float().mean().item(), "clip_frac": 0.0, "clip_frac_low": 0.0,
+                   "clip_frac_high": 0.0, **ratio_metrics(torch.exp(batch.log_ratio()), batch.mask)}
+        if not bool(positive.any()):  # the authors' graph-connected zero
+            zero = 0.0 * batch.logp.sum() + 0.0 * predicted.sum()
+            return zero, {**metrics, "popo_nll": 0.0, "popo_sim": 0.0, "popo_ent": 0.0}
+        # a rollout-correction weight (and OPSM / top-entropy masks) multiplies each token's NLL and each sequence's
+        # similarity term (its token mean), the normalisers unchanged, as the shared aggregation does elsewhere
+        logp = batch.logp if batch.correction is None else batch.logp * batch.correction
+        nll = popo_nll(logp, batch.mask, weights)
+        sim = popo_similarity(predicted, target, weights.to(dtype), noise, batch.sequence_correction())
+        ent = popo_entropy(batch.entropy, batch.mask) if self.beta_entropy > 0 else nll.new_zeros(())
+        loss = nll + self.alpha * sim.to(nll.dtype) + self.beta_entropy * ent
+        return loss, {**metrics, "popo_nll": nll.item(), "popo_sim": sim.item(), "popo_ent": ent.item()}

@@ -1,7 +1,9 @@
 """Advantage estimators added for issue 35, pinned to transcriptions of verl's ``core_algos.py`` estimators
-(verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9): the token-level [B, T] output of verl (outcome reward
-on the last valid token) equals ours broadcast over each sequence's valid tokens. Groups of several sizes, ties,
-equal rewards, a group of one (where our convention differs from verl's, stated per estimator), float64.
+(verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9; REINFORCE++ re-read at volcengine/verl
+b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py, unchanged): the token-level [B, T]
+output of verl (outcome reward on the last valid token) equals ours broadcast over each sequence's valid tokens.
+Groups of several sizes, ties, equal rewards, a group of one (where our convention differs from verl's, stated per
+estimator), float64.
 """
 
 from collections import defaultdict
@@ -9,6 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from objectives import available_advantages, get_advantage
 from objectives.advantages import opo_advantage, reinforce_plus_plus_advantage, reinforce_plus_plus_baseline_advantage
 
@@ -60,12 +64,13 @@ def verl_gpg(token_rewards, mask, index, f_norm=1.0):
 
 
 def verl_reinforce_pp(token_rewards, mask, gamma=1.0):
+    """compute_reinforce_plus_plus_outcome_advantage, line for line (config.gamma = 1.0, verl's default)."""
     returns = torch.zeros_like(token_rewards)
-    running = 0
+    running_return = 0
     for t in reversed(range(token_rewards.shape[1])):
-        new = token_rewards[:, t] + gamma * running
-        returns[:, t] = new * mask[:, t]
-        running = new * mask[:, t] + running * (1 - mask[:, t])
+        running_return = token_rewards[:, t] + gamma * running_return
+        returns[:, t] = running_return
+        running_return = running_return * mask[:, t]  # reset after EOS
     return masked_whiten(returns, mask) * mask
 
 
@@ -111,8 +116,29 @@ def without_singletons(x, mask):
     return x
 
 
+LENGTH_ESTIMATORS = {"reinforce_plus_plus": reinforce_plus_plus_advantage, "opo": opo_advantage,
+                     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantage}
+
+
 def test_new_names_are_registered():
-    assert {"grpo_passk", "gpg"} <= set(available_advantages())
+    assert {"grpo_passk", "gpg", *LENGTH_ESTIMATORS} <= set(available_advantages())
+
+
+@pytest.mark.parametrize("name", sorted(LENGTH_ESTIMATORS))
+def test_registered_length_estimators_take_the_lengths_and_refuse_to_guess_them(name):
+    estimator = get_advantage(name)
+    assert torch.equal(estimator(REWARDS, GROUPS, LENGTHS), LENGTH_ESTIMATORS[name](REWARDS, GROUPS, LENGTHS))
+    with pytest.raises(ValueError, match=f"{name}' needs the completion lengths"):
+        estimator(REWARDS, GROUPS)
+    # the lengths matter: equal lengths give another answer than these (a length-blind estimator would not)
+    assert not torch.allclose(estimator(REWARDS, GROUPS, torch.full_like(LENGTHS, 3)), estimator(REWARDS, GROUPS,
+                                                                                                 LENGTHS))
+
+
+@pytest.mark.parametrize("name", sorted(set(available_advantages()) - set(LENGTH_ESTIMATORS)))
+def test_every_other_estimator_ignores_the_lengths(name):
+    estimator = get_advantage(name)
+    assert torch.equal(estimator(REWARDS, GROUPS), estimator(REWARDS, GROUPS, LENGTHS))
 
 
 def test_grpo_passk_matches_verl():
@@ -165,6 +191,18 @@ def test_equal_rewards_and_groups_of_one_give_exactly_zero(name):
     groups = torch.tensor([4, 4, 4, 9, 2])
     adv = get_advantage(name)(rewards, groups)
     assert adv.dtype == DT and torch.equal(adv, torch.zeros(5, dtype=DT))
+
+
+def test_reinforce_plus_plus_trains_with_one_sample_per_prompt():
+    """REINFORCE++ has no group baseline (verl's recipe samples once per prompt): train.group_size=1 is accepted,
+    where a group-centred estimator is refused."""
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        (run,) = run_configs(load_experiment("quickstart", ["train.group_size=1", f"objective.advantage={name}",
+                                                            "seed=0", "objective.name=grpo"]))
+        assert run.objective.advantage == name
+    with pytest.raises(ConfigError, match="objective.advantage one of reinforce_plus_plus, "):
+        run_configs(load_experiment("quickstart", ["train.group_size=1", "objective.advantage=opo", "seed=0",
+                                                   "objective.name=grpo"]))
 
 
 def test_length_estimators_need_two_tokens():

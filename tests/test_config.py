@@ -115,6 +115,7 @@ def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     ("model.tiny.hidden=8", "model.tiny has no field hidden"),
     ("model.tiny.num_heads=3", "a multiple of num_heads"),
     ("train.group_size=1", "makes every advantage 0"),
+    ("objective.params.top_entropy_quantile=0.2 train.micro_batch_size=4", "needs statistics of the whole minibatch"),
     ("model.warm_start_target=[0.5,0.2]", "warm_start_target must be"),
     ("train.rollout_correction.mode=token_clip", "train.rollout_correction.mode must be one of none, "),
     ("train.rollout_correction.threshold=0.5", "train.rollout_correction.threshold must be a finite number >= 1"),

@@ -21,7 +21,8 @@ from harness.apps.gradient_stats import (
 from harness.apps.lab import lab_config, run_lab
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
-from objectives import PolicyBatch, available_objectives, get_objective
+from objectives import PolicyBatch, get_objective
+from tests.helpers.objectives import ON_BATCHES
 from tests.helpers.tiny import TINY_RUN
 from tests.helpers.tiny_moe import TINY_MOE_RUN
 
@@ -40,7 +41,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bo
 ADV = torch.tensor([1.0, -0.5, -1.5, 1.0], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name", available_objectives())
+@pytest.mark.parametrize("name", ON_BATCHES)
 def test_token_weights_give_the_objectives_parameter_gradient(name):
     """J^T (dL/dlogp) is the gradient of the loss itself (chain rule): the lab's gradients are the objectives'."""
     weight, logp = linear_policy()

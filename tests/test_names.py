@@ -63,6 +63,10 @@ def test_trl_named_overrides_become_ours_with_a_note(tmp_path, capsys):
     assert (run.objective.advantage, list(run.logging.backends), run.device) == ("mean_only",
                                                                                 ["jsonl", "tensorboard"], "cpu")
     assert tiny_run(tmp_path, "objective.name=sapo", "sapo_temperature_neg=2").objective.params.tau_neg == 2
+    assert tiny_run(tmp_path, "loss_type=vespo").objective.name == "vespo"
+    run = tiny_run(tmp_path, "entropy_coef=0.01", "top_entropy_quantile=0.2", "off_policy_mask_threshold=0.3")
+    assert dict(run.objective.params) == {"entropy_coef": 0.01, "top_entropy_quantile": 0.2, "off_policy_mask": True,
+                                          "off_policy_mask_threshold": 0.3}
     # the experiment's own objectives decide: quickstart sweeps four, all with clip_low
     runs = run_configs(load_experiment("quickstart", ["epsilon=0.1", f"results_dir={tmp_path}"]))
     assert {r.objective.params.clip_low for r in runs} == {0.1}
@@ -71,7 +75,8 @@ def test_trl_named_overrides_become_ours_with_a_note(tmp_path, capsys):
 @pytest.mark.parametrize("override, message", [
     ("max_steps=100", "max_steps (TRL) has no exact equivalent here: set train.steps (TRL counts optimizer steps"),
     ("loss_type=bnpo", "loss_type=bnpo (TRL): loss_type=bnpo normalises by the local micro-batch"),
-    ("loss_type=vespo", "has no objective here; set objective.name"),
+    ("loss_type=grpo_plus", "has no objective here; set objective.name"),
+    ("loss_type=luspo", "that is objective.name=luspo"),
     ("gradient_accumulation_steps=2", "set train.micro_batch_size"),
     ("report_to=all", "logging.backends=[jsonl,tensorboard,wandb,trackio]"),
 ])

@@ -22,7 +22,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
-from objectives import ObjectiveOutput, available_objectives, get_objective
+from objectives import ObjectiveOutput, available_advantages, available_objectives, get_objective
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
@@ -125,8 +125,10 @@ def test_shared_prompt_pass_gives_per_row_logprobs_and_gradients(tiny_policy, ro
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", available_objectives())
 def test_every_objective_trains_through_the_loop(tmp_path, objective):
-    # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow
-    run = tiny_run(tmp_path, f"objective.name={objective}", "task.overlong_buffer=6")
+    # the overlong penalty makes rewards vary within groups, so every objective has a gradient to follow (POPO
+    # learns from positives only: with rewards in [-1, 0], tau_r = -1.5 makes every completion one)
+    popo = ["objective.params.tau_r=-1.5", "objective.params.predictor_hidden_dim=16"] if objective == "popo" else []
+    run = tiny_run(tmp_path, f"objective.name={objective}", "task.overlong_buffer=6", *popo)
     summary = train(run, tmp_path / "run", progress=False)
     assert summary["status"] == "finished" and summary["steps_done"] == 2
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -154,6 +156,16 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
     assert all(isinstance(r["completion"], str) and r["answer"] for r in samples)
     for step in (0, 2):
         assert np.mean([r["correct"] for r in samples if r["step"] == step]) == rows[step]["eval_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", available_advantages())
+def test_every_advantage_estimator_trains_through_the_loop(tmp_path, estimator):
+    """Each registered estimator gets what it needs from the loop (the completion lengths: REINFORCE++, OPO)."""
+    run = tiny_run(tmp_path, "objective.name=grpo", f"objective.advantage={estimator}", "task.overlong_buffer=6")
+    assert train(run, tmp_path / "run", progress=False)["steps_done"] == 2
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert any(row["adv_std"] > 0 for row in rows[1:]) and all(math.isfinite(row["loss"]) for row in rows[1:])
 
 
 @pytest.mark.slow  # a whole run (or several): make test
@@ -211,8 +223,13 @@ def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tm
 
 
 class _Wrap:
+    """``real`` with its loss replaced by ``fn``: every other attribute (hooks, state) is the real objective's."""
+
     def __init__(self, fn, real):
-        self.fn, self.default_advantage, self.beta = fn, real.default_advantage, real.beta
+        self.fn, self.real = fn, real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
     def __call__(self, batch):
         return self.fn(batch)

@@ -19,6 +19,7 @@ from tests.helpers.objectives import (
     DT,
     MASK,
     OLD,
+    ON_BATCHES,
     D,
     assert_close,
     group_batch,
@@ -140,9 +141,8 @@ def test_kl_estimator_is_refused_clearly():
 def test_kl_estimator_reaches_every_objective(estimator):
     """One place: the base class applies the estimator for every registered objective (the KL term differs from
     k3's by exactly beta * aggregate(estimator - k3))."""
-    import objectives
 
-    for name in objectives.available_objectives():
+    for name in ON_BATCHES:
         batch = group_batch()
         k3, _ = run(name, batch, beta=0.1)
         other, _ = run(name, batch, beta=0.1, kl_estimator=estimator)
@@ -303,3 +303,95 @@ def test_seq_mean_token_sum_hand_and_micro_batches():
     # the grpo hand case of tests/test_objectives.py, token sums over N_seqs = 2
     assert num(out.loss, (-E(0.1) - 1.2 - E(-0.1) + 0.5 * 0.8 + 0.5 * E(0.2)) / 2)
     assert_close(grad, [[-E(0.1) / 2, 0.0, -E(-0.1) / 2], [0.0, 0.5 * E(0.2) / 2, 0.0]])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entropy bonus and top-entropy token masking (TRL 1.16 entropy_coef, top_entropy_quantile)
+# ----------------------------------------------------------------------------------------------------
+
+def trl_entropy_grpo_loss(logp, old, adv, mask, entropy, eps, quantile, coef, beta=0.0, ref=None):
+    """TRL 1.16 _compute_loss, loss_type="grpo", token level, use_bias_correction_kl=False, with top_entropy_quantile
+    (get_high_entropy_mask(entropies, mask, 1 - quantile), one process) and entropy_coef (static), written out."""
+    m = mask.to(logp.dtype)
+    entropy_mask = None
+    if quantile < 1.0:
+        local = entropy[mask.bool()].float()
+        threshold = torch.quantile(local, 1 - quantile)
+        entropy_mask = ((entropy * m) >= threshold) & mask.bool()
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
+    if beta:
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if coef:
+        effective = m if entropy_mask is None else m * entropy_mask
+        loss = loss - coef * (entropy * effective).sum() / effective.sum().clamp(min=1.0)
+    return loss, entropy_mask
+
+
+def entropy_batch():
+    """Three sequences (lengths 4, 3, 2; garbage on padding), ratios in and out of the clip range, both advantage
+    signs, entropies a differentiable function of a leaf (so the bonus has a gradient of its own); two tokens share
+    the entropy 1.5; binary-exact entropies (TRL's quantile is taken in float32)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.2], [-0.3, -1.1, -2.2, 5.0], [-0.8, -0.4, 9.0, 9.0]], dtype=DT)
+    d = torch.tensor([[0.3, -0.1, 0.05, -0.4], [0.0, 0.25, -0.3, 3.0], [0.1, -0.5, 2.0, 2.0]], dtype=DT)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]).bool()
+    h = torch.tensor([[0.25, 1.5, 0.875, 2.375], [1.5, 0.125, 3.0, 7.0], [0.625, 1.125, 8.0, 8.0]], dtype=DT)
+    h.requires_grad_(True)
+    logp = (old + d).requires_grad_(True)
+    entropy = (h * 1.0).masked_fill(~mask, 0.0)
+    batch = PolicyBatch(logp=logp, old_logp=old, mask=mask, advantages=torch.tensor([1.0, -0.7, 0.4], dtype=DT),
+                        entropy=entropy, ref_logp=old - 0.2)
+    return batch, h
+
+
+@pytest.mark.parametrize("quantile, coef, beta", [(1.0, 0.1, 0.0), (0.5, 0.0, 0.0), (0.5, 0.1, 0.05),
+                                                  (0.0, 0.1, 0.0), (0.2, 0.3, 0.0)])
+def test_entropy_bonus_and_top_entropy_mask_match_trl(quantile, coef, beta):
+    batch, h = entropy_batch()
+    out = get_objective("grpo", top_entropy_quantile=quantile, entropy_coef=coef, beta=beta)(batch)
+    ref, keep = trl_entropy_grpo_loss(batch.logp, batch.old_logp, batch.advantages, batch.mask, batch.entropy, 0.2,
+                                      quantile, coef, beta=beta, ref=batch.ref_logp)
+    assert num(out.loss, ref, 1e-12)
+    ours = torch.autograd.grad(out.loss, [batch.logp, h], retain_graph=True, allow_unused=True)
+    theirs = torch.autograd.grad(ref, [batch.logp, h], allow_unused=True)
+    ours, theirs = ([torch.zeros_like(h) if g is None else g for g in grads] for grads in (ours, theirs))
+    for a, b in zip(ours, theirs, strict=True):
+        assert_close(a, b, tol=1e-12)
+    assert (ours[1].abs().sum() > 0) == (coef > 0)  # the bonus, and only it, differentiates the entropy
+    if keep is not None:
+        assert num(out.metrics["entropy_masked_frac"], 1 - keep.sum().item() / 9)
+        assert (ours[0][~keep] == 0).all() if beta == 0 else (ours[0][~keep & batch.mask] != 0).all()  # KL unmasked
+    # by hand: the median of the 9 entropies (1/8 1/4 5/8 7/8 9/8 3/2 3/2 19/8 3) is 9/8, both 3/2 kept;
+    # quantile 0 keeps only the highest (3.0)
+    expected = {0.5: [[0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 0]], 0.0: [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]}
+    if quantile in expected:
+        assert keep.tolist() == [[bool(x) for x in row] for row in expected[quantile]]
+
+
+def test_entropy_knobs_off_change_nothing_and_errors_are_clear():
+    batch, _ = entropy_batch()
+    plain = get_objective("gspo")(batch)
+    batch.entropy = None
+    off = get_objective("gspo", top_entropy_quantile=1.0, entropy_coef=0.0)(batch)
+    assert plain.loss.item() == off.loss.item() and "entropy_bonus" not in off.metrics
+    assert get_objective("grpo").entropy_need() == "" and not get_objective("grpo").needs_minibatch_at_once()
+    assert get_objective("grpo", top_entropy_quantile=0.2).entropy_need() == "value"
+    assert get_objective("grpo", top_entropy_quantile=0.2).needs_minibatch_at_once()
+    assert get_objective("grpo", entropy_coef=0.01, top_entropy_quantile=0.2).entropy_need() == "gradient"
+    with pytest.raises(ValueError, match="entropy_coef=0.1 > 0 but the batch has no entropy"):
+        get_objective("grpo", entropy_coef=0.1)(batch)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        get_objective("grpo", top_entropy_quantile=1.5)
+
+
+def test_entropy_bonus_sums_over_micro_batches_to_the_minibatch_mean():
+    batch, h = entropy_batch()
+    whole = get_objective("dapo", entropy_coef=0.2)(batch)
+    parts = [get_objective("dapo", entropy_coef=0.2)(PolicyBatch(
+        logp=batch.logp[rows], old_logp=batch.old_logp[rows], mask=batch.mask[rows], advantages=batch.advantages[rows],
+        entropy=batch.entropy[rows], num_tokens=batch.mask.sum(), num_sequences=3)) for rows in ([0], [1, 2])]
+    assert num(whole.loss, sum(p.loss for p in parts), 1e-12)

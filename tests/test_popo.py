@@ -4,11 +4,19 @@ length normalisation, groups with no / one / several positives; each loss term i
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.apps.lab import lab_objectives, validate_lab
+from harness.loop.native import train
+from harness.policy.models import load_model
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
+from harness.run.records import read_jsonl
+from objectives import PolicyBatch, get_objective
 from objectives.popo import (
     ema_update,
     masked_mean_pool,
@@ -18,6 +26,8 @@ from objectives.popo import (
     popo_similarity,
     popo_weights,
 )
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
 DT = torch.float64
 G = 4  # generations per prompt
@@ -132,3 +142,163 @@ def test_pool_and_ema_update():
     assert torch.allclose(target[0], torch.full((3,), 0.995 + 0.005 * 3.0, dtype=DT))
     with pytest.raises(ValueError, match="tau"):
         ema_update(target, online, tau=1.5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The registered objective: its state through the objective interface, the loss on a hand-made batch, the loop
+# ----------------------------------------------------------------------------------------------------
+
+class TinyPolicy(torch.nn.Module):
+    """What POPO.setup reads of a policy: config.get_text_config().hidden_size and parameters to copy."""
+
+    def __init__(self, size=6):
+        super().__init__()
+        self.layer = torch.nn.Linear(size, size).to(DT)
+        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(hidden_size=size))
+
+
+def authors_predictor(state, size, hidden, layers):
+    """PredictorMLP (src/popo/predictor.py), written out, loaded with ``state``: [Linear, LayerNorm, ReLU] x
+    (layers - 1), Linear."""
+    parts = []
+    dims = [size] + [hidden] * (layers - 1)
+    for a, b in zip(dims[:-1], dims[1:], strict=True):
+        parts += [torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.ReLU(inplace=True)]
+    net = torch.nn.Sequential(*parts, torch.nn.Linear(hidden, size))
+    net.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    return net
+
+
+def objective_batch(seed=5, size=6):
+    logp, mask, positive, groups = batch(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(*logp.shape, size, generator=g, dtype=DT).requires_grad_(True)
+    target_hidden = torch.randn(*logp.shape, size, generator=g, dtype=DT)
+    entropy = (torch.rand(logp.shape, generator=g, dtype=DT) * 2).requires_grad_(True)
+    old = (logp + 0.1 * torch.randn(logp.shape, generator=g, dtype=DT)) * mask
+    logp = logp.clone().requires_grad_(True)
+    seen = []
+    pb = PolicyBatch(logp=logp, old_logp=old, mask=mask, advantages=torch.zeros(len(groups), dtype=DT),
+                     rewards=positive.to(DT), group_ids=groups, entropy=entropy, hidden=hidden,
+                     hidden_of=lambda model: seen.append(model) or target_hidden, step=7)
+    return pb, target_hidden, seen
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_objective_equals_the_authors_loss_with_their_predictor(layers):
+    popo = get_objective("popo", predictor_hidden_dim=5, predictor_layers=layers, alpha=0.3, beta_entropy=0.02)
+    policy = TinyPolicy()
+    popo.setup(policy)
+    popo.predictor.to(DT)
+    assert len(popo.trainable_parameters()) == 2 * (2 * layers - 1)  # Linear and LayerNorm weights and biases
+    pb, target_hidden, seen = objective_batch()
+    out = popo(pb)
+    assert seen == [popo.target]  # the target's hidden states come from the EMA copy
+    # the authors': weights from the rollout policy's log-probs, their PredictorMLP on the pooled features, the
+    # noise of the seeded stream (noise_seed 0, optimizer step 7)
+    weights = authors_weights(pb.old_logp, pb.mask, pb.rewards > 0, G)
+    net = authors_predictor(popo.predictor.state_dict(), 6, 5, layers).to(DT)
+    online = net(masked_mean_pool(pb.hidden, pb.mask))
+    target = masked_mean_pool(target_hidden, pb.mask)
+    noise = torch.randn(target.shape, generator=torch.Generator().manual_seed(7), dtype=DT) * 0.02
+    ref = authors_loss(pb.logp, pb.mask, weights, pb.entropy, online, target, 0.3, 0.02, noise)
+    assert math.isclose(out.loss.item(), ref.item(), rel_tol=1e-12)
+    ours = torch.autograd.grad(out.loss, [pb.logp, pb.hidden, pb.entropy, *popo.predictor.parameters()],
+                               retain_graph=True)
+    theirs = torch.autograd.grad(ref, [pb.logp, pb.hidden, pb.entropy, *net.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+    assert out.metrics["popo_positive_frac"] == 0.5 and out.metrics["popo_sim"] != 0
+
+
+def test_objective_state_ema_zero_positives_and_errors():
+    popo = get_objective("popo", tau=0.9, predictor_hidden_dim=4)
+    with pytest.raises(ValueError, match="setup"):
+        popo.trainable_parameters()
+    policy = TinyPolicy()
+    popo.setup(policy)
+    start = policy.layer.weight.detach().clone()
+    with torch.no_grad():
+        policy.layer.weight.add_(1.0)
+    popo.after_optimizer_step(policy)
+    assert torch.allclose(popo.target.layer.weight, 0.9 * start + 0.1 * (start + 1.0), atol=1e-15)
+    assert not any(p.requires_grad for p in popo.target.parameters())
+    # the state round-trips into a fresh objective (what a resumed run does after setup)
+    other = get_objective("popo", tau=0.9, predictor_hidden_dim=4)
+    other.setup(TinyPolicy())
+    other.load_state_dict(popo.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict()["target"].values(),
+                                                  popo.state_dict()["target"].values(), strict=True))
+    # no positive in the batch: loss 0 and no gradient, the entropy term included (the authors')
+    popo.predictor.to(DT)
+    pb, _, _ = objective_batch()
+    pb.rewards = torch.zeros_like(pb.rewards)
+    out = popo(pb)
+    grads = torch.autograd.grad(out.loss, [pb.logp, pb.entropy], allow_unused=True)
+    assert out.loss.item() == 0.0 and all(g is None or (g == 0).all() for g in grads)
+    with pytest.raises(ValueError, match="popo.*weight_mode"):
+        get_objective("popo", weight_mode="rank")
+    with pytest.raises(ValueError, match="is not meaningful"):
+        get_objective("popo", aggregation="seq_mean_token_mean")
+    assert get_objective("popo").entropy_need() == "gradient" and get_objective("popo").keeps_state()
+    assert get_objective("popo", beta_entropy=0.0).entropy_need() == ""
+
+
+def test_correction_weights_of_one_change_nothing_and_zero_removes_a_sequence():
+    popo = get_objective("popo", predictor_hidden_dim=4)
+    popo.setup(TinyPolicy())
+    popo.predictor.to(DT)
+    pb, _, _ = objective_batch()
+    plain = popo(pb)
+    (plain_grad,) = torch.autograd.grad(plain.loss, pb.logp)
+    pb.correction = pb.mask.clone()
+    ones = popo(pb)
+    (ones_grad,) = torch.autograd.grad(ones.loss, pb.logp)
+    assert ones.loss.item() == plain.loss.item() and torch.equal(ones_grad, plain_grad)
+    pb.correction[0] = 0.0  # a positive sequence masked by the rollout correction
+    (grad,) = torch.autograd.grad(popo(pb).loss, pb.logp)
+    assert (grad[0] == 0).all() and (plain_grad[0] != 0).any()
+
+
+@pytest.mark.slow
+def test_popo_trains_in_the_loop_and_a_killed_run_resumes_exactly(tmp_path):
+    """POPO through the native loop (the predictor in its own optimizer group, the EMA target after every optimizer
+    step, the hidden states of both), killed after step 2 of 3 and resumed: the same metrics and the same final
+    policy, predictor and target as the uninterrupted run. A random tiny policy solves nothing: tau_r = -1.5 under the
+    overlong penalty (rewards in [-1, 0]) makes every completion a positive, weighted by its log-probability."""
+    run = tiny_run(tmp_path, "objective.name=popo", "objective.params.tau_r=-1.5", "objective.params.tau=0.5",
+                   "objective.params.predictor_hidden_dim=16", "task.overlong_buffer=6", "train.steps=3")
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
+    train(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
+    assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
+    assert all(r["popo_sim"] != 0 and r["popo_positive_frac"] == 1 and r["grad_norm"] > 0 for r in full[1:])
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=False) for d in ("full", "part"))
+    for key in ("policy", "objective"):
+        flat_a, flat_b = (dict(_flat(x[key])) for x in (a, b))
+        assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), key
+    assert len(a["optimizer"]["param_groups"]) == 2  # the predictor's own group
+    target, policy = a["objective"]["target"], a["policy"]
+    start = load_model("tiny", tiny=TINY_SPEC, seed=0)[0].state_dict()
+    assert any(not torch.equal(target[k], policy[k]) for k in policy)  # the EMA lags the policy ...
+    assert any(not torch.equal(target[k], start[k]) for k in policy)  # ... and has left the starting policy
+
+
+def _flat(state, prefix=""):
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def test_trl_backend_and_gradient_lab_refuse_popo_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="^backend trl: objective 'popo' trains state of its own"):
+        run_configs(load_experiment("base", ["objective.name=popo", "backend=trl", f"results_dir={tmp_path}"]))
+    for override in ("lab.objectives=[grpo,popo]", "lab.mover=popo"):
+        with pytest.raises(ConfigError, match="^lab: objective 'popo' trains state of its own"):
+            validate_lab(load_experiment("lab", [override]))
+    assert "popo" not in lab_objectives(load_experiment("lab", []))  # "every objective" means those it can evaluate

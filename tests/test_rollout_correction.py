@@ -32,10 +32,10 @@ from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import get_task
-from objectives import PolicyBatch, available_objectives, get_objective
+from objectives import PolicyBatch, get_objective
 from objectives.base import sum_statistics
 from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, correction_weights
-from tests.helpers.objectives import DT, group_batch, num
+from tests.helpers.objectives import DT, ON_BATCHES, group_batch, num
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py's fixture
     GradCapture,
@@ -47,7 +47,7 @@ from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py
     trl_inputs,
 )
 
-ALL = available_objectives()
+ALL = ON_BATCHES
 MODES = [m for m in CORRECTION_MODES if m != "none"]
 
 

@@ -40,7 +40,8 @@ from tests.helpers.trl import (
 
 
 @pytest.mark.parametrize("objective, params", [("grpo", {}), ("gspo", {"clip_low": 0.1, "clip_high": 0.1}),
-                                               ("ctpo", {"beta": 0.04})])
+                                               ("ctpo", {"beta": 0.04}),
+                                               ("grpo", {"entropy_coef": 0.05, "top_entropy_quantile": 0.5})])
 def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, objective, params):
     model, _, _, _, ro, old_logp, ref_logp, rewards, group_ids, advantages = fixed
     run = run_config(tmp_path, f"objective.name={objective}", *(f"objective.params.{k}={v}" for k, v in
@@ -101,11 +102,17 @@ TRL_BUILTINS = [
     ("gspo", {"clip_low": 0.1, "clip_high": 0.1, "beta": 0.04},
      {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.1, "epsilon_high": 0.1,
       "beta": 0.04}),
+    # the entropy bonus and top-entropy token masking: TRL's own options of the same names
+    ("grpo", {"entropy_coef": 0.05, "top_entropy_quantile": 0.3},
+     {"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.2, "entropy_coef": 0.05, "top_entropy_quantile": 0.3}),
+    ("dapo", {"entropy_coef": 0.05, "beta": 0.04},
+     {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28, "entropy_coef": 0.05, "beta": 0.04}),
 ]
 
 
 @pytest.mark.parametrize("objective, params, options", TRL_BUILTINS,
-                         ids=[f"{o}{'-kl' if p.get('beta') else ''}" for o, p, _ in TRL_BUILTINS])
+                         ids=[f"{o}{'-kl' if p.get('beta') else ''}{'-entropy' if 'entropy_coef' in p else ''}"
+                              for o, p, _ in TRL_BUILTINS])
 def test_registry_objective_equals_trl_builtin_loss(fixed, tmp_path, objective, params, options):
     run = run_config(tmp_path, f"objective.name={objective}", *(f"objective.params.{k}={v}" for k, v in
                                                                   params.items()))

@@ -103,8 +103,10 @@ def lab_objective(cfg: DictConfig, name: str):
 
 
 def lab_objectives(cfg: DictConfig) -> dict:
-    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all)."""
-    return {name: lab_objective(cfg, name) for name in list(cfg.lab.objectives) or OBJECTIVES.names()}
+    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all but those with
+    state of their own, which the lab's fixed batches cannot evaluate: :meth:`Objective.keeps_state`)."""
+    names = list(cfg.lab.objectives) or [n for n in OBJECTIVES.names() if not OBJECTIVES.get(n).keeps_state()]
+    return {name: lab_objective(cfg, name) for name in names}
 
 
 def validate_lab(cfg: DictConfig) -> None:
@@ -115,6 +117,10 @@ def validate_lab(cfg: DictConfig) -> None:
         lab_objective(cfg, lab.mover)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lab: {e}") from None
+    stateful = [n for n in [*lab.objectives, lab.mover] if OBJECTIVES.get(n).keeps_state()]
+    if stateful:
+        raise ConfigError(f"lab: objective {stateful[0]!r} trains state of its own or reads hidden states, which the "
+                          "lab's fixed batches do not provide; leave it out of lab.objectives and lab.mover")
     unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
     if unknown:
         raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")
@@ -260,7 +266,8 @@ class Lab:
         if staleness[-1] == 0:
             return states
         learner = build_learner(copy.deepcopy(self.policy).requires_grad_(True).train(), self.mover, t)
-        batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids), group_ids, ro.sampler_logp)
+        batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids, ro.completion_mask.sum(-1)),
+                           group_ids, ro.sampler_logp)
         # one minibatch per step, the sampler's log-probs as behaviour, outside a run's rollout steps
         plan = dataclasses.replace(UpdatePlan.of(batch, self.cfg, 0), rollout_step=None, behaviour="sampler")
         state = RunState(total_optimizer_steps=staleness[-1])
@@ -327,7 +334,7 @@ class Lab:
                                                   padding_free=t.padding_free)
         rows_out, sketches = [], {}
         for name, (objective, estimator) in self.objectives.items():
-            advantages = estimator(rewards, group_ids)[rows]
+            advantages = estimator(rewards, group_ids, ro.completion_mask.sum(-1))[rows]
             batch = PolicyBatch(logp=logp.detach(), old_logp=old_logp, mask=mask, advantages=advantages,
                                 rewards=rewards[rows], group_ids=group_ids[rows], ref_logp=ref_logp,
                                 max_completion_len=t.max_new_tokens, rollout_step=0)

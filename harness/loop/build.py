@@ -73,8 +73,13 @@ def hook_routing(run: RunSetup, t: DictConfig) -> None:
 
 
 def build_learner(policy, objective, t: DictConfig) -> Learner:
-    """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`)."""
-    optimizer = build_optimizer(policy.parameters(), t)
+    """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`).
+    An objective with state of its own builds it first (``setup``); the parameters it trains get a group of their
+    own (the run's lr and weight decay)."""
+    getattr(objective, "setup", lambda policy: None)(policy)  # a plain callable (tests) has no hooks
+    own = list(getattr(objective, "trainable_parameters", list)())
+    groups = [{"params": list(policy.parameters())}, *([{"params": own}] if own else [])]
+    optimizer = build_optimizer(groups, t)
     return Learner(policy, objective, optimizer, build_scheduler(optimizer, t))
 
 
@@ -109,8 +114,9 @@ def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:
     """AdamW with the run's ``lr`` and ``weight_decay``: the fused kernel (one pass over each parameter, its gradient
     and moments instead of a dozen tensor ops: the same update to round-off, faster on CPU (docs/benchmark.md); what
     TRL's Trainer runs by default) where torch has it for every parameter's device, the per-tensor loop elsewhere."""
-    params = list(params)
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    params = list(params)  # tensors, or parameter groups ({"params": [...]})
+    tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in tensors)
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
 
 

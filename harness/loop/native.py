@@ -71,6 +71,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if checkpoint:
             for part in ("policy", "optimizer", "scheduler"):
                 getattr(learner, part).load_state_dict(checkpoint[part])
+            learner.objective.load_state_dict(checkpoint.get("objective", {}))  # its own state (POPO's), if any
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
         if state.step == 0:  # the starting policy's evaluation is step 0
@@ -101,6 +102,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if step == t.steps or (t.save_every and step % t.save_every == 0):
                 save_checkpoint(run_dir, {**{part: getattr(learner, part).state_dict()
                                              for part in ("policy", "optimizer", "scheduler")},
+                                          "objective": learner.objective.state_dict(),
                                           "state": dataclasses.asdict(state)})
         bar.close()
         if records.main and status == "finished":
@@ -118,10 +120,10 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
         run.sampler.load_state_dict(run.policy.state_dict())
     ro, rewards, sampled = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step)
     rollout_s = time.time() - t0
-    # 2. advantages (group = prompt)
+    # 2. advantages (group = prompt; the completion lengths for the estimators that weigh by tokens)
     rewards = rewards.to(run.device)
     group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
-    advantages = run.estimator(rewards, group_ids).to(run.device)
+    advantages = run.estimator(rewards, group_ids, ro.completion_mask.sum(-1).to(run.device)).to(run.device)
     # 3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py)
     t1 = time.time()
     memory.start("update")

@@ -21,6 +21,9 @@ Conventions aligned with the native loop (each one differs from stock TRL):
   counts (``num_tokens`` / ``num_sequences``), so summing micro-batches and averaging over GPUs gives the
   native minibatch loss (TRL's ``dapo`` / ``cispo`` divide by the generation batch's *mean* tokens per step);
 - the KL to the reference is the registry's k3, not multiplied by the ratio (TRL: ``use_bias_correction_kl``);
+- the entropy bonus and top-entropy masking (``objective.params.entropy_coef`` / ``top_entropy_quantile``): the
+  registry objective's, on TRL's (differentiable) entropies; equal to TRL's own options of the same names on one
+  micro-batch (tests/test_trl_backend.py), exact over the minibatch where TRL's bonus is a per-micro-batch mean;
 - behaviour log-probs: the trainer's (TRL recomputes them before the first update, or they equal the current
   ones), i.e. ``train.old_logp: recompute``; with vLLM (``use_vllm``) and ``train.old_logp: sampler``, vLLM's own
   log-probs, as the native sampler's, so the objective's ratio sees the train-inference mismatch (TRL's separate
@@ -213,7 +216,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         rewards = (self._rewards_per_func * self.reward_weights.to(self._rewards_per_func.device)).nansum(dim=1)
         group_ids = torch.arange(len(rewards), device=rewards.device) // self.num_generations
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        out["advantages"] = self.estimator(rewards, group_ids)[local].to(out["advantages"].dtype)
+        lengths = self.accelerator.gather(out["completion_mask"].sum(-1)).to(rewards.device)  # every process's rows
+        out["advantages"] = self.estimator(rewards, group_ids, lengths)[local].to(out["advantages"].dtype)
         out["rewards"], out["group_ids"] = rewards[local], group_ids[local]
         if self.correction_on:
             self.add_rollout_correction(out)
@@ -275,8 +279,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         return logp, entropy
 
     def _compute_loss(self, model, inputs):
-        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)
-        batch = self.policy_batch(inputs, logp)
+        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)  # TRL's fused head: differentiable
+        batch = self.policy_batch(inputs, logp, entropy)
         out = self.objective(batch)
         tokens = batch.mask.sum().item()
         self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1)},
@@ -284,8 +288,9 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
         return out.loss * self.accelerator.num_processes
 
-    def policy_batch(self, inputs, logp) -> PolicyBatch:
-        """The objective's input for one micro-batch of TRL's ``inputs`` with current log-probs ``logp``."""
+    def policy_batch(self, inputs, logp, entropy=None) -> PolicyBatch:
+        """The objective's input for one micro-batch of TRL's ``inputs`` with current log-probs ``logp`` (and
+        entropies, for the entropy bonus and top-entropy masking)."""
         mask = inputs["completion_mask"].bool()
         old_logp = inputs.get("old_per_token_logps")  # None when it equals the current log-probs (TRL)
         old_logp = logp.detach() if old_logp is None else old_logp
@@ -309,7 +314,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
             sampler_logp=None if sampled is None or self.old_logp == "sampler" or self.correction_on else torch.where(
                 torch.isnan(sampled), old_logp, sampled),
-            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats)
+            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats,
+            entropy=None if entropy is None else entropy.masked_fill(~mask, 0.0))
 
     def log(self, logs, start_time=None):
         if self.model.training:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from harness.policy.device import sampler_dtype
 from harness.run.config import microbatch_size, minibatch_size
-from objectives import OBJECTIVES
+from objectives import get_objective
 
 
 def world_size() -> int:
@@ -54,10 +54,14 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
-    if OBJECTIVES.get(run.objective.name).needs_whole_minibatch and minibatch // micro > 1:
+    objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
+    if objective.keeps_state():
+        return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
+                "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")
+    if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")
-    if OBJECTIVES.get(run.objective.name).needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
+    if objective.needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
         return (f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL splits "
                 "groups across micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one "
                 "process, or backend=native")

@@ -29,7 +29,7 @@ from torch import Tensor
 from harness.loop.batch import TrainBatch
 from harness.loop.behaviour import behaviour_logp, replay_mode
 from harness.policy.expert_volatility import Volatility, capture_metrics
-from harness.policy.forward import completion_logprobs
+from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
@@ -207,13 +207,15 @@ class RowsForward:
     width: int
     volatility: Volatility | None = None  # an MoE's live routing vs the behaviour routing (batch.routing)
     routing_metrics: dict = dataclasses.field(default_factory=dict)  # its expert-load entropy and router aux loss
+    hidden: Tensor | None = None  # [rows, width, hidden] final hidden states, when the objective reads them
 
 
-def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = False,
-                 phase: str = "logp_forward_s") -> RowsForward:
-    """The current policy's log-probs (and entropies) of the ``rows``' completions, all-padding columns dropped
-    (``plan.padding_free``: the rest of the padding too), timed as ``phase``. An MoE with a behaviour routing
-    (``batch.routing``): its slice for these rows is forced (``plan.replay``) and compared with the live routing."""
+def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: str = "",
+                 phase: str = "logp_forward_s", with_hidden: bool = False) -> RowsForward:
+    """The current policy's log-probs (and entropies: ``with_entropy`` "value", or "gradient" for an entropy bonus)
+    of the ``rows``' completions, all-padding columns dropped (``plan.padding_free``: the rest of the padding too),
+    timed as ``phase``. An MoE with a behaviour routing (``batch.routing``): its slice for these rows is forced
+    (``plan.replay``) and compared with the live routing."""
     ro = plan.batch.rollout
     width = int(ro.completion_mask[rows].sum(-1).max())  # drop all-padding columns
     mask = ro.completion_mask[rows, :width]
@@ -221,12 +223,24 @@ def forward_rows(policy, plan: UpdatePlan, rows: Tensor, with_entropy: bool = Fa
     behaviour = None if routing is None or record is None else record.select(rows, width)
     with timed(plan.timings, phase), (nullcontext() if behaviour is None else routing.capture(
             behaviour.grid, replay=behaviour if plan.replay else None, router_logits=True)) as capture:
-        logp, entropy = completion_logprobs(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                            ro.completion_ids[rows, :width], mask, plan.temperature,
-                                            with_entropy=with_entropy, padding_free=plan.padding_free)
-    if capture is None:
-        return RowsForward(rows, logp, entropy, mask, width)
-    return RowsForward(rows, logp, entropy, mask, width, *capture_metrics(behaviour, capture))
+        logp, entropy, hidden = completion_forward(policy, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                                   ro.completion_ids[rows, :width], mask, plan.temperature,
+                                                   with_entropy=with_entropy, padding_free=plan.padding_free)
+    if with_hidden:  # [n, hidden] at the valid positions -> [rows, width, hidden], 0 on padding
+        hidden = hidden.new_zeros(*mask.shape, hidden.shape[-1]).masked_scatter(mask.bool()[..., None], hidden)
+    moe = () if capture is None else capture_metrics(behaviour, capture)
+    return RowsForward(rows, logp, entropy, mask, width, *moe, hidden=hidden if with_hidden else None)
+
+
+def hidden_of(plan: UpdatePlan, rows: Tensor) -> Callable[[torch.nn.Module], Tensor]:
+    """model -> its final hidden states on the ``rows``' completions [rows, width, hidden], without gradient (an
+    objective's own copy of the policy: ``PolicyBatch.hidden_of``)."""
+
+    @torch.no_grad()
+    def forward(model: torch.nn.Module) -> Tensor:
+        return forward_rows(model, dataclasses.replace(plan, timings=None), rows, with_hidden=True).hidden
+
+    return forward
 
 
 def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
@@ -242,7 +256,8 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
         sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
-        minibatch_stats=minibatch.stats)
+        minibatch_stats=minibatch.stats, entropy=forward.entropy, hidden=forward.hidden,
+        hidden_of=None if forward.hidden is None else hidden_of(plan, rows))
 
 
 @torch.no_grad()
@@ -271,16 +286,20 @@ class MicrobatchLoss:
 def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, rows: Tensor, state: RunState,
                     with_entropy: bool = False) -> MicrobatchLoss:
     """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
-    statistics) and backpropagate."""
-    forward = forward_rows(learner.policy, plan, rows, with_entropy)
+    statistics) and backpropagate. The entropy is computed for the metric (``with_entropy``) or when the objective
+    asks for it (``entropy_need``: top-entropy masking, or with gradient an entropy bonus)."""
+    need = getattr(learner.objective, "entropy_need", lambda: "")()  # a wrapped callable (tests) has none
+    forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""),
+                           with_hidden=getattr(learner.objective, "needs_hidden_states", False))
     out = learner.objective(policy_batch(plan, minibatch, forward, state))
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
     tokens = forward.mask.sum().item()
     metrics = {**out.metrics, **forward.routing_metrics}
-    if forward.entropy is not None:
-        metrics["entropy"] = (forward.entropy * forward.mask).sum().item() / max(tokens, 1)
-    detached = dataclasses.replace(forward, logp=forward.logp.detach())
+    if with_entropy:
+        metrics["entropy"] = (forward.entropy.detach() * forward.mask).sum().item() / max(tokens, 1)
+    detached = dataclasses.replace(forward, logp=forward.logp.detach(), hidden=None,
+                                   entropy=None if forward.entropy is None else forward.entropy.detach())
     return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
 
@@ -298,4 +317,5 @@ def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: R
     state.nonfinite_in_row = 0
     learner.optimizer.step()
     learner.scheduler.step()
+    getattr(learner.objective, "after_optimizer_step", lambda policy: None)(learner.policy)  # e.g. an EMA copy
     return grad_norm

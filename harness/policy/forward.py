@@ -40,10 +40,22 @@ LM_HEAD_CHUNK = "rlvr_lm_head_chunk"  # the model's attribute: positions per chu
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,
                         padding_free: bool = True):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
-    ``completion_mask`` is 0.
+    ``completion_mask`` is 0. The entropy carries the gradient only with ``with_entropy="gradient"`` (an entropy
+    bonus). :func:`completion_forward` also gives the hidden states."""
+    logp, entropy, _ = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          temperature, with_entropy, padding_free)
+    return logp, entropy
+
+
+def completion_forward(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                       completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,
+                       padding_free: bool = True):
+    """:func:`completion_logprobs`'s log-probs and entropy, and the final hidden states [n, hidden] that predict the n
+    real completion tokens, in row-major order (as ``hidden[completion_mask]``), with gradient (for an objective that
+    reads them: ``Objective.needs_hidden_states``).
 
     The LM head runs only on the positions that predict real completion tokens. ``padding_free`` (where
     :func:`padding_free_unsupported` allows): the whole body skips the completions' padding
@@ -62,7 +74,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     token_logp = token_logp.new_zeros(valid.shape).masked_scatter(valid, token_logp)
     if entropy is not None:
         entropy = entropy.new_zeros(valid.shape).masked_scatter(valid, entropy)
-    return token_logp, entropy
+    return token_logp, entropy, hidden
 
 
 def set_memory_settings(model, lm_head_chunk: int = 0, activation_checkpointing: bool = False) -> None:
@@ -77,17 +89,19 @@ def set_memory_settings(model, lm_head_chunk: int = 0, activation_checkpointing:
         model.activation_checkpointing_disable()
 
 
-def head_logprobs(model, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+def head_logprobs(model, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool | str):
     """log p(target) [n] under log_softmax(LM head(hidden) / temperature) and, with ``with_entropy``, the entropy [n]
-    (no gradient), ``hidden`` [n, hidden_size]. With the model's LM-head chunk (:func:`set_memory_settings`) the
-    positions go through the head a chunk at a time, so no [n, V] tensor exists: without gradients each chunk's
-    logits are freed before the next; with gradients each chunk is checkpointed (its logits recomputed in the
-    backward pass, one chunk at a time), the same values and gradient as all at once."""
+    (with gradient only for ``"gradient"``), ``hidden`` [n, hidden_size]. With the model's LM-head chunk
+    (:func:`set_memory_settings`) the positions go through the head a chunk at a time, so no [n, V] tensor exists:
+    without gradients each chunk's logits are freed before the next; with gradients each chunk is checkpointed (its
+    logits recomputed in the backward pass, one chunk at a time), the same values and gradient as all at once. An
+    entropy with gradient (an entropy bonus) is not checkpointed: each chunk's graph is kept (the same values and
+    gradient, the memory of the unchunked head)."""
     chunk = getattr(model, LM_HEAD_CHUNK, 0)
     head = model.get_output_embeddings()
     if not chunk or len(hidden) <= chunk:
         return _head_part(head, temperature, with_entropy, hidden, targets)
-    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad and with_entropy != "gradient"
     parts = []
     for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True):
         if checkpointed:
@@ -108,7 +122,7 @@ def _checkpointed_part(head, temperature: float, once: dict, hidden: Tensor, tar
     return logp
 
 
-def _head_part(head, temperature: float, with_entropy: bool, hidden: Tensor, targets: Tensor):
+def _head_part(head, temperature: float, with_entropy: bool | str, hidden: Tensor, targets: Tensor):
     """:func:`head_logprobs` of some positions, all at once."""
     logits = head(hidden).float()  # [n, V]: real positions only
     if temperature != 1.0:  # x / 1.0 == x: a pass over [n, V] saved
@@ -117,7 +131,8 @@ def _head_part(head, temperature: float, with_entropy: bool, hidden: Tensor, tar
     token_logp = logp.gather(-1, targets[:, None])[:, 0]
     entropy = None
     if with_entropy:
-        with torch.no_grad():  # in blocks of positions: no temporary as large as logp
+        # in blocks: no temporary as large as logp (without gradient; with it, autograd keeps each block's product)
+        with torch.set_grad_enabled(with_entropy == "gradient" and torch.is_grad_enabled()):
             entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)])
     return token_logp, entropy
 

@@ -64,14 +64,17 @@ def _epsilon_high(value: str, objectives: list[str], given: set[str]) -> list[st
 LOSS_TYPES = {"grpo": "objective.params.aggregation=seq_mean_token_mean",
               "dapo": "objective.params.aggregation=token_mean",
               "dr_grpo": "objective.params.aggregation=seq_mean_token_sum_norm",
-              "cispo": "objective.name=cispo", "sapo": "objective.name=sapo"}
+              "cispo": "objective.name=cispo", "sapo": "objective.name=sapo", "vespo": "objective.name=vespo"}
 
 
 def _loss_type(value: str, objectives: list[str], given: set[str]) -> list[str]:
     if value == "bnpo":
         raise AliasError("loss_type=bnpo normalises by the local micro-batch's tokens, which has no equivalent here; "
-                         "the nearest is objective.params.aggregation=token_mean (equal with train.micro_batch_size=0 "
-                         "on one GPU)")
+                         "the nearest is objective.name=bnpo (GRPO with aggregation=token_mean: equal with "
+                         "train.micro_batch_size=0 on one GPU)")
+    if value == "luspo":
+        raise AliasError("loss_type=luspo is a sequence-level loss only with importance_sampling_level=sequence: that "
+                         "is objective.name=luspo (GSPO with aggregation=seq_mean_token_sum)")
     if value not in LOSS_TYPES:
         raise AliasError(f"loss_type={value} has no objective here; set objective.name (python -m harness list)")
     return [LOSS_TYPES[value]]
@@ -91,6 +94,12 @@ def _sapo_temperature(param: str) -> Callable[[str, list[str], set[str]], list[s
         return [f"objective.params.{param}={value}"]
 
     return convert
+
+
+def _off_policy_mask(value: str, objectives: list[str], given: set[str]) -> list[str]:
+    if yaml.safe_load(value) is None:  # TRL's default None: no masking
+        return ["objective.params.off_policy_mask=false"]
+    return ["objective.params.off_policy_mask=true", f"objective.params.off_policy_mask_threshold={value}"]
 
 
 def _report_to(value: str, objectives: list[str], given: set[str]) -> list[str]:
@@ -140,12 +149,18 @@ ALIASES: dict[str, Alias] = {a.trl: a for a in (
           "the ratio at epsilon_high)", _epsilon_high),
     Alias("loss_type", "objective.params.aggregation", "grpo / dapo / dr_grpo: the aggregation (seq_mean_token_mean"
           " / token_mean / seq_mean_token_sum_norm: TRL's loss_type only aggregates its clipped loss; "
-          "objective.name=dapo would also raise clip_high to 0.28); cispo, sapo: objective.name; bnpo and others "
-          "refused", _loss_type, sets_objective=True),
+          "objective.name=dapo would also raise clip_high to 0.28); cispo, sapo, vespo: objective.name; bnpo, luspo "
+          "(objective.name=bnpo / luspo, exact only on one micro-batch / at sequence level) and others refused",
+          _loss_type, sets_objective=True),
     Alias("importance_sampling_level", "objective.name", "sequence: objective.name=gspo; token refused (choose "
           "objective.name)", _importance_sampling_level, sets_objective=True),
     Alias("scale_rewards", "objective.advantage", "group: grpo, batch: batch_std, none: mean_only (ours add 1e-6 "
           "to the std, TRL 1e-4)", _scale_rewards),
+    Alias("entropy_coef", "objective.params.entropy_coef", "same (a static coefficient; TRL's "
+          "use_adaptive_entropy has no equivalent)"),
+    Alias("top_entropy_quantile", "objective.params.top_entropy_quantile", "same"),
+    Alias("off_policy_mask_threshold", "objective.params.off_policy_mask_threshold", "a number: "
+          "objective.params.off_policy_mask=true with this threshold; null: off_policy_mask=false", _off_policy_mask),
     Alias("sapo_temperature_pos", "objective.params.tau_pos", "same (sapo)", _sapo_temperature("tau_pos")),
     Alias("sapo_temperature_neg", "objective.params.tau_neg", "same (sapo)", _sapo_temperature("tau_neg")),
     Alias("report_to", "logging.backends", "[jsonl, the named trackers]; none: [jsonl]", _report_to),

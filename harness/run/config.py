@@ -451,8 +451,8 @@ def _check_objective(run: DictConfig) -> None:
 
 def _check_single_sample_groups(estimator: str) -> None:
     """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
-    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
-    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups).abs().sum() > 0]
+    rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
+    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups, lengths).abs().sum() > 0]
     if estimator not in working:
         raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
                           f"centres rewards within a group): use train.group_size >= 2"
@@ -496,12 +496,12 @@ def _check_batching(run: DictConfig) -> None:
                           f"{t.lm_head_chunk} and {t.max_tokens_per_micro_batch}")
     if t.max_tokens_per_micro_batch and t.micro_batch_size:
         raise ConfigError("set train.micro_batch_size (rows) or train.max_tokens_per_micro_batch (tokens), not both")
-    objective = OBJECTIVES.get(run.objective.name)
+    objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     if objective.needs_whole_groups and (minibatch % t.group_size or microbatch_size(t) % t.group_size):
         raise ConfigError(f"objective {run.objective.name!r} compares the samples of a group: the minibatch "
                           f"({minibatch}) and train.micro_batch_size must be multiples of "
                           f"train.group_size={t.group_size}")
-    if objective.needs_whole_minibatch and (microbatch_size(t) != minibatch or t.max_tokens_per_micro_batch):
+    if objective.needs_minibatch_at_once() and (microbatch_size(t) != minibatch or t.max_tokens_per_micro_batch):
         raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
                           f"train.micro_batch_size=0 and train.max_tokens_per_micro_batch=0 (micro-batching would "
                           f"make it inexact)")

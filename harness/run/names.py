@@ -86,6 +86,12 @@ NAMES: tuple[Name, ...] = (
          "dr_grpo: true = the dual clip for A < 0 (bound clip_ratio_c); ctpo: its width in log space (threshold "
          "exp(dual_clip n_t^la_power))"),
     Name("objective.params.clip_ratio_c", "—", f"`{A}clip_ratio_c`", meaning="the dual clip's bound c"),
+    Name("objective.params.kl_estimator", "— (TRL's KL is k3)", f"`{A}kl_loss_type`"),
+    Name("objective.params.off_policy_mask", "`off_policy_mask_threshold` set (not None)", "—"),
+    Name("objective.params.off_policy_mask_threshold", "`off_policy_mask_threshold`", "—"),
+    Name("objective.params.entropy_coef", "`entropy_coef` (static; no `use_adaptive_entropy`)",
+         f"`{A}entropy_coeff` (verl aggregates it with `loss_agg_mode`)"),
+    Name("objective.params.top_entropy_quantile", "`top_entropy_quantile`", "—"),
     Name("objective.params.tau_pos", "`sapo_temperature_pos`", f"`{A}tau_pos`",
          meaning="SAPO's gate temperature for A > 0"),
     Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
@@ -264,12 +270,13 @@ def objectives_taking(param: str) -> list[str]:
 def all_names() -> tuple[Name, ...]:
     """:data:`NAMES` plus a row for every objective hyperparameter the registry knows (generated: a new objective's
     hyperparameters appear here, in ``explain`` and in docs/trl.md without an edit of this file); a hand-written
-    row (with TRL / verl names) wins over the generated one."""
+    row (with TRL / verl names) wins over the generated one; without a meaning of its own it takes the field's."""
     params = dict.fromkeys(p for name in OBJECTIVES.names() for p in OBJECTIVES.get(name).hyperparameters())
     written = {n.key for n in NAMES}
     generated = [Name(PARAMS + p, meaning=hyperparameter_meaning(p)) for p in params if PARAMS + p not in written]
     meanings = schema_meanings()
-    rows = [n if n.meaning else dataclasses.replace(n, meaning=meanings[n.key]) for n in NAMES]
+    rows = [n if n.meaning else dataclasses.replace(n, meaning=meanings[n.key] if n.key in meanings else
+                                                    hyperparameter_meaning(n.key.removeprefix(PARAMS))) for n in NAMES]
     last = max(i for i, n in enumerate(rows) if n.key.startswith(PARAMS))
     return (*rows[: last + 1], *generated, *rows[last + 1 :])
 
