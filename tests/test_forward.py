@@ -157,3 +157,24 @@ def test_activation_checkpointing_recomputes_the_layers_with_the_same_gradients(
         torch.testing.assert_close(grads[key], grad, atol=1e-6, rtol=1e-5, msg=key)
     forward.set_memory_settings(model)
     assert not model.is_activation_checkpointing
+
+
+def test_the_lm_head_in_chunks_keeps_the_entropy_bonus_gradient():
+    """An entropy with gradient (an entropy bonus, ``with_entropy="gradient"``) through the chunked head: the same
+    values and gradient as the whole head (its chunks are not checkpointed: each keeps its graph)."""
+    model, args = build("llama").train(), batch()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        logp, entropy = completion_logprobs(model, *args, 0.7, with_entropy="gradient")
+        weights = torch.linspace(-1.0, 2.0, logp.numel()).view_as(logp)
+        ((logp + 0.3 * entropy) * weights).sum().backward()
+        return entropy.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    entropy_whole, whole = grads()
+    assert whole["lm_head.weight"].abs().sum() > 0
+    forward.set_memory_settings(model, lm_head_chunk=4)
+    entropy_chunked, chunked = grads()
+    torch.testing.assert_close(entropy_chunked, entropy_whole, atol=1e-6, rtol=1e-6)
+    for key, grad in whole.items():
+        torch.testing.assert_close(chunked[key], grad, atol=1e-6, rtol=1e-5, msg=key)
