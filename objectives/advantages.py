@@ -1,5 +1,6 @@
 """Advantage estimators, registered by name: rewards [B], group ids [B] (same id = same prompt) and the completion
-lengths [B] (valid tokens L_i of each response) in, [B] out: ``estimator(rewards, group_ids, lengths)``.
+lengths [B] (valid tokens L_i of each response) in, [B] out: ``estimator(rewards, group_ids, lengths)``. The
+optimal token baseline also reads the old policy's per-token distribution and gives [B, T] (``needs_sum_pi_squared``).
 
 Most estimators ignore the lengths; those that weigh or whiten by tokens (REINFORCE++, REINFORCE++-baseline, OPO)
 raise a ValueError without them. A group of size 1 has no group baseline: its advantage is 0 (no learning signal)
@@ -177,6 +178,63 @@ def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = N
     high = torch.full_like(num, -torch.inf).scatter_reduce(0, index, r, "amax")
     baseline = torch.where((low == high)[index], r, (num / den.clamp(min=1))[index])  # equal rewards: exactly 0
     return _singletons_to_zero(r - baseline, size, rewards)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token-level estimators: [B, T] out, from the old policy's per-token distribution. An estimator that reads
+# sum_v pi_v^2 declares it (``needs_sum_pi_squared``); the loop then recomputes the behaviour log-probs with the
+# trainer and takes sum pi^2 from that same forward (harness/loop/behaviour.py), and calls
+# ``estimator(rewards, group_ids, lengths, old_logp=, sum_pi_squared=, mask=, correction=)``.
+# ----------------------------------------------------------------------------------------------------------------
+
+OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
+
+
+def needs_sum_pi_squared(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` reads the old policy's sum_v pi_v^2 per token (and gives [B, T] advantages)."""
+    return getattr(estimator, "needs_sum_pi_squared", False)
+
+
+@ADVANTAGES.register("optimal_token_baseline")
+def optimal_token_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
+                                     old_logp: Tensor | None = None, sum_pi_squared: Tensor | None = None,
+                                     mask: Tensor | None = None, correction: Tensor | None = None) -> Tensor:
+    """Optimal Token Baseline (verl ``compute_optimal_token_baseline_advantage``, volcengine/verl
+    b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py; ``handle_zero_tail`` False, epsilon
+    1e-8, verl's defaults): a baseline per token position t of each group, weighted by the cumulative path-variance
+    proxy of each response,
+
+        w_t = 1 - 2 pi_t + sum_v pi_v^2      (pi_t = exp(old_logp_t): ||score||^2 of the softmax at token t)
+        W_t = sum_{j <= t, valid} w_j rho_j^2 (rho: the rollout-correction weights, when on; verl's rollout_is_weights)
+        B_t = sum_g G_t W_t m_t / (sum_g W_t m_t + 1e-8),   A_t = (G_t - B_t) m_t     [B, T]
+
+    with G_t = R_i at every valid token (an outcome reward on the last token: the reward-to-go), ``old_logp`` and
+    ``sum_pi_squared`` [B, T] from the trainer's old-policy forward at ``train.temperature`` (verl's actor
+    ``calculate_sum_pi_squared``). A group of one gets 0 here (verl: G_t, no baseline), like every group-centred
+    estimator; equal rewards give exactly 0 (B_t = R up to the 1e-8: set to R there)."""
+    if old_logp is None or sum_pi_squared is None or mask is None:
+        raise ValueError("advantage estimator 'optimal_token_baseline' needs old_logp, sum_pi_squared and mask "
+                         "[B, T] from the old policy's forward (keywords)")
+    _, index = torch.unique(group_ids, return_inverse=True)
+    m = mask.to(torch.float64)
+    r = rewards.to(torch.float64)
+    returns = r[:, None] * m
+    w = 1 - 2 * old_logp.to(torch.float64).exp() + sum_pi_squared.to(torch.float64)
+    if correction is not None:
+        w = w * correction.to(torch.float64) ** 2
+    cumulative = (w * m).cumsum(-1)
+    groups = int(index.max()) + 1 if len(index) else 0
+    num = r.new_zeros(groups, m.shape[1]).index_add_(0, index, returns * cumulative * m)
+    den = r.new_zeros(groups, m.shape[1]).index_add_(0, index, cumulative * m) + OTB_EPS
+    _, _, size = group_stats(rewards, group_ids)
+    low = torch.full((groups,), torch.inf, dtype=r.dtype).scatter_reduce(0, index, r, "amin")
+    high = torch.full((groups,), -torch.inf, dtype=r.dtype).scatter_reduce(0, index, r, "amax")
+    baseline = torch.where((low == high)[index, None], r[:, None], (num / den)[index])
+    adv = torch.where(size[:, None] > 1, (returns - baseline) * m, torch.zeros_like(m))
+    return _in_dtype_of(adv, rewards)
+
+
+optimal_token_baseline_advantage.needs_sum_pi_squared = True
 
 
 def get_advantage(name: str) -> AdvantageEstimator:

@@ -406,6 +406,9 @@ class Objective:
     needs_whole_minibatch: ClassVar[bool] = False
     # True if the loss reads the policy's hidden states (``PolicyBatch.hidden`` and ``hidden_of``; POPO)
     needs_hidden_states: ClassVar[bool] = False
+    # True if the loss needs one advantage per sequence (``sequence_advantages``: GSPO, GMPO, HolderPO, ConSPO, TBPO),
+    # so a token-level estimator's [B, T] advantages (optimal_token_baseline) cannot feed it
+    needs_sequence_advantages: ClassVar[bool] = False
 
     beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``

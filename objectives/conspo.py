@@ -60,6 +60,8 @@ SCHEDULES = ("linear", "cosine", "constant")
 
 @register_objective("conspo")
 class ConSPO(Objective):
+    needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
+
     temperature: float = 0.1
     margin_start: float = 0.0
     margin_end: float = 0.1

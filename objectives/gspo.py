@@ -44,6 +44,8 @@ from objectives.base import (
 
 @register_objective("gspo")
 class GSPO(Objective):
+    needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
+
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     cap_log_ratio: bool = False

@@ -81,6 +81,8 @@ def log_power_mean(u, batch: PolicyBatch, p: float):
 
 @register_objective("holder")
 class HolderPO(Objective):
+    needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
+
     p_start: float = 2.0
     p_end: float = -2.0
     clip_low: float = 0.2

@@ -86,6 +86,8 @@ from objectives.base import (
 
 @register_objective("tbpo")
 class TBPO(Objective):
+    needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
+
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     clip_ratio_c: float = 0.0  # 0: c = 1 + clip_high (the band's top edge); > 1: a constant (verl's 3)

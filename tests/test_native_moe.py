@@ -98,7 +98,7 @@ def test_r3_sampler_record_equals_the_trainers_teacher_forced_routing(tmp_path):
     cfg, run, batch, behaviour = moe_step(tmp_path, "r3", "task.overlong_buffer=0")
     ro = batch.rollout
     assert batch.routing is ro.routing  # R3's behaviour routing is the sampler's
-    _, forced = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
+    _, forced, _ = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
     real = torch.cat([ro.prompt_mask.bool(), ro.completion_mask], 1)
     assert torch.equal(forced.valid, real)
     fed = real.clone()  # every real token but a completion's last one went through the sampler's forward
@@ -164,7 +164,7 @@ def test_dynamic_sampling_repads_the_samplers_routing_with_its_rows(tmp_path, mo
     hook_routing(run, cfg.train)
     ro, _, stats = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
     assert stats["sampling_rounds"] > 1 and stats["frac_zero_std_groups_trained"] == 0
-    _, forced = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
+    _, forced, _ = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
     valid = ro.routing.valid
     assert bool(valid.any()) and bool(forced.valid[valid].all())
     assert torch.equal(ro.routing.indices[:, valid], forced.indices[:, valid])

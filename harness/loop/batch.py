@@ -26,7 +26,7 @@ class TrainBatch:
 
     rollout: Rollout
     rewards: Tensor  # [N]
-    advantages: Tensor  # [N]
+    advantages: Tensor  # [N], or [N, T] from a token-level estimator (optimal_token_baseline)
     group_ids: Tensor  # [N]
     old_logp: Tensor  # [N, T]
     ref_logp: Tensor | None = None  # [N, T]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from harness.loop.metrics import MismatchMeter
 from harness.policy.expert_volatility import expert_volatility
-from harness.policy.forward import completion_logprobs
+from harness.policy.forward import SUM_PI_SQUARED, completion_logprobs
 from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
@@ -84,18 +84,26 @@ class Behaviour:
     correction: Tensor | None  # [N, T] the rollout-correction weights, else None
     metrics: dict  # the recomputation's mismatch with the sampler (and routing's), the correction's statistics
     routing: RoutingRecord | None = None  # an MoE's behaviour routing on [prompt | completion] (routing_recorded_at)
+    sum_pi_squared: Tensor | None = None  # [N, T] sum_v pi_v^2 under the trainer's old policy (with_sum_pi_squared)
+    trainer_logp: Tensor | None = None  # [N, T] the trainer's old log-probs of that same forward, else None
 
 
-def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate_sampler: bool) -> Behaviour:
+def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate_sampler: bool,
+                       with_sum_pi_squared: bool = False) -> Behaviour:
     """The behaviour log-probs (``train.old_logp``; always recomputed with a rollout correction), the reference's
     (``reference`` None: no KL term) and the correction's weights. ``separate_sampler``: the rollout came from a
     copy of the policy in another precision (``model.sampler_dtype``), whose log-probs the correction weighs against
-    the trainer's; else the sampler is the policy and every weight is 1."""
+    the trainer's; else the sampler is the policy and every weight is 1. ``with_sum_pi_squared`` (an advantage
+    estimator that reads it: ``objectives.advantages.needs_sum_pi_squared``): also sum_v pi_v^2 and the trainer's
+    log-probs from a no-grad forward of the trainer's old policy, the recomputation's when there is one, else one
+    extra forward (the behaviour log-probs stay ``train.old_logp``'s)."""
     t = cfg.train
-    old_logp, metrics, routing = ro.sampler_logp, {}, ro.routing
+    old_logp, metrics, routing, sum_pi_squared, trainer_logp = ro.sampler_logp, {}, ro.routing, None, None
     if behaviour_logp(t) == "recompute":
         replay = ro.routing if replay_mode(t) == "r3" else None  # R3: the sampler's routing, forced here too
-        old_logp, recorded = no_grad_logprobs(policy, ro, t, record=routing_of(policy) is not None, replay=replay)
+        old_logp, recorded, sum_pi_squared = no_grad_logprobs(policy, ro, t, record=routing_of(policy) is not None,
+                                                              replay=replay, sum_pi_squared=with_sum_pi_squared)
+        trainer_logp = old_logp if with_sum_pi_squared else None
         meter = MismatchMeter()
         meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
         metrics = meter.result()
@@ -103,31 +111,38 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
             metrics.update({f"recompute_{k}": v for k, v in expert_volatility(replay, recorded).metrics().items()})
         elif recorded is not None:
             routing = recorded
+    elif with_sum_pi_squared:
+        trainer_logp, _, sum_pi_squared = no_grad_logprobs(policy, ro, t, sum_pi_squared=True)
     correction, correction_stats = rollout_correction(
         t, old_logp, ro.sampler_logp if separate_sampler else None, ro.completion_mask)
     ref_logp = None if reference is None else no_grad_logprobs(reference, ro, t)[0]
-    return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats}, routing)
+    return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats}, routing, sum_pi_squared,
+                     trainer_logp)
 
 
 @torch.no_grad()
-def no_grad_logprobs(model, ro: Rollout, t: DictConfig, record: bool = False,
-                     replay: RoutingRecord | None = None) -> tuple[Tensor, RoutingRecord | None]:
+def no_grad_logprobs(model, ro: Rollout, t: DictConfig, record: bool = False, replay: RoutingRecord | None = None,
+                     sum_pi_squared: bool = False) -> tuple[Tensor, RoutingRecord | None, Tensor | None]:
     """Completion log-probs of the whole rollout under ``model``, one micro-batch (``train.micro_batch_size``) of
     rows at a time, at ``train.temperature``, through the run's forward (``train.padding_free``); with ``record``
     (an MoE with its routing hooks) also the routing of the rollout's real tokens on its [prompt | completion] grid,
-    forcing ``replay``'s (R3) when given (else None)."""
+    forcing ``replay``'s (R3) when given (else None); with ``sum_pi_squared`` also sum_v pi_v^2 [N, T] (else None)."""
     chunk, rows = microbatch_size(t), len(ro.texts)
     grid = Grid(chunk, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1], ro.prompt_ids.shape[1])
-    parts, records = [], []
+    parts, squares, records = [], [], []
     for i in range(0, rows, chunk):
         part = torch.arange(i, min(i + chunk, rows))
         with (routing_of(model).capture(dataclasses.replace(grid, rows=len(part)),
                                         replay=None if replay is None else replay.select(part))
               if record or replay is not None else nullcontext()) as capture:
-            parts.append(completion_logprobs(model, ro.prompt_ids[part], ro.prompt_mask[part],
-                                             ro.completion_ids[part], ro.completion_mask[part], t.temperature,
-                                             padding_free=t.padding_free)[0])
+            logp, square = completion_logprobs(model, ro.prompt_ids[part], ro.prompt_mask[part],
+                                               ro.completion_ids[part], ro.completion_mask[part], t.temperature,
+                                               with_entropy=SUM_PI_SQUARED if sum_pi_squared else False,
+                                               padding_free=t.padding_free)
+        parts.append(logp)
+        squares += [square] if sum_pi_squared else []
         records += [] if capture is None else [capture.record]
     joined = select_record_rows(records, [(k, j) for k, r in enumerate(records) for j in range(r.grid.rows)]) \
         if records else None
-    return torch.cat(parts), joined
+    return torch.cat(parts), joined, torch.cat(squares) if sum_pi_squared else None
+

@@ -3,9 +3,10 @@
     summary = train(cfg, run_dir)        # setup, step 0's evaluation, then per step:
       1. rollout: ``prompts_per_step`` problems, ``group_size`` completions each from the sampler, with its per-token
          log-probs; scored, rewards shaped (with dynamic sampling: until the batch holds informative groups);
-      2. advantages from the estimator (group = prompt);
-      3. behaviour log-probs (the sampler's, or the trainer's recomputed; always recomputed with a rollout
-         correction, whose weights come here), reference log-probs when the objective's beta > 0;
+      2. behaviour log-probs (the sampler's, or the trainer's recomputed; always recomputed with a rollout
+         correction, whose weights come here), reference log-probs when the objective's beta > 0, the old policy's
+         sum pi^2 when the estimator reads it;
+      3. advantages from the estimator (group = prompt);
       4. for each epoch, for each minibatch: the loss over its micro-batches, one optimizer step (:func:`update`);
       5. every ``eval_every`` steps and at the end: the held-out evaluation;
       6. one JSON line of metrics, summary.json, a checkpoint every ``save_every`` steps; at the end the policy in
@@ -25,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from torch import Tensor
 from tqdm import tqdm
 
 from harness.loop.batch import TrainBatch, collect_batch
-from harness.loop.behaviour import behaviour_logprobs
+from harness.loop.behaviour import Behaviour, behaviour_logprobs
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, MismatchMeter, PhaseMemory, progress_fields
@@ -47,6 +49,7 @@ from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
+from objectives.advantages import needs_sum_pi_squared
 
 
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
@@ -79,7 +82,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             records.log({"step": 0, **evaluation}, samples)
         status = "finished"
         for step in range(state.step + 1, t.steps + 1):
-            # 1-4. rollout, advantages, behaviour log-probs, update
+            # 1-4. rollout, behaviour log-probs, advantages, update
             row = train_step(run, learner, cfg, step, state)
             # 5. evaluation
             samples = None
@@ -120,14 +123,16 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
         run.sampler.load_state_dict(run.policy.state_dict())
     ro, rewards, sampled = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step)
     rollout_s = time.time() - t0
-    # 2. advantages (group = prompt; the completion lengths for the estimators that weigh by tokens)
-    rewards = rewards.to(run.device)
-    group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
-    advantages = run.estimator(rewards, group_ids, ro.completion_mask.sum(-1).to(run.device)).to(run.device)
-    # 3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py)
+    # 2-3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py); advantages
+    # (group = prompt; the completion lengths for the estimators that weigh by tokens; the old policy's sum pi^2 for
+    # those that read it)
     t1 = time.time()
     memory.start("update")
-    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy)
+    rewards = rewards.to(run.device)
+    group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
+    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy,
+                                   with_sum_pi_squared=needs_sum_pi_squared(run.estimator))
+    advantages = estimated(run.estimator, ro, rewards, group_ids, behaviour).to(run.device)
     batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
                        behaviour.correction, behaviour.routing)
     # 4. for each epoch, for each minibatch: loss, optimizer step
@@ -139,11 +144,26 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     state.rollout_tokens += sampled_tokens
     state.update_tokens += tokens * t.epochs
     return {"step": step, "rollout_tokens": state.rollout_tokens, **sampled,
-            "adv_mean": advantages.mean().item(), "adv_std": advantages.std().item(),
+            **advantage_metrics(advantages, ro.completion_mask),
             **stats, **behaviour.metrics, "lr": learner.scheduler.get_last_lr()[0],
             "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
             **timings.metrics(), "rollout_tok_s": sampled_tokens / rollout_s,
             "update_tok_s": tokens * t.epochs / update_s, **memory.metrics()}
+
+
+def estimated(estimator, ro, rewards: Tensor, group_ids: Tensor, behaviour: Behaviour) -> Tensor:
+    """The step's advantages, [N] or (an estimator that reads the old policy's sum pi^2) [N, T]."""
+    lengths = ro.completion_mask.sum(-1).to(rewards.device)
+    if not needs_sum_pi_squared(estimator):
+        return estimator(rewards, group_ids, lengths)
+    return estimator(rewards, group_ids, lengths, old_logp=behaviour.trainer_logp,
+                     sum_pi_squared=behaviour.sum_pi_squared, mask=ro.completion_mask, correction=behaviour.correction)
+
+
+def advantage_metrics(advantages: Tensor, mask: Tensor) -> dict:
+    """Mean and std of the advantages: per sequence, or (token-level [N, T]) over the valid tokens."""
+    values = advantages[mask.bool()] if advantages.dim() == 2 else advantages
+    return {"adv_mean": values.mean().item(), "adv_std": values.std().item()}
 
 
 def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:

@@ -249,7 +249,8 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
     batch, rows, width = plan.batch, forward.rows, forward.width
     return PolicyBatch(
         logp=forward.logp, old_logp=batch.old_logp[rows, :width], mask=forward.mask,
-        advantages=batch.advantages[rows], rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
+        advantages=batch.advantages[rows] if batch.advantages.dim() == 1 else batch.advantages[rows, :width],
+        rewards=batch.rewards[rows], group_ids=batch.group_ids[rows],
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
         max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,

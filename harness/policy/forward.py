@@ -36,6 +36,7 @@ from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.routing import full_layout, laid_out, shared_prompt_layout, tail_layout
 
 ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
+SUM_PI_SQUARED = "sum_pi_squared"  # with_entropy's other statistic: sum_v pi_v^2 instead of the entropy, no gradient
 LM_HEAD_CHUNK = "rlvr_lm_head_chunk"  # the model's attribute: positions per chunk of the LM head (set_memory_settings)
 
 
@@ -44,7 +45,9 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         padding_free: bool = True):
     """log p(completion token) [N, T] under log_softmax(logits / T), and optionally the entropy [N, T]; 0 where
     ``completion_mask`` is 0. The entropy carries the gradient only with ``with_entropy="gradient"`` (an entropy
-    bonus). :func:`completion_forward` also gives the hidden states."""
+    bonus); ``with_entropy=SUM_PI_SQUARED`` gives sum_v pi_v^2 over the vocabulary instead (no gradient; the optimal
+    token baseline's input, verl's ``calculate_sum_pi_squared``). :func:`completion_forward` also gives the hidden
+    states."""
     logp, entropy, _ = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                           temperature, with_entropy, padding_free)
     return logp, entropy
@@ -130,7 +133,10 @@ def _head_part(head, temperature: float, with_entropy: bool | str, hidden: Tenso
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets[:, None])[:, 0]
     entropy = None
-    if with_entropy:
+    if with_entropy == SUM_PI_SQUARED:  # sum_v pi_v^2 = sum_v exp(2 log pi_v), in blocks, without gradient
+        with torch.no_grad():
+            entropy = torch.cat([(2 * block).exp().sum(-1) for block in logp.split(ENTROPY_BLOCK)])
+    elif with_entropy:
         # in blocks: no temporary as large as logp (without gradient; with it, autograd keeps each block's product)
         with torch.set_grad_enabled(with_entropy == "gradient" and torch.is_grad_enabled()):
             entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(ENTROPY_BLOCK)])

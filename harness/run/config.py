@@ -37,6 +37,7 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
+from objectives.advantages import needs_sum_pi_squared
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -433,16 +434,22 @@ def check_this_machine(runs: list[DictConfig]) -> None:
 
 
 def _check_objective(run: DictConfig) -> None:
-    """The objective exists and takes its hyperparameters; its advantage estimator exists and, with one sample per
-    group, does not make every advantage 0; the rollout correction's settings are valid."""
+    """The objective exists and takes its hyperparameters; its advantage estimator exists, with one sample per
+    group does not make every advantage 0, and gives advantages of the shape the objective takes; the rollout
+    correction's settings are valid."""
     try:
         get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
         if run.objective.advantage is not None:
             ADVANTAGES.get(run.objective.advantage)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
     if run.train.group_size == 1:
-        _check_single_sample_groups(run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage)
+        _check_single_sample_groups(estimator)
+    if needs_sum_pi_squared(ADVANTAGES.get(estimator)) and OBJECTIVES.get(run.objective.name).needs_sequence_advantages:
+        raise ConfigError(f"advantage estimator {estimator!r} gives one advantage per token and objective "
+                          f"{run.objective.name!r} needs one per sequence: use a token-level objective or another "
+                          "objective.advantage")
     rc = run.train.rollout_correction
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
     if problem:
@@ -452,7 +459,8 @@ def _check_objective(run: DictConfig) -> None:
 def _check_single_sample_groups(estimator: str) -> None:
     """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
     rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
-    working = [name for name in ADVANTAGES.names() if ADVANTAGES.get(name)(rewards, groups, lengths).abs().sum() > 0]
+    working = [name for name in ADVANTAGES.names() if not needs_sum_pi_squared(ADVANTAGES.get(name))  # group-centred
+               and ADVANTAGES.get(name)(rewards, groups, lengths).abs().sum() > 0]
     if estimator not in working:
         raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
                           f"centres rewards within a group): use train.group_size >= 2"
