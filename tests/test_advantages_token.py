@@ -10,9 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.apps.lab import validate_lab
 from harness.loop.trl_limits import trl_unsupported
 from harness.policy import forward
 from harness.policy.forward import SUM_PI_SQUARED, completion_forward, completion_logprobs
+from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from objectives import OBJECTIVES, available_advantages, get_advantage, get_objective
 from objectives.advantages import needs_sum_pi_squared
@@ -140,3 +142,9 @@ def test_a_token_level_estimator_with_a_sequence_level_objective_is_refused(tmp_
     run = tiny_run(tmp_path, "objective.name=grpo", "objective.advantage=optimal_token_baseline")
     assert "backend trl: advantage estimator 'optimal_token_baseline' reads" in trl_unsupported(run)
     assert trl_unsupported(OmegaConf.merge(run, {"objective": {"advantage": "grpo"}})) is None
+
+
+def test_the_gradient_lab_refuses_a_token_level_estimator_in_one_line():
+    with pytest.raises(ConfigError, match=r"^lab.params.grpo.advantage: an estimator that reads the old policy's"):
+        validate_lab(load_experiment("lab", ["lab.objectives=[grpo]",
+                                             "lab.params={grpo: {advantage: optimal_token_baseline}}"]))
