@@ -128,8 +128,8 @@ def validate_lab(cfg: DictConfig) -> None:
     token_level = [n for n, (_, estimator) in {**lab_objectives(cfg), lab.mover: lab_objective(cfg, lab.mover)}.items()
                    if needs_sum_pi_squared(estimator)]
     if token_level:
-        raise ConfigError(f"lab.params.{token_level[0]}.advantage: an estimator that reads the old policy's sum of pi^2 "
-                          "(optimal_token_baseline) is the training loop's only; choose another for the lab")
+        raise ConfigError(f"lab.params.{token_level[0]}.advantage: an estimator that reads the old policy's sum of "
+                          "pi^2 (optimal_token_baseline) is the training loop's only; choose another for the lab")
     staleness = list(lab.staleness)
     if not staleness or 0 not in staleness or min(staleness) < 0 or len(set(staleness)) != len(staleness):
         raise ConfigError(f"lab.staleness must be distinct steps >= 0 including 0 (the fresh point), got {staleness}")
