@@ -1,6 +1,7 @@
 """Advantage estimators, registered by name: rewards [B], group ids [B] (same id = same prompt) and the completion
 lengths [B] (valid tokens L_i of each response) in, [B] out: ``estimator(rewards, group_ids, lengths)``. The
-optimal token baseline also reads the old policy's per-token distribution and gives [B, T] (``needs_sum_pi_squared``).
+optimal token baseline also reads the old policy's per-token distribution and gives [B, T], ReMax a greedy
+completion's reward per prompt (``loop_inputs``: what only the native training loop provides).
 
 Most estimators ignore the lengths; those that weigh or whiten by tokens (REINFORCE++, REINFORCE++-baseline, OPO)
 raise a ValueError without them. A group of size 1 has no group baseline: its advantage is 0 (no learning signal)
@@ -181,18 +182,33 @@ def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = N
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Token-level estimators: [B, T] out, from the old policy's per-token distribution. An estimator that reads
-# sum_v pi_v^2 declares it (``needs_sum_pi_squared``); the loop then recomputes the behaviour log-probs with the
-# trainer and takes sum pi^2 from that same forward (harness/loop/behaviour.py), and calls
-# ``estimator(rewards, group_ids, lengths, old_logp=, sum_pi_squared=, mask=, correction=)``.
+# Estimators that read what only the native training loop provides, declared in ``loop_inputs``: the optimal token
+# baseline the old policy's per-token distribution (``estimator(rewards, group_ids, lengths, old_logp=,
+# sum_pi_squared=, mask=, correction=)``, [B, T] out; the behaviour forward then also gives sum pi^2,
+# harness/loop/behaviour.py), ReMax a greedy completion's reward per prompt (``baselines=``; harness/loop/batch.py).
 # ----------------------------------------------------------------------------------------------------------------
 
 OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
 
 
+SUM_PI_SQUARED_INPUT = "sum_pi_squared"  # old_logp, sum_pi_squared, mask, correction [B, T] of the old policy
+GREEDY_BASELINE_INPUT = "greedy_baseline"  # baselines [B]: the reward of a greedy completion of each row's prompt
+
+
+def loop_inputs(estimator: AdvantageEstimator) -> tuple[str, ...]:
+    """What ``estimator`` reads beyond (rewards, group_ids, lengths), which only the native training loop provides
+    (its ``loop_inputs`` attribute): ``SUM_PI_SQUARED_INPUT``, ``GREEDY_BASELINE_INPUT``; () for most."""
+    return getattr(estimator, "loop_inputs", ())
+
+
 def needs_sum_pi_squared(estimator: AdvantageEstimator) -> bool:
     """Whether ``estimator`` reads the old policy's sum_v pi_v^2 per token (and gives [B, T] advantages)."""
-    return getattr(estimator, "needs_sum_pi_squared", False)
+    return SUM_PI_SQUARED_INPUT in loop_inputs(estimator)
+
+
+def needs_greedy_baseline(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` reads the reward of one greedy completion per prompt (ReMax)."""
+    return GREEDY_BASELINE_INPUT in loop_inputs(estimator)
 
 
 @ADVANTAGES.register("optimal_token_baseline")
@@ -234,7 +250,27 @@ def optimal_token_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths
     return _in_dtype_of(adv, rewards)
 
 
-optimal_token_baseline_advantage.needs_sum_pi_squared = True
+optimal_token_baseline_advantage.loop_inputs = (SUM_PI_SQUARED_INPUT,)
+
+
+@ADVANTAGES.register("remax")
+def remax_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
+                    baselines: Tensor | None = None) -> Tensor:
+    """ReMax (Li et al., arXiv 2310.10505; verl ``compute_remax_outcome_advantage``, volcengine/verl
+    b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py): A_i = R_i - b_i, b_i the reward of
+    one greedy completion of row i's prompt (``baselines`` [B], the same within a group; verl's ``reward_baselines``,
+    from its trainer's extra ``do_sample=False`` generation per prompt scored by the same reward function). verl's
+    token-level output (returns R_i on every valid token minus b_i) equals this broadcast. No group statistics: a
+    group of one keeps its advantage (``train.group_size=1`` works). Cost: one extra greedy rollout per prompt and
+    step (``train.max_new_tokens`` at most), whose tokens the loop counts in ``rollout_tokens``."""
+    del group_ids, lengths
+    if baselines is None:
+        raise ValueError("advantage estimator 'remax' needs baselines [B] (keyword): the reward of a greedy "
+                         "completion of each row's prompt")
+    return _in_dtype_of(rewards.to(torch.float64) - baselines.to(torch.float64), rewards)
+
+
+remax_advantage.loop_inputs = (GREEDY_BASELINE_INPUT,)
 
 
 def get_advantage(name: str) -> AdvantageEstimator:

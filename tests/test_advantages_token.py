@@ -4,18 +4,27 @@ verl/trainer/ppo/core_algos.py), the sum of pi^2 that the trainer's forward give
 cannot go (sequence-level objectives, the TRL backend).
 """
 
+import math
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from harness.apps.lab import validate_lab
+from harness.loop.batch import collect_batch, rewards_of
+from harness.loop.build import build_policy, build_task
+from harness.loop.native import train
 from harness.loop.trl_limits import trl_unsupported
 from harness.policy import forward
 from harness.policy.forward import SUM_PI_SQUARED, completion_forward, completion_logprobs
+from harness.policy.sampler import sample_problems
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
+from harness.run.records import read_jsonl
+from harness.run.seeding import step_seed
+from harness.tasks import Arith, Score
 from objectives import OBJECTIVES, available_advantages, get_advantage, get_objective
 from objectives.advantages import needs_sum_pi_squared
 from objectives.base import PolicyBatch
@@ -141,10 +150,63 @@ def test_a_token_level_estimator_with_a_sequence_level_objective_is_refused(tmp_
         tiny_run(tmp_path, "objective.name=gspo", "objective.advantage=optimal_token_baseline")
     run = tiny_run(tmp_path, "objective.name=grpo", "objective.advantage=optimal_token_baseline")
     assert "backend trl: advantage estimator 'optimal_token_baseline' reads" in trl_unsupported(run)
+    remax = OmegaConf.merge(run, {"objective": {"advantage": "remax"}})
+    assert "backend trl: advantage estimator 'remax' reads what only the native loop" in trl_unsupported(remax)
     assert trl_unsupported(OmegaConf.merge(run, {"objective": {"advantage": "grpo"}})) is None
 
 
-def test_the_gradient_lab_refuses_a_token_level_estimator_in_one_line():
-    with pytest.raises(ConfigError, match=r"^lab.params.grpo.advantage: an estimator that reads the old policy's"):
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "remax"])
+def test_the_gradient_lab_refuses_a_loop_only_estimator_in_one_line(estimator):
+    with pytest.raises(ConfigError, match=r"^lab.params.grpo.advantage: an estimator that reads what only the"):
         validate_lab(load_experiment("lab", ["lab.objectives=[grpo]",
-                                             "lab.params={grpo: {advantage: optimal_token_baseline}}"]))
+                                             f"lab.params={{grpo: {{advantage: {estimator}}}}}"]))
+
+
+def verl_remax(token_level_rewards, reward_baselines, response_mask):
+    """verl's compute_remax_outcome_advantage, transcribed."""
+    returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns
+
+
+def test_remax_matches_verl_and_needs_its_baselines():
+    token_rewards, mask, _, _ = inputs()
+    baselines = torch.tensor([0.0, 1.0, 0.5, 2.0], dtype=DT)[GROUPS]  # one greedy reward per prompt
+    ours = get_advantage("remax")(REWARDS, GROUPS, LENGTHS, baselines=baselines)
+    ref, _ = verl_remax(token_rewards, baselines, mask)
+    torch.testing.assert_close(ours[:, None] * mask, ref, atol=0, rtol=0)
+    assert ours[0] == 1.0 and ours[4] == -0.5 and ours[9] == 0.0  # by hand; a group of one keeps R - b (2 - 2)
+    with pytest.raises(ValueError, match="'remax' needs baselines"):
+        get_advantage("remax")(REWARDS, GROUPS, LENGTHS)
+
+
+def test_the_greedy_baseline_is_the_reward_of_a_greedy_completion_and_its_tokens_are_counted(tmp_path, monkeypatch):
+    # a reward that tells completions apart (the untrained tiny model's are all wrong and full length)
+    monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(len(set(completion)) / 8, 0.0))
+    cfg = tiny_run(tmp_path, "objective.advantage=remax", "task.overlong_buffer=6", "train.temperature=3.0")
+    task = build_task(cfg)
+    model, tokenizer, _ = build_policy(cfg, task, torch.device("cpu"))
+    plain = collect_batch(model, tokenizer, task, task.train_problems(), cfg, step=1)
+    remax = collect_batch(model, tokenizer, task, task.train_problems(), cfg, step=1, greedy_baseline=True)
+    assert plain.baselines is None and remax.rollout.texts == plain.rollout.texts  # the rollout is unchanged
+    assert torch.equal(remax.rewards, plain.rewards)
+    problems = [task.train_problems()[i] for i in np.random.default_rng(step_seed(cfg.seed, 1)).choice(
+        len(task.train_problems()), cfg.train.prompts_per_step, replace=False)]
+    greedy = sample_problems(model, tokenizer, problems, cfg.train, group_size=1, greedy=True)
+    scores = [task.score(x, p) for x, p in zip(greedy.texts, problems, strict=True)]
+    expected = rewards_of(scores, greedy.completion_mask.sum(-1), cfg)
+    assert torch.equal(remax.baselines, expected.repeat_interleave(cfg.train.group_size))
+    tokens = int(greedy.completion_mask.sum())
+    assert remax.stats["greedy_baseline_tokens"] == tokens > 0
+    assert remax.stats["sampled_tokens"] == plain.stats["sampled_tokens"] + tokens
+
+
+@pytest.mark.slow
+def test_a_remax_run_counts_the_greedy_rollouts_in_rollout_tokens(tmp_path):
+    run = tiny_run(tmp_path, "objective.advantage=remax", "train.group_size=1", "train.prompts_per_step=4")
+    assert train(run, tmp_path / "run", progress=False)["steps_done"] == 2
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    greedy = [row["greedy_baseline_tokens"] for row in rows]
+    assert all(g > 0 for g in greedy) and all(math.isfinite(row["loss"]) for row in rows)
+    sampled = [row["completion_len_mean"] * run.train.prompts_per_step * run.train.group_size for row in rows]
+    assert rows[-1]["rollout_tokens"] == pytest.approx(sum(sampled) + sum(greedy))

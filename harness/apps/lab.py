@@ -64,7 +64,7 @@ from harness.run.locks import lock_folder
 from harness.run.seeding import step_seed
 from harness.run.threads import run_threads
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
-from objectives.advantages import needs_sum_pi_squared
+from objectives.advantages import loop_inputs
 
 MISMATCH_SAMPLERS = ("bfloat16", "float16", "temperature")
 STREAM_PROMPTS, STREAM_ORDER, STREAM_SAMPLING, STREAM_REFERENCE = 0, 1, 2, 3
@@ -125,11 +125,12 @@ def validate_lab(cfg: DictConfig) -> None:
     unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
     if unknown:
         raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")
-    token_level = [n for n, (_, estimator) in {**lab_objectives(cfg), lab.mover: lab_objective(cfg, lab.mover)}.items()
-                   if needs_sum_pi_squared(estimator)]
-    if token_level:
-        raise ConfigError(f"lab.params.{token_level[0]}.advantage: an estimator that reads the old policy's sum of "
-                          "pi^2 (optimal_token_baseline) is the training loop's only; choose another for the lab")
+    loop_only = [n for n, (_, estimator) in {**lab_objectives(cfg), lab.mover: lab_objective(cfg, lab.mover)}.items()
+                   if loop_inputs(estimator)]
+    if loop_only:
+        raise ConfigError(f"lab.params.{loop_only[0]}.advantage: an estimator that reads what only the training "
+                          "loop provides (optimal_token_baseline, remax) cannot run on the lab's batches; choose "
+                          "another")
     staleness = list(lab.staleness)
     if not staleness or 0 not in staleness or min(staleness) < 0 or len(set(staleness)) != len(staleness):
         raise ConfigError(f"lab.staleness must be distinct steps >= 0 including 0 (the fresh point), got {staleness}")

@@ -5,6 +5,7 @@ batch with groups that carry a gradient."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +42,16 @@ class SampledRound:
     rollout: Rollout
     scores: list[Score]
     rewards: Tensor  # [prompts_per_step * group_size]
+    problems: list  # [prompts_per_step], the round's problems, one per group
+
+
+class Collected(NamedTuple):
+    """:func:`collect_batch`'s result."""
+
+    rollout: Rollout
+    rewards: Tensor  # [N]
+    stats: dict  # statistics of everything sampled (sampling_stats), greedy baseline rollouts included
+    baselines: Tensor | None  # [N] the reward of a greedy completion of each row's prompt (ReMax), else None
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
@@ -55,9 +66,11 @@ def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
     return rewards
 
 
-def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int):
+def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int,
+                  greedy_baseline: bool = False) -> Collected:
     """The step's rollout (``prompts_per_step`` groups), its rewards [N], and statistics of everything sampled.
-    Problems are drawn without replacement by a generator seeded with (seed, step).
+    Problems are drawn without replacement by a generator seeded with (seed, step). ``greedy_baseline`` (ReMax):
+    also one greedy completion of each group's prompt, scored and shaped as the others (:func:`greedy_baselines`).
 
     With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
     (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
@@ -79,21 +92,41 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
         problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
         ro = sample_problems(sampler, tokenizer, problems, t, record_routing=record)
         scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
-        rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg)))
+        rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg), problems))
         grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)
         for g, varied in enumerate((grouped != grouped[:, :1]).any(-1).tolist()):
             (informative if varied else dropped).append((round_, g))
         if len(informative) >= t.prompts_per_step:
             break
     stats = sampling_stats(rounds, zero_std_groups=len(dropped), groups=len(dropped) + len(informative))
+    groups = (informative + dropped)[: t.prompts_per_step] if t.dynamic_sampling else \
+        [(0, g) for g in range(t.prompts_per_step)]
+    baselines = None
+    if greedy_baseline:
+        baselines, greedy_stats = greedy_baselines(sampler, tokenizer, task, [rounds[r].problems[g] for r, g in groups],
+                                                   cfg)
+        stats.update(greedy_stats, sampled_tokens=stats["sampled_tokens"] + greedy_stats["greedy_baseline_tokens"])
     if not t.dynamic_sampling:
-        return rounds[0].rollout, rounds[0].rewards, stats
-    groups = (informative + dropped)[: t.prompts_per_step]
+        return Collected(rounds[0].rollout, rounds[0].rewards, stats, baselines)
     rows = [(r, g * t.group_size + j) for r, g in groups for j in range(t.group_size)]
     stats.update(sampling_rounds=len(rounds),
                  frac_zero_std_groups_trained=sum(g in dropped for g in groups) / t.prompts_per_step)
     rollout = select_rows([r.rollout for r in rounds], rows, tokenizer.pad_token_id)
-    return rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats
+    return Collected(rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats, baselines)
+
+
+def greedy_baselines(sampler, tokenizer, task, problems: list, cfg: DictConfig) -> tuple[Tensor, dict]:
+    """ReMax's baselines (verl's ``reward_baselines``: its trainer generates each prompt once more with
+    ``do_sample=False`` and scores it with the same reward function): one greedy completion of each problem
+    (``train.max_new_tokens`` at most), its reward shaped as the rollout's (:func:`rewards_of`), repeated over the
+    group [len(problems) * group_size]; and its statistics, ``greedy_baseline_tokens`` (the extra rollout's tokens,
+    which the caller adds to ``sampled_tokens``) and ``greedy_baseline_reward``."""
+    ro = sample_problems(sampler, tokenizer, problems, cfg.train, group_size=1, greedy=True)
+    lengths = ro.completion_mask.sum(-1)
+    rewards = rewards_of([task.score(text, problem) for text, problem in zip(ro.texts, problems, strict=True)],
+                         lengths, cfg)
+    stats = {"greedy_baseline_tokens": int(lengths.sum()), "greedy_baseline_reward": rewards.mean().item()}
+    return rewards.repeat_interleave(cfg.train.group_size), stats
 
 
 def sampling_stats(rounds: list[SampledRound], zero_std_groups: int, groups: int) -> dict:

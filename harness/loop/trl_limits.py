@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.policy.device import sampler_dtype
 from harness.run.config import microbatch_size, minibatch_size
 from objectives import get_advantage, get_objective
-from objectives.advantages import needs_sum_pi_squared
+from objectives.advantages import loop_inputs
 
 
 def world_size() -> int:
@@ -57,9 +57,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     estimator = run.objective.advantage or objective.default_advantage
-    if needs_sum_pi_squared(get_advantage(estimator)):
-        return (f"backend trl: advantage estimator {estimator!r} reads the old policy's sum of pi^2 over the "
-                "vocabulary, which TRL's GRPOTrainer does not compute; use backend=native")
+    if loop_inputs(get_advantage(estimator)):
+        return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
+                "policy's sum of pi^2, a greedy baseline rollout); use backend=native")
     if objective.keeps_state():
         return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
                 "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")

@@ -37,7 +37,7 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
-from objectives.advantages import needs_sum_pi_squared
+from objectives.advantages import needs_greedy_baseline, needs_sum_pi_squared
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -458,13 +458,22 @@ def _check_objective(run: DictConfig) -> None:
 
 def _check_single_sample_groups(estimator: str) -> None:
     """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
-    rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
-    working = [name for name in ADVANTAGES.names() if not needs_sum_pi_squared(ADVANTAGES.get(name))  # group-centred
-               and ADVANTAGES.get(name)(rewards, groups, lengths).abs().sum() > 0]
+    working = [name for name in ADVANTAGES.names() if _learns_from_single_samples(name)]
     if estimator not in working:
         raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
                           f"centres rewards within a group): use train.group_size >= 2"
                           + (f", or objective.advantage one of {', '.join(working)}" if working else ""))
+
+
+def _learns_from_single_samples(name: str) -> bool:
+    """Whether estimator ``name`` gives nonzero advantages to groups of one (the optimal token baseline, centred
+    within each group per token, does not; ReMax's baseline is a greedy completion's reward, so it does)."""
+    estimator = ADVANTAGES.get(name)
+    if needs_sum_pi_squared(estimator):
+        return False
+    rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
+    extra = {"baselines": torch.tensor([1.0, 0.0, 1.0])} if needs_greedy_baseline(estimator) else {}
+    return bool(estimator(rewards, groups, lengths, **extra).abs().sum() > 0)
 
 
 def _check_train(t: DictConfig) -> None:
