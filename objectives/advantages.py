@@ -1,7 +1,8 @@
 """Advantage estimators, registered by name: rewards [B], group ids [B] (same id = same prompt) and the completion
 lengths [B] (valid tokens L_i of each response) in, [B] out: ``estimator(rewards, group_ids, lengths)``. The
 optimal token baseline also reads the old policy's per-token distribution and gives [B, T], ReMax a greedy
-completion's reward per prompt (``loop_inputs``: what only the native training loop provides).
+completion's reward per prompt, GDPO the reward's components (``loop_inputs``: what only the native training loop
+provides).
 
 Most estimators ignore the lengths; those that weigh or whiten by tokens (REINFORCE++, REINFORCE++-baseline, OPO)
 raise a ValueError without them. A group of size 1 has no group baseline: its advantage is 0 (no learning signal)
@@ -185,7 +186,8 @@ def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = N
 # Estimators that read what only the native training loop provides, declared in ``loop_inputs``: the optimal token
 # baseline the old policy's per-token distribution (``estimator(rewards, group_ids, lengths, old_logp=,
 # sum_pi_squared=, mask=, correction=)``, [B, T] out; the behaviour forward then also gives sum pi^2,
-# harness/loop/behaviour.py), ReMax a greedy completion's reward per prompt (``baselines=``; harness/loop/batch.py).
+# harness/loop/behaviour.py), ReMax a greedy completion's reward per prompt (``baselines=``; harness/loop/batch.py),
+# GDPO the reward's components (``components=, weights=``; harness/loop/batch.py).
 # ----------------------------------------------------------------------------------------------------------------
 
 OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
@@ -193,6 +195,7 @@ OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
 
 SUM_PI_SQUARED_INPUT = "sum_pi_squared"  # old_logp, sum_pi_squared, mask, correction [B, T] of the old policy
 GREEDY_BASELINE_INPUT = "greedy_baseline"  # baselines [B]: the reward of a greedy completion of each row's prompt
+REWARD_COMPONENTS_INPUT = "reward_components"  # components [B, K] and their weights [K] (the reward = their sum)
 
 
 def loop_inputs(estimator: AdvantageEstimator) -> tuple[str, ...]:
@@ -204,6 +207,11 @@ def loop_inputs(estimator: AdvantageEstimator) -> tuple[str, ...]:
 def needs_sum_pi_squared(estimator: AdvantageEstimator) -> bool:
     """Whether ``estimator`` reads the old policy's sum_v pi_v^2 per token (and gives [B, T] advantages)."""
     return SUM_PI_SQUARED_INPUT in loop_inputs(estimator)
+
+
+def needs_reward_components(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` reads each reward component separately (GDPO)."""
+    return REWARD_COMPONENTS_INPUT in loop_inputs(estimator)
 
 
 def needs_greedy_baseline(estimator: AdvantageEstimator) -> bool:
@@ -271,6 +279,40 @@ def remax_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None =
 
 
 remax_advantage.loop_inputs = (GREEDY_BASELINE_INPUT,)
+
+GDPO_EPS = 1e-4  # TRL's std + 1e-4, in both normalisations
+
+
+@ADVANTAGES.register("gdpo")
+def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
+                   components: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
+    """GDPO (Liu et al., arXiv 2601.05242, "Group reward-Decoupled Normalization Policy Optimization"; TRL 1.16.0
+    ``GRPOTrainer._generate_and_score_completions`` with ``multi_objective_aggregation="normalize_then_sum"``):
+    each reward component k normalised within its group, the weighted sum normalised over the batch,
+
+        a_ik = (r_ik - mean_g r_k) / (std_g r_k + 1e-4)           (unbiased std; 0 for a group of one)
+        s_i = sum_k w_k a_ik,    A_i = (s_i - mean_batch s) / (std_batch s + 1e-4)    (unbiased std)
+
+    ``components`` [B, K] and ``weights`` [K] are the task's (correctness weight 1, format ``task.format_weight``,
+    DAPO's overlong penalty weight 1: harness/loop/batch.py ``reward_components``; ``rewards`` is their weighted
+    sum and unused). TRL's 1e-4 is kept (our group-centred estimators use 1e-6). A group of one: a_ik = 0 (TRL's
+    num_generations = 1 too), then the batch normalisation; a batch of one sample gets 0."""
+    del lengths
+    if components is None or weights is None:
+        raise ValueError("advantage estimator 'gdpo' needs components [B, K] and weights [K] (keywords): the "
+                         "reward's components, whose weighted sum is the reward")
+    parts = []
+    for k in range(components.shape[1]):
+        mean, std, size = group_stats(components[:, k], group_ids)
+        r_k = components[:, k].to(torch.float64)
+        parts.append(torch.where(size > 1, (r_k - mean) / (std + GDPO_EPS), torch.zeros_like(r_k)))
+    total = sum(float(w) * a for w, a in zip(weights.tolist(), parts, strict=True))
+    if total.numel() < 2:
+        return _in_dtype_of(torch.zeros_like(total), rewards)
+    return _in_dtype_of((total - total.mean()) / (total.std() + GDPO_EPS), rewards)
+
+
+gdpo_advantage.loop_inputs = (REWARD_COMPONENTS_INPUT,)
 
 
 def get_advantage(name: str) -> AdvantageEstimator:

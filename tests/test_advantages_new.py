@@ -15,7 +15,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from objectives import available_advantages, get_advantage
 from objectives.advantages import (
-    needs_sum_pi_squared,
+    loop_inputs,
     opo_advantage,
     reinforce_plus_plus_advantage,
     reinforce_plus_plus_baseline_advantage,
@@ -141,7 +141,7 @@ def test_registered_length_estimators_take_the_lengths_and_refuse_to_guess_them(
 
 
 @pytest.mark.parametrize("name", sorted(n for n in set(available_advantages()) - set(LENGTH_ESTIMATORS)
-                                         if not needs_sum_pi_squared(get_advantage(n))))  # [B, T]: elsewhere
+                                         if not loop_inputs(get_advantage(n))))  # tests/test_advantages_token.py
 def test_every_other_estimator_ignores_the_lengths(name):
     estimator = get_advantage(name)
     assert torch.equal(estimator(REWARDS, GROUPS), estimator(REWARDS, GROUPS, LENGTHS))

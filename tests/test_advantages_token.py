@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.apps.lab import validate_lab
-from harness.loop.batch import collect_batch, rewards_of
+from harness.loop.batch import collect_batch, reward_components, rewards_of
 from harness.loop.build import build_policy, build_task
 from harness.loop.native import train
 from harness.loop.trl_limits import trl_unsupported
@@ -152,10 +152,12 @@ def test_a_token_level_estimator_with_a_sequence_level_objective_is_refused(tmp_
     assert "backend trl: advantage estimator 'optimal_token_baseline' reads" in trl_unsupported(run)
     remax = OmegaConf.merge(run, {"objective": {"advantage": "remax"}})
     assert "backend trl: advantage estimator 'remax' reads what only the native loop" in trl_unsupported(remax)
+    gdpo = OmegaConf.merge(run, {"objective": {"advantage": "gdpo"}})
+    assert "backend trl: advantage estimator 'gdpo' reads what only the native loop" in trl_unsupported(gdpo)
     assert trl_unsupported(OmegaConf.merge(run, {"objective": {"advantage": "grpo"}})) is None
 
 
-@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "remax"])
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "remax", "gdpo"])
 def test_the_gradient_lab_refuses_a_loop_only_estimator_in_one_line(estimator):
     with pytest.raises(ConfigError, match=r"^lab.params.grpo.advantage: an estimator that reads what only the"):
         validate_lab(load_experiment("lab", ["lab.objectives=[grpo]",
@@ -210,3 +212,56 @@ def test_a_remax_run_counts_the_greedy_rollouts_in_rollout_tokens(tmp_path):
     assert all(g > 0 for g in greedy) and all(math.isfinite(row["loss"]) for row in rows)
     sampled = [row["completion_len_mean"] * run.train.prompts_per_step * run.train.group_size for row in rows]
     assert rows[-1]["rollout_tokens"] == pytest.approx(sum(sampled) + sum(greedy))
+
+
+def trl_nanstd(tensor, dim=None, keepdim=False):
+    """TRL 1.16 trl/trainer/utils.py nanstd (unbiased), transcribed."""
+    variance = torch.nanmean((tensor - torch.nanmean(tensor, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=keepdim)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=keepdim)
+    variance *= count / (count - 1)
+    return torch.sqrt(variance)
+
+
+def trl_normalize_then_sum(rewards_per_func, reward_weights, num_generations):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, multi_objective_aggregation="normalize_then_sum"."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    std_rewards = trl_nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    return (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+
+
+@pytest.mark.parametrize("group_size", [4, 1])
+def test_gdpo_matches_trls_normalize_then_sum(group_size):
+    components = torch.tensor([[1, 1, 0], [0, 1, -0.5], [0, 0, 0], [1, 1, -1.0],  # group 0
+                               [0, 1, 0], [0, 1, 0], [0, 1, 0], [0, 1, 0],  # group 1: equal components
+                               [1, 0, 0], [1, 1, 0], [0, 1, -0.25], [0, 0, -0.25]], dtype=DT)
+    weights = torch.tensor([1.0, 0.1, 1.0], dtype=DT)
+    rewards = components @ weights
+    groups = torch.arange(12 // group_size).repeat_interleave(group_size)
+    ours = get_advantage("gdpo")(rewards, groups, LENGTHS.repeat(2)[:12], components=components, weights=weights)
+    ref = trl_normalize_then_sum(components, weights, group_size)
+    torch.testing.assert_close(ours, ref, atol=1e-7, rtol=1e-7)  # TRL: n / (n - 1) of int tensors is float32
+    if group_size == 4:  # not GRPO on the summed reward: each component is normalised in its group first
+        assert not torch.allclose(ours, get_advantage("batch_std")(rewards, groups), atol=1e-3)
+        assert ours[4:8].abs().max() < 1e-9  # equal components: every a_ik 0, s = 0 = the batch mean of s
+    else:
+        assert (ours == 0).all()
+    with pytest.raises(ValueError, match="'gdpo' needs components"):
+        get_advantage("gdpo")(rewards, groups)
+
+
+def test_the_reward_is_the_weighted_sum_of_its_components(tmp_path):
+    cfg = tiny_run(tmp_path, "task.overlong_buffer=6", "task.format_weight=0.3")
+    scores = [Score(1.0, 1.0), Score(0.0, 1.0), Score(0.0, 0.0), Score(0.5, 0.3)]
+    lengths = torch.tensor([2, 8, 5, 7])
+    components, weights = reward_components(scores, lengths, cfg)
+    assert torch.equal(weights, torch.tensor([1.0, 0.3, 1.0], dtype=DT))
+    assert torch.equal(components[:, :2], torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.5, 0.3]], dtype=DT))
+    assert components[0, 2] == 0 and components[1, 2] < components[3, 2] < 0  # the overlong punishment
+    # the rewards as before the components existed: python's c + w f, in float32, minus the punishment
+    before = torch.tensor([s.correct + 0.3 * s.format for s in scores], dtype=torch.float32)
+    before = before - 1.0 * (lengths.float() - (cfg.train.max_new_tokens - 6)).clamp(min=0) / 6
+    assert cfg.task.overlong_penalty == 1.0 and torch.equal(rewards_of(scores, lengths, cfg), before)

@@ -287,7 +287,7 @@ def dynamic_sampling_setup(tmp_path, monkeypatch, score):
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, monkeypatch):
-    cfg, task, model, tokenizer, plain, (ro, rewards, stats, _) = dynamic_sampling_setup(
+    cfg, task, model, tokenizer, plain, (ro, rewards, stats, *_) = dynamic_sampling_setup(
         tmp_path, monkeypatch, lambda completion: Score(parity(completion), 0.0))  # varies within groups
     plain_rewards = plain[1].view(4, 2)
     assert torch.equal(plain[1], torch.tensor([parity(x) for x in plain[0].texts]))
@@ -305,7 +305,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path, mo
 
 
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tmp_path, monkeypatch):
-    cfg, task, model, tokenizer, plain, (ro, rewards, stats, _) = dynamic_sampling_setup(
+    cfg, task, model, tokenizer, plain, (ro, rewards, stats, *_) = dynamic_sampling_setup(
         tmp_path, monkeypatch, lambda completion: Score(0.0, 0.0))  # every group has equal rewards
     assert stats["sampling_rounds"] == 6 and stats["frac_zero_std_groups_trained"] == 1.0
     assert stats["frac_zero_std_groups"] == 1.0 and ro.texts == plain[0].texts  # round 1's groups, in order

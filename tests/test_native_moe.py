@@ -37,7 +37,7 @@ def moe_step(tmp_path, mode: str, *overrides):
     cfg = tiny_moe_run(tmp_path, f"train.routing_replay={mode}", *SIGNAL, *overrides)
     run = setup_run(cfg, torch.device("cpu"))
     hook_routing(run, cfg.train)
-    ro, rewards, _, _ = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
+    ro, rewards, *_ = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
     group_ids = torch.arange(cfg.train.prompts_per_step).repeat_interleave(cfg.train.group_size)
     behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, False)
     batch = TrainBatch(ro, rewards, run.estimator(rewards, group_ids), group_ids, behaviour.old_logp,
@@ -162,7 +162,7 @@ def test_dynamic_sampling_repads_the_samplers_routing_with_its_rows(tmp_path, mo
     cfg = tiny_moe_run(tmp_path, "train.routing_replay=r3", "train.dynamic_sampling=true", "train.group_size=2")
     run = setup_run(cfg, torch.device("cpu"))
     hook_routing(run, cfg.train)
-    ro, _, stats, _ = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
+    ro, _, stats, *_ = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step=1)
     assert stats["sampling_rounds"] > 1 and stats["frac_zero_std_groups_trained"] == 0
     _, forced, _ = no_grad_logprobs(run.policy, ro, cfg.train, record=True)
     valid = ro.routing.valid

@@ -129,7 +129,7 @@ def validate_lab(cfg: DictConfig) -> None:
                    if loop_inputs(estimator)]
     if loop_only:
         raise ConfigError(f"lab.params.{loop_only[0]}.advantage: an estimator that reads what only the training "
-                          "loop provides (optimal_token_baseline, remax) cannot run on the lab's batches; choose "
+                          "loop provides (optimal_token_baseline, remax, gdpo) cannot run on the lab's batches; choose "
                           "another")
     staleness = list(lab.staleness)
     if not staleness or 0 not in staleness or min(staleness) < 0 or len(set(staleness)) != len(staleness):

@@ -43,6 +43,7 @@ class SampledRound:
     scores: list[Score]
     rewards: Tensor  # [prompts_per_step * group_size]
     problems: list  # [prompts_per_step], the round's problems, one per group
+    components: Tensor  # [prompts_per_step * group_size, 3] the rewards' components (reward_components)
 
 
 class Collected(NamedTuple):
@@ -52,18 +53,36 @@ class Collected(NamedTuple):
     rewards: Tensor  # [N]
     stats: dict  # statistics of everything sampled (sampling_stats), greedy baseline rollouts included
     baselines: Tensor | None  # [N] the reward of a greedy completion of each row's prompt (ReMax), else None
+    components: Tensor  # [N, 3] the rewards' components (reward_components; GDPO)
+    weights: Tensor  # [3] their weights
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
     """correct + format_weight * format, plus DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) when
     task.overlong_buffer = B > 0: with L = train.max_new_tokens, -overlong_penalty * clamp(length - (L - B), 0, B) / B
-    (0 up to L - B tokens, falling linearly to -overlong_penalty at L; verl's overlong_buffer)."""
+    (0 up to L - B tokens, falling linearly to -overlong_penalty at L; verl's overlong_buffer): the weighted sum of
+    :func:`reward_components`, float32 (the first two summed in float64, the punishment computed in float32)."""
+    components, weights = reward_components(scores, lengths, cfg)
+    return (components[:, 0] * weights[0] + components[:, 1] * weights[1]).float() + \
+        (components[:, 2] * weights[2]).float()
+
+
+def reward_components(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> tuple[Tensor, Tensor]:
+    """The reward's components [N, 3] (correct, format, overlong punishment: 0 without ``task.overlong_buffer``) and
+    their weights [3] (1, ``task.format_weight``, 1), float64: what GDPO normalises one by one."""
     task = cfg.task
-    rewards = torch.tensor([s.correct + task.format_weight * s.format for s in scores], dtype=torch.float32)
+    correct = torch.tensor([s.correct for s in scores], dtype=torch.float64)
+    form = torch.tensor([s.format for s in scores], dtype=torch.float64)
+    overlong = torch.zeros_like(correct)
     if task.overlong_buffer:
         excess = (lengths.float().cpu() - (cfg.train.max_new_tokens - task.overlong_buffer)).clamp(min=0)
-        rewards = rewards - task.overlong_penalty * excess / task.overlong_buffer
-    return rewards
+        overlong = -(task.overlong_penalty * excess / task.overlong_buffer).double()
+    return torch.stack([correct, form, overlong], -1), reward_weights(task)
+
+
+def reward_weights(task: DictConfig) -> Tensor:
+    """The weights [3] of :func:`reward_components`: 1, ``task.format_weight``, 1 (float64)."""
+    return torch.tensor([1.0, task.format_weight, 1.0], dtype=torch.float64)
 
 
 def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int,
@@ -92,7 +111,9 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
         problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
         ro = sample_problems(sampler, tokenizer, problems, t, record_routing=record)
         scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
-        rounds.append(SampledRound(ro, scores, rewards_of(scores, ro.completion_mask.sum(-1), cfg), problems))
+        lengths = ro.completion_mask.sum(-1)
+        rounds.append(SampledRound(ro, scores, rewards_of(scores, lengths, cfg), problems,
+                                   reward_components(scores, lengths, cfg)[0]))
         grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)
         for g, varied in enumerate((grouped != grouped[:, :1]).any(-1).tolist()):
             (informative if varied else dropped).append((round_, g))
@@ -106,13 +127,15 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
         baselines, greedy_stats = greedy_baselines(sampler, tokenizer, task, [rounds[r].problems[g] for r, g in groups],
                                                    cfg)
         stats.update(greedy_stats, sampled_tokens=stats["sampled_tokens"] + greedy_stats["greedy_baseline_tokens"])
+    weights = reward_weights(cfg.task)
     if not t.dynamic_sampling:
-        return Collected(rounds[0].rollout, rounds[0].rewards, stats, baselines)
+        return Collected(rounds[0].rollout, rounds[0].rewards, stats, baselines, rounds[0].components, weights)
     rows = [(r, g * t.group_size + j) for r, g in groups for j in range(t.group_size)]
     stats.update(sampling_rounds=len(rounds),
                  frac_zero_std_groups_trained=sum(g in dropped for g in groups) / t.prompts_per_step)
     rollout = select_rows([r.rollout for r in rounds], rows, tokenizer.pad_token_id)
-    return Collected(rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats, baselines)
+    return Collected(rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats, baselines,
+                     torch.stack([rounds[r].components[i] for r, i in rows]), weights)
 
 
 def greedy_baselines(sampler, tokenizer, task, problems: list, cfg: DictConfig) -> tuple[Tensor, dict]:

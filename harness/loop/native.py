@@ -3,7 +3,7 @@
     summary = train(cfg, run_dir)        # setup, step 0's evaluation, then per step:
       1. rollout: ``prompts_per_step`` problems, ``group_size`` completions each from the sampler, with its per-token
          log-probs; scored, rewards shaped (with dynamic sampling: until the batch holds informative groups); for
-         ReMax also one greedy completion per prompt, its reward the baseline;
+         ReMax also one greedy completion per prompt, its reward the baseline; the reward's components (GDPO);
       2. behaviour log-probs (the sampler's, or the trainer's recomputed; always recomputed with a rollout
          correction, whose weights come here), reference log-probs when the objective's beta > 0, the old policy's
          sum pi^2 when the estimator reads it;
@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 from tqdm import tqdm
 
-from harness.loop.batch import TrainBatch, collect_batch
+from harness.loop.batch import Collected, TrainBatch, collect_batch
 from harness.loop.behaviour import Behaviour, behaviour_logprobs
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
@@ -50,7 +50,7 @@ from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
-from objectives.advantages import needs_greedy_baseline, needs_sum_pi_squared
+from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
 
 
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
@@ -122,8 +122,9 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     memory.start("rollout")
     if run.sampler is not run.policy:
         run.sampler.load_state_dict(run.policy.state_dict())
-    ro, rewards, sampled, baselines = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg,
-                                                    step, greedy_baseline=needs_greedy_baseline(run.estimator))
+    collected = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step,
+                              greedy_baseline=needs_greedy_baseline(run.estimator))
+    ro, rewards, sampled = collected.rollout, collected.rewards, collected.stats
     rollout_s = time.time() - t0
     # 2-3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py); advantages
     # (group = prompt; the completion lengths for the estimators that weigh by tokens; the old policy's sum pi^2 for
@@ -134,8 +135,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
     behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy,
                                    with_sum_pi_squared=needs_sum_pi_squared(run.estimator))
-    baselines = None if baselines is None else baselines.to(run.device)
-    advantages = estimated(run.estimator, ro, rewards, group_ids, behaviour, baselines).to(run.device)
+    advantages = estimated(run.estimator, collected, group_ids, behaviour).to(run.device)
     batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
                        behaviour.correction, behaviour.routing)
     # 4. for each epoch, for each minibatch: loss, optimizer step
@@ -154,17 +154,22 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
             "update_tok_s": tokens * t.epochs / update_s, **memory.metrics()}
 
 
-def estimated(estimator, ro, rewards: Tensor, group_ids: Tensor, behaviour: Behaviour,
-              baselines: Tensor | None) -> Tensor:
-    """The step's advantages, [N] or (an estimator that reads the old policy's sum pi^2) [N, T]; ``baselines``: the
-    greedy completions' rewards of an estimator that reads them (ReMax)."""
-    lengths = ro.completion_mask.sum(-1).to(rewards.device)
+def estimated(estimator, collected: Collected, group_ids: Tensor, behaviour: Behaviour) -> Tensor:
+    """The step's advantages, [N] or (an estimator that reads the old policy's sum pi^2) [N, T], given what the
+    estimator reads (``objectives.advantages.loop_inputs``): the greedy completions' rewards (ReMax), the reward's
+    components (GDPO), the old policy's per-token distribution (the optimal token baseline)."""
+    ro, device = collected.rollout, group_ids.device
+    rewards, lengths = collected.rewards.to(device), ro.completion_mask.sum(-1).to(device)
     if needs_greedy_baseline(estimator):
-        return estimator(rewards, group_ids, lengths, baselines=baselines)
-    if not needs_sum_pi_squared(estimator):
-        return estimator(rewards, group_ids, lengths)
-    return estimator(rewards, group_ids, lengths, old_logp=behaviour.trainer_logp,
-                     sum_pi_squared=behaviour.sum_pi_squared, mask=ro.completion_mask, correction=behaviour.correction)
+        return estimator(rewards, group_ids, lengths, baselines=collected.baselines.to(device))
+    if needs_reward_components(estimator):
+        return estimator(rewards, group_ids, lengths, components=collected.components.to(device),
+                         weights=collected.weights)
+    if needs_sum_pi_squared(estimator):
+        return estimator(rewards, group_ids, lengths, old_logp=behaviour.trainer_logp,
+                         sum_pi_squared=behaviour.sum_pi_squared, mask=ro.completion_mask,
+                         correction=behaviour.correction)
+    return estimator(rewards, group_ids, lengths)
 
 
 def advantage_metrics(advantages: Tensor, mask: Tensor) -> dict:

@@ -59,7 +59,7 @@ def trl_unsupported(run: DictConfig) -> str | None:
     estimator = run.objective.advantage or objective.default_advantage
     if loop_inputs(get_advantage(estimator)):
         return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
-                "policy's sum of pi^2, a greedy baseline rollout); use backend=native")
+                "policy's sum of pi^2, a greedy baseline rollout, the reward's components); use backend=native")
     if objective.keeps_state():
         return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
                 "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")

@@ -37,7 +37,7 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
-from objectives.advantages import needs_greedy_baseline, needs_sum_pi_squared
+from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -466,10 +466,10 @@ def _check_single_sample_groups(estimator: str) -> None:
 
 
 def _learns_from_single_samples(name: str) -> bool:
-    """Whether estimator ``name`` gives nonzero advantages to groups of one (the optimal token baseline, centred
-    within each group per token, does not; ReMax's baseline is a greedy completion's reward, so it does)."""
+    """Whether estimator ``name`` gives nonzero advantages to groups of one (the optimal token baseline and GDPO,
+    centred within each group, do not; ReMax's baseline is a greedy completion's reward, so it does)."""
     estimator = ADVANTAGES.get(name)
-    if needs_sum_pi_squared(estimator):
+    if needs_sum_pi_squared(estimator) or needs_reward_components(estimator):
         return False
     rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
     extra = {"baselines": torch.tensor([1.0, 0.0, 1.0])} if needs_greedy_baseline(estimator) else {}
