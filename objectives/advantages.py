@@ -286,7 +286,7 @@ GDPO_EPS = 1e-4  # TRL's std + 1e-4, in both normalisations
 @ADVANTAGES.register("gdpo")
 def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
                    components: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
-    """GDPO (Liu et al., arXiv 2601.05242, "Group reward-Decoupled Normalization Policy Optimization"; TRL 1.16.0
+    """GDPO (arXiv 2601.05242, "Group reward-Decoupled Normalization Policy Optimization", NVlabs/GDPO; TRL 1.16.0
     ``GRPOTrainer._generate_and_score_completions`` with ``multi_objective_aggregation="normalize_then_sum"``):
     each reward component k normalised within its group, the weighted sum normalised over the batch,
 

@@ -152,6 +152,10 @@ def test_a_token_level_estimator_with_a_sequence_level_objective_is_refused(tmp_
     assert "backend trl: advantage estimator 'optimal_token_baseline' reads" in trl_unsupported(run)
     remax = OmegaConf.merge(run, {"objective": {"advantage": "remax"}})
     assert "backend trl: advantage estimator 'remax' reads what only the native loop" in trl_unsupported(remax)
+    for estimator in ("gdpo", "optimal_token_baseline"):  # centred within groups: nothing to learn from one sample
+        with pytest.raises(ConfigError, match=f"train.group_size=1 with advantage estimator '{estimator}'"):
+            tiny_run(tmp_path, f"objective.advantage={estimator}", "train.group_size=1")
+    assert tiny_run(tmp_path, "objective.advantage=remax", "train.group_size=1").train.group_size == 1
     gdpo = OmegaConf.merge(run, {"objective": {"advantage": "gdpo"}})
     assert "backend trl: advantage estimator 'gdpo' reads what only the native loop" in trl_unsupported(gdpo)
     assert trl_unsupported(OmegaConf.merge(run, {"objective": {"advantage": "grpo"}})) is None
