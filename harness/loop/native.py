@@ -167,14 +167,14 @@ def estimated(estimator, collected: Collected, group_ids: Tensor, behaviour: Beh
                          weights=collected.weights)
     if needs_sum_pi_squared(estimator):
         return estimator(rewards, group_ids, lengths, old_logp=behaviour.trainer_logp,
-                         sum_pi_squared=behaviour.sum_pi_squared, mask=ro.completion_mask,
+                         sum_pi_squared=behaviour.sum_pi_squared, mask=ro.completion_mask.to(device),
                          correction=behaviour.correction)
     return estimator(rewards, group_ids, lengths)
 
 
 def advantage_metrics(advantages: Tensor, mask: Tensor) -> dict:
     """Mean and std of the advantages: per sequence, or (token-level [N, T]) over the valid tokens."""
-    values = advantages[mask.bool()] if advantages.dim() == 2 else advantages
+    values = advantages[mask.bool().to(advantages.device)] if advantages.dim() == 2 else advantages
     return {"adv_mean": values.mean().item(), "adv_std": values.std().item()}
 
 
