@@ -287,7 +287,8 @@ GDPO_EPS = 1e-4  # TRL's std + 1e-4, in both normalisations
 def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
                    components: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
     """GDPO (arXiv 2601.05242, "Group reward-Decoupled Normalization Policy Optimization", NVlabs/GDPO; TRL 1.16.0
-    ``GRPOTrainer._generate_and_score_completions`` with ``multi_objective_aggregation="normalize_then_sum"``):
+    trl/trainer/grpo_trainer.py ``_generate_and_score_completions`` with ``multi_objective_aggregation=
+    "normalize_then_sum"``, the PyPI release):
     each reward component k normalised within its group, the weighted sum normalised over the batch,
 
         a_ik = (r_ik - mean_g r_k) / (std_g r_k + 1e-4)           (unbiased std; 0 for a group of one)
