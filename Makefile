@@ -67,8 +67,8 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md)
-	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) --jobs $(JOBS)
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
+	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothing is lost or written twice
 	$(PY) -m harness soak --kills $(or $(KILLS),20)

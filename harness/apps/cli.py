@@ -166,7 +166,8 @@ def cmd_bench(args) -> int:
 def cmd_docs(args) -> int:
     from harness.apps.docs import main as docs  # imported when used: the plotting stack (cmd_sweep's note)
 
-    return docs(with_gsm8k=args.with_gsm8k, with_zoo=args.with_zoo, jobs=args.jobs)
+    return docs(with_gsm8k=args.with_gsm8k, with_zoo=args.with_zoo, with_moe=args.with_moe, skip_main=args.skip_main,
+                jobs=args.jobs)
 
 
 def cmd_lab(args) -> int:
@@ -284,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
     docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md (README budget)")
+    docs.add_argument("--with-moe", action="store_true",
+                      help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
+    docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)

@@ -1,0 +1,40 @@
+"""make docs' pages: which pages each flag writes, and the MoE page's claims checked on its own runs."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.apps import docs
+
+
+def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
+    monkeypatch.setattr(docs, "DOCS", tmp_path)
+    documented, sources = [], []
+    monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: documented.append(name) or f"## {name}\n")
+    monkeypatch.setattr(docs, "main_page", lambda *a: documented.append("results.md"))
+
+    def run_source(kind, name, overrides, jobs, progress):  # the claims' experiments, under the docs' folder
+        sources.append((kind, name, overrides[-1]))
+        seeds = [0, 1, 2]
+        if kind == "lab":
+            points = (("grpo", "staleness", "8", 1.3), ("grpo", "routing", "r2", 0.8), ("gspo", "staleness", "8", 0.07))
+            rows = [{"objective": o, "axis": axis, "point": point, "staleness": 8, "batch": b, "ratio_std": v + b / 100}
+                    for b in seeds for o, axis, point, v in points]
+            return {"lab": pd.DataFrame(rows)}
+        rows = [{"objective": o, "seed": s, "step": step, "cell": f"train.routing_replay={cell}", "eval_accuracy": v,
+                 "expert_changed_frac": 0.01}
+                for s in seeds for step in (15, 30) for o, cell, v in (("grpo", "none", 0.05 + s / 100),
+                                                                       ("grpo", "r2", 0.2 + s / 100),
+                                                                       ("grpo", "r3", 0.2 + s / 100),
+                                                                       ("gspo", "none", 0.25 + s / 100))]
+        return {"runs": pd.DataFrame(rows), "final": pd.DataFrame()}
+
+    monkeypatch.setattr(docs, "run_source", run_source)
+    assert docs.main(with_moe=True, skip_main=True, jobs=1) == 0
+    assert documented == ["moe_stability"]  # not the main page
+    assert not (tmp_path / "results.md").exists()
+    page = (tmp_path / "results_moe.md").read_text()
+    assert "## moe_stability" in page and "moe_routing_replay" in page and "moe_ratio_spread" in page
+    assert page.count("| holds |") == 2  # both claims hold on these made-up runs
+    assert {s[1] for s in sources} == {"moe_stability", "lab_moe"}
+    assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs
