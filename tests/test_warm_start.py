@@ -13,6 +13,7 @@ from harness.policy.models import load_model
 from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
 from harness.tasks import get_task
 from tests.helpers.tiny import TINY_SPEC
+from tests.helpers.tiny_moe import TINY_MOE_SPEC
 
 
 def _no_training(*args, **kwargs):
@@ -54,12 +55,13 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
 
 
 @pytest.mark.slow
-def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache):
+@pytest.mark.parametrize("name, spec", [("tiny", TINY_SPEC), ("tiny_moe", TINY_MOE_SPEC)])
+def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache, name, spec):
     task, threads = _easy_task(), torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+            model, tokenizer = load_model(name, tiny=spec)
             _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND),
                                          cache_key_extra=f"threads={n}")
             assert sidecar["torch_threads"] == n and 0.05 <= sidecar["accuracy"] <= 1.0
