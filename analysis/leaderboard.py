@@ -92,8 +92,11 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
                "reached_target": int(np.isfinite(reach).sum()),
                **{key: float(means[key][ids].mean()) for key in MECHANICS}}
         rows.append(row)
+    for objective in sorted(set(exp.runs["objective"].dropna()) - {r["objective"] for r in rows}):
+        rows.append({"objective": objective, "cells": len(cells), "runs": 0})  # no ended run in the shared cells
     frame = pd.DataFrame(rows)
-    return frame.sort_values(["mean_rank", "objective"], ignore_index=True) if len(frame) else frame
+    return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last") if len(frame) \
+        else frame
 
 
 def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dict:
@@ -119,8 +122,8 @@ def bracket(value, low, high) -> str:
 
 def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """The leaderboard as shown in leaderboard.md/.html."""
-    tokens = [("not reached" if not np.isfinite(t) else num(t)) + f" ({r}/{n})" for t, r, n in
-              zip(board["tokens_to_target"], board["reached_target"], board["runs"], strict=True)]
+    tokens = ["n/a" if not n else ("not reached" if not np.isfinite(t) else num(t)) + f" ({r:.0f}/{n})" for t, r, n
+              in zip(board["tokens_to_target"], board["reached_target"], board["runs"], strict=True)]
     return pd.DataFrame({
         "objective": board["objective"], "mean rank": board["mean_rank"].map(num),
         "IQM final accuracy [95% CI]": [bracket(*v) for v in zip(board["iqm"], board["iqm_low"], board["iqm_high"],
@@ -129,7 +132,7 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
                                                              board["vs_baseline_high"], strict=True)],
         f"P(> {baseline}) [95% CI]": [bracket(*v) for v in zip(board["p_baseline"], board["p_baseline_low"],
                                                                 board["p_baseline_high"], strict=True)],
-        "collapsed [Wilson 95%]": [f"{k}/{n} " + bracket(r, lo, hi) if n else "n/a" for k, n, r, lo, hi in
+        "collapsed [Wilson 95%]": [f"{k:.0f}/{n:.0f} " + bracket(r, lo, hi) if n > 0 else "n/a" for k, n, r, lo, hi in
                                    zip(board["collapse_k"], board["collapse_n"], board["collapse_rate"],
                                        board["collapse_low"], board["collapse_high"], strict=True)],
         "tokens to target (reached)": tokens,

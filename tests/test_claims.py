@@ -4,9 +4,19 @@ checks' verdicts on small tables whose answer is known by hand."""
 import pandas as pd
 import pytest
 
-from harness.apps.claims import CLAIMS_DIR, evaluate_check, ledger_rows, load_claim, load_claims, write_ledger
+from harness.apps.claims import (
+    CLAIMS_DIR,
+    checked,
+    evaluate_check,
+    ledger_rows,
+    load_claim,
+    load_claims,
+    run_source,
+    write_ledger,
+)
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
+from tests.helpers.fake_runs import fake_experiment, fake_run
 
 
 def test_shipped_claims_parse_and_their_experiments_exist():
@@ -107,3 +117,20 @@ def test_ledger_rows_and_files(tmp_path):
     path = write_ledger(rows, tmp_path, "stamp")
     text = path.read_text()
     assert "does not hold" in text and "Dr. GRPO" in text and (tmp_path / "ledger.html").exists()
+
+
+def test_existing_results_only_start_nothing_and_missing_ones_are_no_data(tmp_path):
+    """--existing: a sweep's tables from the runs that exist (the ended ones in ``final``, with ``collapsed``); an
+    experiment never run gives no tables, and its checks say no data."""
+    exp = tmp_path / "offpolicy"
+    fake_experiment(exp, [fake_run(exp, "grpo", 0, {"train.num_minibatches": 16}, final=0.4),
+                          fake_run(exp, "gspo", 0, {"train.num_minibatches": 16}, final=0.5, status="diverged",
+                                   summary_extra={"collapse": {"step": 2, "cause": "non_finite_loss"}})])
+    tables = run_source("sweep", "offpolicy", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
+    final = tables["final"].set_index("objective")
+    assert final.loc["gspo", "collapsed"] == 1.0 and final.loc["grpo", "collapsed"] == 0.0
+    assert set(tables["runs"]["objective"]) == {"grpo", "gspo"}
+    assert list(exp.iterdir()) and not (exp / ".sweep.lock").exists()  # nothing was run
+    missing = run_source("sweep", "step_size", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
+    check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
+    assert missing == {} and checked(check, missing)[0] == "no data"

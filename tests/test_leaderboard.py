@@ -30,15 +30,16 @@ def zoo(tmp_path_factory):
                                                                                                           4, 5, 6)}
                 entries.append(fake_run(exp, objective, seed, {"train.lr": lr}, final=final + 0.01 * seed,
                                         rows=rows, summary_extra={"collapse": record}))
+    entries.append(fake_run(exp, "p3o", 0, {"train.lr": 1e-4}, status="failed"))  # no ended run: listed, unranked
     return fake_experiment(exp, entries)
 
 
 def test_rank_iqm_paired_collapse_tokens_and_mechanics_by_hand(zoo):
     board = leaderboard(load_experiment(zoo), target=0.47).set_index("objective")
     # ranks: lr 1e-4: ctpo 1, gspo 2, grpo 3; lr 3e-4: grpo 1, ctpo 2, gspo 3
-    assert board.index.tolist() == ["ctpo", "grpo", "gspo"]
-    assert board["mean_rank"].tolist() == [1.5, 2.0, 2.5]
-    assert (board["cells"] == 2).all() and (board["runs"] == 10).all()
+    assert board.index.tolist() == ["ctpo", "grpo", "gspo", "p3o"]
+    assert board["mean_rank"].tolist()[:3] == [1.5, 2.0, 2.5] and board.loc["p3o", "runs"] == 0
+    assert (board["cells"] == 2).all() and (board["runs"][:3] == 10).all()
     # ctpo's 10 finals: 0.45 ... 0.54; trim_mean(0.25) drops 2 at each end: mean of 0.47 ... 0.52
     assert board.loc["ctpo", "iqm"] == pytest.approx(0.495)
     # ctpo - grpo per seed: +0.10 in one cell, -0.05 in the other (every seed): 0.025, no spread to resample
@@ -65,5 +66,6 @@ def test_written_files_name_the_stamp_cells_and_every_objective(zoo, tmp_path):
     text = path.read_text()
     assert "commit abc on a test machine" in text and "`train.lr=0.0001`" in text and "`train.lr=0.0003`" in text
     assert "| ctpo | 1.50 | 0.495 [" in text and "not reached (3/10)" in text and "2/10 0.200 [" in text
-    assert pd.read_csv(tmp_path / "out" / "leaderboard.csv")["objective"].tolist() == ["ctpo", "grpo", "gspo"]
+    assert pd.read_csv(tmp_path / "out" / "leaderboard.csv")["objective"].tolist() == ["ctpo", "grpo", "gspo", "p3o"]
+    assert "| p3o | n/a |" in text
     assert "<table" in (tmp_path / "out" / "leaderboard.html").read_text()

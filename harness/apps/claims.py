@@ -1,6 +1,6 @@
 """The paper-claims ledger: one YAML per claim in experiments/claims/, run and checked by `make claims`.
 
-    python -m harness claims [NAME ...]          # -> results/claims/ledger.md, ledger.html, ledger.csv
+    python -m harness claims [NAME ...] [--existing]   # -> results/claims/ledger.md, ledger.html, ledger.csv
 
 A claim file::
 
@@ -46,10 +46,11 @@ import pandas as pd
 import yaml
 
 from analysis.lab import build_lab_report
+from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
 from analysis.stats import bootstrap_ci, num
-from harness.apps.lab import run_lab
+from harness.apps.lab import lab_dir, run_lab
 from harness.apps.sweep import run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment
@@ -114,15 +115,23 @@ def load_claims(names: list[str] | None = None) -> list[Claim]:
     return [load_claim(p) for p in paths]
 
 
-def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool) -> dict[str, pd.DataFrame]:
-    """Run (or resume) the claim's experiment; its tables by name."""
+def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool,
+               run: bool = True) -> dict[str, pd.DataFrame]:
+    """Run (or resume; with ``run`` False: only read) the claim's experiment; its tables by name (none when there is
+    nothing to read: its checks say "no data")."""
     cfg = load_experiment(name, list(overrides))
     if kind == "lab":
-        folder = run_lab(cfg, progress)
+        folder = run_lab(cfg, progress) if run else lab_dir(cfg)
+        if not (folder / "batches").is_dir():
+            return {}
         build_lab_report(folder)
         return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
-    run_sweep(cfg, jobs=jobs, progress=progress)
-    exp = load_results(Path(cfg.results_dir) / cfg.name)
+    if run:
+        run_sweep(cfg, jobs=jobs, progress=progress)
+    try:
+        exp = load_results(Path(cfg.results_dir) / cfg.name)
+    except AnalysisError:
+        return {}
     final = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
     return {"runs": exp.metrics, "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
 
@@ -193,6 +202,8 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
 def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
     """evaluate_check, with a check that cannot be evaluated (a bad ``where``, an unknown metric) reported in the
     ledger as such instead of stopping it after the experiments have run."""
+    if check["table"] not in tables:
+        return "no data", f"{check['metric']}: the experiment has no results (`make claims` runs it)"
     try:
         return evaluate_check(check, tables)
     except (KeyError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
@@ -232,8 +243,10 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     return out / "ledger.md"
 
 
-def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results") -> int:
-    """Run every claim's experiment (each once, resumable), check the claims, write results/claims/."""
+def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
+         run: bool = True) -> int:
+    """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing), check the
+    claims, write results/claims/."""
     claims = load_claims(names)
     for claim in claims:  # every experiment is checked before the first one runs
         load_experiment(claim.source[1], list(claim.source[2]))
@@ -241,10 +254,12 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     tables_of = {}
     for source in dict.fromkeys(c.source for c in claims):
         print(f"claims: {source[0]} {source[1]} {' '.join(source[2])}", file=sys.stderr)
-        tables_of[source] = run_source(*source, jobs=jobs, progress=progress)
+        tables_of[source] = run_source(*source, jobs=jobs, progress=progress, run=run)
     rows = ledger_rows(claims, tables_of)
     stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold; experiments run or resumed in "
-             f"{time.time() - start:.0f} s by `make claims` (wall time of this call).")
+             f"{time.time() - start:.0f} s by `make claims` (wall time of this call)." if run else
+             f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold, on the runs that existed "
+             "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
     path = write_ledger(rows, Path(results_dir) / "claims", stamp)
     print(f"{stamp}\nledger: {path}", file=sys.stderr)
     return 0

@@ -179,7 +179,7 @@ def cmd_lab(args) -> int:
 def cmd_claims(args) -> int:
     from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
 
-    return claims(args.names, jobs=args.jobs, progress=not args.no_progress)
+    return claims(args.names, jobs=args.jobs, progress=not args.no_progress, run=not args.existing)
 
 
 def cmd_zoo(args) -> int:
@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
+    claims.add_argument("--existing", action="store_true",
+                        help="check the claims on the results that exist; start no run (those not done are left out)")
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
     zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
