@@ -4,6 +4,7 @@ checks' verdicts on small tables whose answer is known by hand."""
 import pandas as pd
 import pytest
 
+import harness.apps.claims
 from harness.apps.claims import (
     CLAIMS_DIR,
     checked,
@@ -11,6 +12,7 @@ from harness.apps.claims import (
     ledger_rows,
     load_claim,
     load_claims,
+    probe_settings,
     run_source,
     write_ledger,
 )
@@ -24,14 +26,17 @@ def test_shipped_claims_parse_and_their_experiments_exist():
     assert {c.name for c in claims} >= {"gspo_clips_more", "gspo_token_equals_gspo", "ctpo_prefix_ratio_variance",
                                         "cispo_keeps_clipped_gradient", "dr_grpo_length_bias", "sequence_ratio_bf16"}
     for claim in claims:
-        load_experiment(claim.source[1], list(claim.source[2]))
+        if claim.source[0] == "probe":
+            probe_settings(claim.source[2])
+        else:
+            load_experiment(claim.source[1], list(claim.source[2]))
         assert claim.paper and claim.checks
 
 
 def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab, sweep: quickstart}\nchecks: []\n")
-    with pytest.raises(ConfigError, match="bad.yaml.*one lab or one sweep"):
+    with pytest.raises(ConfigError, match="bad.yaml.*one lab, one sweep or one probe"):
         load_claim(path)
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: lab, metric: m}]\n")
     with pytest.raises(ConfigError, match="compare / within"):
@@ -134,3 +139,26 @@ def test_existing_results_only_start_nothing_and_missing_ones_are_no_data(tmp_pa
     missing = run_source("sweep", "step_size", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
     check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
     assert missing == {} and checked(check, missing)[0] == "no data"
+
+
+def test_a_probe_runs_once_per_settings_and_its_claim_is_checked(tmp_path, monkeypatch):
+    calls = []
+
+    def probe(settings, task):  # moe_probe's rows, made up: deeper changes more
+        calls.append(settings)
+        return [{"layers": d, "seed": s, "lr": 5e-5, "expert_changed_frac": 0.01 * d + 0.001 * s}
+                for d in settings.depths for s in settings.seeds]
+
+    monkeypatch.setattr(harness.apps.claims, "volatility_by_depth", probe)
+    monkeypatch.setattr(harness.apps.claims, "probe_task", lambda: None)
+    claim = load_claim(CLAIMS_DIR / "moe_expert_volatility.yaml")
+    overrides = (*claim.source[2], f"results_dir={tmp_path}")
+    assert run_source("probe", "moe_update", overrides, jobs=1, progress=False, run=False) == {}  # --existing: none
+    tables = run_source("probe", "moe_update", overrides, jobs=1, progress=False)
+    assert calls[0].depths == (2, 4, 8) and calls[0].seeds == (0, 1, 2) and calls[0].sft_steps == 200
+    assert run_source("probe", "moe_update", overrides, jobs=1, progress=False)["probe"].equals(tables["probe"])
+    assert len(calls) == 1  # kept: the second call read it
+    verdicts = [checked(c, tables)[0] for c in claim.checks]
+    assert verdicts == ["holds", "holds"]  # 8 layers: 0.081 in [0.05, 0.2]; more than at 2 layers on every seed
+    with pytest.raises(ConfigError, match="no setting depth; settings"):
+        probe_settings(("depth=[2]",))

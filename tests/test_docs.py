@@ -16,6 +16,10 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     def run_source(kind, name, overrides, jobs, progress):  # the claims' experiments, under the docs' folder
         sources.append((kind, name, overrides[-1]))
         seeds = [0, 1, 2]
+        if kind == "probe":  # 8 layers: 8-10% of assignments change, 2 layers fewer
+            rows = [{"objective": "grpo", "seed": s, "layers": d, "expert_changed_frac": 0.01 * d}
+                    for s in seeds for d in (2, 8)]
+            return {"probe": pd.DataFrame(rows)}
         if kind == "lab":
             points = (("grpo", "staleness", "8", 1.3), ("grpo", "routing", "r2", 0.8), ("gspo", "staleness", "8", 0.07))
             rows = [{"objective": o, "axis": axis, "point": point, "staleness": 8, "batch": b, "ratio_std": v + b / 100}
@@ -35,6 +39,6 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert not (tmp_path / "results.md").exists()
     page = (tmp_path / "results_moe.md").read_text()
     assert "## moe_stability" in page and "moe_routing_replay" in page and "moe_ratio_spread" in page
-    assert page.count("| holds |") == 2  # both claims hold on these made-up runs
-    assert {s[1] for s in sources} == {"moe_stability", "lab_moe"}
+    assert page.count("| holds |") == 3  # every claim holds on these made-up runs
+    assert {s[1] for s in sources} == {"moe_stability", "lab_moe", "moe_update"}
     assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs

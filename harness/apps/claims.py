@@ -12,7 +12,9 @@ A claim file::
       - {table: lab, metric: clip_frac, where: "axis == 'staleness' and staleness >= 1",
          compare: {objective: gspo, than: grpo, direction: greater, factor: 10}}
 
-Tables: a lab's ``lab``, ``pairwise``, ``snr``, ``sqrt_growth`` (analysis/lab.py); a sweep's ``runs`` (one row per
+Tables: a probe's ``probe`` (``experiment: {probe: moe_update, overrides: [depths=[2, 4, 8], ...]}``:
+harness/apps/moe_probe.py's rows, one per depth (``layers``), seed and lr; units: seeds); a lab's ``lab``,
+``pairwise``, ``snr``, ``sqrt_growth`` (analysis/lab.py); a sweep's ``runs`` (one row per
 run and logged step: every per-step metric, from analysis/load.py) and ``final`` (one row per run that ended and is
 counted, analysis/load.py's run table: ``final_eval_accuracy``, ``best_eval_accuracy``, ``collapsed`` (1 when its
 collapse record names a cause, else 0), the swept keys as columns, e.g. ```train.num_minibatches` == 16``). ``where``
@@ -34,7 +36,10 @@ Experiments are resumable (labs per batch, sweeps per run), so `make claims` con
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import html
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,14 +56,18 @@ from analysis.load import load_experiment as load_results
 from analysis.report import md_table
 from analysis.stats import bootstrap_ci, num
 from harness.apps.lab import lab_dir, run_lab
+from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
 from harness.apps.sweep import run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment
 from harness.run.errors import ConfigError
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
-UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed"}
-TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final")}  # each experiment kind's
+UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
+TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final"),  # each experiment kind's
+          "probe": ("probe",)}
+KINDS = ("lab", "sweep", "probe")
+PROBES = ("moe_update",)  # {probe: moe_update}: harness/apps/moe_probe.py's one-update routing change by depth
 DIRECTIONS = ("greater", "less", "equal", "equivalent")
 STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
 
@@ -75,7 +84,7 @@ class Claim:
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
-        kind = "lab" if "lab" in self.experiment else "sweep"
+        kind = next(k for k in KINDS if k in self.experiment)
         return kind, self.experiment[kind], tuple(self.experiment.get("overrides", []))
 
 
@@ -86,8 +95,10 @@ def load_claim(path: Path) -> Claim:
         claim = Claim(name=path.stem, **data)
     except (yaml.YAMLError, TypeError) as e:
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
-    if sum(k in claim.experiment for k in ("lab", "sweep")) != 1:
-        raise ConfigError(f"{path}: experiment must name one lab or one sweep, e.g. {{lab: lab}}")
+    if sum(k in claim.experiment for k in KINDS) != 1:
+        raise ConfigError(f"{path}: experiment must name one lab, one sweep or one probe, e.g. {{lab: lab}}")
+    if "probe" in claim.experiment and claim.experiment["probe"] not in PROBES:
+        raise ConfigError(f"{path}: no probe {claim.experiment['probe']!r}; probes: {', '.join(PROBES)}")
     for check in claim.checks:
         if ("compare" in check) == ("within" in check) or "table" not in check or "metric" not in check:
             raise ConfigError(f"{path}: each check needs table, metric and one of compare / within, got {check}")
@@ -119,6 +130,8 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, prog
                run: bool = True) -> dict[str, pd.DataFrame]:
     """Run (or resume; with ``run`` False: only read) the claim's experiment; its tables by name (none when there is
     nothing to read: its checks say "no data")."""
+    if kind == "probe":
+        return run_probe(overrides, run)
     cfg = load_experiment(name, list(overrides))
     if kind == "lab":
         folder = run_lab(cfg, progress) if run else lab_dir(cfg)
@@ -134,6 +147,34 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, prog
         return {}
     final = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
     return {"runs": exp.metrics, "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
+
+
+def probe_settings(overrides: tuple[str, ...]) -> tuple[dict, Path]:
+    """A probe's ``key=value`` overrides (YAML values; ``results_dir`` where its table is kept): the UpdateProbe
+    fields, checked, and the results folder."""
+    settings = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
+    results_dir = Path(settings.pop("results_dir", "results"))
+    fields = {f.name for f in dataclasses.fields(UpdateProbe)}
+    if set(settings) - fields:
+        raise ConfigError(f"probe moe_update has no setting {', '.join(sorted(set(settings) - fields))}; settings: "
+                          f"{', '.join(sorted(fields))}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}, results_dir
+
+
+def run_probe(overrides: tuple[str, ...], run: bool) -> dict[str, pd.DataFrame]:
+    """The moe_update probe's table (harness/apps/moe_probe.py: one row per depth, seed and learning rate; the
+    GRPO-form step, so objective ``grpo``), computed once per settings and kept in
+    ``<results_dir>/claims/probes/moe_update-<digest of the settings>.csv``."""
+    settings, results_dir = probe_settings(overrides)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=list).encode()).hexdigest()[:12]
+    path = results_dir / "claims" / "probes" / f"moe_update-{digest}.csv"
+    if not path.exists():
+        if not run:
+            return {}
+        rows = volatility_by_depth(UpdateProbe(**settings), probe_task())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, pd.DataFrame(rows).assign(objective="grpo").to_csv(index=False))
+    return {"probe": pd.read_csv(path)}
 
 
 def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.Series:
@@ -249,7 +290,10 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     claims, write results/claims/."""
     claims = load_claims(names)
     for claim in claims:  # every experiment is checked before the first one runs
-        load_experiment(claim.source[1], list(claim.source[2]))
+        if claim.source[0] == "probe":
+            probe_settings(claim.source[2])
+        else:
+            load_experiment(claim.source[1], list(claim.source[2]))
     start = time.time()
     tables_of = {}
     for source in dict.fromkeys(c.source for c in claims):

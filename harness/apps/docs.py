@@ -38,7 +38,8 @@ FIGURES = {"quickstart": {"curves_step": "quickstart_curves.png", "stability": "
            "gspo_clip_repro": {"clip_fraction": "gspo_clip_repro.png", "stability": "gspo_clip_repro_stability.png"},
            "gsm8k_ablation": {"stability": "gsm8k_ablation_stability.png", "curves_step": "gsm8k_ablation_curves.png"},
            "moe_stability": {"axis_1": "moe_stability_axis.png", "stability_c1": "moe_stability_stability.png"}}
-MOE_CLAIMS = ("moe_routing_replay", "moe_ratio_spread")  # experiments/claims/: checked on the moe page's runs
+# experiments/claims/: checked on the moe page's own runs (and the moe_update probe)
+MOE_CLAIMS = ("moe_expert_volatility", "moe_routing_replay", "moe_ratio_spread")
 MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm")  # per-run means over training steps
 
 

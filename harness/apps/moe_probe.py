@@ -131,6 +131,11 @@ def volatility_by_depth(probe: UpdateProbe, task: Task) -> list[dict]:
     return rows
 
 
+def probe_task() -> Task:
+    """The probe's task: quickstart's arith (2 operands, 2 digits, + and -)."""
+    return get_task("arith", eval_size=128, num_operands=2, digits=2, operators="+-")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print :func:`volatility_by_depth`'s rows on the arith task (quickstart's: 2 operands, 2 digits, + and -)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args(argv)
     run_threads(args.threads)
-    task = get_task("arith", eval_size=128, num_operands=2, digits=2, operators="+-")
+    task = probe_task()
     probe = UpdateProbe(depths=tuple(args.depths), seeds=tuple(args.seeds), lrs=tuple(args.lrs),
                         sft_steps=args.sft_steps)
     keys = ("layers", "seed", "lr", "sft_steps", "expert_changed_frac", "expert_token_changed_frac",
