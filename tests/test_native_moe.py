@@ -22,10 +22,9 @@ from harness.policy.forward import padding_free_unsupported
 from harness.policy.routing import find_routers
 from harness.policy.sampler import generate
 from harness.run.errors import ConfigError
-from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score
-from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import tiny_run, without_timing
+from tests.helpers.interrupt import full_and_resumed
+from tests.helpers.tiny import tiny_run
 from tests.helpers.tiny_moe import perturb_routers, tiny_moe_run
 
 # the overlong penalty gives the random policy's groups unequal rewards, so the update has a gradient to follow
@@ -126,12 +125,7 @@ def test_microbatched_update_replays_as_the_whole_minibatch(tmp_path):
 @pytest.mark.slow  # two whole runs: make test
 def test_a_killed_moe_run_resumes_to_the_uninterrupted_metrics(tmp_path):
     run = tiny_moe_run(tmp_path, "train.routing_replay=r3", "task.overlong_buffer=6", "train.steps=3")
-    train(run, tmp_path / "full", progress=False)
-    with stopped_before(3):
-        train(run, tmp_path / "part", progress=False)
-    train(run, tmp_path / "part", progress=False)
-    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
-    part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
+    full, part = full_and_resumed(train, run, tmp_path, step=3)
     assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
     assert all(r["expert_changed_frac"] > 0 for r in full[2:])  # routing moved, and was measured, after step 1
 

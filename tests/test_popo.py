@@ -15,7 +15,6 @@ from harness.loop.native import train
 from harness.policy.models import load_model
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
-from harness.run.records import read_jsonl
 from objectives import PolicyBatch, get_objective
 from objectives.popo import (
     ema_update,
@@ -26,8 +25,8 @@ from objectives.popo import (
     popo_similarity,
     popo_weights,
 )
-from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
+from tests.helpers.interrupt import full_and_resumed
+from tests.helpers.tiny import TINY_SPEC, tiny_run
 
 DT = torch.float64
 G = 4  # generations per prompt
@@ -268,12 +267,7 @@ def test_popo_trains_in_the_loop_and_a_killed_run_resumes_exactly(tmp_path):
     overlong penalty (rewards in [-1, 0]) makes every completion a positive, weighted by its log-probability."""
     run = tiny_run(tmp_path, "objective.name=popo", "objective.params.tau_r=-1.5", "objective.params.tau=0.5",
                    "objective.params.predictor_hidden_dim=16", "task.overlong_buffer=6", "train.steps=3")
-    train(run, tmp_path / "full", progress=False)
-    with stopped_before(3):
-        train(run, tmp_path / "part", progress=False)
-    train(run, tmp_path / "part", progress=False)
-    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
-    part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
+    full, part = full_and_resumed(train, run, tmp_path, step=3)
     assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
     assert all(r["popo_sim"] != 0 and r["popo_positive_frac"] == 1 and r["grad_norm"] > 0 for r in full[1:])
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=False) for d in ("full", "part"))

@@ -9,7 +9,8 @@ from unittest import mock
 
 import pytest
 
-from harness.run.records import RunRecords
+from harness.run.records import RunRecords, read_jsonl
+from tests.helpers.tiny import without_timing
 
 
 @contextmanager
@@ -24,3 +25,13 @@ def stopped_before(step: int):
 
     with mock.patch.object(RunRecords, "log", log), pytest.raises(KeyboardInterrupt):
         yield
+
+
+def full_and_resumed(train, run, folder, step: int) -> tuple[list[dict], list[dict]]:
+    """``run`` trained uninterrupted into ``folder/full``, and into ``folder/part`` stopped before ``step`` then run
+    again (a resume): both runs' metrics rows without timings."""
+    train(run, folder / "full", progress=False)
+    with stopped_before(step):
+        train(run, folder / "part", progress=False)
+    train(run, folder / "part", progress=False)
+    return tuple(without_timing(read_jsonl(folder / name / "metrics.jsonl")) for name in ("full", "part"))
