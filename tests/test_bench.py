@@ -3,9 +3,21 @@
 import json
 
 import pytest
+import torch
 
-from harness.apps.bench import RATIOS, decode_matmuls, main, median_of, memory_main, profile_main
+from harness.apps.bench import (
+    RATIOS,
+    bench_run,
+    decode_matmuls,
+    main,
+    median_of,
+    memory_main,
+    profile_main,
+    train_batch,
+)
 from harness.policy.models import load_model
+from harness.policy.sampler import sample_problems
+from harness.run.errors import ConfigError
 from tests.helpers.tiny import TINY_SPEC
 
 
@@ -77,3 +89,15 @@ def test_memory_prints_each_phase_peak_and_the_updates_allocations(capsys):
             "update_s"} <= set(figures)
     assert float(figures["adamw_moments_mb"]) == 2 * float(figures["weights_mb"])
     assert "Self CPU Mem" in printed and "aten::" in printed
+
+
+def test_the_bench_refuses_an_estimator_that_needs_the_loop_and_passes_lengths_to_the_others():
+    tiny = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
+            "train.group_size=2", "train.num_minibatches=1", "model.warm_start_steps=0", "model.warm_start_target=null",
+            "threads=1", *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+    with pytest.raises(ConfigError, match="only the training loop provides \\(greedy_baseline\\)"):
+        bench_run([*tiny, "objective.advantage=remax"])
+    cfg, setup, problems, _ = bench_run([*tiny, "objective.advantage=reinforce_plus_plus"])  # it needs the lengths
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
+    assert batch.advantages.shape == (4,) and torch.isfinite(batch.advantages).all()

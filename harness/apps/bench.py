@@ -47,8 +47,10 @@ from harness.policy.sampler import Rollout, sample_problems
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, updates_per_step
+from harness.run.errors import ConfigError
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
+from objectives.advantages import loop_inputs
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
@@ -124,6 +126,10 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     threads = run_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     setup = setup_run(cfg, resolve_device(cfg.device))
+    if loop_inputs(setup.estimator):  # before any timed work
+        raise ConfigError(f"the bench times a step with the plain advantage estimators; this run's estimator needs "
+                          f"what only the training loop provides ({', '.join(loop_inputs(setup.estimator))}): "
+                          "set another objective.advantage")
     return cfg, setup, list(setup.train_problems[: cfg.train.prompts_per_step]), threads
 
 
@@ -393,7 +399,8 @@ def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
     t, device = cfg.train, ro.completion_ids.device
     rewards = torch.tensor([task.score(x, problems[i // t.group_size]).correct for i, x in enumerate(ro.texts)])
     group_ids = torch.arange(len(ro.texts) // t.group_size).repeat_interleave(t.group_size)
-    return TrainBatch(ro, rewards.to(device), estimator(rewards, group_ids).to(device), group_ids.to(device),
+    advantages = estimator(rewards, group_ids, ro.completion_mask.sum(-1).cpu())
+    return TrainBatch(ro, rewards.to(device), advantages.to(device), group_ids.to(device),
                       ro.sampler_logp)
 
 
