@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.apps import docs
+from tests.helpers.fake_runs import grid_experiment
 
 
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
@@ -42,3 +43,14 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert page.count("| holds |") == 3  # every claim holds on these made-up runs
     assert {s[1] for s in sources} == {"moe_stability", "lab_moe", "moe_update"}
     assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs
+
+
+def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
+    """Two values of a swept key are two rows per objective, each with its own seeds (not one row of 6 'seeds')."""
+    exp = grid_experiment(tmp_path / "moe", {"train.routing_replay": ["none", "r2"]}, objectives=("grpo",),
+                          seeds=(0, 1, 2))
+    for table in (docs.mechanics_table(exp), docs.time_table(exp)):
+        rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+        assert len(rows) == 2 and all("train.routing_replay=" in row for row in rows), table
+    mechanics = docs.mechanics_table(exp)
+    assert "| 3 |" in mechanics and "| 6 |" not in mechanics

@@ -44,12 +44,14 @@ MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm")  #
 
 
 def mechanics_table(exp_dir: Path) -> str:
-    """Per objective: the mean over steps of each mechanics metric, averaged over seeds (min–max over seeds)."""
-    metrics = load_results(exp_dir).metrics
+    """Per cell and objective (never pooled over cells): the mean over steps of each mechanics metric, averaged over
+    seeds (min–max over seeds)."""
+    exp = load_results(exp_dir)
+    metrics = exp.metrics[exp.metrics["run_id"].isin(exp.runs.loc[exp.runs["counted"], "run_id"])]
     train = metrics[metrics["step"] >= 1]
     rows = []
-    for objective, runs in train.groupby("objective"):
-        row = {"objective": objective, "seeds": runs["run_id"].nunique()}
+    for (cell, objective), runs in train.groupby(["cell", "objective"], sort=True):
+        row = {"cell": cell, "objective": objective, "seeds": runs["run_id"].nunique()}
         for key in MECHANICS:
             if key in runs and runs[key].notna().any():
                 per_run = runs.groupby("run_id")[key].mean()
@@ -59,16 +61,17 @@ def mechanics_table(exp_dir: Path) -> str:
 
 
 def time_table(exp_dir: Path) -> str:
-    """Where a run's wall time goes, per objective (mean over runs): sampling, update, the rest (evaluations,
-    start-up, model loading, records)."""
+    """Where a run's wall time goes, per cell and objective (mean over runs): sampling, update, the rest
+    (evaluations, start-up, model loading, records)."""
     exp = load_results(exp_dir)
-    train = exp.metrics[exp.metrics["step"] >= 1]
+    counted = exp.runs[exp.runs["counted"]]
+    train = exp.metrics[(exp.metrics["step"] >= 1) & exp.metrics["run_id"].isin(counted["run_id"])]
     rows = []
-    for objective, runs in train.groupby("objective"):
-        wall = exp.runs[exp.runs["objective"] == objective]["wall_time_s"].mean()
+    for (cell, objective), runs in train.groupby(["cell", "objective"], sort=True):
+        wall = counted[(counted["objective"] == objective) & (counted["cell"] == cell)]["wall_time_s"].mean()
         rollout = runs.groupby("run_id")["rollout_s"].sum().mean()
         update = runs.groupby("run_id")["update_s"].sum().mean()
-        rows.append({"objective": objective, "wall time per run (s)": f"{wall:.1f}",
+        rows.append({"cell": cell, "objective": objective, "wall time per run (s)": f"{wall:.1f}",
                      "sampling": f"{rollout:.1f} s ({rollout / wall:.0%})", "update": f"{update:.1f} s "
                      f"({update / wall:.0%})", "evaluation, start-up, records": f"{wall - rollout - update:.1f} s "
                      f"({(wall - rollout - update) / wall:.0%})"})
