@@ -13,6 +13,7 @@ from harness.apps.bench import (
     median_of,
     memory_main,
     profile_main,
+    scale_main,
     train_batch,
 )
 from harness.policy.models import load_model
@@ -101,3 +102,51 @@ def test_the_bench_refuses_an_estimator_that_needs_the_loop_and_passes_lengths_t
     ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
     assert batch.advantages.shape == (4,) and torch.isfinite(batch.advantages).all()
+
+
+TINY_BENCH = ["model.name=tiny", "task.name=arith", "model.warm_start_steps=0", "model.warm_start_target=null",
+              "threads=1", *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+
+
+def test_scale_runs_one_fresh_process_per_point_and_keeps_a_killed_one(tmp_path, monkeypatch, capsys):
+    """`bench --scale`'s grid, table and files, with each point's process stubbed (one point killed, as the kernel's
+    out-of-memory killer would), and a grid the configuration cannot take refused before any point runs."""
+    import subprocess
+
+    calls = []
+
+    def child(argv):
+        calls.append(argv)
+        rows = 8 * int(next(a for a in argv if a.startswith("train.prompts_per_step=")).split("=")[1])
+        tokens = int(next(a for a in argv if a.startswith("train.max_new_tokens=")).split("=")[1])
+        if rows == 16 and tokens == 8:
+            return subprocess.CompletedProcess(argv, -9, "", "")
+        step = {"threads": 1, "step_s": 1.0, "rollout_s": 0.4, "update_s": 0.6, "step_cpu_s": 1.0, "rows": rows,
+                "completion_tokens": rows * tokens, "peak_mem_rollout_mb": 400.0 + rows,
+                "peak_mem_update_mb": 410.0 + rows, "peak_mem_process_mb": 420.0 + rows * tokens}
+        return subprocess.CompletedProcess(argv, 0, "a line the child printed\n" + json.dumps(step) + "\n", "")
+
+    monkeypatch.setattr("harness.apps.bench.scale_point", child)
+    assert scale_main([*TINY_BENCH, f"results_dir={tmp_path}"], rows=(8, 16), tokens=(4, 8)) == 0
+    assert len(calls) == 4 and all(c[: len(TINY_BENCH) + 1] == [*TINY_BENCH, f"results_dir={tmp_path}"] for c in calls)
+    points = json.loads((tmp_path / "bench" / "scale.json").read_text())
+    assert [(p["rows"], p["max_new_tokens"]) for p in points] == [(8, 4), (8, 8), (16, 4), (16, 8)]
+    assert points[3]["killed"] == "signal 9" and points[2]["peak_mem_process_mb"] == 420 + 64
+    table = (tmp_path / "bench" / "scale.md").read_text()
+    assert table.strip() == capsys.readouterr().out.strip()
+    assert "--rows 8,16 --tokens 4,8" in table and "the process was killed (signal 9)" in table
+    assert "| 16 | 4 | 64 | 416 | 426 | 484 |" in table
+    with pytest.raises(ConfigError, match="rows \\[12\\] must be multiples of train.group_size=8"):
+        scale_main(TINY_BENCH, rows=(8, 12), tokens=(4,))
+    with pytest.raises(ConfigError, match="num_minibatches"):  # 8 rows in 4 minibatches: fine; 8 in 3: refused
+        scale_main([*TINY_BENCH, "train.num_minibatches=3"], rows=(8,), tokens=(4,))
+    assert len(calls) == 4  # no point ran for either
+
+
+@pytest.mark.slow  # two processes: make test
+def test_scale_measures_full_length_points_in_fresh_processes(tmp_path):
+    assert scale_main([*TINY_BENCH, "train.num_minibatches=2", f"results_dir={tmp_path}"], rows=(8,),
+                      tokens=(6, 12)) == 0
+    first, second = json.loads((tmp_path / "bench" / "scale.json").read_text())
+    assert first["completion_tokens"] == 8 * 6 and second["completion_tokens"] == 8 * 12  # every row at full length
+    assert 0 < first["peak_mem_rollout_mb"] <= first["peak_mem_process_mb"] and second["step_s"] > 0

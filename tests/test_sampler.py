@@ -176,6 +176,22 @@ def test_max_length_truncates(tiny_policy, eos_bias):
     assert ro.texts == tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_stop_at_eos_false_runs_every_row_to_full_length(tiny_policy, eos_bias, greedy):
+    """`bench --scale`'s worst-case shapes: EOS is never drawn, however likely, and the other tokens keep their
+    relative probabilities (the draw and log-prob of the EOS-less distribution)."""
+    model, tokenizer, prompts = tiny_policy
+    eos_bias[0] = 5.0  # EOS is the most likely token at every step
+    torch.manual_seed(0)
+    ro = generate(model, tokenizer, prompts, group_size=2, max_new_tokens=9, temperature=1.0, greedy=greedy,
+                  stop_at_eos=False)
+    assert ro.completion_ids.shape == (12, 9) and ro.completion_mask.all() and ro.truncated.all()
+    assert tokenizer.eos_token_id not in ro.completion_ids.tolist()[0] + ro.completion_ids.flatten().tolist()
+    assert (ro.sampler_logp <= 0).all()
+    with pytest.raises(ValueError, match="stop_at_eos=False needs the native sampler"):
+        generate(model, tokenizer, prompts, max_new_tokens=3, sampler="hf", stop_at_eos=False)
+
+
 @pytest.mark.parametrize("greedy, bias, lengths", [(False, 2.0, 8), (True, 0.6, 2)])
 def test_compaction_does_not_change_the_rollout(tiny_policy, eos_bias, greedy, bias, lengths):
     model, tokenizer, prompts = tiny_policy

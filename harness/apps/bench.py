@@ -36,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import TrainerCallback
 
+from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
 from harness.loop.build import RunSetup, build_learner, setup_run
 from harness.loop.metrics import PhaseMemory, peak_memory_mb
@@ -185,19 +186,104 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
     return 0
 
 
-def step_main(overrides: list[str]) -> int:
-    """``bench --step`` (a child of ``--busy``): one native step (rollout + update) timed after an untimed one of
-    the same sizes; prints one JSON line with the threads used and the seconds."""
+def step_main(overrides: list[str], full_length: bool = False) -> int:
+    """``bench --step`` (the child of ``--busy`` and ``--scale``): one native step (rollout + update) timed after an
+    untimed one of the same sizes; prints one JSON line with the threads used, the seconds, the completion tokens,
+    the measured step's peak memory per phase and the process's peak over both steps (``peak_mem_process_mb``).
+    ``full_length``: every row samples ``train.max_new_tokens`` tokens (EOS never drawn: the worst-case shapes)."""
     cfg, setup, problems, threads = bench_run(overrides)
     learner = build_learner(setup.policy, setup.objective, cfg.train)
-    warm_up(learner, setup, problems, cfg)
-    start = time.perf_counter()
-    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    sampling = {"stop_at_eos": False} if full_length else {}
+    memory = PhaseMemory(setup.device)
+    memory.start("warm_up")
+    warm_up(learner, setup, problems, cfg, **sampling)
+    memory.start("rollout")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train, **sampling)
     rollout_s = time.perf_counter() - start
+    memory.start("update")
     bench_update(learner, setup, ro, problems, cfg, 1)
-    step_s = time.perf_counter() - start
-    print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s}))
+    step_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    peaks = memory.metrics(total=False)
+    process = max(peaks.values())
+    print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s,
+                      "step_cpu_s": cpu_s, "rows": int(ro.completion_ids.shape[0]),
+                      "completion_tokens": int(ro.completion_mask.sum()),
+                      "peak_mem_rollout_mb": peaks["peak_mem_rollout_mb"],
+                      "peak_mem_update_mb": peaks["peak_mem_update_mb"], "peak_mem_process_mb": process}))
     return 0
+
+
+SCALE_ROWS = (32, 64, 128)  # `bench --scale`'s default grid: sequences per rollout step (prompts x group size) ...
+SCALE_TOKENS = (128, 256, 512)  # ... and new tokens per sequence
+
+
+def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens: tuple[int, ...] = SCALE_TOKENS,
+               out: Path | None = None) -> int:
+    """``bench --scale``: peak memory and step time against the rollout's sequences and completion length. For each
+    (rows, tokens) point a fresh process (``bench --step``, so no point inherits another's heap) runs the bench
+    configuration with ``overrides``, ``train.prompts_per_step = rows / train.group_size`` and ``train.max_new_tokens
+    = tokens``, every row sampling all ``tokens`` (EOS never drawn: what fits at the worst case), its step timed
+    after an untimed one; ``train.num_minibatches`` stays the configuration's, so a minibatch holds rows /
+    num_minibatches sequences. Prints a Markdown table, stamped with the commit, the machine and the load before and
+    after each point, and writes it with the figures to ``<results_dir>/bench/scale.md`` and ``scale.json``."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    group = cfg.train.group_size
+    if bad := [r for r in rows if r % group]:
+        raise ConfigError(f"bench --scale: rows {bad} must be multiples of train.group_size={group}")
+    grid = [(r, t, [*overrides, f"train.prompts_per_step={r // group}", f"train.max_new_tokens={t}"])
+            for r in rows for t in tokens]
+    for _, _, point in grid:  # every point's settings checked (one line) before any point runs
+        run_configs(load_experiment("bench", point))
+    points, folder = [], out or Path(cfg.results_dir) / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    for r, t, point in grid:
+        load = os.getloadavg()[0]
+        child = scale_point(point)
+        if child.returncode > 0:
+            lines = child.stderr.strip().splitlines()
+            raise RuntimeError(f"bench --scale at {r} rows x {t} tokens: {lines[-1] if lines else 'failed'}")
+        step = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else  # else a signal:
+                {"killed": f"signal {-child.returncode}"})  # SIGKILL is the kernel's out-of-memory killer's
+        points.append({"rows": r, "max_new_tokens": t, "load_before": load, "load_after": os.getloadavg()[0], **step})
+        print(f"{r} rows x {t} tokens: " + (step.get("killed") or f"step {step['step_s']:.1f} s, peak "
+                                             f"{step['peak_mem_process_mb']:.0f} MiB"), file=sys.stderr)
+        table = scale_table(cfg, overrides, points)  # written after every point: a kill keeps what was measured
+        atomic_write(folder / "scale.json", json.dumps(points, indent=2))
+        atomic_write(folder / "scale.md", table + "\n")
+    print(table)
+    return 0
+
+
+def scale_point(overrides: list[str]) -> subprocess.CompletedProcess:
+    """One point of ``bench --scale``: ``bench --step --full-length`` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "harness", "bench", "--step", "--full-length", *overrides],
+                          capture_output=True, text=True)
+
+
+def scale_table(cfg: DictConfig, overrides: list[str], points: list[dict]) -> str:
+    """``bench --scale``'s Markdown table: one line per point."""
+    t, threads = cfg.train, next((p["threads"] for p in points if "threads" in p), "?")
+    command = ["python -m harness bench --scale", f"--rows {','.join(map(str, sorted({p['rows'] for p in points})))}",
+               f"--tokens {','.join(map(str, sorted({p['max_new_tokens'] for p in points})))}", *overrides]
+    head = (f"`{' '.join(command)}` — {cfg.model.name}, {cfg.task.name}, group size {t.group_size}, "
+            f"{t.num_minibatches} minibatches, every row at full length (EOS never drawn); commit {commit()}; "
+            f"{machine(1).split(',')[0]}, {os.cpu_count()} cores, {threads} torch thread(s). Peaks in MiB (CPU: the "
+            "process's peak resident set size in the phase, which includes the heap harness/run/allocator.py keeps "
+            "from earlier phases unless RLVR_KEEP_FREED_MEMORY=0; GPU: peak allocated); the process peak covers the "
+            "untimed first step too.\n\n")
+    rows = ["| sequences | new tokens | tokens | rollout peak | update peak | process peak | rollout s | update s | "
+            "step s | step CPU s | load before / after |", "|" + "---|" * 11]
+    for p in points:
+        if "killed" in p:
+            rows.append(f"| {p['rows']} | {p['max_new_tokens']} | — | the process was killed ({p['killed']}) | | | | | "
+                        f"| | {p['load_before']:.2f} / {p['load_after']:.2f} |")
+            continue
+        rows.append(f"| {p['rows']} | {p['max_new_tokens']} | {p['completion_tokens']:,} | "
+                    f"{p['peak_mem_rollout_mb']:,.0f} | {p['peak_mem_update_mb']:,.0f} | "
+                    f"{p['peak_mem_process_mb']:,.0f} | {p['rollout_s']:.1f} | {p['update_s']:.1f} | "
+                    f"{p['step_s']:.1f} | {p['step_cpu_s']:.1f} | {p['load_before']:.2f} / {p['load_after']:.2f} |")
+    return head + "\n".join(rows)
 
 
 BUSY_PROCESS = "while True: pass"  # the other busy process of ``bench --busy``: one core's worth of work
@@ -404,14 +490,14 @@ def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
                       ro.sampler_logp)
 
 
-def warm_up(learner: Learner, setup: RunSetup, problems: list, cfg: DictConfig) -> tuple[float, float]:
+def warm_up(learner: Learner, setup: RunSetup, problems: list, cfg: DictConfig, **sampling) -> tuple[float, float]:
     """One untimed step of the timed step's sizes, so that one-time costs — kernel loading, the heap's growth to
     the step's peak memory (harness/run/allocator.py), CUDA handles, ``train.compile_sampler``'s compile — are charged
     to neither side (TRL's first step is untimed too); the weights are restored afterwards (lr 0 would still move
     AdamW's moments, so the state is saved and put back). Returns the seconds of its rollout and of the step."""
     saved = copy.deepcopy(learner.policy.state_dict())
     start = time.perf_counter()
-    ro = sample_problems(learner.policy, setup.tokenizer, problems, cfg.train)
+    ro = sample_problems(learner.policy, setup.tokenizer, problems, cfg.train, **sampling)
     rollout_s = time.perf_counter() - start
     bench_update(learner, setup, ro, problems, cfg, 0)
     step_s = time.perf_counter() - start

@@ -14,7 +14,16 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from harness.apps.bench import busy_main, matmuls_main, memory_main, profile_main, step_main
+from harness.apps.bench import (
+    SCALE_ROWS,
+    SCALE_TOKENS,
+    busy_main,
+    matmuls_main,
+    memory_main,
+    profile_main,
+    scale_main,
+    step_main,
+)
 from harness.apps.bench import main as bench
 from harness.apps.launchers import LAUNCHERS
 from harness.apps.soak import main as soak
@@ -100,6 +109,11 @@ def cmd_sweep(args) -> int:
     return 1 if failed or report_status else 0
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1 (``--rows 32,64``)."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -153,8 +167,12 @@ def cmd_prepare(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
-        if args.busy or args.step:
-            return (busy_main if args.busy else step_main)(args.overrides)
+        if args.busy:
+            return busy_main(args.overrides)
+        if args.step:
+            return step_main(args.overrides, full_length=args.full_length)
+        if args.scale:
+            return scale_main(args.overrides, rows=args.rows, tokens=args.tokens)
         if args.matmuls or args.profile or args.memory:
             return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
@@ -302,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one native step per thread setting, on this machine as it is and beside a busy process "
                             "(oversubscription; README Threads)")
     bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
+    bench.add_argument("--full-length", action="store_true", help=argparse.SUPPRESS)  # --scale's child: no EOS
+    bench.add_argument("--scale", action="store_true",
+                       help="peak memory and step time per (sequences, new tokens) point, a fresh process each, every "
+                            "row at full length (docs/benchmark.md's scaling table)")
+    bench.add_argument("--rows", type=int_list, default=SCALE_ROWS, metavar="N,N,...",
+                       help="--scale: sequences per rollout step (prompts x group size)")
+    bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",
+                       help="--scale: new tokens per sequence")
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",

@@ -133,6 +133,9 @@ class Sampling:
     decoder: str = "auto"  # native: harness/policy/decode.py's kind
     compile: bool = False  # native: torch.compile the decoder's step
     record_routing: bool = False  # native, MoE: record the sampler's routing (R3) on the rollout
+    stop_at_eos: bool = True  # native; False: EOS is never drawn (its logit -inf), every row runs max_new_tokens
+    # tokens (the worst-case shapes `bench --scale` measures; the recorded log-probs are then those of that
+    # EOS-less distribution, so a run never sets it)
 
 
 def _generate_hf(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, how: Sampling) -> tuple[Tensor, Tensor]:
@@ -235,6 +238,8 @@ def _generate_native(model, prompt_ids: Tensor, prompt_mask: Tensor, how: Sampli
     steps = max_new_tokens
     for t in range(max_new_tokens):
         uniform = None if how.greedy else torch.rand(rows, device=device)[row]
+        if not how.stop_at_eos:  # a copy: the decoder may hand out its own buffer
+            logits = logits.index_fill(-1, torch.tensor([eos_token_id], device=device), float("-inf"))
         token, logp = _sample(logits, uniform, how.temperature, how.top_p)
         completion_ids[row, t], sampler_logp[row, t] = token, logp
         finished |= token == eos_token_id
@@ -295,6 +300,8 @@ def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
     model.eval()
     try:
         if how.sampler == "hf":
+            if not how.stop_at_eos:
+                raise ValueError("stop_at_eos=False needs the native sampler")
             if how.record_routing:
                 raise ValueError("record_routing needs the native sampler (transformers' generate is not laid out)")
             completion_ids, sampler_logp = _generate_hf(model, tokenizer, prompt_ids, prompt_mask, how)
