@@ -33,6 +33,9 @@ Conventions aligned with the native loop (each one differs from stock TRL):
   clip_min = the lower threshold): TRL recomputes the trainer's old log-probs and its ratio
   (``importance_sampling_ratio``) becomes ``PolicyBatch.correction`` in ``_compute_loss``, so every objective
   gets it as natively. Without vLLM TRL samples with the policy itself: no sampler difference, weights 1;
+- a Mixture-of-Experts policy's expert volatility, load entropy and aux loss (the native keys, the native
+  functions): the behaviour routing is recorded in TRL's old-policy pass and compared at every loss forward; where
+  TRL skips that pass (one optimizer step per generation batch) it is the loss forward's own (volatility 0);
 - objectives with minibatch statistics (P3O's ESS): summed over the optimizer step's micro-batches (all
   processes) in a no-grad forward at the first micro-batch of the step, as the native loop's two passes.
 Remaining differences: ``model.sampler_dtype`` is not supported; TRL draws the prompts (seeded sampler), shuffles
