@@ -243,7 +243,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         """The policy's routing hooks (an MoE: :func:`harness.loop.build.hook_routing`), or None: a dense policy, or
         vLLM's log-probs as the behaviour (``train.old_logp: sampler``), whose routing cannot be recorded (then no
         expert volatility, as natively with a sampler that cannot record it)."""
-        return None if self.old_logp == "sampler" and self.use_vllm else routing_of(self.model)
+        vllm_behaviour = self.old_logp == "sampler" and self.use_vllm
+        return None if vllm_behaviour else routing_of(self.accelerator.unwrap_model(self.model))  # DeepSpeed wraps it
 
     @contextmanager
     def routed(self, attention_mask, completion_width: int, router_logits: bool = False):
