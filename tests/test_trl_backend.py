@@ -11,23 +11,32 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from trl import GRPOTrainer
 
+from harness.loop import trl_backend
 from harness.loop.batch import TrainBatch
 from harness.loop.native import update
 from harness.loop.trl_backend import (
+    ROUTING_KEY,
+    RegistryGRPOTrainer,
+    grpo_config,
+    problems_dataset,
+    reward_functions,
     train_trl,
 )
-from harness.loop.update import Learner, RunState, UpdatePlan
+from harness.loop.update import Learner, RunState, UpdatePlan, forward_rows
+from harness.policy.expert_volatility import capture_metrics, merge_volatility
 from harness.run.errors import ConfigError
 from harness.run.records import TIMING_METRICS, read_jsonl
 from objectives import get_objective
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC
+from tests.helpers.tiny_moe import perturb_routers, tiny_moe_run
 from tests.helpers.trl import (
     GradCapture,
     NoSchedule,
@@ -37,6 +46,7 @@ from tests.helpers.trl import (
     run_config,
     trl_inputs,
 )
+from tests.test_native_moe import moe_step
 
 
 @pytest.mark.parametrize("objective, params", [("grpo", {}), ("gspo", {"clip_low": 0.1, "clip_high": 0.1}),
@@ -180,3 +190,90 @@ def test_config_errors_name_the_backends(tmp_path):
         run_config(tmp_path, "train.dynamic_sampling=true")
     with pytest.raises(ConfigError, match="overlong_buffer is not supported"):
         run_config(tmp_path, "task.overlong_buffer=4")
+
+
+EXPERT_KEYS = ("expert_changed_frac", "expert_token_changed_frac", "expert_layer_changed_max", "expert_load_entropy",
+               "router_aux_loss", "routed_tokens")
+
+
+def spied_volatility(monkeypatch) -> list:
+    """Every loss forward's expert volatility on the TRL backend, in order (capture_metrics spied on)."""
+    seen = []
+
+    def spy(behaviour, capture):
+        volatility, metrics = capture_metrics(behaviour, capture)
+        seen.append(volatility)
+        return volatility, metrics
+
+    monkeypatch.setattr(trl_backend, "capture_metrics", spy)
+    return seen
+
+
+def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch):
+    """tiny_moe, 2 minibatches per rollout batch (TRL records the behaviour routing in its old-policy pass), an
+    entropy bonus so that every optimizer step moves the routers: each step logs the native loop's routing metrics;
+    the step's first minibatch sees the weights the record was made with (volatility exactly 0, which a record
+    misaligned with TRL's shuffled rows breaks), the second the moved ones (> 0, which comparing the live routing
+    with itself would hide)."""
+    seen = spied_volatility(monkeypatch)
+    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2")
+    train_trl(run, tmp_path / "moe", progress=False)
+    rows = read_jsonl(tmp_path / "moe" / "metrics.jsonl")[1:]
+    assert [r["step"] for r in rows] == [1, 2] and len(seen) == 4  # 2 steps x 2 minibatches of one micro-batch
+    for row, forwards in zip(rows, (seen[:2], seen[2:]), strict=True):
+        assert all(math.isfinite(row[key]) for key in EXPERT_KEYS), row
+        assert 0 < row["expert_load_entropy"] <= 1 and row["router_aux_loss"] > 0
+        assert forwards[0].tokens > 0 and forwards[0].changed_frac == 0.0 and forwards[0].token_changed_frac == 0.0
+        assert forwards[1].changed_frac > 0
+        assert row["expert_changed_frac"] == merge_volatility(forwards).changed_frac
+        assert row["routed_tokens"] == forwards[0].tokens + forwards[1].tokens
+
+
+def test_one_minibatch_behaviour_routing_is_the_loss_forwards_own(tmp_path, monkeypatch):
+    """One optimizer step per rollout batch: TRL skips its old-policy pass (the behaviour log-probs are the loss
+    forward's own, at the weights that sampled), so the behaviour routing is that forward's: volatility 0, while the
+    load entropy and the aux loss are still measured."""
+    seen = spied_volatility(monkeypatch)
+    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2",
+                       "train.num_minibatches=1", "train.steps=1")
+    train_trl(run, tmp_path / "moe", progress=False)
+    (row,) = read_jsonl(tmp_path / "moe" / "metrics.jsonl")[1:]
+    assert len(seen) == 1 and seen[0].tokens > 0 and row["expert_changed_frac"] == 0.0
+    assert math.isfinite(row["router_aux_loss"]) and math.isfinite(row["expert_load_entropy"])
+
+
+def test_dense_run_logs_no_expert_metrics(tmp_path):
+    run = run_config(tmp_path, "train.num_minibatches=2")
+    train_trl(run, tmp_path / "dense", progress=False)
+    rows = read_jsonl(tmp_path / "dense" / "metrics.jsonl")
+    assert len(rows) == 2 and "loss" in rows[1] and not any(key in row for row in rows for key in EXPERT_KEYS)
+
+
+def test_loss_forward_measures_routing_as_the_native_update(tmp_path):
+    """The same tiny_moe, rows and behaviour routing (the native recompute's record), routers moved after it: the TRL
+    trainer's loss forward and the native loop's update forward (forward_rows) give the same volatility, load entropy
+    and aux loss. One row per group: the native forward then runs every row whole, as TRL's (with a shared prompt it
+    routes the prompt once per group, which the aux loss counts once)."""
+    cfg, run, batch, behaviour = moe_step(tmp_path, "none", "train.old_logp=recompute")
+    assert behaviour.routing is not None
+    perturb_routers(run.policy)
+    rows = torch.arange(0, len(batch.rewards), cfg.train.group_size)
+    native = forward_rows(run.policy, UpdatePlan.of(batch, cfg, 1), rows)
+    assert native.volatility.changed_frac > 0
+    ro = batch.rollout
+    trainer = RegistryGRPOTrainer(
+        model=run.policy, reward_funcs=reward_functions(run.task), args=grpo_config(cfg, tmp_path / "trl"),
+        train_dataset=problems_dataset(run.train_problems[:8], run.tokenizer), processing_class=run.tokenizer,
+        objective=run.objective, estimator=run.estimator)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {"prompt_ids": ro.prompt_ids[rows], "prompt_mask": ro.prompt_mask[rows],
+              "completion_ids": ro.completion_ids[rows], "completion_mask": ro.completion_mask[rows].long(),
+              "advantages": batch.advantages[rows], "old_per_token_logps": batch.old_logp[rows],
+              "num_items_in_batch": ro.completion_mask[rows].sum(), "rewards": batch.rewards[rows],
+              "group_ids": batch.group_ids[rows], ROUTING_KEY: behaviour.routing.select(rows).indices.transpose(0, 1)}
+    trainer._compute_loss(trainer.model, inputs)
+    (volatility,) = trainer.volatility
+    assert volatility == native.volatility
+    logged = trainer.meter.result()
+    for key in ("expert_load_entropy", "router_aux_loss"):
+        assert logged[key] == pytest.approx(native.routing_metrics[key], rel=1e-6), key

@@ -27,6 +27,7 @@ from harness.loop.trl_backend import trl_checkpoints
 from harness.run.records import read_jsonl
 from tests.helpers.processes import processes_with, wait_until
 from tests.helpers.tiny import TINY_SPEC, without_timing
+from tests.helpers.tiny_moe import TINY_MOE_SPEC
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "trl_launch.py")
@@ -51,6 +52,13 @@ RTOL, ATOL = 1e-4, 1e-7
 # loss): they depend on which sequences share a micro-batch, which TRL's per-process shuffle of the generation batch
 # changes with the number of processes (the native loop's change with micro_batch_size alike).
 PER_MICRO_BATCH = {"ratio_std", "pg_loss"}
+# The same runs on the small tiny_moe from its random start, with an entropy bonus that moves the routers at every
+# optimizer step (the random policy's rewards are all 0): the second pass over each batch sees moved routing.
+MOE_SETTINGS = [*(s for s in SETTINGS if not s.startswith(("model.", "objective.", "train.lr="))),
+                "model.name=tiny_moe", *(f"model.tiny.{k}={v}" for k, v in TINY_MOE_SPEC.items()),
+                "model.warm_start_steps=0",
+                "model.warm_start_target=null", "objective.name=grpo", "objective.params.entropy_coef=0.1",
+                "train.lr=1e-2"]
 
 
 def free_port() -> int:
@@ -59,9 +67,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, processes: int, env: dict, **popen) -> subprocess.Popen:
+def launch(run_dir: Path, processes: int, env: dict, settings: list[str] = SETTINGS, **popen) -> subprocess.Popen:
     """``tests/trl_launch.py train trl_quickstart ...`` on ``processes`` processes (1: a plain process)."""
-    command = [ENTRY, "train", "trl_quickstart", *SETTINGS, "--run-dir", str(run_dir)]
+    command = [ENTRY, "train", "trl_quickstart", *settings, "--run-dir", str(run_dir)]
     if processes > 1:
         command = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -214,3 +222,21 @@ def test_a_cpu_launch_accelerate_would_run_otherwise_is_refused_before_the_run_s
     with pytest.raises(ConfigError, match=re.escape(message)):
         train_trl(run, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_moe_expert_volatility_on_two_processes_equals_one_process(tmp_path):
+    """Every process's loss forwards are gathered into the step's expert volatility, so two processes log exactly one
+    process's (the load entropy and the aux loss are each micro-batch's, whose rows the split changes: close)."""
+    env = {"RLVR_CACHE": str(tmp_path / "cache"), "RLVR_TEST_ROW_SEEDS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    for name, processes in (("one", 1), ("two", 2)):
+        finished(launch(tmp_path / name, processes, env, settings=MOE_SETTINGS))
+    one, two = (read_jsonl(tmp_path / name / "metrics.jsonl")[1:] for name in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two, strict=True):
+        assert a["expert_changed_frac"] > 0
+        for key in ("expert_changed_frac", "expert_token_changed_frac", "expert_layer_changed_max", "routed_tokens"):
+            assert b[key] == a[key], (a["step"], key)
+        for key in ("expert_load_entropy", "router_aux_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-2), (a["step"], key)

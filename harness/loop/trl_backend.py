@@ -33,6 +33,9 @@ Conventions aligned with the native loop (each one differs from stock TRL):
   clip_min = the lower threshold): TRL recomputes the trainer's old log-probs and its ratio
   (``importance_sampling_ratio``) becomes ``PolicyBatch.correction`` in ``_compute_loss``, so every objective
   gets it as natively. Without vLLM TRL samples with the policy itself: no sampler difference, weights 1;
+- a Mixture-of-Experts policy's expert volatility, load entropy and aux loss (the native keys, the native
+  functions): the behaviour routing is recorded in TRL's old-policy pass and compared at every loss forward; where
+  TRL skips that pass (one optimizer step per generation batch) it is the loss forward's own (volatility 0);
 - objectives with minibatch statistics (P3O's ESS): summed over the optimizer step's micro-batches (all
   processes) in a no-grad forward at the first micro-batch of the step, as the native loop's two passes.
 Remaining differences: ``model.sampler_dtype`` is not supported; TRL draws the prompts (seeded sampler), shuffles
@@ -43,12 +46,14 @@ Extra ``GRPOConfig`` arguments (e.g. vLLM) come from the environment: ``RLVR_TRL
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import time
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,12 +66,14 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 from trl.trainer.utils import add_fused_lm_head
 
 from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
-from harness.loop.build import setup_run
+from harness.loop.build import hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
+from harness.policy.expert_volatility import capture_metrics, merge_volatility
 from harness.policy.models import build_prompt
+from harness.policy.routing import Grid, full_layout, routing_of
 from harness.run.atomic import TMP, atomic_write
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.errors import ConfigError
@@ -78,6 +85,7 @@ from objectives.base import sum_statistics
 from objectives.rollout_correction import lower_threshold
 
 STATS_KEY = "minibatch_stats."  # inputs["minibatch_stats.<name>"]: 0-dim sums of the step's minibatch statistics
+ROUTING_KEY = "behaviour_routing"  # inputs[...]: [rows, layers, width, k] an MoE's routing in TRL's old-policy pass
 
 # TRL's logged metric -> the native metrics.jsonl key
 TRL_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "rewards/correct/mean": "accuracy",
@@ -197,6 +205,7 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         old_logp = old_logp if train is None else behaviour_logp(train)
         self.objective, self.estimator, self.old_logp, self.meter = objective, estimator, old_logp, MetricMeter()
         self.correction_on = train is not None and correction_settings(train)[0] != "none"
+        self.recording, self.behaviour_record, self.volatility = False, None, []  # an MoE's routing (expert volatility)
         if reference is not None:
             self.beta = objective.beta  # makes TRL compute ref_per_token_logps with self.ref_model
             add_fused_lm_head(reference.requires_grad_(False), temperature=self.temperature)
@@ -212,7 +221,13 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+        self.recording, self.behaviour_record = self.routing is not None, None  # TRL's old-policy pass records it
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self.recording = False
+        if self.behaviour_record is not None:  # rows first: TRL shuffles and splits it with the batch
+            out[ROUTING_KEY] = self.behaviour_record.indices.transpose(0, 1)
         rewards = (self._rewards_per_func * self.reward_weights.to(self._rewards_per_func.device)).nansum(dim=1)
         group_ids = torch.arange(len(rewards), device=rewards.device) // self.num_generations
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
@@ -222,6 +237,65 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         if self.correction_on:
             self.add_rollout_correction(out)
         return out
+
+    @property
+    def routing(self):
+        """The policy's routing hooks (an MoE: :func:`harness.loop.build.hook_routing`), or None: a dense policy, or
+        vLLM's log-probs as the behaviour (``train.old_logp: sampler``), whose routing cannot be recorded (then no
+        expert volatility, as natively with a sampler that cannot record it)."""
+        vllm_behaviour = self.old_logp == "sampler" and self.use_vllm
+        return None if vllm_behaviour else routing_of(self.accelerator.unwrap_model(self.model))  # DeepSpeed wraps it
+
+    @contextmanager
+    def routed(self, attention_mask, completion_width: int, router_logits: bool = False):
+        """A capture of the policy's routing (:meth:`harness.policy.routing.Routing.capture`) around one forward
+        call of [prompt | completion] with this ``attention_mask`` [rows, width] (the routing grid)."""
+        rows, width = attention_mask.shape
+        grid = Grid(rows, width, width - completion_width)
+        with self.routing.capture(grid, router_logits=router_logits) as capture, \
+                self.routing.tokens(full_layout(attention_mask)):
+            yield capture
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        """TRL's, and in TRL's old-policy pass of an MoE policy (the first no-grad forward of the policy while
+        generating; TRL skips it with one optimizer step per generation batch) also the routing of its tokens
+        (``behaviour_record``), chunk by chunk (``batch_size``) as TRL runs it."""
+        if not (self.recording and model is self.model and not torch.is_grad_enabled()):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, **kwargs)
+        self.recording = False  # the old-policy pass only, not the reference's nor any later one
+        size, parts, records = batch_size or len(input_ids), [], []
+        for start in range(0, len(input_ids), size):
+            rows = slice(start, start + size)
+            with self.routed(attention_mask[rows], logits_to_keep) as capture:
+                parts.append(super()._get_per_token_logps_and_entropies(
+                    model, input_ids[rows], attention_mask[rows], logits_to_keep, **kwargs))
+            records.append(capture.record)
+        self.behaviour_record = dataclasses.replace(records[0], indices=torch.cat([r.indices for r in records], 1))
+        logps, entropies, aux = zip(*parts, strict=True)
+        return (torch.cat(logps), None if entropies[0] is None else torch.cat(entropies),
+                None if aux[0] is None else torch.stack(aux).mean())
+
+    @contextmanager
+    def measured_routing(self, inputs):
+        """Around the loss forward of an MoE policy: its live routing compared with the behaviour routing of the same
+        rows (``inputs[ROUTING_KEY]``, TRL's old-policy pass; where TRL skipped that pass the behaviour log-probs are
+        this forward's own, and so is the behaviour routing: volatility 0) by the native loop's
+        :func:`capture_metrics`; the volatility joins ``self.volatility``, the yielded dict gets expert-load entropy
+        and the router's auxiliary loss. Nothing for a dense policy."""
+        metrics = {}
+        if self.routing is None:
+            yield metrics
+            return
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with self.routed(mask, inputs["completion_ids"].size(1), router_logits=True) as capture:
+            yield metrics
+        behaviour = capture.record if ROUTING_KEY not in inputs else dataclasses.replace(
+            capture.record, indices=inputs[ROUTING_KEY].transpose(0, 1))
+        volatility, routing_metrics = capture_metrics(behaviour, capture)
+        self.volatility.append(volatility)
+        metrics.update(routing_metrics)
 
     def add_rollout_correction(self, out: dict) -> None:
         """``out["rollout_correction"]`` [B, T]: TRL's ``importance_sampling_ratio`` (vLLM, from the mapped options),
@@ -279,12 +353,13 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         return logp, entropy
 
     def _compute_loss(self, model, inputs):
-        logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)  # TRL's fused head: differentiable
+        with self.measured_routing(inputs) as routing_metrics:  # an MoE's; nothing for a dense policy
+            logp, entropy = self.completion_logp(model, inputs, compute_entropy=True)  # TRL's fused head
         batch = self.policy_batch(inputs, logp, entropy)
         out = self.objective(batch)
         tokens = batch.mask.sum().item()
-        self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1)},
-                       tokens)
+        self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1),
+                        **routing_metrics}, tokens)
         # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
         return out.loss * self.accelerator.num_processes
 
@@ -320,8 +395,18 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
     def log(self, logs, start_time=None):
         if self.model.training:
             logs.update(self.gathered_meter().result())
-            self.meter = MetricMeter()
+            logs.update(self.gathered_volatility())
+            self.meter, self.volatility = MetricMeter(), []
         super().log(logs, start_time)
+
+    def gathered_volatility(self) -> dict[str, float]:
+        """An MoE's expert volatility over every process's loss forwards since the last log (merge_volatility, as the
+        native loop's over a step's forwards); {} for a dense policy. Every process logs together (gather_object)."""
+        if self.routing is None:
+            return {}
+        parts = self.volatility if self.accelerator.num_processes == 1 else [
+            part for parts in gather_object([self.volatility]) for part in parts]
+        return merge_volatility(parts).metrics() if parts else {}
 
     def gathered_meter(self) -> MetricMeter:
         """The objective's metrics over every process's micro-batches since the last log (token-weighted sums and
@@ -487,6 +572,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         setup = setup_run(cfg, device)  # harness/loop/build.py, as the native loop's
+        hook_routing(setup, cfg.train)  # an MoE's routing hooks: expert volatility (RegistryGRPOTrainer.routed)
         records.start_policy = setup.start_policy
         callback = RecordsCallback(cfg, records, setup.task, setup.tokenizer)
         trainer = RegistryGRPOTrainer(
