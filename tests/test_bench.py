@@ -87,7 +87,7 @@ def test_memory_prints_each_phase_peak_and_the_updates_allocations(capsys):
     figures = {line.split()[0]: line.split()[1] for line in printed.splitlines() if line.split()[:1] and
                line.split()[0].endswith(("_mb", "_s"))}
     assert {"peak_mem_rollout_mb", "peak_mem_update_mb", "weights_mb", "adamw_moments_mb", "rollout_s",
-            "update_s"} <= set(figures)
+            "update_s", "sampler_weight_copies_mb", "sampler_keys_values_and_tables_mb"} <= set(figures)
     assert float(figures["adamw_moments_mb"]) == 2 * float(figures["weights_mb"])
     assert "Self CPU Mem" in printed and "aten::" in printed
 

@@ -22,7 +22,7 @@ from harness.policy import decode
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.decode import CacheDecoder, Matmul, PerRowDecoder, SharedPrefixDecoder, build_decoder
 from harness.policy.models import build_prompt, load_model
-from harness.policy.sampler import generate
+from harness.policy.sampler import encode_prompts, generate
 from harness.tasks import get_task
 from tests.helpers.architectures import ARCHITECTURES, SHAPE, build
 
@@ -287,3 +287,23 @@ def test_the_compiled_sampler_gives_the_same_rollout():
     assert eager.truncated.any() and not eager.truncated.all()  # rows finished early and left the batch
     assert torch.equal(eager.completion_ids, compiled.completion_ids)
     torch.testing.assert_close(eager.sampler_logp, compiled.sampler_logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["shared_prefix", "per_row", "cache"])
+def test_held_bytes_counts_the_keys_values_and_weight_copies_beyond_the_weights(kind):
+    """`bench --memory`'s sampler figures: by hand, fp32 keys/values at capacity (2 layers x k and v), the
+    stacked q+k+v and gate+up copies (o, down and the LM head are the model's own weights: not copies)."""
+    model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                                "intermediate_size": 64}, seed=0)
+    prompts = [build_prompt(tokenizer, p.question) for p in get_task("arith").train_problems()[:3]]
+    prompt_ids, prompt_mask = encode_prompts(model, tokenizer, prompts)
+    d, p, groups, new, layers, heads, width = 3, prompt_ids.shape[1], 4, 10, 2, 2, 16
+    with torch.inference_mode():
+        decoder, _ = build_decoder(model, prompt_ids, prompt_mask, group_size=groups, max_new_tokens=new, kind=kind)
+        held = decode.held_bytes(decoder, model)
+    per_position = layers * 2 * heads * width * 4  # bytes of one position's keys and values in every layer
+    keys_values = {"shared_prefix": (d * p + d * groups * new) * per_position,  # prompts once + generated per row
+                   "per_row": d * groups * (p + new) * per_position, "cache": d * groups * (p + new) * per_position}
+    assert keys_values[kind] <= held["state"] <= keys_values[kind] * 1.1  # + the rotary tables, masks, indices
+    copies = layers * (3 * 32 * 32 + 2 * 64 * 32) * 4 if kind != "cache" else 0
+    assert held["weight_copies"] == copies

@@ -44,7 +44,7 @@ from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.models import load_model
-from harness.policy.sampler import Rollout, sample_problems
+from harness.policy.sampler import Rollout, decoder_memory, sample_problems
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, updates_per_step
@@ -157,8 +157,9 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
 def memory_main(overrides: list[str], rows: int = 12) -> int:
     """``bench --memory``: after one untimed step (:func:`warm_up`), the peak memory of one native rollout and one
     native update of the bench configuration (harness/loop/metrics.py), beside what the model's size implies
-    (weights, gradients, AdamW's two moments) and the largest minibatch's logits [real completion tokens, vocab] in
-    fp32; then ``torch.profiler``'s operators of the update by the memory they allocate (``Self CPU Mem``)."""
+    (weights, gradients, AdamW's two moments), the largest minibatch's logits [real completion tokens, vocab] in
+    fp32 and what the sampler's decoder holds beyond the weights (its weight copies; its keys/values at capacity);
+    then ``torch.profiler``'s operators of the update by the memory they allocate (``Self CPU Mem``)."""
     from torch.profiler import profile
 
     cfg, setup, problems, _ = bench_run(overrides)
@@ -179,9 +180,14 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
     weights = sum(p.numel() * p.element_size() for p in setup.policy.parameters()) / mib
     per_minibatch = ro.completion_mask.sum(-1).view(cfg.train.num_minibatches, -1).sum(-1)  # bench: rows in order
     logits = int(per_minibatch.max()) * setup.policy.config.get_text_config().vocab_size * 4 / mib
+    decoder = decoder_memory(setup.policy, setup.tokenizer, problems, cfg.train)
     for key, value in {**memory.metrics(), "weights_mb": weights, "gradients_mb": weights,
-                       "adamw_moments_mb": 2 * weights, "largest_minibatch_logits_fp32_mb": logits}.items():
+                       "adamw_moments_mb": 2 * weights, "largest_minibatch_logits_fp32_mb": logits,
+                       "sampler_weight_copies_mb": decoder["weight_copies"] / mib,
+                       "sampler_keys_values_and_tables_mb": decoder["state"] / mib}.items():
         print(f"{key:34s} {value:9.0f}")
+    print(f"(the sampler's {decoder['kind']}: keys/values at their capacity, {len(problems)} prompts x "
+          f"{cfg.train.group_size} rows x {cfg.train.max_new_tokens} new tokens)")
     print(update_profile.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=rows))
     return 0
 

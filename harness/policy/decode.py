@@ -136,6 +136,44 @@ class Matmul:
 RMS_NORMS = tuple(f"{family}RMSNorm" for family in ("Llama", "Mistral", "Qwen2", "Qwen3"))
 
 
+def held_bytes(decoder, model) -> dict[str, int]:
+    """What a decoder holds beyond ``model``'s parameters, in bytes, each storage counted once: ``weight_copies``
+    (its :class:`Matmul` s' stacked or oneDNN-reordered weights and biases) and ``state`` (keys/values at their
+    allocated capacity — pages of the generated part become resident as they are written —, rotary tables, masks,
+    indices). Modules are not entered: their parameters are the model's."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, visited, held = set(), {}, {"weight_copies": 0, "state": 0}  # visited: id -> object, kept alive
+
+    def add(t: Tensor, bucket: str) -> None:
+        if t.is_mkldnn:  # an opaque layout (no storage to share): its own copy
+            key, size = id(t), t.numel() * t.element_size()
+        else:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key not in seen and key not in params:
+            seen.add(key)
+            held[bucket] += size
+
+    def walk(x, bucket: str) -> None:
+        if id(x) in visited:
+            return
+        visited[id(x)] = x
+        if isinstance(x, Tensor):
+            add(x, bucket)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item, bucket)
+        elif isinstance(x, dict):
+            for item in x.values():
+                walk(item, bucket)
+        elif isinstance(x, Matmul):
+            walk([x.weight, x.bias] if x.kind != "modules" else [], "weight_copies")
+        elif hasattr(x, "__dict__") and not isinstance(x, torch.nn.Module):
+            walk(list(vars(x).values()), bucket)
+
+    walk(list(vars(decoder).values()), "state")
+    return held
+
+
 def rms_norm(norm, x: Tensor) -> Tensor:
     """``norm(x)`` for a Llama-family RMSNorm module, w * (x / sqrt(mean(x^2) + eps)) computed in float32, as
     torch's one-kernel ``F.rms_norm`` (instead of the module's six operations) where it has no hooks."""

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from harness.policy.architecture import positions, written_out_unsupported
-from harness.policy.decode import DECODERS, build_decoder
+from harness.policy.decode import DECODERS, build_decoder, held_bytes
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, RoutingRecord, routing_of, routing_unsupported, select_record_rows
 from harness.run.checks import register_check
@@ -276,6 +276,24 @@ def sample_problems(model, tokenizer, problems, train: DictConfig | None = None,
     return generate(model, tokenizer, prompts, **{**options, **settings})
 
 
+def encode_prompts(model, tokenizer, prompts: list[str]) -> tuple[Tensor, Tensor]:
+    """The prompts' token ids and attention mask [N, P], left-padded, on the model's device."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+@torch.inference_mode()
+def decoder_memory(model, tokenizer, problems, train: DictConfig) -> dict[str, int]:
+    """What the native sampler's decoder for ``problems`` under the run's ``train`` settings holds beyond the model's
+    weights (:func:`harness.policy.decode.held_bytes`: weight copies; keys/values at capacity and tables): the
+    decoder is built and prefilled as a rollout would, then dropped."""
+    prompt_ids, prompt_mask = encode_prompts(model, tokenizer, [build_prompt(tokenizer, p.question) for p in problems])
+    decoder, _ = build_decoder(model, prompt_ids, prompt_mask, group_size=train.group_size,
+                               max_new_tokens=train.max_new_tokens, kind=train.decoder, compile=train.compile_sampler)
+    return {"kind": type(decoder).__name__, **held_bytes(decoder, model)}
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
     """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded;
@@ -293,9 +311,7 @@ def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
     how = Sampling(**settings)
     if how.sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {how.sampler!r}")
-    device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    prompt_ids, prompt_mask = encode_prompts(model, tokenizer, prompts)
     was_training = model.training
     model.eval()
     try:
