@@ -291,6 +291,19 @@ def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(t
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
+    """Hostile pass (docs/hostile_pass.md, cases 13-14): the run used to start, print its header and fail with
+    'NotADirectoryError ... (no traceback file: ...)'."""
+    (tmp_path / "file").write_text("")
+    results = tmp_path / "file" / "results"
+    assert main([command, "quickstart", *QUICK, "seed=0", "sweep.grid.objective.name=[grpo]",
+                 f"results_dir={results}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: cannot make results folder "), err
+    assert f"{tmp_path / 'file'} is a file, not a folder" in err and sorted(tmp_path.iterdir()) == [tmp_path / "file"]
+
+
 def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nonexistent"))
     assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2

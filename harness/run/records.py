@@ -27,6 +27,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,9 +171,24 @@ def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
     return differences
 
 
+def check_writable(folder: Path) -> None:
+    """Refuse (ConfigError, one line, before anything is printed or touched) a results folder that cannot be made:
+    a file on its path, a missing or read-only mount (e.g. ``results_dir=/etc/passwd/x``, ``/proc/x``). Probed by
+    making and removing an empty folder in its nearest existing parent (root's permissions pass os.access)."""
+    parent = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    fix = "give a folder you can write (results_dir=... or --run-dir ...)"
+    if not parent.is_dir():
+        raise ConfigError(f"cannot make results folder {folder}: {parent} is a file, not a folder; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
+
+
 def check_resume(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse (ConfigError, one line, before anything is touched) to continue the run in ``run_dir`` with settings
-    other than those in its config.yaml: its steps would mix two runs."""
+    """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
+    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs."""
+    check_writable(run_dir)
     saved_path = run_dir / "config.yaml"
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
