@@ -181,3 +181,16 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     with pytest.raises(ConfigError, match=r"sweep.per_objective pins train.routing_replay=none for gspo") as info:
         run_configs(load_experiment("moe_stability", ["objective.name=gspo", "train.routing_replay=r2"]))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=.nan", r"train.lr is NaN: give a number"),
+    ("train.lr=.inf", r"train.lr must be a finite number >= 0, got inf"),
+    ("objective.params.clip_low=.nan", r"objective.params.clip_low is NaN: give a number"),
+    ("model.warm_start_lr=.nan", r"model.warm_start_lr is NaN"),
+])
+def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, message):
+    """Hostile pass (docs/hostile_pass.md, case 42): `train.lr=.nan` passed every range check and the run failed in
+    torch's optimizer, with a run folder and a traceback file."""
+    with pytest.raises(ConfigError, match=message):
+        run_configs(load_experiment("quickstart", [override]))

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,7 @@ def run_id(run: DictConfig) -> str:
 def validate(run: DictConfig) -> None:
     """Every check of a run's settings, before anything starts: the schema's own here, then each component's
     (harness/run/checks.py). Raises ConfigError (one line naming the key and the fix)."""
+    _check_no_nan(OmegaConf.to_container(run, resolve=True))
     _check_objective(run)
     _check_train(run.train)
     _check_batching(run)
@@ -431,6 +433,16 @@ def check_this_machine(runs: list[DictConfig]) -> None:
     exists."""
     for run in runs:
         run_checks(run, when="machine")
+
+
+def _check_no_nan(value: Any, key: str = "") -> None:
+    """No setting is NaN (`.nan` in YAML): every range check passes it (each comparison is false), so the run would
+    start and fail, or train on NaN, later."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{key} is NaN: give a number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, item in items:
+        _check_no_nan(item, f"{key}.{name}" if key else str(name))
 
 
 def _check_objective(run: DictConfig) -> None:
@@ -484,8 +496,8 @@ def _check_train(t: DictConfig) -> None:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
     for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",
                 "export_every"):
-        if t[key] < 0:
-            raise ConfigError(f"train.{key} must be >= 0, got {t[key]}")
+        if not 0 <= t[key] < math.inf:
+            raise ConfigError(f"train.{key} must be a finite number >= 0, got {t[key]}")
     if t.max_grad_norm <= 0:
         raise ConfigError(f"train.max_grad_norm must be > 0, got {t.max_grad_norm}")
     if t.old_logp not in OLD_LOGP:
