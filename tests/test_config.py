@@ -194,3 +194,11 @@ def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, me
     torch's optimizer, with a run folder and a traceback file."""
     with pytest.raises(ConfigError, match=message):
         run_configs(load_experiment("quickstart", [override]))
+
+
+def test_a_missing_experiment_file_is_named_as_given(tmp_path):
+    """Hostile pass (docs/hostile_pass.md, case 58): `train /nonexistent.yaml` said it looked for
+    /nonexistent.yaml.yaml."""
+    with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\); give") as e:
+        load_experiment(str(tmp_path / "x.yaml"))
+    assert ".yaml.yaml" not in str(e.value)

@@ -291,7 +291,10 @@ def _hyperparameter_names() -> set[str]:
 
 def experiment_path(name: str) -> Path:
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
+    if path.suffix in (".yaml", ".yml"):  # a file's path: there or not, never experiments/<path>.yaml
+        if not path.is_file():
+            raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}); give "
+                              f"an existing YAML file or an experiment's name (`python -m harness list`)")
         return path
     path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.exists():
