@@ -202,3 +202,12 @@ def test_a_missing_experiment_file_is_named_as_given(tmp_path):
     with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\); give") as e:
         load_experiment(str(tmp_path / "x.yaml"))
     assert ".yaml.yaml" not in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["train.steps=[1,", "sweep.grid.seed=[1,"])
+def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
+    """Hostile pass (docs/hostile_pass.md, case 65): the error listed every override and the YAML parser's three
+    lines."""
+    with pytest.raises(ConfigError) as e:
+        load_experiment("quickstart", ["train.steps=3", override, "seed=0"])
+    assert str(e.value).startswith(f"bad override {override!r}: ") and "\n" not in str(e.value), str(e.value)

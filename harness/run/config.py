@@ -285,6 +285,23 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
 
 
+def _bad_override(overrides: list[str], grid: dict[str, str], error: Exception) -> str:
+    """One line naming the override that does not parse (each tried alone) and the parser's first line."""
+    for override in [*overrides, *(f"{GRID}{k}={v}" for k, v in grid.items())]:
+        try:
+            if override.startswith(GRID):
+                yaml.safe_load(override.partition("=")[2])
+            else:
+                OmegaConf.from_dotlist([override])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            error = e
+            break
+    else:
+        override = " ".join(overrides)
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"bad override {override!r}: {reason}. Use key=value with a YAML value, e.g. train.steps=20"
+
+
 def _hyperparameter_names() -> set[str]:
     return {k for name in OBJECTIVES.names() for k in OBJECTIVES.get(name).hyperparameters()}
 
@@ -341,7 +358,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
         layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
     except (OmegaConfBaseException, yaml.YAMLError) as e:
-        raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
+        raise ConfigError(_bad_override(overrides, grid_overrides, e)) from None
     cfg = _merge(*layers)
     if cfg.profile is not None:
         if cfg.profile not in cfg.profiles:
