@@ -211,3 +211,12 @@ def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
     with pytest.raises(ConfigError) as e:
         load_experiment("quickstart", ["train.steps=3", override, "seed=0"])
     assert str(e.value).startswith(f"bad override {override!r}: ") and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_value_given_to_a_whole_section_names_the_section(tmp_path):
+    """Hostile pass (docs/hostile_pass.md, case 62): `train: 3` said 'Merge error: int is not a subclass of
+    TrainConfig'."""
+    (tmp_path / "x.yaml").write_text("train: 3\n")
+    for args in [(str(tmp_path / "x.yaml"),), ("quickstart", ["model=tiny"])]:
+        with pytest.raises(ConfigError, match=r"^(train|model) is a section of settings, not a value: got "):
+            load_experiment(*args)

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,12 @@ def _explain(e: OmegaConfBaseException) -> str:
             close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
             hint = f" Did you mean {'.'.join(filter(None, [parent, close[0]]))!r}?" if close else ""
         return f"unknown config key {key!r}.{hint}" + (f" Valid keys here: {', '.join(valid)}." if valid else "")
+    merge = re.match(r"Merge error: (\w+) is not a subclass of (\w+)\. value: (.*)", msg)
+    if merge and not key:  # `train: 3` in a file or `train=3` on the command line
+        sections = [f.name for f in dataclasses.fields(RunConfig) if getattr(f.type, "__name__", f.type) == merge[2]]
+        key = sections[0] if sections else merge[2]
+        return (f"{key} is a section of settings, not a value: got {key}={merge[3]}; give its keys (e.g. "
+                f"{key}.<key>=..., or `{key}:` then indented `<key>: ...` in a file)")
     return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
 
 
