@@ -15,6 +15,7 @@ from harness.apps.bench import (
     profile_main,
     train_batch,
 )
+from harness.apps.cli import main
 from harness.policy.models import load_model
 from harness.policy.sampler import sample_problems
 from harness.run.errors import ConfigError
@@ -101,3 +102,11 @@ def test_the_bench_refuses_an_estimator_that_needs_the_loop_and_passes_lengths_t
     ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
     assert batch.advantages.shape == (4,) and torch.isfinite(batch.advantages).all()
+
+
+def test_bad_settings_of_the_bench_are_a_config_error_like_every_command(capsys):
+    """Hostile pass (docs/hostile_pass.md, case 92): `bench model.name=bogus` said 'error: ConfigError: ...' with
+    status 1."""
+    assert main(["bench", "model.name=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: model.name 'bogus' is neither") and err.count("\n") == 1, err

@@ -158,6 +158,8 @@ def cmd_bench(args) -> int:
         if args.matmuls or args.profile or args.memory:
             return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
+    except ConfigError:  # the settings: `config error: ...` and status 2, as every command says it
+        raise
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
