@@ -284,7 +284,8 @@ class RunRecords:
                 "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
-                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
+                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
+                if self.rows or self.progress["steps_done"] else [],  # none before step 0's row; all if every row is lost
                 "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse(),
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
