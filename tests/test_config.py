@@ -185,7 +185,7 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
 
 @pytest.mark.parametrize("override, message", [
     ("train.lr=.nan", r"train.lr is NaN: give a number"),
-    ("train.lr=.inf", r"train.lr must be a finite number >= 0, got inf"),
+    ("train.lr=.inf", r"train.lr must be >= 0 and finite, got inf"),
     ("objective.params.clip_low=.nan", r"objective.params.clip_low is NaN: give a number"),
     ("model.warm_start_lr=.nan", r"model.warm_start_lr is NaN"),
 ])

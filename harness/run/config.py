@@ -524,7 +524,7 @@ def _check_train(t: DictConfig) -> None:
     for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",
                 "export_every"):
         if not 0 <= t[key] < math.inf:
-            raise ConfigError(f"train.{key} must be a finite number >= 0, got {t[key]}")
+            raise ConfigError(f"train.{key} must be >= 0 and finite, got {t[key]}")
     if t.max_grad_norm <= 0:
         raise ConfigError(f"train.max_grad_norm must be > 0, got {t.max_grad_norm}")
     if t.old_logp not in OLD_LOGP:
