@@ -21,7 +21,7 @@ from harness.loop.native import train
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
-from harness.run.records import read_jsonl, run_status
+from harness.run.records import check_resume, read_jsonl, run_status
 from tests.helpers.disk import fill_disk_at, temporaries
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
@@ -419,3 +419,14 @@ def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the
             (trl / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     assert trl_checkpoints(trl) == (str(trl / "checkpoint-8"), [trl / "checkpoint-12"])
     assert trl_checkpoints(tmp_path / "none") == (None, [])
+
+
+@pytest.mark.parametrize("damage", ["train: {steps: [\n", "- a list\n"])
+def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stopped_run, capsys, damage):
+    """Hostile pass (docs/hostile_pass.md, case 122): a damaged config.yaml was silently rewritten from the settings
+    given, which could not be checked against the run's."""
+    run, run_dir = stopped_run
+    (run_dir / "config.yaml").write_text(damage)
+    check_resume(run, run_dir)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {run_dir / 'config.yaml'} is damaged"), err

@@ -193,7 +193,10 @@ def check_resume(cfg: DictConfig, run_dir: Path) -> None:
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
     except Exception:  # noqa: BLE001 - a damaged config.yaml: nothing to compare with
-        saved = None
+        saved = "damaged"
+    if saved is not None and (not isinstance(saved, dict) or not saved):
+        print(f"warning: {saved_path} is damaged (not a mapping of settings): these settings cannot be checked "
+              "against the run's; the run continues with them and config.yaml is written anew", file=sys.stderr)
     if not isinstance(saved, dict) or not saved:
         return
     differences = settings_differences(saved, cfg)
