@@ -430,3 +430,11 @@ def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stop
     check_resume(run, run_dir)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"warning: {run_dir / 'config.yaml'} is damaged"), err
+
+
+def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_run, tmp_path, capsys):
+    run, run_dir = stopped_run
+    (run_dir / "config.yaml").write_text("- a list\n")
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "train.steps=3", "--run-dir", str(run_dir),
+                 "--no-progress"]) == 0
+    assert capsys.readouterr().err.count("config.yaml is damaged") == 1

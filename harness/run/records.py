@@ -185,7 +185,7 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
 
 
-def check_resume(cfg: DictConfig, run_dir: Path) -> None:
+def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
     the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs."""
     check_writable(run_dir)
@@ -194,7 +194,7 @@ def check_resume(cfg: DictConfig, run_dir: Path) -> None:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
     except Exception:  # noqa: BLE001 - a damaged config.yaml: nothing to compare with
         saved = "damaged"
-    if saved is not None and (not isinstance(saved, dict) or not saved):
+    if warn and saved is not None and (not isinstance(saved, dict) or not saved):
         print(f"warning: {saved_path} is damaged (not a mapping of settings): these settings cannot be checked "
               "against the run's; the run continues with them and config.yaml is written anew", file=sys.stderr)
     if not isinstance(saved, dict) or not saved:
@@ -238,7 +238,7 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.metrics = self.eval_samples = self.lock = self.trackers = None
-        check_resume(cfg, run_dir)
+        check_resume(cfg, run_dir, warn=False)  # the command checked (and warned) before the run began
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
