@@ -7,6 +7,7 @@ names the file, and the run is reported with what exists. A folder with nothing 
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -112,7 +113,8 @@ def parse_metrics(path: Path) -> MetricsFile:
     nulls = {}
     for row in rows:
         for key, value in row.items():
-            if value is None and not key.startswith(NULL_OK):
+            if (value is None and not key.startswith(NULL_OK)
+                    or isinstance(value, float) and not math.isfinite(value)):  # a NaN / Infinity another writer left
                 nulls.setdefault(key, []).append(int(row["step"]))
     for col in df.columns:
         values = pd.to_numeric(df[col], errors="coerce")
@@ -143,7 +145,8 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
         warn(f"{path}: the run is {status} but its last line is truncated: step {step} lost (its metrics are not in "
              "the figures; the summary's numbers still are)")
     for key, steps in sorted(read.nulls.items()):
-        warn(f"{path}: `{key}` is null (NaN or inf when written) at step{'s' * (len(steps) > 1)} {steps_text(steps)}")
+        warn(f"{path}: `{key}` is not a number (NaN, inf, or null: non-finite when written) at "
+             f"step{'s' * (len(steps) > 1)} {steps_text(steps)}")
     logged = set(read.frame["step"].astype(int)) if len(read.frame) else set()
     listed = summary.get("missing_steps")  # what the loop knew was missing; the file may have lost more since
     listed = {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()

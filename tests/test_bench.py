@@ -16,6 +16,7 @@ from harness.apps.bench import (
     scale_main,
     train_batch,
 )
+from harness.apps.cli import main as cli_main
 from harness.policy.models import load_model
 from harness.policy.sampler import sample_problems
 from harness.run.errors import ConfigError
@@ -150,3 +151,11 @@ def test_scale_measures_full_length_points_in_fresh_processes(tmp_path):
     first, second = json.loads((tmp_path / "bench" / "scale.json").read_text())
     assert first["completion_tokens"] == 8 * 6 and second["completion_tokens"] == 8 * 12  # every row at full length
     assert 0 < first["peak_mem_rollout_mb"] <= first["peak_mem_process_mb"] and second["step_s"] > 0
+
+
+def test_bad_settings_of_the_bench_are_a_config_error_like_every_command(capsys):
+    """Hostile pass (docs/hostile_pass.md, case 92): `bench model.name=bogus` said 'error: ConfigError: ...' with
+    status 1."""
+    assert cli_main(["bench", "model.name=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: model.name 'bogus' is neither") and err.count("\n") == 1, err

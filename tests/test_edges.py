@@ -21,7 +21,7 @@ from harness.loop.native import train
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
-from harness.run.records import read_jsonl, run_status
+from harness.run.records import check_resume, read_jsonl, run_status
 from tests.helpers.disk import fill_disk_at, temporaries
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
@@ -291,6 +291,19 @@ def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(t
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
+    """Hostile pass (docs/hostile_pass.md, cases 13-14): the run used to start, print its header and fail with
+    'NotADirectoryError ... (no traceback file: ...)'."""
+    (tmp_path / "file").write_text("")
+    results = tmp_path / "file" / "results"
+    assert main([command, "quickstart", *QUICK, "seed=0", "sweep.grid.objective.name=[grpo]",
+                 f"results_dir={results}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: cannot make results folder "), err
+    assert f"{tmp_path / 'file'} is a file, not a folder" in err and sorted(tmp_path.iterdir()) == [tmp_path / "file"]
+
+
 def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nonexistent"))
     assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
@@ -406,3 +419,22 @@ def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the
             (trl / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     assert trl_checkpoints(trl) == (str(trl / "checkpoint-8"), [trl / "checkpoint-12"])
     assert trl_checkpoints(tmp_path / "none") == (None, [])
+
+
+@pytest.mark.parametrize("damage", ["train: {steps: [\n", "- a list\n"])
+def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stopped_run, capsys, damage):
+    """Hostile pass (docs/hostile_pass.md, case 122): a damaged config.yaml was silently rewritten from the settings
+    given, which could not be checked against the run's."""
+    run, run_dir = stopped_run
+    (run_dir / "config.yaml").write_text(damage)
+    check_resume(run, run_dir)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {run_dir / 'config.yaml'} is damaged"), err
+
+
+def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_run, tmp_path, capsys):
+    run, run_dir = stopped_run
+    (run_dir / "config.yaml").write_text("- a list\n")
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "train.steps=3", "--run-dir", str(run_dir),
+                 "--no-progress"]) == 0
+    assert capsys.readouterr().err.count("config.yaml is damaged") == 1

@@ -29,6 +29,16 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
 
 
+def test_a_run_whose_metrics_were_all_lost_lists_every_step_as_missing(tmp_path):
+    """Hostile pass (docs/hostile_pass.md, case 124): a finished run's emptied metrics.jsonl, run again, rewrote its
+    summary with missing_steps [] (nothing lost) and every accuracy null."""
+    run = tiny_run(tmp_path, "train.steps=2")
+    train(run, tmp_path / "run", progress=False)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    summary = train(run, tmp_path / "run", progress=False)
+    assert summary["status"] == "finished" and summary["missing_steps"] == [0, 1, 2]
+
+
 @pytest.mark.slow  # a whole run (or several): make test
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
     run = tiny_run(tmp_path, "train.steps=3")

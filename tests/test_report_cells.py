@@ -171,7 +171,8 @@ def test_a_killed_run_is_stopped_and_a_live_one_running(tmp_path):
 def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
     exp_dir = tmp_path / "warn"
     entries = [fake_run(exp_dir, "grpo", 0, rows={2: {"loss": None, "grad_norm": None}, 4: {"loss": None}}),
-               fake_run(exp_dir, "grpo", 1), fake_run(exp_dir, "grpo", 2)]
+               fake_run(exp_dir, "grpo", 1), fake_run(exp_dir, "grpo", 2),
+               fake_run(exp_dir, "gspo", 0, rows={1: {"loss": float("nan")}, 2: {"loss": float("inf")}})]
     fake_experiment(exp_dir, entries)
     cut = exp_dir / entries[1]["dir"] / "metrics.jsonl"  # a finished run whose last line was cut mid-write
     lines = cut.read_text().splitlines()
@@ -179,9 +180,11 @@ def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
     gap = exp_dir / entries[2]["dir"] / "metrics.jsonl"
     gap.write_text("".join(line + "\n" for line in gap.read_text().splitlines() if '"step": 3,' not in line))
     _, caught = load(exp_dir)
-    assert f"{exp_dir / entries[0]['dir'] / 'metrics.jsonl'}: `loss` is null (NaN or inf when written) at steps 2, 4" \
-        in caught
-    assert any(w.endswith("`grad_norm` is null (NaN or inf when written) at step 2") for w in caught)
+    not_a_number = "is not a number (NaN, inf, or null: non-finite when written)"
+    assert f"{exp_dir / entries[0]['dir'] / 'metrics.jsonl'}: `loss` {not_a_number} at steps 2, 4" in caught
+    nan = exp_dir / entries[3]["dir"] / "metrics.jsonl"  # NaN / Infinity literals (hostile pass case 114): warned too
+    assert f"{nan}: `loss` {not_a_number} at steps 1, 2" in caught
+    assert any(w.endswith(f"`grad_norm` {not_a_number} at step 2") for w in caught)
     assert f"{cut}: the run is finished but its last line is truncated: step 6 lost (its metrics are not in the " \
            "figures; the summary's numbers still are)" in caught
     assert f"{gap}: step 3 missing (steps done: 6)" in caught

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.apps import zoo
+from harness.apps.cli import main as cli_main
 from harness.run.config import run_id
 from objectives import OBJECTIVES, available_objectives
 
@@ -25,3 +26,13 @@ def test_every_registered_objective_each_cell_once(two_cells, monkeypatch):
         (o, s, m) for o in objectives for s in (0,) for m in (4, 16)}
     assert all(r.name == "zoo" and r.train.steps == 2 for r in runs) and folder.name == "zoo"
     assert set(folder.sweep.grid) == {"objective.name", "seed", "train.num_minibatches"}
+
+
+@pytest.mark.parametrize("target", ["2", "0", "nan", "x"])
+def test_a_target_accuracy_no_run_can_reach_is_refused_in_one_line(target, capsys):
+    """Hostile pass (docs/hostile_pass.md, case 132): `zoo --target 2` ran every run and left the tokens-to-target
+    column empty."""
+    with pytest.raises(SystemExit) as e:
+        cli_main(["zoo", "--target", target, "--objectives", "grpo"])
+    assert e.value.code == 2
+    assert f"--target: must be an eval accuracy in (0, 1], got {target!r}" in capsys.readouterr().err

@@ -134,6 +134,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def accuracy(text: str) -> float:
+    """An accuracy a run can reach: a number in (0, 1] (0 is reached at the start; above 1 never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be an eval accuracy in (0, 1], got {text!r}")
+    return value
+
+
 def cmd_list(args) -> int:
     print("objectives (objective.name; hyperparameters objective.params.*):")
     for name in OBJECTIVES.names():
@@ -176,6 +187,8 @@ def cmd_bench(args) -> int:
         if args.matmuls or args.profile or args.memory:
             return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
+    except ConfigError:  # the settings: `config error: ...` and status 2, as every command says it
+        raise
     except (RuntimeError, ValueError, OSError) as e:  # e.g. no GSM8K data: one line, as for a run
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -288,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
     zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
-    zoo.add_argument("--target", type=float, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
+    zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
     zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")

@@ -25,7 +25,7 @@ from harness.policy.device import resolve_device
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
-from harness.run.records import ENDED, read_jsonl, run_status, write_json_atomic
+from harness.run.records import ENDED, check_writable, read_jsonl, run_status, write_json_atomic
 from harness.run.threads import run_threads
 
 
@@ -106,6 +106,7 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     runs = run_configs(cfg) if runs is None else runs
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
+    check_writable(exp_dir)
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:

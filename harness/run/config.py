@@ -24,6 +24,8 @@ import functools
 import hashlib
 import itertools
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,7 +283,30 @@ def _explain(e: OmegaConfBaseException) -> str:
             close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
             hint = f" Did you mean {'.'.join(filter(None, [parent, close[0]]))!r}?" if close else ""
         return f"unknown config key {key!r}.{hint}" + (f" Valid keys here: {', '.join(valid)}." if valid else "")
+    merge = re.match(r"Merge error: (\w+) is not a subclass of (\w+)\. value: (.*)", msg)
+    if merge and not key:  # `train: 3` in a file or `train=3` on the command line
+        sections = [f.name for f in dataclasses.fields(RunConfig) if getattr(f.type, "__name__", f.type) == merge[2]]
+        key = sections[0] if sections else merge[2]
+        return (f"{key} is a section of settings, not a value: got {key}={merge[3]}; give its keys (e.g. "
+                f"{key}.<key>=..., or `{key}:` then indented `<key>: ...` in a file)")
     return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
+
+
+def _bad_override(overrides: list[str], grid: dict[str, str], error: Exception) -> str:
+    """One line naming the override that does not parse (each tried alone) and the parser's first line."""
+    for override in [*overrides, *(f"{GRID}{k}={v}" for k, v in grid.items())]:
+        try:
+            if override.startswith(GRID):
+                yaml.safe_load(override.partition("=")[2])
+            else:
+                OmegaConf.from_dotlist([override])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            error = e
+            break
+    else:
+        override = " ".join(overrides)
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"bad override {override!r}: {reason}. Use key=value with a YAML value, e.g. train.steps=20"
 
 
 def _hyperparameter_names() -> set[str]:
@@ -290,7 +315,10 @@ def _hyperparameter_names() -> set[str]:
 
 def experiment_path(name: str) -> Path:
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
+    if path.suffix in (".yaml", ".yml"):  # a file's path: there or not, never experiments/<path>.yaml
+        if not path.is_file():
+            raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}); give "
+                              f"an existing YAML file or an experiment's name (`python -m harness list`)")
         return path
     path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.exists():
@@ -337,7 +365,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
         layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
     except (OmegaConfBaseException, yaml.YAMLError) as e:
-        raise ConfigError(f"bad override in {overrides}: {e}. Use key=value, e.g. train.steps=20") from None
+        raise ConfigError(_bad_override(overrides, grid_overrides, e)) from None
     cfg = _merge(*layers)
     if cfg.profile is not None:
         if cfg.profile not in cfg.profiles:
@@ -418,6 +446,7 @@ def run_id(run: DictConfig) -> str:
 def validate(run: DictConfig) -> None:
     """Every check of a run's settings, before anything starts: the schema's own here, then each component's
     (harness/run/checks.py). Raises ConfigError (one line naming the key and the fix)."""
+    _check_no_nan(OmegaConf.to_container(run, resolve=True))
     _check_objective(run)
     _check_train(run.train)
     _check_batching(run)
@@ -431,6 +460,16 @@ def check_this_machine(runs: list[DictConfig]) -> None:
     exists."""
     for run in runs:
         run_checks(run, when="machine")
+
+
+def _check_no_nan(value: Any, key: str = "") -> None:
+    """No setting is NaN (`.nan` in YAML): every range check passes it (each comparison is false), so the run would
+    start and fail, or train on NaN, later."""
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{key} is NaN: give a number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, item in items:
+        _check_no_nan(item, f"{key}.{name}" if key else str(name))
 
 
 def _check_objective(run: DictConfig) -> None:
@@ -484,8 +523,8 @@ def _check_train(t: DictConfig) -> None:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
     for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",
                 "export_every"):
-        if t[key] < 0:
-            raise ConfigError(f"train.{key} must be >= 0, got {t[key]}")
+        if not 0 <= t[key] < math.inf:
+            raise ConfigError(f"train.{key} must be >= 0 and finite, got {t[key]}")
     if t.max_grad_norm <= 0:
         raise ConfigError(f"train.max_grad_norm must be > 0, got {t.max_grad_norm}")
     if t.old_logp not in OLD_LOGP:

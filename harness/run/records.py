@@ -27,6 +27,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,14 +171,32 @@ def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
     return differences
 
 
-def check_resume(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse (ConfigError, one line, before anything is touched) to continue the run in ``run_dir`` with settings
-    other than those in its config.yaml: its steps would mix two runs."""
+def check_writable(folder: Path) -> None:
+    """Refuse (ConfigError, one line, before anything is printed or touched) a results folder that cannot be made:
+    a file on its path, a missing or read-only mount (e.g. ``results_dir=/etc/passwd/x``, ``/proc/x``). Probed by
+    making and removing an empty folder in its nearest existing parent (root's permissions pass os.access)."""
+    parent = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    fix = "give a folder you can write (results_dir=... or --run-dir ...)"
+    if not parent.is_dir():
+        raise ConfigError(f"cannot make results folder {folder}: {parent} is a file, not a folder; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
+
+
+def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True) -> None:
+    """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
+    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs."""
+    check_writable(run_dir)
     saved_path = run_dir / "config.yaml"
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
     except Exception:  # noqa: BLE001 - a damaged config.yaml: nothing to compare with
-        saved = None
+        saved = "damaged"
+    if warn and saved is not None and (not isinstance(saved, dict) or not saved):
+        print(f"warning: {saved_path} is damaged (not a mapping of settings): these settings cannot be checked "
+              "against the run's; the run continues with them and config.yaml is written anew", file=sys.stderr)
     if not isinstance(saved, dict) or not saved:
         return
     differences = settings_differences(saved, cfg)
@@ -219,7 +238,7 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.metrics = self.eval_samples = self.lock = self.trackers = None
-        check_resume(cfg, run_dir)
+        check_resume(cfg, run_dir, warn=False)  # the command checked (and warned) before the run began
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +287,9 @@ class RunRecords:
                 "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
-                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged) if self.rows else [],
+                # none before step 0's row; all if every row is lost
+                "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
+                if self.rows or self.progress["steps_done"] else [],
                 "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse(),
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
