@@ -10,6 +10,7 @@ SLURM); the loop is the same.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from harness.apps.launchers import Launcher, RunHandle, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
+from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
@@ -54,7 +56,9 @@ def _grid_point(run: DictConfig, cfg: DictConfig) -> dict:
 
 def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     """Build each distinct warm-started starting policy once, with all cores, before the runs start (they
-    then load it from the cache instead of training it in parallel, one core each)."""
+    then load it from the cache instead of training it in parallel, one core each). The process then drops the
+    policy and gives its freed heap back to the kernel: the sweep's parent waits on its runs for the rest of the
+    sweep, and would otherwise hold the warm start's peak memory (harness/run/allocator.py keeps freed memory)."""
     if any(run.model.warm_start_steps for run in runs):
         run_threads(runs[0].threads)
     done = set()
@@ -65,6 +69,9 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
                 tqdm.write(f"preparing the starting policy ({run.model.warm_start_steps} warm-start steps, cached)")
             build_policy(run, build_task(run), resolve_device(run.device))
             done.add(key)
+    if done:
+        gc.collect()  # the policy's autograd graph and optimizer may hold reference cycles
+        release_freed_memory()
 
 
 def _policy_key(run: DictConfig) -> str:

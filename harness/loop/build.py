@@ -9,6 +9,7 @@ copies (reference, sampler), optimizer and learning-rate schedule.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from harness.policy.models import TINY_MODELS, load_model
 from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
 from objectives import get_advantage, get_objective
@@ -101,6 +103,8 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
         recipe = WarmStartRecipe(max_steps=m.warm_start_steps, lr=m.warm_start_lr, batch_size=m.warm_start_batch_size,
                                  seed=m.seed, target=target, check_every=m.warm_start_check_every)
         model, start = warm_start(model, tokenizer, task, recipe)
+        gc.collect()  # a warm start trained here leaves its optimizer state and activations freed: give them back
+        release_freed_memory()  # (harness/run/allocator.py keeps freed memory; the steps then hold what they use)
     return model, tokenizer, start
 
 
