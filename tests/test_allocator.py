@@ -19,14 +19,18 @@ import json, resource, torch
 from harness.run.allocator import keep_freed_memory, release_freed_memory
 kept = keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+held = []
 def touch():  # a step's worth: one block above glibc's default mmap threshold (64 MiB) and smaller ones
     before = faults()
     big, small = torch.ones(16 << 20), [torch.ones(1 << 20) for _ in range(8)]
+    held.append(rss())
     del big, small
     return faults() - before
 first, second, third = touch(), touch(), touch()  # the heap's layout settles within a step or two
+freed = held[-1] - rss()  # what the third step's `del` gave back to the kernel
 release_freed_memory()
-print(json.dumps({"kept": kept, "first": first, "third": third, "after_release": touch()}))
+print(json.dumps({"kept": kept, "first": first, "third": third, "freed": freed, "after_release": touch()}))
 """
 
 
@@ -50,9 +54,21 @@ def test_the_environment_switch_keeps_glibc_defaults():
     assert not default["kept"] and default["third"] > pages // 2  # the 64 MiB block is mmap'd and faulted again
 
 
+def test_release_gives_every_freed_block_back_at_once():
+    """`RLVR_KEEP_FREED_MEMORY=release`: the 1 MiB blocks too are unmapped when freed (glibc's defaults keep them
+    in the heap once its dynamic threshold has risen), so the resident set drops by the whole step's 96 MiB."""
+    pages = (64 + 32) * 2**20 // 4096
+    release = faults({"RLVR_KEEP_FREED_MEMORY": "release"})
+    assert not release["kept"] and release["third"] > pages * 9 // 10  # every page of the step faulted again
+    assert release["freed"] > 90 * 2**20
+    default = faults({"RLVR_KEEP_FREED_MEMORY": "0"})
+    assert default["freed"] < 80 * 2**20  # the 64 MiB block goes back, the small ones stay
+    assert faults({})["freed"] < 2**20  # kept: nothing goes back
+
+
 def test_a_bad_switch_is_refused_in_one_line():
     out = subprocess.run([sys.executable, "-m", "harness", "list"], capture_output=True, text=True,
                          env={**os.environ, "RLVR_KEEP_FREED_MEMORY": "yes"})
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == ("config error: RLVR_KEEP_FREED_MEMORY='yes': set it to 0 (glibc's defaults) or 1 "
-                                  "(keep freed memory), or unset it")
+    assert out.stderr.strip() == ("config error: RLVR_KEEP_FREED_MEMORY='yes': set it to 0 (glibc's defaults), 1 "
+                                  "(keep freed memory) or release (give it back at once), or unset it")

@@ -45,6 +45,7 @@ from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.models import load_model
 from harness.policy.sampler import Rollout, decoder_memory, sample_problems
+from harness.run.allocator import ENV as ALLOCATOR_ENV
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, updates_per_step
@@ -274,9 +275,10 @@ def scale_table(cfg: DictConfig, overrides: list[str], points: list[dict]) -> st
                f"--tokens {','.join(map(str, sorted({p['max_new_tokens'] for p in points})))}", *overrides]
     head = (f"`{' '.join(command)}` — {cfg.model.name}, {cfg.task.name}, group size {t.group_size}, "
             f"{t.num_minibatches} minibatches, every row at full length (EOS never drawn); commit {commit()}; "
-            f"{machine(1).split(',')[0]}, {os.cpu_count()} cores, {threads} torch thread(s). Peaks in MiB (CPU: the "
-            "process's peak resident set size in the phase, which includes the heap harness/run/allocator.py keeps "
-            "from earlier phases unless RLVR_KEEP_FREED_MEMORY=0; GPU: peak allocated); the process peak covers the "
+            f"{machine(1).split(',')[0]}, {os.cpu_count()} cores, {threads} torch thread(s), "
+            f"{ALLOCATOR_ENV}={os.environ.get(ALLOCATOR_ENV, '1 (unset)')}. Peaks in MiB (CPU: the process's peak "
+            "resident set size in the phase, which includes the heap harness/run/allocator.py keeps from earlier "
+            "phases unless RLVR_KEEP_FREED_MEMORY is 0 or release; GPU: peak allocated); the process peak covers the "
             "untimed first step too.\n\n")
     rows = ["| sequences | new tokens | tokens | rollout peak | update peak | process peak | rollout s | update s | "
             "step s | step CPU s | load before / after |", "|" + "---|" * 11]
