@@ -54,3 +54,18 @@ def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
         assert len(rows) == 2 and all("train.routing_replay=" in row for row in rows), table
     mechanics = docs.mechanics_table(exp)
     assert "| 3 |" in mechanics and "| 6 |" not in mechanics
+
+
+def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkeypatch):
+    """`make docs` after an interrupted one at the same commit resumes: its wall time covers only the runs left, and
+    the page says how many had finished before (a page once claimed 4 runs in 14.5 min when two were resumed)."""
+    results = tmp_path / "results"
+    grid_experiment(results / "quickstart", {}, seeds=(0,))  # grpo and gspo, finished before the command
+    monkeypatch.setattr(docs, "DOCS", tmp_path)
+    entries = [{"status": "finished"}] * 4
+    monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs: entries)
+    section = docs.document("quickstart", results, 2)
+    assert "4/4 runs finished in" in section and "; 2 of them had finished before this command" in section
+    for summary in (results / "quickstart").glob("*/summary.json"):
+        summary.unlink()
+    assert "had finished before" not in docs.document("quickstart", results, 2)

@@ -31,6 +31,7 @@ from harness.apps.sweep import run_sweep
 from harness.apps.zoo import main as zoo
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
+from harness.run.records import run_status
 
 DOCS = ROOT / "docs"
 # experiment -> (report figure -> docs/ file name)
@@ -81,11 +82,12 @@ def time_table(exp_dir: Path) -> str:
 def document(name: str, results_dir: Path, jobs: int) -> str:
     """Sweep ``name``, write its report, copy its figures; returns its section of the results page."""
     cfg = load_experiment(name, [f"results_dir={results_dir}"])
+    exp_dir = results_dir / name
+    before = sum(run_status(run.parent) == "finished" for run in exp_dir.glob("*/summary.json"))
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs)
     wall = time.perf_counter() - start
     load_after = os.getloadavg()[0]
-    exp_dir = results_dir / name
     report = build_report(exp_dir).parent
     for figure, target in FIGURES.get(name, {}).items():
         if (report / f"{figure}.png").exists():
@@ -94,7 +96,9 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
     figures = "".join(f"\n![{name} {figure}]({target})\n" for figure, target in FIGURES.get(name, {}).items())
     return (f"## {name}\n\n`make sweep EXP={name}` — {finished}/{len(entries)} runs finished in {wall / 60:.1f} min "
             f"(wall time of the sweep, including a warm start when the cache lacked it; 1-minute load average "
-            f"{load_before:.2f} before, {load_after:.2f} after).\n\n"
+            f"{load_before:.2f} before, {load_after:.2f} after)"
+            + (f"; {before} of them had finished before this command (an earlier, interrupted `make docs` at this "
+               "commit: resumed, not rerun, so the wall time covers the rest)" if before else "") + ".\n\n"
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
             f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
