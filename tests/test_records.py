@@ -10,7 +10,7 @@ import pytest
 from harness.loop.native import train
 from harness.run.collapse import CollapseRule
 from harness.run.locks import FolderBusyError
-from harness.run.records import RunRecords, read_jsonl
+from harness.run.records import RunRecords, check_resume, read_jsonl
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import tiny_run, without_timing
 
@@ -62,7 +62,12 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     holder = RunRecords(run, tmp_path / "run", None, None, "native")
     with pytest.raises(FolderBusyError, match="is being written by another process"):
         train(run, tmp_path / "run", progress=False)
+    # the command refuses a second writer before it prints anything (hostile pass case 125: after its header line)
+    with pytest.raises(FolderBusyError, match="is being written by another process; wait for it or stop it"):
+        check_resume(run, tmp_path / "run")
+    RunRecords(run, tmp_path / "run", None, None, "native", main=False)  # the run's other processes do not probe
     holder.lock.close()
+    check_resume(run, tmp_path / "run")
     assert train(run, tmp_path / "run", progress=False)["status"] == "finished"
 
 

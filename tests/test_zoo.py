@@ -36,3 +36,13 @@ def test_a_target_accuracy_no_run_can_reach_is_refused_in_one_line(target, capsy
         cli_main(["zoo", "--target", target, "--objectives", "grpo"])
     assert e.value.code == 2
     assert f"--target: must be an eval accuracy in (0, 1], got {target!r}" in capsys.readouterr().err
+
+
+def test_a_setting_a_regime_cannot_take_names_the_regime(capsys):
+    """Hostile pass cases 89 / 133: with 4 prompts a step, offpolicy's 16 minibatches leave conspo less than a group
+    per minibatch; the one line names the regime that sets the minibatches, before anything starts."""
+    assert cli_main(["zoo", "--objectives", "conspo", "--seeds", "1", "train.prompts_per_step=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: the zoo's regime 'offpolicy' "
+                                                   "(train.num_minibatches=[16], experiments/offpolicy.yaml) with your "
+                                                   "settings: objective 'conspo' compares the samples of a group"), err

@@ -27,6 +27,7 @@ from analysis.report import build_report
 from harness.apps.stamp import commit, machine
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.records import ENDED
 from objectives import available_objectives
 
@@ -52,9 +53,15 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
     runs: dict[str, DictConfig] = {}
     keys: dict[str, None] = {}
     for experiment, axes in CELLS.items():
-        cfg = load_experiment(experiment, [*common, *(f"sweep.grid.{k}={json.dumps(v)}" for k, v in axes.items())])
+        cell = [f"sweep.grid.{k}={json.dumps(v)}" for k, v in axes.items()]
+        try:  # a setting the regime cannot take is named with the regime that sets the rest
+            cfg = load_experiment(experiment, [*common, *cell])
+            cells = run_configs(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"the zoo's regime '{experiment}' ({', '.join(f'{k}={v}' for k, v in axes.items())}, "
+                              f"experiments/{experiment}.yaml) with your settings: {e}") from None
         keys.update(dict.fromkeys(cfg.sweep.grid))
-        for run in run_configs(cfg):
+        for run in cells:
             runs.setdefault(run_id(run), run)
     folder = load_experiment("quickstart", [*overrides, f"name={NAME}"])
     folder.sweep.grid = {key: [] for key in keys}

@@ -40,7 +40,7 @@ from harness.run.atomic import atomic_write, disk_full_error, remove_stale_tempo
 from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, schema_defaults
 from harness.run.errors import ConfigError
-from harness.run.locks import RUN_LOCK, is_held, lock_folder
+from harness.run.locks import RUN_LOCK, FolderBusyError, is_held, lock_folder
 from harness.run.tracking import Trackers
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
@@ -185,10 +185,15 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
 
 
-def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True) -> None:
+def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, probe_lock: bool = True) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
-    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs."""
+    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs; and a
+    folder another process is writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second
+    writer is refused before it prints anything; the lock itself is still taken when the run starts; ``probe_lock``
+    False: not probed, for the run's own processes, which may find the main process holding it)."""
     check_writable(run_dir)
+    if probe_lock and is_held(run_dir / RUN_LOCK):
+        raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
     saved_path = run_dir / "config.yaml"
     try:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
@@ -207,6 +212,7 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True) -> None:
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
 
 
+RUN_FOLDER_BUSY = "run folder {run_dir} is being written by another process"
 # the statuses of a run that has ended by itself: it ran every step, or the native loop stopped it for non-finite
 # updates (train.max_nonfinite_in_row in a row). A sweep does not start either again; any other status is resumed.
 ENDED = ("finished", "diverged")
@@ -238,11 +244,11 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.metrics = self.eval_samples = self.lock = self.trackers = None
-        check_resume(cfg, run_dir, warn=False)  # the command checked (and warned) before the run began
+        check_resume(cfg, run_dir, warn=False, probe_lock=False)  # the command checked (and warned) before it began
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = lock_folder(run_dir / RUN_LOCK, f"run folder {run_dir} is being written by another process")
+        self.lock = lock_folder(run_dir / RUN_LOCK, RUN_FOLDER_BUSY.format(run_dir=run_dir))
         try:
             remove_stale_temporaries(run_dir, run_dir / "checkpoints", run_dir / "exports")
             if resume_step is not None:
