@@ -91,6 +91,10 @@ def test_memory_prints_each_phase_peak_and_the_updates_allocations(capsys):
             "update_s", "sampler_weight_copies_mb", "sampler_keys_values_and_tables_mb"} <= set(figures)
     assert float(figures["adamw_moments_mb"]) == 2 * float(figures["weights_mb"])
     assert "Self CPU Mem" in printed and "aten::" in printed
+    (live,) = [line for line in printed.splitlines() if line.startswith("the update's live tensors at their peak")]
+    sizes = {part.rsplit(" ", 1)[0]: float(part.rsplit(" ", 1)[1]) for part in live.split("MiB: ")[1].split(", ")}
+    assert {"parameter", "optimizer_state"} <= set(sizes)  # the tiny model's, by the profiler's categories
+    assert sizes["optimizer_state"] >= sizes["parameter"]  # AdamW: two moments per parameter (MiB, rounded)
 
 
 def test_the_bench_refuses_an_estimator_that_needs_the_loop_and_passes_lengths_to_the_others():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import json
 import os
 import statistics
@@ -172,7 +173,9 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
     ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
     memory.start("update")
     clocks.append((time.perf_counter(), time.process_time()))
-    with profile(profile_memory=True) as update_profile:  # the profiler's bookkeeping slows the update a little
+    # the profiler's bookkeeping (shapes and stacks, which its memory timeline needs) slows the update and holds
+    # memory of its own: the phase peaks above are the process's, the categories below torch's live tensors
+    with profile(profile_memory=True, record_shapes=True, with_stack=True) as update_profile:
         bench_update(learner, setup, ro, problems, cfg, 1)
     clocks.append((time.perf_counter(), time.process_time()))
     for name, k in (("rollout", 0), ("update", 1)):
@@ -189,8 +192,32 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
         print(f"{key:34s} {value:9.0f}")
     print(f"(the sampler's {decoder['kind']}: keys/values at their capacity, {len(problems)} prompts x "
           f"{cfg.train.group_size} rows x {cfg.train.max_new_tokens} new tokens)")
+    peak, categories = live_tensors_at_peak(update_profile, str(setup.device))
+    print(f"the update's live tensors at their peak: {peak / mib:.1f} MiB: " +
+          ", ".join(f"{name} {size / mib:.1f}" for name, size in categories.items() if size))
     print(update_profile.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=rows))
     return 0
+
+
+def live_tensors_at_peak(prof, device: str) -> tuple[int, dict[str, int]]:
+    """From ``torch.profiler``'s memory timeline of a profile (``profile_memory``, ``record_shapes``, ``with_stack``):
+    the bytes of live tensors on ``device`` at their peak, and those bytes by the profiler's categories (parameter,
+    optimizer state, activation, gradient, autograd detail, input, temporary, unknown)."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX  # the index -> category of the raw export
+
+    names = {index: (category.name.lower() if category is not None else "unknown")
+             for category, index in _CATEGORY_TO_INDEX.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "timeline.raw.json.gz"
+        prof.export_memory_timeline(str(path), device=device)
+        with gzip.open(path, "rt") as f:
+            events = sorted(json.load(f), key=lambda event: event[0])  # (time, action, bytes, category)
+    live, peak, at_peak = dict.fromkeys(names.values(), 0), 0, {}
+    for _, _, size, category in events:
+        live[names.get(category, "unknown")] += size
+        if sum(live.values()) > peak:
+            peak, at_peak = sum(live.values()), dict(live)
+    return peak, at_peak
 
 
 def step_main(overrides: list[str], full_length: bool = False) -> int:
