@@ -66,6 +66,7 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     with pytest.raises(FolderBusyError, match="is being written by another process; wait for it or stop it"):
         check_resume(run, tmp_path / "run")
     RunRecords(run, tmp_path / "run", None, None, "native", main=False)  # the run's other processes do not probe
+    check_resume(run, tmp_path / "run", main=False)  # nor do their commands (`accelerate launch`)
     holder.lock.close()
     check_resume(run, tmp_path / "run")
     assert train(run, tmp_path / "run", progress=False)["status"] == "finished"

@@ -58,8 +58,8 @@ def cmd_train(args) -> int:
     check_this_machine([run])
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     # another run's folder, or one another process is writing: refused before anything is printed or touched
-    # (the lock is probed by the main process only: `accelerate launch`'s others may find the main one holding it)
-    check_resume(run, run_dir, probe_lock=MAIN_PROCESS)
+    # (the folder is probed by the main process only: `accelerate launch`'s others write nothing of the run)
+    check_resume(run, run_dir, main=MAIN_PROCESS)
     device = resolve_device(run.device)
     say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
     say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "

@@ -185,14 +185,18 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
 
 
-def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, probe_lock: bool = True) -> None:
+def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
+                 ) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
     the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs; and a
     folder another process is writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second
     writer is refused before it prints anything; the lock itself is still taken when the run starts; ``probe_lock``
-    False: not probed, for the run's own processes, which may find the main process holding it)."""
-    check_writable(run_dir)
-    if probe_lock and is_held(run_dir / RUN_LOCK):
+    False: not probed, for the run's own records, which take it next). ``main`` False (the other processes of
+    `accelerate launch`, which write nothing of the run and may find the main one holding the lock): the settings
+    are compared, the folder is neither probed for writing nor for its lock."""
+    if main:
+        check_writable(run_dir)
+    if main and probe_lock and is_held(run_dir / RUN_LOCK):
         raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
     saved_path = run_dir / "config.yaml"
     try:
@@ -244,7 +248,7 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.metrics = self.eval_samples = self.lock = self.trackers = None
-        check_resume(cfg, run_dir, warn=False, probe_lock=False)  # the command checked (and warned) before it began
+        check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
