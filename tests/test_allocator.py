@@ -55,14 +55,13 @@ def test_the_environment_switch_keeps_glibc_defaults():
 
 
 def test_release_gives_every_freed_block_back_at_once():
-    """`RLVR_KEEP_FREED_MEMORY=release`: the 1 MiB blocks too are unmapped when freed (glibc's defaults keep them
-    in the heap once its dynamic threshold has risen), so the resident set drops by the whole step's 96 MiB."""
+    """`RLVR_KEEP_FREED_MEMORY=release`: every block of the step, the 1 MiB ones too, is unmapped when freed, so the
+    resident set drops by the whole step's 96 MiB and the next step faults every page in again. (glibc's defaults
+    may or may not keep the 1 MiB blocks, by where its dynamic threshold stands: not asserted.)"""
     pages = (64 + 32) * 2**20 // 4096
     release = faults({"RLVR_KEEP_FREED_MEMORY": "release"})
     assert not release["kept"] and release["third"] > pages * 9 // 10  # every page of the step faulted again
     assert release["freed"] > 90 * 2**20
-    default = faults({"RLVR_KEEP_FREED_MEMORY": "0"})
-    assert default["freed"] < 80 * 2**20  # the 64 MiB block goes back, the small ones stay
     assert faults({})["freed"] < 2**20  # kept: nothing goes back
 
 
