@@ -61,8 +61,7 @@ def test_release_gives_every_freed_block_back_at_once():
     pages = (64 + 32) * 2**20 // 4096
     release = faults({"RLVR_KEEP_FREED_MEMORY": "release"})
     assert not release["kept"] and release["third"] > pages * 9 // 10  # every page of the step faulted again
-    assert release["freed"] > 90 * 2**20
-    assert faults({})["freed"] < 2**20  # kept: nothing goes back
+    assert release["freed"] > 90 * 2**20  # (kept, the default, gives nothing back: the test above faults nothing)
 
 
 def test_a_bad_switch_is_refused_in_one_line():
