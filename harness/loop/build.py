@@ -103,8 +103,9 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
         recipe = WarmStartRecipe(max_steps=m.warm_start_steps, lr=m.warm_start_lr, batch_size=m.warm_start_batch_size,
                                  seed=m.seed, target=target, check_every=m.warm_start_check_every)
         model, start = warm_start(model, tokenizer, task, recipe)
-        gc.collect()  # a warm start trained here leaves its optimizer state and activations freed: give them back
-        release_freed_memory()  # (harness/run/allocator.py keeps freed memory; the steps then hold what they use)
+        gc.collect()  # a warm start trained here (or loaded from the cache) leaves freed memory: its optimizer
+        release_freed_memory()  # state and activations, or the loaded copy's; harness/run/allocator.py keeps freed
+        # memory otherwise, and the steps then hold what they use (cheap when nothing was freed)
     return model, tokenizer, start
 
 

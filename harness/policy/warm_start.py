@@ -29,11 +29,18 @@ from harness.policy.sampler import sample_problems
 from harness.run.atomic import atomic_write
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.threads import fixed_threads
 from harness.tasks import Task
 
 log = logging.getLogger(__name__)
 
 WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash below would not see
+# Torch threads of the warm start's training and checks, whatever the caller's: CPU reductions round differently with
+# another count, and over a warm start's many steps the weights part ways (stopping at another step, with another
+# eval accuracy: docs/loop.md, "The starting policy"). Every run of a sweep starts from this one policy, so a
+# difference here is shared by all its seeds, not averaged out by them; a fixed count builds the same starting policy
+# on an idle or a busy machine and with any number of cores (on one CPU family: other instruction sets round otherwise).
+WARM_START_THREADS = 1
 CHECK_CHUNK = 64  # check-set problems per sampler call
 
 
@@ -111,10 +118,11 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
         return model.eval(), json.loads(sidecar_path.read_text())
 
     start = time.perf_counter()
-    step, checks = _train(model, tokenizer, task, recipe)
+    with fixed_threads(WARM_START_THREADS):
+        step, checks = _train(model, tokenizer, task, recipe)
     sidecar = {
         "key": key, **version, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
-        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": torch.get_num_threads(),
+        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": WARM_START_THREADS,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }

@@ -17,6 +17,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -87,3 +89,15 @@ def run_threads(threads: int = 0, previous: int | None = None) -> int:
                   f"thread{'s' if threads > 1 else ''} (threads=N sets it)", file=sys.stderr)
     torch.set_num_threads(threads)
     return threads
+
+
+@contextmanager
+def fixed_threads(threads: int) -> Iterator[None]:
+    """torch's CPU threads at ``threads`` inside the block, the caller's count restored after it (the warm start's
+    fixed count: harness/policy/warm_start.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
