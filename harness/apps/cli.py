@@ -269,9 +269,17 @@ def unmet_requirement() -> str | None:
     return None
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors in one line (its own prints the usage first): what is wrong, then where the options
+    are listed. Its subcommands' parsers are of this class too (argparse makes them of the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (`{self.prog} -h` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command, its arguments and their help."""
-    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    parser = OneLineParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "train one run of an experiment (its sweep section is ignored)"),
                             ("sweep", "run or resume every run of an experiment's sweep")):
