@@ -94,8 +94,8 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
 
 @pytest.mark.slow
 def test_soak_kills_and_resumes_without_loss():
-    out = cli("soak", "--kills", "3", "--seed", "1", timeout=600)
-    assert out.returncode == 0 and "soak: PASS: 3 kills" in out.stdout, out.stdout + out.stderr
+    out = cli("soak", "--kills", "2", "--seed", "1", timeout=600)  # make soak KILLS=10 is the real soak
+    assert out.returncode == 0 and "soak: PASS: 2 kills" in out.stdout, out.stdout + out.stderr
 
 
 def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
