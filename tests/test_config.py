@@ -22,6 +22,7 @@ from harness.run.errors import ConfigError
     (["model.dtype=fp8"], "model.dtype must be one of"),
     (["sweep.grid.seed=[]"], "zero runs"),
     (["train.lm_head_chunk=-1"], "train.lm_head_chunk and train.max_tokens_per_micro_batch must be >= 0"),
+    (["train.eval_batch_size=0"], "train.eval_batch_size must be >= 1, got 0"),
     (["train.max_tokens_per_micro_batch=512", "train.micro_batch_size=4"], "not both"),
     (["objective.name=clip_cov", "train.max_tokens_per_micro_batch=512"], "needs statistics of the whole minibatch"),
     (["backend=trl", "train.lm_head_chunk=256"], "are the native backend's"),
@@ -94,6 +95,15 @@ def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
     assert runs[0].train.prompts_per_step == 32 and runs[0].train.steps == 7 and runs[0].profile is None
     with pytest.raises(ConfigError, match="profile 'tpu' is not defined"):
         load_experiment("gsm8k_ablation", ["profile=tpu"])
+
+
+def test_the_low_memory_profile_changes_only_the_memory_settings():
+    plain = run_configs(load_experiment("gsm8k_ablation"))
+    low = run_configs(load_experiment("gsm8k_ablation", ["profile=low_memory"]))
+    memory = {"lm_head_chunk": 1024, "activation_checkpointing": True, "eval_batch_size": 16}
+    for a, b in zip(plain, low, strict=True):
+        assert {k: b.train[k] for k in memory} == memory
+        assert OmegaConf.merge(a, {"train": memory}) == b and run_id(a) != run_id(b)
 
 
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):

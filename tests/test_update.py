@@ -172,3 +172,12 @@ def test_timings_report_only_the_phases_that_ran():
     with timed(None, "optimizer_s"):  # no timings: nothing recorded, nothing fails
         pass
     assert list(timings.metrics()) == ["update_backward_s"] and timings.metrics()["update_backward_s"] >= 0
+
+
+def test_no_gradient_is_held_after_the_update(tmp_path, monkeypatch):
+    """The last optimizer step's gradients are dropped: the rollout and evaluation that follow do not hold them."""
+    held, real = [], harness.loop.native.evaluate
+    monkeypatch.setattr(harness.loop.native, "evaluate", lambda policy, *a, **k: (
+        held.append(sum(p.grad is not None for p in policy.parameters())) or real(policy, *a, **k)))
+    train(tiny_run(tmp_path, "train.steps=2", "train.eval_every=1"), tmp_path / "run", progress=False)
+    assert held == [0, 0, 0]  # at the start, after step 1, after step 2

@@ -12,8 +12,6 @@ from omegaconf import DictConfig
 from harness.policy.sampler import sample_problems
 from harness.run.seeding import step_seed
 
-EVAL_CHUNK = 64  # prompts per generate call
-
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict, list[dict]]:
@@ -22,9 +20,10 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     ``task.eval_scores``'s scorings; ``eval_pass_at_<k>`` is logged when ``train.pass_k`` = k > 0."""
     problems = list(task.eval_problems())
     max_new = cfg.train.eval_max_new_tokens or cfg.train.max_new_tokens
+    per_call = cfg.train.eval_batch_size  # problems per greedy call
     correct, by_scoring, records = [], defaultdict(list), []
-    for i in range(0, len(problems), EVAL_CHUNK):
-        chunk = problems[i : i + EVAL_CHUNK]
+    for i in range(0, len(problems), per_call):
+        chunk = problems[i : i + per_call]
         out = sample_problems(policy, tokenizer, chunk, cfg.train, group_size=1, max_new_tokens=max_new, greedy=True)
         for j, (text, problem, truncated) in enumerate(zip(out.texts, chunk, out.truncated.tolist(), strict=True)):
             score = task.score(text, problem)
@@ -40,7 +39,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     k = cfg.train.pass_k
     if k:
         torch.manual_seed(step_seed(cfg.seed, step, stream=7))
-        per_call = max(1, EVAL_CHUNK // k)
+        per_call = max(1, cfg.train.eval_batch_size // k)  # problems per sampled call: k completions each
         solved = []
         for i in range(0, len(problems), per_call):
             chunk = problems[i : i + per_call]

@@ -152,6 +152,9 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 0
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
+    # problems per greedy generate call at evaluation (pass@k: this many completions per call): the evaluation's
+    # keys/values and logits grow with it; lower it to bound the evaluation's memory, at more, smaller calls
+    eval_batch_size: int = 64
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
     save_every: int = 1  # a checkpoint every N steps (resume): a kill loses at most the unfinished steps since
     export_every: int = 0  # save_pretrained the policy to exports/step_N/ every N steps; 0 = final/ only
@@ -518,7 +521,7 @@ def _learns_from_single_samples(name: str) -> bool:
 def _check_train(t: DictConfig) -> None:
     """The train section's numbers are in range and its choices known."""
     for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "num_minibatches",
-                "max_sampling_rounds", "max_nonfinite_in_row"):
+                "max_sampling_rounds", "max_nonfinite_in_row", "eval_batch_size"):
         if t[key] < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {t[key]}")
     for key in ("lr", "weight_decay", "warmup_steps", "eval_every", "eval_max_new_tokens", "pass_k", "save_every",

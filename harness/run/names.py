@@ -141,6 +141,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.max_tokens_per_micro_batch", "—", f"`{A}use_dynamic_bsz` + `{A}ppo_max_token_len_per_gpu`"),
     Name("train.eval_every", "`eval_steps` (optimizer steps)", "`trainer.test_freq`"),
     Name("train.eval_max_new_tokens"),
+    Name("train.eval_batch_size", "— (nearest: `per_device_eval_batch_size`)"),
     Name("train.pass_k", "—", f"`{R}val_kwargs.n`"),
     Name("train.save_every", "`save_steps` (optimizer steps)", "`trainer.save_freq`"),
     Name("train.export_every"),

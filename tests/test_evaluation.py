@@ -1,0 +1,35 @@
+"""The held-out evaluation (harness/loop/evaluation.py): ``train.eval_batch_size`` problems per call, the same
+completions and metrics whatever the calls' size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness.loop.evaluation
+from harness.loop.build import setup_run
+from harness.loop.evaluation import evaluate
+from tests.helpers.tiny import tiny_run
+
+
+@pytest.mark.parametrize("pass_k", [0, 2])
+def test_the_evaluation_decodes_eval_batch_size_problems_per_call_with_the_same_results(tmp_path, monkeypatch,
+                                                                                         pass_k):
+    calls, real = [], harness.loop.evaluation.sample_problems
+    monkeypatch.setattr(harness.loop.evaluation, "sample_problems", lambda policy, tokenizer, problems, *a, **k: (
+        calls.append((len(problems), k.get("group_size"))) or real(policy, tokenizer, problems, *a, **k)))
+    results, sizes = [], []
+    for size in (64, 3):
+        run = tiny_run(tmp_path, f"train.eval_batch_size={size}", f"train.pass_k={pass_k}")  # 8 eval problems
+        setup = setup_run(run, torch.device("cpu"))
+        calls.clear()
+        results.append(evaluate(setup.policy, setup.tokenizer, setup.task, run, step=0))
+        sizes.append(list(calls))
+    sampled = [] if not pass_k else [(8, 2)]  # pass@2: 32 completions per call at 64; 1 problem (2 of them) at 3
+    assert sizes[0] == [(8, 1), *sampled]
+    assert sizes[1] == [(3, 1), (3, 1), (2, 1), *([(1, 2)] * 8 if pass_k else [])]
+    (row64, records64), (row3, records3) = results
+    assert records3 == records64  # the same greedy completions, scores and problem numbers
+    assert row3["eval_accuracy"] == row64["eval_accuracy"]
+    if pass_k:  # sampled: other calls draw other completions, so only that it is measured
+        assert 0 <= row3["eval_pass_at_2"] <= 1
