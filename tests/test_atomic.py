@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 
@@ -60,3 +61,22 @@ def test_a_folder_that_cannot_be_put_in_place_puts_the_old_one_back(tmp_path, mo
         atomic_write(folder, write=lambda tmp: (tmp.mkdir(), (tmp / "w").write_text("new")))
     monkeypatch.undo()
     assert (folder / "w").read_text() == "old" and temporaries(tmp_path) == []
+
+
+@pytest.mark.parametrize("error, free_mib, full", [
+    ("[enforce fail at inline_container.cc:672] . unexpected pos 3145728 vs 3145600", 2, True),  # less than it wrote
+    ("[enforce fail at inline_container.cc:672] . unexpected pos 3145728 vs 3145600", 10, False),  # room to spare
+    ("a bug in the writer", 2, False),  # not a failed write: only a disk with under 1 MiB free says full
+])
+def test_a_librarys_failed_write_is_a_full_disk_when_less_is_free_than_it_had_written(tmp_path, monkeypatch, error,
+                                                                                       free_mib, full):
+    """torch.save reports a refused write as "unexpected pos"; two runs writing checkpoints side by side on a
+    nearly full disk saw it with 0.5 GiB free, the other run's failed part already removed."""
+    def write(tmp):
+        tmp.write_bytes(b"\0" * (3 << 20))  # 3 MiB written before the failure
+        raise RuntimeError(error)
+
+    monkeypatch.setattr("harness.run.atomic._free_bytes", lambda path: free_mib << 20)
+    with pytest.raises(DiskFullError if full else RuntimeError, match="disk full" if full else re.escape(error)):
+        atomic_write(tmp_path / "last.pt", write=write)
+    assert temporaries(tmp_path) == []

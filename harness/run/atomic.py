@@ -53,11 +53,16 @@ def free_space(path: Path) -> str:
     return "unknown"
 
 
-def disk_full_error(error: BaseException, path: Path | str | None = None) -> DiskFullError | None:
+# how libraries report a write the disk refused in their own words: torch.save's zip writer, safetensors
+SHORT_WRITE = ("unexpected pos", "file write failed", "IoError")
+
+
+def disk_full_error(error: BaseException, path: Path | str | None = None, written: int = 0) -> DiskFullError | None:
     """``error`` as a DiskFullError when it (or an error it was raised from) is ENOSPC / EDQUOT, or when it is any
-    other failure while writing ``path`` and that file system has less than :data:`FULL_BELOW` bytes free (libraries
-    report a full disk in their own words: torch.save's "unexpected pos ..." or "file write failed", safetensors'
-    "IoError"); None otherwise."""
+    other failure while writing ``path`` and that file system has less than :data:`FULL_BELOW` bytes free, or it is
+    a library's failed write (:data:`SHORT_WRITE`) and less is free than the ``written`` bytes it had written so far
+    (processes writing side by side: by the time of the check another one's failed part may have been removed);
+    None otherwise."""
     seen, cause = set(), error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
@@ -68,7 +73,18 @@ def disk_full_error(error: BaseException, path: Path | str | None = None) -> Dis
         cause = cause.__cause__ or cause.__context__
     if path is None or not isinstance(error, Exception) or isinstance(error, OSError) and error.errno is not None:
         return None  # an interruption, or an OS error of another kind (permissions, ...)
-    return DiskFullError(path) if _free_bytes(Path(path)) < FULL_BELOW else None
+    free = _free_bytes(Path(path))
+    short_write = any(words in str(error) for words in SHORT_WRITE)
+    return DiskFullError(path) if free < FULL_BELOW or short_write and free < written else None
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file, or of a folder's files; 0 when it is not there."""
+    with contextlib.suppress(OSError):
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return path.stat().st_size
+    return 0
 
 
 def _remove(path: Path) -> None:
@@ -117,7 +133,7 @@ def write_temporary(path: Path, content: str | bytes | None = None, *,
             write(tmp)
             _fsync(tmp)
     except BaseException as e:
-        full = disk_full_error(e, path)
+        full = disk_full_error(e, path, written=_size(tmp))
         with contextlib.suppress(OSError):
             _remove(tmp)
         if full is not None:
