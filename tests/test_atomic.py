@@ -8,8 +8,10 @@ import os
 import re
 
 import pytest
+import torch
 
 from harness.run.atomic import DiskFullError, atomic_write
+from harness.run.records import save_checkpoint
 from tests.helpers.disk import fill_disk_at, temporaries
 
 
@@ -80,3 +82,34 @@ def test_a_librarys_failed_write_is_a_full_disk_when_less_is_free_than_it_had_wr
     with pytest.raises(DiskFullError if full else RuntimeError, match="disk full" if full else re.escape(error)):
         atomic_write(tmp_path / "last.pt", write=write)
     assert temporaries(tmp_path) == []
+
+
+def test_a_checkpoint_refused_by_the_disk_is_a_full_disk_whatever_space_is_free_when_checked(tmp_path, monkeypatch):
+    """torch.save writes the checkpoint through a Python file, so the kernel's ENOSPC reaches the harness as such
+    (to a path of its own, torch says "unexpected pos ..." and the error number is lost)."""
+    real_open = open
+
+    class Refusing:  # a file whose writes the disk refuses after its first KiB
+        def __init__(self, *args, **kwargs):
+            self.file, self.written = real_open(*args, **kwargs), 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 1024:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr("harness.run.atomic.open", Refusing, raising=False)
+    monkeypatch.setattr("harness.run.atomic._free_bytes", lambda path: 10 << 30)  # 10 GiB free by then
+    with pytest.raises(DiskFullError, match=r"disk full: could not write .*last\.pt"):
+        save_checkpoint(tmp_path, {"policy": {"w": torch.zeros(1 << 16)}})
+    assert temporaries(tmp_path) == [] and not (tmp_path / "checkpoints" / "last.pt").exists()

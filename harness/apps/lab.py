@@ -57,7 +57,7 @@ from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
 from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routing_of
 from harness.policy.sampler import Rollout, sample_problems
-from harness.run.atomic import atomic_write
+from harness.run.atomic import atomic_write, to_file
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
 from harness.run.locks import lock_folder
@@ -247,7 +247,7 @@ class Lab:
             start = time.time()
             result = self.measure_batch(b, bar)
             result["seconds"] = time.time() - start
-            atomic_write(batch_path(out, b), write=lambda path, result=result: torch.save(result, path))
+            atomic_write(batch_path(out, b), write=to_file(lambda f, result=result: torch.save(result, f)))
         bar.close()
 
     # ------------------------------------------------------------------------------------------ one batch

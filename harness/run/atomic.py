@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 TMP = ".tmp"  # suffix of what atomic_write / atomic_folder write before renaming it into place
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -85,6 +86,17 @@ def _size(path: Path) -> int:
             return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         return path.stat().st_size
     return 0
+
+
+def to_file(save: Callable[[BinaryIO], None]) -> Callable[[Path], None]:
+    """A ``write`` for :func:`write_temporary` that hands ``save`` a Python file open on the temporary: a library
+    writing through it (``torch.save(obj, f)``) lets the kernel's ENOSPC through as an OSError, where writing to a
+    path of its own it reports "unexpected pos ..." with the error number lost."""
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            save(f)
+
+    return write
 
 
 def _remove(path: Path) -> None:

@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as hf_logging
 
-from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, write_temporary
+from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, to_file, write_temporary
 from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, schema_defaults
 from harness.run.errors import ConfigError
@@ -377,7 +377,7 @@ def save_checkpoint(run_dir: Path, payload: dict) -> None:
     folder = run_dir / "checkpoints"
     folder.mkdir(exist_ok=True)
     last = folder / "last.pt"
-    tmp = write_temporary(last, write=lambda path: torch.save(payload, path))
+    tmp = write_temporary(last, write=to_file(lambda f: torch.save(payload, f)))  # a full disk: ENOSPC
     if last.exists():
         os.replace(last, folder / "previous.pt")
     os.replace(tmp, last)
