@@ -109,6 +109,20 @@ def test_the_bench_refuses_an_estimator_that_needs_the_loop_and_passes_lengths_t
     assert batch.advantages.shape == (4,) and torch.isfinite(batch.advantages).all()
 
 
+def test_the_bench_samples_the_same_completions_whether_or_not_loading_the_model_drew_random_numbers(monkeypatch):
+    """Building the embedded model's cache in the bench's own process (a fresh RLVR_CACHE) draws from torch's
+    generator; the bench seeds after loading, so its completions do not depend on it."""
+    import harness.apps.bench
+
+    tiny = [*TINY_BENCH, "train.max_new_tokens=8", "train.prompts_per_step=2", "train.group_size=4"]
+    completions, real = [], harness.apps.bench.setup_run
+    for draws in (0, 5):
+        monkeypatch.setattr(harness.apps.bench, "setup_run", lambda *a, draws=draws: (torch.rand(draws), real(*a))[1])
+        cfg, setup, problems, _ = bench_run(tiny)
+        completions.append(sample_problems(setup.policy, setup.tokenizer, problems, cfg.train).completion_ids)
+    assert torch.equal(*completions)
+
+
 TINY_BENCH = ["model.name=tiny", "task.name=arith", "model.warm_start_steps=0", "model.warm_start_target=null",
               "threads=1", *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
 

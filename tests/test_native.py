@@ -395,3 +395,16 @@ def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is
             pytest.approx([0.0075, 0.01, 0.01])
 
 
+
+
+def test_a_run_does_not_depend_on_random_numbers_drawn_while_its_model_loads(tmp_path, monkeypatch):
+    """Building the embedded model's cache in the run's own process draws from torch's generator; every stage that
+    samples seeds itself (per step), so the run's metrics are the same."""
+    import harness.loop.native
+
+    rows, real = [], harness.loop.native.setup_run
+    for draws in (0, 5):
+        monkeypatch.setattr(harness.loop.native, "setup_run", lambda *a, draws=draws: (torch.rand(draws), real(*a))[1])
+        train(tiny_run(tmp_path, "train.eval_every=1"), tmp_path / f"d{draws}", progress=False)
+        rows.append(without_timing(read_jsonl(tmp_path / f"d{draws}" / "metrics.jsonl")))
+    assert rows[0] == rows[1]

@@ -127,8 +127,10 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     count."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
     threads = run_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
     setup = setup_run(cfg, resolve_device(cfg.device))
+    # seeded after the model is loaded: building the embedded model's cache in this process (a fresh RLVR_CACHE)
+    # draws from torch's generator, and the bench sampled other completions than with the cache built
+    torch.manual_seed(cfg.seed)
     if loop_inputs(setup.estimator):  # before any timed work
         raise ConfigError(f"the bench times a step with the plain advantage estimators; this run's estimator needs "
                           f"what only the training loop provides ({', '.join(loop_inputs(setup.estimator))}): "
