@@ -132,3 +132,26 @@ def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
     assert len(forwards) == 7 and sidecar["steps"] == 7 and sidecar["checks"] == {}
     assert sidecar["accuracy"] is None and sidecar["target"] is None
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rlvr_cache, tmp_path, monkeypatch):
+    """A run with train.activation_checkpointing warm-starts with its activations recomputed too (harness/loop/
+    build.py sets the memory settings before the warm start): bit-equal gradients, so the same steps, weights and
+    cache key as without."""
+    import harness.loop.build
+    from harness.loop.build import build_policy, build_task
+    from tests.helpers.tiny import tiny_run
+
+    calls, real = [], harness.loop.build.warm_start
+    monkeypatch.setattr(harness.loop.build, "warm_start", lambda model, *a, **k: (
+        calls.append(getattr(model, "is_activation_checkpointing", False)) or real(model, *a, **k)))
+    built = []
+    for on in ("false", "true"):
+        run = tiny_run(tmp_path, "model.warm_start_steps=20", "model.warm_start_target=null",
+                       f"train.activation_checkpointing={on}")
+        policy, _, sidecar = build_policy(run, build_task(run), torch.device("cpu"))
+        (rlvr_cache / "warm_start" / f"{sidecar['key']}.safetensors").unlink()  # the next one trains again
+        built.append((sidecar["key"], sidecar["steps"], policy.state_dict(), calls[-1]))
+    (key0, steps0, weights0, checkpointed0), (key1, steps1, weights1, checkpointed1) = built
+    assert (key0, steps0) == (key1, steps1) and (checkpointed0, checkpointed1) == (False, True)
+    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)

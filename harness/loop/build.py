@@ -50,8 +50,7 @@ def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
     """Build the task, the starting policy, the objective and the frozen copies, in that order."""
     task = build_task(cfg)
     train_problems = task.train_problems()
-    policy, tokenizer, start_policy = build_policy(cfg, task, device)
-    set_memory_settings(policy, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)  # the copies' too
+    policy, tokenizer, start_policy = build_policy(cfg, task, device)  # with the memory settings: the copies' too
     objective, estimator = build_objective(cfg)
     reference = frozen_copy(policy) if objective.beta > 0 else None
     dtype = sampler_dtype(cfg)
@@ -97,6 +96,9 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
     tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     check_decoder(model, cfg)
+    # before the warm start, which then recomputes activations too when asked (bit-equal gradients, so the same cached
+    # policy: tests/test_warm_start.py); the trainer's forward reads them from the model
+    set_memory_settings(model, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)
     start = None
     if m.warm_start_steps:
         target = tuple(m.warm_start_target) if m.warm_start_target is not None else None
