@@ -13,7 +13,7 @@ from harness.policy.models import load_model
 from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
 from harness.tasks import get_task
 from tests.helpers.tiny import TINY_SPEC
-from tests.helpers.tiny_moe import TINY_MOE_SPEC
+from tests.helpers.tiny_moe import TINY_MOE_SPEC, tiny_moe_run
 
 
 def _no_training(*args, **kwargs):
@@ -134,7 +134,9 @@ def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rlvr_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rlvr_cache, tmp_path, monkeypatch,
+                                                                             model):
     """A run with train.activation_checkpointing warm-starts with its activations recomputed too (harness/loop/
     build.py sets the memory settings before the warm start): bit-equal gradients, so the same steps, weights and
     cache key as without."""
@@ -147,8 +149,9 @@ def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rl
         calls.append(getattr(model, "is_activation_checkpointing", False)) or real(model, *a, **k)))
     built = []
     for on in ("false", "true"):
-        run = tiny_run(tmp_path, "model.warm_start_steps=20", "model.warm_start_target=null",
-                       f"train.activation_checkpointing={on}")
+        run = (tiny_moe_run if model == "tiny_moe" else tiny_run)(
+            tmp_path, "model.warm_start_steps=20", "model.warm_start_target=null",
+            f"train.activation_checkpointing={on}")
         policy, _, sidecar = build_policy(run, build_task(run), torch.device("cpu"))
         (rlvr_cache / "warm_start" / f"{sidecar['key']}.safetensors").unlink()  # the next one trains again
         built.append((sidecar["key"], sidecar["steps"], policy.state_dict(), calls[-1]))
