@@ -1,4 +1,9 @@
-"""Read results/<exp>/: manifest.json, and per run config.yaml, metrics.jsonl and summary.json.
+"""Read results/<exp>/: every run folder in it, and per run config.yaml, metrics.jsonl and summary.json.
+
+manifest.json is what the last sweep into the folder planned (its runs first, in its order, with their grid points);
+a run folder it does not list (another sweep's or a `train` into the same folder) is read too and named in one
+warning, so that no run on disk is left out of a report unsaid. The runs are told apart by their settings and code
+(analysis/cells.py), never by which manifest listed them.
 
 Problems in the data (a truncated line, a missing file, a non-numeric value) become an AnalysisWarning that
 names the file, and the run is reported with what exists. A folder with nothing to analyse raises AnalysisError.
@@ -325,13 +330,9 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
 
 
 def is_run_folder(folder: Path) -> bool:
-    """A run's folder: its config.yaml and what the run wrote (summary.json or metrics.jsonl)."""
-    return folder.is_dir() and (folder / "config.yaml").is_file() and any(
-        (folder / name).is_file() for name in ("summary.json", "metrics.jsonl"))
-
-
-def plural_runs(n: int) -> str:
-    return f"{n} run{'s' * (n != 1)}"
+    """A folder a run has written to (its summary.json or metrics.jsonl; one without config.yaml is reported with its
+    settings unknown). A folder with only a config.yaml is a sweep's plan, not a run."""
+    return folder.is_dir() and any((folder / name).is_file() for name in ("summary.json", "metrics.jsonl"))
 
 
 def load_experiment(exp_dir: str | Path) -> Experiment:
@@ -344,14 +345,14 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     found = [{"run_id": d.name} for d in sorted(exp_dir.iterdir()) if d.name not in planned and is_run_folder(d)]
     if found and entries:
         names = ", ".join(e["run_id"] for e in found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
-        warn(f"{exp_dir}: {plural_runs(len(found))} on disk that manifest.json does not list (another sweep's or "
-             f"`train`'s, into the same folder) {'is' if len(found) == 1 else 'are'} reported too: {names}")
+        warn(f"{exp_dir}: {len(found)} run{'s' * (len(found) > 1)} on disk that manifest.json does not list (another "
+             f"sweep's or `train`'s, into the same folder) {'is' if len(found) == 1 else 'are'} reported too: {names}")
     elif found:
         warn(f"{exp_dir / 'manifest.json'}: missing or lists no runs; analysing the {len(found)} run folders found")
     entries += found
     if not entries:
-        raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders with "
-                            f"{', '.join(RUN_FILES)}")
+        raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
+                            "with a summary.json or metrics.jsonl)")
     loaded = [load_run(exp_dir, e) for e in entries]
     runs = pd.DataFrame([run for run, _, _ in loaded])
     frames = [m for _, m, _ in loaded if len(m)]
