@@ -56,7 +56,7 @@ def test_without_git_the_record_says_so_and_hashes_the_source_files(monkeypatch,
     try:
         record = provenance.code_record()
         assert record["commit"] is None and record["git"].startswith("unavailable: ")
-        assert "is not a git checkout" in record["git"] and record["version"].startswith("source-")
+        assert "not a git repository" in record["git"] and record["version"].startswith("source-")
         (tmp_path / "harness" / "x.py").write_text("x = 2\n")
         provenance.code_record.cache_clear()
         assert provenance.code_record()["version"] not in (record["version"], None)

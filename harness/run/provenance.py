@@ -83,8 +83,11 @@ def _git_state() -> tuple[str, str | None] | str:
         untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS).split(b"\0")
     except FileNotFoundError:
         return "git is not installed"
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
-        return f"{ROOT} is not a git checkout (e.g. an unpacked archive)"
+    except subprocess.CalledProcessError as e:  # not a checkout (an unpacked archive), a repository git refuses, ...
+        said = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        return f"git cannot read {ROOT} ({said[0] if said else f'exit {e.returncode}'})"
+    except (subprocess.TimeoutExpired, ValueError):
+        return f"git did not say which commit {ROOT} is"
     untracked = sorted(name for name in untracked if name)
     if not diff and not untracked:
         return commit, None

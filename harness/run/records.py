@@ -239,7 +239,9 @@ class RunRecords:
     """The files of one run. ``resume_step``: the step of the checkpoint the run continues from (None: a fresh
     start, whatever an earlier attempt logged is dropped; ``checkpoint`` names it for the terminal). Only the
     ``main`` process of a distributed run writes. Counters that go into summary.json are set by the backend in
-    ``progress``. Refuses (ConfigError) to continue a run folder whose config.yaml has other settings."""
+    ``progress``. Refuses (ConfigError) to continue a run folder whose config.yaml has other settings; whether other
+    code may continue it is the command's check (harness/run/provenance.py check_code, ``--allow-code-change``), made
+    before the run starts; the segments in summary.json record the code of every start either way."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None, start_policy: dict | None,
                  backend: str, main: bool = True, checkpoint: str | None = None):
