@@ -155,7 +155,8 @@ def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_i
             self.me = self
 
     built, at_release = [], []
-    monkeypatch.setattr(sweep, "build_policy", lambda run, task, device: built.append(weakref.ref(p := Policy())) or p)
+    monkeypatch.setattr(sweep, "build_policy",
+                        lambda run, task, device, progress: built.append(weakref.ref(p := Policy())) or p)
     monkeypatch.setattr(sweep, "build_task", lambda run: None)
     monkeypatch.setattr(sweep, "release_freed_memory", lambda: at_release.append([ref() for ref in built]))
     gc.disable()  # so that only the function's own collection frees the cycles
@@ -181,7 +182,8 @@ def test_a_run_gives_back_what_its_warm_start_freed(monkeypatch):
     from harness.run.config import load_experiment, run_configs
 
     calls = []
-    monkeypatch.setattr(build, "warm_start", lambda model, tokenizer, task, recipe: calls.append("warm") or (model, {}))
+    monkeypatch.setattr(build, "warm_start", lambda model, tokenizer, task, recipe, progress: calls.append("warm") or
+                        (model, {}))
     monkeypatch.setattr(build, "release_freed_memory", lambda: calls.append("release"))
     tiny = ["model.tiny.hidden_size=16", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
             "model.tiny.intermediate_size=16", "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]
