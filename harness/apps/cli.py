@@ -188,8 +188,9 @@ def cmd_list(args) -> int:
 
 def first_sentence(text: str) -> str:
     """Up to the first full stop that ends a sentence, one followed by a space or the end (not the dots of
-    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.")."""
-    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)[.!?](?=\s|$)", text)
+    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "et al.", "Dr.")."""
+    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\bal)(?<!\bDr)"
+                      r"[.!?](?=\s|$)", text)
     return text[: match.end()] if match else text
 
 
