@@ -4,7 +4,9 @@ A run's *settings* are its resolved config.yaml (flattened to dotted keys) witho
 is computed: ``seed`` (what varies between the seeds of a cell), ``name`` (the experiment's label), ``results_dir``,
 ``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/run/config.py run_id leaves
 ``results_dir`` and ``logging`` out of the run id for the same reason) and ``profile``/``profiles`` (applied already).
-``objective.name`` names the objective.
+``objective.name`` names the objective. ``code`` is a setting too: the run's code version (summary.json's segments,
+harness/run/provenance.py: ``unknown`` for a run written before they were recorded, ``?`` for one not started), so that
+runs of two code versions are kept apart exactly as runs of two learning rates.
 
 A key whose value differs between runs is either
 - an *objective setting*: constant within each objective and different between objectives (a sweep's
@@ -30,6 +32,7 @@ import pandas as pd
 NOT_SETTINGS = frozenset({"seed", "name", "results_dir", "threads", "profile", "objective.name"})
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
+CODE = "code"  # the setting that holds a run's code version
 ALL = "all runs"  # the label of the one cell when nothing is swept
 
 
