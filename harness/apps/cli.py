@@ -62,8 +62,9 @@ def cmd_train(args) -> int:
     check_resume(run, run_dir, main=MAIN_PROCESS)
     device = resolve_device(run.device)
     say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
+    lora = f" (LoRA rank {run.model.lora.rank})" if run.model.lora.rank else ""
     say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
-        f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+        f"model {run.model.name}{lora}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
         f"{run_dir}", file=sys.stderr)
     try:
         summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)

@@ -79,6 +79,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from harness.policy.lora import adapted
 from harness.policy.models import EMBEDDED_MODELS
 from harness.policy.tiny_moe import TINY_MOE
 from harness.run.checks import register_check
@@ -312,7 +313,8 @@ class Routing:
         self.names = tuple(routers)
         first = next(iter(routers.values()))
         self.top_k, self.num_experts, self._weight = first.top_k, first.num_experts, first.weight
-        self.aux_loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+        base = model.get_base_model() if adapted(model) else model  # a LoRA policy: its base model's module's
+        self.aux_loss_fn = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
         self._layers = [module for module in model.modules() if hasattr(module, "gradient_checkpointing")]
         self._state: _State | None = None
         self._handles = [module.register_forward_hook(self._hook_of(layer))
