@@ -5,6 +5,8 @@ adapters merged, checkpoints hold the adapters and resume exactly, final/ loads 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -12,11 +14,11 @@ from omegaconf import OmegaConf
 from harness.loop.batch import TrainBatch, collect_batch
 from harness.loop.behaviour import behaviour_logprobs
 from harness.loop.build import build_learner, setup_run
-from harness.loop.native import train
-from harness.loop.update import RunState, UpdatePlan, microbatch_loss, minibatches
+from harness.loop.native import train, update
+from harness.loop.update import Learner, RunState, UpdatePlan, microbatch_loss, minibatches
 from harness.policy.decode import Matmul
 from harness.policy.forward import completion_logprobs
-from harness.policy.lora import adapted, export_merged, with_adapters
+from harness.policy.lora import adapted, export_merged, load_trained_state, lora_settings, with_adapters
 from harness.policy.models import load_model
 from harness.run.config import LoraSettings
 from harness.run.errors import ConfigError
@@ -210,8 +212,6 @@ def test_final_holds_adapters_peft_loads_and_the_merged_model(tmp_path):
     loaded = PeftModel.from_pretrained(base, final).eval()
     trained, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
     trained = with_adapters(trained, run.model.lora, seed=0)
-    from harness.policy.lora import load_trained_state
-
     load_trained_state(trained, torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["policy"])
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
     ro = generate(trained, tokenizer, ["12+34=\n"], group_size=2, max_new_tokens=6)
@@ -228,19 +228,21 @@ def test_the_trl_backends_adapters_loss_and_gradient_are_the_native_loops(fixed,
     """TRL's peft_config makes the native loop's adapters (A from model.seed); with them perturbed, the loss and
     the adapters' gradient on a fixed batch equal the native update's; a KL term is computed (TRL disables the
     adapters for it), with no reference model."""
-    from harness.loop.native import update
-    from harness.loop.update import Learner
-    from harness.policy.lora import lora_settings
     from objectives import get_objective
-    from tests.helpers.trl import GradCapture, NoSchedule, assert_same, loss_and_grad, make_trainer, run_config, \
-        trl_inputs
+    from tests.helpers.trl import (
+        GradCapture,
+        NoSchedule,
+        assert_same,
+        loss_and_grad,
+        make_trainer,
+        run_config,
+        trl_inputs,
+    )
 
     model, _, _, _, ro, old_logp, ref_logp, rewards, group_ids, advantages = fixed
     run = run_config(tmp_path, *LORA, "objective.params.beta=0.04")
     torch.manual_seed(run.model.seed)
     trainer = make_trainer(fixed, run, tmp_path, peft_config=lora_settings(run.model.lora))
-    import copy
-
     native = with_adapters(copy.deepcopy(model), run.model.lora, seed=run.model.seed)
     assert trainer.beta == 0.04 and trainer.ref_model is None
     trl_state, native_state = (dict(m.named_parameters()) for m in (trainer.model, native))
