@@ -18,6 +18,7 @@ from harness.apps.bench import (
     SCALE_ROWS,
     SCALE_TOKENS,
     busy_main,
+    lora_main,
     matmuls_main,
     memory_main,
     profile_main,
@@ -187,6 +188,8 @@ def cmd_bench(args) -> int:
             return step_main(args.overrides, full_length=args.full_length)
         if args.scale:
             return scale_main(args.overrides, rows=args.rows, tokens=args.tokens)
+        if args.lora:
+            return lora_main(args.overrides)
         if args.matmuls or args.profile or args.memory:
             return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
@@ -352,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--scale: sequences per rollout step (prompts x group size)")
     bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",
                        help="--scale: new tokens per sequence")
+    bench.add_argument("--lora", action="store_true",
+                       help="one native step with full fine-tuning beside one with LoRA adapters (model.lora.rank, "
+                            "else 16): seconds and peak memory, a fresh process each")
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
