@@ -9,8 +9,9 @@ OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
-# JOBS runs at once here; on a cluster (LAUNCHER=ray|slurm) every run at once unless JOBS is given
-SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
+# a sweep runs JOBS at once when JOBS is given; else here one per GPU (each on its own) or JOBS without GPUs, and on a
+# cluster (LAUNCHER=ray|slurm) every run at once
+SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs soak clean-results
@@ -38,13 +39,13 @@ lint:  ## ruff
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
-sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report; LAUNCHER=ray|slurm: on a cluster
+sweep:  ## all runs of an experiment (resumable, JOBS at once; with GPUs and no JOBS one per GPU, each on its own), then its report; LAUNCHER=ray|slurm: on a cluster
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
 	@test -n "$(OBJECTIVES)" || { echo "make compare: give OBJECTIVES=name,name (see make list)"; exit 2; }
 	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
-		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
+		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) $(SWEEP_JOBS)
 
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)

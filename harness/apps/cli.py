@@ -97,7 +97,8 @@ def rounded(value: float | None) -> str:
 
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
-    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher)
+    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher,
+                        cpu_jobs=args.cpu_jobs)
     failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
     finished = sum(e["status"] == "finished" for e in entries)
     print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
@@ -296,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       help="torch CPU threads of a run without its own threads setting (0: the "
                                            "cores free when it starts; harness/run/threads.py)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=None,
-                                      help="runs at once (default: 1 with --launcher local, all on a cluster)")
+                                      help="runs at once (default with --launcher local: one per GPU, each on its "
+                                           "own, or --cpu-jobs without GPUs; all on a cluster)")
+    sub.choices["sweep"].add_argument("--cpu-jobs", type=positive_int, default=1,
+                                      help="--launcher local without --jobs on a machine without GPUs: runs at once")
     sub.choices["sweep"].add_argument("--launcher", choices=LAUNCHERS, default="local",
                                       help="where runs execute: child processes here, Ray tasks, SLURM jobs "
                                            "(submitit); settings in the experiment's launcher section")
