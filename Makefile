@@ -14,7 +14,7 @@ export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs soak clean-results
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -61,6 +61,9 @@ plots:  ## results/$(EXP)/report/ from whatever runs exist (PAPER=1: column-widt
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory)
 	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora)
+
+gpu-check:  ## the GPU path in minutes (tiny model; Qwen2.5-0.5B-shaped random weights: native bf16 with and without LoRA, TRL): tokens/s, peak memory -> results/bench/gpu_check.jsonl; DEVICE=cpu: a dry run at tiny shapes
+	$(PY) -m harness gpu-check $(if $(DEVICE),--device $(DEVICE))
 
 list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list

@@ -1,4 +1,5 @@
-"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,prepare,docs,soak} ...; see README."""
+"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,soak} ...; see
+README."""
 
 from __future__ import annotations
 
@@ -247,6 +248,12 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_gpu_check(args) -> int:
+    from harness.apps.gpu_check import main as gpu_check  # imported when asked: it builds a model folder
+
+    return gpu_check(device=args.device)
+
+
 def cmd_soak(args) -> int:
     return soak(kills=args.kills, seed=args.seed)
 
@@ -343,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
     soak.add_argument("--seed", type=int, default=0)
+    gpu = sub.add_parser("gpu-check", help="the GPU path in minutes: the tiny model and a Qwen2.5-0.5B-shaped one "
+                                           "(random weights), native bf16 with and without LoRA, the TRL backend: "
+                                           "tokens/s and peak memory (docs/benchmark.md)")
+    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cpu: the same checks at tiny shapes (a dry run of the command)")
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
@@ -401,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
             "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
-            "zoo": cmd_zoo}
+            "zoo": cmd_zoo, "gpu-check": cmd_gpu_check}
 
 
 def failure_status(e: Exception) -> int | None:
