@@ -54,5 +54,5 @@ def test_the_dry_run_runs_every_check_and_writes_its_json_line(tmp_path):
     assert [(c["backend"], c["dtype"], c["lora_rank"]) for c in record["checks"]] == [
         ("native", "float32", 0), ("native", "bfloat16", 0), ("native", "bfloat16", 16), ("trl", "bfloat16", 0)]
     for check in record["checks"]:
-        assert check["rollout_tok_s"] > 0 and check["update_tok_s"] > 0 and check["nonfinite_skips"] == 0
+        assert check["rollout_tok_s"] > 0 and check["update_tok_s"] > 0 and check["loss"] is not None
         assert check["peak_mem_rollout_mb"] > 0 and check["peak_mem_update_mb"] > 0 and check["rollout_tokens"] > 0

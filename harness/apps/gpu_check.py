@@ -111,7 +111,7 @@ def run_check(check: Check, overrides: list[str], run_dir: Path, limit_s: float)
     keys = ("rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "peak_mem_rollout_mb", "peak_mem_update_mb")
     return {"check": check.name, "backend": check.backend, "dtype": check.dtype, "lora_rank": check.lora_rank,
             **{k: second.get(k) for k in keys}, "rollout_tokens": second["rollout_tokens"] - first["rollout_tokens"],
-            "first_step_rollout_tok_s": first.get("rollout_tok_s"), "nonfinite_skips": second.get("nonfinite_skips"),
+            "first_step_rollout_tok_s": first.get("rollout_tok_s"), "loss": second.get("loss"),  # None: not finite
             "wall_s": wall_s}
 
 

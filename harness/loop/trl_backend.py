@@ -74,7 +74,7 @@ from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
-from harness.policy.lora import adapted, export_merged, lora_settings
+from harness.policy.lora import PEFT_PATTERN_NOTE, adapted, export_merged, lora_settings
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, full_layout, routing_of
 from harness.run.atomic import TMP, atomic_write
@@ -504,8 +504,10 @@ class ProgressLine(ProgressCallback):
 def quiet_transformers() -> None:
     """Silence what transformers and TRL print at every step without telling the user anything: TRL's generation
     context reads the deprecated ``is_gradient_checkpointing`` (a FutureWarning per generation), and checkpoint
-    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number)."""
+    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number); and peft's
+    note on its own patterns (harness/policy/lora.py)."""
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=PEFT_PATTERN_NOTE, category=RuntimeWarning)  # TRL's get_peft_model
 
     class NoMtimeNote(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:

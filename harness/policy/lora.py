@@ -71,6 +71,11 @@ def lora_settings(lora: DictConfig):
                       task_type="CAUSAL_LM")
 
 
+# peft's expansion of MLP names onto a Mixture-of-Experts' stacked expert weights makes a pattern per name and says
+# which of them found nothing (tiny_moe's gate_up_proj): a note about peft's own patterns, not the user's settings
+PEFT_PATTERN_NOTE = r"The following (alpha|rank)_pattern keys did not match"
+
+
 @contextmanager
 def seeded(seed: int):
     """Torch's CPU random stream seeded with ``seed`` inside, restored afterwards (the adapters' initial A)."""
@@ -86,10 +91,7 @@ def with_adapters(model, lora: DictConfig, seed: int):
 
     with seeded(seed), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        # peft's own expansion of MLP names onto a Mixture-of-Experts' stacked expert weights names a pattern per
-        # name and says which of them found nothing (tiny_moe's gate_up_proj): not the user's settings
-        warnings.filterwarnings("ignore", message=r"The following (alpha|rank)_pattern keys did not match",
-                                category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=PEFT_PATTERN_NOTE, category=RuntimeWarning)
         try:
             return get_peft_model(model, lora_settings(lora))
         except ValueError as error:  # peft: "Target modules {...} not found in the base model"

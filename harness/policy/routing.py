@@ -457,8 +457,10 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> i
 
 
 def routing_of(model) -> Routing | None:
-    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed), or None."""
-    return _ATTACHED.get(model)
+    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed) or, for a LoRA policy, onto its base
+    model (the TRL backend hooks the policy before TRL adds the adapters); None without one."""
+    routing = _ATTACHED.get(model)
+    return _ATTACHED.get(model.get_base_model()) if routing is None and adapted(model) else routing
 
 
 def laid_out(model, layout: Callable[[], Layout]):
