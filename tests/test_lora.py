@@ -20,7 +20,7 @@ from harness.policy.decode import Matmul
 from harness.policy.forward import completion_logprobs
 from harness.policy.lora import adapted, export_merged, load_trained_state, lora_settings, with_adapters
 from harness.policy.models import load_model
-from harness.run.config import LoraSettings
+from harness.run.config import LoraSettings, load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from tests.helpers.interrupt import stopped_before
@@ -282,3 +282,21 @@ def test_a_killed_trl_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path
     final = tmp_path / "full" / "final"
     assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
     assert not (final / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # the embedded SmolLM2, three short runs: make test
+def test_a_smollm2_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path):
+    from peft import PeftConfig
+
+    (run,) = run_configs(load_experiment("base", [
+        "model.name=smollm2-135m-instruct", "model.lora.rank=8", "task.eval_size=2", "train.prompts_per_step=2",
+        "train.group_size=2", "train.max_new_tokens=8", "train.num_minibatches=1", "train.steps=2", "threads=1",
+        "train.eval_every=0", "objective.params.entropy_coef=0.1", "train.lr=1e-3", f"results_dir={tmp_path}"]))
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(2):
+        train(run, tmp_path / "part", progress=False)
+    train(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl")) == full and full[2]["grad_norm"] > 0
+    adapters = PeftConfig.from_pretrained(tmp_path / "full" / "final")
+    assert adapters.r == 8 and set(adapters.target_modules) == set(LoraSettings().target_modules)
