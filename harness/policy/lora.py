@@ -95,7 +95,7 @@ def with_adapters(model, lora: DictConfig, seed: int):
         try:
             return get_peft_model(model, lora_settings(lora))
         except ValueError as error:  # peft: "Target modules {...} not found in the base model"
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
             raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {reason}; name the model's "
                               "linear layers (the Llama family's: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                               "down_proj)") from None
