@@ -148,6 +148,9 @@ class Launcher:
     def threads(self, jobs):
         return 1
 
+    def default_jobs(self, cpu_jobs):
+        return cpu_jobs
+
     def start(self, args, log, name):
         self.started.append(args)
         return Handle()

@@ -20,6 +20,7 @@ from torch import Tensor
 from harness.loop.metrics import MismatchMeter
 from harness.policy.expert_volatility import expert_volatility
 from harness.policy.forward import SUM_PI_SQUARED, completion_logprobs
+from harness.policy.lora import adapters_disabled
 from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
@@ -115,7 +116,10 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
         trainer_logp, _, sum_pi_squared = no_grad_logprobs(policy, ro, t, sum_pi_squared=True)
     correction, correction_stats = rollout_correction(
         t, old_logp, ro.sampler_logp if separate_sampler else None, ro.completion_mask)
-    ref_logp = None if reference is None else no_grad_logprobs(reference, ro, t)[0]
+    ref_logp = None
+    if reference is not None:
+        with adapters_disabled(reference):  # a LoRA policy as its own reference: its base, the starting policy
+            ref_logp = no_grad_logprobs(reference, ro, t)[0]
     return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats}, routing, sum_pi_squared,
                      trainer_logp)
 

@@ -11,7 +11,8 @@
       4. for each epoch, for each minibatch: the loss over its micro-batches, one optimizer step (:func:`update`);
       5. every ``eval_every`` steps and at the end: the held-out evaluation;
       6. one JSON line of metrics, summary.json, a checkpoint every ``save_every`` steps; at the end the policy in
-         transformers' format under <run_dir>/final/ (and every ``export_every`` steps under exports/step_<N>/).
+         transformers' format under <run_dir>/final/ (and every ``export_every`` steps under exports/step_<N>/); a
+         LoRA policy: its adapters in peft's format (harness/policy/lora.py), the merged model on request.
 
 The random streams are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
 """
@@ -48,6 +49,7 @@ from harness.loop.update import (
 )
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
+from harness.policy.lora import export_merged, load_trained_state, trained_state
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
@@ -73,7 +75,8 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         records.start_policy = run.start_policy
         learner = build_learner(run.policy, run.objective, t)
         if checkpoint:
-            for part in ("policy", "optimizer", "scheduler"):
+            load_trained_state(learner.policy, checkpoint["policy"])  # the weights, or a LoRA policy's adapters
+            for part in ("optimizer", "scheduler"):
                 getattr(learner, part).load_state_dict(checkpoint[part])
             learner.objective.load_state_dict(checkpoint.get("objective", {}))  # its own state (POPO's), if any
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
@@ -104,13 +107,16 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
                 export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
             if step == t.steps or (t.save_every and step % t.save_every == 0):
-                save_checkpoint(run_dir, {**{part: getattr(learner, part).state_dict()
-                                             for part in ("policy", "optimizer", "scheduler")},
+                save_checkpoint(run_dir, {"policy": trained_state(learner.policy),
+                                          **{part: getattr(learner, part).state_dict()
+                                             for part in ("optimizer", "scheduler")},
                                           "objective": learner.objective.state_dict(),
                                           "state": dataclasses.asdict(state)})
         bar.close()
         if records.main and status == "finished":
-            export_policy(run.policy, run.tokenizer, run_dir / "final")
+            export_policy(run.policy, run.tokenizer, run_dir / "final")  # a LoRA policy: its adapters
+            if cfg.model.lora.export_merged:
+                export_merged(run.policy, run.tokenizer, run_dir / "final" / "merged")
     return records.summary(status)
 
 

@@ -55,6 +55,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if run.model.lora.export_merged and world_size() > 1:
+        return ("backend trl: model.lora.export_merged merges the adapters on one process (a sharded model's weights "
+                "are not gathered for it); merge final/ afterwards with peft's merge_and_unload, or run on one process")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     estimator = run.objective.advantage or objective.default_advantage
     if loop_inputs(get_advantage(estimator)):

@@ -25,6 +25,7 @@ Check = Callable[[DictConfig], None]
 # when -> check name -> the module that registers it, in the order the checks run
 EXPECTED: dict[str, dict[str, str]] = {
     "config": {"task": "harness.tasks", "model": "harness.policy.models", "warm_start": "harness.policy.warm_start",
+               "lora": "harness.policy.lora",
                "device": "harness.policy.device", "sampler": "harness.policy.sampler",
                "routing_replay": "harness.policy.routing",
                "tracking": "harness.run.tracking", "backend": "harness.loop.backends"},

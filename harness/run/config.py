@@ -50,6 +50,23 @@ NOT_IN_RUN_ID = ("results_dir", "logging")  # settings that do not change a run 
 OLD_LOGP = ("sampler", "recompute")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the Llama family's
+
+
+@dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters (LoRA, the peft library) trained on a frozen base (harness/policy/lora.py); the
+    base with the adapters disabled is the KL reference. Both backends (TRL: its peft_config)."""
+
+    rank: int = 0  # the adapters' rank r; 0 = no adapters (full fine-tuning)
+    alpha: float | None = None  # the adapters' scale is alpha / rank; null = 2 x rank (scale 2)
+    dropout: float = 0.0  # dropout on the adapters' input while training (the update's forwards); 0 = none
+    # the linear layers that get adapters (module names; default: every attention and MLP projection of the Llama
+    # family)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    export_merged: bool = False  # also write the base with the adapters merged in to final/merged/ (transformers')
+
+
 @dataclass
 class ModelConfig:
     # tiny (the char-level Llama), tiny_moe (a char-level Qwen3-MoE), smollm2-135m-instruct (embedded), a hub id or a
@@ -67,6 +84,7 @@ class ModelConfig:
     warm_start_check_every: int = 50  # warm-start steps between the target's accuracy checks
     warm_start_lr: float = 1e-3  # warm-start learning rate (AdamW, constant)
     warm_start_batch_size: int = 32  # warm-start problems per step
+    lora: LoraSettings = field(default_factory=LoraSettings)  # low-rank adapters on a frozen base (off by default)
 
 
 @dataclass
