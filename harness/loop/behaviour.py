@@ -48,6 +48,11 @@ def replay_mode(t: DictConfig) -> str:
     return OmegaConf.select(t, "routing_replay", default="none")
 
 
+def lagged(t: DictConfig) -> bool:
+    """Whether ``train.rollout_lag`` > 0 (0 when the config has none): the batch may be older than the policy."""
+    return OmegaConf.select(t, "rollout_lag", default=0) > 0
+
+
 def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:
     """Where an MoE run records the behaviour routing (what replay forces, what expert volatility compares the
     update's routing with): 'sampler' (R3; without replay when the behaviour log-probs are the native sampler's),
@@ -111,7 +116,7 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
         old_logp, recorded, sum_pi_squared = no_grad_logprobs(policy, ro, t, record=routing_of(policy) is not None,
                                                               replay=replay, sum_pi_squared=with_sum_pi_squared)
         trainer_logp = old_logp if with_sum_pi_squared else None
-        meter = MismatchMeter(ess=t.rollout_lag > 0)
+        meter = MismatchMeter(ess=lagged(t))
         meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
         metrics = meter.result()
         if replay is not None:  # the trainer's own routing where R3 forces the sampler's

@@ -34,7 +34,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from harness.loop.batch import Collected, TrainBatch
-from harness.loop.behaviour import Behaviour, behaviour_logprobs
+from harness.loop.behaviour import Behaviour, behaviour_logprobs, lagged
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, MismatchMeter, PhaseMemory, progress_fields
@@ -132,7 +132,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     sampled_now = pipeline.advance(run, step)
     collected, versions = pipeline.take(step, run.tokenizer.pad_token_id)
     ro, rewards, sampled = collected.rollout, collected.rewards, collected.stats
-    lag = lag_metrics(versions, ro.completion_mask, step) if t.rollout_lag else {}  # each token's version lag
+    lag = lag_metrics(versions, ro.completion_mask, step) if lagged(t) else {}  # each token's version lag
     rollout_s = time.time() - t0
     # 2-3. old log-probs (the behaviour's, or the proximal's), reference log-probs, rollout-correction weights
     # (harness/loop/behaviour.py); advantages (group = prompt; the completion lengths for the estimators that weigh

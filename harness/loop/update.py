@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp, replay_mode
+from harness.loop.behaviour import behaviour_logp, lagged, replay_mode
 from harness.policy.expert_volatility import Volatility, capture_metrics
 from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
@@ -143,7 +143,7 @@ class UpdatePlan:
                    behaviour=behaviour_logp(t), order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
                    replay=replay_mode(t) != "none", max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                    micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1,
-                   lagged=t.rollout_lag > 0)
+                   lagged=lagged(t))
 
 
 @dataclass(frozen=True)
