@@ -460,4 +460,4 @@ def test_a_killed_lagged_run_resumes_to_the_uninterrupted_metrics(tmp_path, mode
     assert [r["step"] for r in part] == [0, 1, 2, 3, 4, 5] and part == full
     state = torch.load(tmp_path / "part" / "checkpoints" / "previous.pt", weights_only=True)  # the step-4 one
     assert state["state"]["step"] == 4 and state["pipeline"]["pending"]  # batch 5 was pending
-    assert any(r["lag_max"] > 0 and r["mismatch_kl"] > 0 for r in full)
+    assert any(r["lag_max"] > 0 and r["mismatch_kl"] > 0 for r in full[1:])
