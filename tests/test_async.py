@@ -461,3 +461,20 @@ def test_a_killed_lagged_run_resumes_to_the_uninterrupted_metrics(tmp_path, mode
     state = torch.load(tmp_path / "part" / "checkpoints" / "previous.pt", weights_only=True)  # the step-4 one
     assert state["state"]["step"] == 4 and state["pipeline"]["pending"]  # batch 5 was pending
     assert any(r["lag_max"] > 0 and r["mismatch_kl"] > 0 for r in full[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", [["train.sampler=native"], ["train.sampler=hf"], ["train.decoder=cache"]])
+def test_in_flight_behaviour_logprobs_are_each_versions_own_given_the_prefix(tmp_path, sampler):
+    """With a learning rate of 0 every version is the same policy, so the behaviour log-probs of completions continued
+    in flight (the newer policy over the prompt and the tokens so far) must equal the trainer's recomputation of the
+    whole completion: a continuation at the wrong positions or without its prefix would not."""
+    from harness.loop.native import train
+    from harness.run.records import read_jsonl
+
+    run = tiny_run(tmp_path, "train.steps=3", "train.rollout_lag=2", "train.in_flight_tokens=3", "train.lr=0",
+                   "train.old_logp=recompute", *sampler)
+    train(run, tmp_path / "run", progress=False)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert [r["lag_max"] for r in rows] == [0, 1, 2]
+    assert all(r["mismatch_logp_abs"] < 1e-5 for r in rows), [r["mismatch_logp_abs"] for r in rows]

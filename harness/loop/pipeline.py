@@ -180,10 +180,10 @@ class Pipeline:
         drawn = 0
         if len(rows) and count > 0:
             torch.manual_seed(piece_seed(self.cfg.seed, piece.step, -flight.segments))
-            ones = torch.ones(len(rows), width, dtype=flight.prompt_mask.dtype, device=flight.prompt_mask.device)
-            part = generate_ids(run.sampler, run.tokenizer, torch.cat([flight.prompt_ids[rows], flight.completion_ids[
-                rows]], 1), torch.cat([flight.prompt_mask[rows], ones], 1), max_new_tokens=count,
-                temperature=t.temperature, top_p=t.top_p, **sampler_options(t))
+            prefix = torch.cat([flight.prompt_ids[rows], flight.completion_ids[rows]], 1)  # no EOS yet: no padding
+            prefix_mask = torch.cat([flight.prompt_mask[rows], torch.ones_like(flight.completion_ids[rows])], 1)
+            part = generate_ids(run.sampler, run.tokenizer, prefix, prefix_mask.to(flight.prompt_mask.dtype),
+                                max_new_tokens=count, temperature=t.temperature, top_p=t.top_p, **sampler_options(t))
             extend(piece, rows, part, run.tokenizer.pad_token_id, step - 1)
             drawn = int(part.completion_mask.sum())
         flight.segments += 1
