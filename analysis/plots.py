@@ -50,7 +50,7 @@ ROUTING = {"expert_changed_frac": ("Expert volatility", "(token, layer, slot) as
 # run reports them, no note where none does (synchronous runs)
 STALENESS = {"lag_mean": ("Policy lag", "versions behind the trainer (token mean)"),
              "mismatch_kl": ("KL(behaviour || proximal)", "k3 KL (nats/token)"),
-             "mismatch_ess": ("Importance-weight ESS", "(sum w)^2 / (n sum w^2), w = π_prox/π_behav"),
+             "mismatch_ess": ("Importance-weight ESS", "normalised ESS of π_prox/π_behav"),
              "rollout_corr_masked_frac": ("Masked by the correction", "fraction of tokens"),
              "rollout_corr_truncated_frac": ("Truncated by the correction", "fraction of tokens"),
              "m2po_dropped_frac": ("Masked by M2PO", "fraction of tokens")}
