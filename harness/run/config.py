@@ -509,8 +509,8 @@ def _check_objective(run: DictConfig) -> None:
     objective = OBJECTIVES.get(run.objective.name)
     if rc.mode == "decoupled_ppo" and objective.ratio_level == "other":
         raise ConfigError(f"train.rollout_correction.mode=decoupled_ppo weighs the objective's ratio against the "
-                          f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and objective "
-                          f"{run.objective.name!r}'s ratio is {objective.ratio_note}, which no such weight composes "
+                          f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
+                          f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
                           "with: use a token_* or sequence_* mode")
 
 
