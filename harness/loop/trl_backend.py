@@ -393,9 +393,10 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             total_steps=max(1, self.state.max_steps), max_completion_len=self.max_completion_length,
             num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes,
             rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
-            sampler_logp=None if sampled is None or self.old_logp == "sampler" or self.correction_on else torch.where(
+            sampler_logp=None if sampled is None or self.old_logp == "sampler" else torch.where(
                 torch.isnan(sampled), old_logp, sampled),
-            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats,
+            correction=inputs.get("rollout_correction"), behaviour_corrected=self.correction_on,
+            minibatch_stats=minibatch_stats,
             entropy=None if entropy is None else entropy.masked_fill(~mask, 0.0))
 
     def log(self, logs, start_time=None):

@@ -45,6 +45,12 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if t.dynamic_sampling:
         return ("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group refill); "
                 "use backend=native")
+    if t.rollout_lag:
+        return ("backend trl: train.rollout_lag is not supported (TRL 1.16's GRPOTrainer samples with the policy it "
+                "trains; its AsyncGRPOTrainer came later); use backend=native")
+    if t.rollout_correction.mode == "decoupled_ppo":
+        return ("backend trl: train.rollout_correction.mode=decoupled_ppo has no TRL counterpart (its "
+                "vllm_importance_sampling_mode has the token_* and sequence_* modes); use backend=native")
     if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
         return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
                 "smollm2-135m-instruct")

@@ -113,8 +113,9 @@ class RolloutCorrectionConfig:
     and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
     A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
 
-    # importance weights between the trainer's old policy and the sampler: none, token_truncate, token_mask,
-    # sequence_truncate, sequence_mask
+    # importance weights between the trainer's old (proximal) policy and the sampler: none, token_truncate,
+    # token_mask, sequence_truncate, sequence_mask, decoupled_ppo (AReaL's: masked above threshold, per token or, for
+    # a sequence-ratio objective, the sequence's geometric mean)
     mode: str = "none"
     threshold: float = DEFAULT_THRESHOLD  # the weights' upper bound C (truncate at C / mask above C); >= 1
     # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
@@ -139,6 +140,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping (global norm)
     old_logp: str = "sampler"  # behaviour log-probs: sampler (the sampler's) or recompute (the trainer's, recomputed)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # policy lag k (asynchronous RL, docs/async.md): the batch trained at step t was sampled by the policy after step
+    # t-1-k (the starting policy's for t <= k+1); 0 = synchronous, sampled by the policy it trains
+    rollout_lag: int = 0
+    # fixed (every group of a batch has lag rollout_lag) or mixed (each group's lag drawn uniformly in [0,
+    # rollout_lag], the ages a bounded-staleness buffer delivers)
+    lag_mode: str = "fixed"
+    # in-flight weight updates (PipelineRL): a lagged batch's completions switch to the newer policy every this many
+    # tokens, so one completion's tokens come from several versions; 0 = off
+    in_flight_tokens: int = 0
     max_nonfinite_in_row: int = 3  # stop after this many non-finite updates in a row
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, sample more prompts to refill
     max_sampling_rounds: int = 10  # dynamic sampling's rounds of prompts per step (verl's max_num_gen_batches)
@@ -530,6 +540,12 @@ def _check_objective(run: DictConfig) -> None:
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
     if problem:
         raise ConfigError(problem)
+    objective = OBJECTIVES.get(run.objective.name)
+    if rc.mode == "decoupled_ppo" and objective.ratio_level == "other":
+        raise ConfigError(f"train.rollout_correction.mode=decoupled_ppo weighs the objective's ratio against the "
+                          f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
+                          f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
+                          "with: use a token_* or sequence_* mode")
 
 
 def _check_single_sample_groups(estimator: str) -> None:
