@@ -198,7 +198,7 @@ def start_policy(summary: dict, path: Path) -> dict:
 
 
 SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
-                   "best_eval_accuracy", "wall_time_s", "rollout_tokens")
+                   "best_eval_accuracy", "wall_time_s", "cpu_time_s", "rollout_tokens")
 
 
 def checked_summary(summary: dict, path: Path) -> dict:
@@ -289,6 +289,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         "best_eval_accuracy": _first(summary.get("best_eval_accuracy"), evals.max() if len(evals) else None),
         "start_eval_accuracy": _first(at_start.iloc[0] if len(at_start) else None, summary.get("start_eval_accuracy")),
         "wall_time_s": summary.get("wall_time_s"),
+        "cpu_time_s": summary.get("cpu_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
         "has_summary": bool(summary),
         **code_of(summary),
@@ -360,8 +361,8 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     if "rollout_tokens" in metrics:  # the step-0 evaluation precedes any sampling
         before = metrics["step"] == 0
         metrics.loc[before, "rollout_tokens"] = metrics.loc[before, "rollout_tokens"].fillna(0)
-    numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "rollout_tokens",
-               "collapse_step",
+    numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "cpu_time_s",
+               "rollout_tokens", "collapse_step",
                *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     runs[["seed", "total_steps"]] = runs[["seed", "total_steps"]].astype("Int64")  # integers, <NA> when unknown

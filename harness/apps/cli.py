@@ -235,7 +235,7 @@ def cmd_docs(args) -> int:
     from harness.apps.docs import main as docs  # imported when used: the plotting stack (cmd_sweep's note)
 
     return docs(with_gsm8k=args.with_gsm8k, with_zoo=args.with_zoo, with_moe=args.with_moe, skip_main=args.skip_main,
-                jobs=args.jobs)
+                with_smollm2=args.with_smollm2, jobs=args.jobs)
 
 
 def cmd_lab(args) -> int:
@@ -382,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md (README budget)")
     docs.add_argument("--with-moe", action="store_true",
                       help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
+    docs.add_argument("--with-smollm2", action="store_true",
+                      help="also smollm2_rl, smollm2_transfer and the transfer table: docs/results_smollm2.md")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
