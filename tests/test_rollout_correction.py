@@ -269,9 +269,7 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
     policy, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
     seen = []
 
-    class Spy:
-        beta, default_advantage = 0.0, "grpo"
-
+    class Spy(objectives.Objective):  # a test double subclasses Objective
         def __call__(self, batch):
             seen.append((batch.sampler_logp is not None, batch.correction is not None))
             return objectives.ObjectiveOutput((batch.logp * 0).sum(), {})

@@ -27,7 +27,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
-from objectives import get_advantage, get_objective
+from objectives import Objective, get_advantage, get_objective
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class RunSetup:
     policy: torch.nn.Module  # the starting policy (warm-started), trainable
     tokenizer: object
     start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
-    objective: Callable  # the config's objective, with its hyperparameters
+    objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
     reference: torch.nn.Module | None  # a frozen copy of the starting policy for the KL term (beta > 0), else None
     sampler: torch.nn.Module  # the policy itself, or a frozen copy in model.sampler_dtype (refreshed every step)
@@ -73,12 +73,12 @@ def hook_routing(run: RunSetup, t: DictConfig) -> None:
         Routing(run.sampler)
 
 
-def build_learner(policy, objective, t: DictConfig) -> Learner:
+def build_learner(policy, objective: Objective, t: DictConfig) -> Learner:
     """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`).
     An objective with state of its own builds it first (``setup``); the parameters it trains get a group of their
     own (the run's lr and weight decay)."""
-    getattr(objective, "setup", lambda policy: None)(policy)  # a plain callable (tests) has no hooks
-    own = list(getattr(objective, "trainable_parameters", list)())
+    objective.setup(policy)
+    own = objective.trainable_parameters()
     groups = [{"params": list(policy.parameters())}, *([{"params": own}] if own else [])]
     optimizer = build_optimizer(groups, t)
     return Learner(policy, objective, optimizer, build_scheduler(optimizer, t))

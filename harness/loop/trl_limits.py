@@ -60,9 +60,6 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if loop_inputs(get_advantage(estimator)):
         return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
                 "policy's sum of pi^2, a greedy baseline rollout, the reward's components); use backend=native")
-    if objective.keeps_state():
-        return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
-                "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")

@@ -10,9 +10,10 @@ import torch
 from objectives import OBJECTIVES, PolicyBatch, available_objectives, get_advantage, get_objective
 
 DT = torch.float64
-# the objectives a hand-made PolicyBatch evaluates: all but those with state of their own or hidden states (POPO,
-# tested in tests/test_popo.py and through the loop)
-ON_BATCHES = [name for name in available_objectives() if not OBJECTIVES.get(name).keeps_state()]
+# the objectives a hand-made PolicyBatch evaluates: all but those that read the policy's hidden states (POPO, tested in
+# tests/test_popo.py and through the loop). A stateful one (adaptive_entropy, adaptive_kl) is evaluated with a fresh
+# state per case: every case builds a new instance (``run``), whose state is made in its __post_init__.
+ON_BATCHES = [name for name in available_objectives() if "hidden_states" not in OBJECTIVES.get(name).needs()]
 
 
 def sig(x):
