@@ -39,7 +39,12 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
-from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
+from objectives.advantages import (
+    needs_greedy_baseline,
+    needs_nonnegative_rewards,
+    needs_reward_components,
+    needs_sum_pi_squared,
+)
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -492,6 +497,11 @@ def _check_objective(run: DictConfig) -> None:
         raise ConfigError(f"advantage estimator {estimator!r} gives one advantage per token and objective "
                           f"{run.objective.name!r} needs one per sequence: use a token-level objective or another "
                           "objective.advantage")
+    negative_rewards = run.task.overlong_buffer or run.task.format_weight < 0
+    if needs_nonnegative_rewards(ADVANTAGES.get(estimator)) and negative_rewards:
+        raise ConfigError(f"advantage estimator {estimator!r} assumes rewards >= 0 (it divides by the group's mean "
+                          "reward), and task.overlong_buffer > 0 or task.format_weight < 0 makes negative ones: set "
+                          "task.overlong_buffer=0 and task.format_weight >= 0, or choose another objective.advantage")
     rc = run.train.rollout_correction
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
     if problem:
