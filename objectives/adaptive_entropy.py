@@ -1,5 +1,5 @@
-"""Adaptive entropy coefficient — Skywork-OR1 (He et al., "Skywork Open Reasoner 1 Technical Report", arXiv
-2505.22312, adaptive entropy control): the entropy bonus's coefficient moves by a fixed step towards keeping the
+"""Adaptive entropy coefficient — Skywork-OR1 (He et al., "Skywork Open Reasoner 1 Technical Report",
+arXiv 2505.22312, adaptive entropy control): the entropy bonus's coefficient moves by a fixed step towards keeping the
 policy's entropy at a target, and the bonus acts only while the entropy is at or below the target.
 Reference: TRL ``use_adaptive_entropy`` (``trl/trainer/grpo_trainer.py`` ``_compute_loss`` and
 ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``, ``trl/trainer/grpo_config.py``; the installed wheel, TRL

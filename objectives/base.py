@@ -583,8 +583,8 @@ class Objective:
         N is the minibatch's token count (micro-batches sum to the minibatch's mean), or with top-entropy masking
         (whole minibatches only) the kept tokens; OPSM and rollout-correction weights do not enter (as in TRL)."""
         if batch.entropy is None:
-            raise ValueError(f"objective {self.name!r} has entropy_coef={self.entropy_coef} > 0 but the batch has no "
-                             "entropy")
+            raise ValueError(f"objective {self.name!r} adds an entropy bonus (entropy_coef={self.entropy_coef}, or an "
+                             "adaptive coefficient) but the batch has no entropy")
         if keep is None:
             return masked(batch.entropy, batch.mask).sum() / batch.token_count
         return masked(batch.entropy, keep).sum() / keep.sum().clamp(min=1)

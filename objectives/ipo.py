@@ -11,7 +11,7 @@ With p_t = exp(logp_t), q_t = exp(old_logp_t) (prime-rl: the inference engine's)
     loss     = aggregate(l, token_mean)      (prime-rl: per-sample sums over the global loss-token count)
     grad     = [-keep_t A_t r_t + 2 kl_coef d_t] grad logp_t
 
-The loss is DPPO's (objectives/dppo.py, the ``DPPO`` base: the same keep mask, surrogate, KL term and metrics) with
+The loss is DPPO's (objectives/dppo.py, ``dppo_tv`` with another mask: the same surrogate, KL term and metrics) with
 prime-rl's symmetric region: DPPO-Binary-TV masks only the side the advantage pushes (A > 0: a rise, A <= 0: a fall);
 here a token that moved more than the threshold in either direction is masked. Defaults are ``IPOLossConfig``'s:
 ``ipo_threshold`` 0.1 (both sides; asymmetric bounds are a setting), ``kl_tau`` 1e-3, ``adv_tau`` 1 (a scale of A,
@@ -24,11 +24,11 @@ same KL term) is ``dppo_tv`` with ``clip_low=0.2 clip_high=0.2 kl_coef=1e-3 surr
 from __future__ import annotations
 
 from objectives.base import register_objective
-from objectives.dppo import DPPO
+from objectives.dppo import DPPOBinaryTV
 
 
 @register_objective("ipo")
-class IPO(DPPO):
+class IPO(DPPOBinaryTV):
     clip_low: float = 0.1  # mask tokens whose probability fell by more than this (prime-rl's ipo_threshold)
     clip_high: float = 0.1  # mask tokens whose probability rose by more than this (prime-rl's ipo_threshold)
     kl_coef: float = 1e-3  # coefficient of the squared log-ratio (Kimi-K2.5) KL term (prime-rl's kl_tau)
