@@ -403,3 +403,91 @@ def test_adaptive_kl_state_round_trips_and_beta_zero_stays_zero():
     assert off.reference_kl_coef() == 0.0
     with pytest.raises(ValueError, match="kl_horizon must be > 0"):
         get_objective("adaptive_kl", kl_horizon=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Trust-region masking (verl compute_rollout_rejection_mask's k2 / k3 rules, verl-project/verl 1dda039b)
+# ----------------------------------------------------------------------------------------------------
+
+def verl_rejection_mask(log_ratio, response_mask, options, thresholds):
+    """verl's compute_rollout_rejection_mask for its k2 / k3 options, written out: every option must pass."""
+    safe = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    stats = {"k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}
+    m = response_mask.to(log_ratio.dtype)
+    combined = torch.ones_like(m)
+    for option, upper in zip(options, thresholds, strict=True):
+        level, kind = option.rsplit("_", 1)
+        token = stats[kind]
+        if level == "token":
+            keep = token <= upper
+        else:
+            if level == "seq_sum":
+                seq = (token * m).sum(-1)
+            elif level == "seq_mean":
+                seq = (token * m).sum(-1) / (m.sum(-1) + 1e-8)
+            else:
+                vals = token.masked_fill(~response_mask.bool(), float("-inf")).max(dim=-1).values
+                seq = torch.where(vals == float("-inf"), torch.zeros_like(vals), vals)
+            keep = (seq <= upper).unsqueeze(-1).expand_as(m)
+        combined = combined * keep.to(m.dtype)
+    return (m * combined).bool()
+
+
+def rejection_inputs():
+    """Log-ratios d = old - sampler (garbage on padding) that reach each rule: row 0 near 0 everywhere (kept by all),
+    row 1 one spike d = -2.2 (k2 = 2.42 past the veto's 2, its k3 mean 0.33 within 0.35), row 2 a steady drift (the
+    sum and mean rules at tight bounds), row 3 a ratio of 0.2, row 4 a ratio past exp(20) (clamped, dropped by all)."""
+    d = torch.tensor([[0.01, -0.02, 0.015, 0.0, 0.0], [0.02, -2.2, -0.01, 0.0, 0.0], [0.3, 0.25, 0.35, 0.3, 0.28],
+                      [-0.01, L(0.2), 0.02, 0.01, 0.0], [25.0, 0.0, 0.01, 0.0, 0.0]], dtype=DT)
+    mask = torch.arange(5)[None, :] < torch.tensor([3, 4, 5, 4, 3])[:, None]
+    d[~mask] = 7.0  # garbage
+    sampler = -torch.rand(5, 5, generator=torch.Generator().manual_seed(0), dtype=DT) - 0.5
+    return sampler + d, sampler, mask
+
+
+@pytest.mark.parametrize("rules,bounds", [
+    (["token_k3"], [0.5]), (["token_k2"], [0.5]), (["seq_sum_k3"], [0.15]), (["seq_sum_k2"], [0.15]),
+    (["seq_mean_k3"], [0.02]), (["seq_mean_k2"], [0.02]), (["seq_max_k3"], [0.5]), (["seq_max_k2"], [0.5]),
+    (["seq_mean_k3", "seq_max_k2"], [0.02, 2.0]),  # the paper's average + veto
+    (["token_k2", "seq_sum_k3"], [1.0]),  # one bound for both
+])
+def test_trust_region_rules_match_verl(rules, bounds):
+    from objectives.rollout_correction import rejection_keep
+
+    old, sampler, mask = rejection_inputs()
+    ours = rejection_keep(old, sampler, mask, rules, bounds)
+    theirs = verl_rejection_mask(old - sampler, mask, rules, bounds * len(rules) if len(bounds) == 1 else bounds)
+    assert torch.equal(ours, theirs)
+    assert ours[0, :3].all() and not ours.all() and not (ours & ~mask).any()
+
+
+def test_trust_region_masking_weights_the_loss_and_is_checked_before_a_run(tmp_path):
+    from omegaconf import OmegaConf
+
+    from harness.loop.behaviour import behaviour_logp, rollout_correction
+
+    old, sampler, mask = rejection_inputs()
+    t = OmegaConf.create({"old_logp": "sampler", "routing_replay": "none", "rollout_correction": {
+        "mode": "none", "threshold": 2.0, "threshold_lower": None, "rejection": ["seq_mean_k3", "seq_max_k2"],
+        "rejection_threshold": [0.35, 2.0]}})  # the paper's average + veto: row 1 goes by the veto alone
+    weights, metrics = rollout_correction(t, old, sampler, mask)
+    kept = weights.bool().any(-1).tolist()
+    assert kept == [True, False, True, True, False] and torch.equal(weights, (mask & weights.bool()).to(DT))
+    assert num(metrics["rollout_corr_rejected_seq_frac"], 2 / 5) and behaviour_logp(t) == "recompute"
+    assert num(metrics["rollout_corr_rejected_frac"], (4 + 3) / 19)
+    t.rollout_correction.rejection, t.rollout_correction.rejection_threshold = ["seq_mean_k3"], [0.35]
+    assert rollout_correction(t, old, sampler, mask)[0].bool().any(-1).tolist() == [True, True, True, True, False]
+    t.rollout_correction.mode = "token_truncate"  # with importance weights: the rules' zeros on top of them
+    truncated, _ = rollout_correction(t, old, sampler, mask)
+    assert truncated[0, 0] == math.exp(old[0, 0] - sampler[0, 0]) and (truncated[4] == 0).all()
+    for rules, bounds, problem in [(["seq_max_k1"], [1.0], "unknown rule 'seq_max_k1'"),
+                                   (["token_k3", "seq_sum_k3"], [1.0, 2.0, 3.0], "one bound for all rules"),
+                                   (["token_k3"], [0.0], "positive finite bounds")]:
+        with pytest.raises(ConfigError, match=problem):
+            run_configs(load_experiment("base", [f"train.rollout_correction.rejection={rules}",
+                                                 f"train.rollout_correction.rejection_threshold={bounds}",
+                                                 f"results_dir={tmp_path}"]))
+    with pytest.raises(ConfigError, match="^backend trl: train.rollout_correction.rejection"):
+        run_configs(load_experiment("base", ["backend=trl", "train.rollout_correction.rejection=[token_k3]",
+                                             "train.rollout_correction.rejection_threshold=[1.0]",
+                                             f"results_dir={tmp_path}"]))

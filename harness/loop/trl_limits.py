@@ -52,6 +52,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if own:
         return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
                 f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
+    if OmegaConf.select(t, "rollout_correction.rejection", default=None):
+        return ("backend trl: train.rollout_correction.rejection (trust-region masking) is not mapped onto TRL's "
+                "importance sampling; use backend=native")
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
