@@ -450,6 +450,7 @@ def rejection_inputs():
     (["seq_mean_k3"], [0.02]), (["seq_mean_k2"], [0.02]), (["seq_max_k3"], [0.5]), (["seq_max_k2"], [0.5]),
     (["seq_mean_k3", "seq_max_k2"], [0.02, 2.0]),  # the paper's average + veto
     (["token_k2", "seq_sum_k3"], [1.0]),  # one bound for both
+    (["token_k2"], [250.0]),  # row 4's d = 25 counts as 20 (verl's clamp): k2 200, kept
 ])
 def test_trust_region_rules_match_verl(rules, bounds):
     from objectives.rollout_correction import rejection_keep
