@@ -23,6 +23,12 @@ trainer's old policy and the sampler; 0 for masked tokens) that :func:`aggregate
 token mean of its weights), so no objective has code for it. The token and sequence counts of the normalisation
 are unchanged (a masked token keeps its place in N_tokens, L_i, N_seqs); the beta * KL to the reference is not
 weighted. None, or weights exactly 1, leave the loss and its gradient bit-identical.
+
+An objective with state of its own (a coefficient, a moving copy of the policy, a trained predictor) declares
+``stateful`` and implements the lifecycle hooks (:class:`Objective`: ``setup``, ``trainable_parameters``,
+``after_optimizer_step``, ``after_update``, ``state_dict`` / ``load_state_dict``), checked when it registers.
+:meth:`Objective.needs` says what it needs of a trainer ("state", "hidden_states"); each trainer declares what it
+provides, and :func:`lifecycle_unsupported` checks one against the other before a run starts.
 """
 
 from __future__ import annotations
