@@ -57,7 +57,8 @@ def future_kl(d: Tensor, mask: Tensor, gamma: float, ratio_c: float) -> Tensor:
     part = torch.where(mask & (d <= math.log(ratio_c)), d, torch.zeros_like(d)).detach()
     positions = torch.arange(d.shape[-1], device=d.device)
     distance = (positions[None, :] - positions[:, None]).to(d.dtype)  # [t, k] = k - t
-    decay = torch.where(distance >= 0, torch.tensor(gamma, dtype=d.dtype).pow(distance.clamp(min=0)), 0.0)
+    decay = torch.where(distance >= 0, torch.full((), gamma, dtype=d.dtype, device=d.device).pow(distance.clamp(min=0)),
+                        0.0)
     return part @ decay.T
 
 
