@@ -165,7 +165,8 @@ def test_sequence_level_objectives_declare_it_and_token_advantages_reach_the_oth
             continue  # POPO reads hidden states and rewards; its advantages are not used
         pb = PolicyBatch(logp=logp, old_logp=logp.detach() - 0.01, mask=mask, advantages=torch.randn(4, 5),
                          rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), group_ids=torch.tensor([0, 0, 1, 1]),
-                         max_completion_len=5)
+                         max_completion_len=5, ref_logp=logp.detach() + 0.02, entropy=torch.rand(4, 5))
+        # (reference log-probs and entropies as the loop passes them to adaptive_kl and adaptive_entropy)
         if type(objective).needs_sequence_advantages:
             with pytest.raises(ValueError, match="per-sequence advantages"):
                 objective(pb)

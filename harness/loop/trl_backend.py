@@ -65,12 +65,11 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
-from harness.loop.backends import BACKENDS
 from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
 from harness.loop.build import hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
-from harness.loop.trl_limits import trl_extra_args, world_size
+from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
 from harness.policy.models import build_prompt
@@ -553,7 +552,8 @@ def launch_problem(device: torch.device) -> str | None:
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
-    reason = BACKENDS["trl"].refusal(cfg) or launch_problem(resolve_device(cfg.device))
+    # the launch environment (WORLD_SIZE) is known only now; the objective's needs were checked with the config
+    reason = trl_unsupported(cfg) or launch_problem(resolve_device(cfg.device))
     if reason:
         raise ConfigError(reason)
     torch.manual_seed(cfg.seed)
