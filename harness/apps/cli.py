@@ -175,8 +175,10 @@ def cmd_list(args) -> int:
             print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
             continue
         cls = OBJECTIVES.get(name)
-        own = cls.hyperparameters()
-        params = ", ".join(f"{k}={v}" for k, v in own.items() if k not in SHARED_HYPERPARAMETERS)
+        own, common = cls.hyperparameters(), Objective.hyperparameters()
+        # its own hyperparameters, and a shared one whose default it changes (adaptive_kl's beta)
+        params = ", ".join(f"{k}={v}" for k, v in own.items()
+                           if k not in SHARED_HYPERPARAMETERS or (k != "aggregation" and v != common[k]))
         line = f"  {name:12s} advantage={cls.default_advantage:10s} aggregation={own['aggregation']:24s} {params}"
         print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))

@@ -561,6 +561,7 @@ def launch_problem(device: torch.device) -> str | None:
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
+    # the launch environment (WORLD_SIZE) is known only now; the objective's needs were checked with the config
     reason = trl_unsupported(cfg) or launch_problem(resolve_device(cfg.device))
     if reason:
         raise ConfigError(reason)

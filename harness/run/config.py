@@ -39,8 +39,13 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
-from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
-from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
+from objectives.advantages import (
+    needs_greedy_baseline,
+    needs_nonnegative_rewards,
+    needs_reward_components,
+    needs_sum_pi_squared,
+)
+from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
@@ -111,7 +116,8 @@ class ObjectiveConfig:
 class RolloutCorrectionConfig:
     """train.rollout_correction: weight every token's loss by the importance ratio between the trainer's old policy
     and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
-    A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
+    A mode other than none, or a rejection rule, makes the loop recompute the trainer's old log-probs (train.old_logp
+    is then ignored)."""
 
     # importance weights between the trainer's old (proximal) policy and the sampler: none, token_truncate,
     # token_mask, sequence_truncate, sequence_mask, decoupled_ppo (AReaL's: masked above threshold, per token or, for
@@ -121,6 +127,11 @@ class RolloutCorrectionConfig:
     # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
     # none, as verl and TRL)
     threshold_lower: float | None = None
+    # trust-region masking (verl's rollout_rs, arXiv 2512.23075): divergence rules between the trainer's old policy and
+    # the sampler that drop a token or a whole sequence past their bound: token_k2, token_k3, seq_sum_k2, seq_sum_k3,
+    # seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3 (the paper's: [seq_mean_k3, seq_max_k2]); empty = off
+    rejection: list[str] = field(default_factory=list)
+    rejection_threshold: list[float] = field(default_factory=list)  # the rules' bounds: one for all, or one per rule
 
 
 @dataclass
@@ -536,8 +547,14 @@ def _check_objective(run: DictConfig) -> None:
         raise ConfigError(f"advantage estimator {estimator!r} gives one advantage per token and objective "
                           f"{run.objective.name!r} needs one per sequence: use a token-level objective or another "
                           "objective.advantage")
+    negative_rewards = run.task.overlong_buffer or run.task.format_weight < 0
+    if needs_nonnegative_rewards(ADVANTAGES.get(estimator)) and negative_rewards:
+        raise ConfigError(f"advantage estimator {estimator!r} assumes rewards >= 0 (it divides by the group's mean "
+                          "reward), and task.overlong_buffer > 0 or task.format_weight < 0 makes negative ones: set "
+                          "task.overlong_buffer=0 and task.format_weight >= 0, or choose another objective.advantage")
     rc = run.train.rollout_correction
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
+    problem = problem or check_rejection(list(rc.rejection), list(rc.rejection_threshold))
     if problem:
         raise ConfigError(problem)
     objective = OBJECTIVES.get(run.objective.name)
