@@ -6,7 +6,8 @@
 Each experiment is swept into ``results/docs/<commit>/`` (a new commit re-runs everything; the same commit
 resumes), its report is written, its figures are copied into ``docs/`` and its tables into
 ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``: the zoo's leaderboard;
-``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs and on lab_moe),
+``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs and on lab_moe; always
+the generated tables of docs/trl.md and README.md, harness/run/names.py),
 stamped with the commit, the date, the machine (CPU, cores, torch threads per run, load before and after) and the
 wall time of each sweep.
 """
@@ -29,6 +30,7 @@ from harness.apps.claims import ledger_rows, load_claims, run_source
 from harness.apps.stamp import ROOT, commit, machine
 from harness.apps.sweep import run_sweep
 from harness.apps.zoo import main as zoo
+from harness.run import names
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
 from harness.run.records import run_status
@@ -124,6 +126,7 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
               f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
               "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation, ~1 h; `WITH_MOE=1` for "
               "moe_stability; `SKIP_MAIN=1`: only those pages).\n\n")
+    tables = names.write_docs()  # the generated tables of docs/trl.md and README.md (harness/run/names.py)
     if not skip_main:
         main_page(header, results_dir, jobs)
     if with_gsm8k:
@@ -138,7 +141,7 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
     pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", with_zoo),
              ("results_moe.md", with_moe)]
-    print("wrote " + ", ".join(str(DOCS / page) for page, written in pages if written))
+    print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0
 
 
