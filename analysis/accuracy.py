@@ -119,7 +119,7 @@ def interval_of(units: dict) -> Estimate:
         low, high = t_bounds(mean, parts) if parts else (np.nan, np.nan)
     else:
         low, high = (np.nanmin(x), np.nanmax(x)) if n == 2 else (np.nan, np.nan)
-    if not problems and low == high:  # seeds alike, and whether the eval problems vary is unknown: no interval
+    if not problems and high - low <= 1e-12:  # seeds alike (to round-off), how the problems vary unknown: none
         low = high = np.nan
     return Estimate(float(mean), float(low), float(high), n, parts, problems)
 

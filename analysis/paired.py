@@ -121,11 +121,13 @@ def per_cell(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = Non
 
 
 def combined(estimates: list[Estimate]) -> Estimate:
-    """The mean over cells of independent estimates, its variance the sum of theirs over the number squared."""
+    """The mean over cells of independent estimates, its variance the sum of theirs over the number squared; no
+    interval when a cell has none."""
     k = len(estimates)
     mean = float(np.mean([e.mean for e in estimates]))
     parts = tuple((v / k ** 2, df) for e in estimates for v, df in e.parts)
-    low, high = t_bounds(mean, parts) if parts else (np.nan, np.nan)
+    bounded = parts and all(np.isfinite(e.low) for e in estimates)
+    low, high = t_bounds(mean, parts) if bounded else (np.nan, np.nan)
     return Estimate(mean, float(low), float(high), sum(e.n for e in estimates), parts,
                     all(e.problems for e in estimates))
 

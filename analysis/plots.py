@@ -125,18 +125,18 @@ def same_values(metrics: pd.DataFrame, a: str, b: str) -> bool:
     return bool((x.isna() == y.isna()).all() and np.allclose(x.dropna(), y.dropna(), rtol=1e-9, atol=0))
 
 
-def round_off(metrics: pd.DataFrame) -> dict[str, float]:
+def round_off(metrics: pd.DataFrame) -> dict[str, tuple[float, float]]:
     """The per-step metrics (not bookkeeping) constant to round-off: every logged value of every run within
     ROUND_OFF x max(1, largest |value|) of every other (e.g. the mean of normalised advantages, a KL between two
-    evaluations of the same weights): column -> the largest |value|."""
+    evaluations of the same weights): column -> (smallest, largest value)."""
     out = {}
     for column in sorted(metrics.columns):
         if column in IDENTITY or bookkeeping(column) or not reported(metrics, column):
             continue
         values = metrics[column].dropna().to_numpy(dtype=float)
-        largest = float(np.abs(values).max())
-        if np.isfinite(largest) and values.max() - values.min() <= ROUND_OFF * max(1.0, largest):
-            out[column] = largest
+        low, high = float(values.min()), float(values.max())
+        if np.isfinite([low, high]).all() and high - low <= ROUND_OFF * max(1.0, abs(low), abs(high)):
+            out[column] = (low, high)
     return out
 
 

@@ -161,11 +161,16 @@ def eval_display(table: pd.DataFrame, runs: pd.DataFrame, cells: Cells | None = 
 
 
 def same_start(table: pd.DataFrame) -> bool:
-    """Whether every row of the table starts alike: the same step-0 mean and interval (one starting policy, greedy
-    evaluation: the same scores on every run)."""
-    columns = ["start_mean", "start_ci_low", "start_ci_high"]
+    """Whether every row of the table starts alike: the same step-0 mean and, where there is one, interval (one
+    starting policy, greedy evaluation: the same scores on every run)."""
     done = table[table["start_n"] > 0]
-    return len(done) > 1 and all(done[c].nunique(dropna=False) == 1 for c in columns)
+    bounded = done[done["start_ci_low"].notna()]
+
+    def alike(values: pd.Series) -> bool:  # equal to round-off (means over 2 and 3 equal seeds differ in the last bit)
+        return values.empty or bool(np.ptp(values.to_numpy(dtype=float)) <= 1e-12)
+
+    return len(done) > 1 and alike(done["start_mean"]) and alike(bounded["start_ci_low"]) and \
+        alike(bounded["start_ci_high"])
 
 
 def headline_display(table: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
@@ -181,14 +186,16 @@ def headline_display(table: pd.DataFrame, cells: Cells | None = None) -> pd.Data
 
 
 def start_line(table: pd.DataFrame) -> str | None:
-    """The one start accuracy of a table whose rows start alike (same_start), else None."""
+    """The one start accuracy (and its interval, from the objective with the most seeds) of a table whose rows start
+    alike (same_start), else None."""
     if not same_start(table):
         return None
-    row = table[table["start_n"] > 0].iloc[0]
-    return (f"Every objective starts at {num(row['start_mean'])} (step 0, "
-            f"{interval(row['start_ci_low'], row['start_ci_high'], int(row['start_n']), row['start_problems'])}: "
-            "the eval set's sampling; the same starting policy and greedy evaluation give every run the same score "
-            "on each problem), so the start's columns are left out of the table.")
+    done = table[table["start_n"] > 0]
+    row = done.sort_values("start_n", ascending=False).iloc[0]  # one with an interval, if any
+    return (f"Every objective starts at {num(row['start_mean'])} at step 0 "
+            f"({interval(row['start_ci_low'], row['start_ci_high'], int(row['start_n']), row['start_problems'])}; "
+            "with one starting policy and greedy evaluation every run scores each problem alike, and the interval "
+            "is the eval set's sampling): the start's columns are left out of the table.")
 
 
 def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:
@@ -385,9 +392,11 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
             drawn += columns
         coincide = coincide_lines(coinciding(metrics, drawn))
         if flat:
-            left_out.append("Left out of the figures, constant to round-off at every logged step of every run "
-                            "(their spread at most 1e-6 of their size): "
-                            + ", ".join(f"`{m}` (|values| <= {v:.1e})" for m, v in flat.items()) + ".")
+            left_out.append("Left out of the figures, constant (to round-off: a spread of at most 1e-6 of their "
+                            "size) at every logged step of every run: "
+                            + ", ".join(f"`{m}` ({low:.2g} throughout)" if low == high else
+                                        f"`{m}` (between {low:.2g} and {high:.2g})" for m, (low, high) in flat.items())
+                            + ".")
     for figure in made:
         figure.stem += suffix
     return made, coincide, left_out

@@ -114,4 +114,4 @@ def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], b
 def lines(verdicts: list[CellVerdict]) -> list[str]:
     """One line per cell (the cell named when there are several)."""
     several = len(verdicts) > 1
-    return [(f"cell `{v.cell}`: " if several else "") + v.sentence[0].upper() + v.sentence[1:] + "." for v in verdicts]
+    return [(f"cell `{v.cell}`: " if several else "") + v.sentence + "." for v in verdicts]

@@ -101,11 +101,17 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
             f"{load_before:.2f} before, {load_after:.2f} after)"
             + (f"; {before} of them had finished before this command (an earlier, interrupted `make docs` at this "
                "commit: resumed, not rerun, so the wall time covers the rest)" if before else "") + ".\n\n"
+            f"### Verdict\n\n{verdict_list(report)}\n"
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
             f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
             f"### Where a run's time goes ({jobs} runs at a time)\n\n{time_table(exp_dir)}\n"
             f"{figures}")
+
+
+def verdict_list(report: Path) -> str:
+    """The report's verdict (verdict.txt: one line per cell) as a Markdown list."""
+    return "".join(f"- {line}\n" for line in (report / "verdict.txt").read_text().splitlines()) or "- none\n"
 
 
 def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
