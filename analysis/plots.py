@@ -372,34 +372,41 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
     return Made("clip_fraction", title, fig, caption, notes)
 
 
-def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool):
+def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool, estimates: dict | None = None):
+    """Each seed's final accuracy (points) and per objective (registry order) the mean with its interval: the
+    report's (``estimates``: objective -> analysis.accuracy.Estimate, over seeds and eval problems), else
+    describe's over seeds; the start as a dashed line."""
     done = runs[runs["ended" if "ended" in runs else "complete"] & runs["final_eval_accuracy"].notna()]
     if done.empty:
         return Made("final_eval", title, None,
                     notes=["no finished run with a final eval accuracy yet: figure left out."])
-    order = sorted(done["objective"].unique())
+    order = [o for o in look if o in set(done["objective"])]
     fig, (ax,) = grid(1, paper, title, single=True)
     sns.swarmplot(data=done, x="objective", y="final_eval_accuracy", order=order, hue="objective",
                   palette={o: look[o].color for o in order}, size=4 if paper else 6, legend=False, ax=ax)
     labels = []
     for i, objective in enumerate(order):
         d = describe(done.loc[done["objective"] == objective, "final_eval_accuracy"])
-        labels.append(f"{objective}\n(n={d['n']}, {interval_name(d['n'])})")
-        yerr = [[d["mean"] - d["ci_low"]], [d["ci_high"] - d["mean"]]] if d["n"] > 1 else None
-        ax.errorbar(i + 0.25, d["mean"], yerr=yerr, fmt="D", color="black", markersize=4, capsize=3)
+        e = (estimates or {}).get(objective)
+        mean, low, high, name = (e.mean, e.low, e.high, "95% CI") if e is not None and e.problems else \
+            (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"]))
+        labels.append(f"{objective}\n(n={d['n']}, {name})")
+        yerr = [[mean - low], [high - mean]] if np.isfinite(low) else None
+        ax.errorbar(i + 0.25, mean, yerr=yerr, fmt="D", color=look[objective].color, markerfacecolor="white",
+                    markersize=5, capsize=3)
     ax.set_xticks(range(len(order)), labels)
     ax.set(xlabel="", ylabel="final eval accuracy")
     handles = [Line2D([], [], marker="o", linestyle="none", color="0.3", label="one seed"),
-               Line2D([], [], marker="D", color="black", label="mean ± interval")]
+               Line2D([], [], marker="D", color="0.3", markerfacecolor="white", label="mean ± interval")]
     start = done["start_eval_accuracy"].mean() if "start_eval_accuracy" in done else np.nan
     if np.isfinite(start):
         ax.axhline(start, color="0.4", linestyle="--", linewidth=1, zorder=1)
         handles.append(Line2D([], [], color="0.4", linestyle="--", label=f"start (step 0): {num(start)}"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     caption = ("Points: each seed's final greedy held-out accuracy (runs that ended: finished, or diverged with their "
-               "last eval), coloured by objective. "
-               f"Diamond: mean over seeds; bar: {INTERVALS} (the tables' intervals also include the eval set's "
-               "sampling). Dashed: the mean step-0 accuracy of these runs (the start), so the axis shows the gain.")
+               "last eval), coloured by objective. Open diamond: mean over seeds; bar: the interval of the tables "
+               f"(over seeds and eval problems; where the runs lack per-problem scores, {INTERVALS}). Dashed: the "
+               "mean step-0 accuracy of these runs (the start), so the axis shows the gain.")
     return Made("final_eval", title, fig, caption)
 
 

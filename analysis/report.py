@@ -25,8 +25,8 @@ import pandas as pd
 from scipy.stats import trim_mean
 
 from analysis import axes, paired, plots, scaling, timing, verdict
+from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.accuracy import runs_scores
 from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import (
@@ -363,8 +363,8 @@ def coincide_lines(found: dict, prefix: str = "") -> list[str]:
 
 
 def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, paper: bool,
-            fits: list[scaling.ObjectiveFit], look: dict[str, plots.Style], suffix: str = ""
-            ) -> tuple[list[plots.Made], list[str], list[str]]:
+            fits: list[scaling.ObjectiveFit], look: dict[str, plots.Style], suffix: str = "",
+            samples: dict | None = None) -> tuple[list[plots.Made], list[str], list[str]]:
     """Every figure of one cell (drawn or not, with its notes; stems end in `suffix`), the pairs of objectives whose
     curves coincide, and the metrics left out (constant to round-off); `fits`: the cell's compute-performance fits
     (scaling.fit_objectives)."""
@@ -378,7 +378,8 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
                  plots.stability_figure(metrics, look, smooth, f"{name}: stability diagnostics", paper,
                                         frozenset(flat)),
                  plots.clip_figure(metrics, runs, look, f"{name}: clip fraction, measured vs paper", paper)]
-    made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper))
+    estimates = {o: estimate(g, samples or {}) for o, g in cell_identity(runs).groupby("objective")}
+    made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper, estimates))
     if not metrics.empty:
         drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING] if plots.reported(metrics, m)
                  and m not in flat]
@@ -623,7 +624,7 @@ def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str],
         time_tables.append(with_cell(timing.time_table(cell_runs, cell_metrics), label, multi))
         title = f"{name} [{cells.short(cell_id)}]" if multi else name
         made, lines, left_out = figures(cell_runs, cell_metrics, title, smooth, paper, fits, look,
-                                        f"_c{cell_id + 1}" if multi else "")
+                                        f"_c{cell_id + 1}" if multi else "", exp.samples)
         coincide += [f"cell `{label}`: {line}" if multi else line for line in lines]
         if multi:
             cell_blocks.append(("h3", f"Cell {cell_id + 1}: {label}"))

@@ -58,9 +58,11 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     differ = rows[rows["holm"] < ALPHA]
     n = int(rows["n"].min())
     if differ.empty:
-        return (f"no objective differs from {baseline} at this budget: every paired interval includes 0{family}"
-                if len(rows) == 1 or (rows["difference_low"] <= 0).all() and (rows["difference_high"] >= 0).all()
-                else f"no objective differs from {baseline} at this budget{family}") + seeds_note(n)
+        alone = rows[(rows["difference_low"] > 0) | (rows["difference_high"] < 0)]["a"].tolist()
+        why = (": every paired interval includes 0" if not alone else
+               f": {' and '.join(alone)}'s interval{'s' * (len(alone) > 1)} alone exclude{'s' * (len(alone) == 1)} 0, "
+               "not after the correction")
+        return f"no objective differs from {baseline} at this budget{why}{family}{seeds_note(n)}"
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0

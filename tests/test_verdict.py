@@ -31,8 +31,11 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
     assert verdict.sentence(above, "grpo") == "ctpo ends above grpo by 0.0160 [0.00400, 0.0280], 5 of 5 seeds"
     # two comparisons: p 0.03 alone would count, but Holm doubles the smaller one
     two = rows(("ctpo", 0.02, 0.001, 0.04, 4, 1, 5, 0.03), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
-    assert verdict.sentence(two, "grpo") == ("no objective differs from grpo at this budget (Holm-corrected over 2 "
-                                             "comparisons)")
+    assert verdict.sentence(two, "grpo") == ("no objective differs from grpo at this budget: ctpo's interval alone "
+                                             "excludes 0, not after the correction (Holm-corrected over 2 comparisons)")
+    neither = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
+    assert verdict.sentence(neither, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
+                                                 "includes 0 (Holm-corrected over 2 comparisons)")
     below = rows(("ctpo", -0.05, -0.07, -0.03, 0, 6, 6, 0.001), ("gspo", 0.01, -0.01, 0.03, 4, 2, 6, 0.3))
     assert verdict.sentence(below, "grpo") == ("ctpo ends below grpo by 0.0500 [-0.0700, -0.0300], 6 of 6 seeds; the "
                                                "other does not (Holm-corrected over 2 comparisons)")
