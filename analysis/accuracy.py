@@ -17,7 +17,6 @@ on none where the seeds agree exactly (whether the problems vary is then unknown
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,12 +146,26 @@ def paired_estimate(runs: pd.DataFrame, samples: dict, a: str, b: str, column: s
 
 def resampled_values(units: dict, n_boot: int = N_BOOT, rng=None) -> np.ndarray:
     """Each unit's value (a run's accuracy, or a pair of runs' accuracies on a trailing axis) in n_boot hierarchical
-    bootstrap resamples of seeds and eval problems (analysis.stats.resample): (n_boot, units[, ...]), NaN where a
-    resample has fewer units (a starting policy with fewer seeds)."""
+    bootstrap resamples of starting policies, seeds and eval problems: (n_boot, units[, ...]), NaN where a resample
+    has fewer units (a starting policy with fewer seeds). Drawn as analysis.stats.resample draws them, without
+    building every resampled score: the seeds by resampling their positions, the shared eval problems as how often
+    each was drawn (a multinomial count), each run's accuracy then the count-weighted mean of its scores."""
     x, levels, problems = dense(units)
-    drawn = resample(x, levels, n_boot, rng if rng is not None else np.random.default_rng(BOOT_SEED))
+    rng = rng if rng is not None else np.random.default_rng(BOOT_SEED)
+    policies, seeds = x.shape[:2]
+    present = np.isfinite(x).reshape(policies, seeds, -1).any(axis=2)
+    positions = np.where(present, np.arange(policies * seeds).reshape(policies, seeds), np.nan)
+    drawn = resample(positions, levels[:2], n_boot, rng).reshape(n_boot, -1)  # (n_boot, slots): a unit or NaN
+    trailing = x.shape[3:] if problems else x.shape[2:]
+    flat = x.reshape(policies * seeds, -1, int(np.prod(trailing))) if problems else \
+        x.reshape(policies * seeds, 1, int(np.prod(trailing)))
     if problems:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a resampled seed slot left empty: NaN, as meant
-            drawn = np.nanmean(drawn, axis=3)
-    return drawn.reshape(n_boot, -1, *drawn.shape[3:])
+        n = flat.shape[1]
+        picks = rng.integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
+        counts = np.bincount(picks.ravel(), minlength=n_boot * n).reshape(n_boot, n)
+        values = np.einsum("bp,upt->but", counts, np.nan_to_num(flat)) / n
+    else:
+        values = np.broadcast_to(flat[:, 0], (n_boot, *flat[:, 0].shape))
+    taken = np.take_along_axis(values, np.nan_to_num(drawn).astype(int)[..., None], axis=1)
+    taken = np.where(np.isnan(drawn)[..., None], np.nan, taken)
+    return taken.reshape(n_boot, -1, *trailing)

@@ -187,12 +187,32 @@ def test_iqm_over_shared_cells():
     grpo = table.loc["grpo"]
     assert (grpo["cells"], grpo["n"]) == (2, 6)  # cell 2 has no gspo run: left out for every objective
     assert grpo["iqm"] == pytest.approx(0.35)  # middle of 0.1 0.2 0.3 0.4 0.5 0.9: 0.2 0.3 0.4 0.5
-    rng = np.random.default_rng(BOOT_SEED)
+    rng = np.random.default_rng(BOOT_SEED)  # per cell: its one starting policy drawn, then its 3 seeds within it
+
+    def seeds_drawn() -> np.ndarray:
+        rng.random((N_BOOT, 1))
+        return np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)
+
     a, b = np.array([0.1, 0.2, 0.3]), np.array([0.4, 0.5, 0.9])
-    resampled = np.concatenate([a[np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)],
-                                b[np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)]], axis=1)
+    resampled = np.concatenate([a[seeds_drawn()], b[seeds_drawn()]], axis=1)
     assert (grpo["iqm_low"], grpo["iqm_high"]) == pytest.approx(
         tuple(np.percentile(scipy.stats.trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])))
     assert table.loc["gspo", "iqm"] == 0.5 and table.loc["gspo", "iqm_low"] == 0.5
     few = paired.iqm(frame({(0, "grpo"): [0.1, 0.2]})).iloc[0]
     assert few["n"] == 2 and np.isnan(few["iqm"]) and few["mean"] == pytest.approx(0.15)
+
+
+def test_the_counted_draw_of_problems_is_the_generic_resample_in_distribution():
+    """resampled_values weighs each problem by how often a resample drew it instead of building the resampled
+    scores: per run, the same distribution as analysis.stats.resample's mean over the drawn problems."""
+    from analysis.accuracy import dense, resampled_values
+
+    runs, samples = scored({("grpo", s): list((np.arange(16) * (s + 3)) % 5 < 2) for s in range(3)})
+    units = {s: ("p", v, run_scores(samples[f"grpo-s{s}"], "final_eval_accuracy", v))
+             for s, v in zip(runs["seed"], runs["final_eval_accuracy"], strict=True)}
+    fast = resampled_values(units, n_boot=20000)
+    x, levels, _ = dense(units)
+    generic = resample(x, levels, n_boot=20000, rng=np.random.default_rng(1)).mean(axis=3).reshape(20000, -1)
+    assert fast.shape == generic.shape == (20000, 3)
+    for statistic in (np.mean, np.std, lambda v: np.mean(v.max(axis=1))):
+        assert statistic(fast) == pytest.approx(statistic(generic), rel=0.03)
