@@ -44,9 +44,9 @@ class Estimate:
     @property
     def p_value(self) -> float:
         """Two-sided p of the t-test of mean = 0 with the interval's variance and degrees of freedom (NaN without
-        one)."""
+        an interval)."""
         variance, df = satterthwaite(self.parts) if self.parts else (np.nan, np.nan)
-        if not np.isfinite(variance) or not df > 0:
+        if not np.isfinite(self.low) or not np.isfinite(variance) or not df > 0:
             return np.nan
         if variance == 0:
             return 1.0 if self.mean == 0 else 0.0
@@ -80,19 +80,19 @@ def run_scores(samples: pd.DataFrame | None, column: str, value: float) -> pd.Se
 
 
 def runs_scores(runs: pd.DataFrame, samples: dict, column: str) -> dict:
-    """seed -> (starting policy, the run's value, its per-problem scores or None) of the runs counted and ended
-    with a finite value."""
+    """(starting policy, seed) -> (starting policy, the run's value, its per-problem scores or None) of the runs
+    counted and ended with a finite value (two objectives' runs of one key are paired)."""
     done = runs[runs["counted"] & runs["ended"] & np.isfinite(runs[column].astype(float))]
     policy = done["start_policy"].fillna("") if "start_policy" in done else pd.Series("", index=done.index)
-    return {run.seed: (p, float(getattr(run, column)), run_scores(samples.get(run.run_id), column,
-                                                                  float(getattr(run, column))))
+    return {(p, run.seed): (p, float(getattr(run, column)), run_scores(samples.get(run.run_id), column,
+                                                                       float(getattr(run, column))))
             for run, p in zip(done.itertuples(), policy, strict=True)}
 
 
 def dense(units: dict) -> tuple[np.ndarray, tuple, bool]:
-    """The units (seed -> (policy, value, scores)) as a (policies, seeds, problems, ...) array, NaN-padded after each
-    policy's seeds; its levels; whether it is resolved by problem (every unit has scores, on the same problems).
-    Unresolved: (policies, seeds, ...) of the values."""
+    """The units (key -> (policy, value, scores), keys sortable: (policy, seed)) as a (policies, seeds, problems, ...)
+    array, NaN-padded after each policy's seeds; its levels; whether it is resolved by problem (every unit has
+    scores, on the same problems). Unresolved: (policies, seeds, ...) of the values."""
     scores = [s for _, _, s in units.values()]
     problems = all(s is not None and s.index.equals(scores[0].index) for s in scores)
     policies = sorted({p for p, _, _ in units.values()})
@@ -129,8 +129,8 @@ def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate
 
 
 def paired_units(a: dict, b: dict) -> dict:
-    """seed -> (policy, A's value - B's, A's scores - B's) over the seeds both have; the scores' difference only where
-    both runs scored the same problems."""
+    """key -> (policy, A's value - B's, A's scores - B's) over the (policy, seed) keys both have; the scores'
+    difference only where both runs scored the same problems."""
     out = {}
     for seed in sorted(set(a) & set(b)):
         (policy, x, sx), (_, y, sy) = a[seed], b[seed]

@@ -97,7 +97,7 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def stacked(a: dict, b: dict, seeds) -> dict:
-    """seed -> (policy, (A's value, B's), their scores side by side, or None unless both scored the same problems):
+    """key -> (policy, (A's value, B's), their scores side by side, or None unless both scored the same problems):
     one unit per seed carrying both objectives, so that a resample draws the same seeds and problems for both."""
     out = {}
     for s in seeds:

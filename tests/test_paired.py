@@ -83,6 +83,7 @@ def test_three_seeds_that_agree_do_not_give_a_zero_width_interval():
     assert d.low < 0 < d.high and d.p_value > 0.05  # two problems of 128 are no evidence
     unscored = paired_estimate(runs, {}, "ctpo", "grpo")  # without per-problem scores: the seeds agree, no interval
     assert not unscored.problems and unscored.mean == pytest.approx(2 / 128) and np.isnan(unscored.low)
+    assert np.isnan(unscored.p_value)  # no interval, no test: the verdict does not count it
     start = estimate(runs[runs["objective"] == "grpo"], samples, "start_eval_accuracy")
     assert start.problems and start.mean == 0 and start.low == start.high == 0  # constant: it does not vary
 
