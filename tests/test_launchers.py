@@ -108,6 +108,27 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
         assert rows == reference[run_id], run_id  # the local launcher's metrics, the killed run's too
 
 
+@pytest.mark.parametrize("written, status, error", [
+    ("running", "stopped", "Ray: WorkerCrashedError: the worker died"),  # killed before it could write a word
+    ("interrupted", "interrupted",  # the SIGTERM to the dead worker's process group reached it first
+     "Ray: WorkerCrashedError: the worker died; the run wrote interrupted (SystemExit: 143)")])
+def test_a_run_whose_worker_died_gets_the_status_its_own_record_calls_for(tmp_path, capsys, written, status, error):
+    """Both orders in which a dying Ray worker's end reaches its run give a resumable status, with the launcher's
+    reason said, and no made-up exit code (-9 is the launcher's stand-in for a process it lost)."""
+    from types import SimpleNamespace
+
+    from harness.apps.sweep import Child
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": written, "error": "SystemExit: 143"
+                                                       if written == "interrupted" else None}))
+    handle = SimpleNamespace(error="Ray: WorkerCrashedError: the worker died")
+    child = Child(tmp_path, handle, SimpleNamespace(close=lambda: None), code=-signal.SIGKILL)
+    assert child.ended("gspo-s0") == (status, error)
+    captured = capsys.readouterr()
+    line = captured.out + captured.err
+    assert f"run gspo-s0 {status}: {error}; log in" in line and "exit -9" not in line
+
+
 @pytest.mark.slow
 def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_sweep, tmp_path):
     pytest.importorskip("submitit")
