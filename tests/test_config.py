@@ -97,13 +97,27 @@ def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
         load_experiment("gsm8k_ablation", ["profile=tpu"])
 
 
-def test_the_low_memory_profile_changes_only_the_memory_settings():
+def test_the_low_memory_profile_changes_only_the_memory_settings_and_so_keeps_the_run_ids():
+    """A run that ran out of memory, swept again with profile=low_memory, is the same run (the memory settings change
+    no number beyond round-off: tests/test_edges.py): the same id, so the sweep resumes it."""
     plain = run_configs(load_experiment("gsm8k_ablation"))
     low = run_configs(load_experiment("gsm8k_ablation", ["profile=low_memory"]))
     memory = {"lm_head_chunk": 1024, "activation_checkpointing": True, "eval_batch_size": 16}
     for a, b in zip(plain, low, strict=True):
         assert {k: b.train[k] for k in memory} == memory
-        assert OmegaConf.merge(a, {"train": memory}) == b and run_id(a) != run_id(b)
+        assert OmegaConf.merge(a, {"train": memory}) == b and run_id(a) == run_id(b)
+
+
+def test_the_run_id_leaves_out_the_memory_settings_but_eval_batch_size_with_pass_at_k():
+    """train.eval_batch_size with train.pass_k decides which random numbers each problem's samples draw
+    (tests/test_evaluation.py): another run then. train.micro_batch_size changes the logged metrics (the
+    objective's metrics are averaged over micro-batches): not a memory setting."""
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    same = ["train.lm_head_chunk=7", "train.activation_checkpointing=true", "train.eval_batch_size=3"]
+    assert all(run_id(OmegaConf.merge(run, OmegaConf.from_dotlist([o]))) == run_id(run) for o in same)
+    sampled = OmegaConf.merge(run, {"train": {"pass_k": 4}})
+    assert run_id(OmegaConf.merge(sampled, {"train": {"eval_batch_size": 3}})) != run_id(sampled) != run_id(run)
+    assert run_id(OmegaConf.merge(run, {"train": {"micro_batch_size": 16}})) != run_id(run)
 
 
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):

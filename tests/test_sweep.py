@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from harness.apps.sweep import run_entry
+from harness.run.config import load_experiment, run_configs
 from harness.run.records import read_jsonl
 from tests.helpers.processes import cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
@@ -84,6 +87,28 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
     assert again.returncode == 0 and "2/2 runs finished" in again.stderr
 
 
+
+
+def test_a_sweep_continuing_a_run_with_other_memory_settings_runs_it_with_them_and_says_so(tmp_path, capsys):
+    """The sweep's processes run each run's config.yaml: a run that ran out of memory, swept again with
+    train.activation_checkpointing=true (the same run id), gets the new memory settings there, said in one line; a
+    finished run's config.yaml keeps the settings it ran with."""
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}"])
+    (run,) = run_configs(cfg)
+    low = OmegaConf.merge(run, {"train": {"activation_checkpointing": True, "lm_head_chunk": 5}})
+    first = run_entry(run, cfg, tmp_path)
+    (tmp_path / first["dir"] / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    capsys.readouterr()
+    assert run_entry(low, cfg, tmp_path) == {**first, "status": "interrupted"}
+    saved = OmegaConf.load(tmp_path / first["dir"] / "config.yaml")
+    assert saved == OmegaConf.merge(run, {"train": {"activation_checkpointing": True, "lm_head_chunk": 5}})
+    assert capsys.readouterr().err == (
+        f"continuing {first['dir']} with other memory settings: train.lm_head_chunk 0 -> 5, "
+        "train.activation_checkpointing False -> True (they change no number beyond float round-off; config.yaml "
+        "records the new ones)\n")
+    (tmp_path / first["dir"] / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert run_entry(run, cfg, tmp_path)["status"] == "finished"
+    assert OmegaConf.load(tmp_path / first["dir"] / "config.yaml") == saved and capsys.readouterr().err == ""
 
 
 def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_its_heap_back(monkeypatch):

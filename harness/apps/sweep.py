@@ -25,9 +25,17 @@ from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
-from harness.run.config import check_this_machine, run_configs, run_id
+from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
-from harness.run.records import ENDED, check_writable, read_jsonl, run_status, write_json_atomic
+from harness.run.records import (
+    ENDED,
+    check_writable,
+    memory_changes,
+    read_jsonl,
+    run_status,
+    say_memory_changes,
+    write_json_atomic,
+)
 from harness.run.threads import run_threads
 
 
@@ -195,8 +203,28 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
         if OmegaConf.select(saved, "logging") != run.logging:
             saved.logging = run.logging
             atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
+    status = run_status(run_dir)
+    if status not in ENDED and not is_held(run_dir / RUN_LOCK):
+        adopt_memory_settings(run, run_dir)
     return {"run_id": rid, "objective": run.objective.name, "seed": run.seed, "overrides": _grid_point(run, cfg),
-            "status": run_status(run_dir), "dir": rid}
+            "status": status, "dir": rid}
+
+
+def adopt_memory_settings(run: DictConfig, run_dir: Path) -> None:
+    """A run this sweep continues with other memory settings (not part of the run id: e.g. a run that ran out of
+    memory, swept again with ``train.activation_checkpointing=true``): its config.yaml, which its process runs,
+    takes this sweep's, said in one line. A config.yaml that cannot be read is left to the run's process."""
+    path = run_dir / "config.yaml"
+    try:
+        saved = OmegaConf.load(path)
+        changes = memory_changes(OmegaConf.to_container(saved, resolve=True), run)
+    except Exception:  # noqa: BLE001 - damaged: the run's own check_resume says so
+        return
+    if changes:
+        for key in memory_settings(run):
+            OmegaConf.update(saved, key, OmegaConf.select(run, key))
+        atomic_write(path, OmegaConf.to_yaml(saved))
+        say_memory_changes(run_dir, changes)
 
 
 @dataclass

@@ -47,6 +47,9 @@ EXPERIMENTS_DIR = REPO / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
 NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, not in a run's config.yaml
 NOT_IN_RUN_ID = ("results_dir", "logging")  # settings that do not change a run (nor its id, nor a resume's check)
+# settings that bound a run's memory and change no number it computes beyond float32 round-off (docs/benchmark.md):
+# not part of its id, and a run that ran out of memory may be resumed with them changed (records.check_resume)
+MEMORY_SETTINGS = ("train.lm_head_chunk", "train.activation_checkpointing", "train.eval_batch_size")
 OLD_LOGP = ("sampler", "recompute")
 
 
@@ -141,10 +144,11 @@ class TrainConfig:
     routing_replay: str = "none"
     # positions per chunk of the trainer's LM head (logits, log-softmax, entropy), so that no [positions, vocab] tensor
     # larger than a chunk's exists; with gradients each chunk is recomputed in the backward pass (the same gradient);
-    # 0 = all positions at once (native backend)
+    # 0 = all positions at once (native backend). A memory setting: not in the run id, may change on resume
     lm_head_chunk: int = 0
     # recompute each layer's activations in the backward pass instead of keeping them (transformers' activation
-    # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers
+    # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers;
+    # an MoE layer's recompute forces its forward's experts. A memory setting: not in the run id, may change on resume
     activation_checkpointing: bool = False
     # micro-batches of consecutive rows up to this many real prompt + completion tokens (whole groups for objectives
     # that compare a group's samples; a larger row or group alone) instead of train.micro_batch_size rows; 0 = off
@@ -153,7 +157,8 @@ class TrainConfig:
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
     # problems per greedy generate call at evaluation (pass@k: this many completions per call): the evaluation's
-    # keys/values and logits grow with it; lower it to bound the evaluation's memory, at more, smaller calls
+    # keys/values and logits grow with it; lower it to bound the evaluation's memory, at more, smaller calls. Without
+    # pass_k a memory setting: not in the run id, may change on resume
     eval_batch_size: int = 64
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
     save_every: int = 1  # a checkpoint every N steps (resume): a kill loses at most the unfinished steps since
@@ -442,8 +447,20 @@ def run_id(run: DictConfig) -> str:
     content = changed(OmegaConf.to_container(run, resolve=True), schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
+    for key in memory_settings(run):  # nor how much memory it takes: the run resumed under less is the same run
+        section, name = key.split(".")
+        content.get(section, {}).pop(name, None)
+        if content.get(section) == {}:
+            del content[section]
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def memory_settings(run: DictConfig) -> tuple[str, ...]:
+    """The :data:`MEMORY_SETTINGS` that change no number of ``run``: ``train.eval_batch_size`` only without pass@k
+    (with ``train.pass_k`` it decides which random numbers each problem's samples draw: the sampler draws one per
+    row of each call)."""
+    return tuple(key for key in MEMORY_SETTINGS if key != "train.eval_batch_size" or not run.train.pass_k)
 
 
 def validate(run: DictConfig) -> None:
