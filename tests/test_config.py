@@ -201,6 +201,34 @@ def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
     assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
 
 
+def test_a_command_line_value_that_leaves_an_objective_without_runs_is_refused_naming_it():
+    """moe_stability pins train.routing_replay=none for gspo, gspo_token and ctpo; train.routing_replay=r2 on the
+    command line pins the grid's axis to r2: 3 of 18 runs would remain, the three objectives dropped silently."""
+    with pytest.raises(ConfigError, match=r"^sweep.per_objective pins train.routing_replay=none for gspo, gspo_token, "
+                       r"ctpo, .*: gspo, gspo_token, ctpo would have no run; run the others alone with "
+                       r"sweep.grid.objective.name=\[grpo\], or include the pinned value$"):
+        run_configs(load_experiment("moe_stability", ["train.routing_replay=r2"]))
+    alone = run_configs(load_experiment("moe_stability", ["train.routing_replay=r2",
+                                                          "sweep.grid.objective.name=[grpo]"]))
+    assert [(r.objective.name, r.train.routing_replay, r.seed) for r in alone] == [("grpo", "r2", s) for s in range(3)]
+
+
+@pytest.mark.parametrize("grid, message", [
+    ("sweep.grid.seed=[0,0]", r"sweep.grid.seed lists 0 more than once: the same run twice; list each value once"),
+    ("sweep.grid.train.lr=[1e-4,0.0001]", r"sweep.grid.train.lr: 1e-4 and 0.0001 make the same run \(equal once "
+     r"parsed\)"),
+    ("sweep.grid.train.lr=[1.0e-4,0.0001]", r"sweep.grid.train.lr lists 0.0001 more than once"),
+    ("sweep.grid.objective.name=[grpo,gspo,grpo]", r"sweep.grid.objective.name lists grpo more than once"),
+    ("sweep.grid.train.activation_checkpointing=[false,true]", r"false and true make the same run \(a memory "
+     r"setting changes no number, so it is not part of the run id\)"),
+])
+def test_two_grid_points_that_make_the_same_run_are_refused_in_one_line(grid, message):
+    """Each would be one run folder counted as two runs ("2/2 runs finished" for one run)."""
+    with pytest.raises(ConfigError, match=message) as info:
+        run_configs(load_experiment("quickstart", [grid]))
+    assert "\n" not in str(info.value)
+
+
 def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     with pytest.raises(ConfigError, match=r"sweep.per_objective pins train.routing_replay=none for gspo") as info:
         run_configs(load_experiment("moe_stability", ["objective.name=gspo", "train.routing_replay=r2"]))
