@@ -2,7 +2,9 @@
 
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
-sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs
+sweep again skips ended runs (finished or diverged), follows the ones still running elsewhere to their end (an
+earlier sweep's SLURM job, a process holding the run's lock: never a second process for one run) and resumes the
+others from their last checkpoint. ``jobs`` runs
 go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
 Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
 SLURM); the loop is the same.
@@ -19,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Launcher, RunHandle, make_launcher
+from harness.apps.launchers import Launcher, RunHandle, adopt_lock_holder, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
@@ -98,8 +100,9 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
     for run_dir in first.values():
         if progress:
             tqdm.write(f"preparing the starting policy through --launcher {runner.name} (log: {run_dir / 'train.log'})")
-        handle = runner.start(["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(1))],
-                              run_dir / "train.log", f"prepare-{run_dir.name}")
+        name = f"prepare-{run_dir.name}"
+        handle = runner.adopt(name) or runner.start(["prepare", str(run_dir / "config.yaml"), "--threads",
+                                                     str(runner.threads(1))], run_dir / "train.log", name)
         try:
             while (code := handle.poll()) is None:
                 time.sleep(1.0)
@@ -239,8 +242,15 @@ class Child:
 
     @classmethod
     def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int) -> Child:
-        handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
-                               str(threads), "--no-progress"], run_dir / "train.log", run_dir.name)
+        """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
+        for and followed to its end, else a new one through ``runner``."""
+        handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
+        if handle is not None:
+            tqdm.write(f"run {run_dir.name} is still running ({handle.what}): following it to its end instead of "
+                       "starting it again")
+        else:
+            handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
+                                   str(threads), "--no-progress"], run_dir / "train.log", run_dir.name)
         total = OmegaConf.load(run_dir / "config.yaml").train.steps
         bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
         return cls(run_dir, handle, bar)
