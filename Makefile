@@ -13,7 +13,15 @@ export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs docs-site soak clean-results
+
+# every target but help, setup and clean-results runs $(PY): without the venv, one line saying what to do instead of
+# make's "No such file or directory" (only for the default PY; a PY given on the command line is the user's own)
+ifneq ($(filter-out help setup clean-results,$(MAKECMDGOALS)),)
+ifeq ($(filter setup,$(MAKECMDGOALS))$(wildcard .venv/bin/python)$(filter-out .venv/bin/python,$(PY)),)
+$(error no .venv here: run `make setup` first)
+endif
+endif
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -42,7 +50,8 @@ sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report;
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
-	@test -n "$(OBJECTIVES)" || { echo "make compare: give OBJECTIVES=name,name (see make list)"; exit 2; }
+	$(if $(OBJECTIVES),,$(error make compare: give OBJECTIVES=name,name (see make list)))
+	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]*'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number >= 1 (runs seeds 0 .. SEEDS-1)))
 	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
 
@@ -55,7 +64,7 @@ claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claim
 zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: README; SEEDS=N)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
-plots:  ## results/$(EXP)/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
+plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256)
@@ -69,6 +78,9 @@ explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, 
 
 docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
+
+docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothing is lost or written twice
 	$(PY) -m harness soak --kills $(or $(KILLS),20)

@@ -642,3 +642,21 @@ def get_objective(name: str, **hyperparameters) -> Objective:
 
 def available_objectives() -> list[str]:
     return OBJECTIVES.names()
+
+
+SHARED_HYPERPARAMETERS = tuple(f.name for f in dataclasses.fields(Objective))  # every objective's: beta, aggregation...
+
+
+def alias_of(name: str) -> tuple[str, dict[str, object]] | None:
+    """``(parent, changed defaults)`` when objective ``name`` is another registered objective under other defaults,
+    registered in that objective's own module (``bnpo``: ``grpo`` with ``aggregation=token_mean``); else None. The
+    changed defaults include ``advantage`` when the default advantage estimator differs."""
+    cls = OBJECTIVES.get(name)
+    parent = next((p for p in cls.__mro__[1:] if "name" in p.__dict__ and p.name in OBJECTIVES), None)
+    if parent is None or parent.__module__ != cls.__module__:
+        return None
+    mine, theirs = cls.hyperparameters(), parent.hyperparameters()
+    changed = {k: v for k, v in mine.items() if theirs.get(k, v) != v}
+    if cls.default_advantage != parent.default_advantage:
+        changed["advantage"] = cls.default_advantage
+    return parent.name, changed

@@ -31,7 +31,36 @@ def test_make_prints_help_by_default_and_compare_sweeps_the_given_objectives():
                          cwd=ROOT, capture_output=True, text=True)
     assert "sweep.grid.objective.name=[grpo,cispo]" in out.stdout and "sweep.grid.seed=[0,1,2]" in out.stdout
     out = subprocess.run(["make", "--no-print-directory", "compare"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode != 0 and "give OBJECTIVES=" in out.stdout
+    assert out.returncode != 0 and "give OBJECTIVES=" in out.stderr
+
+
+def make(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), *args], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("seeds", ["0", "x", "", "-1"])
+def test_make_compare_names_seeds_when_it_is_not_a_count(seeds):
+    out = make("compare", "OBJECTIVES=grpo", f"SEEDS={seeds}")
+    assert out.returncode == 2 and f"SEEDS={seeds}: give the number of seeds" in out.stderr
+    assert "sweep.grid" not in out.stderr + out.stdout and len(out.stderr.splitlines()) == 1
+
+
+def test_make_before_make_setup_says_to_run_it(tmp_path):
+    """A target that runs .venv/bin/python, in a checkout without the venv: one line naming `make setup`, not make's
+    "No such file or directory"; help and setup itself still run."""
+    for target in ("list", "sweep", "test-fast", "docs-site"):
+        out = make(target, cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "run `make setup` first" in out.stderr and "No such file" not in out.stderr
+    assert make(cwd=tmp_path).returncode == 0
+    assert make("-n", "setup", "list", cwd=tmp_path).returncode == 0  # setup makes the venv the next target needs
+    assert make("-n", "list", "PY=python3", cwd=tmp_path).stdout.startswith("python3 -m harness list")
+
+
+def test_make_help_shows_no_make_variables():
+    out = make()
+    assert out.returncode == 0 and "$(" not in out.stdout and "make plots" in out.stdout
 
 
 @pytest.mark.slow
@@ -40,6 +69,32 @@ def test_cli_reports_config_errors_without_traceback():
     assert out.returncode == 2
     assert "config error: unknown objective 'grpoo'. Did you mean 'grpo'?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_list_names_the_shared_hyperparameters_once_marks_aliases_and_ends_descriptions(capsys, monkeypatch):
+    from harness.apps import cli as cli_module
+    from harness.run.config import experiment_description, experiment_paths
+
+    monkeypatch.setattr(cli_module, "reasoning_gym_datasets", lambda: ["chain_sum"])  # its import takes seconds
+    assert cli_module.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kl_estimator=k3") == 1 and out.count("top_entropy_quantile") == 1
+    assert "  bnpo         alias of grpo with aggregation=token_mean\n" in out
+    assert "  luspo        alias of gspo with aggregation=seq_mean_token_sum\n" in out
+    assert " ".join(out.split()).count("clip_low=0.2, clip_high=0.28") == 1  # dapo's own, once
+    flat = " ".join(out.split())
+    for path in experiment_paths():
+        shown = cli_module.first_sentence(experiment_description(path))
+        assert f"{path.stem} {shown}" in flat and shown.endswith((".", ")")), path.stem
+
+
+def test_first_sentence_stops_at_a_sentence_end_only():
+    from harness.apps.cli import first_sentence
+
+    assert first_sentence("GSPO paper, Fig. 2 (arXiv 2507.18071): more, e.g. here. Paper: x.") == \
+        "GSPO paper, Fig. 2 (arXiv 2507.18071): more, e.g. here."
+    assert first_sentence("Step size: 1x vs. 3x quickstart's. 12 runs.") == "Step size: 1x vs. 3x quickstart's."
+    assert first_sentence("no full stop") == "no full stop"
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and every reasoning-gym generator (~5 s)
@@ -151,7 +206,8 @@ def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_i
             self.me = self
 
     built, at_release = [], []
-    monkeypatch.setattr(sweep, "build_policy", lambda run, task, device: built.append(weakref.ref(p := Policy())) or p)
+    monkeypatch.setattr(sweep, "build_policy",
+                        lambda run, task, device, progress: built.append(weakref.ref(p := Policy())) or p)
     monkeypatch.setattr(sweep, "build_task", lambda run: None)
     monkeypatch.setattr(sweep, "release_freed_memory", lambda: at_release.append([ref() for ref in built]))
     gc.disable()  # so that only the function's own collection frees the cycles
@@ -177,7 +233,8 @@ def test_a_run_gives_back_what_its_warm_start_freed(monkeypatch):
     from harness.run.config import load_experiment, run_configs
 
     calls = []
-    monkeypatch.setattr(build, "warm_start", lambda model, tokenizer, task, recipe: calls.append("warm") or (model, {}))
+    monkeypatch.setattr(build, "warm_start", lambda model, tokenizer, task, recipe, progress: calls.append("warm") or
+                        (model, {}))
     monkeypatch.setattr(build, "release_freed_memory", lambda: calls.append("release"))
     tiny = ["model.tiny.hidden_size=16", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
             "model.tiny.intermediate_size=16", "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]

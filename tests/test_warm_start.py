@@ -78,6 +78,35 @@ def test_warm_start_reaches_the_band_and_builds_the_same_weights_with_1_and_2_th
     assert all(torch.equal(weights1[k], weights2[k]) for k in weights1)
 
 
+def test_the_warm_start_says_what_it_builds_with_a_bar_and_builds_the_same_weights(rlvr_cache, capsys):
+    """progress=True: a line naming the cache and the band, a bar of steps against the cap with the last check and
+    an ETA, then on a cache hit "loaded <path>"; the steps, checks and every weight bit as without the bar."""
+    task, built = _easy_task(), []
+    recipe = WarmStartRecipe(**{**BAND, "max_steps": 12, "check_every": 5, "check_size": 8, "target": (0.0, 1.0)})
+    for progress in (False, True):
+        model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+        model, sidecar = warm_start(model, tokenizer, task, recipe, progress=progress,
+                                    cache_key_extra=f"progress={progress}")  # built twice, not a cache hit
+        built.append((sidecar["steps"], sidecar["checks"], model.state_dict()))
+    (steps0, checks0, weights0), (steps1, checks1, weights1) = built
+    assert (steps0, checks0) == (steps1, checks1) and all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+    err = capsys.readouterr().err
+    weights = rlvr_cache / "warm_start" / f"{sidecar['key']}.safetensors"
+    assert f"building it once (supervised warm start, up to 12 steps, stopping at the first check (every 5) " \
+           f"of held-out accuracy in [0.00, 1.00]); cached at {weights}" in err
+    last = f"{sidecar['accuracy']:.3f} at step 5"
+    assert "5/12 [" in err and f"check={last}, band=[0.00, 1.00]]" in err  # the cap
+    assert "check=none yet" in err and "<00:" in err and "loss=" in err  # before the first check; the ETA
+    assert err.endswith(f"starting policy: built in {sidecar['wall_time_s']:.0f} s (5 steps, check accuracy "
+                        f"{sidecar['accuracy']:.3f}), cached at {weights}\n") and "loaded" not in err
+
+    fresh, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    warm_start(fresh, tokenizer, task, recipe, progress=True, cache_key_extra="progress=True")
+    err = capsys.readouterr().err
+    assert err == f"starting policy: loaded {weights} (warm start built once: {steps1} steps, check accuracy " \
+                  f"{sidecar['accuracy']:.3f})\n"
+
+
 def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
     settings = {**BAND, "max_steps": 3, "target": (0.9, 1.0)}

@@ -6,6 +6,7 @@ import argparse
 import errno
 import importlib.metadata
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -35,13 +36,21 @@ from harness.policy.sampler import SAMPLERS
 from harness.run import names
 from harness.run.allocator import keep_freed_memory
 from harness.run.atomic import atomic_write, disk_full_error
-from harness.run.config import EXPERIMENTS_DIR, check_this_machine, load_experiment, run_configs, run_id
+from harness.run.config import (
+    check_this_machine,
+    experiment_description,
+    experiment_paths,
+    load_experiment,
+    run_configs,
+    run_id,
+)
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
 from harness.run.records import ENDED, check_resume
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
-from objectives import OBJECTIVES, available_advantages
+from objectives import OBJECTIVES, Objective, available_advantages
+from objectives.base import SHARED_HYPERPARAMETERS, alias_of
 
 MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
 
@@ -148,11 +157,21 @@ def accuracy(text: str) -> float:
 
 
 def cmd_list(args) -> int:
+    shared = ", ".join(f"{k}={v}" for k, v in Objective.hyperparameters().items() if k != "aggregation")
     print("objectives (objective.name; hyperparameters objective.params.*):")
+    print(textwrap.fill(f"every objective also takes: aggregation (its default below), {shared}", 116,
+                        initial_indent="  ", subsequent_indent="    "))
     for name in OBJECTIVES.names():
+        alias = alias_of(name)
+        if alias is not None:
+            changed = ", ".join(f"{k}={v}" for k, v in alias[1].items())
+            print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
+            continue
         cls = OBJECTIVES.get(name)
-        params = ", ".join(f"{k}={v}" for k, v in cls.hyperparameters().items())
-        print(f"  {name:12s} advantage={cls.default_advantage:10s} {params}")
+        own = cls.hyperparameters()
+        params = ", ".join(f"{k}={v}" for k, v in own.items() if k not in SHARED_HYPERPARAMETERS)
+        line = f"  {name:12s} advantage={cls.default_advantage:10s} aggregation={own['aggregation']:24s} {params}"
+        print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
     print("tasks (task.name):                " + ", ".join(available_tasks()))
     generators = reasoning_gym_datasets()
@@ -161,11 +180,18 @@ def cmd_list(args) -> int:
     print("models (model.name):              " + ", ".join(EMBEDDED_MODELS) + ", or a hub id / local folder")
     print("samplers (train.sampler):         " + ", ".join(SAMPLERS))
     print("experiments (EXP=...):")
-    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
-        if path.stem != "base":
-            first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.strip()), "")
-            print(f"  {path.stem:20s} {first}")
+    for path in experiment_paths():
+        print(textwrap.fill(first_sentence(experiment_description(path)), 116, initial_indent=f"  {path.stem:20s} ",
+                            subsequent_indent=" " * 23))
     return 0
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence, one followed by a space or the end (not the dots of
+    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "et al.", "Dr.")."""
+    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\bal)(?<!\bDr)"
+                      r"[.!?](?=\s|$)", text)
+    return text[: match.end()] if match else text
 
 
 def cmd_prepare(args) -> int:

@@ -75,9 +75,7 @@ def prepare_starting_policies(runs: list[DictConfig], progress: bool) -> None:
     for run in runs:
         key = _policy_key(run)
         if run.model.warm_start_steps and key not in done:
-            if progress:
-                tqdm.write(f"preparing the starting policy ({run.model.warm_start_steps} warm-start steps, cached)")
-            build_policy(run, build_task(run), resolve_device(run.device))
+            build_policy(run, build_task(run), resolve_device(run.device), progress)  # says "loaded" or "building"
             done.add(key)
     if done:
         gc.collect()  # the policy's autograd graph and optimizer may hold reference cycles

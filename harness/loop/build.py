@@ -46,11 +46,13 @@ class RunSetup:
     sampler: torch.nn.Module  # the policy itself, or a frozen copy in model.sampler_dtype (refreshed every step)
 
 
-def setup_run(cfg: DictConfig, device: torch.device) -> RunSetup:
-    """Build the task, the starting policy, the objective and the frozen copies, in that order."""
+def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False) -> RunSetup:
+    """Build the task, the starting policy, the objective and the frozen copies, in that order (``progress``: the
+    warm start says whether it loads or builds the starting policy, with a progress bar while it builds)."""
     task = build_task(cfg)
     train_problems = task.train_problems()
-    policy, tokenizer, start_policy = build_policy(cfg, task, device)  # with the memory settings: the copies' too
+    # with the memory settings: the copies' too
+    policy, tokenizer, start_policy = build_policy(cfg, task, device, progress)
     objective, estimator = build_objective(cfg)
     reference = frozen_copy(policy) if objective.beta > 0 else None
     dtype = sampler_dtype(cfg)
@@ -89,9 +91,10 @@ def build_task(cfg: DictConfig) -> Task:
     return get_task(cfg.task.name, eval_size=cfg.task.eval_size, **data_dir, **OmegaConf.to_container(cfg.task.args))
 
 
-def build_policy(cfg: DictConfig, task: Task, device: torch.device):
+def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bool = False):
     """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
-    the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy."""
+    the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy. ``progress``:
+    the warm start's lines and progress bar on stderr (harness/policy/warm_start.py)."""
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
@@ -104,7 +107,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device):
         target = tuple(m.warm_start_target) if m.warm_start_target is not None else None
         recipe = WarmStartRecipe(max_steps=m.warm_start_steps, lr=m.warm_start_lr, batch_size=m.warm_start_batch_size,
                                  seed=m.seed, target=target, check_every=m.warm_start_check_every)
-        model, start = warm_start(model, tokenizer, task, recipe)
+        model, start = warm_start(model, tokenizer, task, recipe, progress=progress)
         gc.collect()  # a warm start trained here (or loaded from the cache) leaves freed memory: its optimizer
         release_freed_memory()  # state and activations, or the loaded copy's; harness/run/allocator.py keeps freed
         # memory otherwise, and the steps then hold what they use (cheap when nothing was freed)

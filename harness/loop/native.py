@@ -68,7 +68,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     records.progress["threads"] = run_threads(cfg.threads, records.previous.get("threads"))  # a resume keeps them
     with records.recording():
         # setup: task, starting policy, objective, frozen copies (harness/loop/build.py); AdamW and its schedule
-        run = setup_run(cfg, device)
+        run = setup_run(cfg, device, progress)
         hook_routing(run, t)  # an MoE's routing hooks (record, replay, volatility)
         records.start_policy = run.start_policy
         learner = build_learner(run.policy, run.objective, t)

@@ -576,7 +576,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         device = resolve_device(cfg.device)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        setup = setup_run(cfg, device)  # harness/loop/build.py, as the native loop's
+        setup = setup_run(cfg, device, progress)  # harness/loop/build.py, as the native loop's
         hook_routing(setup, cfg.train)  # an MoE's routing hooks: expert volatility (RegistryGRPOTrainer.routed)
         records.start_policy = setup.start_policy
         callback = RecordsCallback(cfg, records, setup.task, setup.tokenizer)

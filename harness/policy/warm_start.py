@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ import transformers
 from omegaconf import DictConfig
 from safetensors.torch import load_model as load_safetensors
 from safetensors.torch import save_model as save_safetensors
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from harness.policy.models import build_prompt, cache_dir
@@ -77,8 +79,65 @@ class WarmStartRecipe:
     check_size: int = 128  # train problems held out as the check set (with a target)
 
 
+class WarmStartProgress:
+    """What the warm start says on stderr when asked (``progress``): where its policy is cached and whether it was
+    loaded or is built, and while it builds a bar of its steps against the cap with the last check's accuracy beside
+    the target band and an ETA (to the cap: it stops at the first check inside the band). Reads the loss and the
+    checks, never a random stream nor the thread count: the weights are the same with or without it."""
+
+    def __init__(self, recipe: WarmStartRecipe, weights: Path, enabled: bool):
+        self.recipe, self.weights, self.enabled = recipe, weights, enabled
+        self.bar, self.postfix = None, {}
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            tqdm.write(text, file=sys.stderr)
+
+    def loaded(self, sidecar: dict) -> None:
+        self.say(f"starting policy: loaded {self.weights} (warm start built once: {_reached(sidecar)})")
+
+    def built(self, sidecar: dict) -> None:
+        self.say(f"starting policy: built in {sidecar['wall_time_s']:.0f} s ({_reached(sidecar)}), cached at "
+                 f"{self.weights}")
+
+    def building(self) -> None:
+        r = self.recipe
+        until = (f"up to {r.max_steps} steps, stopping at the first check (every {r.check_every}) of held-out "
+                 f"accuracy in {_band(r.target)}" if r.target is not None else f"{r.max_steps} steps")
+        self.say(f"starting policy: building it once (supervised warm start, {until}); cached at {self.weights} "
+                 "for every later run")
+        self.bar = tqdm(total=r.max_steps, desc="warm start", unit="step", file=sys.stderr, disable=not self.enabled,
+                        dynamic_ncols=True)
+        self.postfix = {"loss": "", **({"check": "none yet", "band": _band(r.target)} if r.target is not None else {})}
+
+    def step(self, loss: torch.Tensor) -> None:
+        if self.enabled:
+            self.postfix["loss"] = f"{loss.item():.3f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
+            self.bar.update(1)
+
+    def check(self, step: int, accuracy: float) -> None:
+        if self.enabled:
+            self.postfix["check"] = f"{accuracy:.3f} at step {step}"
+            self.bar.set_postfix(self.postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _reached(sidecar: dict) -> str:
+    """``50 steps, check accuracy 0.094``: what a warm start's sidecar says it reached."""
+    accuracy = sidecar.get("accuracy")
+    return f"{sidecar['steps']} steps" + (f", check accuracy {accuracy:.3f}" if accuracy is not None else "")
+
+
+def _band(target: tuple[float, float]) -> str:
+    return f"[{target[0]:.2f}, {target[1]:.2f}]"
+
+
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, recipe: WarmStartRecipe,
-               cache_key_extra: str = "") -> tuple[PreTrainedModel, dict]:
+               cache_key_extra: str = "", progress: bool = False) -> tuple[PreTrainedModel, dict]:
     """Supervised fine-tuning on the task's reference solutions, so that RL starts from a policy that solves
     some problems. Returns ``(model, sidecar)``: ``model`` updated in place, in eval mode, and the cache
     sidecar (a dict, see below).
@@ -99,6 +158,9 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     torch threads, library versions, build time). ``key`` hashes the model (config and a sample of its
     weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
     source code of the training functions, so a change to that code invalidates the cache.
+
+    ``progress``: say on stderr whether the policy was loaded or is built and where it is cached, with a progress
+    bar while it builds (:class:`WarmStartProgress`).
     """
     target = recipe.target
     if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
@@ -113,13 +175,20 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
     folder = cache_dir() / "warm_start"
     weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
+    report = WarmStartProgress(recipe, weights, progress)
     if weights.is_file() and sidecar_path.is_file():
         load_safetensors(model, weights, device=str(model.device))
-        return model.eval(), json.loads(sidecar_path.read_text())
+        sidecar = json.loads(sidecar_path.read_text())
+        report.loaded(sidecar)
+        return model.eval(), sidecar
 
     start = time.perf_counter()
-    with fixed_threads(WARM_START_THREADS):
-        step, checks = _train(model, tokenizer, task, recipe)
+    report.building()
+    try:
+        with fixed_threads(WARM_START_THREADS):
+            step, checks = _train(model, tokenizer, task, recipe, report)
+    finally:
+        report.close()
     sidecar = {
         "key": key, **version, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
         "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": WARM_START_THREADS,
@@ -130,12 +199,14 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     _write_atomic(weights, lambda name: save_safetensors(model, name))
     _write_atomic(sidecar_path, lambda name: Path(name).write_text(json.dumps(sidecar, indent=1) + "\n"))
     log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
+    report.built(sidecar)
     return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
 
 
-def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe) -> tuple[int, dict[int, float]]:
+def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe,
+           report: WarmStartProgress) -> tuple[int, dict[int, float]]:
     """The warm start's training (:func:`warm_start`'s docstring): the steps taken and each check's accuracy; the
-    model is left in eval mode."""
+    model is left in eval mode. ``report`` is told each step's loss and each check's accuracy."""
     r, target = recipe, recipe.target
     max_steps, check_every, checked = r.max_steps, r.check_every, target is not None
     problems = list(task.train_problems())
@@ -156,10 +227,12 @@ def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe) -> tuple[int, 
         loss.backward()
         optimizer.step()
         step += 1
+        report.step(loss)
         if step % 50 == 0:
             log.info("warm start step %d/%d loss %.4f", step, max_steps, loss.item())
         if checked and (step % check_every == 0 or step == max_steps):
             checks[step] = _check_accuracy(model, tokenizer, task, check_set)
+            report.check(step, checks[step])
             log.info("warm start step %d: check accuracy %.3f (target %s)", step, checks[step], target)
             if checks[step] > target[1]:
                 raise WarmStartError(

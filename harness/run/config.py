@@ -330,11 +330,27 @@ def experiment_path(name: str) -> Path:
         return path
     path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.exists():
-        known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
+        known = [p.stem for p in experiment_paths()]
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"no experiment {name!r} (looked for {path}).{hint} Experiments: {', '.join(known)}.")
     return path
+
+
+def experiment_paths() -> list[Path]:
+    """experiments/<name>.yaml of every experiment (base.yaml, the shared layer, is none), by name."""
+    return sorted(p for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
+
+
+def experiment_description(path: Path) -> str:
+    """The comment block that opens an experiment file, its lines joined into one text (what `list` and the
+    documentation site show)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    return " ".join(line for line in lines if line)
 
 
 def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:

@@ -246,21 +246,34 @@ def hyperparameter_meaning(param: str) -> str:
     the comment of the field (the README's way to document a hyperparameter), else :data:`MEANINGS`, else the line
     of the objective's docstring that names it, with the file. Where objectives differ, each one's is given."""
     meanings: dict[str, list[str]] = {}
-    for name in OBJECTIVES.names():
-        cls = OBJECTIVES.get(name)
-        if param not in cls.hyperparameters():
-            continue
-        field = next(f for f in dataclasses.fields(cls) if f.name == param)
-        text = field.metadata.get("help") or _field_comments(cls).get(param)
-        if text is None and name in MEANINGS.get(param, ((), ""))[0]:
-            text = MEANINGS[param][1]
-        if text is None:
-            line = _docstring_line(cls, param)
-            text = f"see {cls.__module__.replace('.', '/')}.py" + (f": {line}" if line else "")
+    for name in objectives_taking(param):
+        text = _own_meaning(name, param) or _docstring_meaning(name, param)
         meanings.setdefault(text, []).append(name)
     if len(meanings) == 1:
         return next(iter(meanings))
     return "; ".join(f"{', '.join(objectives)}: {text}" for text, objectives in meanings.items())
+
+
+def objective_param_meaning(name: str, param: str) -> str:
+    """One line: what objective ``name``'s hyperparameter ``param`` does there (its reference page): the field's own
+    meaning (``help`` metadata, comment, :data:`MEANINGS`), else the hand-written row's, else its docstring line."""
+    row = next((n for n in NAMES if n.key == PARAMS + param and n.meaning), None)
+    return _own_meaning(name, param) or (row.meaning if row else _docstring_meaning(name, param))
+
+
+def _own_meaning(name: str, param: str) -> str | None:
+    cls = OBJECTIVES.get(name)
+    field = next(f for f in dataclasses.fields(cls) if f.name == param)
+    text = field.metadata.get("help") or _field_comments(cls).get(param)
+    if text is None and name in MEANINGS.get(param, ((), ""))[0]:
+        text = MEANINGS[param][1]
+    return text
+
+
+def _docstring_meaning(name: str, param: str) -> str:
+    cls = OBJECTIVES.get(name)
+    line = _docstring_line(cls, param)
+    return f"see {cls.__module__.replace('.', '/')}.py" + (f": {line}" if line else "")
 
 
 def objectives_taking(param: str) -> list[str]:
@@ -314,16 +327,16 @@ def default(key: str) -> str:
     """The schema default of ``key``; for an objective hyperparameter, each objective's default."""
     if key.startswith("objective.params."):
         param = key.rsplit(".", 1)[1]
-        values = {name: _shown(OBJECTIVES.get(name).hyperparameters()[param]) for name in OBJECTIVES.names()
+        values = {name: shown(OBJECTIVES.get(name).hyperparameters()[param]) for name in OBJECTIVES.names()
                   if param in OBJECTIVES.get(name).hyperparameters()}
         if len(values) > 1 and len(set(values.values())) == 1:
             return f"{next(iter(values.values()))} ({', '.join(values)})"
         return ", ".join(f"{name} {value}" for name, value in values.items())
     value = OmegaConf.select(schema(), key)
-    return _shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
+    return shown(OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value)
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -374,7 +387,7 @@ def explain(query: str | None = None) -> str:
     return "\n".join(out)
 
 
-def _cell(text: str) -> str:
+def cell(text: str) -> str:
     """A Markdown table cell: pipes escaped, and <...> outside code spans as entities (not HTML tags)."""
     parts = re.split(r"(`[^`]*`)", text.replace("|", "\\|"))
     return "".join(p if p.startswith("`") else p.replace("<", "&lt;").replace(">", "&gt;") for p in parts)
@@ -385,7 +398,7 @@ def names_markdown() -> str:
     lines = ["| key | meaning | default | TRL `GRPOConfig` | verl |", "|---|---|---|---|---|"]
     for n in all_names():
         value = default(n.key) if n.key.startswith(PARAMS) else f"`{default(n.key)}`"
-        lines.append(f"| `{n.key}` | {_cell(n.meaning)} | {_cell(value)} | {_cell(n.trl)} | {_cell(n.verl)} |")
+        lines.append(f"| `{n.key}` | {cell(n.meaning)} | {cell(value)} | {cell(n.trl)} | {cell(n.verl)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -393,7 +406,7 @@ def aliases_markdown() -> str:
     """The README's table: the TRL names accepted (or refused) on the command line."""
     lines = ["| TRL name | ours | how |", "|---|---|---|"]
     for a in ALIASES.values():
-        lines.append(f"| `{a.trl}` | `{a.key}` | {'refused: ' if a.refused else ''}{_cell(a.rule)} |")
+        lines.append(f"| `{a.trl}` | `{a.key}` | {'refused: ' if a.refused else ''}{cell(a.rule)} |")
     return "\n".join(lines) + "\n"
 
 
