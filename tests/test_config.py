@@ -225,7 +225,7 @@ def test_a_command_line_value_that_leaves_an_objective_without_runs_is_refused_n
 def test_two_grid_points_that_make_the_same_run_are_refused_in_one_line(grid, message):
     """Each would be one run folder counted as two runs ("2/2 runs finished" for one run)."""
     with pytest.raises(ConfigError, match=message) as info:
-        run_configs(load_experiment("quickstart", [grid]))
+        run_configs(load_experiment("base", [grid]))
     assert "\n" not in str(info.value)
 
 
