@@ -4,10 +4,9 @@ results/<exp>/manifest.json lists the runs and their status (pending, running, f
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
 sweep again skips ended runs (finished or diverged), follows the ones still running elsewhere to their end (an
 earlier sweep's SLURM job, a process holding the run's lock: never a second process for one run) and resumes the
-others from their last checkpoint. ``jobs`` runs
-go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
-Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
-SLURM); the loop is the same.
+others from their last checkpoint. ``jobs`` runs go at once, CPU threads split between them; if the sweep process
+dies (even SIGKILL), its children die with it. Where a run's process executes is the launcher's business
+(harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
 
 from __future__ import annotations

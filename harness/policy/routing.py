@@ -53,6 +53,8 @@ alternative:
 * Mixtral's training-time ``router_jitter_noise`` multiplies the router's input before it runs; replay keeps it;
 * the auxiliary load-balancing loss (``Capture.aux_loss``, the class's own function on the router logits of
   the laid-out tokens) counts the live router's own top-k, as the class computes it from logits;
+* a record names its layers by router module name, so a record made by a copy of the model (e.g. the sampler in
+  another precision) replays on the policy;
 * activation checkpointing (transformers' layers under non-reentrant ``torch.utils.checkpoint`` with
   :func:`checkpoint_contexts` as ``context_fn``, which :func:`harness.policy.forward.set_memory_settings` and the
   TRL backend set): the routing is recorded once, in the forward, and the recompute in backward forces it again,
