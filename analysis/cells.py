@@ -6,7 +6,9 @@ is computed: ``seed`` (what varies between the seeds of a cell), ``name`` (the e
 ``results_dir`` and ``logging`` out of the run id for the same reason), the memory settings (``train.lm_head_chunk``,
 ``train.activation_checkpointing``, ``train.eval_batch_size``: config.py's MEMORY_SETTINGS, which bound memory,
 not what is computed; a run resumed under less memory records them) and ``profile``/``profiles`` (applied already).
-``objective.name`` names the objective.
+``objective.name`` names the objective. ``code`` is a setting too: the run's code version (summary.json's segments,
+harness/run/provenance.py: ``unknown`` for a run written before they were recorded, ``?`` for one not started), so that
+runs of two code versions are kept apart exactly as runs of two learning rates.
 
 A key whose value differs between runs is either
 - an *objective setting*: constant within each objective and different between objectives (a sweep's
@@ -33,6 +35,7 @@ NOT_SETTINGS = frozenset({"seed", "name", "results_dir", "threads", "profile", "
                           "train.activation_checkpointing", "train.eval_batch_size"})
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
+CODE = "code"  # the setting that holds a run's code version
 ALL = "all runs"  # the label of the one cell when nothing is swept
 
 

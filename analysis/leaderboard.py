@@ -34,6 +34,7 @@ from analysis.load import Experiment, load_experiment
 from analysis.report import eval_table, render_html, render_md
 from analysis.stats import LEVEL, num, rate_interval
 from harness.run.atomic import atomic_write
+from harness.run.provenance import runs_stamp
 
 ACCURACY = "final_eval_accuracy"
 MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-run means over training steps
@@ -182,12 +183,14 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str)
 
 def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, baseline: str = "grpo") -> Path:
     """leaderboard.csv, .md and .html of the runs in ``exp_dir`` into ``out_dir`` (each written whole, then renamed
-    into place); ``stamp``: the commit, machine and budget line. Returns the .md's path."""
+    into place); ``stamp``: the command, machine and budget line (the ranked runs' own code and threads follow it).
+    Returns the .md's path."""
     exp = load_experiment(exp_dir)
-    _, cells = shared_runs(exp)
     board = leaderboard(exp, target, baseline)
     shown = display(board, baseline) if len(board) else pd.DataFrame({"objective": []})
-    blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp), ("table", shown),
+    ranked, cells = shared_runs(exp)
+    blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp),
+              ("p", runs_stamp(ranked.to_dict("records"))), ("table", shown),
               *[("p", text) for text in explanation(exp, cells, target, baseline)]]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "leaderboard.csv", board.to_csv(index=False))

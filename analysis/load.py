@@ -1,4 +1,9 @@
-"""Read results/<exp>/: manifest.json, and per run config.yaml, metrics.jsonl and summary.json.
+"""Read results/<exp>/: every run folder in it, and per run config.yaml, metrics.jsonl and summary.json.
+
+manifest.json is what the last sweep into the folder planned (its runs first, in its order, with their grid points);
+a run folder it does not list (another sweep's or a `train` into the same folder) is read too and named in one
+warning, so that no run on disk is left out of a report unsaid. The runs are told apart by their settings and code
+(analysis/cells.py), never by which manifest listed them.
 
 Problems in the data (a truncated line, a missing file, a non-numeric value) become an AnalysisWarning that
 names the file, and the run is reported with what exists. A folder with nothing to analyse raises AnalysisError.
@@ -16,9 +21,10 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.cells import Cells, assign_cells
+from analysis.cells import CODE, UNKNOWN, Cells, assign_cells
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
+from harness.run.provenance import run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
@@ -230,6 +236,17 @@ def collapse_of(summary: dict, read: MetricsFile, path: Path) -> dict:
             "collapse_source": "metrics (the report's rule)"}
 
 
+def code_of(summary: dict) -> dict:
+    """The run's code columns from summary.json's segments (harness/run/provenance.py): ``code`` (its version, ``A
+    then B`` for a run continued under other code, ``unknown`` for a run written before the records; None without a
+    summary.json), ``packages`` and ``threads`` (the torch threads its segments used, e.g. "1")."""
+    if not summary:
+        return {"code": None, "packages": None, "threads": None}
+    threads = run_threads(summary)
+    return {"code": run_version(summary), "packages": run_packages(summary),
+            "threads": "/".join(map(str, threads)) if threads else None}
+
+
 def log_error(path: Path) -> str | None:
     """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json)."""
     try:
@@ -274,6 +291,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         "wall_time_s": summary.get("wall_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
         "has_summary": bool(summary),
+        **code_of(summary),
         **start_policy(summary, run_dir / "summary.json"),
         **collapse_of(summary, read, run_dir / "summary.json"),
         # the last value of each scoring variant of the eval accuracy (eval_accuracy_strict, ..._flexible)
@@ -311,21 +329,30 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
     return run, metrics, config
 
 
+def is_run_folder(folder: Path) -> bool:
+    """A folder a run has written to (its summary.json or metrics.jsonl; one without config.yaml is reported with its
+    settings unknown). A folder with only a config.yaml is a sweep's plan, not a run."""
+    return folder.is_dir() and any((folder / name).is_file() for name in ("summary.json", "metrics.jsonl"))
+
+
 def load_experiment(exp_dir: str | Path) -> Experiment:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise AnalysisError(f"results folder {exp_dir} does not exist")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
     entries = [e for e in (manifest or {}).get("runs", []) if isinstance(e, dict) and (e.get("dir") or e.get("run_id"))]
+    planned = {str(e.get("dir") or e.get("run_id")) for e in entries}
+    found = [{"run_id": d.name} for d in sorted(exp_dir.iterdir()) if d.name not in planned and is_run_folder(d)]
+    if found and entries:
+        names = ", ".join(e["run_id"] for e in found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+        warn(f"{exp_dir}: {len(found)} run{'s' * (len(found) > 1)} on disk that manifest.json does not list (another "
+             f"sweep's or `train`'s, into the same folder) {'is' if len(found) == 1 else 'are'} reported too: {names}")
+    elif found:
+        warn(f"{exp_dir / 'manifest.json'}: missing or lists no runs; analysing the {len(found)} run folders found")
+    entries += found
     if not entries:
-        entries = [{"run_id": d.name} for d in sorted(exp_dir.iterdir())
-                   if d.is_dir() and any((d / name).exists() for name in RUN_FILES)]
-        if entries:
-            warn(f"{exp_dir / 'manifest.json'}: missing or lists no runs; analysing the {len(entries)} run "
-                 "folders found")
-    if not entries:
-        raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders with "
-                            f"{', '.join(RUN_FILES)}")
+        raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
+                            "with a summary.json or metrics.jsonl)")
     loaded = [load_run(exp_dir, e) for e in entries]
     runs = pd.DataFrame([run for run, _, _ in loaded])
     frames = [m for _, m, _ in loaded if len(m)]
@@ -342,7 +369,10 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     overrides = {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in entries
                  if isinstance(e.get("overrides"), dict)}
     configs = {run["run_id"]: config for run, _, config in loaded}
-    runs, cells, notes = assign_cells(runs, configs, overrides)
+    # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
+    with_code = {run["run_id"]: {**config, CODE: run["code"] or UNKNOWN} if config else config
+                 for run, _, config in loaded}
+    runs, cells, notes = assign_cells(runs, with_code, overrides)
     for note in notes:
         warn(note)
     extra = runs.set_index("run_id")[["cell", "cell_id", "counted"]]

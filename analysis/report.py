@@ -28,6 +28,7 @@ from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
 from harness.run.atomic import TMP, atomic_write
+from harness.run.provenance import versions_lines
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -573,6 +574,9 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     if multi:
         blocks += [("p", f"Cells ({len(cells.labels)}):"), ("ul", cell_lines(exp))]
     blocks += [("p", "Starting policy (summary.json `start_policy`):"), ("ul", start_policy_lines(runs))]
+    blocks += [("p", "Code (summary.json `segments`: each start's commit, changes, packages and torch threads; a "
+                     "setting like any other):"), ("ul", versions_lines(runs.to_dict("records")) or ["not known yet: "
+                                                                                      "no run has started."])]
     return blocks
 
 

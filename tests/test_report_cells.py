@@ -2,6 +2,7 @@
 runs, collapse counts, data warnings, every damaged or unfinished state, the figures over swept axes, the order."""
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -243,6 +244,7 @@ def write_state(exp_dir: Path, state: str) -> Path:
         entries.append(fake_run(exp_dir, "gspo", 1, status="running", steps_done=2))
         entries.append(fake_run(exp_dir, "gspo", 2, status="pending", started=False))
     elif state == "all runs of an objective failed":
+        shutil.rmtree(exp_dir / entries[2]["dir"])  # gspo's only runs are the failed ones (every folder is read)
         entries = entries[:2] + [fake_run(exp_dir, "gspo", s, {"threads": -1}, status="failed", steps_done=0,
                                           summary_extra={"error": "ValueError: boom"}) for s in range(2)]
     elif state == "summary.json deleted":

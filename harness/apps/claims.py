@@ -57,10 +57,11 @@ from analysis.report import md_table
 from analysis.stats import bootstrap_ci, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
-from harness.apps.sweep import run_sweep
+from harness.apps.sweep import check_runs_code, run_sweep
 from harness.run.atomic import atomic_write
-from harness.run.config import EXPERIMENTS_DIR, load_experiment
+from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
 from harness.run.errors import ConfigError
+from harness.run.provenance import runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
@@ -127,9 +128,9 @@ def load_claims(names: list[str] | None = None) -> list[Claim]:
 
 
 def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool,
-               run: bool = True) -> dict[str, pd.DataFrame]:
-    """Run (or resume; with ``run`` False: only read) the claim's experiment; its tables by name (none when there is
-    nothing to read: its checks say "no data")."""
+               run: bool = True, allow_code_change: bool = False) -> dict[str, pd.DataFrame]:
+    """Run (or resume; with ``run`` False: only read) the claim's experiment (``allow_code_change``: its runs that
+    other code began too); its tables by name (none when there is nothing to read: its checks say "no data")."""
     if kind == "probe":
         return run_probe(overrides, run)
     cfg = load_experiment(name, list(overrides))
@@ -140,7 +141,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, prog
         build_lab_report(folder)
         return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
     if run:
-        run_sweep(cfg, jobs=jobs, progress=progress)
+        run_sweep(cfg, jobs=jobs, progress=progress, allow_code_change=allow_code_change, command="claims")
     try:
         exp = load_results(Path(cfg.results_dir) / cfg.name)
     except AnalysisError:
@@ -285,25 +286,31 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
-         run: bool = True) -> int:
-    """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing), check the
-    claims, write results/claims/."""
+         run: bool = True, allow_code_change: bool = False) -> int:
+    """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing;
+    ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
+    the code and threads of the runs the claims were checked on)."""
     claims = load_claims(names)
     for claim in claims:  # every experiment is checked before the first one runs
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])
         else:
-            load_experiment(claim.source[1], list(claim.source[2]))
+            cfg = load_experiment(claim.source[1], list(claim.source[2]))
+            if run and claim.source[0] == "sweep":  # a run other code began: refused before any experiment runs
+                check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
     start = time.time()
     tables_of = {}
     for source in dict.fromkeys(c.source for c in claims):
         print(f"claims: {source[0]} {source[1]} {' '.join(source[2])}", file=sys.stderr)
-        tables_of[source] = run_source(*source, jobs=jobs, progress=progress, run=run)
+        tables_of[source] = run_source(*source, jobs=jobs, progress=progress, run=run,
+                                       allow_code_change=allow_code_change)
     rows = ledger_rows(claims, tables_of)
+    checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
     stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold; experiments run or resumed in "
              f"{time.time() - start:.0f} s by `make claims` (wall time of this call)." if run else
              f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold, on the runs that existed "
              "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
+    stamp += f" {runs_stamp(checked_on)}"
     path = write_ledger(rows, Path(results_dir) / "claims", stamp)
     print(f"{stamp}\nledger: {path}", file=sys.stderr)
     return 0

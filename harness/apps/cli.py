@@ -46,6 +46,7 @@ from harness.run.config import (
 )
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
+from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import ENDED, check_resume
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
@@ -69,6 +70,8 @@ def cmd_train(args) -> int:
     # another run's folder, or one another process is writing: refused before anything is printed or touched
     # (the folder is probed by the main process only: `accelerate launch`'s others write nothing of the run)
     check_resume(run, run_dir, main=MAIN_PROCESS)
+    if MAIN_PROCESS:  # a run begun by other code: refused unless --allow-code-change (harness/run/provenance.py)
+        check_code([run_dir], args.allow_code_change, "train")
     device = resolve_device(run.device)
     say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
     say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
@@ -104,7 +107,8 @@ def rounded(value: float | None) -> str:
 
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
-    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher)
+    entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher,
+                        allow_code_change=args.allow_code_change)
     failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
     finished = sum(e["status"] == "finished" for e in entries)
     print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
@@ -238,7 +242,8 @@ def cmd_lab(args) -> int:
 def cmd_claims(args) -> int:
     from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
 
-    return claims(args.names, jobs=args.jobs, progress=not args.no_progress, run=not args.existing)
+    return claims(args.names, jobs=args.jobs, progress=not args.no_progress, run=not args.existing,
+                  allow_code_change=args.allow_code_change)
 
 
 def cmd_zoo(args) -> int:
@@ -248,7 +253,7 @@ def cmd_zoo(args) -> int:
     if args.objectives is not None:  # given, even empty: zoo_runs refuses an empty name
         given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
-               report=not args.no_report)
+               report=not args.no_report, allow_code_change=args.allow_code_change)
 
 
 def cmd_explain(args) -> int:
@@ -303,6 +308,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (`{self.prog} -h` lists the options)\n")
 
 
+ALLOW_HELP = ("continue runs that other code (another commit or other changes) began; summary.json's segments record "
+              "each start's code (refused otherwise)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command, its arguments and their help."""
     parser = OneLineParser(prog="python -m harness", description=__doc__)
@@ -313,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("experiment", help="experiment name in experiments/ or a path to a YAML file")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
     sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
     sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
                                       help="torch CPU threads of a run without its own threads setting (0: the "
@@ -331,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
+    claims.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
     claims.add_argument("--existing", action="store_true",
                         help="check the claims on the results that exist; start no run (those not done are left out)")
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
@@ -341,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")
+    zoo.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
     explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")

@@ -28,6 +28,7 @@ from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
+from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import (
     ENDED,
     check_writable,
@@ -112,26 +113,38 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
 
 
 def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
-              runs: list[DictConfig] | None = None) -> list[dict]:
+              runs: list[DictConfig] | None = None, allow_code_change: bool = False, command: str = "sweep"
+              ) -> list[dict]:
     """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
     once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
     ``runs``: these run configs instead of ``cfg``'s grid (the zoo's union of several experiments' grids; ``cfg``
     then names the folder and the keys the manifest records). Raises ConfigError (a launcher that cannot start: a
-    missing extra, no cluster) before any folder is touched, and FolderBusyError if another sweep holds the folder."""
+    missing extra, no cluster; a run to resume that other code began, unless ``allow_code_change``, which is passed
+    on to the runs; ``command``: the command the refusal names) before any folder is touched, and FolderBusyError if
+    another sweep holds the folder."""
     runs = run_configs(cfg) if runs is None else runs
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     check_writable(exp_dir)
+    check_runs_code(cfg, runs, allow_code_change, command)
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:
-        return _sweep(cfg, runs, exp_dir, runner, jobs or (1 if launcher == "local" else len(runs)), progress)
+        return _sweep(cfg, runs, exp_dir, runner, jobs or (1 if launcher == "local" else len(runs)), progress,
+                      allow_code_change)
     finally:
         runner.close()
 
 
+def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, command: str) -> None:
+    """Refuse (ConfigError, one line) to resume any of the sweep's runs that other code began, unless ``allow``
+    (harness/run/provenance.py check_code): every run folder to resume is checked before any run starts."""
+    exp_dir = Path(cfg.results_dir) / cfg.name
+    check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in ENDED], allow, command)
+
+
 def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launcher, jobs: int,
-           progress: bool) -> list[dict]:
+           progress: bool, allow_code_change: bool) -> list[dict]:
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
@@ -158,7 +171,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
             while todo and len(active) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
                 active[entry["run_id"]] = Child.start(runner, exp_dir / entry["dir"], threads, progress,
-                                                      1 + len(active))
+                                                      1 + len(active), allow_code_change)
                 entry["status"] = "running"
                 save_manifest()
             time.sleep(1.0)
@@ -238,7 +251,8 @@ class Child:
     code: int | None = None
 
     @classmethod
-    def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int) -> Child:
+    def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int,
+              allow_code_change: bool) -> Child:
         """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
         for and followed to its end, else a new one through ``runner``."""
         handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
@@ -247,7 +261,8 @@ class Child:
                        "starting it again")
         else:
             handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
-                                   str(threads), "--no-progress"], run_dir / "train.log", run_dir.name)
+                                   str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
+                                  run_dir / "train.log", run_dir.name)
         total = OmegaConf.load(run_dir / "config.yaml").train.steps
         bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
         return cls(run_dir, handle, bar)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from analysis.leaderboard import write_leaderboard
 from analysis.report import build_report
-from harness.apps.stamp import commit, machine
+from harness.apps.stamp import machine
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -74,18 +74,21 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
 
 
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,
-         progress: bool = True, report: bool = True, objectives: list[str] | None = None) -> int:
+         progress: bool = True, report: bool = True, objectives: list[str] | None = None,
+         allow_code_change: bool = False) -> int:
     """Run (or resume) the zoo, then write its leaderboard (and report); 0 when every run ended. ``objectives``: a
-    subset (a smoke test, a quick look); the default and the leaderboard `make zoo` writes are every registered one."""
+    subset (a smoke test, a quick look); the default and the leaderboard `make zoo` writes are every registered one.
+    ``allow_code_change``: resume runs that other code began (harness/run/provenance.py)."""
     cfg, runs = zoo_runs(seeds, list(overrides or []), objectives)
     exp_dir = Path(cfg.results_dir) / cfg.name
     print(f"zoo: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds x "
           f"{len(CELLS)} regime cells, shared cells once) into {exp_dir}, {jobs} at a time", file=sys.stderr)
     load_before, start = os.getloadavg()[0], time.perf_counter()
-    entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs)
+    entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow_code_change,
+                        command="zoo")
     wall = time.perf_counter() - start
     ended = sum(e["status"] in ENDED for e in entries)
-    stamp = (f"`make zoo` at commit {commit()}: {ended}/{len(entries)} runs ended "
+    stamp = (f"`make zoo`: {ended}/{len(entries)} runs ended "
              f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {wall / 60:.1f} min "
              f"(1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after). Machine: "
              f"{machine(jobs)}. Target accuracy for tokens-to-target: {target:g}.")

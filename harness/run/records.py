@@ -6,7 +6,8 @@
     <run_dir>/summary.json         status (running | finished | diverged | failed | interrupted), progress, eval
                                    accuracies, the starting policy's record, the run's ``collapse`` record so far
                                    (harness/run/collapse.py's rule on its metric rows, null: none), the error of a
-                                   failed run; written atomically.
+                                   failed run, the code it runs (``code``) and each start's code and threads
+                                   (``segments``: harness/run/provenance.py); written atomically.
                                    "running" is only true while a process holds <run_dir>/.run.lock: read the
                                    status with run_status(), which says "stopped" for a killed run
     <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
@@ -42,6 +43,7 @@ from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, FolderBusyError, is_held, lock_folder
+from harness.run.provenance import code_record, next_segments, run_version
 from harness.run.tracking import Trackers
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
@@ -202,10 +204,10 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
                  ) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
     the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs (but for
-    the memory settings, which change no number: named in one line when ``warn``); and a
-    folder another process is writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second
-    writer is refused before it prints anything; the lock itself is still taken when the run starts; ``probe_lock``
-    False: not probed, for the run's own records, which take it next). ``main`` False (the other processes of
+    the memory settings, which change no number: named in one line when ``warn``); and a folder another process is
+    writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second writer is refused before it
+    prints anything; the lock itself is still taken when the run starts; ``probe_lock`` False: not probed, for the
+    run's own records, which take it next). ``main`` False (the other processes of
     `accelerate launch`, which write nothing of the run and may find the main one holding the lock): the settings
     are compared, the folder is neither probed for writing nor for its lock."""
     if main:
@@ -256,7 +258,9 @@ class RunRecords:
     """The files of one run. ``resume_step``: the step of the checkpoint the run continues from (None: a fresh
     start, whatever an earlier attempt logged is dropped; ``checkpoint`` names it for the terminal). Only the
     ``main`` process of a distributed run writes. Counters that go into summary.json are set by the backend in
-    ``progress``. Refuses (ConfigError) to continue a run folder whose config.yaml has other settings."""
+    ``progress``. Refuses (ConfigError) to continue a run folder whose config.yaml has other settings; whether other
+    code may continue it is the command's check (harness/run/provenance.py check_code, ``--allow-code-change``), made
+    before the run starts; the segments in summary.json record the code of every start either way."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, resume_step: int | None, start_policy: dict | None,
                  backend: str, main: bool = True, checkpoint: str | None = None):
@@ -266,6 +270,7 @@ class RunRecords:
                          "nonfinite_skips": None}
         self.started, self.elapsed_before = time.time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
+        self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
         if not main:
@@ -278,15 +283,17 @@ class RunRecords:
                 print(f"resuming {run_dir.name} from step {resume_step} (checkpoint {checkpoint})", file=sys.stderr)
             elif (run_dir / "metrics.jsonl").exists():
                 print(f"restarting {run_dir.name} from step 0 (no checkpoint yet)", file=sys.stderr)
-            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-            self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
-            self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
-            self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
             previous = run_dir / "summary.json"
             if resume_step is not None and previous.exists():
                 with contextlib.suppress(json.JSONDecodeError):
                     self.previous = json.loads(previous.read_text())
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
+            self.segments = next_segments(self.previous, resume_step, code_record())
+            atomic_write(run_dir / "config.yaml", f"# code: {run_version({'segments': self.segments})} (summary.json's "
+                         f"segments: each start's commit, changes and packages)\n{OmegaConf.to_yaml(cfg)}")
+            self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
+            self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
+            self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
         except BaseException:
             self.close(failed=True)
             raise
@@ -309,6 +316,7 @@ class RunRecords:
         return self.elapsed_before + time.time() - self.started
 
     def summary(self, status: str, error: str | None = None) -> dict:
+        self.segments[-1]["threads"] = self.progress.get("threads")  # set by the backend once the run has started
         evals = [r["eval_accuracy"] for r in self.rows if r.get("eval_accuracy") is not None]
         logged = {r["step"] for r in self.rows}
         start_eval = self.rows[0].get("eval_accuracy") if self.rows and self.rows[0]["step"] == 0 else None
@@ -320,6 +328,7 @@ class RunRecords:
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
                 if self.rows or self.progress["steps_done"] else [],
                 "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse(),
+                "code": self.segments[-1]["code"], "segments": self.segments,
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
         if self.main:

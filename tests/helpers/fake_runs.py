@@ -86,3 +86,12 @@ def grid_experiment(exp: Path, axes: dict[str, list], objectives=("grpo", "gspo"
             for seed in seeds:
                 entries.append(fake_run(exp, objective, seed, point, final=effect(objective, point, seed)))
     return fake_experiment(exp, entries)
+
+
+def code_segments(*versions: str, threads: int = 1) -> dict:
+    """summary.json's ``code`` and ``segments`` (harness/run/provenance.py) of a run started by code ``versions[0]``
+    and continued once by each later version, every start with ``threads`` torch threads (for ``summary_extra``)."""
+    segments = [{"from_step": i, "started": None, "threads": threads,
+                 "code": {"version": v, "commit": v, "packages": {"python": "3.11", "torch": "2.13.0"}}}
+                for i, v in enumerate(versions)]
+    return {"code": segments[-1]["code"], "segments": segments}
