@@ -9,11 +9,12 @@ OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
-# JOBS runs at once here; on a cluster (LAUNCHER=ray|slurm) every run at once unless JOBS is given
-SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
+# a sweep runs JOBS at once when JOBS is given; else here one per GPU (each on its own) or JOBS without GPUs, and on a
+# cluster (LAUNCHER=ray|slurm) every run at once
+SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs docs-site soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
 
 # every target but help, setup and clean-results runs $(PY): without the venv, one line saying what to do instead of
 # make's "No such file or directory" (only for the default PY; a PY given on the command line is the user's own)
@@ -46,14 +47,14 @@ lint:  ## ruff
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
-sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report; LAUNCHER=ray|slurm: on a cluster
+sweep:  ## all runs of an experiment (resumable, JOBS at once; with GPUs and no JOBS one per GPU, each on its own), then its report; LAUNCHER=ray|slurm: on a cluster
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
 	$(if $(OBJECTIVES),,$(error make compare: give OBJECTIVES=name,name (see make list)))
 	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]*'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number >= 1 (runs seeds 0 .. SEEDS-1)))
 	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
-		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
+		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) $(SWEEP_JOBS)
 
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
@@ -67,8 +68,11 @@ zoo:  ## every registered objective through the stress regimes on the tiny model
 plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
 
-bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256)
-	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS))
+bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory)
+	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora)
+
+gpu-check:  ## the GPU path in minutes (tiny model; Qwen2.5-0.5B-shaped random weights: native bf16 with and without LoRA, TRL): tokens/s, peak memory -> results/bench/gpu_check.jsonl; DEVICE=cpu: a dry run at tiny shapes
+	$(PY) -m harness gpu-check $(if $(DEVICE),--device $(DEVICE))
 
 list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list

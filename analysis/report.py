@@ -324,7 +324,8 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
     made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper))
     coincide = []
     if not metrics.empty:
-        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING] if plots.reported(metrics, m)]
+        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING, *plots.STALENESS]
+                 if plots.reported(metrics, m)]
         for family, columns in plots.families(metrics, set(drawn)).items():
             title = "Other per-step metrics" if family == "other" else f"Metrics {family}_*"
             made.append(plots.family_figure(metrics, family, columns, look, smooth, f"{name}: {title}", paper))

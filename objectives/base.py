@@ -40,6 +40,7 @@ from torch import Tensor
 from objectives.registry import Registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+RATIO_LEVELS = ("token", "sequence", "other")  # Objective.ratio_level
 
 
 @dataclass
@@ -59,12 +60,15 @@ class PolicyBatch:
     # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
     rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update, 0 for the first
     #   rollout: HölderPO's ``p_schedule="rollout_steps"`` (which adds 1: the authors count rollouts from 1)
-    sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
-    #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
-    #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1), or the
-    #   loop's rollout correction (``correction``) accounts for the sampler (never both: no double correction).
+    sampler_logp: Tensor | None = None  # [B, T] the behaviour log-probs: what the sampler (vLLM / bf16 / quantised
+    #   rollout engine, an older policy version, or both) gave each token it drew, when ``old_logp`` is instead the
+    #   trainer's proximal policy, recomputed before the update; None: ``old_logp`` is the behaviour itself. Read by
+    #   TBPO's mismatch weight exp(mean_t(old_logp - sampler_logp)), M2PO's mask (behaviour vs proximal) and OPSM
+    #   (behaviour vs current).
     correction: Tensor | None = None  # [B, T] detached rollout-correction weight (train.rollout_correction), applied
     #   by aggregate / sequence_loss / sequence_aggregate to the objective's loss; 0 = masked. None: weight 1.
+    behaviour_corrected: bool = False  # the loop's rollout correction weighs the proximal against the behaviour
+    #   already (in ``correction``): an objective's own such weight (TBPO's) is then off, so none is applied twice
     minibatch_stats: dict[str, Tensor] | None = None  # the objective's ``minibatch_statistics`` summed over the
     #   whole minibatch, when the loop splits it into micro-batches; None: this batch is the whole minibatch.
     entropy: Tensor | None = None  # [B, T] the current policy's entropy at each completion position (0 on padding),
@@ -348,7 +352,8 @@ def off_policy_keep(batch: PolicyBatch, threshold: float) -> Tensor:
     """Off-policy sequence masking (OPSM; DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL 1.16 ``get_off_policy_mask``):
     keep = A >= 0  or  mean_t(sampler_logp - sg(logp)) <= threshold, a bool [B, T] over the tokens of each sequence
     (per token when the advantages are per token, as TRL's broadcast). The sampler's log-probs are
-    ``batch.sampler_logp`` when the loop passes them, else ``old_logp`` (the behaviour policy, TRL's fallback)."""
+    ``batch.sampler_logp`` when the loop passes them (``old_logp`` is then the proximal policy), else ``old_logp`` (the
+    behaviour policy itself, TRL's fallback)."""
     behaviour = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
     drift = masked(behaviour - batch.logp.detach(), batch.mask)
     mean_drift = drift.sum(-1) / batch.mask.sum(-1).clamp(min=1).to(drift.dtype)
@@ -409,6 +414,12 @@ class Objective:
     # True if the loss needs one advantage per sequence (``sequence_advantages``: GSPO, GMPO, HolderPO, ConSPO, TBPO),
     # so a token-level estimator's [B, T] advantages (optimal_token_baseline) cannot feed it
     needs_sequence_advantages: ClassVar[bool] = False
+    # the level of the importance ratio, which decoupled PPO's behaviour weight pi_prox / pi_behaviour takes
+    # (train.rollout_correction.mode=decoupled_ppo): "token" (a ratio per token, or no ratio: the weight per token),
+    # "sequence" (the geometric mean of a sequence's token ratios: the weight's geometric mean per sequence), or
+    # "other" (no such weight composes with it: ``ratio_note`` says what the ratio is, and the loop refuses the mode)
+    ratio_level: ClassVar[str] = "token"
+    ratio_note: ClassVar[str] = ""  # with ratio_level "other": what the objective's ratio is (one phrase)
 
     beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
@@ -611,6 +622,9 @@ def register_objective(name: str):
         if cls.default_aggregation not in cls.aggregations:
             raise ValueError(f"objective {name!r}: default_aggregation {cls.default_aggregation!r} is not among "
                              f"its aggregations {cls.aggregations}")
+        if cls.ratio_level not in RATIO_LEVELS or (cls.ratio_level == "other") != bool(cls.ratio_note):
+            raise ValueError(f"objective {name!r}: ratio_level must be one of {RATIO_LEVELS}, with a ratio_note "
+                             f"exactly when it is 'other'; got {cls.ratio_level!r}, {cls.ratio_note!r}")
         cls.name = name
         if "__dataclass_fields__" not in cls.__dict__:
             cls = dataclass(cls)

@@ -172,6 +172,8 @@ class PredictorMLP(torch.nn.Module):
 @register_objective("popo")
 class POPO(Objective):
     """Positive-only policy optimisation: L_NLL + alpha L_sim + beta_entropy L_ent (module docstring)."""
+    ratio_level = "other"
+    ratio_note = "none: a likelihood of the positives weighted by behaviour log-probs"
 
     needs_whole_minibatch: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True

@@ -38,6 +38,20 @@ loss, as both references apply it to whatever loss is configured. Off-policy seq
 objective option (``Objective.off_policy_mask``, objectives/base.py): its test reads the current policy's log-probs
 and the advantage's sign at every update (TRL's ``get_off_policy_mask`` inside ``_compute_loss``).
 
+Decoupled PPO (AReaL, Fu et al., arXiv 2505.24298; ``decoupled_ppo``): the objective's ratio and clip against the
+proximal policy (``old_logp``, recomputed), times the behaviour weight w = pi_prox / pi_behaviour taken at the level
+of the objective's own ratio (``Objective.ratio_level``), masked outside [C_low, C] (C_low unset: no lower bound):
+
+    w_t = rho_t * 1[rho_t <= C]                          ratio_level "token"
+    w_i = g_i * 1[g_i <= C],  g_i = exp(mean_t d_t)      ratio_level "sequence": the geometric mean, as the
+                                                         objective's own ratio (GSPO), broadcast to sequence i
+
+Reference: AReaL 4aef98d8 (inclusionAI/AReaL) ``areal/utils/functional/functional.py`` ``ppo_actor_loss_fn`` with
+``apply_rejection_sampling`` (``use_decoupled_loss: true``; ``rejection_sampling`` level token, action mask, metric
+ratio, upper C: its former default ``behave_imp_weight_cap: 5`` with ``token_mask``; level sequence with metric
+ratio and agg mean: the geometric-mean weight and mask). At ratio_level "token" the mode equals ``token_mask`` with
+``threshold_lower: 0``; it differs from the other modes in following the objective's level (tested).
+
 The weights are detached, 0 on padding, and computed once per rollout batch (they do not depend on the current
 policy, so micro-batching leaves them unchanged). A masked token or sequence has weight 0 and keeps its place in
 the token / sequence counts the loss is normalised by (TRL's convention: its ``*_mask`` zeroes the ratio and keeps
@@ -49,7 +63,7 @@ Metrics (:func:`correction_metrics`, over valid tokens unless stated; the ratio 
 ``SAFETY_BOUND`` so that statistics stay finite): ``rollout_corr_ratio_mean/min/max/std`` of rho at the mode's
 level (tokens, or one value per valid sequence), ``rollout_corr_weight_mean`` (w over valid tokens),
 ``rollout_corr_truncated_frac`` / ``rollout_corr_masked_frac`` (valid tokens whose weight was truncated /
-masked; every token of a sequence for the sequence modes), ``rollout_corr_chi2_token`` = E_t[rho_t^2] - 1 and
+masked; every token of a sequence at a sequence level), ``rollout_corr_chi2_token`` = E_t[rho_t^2] - 1 and
 ``rollout_corr_chi2_seq`` = E_i[(prod_t rho_t)^2] - 1 (verl's chi2_token / chi2_seq: the chi-square divergence
 of the trainer's old policy from the sampler, the variance of the IS weights), ``rollout_corr_k3_kl`` = E_t[rho_t
 - log rho_t - 1] (verl's k3_kl: KL(sampler || trainer's old policy), >= 0).
@@ -62,7 +76,7 @@ import math
 import torch
 from torch import Tensor
 
-CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "decoupled_ppo")
 DEFAULT_THRESHOLD = 2.0  # verl's rollout_is_threshold
 SAFETY_BOUND = 20.0  # |log rho| bound of the metrics (verl's); the weights use rho itself, as TRL
 
@@ -101,17 +115,29 @@ def log_ratio(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, old_logp.detach() - sampler_logp.detach(), torch.zeros_like(old_logp))
 
 
+def level_log_ratio(d: Tensor, mask: Tensor, mode: str, ratio_level: str = "token") -> Tensor:
+    """log rho at ``mode``'s level from d [B, T] (0 on padding): d itself for the token modes (and decoupled_ppo at
+    ratio_level token), sum_t d_t [B, 1] for the sequence modes, mean_t d_t [B, 1] for decoupled_ppo at ratio_level
+    sequence."""
+    if mode.startswith("token") or (mode == "decoupled_ppo" and ratio_level == "token"):
+        return d
+    if mode == "decoupled_ppo":
+        return d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(d.dtype)
+    return d.sum(-1, keepdim=True)
+
+
 def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
-                       threshold_lower: float | None = None) -> Tensor:
+                       threshold_lower: float | None = None, ratio_level: str = "token") -> Tensor:
     """The correction weight w [B, T] of ``mode`` (module docstring): detached, in old_logp's dtype, 0 on padding;
-    exactly 1 on every valid token when old_logp == sampler_logp (no sampler difference). ``mode='none'``: ones."""
+    exactly 1 on every valid token when old_logp == sampler_logp (no sampler difference). ``mode='none'``: ones.
+    ``ratio_level``: the objective's (``Objective.ratio_level``), the level decoupled_ppo takes."""
     if check_settings(mode, threshold, threshold_lower):
         raise ValueError(check_settings(mode, threshold, threshold_lower))
     mask = mask.bool()
     if mode == "none":
         return mask.to(old_logp.dtype)
     d = log_ratio(old_logp, sampler_logp, mask)
-    level = d if mode.startswith("token") else d.sum(-1, keepdim=True)
+    level = level_log_ratio(d, mask, mode, ratio_level)
     rho = torch.exp(level)  # a sequence's product may overflow to inf: it is then truncated to C or masked
     low = lower_threshold(mode, threshold, threshold_lower)
     if mode.endswith("_truncate"):
@@ -123,14 +149,15 @@ def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
 
 
 def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
-                       threshold_lower: float | None = None, weights: Tensor | None = None) -> dict[str, float]:
+                       threshold_lower: float | None = None, weights: Tensor | None = None,
+                       ratio_level: str = "token") -> dict[str, float]:
     """The metrics of the correction (module docstring), in float64; ``weights`` = :func:`correction_weights`'s
     (computed if not given). Empty batches (no valid token) give {}."""
     mask = mask.bool()
     if not mask.any():
         return {}
     if weights is None:
-        weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, threshold_lower)
+        weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, threshold_lower, ratio_level)
     d = log_ratio(old_logp, sampler_logp, mask).double()
     n = mask.sum().item()
     valid_seq = mask.any(-1)
@@ -143,7 +170,10 @@ def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
         "rollout_corr_k3_kl": (torch.where(mask, torch.expm1(d) - d, torch.zeros_like(d))).sum().item() / n,
         "rollout_corr_weight_mean": (weights.double() * mask).sum().item() / n,
     }
-    sequence = mode.startswith("sequence")
+    sequence = mode.startswith("sequence") or (mode == "decoupled_ppo" and ratio_level == "sequence")
+    if sequence:  # the sequence's level: the product, or decoupled_ppo's geometric mean
+        seq_log = level_log_ratio(d, mask, mode, ratio_level)[:, 0]
+        seq_rho = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     rho = seq_rho[valid_seq] if sequence else token_rho[mask]
     metrics.update({"rollout_corr_ratio_mean": rho.mean().item(), "rollout_corr_ratio_min": rho.min().item(),
                     "rollout_corr_ratio_max": rho.max().item(),

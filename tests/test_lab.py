@@ -161,7 +161,8 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
     base = [*TINY_RUN, f"results_dir={tmp_path}"]
     for override, key in (("lab.staleness=[1,2]", "lab.staleness"), ("lab.mismatch=[fp8]", "lab.mismatch"),
                           ("lab.objectives=[grpoo]", "grpo"), ("lab.batches=1", "lab.batches"),
-                          ("lab.policy=/nonexistent", "lab.policy"), ("lab.mover=nope", "lab")):
+                          ("lab.policy=/nonexistent", "lab.policy"), ("lab.mover=nope", "lab"),
+                          ("model.lora.rank=4", "model.lora.rank=0")):
         with pytest.raises(ConfigError, match=key):
             lab_config(load_experiment("base", [*base, override]))
     with pytest.raises(ConfigError, match="num_minibatches"):

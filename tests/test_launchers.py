@@ -206,3 +206,81 @@ def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
         "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
         "fix the address, or leave it empty for a local Ray cluster"]
     assert not (tmp_path / "results").exists()
+
+
+class FakeRun:
+    """A run's process for the local launcher: records the GPU it was given; ends after ``polls`` polls (or when
+    ``ended`` is set)."""
+
+    started: list[FakeRun] = []
+
+    def __init__(self, args, env=None, polls: int = 10**9, **kwargs):
+        self.gpu = None if env is None else env["CUDA_VISIBLE_DEVICES"]
+        self.env, self.polls, self.ended = env, polls, False
+        self.running_at_start = sum(run.returncode is None for run in FakeRun.started)
+        FakeRun.started.append(self)
+
+    @property
+    def returncode(self):
+        return 0 if self.ended or self.polls <= 0 else None
+
+    def poll(self):
+        self.polls -= 1
+        return self.returncode
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    from harness.apps import launchers
+
+    FakeRun.started = []
+    monkeypatch.setattr(launchers.subprocess, "Popen", FakeRun)
+    return FakeRun.started
+
+
+def test_the_local_launcher_gives_each_concurrent_run_its_own_gpu(tmp_path, monkeypatch, fake_runs):
+    from harness.apps.launchers import LocalLauncher, visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5e1f,5")  # the user's list: indices or UUIDs, as given
+    monkeypatch.setenv("RLVR_MARK", "kept")
+    launcher = LocalLauncher()
+    assert launcher.gpus == ["3", "GPU-5e1f", "5"] and launcher.default_jobs(cpu_jobs=2) == 3
+    for k in range(4):
+        launcher.start(["train"], tmp_path / f"{k}.log", f"run{k}")
+    assert [run.gpu for run in fake_runs] == ["3", "GPU-5e1f", "5", "3"]  # round-robin while all run
+    assert all(run.env["RLVR_MARK"] == "kept" for run in fake_runs)  # the rest of the environment is the sweep's
+    fake_runs[1].ended = True  # GPU-5e1f is free again, 3 holds two runs
+    fake_runs[2].ended = True
+    launcher.start(["train"], tmp_path / "4.log", "run4")
+    launcher.start(["train"], tmp_path / "5.log", "run5")
+    assert [run.gpu for run in fake_runs[4:]] == ["GPU-5e1f", "5"]
+    for listed, gpus in (("", []), ("0,-1,2", ["0"]), (" 1, 2 ", ["1", "2"])):  # CUDA reads up to a bad entry
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+        assert visible_gpus() == gpus
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert visible_gpus() == ["0", "1"]
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    cpu = LocalLauncher()
+    assert cpu.gpus == [] and cpu.default_jobs(cpu_jobs=2) == 2
+    cpu.start(["train"], tmp_path / "cpu.log", "cpu")
+    assert fake_runs[-1].env is None  # no GPU: the sweep's environment, untouched
+
+
+def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeypatch, fake_runs):
+    from harness.apps import sweep
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sweep, "prepare_starting_policies", lambda runs, progress: None)
+    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen",
+                        lambda args, **kwargs: FakeRun(args, polls=3, **kwargs))
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp",
+                                   "sweep.grid.seed=[0,1,2]"])
+    sweep.run_sweep(cfg, progress=False)
+    assert len(fake_runs) == 3 and max(run.running_at_start for run in fake_runs) == 1  # two at once
+    assert [run.gpu for run in fake_runs[:2]] == ["0", "1"] and {run.gpu for run in fake_runs} == {"0", "1"}
+    FakeRun.started.clear()
+    sweep.run_sweep(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=again",
+                                             "sweep.grid.seed=[0,1,2]"]), jobs=1, progress=False)
+    assert [run.running_at_start for run in fake_runs] == [0, 0, 0]  # --jobs wins

@@ -151,6 +151,9 @@ class Launcher:
     def adopt(self, name):
         return None  # no earlier sweep's job to follow
 
+    def default_jobs(self, cpu_jobs):
+        return cpu_jobs
+
     def start(self, args, log, name):
         self.started.append(args)
         return Handle()

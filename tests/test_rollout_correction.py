@@ -48,7 +48,7 @@ from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py
 )
 
 ALL = ON_BATCHES
-MODES = [m for m in CORRECTION_MODES if m != "none"]
+MODES = [m for m in CORRECTION_MODES if m not in ("none", "decoupled_ppo")]  # decoupled_ppo: tests/test_async.py
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -263,8 +263,9 @@ def test_micro_batches_sum_to_the_minibatch_with_a_correction(name, sequence):
         assert torch.allclose(micro_grad, grad, rtol=1e-10, atol=1e-13), (name, mode)
 
 
-def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
-    """The loop passes the sampler's log-probs (TBPO's mismatch input) only without a correction: the sampler
+def test_the_loop_says_when_its_correction_weighs_the_sampler():
+    """The loop passes the sampler's log-probs whenever the old log-probs are recomputed (M2PO's mask and OPSM read
+    them), and ``behaviour_corrected`` with a correction, so that TBPO's own mismatch weight is off: the sampler
     difference is corrected once."""
     policy, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
     seen = []
@@ -273,7 +274,7 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
         beta, default_advantage = 0.0, "grpo"
 
         def __call__(self, batch):
-            seen.append((batch.sampler_logp is not None, batch.correction is not None))
+            seen.append((batch.sampler_logp is not None, batch.correction is not None, batch.behaviour_corrected))
             return objectives.ObjectiveOutput((batch.logp * 0).sum(), {})
 
     task = get_task("arith", eval_size=8)
@@ -290,7 +291,7 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
         update(Learner(policy, Spy(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
                UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
-    assert seen == [(True, False), (False, True)]
+    assert seen == [(True, False, False), (True, True, True)]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -209,14 +209,16 @@ def spied_volatility(monkeypatch) -> list:
     return seen
 
 
-def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [(), pytest.param(("model.lora.rank=4",), marks=pytest.mark.slow)])  # TRL's peft
+def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch, lora):
     """tiny_moe, 2 minibatches per rollout batch (TRL records the behaviour routing in its old-policy pass), an
     entropy bonus so that every optimizer step moves the routers: each step logs the native loop's routing metrics;
     the step's first minibatch sees the weights the record was made with (volatility exactly 0, which a record
     misaligned with TRL's shuffled rows breaks), the second the moved ones (> 0, which comparing the live routing
     with itself would hide)."""
     seen = spied_volatility(monkeypatch)
-    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2")
+    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2",
+                       *lora)
     train_trl(run, tmp_path / "moe", progress=False)
     rows = read_jsonl(tmp_path / "moe" / "metrics.jsonl")[1:]
     assert [r["step"] for r in rows] == [1, 2] and len(seen) == 4  # 2 steps x 2 minibatches of one micro-batch

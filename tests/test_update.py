@@ -140,14 +140,16 @@ def test_minibatches_cover_every_row_once_and_keep_groups_whole_when_they_fit(si
     assert all(torch.equal(a.rows, b.rows) for a, b in zip(parts, again, strict=True))  # the seed decides the order
 
 
-@pytest.mark.parametrize("old_logp, correction, sampler_is_behaviour", [
-    ("sampler", False, True), ("recompute", False, False), ("recompute", True, True)])
-def test_the_objective_gets_the_sampler_logprobs_only_when_nothing_else_accounts_for_them(
-        old_logp, correction, sampler_is_behaviour, tiny_model):
+@pytest.mark.parametrize("old_logp, correction, sampler_given", [
+    ("sampler", False, False), ("recompute", False, True), ("recompute", True, True)])
+def test_the_objective_gets_the_sampler_logprobs_whenever_its_old_logprobs_are_recomputed(
+        old_logp, correction, sampler_given, tiny_model):
+    """The behaviour (sampler) log-probs reach the objective whenever its old log-probs are the proximal policy's (a
+    rollout correction too: M2PO's mask and OPSM read them); ``behaviour_corrected`` says a correction weighs them."""
     policy, _ = tiny_model
     batch = toy_batch(correction=correction)
     plan = toy_plan(batch, f"old_logp={old_logp}")
-    assert plan.sampler_is_behaviour == sampler_is_behaviour and plan.rollout_step == 2
+    assert plan.rollout_step == 2
     seen = []
 
     def objective(policy_batch):
@@ -159,7 +161,8 @@ def test_the_objective_gets_the_sampler_logprobs_only_when_nothing_else_accounts
     part = microbatch_loss(learner, plan, minibatch, minibatch.rows[:4], RunState(optimizer_steps=5), with_entropy=True)
     (seen_batch,) = seen
     assert seen_batch.num_tokens == minibatch.num_tokens and seen_batch.num_sequences == plan.minibatch_size == 8
-    assert (seen_batch.sampler_logp is None) == sampler_is_behaviour and seen_batch.step == 5
+    assert (seen_batch.sampler_logp is not None) == sampler_given and seen_batch.step == 5
+    assert seen_batch.behaviour_corrected == correction
     assert (seen_batch.correction is None) != correction
     assert part.tokens == int(batch.rollout.completion_mask[minibatch.rows[:4]].sum()) and "entropy" in part.metrics
     assert not part.forward.logp.requires_grad and part.forward.width == seen_batch.logp.shape[1]

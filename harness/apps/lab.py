@@ -149,7 +149,10 @@ def validate_lab(cfg: DictConfig) -> None:
                           f"{lab.mismatch_temperature}")
     if lab.policy is not None and not (Path(lab.policy) / "config.json").exists():
         raise ConfigError(f"lab.policy {lab.policy!r} is not a saved policy folder (no config.json): give a run's "
-                          "final/ folder")
+                          "final/ folder (a LoRA run's: final/merged/, model.lora.export_merged)")
+    if cfg.model.lora.rank:
+        raise ConfigError("lab: the lab compares gradients of the whole policy; model.lora (adapters) is a training "
+                          "setting: set model.lora.rank=0")
 
 
 def check_lab_routing(cfg: DictConfig) -> None:

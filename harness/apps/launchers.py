@@ -8,7 +8,8 @@
     launcher.adopt(name) or adopt_lock_holder(run_dir)   # a rerun: the earlier sweep's job, or whoever holds the lock
 
 Every launcher executes the same command, ``python -m harness train <run_dir>/config.yaml --run-dir <run_dir>``,
-with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep, ``ray`` as a Ray task
+with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep (on a machine with
+GPUs, each with a GPU of its own: ``CUDA_VISIBLE_DEVICES``, :class:`LocalLauncher`), ``ray`` as a Ray task
 (``launcher.cpus_per_run`` / ``gpus_per_run`` as the task's resources) that starts the same child process on the node
 Ray picks, ``slurm`` as one submitit job per run (partition, time, GPUs from the launcher section). So the sweep loop
 (harness/apps/sweep.py) is one code path: the results folder, run ids, the run's lock, "skip finished, resume the
@@ -153,13 +154,48 @@ class LocalHandle:
         self.logfile.close()
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this machine's runs may use, as ``CUDA_VISIBLE_DEVICES`` names them: the user's list of that variable
+    as given (indices or UUIDs, up to its first negative entry, as CUDA reads it; empty: none), else every GPU torch
+    sees (none on a machine without CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        import torch  # the sweep's process has it already; a launcher without GPUs never asks
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    gpus = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        gpus.append(entry)
+    return gpus
+
+
 class LocalLauncher:
-    """Each run a child process of the sweep on this machine; ``jobs`` at once, the free cores split between them."""
+    """Each run a child process of the sweep on this machine; ``jobs`` at once, the free cores split between them.
+    With GPUs visible (:func:`visible_gpus`; ``gpus`` gives the list instead) each run gets one of its own through
+    ``CUDA_VISIBLE_DEVICES``: the GPU with the fewest of this sweep's runs on it, the first such in the list (so runs
+    that start together go round-robin, and a run that ends frees its GPU for the next); by default as many runs at
+    once as GPUs (:meth:`default_jobs`)."""
 
     name = "local"
 
+    def __init__(self, gpus: list[str] | None = None):
+        self.gpus = visible_gpus() if gpus is None else gpus
+        self.on_gpu: list[tuple[str, subprocess.Popen]] = []  # (GPU, the run's process) of the runs started
+
     def check(self) -> None:
         pass
+
+    def default_jobs(self, cpu_jobs: int) -> int:
+        """Runs at once when the sweep is given no number: one per GPU, ``cpu_jobs`` on a machine without one."""
+        return len(self.gpus) or cpu_jobs
+
+    def next_gpu(self) -> str:
+        """The GPU for the next run: the one with the fewest of this sweep's running runs, the first on a tie."""
+        self.on_gpu = [(gpu, proc) for gpu, proc in self.on_gpu if proc.poll() is None]
+        running = [gpu for gpu, _ in self.on_gpu]
+        return min(self.gpus, key=running.count)
 
     def threads(self, jobs: int) -> int:
         free, available, busy = free_threads()
@@ -170,9 +206,13 @@ class LocalLauncher:
         return threads
 
     def start(self, args: list[str], log: Path, name: str) -> LocalHandle:
+        gpu = self.next_gpu() if self.gpus else None
         logfile = open(log, "a")
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent,
+                                env=None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+        if gpu is not None:
+            self.on_gpu.append((gpu, proc))
         return LocalHandle(proc, logfile)
 
     def adopt(self, name: str) -> None:
@@ -380,7 +420,7 @@ def _signal_local_job(job_id: str, folder: str) -> None:
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
     """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place)."""
     if name == "local":
-        return LocalLauncher()
+        return LocalLauncher()  # launcher.gpus_per_run is a cluster's: here one GPU per run, when there are GPUs
     for key, low in (("cpus_per_run", 1), ("gpus_per_run", 0), ("time_min", 1)):
         if settings[key] < low:
             raise ConfigError(f"launcher.{key} must be >= {low}, got {settings[key]}")

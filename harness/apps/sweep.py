@@ -113,10 +113,11 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
 
 
 def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
-              runs: list[DictConfig] | None = None, allow_code_change: bool = False, command: str = "sweep"
-              ) -> list[dict]:
+              runs: list[DictConfig] | None = None, allow_code_change: bool = False, command: str = "sweep",
+              cpu_jobs: int = 1) -> list[dict]:
     """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
-    once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
+    once (None: locally one per GPU, ``cpu_jobs`` on a machine without GPUs; every run on a cluster, whose scheduler
+    queues them); returns the manifest's run entries.
     ``runs``: these run configs instead of ``cfg``'s grid (the zoo's union of several experiments' grids; ``cfg``
     then names the folder and the keys the manifest records). Raises ConfigError (a launcher that cannot start: a
     missing extra, no cluster; a run to resume that other code began, unless ``allow_code_change``, which is passed
@@ -130,8 +131,8 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:
-        return _sweep(cfg, runs, exp_dir, runner, jobs or (1 if launcher == "local" else len(runs)), progress,
-                      allow_code_change)
+        default = runner.default_jobs(cpu_jobs) if launcher == "local" else len(runs)
+        return _sweep(cfg, runs, exp_dir, runner, jobs or default, progress, allow_code_change)
     finally:
         runner.close()
 

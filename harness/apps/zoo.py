@@ -37,6 +37,8 @@ from objectives import available_objectives
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
     "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (at 10x every core objective collapses)
+    # every batch sampled 16 policy versions back, each objective on the stale behaviour log-probs (no correction)
+    "async_staleness": {"train.rollout_lag": [16], "train.rollout_correction": [{"mode": "none"}]},
 }
 SEEDS = 3
 TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstart's starting policy (0.30-0.45 band)

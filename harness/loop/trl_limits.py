@@ -45,6 +45,12 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if t.dynamic_sampling:
         return ("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group refill); "
                 "use backend=native")
+    if t.rollout_lag:
+        return ("backend trl: train.rollout_lag is not supported (TRL 1.16's GRPOTrainer samples with the policy it "
+                "trains; its AsyncGRPOTrainer came later); use backend=native")
+    if t.rollout_correction.mode == "decoupled_ppo":
+        return ("backend trl: train.rollout_correction.mode=decoupled_ppo has no TRL counterpart (its "
+                "vllm_importance_sampling_mode has the token_* and sequence_* modes); use backend=native")
     if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
         return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
                 "smollm2-135m-instruct")
@@ -55,6 +61,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if run.model.lora.export_merged and world_size() > 1:
+        return ("backend trl: model.lora.export_merged merges the adapters on one process (a sharded model's weights "
+                "are not gathered for it); merge final/ afterwards with peft's merge_and_unload, or run on one process")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     estimator = run.objective.advantage or objective.default_advantage
     if loop_inputs(get_advantage(estimator)):

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp, replay_mode
+from harness.loop.behaviour import behaviour_logp, lagged, replay_mode
 from harness.policy.expert_volatility import Volatility, capture_metrics
 from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
@@ -120,6 +120,7 @@ class UpdatePlan:
     replay: bool = False  # force batch.routing's experts in every forward of the update (train.routing_replay)
     max_tokens_per_micro_batch: int = 0  # micro-batches packed to this many tokens instead of microbatch_size rows
     micro_batch_unit: int = 1  # rows a token-budget micro-batch keeps together (a group, for group objectives)
+    lagged: bool = False  # train.rollout_lag > 0: the sampler/trainer mismatch also reports the weights' ESS
 
     def microbatches(self, minibatch: Minibatch) -> list[Tensor]:
         """The minibatch's micro-batches: ``microbatch_size`` rows each, or with ``max_tokens_per_micro_batch``
@@ -132,12 +133,6 @@ class UpdatePlan:
         tokens = ro.prompt_mask[rows].sum(-1) + ro.completion_mask[rows].sum(-1)
         return token_budget_chunks(rows, tokens, self.max_tokens_per_micro_batch, self.micro_batch_unit)
 
-    @property
-    def sampler_is_behaviour(self) -> bool:
-        """The objective gets no separate sampler log-probs (TBPO's mismatch weight) when they are the behaviour
-        log-probs, or a rollout correction (``batch.correction``) accounts for them."""
-        return self.behaviour == "sampler" or self.batch.correction is not None
-
     @classmethod
     def of(cls, batch: TrainBatch, cfg: DictConfig, step: int, timings: Timings | None = None) -> UpdatePlan:
         """The plan of rollout step ``step`` of a run."""
@@ -147,7 +142,8 @@ class UpdatePlan:
                    max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
                    behaviour=behaviour_logp(t), order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
                    replay=replay_mode(t) != "none", max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1)
+                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1,
+                   lagged=lagged(t))
 
 
 @dataclass(frozen=True)
@@ -244,8 +240,9 @@ def hidden_of(plan: UpdatePlan, rows: Tensor) -> Callable[[torch.nn.Module], Ten
 
 
 def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
-    """The objective's input for the rows of ``forward``: their current log-probs; behaviour / reference / sampler
-    log-probs, rollout-correction weights, advantages, rewards and groups; the minibatch's counts and statistics."""
+    """The objective's input for the rows of ``forward``: their current log-probs; the old log-probs (the behaviour's,
+    or the proximal's with the behaviour's as ``sampler_logp``), reference log-probs, rollout-correction weights,
+    advantages, rewards and groups; the minibatch's counts and statistics."""
     batch, rows, width = plan.batch, forward.rows, forward.width
     return PolicyBatch(
         logp=forward.logp, old_logp=batch.old_logp[rows, :width], mask=forward.mask,
@@ -255,8 +252,9 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
         max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,
         num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
-        sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
+        sampler_logp=None if plan.behaviour == "sampler" else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
+        behaviour_corrected=batch.correction is not None,
         minibatch_stats=minibatch.stats, entropy=forward.entropy, hidden=forward.hidden,
         hidden_of=None if forward.hidden is None else hidden_of(plan, rows))
 

@@ -85,6 +85,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from harness.policy.lora import adapted
 from harness.policy.models import EMBEDDED_MODELS
 from harness.policy.tiny_moe import TINY_MOE
 from harness.run.checks import register_check
@@ -373,7 +374,8 @@ class Routing:
         self.names = tuple(routers)
         first = next(iter(routers.values()))
         self.top_k, self.num_experts, self._weight = first.top_k, first.num_experts, first.weight
-        self.aux_loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+        base = model.get_base_model() if adapted(model) else model  # a LoRA policy: its base model's module's
+        self.aux_loss_fn = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
         self._state: _State | None = None
         self._handles = [module.register_forward_hook(self._hook_of(layer))
                          for layer, module in enumerate(routers.values())]
@@ -499,8 +501,10 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> i
 
 
 def routing_of(model) -> Routing | None:
-    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed), or None."""
-    return _ATTACHED.get(model)
+    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed) or, for a LoRA policy, onto its base
+    model (the TRL backend hooks the policy before TRL adds the adapters); None without one."""
+    routing = _ATTACHED.get(model)
+    return _ATTACHED.get(model.get_base_model()) if routing is None and adapted(model) else routing
 
 
 def laid_out(model, layout: Callable[[], Layout]):

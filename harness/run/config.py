@@ -53,6 +53,23 @@ MEMORY_SETTINGS = ("train.lm_head_chunk", "train.activation_checkpointing", "tra
 OLD_LOGP = ("sampler", "recompute")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the Llama family's
+
+
+@dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters (LoRA, the peft library) trained on a frozen base (harness/policy/lora.py); the
+    base with the adapters disabled is the KL reference. Both backends (TRL: its peft_config)."""
+
+    rank: int = 0  # the adapters' rank r; 0 = no adapters (full fine-tuning)
+    alpha: float | None = None  # the adapters' scale is alpha / rank; null = 2 x rank (scale 2)
+    dropout: float = 0.0  # dropout on the adapters' input while training (the update's forwards); 0 = none
+    # the linear layers that get adapters (module names; default: every attention and MLP projection of the Llama
+    # family)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    export_merged: bool = False  # also write the base with the adapters merged in to final/merged/ (transformers')
+
+
 @dataclass
 class ModelConfig:
     # tiny (the char-level Llama), tiny_moe (a char-level Qwen3-MoE), smollm2-135m-instruct (embedded), a hub id or a
@@ -70,6 +87,7 @@ class ModelConfig:
     warm_start_check_every: int = 50  # warm-start steps between the target's accuracy checks
     warm_start_lr: float = 1e-3  # warm-start learning rate (AdamW, constant)
     warm_start_batch_size: int = 32  # warm-start problems per step
+    lora: LoraSettings = field(default_factory=LoraSettings)  # low-rank adapters on a frozen base (off by default)
 
 
 @dataclass
@@ -98,8 +116,9 @@ class RolloutCorrectionConfig:
     and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
     A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
 
-    # importance weights between the trainer's old policy and the sampler: none, token_truncate, token_mask,
-    # sequence_truncate, sequence_mask
+    # importance weights between the trainer's old (proximal) policy and the sampler: none, token_truncate,
+    # token_mask, sequence_truncate, sequence_mask, decoupled_ppo (AReaL's: masked above threshold, per token or, for
+    # a sequence-ratio objective, the sequence's geometric mean)
     mode: str = "none"
     threshold: float = DEFAULT_THRESHOLD  # the weights' upper bound C (truncate at C / mask above C); >= 1
     # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
@@ -124,6 +143,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping (global norm)
     old_logp: str = "sampler"  # behaviour log-probs: sampler (the sampler's) or recompute (the trainer's, recomputed)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # policy lag k (asynchronous RL, docs/async.md): the batch trained at step t was sampled by the policy after step
+    # t-1-k (the starting policy's for t <= k+1); 0 = synchronous, sampled by the policy it trains
+    rollout_lag: int = 0
+    # fixed (every group of a batch has lag rollout_lag) or mixed (each group's lag drawn uniformly in [0,
+    # rollout_lag], the ages a bounded-staleness buffer delivers)
+    lag_mode: str = "fixed"
+    # in-flight weight updates (PipelineRL): a lagged batch's completions switch to the newer policy every this many
+    # tokens, so one completion's tokens come from several versions; 0 = off
+    in_flight_tokens: int = 0
     max_nonfinite_in_row: int = 3  # stop after this many non-finite updates in a row
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, sample more prompts to refill
     max_sampling_rounds: int = 10  # dynamic sampling's rounds of prompts per step (verl's max_num_gen_batches)
@@ -570,6 +598,12 @@ def _check_objective(run: DictConfig) -> None:
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
     if problem:
         raise ConfigError(problem)
+    objective = OBJECTIVES.get(run.objective.name)
+    if rc.mode == "decoupled_ppo" and objective.ratio_level == "other":
+        raise ConfigError(f"train.rollout_correction.mode=decoupled_ppo weighs the objective's ratio against the "
+                          f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
+                          f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
+                          "with: use a token_* or sequence_* mode")
 
 
 def _check_single_sample_groups(estimator: str) -> None:
