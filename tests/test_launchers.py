@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from harness.apps.launchers import AdoptedHandle
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
-from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
@@ -141,6 +144,52 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
 
 
+@pytest.mark.slow  # two sweeps through submitit's local executor
+def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_submitting_another(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The sweep's parent dies while its SLURM job runs on (submitit's local executor: the job outlives it, as on a
+    cluster). Run again, the sweep submitted a second job for the run, whose `train` stopped on the run's lock, was
+    reported failed and left the manifest `failed` after the first job finished. Now it follows the first job: one
+    job, every step once, the manifest `finished`. The job's run is frozen (SIGSTOP) while the second sweep starts,
+    so that it is still running then, whatever the load."""
+    pytest.importorskip("submitit")
+    exp = tmp_path / "follow.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    overrides = [*TINY_RUN, "train.steps=12", "model.warm_start_steps=0", "model.warm_start_target=null",
+                 f"results_dir={tmp_path}", "launcher.cluster=local"]
+    first = subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(exp), *overrides, "--launcher", "slurm",
+                              "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    exp_dir = tmp_path / "follow"
+
+    def a_run_one_step_in():
+        runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
+        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 2 else None
+
+    run_dir = wait_until(a_run_one_step_in, timeout=240)
+    assert run_dir is not None, "the first sweep made no progress"
+    (train,) = processes_with(f"--run-dir {run_dir}")
+    os.kill(train, signal.SIGSTOP)
+    adopted, real_poll, outcome = threading.Event(), AdoptedHandle.poll, {}
+    monkeypatch.setattr(AdoptedHandle, "poll", lambda self: adopted.set() or real_poll(self))
+    try:
+        first.kill()  # the sweep's parent, SIGKILL; its job lives on
+        first.wait()
+        sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(
+            load_experiment(str(exp), overrides), progress=False, launcher="slurm")))
+        sweep.start()
+        assert adopted.wait(timeout=240), "the second sweep did not follow the running job"
+    finally:
+        os.kill(train, signal.SIGCONT)
+    sweep.join(timeout=240)
+    assert not sweep.is_alive() and [e["status"] for e in outcome["entries"]] == ["finished"]
+    assert "is still running (job " in capsys.readouterr().out
+    assert [r["status"] for r in json.loads((exp_dir / "manifest.json").read_text())["runs"]] == ["finished"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(13))
+    assert len([p for p in (exp_dir / ".submitit").iterdir() if p.name.isdigit()]) == 1  # no second job
+    assert "being written by another process" not in (run_dir / "train.log").read_text()
+
+
 @pytest.mark.parametrize("launcher, override, message", [
     ("ray", "launcher.address=127.0.0.1:9", "no Ray cluster answers at launcher.address=127.0.0.1:9: start one"),
     ("slurm", "launcher.cluster=slurm", "--launcher slurm: no `sbatch` on this machine"),
@@ -186,6 +235,9 @@ def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
         "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
         "fix the address, or leave it empty for a local Ray cluster"]
     assert not (tmp_path / "results").exists()
+
+
+POPEN = subprocess.Popen  # the real one (the fake_runs fixture replaces it)
 
 
 class FakeRun:
@@ -253,8 +305,9 @@ def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeyp
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     monkeypatch.setattr(sweep, "prepare_starting_policies", lambda runs, progress: None)
-    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen",
-                        lambda args, **kwargs: FakeRun(args, polls=3, **kwargs))
+    # the sweep's other commands (git, for the code record) still run
+    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen", lambda args, **kwargs: POPEN(args, **kwargs)
+                        if args[0] == "git" else FakeRun(args, polls=3, **kwargs))
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp",
                                    "sweep.grid.seed=[0,1,2]"])
     sweep.run_sweep(cfg, progress=False)

@@ -257,7 +257,7 @@ def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
     given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
-    if args.objectives:
+    if args.objectives is not None:  # given, even empty: zoo_runs refuses an empty name
         given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
                report=not args.no_report, allow_code_change=args.allow_code_change)
