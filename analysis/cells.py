@@ -3,7 +3,9 @@
 A run's *settings* are its resolved config.yaml (flattened to dotted keys) without the keys that do not change what
 is computed: ``seed`` (what varies between the seeds of a cell), ``name`` (the experiment's label), ``results_dir``,
 ``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/run/config.py run_id leaves
-``results_dir`` and ``logging`` out of the run id for the same reason) and ``profile``/``profiles`` (applied already).
+``results_dir`` and ``logging`` out of the run id for the same reason), the memory settings (``train.lm_head_chunk``,
+``train.activation_checkpointing``, ``train.eval_batch_size``: config.py's MEMORY_SETTINGS, which bound memory,
+not what is computed; a run resumed under less memory records them) and ``profile``/``profiles`` (applied already).
 ``objective.name`` names the objective. ``code`` is a setting too: the run's code version (summary.json's segments,
 harness/run/provenance.py: ``unknown`` for a run written before they were recorded, ``?`` for one not started), so that
 runs of two code versions are kept apart exactly as runs of two learning rates.
@@ -29,7 +31,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-NOT_SETTINGS = frozenset({"seed", "name", "results_dir", "threads", "profile", "objective.name"})
+NOT_SETTINGS = frozenset({"seed", "name", "results_dir", "threads", "profile", "objective.name", "train.lm_head_chunk",
+                          "train.activation_checkpointing", "train.eval_batch_size"})
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
 CODE = "code"  # the setting that holds a run's code version

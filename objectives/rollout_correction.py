@@ -190,3 +190,78 @@ def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
     key = "rollout_corr_truncated_frac" if mode.endswith("_truncate") else "rollout_corr_masked_frac"
     metrics[key] = (outside & mask).sum().item() / n
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trust-region masking (Li et al., "Trust Region Masking for Long-Horizon LLM Reinforcement Learning",
+# arXiv 2512.23075): verl's divergence rules ``rollout_rs`` (``verl/trainer/ppo/rollout_corr_helper.py``
+# ``compute_rollout_rejection_mask``, verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9; the k3 average and
+# the max "veto" added by 97eac90, PR 4544), its k2 / k3 ones (single upper bounds). With
+# d_t = clamp(old_logp_t - sampler_logp_t, -20, 20) on valid tokens:
+#
+#     k2_t = d_t^2 / 2          k3_t = exp(d_t) - 1 - d_t      (>= 0; its mean estimates KL(sampler || old policy))
+#     token_kX:    keep token t         if kX_t <= bound
+#     seq_sum_kX:  keep all of i        if sum_t kX_t <= bound
+#     seq_mean_kX: keep all of i        if mean_t kX_t <= bound      (verl divides by L_i + 1e-8, here by L_i)
+#     seq_max_kX:  keep all of i        if max_t kX_t <= bound       (the veto: one token past it drops the
+#                                                                     sequence; k2 is symmetric in log rho, as the
+#                                                                     paper's |log rho| detector)
+#
+# Several rules: a token is kept only if every rule keeps it. The keep mask multiplies the correction weight, so a
+# rejected token keeps its place in the counts (verl removes it from ``response_mask`` and its denominators). The
+# paper's trust-region masking is ``seq_mean_k3`` (average) with ``seq_max_k2`` (veto); verl's k1 rules are bounds on
+# the ratio, which the *_mask modes above cover.
+REJECTION_RULES = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                   "seq_max_k3")
+
+
+def check_rejection(rules: list[str], thresholds: list[float]) -> str | None:
+    """What is wrong with the trust-region rules and their bounds (one sentence naming the key), or None."""
+    unknown = [r for r in rules if r not in REJECTION_RULES]
+    if unknown:
+        return (f"train.rollout_correction.rejection: unknown rule {unknown[0]!r}; choose among "
+                f"{', '.join(REJECTION_RULES)}")
+    if rules and len(thresholds) not in (1, len(rules)):
+        return (f"train.rollout_correction.rejection_threshold needs one bound for all rules or one per rule "
+                f"({len(rules)}), got {len(thresholds)}")
+    bad = [t for t in thresholds if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf]
+    if bad or (thresholds and not rules):
+        return ("train.rollout_correction.rejection_threshold: positive finite bounds, given with rules in "
+                f"train.rollout_correction.rejection, got {list(thresholds)}")
+    return None
+
+
+def rejection_keep(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, rules: list[str],
+                   thresholds: list[float]) -> Tensor:
+    """Bool [B, T]: the valid tokens every trust-region rule keeps (block comment above); detached."""
+    problem = check_rejection(rules, thresholds)
+    if problem:
+        raise ValueError(problem)
+    mask = mask.bool()
+    d = log_ratio(old_logp, sampler_logp, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    divergence = {"k2": 0.5 * d.square(), "k3": torch.expm1(d) - d}
+    keep = mask.clone()
+    for rule, bound in zip(rules, thresholds * len(rules) if len(thresholds) == 1 else thresholds, strict=True):
+        level, estimator = rule.rsplit("_", 1)
+        per_token = torch.where(mask, divergence[estimator], torch.zeros_like(d))
+        if level == "token":
+            keep &= per_token <= bound
+            continue
+        if level == "seq_sum":
+            statistic = per_token.sum(-1)
+        elif level == "seq_mean":
+            statistic = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+        else:  # seq_max
+            statistic = torch.where(mask, per_token, torch.full_like(d, -math.inf)).amax(-1).clamp(min=0)
+        keep &= (statistic <= bound)[:, None]
+    return keep
+
+
+def rejection_metrics(keep: Tensor, mask: Tensor) -> dict[str, float]:
+    """``rollout_corr_rejected_frac`` (valid tokens the trust-region rules dropped) and
+    ``rollout_corr_rejected_seq_frac`` (valid sequences with a dropped token): verl's ``rollout_rs_masked_fraction`` /
+    ``rollout_rs_seq_masked_fraction``."""
+    mask = mask.bool()
+    dropped, valid_seq = mask & ~keep, mask.any(-1)
+    return {"rollout_corr_rejected_frac": dropped.sum().item() / max(mask.sum().item(), 1),
+            "rollout_corr_rejected_seq_frac": dropped.any(-1).sum().item() / max(valid_seq.sum().item(), 1)}

@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from harness.apps.launchers import AdoptedHandle
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
-from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
@@ -84,8 +87,16 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
         sweep.join(timeout=240)
         assert not sweep.is_alive()
         status = {e["run_id"]: e["status"] for e in outcome["entries"]}
-        assert status[killed.name] == "stopped" and sorted(status.values()) == ["finished", "stopped"]
-        assert json.loads((exp_dir / "manifest.json").read_text())["runs"][1]["status"] == "stopped"
+        # The worker's death reaches the run in one of two orders, each with its own right status (both resumable):
+        # its SIGKILL first (the run dies without a word: its summary still says running, no process holds its
+        # lock: "stopped"), or the SIGTERM Ray sends the dead worker's process group first (the run writes
+        # "interrupted", SystemExit 143). Checked: the status is the one the run's own record calls for.
+        written = json.loads((killed / "summary.json").read_text())
+        expected = {"running": "stopped", "interrupted": "interrupted"}[written["status"]]
+        assert status[killed.name] == expected and sorted(status.values()) == sorted(["finished", expected])
+        if expected == "interrupted":
+            assert written["error"] == "SystemExit: 143"
+        assert json.loads((exp_dir / "manifest.json").read_text())["runs"][1]["status"] == expected
         assert len(read_jsonl(killed / "metrics.jsonl")) < 7  # it was killed before its end
 
         entries = run_sweep(cfg, progress=False, launcher="ray")  # the same sweep again: resumes the killed run
@@ -100,6 +111,27 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
         assert rows == reference[run_id], run_id  # the local launcher's metrics, the killed run's too
 
 
+@pytest.mark.parametrize("written, status, error", [
+    ("running", "stopped", "Ray: WorkerCrashedError: the worker died"),  # killed before it could write a word
+    ("interrupted", "interrupted",  # the SIGTERM to the dead worker's process group reached it first
+     "Ray: WorkerCrashedError: the worker died; the run wrote interrupted (SystemExit: 143)")])
+def test_a_run_whose_worker_died_gets_the_status_its_own_record_calls_for(tmp_path, capsys, written, status, error):
+    """Both orders in which a dying Ray worker's end reaches its run give a resumable status, with the launcher's
+    reason said, and no made-up exit code (-9 is the launcher's stand-in for a process it lost)."""
+    from types import SimpleNamespace
+
+    from harness.apps.sweep import Child
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": written, "error": "SystemExit: 143"
+                                                       if written == "interrupted" else None}))
+    handle = SimpleNamespace(error="Ray: WorkerCrashedError: the worker died")
+    child = Child(tmp_path, handle, SimpleNamespace(close=lambda: None), code=-signal.SIGKILL)
+    assert child.ended("gspo-s0") == (status, error)
+    captured = capsys.readouterr()
+    line = captured.out + captured.err
+    assert f"run gspo-s0 {status}: {error}; log in" in line and "exit -9" not in line
+
+
 @pytest.mark.slow
 def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_sweep, tmp_path):
     pytest.importorskip("submitit")
@@ -110,6 +142,52 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert metrics(tmp_path / "launch") == reference
     jobs = [p for p in (tmp_path / "launch" / ".submitit").iterdir() if p.name.isdigit()]
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
+
+
+@pytest.mark.slow  # two sweeps through submitit's local executor
+def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_submitting_another(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The sweep's parent dies while its SLURM job runs on (submitit's local executor: the job outlives it, as on a
+    cluster). Run again, the sweep submitted a second job for the run, whose `train` stopped on the run's lock, was
+    reported failed and left the manifest `failed` after the first job finished. Now it follows the first job: one
+    job, every step once, the manifest `finished`. The job's run is frozen (SIGSTOP) while the second sweep starts,
+    so that it is still running then, whatever the load."""
+    pytest.importorskip("submitit")
+    exp = tmp_path / "follow.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    overrides = [*TINY_RUN, "train.steps=12", "model.warm_start_steps=0", "model.warm_start_target=null",
+                 f"results_dir={tmp_path}", "launcher.cluster=local"]
+    first = subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(exp), *overrides, "--launcher", "slurm",
+                              "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    exp_dir = tmp_path / "follow"
+
+    def a_run_one_step_in():
+        runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
+        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 2 else None
+
+    run_dir = wait_until(a_run_one_step_in, timeout=240)
+    assert run_dir is not None, "the first sweep made no progress"
+    (train,) = processes_with(f"--run-dir {run_dir}")
+    os.kill(train, signal.SIGSTOP)
+    adopted, real_poll, outcome = threading.Event(), AdoptedHandle.poll, {}
+    monkeypatch.setattr(AdoptedHandle, "poll", lambda self: adopted.set() or real_poll(self))
+    try:
+        first.kill()  # the sweep's parent, SIGKILL; its job lives on
+        first.wait()
+        sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(
+            load_experiment(str(exp), overrides), progress=False, launcher="slurm")))
+        sweep.start()
+        assert adopted.wait(timeout=240), "the second sweep did not follow the running job"
+    finally:
+        os.kill(train, signal.SIGCONT)
+    sweep.join(timeout=240)
+    assert not sweep.is_alive() and [e["status"] for e in outcome["entries"]] == ["finished"]
+    assert "is still running (job " in capsys.readouterr().out
+    assert [r["status"] for r in json.loads((exp_dir / "manifest.json").read_text())["runs"]] == ["finished"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(13))
+    assert len([p for p in (exp_dir / ".submitit").iterdir() if p.name.isdigit()]) == 1  # no second job
+    assert "being written by another process" not in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.parametrize("launcher, override, message", [
@@ -157,6 +235,9 @@ def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
         "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
         "fix the address, or leave it empty for a local Ray cluster"]
     assert not (tmp_path / "results").exists()
+
+
+POPEN = subprocess.Popen  # the real one (the fake_runs fixture replaces it)
 
 
 class FakeRun:
@@ -224,8 +305,9 @@ def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeyp
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     monkeypatch.setattr(sweep, "prepare_starting_policies", lambda runs, progress: None)
-    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen",
-                        lambda args, **kwargs: FakeRun(args, polls=3, **kwargs))
+    # the sweep's other commands (git, for the code record) still run
+    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen", lambda args, **kwargs: POPEN(args, **kwargs)
+                        if args[0] == "git" else FakeRun(args, polls=3, **kwargs))
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp",
                                    "sweep.grid.seed=[0,1,2]"])
     sweep.run_sweep(cfg, progress=False)

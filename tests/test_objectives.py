@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -396,7 +397,9 @@ def test_padding_changes_nothing(name, beta):
 
 # objectives with a KL to the behaviour policy in the loss: with A = 0 it still acts off-policy, so they are
 # checked on-policy here (tests/test_objectives_family.py checks the off-policy gradient is the KL's alone)
-BEHAVIOUR_KL = {"p3o", "kl_cov", "dppo_tv", "dppo_kl"}  # (dppo: only with kl_coef > 0, off by default)
+BEHAVIOUR_KL = {"p3o", "kl_cov", "dppo_tv", "dppo_kl", "dro", "ipo"}  # (dppo: only with kl_coef > 0, off by default)
+# objectives whose default has a KL to the reference (beta > 0): checked at the reference (the KL's gradient is 0 there)
+REFERENCE_KL = {name for name in ALL if get_objective(name).beta > 0}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -406,6 +409,8 @@ def test_equal_rewards_give_zero_gradient(name):
     batch = group_batch(advantages=adv)
     if name in BEHAVIOUR_KL:
         batch.old_logp = batch.logp.detach().clone()
+    if name in REFERENCE_KL:
+        batch.ref_logp = batch.logp.detach().clone()
     out, grad = run(name, batch)
     assert (grad == 0).all() and out.loss.item() == 0.0
 
@@ -438,7 +443,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
             mask=whole.mask[rows, :width], ref_logp=whole.ref_logp[rows, :width],
             advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=total_tokens, num_sequences=8))
+            num_tokens=total_tokens, num_sequences=8, entropy=whole.entropy[rows, :width]))
     stats = sum_statistics([objective.minibatch_statistics(part) for part in parts])
     assert (stats is not None) == objective.uses_minibatch_statistics() == (name == "p3o")
     for part in parts:
@@ -633,3 +638,34 @@ print(json.dumps({{"loss": out.loss.item(), "grad": logp.grad.tolist(), "metrics
     assert num(result["loss"], -(3 - 2) / 5, 1e-6) and result["metrics"]["ratio_mean"] == 1.0
     assert_close(torch.tensor(result["grad"], dtype=DT), [[-0.2] * 3, [0.2, 0.2, 0.0]], tol=1e-6)
     assert name not in available_objectives()  # the real package is untouched
+
+
+REGISTRY_WIDE = ("OBJECTIVES.names()", "available_objectives()")  # a test file naming these runs over every objective
+COPIED = ("analysis", "harness", "objectives", "tests", "experiments")  # besides README.md, pyproject.toml, docs/*.md
+
+
+@pytest.mark.slow  # a pytest of its own over the registry-wide test files (~1-2 minutes on 2 cores)
+def test_a_new_module_alone_passes_the_registry_wide_fast_tests(tmp_path):
+    """One file, really: the README's example dropped into a copy of the checkout, and every fast test that runs over
+    the whole registry (the test files naming OBJECTIVES.names() or available_objectives()) passes on it, with no
+    other edit (no table to regenerate, no list to extend)."""
+    copy = tmp_path / "checkout"
+    for folder in COPIED:
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("README.md", "pyproject.toml", "Makefile"):
+        shutil.copy(REPO / name, copy / name)
+    (copy / "docs").mkdir()
+    for page in (REPO / "docs").glob("*.md"):
+        shutil.copy(page, copy / "docs" / page.name)
+    source = example_source()
+    name = re.search(r'@register_objective\("(\w+)"\)', source).group(1)
+    (copy / "objectives" / f"{name}.py").write_text(source)
+    files = sorted(str(p.relative_to(copy)) for p in (copy / "tests").glob("test_*.py")
+                   if any(word in p.read_text() for word in REGISTRY_WIDE))
+    assert "tests/test_objectives.py" in files and "tests/test_names.py" in files
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-x", "-n", "2", "-m", "not slow", "-p",
+                           "no:cacheprovider", *files], cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+    failed = [line for line in done.stdout.splitlines() if "FAILED" in line or "ERROR" in line]
+    assert done.returncode == 0, "\n".join(failed) + done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"[{name}]" in done.stdout  # the registry-wide tests ran over the new objective too

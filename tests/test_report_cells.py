@@ -91,6 +91,16 @@ def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path)
     assert exp.runs.set_index("run_id").loc[other, "duplicate_of"] == kept
 
 
+def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):
+    """A run that ran out of memory and was resumed with the memory settings on (its config.yaml records them): the
+    same condition as its other seeds, not a cell of its own."""
+    exp_dir = tmp_path / "oom"
+    entries = [fake_run(exp_dir, "grpo", 0), fake_run(exp_dir, "grpo", 1, {
+        "train.activation_checkpointing": True, "train.lm_head_chunk": 1024, "train.eval_batch_size": 16})]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == [] and list(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2]
+
+
 def test_duplicates_keep_the_ended_run(tmp_path):
     exp_dir = tmp_path / "dup"
     finished = fake_run(exp_dir, "grpo", 0, name="b", final=0.6)
@@ -296,10 +306,13 @@ def test_two_axis_sweep_report(tmp_path):
     pairs = pd.read_csv(out / "paired.csv")
     assert len(pairs) == 4 and set(pairs["n"]) == {3}
     epochs2 = pairs[pairs["cell"].str.startswith("train.epochs=2")]
-    assert np.allclose(epochs2["difference"], -0.2)  # grpo - gspo at 2 epochs: -0.1 - 0.1, every seed
+    assert (pairs["a"] == "gspo").all() and (pairs["b"] == "grpo").all()  # against the baseline, grpo
+    assert np.allclose(epochs2["difference"], 0.2)  # gspo - grpo at 2 epochs: 0.1 - (-0.1), every seed
     assert "| epochs | mode | A | B | paired seeds |" in text
     aggregate = pd.read_csv(out / "paired_aggregate.csv").iloc[0]
-    assert aggregate["cells"] == 4 and aggregate["difference"] == pytest.approx(-0.15)
+    assert aggregate["cells"] == 4 and aggregate["difference"] == pytest.approx(0.15)
+    assert "## Verdict (baseline: grpo)" in text and "- cell `train.epochs=2, train.rollout_correction.mode=none`: " \
+        in text  # one sentence per cell
     assert "KL to behaviour: `kl_behavior` is the k1 estimate" in text
 
 

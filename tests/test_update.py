@@ -23,7 +23,7 @@ from harness.loop.update import (
     token_budget_chunks,
 )
 from harness.policy.sampler import Rollout
-from objectives import ObjectiveOutput
+from objectives import Objective, ObjectiveOutput, get_objective
 from tests.helpers.tiny import tiny_run
 
 
@@ -95,7 +95,8 @@ def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
         param.grad = torch.ones(3)
-        optimizer_step(Learner(torch.nn.ParameterList([param]), None, optimizer, scheduler), loss, 1.0, state)
+        optimizer_step(Learner(torch.nn.ParameterList([param]), get_objective("grpo"), optimizer, scheduler), loss,
+                       1.0, state, {})
     assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1
 
 
@@ -152,12 +153,13 @@ def test_the_objective_gets_the_sampler_logprobs_whenever_its_old_logprobs_are_r
     assert plan.rollout_step == 2
     seen = []
 
-    def objective(policy_batch):
-        seen.append(policy_batch)
-        return ObjectiveOutput((policy_batch.logp * policy_batch.mask).sum(), {"x": 1.0})
+    class Seen(Objective):  # a test double subclasses Objective: the loop calls its declared hooks, not getattr
+        def __call__(self, policy_batch):
+            seen.append(policy_batch)
+            return ObjectiveOutput((policy_batch.logp * policy_batch.mask).sum(), {"x": 1.0})
 
     minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
-    learner = Learner(policy, objective, None, None)
+    learner = Learner(policy, Seen(), None, None)
     part = microbatch_loss(learner, plan, minibatch, minibatch.rows[:4], RunState(optimizer_steps=5), with_entropy=True)
     (seen_batch,) = seen
     assert seen_batch.num_tokens == minibatch.num_tokens and seen_batch.num_sequences == plan.minibatch_size == 8

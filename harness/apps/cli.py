@@ -175,8 +175,10 @@ def cmd_list(args) -> int:
             print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
             continue
         cls = OBJECTIVES.get(name)
-        own = cls.hyperparameters()
-        params = ", ".join(f"{k}={v}" for k, v in own.items() if k not in SHARED_HYPERPARAMETERS)
+        own, common = cls.hyperparameters(), Objective.hyperparameters()
+        # its own hyperparameters, and a shared one whose default it changes (adaptive_kl's beta)
+        params = ", ".join(f"{k}={v}" for k, v in own.items()
+                           if k not in SHARED_HYPERPARAMETERS or (k != "aggregation" and v != common[k]))
         line = f"  {name:12s} advantage={cls.default_advantage:10s} aggregation={own['aggregation']:24s} {params}"
         print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
@@ -255,7 +257,7 @@ def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
     given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
-    if args.objectives:
+    if args.objectives is not None:  # given, even empty: zoo_runs refuses an empty name
         given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
                report=not args.no_report, allow_code_change=args.allow_code_change)

@@ -5,6 +5,7 @@
     handle = launcher.start(["train", config, "--run-dir", run_dir, ...], log=run_dir / "train.log", name=run_id)
     handle.poll()                                    # None while it runs, then its exit code (< 0: killed)
     handle.stop()                                    # SIGTERM (the run writes "interrupted"), then wait
+    launcher.adopt(name) or adopt_lock_holder(run_dir)   # a rerun: the earlier sweep's job, or whoever holds the lock
 
 Every launcher executes the same command, ``python -m harness train <run_dir>/config.yaml --run-dir <run_dir>``,
 with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep (on a machine with
@@ -17,13 +18,19 @@ results folder and ``$RLVR_CACHE`` (the cached starting policies) must be on a f
 
 A child process dies with the process that started it (the sweep, the Ray worker, the SLURM job's process), so a
 killed worker leaves a stopped run (its summary says running, no process holds its lock), which the same sweep
-command resumes. Ray and submitit are optional (``pip install -e ".[ray]"``, ``".[slurm]"``); they are imported here
+command resumes. A SLURM job outlives the sweep that submitted it: the sweep records each job's id beside the job
+folders, and a sweep run again while the job is queued or running waits for it (:meth:`SlurmLauncher.adopt`)
+instead of submitting a second job for the same run; so does any sweep whose run's lock another process holds (a
+run started by hand, a job whose record is lost: :func:`adopt_lock_holder`). The manifest then follows that run
+to its real end. Ray and submitit are optional (``pip install -e ".[ray]"``, ``".[slurm]"``); they are imported here
 only when their launcher is chosen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -38,13 +45,16 @@ from typing import Protocol
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from harness.run.atomic import atomic_write
 from harness.run.errors import ConfigError
+from harness.run.locks import RUN_LOCK, is_held
 from harness.run.threads import free_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working directory, so ``-m harness`` imports it
 LAUNCHERS = ("local", "ray", "slurm")
 FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
 STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
+JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id of the job submitted as <name>
 
 
 def die_with_parent() -> None:
@@ -93,7 +103,36 @@ class Launcher(Protocol):
 
     def start(self, args: list[str], log: Path, name: str) -> RunHandle: ...
 
+    def adopt(self, name: str) -> RunHandle | None: ...  # the job an earlier sweep started as ``name``, still alive
+
     def close(self) -> None: ...
+
+
+class AdoptedHandle:
+    """A run's process this sweep did not start: polled until ``alive()`` says it ended (exit code 0: the run's
+    summary.json says how it ended); ``stop()`` calls ``cancel`` (an earlier sweep's job, now this sweep's) and
+    waits, or leaves the process alone (None: someone else's). ``what`` names it for the terminal."""
+
+    def __init__(self, alive, what: str, cancel=None):
+        self.alive, self.what, self.cancel, self.error = alive, what, cancel, None
+
+    def poll(self) -> int | None:
+        return None if self.alive() else 0
+
+    def stop(self) -> None:
+        if self.cancel is None:
+            return
+        self.cancel()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(1.0)
+
+
+def adopt_lock_holder(run_dir: Path) -> AdoptedHandle | None:
+    """The process holding ``run_dir``'s lock (a run started by hand, an earlier sweep's job whose record is lost),
+    waited for while it holds it; None when nobody does."""
+    lock = run_dir / RUN_LOCK
+    return AdoptedHandle(lambda: is_held(lock), "another process holds its lock") if is_held(lock) else None
 
 
 # ------------------------------------------------------------------------------------------------------------- local
@@ -175,6 +214,9 @@ class LocalLauncher:
         if gpu is not None:
             self.on_gpu.append((gpu, proc))
         return LocalHandle(proc, logfile)
+
+    def adopt(self, name: str) -> None:
+        return None  # its runs die with the sweep that started them
 
     def close(self) -> None:
         pass
@@ -261,6 +303,9 @@ class RayLauncher:
             runtime_env={"env_vars": forwarded_env()})
         return RayHandle(self.ray, task.remote(args, str(log), str(ROOT), {}))
 
+    def adopt(self, name: str) -> None:
+        return None  # its tasks end with the driver (the sweep) that submitted them
+
     def close(self) -> None:
         if self.started and self.ray is not None:
             self.ray.shutdown()
@@ -330,10 +375,46 @@ class SlurmLauncher:
 
     def start(self, args: list[str], log: Path, name: str) -> SlurmHandle:
         self.executor.update_parameters(name=name)
-        return SlurmHandle(self.executor.submit(run_harness, args, str(log), str(ROOT), {}))
+        job = self.executor.submit(run_harness, args, str(log), str(ROOT), {})
+        atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id}\n")  # for a sweep run again
+        return SlurmHandle(job)
+
+    def adopt(self, name: str) -> AdoptedHandle | None:
+        """The job an earlier sweep submitted as ``name`` while it is queued or running (its sweep may have died; the
+        job lives on), to wait for instead of submitting a second one; None when there is none."""
+        try:
+            job_id = (self.folder / JOB_RECORD.format(name=name)).read_text().strip()
+        except OSError:
+            return None
+        if self.settings.cluster == "local":  # submitit's local executor: the job id is its controller's pid
+            alive = functools.partial(_local_job_alive, job_id, str(self.folder))
+            cancel = functools.partial(_signal_local_job, job_id, str(self.folder))
+        else:
+            import submitit
+
+            job = submitit.SlurmJob(folder=self.folder / "%j", job_id=job_id)
+            alive, cancel = (lambda: not job.done()), functools.partial(job.cancel, check=False)
+        return AdoptedHandle(alive, f"job {job_id}, submitted by an earlier sweep", cancel) if alive() else None
 
     def close(self) -> None:
         pass
+
+
+def _local_job_alive(job_id: str, folder: str) -> bool:
+    """Whether submitit's local controller of job ``job_id`` (its pid, with ``folder`` on its command line, so not
+    another process that took the pid since) still runs."""
+    try:
+        command = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        return False
+    return "submitit" in command and folder in command
+
+
+def _signal_local_job(job_id: str, folder: str) -> None:
+    """Cancel a local job as submitit does (SIGINT to its controller, which stops the run with SIGTERM)."""
+    if _local_job_alive(job_id, folder):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(job_id), signal.SIGINT)
 
 
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:

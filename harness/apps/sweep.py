@@ -2,10 +2,14 @@
 
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
-sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs
-go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
-Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
-SLURM); the loop is the same.
+sweep again skips ended runs (finished or diverged), follows the ones still running elsewhere to their end (an
+earlier sweep's SLURM job, a process holding the run's lock: never a second process for one run) and resumes the
+others from their last checkpoint. A run's id depends on its settings only (not on the experiment's name), so
+another sweep into the same folder (`make compare`) runs only what is not there yet; the manifest keeps the runs
+earlier sweeps listed (their folders still there) before this sweep's, and records the report's baseline
+(sweep.baseline) and the grid's objectives. ``jobs`` runs go at once, CPU threads split between them; if the sweep
+process dies (even SIGKILL), its children die with it. Where a run's process executes is the launcher's business
+(harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
 
 from __future__ import annotations
@@ -19,16 +23,24 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Launcher, RunHandle, make_launcher
+from harness.apps.launchers import Launcher, RunHandle, adopt_lock_holder, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
-from harness.run.config import check_this_machine, run_configs, run_id
+from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
 from harness.run.provenance import ALLOW_FLAG, check_code
-from harness.run.records import ENDED, check_writable, read_jsonl, run_status, write_json_atomic
+from harness.run.records import (
+    ENDED,
+    check_writable,
+    memory_changes,
+    read_jsonl,
+    run_status,
+    say_memory_changes,
+    write_json_atomic,
+)
 from harness.run.threads import run_threads
 
 
@@ -89,8 +101,9 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
     for run_dir in first.values():
         if progress:
             tqdm.write(f"preparing the starting policy through --launcher {runner.name} (log: {run_dir / 'train.log'})")
-        handle = runner.start(["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(1))],
-                              run_dir / "train.log", f"prepare-{run_dir.name}")
+        name = f"prepare-{run_dir.name}"
+        handle = runner.adopt(name) or runner.start(["prepare", str(run_dir / "config.yaml"), "--threads",
+                                                     str(runner.threads(1))], run_dir / "train.log", name)
         try:
             while (code := handle.poll()) is None:
                 time.sleep(1.0)
@@ -141,9 +154,13 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
     entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
+    earlier = earlier_manifest(manifest, exp_dir, {e["run_id"] for e in entries})
+    objectives = list(dict.fromkeys([run.objective.name for run in runs] + earlier.get("objectives", [])))
+    baseline = cfg.sweep.baseline or earlier.get("baseline")
 
     def save_manifest() -> None:
-        write_json_atomic(manifest, {"experiment": cfg.name, "runs": entries})
+        write_json_atomic(manifest, {"experiment": cfg.name, "baseline": baseline, "objectives": objectives,
+                                     "runs": earlier["runs"] + entries})
 
     save_manifest()
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
@@ -194,6 +211,27 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     return entries
 
 
+def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
+    """What an earlier sweep's manifest.json in the folder holds that this sweep keeps: its runs not in ``listed``
+    whose folders are still there (a plain folder of the experiment's, no link), with their status as it is now;
+    its baseline and objectives. An unreadable manifest keeps nothing (the report still finds the run folders)."""
+    try:
+        old = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"runs": []}
+    old = old if isinstance(old, dict) else {}
+    runs = []
+    for entry in old.get("runs") or []:
+        folder = entry.get("dir") if isinstance(entry, dict) else None
+        if (isinstance(folder, str) and Path(folder).name == folder and folder not in ("", ".", "..")
+                and entry.get("run_id") not in listed and (exp_dir / folder).is_dir()
+                and not (exp_dir / folder).is_symlink()):
+            runs.append({**entry, "status": run_status(exp_dir / folder)})
+    objectives = [o for o in old.get("objectives") or [] if isinstance(o, str)]
+    baseline = old.get("baseline") if isinstance(old.get("baseline"), str) else None
+    return {"runs": runs, "objectives": objectives, "baseline": baseline}
+
+
 def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
     """The run's folder with its config.yaml (a resumed run's gets this sweep's trackers, which are not part of the
     run id), and its manifest entry."""
@@ -207,8 +245,28 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
         if OmegaConf.select(saved, "logging") != run.logging:
             saved.logging = run.logging
             atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
+    status = run_status(run_dir)
+    if status not in ENDED and not is_held(run_dir / RUN_LOCK):
+        adopt_memory_settings(run, run_dir)
     return {"run_id": rid, "objective": run.objective.name, "seed": run.seed, "overrides": _grid_point(run, cfg),
-            "status": run_status(run_dir), "dir": rid}
+            "status": status, "dir": rid}
+
+
+def adopt_memory_settings(run: DictConfig, run_dir: Path) -> None:
+    """A run this sweep continues with other memory settings (not part of the run id: e.g. a run that ran out of
+    memory, swept again with ``train.activation_checkpointing=true``): its config.yaml, which its process runs,
+    takes this sweep's, said in one line. A config.yaml that cannot be read is left to the run's process."""
+    path = run_dir / "config.yaml"
+    try:
+        saved = OmegaConf.load(path)
+        changes = memory_changes(OmegaConf.to_container(saved, resolve=True), run)
+    except Exception:  # noqa: BLE001 - damaged: the run's own check_resume says so
+        return
+    if changes:
+        for key in memory_settings(run):
+            OmegaConf.update(saved, key, OmegaConf.select(run, key))
+        atomic_write(path, OmegaConf.to_yaml(saved))
+        say_memory_changes(run_dir, changes)
 
 
 @dataclass
@@ -224,9 +282,16 @@ class Child:
     @classmethod
     def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int,
               allow_code_change: bool) -> Child:
-        handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
-                               str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
-                              run_dir / "train.log", run_dir.name)
+        """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
+        for and followed to its end, else a new one through ``runner``."""
+        handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
+        if handle is not None:
+            tqdm.write(f"run {run_dir.name} is still running ({handle.what}): following it to its end instead of "
+                       "starting it again")
+        else:
+            handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
+                                   str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
+                                  run_dir / "train.log", run_dir.name)
         total = OmegaConf.load(run_dir / "config.yaml").train.steps
         bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
         return cls(run_dir, handle, bar)
@@ -242,15 +307,20 @@ class Child:
         return self.code is None
 
     def ended(self, rid: str) -> tuple[str, str | None]:
-        """The ended run's status and error (said on the terminal when it did not finish); closes its bar."""
+        """The ended run's status and error (said on the terminal when it did not finish); closes its bar. A run
+        whose process the launcher lost (a Ray worker that died) is `stopped` when it died before it could write its
+        status, `interrupted` when the signal that stopped it (e.g. the SIGTERM that Ray sends a dead worker's
+        process group) reached it first and it wrote so: both resumable; the launcher's reason is said in both."""
         status, error = run_status(self.run_dir), _error(self.run_dir)
         code = self.code
         if code and status not in ("failed", "interrupted"):  # it could not write its summary
             status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk
             error = self.handle.error or error
+        elif code and self.handle.error:  # it wrote its status, then the launcher lost it
+            error = f"{self.handle.error}; the run wrote {status} ({error or 'no error'})"
         if code:
-            tqdm.write(f"run {rid} {status} (exit {code}): {error or 'no summary'}; "
-                       f"log in {self.run_dir / 'train.log'}")
+            how = "" if self.handle.error else f" (exit {code})"  # a lost process's code is the launcher's stand-in
+            tqdm.write(f"run {rid} {status}{how}: {error or 'no summary'}; log in {self.run_dir / 'train.log'}")
         self.bar.close()
         return status, error
 

@@ -48,7 +48,12 @@ NAME = "zoo"
 def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = None
              ) -> tuple[DictConfig, list[DictConfig]]:
     """The zoo's folder config (``name=zoo``; its grid names every swept key, for the manifest) and its runs: every
-    cell of CELLS x ``objectives`` (default: every registered one) x seeds 0 .. seeds-1, each run once (by run id)."""
+    cell of CELLS x ``objectives`` (None: every registered one) x seeds 0 .. seeds-1, each run once (by run id). An
+    empty list or name (``--objectives ""``, ``grpo,,gspo``) is refused, not read as every objective."""
+    if objectives is not None and not all(name.strip() for name in objectives or [""]):
+        raise ConfigError(f"--objectives {','.join(objectives)!r} has an empty name: give registered names "
+                          "separated by commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out "
+                          "for every one")
     objectives = objectives or available_objectives()
     common = [*overrides, f"name={NAME}", f"sweep.grid.objective.name=[{','.join(objectives)}]",
               f"sweep.grid.seed=[{','.join(map(str, range(seeds)))}]"]

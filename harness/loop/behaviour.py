@@ -25,7 +25,13 @@ from harness.policy.routing import Grid, RoutingRecord, routing_of, select_recor
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
 from objectives import OBJECTIVES
-from objectives.rollout_correction import DEFAULT_THRESHOLD, correction_metrics, correction_weights
+from objectives.rollout_correction import (
+    DEFAULT_THRESHOLD,
+    correction_metrics,
+    correction_weights,
+    rejection_keep,
+    rejection_metrics,
+)
 
 
 def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
@@ -36,12 +42,26 @@ def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
     return rc.mode, rc.threshold, rc.threshold_lower
 
 
+def rejection_settings(t: DictConfig) -> tuple[list[str], list[float]]:
+    """``train.rollout_correction``'s trust-region rules and their bounds (empty when the config has none)."""
+    rc = OmegaConf.select(t, "rollout_correction", default=None)
+    rules = OmegaConf.select(rc, "rejection", default=None) if rc is not None else None
+    if not rules:
+        return [], []
+    return list(rules), [float(b) for b in rc.rejection_threshold]
+
+
+def correction_on(t: DictConfig) -> bool:
+    """Whether the loop weights the loss by a rollout correction: a mode other than none, or trust-region rules."""
+    return correction_settings(t)[0] != "none" or bool(rejection_settings(t)[0])
+
+
 def behaviour_logp(t: DictConfig) -> str:
     """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
     rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
     TRL's ``vllm_importance_sampling_correction`` recompute them too — or routing replay is (R2 records the routing
     in that forward, R3 replays the sampler's there, as verl and slime do), else ``train.old_logp``."""
-    return "recompute" if correction_settings(t)[0] != "none" or replay_mode(t) != "none" else t.old_logp
+    return "recompute" if correction_on(t) or replay_mode(t) != "none" else t.old_logp
 
 
 def replay_mode(t: DictConfig) -> str:
@@ -76,12 +96,16 @@ def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | N
     policy), so the sampler's log-probs are the trainer's and every weight is exactly 1. ``ratio_level``: the
     objective's (``Objective.ratio_level``), the level of mode decoupled_ppo's weight."""
     mode, threshold, lower = correction_settings(t)
-    if mode == "none":
+    rules, bounds = rejection_settings(t)
+    if not correction_on(t):
         return None, {}
     sampler_logp = old_logp if sampler_logp is None else sampler_logp
     weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, lower, ratio_level)
-    return weights, correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights,
-                                       ratio_level=ratio_level)
+    keep = rejection_keep(old_logp, sampler_logp, mask, rules, bounds) if rules else None
+    weights = weights if keep is None else weights * keep  # trust-region masking: the rules' dropped tokens get 0
+    metrics = correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights,
+                                 ratio_level=ratio_level)
+    return weights, metrics if keep is None else {**metrics, **rejection_metrics(keep, mask)}
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
-from objectives import get_advantage, get_objective
+from objectives import Objective, get_advantage, get_objective
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RunSetup:
     policy: torch.nn.Module  # the starting policy (warm-started), trainable
     tokenizer: object
     start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
-    objective: Callable  # the config's objective, with its hyperparameters
+    objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
     # the KL term's reference (beta > 0), else None: a frozen copy of the starting policy, or with LoRA adapters the
     # policy itself, whose base (adapters disabled: harness/policy/lora.py) is the starting policy
@@ -85,13 +85,13 @@ def hook_routing(run: RunSetup, t: DictConfig) -> None:
         Routing(run.sampler)
 
 
-def build_learner(policy, objective, t: DictConfig) -> Learner:
+def build_learner(policy, objective: Objective, t: DictConfig) -> Learner:
     """``policy`` with its objective, AdamW (:func:`build_optimizer`) over the parameters that require gradients
     (a LoRA policy's adapters) and warm-up schedule (:func:`build_scheduler`). An objective with state of its own
     builds it first (``setup``); the parameters it trains get a group of their own (the run's lr and weight
     decay)."""
-    getattr(objective, "setup", lambda policy: None)(policy)  # a plain callable (tests) has no hooks
-    own = list(getattr(objective, "trainable_parameters", list)())
+    objective.setup(policy)
+    own = objective.trainable_parameters()
     trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
     groups = [{"params": trained}, *([{"params": own}] if own else [])]
     optimizer = build_optimizer(groups, t)

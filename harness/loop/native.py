@@ -156,6 +156,7 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     # 4. for each epoch, for each minibatch: loss, optimizer step
     timings = Timings()
     stats = update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+    learner.objective.after_update(stats, len(rewards))  # an adaptive coefficient moves once per rollout step
     update_s = time.time() - t1
     tokens, sampled_tokens = int(ro.completion_mask.sum()), sampled.pop("sampled_tokens")
     state.step = step
@@ -205,7 +206,7 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
         for k, minibatch in enumerate(minibatches(plan, generator)):  # a new order each epoch, groups whole
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
-            loss = 0.0
+            loss, window = 0.0, MetricMeter()  # the optimizer step's own metrics, for the objective's hook
             for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":
@@ -213,9 +214,10 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
                     mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
                 loss += part.loss
                 meter.add(part.metrics, part.tokens)
+                window.add(part.metrics, part.tokens)
                 volatility += [] if part.forward.volatility is None else [part.forward.volatility]
             with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
-                grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)
+                grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state, window.result())
             meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
     # the last step's gradients are not held through the rollout and evaluation that follow (SmolLM2 fp32: 0.5 GB);
     # every minibatch starts from none anyway

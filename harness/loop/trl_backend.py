@@ -74,6 +74,7 @@ from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
+from harness.policy.forward import CHECKPOINT_KWARGS
 from harness.policy.lora import PEFT_PATTERN_NOTE, adapted, export_merged, lora_settings
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, full_layout, routing_of
@@ -122,6 +123,7 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
         save_total_limit=1, dataloader_num_workers=0,
         activation_checkpointing=t.activation_checkpointing,  # TRL's gradient_checkpointing, on by default in TRL
+        activation_checkpointing_kwargs=dict(CHECKPOINT_KWARGS),  # an MoE's recompute forces its forward's routing
         **correction,
     )
     kwargs.update(overrides)
@@ -504,10 +506,12 @@ class ProgressLine(ProgressCallback):
 
 def quiet_transformers() -> None:
     """Silence what transformers and TRL print at every step without telling the user anything: TRL's generation
-    context reads the deprecated ``is_gradient_checkpointing`` (a FutureWarning per generation), and checkpoint
-    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number); and peft's
-    note on its own patterns (harness/policy/lora.py)."""
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    context reads the deprecated ``is_gradient_checkpointing`` and, with activation checkpointing, calls the
+    deprecated ``gradient_checkpointing_disable`` / ``_enable`` around its no-grad passes (a FutureWarning each per
+    generation), and checkpoint rotation notes that mtime is unreliable on fast file systems (it then orders
+    checkpoints by number); and peft's note on its own patterns (harness/policy/lora.py)."""
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated",
+                            category=FutureWarning)
     warnings.filterwarnings("ignore", message=PEFT_PATTERN_NOTE, category=RuntimeWarning)  # TRL's get_peft_model
 
     class NoMtimeNote(logging.Filter):
@@ -561,6 +565,7 @@ def launch_problem(device: torch.device) -> str | None:
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
+    # the launch environment (WORLD_SIZE) is known only now; the objective's needs were checked with the config
     reason = trl_unsupported(cfg) or launch_problem(resolve_device(cfg.device))
     if reason:
         raise ConfigError(reason)

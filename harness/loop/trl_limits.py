@@ -58,6 +58,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if own:
         return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
                 f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
+    if OmegaConf.select(t, "rollout_correction.rejection", default=None):
+        return ("backend trl: train.rollout_correction.rejection (trust-region masking) is not mapped onto TRL's "
+                "importance sampling; use backend=native")
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
@@ -69,9 +72,6 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if loop_inputs(get_advantage(estimator)):
         return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
                 "policy's sum of pi^2, a greedy baseline rollout, the reward's components); use backend=native")
-    if objective.keeps_state():
-        return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
-                "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")

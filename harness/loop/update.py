@@ -33,7 +33,7 @@ from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
-from objectives import OBJECTIVES, PolicyBatch
+from objectives import OBJECTIVES, Objective, PolicyBatch
 from objectives.base import sum_statistics
 
 
@@ -95,7 +95,7 @@ class Learner:
     """The policy being trained, its objective, optimizer and learning-rate schedule."""
 
     policy: torch.nn.Module
-    objective: Callable  # PolicyBatch -> ObjectiveOutput (a registered objective, or any callable like one)
+    objective: Objective  # a registered objective (a test double subclasses Objective)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
@@ -265,9 +265,8 @@ def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, st
     forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same
     log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
     them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
-    uses = getattr(learner.objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests) has none
     chunks = plan.microbatches(minibatch)
-    if len(chunks) < 2 or uses is None or not uses():
+    if len(chunks) < 2 or not learner.objective.uses_minibatch_statistics():
         return minibatch
     parts = [learner.objective.minibatch_statistics(policy_batch(
         plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state)) for rows in chunks]
@@ -287,9 +286,9 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
     statistics) and backpropagate. The entropy is computed for the metric (``with_entropy``) or when the objective
     asks for it (``entropy_need``: top-entropy masking, or with gradient an entropy bonus)."""
-    need = getattr(learner.objective, "entropy_need", lambda: "")()  # a wrapped callable (tests) has none
+    need = learner.objective.entropy_need()
     forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""),
-                           with_hidden=getattr(learner.objective, "needs_hidden_states", False))
+                           with_hidden=learner.objective.needs_hidden_states)
     out = learner.objective(policy_batch(plan, minibatch, forward, state))
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
@@ -302,9 +301,11 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
 
-def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState) -> float:
+def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState,
+                   metrics: dict[str, float]) -> float:
     """Clip the gradient norm and step, unless the loss or the gradient is non-finite: then drop the gradient and
-    count the skip. Returns the gradient norm before clipping."""
+    count the skip; after an applied step, the objective's ``after_optimizer_step`` with the step's ``metrics`` (its
+    micro-batches' metrics, token-weighted). Returns the gradient norm before clipping."""
     params = [p for p in learner.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     state.optimizer_steps += 1
@@ -316,5 +317,5 @@ def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: R
     state.nonfinite_in_row = 0
     learner.optimizer.step()
     learner.scheduler.step()
-    getattr(learner.objective, "after_optimizer_step", lambda policy: None)(learner.policy)  # e.g. an EMA copy
+    learner.objective.after_optimizer_step(learner.policy, metrics)  # e.g. an EMA copy, an adaptive coefficient
     return grad_norm

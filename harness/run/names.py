@@ -96,9 +96,16 @@ NAMES: tuple[Name, ...] = (
     Name("objective.params.kl_estimator", "— (TRL's KL is k3)", f"`{A}kl_loss_type`"),
     Name("objective.params.off_policy_mask", "`off_policy_mask_threshold` set (not None)", "—"),
     Name("objective.params.off_policy_mask_threshold", "`off_policy_mask_threshold`", "—"),
-    Name("objective.params.entropy_coef", "`entropy_coef` (static; no `use_adaptive_entropy`)",
-         f"`{A}entropy_coeff` (verl aggregates it with `loss_agg_mode`)"),
+    Name("objective.params.entropy_coef", "`entropy_coef` (`use_adaptive_entropy`: objective adaptive_entropy, whose "
+         "initial coefficient it is)", f"`{A}entropy_coeff` (verl aggregates it with `loss_agg_mode`)"),
     Name("objective.params.top_entropy_quantile", "`top_entropy_quantile`", "—"),
+    Name("objective.params.entropy_target", "`entropy_target` (with `use_adaptive_entropy`)", "—"),
+    Name("objective.params.entropy_coef_min", "`entropy_coef_min`", "—"),
+    Name("objective.params.entropy_coef_max", "`entropy_coef_max`", "—"),
+    Name("objective.params.entropy_coef_delta", "`entropy_coef_delta`", "—"),
+    Name("objective.params.kl_target", "—", "`algorithm.kl_ctrl.target_kl` (verl: the KL in the reward)"),
+    Name("objective.params.kl_horizon", "—", "`algorithm.kl_ctrl.horizon`"),
+    Name("objective.params.dro_beta", "—", f"`{A}policy_loss.dro_beta`"),
     Name("objective.params.tau_pos", "`sapo_temperature_pos`", f"`{A}tau_pos`",
          meaning="SAPO's gate temperature for A > 0"),
     Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
@@ -136,6 +143,10 @@ NAMES: tuple[Name, ...] = (
     Name("train.rollout_lag", "— (TRL 1.16 has none; its later AsyncGRPOTrainer's max_staleness bounds it)"),
     Name("train.lag_mode"),
     Name("train.in_flight_tokens"),
+    Name("train.rollout_correction.rejection", "— (backend trl refuses it)",
+         "`algorithm.rollout_correction.rollout_rs` (its k2 / k3 rules)"),
+    Name("train.rollout_correction.rejection_threshold", "—",
+         "`algorithm.rollout_correction.rollout_rs_threshold`"),
     Name("train.max_nonfinite_in_row"),
     Name("train.dynamic_sampling", "—", "`algorithm.filter_groups.enable`"),
     Name("train.max_sampling_rounds", "—", "`algorithm.filter_groups.max_num_gen_batches`"),
@@ -157,6 +168,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.export_every"),
     Name("sweep.grid"),
     Name("sweep.per_objective"),
+    Name("sweep.baseline"),
     Name("lab.objectives"),
     Name("lab.params"),
     Name("lab.batches"),
@@ -437,10 +449,12 @@ def section(text: str, kind: str) -> str | None:
     return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
-def write_docs() -> list[Path]:
-    """Rewrite the generated tables in :data:`DOCS`; returns the files changed."""
+def write_docs(files: dict[Path, str] | None = None) -> list[Path]:
+    """Rewrite the generated tables in ``files`` (file -> kind; default :data:`DOCS`), each between its markers;
+    returns the files changed. `make docs` and `python -m harness explain --markdown --write` call it: the committed
+    tables are as fresh as the last of those (a new objective changes them; no test compares them)."""
     changed = []
-    for path, kind in DOCS.items():
+    for path, kind in (DOCS if files is None else files).items():
         text = path.read_text()
         old = section(text, kind)
         if old is None:
