@@ -83,21 +83,28 @@ def write_scores(run_dir, scores_by_step: dict[int, list[float]]) -> None:
     (run_dir / "eval_samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def test_the_gain_over_the_start_is_paired_by_problem_with_an_interval_over_seeds_and_problems(tmp_path):
-    """grpo solves 10 more of 40 problems at its end in every seed (yes), gspo the same ones as at its start (an
-    interval of width 0 that meets 0: cannot tell), ctpo loses 8 (no); the gain is the last evaluation's minus step
-    0's, whatever evaluations lie between."""
-    exp = grid_experiment(tmp_path / "smol", {}, objectives=("grpo", "gspo", "ctpo"), seeds=(0, 1, 2))
-    start = [1.0] * 12 + [0.0] * 28
+def test_the_gain_over_the_start_is_paired_by_seed_and_problem_with_the_accuracy_interval(tmp_path):
+    """Every run starts at 8 of 40 problems; grpo solves 10 + seed more at its end (yes), gspo the same ones (cannot
+    tell), ctpo 4 + seed fewer (no); the gain is the last evaluation's minus step 0's, whatever lies between."""
+    start = [1.0] * 8 + [0.0] * 32
+    end = {"grpo": lambda s: [1.0] * (18 + s) + [0.0] * (22 - s), "gspo": lambda s: start,
+           "ctpo": lambda s: [0.0] * (4 + s) + start[4 + s:]}
+    exp = grid_experiment(tmp_path / "smol", {}, objectives=tuple(end), seeds=(0, 1, 2),
+                          effect=lambda o, point, s: sum(end[o](s)) / 40)
     for run in exp.glob("*/summary.json"):
         objective, seed = run.parent.name.split("-")[0], int(run.parent.name.split("-s")[1][0])
-        end = {"grpo": [1.0] * (22 + seed) + [0.0] * (18 - seed), "gspo": start, "ctpo": [0.0] * 8 + start[8:]}
-        write_scores(run.parent, {0: start, 3: [0.5] * 40, 6: end[objective]})
+        write_scores(run.parent, {0: start, 3: [0.5] * 40, 6: end[objective](seed)})
     rows = {line.split("|")[2].strip(): line for line in docs.gain_table(exp).splitlines()[2:]}
-    assert "| 0.275 [" in rows["grpo"] and rows["grpo"].endswith("| yes |")
-    assert "| 0.00 [0.00, 0.00] | cannot tell |" in rows["gspo"]
-    assert "| -0.200 [" in rows["ctpo"] and rows["ctpo"].endswith("| no |")
-    assert all("| 3 | 40 |" in row for row in rows.values())
+    assert "| 0.200 | 0.475 | 0.275 [" in rows["grpo"] and rows["grpo"].endswith("| yes |")
+    assert "| 0.00 " in rows["gspo"] and rows["gspo"].endswith("| cannot tell |")
+    assert "| -0.125 [" in rows["ctpo"] and rows["ctpo"].endswith("| no |")
+    assert all("| 3 |" in row and "over seeds only" not in row for row in rows.values())
+
+
+def test_the_gain_falls_back_on_the_seeds_without_per_problem_scores(tmp_path):
+    exp = grid_experiment(tmp_path / "smol", {}, objectives=("grpo",), seeds=(0, 1, 2))
+    (row,) = docs.gain_table(exp).splitlines()[2:]
+    assert "over seeds only" in row and row.endswith("| yes |")  # 0.2 -> 0.40, 0.41, 0.42
 
 
 @pytest.mark.parametrize("tiny, smol, verdict", [

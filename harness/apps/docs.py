@@ -26,9 +26,10 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
+from analysis.accuracy import FINAL, START, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment as load_results
 from analysis.report import build_report, ci_text, md_table
-from analysis.stats import BOOT_SEED, LEVEL, N_BOOT, num
+from analysis.stats import num
 from harness.apps.claims import ledger_rows, load_claims, run_source
 from harness.apps.stamp import ROOT, machine
 from harness.apps.sweep import run_sweep
@@ -37,7 +38,7 @@ from harness.run import names
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
 from harness.run.provenance import code_record, runs_stamp
-from harness.run.records import read_jsonl, run_status
+from harness.run.records import run_status
 
 DOCS = ROOT / "docs"
 # experiment -> (report figure -> docs/ file name)
@@ -94,38 +95,31 @@ def time_table(exp_dir: Path) -> str:
 
 
 def gain_table(exp_dir: Path) -> str:
-    """Per cell and objective: the final eval accuracy minus the start's, paired by eval problem (every run of a cell
-    starts from one policy and scores the same problems), with a percentile bootstrap interval that resamples seeds
-    and eval problems, crossed (eval_samples.jsonl's per-problem scores of each counted, ended run)."""
+    """Per cell and objective: the final eval accuracy minus the start's, paired by seed and eval problem (every run
+    of a cell starts from one policy and scores the same problems at step 0 and at its last evaluation), with the
+    interval analysis/accuracy.py gives any paired accuracy difference (seeds' and eval problems' spreads)."""
     exp = load_results(exp_dir)
-    runs = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
     rows = []
-    for (cell, objective), group in runs.groupby(["cell", "objective"], sort=True):
-        gains = np.array([problem_gains(exp_dir / run_id) for run_id in group["run_id"]])  # seeds x problems
-        rng = np.random.default_rng(BOOT_SEED)
-        seeds = rng.integers(0, gains.shape[0], size=(N_BOOT, gains.shape[0]))
-        problems = rng.integers(0, gains.shape[1], size=(N_BOOT, gains.shape[1]))
-        means = gains[seeds[:, :, None], problems[:, None, :]].mean(axis=(1, 2))
-        low, high = np.percentile(means, [50 * (1 - LEVEL), 50 * (1 + LEVEL)])
-        rows.append({"cell": cell, "objective": objective, "seeds": len(gains), "problems": gains.shape[1],
-                     "start": num(group["start_eval_accuracy"].mean()), "end": num(group["final_eval_accuracy"].mean()),
-                     "end − start [95% CI]": f"{num(gains.mean())} {ci_text(low, high)}",
-                     "above the start": "yes" if low > 0 else "no" if high < 0 else "cannot tell"})
+    for (cell, objective), group in exp.runs.groupby(["cell", "objective"], sort=True):
+        end, start = (runs_scores(group, exp.samples, column) for column in (FINAL, START))
+        gain = interval_of(paired_units(end, start))
+        if not gain.n:
+            continue
+        rows.append({"cell": cell, "objective": objective, "seeds": gain.n,
+                     "start": num(np.mean([value for _, value, _ in start.values()])),
+                     "end": num(np.mean([value for _, value, _ in end.values()])),
+                     "end − start [95% CI]": f"{num(gain.mean)} {ci_text(gain.low, gain.high)}"
+                     + ("" if gain.problems else " (over seeds only: per-problem scores missing)"),
+                     "above the start": "yes" if gain.low > 0 else "no" if gain.high < 0 else "cannot tell"})
     return md_table(pd.DataFrame(rows))
 
 
-def problem_gains(run_dir: Path) -> np.ndarray:
-    """One run's last evaluation minus its first (step 0), problem by problem."""
-    scores = pd.DataFrame(read_jsonl(run_dir / "eval_samples.jsonl")).drop_duplicates(["step", "problem"], keep="last")
-    table = scores.pivot(index="problem", columns="step", values="correct")
-    return (table[table.columns.max()] - table[0]).to_numpy()
-
-
 def pair_differences(exp_dir: Path, objectives) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """(A, B) with A before B by name -> final eval accuracy of A minus B paired by seed with its interval
-    (analysis.paired.per_cell), for the pairs of ``objectives`` in an experiment of one cell."""
+    """(A, B) with A before B by name -> final eval accuracy of A minus B paired by seed and eval problem with its
+    interval (analysis.paired.per_cell), for the pairs of ``objectives`` in an experiment of one cell."""
+    exp = load_results(exp_dir)
     out = {}
-    for row in paired.per_cell(load_results(exp_dir).runs).itertuples():
+    for row in paired.per_cell(exp.runs, samples=exp.samples).itertuples():
         if {row.a, row.b} <= set(objectives):
             sign = 1 if row.a < row.b else -1
             low, high = sorted((sign * row.difference_low, sign * row.difference_high))
