@@ -60,8 +60,8 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASE
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
 
-claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
-	$(PY) -m harness claims --jobs $(JOBS)
+claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours)
+	$(PY) -m harness claims --jobs $(JOBS) $(if $(WITH_LONG),--with-long)
 
 zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: README; SEEDS=N)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)

@@ -33,6 +33,24 @@ def test_shipped_claims_parse_and_their_experiments_exist():
         assert claim.paper and claim.checks
 
 
+def test_long_claims_run_when_named_or_asked_for_and_the_ledger_names_each_claims_model(tmp_path):
+    """A bare `make claims` leaves out the SmolLM2 claims (hours of sweeps); named or with_long they are in; every
+    ledger row names the model its experiment trains (a probe's: tiny_moe)."""
+    default, every = load_claims(), load_claims(with_long=True)
+    long = {c.name for c in every if c.long}
+    assert long >= {"ctpo_outperforms_smollm2", "gspo_stable_offpolicy_smollm2"}
+    assert not long & {c.name for c in default}
+    assert {c.name for c in default} | long == {c.name for c in every}
+    assert [c.name for c in load_claims(["gspo_stable_offpolicy_smollm2"])] == ["gspo_stable_offpolicy_smollm2"]
+    models = {c.name: row["model"] for c, row in zip(every, ledger_rows(every, {c.source: {} for c in every}),
+                                                     strict=True)}
+    assert models["gspo_stable_offpolicy_smollm2"] == "smollm2-135m-instruct"
+    assert models["gspo_stable_offpolicy"] == "tiny"
+    assert models["moe_expert_volatility"] == models["moe_ratio_spread"] == "tiny_moe"
+    text = write_ledger(ledger_rows(every[:1], {every[0].source: {}}), tmp_path, "stamp").read_text()
+    assert "| claim | paper | model | reported |" in text and "| tiny |" in text
+
+
 def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab, sweep: quickstart}\nchecks: []\n")

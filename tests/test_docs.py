@@ -141,9 +141,12 @@ def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_r
 
     monkeypatch.setattr(docs, "document", document)
     monkeypatch.setattr(docs, "gain_table", lambda exp_dir: f"gains of {exp_dir.name}")
+    monkeypatch.setattr(docs, "claims_section", lambda names, results_dir, jobs: f"claims {', '.join(names)}\n")
+    monkeypatch.setattr(docs.names, "write_docs", lambda: [])
     assert docs.main(with_smollm2=True, skip_main=True, jobs=1) == 0
     page = (tmp_path / "results_smollm2.md").read_text()
     assert "## smollm2_rl\n" in page and "gains of smollm2_transfer" in page and "pairs of smollm2_rl" in page
+    assert f"claims {', '.join(docs.SMOLLM2_CLAIMS)}" in page
     assert [s[:2] for s in swept] == [("transfer_tiny_base", list(objectives)),
                                       ("transfer_tiny_stress", list(objectives))]
     assert swept[1][2]["train.num_minibatches"] == [8]

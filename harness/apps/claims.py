@@ -84,6 +84,7 @@ class Claim:
     checks: list[dict[str, Any]]
     reported: str = ""
     notes: list[str] = field(default_factory=list)
+    long: bool = False  # hours of SmolLM2 sweeps: run when named or with --with-long, not by a bare `make claims`
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
@@ -118,15 +119,22 @@ def load_claim(path: Path) -> Claim:
     return claim
 
 
-def load_claims(names: list[str] | None = None) -> list[Claim]:
+def load_claims(names: list[str] | None = None, with_long: bool = False) -> list[Claim]:
+    """The claims ``names`` (default: every claim, the ``long`` ones only ``with_long``)."""
     paths = sorted(CLAIMS_DIR.glob("*.yaml"))
     if names:
         known = {p.stem: p for p in paths}
         missing = [n for n in names if n not in known]
         if missing:
             raise ConfigError(f"no claim {', '.join(missing)} in {CLAIMS_DIR}; claims: {', '.join(known)}")
-        paths = [known[n] for n in names]
-    return [load_claim(p) for p in paths]
+        return [load_claim(known[n]) for n in names]
+    return [c for c in map(load_claim, paths) if with_long or not c.long]
+
+
+def claim_model(claim: Claim) -> str:
+    """The model the claim is measured on: its experiment's ``model.name`` (a probe's: tiny_moe)."""
+    kind, name, overrides = claim.source
+    return "tiny_moe" if kind == "probe" else load_experiment(name, list(overrides)).model.name
 
 
 def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool,
@@ -266,8 +274,8 @@ def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
         verdicts = [v for v, _ in results]
         verdict = ("no data" if "no data" in verdicts else "holds" if all(v == "holds" for v in verdicts)
                    else "does not hold")
-        rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
-                     "measured": "; ".join(m for _, m in results), "holds?": verdict,
+        rows.append({"claim": claim.claim, "paper": claim.paper, "model": claim_model(claim),
+                     "reported": claim.reported, "measured": "; ".join(m for _, m in results), "holds?": verdict,
                      "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name,
                      "notes": " ".join(claim.notes)})
     return rows
@@ -277,7 +285,7 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     """ledger.csv, ledger.md and ledger.html, each written whole then renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
-    shown = frame[["claim", "paper", "reported", "measured", "holds?"]]
+    shown = frame[["claim", "paper", "model", "reported", "measured", "holds?"]]
     notes = [f"- {r['name']}: {r['notes']}" for r in rows if r["notes"]]
     stamp = stamp + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
     files = {"ledger.csv": frame.to_csv(index=False),
@@ -293,11 +301,11 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
-         run: bool = True, allow_code_change: bool = False) -> int:
+         run: bool = True, allow_code_change: bool = False, with_long: bool = False) -> int:
     """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing;
     ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
     the code and threads of the runs the claims were checked on)."""
-    claims = load_claims(names)
+    claims = load_claims(names, with_long)
     for claim in claims:  # every experiment is checked before the first one runs
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])

@@ -250,7 +250,7 @@ def cmd_claims(args) -> int:
     from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
 
     return claims(args.names, jobs=args.jobs, progress=not args.no_progress, run=not args.existing,
-                  allow_code_change=args.allow_code_change)
+                  allow_code_change=args.allow_code_change, with_long=args.with_long)
 
 
 def cmd_zoo(args) -> int:
@@ -354,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
     lab.add_argument("--no-progress", action="store_true", help="no progress bar")
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
-    claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
+    claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones)")
+    claims.add_argument("--with-long", action="store_true",
+                        help="with no names: also the long claims (SmolLM2 sweeps, hours on 2 cores)")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
     claims.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)

@@ -52,6 +52,7 @@ MOE_CLAIMS = ("moe_expert_volatility", "moe_routing_replay", "moe_ratio_spread")
 MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm", "completion_len_mean")
 # each SmolLM2 experiment and the tiny model's cell it transfers: (experiment, overrides); the tiny runs go into a
 # folder of their own (name=...), apart from the main page's quickstart and any other offpolicy cells
+SMOLLM2_CLAIMS = ("ctpo_outperforms_smollm2", "gspo_clips_more_smollm2", "gspo_stable_offpolicy_smollm2")
 SMOLLM2 = {"smollm2_rl": ("quickstart", ["name=transfer_tiny_base"]),
            "smollm2_transfer": ("offpolicy", ["name=transfer_tiny_stress", "sweep.grid.train.num_minibatches=[8]"])}
 
@@ -206,7 +207,7 @@ def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
 
 def smollm2_page(header: str, results_dir: Path, jobs: int) -> None:
     """docs/results_smollm2.md: smollm2_rl and smollm2_transfer (each with its gain over the start and the paired
-    differences between objectives), then the transfer table."""
+    differences between objectives), then the transfer table and the SmolLM2 claims checked on these runs."""
     sections = []
     for name in SMOLLM2:
         section = document(name, results_dir, jobs)  # sweeps it and writes its report
@@ -214,7 +215,8 @@ def smollm2_page(header: str, results_dir: Path, jobs: int) -> None:
         sections.append(f"{section}\n### Gain over the start\n\n{gain_table(results_dir / name)}\n\n"
                         f"### Paired differences between objectives\n\n{pairs}")
     atomic_write(DOCS / "results_smollm2.md", "# SmolLM2-135M-Instruct under RL, measured\n\n" + header
-                 + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs))
+                 + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs) + "\n"
+                 + claims_section(SMOLLM2_CLAIMS, results_dir, jobs))
 
 
 def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_moe: bool = False,
