@@ -7,9 +7,11 @@ Each experiment is swept into ``results/docs/<code version>/`` (harness/run/prov
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
 into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``:
 the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs
-and on lab_moe; always the generated tables of docs/trl.md and README.md, harness/run/names.py), stamped with the
-code, the date, the machine (CPU, cores, load before and after), the wall time of each sweep, and each experiment's
-runs' own code versions and torch threads (their summary.json's records).
+and on lab_moe; ``docs/results_smollm2.md``: smollm2_rl and smollm2_transfer, each one's gain over its start, the
+tiny model's matching cells and the transfer table, and the SmolLM2 claims; always the generated tables of docs/trl.md
+and README.md, harness/run/names.py), stamped with the code, the date, the machine (CPU, cores, load before and after),
+the wall time of each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's
+records).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ DOCS = ROOT / "docs"
 FIGURES = {"quickstart": {"curves_step": "quickstart_curves.png", "stability": "quickstart_stability.png"},
            "gspo_clip_repro": {"clip_fraction": "gspo_clip_repro.png", "stability": "gspo_clip_repro_stability.png"},
            "gsm8k_ablation": {"stability": "gsm8k_ablation_stability.png", "curves_step": "gsm8k_ablation_curves.png"},
-           "moe_stability": {"axis_1": "moe_stability_axis.png", "stability_c1": "moe_stability_stability.png"}}
+           "moe_stability": {"axis_1": "moe_stability_axis.png", "stability_c1": "moe_stability_stability.png"},
+           "smollm2_rl": {"curves_step": "smollm2_rl_curves.png", "clip_fraction": "smollm2_rl_clip_fraction.png"},
+           "smollm2_transfer": {"curves_step": "smollm2_transfer_curves.png",
+                                "clip_fraction": "smollm2_transfer_clip_fraction.png"}}
 # experiments/claims/: checked on the moe page's own runs (and the moe_update probe)
 MOE_CLAIMS = ("moe_expert_volatility", "moe_routing_replay", "moe_ratio_spread")
 # per-run means over training steps
