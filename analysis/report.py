@@ -27,7 +27,7 @@ from analysis import axes, paired, plots, scaling, timing
 from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
-from harness.run.atomic import TMP, atomic_write
+from harness.run.atomic import TMP, ForeignFileError, write_into
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -338,7 +338,9 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
                  formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False) -> Path:
     """Write the report folder; returns the path of report.md. Data problems are warned (AnalysisWarning) and
     listed in the report; a missing or empty results folder raises AnalysisError. ``paper``: figures for a paper
-    (see plots), PDF among the formats. The folder is built as a hidden sibling and renamed into place."""
+    (see plots), PDF among the formats. The files are built in a hidden sibling folder, then each renamed into
+    place (harness.run.atomic.write_into): a file the report did not write there (a draft beside it) is kept, and
+    one of a report file's name refused (AnalysisError)."""
     unknown = set(formats) - set(plots.SAVE_METADATA)
     if unknown:
         raise AnalysisError(f"unknown figure format(s) {', '.join(sorted(unknown))}; use png, pdf or svg")
@@ -363,7 +365,10 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
         with plots.context(paper):
             write_report(exp, tmp, smooth, formats, paper, data_warnings)
 
-    atomic_write(out_dir, write=write, shared=True)  # shared: two reports of one experiment may be written at once
+    try:
+        write_into(out_dir, write, earlier="report.md")
+    except ForeignFileError as e:
+        raise AnalysisError(str(e)) from None
     return out_dir / "report.md"
 
 

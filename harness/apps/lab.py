@@ -47,7 +47,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from analysis.lab import build_lab_report
+from analysis.lab import LabError, build_lab_report
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
 from harness.loop.behaviour import no_grad_logprobs
@@ -402,7 +402,11 @@ def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
     cfg = load_experiment(experiment, overrides)
     start = time.time()
     out = run_lab(cfg, progress)
-    report = build_lab_report(out)
+    try:
+        report = build_lab_report(out)
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"lab {cfg.name}: {cfg.lab.batches} batches in {out} ({time.time() - start:.0f} s this call); "
           f"report {report}", file=sys.stderr)
     return 0

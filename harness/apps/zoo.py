@@ -47,7 +47,10 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
              ) -> tuple[DictConfig, list[DictConfig]]:
     """The zoo's folder config (``name=zoo``; its grid names every swept key, for the manifest) and its runs: every
     cell of CELLS x ``objectives`` (default: every registered one) x seeds 0 .. seeds-1, each run once (by run id)."""
-    objectives = objectives or available_objectives()
+    if objectives is not None and not objectives:
+        raise ConfigError("the zoo's objectives: give at least one (--objectives a,b), or none for every registered "
+                          "one")
+    objectives = available_objectives() if objectives is None else objectives
     common = [*overrides, f"name={NAME}", f"sweep.grid.objective.name=[{','.join(objectives)}]",
               f"sweep.grid.seed=[{','.join(map(str, range(seeds)))}]"]
     runs: dict[str, DictConfig] = {}
@@ -74,7 +77,8 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     subset (a smoke test, a quick look); the default and the leaderboard `make zoo` writes are every registered one."""
     cfg, runs = zoo_runs(seeds, list(overrides or []), objectives)
     exp_dir = Path(cfg.results_dir) / cfg.name
-    print(f"zoo: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds x "
+    count = len(available_objectives() if objectives is None else objectives)
+    print(f"zoo: {len(runs)} runs ({count} objectives x {seeds} seeds x "
           f"{len(CELLS)} regime cells, shared cells once) into {exp_dir}, {jobs} at a time", file=sys.stderr)
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs)

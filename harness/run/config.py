@@ -383,6 +383,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         cfg.task.args = OmegaConf.select(layers[1], "task.args", default=None) or {}
     elif keys.get("task.args", "").replace(" ", "") == "{}":
         cfg.task.args = {}
+    _resolve(cfg)
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -392,6 +393,19 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     return cfg
 
 
+def _resolve(cfg: DictConfig) -> None:
+    """Replace every interpolation (``${oc.env:LR}``, ``${train.lr}``) by its value, typed by the schema, so that
+    what a run records, compares on resume and names its folder by is the value itself; one that cannot be resolved
+    is a ConfigError naming the key."""
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        key = getattr(e, "full_key", None) or "a setting"
+        raise ConfigError(f"{key}: cannot resolve its interpolation ({reason}); give the value itself, or set what it "
+                          "reads (e.g. the environment variable of ${oc.env:NAME})") from None
+
+
 def run_configs(cfg: DictConfig) -> list[DictConfig]:
     """Expand the sweep into validated run configs (the sweep section removed). No grid = one run."""
     grid = OmegaConf.to_container(cfg.sweep.grid)
@@ -399,6 +413,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
+        _check_grid_values(key, values)
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
     runs, skipped = [], None  # skipped: the last grid point a per-objective value pinned out
@@ -425,6 +440,23 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
     return runs
+
+
+def _check_grid_values(key: str, values: list) -> None:
+    """Refuse a grid list that holds one value twice, as given or as the setting's type reads it (``1e-4`` and
+    ``0.0001`` are one learning rate): the second run would be the first one again."""
+    typed = []
+    for value in values:
+        try:
+            typed.append(OmegaConf.select(_merge(OmegaConf.from_dotlist([f"{key}={_dot(value)}"])), key))
+        except (ConfigError, OmegaConfBaseException):
+            typed.append(value)  # a value the key cannot take: the run's validation names it
+    for i, value in enumerate(typed):
+        if value in typed[:i]:
+            first = values[typed.index(value)]
+            spelled = f" ({first!r} and {values[i]!r})" if str(first) != str(values[i]) else ""
+            raise ConfigError(f"sweep.grid.{key} lists {value!r} twice{spelled}: one run would be made twice; list "
+                              "each value once")
 
 
 def _dot(value) -> str:
@@ -454,6 +486,7 @@ def validate(run: DictConfig) -> None:
     _check_train(run.train)
     _check_batching(run)
     _check_seeds(run)
+    _check_name(run.name)
     run_checks(run)
 
 
@@ -564,6 +597,17 @@ def _check_batching(run: DictConfig) -> None:
         raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
                           f"train.micro_batch_size=0 and train.max_tokens_per_micro_batch=0 (micro-batching would "
                           f"make it inexact)")
+
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # an experiment name: one path component of these
+
+
+def _check_name(name) -> None:
+    """The experiment name is one folder under results_dir (results/<name>/): letters, digits, '.', '_', '-', not
+    starting with '.', at most 100 characters; so it never leaves results_dir and never becomes a line of a script."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ConfigError(f"name must be one folder name of letters, digits, '.', '_' and '-' (not starting with '.', "
+                          f"at most 100 characters): it names results_dir/<name>/; got {str(name)[:120]!r}")
 
 
 def _check_seeds(run: DictConfig) -> None:
