@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +207,8 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
         keep = status in ENDED or busy
         tqdm.write(f"warning: {e}: "
                    + ("left as it is (the run has ended)" if status in ENDED else "left as it is (its run is running)"
-                      if busy else "written anew from the settings of this sweep (the run id is their hash)"))
+                      if busy else "written anew from the settings of this sweep (the run id is their hash)"),
+                   file=sys.stderr)
         saved = {} if keep else None
     if saved is None:
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
