@@ -407,6 +407,13 @@ def test_zoo_objectives_that_name_nothing_or_twice_are_one_line(capsys, given, m
     assert message in one_line(capsys.readouterr().err, "error: python -m harness zoo: argument --objectives: ")
 
 
+def test_an_empty_list_of_zoo_objectives_is_not_every_objective(tmp_path):
+    from harness.apps.zoo import zoo_runs
+
+    with pytest.raises(ConfigError, match="give at least one"):
+        zoo_runs(1, [*TINY_RUN, f"results_dir={tmp_path}"], objectives=[])
+
+
 def test_an_env_interpolation_is_recorded_as_its_typed_value_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("LR", "1e-4")
     (run,) = runs_of(tmp_path, "seed=0", "train.lr=${oc.env:LR}")
