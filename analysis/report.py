@@ -27,7 +27,7 @@ from analysis import axes, paired, plots, scaling, timing
 from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
 from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
-from harness.run.atomic import TMP, ForeignFileError, write_into
+from harness.run.atomic import TMP, WRITTEN, ForeignFileError, write_into
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -352,8 +352,8 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     data_warnings = [str(w.message) for w in caught if issubclass(w.category, AnalysisWarning)]
     out_dir = Path(out) if out else exp.dir / "report"
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "report.md").exists():
-        raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to replace it; choose another "
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
+        raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to write into it; choose another "
                             "--out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.parent.glob(f".{out_dir.name}.*{TMP}"):  # a killed writer's (another may be writing now)
