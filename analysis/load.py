@@ -238,7 +238,7 @@ def checked_summary(summary: dict, path: Path) -> dict:
     for key in COUNTS:
         value = out.get(key)
         if value is not None and not (math.isfinite(value) and value == int(value) and value >= 0):
-            warn(f"{path}: `{key}` is {value!r}, not a count of steps: ignored")
+            warn(f"{path}: `{key}` is {value!r}, not a whole number >= 0: ignored")
             out.pop(key)
         elif value is not None:
             out[key] = int(value)

@@ -292,6 +292,18 @@ def test_a_damaged_config_is_one_warning_in_the_report(tmp_path, text):
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_path):
+    from harness.apps.lab import lab_dir, run_lab
+
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=tiny", "lab.objectives=[grpo]",
+                                   "lab.batches=2", "lab.staleness=[0,1]", "lab.mismatch=[]"])
+    (lab_dir(cfg)).mkdir(parents=True)
+    (lab_dir(cfg) / "config.yaml").write_text(TAGGED.replace("{marker}", str(tmp_path / "ran")))
+    with pytest.raises(ConfigError, match=r"config\.yaml is damaged \(could not determine a constructor"):
+        run_lab(cfg, progress=False)
+    assert not (tmp_path / "ran").exists() and not list((lab_dir(cfg) / "batches").iterdir())
+
+
 @pytest.mark.parametrize("line, shown", [
     ('{"step": 2000000000}', "2000000000"), ('{"step": 1e400}', "inf"), ('{"step": 1.5}', "1.5"),
     ('{"step": -3}', "-3"), ('{"step": NaN}', "nan")])

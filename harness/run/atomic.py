@@ -1,7 +1,9 @@
 """Writes that a kill or a full disk cannot leave half done: every file or folder the harness replaces goes to a
-temporary beside it, is flushed to disk and renamed into place (:func:`atomic_write`, the one way); a full disk
-(ENOSPC, EDQUOT, or a library's own words for it) is one :class:`DiskFullError` naming the file, the free space and
-how to resume. Standard library only: the analysis writes its reports through it too.
+temporary beside it, is flushed to disk and renamed into place (:func:`atomic_write`); a folder a user may keep files
+of their own in (a report's) is written file by file into place, and only the harness's own files are replaced or
+removed (:func:`write_into`). A full disk (ENOSPC, EDQUOT, or a library's own words for it) is one
+:class:`DiskFullError` naming the file, the free space and how to resume. Standard library only: the analysis writes
+its reports through it too.
 """
 
 from __future__ import annotations
@@ -161,8 +163,8 @@ def atomic_write(path: Path, content: str | bytes | None = None, *,
     path (a file, or a folder), goes to ``<path>.tmp`` beside it, is flushed to disk, then renamed over ``path``
     (a folder: :func:`_swap`). A reader, or a kill, sees the old ``path`` or the new one, never a part; a failure
     leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`. ``shared``: see
-    :func:`write_temporary`. The one way the harness and the analysis write what they replace (summary, manifest,
-    config, checkpoints, exports, caches, the embedded model, reports)."""
+    :func:`write_temporary`. The way the harness and the analysis write what they replace (summary, manifest,
+    config, checkpoints, exports, caches, the embedded model, tables); report folders: :func:`write_into`."""
     path = Path(path)
     tmp = write_temporary(path, content, write=write, shared=shared)
     try:
