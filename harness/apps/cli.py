@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_argument("--with-moe", action="store_true",
                       help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
     docs.add_argument("--with-smollm2", action="store_true",
-                      help="also smollm2_rl, smollm2_transfer and the transfer table: docs/results_smollm2.md")
+                      help="also smollm2_rl, smollm2_transfer: docs/results_smollm2.md (~4 h on 2 cores)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
