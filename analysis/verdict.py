@@ -94,17 +94,27 @@ def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.Data
         "Holm p": [against(o, lambda r: num(r["holm"])) for o in objectives]})
 
 
+def versus_baseline(pairs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
+    """The rows of paired.per_cell that compare an objective (A) to the baseline (B), with ``holm``: their p-values
+    Holm-adjusted within each cell (the family the verdict corrects over)."""
+    versus = pairs[pairs["b"] == baseline].copy()
+    versus["holm"] = np.nan
+    for _, group in versus.groupby("cell_id", sort=True):
+        versus.loc[group.index, "holm"] = holm(group["p_value"])
+    return versus
+
+
 def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None
                   ) -> list[CellVerdict]:
     """Per cell with an ended run: the ranking and the sentence. table: report.eval_table; pairs: paired.per_cell
     (pairs against the baseline first, A the objective)."""
     out = []
+    against = versus_baseline(pairs, baseline)
     for cell_id, group in table.groupby("cell_id", sort=True):
         group = group[group["final_n"] > 0].sort_values("final_mean", ascending=False, kind="stable")
         if group.empty:
             continue
-        versus = pairs[(pairs["cell_id"] == cell_id) & (pairs["b"] == baseline)].copy()
-        versus["holm"] = holm(versus["p_value"])
+        versus = against[against["cell_id"] == cell_id]
         if baseline not in set(group["objective"]):
             text = f"no verdict: the baseline {baseline} has no ended run here"
         else:
