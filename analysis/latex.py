@@ -9,10 +9,11 @@ written beside report.md:
   lost of those both ended (the rest tied).
 
 Numbers to 3 significant digits (analysis.stats.num, as report.md shows them), in math mode (a true minus sign).
-An interval carries report.md's qualifiers as marks, explained in the caption: :data:`MARKS`. Each file is a
-``table`` environment with caption and label that needs ``\usepackage{booktabs}``; every text taken from the data
-(objective names, settings, the experiment's name) is escaped (:func:`escape`). With several cells, the settings
-that tell them apart are columns, shown on a cell's first row, and a rule separates the cells.
+An interval carries report.md's qualifiers as marks, explained in the caption (:data:`MARKS`; --- where there is
+none, and why). Each file is a ``table`` environment with caption and label that needs ``\usepackage{booktabs}``;
+every text taken from the data (objective names, settings, the experiment's name) is escaped (:func:`escape`). With
+several cells, the settings that tell them apart are columns, shown on a cell's first row, and a rule separates the
+cells.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MARKS = {r"\ddagger": "the range (min--max) of 2 seeds, not an interval",
 INTERVAL = (r"95\% $t$-interval whose variance adds the spread between seeds and the spread between eval problems "
             r"(the eval set is a sample of the task's problems)")
 NONE = "---"
+NO_INTERVAL = "fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores"  # why an interval is NONE
 
 
 def escape(text) -> str:
@@ -52,9 +54,10 @@ def number(value) -> str:
 
 
 def interval(low, high, n: int, problems: bool) -> tuple[str, list[str]]:
-    """An interval with its marks (report.interval's qualifiers), and the marks; --- where report.md says n/a."""
+    """An interval with its marks (report.interval's qualifiers), and the marks; --- where report.md says n/a (its
+    mark: NONE)."""
     if n < 2 or pd.isna(low):
-        return NONE, []
+        return NONE, [NONE]
     marks = ([r"\ddagger"] if n == 2 and not problems else []) + ([] if problems else ["*"])
     marks += [r"\dagger"] if indicative(n) and r"\ddagger" not in marks else []
     bounds = f"[{number(low)[1:-1]}, {number(high)[1:-1]}]"
@@ -85,8 +88,10 @@ def table_env(caption: str, label: str, body: list[str], comment: str) -> str:
                       r"\centering", rf"\caption{{{caption}}}", rf"\label{{{label}}}", *body, r"\end{table}", ""])
 
 
-def marks_text(used: set[str]) -> str:
-    return "".join(f" ${m}$: {text}." for m, text in MARKS.items() if m in used)
+def marks_text(used: set[str], missing: str) -> str:
+    """The caption's sentences for the marks used; ``missing``: what --- stands for, when it is used."""
+    return "".join(f" ${m}$: {text}." for m, text in MARKS.items() if m in used) + \
+        (f" {NONE}: {missing} ({NO_INTERVAL})." if NONE in used else "")
 
 
 def label(name: str, what: str) -> str:
@@ -102,7 +107,7 @@ def headline_tex(table: pd.DataFrame, cells: Cells, name: str, source: str) -> s
         used.update(marks)
         rows.append([*values, escape(row.objective), str(int(row.final_n)), number(row.final_mean), text])
     caption = (f"{escape(name)}: final held-out eval accuracy per objective{' and cell' * bool(names)}, the mean "
-               f"over the $n$ seeds that ended, with its {INTERVAL}.{marks_text(used)}")
+               f"over the $n$ seeds that ended, with its {INTERVAL}.{marks_text(used, 'no interval')}")
     body = tabular([*names, "objective", "$n$", "final accuracy", "95\\% interval"], "l" * len(names) + "lrrl", rows,
                    list(table["cell_id"]))
     return table_env(caption, label(name, "headline"), body, f"{name}: from {source} (analysis/latex.py)")
@@ -127,7 +132,7 @@ def paired_tex(pairs: pd.DataFrame, cells: Cells, baseline: str | None, name: st
                f"objective's final held-out eval accuracy minus {base}'s, paired by seed and eval problem over the "
                f"$n$ seeds both ended, with its {INTERVAL}. Holm $p$: the paired $t$-test's $p$-value, Holm-adjusted "
                f"over the cell's comparisons to {base}. Won/lost: the seeds where the objective ended above/below "
-               f"{base} (the rest tied).{marks_text(used)}")
+               f"{base} (the rest tied).{marks_text(used, 'no interval, no $p$-value')}")
     body = tabular([*names, "objective", "$n$", f"$\\Delta$ vs.\\ {base}", "95\\% interval", "Holm $p$", "won/lost"],
                    "l" * len(names) + "lrrlrr", rows, list(versus["cell_id"]))
     return table_env(caption, label(name, "paired"), body, comment)

@@ -189,7 +189,7 @@ def test_headline_tex_holds_each_objective_and_cell_with_its_interval(tmp_path):
                        rf"{number(row['final_ci_high'])[1:-1]}]^{{*}}$ \\")  # 5 seeds: not indicative; seeds only
     assert body[1].startswith(" & grpo & 5 & ") and body[2] == r"\midrule" and body[3].startswith("0.001 & dr\\_grpo")
     assert body[3].endswith(r"]^{\ddagger,*}$ \\") and len(body) == 5  # 2 seeds without per-problem scores: a range
-    assert r"$\ddagger$: the range (min--max) of 2 seeds" in tex and r"$\dagger$" not in tex
+    assert r"$\ddagger$: the range (min--max) of 2 seeds" in tex and r"$\dagger$" not in tex and "---" not in tex
 
 
 def test_paired_tex_holds_the_verdicts_differences_holm_p_and_seeds_won_lost(tmp_path):
@@ -222,11 +222,14 @@ def test_paired_tex_holds_the_verdicts_differences_holm_p_and_seeds_won_lost(tmp
     assert r"\caption{trio: each objective against grpo." in tex and "Holm-adjusted" in tex
 
 
-def test_paired_tex_without_a_comparison_says_so(tmp_path):
+def test_one_seed_has_no_interval_and_the_caption_says_why_and_no_paired_table(tmp_path):
     d = tmp_path / "alone"
     fake_experiment(d, [fake_run(d, "grpo", 0)])
     exp, _ = load(d)
     table, pairs = numbers_of(exp)
+    headline = headline_tex(table, exp.cells, exp.name, "`results/alone`")
+    assert r"grpo & 1 & $0.500$ & --- \\" in headline.splitlines()
+    assert "---: no interval (fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores)." in headline
     tex = paired_tex(pairs, exp.cells, "grpo", exp.name, "`results/alone`")
     assert r"\begin{table}" not in tex and "no objective shares an ended seed with the baseline (grpo)" in tex
 
