@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.accuracy import NO_INTERVAL
 from analysis.cells import Cells
 from analysis.stats import INDICATIVE_BELOW, indicative, num
 from analysis.verdict import versus_baseline
@@ -36,7 +37,6 @@ MARKS = {r"\ddagger": "the range (min--max) of 2 seeds, not an interval",
 INTERVAL = (r"95\% $t$-interval whose variance adds the spread between seeds and the spread between eval problems "
             r"(the eval set is a sample of the task's problems)")
 NONE = "---"
-NO_INTERVAL = "fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores"  # why an interval is NONE
 
 
 def escape(text) -> str:
