@@ -50,15 +50,20 @@ def load_experiments(dirs: list[str | Path]) -> Experiment:
     return exp
 
 
+def named(folder: Path) -> Path:
+    """The folder as given, or its absolute path where what was given has no name of its own (``.``, ``..``)."""
+    return folder if folder.name not in ("", "..") else folder.resolve()
+
+
 def labels(dirs: list[Path]) -> list[str]:
     """Each folder's name, or its path as given where two folders share a name."""
-    names = [d.name for d in dirs]
-    return [d.name if names.count(d.name) == 1 else str(d) for d in dirs]
+    names = [named(d).name for d in dirs]
+    return [name if names.count(name) == 1 else str(d) for d, name in zip(dirs, names, strict=True)]
 
 
 def combined_dir(dirs: list[Path]) -> Path:
     """Where the report of several folders goes by default (its report/ inside): ``<a>+<b>`` beside the first."""
-    return dirs[0].parent / "+".join(d.name for d in dirs)
+    return named(dirs[0]).parent / "+".join(named(d).name for d in dirs)
 
 
 def grid_objectives(folder: Folder) -> list:

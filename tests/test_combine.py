@@ -132,6 +132,14 @@ def test_runs_of_other_settings_or_code_are_other_cells_never_pooled(tmp_path):
     assert sorted(map(sorted, cells)) == [["a"], ["b"], ["c"]]
 
 
+def test_folders_given_as_dot_are_named_by_their_own_names(tmp_path, monkeypatch):
+    a, b = two_folders(tmp_path)
+    monkeypatch.chdir(a)
+    exp, caught = load(Path("."), Path("../b"))
+    assert exp.name == "a+b" and exp.dir.resolve() == (tmp_path / "results" / "a+b").resolve()
+    assert any("counted once: `" + shared_id("grpo", 0) + "` (a, b)" in w for w in caught)
+
+
 def test_a_folder_given_twice_or_missing_is_refused(tmp_path):
     a, b = two_folders(tmp_path)
     with pytest.raises(AnalysisError, match="given twice"):
