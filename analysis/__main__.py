@@ -1,4 +1,5 @@
-"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]"""
+"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]
+[--baseline NAME]"""
 
 import argparse
 import sys
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
                         "comma-separated, of png, pdf, svg (default png,pdf)")
     parser.add_argument("--paper", action="store_true", help="figures for a paper: no title, 3.3 in (single column) "
                         "or 6.8 in (double column) wide, print-sized fonts, PDF among the formats")
+    parser.add_argument("--baseline", help="the objective the verdict compares the others to (default: the sweep's "
+                        "sweep.baseline, else grpo when it has runs, else the sweep grid's first objective)")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always")
         try:
             report = build_report(args.results, args.out, args.smooth, tuple(filter(None, args.formats.split(","))),
-                                  args.paper)
+                                  args.paper, args.baseline)
         except AnalysisError as e:
             error = e
     for w in caught:
@@ -34,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"report: {report} (and report.html, figures and tables in {report.parent})")
+    verdict = (report.parent / "verdict.txt").read_text().splitlines()
+    print("\n".join(["verdict:", *(f"  {line}" for line in verdict)]) if verdict else "verdict: none (no run ended)")
+    print(f"report: {report.parent / 'report.html'} (and report.md, figures and tables in {report.parent})")
     return 0
 
 

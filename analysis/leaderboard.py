@@ -8,9 +8,11 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
 
 - mean rank: per shared cell, the objectives ranked by their mean final eval accuracy over seeds (1 = best, ties share
   the mean of their ranks, pandas' ``rank(method="average")``), averaged over the cells;
-- IQM of final eval accuracy with its stratified-bootstrap 95% interval: analysis.paired.iqm (rliable's conventions);
-- vs the baseline objective (``baseline``, grpo by default): the mean over cells of the per-seed paired difference of
-  final accuracy and P(this > baseline), each with its stratified-bootstrap interval: analysis.paired.aggregate;
+- IQM of final eval accuracy with its stratified hierarchical-bootstrap 95% interval (seeds and eval problems):
+  analysis.paired.iqm (rliable's conventions);
+- vs the baseline objective (``baseline``, grpo by default): the mean over cells of the paired difference of final
+  accuracy (by seed and eval problem) with its t-interval, and P(this > baseline) with its stratified bootstrap
+  interval: analysis.paired.aggregate;
 - collapse rate: runs whose collapse record (harness/run/collapse.py, read by analysis/load.py) names a cause, of the
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
@@ -47,7 +49,7 @@ def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
 
 def mean_ranks(exp: Experiment, cells: list[int]) -> pd.Series:
     """Per objective: the mean over ``cells`` of its rank by mean final accuracy in the cell (1 = best)."""
-    table = eval_table(exp.runs, exp.cells.axes)
+    table = eval_table(exp.runs, exp.cells.axes, exp.samples)
     table = table[table["cell_id"].isin(cells) & table["final_mean"].notna()]
     ranks = table.groupby("cell_id")["final_mean"].rank(ascending=False, method="average")
     return ranks.groupby(table["objective"]).mean()
@@ -74,8 +76,8 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
     """The leaderboard's numbers, one row per objective, best mean rank first (see the module docstring)."""
     runs, cells = shared_runs(exp)
     ranks = mean_ranks(exp, cells)
-    iqms = paired.iqm(exp.runs, ACCURACY).set_index("objective")
-    versus = paired.aggregate(exp.runs[exp.runs["cell_id"].isin(cells)], ACCURACY)
+    iqms = paired.iqm(exp.runs, ACCURACY, exp.samples).set_index("objective")
+    versus = paired.aggregate(exp.runs[exp.runs["cell_id"].isin(cells)], ACCURACY, exp.samples, baseline)
     tokens = tokens_to_target(exp.metrics, runs, target)
     means = {key: run_means(exp.metrics, runs, key) for key in MECHANICS}
     rows = []
@@ -148,10 +150,12 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str)
             + (f" Left out (not every objective has an ended run there): {'; '.join(left_out)}." if left_out else ""),
             "Mean rank: per cell, objectives ranked by mean final eval accuracy over seeds (1 = best, ties share "
             f"their mean rank), averaged over the cells. IQM: of every run's final accuracy pooled over the cells, "
-            f"{LEVEL:.0%} stratified bootstrap (seeds resampled within cells; analysis/paired.py). vs {baseline}: "
-            "mean over cells of the per-seed paired difference of final accuracy, and the probability of "
-            "improvement P(objective > baseline), same bootstrap; an interval that excludes 0 (or 0.5) is a "
-            "difference at this scale. Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
+            f"{LEVEL:.0%} stratified bootstrap (seeds and eval problems resampled within cells; analysis/paired.py). "
+            f"vs {baseline}: mean over cells of the paired difference of final accuracy (by seed and eval problem; "
+            "t-interval whose variance adds the cells', analysis/accuracy.py), and the probability of improvement "
+            "P(objective > baseline), same bootstrap as the IQM; an interval that excludes 0 (or 0.5) is a "
+            "difference at this scale (one comparison; several: see the report's Holm-corrected verdict). "
+            "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
             f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
             f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
             "did not; in brackets the runs that reached it). Clip fraction and ratio spread (ratio_std): per-run "

@@ -1,4 +1,5 @@
-"""Read results/<exp>/: every run folder in it, and per run config.yaml, metrics.jsonl and summary.json.
+"""Read results/<exp>/: every run folder in it, and per run config.yaml, metrics.jsonl, summary.json and the
+per-problem scores of eval_samples.jsonl.
 
 manifest.json is what the last sweep into the folder planned (its runs first, in its order, with their grid points);
 a run folder it does not list (another sweep's or a `train` into the same folder) is read too and named in one
@@ -29,6 +30,7 @@ from harness.run.records import COLLAPSE_RULE, ENDED
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
+SAMPLES = "eval_samples.jsonl"  # per evaluation and eval problem: its score (harness/loop/evaluation.py)
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
 
 
@@ -55,6 +57,9 @@ class Experiment:
     overrides: dict[str, dict] = field(default_factory=dict)  # run_id -> manifest.json's grid point of the run
     cells: Cells = field(default_factory=Cells)  # the axes, objective settings and cells (analysis/cells.py); runs
     # carry cell, cell_id, one column per axis, counted and duplicate_of; metrics rows cell, cell_id and counted
+    samples: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> read_samples (runs that wrote some)
+    baseline: str | None = None  # manifest.json's `baseline` (the sweep's sweep.baseline)
+    objectives: list[str] = field(default_factory=list)  # manifest.json's `objectives`: the sweep grid's, in order
 
 
 def read_json(path: Path) -> dict | None:
@@ -136,6 +141,30 @@ def parse_metrics(path: Path) -> MetricsFile:
 def read_metrics(path: Path) -> pd.DataFrame:
     """metrics.jsonl as a frame sorted by step (parse_metrics)."""
     return parse_metrics(path).frame
+
+
+def read_samples(path: Path) -> pd.DataFrame:
+    """eval_samples.jsonl's scores: one row per (step, problem) with the problem's reference answer and its scores
+    (``correct``, ``correct_<scoring>``); the completions are not kept. A line cut short by a kill is dropped (that
+    evaluation then lacks problems, and the report falls back on the run's own accuracy); a repeated (step, problem)
+    keeps its last line."""
+    rows = []
+    try:
+        with path.open(errors="replace") as lines:
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("problem"), int):
+                    rows.append({k: v for k, v in row.items() if k in ("step", "problem", "answer")
+                                 or k.startswith("correct") and isinstance(v, int | float)})
+    except OSError as e:
+        warn(f"{path}: unreadable, ignored ({e})")
+    frame = pd.DataFrame(rows, columns=None if rows else ["step", "problem", "answer", "correct"])
+    if "answer" in frame:
+        frame["answer"] = frame["answer"].astype(str)
+    return frame.drop_duplicates(["step", "problem"], keep="last").reset_index(drop=True)
 
 
 def steps_text(steps: list[int], most: int = 8) -> str:
@@ -257,7 +286,7 @@ def log_error(path: Path) -> str | None:
     return last.removeprefix("error: ")[:300] if last else None
 
 
-def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
+def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.DataFrame | None]:
     run_dir = exp_dir / str(entry.get("dir") or entry.get("run_id"))
     run_id = str(entry.get("run_id") or run_dir.name)
     found = {name: (run_dir / name).exists() for name in RUN_FILES}
@@ -326,7 +355,8 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict]:
         metrics.insert(0, "run_id", run_id)
         metrics.insert(1, "objective", run["objective"])
         metrics.insert(2, "seed", run["seed"])
-    return run, metrics, config
+    samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() else None
+    return run, metrics, config, samples
 
 
 def is_run_folder(folder: Path) -> bool:
@@ -354,8 +384,8 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
                             "with a summary.json or metrics.jsonl)")
     loaded = [load_run(exp_dir, e) for e in entries]
-    runs = pd.DataFrame([run for run, _, _ in loaded])
-    frames = [m for _, m, _ in loaded if len(m)]
+    runs = pd.DataFrame([run for run, *_ in loaded])
+    frames = [m for _, m, *_ in loaded if len(m)]
     metrics = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "objective", "step"])
     if "rollout_tokens" in metrics:  # the step-0 evaluation precedes any sampling
         before = metrics["step"] == 0
@@ -368,13 +398,18 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     name = str((manifest or {}).get("experiment") or exp_dir.name)
     overrides = {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in entries
                  if isinstance(e.get("overrides"), dict)}
-    configs = {run["run_id"]: config for run, _, config in loaded}
+    configs = {run["run_id"]: config for run, _, config, _ in loaded}
+    samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
     with_code = {run["run_id"]: {**config, CODE: run["code"] or UNKNOWN} if config else config
-                 for run, _, config in loaded}
+                 for run, _, config, _ in loaded}
     runs, cells, notes = assign_cells(runs, with_code, overrides)
     for note in notes:
         warn(note)
     extra = runs.set_index("run_id")[["cell", "cell_id", "counted"]]
     metrics = metrics.join(extra, on="run_id")  # each metrics row knows its run's cell and whether it is counted
-    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells)
+    baseline = (manifest or {}).get("baseline")
+    objectives = (manifest or {}).get("objectives")
+    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples,
+                      baseline if isinstance(baseline, str) else None,
+                      [str(o) for o in objectives] if isinstance(objectives, list) else [])

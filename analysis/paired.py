@@ -1,120 +1,165 @@
 """Paired comparisons of objectives, following rliable's conventions (Agarwal et al., "Deep RL at the Edge of the
-Statistical Precipice", arXiv 2108.13264). Implemented with numpy/scipy: the ``rliable`` package (1.2.0, the last
-release) needs ``arch`` < 8, whose 7.x releases fail to import with pandas 3 (``deprecate_kwarg()`` changed), so it
-does not run on this project's stack; the functions below follow its definitions, cited per function.
+Statistical Precipice", arXiv 2108.13264) where they apply. Implemented with numpy/scipy: the ``rliable`` package
+(1.2.0, the last release) needs ``arch`` < 8, whose 7.x releases fail to import with pandas 3 (``deprecate_kwarg()``
+changed), so it does not run on this project's stack; the functions below follow its definitions, cited per function.
 
 Runs of two objectives with the same seed in the same cell share their first rollouts (the same prompts, the same
-starting policy, the same sampling streams until the objectives' updates differ), so per cell the comparison is paired
-by seed:
+starting policy, the same sampling streams until the objectives' updates differ) and their eval set, so per cell the
+comparison is paired by seed and by eval problem:
 
-- difference: mean over the seeds both objectives finished of (A's value - B's value); interval as everywhere in the
-  report (analysis/stats.py): a 95% percentile bootstrap over the seed pairs (2000 resamples,
-  ``numpy.random.default_rng(0)``) from 3 pairs, the range of the differences with 2, none ("n/a") below;
+- difference: mean over the seeds both objectives ended of (A's accuracy - B's); interval: analysis/accuracy.py's
+  paired_estimate (a t-interval whose variance adds the spread between seeds and between eval problems of the
+  per-(seed, problem) differences; over seeds only where the runs lack per-problem scores), and the p-value of its
+  t-test (``p_value``, what the verdict's Holm correction takes);
 - wins / ties / losses: seeds where A > B, A = B, A < B;
 - P(A > B), the probability of improvement: rliable's ``metrics.probability_of_improvement``, the Mann-Whitney U
-  statistic over every (A run, B run) pair divided by n_A n_B, a tie counting 0.5; on the paired seeds, with the same
-  bootstrap over seed pairs from 3 pairs.
+  statistic over every (A run, B run) pair divided by n_A n_B, a tie counting 0.5; on the paired seeds, with a
+  hierarchical percentile bootstrap of seeds and eval problems (analysis.stats.resample) from 3 pairs, whose
+  coverage is not measured.
 
-Across cells (rliable's stratified bootstrap, ``StratifiedBootstrap`` / ``get_interval_estimates``: seeds resampled
-with replacement within each cell, cells kept): the mean over cells of each cell's mean difference and of its P(A > B)
-(rliable averages P(X > Y) over tasks: cells play the tasks' part), and per objective the IQM (``aggregate_iqm``:
-``scipy.stats.trim_mean(x, 0.25)`` of all runs of all cells pooled) and the mean, over the cells every objective
-has a finished run in. Aggregate intervals need at least 2 seeds in every cell (a cell of one seed has no resampling
-variance) and 3 in all; the IQM needs 5 runs in all (as the per-cell tables).
+Pairs: each objective against the baseline first (A the objective, B the baseline: the sign answers "does it beat
+the baseline?"), then the other pairs; objectives in the registry's order (objectives.OBJECTIVES).
+
+Across cells (rliable's stratified design: cells kept, seeds resampled within each): the mean over cells of each
+cell's mean difference, its variance the sum of the cells' over the number of cells squared (degrees of freedom by
+Welch–Satterthwaite over every cell's parts), and the mean over cells of P(A > B) (rliable averages P(X > Y) over
+tasks: cells play the tasks' part) with a stratified hierarchical bootstrap. Per objective the IQM (``aggregate_iqm``:
+``scipy.stats.trim_mean(x, 0.25)`` of all runs of all cells pooled) and the mean over the cells every objective has a
+finished run in, the IQM's interval by the same stratified hierarchical bootstrap. Aggregate intervals need at least
+2 seeds in every cell and 3 in all; the IQM needs 5 runs in all (as the per-cell tables).
 """
 
 from __future__ import annotations
 
-from itertools import combinations
-
 import numpy as np
 import pandas as pd
-from scipy.stats import trim_mean
 
-from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL, N_BOOT, describe
+from analysis.accuracy import FINAL, Estimate, paired_units, resampled_values, runs_scores
+from analysis.accuracy import interval_of as accuracy_interval
+from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL, t_bounds
+from objectives import OBJECTIVES
 
 PERCENTILES = [50 * (1 - LEVEL), 50 * (1 + LEVEL)]
+PAIR_COLUMNS = ["cell_id", "cell", "a", "b", "n", "difference", "difference_low", "difference_high", "p_value",
+                "problems", "wins", "ties", "losses", "p_improvement", "p_low", "p_high"]
 
 
 def probability_of_improvement(x, y) -> float:
     """P(X > Y) = U / (n_x n_y), the Mann-Whitney U of X over Y counting ties as 0.5 (rliable); NaN if either is
-    empty. Over the last axis: x (..., n_x), y (..., n_y) give an array of shape (...)."""
+    empty. Over the last axis: x (..., n_x), y (..., n_y) give an array of shape (...); NaNs are left out."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.shape[-1] == 0 or y.shape[-1] == 0:
         return np.nan
-    greater = (x[..., :, None] > y[..., None, :]).mean(axis=(-2, -1))
-    ties = (x[..., :, None] == y[..., None, :]).mean(axis=(-2, -1))
-    return greater + 0.5 * ties
+    a, b = x[..., :, None], y[..., None, :]
+    valid = np.isfinite(a) & np.isfinite(b)
+    score = ((a > b) + 0.5 * (a == b)) * valid
+    with np.errstate(invalid="ignore"):
+        return score.sum(axis=(-2, -1)) / valid.sum(axis=(-2, -1))
 
 
-def paired_values(runs: pd.DataFrame, a: str, b: str, column: str) -> pd.DataFrame:
-    """Per seed both objectives finished (counted, ended runs with a finite value): columns a, b; index seed."""
-    done = runs[runs["counted"] & runs["ended"] & np.isfinite(runs[column].astype(float))]
-    per = {o: done[done["objective"] == o].set_index("seed")[column].astype(float) for o in (a, b)}
-    return pd.DataFrame(per).dropna().sort_index()
+def registry_order(objectives) -> list[str]:
+    """The objectives in the registry's order; names it does not hold after them, sorted."""
+    names = OBJECTIVES.names()
+    return sorted(set(objectives), key=lambda o: (names.index(o) if o in names else len(names), o))
 
 
-def compare(x: np.ndarray, y: np.ndarray) -> dict:
-    """Paired statistics of values x (A) and y (B) of the same seeds (see the module docstring)."""
-    d = describe(x - y)
-    row = {"n": d["n"], "difference": d["mean"], "difference_low": d["ci_low"], "difference_high": d["ci_high"],
-           "wins": int((x > y).sum()), "ties": int((x == y).sum()), "losses": int((x < y).sum()),
-           "p_improvement": probability_of_improvement(x, y), "p_low": np.nan, "p_high": np.nan}
-    if len(x) >= CI_MIN_SEEDS:
-        idx = np.random.default_rng(BOOT_SEED).integers(0, len(x), size=(N_BOOT, len(x)))
-        row["p_low"], row["p_high"] = np.percentile(probability_of_improvement(x[idx], y[idx]), PERCENTILES)
+def default_baseline(objectives, grid: list[str] | None = None) -> str | None:
+    """grpo when among the objectives, else the grid's first objective present, else the first in registry order."""
+    present = registry_order(objectives)
+    if "grpo" in present:
+        return "grpo"
+    return next((o for o in grid or [] if o in present), present[0] if present else None)
+
+
+def objective_pairs(objectives, baseline: str | None = None) -> list[tuple[str, str]]:
+    """(A, B) pairs: each objective against the baseline (A the objective), then the others in registry order."""
+    ordered = registry_order(objectives)
+    first = [(o, baseline) for o in ordered if baseline in ordered and o != baseline]
+    rest = [(a, b) for i, a in enumerate(ordered) for b in ordered[i + 1:] if baseline not in (a, b)]
+    return first + rest
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Paired statistics of two objectives' runs in one cell (analysis.accuracy.runs_scores of each)."""
+    pairs = paired_units(a, b)
+    d = accuracy_interval(pairs)
+    seeds = sorted(pairs)
+    x, y = np.array([a[s][1] for s in seeds]), np.array([b[s][1] for s in seeds])
+    row = {"n": d.n, "difference": d.mean, "difference_low": d.low, "difference_high": d.high,
+           "p_value": d.p_value, "problems": d.problems, "wins": int((x > y).sum()), "ties": int((x == y).sum()),
+           "losses": int((x < y).sum()), "p_improvement": probability_of_improvement(x, y), "p_low": np.nan,
+           "p_high": np.nan}
+    if len(seeds) >= CI_MIN_SEEDS:
+        drawn = resampled_values(stacked(a, b, seeds))
+        row["p_low"], row["p_high"] = np.percentile(probability_of_improvement(drawn[..., 0], drawn[..., 1]),
+                                                    PERCENTILES)
     return row
 
 
-def objective_pairs(objectives) -> list[tuple[str, str]]:
-    return list(combinations(sorted(set(objectives)), 2))
+def stacked(a: dict, b: dict, seeds) -> dict:
+    """key -> (policy, (A's value, B's), their scores side by side, or None unless both scored the same problems):
+    one unit per seed carrying both objectives, so that a resample draws the same seeds and problems for both."""
+    out = {}
+    for s in seeds:
+        (policy, x, sx), (_, y, sy) = a[s], b[s]
+        same = sx is not None and sy is not None and sx.index.equals(sy.index)
+        out[s] = (policy, np.array([x, y]), pd.concat([sx, sy], axis=1) if same else None)
+    return out
 
 
-def per_cell(runs: pd.DataFrame, column: str = "final_eval_accuracy") -> pd.DataFrame:
-    """One row per (cell, A, B) with A < B (names sorted) and at least one seed both finished: cell_id, cell, a, b and
-    compare()'s numbers."""
+def per_cell(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None,
+             baseline: str | None = None) -> pd.DataFrame:
+    """One row per (cell, A, B) (objective_pairs' order) with at least one seed both ended: cell_id, cell, a, b and
+    compare()'s numbers. samples: analysis.load.Experiment.samples (none: over seeds only)."""
     rows = []
     for (cell_id, cell), group in runs.groupby(["cell_id", "cell"], sort=True):
-        for a, b in objective_pairs(group["objective"]):
-            pairs = paired_values(group, a, b, column)
-            if len(pairs):
-                rows.append({"cell_id": cell_id, "cell": cell, "a": a, "b": b,
-                             **compare(pairs[a].to_numpy(), pairs[b].to_numpy())})
-    return pd.DataFrame(rows, columns=["cell_id", "cell", "a", "b", "n", "difference", "difference_low",
-                                       "difference_high", "wins", "ties", "losses", "p_improvement", "p_low", "p_high"])
+        scores = {o: runs_scores(g, samples or {}, column) for o, g in group.groupby("objective")}
+        for a, b in objective_pairs(group["objective"], baseline):
+            if set(scores[a]) & set(scores[b]):
+                rows.append({"cell_id": cell_id, "cell": cell, "a": a, "b": b, **compare(scores[a], scores[b])})
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
 
-def stratified_indices(sizes: list[int], rng) -> list[np.ndarray]:
-    """rliable's stratified bootstrap: per stratum (cell) of n runs, N_BOOT x n indices drawn with replacement."""
-    return [rng.integers(0, n, size=(N_BOOT, n)) for n in sizes]
+def combined(estimates: list[Estimate]) -> Estimate:
+    """The mean over cells of independent estimates, its variance the sum of theirs over the number squared; no
+    interval when a cell has none."""
+    k = len(estimates)
+    mean = float(np.mean([e.mean for e in estimates]))
+    parts = tuple((v / k ** 2, df) for e in estimates for v, df in e.parts)
+    bounded = parts and all(np.isfinite(e.low) for e in estimates)
+    low, high = t_bounds(mean, parts) if bounded else (np.nan, np.nan)
+    return Estimate(mean, float(low), float(high), sum(e.n for e in estimates), parts,
+                    all(e.problems for e in estimates))
 
 
 def can_bootstrap(sizes: list[int]) -> bool:
     return bool(sizes) and min(sizes) >= 2 and sum(sizes) >= CI_MIN_SEEDS
 
 
-def aggregate(runs: pd.DataFrame, column: str = "final_eval_accuracy") -> pd.DataFrame:
-    """One row per (A, B) over the cells where both finished a seed: cells, n (seed pairs in all), the mean over cells
-    of the mean difference and of P(A > B), each with its stratified-bootstrap interval (NaN when not computable)."""
+def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None,
+              baseline: str | None = None) -> pd.DataFrame:
+    """One row per (A, B) over the cells where both ended a seed: cells, n (seed pairs in all), the mean over cells of
+    the mean difference and of P(A > B), with their intervals (NaN when not computable; see the module docstring)."""
     rows = []
-    for a, b in objective_pairs(runs["objective"]):
-        strata = [paired_values(group, a, b, column) for _, group in runs.groupby("cell_id", sort=True)]
-        strata = [p for p in strata if len(p)]
+    cells = {c: {o: runs_scores(g, samples or {}, column) for o, g in group.groupby("objective")}
+             for c, group in runs.groupby("cell_id", sort=True)}
+    for a, b in objective_pairs(runs["objective"], baseline):
+        strata = [(s[a], s[b], sorted(set(s[a]) & set(s[b]))) for s in cells.values() if a in s and b in s]
+        strata = [(x, y, seeds) for x, y, seeds in strata if seeds]
         if not strata:
             continue
-        x, y = [p[a].to_numpy() for p in strata], [p[b].to_numpy() for p in strata]
-        sizes = [len(p) for p in strata]
-        row = {"a": a, "b": b, "cells": len(strata), "n": sum(sizes),
-               "difference": float(np.mean([(xi - yi).mean() for xi, yi in zip(x, y, strict=True)])),
-               "p_improvement": float(np.mean([probability_of_improvement(xi, yi) for xi, yi in zip(x, y,
-                                                                                                   strict=True)])),
-               "difference_low": np.nan, "difference_high": np.nan, "p_low": np.nan, "p_high": np.nan}
+        sizes = [len(seeds) for _, _, seeds in strata]
+        d = combined([accuracy_interval(paired_units(x, y)) for x, y, _ in strata])
+        row = {"a": a, "b": b, "cells": len(strata), "n": sum(sizes), "difference": d.mean,
+               "difference_low": np.nan, "difference_high": np.nan,
+               "p_improvement": float(np.mean([probability_of_improvement([x[s][1] for s in seeds],
+                                                                          [y[s][1] for s in seeds])
+                                               for x, y, seeds in strata])), "p_low": np.nan, "p_high": np.nan}
         if can_bootstrap(sizes):
-            idx = stratified_indices(sizes, np.random.default_rng(BOOT_SEED))
-            diffs = np.mean([(xi[i] - yi[i]).mean(axis=1) for xi, yi, i in zip(x, y, idx, strict=True)], axis=0)
-            pois = np.mean([probability_of_improvement(xi[i], yi[i]) for xi, yi, i in zip(x, y, idx, strict=True)],
-                           axis=0)
-            row["difference_low"], row["difference_high"] = np.percentile(diffs, PERCENTILES)
+            rng = np.random.default_rng(BOOT_SEED)
+            drawn = [resampled_values(stacked(x, y, seeds), rng=rng) for x, y, seeds in strata]
+            pois = np.mean([probability_of_improvement(v[..., 0], v[..., 1]) for v in drawn], axis=0)
+            row["difference_low"], row["difference_high"] = d.low, d.high
             row["p_low"], row["p_high"] = np.percentile(pois, PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["a", "b", "cells", "n", "difference", "difference_low", "difference_high",
@@ -128,26 +173,39 @@ def shared_cells(runs: pd.DataFrame, column: str) -> list[int]:
     return sorted(c for c, g in done.groupby("cell_id") if set(g["objective"]) == objectives)
 
 
-def iqm(runs: pd.DataFrame, column: str = "final_eval_accuracy") -> pd.DataFrame:
+def trimmed_means(x: np.ndarray) -> np.ndarray:
+    """scipy.stats.trim_mean(row, 0.25) of each row of x, leaving out its NaNs."""
+    ordered = np.sort(x, axis=1)  # NaNs last
+    n = np.isfinite(x).sum(axis=1, keepdims=True)
+    cut = np.floor(0.25 * n)
+    rank = np.arange(x.shape[1])
+    keep = (rank >= cut) & (rank < n - cut)
+    return np.where(keep, ordered, 0).sum(axis=1) / keep.sum(axis=1)
+
+
+def iqm(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None) -> pd.DataFrame:
     """Per objective over the shared cells: runs, IQM and mean of all their runs pooled, each with a stratified
-    bootstrap interval (IQM from IQM_MIN_SEEDS runs; intervals as in aggregate)."""
+    hierarchical-bootstrap interval (IQM from IQM_MIN_SEEDS runs; intervals as in aggregate)."""
     cells = shared_cells(runs, column)
-    done = runs[runs["counted"] & runs["ended"] & runs["cell_id"].isin(cells)]
     rows = []
-    for objective, group in done.groupby("objective", sort=True):
-        strata = [g[column].astype(float).to_numpy() for _, g in group.groupby("cell_id", sort=True)]
-        strata = [s[np.isfinite(s)] for s in strata]
+    for objective in registry_order(runs.loc[runs["cell_id"].isin(cells), "objective"]):
+        group = runs[(runs["objective"] == objective) & runs["cell_id"].isin(cells)]
+        strata = [runs_scores(g, samples or {}, column) for _, g in group.groupby("cell_id", sort=True)]
+        strata = [s for s in strata if s]
         sizes = [len(s) for s in strata]
-        pooled = np.concatenate(strata)
+        pooled = np.array([value for s in strata for _, value, _ in s.values()])
+        if not len(pooled):
+            continue
+        mean = combined([accuracy_interval(s) for s in strata]) if len(strata) > 1 else accuracy_interval(strata[0])
         row = {"objective": objective, "cells": len(strata), "n": len(pooled),
-               "iqm": trim_mean(pooled, 0.25) if len(pooled) >= IQM_MIN_SEEDS else np.nan, "iqm_low": np.nan,
+               "iqm": trimmed_means(pooled[None])[0] if len(pooled) >= IQM_MIN_SEEDS else np.nan, "iqm_low": np.nan,
                "iqm_high": np.nan, "mean": pooled.mean(), "mean_low": np.nan, "mean_high": np.nan}
         if can_bootstrap(sizes):
-            idx = stratified_indices(sizes, np.random.default_rng(BOOT_SEED))
-            resampled = np.concatenate([s[i] for s, i in zip(strata, idx, strict=True)], axis=1)
-            row["mean_low"], row["mean_high"] = np.percentile(resampled.mean(axis=1), PERCENTILES)
+            row["mean_low"], row["mean_high"] = mean.low, mean.high
             if len(pooled) >= IQM_MIN_SEEDS:
-                row["iqm_low"], row["iqm_high"] = np.percentile(trim_mean(resampled, 0.25, axis=1), PERCENTILES)
+                rng = np.random.default_rng(BOOT_SEED)
+                drawn = np.concatenate([resampled_values(s, rng=rng) for s in strata], axis=1)
+                row["iqm_low"], row["iqm_high"] = np.percentile(trimmed_means(drawn), PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["objective", "cells", "n", "iqm", "iqm_low", "iqm_high", "mean", "mean_low",
                                        "mean_high"])

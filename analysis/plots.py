@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from analysis.scaling import PAPER as SCALING_PAPER  # noqa: E402
 from analysis.scaling import ObjectiveFit, sigmoid  # noqa: E402
 from analysis.stats import INTERVALS, curve, describe, interval_name, num, on_grid, smooth  # noqa: E402
+from objectives import OBJECTIVES  # noqa: E402
 
 PAPER_CLIP_FRAC = {"gspo": 0.15, "grpo": 0.0013}  # read off the bars of the GSPO paper's Fig. 2
 PAPER = "GSPO paper (arXiv 2507.18071, Fig. 2)"
@@ -49,8 +50,9 @@ ROUTING = {"expert_changed_frac": ("Expert volatility", "(token, layer, slot) as
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step", "lr", "rollout_tokens",
                          "update_tokens", "sampled_tokens", "nonfinite_skips"})
+IDENTITY = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step"})
+ROUND_OFF = 1e-6  # a metric whose values all lie within this (relative, or absolute below 1) is constant
 SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}  # no timestamps
-EXTRAPOLATE = 10  # the fitted sigmoid is drawn (faded) this factor beyond the first and last eval point
 SINGLE, DOUBLE = 3.3, 6.8  # paper column widths (inches)
 PAPER_RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick.labelsize": 7,
             "legend.fontsize": 7, "lines.linewidth": 1.2, "lines.markersize": 3.5, "pdf.fonttype": 42}
@@ -86,9 +88,15 @@ def context(paper: bool):
 
 
 def styles(objectives) -> dict[str, Style]:
-    """Colour, line style and marker per objective (sorted), so that coinciding curves stay visible."""
+    """Colour, line style and marker per objective, fixed by its place in the registry (objectives.OBJECTIVES), so
+    that an objective looks the same in every report; names the registry does not hold follow it, sorted. Markers
+    differ between neighbours, so that coinciding curves stay visible."""
+    names = OBJECTIVES.names()
+    places = {o: names.index(o) if o in names else len(names) + i
+              for i, o in enumerate(sorted(set(objectives) - set(names)))} | {o: names.index(o) for o in
+                                                                             set(objectives) & set(names)}
     return {o: Style(COLORS[i % len(COLORS)], LINESTYLES[i % len(LINESTYLES)], MARKERS[i % len(MARKERS)], i)
-            for i, o in enumerate(sorted(set(objectives)))}
+            for o, i in sorted(places.items(), key=lambda item: item[1])}
 
 
 def reported(metrics: pd.DataFrame, column: str) -> bool:
@@ -115,6 +123,27 @@ def same_values(metrics: pd.DataFrame, a: str, b: str) -> bool:
     """Columns a and b are logged on the same rows with equal values (e.g. the reward is the correctness)."""
     x, y = metrics[a], metrics[b]
     return bool((x.isna() == y.isna()).all() and np.allclose(x.dropna(), y.dropna(), rtol=1e-9, atol=0))
+
+
+def round_off(metrics: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """The per-step metrics (not bookkeeping) constant to round-off: every logged value of every run within
+    ROUND_OFF x max(1, largest |value|) of every other (e.g. the mean of normalised advantages, a KL between two
+    evaluations of the same weights): column -> (smallest, largest value)."""
+    out = {}
+    for column in sorted(metrics.columns):
+        if column in IDENTITY or bookkeeping(column) or not reported(metrics, column):
+            continue
+        values = metrics[column].dropna().to_numpy(dtype=float)
+        low, high = float(values.min()), float(values.max())
+        if np.isfinite([low, high]).all() and high - low <= ROUND_OFF * max(1.0, abs(low), abs(high)):
+            out[column] = (low, high)
+    return out
+
+
+def own_scale(column: str) -> bool:
+    """A quantity whose scale differs between objectives by construction (each objective's loss), never drawn on one
+    axis across objectives."""
+    return (column == "loss" or column.endswith("_loss")) and column not in ROUTING
 
 
 def families(metrics: pd.DataFrame, drawn: set[str]) -> dict[str, list[str]]:
@@ -226,10 +255,13 @@ def curves_figure(metrics: pd.DataFrame, x: str, look: dict[str, Style], window:
     return Made(stem, title, fig, axis_note(x, window), notes)
 
 
-def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int, title: str, paper: bool):
-    present = [m for m in STABILITY if reported(metrics, m)]
+def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int, title: str, paper: bool,
+                     flat: frozenset = frozenset()):
+    """The stability diagnostics that some run reports, one panel each; `flat`: metrics constant to round-off, left
+    out (the report names them)."""
+    present = [m for m in STABILITY if reported(metrics, m) and m not in flat]
     notes = [f"`{m}` is reported by no run: panel left out." for m in STABILITY if m not in present
-             and m != "kl_behavior_k3"]
+             and m != "kl_behavior_k3" and m not in flat]
     if "kl_behavior_k3" in present and "kl_behavior" in present:
         present.remove("kl_behavior")
         notes.append("KL to behaviour: the k3 estimate (`kl_behavior_k3`, never negative) is drawn; the k1 estimate "
@@ -238,7 +270,7 @@ def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int,
         notes.append("KL to behaviour: `kl_behavior` is the k1 estimate (token mean of log π_old − log π over the "
                      "sampled tokens): unbiased, but a single batch's value can be negative; a k3 estimate is not "
                      "logged by these runs.")
-    present += [m for m in ROUTING if reported(metrics, m)]
+    present += [m for m in ROUTING if reported(metrics, m) and m not in flat]
     notes += lacking_notes(metrics, present)
     fig = lines_figure(metrics, "step", present, look, window, {**STABILITY, **ROUTING}, title, paper) \
         if present else None
@@ -250,6 +282,21 @@ def family_figure(metrics: pd.DataFrame, family: str, columns: list[str], look: 
     """The metrics of one name prefix (the objectives' own among them), one panel each, titled by key."""
     fig = lines_figure(metrics, "step", columns, look, window, {}, title, paper)
     return Made(f"metrics_{family}", title, fig, axis_note("step", window), lacking_notes(metrics, columns))
+
+
+def own_scale_figure(metrics: pd.DataFrame, columns: list[str], look: dict[str, Style], window: int, title: str,
+                     paper: bool):
+    """Each objective's loss-like metrics on axes of their own (own_scale): one panel per (metric, objective)."""
+    objectives = [o for o in look if o in set(metrics["objective"])]
+    panels = [(m, o) for m in columns for o in objectives if metrics.loc[metrics["objective"] == o, m].notna().any()]
+    fig, axes = grid(len(panels), paper, title)
+    for ax, (m, o) in zip(axes, panels, strict=True):
+        line_panel(ax, smooth(metrics[metrics["objective"] == o], [m], window), "step", m, {o: look[o]})
+        ax.set(title=f"{m}: {o}", xlabel=X_LABELS["step"], ylabel=f"{m} ({o}'s own scale)")
+    caption = (axis_note("step", window) + " One panel per objective and metric, each on its own y axis: the "
+               "objectives' losses differ in scale by construction (their surrogates, ratios and normalisations), so "
+               "their values are not compared across objectives. Colour: the objective, as in the other figures.")
+    return Made("metrics_loss", title, fig, caption)
 
 
 def clip_note(objective: str, values: pd.Series, d: dict) -> str:
@@ -325,61 +372,73 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
     return Made("clip_fraction", title, fig, caption, notes)
 
 
-def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool):
+def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: bool, estimates: dict | None = None):
+    """Each seed's final accuracy (points) and per objective (registry order) the mean with its interval: the
+    report's (``estimates``: objective -> analysis.accuracy.Estimate, over seeds and eval problems), else
+    describe's over seeds; the start as a dashed line."""
     done = runs[runs["ended" if "ended" in runs else "complete"] & runs["final_eval_accuracy"].notna()]
     if done.empty:
         return Made("final_eval", title, None,
                     notes=["no finished run with a final eval accuracy yet: figure left out."])
-    order = sorted(done["objective"].unique())
+    order = [o for o in look if o in set(done["objective"])]
     fig, (ax,) = grid(1, paper, title, single=True)
     sns.swarmplot(data=done, x="objective", y="final_eval_accuracy", order=order, hue="objective",
                   palette={o: look[o].color for o in order}, size=4 if paper else 6, legend=False, ax=ax)
     labels = []
     for i, objective in enumerate(order):
         d = describe(done.loc[done["objective"] == objective, "final_eval_accuracy"])
-        labels.append(f"{objective}\n(n={d['n']}, {interval_name(d['n'])})")
-        yerr = [[d["mean"] - d["ci_low"]], [d["ci_high"] - d["mean"]]] if d["n"] > 1 else None
-        ax.errorbar(i + 0.25, d["mean"], yerr=yerr, fmt="D", color="black", markersize=4, capsize=3)
+        e = (estimates or {}).get(objective)
+        mean, low, high, name = (e.mean, e.low, e.high, "95% CI") if e is not None and e.problems else \
+            (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"]))
+        labels.append(f"{objective}\n(n={d['n']}, {name})")
+        yerr = [[mean - low], [high - mean]] if np.isfinite(low) else None
+        ax.errorbar(i + 0.25, mean, yerr=yerr, fmt="D", color=look[objective].color, markerfacecolor="white",
+                    markersize=5, capsize=3)
     ax.set_xticks(range(len(order)), labels)
     ax.set(xlabel="", ylabel="final eval accuracy")
-    fig.legend(handles=[Line2D([], [], marker="o", linestyle="none", color="0.3", label="one seed"),
-                        Line2D([], [], marker="D", color="black", label="mean ± interval")],
-               loc="outside lower center", ncols=2, frameon=False)
+    handles = [Line2D([], [], marker="o", linestyle="none", color="0.3", label="one seed"),
+               Line2D([], [], marker="D", color="0.3", markerfacecolor="white", label="mean ± interval")]
+    start = done["start_eval_accuracy"].mean() if "start_eval_accuracy" in done else np.nan
+    if np.isfinite(start):
+        ax.axhline(start, color="0.4", linestyle="--", linewidth=1, zorder=1)
+        handles.append(Line2D([], [], color="0.4", linestyle="--", label=f"start (step 0): {num(start)}"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     caption = ("Points: each seed's final greedy held-out accuracy (runs that ended: finished, or diverged with their "
-               "last eval), coloured by objective. "
-               f"Diamond: mean over seeds; bar: {INTERVALS}.")
+               "last eval), coloured by objective. Open diamond: mean over seeds; bar: the interval of the tables "
+               f"(over seeds and eval problems; where the runs lack per-problem scores, {INTERVALS}). Dashed: the "
+               "mean step-0 accuracy of these runs (the start), so the axis shows the gain.")
     return Made("final_eval", title, fig, caption)
 
 
 def scaling_figure(fits: list[ObjectiveFit], look: dict[str, Style], title: str, paper: bool):
-    """Per objective whose fit converged: its mean eval accuracy at each eval point after step 0 against mean rollout
-    tokens (marker; bar: the interval over seeds), the fitted sigmoid over the points (line) and extrapolated
-    EXTRAPOLATE-fold on either side (faded); log x."""
+    """Per objective whose fit meets its conditions (analysis/scaling.py): its mean eval accuracy at each eval point
+    after step 0 against mean rollout tokens (marker; bar: the interval over seeds) and the fitted sigmoid over the
+    points only (line); the start (R0) as a dotted line; log x. Every objective not drawn is named with its reason;
+    none drawn: no figure, one line."""
     shown = [f for f in fits if f.fit.converged]
+    left = [f"{f.objective}: {f.fit.reason}" for f in fits if not f.fit.converged]
     if not shown:
-        return Made("scaling", title, None, notes=["No objective's compute-performance fit converged (the table says "
-                                                   "why): figure left out."])
+        return Made("scaling", title, None, notes=["No objective's compute-performance fit meets its conditions, so "
+                                                   "no curve is drawn (" + "; ".join(left) + ")."])
     fig, (ax,) = grid(1, paper, title, single=True)
     for f in shown:
         s = look[f.objective]
         d = pd.DataFrame([describe(points) for points in f.per_seed.T])
         yerr = [d["mean"] - d["ci_low"], d["ci_high"] - d["mean"]] if f.seeds > 1 else None
         ax.errorbar(f.tokens, d["mean"], yerr=yerr, fmt=s.marker, color=s.color, capsize=2, zorder=3)
-        low, high = f.tokens.min(), f.tokens.max()
-        kw = {"color": s.color, "linestyle": s.linestyle}
-        for start, end, alpha in ((low / EXTRAPOLATE, low, 0.35), (low, high, 1.0), (high, EXTRAPOLATE * high, 0.35)):
-            c = np.geomspace(start, end, 100)
-            ax.plot(c, sigmoid(c, f.fit.r0, f.fit.a, f.fit.b, f.fit.c_mid), alpha=alpha, **kw)
+        c = np.geomspace(f.tokens.min(), f.tokens.max(), 100)
+        ax.plot(c, sigmoid(c, f.fit.r0, f.fit.a, f.fit.b, f.fit.c_mid), color=s.color, linestyle=s.linestyle)
+        ax.axhline(f.fit.r0, color=s.color, linestyle=":", linewidth=0.8)
     ax.set_xscale("log")
     ax.set(xlabel=X_LABELS["rollout_tokens"] + " (log)", ylabel="eval accuracy")
-    labels = {f.objective: f"{f.objective} (n={f.seeds}, A={num(f.fit.a)}, B={num(f.fit.b)})" for f in shown}
+    labels = {f.objective: f"{f.objective} (n={f.seeds})" for f in shown}
     objective_legend(fig, look, labels, legend_columns(labels.values(), width_of(1, paper, True), paper))
     caption = (f"Compute-performance fit ({SCALING_PAPER}): R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), C = rollout "
-               "tokens, drawn for the objectives whose fit converged (table above). Markers: mean greedy eval "
-               f"accuracy over finished seeds at each eval point after step 0, at the seeds' mean rollout tokens; bar: "
-               f"{INTERVALS}. Line: the fit over the points; faded: extrapolated {EXTRAPOLATE}-fold beyond the first "
-               "and last point (toward R0, the step-0 accuracy, as C -> 0, and toward A).")
-    return Made("scaling", title, fig, caption)
+               "tokens, for the objectives whose fit meets its conditions (the table in Compute-performance fit, "
+               "below, gives A, B, C_mid and every other objective's reason). Markers: mean greedy eval accuracy over "
+               f"finished seeds at each eval point after step 0, at the seeds' mean rollout tokens; bar: {INTERVALS}. "
+               "Line: the fit, over the points only; dotted: the start R0 (step-0 accuracy).")
+    return Made("scaling", title, fig, caption, [f"Not drawn: {line}." for line in left])
 
 
 def save(fig, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:

@@ -22,11 +22,23 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy.stats import trim_mean
 
-from analysis import axes, paired, plots, scaling, timing
+from analysis import axes, paired, plots, scaling, timing, verdict
+from analysis.accuracy import estimate, runs_scores
+from analysis.accuracy import interval_of as accuracy_interval
 from analysis.cells import Cells, short_names, show
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
-from analysis.stats import INTERVALS, IQM_MIN_SEEDS, coinciding, describe, interval_name, num, rate_interval
+from analysis.stats import (
+    ACCURACY_INTERVALS,
+    INDICATIVE_BELOW,
+    INTERVALS,
+    IQM_MIN_SEEDS,
+    coinciding,
+    indicative,
+    num,
+    rate_interval,
+)
 from harness.run.atomic import TMP, atomic_write
 from harness.run.provenance import versions_lines
 
@@ -64,22 +76,29 @@ def cell_identity(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = ()) -> pd.DataFrame:
-    """One row per (cell, objective): over its counted runs that ended (seeds: their number, one per distinct seed)
-    the start, final, best (and per scoring variant final) eval accuracy as mean, interval (see stats), n, IQM; the
-    collapses (k of the runs whose collapse state is known, rate, Wilson interval, causes); mean cost per run; the
-    runs not ended and the duplicates left out."""
+def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: dict | None = None) -> pd.DataFrame:
+    """One row per (cell, objective) (objectives in the registry's order): over its counted runs that ended (seeds:
+    their number, one per distinct seed) the start, final, best (and per scoring variant final) eval accuracy as
+    mean, interval (analysis/accuracy.py: over seeds and eval problems where the runs' per-problem scores are in
+    ``samples``, else over seeds; ``_problems`` says which), n, IQM; the collapses (k of the runs whose collapse state
+    is known, rate, Wilson interval, causes); mean cost per run; the runs not ended and the duplicates left out."""
     runs = cell_identity(runs)
     rows = []
-    for (cell_id, objective), group in runs.groupby(["cell_id", "objective"], sort=True):
+    order = {o: i for i, o in enumerate(paired.registry_order(runs["objective"]))}
+    groups = sorted(runs.groupby(["cell_id", "objective"], sort=True), key=lambda g: (g[0][0], order[g[0][1]]))
+    for (cell_id, objective), group in groups:
         counted = group[group["counted"]]
         done = counted[counted["ended"]]
         first = group.iloc[0]
         row = {"cell_id": cell_id, "cell": first["cell"], **{a: first[a] for a in axes_keys}, "objective": objective,
                "seeds": len(done)}
         for kind, column in accuracies(runs).items():
-            d = describe(done[column])
-            row.update({f"{kind}_{k}": d[k] for k in ("mean", "ci_low", "ci_high", "n", "iqm")})
+            d = accuracy_interval(runs_scores(group, samples or {}, column))
+            values = done[column].astype(float)
+            values = values[np.isfinite(values)]
+            row.update({f"{kind}_mean": d.mean, f"{kind}_ci_low": d.low, f"{kind}_ci_high": d.high,
+                        f"{kind}_n": d.n, f"{kind}_problems": d.problems,
+                        f"{kind}_iqm": trim_mean(values, 0.25) if len(values) >= IQM_MIN_SEEDS else np.nan})
         known = done[done["collapse_source"].notna()]
         k, n = int(known["collapse_cause"].notna().sum()), len(known)
         low, high = rate_interval(k, n)
@@ -93,15 +112,22 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = ()) -> pd.Data
     return pd.DataFrame(rows)
 
 
-def interval(low, high, n) -> str:
-    return "n/a" if n < 2 or pd.isna(low) else f"{interval_name(n)} [{num(low)}, {num(high)}]"
+def interval(low, high, n, problems: bool = False) -> str:
+    """An interval as the tables show it: its name, bounds, what it covers and whether it is indicative."""
+    if n < 2 or pd.isna(low):
+        return "n/a"
+    name = "range" if n == 2 and not problems else "95% CI"
+    where = "" if problems else " (seeds only)"
+    return f"{name} [{num(low)}, {num(high)}]{where}" + (f", {n} seeds: indicative" if indicative(n) and
+                                                        name != "range" else "")
 
 
 def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True) -> dict:
+    problems = table[f"{kind}_problems"] if f"{kind}_problems" in table else [False] * len(table)
     out = {f"{label} mean": table[f"{kind}_mean"].map(num),
-           f"{label} interval": [interval(lo, hi, n) for lo, hi, n in
+           f"{label} interval": [interval(lo, hi, n, p) for lo, hi, n, p in
                                  zip(table[f"{kind}_ci_low"], table[f"{kind}_ci_high"], table[f"{kind}_n"],
-                                     strict=True)]}
+                                     problems, strict=True)]}
     if iqm:
         out[f"{label} IQM"] = table[f"{kind}_iqm"].map(num)
     return out
@@ -135,13 +161,42 @@ def eval_display(table: pd.DataFrame, runs: pd.DataFrame, cells: Cells | None = 
     return pd.DataFrame(out)
 
 
+def same_start(table: pd.DataFrame) -> bool:
+    """Whether every row of the table starts alike: the same step-0 mean and, where there is one, interval (one
+    starting policy, greedy evaluation: the same scores on every run)."""
+    done = table[table["start_n"] > 0]
+    bounded = done[done["start_ci_low"].notna()]
+
+    def alike(values: pd.Series) -> bool:  # equal to round-off (means over 2 and 3 equal seeds differ in the last bit)
+        return values.empty or bool(np.ptp(values.to_numpy(dtype=float)) <= 1e-12)
+
+    return len(done) > 1 and alike(done["start_mean"]) and alike(bounded["start_ci_low"]) and \
+        alike(bounded["start_ci_high"])
+
+
 def headline_display(table: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
+    """Start and end accuracy per (objective, cell); the start's columns left out when every row starts alike
+    (start_line says it once)."""
     out = {**cell_columns(table, cells or Cells()), "objective": table["objective"]}
-    for kind, label in (("start", "start (step 0)"), ("final", "end")):
+    kinds = (("final", "end"),) if same_start(table) else (("start", "start (step 0)"), ("final", "end"))
+    for kind, label in kinds:
         out.update(summary_columns(table, kind, label, iqm=False))
         out[f"{label} n"] = table[f"{kind}_n"]
     out["collapsed"] = collapsed_column(table)
     return pd.DataFrame(out)
+
+
+def start_line(table: pd.DataFrame) -> str | None:
+    """The one start accuracy (and its interval, from the objective with the most seeds) of a table whose rows start
+    alike (same_start), else None."""
+    if not same_start(table):
+        return None
+    done = table[table["start_n"] > 0]
+    row = done.sort_values("start_n", ascending=False).iloc[0]  # one with an interval, if any
+    return (f"Every objective starts at {num(row['start_mean'])} at step 0 "
+            f"({interval(row['start_ci_low'], row['start_ci_high'], int(row['start_n']), row['start_problems'])}; "
+            "with one starting policy and greedy evaluation every run scores each problem alike, and the interval "
+            "is the eval set's sampling): the start's columns are left out of the table.")
 
 
 def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:
@@ -309,37 +364,53 @@ def coincide_lines(found: dict, prefix: str = "") -> list[str]:
 
 
 def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, paper: bool,
-            fits: list[scaling.ObjectiveFit], look: dict[str, plots.Style], suffix: str = ""
-            ) -> tuple[list[plots.Made], list[str]]:
-    """Every figure of one cell (drawn or not, with its notes; stems end in `suffix`), and the pairs of objectives
-    whose curves coincide; `fits`: the cell's compute-performance fits (scaling.fit_objectives)."""
-    made = []
+            fits: list[scaling.ObjectiveFit], look: dict[str, plots.Style], suffix: str = "",
+            samples: dict | None = None) -> tuple[list[plots.Made], list[str], list[str]]:
+    """Every figure of one cell (drawn or not, with its notes; stems end in `suffix`), the pairs of objectives whose
+    curves coincide, and the metrics left out (constant to round-off); `fits`: the cell's compute-performance fits
+    (scaling.fit_objectives)."""
+    made, coincide, left_out = [], [], []
+    flat = plots.round_off(metrics) if not metrics.empty else {}
     if not metrics.empty:
         made += [plots.curves_figure(metrics, "step", look, smooth, f"{name}: accuracy and reward by step", paper),
                  plots.curves_figure(metrics, "rollout_tokens", look, smooth,
                                      f"{name}: accuracy and reward by rollout tokens", paper),
                  plots.scaling_figure(fits, look, f"{name}: compute-performance fit", paper),
-                 plots.stability_figure(metrics, look, smooth, f"{name}: stability diagnostics", paper),
+                 plots.stability_figure(metrics, look, smooth, f"{name}: stability diagnostics", paper,
+                                        frozenset(flat)),
                  plots.clip_figure(metrics, runs, look, f"{name}: clip fraction, measured vs paper", paper)]
-    made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper))
-    coincide = []
+    estimates = {o: estimate(g, samples or {}) for o, g in cell_identity(runs).groupby("objective")}
+    made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper, estimates))
     if not metrics.empty:
-        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING] if plots.reported(metrics, m)]
-        for family, columns in plots.families(metrics, set(drawn)).items():
+        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING] if plots.reported(metrics, m)
+                 and m not in flat]
+        own = [m for m in sorted(metrics.columns) if plots.own_scale(m) and m not in flat
+               and not plots.bookkeeping(m) and plots.reported(metrics, m)]
+        if own:
+            made.append(plots.own_scale_figure(metrics, own, look, smooth, f"{name}: each objective's loss", paper))
+        for family, columns in plots.families(metrics, set(drawn) | set(flat) | set(own)).items():
             title = "Other per-step metrics" if family == "other" else f"Metrics {family}_*"
             made.append(plots.family_figure(metrics, family, columns, look, smooth, f"{name}: {title}", paper))
             drawn += columns
         coincide = coincide_lines(coinciding(metrics, drawn))
+        if flat:
+            left_out.append("Left out of the figures, constant (to round-off: a spread of at most 1e-6 of their "
+                            "size) at every logged step of every run: "
+                            + ", ".join(f"`{m}` ({low:.2g} throughout)" if low == high else
+                                        f"`{m}` (between {low:.2g} and {high:.2g})" for m, (low, high) in flat.items())
+                            + ".")
     for figure in made:
         figure.stem += suffix
-    return made, coincide
+    return made, coincide, left_out
 
 
 def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int = 1,
-                 formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False) -> Path:
+                 formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False, baseline: str | None = None) -> Path:
     """Write the report folder; returns the path of report.md. Data problems are warned (AnalysisWarning) and
     listed in the report; a missing or empty results folder raises AnalysisError. ``paper``: figures for a paper
-    (see plots), PDF among the formats. The folder is built as a hidden sibling and renamed into place."""
+    (see plots), PDF among the formats. ``baseline``: the objective the verdict compares the others to (None:
+    manifest.json's, else analysis.paired.default_baseline). The folder is built as a hidden sibling and renamed
+    into place."""
     unknown = set(formats) - set(plots.SAVE_METADATA)
     if unknown:
         raise AnalysisError(f"unknown figure format(s) {', '.join(sorted(unknown))}; use png, pdf or svg")
@@ -350,6 +421,9 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     data_warnings = [str(w.message) for w in caught if issubclass(w.category, AnalysisWarning)]
+    if baseline is not None and baseline not in set(exp.runs["objective"]):
+        raise AnalysisError(f"--baseline {baseline}: no run of {baseline} in {exp.dir}; its objectives: "
+                            + ", ".join(paired.registry_order(exp.runs["objective"])))
     out_dir = Path(out) if out else exp.dir / "report"
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "report.md").exists():
         raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to replace it; choose another "
@@ -362,7 +436,7 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     def write(tmp: Path) -> None:
         tmp.mkdir()
         with plots.context(paper):
-            write_report(exp, tmp, smooth, formats, paper, data_warnings)
+            write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline)
 
     atomic_write(out_dir, write=write, shared=True)  # shared: two reports of one experiment may be written at once
     return out_dir / "report.md"
@@ -438,8 +512,10 @@ def paired_display(per_cell: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     return pd.DataFrame({
         **cell_columns(frame, cells), "A": frame["a"], "B": frame["b"], "paired seeds": frame["n"],
         "A − B (final acc)": frame["difference"].map(num),
-        "interval": [interval(lo, hi, n) for lo, hi, n in
-                     zip(frame["difference_low"], frame["difference_high"], frame["n"], strict=True)],
+        "interval": [interval(lo, hi, n, p) for lo, hi, n, p in
+                     zip(frame["difference_low"], frame["difference_high"], frame["n"], frame["problems"],
+                         strict=True)],
+        "p (t-test)": frame["p_value"].map(num),
         "wins/ties/losses": [f"{w}/{t}/{lo}" for w, t, lo in zip(frame["wins"], frame["ties"], frame["losses"],
                                                                  strict=True)],
         "P(A > B)": frame["p_improvement"].map(num),
@@ -481,6 +557,8 @@ class Numbers:
     pairs: pd.DataFrame  # paired comparisons per cell
     aggregated: pd.DataFrame  # ... aggregated over cells
     iqms: pd.DataFrame
+    baseline: str | None  # the objective the verdict compares the others to
+    verdicts: list  # analysis.verdict.CellVerdict per cell
 
 
 @dataclass(frozen=True)
@@ -494,10 +572,11 @@ class CellParts:
 
 
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
-                 data_warnings: list[str]) -> None:
-    """report.md and report.html (and every table and figure they show) into ``out_dir``."""
+                 data_warnings: list[str], baseline: str | None = None) -> None:
+    """report.md and report.html (and every table and figure they show) into ``out_dir``; verdict.txt: the
+    verdict's lines (what the command line prints)."""
     look = plots.styles(exp.runs["objective"])
-    numbers = write_numbers(exp, out_dir)
+    numbers = write_numbers(exp, out_dir, baseline)
     parts = write_cells(exp, out_dir, smooth, formats, paper, look)
     overview = axes.axis_figures(numbers.table, exp.cells, look, exp.name, paper) if exp.cells.axes else []
     blocks = [*intro_blocks(exp, numbers, data_warnings), *figures_section(exp, parts, overview, out_dir, formats),
@@ -506,10 +585,11 @@ def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str]
     (out_dir / "report.html").write_text(render_html(blocks, out_dir, f"Report: {exp.name}"))
 
 
-def write_numbers(exp: Experiment, out_dir: Path) -> Numbers:
-    """Per (objective, cell): the eval, headline, collapse and paired tables, as csv and md."""
+def write_numbers(exp: Experiment, out_dir: Path, baseline: str | None = None) -> Numbers:
+    """Per (objective, cell): the eval, headline, collapse and paired tables, as csv and md; the verdict (baseline:
+    the --baseline given, else manifest.json's, else paired.default_baseline)."""
     runs, cells = exp.runs, exp.cells
-    table = eval_table(runs, cells.axes)
+    table = eval_table(runs, cells.axes, exp.samples)
     table.to_csv(out_dir / "eval_accuracy.csv", index=False)
     runs.to_csv(out_dir / "runs.csv", index=False)
     (out_dir / "eval_accuracy.md").write_text(md_table(eval_display(table, runs, cells)) + "\n")
@@ -518,12 +598,18 @@ def write_numbers(exp: Experiment, out_dir: Path) -> Numbers:
     (out_dir / "headline.md").write_text(md_table(headline) + "\n")
     collapse = collapse_display(table, cells)
     (out_dir / "collapse.md").write_text(md_table(collapse) + "\n")
-    pairs, aggregated, iqms = paired.per_cell(runs), paired.aggregate(runs), paired.iqm(runs)
+    ended = runs.loc[runs["counted"] & runs["ended"], "objective"]
+    baseline = baseline or exp.baseline or paired.default_baseline(ended, exp.objectives)
+    pairs = paired.per_cell(runs, samples=exp.samples, baseline=baseline)
+    aggregated = paired.aggregate(runs, samples=exp.samples, baseline=baseline)
+    iqms = paired.iqm(runs, samples=exp.samples)
     pairs.to_csv(out_dir / "paired.csv", index=False)
     aggregated.to_csv(out_dir / "paired_aggregate.csv", index=False)
     iqms.to_csv(out_dir / "iqm.csv", index=False)
     (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
-    return Numbers(table, headline, collapse, pairs, aggregated, iqms)
+    verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline)
+    (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in verdict.lines(verdicts)))
+    return Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
 
 
 def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool, look) -> CellParts:
@@ -538,15 +624,15 @@ def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str],
         fit_numbers.append(with_cell(scaling.fit_numbers(fits), label, multi))
         time_tables.append(with_cell(timing.time_table(cell_runs, cell_metrics), label, multi))
         title = f"{name} [{cells.short(cell_id)}]" if multi else name
-        made, lines = figures(cell_runs, cell_metrics, title, smooth, paper, fits, look,
-                              f"_c{cell_id + 1}" if multi else "")
+        made, lines, left_out = figures(cell_runs, cell_metrics, title, smooth, paper, fits, look,
+                                        f"_c{cell_id + 1}" if multi else "", exp.samples)
         coincide += [f"cell `{label}`: {line}" if multi else line for line in lines]
         if multi:
             cell_blocks.append(("h3", f"Cell {cell_id + 1}: {label}"))
         if cell_metrics.empty:
             cell_blocks.append(("p", f"No run{' of this cell' if multi else ''} has logged metrics yet: the curves, "
                                      "stability and clip-fraction figures are left out."))
-        cell_blocks += figure_blocks(made, out_dir, formats)
+        cell_blocks += figure_blocks(made, out_dir, formats) + [("p", line) for line in left_out]
     fit_table = pd.concat(fit_tables, ignore_index=True) if fit_tables else pd.DataFrame()
     (pd.concat(fit_numbers, ignore_index=True) if fit_numbers else pd.DataFrame()).to_csv(
         out_dir / "scaling_fit.csv", index=False)
@@ -556,11 +642,12 @@ def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str],
 
 
 def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) -> list[tuple]:
-    """The title, what the numbers rest on, the headline table, the cells and the starting policies."""
+    """The title, the verdict, what the numbers rest on, the headline table, the cells and the starting policies."""
     runs, name, cells, headline, table = exp.runs, exp.name, exp.cells, numbers.headline, numbers.table
     multi = len(cells.labels) > 1
     unfinished = unfinished_lines(runs)
-    blocks = [("h1", f"Report: {name}"),
+    start = start_line(table)
+    blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi),
               ("p", f"Source: `{exp.dir}`. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} ended, "
                     f"{len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
                     "combination of the settings that differ between runs of an objective; runs that differ in a "
@@ -568,8 +655,10 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
                     f"use the runs that {ENDED}; the curves use every logged step of every counted run."),
               ("h2", "Start and end accuracy"),
               ("p", "Greedy held-out eval accuracy of each objective's ended runs at step 0 (the starting policy, "
-                    "before any update) and at the last step, per cell. Mean over seeds; interval: " + INTERVALS
-                    + ". Collapsed: runs that collapsed (see Collapse) of those that ended."),
+                    "before any update) and at the last step, per cell. Mean over seeds; interval: "
+                    + ACCURACY_INTERVALS + "; where the runs lack per-problem scores (eval_samples.jsonl), over "
+                    "seeds only, said so. Collapsed: runs that collapsed (see Collapse) of those that ended."),
+              *([("p", start)] if start else []),
               ("table", headline), ("ul", status_lines(exp, table, data_warnings))]
     if multi:
         blocks += [("p", f"Cells ({len(cells.labels)}):"), ("ul", cell_lines(exp))]
@@ -577,6 +666,23 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     blocks += [("p", "Code (summary.json `segments`: each start's commit, changes, packages and torch threads; a "
                      "setting like any other):"), ("ul", versions_lines(runs.to_dict("records")) or ["not known yet: "
                                                                                       "no run has started."])]
+    return blocks
+
+
+def verdict_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
+    """The verdict: one sentence per cell, then per cell the ranking against the baseline."""
+    if not numbers.verdicts:
+        return [("h2", "Verdict"), ("p", "No run has ended yet: no verdict.")]
+    blocks = [("h2", f"Verdict (baseline: {numbers.baseline})"), ("ul", verdict.lines(numbers.verdicts)),
+              ("p", f"Objectives ranked by mean final eval accuracy; − {numbers.baseline}: the paired difference to "
+                    f"the baseline (by seed and eval problem) with its 95% interval; seeds above/paired: the seeds "
+                    f"where the objective ended above the baseline, of those both ended. A difference counts when its "
+                    f"Holm-adjusted p-value (paired t-tests, Holm's step-down correction over the cell's comparisons "
+                    f"to the baseline) is below 0.05. Intervals below {INDICATIVE_BELOW} seeds are indicative. "
+                    "Baseline: `--baseline` / `sweep.baseline`, else grpo, else the grid's first objective "
+                    "(analysis/verdict.py).")]
+    for v in numbers.verdicts:
+        blocks += ([("h3", f"Cell: {v.cell}")] if multi else []) + [("table", v.table)]
     return blocks
 
 
@@ -615,8 +721,8 @@ def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_war
     scorings = [k.removeprefix("final_") for k in accuracies(runs) if k not in ("start", "final", "best")]
     blocks = [("h2", "Eval accuracy per objective" + (" and cell" if multi else "")),
               ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
-                    f"the runs that {ENDED}. Mean over seeds; interval: {INTERVALS}. IQM: mean of the middle 50% of "
-                    f"seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
+                    f"the runs that {ENDED}. Mean over seeds; interval: {ACCURACY_INTERVALS}. IQM: mean of the middle "
+                    f"50% of seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
                     "rollout tokens: mean per ended run."
                     + (" The same final evaluation scored other ways: "
                        + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
@@ -624,28 +730,35 @@ def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_war
               ("table", eval_display(table, runs, cells)),
               ("h2", "Collapse"), ("p", rule_text()), ("table", collapse),
               ("h2", "Paired comparisons"),
-              ("p", "Runs of two objectives with the same seed in the same cell share their first rollouts, so "
-                    "objectives are compared per cell by per-seed differences of final eval accuracy (A − B over "
-                    f"the seeds both ended; interval: {INTERVALS} of the differences), wins/ties/losses over those "
-                    "seeds, and the probability of improvement P(A > B) (rliable's: Mann–Whitney U / (n_A n_B), "
-                    "ties 0.5; 95% bootstrap over seed pairs from 3 pairs). Method and conventions: "
-                    "analysis/paired.py (rliable's, arXiv 2108.13264, computed with numpy/scipy)."),
+              ("p", "Runs of two objectives with the same seed in the same cell share their first rollouts and "
+                    "their eval set, so objectives are compared per cell by the differences of final eval accuracy "
+                    "per seed and eval problem (A − B over the seeds both ended; interval: "
+                    f"{ACCURACY_INTERVALS}), wins/ties/losses over those seeds, and the probability of improvement "
+                    "P(A > B) (rliable's: Mann–Whitney U / (n_A n_B), ties 0.5; from 3 pairs a 95% percentile "
+                    "bootstrap resampling seeds and eval problems, whose coverage is not measured: indicative). "
+                    f"Each objective against the baseline ({numbers.baseline}) first, then the other pairs. Method: "
+                    "analysis/paired.py (rliable's conventions, arXiv 2108.13264, computed with numpy/scipy)."),
               ("table", paired_display(pairs, cells)) if len(pairs) else
               ("p", "No pair of objectives has a seed both ended in the same cell: nothing to compare."),
-              ("p", "Aggregated over cells: the mean over cells of each cell's mean difference and of its P(A > B), "
-                    "with rliable's stratified bootstrap (seeds resampled within each cell; 2000 resamples; needs "
-                    "2+ seeds in every cell and 3 in all)."),
+              ("p", "Aggregated over cells: the mean over cells of each cell's mean difference (its variance the "
+                    "cells' summed over the number of cells squared, t-interval) and of its P(A > B) (rliable's "
+                    "stratified bootstrap: seeds and eval problems resampled within each cell; 2000 resamples); "
+                    "needs 2+ seeds in every cell and 3 in all."),
               ("table", aggregate_display(aggregated)) if len(aggregated) else ("p", "Nothing to aggregate."),
               ("p", "Per objective over the cells every objective ended a run in: IQM (rliable's aggregate_iqm: "
-                    f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs) and mean of final eval accuracy, "
-                    "stratified-bootstrap 95% CIs."),
+                    f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs; 95% stratified hierarchical "
+                    "bootstrap) and the mean over cells of final eval accuracy (t-interval as the aggregated "
+                    "differences)."),
               ("table", iqm_display(iqms)) if len(iqms) else ("p", "No objective has an ended run."),
               ("h2", "Compute-performance fit"),
-              ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit converged; otherwise the reason. "
-                    "Figure `scaling` draws the converged fits over their points."),
+              ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit meets its conditions; otherwise the "
+                    "reason. Figure `scaling` draws those fits over their points only (never beyond them)."),
               ("table", fit_table) if len(fit_table) else ("p", "No counted run yet."),
-              ("h2", "Where the time went"),
-              ("p", "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
+              ("h2", "Where the time went (machine-dependent)"),
+              ("p", "Wall-clock times depend on the machine and on its load while the runs ran (runs in parallel, "
+                    "and other processes, share its cores): a difference between objectives here is one of the "
+                    "objectives only on an otherwise idle machine running one run at a time. "
+                    "Mean seconds per finished run of each objective in each phase its metrics log, and the share "
                     "of its wall time (CPU clock; on a GPU the update's parts count launches, not kernels): "
                     + timing.PHASES + " " + timing.MEMORY_NOTE),
               ("table", times) if len(times) else ("p", "No finished run yet."),

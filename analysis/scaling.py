@@ -23,13 +23,17 @@ What the paper does, and what we do at our scale (a handful of eval points per r
   fitted points' tokens (further out the curve is flat over the points; the box keeps the optimizer finite).
 - Start. The main fit starts from 9 points (B in {0.5, 1, 2} x C_mid at the smallest, middle and largest fitted
   C; A at the best mean accuracy) and keeps the least-squares best.
-- Converged, defined: (1) more fitted points than the 3 free parameters, (2) curve_fit returns (no error, no
+- Converged, defined: (1) at least MIN_POINTS fitted points (two per free parameter: 4 points leave one degree of
+  freedom, which any smooth rise fits), (2) curve_fit returns (no error, no
   evaluation limit), (3) A, B, C_mid finite and none at a bound (within BOUND_TOL; log C_mid for C_mid): at a
   bound the estimate is the bound's, not the data's (A = R0: a flat curve, where B and C_mid drop out; A = 1: a
   rise that shows no saturation), (4) the covariance is not degenerate: the Jacobian of R with respect to
   (A, B, log C_mid) at the fit has full rank and condition number at most COND_MAX (it fails when the points pin
-  down only a combination of the parameters, e.g. a step: B -> inf, C_mid anywhere between two points).
-  A fit that does not converge is not drawn and not tabulated; the reason is.
+  down only a combination of the parameters, e.g. a step: B -> inf, C_mid anywhere between two points), (5) the
+  points span the rise: the fitted curve is at most SPAN[0] of its gain A - R0 at the first fitted point and at least
+  SPAN[1] at the last (else A, or R0's side, is an extrapolation of the sigmoid's shape, not a measurement).
+  A fit that does not converge is not drawn and not tabulated; the reason is. The figure draws a converged fit
+  over its points only, never beyond them.
 - Error bars. The paper gauges the run-to-run spread of A from repeated runs of one recipe (as we read it: about
   +-0.02; the sources searched here confirm the formula, the parameters' roles and the left-out early regime,
   not this number). We bootstrap over seeds with
@@ -59,14 +63,18 @@ COND_MAX = 1e6  # the largest condition number of the Jacobian (A, B, log C_mid)
 BOUND_TOL = 1e-3  # A, B or log C_mid this close to a bound is at the bound
 C_MID_RANGE = 1e6  # C_mid lies within this factor of the fitted points' rollout tokens
 START_B = (0.5, 1.0, 2.0)
+MIN_POINTS = 2 * 3  # two fitted points per free parameter
+SPAN = (0.25, 0.75)  # the fraction of the gain the fit must be below at the first point and above at the last
 PAPER = "ScaleRL (arXiv 2510.13786)"
 SUMMARY = (f"The sigmoid of {PAPER}, R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), fitted per objective "
            "(scipy.optimize.curve_fit) to the mean over its finished seeds of greedy eval accuracy R against rollout "
            "tokens C at the eval steps they share, every eval point after step 0 fitted; R0 fixed to the step-0 "
            "accuracy; A in [R0, 1], B >= 0, C_mid > 0. A: the asymptote; B: the exponent (compute efficiency); "
-           "C_mid: the rollout tokens at half the gain A - R0. Converged: more eval points than the 3 parameters, "
-           f"curve_fit succeeds, no parameter at a bound (within {BOUND_TOL:g}), the Jacobian's condition number "
-           f"at most {COND_MAX:.0e}. Interval: {LEVEL:.0%} percentile bootstrap over seeds ({N_BOOT} resamples, "
+           f"C_mid: the rollout tokens at half the gain A - R0. Converged: at least {MIN_POINTS} eval points (two "
+           f"per parameter), curve_fit succeeds, no parameter at a bound (within {BOUND_TOL:g}), the Jacobian's "
+           f"condition number at most {COND_MAX:.0e}, and the points span the rise (the fit at most "
+           f"{SPAN[0]:.0%} of its gain at the first point, at least {SPAN[1]:.0%} at the last). Interval: "
+           f"{LEVEL:.0%} percentile bootstrap over seeds ({N_BOOT} resamples, "
            f"seed {BOOT_SEED}) of the refitted A and B, from {CI_MIN_SEEDS} seeds, shown when at least {LEVEL:.0%} "
            "of the refits converge. Every choice: analysis/scaling.py.")
 NO_CI = {"A_ci": (np.nan, np.nan), "B_ci": (np.nan, np.nan), "converged": 0, "note": "none"}
@@ -110,8 +118,9 @@ def fit_curve(compute, accuracy, r0: float, start: tuple[float, float, float] | 
     keep = np.isfinite(c) & np.isfinite(y) & (c > 0)
     c, y = c[keep], y[keep]
     n = len(c)
-    if n <= len(PARAMETERS):
-        return Fit(r0, n, reason=f"{n} eval points after step 0, {len(PARAMETERS)} parameters: not identifiable")
+    if n < MIN_POINTS:
+        return Fit(r0, n, reason=f"{n} eval points after step 0, {len(PARAMETERS)} parameters: too few to fit (needs "
+                                 f"{MIN_POINTS}, two per parameter)")
     if not r0 < 1:
         return Fit(r0, n, reason=f"R0 = {num(r0)}: starts at the top, nothing to fit")
     lower, upper = [r0, 0.0, np.log(c.min() / C_MID_RANGE)], [1.0, np.inf, np.log(c.max() * C_MID_RANGE)]
@@ -159,6 +168,10 @@ def fit_curve(compute, accuracy, r0: float, start: tuple[float, float, float] | 
     if not cond <= COND_MAX:
         return Fit(r0, n, reason=f"degenerate covariance (condition number of the Jacobian {cond:.2g} > "
                                  f"{COND_MAX:.0g}): parameters not identifiable")
+    first, last = expit(b * (np.log([c.min(), c.max()]) - log_c_mid))
+    if first > SPAN[0] or last < SPAN[1]:
+        return Fit(r0, n, reason=f"the points do not span the rise: the fit goes from {first:.0%} to {last:.0%} of its "
+                                 f"gain over them (needs at most {SPAN[0]:.0%} to at least {SPAN[1]:.0%})")
     return Fit(r0, n, float(a), float(b), float(np.exp(log_c_mid)))
 
 

@@ -17,8 +17,8 @@ from analysis import AnalysisError, AnalysisWarning, build_report, load_experime
 from analysis import report as report_module
 from analysis.__main__ import main
 from analysis.report import FIGURES, eval_table
-from analysis.stats import bootstrap_ci, describe
-from tests.helpers.toy_experiment import FINAL, write_experiment, write_run
+from analysis.stats import bootstrap_ci, describe, num
+from tests.helpers.toy_experiment import FINAL, PROBLEMS, write_experiment, write_run
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,15 @@ def test_bootstrap_is_the_documented_percentile_bootstrap():
     assert np.isnan(bootstrap_ci([0.3])).all() and np.isnan(describe([0.3])["ci_low"])
 
 
+def test_describe_is_the_student_t_interval_over_seeds():
+    x = np.array([0.4, 0.5, 0.75])
+    d = describe(x)
+    assert (d["ci_low"], d["ci_high"]) == pytest.approx(scipy.stats.t.interval(0.95, 2, x.mean(), scipy.stats.sem(x)))
+    two = describe([0.4, 0.5])
+    assert (two["ci_low"], two["ci_high"]) == (0.4, 0.5)  # the range, called so
+    assert describe([0.3, 0.3, 0.3])["ci_low"] == 0.3  # values that do not vary: the interval is the value
+
+
 def test_iqm_with_six_seeds(tmp_path):
     finals = {"grpo": dict(enumerate([0.9, 0.1, 0.5, 0.2, 0.4, 0.3]))}
     table = eval_table(load_experiment(write_experiment(tmp_path / "six", finals, extra=False)).runs)
@@ -59,15 +68,21 @@ def test_table_numbers(report):
         x = np.array(list(seeds.values()))
         row = table.loc[objective]
         assert row["seeds"] == 3 and row["unfinished_runs"] == (2 if objective == "grpo" else 1)
-        assert row["final_mean"] == pytest.approx(x.mean())
-        assert (row["final_ci_low"], row["final_ci_high"]) == pytest.approx((x.min(), x.max()))
+        assert row["final_mean"] == pytest.approx(x.mean()) and row["final_problems"]
+        # over seeds and eval problems: problem p solved by the seeds with p < 100 x accuracy (toy_experiment)
+        scores = np.array([[p < round(100 * a) for p in range(PROBLEMS)] for a in x], dtype=float)
+        seed_part, problem_part = x.var(ddof=1) / 3, scores.mean(axis=0).var(ddof=1) / PROBLEMS
+        df = (seed_part + problem_part) ** 2 / (seed_part ** 2 / 2 + problem_part ** 2 / (PROBLEMS - 1))
+        half = scipy.stats.t.ppf(0.975, df) * np.sqrt(seed_part + problem_part)
+        assert (row["final_ci_low"], row["final_ci_high"]) == pytest.approx((x.mean() - half, x.mean() + half))
         assert np.isnan(row["final_iqm"])  # fewer than 5 seeds
         assert row["best_mean"] == pytest.approx(np.maximum(x, 0.13).mean())
         assert row["wall_time_s"] == pytest.approx(101.0)  # 100 + seed, seeds 0..2
         assert row["rollout_tokens"] == pytest.approx(600)
     md = (out / "eval_accuracy.md").read_text()
-    assert ("| grpo | 3 | 0.550 | 95% CI [0.400, 0.750] | n/a | 0.550 | 95% CI [0.400, 0.750] | n/a | 0/3 | 101 | 600 "
-            "| 2 |") in md
+    low, high = table.loc["grpo", ["final_ci_low", "final_ci_high"]]
+    shown = f"95% CI [{num(low)}, {num(high)}], 3 seeds: indicative"
+    assert f"| grpo | 3 | 0.550 | {shown} | n/a | 0.550 | {shown} | n/a | 0/3 | 101 | 600 | 2 |" in md
     runs = pd.read_csv(out / "runs.csv")
     assert len(runs) == 9 and runs["complete"].sum() == 6
 
@@ -123,7 +138,7 @@ def test_paper_mode(tmp_path):
         assert len(made.fig.legends) == 1 and all(ax.get_legend() is None for ax in made.fig.axes)
         assert made.fig.axes[0].xaxis.get_major_locator()._integer  # integer step ticks
         plt.close(made.fig)
-    assert "95% percentile bootstrap CI" in (tmp_path / "paper" / "report.md").read_text()  # the caption
+    assert "95% Student-t interval over seeds" in (tmp_path / "paper" / "report.md").read_text()  # the caption
 
 
 def write_objectives(exp: Path, start_policy="absent") -> Path:
@@ -148,19 +163,26 @@ def test_coinciding_objectives_and_intervals(tmp_path):
         warnings.simplefilter("ignore")
         md = build_report(exp, formats=("png",))
     text = md.read_text()
-    assert ("- gspo and gspo_token coincide on every logged step of every drawn metric both report (17 metrics: "
+    assert ("- gspo and gspo_token coincide on every logged step of every drawn metric both report (15 metrics: "
             "`eval_accuracy`, `accuracy`, `reward_mean`, `clip_frac`,") in text
+    assert ("constant (to round-off: a spread of at most 1e-6 of their size) at every logged step of every run: "
+            "`frac_zero_std_groups` (0.5 throughout), `grad_norm` (0.5 throughout).") in text  # not drawn
     assert "- ctpo and grpo coincide on every logged step of `reward_mean`," in text  # ctpo logs grpo's metrics
     assert "gspo and grpo" not in text and "grpo and gspo coincide on every logged step of `eval_accuracy`" not in text
     headline = text[text.index("## Start and end accuracy"):text.index("## Figures")]
-    assert "| grpo | 0.100 | range [0.100, 0.100] | 2 | 0.0586 | range [0.0547, 0.0625] | 2 |" in headline
-    assert "| gspo | 0.100 | 95% CI [0.100, 0.100] | 3 | 0.550 | 95% CI [0.500, 0.600] | 3 |" in headline
-    assert "| ctpo | 0.100 | n/a | 1 | 0.450 | n/a | 1 |" in headline
+    # every objective starts alike: said once, the start's columns left out; never a zero-width interval
+    assert "Every objective starts at 0.100 at step 0 (95% CI [0.0402, 0.160], 3 seeds: indicative;" in headline
+    assert "| objective | end mean | end interval | end n | collapsed |" in headline
+    # grpo's accuracies are no multiple of 1/100: its scores do not match, so over seeds only
+    assert "| grpo | 0.0586 | range [0.0547, 0.0625] (seeds only) | 2 |" in headline
+    assert "| gspo | 0.550 | 95% CI [0.435, 0.665], 3 seeds: indicative | 3 |" in headline
+    assert "| ctpo | 0.450 | n/a | 1 |" in headline
     assert "- key `3f2a9c`, warm-started 1,150 steps, check accuracy 0.360, eval accuracy 0.340 (all runs)." in headline
     table = (md.parent / "eval_accuracy.md").read_text()
     assert ("| final mean | final interval | final IQM | final, flexible scoring mean | final, flexible scoring "
             "interval | final, strict scoring mean | final, strict scoring interval | best mean |") in table
-    assert "| grpo | 2 | 0.0586 | range [0.0547, 0.0625] | n/a | 0.109 | range [0.105, 0.113] | 0.00860 |" in table
+    assert ("| grpo | 2 | 0.0586 | range [0.0547, 0.0625] (seeds only) | n/a | 0.109 | range [0.105, 0.113] (seeds "
+            "only) | 0.00860 |") in table
     assert "strict scoring (`eval_accuracy_strict`)" in text
     assert plots.seeds_label("grpo", 2) == "grpo (n=2, range)"
     assert plots.seeds_label("gspo", 3) == "gspo (n=3, 95% CI)" and plots.seeds_label("ctpo", 1).endswith("interval)")

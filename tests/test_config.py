@@ -83,6 +83,28 @@ def test_run_id_hashes_only_what_differs_from_the_defaults():
     assert run_id(OmegaConf.merge(run, {"results_dir": "elsewhere"})) == run_id(run)
 
 
+def test_the_experiments_name_is_no_setting_of_a_run(tmp_path):
+    """Two experiments asking for the same run give it the same id (`make compare` reuses a sweep's runs); a resume
+    does not compare the name either, and still refuses any other setting."""
+    from harness.run.records import check_resume
+
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    (renamed,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0", "name=mine"]))
+    assert renamed.name == "mine" and run_id(renamed) == run_id(run)
+    folder = tmp_path / run_id(run)
+    folder.mkdir()
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    check_resume(renamed, folder)  # the same run under another experiment's name: resumable
+    with pytest.raises(ConfigError, match=r"other settings \(train.lr 5e-05 -> 1e-06\)"):
+        check_resume(OmegaConf.merge(renamed, {"train": {"lr": 1e-6}}), folder)
+
+
+def test_the_sweeps_baseline_is_a_registered_objective():
+    assert load_experiment("quickstart", ["sweep.baseline=ctpo"]).sweep.baseline == "ctpo"
+    with pytest.raises(ConfigError, match="sweep.baseline: unknown objective 'grpoo'. Did you mean 'grpo'"):
+        run_configs(load_experiment("quickstart", ["sweep.baseline=grpoo"]))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CUDA device on a machine without one")
 def test_cuda_without_a_cuda_torch_is_a_config_error_saying_how_to_install_one():
     with pytest.raises(ConfigError, match="device=cuda, but .*(make setup TORCH=torch|CUDA_VISIBLE_DEVICES)"):

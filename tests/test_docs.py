@@ -5,11 +5,13 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.apps import docs
+from harness.run import names
 from tests.helpers.fake_runs import grid_experiment
 
 
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
     monkeypatch.setattr(docs, "DOCS", tmp_path)
+    monkeypatch.setattr(names, "DOCS", {})  # the generated tables: tests/test_names.py
     documented, sources = [], []
     monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: documented.append(name) or f"## {name}\n")
     monkeypatch.setattr(docs, "main_page", lambda *a: documented.append("results.md"))

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -633,3 +634,34 @@ print(json.dumps({{"loss": out.loss.item(), "grad": logp.grad.tolist(), "metrics
     assert num(result["loss"], -(3 - 2) / 5, 1e-6) and result["metrics"]["ratio_mean"] == 1.0
     assert_close(torch.tensor(result["grad"], dtype=DT), [[-0.2] * 3, [0.2, 0.2, 0.0]], tol=1e-6)
     assert name not in available_objectives()  # the real package is untouched
+
+
+REGISTRY_WIDE = ("OBJECTIVES.names()", "available_objectives()")  # a test file naming these runs over every objective
+COPIED = ("analysis", "harness", "objectives", "tests", "experiments")  # besides README.md, pyproject.toml, docs/*.md
+
+
+@pytest.mark.slow  # a pytest of its own over the registry-wide test files (~1-2 minutes on 2 cores)
+def test_a_new_module_alone_passes_the_registry_wide_fast_tests(tmp_path):
+    """One file, really: the README's example dropped into a copy of the checkout, and every fast test that runs over
+    the whole registry (the test files naming OBJECTIVES.names() or available_objectives()) passes on it, with no
+    other edit (no table to regenerate, no list to extend)."""
+    copy = tmp_path / "checkout"
+    for folder in COPIED:
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("README.md", "pyproject.toml", "Makefile"):
+        shutil.copy(REPO / name, copy / name)
+    (copy / "docs").mkdir()
+    for page in (REPO / "docs").glob("*.md"):
+        shutil.copy(page, copy / "docs" / page.name)
+    source = example_source()
+    name = re.search(r'@register_objective\("(\w+)"\)', source).group(1)
+    (copy / "objectives" / f"{name}.py").write_text(source)
+    files = sorted(str(p.relative_to(copy)) for p in (copy / "tests").glob("test_*.py")
+                   if any(word in p.read_text() for word in REGISTRY_WIDE))
+    assert "tests/test_objectives.py" in files and "tests/test_names.py" in files
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-x", "-n", "2", "-m", "not slow", "-p",
+                           "no:cacheprovider", *files], cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+    failed = [line for line in done.stdout.splitlines() if "FAILED" in line or "ERROR" in line]
+    assert done.returncode == 0, "\n".join(failed) + done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"[{name}]" in done.stdout  # the registry-wide tests ran over the new objective too

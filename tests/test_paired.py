@@ -1,13 +1,15 @@
-"""analysis/paired.py: the paired statistics pinned on hand-made numbers (rliable's conventions)."""
+"""analysis/paired.py and analysis/accuracy.py: the paired statistics and the accuracy intervals pinned on hand-made
+numbers (rliable's conventions; the hierarchical design of analysis/stats.py)."""
 
 import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
-from scipy.stats import trim_mean
+from scipy.stats import t as student_t
 
 from analysis import paired
-from analysis.stats import BOOT_SEED, N_BOOT
+from analysis.accuracy import estimate, paired_estimate, run_scores
+from analysis.stats import BOOT_SEED, HIERARCHY, N_BOOT, Level, resample, t_bounds, variance_parts
 
 
 def frame(values: dict) -> pd.DataFrame:
@@ -15,9 +17,25 @@ def frame(values: dict) -> pd.DataFrame:
     rows = []
     for (cell, objective), finals in values.items():
         for seed, final in enumerate(finals):
-            rows.append({"cell_id": cell, "cell": f"c{cell}", "objective": objective, "seed": seed, "counted": True,
-                         "ended": final is not None, "final_eval_accuracy": np.nan if final is None else final})
+            rows.append({"run_id": f"{objective}-s{seed}-c{cell}", "cell_id": cell, "cell": f"c{cell}",
+                         "objective": objective, "seed": seed, "counted": True, "ended": final is not None,
+                         "final_eval_accuracy": np.nan if final is None else final, "start_policy": "p"})
     return pd.DataFrame(rows)
+
+
+def scored(scores: dict) -> tuple[pd.DataFrame, dict]:
+    """{(objective, seed): per-problem 0/1 scores at the last eval, step 4} -> one cell's runs and their samples
+    (step 0 scores every problem 0)."""
+    runs, samples = [], {}
+    for (objective, seed), row in scores.items():
+        run_id = f"{objective}-s{seed}"
+        runs.append({"run_id": run_id, "cell_id": 0, "cell": "all runs", "objective": objective, "seed": seed,
+                     "counted": True, "ended": True, "final_eval_accuracy": float(np.mean(row)),
+                     "start_eval_accuracy": 0.0, "start_policy": "p"})
+        steps = [(0, [0.0] * len(row)), (4, row)]
+        samples[run_id] = pd.DataFrame([{"step": step, "problem": p, "answer": str(p), "correct": float(v)}
+                                        for step, values in steps for p, v in enumerate(values)])
+    return pd.DataFrame(runs), samples
 
 
 def test_probability_of_improvement_is_mann_whitney_with_ties_as_half():
@@ -30,56 +48,135 @@ def test_probability_of_improvement_is_mann_whitney_with_ties_as_half():
     u = scipy.stats.mannwhitneyu(x, y, alternative="greater").statistic  # rliable's formula
     assert paired.probability_of_improvement(x, y) == pytest.approx(u / (7 * 5))
     assert np.isnan(paired.probability_of_improvement([], [1.0]))
+    assert paired.probability_of_improvement([1, 2, np.nan], [1.5]) == 0.5  # a missing value is left out
 
 
-def test_known_difference():
-    x, y = np.array([0.4, 0.5, 0.6]), np.array([0.3, 0.4, 0.5])
-    row = paired.compare(x, y)
-    assert row["n"] == 3 and row["difference"] == pytest.approx(0.1)
-    assert (row["difference_low"], row["difference_high"]) == pytest.approx((0.1, 0.1))  # constant differences
+def test_the_variance_adds_the_seeds_and_the_eval_problems():
+    # 2 seeds x 4 problems, shared: seed means 0.5, 0.75; problem means 1, 0.5, 0.5, 0.5
+    x = np.array([[[1, 0, 1, 0], [1, 1, 0, 1]]], dtype=float)
+    mean, parts = variance_parts(x, HIERARCHY)
+    seeds, problems = np.var([0.5, 0.75], ddof=1) / 2, np.var([1, 0.5, 0.5, 0.5], ddof=1) / 4
+    assert mean == pytest.approx(0.625)
+    assert [float(v) for v, _ in parts] == pytest.approx([seeds, problems]) and [df for _, df in parts] == [1, 3]
+    low, high = t_bounds(mean, parts)
+    df = (seeds + problems) ** 2 / (seeds ** 2 / 1 + problems ** 2 / 3)  # Welch–Satterthwaite
+    half = student_t.ppf(0.975, df) * np.sqrt(seeds + problems)
+    assert (low, high) == pytest.approx((0.625 - half, 0.625 + half))
+    # one starting policy: conditioned on; two: its spread is the nested part (df 1), the seeds inside it
+    two = np.array([[[1, 0], [1, 1]], [[0, 1], [np.nan, np.nan]]], dtype=float)  # the second policy: one seed
+    mean, parts = variance_parts(two, (Level("start_policy"), Level("seed"), Level("problem", shared=True)))
+    assert mean == pytest.approx((0.75 + 0.5) / 2) and float(parts[0][1]) == 1
+    assert float(parts[0][0]) == pytest.approx(np.var([0.75, 0.5], ddof=1) / 2)
+
+
+def test_three_seeds_that_agree_do_not_give_a_zero_width_interval():
+    """The case that printed `ctpo − grpo 0.0156, 95% CI [0.0156, 0.0156]`: every seed 2 problems of 128 apart."""
+    base = [1.0] * 40 + [0.0] * 88
+    ahead = base[:40] + [1.0, 1.0] + [0.0] * 86
+    runs, samples = scored({**{("grpo", s): base for s in range(3)}, **{("ctpo", s): ahead for s in range(3)}})
+    d = paired_estimate(runs, samples, "ctpo", "grpo")
+    assert d.problems and d.n == 3 and d.mean == pytest.approx(2 / 128)
+    per_problem = np.array([0.0] * 40 + [1.0, 1.0] + [0.0] * 86)  # the same two problems in every seed
+    v = per_problem.var(ddof=1) / 128
+    half = student_t.ppf(0.975, 127) * np.sqrt(v)
+    assert (d.low, d.high) == pytest.approx((2 / 128 - half, 2 / 128 + half))
+    assert d.low < 0 < d.high and d.p_value > 0.05  # two problems of 128 are no evidence
+    unscored = paired_estimate(runs, {}, "ctpo", "grpo")  # without per-problem scores: the seeds agree, no interval
+    assert not unscored.problems and unscored.mean == pytest.approx(2 / 128) and np.isnan(unscored.low)
+    assert np.isnan(unscored.p_value)  # no interval, no test: the verdict does not count it
+    start = estimate(runs[runs["objective"] == "grpo"], samples, "start_eval_accuracy")
+    assert start.problems and start.mean == 0 and start.low == start.high == 0  # constant: it does not vary
+
+
+def test_scores_that_do_not_match_the_runs_accuracy_are_not_used():
+    runs, samples = scored({("grpo", 0): [1, 0, 0, 0], ("grpo", 1): [1, 1, 0, 0], ("grpo", 2): [0, 0, 0, 0]})
+    assert list(run_scores(samples["grpo-s0"], "final_eval_accuracy", 0.25)) == [1, 0, 0, 0]
+    assert run_scores(samples["grpo-s0"], "final_eval_accuracy", 0.5) is None  # another evaluation's
+    assert run_scores(samples["grpo-s0"], "best_eval_accuracy", 0.25).sum() == 1  # step 4, the best
+    assert run_scores(None, "final_eval_accuracy", 0.25) is None
+    lost = {**samples, "grpo-s2": samples["grpo-s2"][samples["grpo-s2"]["step"] == 0]}
+    lost_final = lost["grpo-s2"].assign(step=4).iloc[:3]  # its last evaluation lost a problem: not matched
+    lost["grpo-s2"] = pd.concat([lost["grpo-s2"], lost_final])
+    e = estimate(runs, lost)
+    assert not e.problems and e.mean == pytest.approx(0.25)
+    x = np.array([0.25, 0.5, 0.0])
+    half = student_t.ppf(0.975, 2) * x.std(ddof=1) / np.sqrt(3)  # the t-interval over seeds
+    assert (e.low, e.high) == pytest.approx((0.25 - half, 0.25 + half))
+
+
+def test_the_hierarchical_bootstrap_draws_seeds_within_policies_and_problems_once_for_all():
+    x = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)  # value = 12 policy + 4 seed + problem
+    x[1, 2] = np.nan  # the second policy has 2 seeds
+    drawn = resample(x, HIERARCHY, n_boot=500, rng=np.random.default_rng(0))
+    assert drawn.shape == (500, 2, 3, 4)
+    policy = np.nanmin(drawn, axis=(2, 3)) // 12  # the policy drawn into each slot
+    assert set(np.unique(policy)) == {0, 1}
+    seeds = np.isfinite(drawn[..., 0]).sum(axis=2)
+    assert (seeds == np.where(policy == 0, 3, 2)).all()  # a slot holds as many seeds as its policy has
+    seed = (drawn[..., 0] % 12) // 4
+    assert np.all((seed < np.where(policy == 0, 3, 2)[..., None]) | np.isnan(seed))  # its own seeds only
+    assert ((drawn // 12 == policy[..., None, None]) | np.isnan(drawn)).all()
+    problem = drawn % 4
+    same = (problem == problem[:, :1, :1]) | np.isnan(problem)
+    assert same.all()  # the same problems for every seed of a resample
+    assert len(np.unique(problem[:, 0, 0])) == 4  # ... drawn anew for each resample
+    assert np.isfinite(resample(x[:1], HIERARCHY, 3)).all()
+
+
+def test_known_difference_over_seeds_without_problem_scores():
+    runs = frame({(0, "a"): [0.4, 0.5, 0.7], (0, "b"): [0.3, 0.4, 0.5]})
+    row = paired.per_cell(runs).iloc[0]
+    d = np.array([0.1, 0.1, 0.2])
+    half = student_t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+    assert (row["a"], row["b"], row["n"], row["problems"]) == ("a", "b", 3, False)
+    assert (row["difference"], row["difference_low"], row["difference_high"]) == pytest.approx(
+        (d.mean(), d.mean() - half, d.mean() + half))
+    assert row["p_value"] == pytest.approx(scipy.stats.ttest_1samp(d, 0).pvalue)
     assert (row["wins"], row["ties"], row["losses"]) == (3, 0, 0)
-    # all 9 (A, B) pairs: 0.4 beats 0.3, ties 0.4; 0.5 beats 0.3 and 0.4, ties 0.5; 0.6 beats all: 7 / 9
-    assert row["p_improvement"] == pytest.approx(7 / 9)
-    idx = np.random.default_rng(BOOT_SEED).integers(0, 3, size=(N_BOOT, 3))
+    x, y = np.array([0.4, 0.5, 0.7]), np.array([0.3, 0.4, 0.5])
+    assert row["p_improvement"] == pytest.approx(paired.probability_of_improvement(x, y))
+    idx = np.random.default_rng(BOOT_SEED).integers(0, 3, size=(N_BOOT, 3))  # seeds only: the former bootstrap
     expected = np.percentile(paired.probability_of_improvement(x[idx], y[idx]), [2.5, 97.5])
     assert (row["p_low"], row["p_high"]) == pytest.approx(tuple(expected))
 
 
-def test_ties_and_too_few_seeds():
-    tie = paired.compare(np.array([0.5, 0.5, 0.5]), np.array([0.5, 0.5, 0.5]))
-    assert tie["difference"] == 0 and (tie["wins"], tie["ties"], tie["losses"]) == (0, 3, 0)
-    assert tie["p_improvement"] == 0.5
-    two = paired.compare(np.array([0.5, 0.7]), np.array([0.4, 0.4]))  # two pairs: the range of the differences
-    assert (two["difference_low"], two["difference_high"]) == pytest.approx((0.1, 0.3)) and np.isnan(two["p_low"])
-    one = paired.compare(np.array([0.5]), np.array([0.4]))
-    assert one["n"] == 1 and np.isnan(one["difference_low"]) and np.isnan(one["p_low"])
-    assert one["p_improvement"] == 1.0
+def test_pairs_put_the_baseline_second_and_follow_the_registry():
+    values = {(0, o): [0.3, 0.4, 0.5] for o in ("vespo", "cispo", "grpo", "gspo")}
+    pairs = paired.per_cell(frame(values), baseline="grpo")
+    assert list(zip(pairs["a"], pairs["b"], strict=True)) == [
+        ("cispo", "grpo"), ("gspo", "grpo"), ("vespo", "grpo"), ("cispo", "gspo"), ("cispo", "vespo"),
+        ("gspo", "vespo")]
+    assert paired.default_baseline(["cispo", "grpo"]) == "grpo"
+    assert paired.default_baseline(["cispo", "vespo"], ["vespo", "cispo"]) == "vespo"  # the grid's first
+    assert paired.default_baseline(["vespo", "cispo"]) == "cispo"  # no grid: the registry's first
 
 
 def test_per_cell_pairs_by_seed_and_never_across_cells():
     runs = frame({(0, "grpo"): [0.3, 0.4, 0.5], (0, "gspo"): [0.4, None, 0.7],
                   (1, "grpo"): [0.9, 0.9], (1, "gspo"): [0.1, 0.1]})
-    table = paired.per_cell(runs).set_index("cell_id")
-    assert list(table["a"]) == ["grpo", "grpo"] and list(table["b"]) == ["gspo", "gspo"]
+    table = paired.per_cell(runs, baseline="grpo").set_index("cell_id")
+    assert list(table["a"]) == ["gspo", "gspo"] and list(table["b"]) == ["grpo", "grpo"]
     assert table.loc[0, "n"] == 2  # seed 1 of gspo did not end: seeds 0 and 2 are paired
-    assert table.loc[0, "difference"] == pytest.approx(((0.3 - 0.4) + (0.5 - 0.7)) / 2)
-    assert table.loc[1, "difference"] == pytest.approx(0.8) and table.loc[1, "p_improvement"] == 1.0
+    assert table.loc[0, "difference"] == pytest.approx(((0.4 - 0.3) + (0.7 - 0.5)) / 2)
+    assert table.loc[1, "difference"] == pytest.approx(-0.8) and table.loc[1, "p_improvement"] == 0.0
+    assert np.isnan(table.loc[1, "difference_low"])  # seeds alike, problems unknown: no interval
     lonely = frame({(0, "grpo"): [0.3], (1, "gspo"): [0.4]})  # never the same cell: nothing to compare
     assert paired.per_cell(lonely).empty and paired.aggregate(lonely).empty
 
 
-def test_aggregate_is_the_stratified_bootstrap_of_the_mean_over_cells():
-    values = {(0, "a"): [0.5, 0.6, 0.7], (0, "b"): [0.4, 0.6, 0.5], (1, "a"): [0.2, 0.1], (1, "b"): [0.3, 0.3]}
+def test_aggregate_is_the_mean_over_cells_with_the_cells_variances_added():
+    values = {(0, "a"): [0.5, 0.6, 0.7], (0, "b"): [0.4, 0.6, 0.5], (1, "a"): [0.2, 0.1], (1, "b"): [0.3, 0.4]}
     row = paired.aggregate(frame(values)).iloc[0]
-    d0, d1 = np.array([0.1, 0.0, 0.2]), np.array([-0.1, -0.2])
+    d0, d1 = np.array([0.1, 0.0, 0.2]), np.array([-0.1, -0.3])
     assert (row["cells"], row["n"]) == (2, 5)
     assert row["difference"] == pytest.approx((d0.mean() + d1.mean()) / 2)
+    v0, v1 = d0.var(ddof=1) / 3 / 4, d1.var(ddof=1) / 2 / 4
+    df = (v0 + v1) ** 2 / (v0 ** 2 / 2 + v1 ** 2 / 1)
+    half = student_t.ppf(0.975, df) * np.sqrt(v0 + v1)
+    assert (row["difference_low"], row["difference_high"]) == pytest.approx(
+        (row["difference"] - half, row["difference"] + half))
     p0 = paired.probability_of_improvement([0.5, 0.6, 0.7], [0.4, 0.6, 0.5])
     assert row["p_improvement"] == pytest.approx((p0 + 0.0) / 2)
-    rng = np.random.default_rng(BOOT_SEED)
-    i0, i1 = rng.integers(0, 3, size=(N_BOOT, 3)), rng.integers(0, 2, size=(N_BOOT, 2))
-    means = (d0[i0].mean(axis=1) + d1[i1].mean(axis=1)) / 2
-    assert (row["difference_low"], row["difference_high"]) == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
     single = paired.aggregate(frame({**values, (2, "a"): [0.5], (2, "b"): [0.4]})).iloc[0]
     assert single["cells"] == 3 and np.isnan(single["difference_low"])  # a one-seed cell: no interval
 
@@ -91,12 +188,32 @@ def test_iqm_over_shared_cells():
     grpo = table.loc["grpo"]
     assert (grpo["cells"], grpo["n"]) == (2, 6)  # cell 2 has no gspo run: left out for every objective
     assert grpo["iqm"] == pytest.approx(0.35)  # middle of 0.1 0.2 0.3 0.4 0.5 0.9: 0.2 0.3 0.4 0.5
-    rng = np.random.default_rng(BOOT_SEED)
+    rng = np.random.default_rng(BOOT_SEED)  # per cell: its one starting policy drawn, then its 3 seeds within it
+
+    def seeds_drawn() -> np.ndarray:
+        rng.random((N_BOOT, 1))
+        return np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)
+
     a, b = np.array([0.1, 0.2, 0.3]), np.array([0.4, 0.5, 0.9])
-    resampled = np.concatenate([a[rng.integers(0, 3, size=(N_BOOT, 3))], b[rng.integers(0, 3, size=(N_BOOT, 3))]],
-                               axis=1)
+    resampled = np.concatenate([a[seeds_drawn()], b[seeds_drawn()]], axis=1)
     assert (grpo["iqm_low"], grpo["iqm_high"]) == pytest.approx(
-        tuple(np.percentile(trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])))
+        tuple(np.percentile(scipy.stats.trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])))
     assert table.loc["gspo", "iqm"] == 0.5 and table.loc["gspo", "iqm_low"] == 0.5
     few = paired.iqm(frame({(0, "grpo"): [0.1, 0.2]})).iloc[0]
     assert few["n"] == 2 and np.isnan(few["iqm"]) and few["mean"] == pytest.approx(0.15)
+
+
+def test_the_counted_draw_of_problems_is_the_generic_resample_in_distribution():
+    """resampled_values weighs each problem by how often a resample drew it instead of building the resampled
+    scores: per run, the same distribution as analysis.stats.resample's mean over the drawn problems."""
+    from analysis.accuracy import dense, resampled_values
+
+    runs, samples = scored({("grpo", s): list((np.arange(16) * (s + 3)) % 5 < 2) for s in range(3)})
+    units = {s: ("p", v, run_scores(samples[f"grpo-s{s}"], "final_eval_accuracy", v))
+             for s, v in zip(runs["seed"], runs["final_eval_accuracy"], strict=True)}
+    fast = resampled_values(units, n_boot=20000)
+    x, levels, _ = dense(units)
+    generic = resample(x, levels, n_boot=20000, rng=np.random.default_rng(1)).mean(axis=3).reshape(20000, -1)
+    assert fast.shape == generic.shape == (20000, 3)
+    for statistic in (np.mean, np.std, lambda v: np.mean(v.max(axis=1))):
+        assert statistic(fast) == pytest.approx(statistic(generic), rel=0.03)

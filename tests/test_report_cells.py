@@ -296,10 +296,13 @@ def test_two_axis_sweep_report(tmp_path):
     pairs = pd.read_csv(out / "paired.csv")
     assert len(pairs) == 4 and set(pairs["n"]) == {3}
     epochs2 = pairs[pairs["cell"].str.startswith("train.epochs=2")]
-    assert np.allclose(epochs2["difference"], -0.2)  # grpo - gspo at 2 epochs: -0.1 - 0.1, every seed
+    assert (pairs["a"] == "gspo").all() and (pairs["b"] == "grpo").all()  # against the baseline, grpo
+    assert np.allclose(epochs2["difference"], 0.2)  # gspo - grpo at 2 epochs: 0.1 - (-0.1), every seed
     assert "| epochs | mode | A | B | paired seeds |" in text
     aggregate = pd.read_csv(out / "paired_aggregate.csv").iloc[0]
-    assert aggregate["cells"] == 4 and aggregate["difference"] == pytest.approx(-0.15)
+    assert aggregate["cells"] == 4 and aggregate["difference"] == pytest.approx(0.15)
+    assert "## Verdict (baseline: grpo)" in text and "- cell `train.epochs=2, train.rollout_correction.mode=none`: " \
+        in text  # one sentence per cell
     assert "KL to behaviour: `kl_behavior` is the k1 estimate" in text
 
 

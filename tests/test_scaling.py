@@ -49,7 +49,15 @@ def test_unfittable_curves_say_why():
     noise = fit_curve(TOKENS, 0.1 + np.random.default_rng(0).normal(0, 0.01, len(TOKENS)), 0.1)
     assert not noise.converged and "not identifiable" in noise.reason
     three = fit_curve(TOKENS[:3], sigmoid(TOKENS[:3], **TRUTH), 0.1)
-    assert three.reason == "3 eval points after step 0, 3 parameters: not identifiable"
+    assert three.reason == "3 eval points after step 0, 3 parameters: too few to fit (needs 6, two per parameter)"
+    four = fit_curve(TOKENS[::3], sigmoid(TOKENS[::3], **TRUTH), 0.1)  # a quickstart run's 4 evaluations
+    assert not four.converged and four.reason.startswith("4 eval points after step 0")
+    early = fit_curve(TOKENS[:7], sigmoid(TOKENS[:7], **TRUTH), 0.1)  # exact, but the rise only begins
+    assert early.reason == ("the points do not span the rise: the fit goes from 2% to 61% of its gain over them "
+                            "(needs at most 25% to at least 75%)")
+    late = fit_curve(TOKENS[5:], sigmoid(TOKENS[5:], **TRUTH), 0.1)  # the rise half over at the first point
+    assert late.reason.startswith("the points do not span the rise: the fit goes from 42% to 99%")
+    assert fit_curve(TOKENS[:8], sigmoid(TOKENS[:8], **TRUTH), 0.1).converged
     rising = fit_curve(TOKENS[:6], sigmoid(TOKENS[:6], 0.1, 1.0, 1.0, 1e9) * 1000, 0.1)  # linear in C, no saturation
     assert rising.reason.startswith("A at its upper bound 1")
     assert fit_curve(TOKENS, np.ones(len(TOKENS)), 1.0).reason == "R0 = 1.00: starts at the top, nothing to fit"
@@ -118,3 +126,26 @@ def test_report_has_the_fit(tmp_path):
     numbers = pd.read_csv(md.parent / "scaling_fit.csv").set_index("objective")
     assert numbers.loc["grpo", "A_ci_low"] <= numbers.loc["grpo", "A"] <= numbers.loc["grpo", "A_ci_high"]
     assert not numbers.loc["gspo", "converged"] and np.isnan(numbers.loc["gspo", "A"])
+    assert "- Not drawn: gspo: A at its lower bound R0 = 0.100" in text  # named under the figure, not dropped
+
+
+def test_the_figure_draws_a_fit_over_its_points_only_and_names_every_objective_left_out():
+    from matplotlib import pyplot as plt
+
+    from analysis import plots
+    from analysis.scaling import Fit, ObjectiveFit
+
+    accuracy = seeds_of(3)
+    grpo = ObjectiveFit("grpo", 3, fit_curve(TOKENS, accuracy.mean(axis=0), TRUTH["r0"]), TOKENS,
+                        accuracy.mean(axis=0), accuracy)
+    flat = Fit(0.1, 4, reason="4 eval points after step 0, 3 parameters: too few to fit (needs 6, two per parameter)")
+    gspo = ObjectiveFit("gspo", 3, flat)
+    look = plots.styles(["grpo", "gspo"])
+    made = plots.scaling_figure([grpo, gspo], look, "toy", False)
+    curves = [line.get_xdata() for line in made.fig.axes[0].get_lines() if len(line.get_xdata()) > 2]
+    assert curves and all(TOKENS.min() <= min(x) and max(x) <= TOKENS.max() for x in curves)  # never beyond
+    assert made.notes == [f"Not drawn: gspo: {flat.reason}."]
+    plt.close(made.fig)
+    none = plots.scaling_figure([gspo], look, "toy", False)
+    assert none.fig is None and none.notes == [
+        f"No objective's compute-performance fit meets its conditions, so no curve is drawn (gspo: {flat.reason})."]

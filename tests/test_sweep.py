@@ -4,6 +4,7 @@ killed with SIGKILL and resumed (the config's own checks and expansion: tests/te
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,9 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_make_prints_help_by_default_and_compare_sweeps_the_given_objectives():
     out = subprocess.run(["make", "--no-print-directory"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "make compare" in out.stdout and "make sweep" in out.stdout
-    out = subprocess.run(["make", "-n", "--no-print-directory", "compare", "OBJECTIVES=grpo,cispo", "SEEDS=3"],
+    out = subprocess.run(["make", "-n", "--no-print-directory", "compare", "OBJECTIVES=grpo,cispo", "SEEDS=2"],
                          cwd=ROOT, capture_output=True, text=True)
-    assert "sweep.grid.objective.name=[grpo,cispo]" in out.stdout and "sweep.grid.seed=[0,1,2]" in out.stdout
+    assert "sweep.grid.objective.name=[grpo,cispo]" in out.stdout and "sweep.grid.seed=[0,1]" in out.stdout
+    out = subprocess.run(["make", "-n", "--no-print-directory", "compare", "OBJECTIVES=grpo,cispo", "BASELINE=cispo"],
+                         cwd=ROOT, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "SEEDS"})
+    assert "sweep.grid.seed=[0,1,2]" in out.stdout  # 3 seeds by default
+    assert "sweep quickstart " in out.stdout and " name=" not in out.stdout  # into results/quickstart/, its runs kept
+    assert "sweep.baseline=cispo" in out.stdout
     out = subprocess.run(["make", "--no-print-directory", "compare"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0 and "give OBJECTIVES=" in out.stderr
 
@@ -139,6 +146,50 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
     assert again.returncode == 0 and "2/2 runs finished" in again.stderr
 
 
+
+
+@pytest.mark.slow
+def test_a_second_comparison_adds_to_the_first_and_runs_no_run_again(tmp_path):
+    """`make compare` twice into the experiment's folder: one manifest and one report with every run, the shared
+    baseline run once; the verdict and the report's path on the terminal."""
+    exp = tmp_path / "cmp.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
+    args = [str(exp), *TINY_RUN, f"results_dir={tmp_path}/res", "--no-progress"]
+    first = cli("sweep", *args, "--no-report")
+    assert first.returncode == 0, first.stderr
+    exp_dir = tmp_path / "res" / "cmp"
+    grpo = next(exp_dir.glob("grpo-*")) / "metrics.jsonl"
+    written = grpo.stat().st_mtime_ns
+    second = cli("sweep", *args, "sweep.grid.objective.name=[grpo,cispo]", "sweep.baseline=grpo")
+    assert second.returncode == 0, second.stderr
+    assert grpo.stat().st_mtime_ns == written  # the baseline's run was there: not run again
+    manifest = json.loads((exp_dir / "manifest.json").read_text())
+    assert [r["objective"] for r in manifest["runs"]] == ["gspo", "grpo", "cispo"]  # the first's kept, before
+    assert manifest["baseline"] == "grpo" and manifest["objectives"] == ["grpo", "cispo", "gspo"]
+    runs = (exp_dir / "report" / "runs.csv").read_text()
+    assert all(o in runs for o in ("grpo-s0", "gspo-s0", "cispo-s0"))
+    assert "verdict:\n" in second.stdout and f"report: {exp_dir / 'report' / 'report.html'}" in second.stdout
+
+
+def test_an_earlier_manifest_keeps_only_its_runs_still_there(tmp_path):
+    from harness.apps.sweep import earlier_manifest
+
+    for name in ("kept", "listed"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "elsewhere")
+    manifest = tmp_path / "manifest.json"
+    entries = [{"run_id": r, "dir": r, "objective": "grpo", "status": "finished"} for r in
+               ("kept", "listed", "deleted", "linked")]
+    manifest.write_text(json.dumps({"experiment": "x", "baseline": "ctpo", "objectives": ["ctpo", 3],
+                                    "runs": [*entries, {"run_id": "up", "dir": "../kept"}, "junk"]}))
+    earlier = earlier_manifest(manifest, tmp_path, {"listed"})
+    assert [r["run_id"] for r in earlier["runs"]] == ["kept"]  # not this sweep's, folder there, no link, no ../
+    assert earlier["runs"][0]["status"] == "pending"  # as it is now: no summary.json
+    assert (earlier["baseline"], earlier["objectives"]) == ("ctpo", ["ctpo"])
+    manifest.write_text("{torn")
+    assert earlier_manifest(manifest, tmp_path, set()) == {"runs": []}
+    assert earlier_manifest(tmp_path / "none.json", tmp_path, set()) == {"runs": []}
 
 
 def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_its_heap_back(monkeypatch):

@@ -7,8 +7,9 @@ Each experiment is swept into ``results/docs/<code version>/`` (harness/run/prov
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
 into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``:
 the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs
-and on lab_moe), stamped with the code, the date, the machine (CPU, cores, load before and after), the wall time of
-each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's records).
+and on lab_moe; always the generated tables of docs/trl.md and README.md, harness/run/names.py), stamped with the
+code, the date, the machine (CPU, cores, load before and after), the wall time of each sweep, and each experiment's
+runs' own code versions and torch threads (their summary.json's records).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from harness.apps.claims import ledger_rows, load_claims, run_source
 from harness.apps.stamp import ROOT, machine
 from harness.apps.sweep import run_sweep
 from harness.apps.zoo import main as zoo
+from harness.run import names
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment
 from harness.run.provenance import code_record, runs_stamp
@@ -101,11 +103,17 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
             f"{load_before:.2f} before, {load_after:.2f} after)"
             + (f"; {before} of them had finished before this command (an earlier, interrupted `make docs` at this "
                "code: resumed, not rerun, so the wall time covers the rest)" if before else "") + f". {runs}\n\n"
+            f"### Verdict\n\n{verdict_list(report)}\n"
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
             f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
             f"### Where a run's time goes ({jobs} runs at a time)\n\n{time_table(exp_dir)}\n"
             f"{figures}")
+
+
+def verdict_list(report: Path) -> str:
+    """The report's verdict (verdict.txt: one line per cell) as a Markdown list."""
+    return "".join(f"- {line}\n" for line in (report / "verdict.txt").read_text().splitlines()) or "- none\n"
 
 
 def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
@@ -126,6 +134,7 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
               f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
               "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation, ~1 h; `WITH_MOE=1` for "
               "moe_stability; `SKIP_MAIN=1`: only those pages).\n\n")
+    tables = names.write_docs()  # the generated tables of docs/trl.md and README.md (harness/run/names.py)
     if not skip_main:
         main_page(header, results_dir, jobs)
     if with_gsm8k:
@@ -140,7 +149,7 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
     pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", with_zoo),
              ("results_moe.md", with_moe)]
-    print("wrote " + ", ".join(str(DOCS / page) for page, written in pages if written))
+    print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0
 
 

@@ -2,7 +2,10 @@
 
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
-sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. ``jobs`` runs
+sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. A run's id
+depends on its settings only (not on the experiment's name), so another sweep into the same folder (`make compare`)
+runs only what is not there yet; the manifest keeps the runs earlier sweeps listed (their folders still there) before
+this sweep's, and records the report's baseline (sweep.baseline) and the grid's objectives. ``jobs`` runs
 go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
 Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
 SLURM); the loop is the same.
@@ -140,9 +143,13 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
     entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
+    earlier = earlier_manifest(manifest, exp_dir, {e["run_id"] for e in entries})
+    objectives = list(dict.fromkeys([run.objective.name for run in runs] + earlier.get("objectives", [])))
+    baseline = cfg.sweep.baseline or earlier.get("baseline")
 
     def save_manifest() -> None:
-        write_json_atomic(manifest, {"experiment": cfg.name, "runs": entries})
+        write_json_atomic(manifest, {"experiment": cfg.name, "baseline": baseline, "objectives": objectives,
+                                     "runs": earlier["runs"] + entries})
 
     save_manifest()
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
@@ -193,6 +200,27 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     return entries
 
 
+def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
+    """What an earlier sweep's manifest.json in the folder holds that this sweep keeps: its runs not in ``listed``
+    whose folders are still there (a plain folder of the experiment's, no link), with their status as it is now;
+    its baseline and objectives. An unreadable manifest keeps nothing (the report still finds the run folders)."""
+    try:
+        old = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"runs": []}
+    old = old if isinstance(old, dict) else {}
+    runs = []
+    for entry in old.get("runs") or []:
+        folder = entry.get("dir") if isinstance(entry, dict) else None
+        if (isinstance(folder, str) and Path(folder).name == folder and folder not in ("", ".", "..")
+                and entry.get("run_id") not in listed and (exp_dir / folder).is_dir()
+                and not (exp_dir / folder).is_symlink()):
+            runs.append({**entry, "status": run_status(exp_dir / folder)})
+    objectives = [o for o in old.get("objectives") or [] if isinstance(o, str)]
+    baseline = old.get("baseline") if isinstance(old.get("baseline"), str) else None
+    return {"runs": runs, "objectives": objectives, "baseline": baseline}
+
+
 def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
     """The run's folder with its config.yaml (a resumed run's gets this sweep's trackers, which are not part of the
     run id), and its manifest entry."""
@@ -241,15 +269,20 @@ class Child:
         return self.code is None
 
     def ended(self, rid: str) -> tuple[str, str | None]:
-        """The ended run's status and error (said on the terminal when it did not finish); closes its bar."""
+        """The ended run's status and error (said on the terminal when it did not finish); closes its bar. A run
+        whose process the launcher lost (a Ray worker that died) is `stopped` when it died before it could write its
+        status, `interrupted` when the signal that stopped it (e.g. the SIGTERM that Ray sends a dead worker's
+        process group) reached it first and it wrote so: both resumable; the launcher's reason is said in both."""
         status, error = run_status(self.run_dir), _error(self.run_dir)
         code = self.code
         if code and status not in ("failed", "interrupted"):  # it could not write its summary
             status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk
             error = self.handle.error or error
+        elif code and self.handle.error:  # it wrote its status, then the launcher lost it
+            error = f"{self.handle.error}; the run wrote {status} ({error or 'no error'})"
         if code:
-            tqdm.write(f"run {rid} {status} (exit {code}): {error or 'no summary'}; "
-                       f"log in {self.run_dir / 'train.log'}")
+            how = "" if self.handle.error else f" (exit {code})"  # a lost process's code is the launcher's stand-in
+            tqdm.write(f"run {rid} {status}{how}: {error or 'no summary'}; log in {self.run_dir / 'train.log'}")
         self.bar.close()
         return status, error
 

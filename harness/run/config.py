@@ -46,7 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
 NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, not in a run's config.yaml
-NOT_IN_RUN_ID = ("results_dir", "logging")  # settings that do not change a run (nor its id, nor a resume's check)
+# settings that do not change a run (nor its id, nor a resume's check): where results go (results_dir; name, the
+# experiment's folder and the trackers' group) and where metrics are also sent; equal runs of two experiments share id
+NOT_IN_RUN_ID = ("results_dir", "name", "logging")
 OLD_LOGP = ("sampler", "recompute")
 
 
@@ -165,6 +167,8 @@ class SweepConfig:
     grid: dict[str, list[Any]] = field(default_factory=dict)  # dotted key -> list of values: every combination is a run
     # objective -> settings for its runs (a swept key's value pins that axis for them)
     per_objective: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the objective the report's verdict compares the others to; null = grpo when it has runs, else the grid's first
+    baseline: str | None = None
 
 
 @dataclass
@@ -435,6 +439,8 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for name in per_objective:
         if name not in OBJECTIVES:
             raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
+    if cfg.sweep.baseline is not None and cfg.sweep.baseline not in OBJECTIVES:
+        raise ConfigError(f"sweep.baseline: {OBJECTIVES.unknown_message(cfg.sweep.baseline)}")
     if not runs and skipped:
         raise ConfigError(f"the sweep expands to zero runs: sweep.per_objective pins {skipped}, and the grid or a "
                           "command-line override asks for another value")

@@ -147,6 +147,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.export_every"),
     Name("sweep.grid"),
     Name("sweep.per_objective"),
+    Name("sweep.baseline"),
     Name("lab.objectives"),
     Name("lab.params"),
     Name("lab.batches"),
@@ -427,10 +428,12 @@ def section(text: str, kind: str) -> str | None:
     return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
-def write_docs() -> list[Path]:
-    """Rewrite the generated tables in :data:`DOCS`; returns the files changed."""
+def write_docs(files: dict[Path, str] | None = None) -> list[Path]:
+    """Rewrite the generated tables in ``files`` (file -> kind; default :data:`DOCS`), each between its markers;
+    returns the files changed. `make docs` and `python -m harness explain --markdown --write` call it: the committed
+    tables are as fresh as the last of those (a new objective changes them; no test compares them)."""
     changed = []
-    for path, kind in DOCS.items():
+    for path, kind in (DOCS if files is None else files).items():
         text = path.read_text()
         old = section(text, kind)
         if old is None:

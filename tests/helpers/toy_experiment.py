@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 STEPS = 6
+PROBLEMS = 100  # eval problems of eval_samples.jsonl: problem p is solved when p < accuracy x PROBLEMS (every seed)
 
 OFFSET = {"grpo": 0.0, "gspo": 0.1}
 
@@ -52,6 +53,7 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
         rows.append(row)
     text = "".join(json.dumps(r) + "\n" for r in rows)
     (run_dir / "metrics.jsonl").write_text(text + ('{"step": 99, "reward_me' if truncate else ""))
+    (run_dir / "eval_samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_samples(rows)))
     if summary:
         (run_dir / "summary.json").write_text(json.dumps({
             "run_id": run_id, "objective": objective, "seed": seed, "status": status, "steps_done": steps_done,
@@ -60,6 +62,20 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
             "rollout_tokens": steps_done * 100, "update_tokens": steps_done * 100, "error": None,
             **({} if start_policy == "absent" else {"start_policy": start_policy})}))
     return {"run_id": run_id, "objective": objective, "seed": seed, "overrides": {}, "status": status, "dir": run_id}
+
+
+def eval_samples(rows: list[dict]) -> list[dict]:
+    """eval_samples.jsonl's records of the evaluations in ``rows``: problem p correct when p < accuracy x PROBLEMS
+    (an accuracy that is no multiple of 1 / PROBLEMS is then not matched: the report falls back on the seeds)."""
+    out = []
+    for row in rows:
+        if row.get("eval_accuracy") is None:
+            continue
+        scorings = {k.removeprefix("eval_accuracy"): v for k, v in row.items() if k.startswith("eval_accuracy")}
+        out += [{"step": row["step"], "problem": p, "answer": str(p),
+                 **{f"correct{name}": float(p < round(value * PROBLEMS)) for name, value in scorings.items()},
+                 "completion": "#### 0"} for p in range(PROBLEMS)]
+    return out
 
 
 def write_experiment(exp: Path, finals: dict = FINAL, extra: bool = True) -> Path:

@@ -1,0 +1,119 @@
+"""The verdict: per cell, the objectives ranked by final eval accuracy, each with its paired difference to a baseline
+objective (analysis/paired.py: by seed and eval problem), and one plain sentence saying which objective ends above or
+below the baseline, with how many of the paired seeds agree.
+
+Several objectives compared to one baseline are several tests: a difference counts when its Holm-adjusted p-value
+(Holm's step-down correction of the paired t-tests' p-values, family-wise error rate LEVEL's complement over the
+cell's comparisons) is below 1 - LEVEL. With one comparison that is the paired 95% interval excluding 0. Intervals
+are shown unadjusted. The baseline: ``--baseline`` / ``sweep.baseline`` (recorded in manifest.json by the sweep),
+else grpo when it has runs, else the sweep grid's first objective (analysis.paired.default_baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, num
+
+ALPHA = 1 - LEVEL
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm's adjusted p-values: sorted ascending, p_(i) (m - i + 1) made non-decreasing, capped at 1 (NaN kept)."""
+    p = np.asarray(p_values, dtype=float)
+    finite = np.flatnonzero(np.isfinite(p))
+    adjusted = np.full(p.shape, np.nan)
+    order = finite[np.argsort(p[finite], kind="stable")]
+    m = len(order)
+    running = 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (m - i) * p[j]))
+        adjusted[j] = running
+    return adjusted
+
+
+@dataclass(frozen=True)
+class CellVerdict:
+    cell: str  # the cell's label ("all runs" when nothing is swept)
+    table: pd.DataFrame  # the ranking: objective, final accuracy, vs baseline, seeds, Holm-adjusted p
+    sentence: str
+
+
+def interval_text(low, high) -> str:
+    return "" if pd.isna(low) else f" [{num(low)}, {num(high)}]"
+
+
+def seeds_note(n: int) -> str:
+    return f"; {n} seeds: indicative (coverage short of 95% below {INDICATIVE_BELOW})" if indicative(n) else ""
+
+
+def sentence(rows: pd.DataFrame, baseline: str) -> str:
+    """The cell's sentence from its comparisons to the baseline (a, n, difference, bounds, wins, losses, holm)."""
+    if rows.empty:
+        return f"nothing to compare: no objective shares an ended seed with {baseline} here"
+    family = f" (Holm-corrected over {len(rows)} comparisons)" if len(rows) > 1 else ""
+    differ = rows[rows["holm"] < ALPHA]
+    n = int(rows["n"].min())
+    if differ.empty:
+        alone = rows[(rows["difference_low"] > 0) | (rows["difference_high"] < 0)]["a"].tolist()
+        why = (": every paired interval includes 0" if not alone else
+               f": {' and '.join(alone)}'s interval{'s' * (len(alone) > 1)} alone exclude{'s' * (len(alone) == 1)} 0, "
+               "not after the correction")
+        return f"no objective differs from {baseline} at this budget{why}{family}{seeds_note(n)}"
+    parts = []
+    for row in differ.itertuples():
+        above = row.difference > 0
+        agree = row.wins if above else row.losses
+        parts.append(f"{row.a} ends {'above' if above else 'below'} {baseline} by {num(abs(row.difference))}"
+                     f"{interval_text(row.difference_low, row.difference_high)}, {agree} of {row.n} seeds")
+    others = len(rows) - len(differ)
+    tail = f"; the other {others} do not differ from it" if others > 1 else "; the other does not" if others else ""
+    return "; ".join(parts) + tail + family + seeds_note(n)
+
+
+def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """The cell's objectives (eval_table rows, best first) with their comparison to the baseline (versus: paired rows
+    against it, with `holm`)."""
+    by = versus.set_index("a")
+
+    def against(o: str, text) -> str:
+        return text(by.loc[o]) if o in by.index else ""
+
+    objectives = list(group["objective"])
+    return pd.DataFrame({
+        "objective": [o + (" (baseline)" if o == baseline else "") for o in objectives],
+        "final accuracy": [f"{num(m)}{interval_text(lo, hi)}" for m, lo, hi in
+                           zip(group["final_mean"], group["final_ci_low"], group["final_ci_high"], strict=True)],
+        f"− {baseline}": [against(o, lambda r: num(r["difference"]) + interval_text(r["difference_low"],
+                                                                                    r["difference_high"]))
+                          for o in objectives],
+        "seeds above/paired": [against(o, lambda r: f"{r['wins']}/{r['n']}") for o in objectives],
+        "Holm p": [against(o, lambda r: num(r["holm"])) for o in objectives]})
+
+
+def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None
+                  ) -> list[CellVerdict]:
+    """Per cell with an ended run: the ranking and the sentence. table: report.eval_table; pairs: paired.per_cell
+    (pairs against the baseline first, A the objective)."""
+    out = []
+    for cell_id, group in table.groupby("cell_id", sort=True):
+        group = group[group["final_n"] > 0].sort_values("final_mean", ascending=False, kind="stable")
+        if group.empty:
+            continue
+        versus = pairs[(pairs["cell_id"] == cell_id) & (pairs["b"] == baseline)].copy()
+        versus["holm"] = holm(versus["p_value"])
+        if baseline not in set(group["objective"]):
+            text = f"no verdict: the baseline {baseline} has no ended run here"
+        else:
+            text = sentence(versus, baseline)
+        out.append(CellVerdict(labels[cell_id], ranking(group, versus, baseline), text))
+    return out
+
+
+def lines(verdicts: list[CellVerdict]) -> list[str]:
+    """One line per cell (the cell named when there are several)."""
+    several = len(verdicts) > 1
+    return [(f"cell `{v.cell}`: " if several else "") + v.sentence + "." for v in verdicts]

@@ -1,0 +1,88 @@
+"""analysis/verdict.py: Holm's correction by hand, the sentences, the ranking; and the figures' fixed looks."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib import pyplot as plt
+
+from analysis import plots, verdict
+
+
+def test_holm_by_hand():
+    # sorted 0.01, 0.02, 0.04 of 3 tests: 3 x 0.01, max(0.03, 2 x 0.02), max(0.04, 1 x 0.04)
+    assert verdict.holm([0.04, 0.01, 0.02]) == pytest.approx([0.04, 0.03, 0.04])
+    assert verdict.holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])  # capped at 1
+    adjusted = verdict.holm([0.01, np.nan])
+    assert adjusted[0] == pytest.approx(0.01) and np.isnan(adjusted[1])  # one test left: no correction
+
+
+def rows(*comparisons) -> pd.DataFrame:
+    """Comparisons to the baseline: (objective, difference, low, high, wins, losses, n, p)."""
+    frame = pd.DataFrame(comparisons, columns=["a", "difference", "difference_low", "difference_high", "wins",
+                                               "losses", "n", "p_value"])
+    return frame.assign(holm=verdict.holm(frame["p_value"]))
+
+
+def test_sentences_say_which_objective_ends_where_and_correct_for_several():
+    one = rows(("ctpo", 0.0156, -0.004, 0.035, 3, 0, 3, 0.12))
+    assert verdict.sentence(one, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
+                                             "includes 0; 3 seeds: indicative (coverage short of 95% below 5)")
+    above = rows(("ctpo", 0.016, 0.004, 0.028, 5, 0, 5, 0.01))
+    assert verdict.sentence(above, "grpo") == "ctpo ends above grpo by 0.0160 [0.00400, 0.0280], 5 of 5 seeds"
+    # two comparisons: p 0.03 alone would count, but Holm doubles the smaller one
+    two = rows(("ctpo", 0.02, 0.001, 0.04, 4, 1, 5, 0.03), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
+    assert verdict.sentence(two, "grpo") == ("no objective differs from grpo at this budget: ctpo's interval alone "
+                                             "excludes 0, not after the correction (Holm-corrected over 2 comparisons)")
+    neither = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
+    assert verdict.sentence(neither, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
+                                                 "includes 0 (Holm-corrected over 2 comparisons)")
+    below = rows(("ctpo", -0.05, -0.07, -0.03, 0, 6, 6, 0.001), ("gspo", 0.01, -0.01, 0.03, 4, 2, 6, 0.3))
+    assert verdict.sentence(below, "grpo") == ("ctpo ends below grpo by 0.0500 [-0.0700, -0.0300], 6 of 6 seeds; the "
+                                               "other does not (Holm-corrected over 2 comparisons)")
+
+
+def test_each_cell_ranks_its_objectives_and_says_when_the_baseline_is_missing():
+    table = pd.DataFrame({"cell_id": [0, 0, 1], "objective": ["grpo", "ctpo", "ctpo"], "final_mean": [0.3, 0.4, 0.5],
+                          "final_ci_low": [0.2, 0.3, np.nan], "final_ci_high": [0.4, 0.5, np.nan],
+                          "final_n": [5, 5, 1]})
+    pairs = pd.DataFrame({"cell_id": [0], "a": ["ctpo"], "b": ["grpo"], "n": [5], "difference": [0.1],
+                          "difference_low": [0.05], "difference_high": [0.15], "wins": [5], "losses": [0],
+                          "p_value": [0.001]})
+    first, second = verdict.cell_verdicts(table, pairs, ["lr=1e-4", "lr=3e-4"], "grpo")
+    assert list(first.table["objective"]) == ["ctpo", "grpo (baseline)"]  # best first
+    assert first.table.iloc[0].tolist() == ["ctpo", "0.400 [0.300, 0.500]", "0.100 [0.0500, 0.150]", "5/5", "0.00100"]
+    assert first.sentence == "ctpo ends above grpo by 0.100 [0.0500, 0.150], 5 of 5 seeds"
+    assert second.sentence == "no verdict: the baseline grpo has no ended run here"
+    assert verdict.lines([first, second])[1] == "cell `lr=3e-4`: no verdict: the baseline grpo has no ended run here."
+
+
+def test_an_objective_looks_the_same_in_every_report():
+    alone, together = plots.styles(["grpo"]), plots.styles(["cispo", "grpo", "my_objective"])
+    assert alone["grpo"] == together["grpo"]  # fixed by its place in the registry, not by who else is drawn
+    assert list(together) == ["cispo", "grpo", "my_objective"]  # an unregistered name after the registry
+    core = plots.styles(["grpo", "gspo", "gspo_token", "ctpo"]).values()
+    assert len({(s.color, s.marker) for s in core}) == 4 and len({s.color for s in core}) == 4
+
+
+def test_losses_get_axes_of_their_own_and_constant_metrics_are_named_not_drawn():
+    steps = [1, 2, 3]
+    metrics = pd.DataFrame({"run_id": ["a"] * 3 + ["b"] * 3, "objective": ["grpo"] * 3 + ["gspo"] * 3,
+                            "step": steps * 2, "pg_loss": [0.1, 0.2, 0.1, 300.0, 100.0, 200.0],
+                            "adv_mean": [1e-8, -2e-8, 0.0, 3e-9, 0.0, 1e-8], "entropy": [1.0, 0.9, 0.8] * 2})
+    assert plots.round_off(metrics) == {"adv_mean": (-2e-8, 1e-8)}
+    assert plots.own_scale("pg_loss") and plots.own_scale("loss") and not plots.own_scale("router_aux_loss")
+    made = plots.own_scale_figure(metrics, ["pg_loss"], plots.styles(["grpo", "gspo"]), 1, "t", False)
+    assert [ax.get_title() for ax in made.fig.axes] == ["pg_loss: grpo", "pg_loss: gspo"]  # registry order
+    assert "own y axis" in made.caption
+    plt.close(made.fig)
+
+
+def test_the_final_accuracy_figure_shows_the_start():
+    runs = pd.DataFrame({"objective": ["grpo", "grpo"], "final_eval_accuracy": [0.35, 0.36], "ended": [True, True],
+                         "start_eval_accuracy": [0.28, 0.28]})
+    made = plots.final_figure(runs, plots.styles(["grpo"]), "t", False)
+    ax = made.fig.axes[0]
+    assert any(list(line.get_ydata()) == [0.28, 0.28] for line in ax.lines)
+    assert ax.get_ylim()[0] <= 0.28
+    assert "start (step 0): 0.280" in [t.get_text() for t in made.fig.legends[0].get_texts()]
+    plt.close(made.fig)
