@@ -62,8 +62,8 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
 	$(PY) -m harness claims --jobs $(JOBS)
 
-zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: README; SEEDS=N)
-	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
+zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; docs/zoo.md)
+	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
 plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper; BASELINE=name: the verdict's baseline)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper) $(if $(BASELINE),--baseline $(BASELINE))

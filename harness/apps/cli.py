@@ -29,6 +29,7 @@ from harness.apps.bench import main as bench
 from harness.apps.launchers import LAUNCHERS
 from harness.apps.soak import main as soak
 from harness.apps.sweep import prepare_starting_policies, run_sweep
+from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
 from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
@@ -253,7 +254,7 @@ def cmd_zoo(args) -> int:
     if args.objectives:
         given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
-               report=not args.no_report, allow_code_change=args.allow_code_change)
+               report=not args.no_report, allow_code_change=args.allow_code_change, stage=args.stage)
 
 
 def cmd_explain(args) -> int:
@@ -271,6 +272,10 @@ def cmd_explain(args) -> int:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_worker(args) -> int:
+    return serve(sys.stdin)
 
 
 def cmd_soak(args) -> int:
@@ -346,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the claims on the results that exist; start no run (those not done are left out)")
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
-    zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
+    zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
+                     help="screen: every objective, one starting policy; confirm: the plan the screen decides, on "
+                          "fresh starting policies and seeds; both (default): one, then the other (docs/zoo.md)")
+    zoo.add_argument("--seeds", type=positive_int, help="the screen's seeds per objective and cell (default: "
+                                                        "harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
     zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
@@ -370,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
+    worker = sub.add_parser("worker", help="a local sweep's process that trains its runs one after another, told "
+                                           "which on stdin (harness/apps/worker.py; started by the sweep)")
+    worker.add_argument("folder", help="the sweep's results folder (names the process only)")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
     soak.add_argument("--seed", type=int, default=0)
@@ -428,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
             "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
-            "zoo": cmd_zoo}
+            "zoo": cmd_zoo, "worker": cmd_worker}
 
 
 def failure_status(e: Exception) -> int | None:

@@ -23,6 +23,7 @@ only when their launcher is chosen.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -114,10 +115,70 @@ class LocalHandle:
         self.logfile.close()
 
 
+class Worker:
+    """A ``python -m harness worker`` process (harness/apps/worker.py): it trains the runs it is sent one after
+    another, answering each one's exit status on its stdout; ``runs``: how many it was sent."""
+
+    def __init__(self, folder: Path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness", "worker", str(folder)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, preexec_fn=die_with_parent)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.runs, self.busy, self.answer = 0, False, b""
+
+    def send(self, args: list[str], log: Path) -> None:
+        self.proc.stdin.write((json.dumps({"args": args, "log": str(log)}) + "\n").encode())
+        self.proc.stdin.flush()
+        self.runs, self.busy = self.runs + 1, True
+
+    def poll(self) -> int | None:
+        """The run's exit status once the worker answered; the worker's own (< 0: killed) if it ended first."""
+        try:
+            self.answer += os.read(self.proc.stdout.fileno(), 64)
+        except BlockingIOError:  # no answer yet
+            pass
+        if self.answer.endswith(b"\n"):
+            code, self.answer, self.busy = int(self.answer), b"", False
+            return code
+        code = self.proc.poll()
+        if code is not None:
+            self.busy = False
+        return code
+
+    def close(self) -> None:
+        """No more runs: the worker ends when its stdin closes."""
+        try:
+            self.proc.stdin.close()
+        except OSError:  # it died: the pipe is broken
+            pass
+        self.proc.wait()
+
+
+class WorkerHandle:
+    def __init__(self, worker: Worker):
+        self.worker, self.error, self.code = worker, None, None
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            self.code = self.worker.poll()
+        return self.code
+
+    def stop(self) -> None:
+        """SIGTERM: the run writes "interrupted" and the worker ends with it."""
+        self.worker.proc.terminate()
+        self.worker.proc.wait()
+        self.worker.busy = False
+
+
 class LocalLauncher:
-    """Each run a child process of the sweep on this machine; ``jobs`` at once, the free cores split between them."""
+    """Each run on this machine, ``jobs`` at once, the free cores split between them: in a worker process that
+    trains runs one after another (``runs_per_process`` of them at most, 0: no limit), or with 1 in a
+    ``python -m harness train`` process of its own. A worker's run is bit-equal to one in its own process
+    (harness/apps/worker.py); a worker saves each run the process start-up."""
 
     name = "local"
+
+    def __init__(self, folder: Path, runs_per_process: int = 0):
+        self.folder, self.runs_per_process, self.workers = folder, runs_per_process, []
 
     def check(self) -> None:
         pass
@@ -130,14 +191,32 @@ class LocalLauncher:
                        f"thread{'s' if threads > 1 else ''} per run")
         return threads
 
-    def start(self, args: list[str], log: Path, name: str) -> LocalHandle:
-        logfile = open(log, "a")
-        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
-        return LocalHandle(proc, logfile)
+    def start(self, args: list[str], log: Path, name: str) -> LocalHandle | WorkerHandle:
+        if self.runs_per_process == 1:
+            logfile = open(log, "a")
+            proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile,
+                                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            return LocalHandle(proc, logfile)
+        worker = self.idle_worker()
+        worker.send(args, log)
+        return WorkerHandle(worker)
+
+    def idle_worker(self) -> Worker:
+        """A live worker that is not training and may take another run (one that may not is closed), or a new one."""
+        for worker in list(self.workers):
+            if worker.busy:
+                continue
+            if worker.proc.poll() is None and not (self.runs_per_process and worker.runs >= self.runs_per_process):
+                return worker
+            worker.close()
+            self.workers.remove(worker)
+        self.workers.append(Worker(self.folder))
+        return self.workers[-1]
 
     def close(self) -> None:
-        pass
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
 
 
 # --------------------------------------------------------------------------------------------------------------- ray
@@ -299,7 +378,9 @@ class SlurmLauncher:
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
     """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place)."""
     if name == "local":
-        return LocalLauncher()
+        if settings.runs_per_process < 0:
+            raise ConfigError(f"launcher.runs_per_process must be >= 0 (0: no limit), got {settings.runs_per_process}")
+        return LocalLauncher(exp_dir, settings.runs_per_process)
     for key, low in (("cpus_per_run", 1), ("gpus_per_run", 0), ("time_min", 1)):
         if settings[key] < low:
             raise ConfigError(f"launcher.{key} must be >= {low}, got {settings[key]}")
