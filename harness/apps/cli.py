@@ -211,6 +211,10 @@ def cmd_prepare(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
+        if args.sweep_throughput:
+            from harness.apps.throughput import main as throughput
+
+            return throughput(args.overrides, jobs=args.jobs)
         if args.busy:
             return busy_main(args.overrides)
         if args.step:
@@ -405,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
                        help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
+    bench.add_argument("--sweep-throughput", action="store_true",
+                       help="runs per CPU-hour of quickstart's sweep (with the overrides), a process per run against "
+                            "worker processes, and whether both give the same runs (harness/apps/throughput.py)")
+    bench.add_argument("--jobs", type=positive_int, default=2, help="--sweep-throughput: runs at once")
     bench.add_argument("--memory", action="store_true",
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")

@@ -119,11 +119,11 @@ def verdict_list(report: Path) -> str:
 def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
     """The claims ``names`` checked on their experiments' runs under ``results_dir`` (run or resumed there)."""
     claims = load_claims(list(names))
-    tables_of = {c.source: run_source(c.source[0], c.source[1], (*c.source[2], f"results_dir={results_dir}"), jobs,
-                                      progress=False) for c in claims}
+    tables_of = {c.key: run_source(c.source[0], c.source[1], (*c.source[2], f"results_dir={results_dir}"), *c.design,
+                                   jobs=jobs, progress=False) for c in claims}
     rows = pd.DataFrame(ledger_rows(claims, tables_of))
     return (f"## The claims on these runs (experiments/claims/: {', '.join(names)})\n\n"
-            f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?']])}\n")
+            f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?', 'replication']])}\n")
 
 
 def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_moe: bool = False,

@@ -132,7 +132,7 @@ def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[i
             "not_tested": {o: why for o, (excludes, why) in reasons.items() if o not in chosen},
             "cells": CELLS, "start_seeds": start_seeds, "seeds": seeds,
             "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds},
-            "correction": {"method": "holm", "alpha": ALPHA, "family": [f"{o} - {BASELINE}" for o in family],
+            "correction": {"method": "holm", "alpha": round(ALPHA, 6), "family": [f"{o} - {BASELINE}" for o in family],
                            "size": len(family)},
             "settings": settings}
 
@@ -237,6 +237,7 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
             raise ConfigError(f"the confirmation is planned from a finished screen, and {screen} has runs that did "
                               "not end (or none): run `make zoo STAGE=screen` first")
         board = leaderboard(load_results(screen), target, BASELINE)
+        board = board[board["objective"].isin(objectives)] if objectives else board
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
         plan = plan_confirmation(board, list(range(seeds)), start, core, settings)
