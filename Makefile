@@ -9,11 +9,12 @@ OVERRIDES ?=
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
-# JOBS runs at once here; on a cluster (LAUNCHER=ray|slurm) every run at once unless JOBS is given
-SWEEP_JOBS = $(if $(or $(filter local,$(LAUNCHER)),$(filter command line environment,$(origin JOBS))),--jobs $(JOBS))
+# a sweep runs JOBS at once when JOBS is given; else here one per GPU (each on its own) or JOBS without GPUs, and on a
+# cluster (LAUNCHER=ray|slurm) every run at once
+SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench list explain docs docs-site soak clean-results
+.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
 
 # every target but help, setup and clean-results runs $(PY): without the venv, one line saying what to do instead of
 # make's "No such file or directory" (only for the default PY; a PY given on the command line is the user's own)
@@ -46,7 +47,7 @@ lint:  ## ruff
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
-sweep:  ## all runs of an experiment (resumable, JOBS at once), then its report; LAUNCHER=ray|slurm: on a cluster
+sweep:  ## all runs of an experiment (resumable, JOBS at once; with GPUs and no JOBS one per GPU, each on its own), then its report; LAUNCHER=ray|slurm: on a cluster
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASELINE=grpo]: those objectives on EXP's budget, into results/EXP/ (runs already there are not run again; the report holds every run of the folder)
@@ -54,7 +55,7 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASE
 	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]*'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number >= 1 (runs seeds 0 .. SEEDS-1)))
 	$(PY) -m harness sweep $(EXP) "sweep.grid.objective.name=[$(OBJECTIVES)]" \
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(if $(BASELINE),sweep.baseline=$(BASELINE)) \
-		$(OVERRIDES) --jobs $(JOBS)
+		$(OVERRIDES) $(SWEEP_JOBS)
 
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
@@ -68,8 +69,11 @@ zoo:  ## every registered objective through the stress regimes on the tiny model
 plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper; BASELINE=name: the verdict's baseline)
 	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper) $(if $(BASELINE),--baseline $(BASELINE))
 
-bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; THROUGHPUT=1: quickstart's sweep's runs per CPU-hour, a process per run vs worker processes, JOBS at once)
-	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(THROUGHPUT),--sweep-throughput --jobs $(JOBS))
+bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory; THROUGHPUT=1: quickstart's sweep's runs per CPU-hour, a process per run vs worker processes, JOBS at once)
+	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora) $(if $(THROUGHPUT),--sweep-throughput --jobs $(JOBS))
+
+gpu-check:  ## the GPU path in minutes (tiny model; Qwen2.5-0.5B-shaped random weights: native bf16 with and without LoRA, TRL): tokens/s, peak memory -> results/bench/gpu_check.jsonl; DEVICE=cpu: a dry run at tiny shapes
+	$(PY) -m harness gpu-check $(if $(DEVICE),--device $(DEVICE))
 
 list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list

@@ -5,7 +5,9 @@ is computed: ``seed`` (what varies between the seeds of a cell), ``model.seed`` 
 replicate, what varies between the starting policies of a cell, the level above the seeds), ``name`` (the
 experiment's label), ``results_dir``,
 ``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/run/config.py run_id leaves
-``results_dir`` and ``logging`` out of the run id for the same reason) and ``profile``/``profiles`` (applied already).
+``results_dir`` and ``logging`` out of the run id for the same reason), the memory settings (``train.lm_head_chunk``,
+``train.activation_checkpointing``, ``train.eval_batch_size``: config.py's MEMORY_SETTINGS, which bound memory,
+not what is computed; a run resumed under less memory records them) and ``profile``/``profiles`` (applied already).
 ``objective.name`` names the objective. ``code`` is a setting too: the run's code version (summary.json's segments,
 harness/run/provenance.py: ``unknown`` for a run written before they were recorded, ``?`` for one not started), so that
 runs of two code versions are kept apart exactly as runs of two learning rates.
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 START_SEED = "model.seed"  # the starting policy's replicate: a run column (analysis/load.py), not a cell's setting
-NOT_SETTINGS = frozenset({"seed", START_SEED, "name", "results_dir", "threads", "profile", "objective.name"})
+NOT_SETTINGS = frozenset({"seed", START_SEED, "name", "results_dir", "threads", "profile", "objective.name",
+                          "train.lm_head_chunk", "train.activation_checkpointing", "train.eval_batch_size"})
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
 CODE = "code"  # the setting that holds a run's code version

@@ -7,7 +7,9 @@ ended a run has one, so that no objective is ranked on cells another one was nev
 that ended (finished, or diverged: scored by their last evaluation; analysis/load.py):
 
 - mean rank: per shared cell, the objectives ranked by their mean final eval accuracy over seeds (1 = best, ties share
-  the mean of their ranks, pandas' ``rank(method="average")``), averaged over the cells;
+  the mean of their ranks, pandas' ``rank(method="average")``), averaged over the cells; an objective with runs that
+  diverged before any evaluation after step 0 (scored on the starting policy, not on a trained one) ranks below
+  those with fewer such runs, whatever its accuracy;
 - IQM of final eval accuracy with its stratified hierarchical-bootstrap 95% interval (seeds and eval problems):
   analysis.paired.iqm (rliable's conventions);
 - vs the baseline objective (``baseline``, grpo by default): the mean over cells of the paired difference of final
@@ -48,11 +50,30 @@ def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
 
 
 def mean_ranks(exp: Experiment, cells: list[int]) -> pd.Series:
-    """Per objective: the mean over ``cells`` of its rank by mean final accuracy in the cell (1 = best)."""
+    """Per objective: the mean over ``cells`` of its rank in the cell (1 = best): first by the share of its runs
+    scored on the starting policy (:func:`scored_at_start`; fewer first), then by mean final accuracy. A run that
+    diverged before its first evaluation after step 0 never ranks above one whose trained policy was evaluated."""
     table = eval_table(exp.runs, exp.cells.axes, exp.samples)
     table = table[table["cell_id"].isin(cells) & table["final_mean"].notna()]
-    ranks = table.groupby("cell_id")["final_mean"].rank(ascending=False, method="average")
+    runs = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
+    share = scored_at_start(exp)[runs["run_id"]].groupby([runs["cell_id"].to_numpy(), runs["objective"].to_numpy()]
+                                                          ).mean()
+    untrained = pd.Series([share.get((c, o), 0.0) for c, o in zip(table["cell_id"], table["objective"], strict=True)],
+                          index=table.index)
+    # lexicographic: the share's dense rank steps by 2, more than accuracies in [0, 1] can differ
+    key = 2 * untrained.groupby(table["cell_id"]).rank(method="dense") - table["final_mean"]
+    ranks = key.groupby(table["cell_id"]).rank(method="average")
     return ranks.groupby(table["objective"]).mean()
+
+
+def scored_at_start(exp: Experiment) -> pd.Series:
+    """Per run id: whether no evaluation after step 0 exists (a run that diverged before its first one after
+    training: its final accuracy, its last evaluation, is the starting policy's)."""
+    metrics = exp.metrics
+    if "eval_accuracy" not in metrics:
+        return pd.Series(True, index=exp.runs["run_id"])
+    evaluated = metrics.loc[(metrics["step"] > 0) & metrics["eval_accuracy"].notna(), "run_id"]
+    return pd.Series(~exp.runs["run_id"].isin(evaluated).to_numpy(), index=exp.runs["run_id"])
 
 
 def tokens_to_target(metrics: pd.DataFrame, runs: pd.DataFrame, target: float) -> pd.Series:
@@ -149,7 +170,9 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str)
     return [f"Cells ({len(cells)}, each objective x its seeds): " + "; ".join(f"`{c}`" for c in labels) + "."
             + (f" Left out (not every objective has an ended run there): {'; '.join(left_out)}." if left_out else ""),
             "Mean rank: per cell, objectives ranked by mean final eval accuracy over seeds (1 = best, ties share "
-            f"their mean rank), averaged over the cells. IQM: of every run's final accuracy pooled over the cells, "
+            "their mean rank; runs that diverged before any evaluation after step 0 are scored on the starting "
+            "policy, so an objective with more of them ranks lower whatever its accuracy), averaged over the cells. "
+            f"IQM: of every run's final accuracy pooled over the cells, "
             f"{LEVEL:.0%} stratified bootstrap (seeds and eval problems resampled within cells; analysis/paired.py). "
             f"vs {baseline}: mean over cells of the paired difference of final accuracy (by seed and eval problem; "
             "t-interval whose variance adds the cells', analysis/accuracy.py), and the probability of improvement "

@@ -48,6 +48,14 @@ ROUTING = {"expert_changed_frac": ("Expert volatility", "(token, layer, slot) as
            "expert_layer_changed_max": ("Expert volatility, most volatile layer", "fraction of its assignments"),
            "expert_load_entropy": ("Expert-load entropy", "entropy / log(experts)"),
            "router_aux_loss": ("Router load-balancing loss", "aux loss (measured, not trained on)")}
+# policy lag (train.rollout_lag, harness/loop/pipeline.py, docs/async.md): panels of the stability figure where some
+# run reports them, no note where none does (synchronous runs)
+STALENESS = {"lag_mean": ("Policy lag", "versions behind the trainer (token mean)"),
+             "mismatch_kl": ("KL(behaviour || proximal)", "k3 KL (nats/token)"),
+             "mismatch_ess": ("Importance-weight ESS", "normalised ESS of π_prox/π_behav"),
+             "rollout_corr_masked_frac": ("Masked by the correction", "fraction of tokens"),
+             "rollout_corr_truncated_frac": ("Truncated by the correction", "fraction of tokens"),
+             "m2po_dropped_frac": ("Masked by M2PO", "fraction of tokens")}
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted", "step", "lr",
                          "rollout_tokens", "update_tokens", "sampled_tokens", "nonfinite_skips"})
@@ -271,9 +279,9 @@ def stability_figure(metrics: pd.DataFrame, look: dict[str, Style], window: int,
         notes.append("KL to behaviour: `kl_behavior` is the k1 estimate (token mean of log π_old − log π over the "
                      "sampled tokens): unbiased, but a single batch's value can be negative; a k3 estimate is not "
                      "logged by these runs.")
-    present += [m for m in ROUTING if reported(metrics, m) and m not in flat]
+    present += [m for m in {**ROUTING, **STALENESS} if reported(metrics, m) and m not in flat]
     notes += lacking_notes(metrics, present)
-    fig = lines_figure(metrics, "step", present, look, window, {**STABILITY, **ROUTING}, title, paper) \
+    fig = lines_figure(metrics, "step", present, look, window, {**STABILITY, **ROUTING, **STALENESS}, title, paper) \
         if present else None
     return Made("stability", title, fig, axis_note("step", window), notes)
 

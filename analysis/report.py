@@ -382,8 +382,8 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
     estimates = {o: estimate(g, samples or {}) for o, g in cell_identity(runs).groupby("objective")}
     made.append(plots.final_figure(runs, look, f"{name}: final eval accuracy", paper, estimates))
     if not metrics.empty:
-        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING] if plots.reported(metrics, m)
-                 and m not in flat]
+        drawn = [m for m in [*plots.CURVES, *plots.STABILITY, *plots.ROUTING, *plots.STALENESS]
+                 if plots.reported(metrics, m) and m not in flat]
         own = [m for m in sorted(metrics.columns) if plots.own_scale(m) and m not in flat
                and not plots.bookkeeping(m) and plots.reported(metrics, m)]
         if own:

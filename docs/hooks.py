@@ -134,7 +134,7 @@ def objective_page(name: str) -> str:
         (cls.needs_whole_minibatch, "the whole minibatch at once (no micro-batching)"),
         (cls.needs_sequence_advantages, "one advantage per sequence"),
         (cls.needs_hidden_states, "the policy's hidden states"),
-        (cls.keeps_state() and not cls.needs_hidden_states, "state of its own (checkpointed)"),
+        (cls.stateful, "state of its own across updates (its lifecycle hooks; checkpointed)"),
         (cls.uses_minibatch_statistics(), "minibatch statistics (an extra no-grad forward when micro-batched)"),
     ) if flag]
     lines += [f"- **config**: `objective.name={name}`",

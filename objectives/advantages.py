@@ -115,6 +115,35 @@ def gpg_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = N
     return _singletons_to_zero(alpha * (r - mean), size, rewards)
 
 
+MAXRL_EPS = 1e-6  # the authors' epsilon in the mean normaliser
+
+
+@ADVANTAGES.register("maxrl")
+def maxrl_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
+    """MaxRL, maximum-likelihood RL (Tajwar et al., arXiv 2602.02710): the group-centred reward divided by the group's
+    mean reward instead of its std,
+
+        A_i = (R_i - mean_g) / (mean_g + 1e-6)
+
+    which, for binary rewards (mean_g = the group's pass rate p), makes the policy gradient an unbiased estimate of
+    the gradient of the order-G truncation of the log-likelihood of success, log p (prompts with a low pass rate get
+    ~1/p weight). References: the authors' tajwarfahim/maxrl ``verl/trainer/ppo/core_algos.py``
+    ``compute_maxrl_outcome_advantage`` (c0698ebb439a81ae1c6b01a842df3f2541816b4d), followed; SkyRL
+    ``skyrl/backends/skyrl_train/utils/ppo_utils.py`` ``compute_maxrl_advantage`` (NovaSky-AI/SkyRL
+    a9564572eb8e91076be43c1bd5e4615e3de17265, the same formula); prime-rl
+    ``src/prime_rl/orchestrator/algo/max_rl.py`` (559b44772e471d1538537b8805cc77f3824a5e64: no epsilon). Rewards must be
+    >= 0 (binary in the paper; the config refuses ``task.overlong_buffer``, whose penalty makes them negative).
+    Edge cases, where the three differ: a group whose mean is 0 (all rewards 0) gets 0 in all three; a group of one
+    gets 0 here (our convention for every group-centred estimator; prime-rl: (R - R) / R = 0; SkyRL: R; the authors:
+    R / 1e-6); equal rewards give exactly 0 (``group_stats``)."""
+    mean, _, size = group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    return _singletons_to_zero((r - mean) / (mean + MAXRL_EPS), size, rewards)
+
+
+maxrl_advantage.nonnegative_rewards = True
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Estimators that need the completion lengths L_i (valid tokens of each response), pinned to verl's core_algos.py
 # (volcengine/verl b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py; the same functions as at
@@ -204,6 +233,11 @@ def loop_inputs(estimator: AdvantageEstimator) -> tuple[str, ...]:
     return getattr(estimator, "loop_inputs", ())
 
 
+def needs_nonnegative_rewards(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` assumes rewards >= 0 (MaxRL: its normaliser is the group's mean reward, a pass rate)."""
+    return getattr(estimator, "nonnegative_rewards", False)
+
+
 def needs_sum_pi_squared(estimator: AdvantageEstimator) -> bool:
     """Whether ``estimator`` reads the old policy's sum_v pi_v^2 per token (and gives [B, T] advantages)."""
     return SUM_PI_SQUARED_INPUT in loop_inputs(estimator)
@@ -222,20 +256,25 @@ def needs_greedy_baseline(estimator: AdvantageEstimator) -> bool:
 @ADVANTAGES.register("optimal_token_baseline")
 def optimal_token_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
                                      old_logp: Tensor | None = None, sum_pi_squared: Tensor | None = None,
-                                     mask: Tensor | None = None, correction: Tensor | None = None) -> Tensor:
-    """Optimal Token Baseline (verl ``compute_optimal_token_baseline_advantage``, volcengine/verl
-    b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py; ``handle_zero_tail`` False, epsilon
-    1e-8, verl's defaults): a baseline per token position t of each group, weighted by the cumulative path-variance
-    proxy of each response,
+                                     mask: Tensor | None = None, correction: Tensor | None = None,
+                                     handle_zero_tail: bool = True) -> Tensor:
+    """Optimal Token Baseline (verl ``compute_optimal_token_baseline_advantage``, verl-project/verl
+    1dda039b9c6311889a9c9a26040677e1254814f9, verl/trainer/ppo/core_algos.py; epsilon 1e-8 and ``handle_zero_tail``
+    True, verl's defaults: verl's default was False until 8acd940f1 (PR 5380) made it True): a baseline per token
+    position t of each group, weighted by the cumulative path-variance proxy of each response,
 
         w_t = 1 - 2 pi_t + sum_v pi_v^2      (pi_t = exp(old_logp_t): ||score||^2 of the softmax at token t)
         W_t = sum_{j <= t, valid} w_j rho_j^2 (rho: the rollout-correction weights, when on; verl's rollout_is_weights)
         B_t = sum_g G_t W_t m_t / (sum_g W_t m_t + 1e-8),   A_t = (G_t - B_t) m_t     [B, T]
+        zero tail: where a group's longest response is unique and longer than the second longest (L_2), its
+                   B_t = 0 for t >= L_2 (there it is the only response, B_t would be ~G_t and A_t ~0)
 
     with G_t = R_i at every valid token (an outcome reward on the last token: the reward-to-go), ``old_logp`` and
     ``sum_pi_squared`` [B, T] from the trainer's old-policy forward at ``train.temperature`` (verl's actor
     ``calculate_sum_pi_squared``). A group of one gets 0 here (verl: G_t, no baseline), like every group-centred
-    estimator; equal rewards give exactly 0 (B_t = R up to the 1e-8: set to R there)."""
+    estimator; equal rewards give B_t = R exactly (verl: R up to the 1e-8), so 0, except in a zero tail, where
+    A_t = R as verl's (a group of equal nonzero rewards pushes its unique longest response's tail).
+    ``handle_zero_tail=False`` is verl's option (and its default before 8acd940f1); the loop uses the default."""
     if old_logp is None or sum_pi_squared is None or mask is None:
         raise ValueError("advantage estimator 'optimal_token_baseline' needs old_logp, sum_pi_squared and mask "
                          "[B, T] from the old policy's forward (keywords)")
@@ -254,8 +293,25 @@ def optimal_token_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths
     low = torch.full((groups,), torch.inf, dtype=r.dtype).scatter_reduce(0, index, r, "amin")
     high = torch.full((groups,), -torch.inf, dtype=r.dtype).scatter_reduce(0, index, r, "amax")
     baseline = torch.where((low == high)[index, None], r[:, None], (num / den)[index])
+    if handle_zero_tail:
+        baseline = baseline * ~zero_tail(m.sum(-1), index, groups, m.shape[1])
     adv = torch.where(size[:, None] > 1, (returns - baseline) * m, torch.zeros_like(m))
     return _in_dtype_of(adv, rewards)
+
+
+def zero_tail(lengths: Tensor, index: Tensor, groups: int, width: int) -> Tensor:
+    """Bool [B, T]: the positions t >= L_2 of each group's longest response when it is the only one of its length and
+    longer than the second longest (L_2): verl's ``handle_zero_tail`` (groups of two or more)."""
+    tail = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for g in range(groups):
+        members = (index == g).nonzero().squeeze(-1)
+        if len(members) < 2:
+            continue
+        ordered = torch.sort(lengths[members], descending=True).values
+        longest = members[lengths[members] == ordered[0]]
+        if len(longest) == 1 and ordered[0] > ordered[1]:
+            tail[longest[0], int(ordered[1]):] = True
+    return tail.to(lengths.device)
 
 
 optimal_token_baseline_advantage.loop_inputs = (SUM_PI_SQUARED_INPUT,)

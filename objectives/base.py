@@ -23,6 +23,12 @@ trainer's old policy and the sampler; 0 for masked tokens) that :func:`aggregate
 token mean of its weights), so no objective has code for it. The token and sequence counts of the normalisation
 are unchanged (a masked token keeps its place in N_tokens, L_i, N_seqs); the beta * KL to the reference is not
 weighted. None, or weights exactly 1, leave the loss and its gradient bit-identical.
+
+An objective with state of its own (a coefficient, a moving copy of the policy, a trained predictor) declares
+``stateful`` and implements the lifecycle hooks (:class:`Objective`: ``setup``, ``trainable_parameters``,
+``after_optimizer_step``, ``after_update``, ``state_dict`` / ``load_state_dict``), checked when it registers.
+:meth:`Objective.needs` says what it needs of a trainer ("state", "hidden_states"); each trainer declares what it
+provides, and :func:`lifecycle_unsupported` checks one against the other before a run starts.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import Tensor
 from objectives.registry import Registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+RATIO_LEVELS = ("token", "sequence", "other")  # Objective.ratio_level
 
 
 @dataclass
@@ -59,12 +66,15 @@ class PolicyBatch:
     # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
     rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update, 0 for the first
     #   rollout: HölderPO's ``p_schedule="rollout_steps"`` (which adds 1: the authors count rollouts from 1)
-    sampler_logp: Tensor | None = None  # [B, T] log-probs of the sampler (vLLM / bf16 / quantised rollout engine)
-    #   when they differ from ``old_logp`` (then the trainer's proximal policy, recomputed); TBPO's mismatch
-    #   weight exp(mean_t(old_logp - sampler_logp)). None: the sampler is the proximal policy (weight 1), or the
-    #   loop's rollout correction (``correction``) accounts for the sampler (never both: no double correction).
+    sampler_logp: Tensor | None = None  # [B, T] the behaviour log-probs: what the sampler (vLLM / bf16 / quantised
+    #   rollout engine, an older policy version, or both) gave each token it drew, when ``old_logp`` is instead the
+    #   trainer's proximal policy, recomputed before the update; None: ``old_logp`` is the behaviour itself. Read by
+    #   TBPO's mismatch weight exp(mean_t(old_logp - sampler_logp)), M2PO's mask (behaviour vs proximal) and OPSM
+    #   (behaviour vs current).
     correction: Tensor | None = None  # [B, T] detached rollout-correction weight (train.rollout_correction), applied
     #   by aggregate / sequence_loss / sequence_aggregate to the objective's loss; 0 = masked. None: weight 1.
+    behaviour_corrected: bool = False  # the loop's rollout correction weighs the proximal against the behaviour
+    #   already (in ``correction``): an objective's own such weight (TBPO's) is then off, so none is applied twice
     minibatch_stats: dict[str, Tensor] | None = None  # the objective's ``minibatch_statistics`` summed over the
     #   whole minibatch, when the loop splits it into micro-batches; None: this batch is the whole minibatch.
     entropy: Tensor | None = None  # [B, T] the current policy's entropy at each completion position (0 on padding),
@@ -348,7 +358,8 @@ def off_policy_keep(batch: PolicyBatch, threshold: float) -> Tensor:
     """Off-policy sequence masking (OPSM; DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL 1.16 ``get_off_policy_mask``):
     keep = A >= 0  or  mean_t(sampler_logp - sg(logp)) <= threshold, a bool [B, T] over the tokens of each sequence
     (per token when the advantages are per token, as TRL's broadcast). The sampler's log-probs are
-    ``batch.sampler_logp`` when the loop passes them, else ``old_logp`` (the behaviour policy, TRL's fallback)."""
+    ``batch.sampler_logp`` when the loop passes them (``old_logp`` is then the proximal policy), else ``old_logp`` (the
+    behaviour policy itself, TRL's fallback)."""
     behaviour = batch.old_logp if batch.sampler_logp is None else batch.sampler_logp
     drift = masked(behaviour - batch.logp.detach(), batch.mask)
     mean_drift = drift.sum(-1) / batch.mask.sum(-1).clamp(min=1).to(drift.dtype)
@@ -406,9 +417,18 @@ class Objective:
     needs_whole_minibatch: ClassVar[bool] = False
     # True if the loss reads the policy's hidden states (``PolicyBatch.hidden`` and ``hidden_of``; POPO)
     needs_hidden_states: ClassVar[bool] = False
+    # True if the objective keeps state of its own across updates (the lifecycle below: ``setup``, the hooks,
+    # ``state_dict`` in every checkpoint): declared, and checked at registration against the hooks it implements
+    stateful: ClassVar[bool] = False
     # True if the loss needs one advantage per sequence (``sequence_advantages``: GSPO, GMPO, HolderPO, ConSPO, TBPO),
     # so a token-level estimator's [B, T] advantages (optimal_token_baseline) cannot feed it
     needs_sequence_advantages: ClassVar[bool] = False
+    # the level of the importance ratio, which decoupled PPO's behaviour weight pi_prox / pi_behaviour takes
+    # (train.rollout_correction.mode=decoupled_ppo): "token" (a ratio per token, or no ratio: the weight per token),
+    # "sequence" (the geometric mean of a sequence's token ratios: the weight's geometric mean per sequence), or
+    # "other" (no such weight composes with it: ``ratio_note`` says what the ratio is, and the loop refuses the mode)
+    ratio_level: ClassVar[str] = "token"
+    ratio_note: ClassVar[str] = ""  # with ratio_level "other": what the objective's ratio is (one phrase)
 
     beta: float = 0.0  # coefficient of the KL to the reference policy (estimator: ``kl_estimator``)
     # reduction of the per-token (or per-sequence) loss, one of ``aggregations``; "" = ``default_aggregation``
@@ -491,17 +511,31 @@ class Objective:
     def entropy_need(self) -> str:
         """What the objective needs of the current policy's entropy (``PolicyBatch.entropy``): "gradient" (the entropy
         bonus), "value" (top-entropy masking only) or "" (nothing)."""
-        return "gradient" if self.entropy_coef > 0 else "value" if self.top_entropy_quantile < 1 else ""
+        if self.entropy_bonus_coef() is not None:
+            return "gradient"
+        return "value" if self.top_entropy_quantile < 1 else ""
+
+    def entropy_bonus_coef(self) -> float | None:
+        """The coefficient of the entropy bonus this loss subtracts, or None for no bonus term: ``entropy_coef`` when
+        > 0 (an adaptive controller returns its current coefficient, 0 included)."""
+        return self.entropy_coef if self.entropy_coef > 0 else None
+
+    def reference_kl_coef(self) -> float:
+        """The coefficient of the KL to the reference in this loss: ``beta`` (an adaptive controller's current one)."""
+        return self.beta
 
     def needs_minibatch_at_once(self) -> bool:
         """Whether the loss must see the whole minibatch at once (no micro-batching): the class's
         ``needs_whole_minibatch``, or top-entropy masking (a quantile over the minibatch's tokens)."""
         return self.needs_whole_minibatch or self.top_entropy_quantile < 1
 
-    # --- state of the objective's own (POPO: a trained predictor, a moving copy of the policy). The loop calls these
-    # hooks with no objective-specific code: ``setup`` once before making the optimizer, ``trainable_parameters`` in
-    # a parameter group of their own, ``after_optimizer_step`` after each applied optimizer step, ``state_dict`` in
-    # every checkpoint and ``load_state_dict`` on resume. The defaults: no state.
+    # --- the lifecycle of an objective with state of its own (``stateful``; POPO: a trained predictor and a moving copy
+    # of the policy; adaptive_entropy / adaptive_kl: a coefficient). A trainer that provides "state" (:data:`NEEDS`,
+    # :func:`lifecycle_unsupported`) calls, with no objective-specific code: ``setup`` once before making the optimizer,
+    # ``trainable_parameters`` in a parameter group of their own, ``after_optimizer_step`` after each applied optimizer
+    # step, ``after_update`` once per rollout step after its last optimizer step, ``state_dict`` in every checkpoint and
+    # ``load_state_dict`` on resume (after ``setup``). State that does not depend on the policy is made in
+    # ``__post_init__``, so that a fresh instance is a fresh state (the registry-wide tests evaluate one per case).
 
     def setup(self, policy: torch.nn.Module) -> None:
         """Build what the objective keeps beside the policy (on the policy's device and dtype)."""
@@ -510,11 +544,18 @@ class Objective:
         """Parameters the objective trains beside the policy's (the loop's optimizer: a group of their own)."""
         return []
 
-    def after_optimizer_step(self, policy: torch.nn.Module) -> None:
-        """Called after each optimizer step that updated the policy (an EMA copy follows the policy here)."""
+    def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
+        """Called after each optimizer step that updated the policy, with that step's metrics: the objective's (and
+        the loop's ``entropy``) averaged over the step's micro-batches weighted by their valid tokens (an EMA copy
+        follows the policy here; TRL's adaptive entropy coefficient moves here)."""
+
+    def after_update(self, metrics: dict[str, float], sequences: int) -> None:
+        """Called once per rollout step, after its last optimizer step, with the step's update metrics (the
+        objective's averaged over all its micro-batches, weighted by valid tokens; ``loss``, ``grad_norm``) and the
+        number of sequences the step trained on (verl's adaptive KL controller moves here)."""
 
     def state_dict(self) -> dict:
-        """What a checkpoint must hold to resume the objective exactly (tensors; {} without state)."""
+        """What a checkpoint must hold to resume the objective exactly (tensors, numbers; {} without state)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -523,10 +564,11 @@ class Objective:
             raise ValueError(f"objective {self.name!r} keeps no state, but the checkpoint has {sorted(state)}")
 
     @classmethod
-    def keeps_state(cls) -> bool:
-        """Whether the objective has state of its own (implements :meth:`setup`) or reads hidden states: what the
-        native loop provides and other trainers (TRL, the gradient lab) do not."""
-        return cls.setup is not Objective.setup or cls.needs_hidden_states
+    def needs(cls) -> frozenset[str]:
+        """What the objective needs of the trainer that runs it beyond log-probs and advantages (keys of
+        :data:`NEEDS`), as its class declares: "state" (``stateful``), "hidden_states" (``needs_hidden_states``)."""
+        return frozenset({"state"} if cls.stateful else set()) | frozenset(
+            {"hidden_states"} if cls.needs_hidden_states else set())
 
     @classmethod
     def uses_minibatch_statistics(cls) -> bool:
@@ -558,8 +600,8 @@ class Objective:
         N is the minibatch's token count (micro-batches sum to the minibatch's mean), or with top-entropy masking
         (whole minibatches only) the kept tokens; OPSM and rollout-correction weights do not enter (as in TRL)."""
         if batch.entropy is None:
-            raise ValueError(f"objective {self.name!r} has entropy_coef={self.entropy_coef} > 0 but the batch has no "
-                             "entropy")
+            raise ValueError(f"objective {self.name!r} adds an entropy bonus (entropy_coef={self.entropy_coef}, or an "
+                             "adaptive coefficient) but the batch has no entropy")
         if keep is None:
             return masked(batch.entropy, batch.mask).sum() / batch.token_count
         return masked(batch.entropy, keep).sum() / keep.sum().clamp(min=1)
@@ -570,10 +612,15 @@ class Objective:
         loss, metrics = self.policy_loss(batch)
         metrics = {**metrics, **masking}
         metrics["pg_loss"] = loss.item()
-        if self.entropy_coef > 0:
+        entropy_coef = self.entropy_bonus_coef()
+        if entropy_coef is not None:
             bonus = self.entropy_bonus(batch, entropy_keep)
-            loss = loss - self.entropy_coef * bonus
+            loss = loss - entropy_coef * bonus
             metrics["entropy_bonus"] = bonus.item()
+            # H over this batch's own kept tokens (what an adaptive controller measures; token-weighted over the
+            # micro-batches of an optimizer step it is the step's mean)
+            kept = batch.mask if entropy_keep is None else entropy_keep
+            metrics["entropy_kept_mean"] = (masked(batch.entropy.detach(), kept).sum() / kept.sum().clamp(min=1)).item()
         # KL(behaviour || current) over the behaviour's samples, token means: k1 = -d (verl's ppo_kl; an unbiased
         # estimate that can be negative) and k3 = (r - 1) - d (never negative; Schulman's low-variance estimator)
         d = batch.log_ratio()
@@ -585,7 +632,8 @@ class Objective:
                     f"objective {self.name!r} has beta={self.beta} > 0 but the batch has no ref_logp"
                 )
             kl = reference_kl(batch, self.kl_estimator)
-            loss = loss + self.beta * aggregate(kl, batch, self.kl_aggregation or self.aggregation, correct=False)
+            term = aggregate(kl, batch, self.kl_aggregation or self.aggregation, correct=False)
+            loss = loss + self.reference_kl_coef() * term
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
@@ -597,10 +645,45 @@ class Objective:
         return params
 
 
+# What an objective may need of the trainer that runs it beyond log-probs and advantages (``Objective.needs``); each
+# trainer declares the ones it provides (harness/loop/backends.py BACKENDS, the gradient lab) and
+# :func:`lifecycle_unsupported` checks an objective against them before anything starts
+NEEDS = {
+    "state": "keeps state of its own across updates (its lifecycle hooks, its state in every checkpoint)",
+    "hidden_states": "reads the policy's hidden states",
+}
+LIFECYCLE_HOOKS = ("setup", "trainable_parameters", "after_optimizer_step", "after_update", "state_dict",
+                   "load_state_dict")
+
+
+def lifecycle_unsupported(objective: type[Objective], trainer: str, provides: frozenset[str]) -> str | None:
+    """Why ``trainer`` (e.g. "backend trl", "lab") cannot run ``objective`` (one sentence, the caller adds the fix), or
+    None: the needs the objective declares (:meth:`Objective.needs`) that the trainer does not provide."""
+    missing = sorted(objective.needs() - provides)
+    if not missing:
+        return None
+    return (f"{trainer}: objective {objective.name!r} {' and '.join(NEEDS[m] for m in missing)}, which {trainer} does "
+            "not provide")
+
+
+def check_lifecycle_declared(name: str, cls: type[Objective]) -> None:
+    """An objective that implements a lifecycle hook declares ``stateful`` (so no trainer that lacks the hooks runs it
+    silently without adapting or saving), and a stateful one implements ``state_dict`` and ``load_state_dict`` (so a
+    resume restores it)."""
+    hooks = [h for h in LIFECYCLE_HOOKS if getattr(cls, h) is not getattr(Objective, h)]
+    if hooks and not cls.stateful:
+        raise ValueError(f"objective {name!r} implements {', '.join(hooks)} but does not declare stateful = True")
+    missing = [h for h in ("state_dict", "load_state_dict") if h not in hooks]
+    if cls.stateful and missing:
+        raise ValueError(f"objective {name!r} declares stateful = True but does not implement {' and '.join(missing)} "
+                         "(a resumed run could not restore its state)")
+
+
 def register_objective(name: str):
     """Class decorator: make the class a dataclass of its hyperparameters and register it under ``name``."""
 
     def decorator(cls):
+        check_lifecycle_declared(name, cls)
         legacy = cls.__dict__.get("aggregation")
         if isinstance(legacy, str) and "aggregation" not in cls.__dict__.get("__annotations__", {}):
             cls.default_aggregation = legacy  # an old-style ``aggregation = "..."`` class attribute: its default
@@ -611,6 +694,9 @@ def register_objective(name: str):
         if cls.default_aggregation not in cls.aggregations:
             raise ValueError(f"objective {name!r}: default_aggregation {cls.default_aggregation!r} is not among "
                              f"its aggregations {cls.aggregations}")
+        if cls.ratio_level not in RATIO_LEVELS or (cls.ratio_level == "other") != bool(cls.ratio_note):
+            raise ValueError(f"objective {name!r}: ratio_level must be one of {RATIO_LEVELS}, with a ratio_note "
+                             f"exactly when it is 'other'; got {cls.ratio_level!r}, {cls.ratio_note!r}")
         cls.name = name
         if "__dataclass_fields__" not in cls.__dict__:
             cls = dataclass(cls)

@@ -60,6 +60,9 @@ SCHEDULES = ("linear", "cosine", "constant")
 
 @register_objective("conspo")
 class ConSPO(Objective):
+    ratio_level = "other"
+    ratio_note = "none: a contrastive loss on length-normalised sequence log-probs"
+
     needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
 
     temperature: float = 0.1

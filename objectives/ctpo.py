@@ -54,6 +54,9 @@ LOG_RHO_CAP = 10.0  # upper cap of log rho_t
 
 @register_objective("ctpo")
 class CTPO(Objective):
+    ratio_level = "other"
+    ratio_note = "a prefix product (or prefix geometric mean) of token ratios"
+
     clip_low: float = 0.025
     clip_high: float = 0.05
     dual_clip: float = 0.05

@@ -41,6 +41,9 @@ LOG_RHO_CAP = 10.0  # upper cap of log rho_t
 
 @register_objective("ctpo_clip")
 class CTPOClip(Objective):
+    ratio_level = "other"
+    ratio_note = "a prefix product (or prefix geometric mean) of token ratios"
+
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: float = 3.0

@@ -18,7 +18,7 @@ With p_t = exp(logp_t), q_t = exp(old_logp_t), r_t = exp(clamp(logp_t - old_logp
     keep_t = sg(not masked_t)
     l_t    = -keep_t A_t sg(min(r_t, ratio_cap)) logp_t + kl_coef (logp_t - old_logp_t)^2      surrogate "logp"
     l_t    = -keep_t A_t r_t + kl_coef (logp_t - old_logp_t)^2                                 surrogate "ratio"
-    loss   = aggregate(l, aggregation)                    (default token_mean, as verl's default and prime-rl)
+    loss   = aggregate(l, aggregation)                    (default seq_mean_token_sum_norm, the example's)
     grad   = [-keep_t A_t w_t + 2 kl_coef d_t] grad logp_t,   w_t = min(r_t, ratio_cap) ("logp"), r_t ("ratio")
 
 A masked token keeps its place in the token count and loses its policy gradient; a truncated token (r_t > ratio_cap)
@@ -26,18 +26,22 @@ keeps the gradient -ratio_cap A (like CISPO's cap). The mask is one-sided by the
 its advantage is never masked (unlike PPO's ratio clip, the region is in probability space, so low-probability
 tokens get a wide ratio range and high-probability tokens a narrow one).
 
-Defaults (each from a reference; the alternatives are settings):
-- clip_low = clip_high = 0.15 (``dppo_tv``) and 0.05 (``dppo_kl``): the divergence thresholds of verl's DPPO example
-  (``examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh``, the paper's settings), read by verl from
-  ``clip_ratio_low/high`` (verl's generic default 0.2 applies when they are not set);
-- ratio_cap = 20: verl's ``config.get("clip_ratio_c", 20.0)`` in these two losses (a large cap is recommended, paper
-  §5.4); verl's ActorConfig default ``clip_ratio_c`` 3.0 replaces it whenever the config has that field, the DPPO
-  example sets 10000 (off), the authors' own fallback is 10;
-- kl_coef = 0, surrogate "logp" (verl's).
+Defaults: one source, verl's DPPO example ``examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh`` at the commit above
+(the paper's Qwen3-30B-A3B runs), every setting of the loss that it fixes:
+- clip_low = clip_high = 0.15 (``dppo_tv``) and 0.05 (``dppo_kl``): its ``clip_ratio_low/high`` by ``LOSS_MODE``;
+- aggregation = seq_mean_token_sum_norm: its ``loss_agg_mode=seq-mean-token-sum-norm`` (sum over each sequence's
+  tokens / (N_seqs x max_completion_len); verl's horizon is the padded response length, train.max_new_tokens here);
+- ratio_cap = 10000: its ``clip_ratio_c=10000.0``, which these losses read as the truncation cap (so, in effect, no
+  truncation);
+- kl_coef = 0 (``use_kl_loss=False``), surrogate "logp" (verl's loss), entropy_coef 0 (its default).
+The function's own fallbacks differ and are settings: verl's generic ``clip_ratio`` 0.2 when no threshold is set, the
+loss's ``config.get("clip_ratio_c", 20.0)`` (but verl's ActorConfig always has the field, default 3.0), token_mean
+(``loss_agg_mode`` default; ``aggregation=token_mean``). The authors' fallback cap is 10.
 Settings:
 - prime-rl's default loss (DPPO-Binary-TV + the Kimi-K2.5 KL term, ``DefaultLossConfig``): ``dppo_tv`` with
-  ``clip_low=0.2 clip_high=0.2 kl_coef=1e-3 surrogate=ratio`` (dppo_mask_low / high 0.2, kl_tau 1e-3, adv_tau 1;
-  its per-sample sums over the global token count are token_mean). Its policy term has the value -A r, not verl's
+  ``clip_low=0.2 clip_high=0.2 kl_coef=1e-3 surrogate=ratio aggregation=token_mean`` (dppo_mask_low / high 0.2, kl_tau
+  1e-3, adv_tau 1; its per-sample sums over the global token count are token_mean); its ``ipo`` loss type, a symmetric
+  region, is the objective ``ipo`` (objectives/ipo.py). Its policy term has the value -A r, not verl's
   -A sg(r) logp: the gradients agree (A r grad logp, no truncation) and the values differ, both tested;
 - the authors' default modes (``dppo_binary_tv`` / ``_kl``) measure the mask and the ratio against the rollout
   engine's log-probs: here ``old_logp`` is the behaviour policy, which is the sampler's log-probs with
@@ -76,12 +80,12 @@ class DPPO(Objective):
 
     clip_low: float = 0.15
     clip_high: float = 0.15
-    ratio_cap: float = 20.0
+    ratio_cap: float = 10000.0
     kl_coef: float = 0.0
     surrogate: str = "logp"
 
     default_advantage = "grpo"
-    default_aggregation = "token_mean"
+    default_aggregation = "seq_mean_token_sum_norm"
     positive = frozenset({"ratio_cap"})
 
     def validate(self):

@@ -32,6 +32,8 @@ from objectives.base import (
 
 @register_objective("gmpo")
 class GMPO(Objective):
+    ratio_level = "sequence"  # the geometric mean of the (clipped) token ratios
+
     needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
 
     clip_low: float = 0.4

@@ -44,6 +44,8 @@ from objectives.base import (
 
 @register_objective("gspo")
 class GSPO(Objective):
+    ratio_level = "sequence"  # the geometric mean of the token ratios
+
     needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
 
     clip_low: float = 3e-4

@@ -24,6 +24,8 @@ from objectives.base import Objective, PolicyBatch, ppo_clipped_loss, register_o
 
 @register_objective("gspo_token")
 class GSPOToken(Objective):
+    ratio_level = "sequence"  # every token carries its sequence's geometric-mean ratio
+
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     cap_log_ratio: bool = False

@@ -81,6 +81,9 @@ def log_power_mean(u, batch: PolicyBatch, p: float):
 
 @register_objective("holder")
 class HolderPO(Objective):
+    ratio_level = "other"
+    ratio_note = "a power (Hölder) mean of token ratios"
+
     needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
 
     p_start: float = 2.0

@@ -6,9 +6,11 @@ Reference: AReaL ``areal/trainer/ppo/actor.py`` ``_apply_m2po_masking`` / ``_get
 ``grpo_loss_fn`` with ``areal/utils/functional/functional.py`` ``ppo_actor_loss_fn``, ``docs/en/algorithms/m2po.md``,
 ``examples/math/gsm8k_m2po.yaml`` (inclusionAI/AReaL 4aef98d8d818af55b43621aaadba047ae10f4e77).
 
-Over the valid tokens of the minibatch, with d_t = logp_t - old_logp_t (old = the behaviour policy), r_t = exp(d_t):
+Over the valid tokens of the minibatch, with d_t = logp_t - old_logp_t, r_t = exp(d_t), and b_t the behaviour
+log-probs (``PolicyBatch.sampler_logp``) when old_logp is the proximal policy the loop recomputed:
 
-    m_t     = sg(d_t)^2                                             (second moment of the log-ratio, per token)
+    m_t     = (b_t - old_logp_t)^2     with b (behaviour vs proximal: AReaL's ``delta = old_logp - prox_logp``)
+    m_t     = sg(d_t)^2                without (old_logp is the behaviour itself: current vs behaviour)
     sort the m_t descending: m_(1) >= m_(2) >= ... >= m_(n);   S_j = mean(m_(j), ..., m_(n))
     k       = the first j - 1 with S_j < m2_threshold (0: nothing dropped), or n - 1 if there is none
     M_t     = 0 for the k tokens of largest m_t, 1 otherwise
@@ -20,13 +22,17 @@ the loss is the vanilla policy gradient.
 
 Choices (the anchors disagree; AReaL's is followed):
 - AReaL measures m_t between the behaviour policy and the proximal policy recomputed before the update (detached)
-  and takes PPO's ratio against the proximal policy times a behaviour weight pi_prox / pi_behave; its example runs
-  one minibatch per rollout (``ppo_n_minibatches: 1``, the proximal policy = the current one) with ``eps_clip: 0``,
-  where this is -M_t r_t A_t with r against the behaviour policy, as the M2PO paper's objective (AReaL's docs)
-  writes it; we use the current policy's detached log-probs for m_t and no clip at every minibatch (AReaL's
-  eps_clip = 0 clamps the proximal ratio, exactly 1, into [1, 1]: both sides of PPO's max carry the same gradient,
-  so its example equals this objective in value and gradient, tested). Its example's rejection sampling of
-  behaviour ratios above 5 is the loop's rollout correction here (``token_mask``), not part of the objective;
+  and takes PPO's ratio against the proximal policy times a behaviour weight pi_prox / pi_behave (decoupled PPO);
+  its example runs one minibatch per rollout (``ppo_n_minibatches: 1``, the proximal policy = the current one) with
+  ``eps_clip: 0``, where this is -M_t r_t A_t with r against the behaviour policy, as the M2PO paper's objective
+  (AReaL's docs) writes it. Here, when the loop recomputes the proximal policy (``train.old_logp: recompute`` or a
+  rollout correction, e.g. ``decoupled_ppo``) the mask is AReaL's, behaviour vs proximal, fixed for the step's
+  minibatches, and the loss has no clip (AReaL's eps_clip = 0 clamps the proximal ratio into [1, 1]: at r = 1
+  both sides of PPO's max carry the same gradient, so its example equals this objective in value and gradient,
+  tested); its example's rejection sampling of behaviour ratios above 5 is the loop's rollout correction
+  (``decoupled_ppo`` or ``token_mask`` with threshold 5), not part of the objective. Without a recomputed proximal
+  (``train.old_logp: sampler``) m_t compares the current policy with the behaviour, the paper's objective at every
+  minibatch (AReaL would compare the behaviour with itself there and mask nothing);
 - the authors' own code (Infini-AI-Lab/M2PO ``verl/trainer/ppo/core_algos.py`` ``compute_m2po_policy_loss``,
   af54a3e8) instead caps |d| of the tokens moving with their advantage at a threshold tau solving an M2 budget and
   turns tau into PPO clip bounds (at least 0.3 / 0.5): a different mechanism, not implemented;
@@ -43,7 +49,15 @@ import dataclasses
 
 import torch
 
-from objectives.base import Objective, PolicyBatch, aggregate, clip_metrics, ratio_metrics, register_objective
+from objectives.base import (
+    Objective,
+    PolicyBatch,
+    aggregate,
+    clip_metrics,
+    masked,
+    ratio_metrics,
+    register_objective,
+)
 
 
 def second_moment_keep(m2: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -77,7 +91,8 @@ class M2PO(Objective):
         mask, adv = batch.mask, batch.token_advantages
         d = batch.log_ratio()
         ratio = torch.exp(d)
-        m2 = d.detach().square()
+        behaviour = batch.sampler_logp
+        m2 = (d.detach() if behaviour is None else masked(behaviour - batch.old_logp, mask)).square()
         keep = second_moment_keep(m2, mask, self.m2_threshold)
         kept_batch = dataclasses.replace(batch, mask=keep, num_tokens=None)  # the kept tokens are the normaliser
         loss = aggregate(-ratio * adv, kept_batch, self.aggregation)

@@ -6,7 +6,7 @@ Reference: the authors' momo1443/colm2026-POPO (commit 7f22607bcf406fe05e2667a0d
 ``create_optimizer``, checkpoints), ``configs/popo/default.yaml`` (the defaults below).
 
 The first objective with state of its own, provided by the loop through the objective interface
-(objectives/base.py: ``setup``, ``trainable_parameters``, ``after_optimizer_step``, ``state_dict``,
+(objectives/base.py: ``stateful``, ``setup``, ``trainable_parameters``, ``after_optimizer_step``, ``state_dict``,
 ``needs_hidden_states``): a predictor MLP h_phi (trained in its own optimizer group, at the run's lr and weight
 decay as the authors' ``create_optimizer``), an EMA target copy of the policy (xi <- tau xi + (1 - tau) theta after
 each applied optimizer step, the authors' ``EMAUpdateCallback.on_step_end``), both in the run's checkpoint; the
@@ -172,9 +172,12 @@ class PredictorMLP(torch.nn.Module):
 @register_objective("popo")
 class POPO(Objective):
     """Positive-only policy optimisation: L_NLL + alpha L_sim + beta_entropy L_ent (module docstring)."""
+    ratio_level = "other"
+    ratio_note = "none: a likelihood of the positives weighted by behaviour log-probs"
 
     needs_whole_minibatch: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
     aggregations: ClassVar[tuple[str, ...]] = ("token_mean",)  # its own normalisers (module docstring)
 
     alpha: float = 0.1  # weight of the similarity loss L_sim (the authors' config: 0.1)
@@ -219,7 +222,7 @@ class POPO(Objective):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self._built().predictor.parameters())
 
-    def after_optimizer_step(self, policy: torch.nn.Module) -> None:
+    def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
         ema_update(list(self._built().target.parameters()), list(policy.parameters()), self.tau)
 
     def state_dict(self) -> dict:

@@ -38,6 +38,20 @@ loss, as both references apply it to whatever loss is configured. Off-policy seq
 objective option (``Objective.off_policy_mask``, objectives/base.py): its test reads the current policy's log-probs
 and the advantage's sign at every update (TRL's ``get_off_policy_mask`` inside ``_compute_loss``).
 
+Decoupled PPO (AReaL, Fu et al., arXiv 2505.24298; ``decoupled_ppo``): the objective's ratio and clip against the
+proximal policy (``old_logp``, recomputed), times the behaviour weight w = pi_prox / pi_behaviour taken at the level
+of the objective's own ratio (``Objective.ratio_level``), masked outside [C_low, C] (C_low unset: no lower bound):
+
+    w_t = rho_t * 1[rho_t <= C]                          ratio_level "token"
+    w_i = g_i * 1[g_i <= C],  g_i = exp(mean_t d_t)      ratio_level "sequence": the geometric mean, as the
+                                                         objective's own ratio (GSPO), broadcast to sequence i
+
+Reference: AReaL 4aef98d8 (inclusionAI/AReaL) ``areal/utils/functional/functional.py`` ``ppo_actor_loss_fn`` with
+``apply_rejection_sampling`` (``use_decoupled_loss: true``; ``rejection_sampling`` level token, action mask, metric
+ratio, upper C: its former default ``behave_imp_weight_cap: 5`` with ``token_mask``; level sequence with metric
+ratio and agg mean: the geometric-mean weight and mask). At ratio_level "token" the mode equals ``token_mask`` with
+``threshold_lower: 0``; it differs from the other modes in following the objective's level (tested).
+
 The weights are detached, 0 on padding, and computed once per rollout batch (they do not depend on the current
 policy, so micro-batching leaves them unchanged). A masked token or sequence has weight 0 and keeps its place in
 the token / sequence counts the loss is normalised by (TRL's convention: its ``*_mask`` zeroes the ratio and keeps
@@ -49,7 +63,7 @@ Metrics (:func:`correction_metrics`, over valid tokens unless stated; the ratio 
 ``SAFETY_BOUND`` so that statistics stay finite): ``rollout_corr_ratio_mean/min/max/std`` of rho at the mode's
 level (tokens, or one value per valid sequence), ``rollout_corr_weight_mean`` (w over valid tokens),
 ``rollout_corr_truncated_frac`` / ``rollout_corr_masked_frac`` (valid tokens whose weight was truncated /
-masked; every token of a sequence for the sequence modes), ``rollout_corr_chi2_token`` = E_t[rho_t^2] - 1 and
+masked; every token of a sequence at a sequence level), ``rollout_corr_chi2_token`` = E_t[rho_t^2] - 1 and
 ``rollout_corr_chi2_seq`` = E_i[(prod_t rho_t)^2] - 1 (verl's chi2_token / chi2_seq: the chi-square divergence
 of the trainer's old policy from the sampler, the variance of the IS weights), ``rollout_corr_k3_kl`` = E_t[rho_t
 - log rho_t - 1] (verl's k3_kl: KL(sampler || trainer's old policy), >= 0).
@@ -62,7 +76,7 @@ import math
 import torch
 from torch import Tensor
 
-CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+CORRECTION_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "decoupled_ppo")
 DEFAULT_THRESHOLD = 2.0  # verl's rollout_is_threshold
 SAFETY_BOUND = 20.0  # |log rho| bound of the metrics (verl's); the weights use rho itself, as TRL
 
@@ -101,17 +115,29 @@ def log_ratio(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, old_logp.detach() - sampler_logp.detach(), torch.zeros_like(old_logp))
 
 
+def level_log_ratio(d: Tensor, mask: Tensor, mode: str, ratio_level: str = "token") -> Tensor:
+    """log rho at ``mode``'s level from d [B, T] (0 on padding): d itself for the token modes (and decoupled_ppo at
+    ratio_level token), sum_t d_t [B, 1] for the sequence modes, mean_t d_t [B, 1] for decoupled_ppo at ratio_level
+    sequence."""
+    if mode.startswith("token") or (mode == "decoupled_ppo" and ratio_level == "token"):
+        return d
+    if mode == "decoupled_ppo":
+        return d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(d.dtype)
+    return d.sum(-1, keepdim=True)
+
+
 def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
-                       threshold_lower: float | None = None) -> Tensor:
+                       threshold_lower: float | None = None, ratio_level: str = "token") -> Tensor:
     """The correction weight w [B, T] of ``mode`` (module docstring): detached, in old_logp's dtype, 0 on padding;
-    exactly 1 on every valid token when old_logp == sampler_logp (no sampler difference). ``mode='none'``: ones."""
+    exactly 1 on every valid token when old_logp == sampler_logp (no sampler difference). ``mode='none'``: ones.
+    ``ratio_level``: the objective's (``Objective.ratio_level``), the level decoupled_ppo takes."""
     if check_settings(mode, threshold, threshold_lower):
         raise ValueError(check_settings(mode, threshold, threshold_lower))
     mask = mask.bool()
     if mode == "none":
         return mask.to(old_logp.dtype)
     d = log_ratio(old_logp, sampler_logp, mask)
-    level = d if mode.startswith("token") else d.sum(-1, keepdim=True)
+    level = level_log_ratio(d, mask, mode, ratio_level)
     rho = torch.exp(level)  # a sequence's product may overflow to inf: it is then truncated to C or masked
     low = lower_threshold(mode, threshold, threshold_lower)
     if mode.endswith("_truncate"):
@@ -123,14 +149,15 @@ def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
 
 
 def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str, threshold: float,
-                       threshold_lower: float | None = None, weights: Tensor | None = None) -> dict[str, float]:
+                       threshold_lower: float | None = None, weights: Tensor | None = None,
+                       ratio_level: str = "token") -> dict[str, float]:
     """The metrics of the correction (module docstring), in float64; ``weights`` = :func:`correction_weights`'s
     (computed if not given). Empty batches (no valid token) give {}."""
     mask = mask.bool()
     if not mask.any():
         return {}
     if weights is None:
-        weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, threshold_lower)
+        weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, threshold_lower, ratio_level)
     d = log_ratio(old_logp, sampler_logp, mask).double()
     n = mask.sum().item()
     valid_seq = mask.any(-1)
@@ -143,7 +170,10 @@ def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
         "rollout_corr_k3_kl": (torch.where(mask, torch.expm1(d) - d, torch.zeros_like(d))).sum().item() / n,
         "rollout_corr_weight_mean": (weights.double() * mask).sum().item() / n,
     }
-    sequence = mode.startswith("sequence")
+    sequence = mode.startswith("sequence") or (mode == "decoupled_ppo" and ratio_level == "sequence")
+    if sequence:  # the sequence's level: the product, or decoupled_ppo's geometric mean
+        seq_log = level_log_ratio(d, mask, mode, ratio_level)[:, 0]
+        seq_rho = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     rho = seq_rho[valid_seq] if sequence else token_rho[mask]
     metrics.update({"rollout_corr_ratio_mean": rho.mean().item(), "rollout_corr_ratio_min": rho.min().item(),
                     "rollout_corr_ratio_max": rho.max().item(),
@@ -160,3 +190,78 @@ def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mod
     key = "rollout_corr_truncated_frac" if mode.endswith("_truncate") else "rollout_corr_masked_frac"
     metrics[key] = (outside & mask).sum().item() / n
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trust-region masking (Li et al., "Trust Region Masking for Long-Horizon LLM Reinforcement Learning",
+# arXiv 2512.23075): verl's divergence rules ``rollout_rs`` (``verl/trainer/ppo/rollout_corr_helper.py``
+# ``compute_rollout_rejection_mask``, verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9; the k3 average and
+# the max "veto" added by 97eac90, PR 4544), its k2 / k3 ones (single upper bounds). With
+# d_t = clamp(old_logp_t - sampler_logp_t, -20, 20) on valid tokens:
+#
+#     k2_t = d_t^2 / 2          k3_t = exp(d_t) - 1 - d_t      (>= 0; its mean estimates KL(sampler || old policy))
+#     token_kX:    keep token t         if kX_t <= bound
+#     seq_sum_kX:  keep all of i        if sum_t kX_t <= bound
+#     seq_mean_kX: keep all of i        if mean_t kX_t <= bound      (verl divides by L_i + 1e-8, here by L_i)
+#     seq_max_kX:  keep all of i        if max_t kX_t <= bound       (the veto: one token past it drops the
+#                                                                     sequence; k2 is symmetric in log rho, as the
+#                                                                     paper's |log rho| detector)
+#
+# Several rules: a token is kept only if every rule keeps it. The keep mask multiplies the correction weight, so a
+# rejected token keeps its place in the counts (verl removes it from ``response_mask`` and its denominators). The
+# paper's trust-region masking is ``seq_mean_k3`` (average) with ``seq_max_k2`` (veto); verl's k1 rules are bounds on
+# the ratio, which the *_mask modes above cover.
+REJECTION_RULES = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                   "seq_max_k3")
+
+
+def check_rejection(rules: list[str], thresholds: list[float]) -> str | None:
+    """What is wrong with the trust-region rules and their bounds (one sentence naming the key), or None."""
+    unknown = [r for r in rules if r not in REJECTION_RULES]
+    if unknown:
+        return (f"train.rollout_correction.rejection: unknown rule {unknown[0]!r}; choose among "
+                f"{', '.join(REJECTION_RULES)}")
+    if rules and len(thresholds) not in (1, len(rules)):
+        return (f"train.rollout_correction.rejection_threshold needs one bound for all rules or one per rule "
+                f"({len(rules)}), got {len(thresholds)}")
+    bad = [t for t in thresholds if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf]
+    if bad or (thresholds and not rules):
+        return ("train.rollout_correction.rejection_threshold: positive finite bounds, given with rules in "
+                f"train.rollout_correction.rejection, got {list(thresholds)}")
+    return None
+
+
+def rejection_keep(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, rules: list[str],
+                   thresholds: list[float]) -> Tensor:
+    """Bool [B, T]: the valid tokens every trust-region rule keeps (block comment above); detached."""
+    problem = check_rejection(rules, thresholds)
+    if problem:
+        raise ValueError(problem)
+    mask = mask.bool()
+    d = log_ratio(old_logp, sampler_logp, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    divergence = {"k2": 0.5 * d.square(), "k3": torch.expm1(d) - d}
+    keep = mask.clone()
+    for rule, bound in zip(rules, thresholds * len(rules) if len(thresholds) == 1 else thresholds, strict=True):
+        level, estimator = rule.rsplit("_", 1)
+        per_token = torch.where(mask, divergence[estimator], torch.zeros_like(d))
+        if level == "token":
+            keep &= per_token <= bound
+            continue
+        if level == "seq_sum":
+            statistic = per_token.sum(-1)
+        elif level == "seq_mean":
+            statistic = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+        else:  # seq_max
+            statistic = torch.where(mask, per_token, torch.full_like(d, -math.inf)).amax(-1).clamp(min=0)
+        keep &= (statistic <= bound)[:, None]
+    return keep
+
+
+def rejection_metrics(keep: Tensor, mask: Tensor) -> dict[str, float]:
+    """``rollout_corr_rejected_frac`` (valid tokens the trust-region rules dropped) and
+    ``rollout_corr_rejected_seq_frac`` (valid sequences with a dropped token): verl's ``rollout_rs_masked_fraction`` /
+    ``rollout_rs_seq_masked_fraction``."""
+    mask = mask.bool()
+    dropped, valid_seq = mask & ~keep, mask.any(-1)
+    return {"rollout_corr_rejected_frac": dropped.sum().item() / max(mask.sum().item(), 1),
+            "rollout_corr_rejected_seq_frac": dropped.any(-1).sum().item() / max(valid_seq.sum().item(), 1)}

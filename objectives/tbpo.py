@@ -55,8 +55,8 @@ Choices (ours) and their alternatives:
 - fallback: ``PolicyBatch.sampler_logp`` None (the sampler's log-probs are the proximal ones: no separate
   sampler, or the loop recomputed nothing) gives w_i = 1 for every sequence: nothing is dropped and the
   objective is GSPO with a dual clip;
-- with the loop's rollout correction on (``train.rollout_correction.mode`` not none) the loop passes no
-  ``sampler_logp``: the sampler difference is corrected once, by the loop's weight (``PolicyBatch.correction``,
+- with the loop's rollout correction on (``train.rollout_correction.mode`` not none; ``PolicyBatch.
+  behaviour_corrected``) the sampler difference is corrected once, by the loop's weight (``PolicyBatch.correction``,
   applied by ``sequence_loss`` like for every objective), and TBPO's own w_i and band are off (w_i = 1). TBPO's
   trust band itself needs ``train.old_logp: recompute`` and ``rollout_correction.mode: none``;
 - a dropped sequence's weight is zeroed before it multiplies the loss, so an infinite w_i (a sampler log-prob of
@@ -86,6 +86,8 @@ from objectives.base import (
 
 @register_objective("tbpo")
 class TBPO(Objective):
+    ratio_level = "sequence"  # GSPO's geometric-mean ratio
+
     needs_sequence_advantages = True  # one A_i per sequence (sequence_advantages)
 
     clip_low: float = 3e-4
@@ -111,7 +113,7 @@ class TBPO(Objective):
         adv = sequence_advantages(batch, self.name)
         mask = batch.mask
         seq_ratio = torch.exp(batch.sequence_mean(batch.log_ratio()))
-        if batch.sampler_logp is None:
+        if batch.sampler_logp is None or batch.behaviour_corrected:
             weight = torch.ones_like(seq_ratio)
         else:
             weight = torch.exp(batch.sequence_mean(masked(batch.old_logp - batch.sampler_logp, mask)))

@@ -59,6 +59,9 @@ def gamma_weights(batch: PolicyBatch, k_pos: float, lam_pos: float, k_neg: float
 
 @register_objective("vespo")
 class VESPO(Objective):
+    ratio_level = "other"
+    ratio_note = "a Gamma-shaped weight of the sequence's product ratio"
+
     k_pos: float = 2.0
     lambda_pos: float = 3.0
     k_neg: float = 3.0

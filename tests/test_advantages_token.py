@@ -52,8 +52,8 @@ def inputs(seed=0):
 
 
 def verl_optimal_token_baseline(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                                rollout_is_weights=None, epsilon=1e-8):
-    """verl's compute_optimal_token_baseline_advantage (handle_zero_tail False), transcribed."""
+                                rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8):
+    """verl's compute_optimal_token_baseline_advantage (verl-project/verl 1dda039b), transcribed."""
     batch_size, seq_len = token_level_rewards.shape
     returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     pi_t = torch.exp(old_log_probs)
@@ -77,19 +77,33 @@ def verl_optimal_token_baseline(token_level_rewards, response_mask, index, old_l
         denominator = (w_cumulative_group * mask_group).sum(dim=0) + epsilon
         baseline_per_step = numerator / denominator
         baselines[traj_idx] = baseline_per_step.unsqueeze(0).expand(N, -1)
+        if handle_zero_tail:
+            response_lengths = mask_group.sum(dim=-1)
+            sorted_lengths, _ = torch.sort(response_lengths)
+            max_length = int(sorted_lengths[-1].item())
+            second_max_length = int(sorted_lengths[-2].item())
+            max_length_idx = (response_lengths == max_length).nonzero(as_tuple=True)[0]
+            if max_length_idx.numel() == 1 and max_length > second_max_length:
+                baselines[trajectory_indices[int(max_length_idx[0])], second_max_length:] = 0.0
     advantages = (returns - baselines) * response_mask
     return advantages, returns
 
 
 @pytest.mark.parametrize("with_weights", [False, True])
-def test_optimal_token_baseline_matches_verl_up_to_its_group_of_one(with_weights):
+@pytest.mark.parametrize("zero_tail", [True, False])  # True: verl's default since 8acd940f1 (and ours)
+def test_optimal_token_baseline_matches_verl_up_to_its_group_of_one(with_weights, zero_tail):
     token_rewards, mask, old_logp, sum_pi_squared = inputs()
     weights = None
     if with_weights:
         weights = (0.5 + torch.rand(len(REWARDS), T, generator=torch.Generator().manual_seed(1), dtype=DT)) * mask
+    options = {} if zero_tail else {"handle_zero_tail": False}
     ours = get_advantage("optimal_token_baseline")(REWARDS, GROUPS, LENGTHS, old_logp=old_logp,
-                                                   sum_pi_squared=sum_pi_squared, mask=mask, correction=weights)
-    ref, _ = verl_optimal_token_baseline(token_rewards, mask, GROUPS.tolist(), old_logp, sum_pi_squared, weights)
+                                                   sum_pi_squared=sum_pi_squared, mask=mask, correction=weights,
+                                                   **options)
+    ref, _ = verl_optimal_token_baseline(token_rewards, mask, GROUPS.tolist(), old_logp, sum_pi_squared, weights,
+                                         zero_tail)
+    # the unique longest responses of groups 0 (row 1: 5 > 3) and 1 (row 5: 6 > 4) get A = G past the second longest
+    assert ((ours[1, 3:5] == REWARDS[1]) & (ours[5, 4:6] == REWARDS[5])).all() == zero_tail
     assert ours.shape == (len(REWARDS), T) and ours.dtype == DT
     keep = GROUPS != 3
     torch.testing.assert_close(ours[keep], ref[keep], atol=1e-7, rtol=1e-7)  # equal rewards: verl's 1e-8 leaves ~1e-9
@@ -100,6 +114,20 @@ def test_optimal_token_baseline_matches_verl_up_to_its_group_of_one(with_weights
     assert not torch.isclose(ours[3, 0], ours[3, 3])
     # and it is not the group mean: the weights W_t matter
     assert not torch.allclose(ours[0, :2], (REWARDS[0] - REWARDS[:3].mean()).expand(2))
+
+
+def test_optimal_token_baseline_zero_tail_by_hand():
+    """One group of lengths [3, 1], R = [1, 0], old log-probs log 0.5, sum pi^2 = 0.5 (w_t = 0.5, W = 0.5 t): position
+    0 has both responses, B_0 = (1 x 0.5) / (0.5 + 0.5) = 0.5; positions 1-2 only row 0, whose baseline the zero tail
+    sets to 0 (verl's default since 8acd940f1): A = [0.5, 1, 1]; without it B ~ 1 and A ~ 0 there."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=DT)
+    args = dict(old_logp=torch.full((2, 3), math.log(0.5), dtype=DT), sum_pi_squared=torch.full((2, 3), 0.5, dtype=DT),
+                mask=mask)
+    rewards, groups, lengths = torch.tensor([1.0, 0.0], dtype=DT), torch.tensor([0, 0]), torch.tensor([3, 1])
+    ours = get_advantage("optimal_token_baseline")(rewards, groups, lengths, **args)
+    torch.testing.assert_close(ours, torch.tensor([[0.5, 1.0, 1.0], [-0.5, 0.0, 0.0]], dtype=DT), atol=1e-8, rtol=0)
+    off = get_advantage("optimal_token_baseline")(rewards, groups, lengths, handle_zero_tail=False, **args)
+    assert off[0, 1:].abs().max() < 1e-7
 
 
 def test_optimal_token_baseline_refuses_to_run_without_the_old_policy():
@@ -137,7 +165,8 @@ def test_sequence_level_objectives_declare_it_and_token_advantages_reach_the_oth
             continue  # POPO reads hidden states and rewards; its advantages are not used
         pb = PolicyBatch(logp=logp, old_logp=logp.detach() - 0.01, mask=mask, advantages=torch.randn(4, 5),
                          rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), group_ids=torch.tensor([0, 0, 1, 1]),
-                         max_completion_len=5)
+                         max_completion_len=5, ref_logp=logp.detach() + 0.02, entropy=torch.rand(4, 5))
+        # (reference log-probs and entropies as the loop passes them to adaptive_kl and adaptive_entropy)
         if type(objective).needs_sequence_advantages:
             with pytest.raises(ValueError, match="per-sequence advantages"):
                 objective(pb)

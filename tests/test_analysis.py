@@ -344,3 +344,16 @@ def test_an_moe_runs_routing_metrics_are_panels_of_the_stability_figure():
     dense = plots.stability_figure(metrics.drop(columns=["expert_changed_frac", "router_aux_loss"]),
                                    plots.styles(metrics["objective"]), 1, "t", paper=False)
     assert "Expert volatility" not in {ax.get_title() for ax in dense.fig.axes}
+
+
+def test_a_lagged_runs_staleness_metrics_are_panels_of_the_stability_figure():
+    rows = [{"objective": "grpo", "run_id": "a", "seed": 0, "step": step, "clip_frac": 0.1, "lag_mean": 2.0,
+             "mismatch_kl": 0.01 * step, "mismatch_ess": 0.9, "m2po_dropped_frac": 0.3} for step in (1, 2, 3)]
+    metrics = pd.DataFrame(rows)
+    made = plots.stability_figure(metrics, plots.styles(metrics["objective"]), 1, "t", paper=False)
+    titles = {ax.get_title() for ax in made.fig.axes}
+    assert {"Policy lag", "KL(behaviour || proximal)", "Importance-weight ESS", "Masked by M2PO"} <= titles
+    assert not any("rollout_corr" in note or "lag_mean" in note for note in made.notes)  # unreported: no note
+    synchronous = plots.stability_figure(metrics.drop(columns=["lag_mean", "mismatch_ess"]),
+                                         plots.styles(metrics["objective"]), 1, "t", paper=False)
+    assert "Policy lag" not in {ax.get_title() for ax in synchronous.fig.axes}

@@ -176,3 +176,19 @@ def test_bad_settings_of_the_bench_are_a_config_error_like_every_command(capsys)
     assert cli_main(["bench", "model.name=bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: model.name 'bogus' is neither") and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # two processes: make test
+def test_lora_runs_a_full_and_a_lora_step_in_fresh_processes_on_the_same_rollout(tmp_path, capsys):
+    from harness.apps.bench import lora_main
+
+    assert lora_main([*TINY_BENCH, "train.max_new_tokens=8", "train.num_minibatches=2", "model.lora.rank=4",
+                      f"results_dir={tmp_path}"]) == 0
+    full, lora = json.loads((tmp_path / "bench" / "lora.json").read_text())
+    assert (full["side"], lora["side"]) == ("full fine-tuning", "LoRA rank 4")
+    adapters = TINY_SPEC["num_layers"] * 4 * (  # rank 4 on q, k, v, o (hidden x hidden) and gate, up, down
+        4 * 2 * TINY_SPEC["hidden_size"] + 3 * (TINY_SPEC["hidden_size"] + TINY_SPEC["intermediate_size"]))
+    assert lora["trained_parameters"] == adapters < full["trained_parameters"]
+    assert lora["completion_tokens"] == full["completion_tokens"] > 0  # B = 0: the same rollout
+    table = (tmp_path / "bench" / "lora.md").read_text()
+    assert table.strip() == capsys.readouterr().out.strip() and "| LoRA rank 4 | " in table

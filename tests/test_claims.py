@@ -214,3 +214,20 @@ def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
     tables = run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
     assert len(tables["final"]) == 8 and set(tables["final"][START_SEED]) == {2, 3}
     assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"])
+
+
+def test_compare_changes_from_a_baseline_paired_by_seed():
+    """``baseline``: each objective's change from its own baseline rows, per seed (a degrades from 0.5 to 0.4, b from
+    0.5 to 0.1: a degrades less, although at lag 0 a was not above b)."""
+    final = pd.DataFrame({"seed": [0, 1, 2] * 4, "objective": ["a"] * 6 + ["b"] * 6,
+                          "lag": [0, 0, 0, 8, 8, 8] * 2,
+                          "final_eval_accuracy": [0.50, 0.52, 0.48, 0.40, 0.41, 0.39,
+                                                  0.50, 0.55, 0.50, 0.10, 0.12, 0.11]})
+    check = {"table": "final", "metric": "final_eval_accuracy", "where": "lag == 8",
+             "compare": {"objective": "a", "than": "b", "baseline": "lag == 0"}}
+    verdict, measured, _ = evaluate_check(check, {"final": final})
+    assert verdict == "holds" and "a minus [lag == 0] -0.100, b minus [lag == 0] -0.407" in measured
+    assert evaluate_check({**check, "compare": {**check["compare"], "direction": "less"}}, {"final": final})[0] == \
+        "does not hold"
+    without = {**check, "compare": {"objective": "a", "than": "b"}}  # the levels at lag 8: a above b too
+    assert evaluate_check(without, {"final": final})[0] == "holds"

@@ -119,13 +119,27 @@ def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
         load_experiment("gsm8k_ablation", ["profile=tpu"])
 
 
-def test_the_low_memory_profile_changes_only_the_memory_settings():
+def test_the_low_memory_profile_changes_only_the_memory_settings_and_so_keeps_the_run_ids():
+    """A run that ran out of memory, swept again with profile=low_memory, is the same run (the memory settings change
+    no number beyond round-off: tests/test_edges.py): the same id, so the sweep resumes it."""
     plain = run_configs(load_experiment("gsm8k_ablation"))
     low = run_configs(load_experiment("gsm8k_ablation", ["profile=low_memory"]))
     memory = {"lm_head_chunk": 1024, "activation_checkpointing": True, "eval_batch_size": 16}
     for a, b in zip(plain, low, strict=True):
         assert {k: b.train[k] for k in memory} == memory
-        assert OmegaConf.merge(a, {"train": memory}) == b and run_id(a) != run_id(b)
+        assert OmegaConf.merge(a, {"train": memory}) == b and run_id(a) == run_id(b)
+
+
+def test_the_run_id_leaves_out_the_memory_settings_but_eval_batch_size_with_pass_at_k():
+    """train.eval_batch_size with train.pass_k decides which random numbers each problem's samples draw
+    (tests/test_evaluation.py): another run then. train.micro_batch_size changes the logged metrics (the
+    objective's metrics are averaged over micro-batches): not a memory setting."""
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    same = ["train.lm_head_chunk=7", "train.activation_checkpointing=true", "train.eval_batch_size=3"]
+    assert all(run_id(OmegaConf.merge(run, OmegaConf.from_dotlist([o]))) == run_id(run) for o in same)
+    sampled = OmegaConf.merge(run, {"train": {"pass_k": 4}})
+    assert run_id(OmegaConf.merge(sampled, {"train": {"eval_batch_size": 3}})) != run_id(sampled) != run_id(run)
+    assert run_id(OmegaConf.merge(run, {"train": {"micro_batch_size": 16}})) != run_id(run)
 
 
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
@@ -207,6 +221,34 @@ def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
     cfg = load_experiment(str(tmp_path / "empty.yaml"))
     assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
+
+
+def test_a_command_line_value_that_leaves_an_objective_without_runs_is_refused_naming_it():
+    """moe_stability pins train.routing_replay=none for gspo, gspo_token and ctpo; train.routing_replay=r2 on the
+    command line pins the grid's axis to r2: 3 of 18 runs would remain, the three objectives dropped silently."""
+    with pytest.raises(ConfigError, match=r"^sweep.per_objective pins train.routing_replay=none for gspo, gspo_token, "
+                       r"ctpo, .*: gspo, gspo_token, ctpo would have no run; run the others alone with "
+                       r"sweep.grid.objective.name=\[grpo\], or include the pinned value$"):
+        run_configs(load_experiment("moe_stability", ["train.routing_replay=r2"]))
+    alone = run_configs(load_experiment("moe_stability", ["train.routing_replay=r2",
+                                                          "sweep.grid.objective.name=[grpo]"]))
+    assert [(r.objective.name, r.train.routing_replay, r.seed) for r in alone] == [("grpo", "r2", s) for s in range(3)]
+
+
+@pytest.mark.parametrize("grid, message", [
+    ("sweep.grid.seed=[0,0]", r"sweep.grid.seed lists 0 more than once: the same run twice; list each value once"),
+    ("sweep.grid.train.lr=[1e-4,0.0001]", r"sweep.grid.train.lr: 1e-4 and 0.0001 make the same run \(equal once "
+     r"parsed\)"),
+    ("sweep.grid.train.lr=[1.0e-4,0.0001]", r"sweep.grid.train.lr lists 0.0001 more than once"),
+    ("sweep.grid.objective.name=[grpo,gspo,grpo]", r"sweep.grid.objective.name lists grpo more than once"),
+    ("sweep.grid.train.activation_checkpointing=[false,true]", r"false and true make the same run \(a memory "
+     r"setting changes no number, so it is not part of the run id\)"),
+])
+def test_two_grid_points_that_make_the_same_run_are_refused_in_one_line(grid, message):
+    """Each would be one run folder counted as two runs ("2/2 runs finished" for one run)."""
+    with pytest.raises(ConfigError, match=message) as info:
+        run_configs(load_experiment("base", [grid]))
+    assert "\n" not in str(info.value)
 
 
 def test_a_grid_the_per_objective_pins_leave_empty_says_so():

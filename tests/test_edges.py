@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 
 from harness.apps.cli import main
 from harness.loop.native import train
-from harness.run.config import load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import check_resume, read_jsonl, run_status
 from tests.helpers.disk import fill_disk_at, temporaries
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
+from tests.helpers.tiny_moe import tiny_moe_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,6 +95,70 @@ def test_the_same_settings_resume_and_say_from_which_step(stopped_run, tmp_path,
     assert summary["status"] == "finished"
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+MEMORY = {"lm_head_chunk": 5, "activation_checkpointing": True, "eval_batch_size": 3}
+
+
+def test_resuming_with_other_memory_settings_is_said_in_one_line_and_other_settings_still_refused(tmp_path, capsys):
+    """A run that ran out of memory continues with the memory settings turned on (harness/run/config.py
+    MEMORY_SETTINGS: they change no number beyond round-off); with pass@k train.eval_batch_size decides the samples
+    and train.micro_batch_size the logged metrics: both still refused."""
+    run = tiny_run(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    check_resume(OmegaConf.merge(run, {"train": MEMORY}), tmp_path / "run")
+    assert capsys.readouterr().err == (
+        "continuing run with other memory settings: train.lm_head_chunk 0 -> 5, train.activation_checkpointing False"
+        " -> True, train.eval_batch_size 64 -> 3 (they change no number beyond float round-off; config.yaml records"
+        " the new ones)\n")
+    check_resume(OmegaConf.merge(run, {"train": MEMORY}), tmp_path / "run", warn=False)  # the run's own records
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match=r"other settings \(train.micro_batch_size 0 -> 8\)"):
+        check_resume(OmegaConf.merge(run, {"train": {**MEMORY, "micro_batch_size": 8}}), tmp_path / "run")
+    sampled = OmegaConf.merge(run, {"train": {"pass_k": 2}})
+    (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(sampled))
+    with pytest.raises(ConfigError, match=r"other settings \(train.eval_batch_size 64 -> 3\)"):
+        check_resume(OmegaConf.merge(sampled, {"train": MEMORY}), tmp_path / "run")
+
+
+def assert_equal_but_round_off(rows: list[dict], expected: list[dict]) -> None:
+    """Equal rows, but for floats computed from log-probs, which may differ by float32 round-off (1e-6 absolute, 1e-4
+    relative); what was sampled and counted (rewards, advantages, accuracies, lengths, tokens) exactly."""
+    assert [sorted(r) for r in rows] == [sorted(r) for r in expected]
+    sampled = ("reward", "accuracy", "completion_len", "frac_truncated", "frac_zero_std", "adv_", "tokens", "lr")
+    for row, want in zip(rows, expected, strict=True):
+        for key, value in want.items():
+            if isinstance(value, float) and not key.startswith(sampled) and not key.endswith(sampled):
+                assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (row["step"], key)
+            else:
+                assert row[key] == value, (row["step"], key)
+
+
+@pytest.mark.slow  # three runs: make test
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_a_run_resumed_with_other_memory_settings_equals_the_uninterrupted_run(tmp_path, capsys, model):
+    """Killed after step 1 of 3, continued with the LM head in chunks, activation checkpointing (the MoE with R2
+    replay: a checkpointed forward runs whole rows, not the shared-prompt pass) and 3 eval problems per call, as the
+    sweep's processes run (its config.yaml plus overrides): the same run id, one line naming the changes, and the
+    uninterrupted run's metrics up to float32 round-off (measured: 4e-7 at most; the chunked LM head sums its
+    matmuls in other shapes) with the same samples, rewards and accuracies."""
+    settings = ["train.steps=3", "train.eval_every=1", "task.overlong_buffer=6"]  # rewards that differ within groups
+    run = tiny_run(tmp_path, *settings) if model == "tiny" else \
+        tiny_moe_run(tmp_path, *settings, "train.routing_replay=r2", "train.old_logp=recompute")
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(2):
+        train(run, tmp_path / "part", progress=False)
+    capsys.readouterr()
+    overrides = [f"train.{key}={str(value).lower()}" for key, value in MEMORY.items()]
+    assert run_id(OmegaConf.merge(run, OmegaConf.from_dotlist(overrides))) == run_id(run)
+    assert main(["train", str(tmp_path / "part" / "config.yaml"), *overrides, "--run-dir", str(tmp_path / "part"),
+                 "--no-progress"]) == 0
+    assert "continuing part with other memory settings: train.lm_head_chunk 0 -> 5, " in capsys.readouterr().err
+    assert OmegaConf.load(tmp_path / "part" / "config.yaml").train.activation_checkpointing is True
+    full, part = (without_timing(read_jsonl(tmp_path / name / "metrics.jsonl")) for name in ("full", "part"))
+    assert [r["step"] for r in part] == [0, 1, 2, 3] and part[:2] == full[:2]
+    assert_equal_but_round_off(part, full)
 
 
 def test_a_setting_added_to_the_schema_since_does_not_block_a_resume(stopped_run):

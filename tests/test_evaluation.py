@@ -15,14 +15,22 @@ from tests.helpers.tiny import tiny_run
 @pytest.mark.parametrize("pass_k", [0, 2])
 def test_the_evaluation_decodes_eval_batch_size_problems_per_call_with_the_same_results(tmp_path, monkeypatch,
                                                                                          pass_k):
-    calls, real = [], harness.loop.evaluation.sample_problems
-    monkeypatch.setattr(harness.loop.evaluation, "sample_problems", lambda policy, tokenizer, problems, *a, **k: (
-        calls.append((len(problems), k.get("group_size"))) or real(policy, tokenizer, problems, *a, **k)))
+    calls, sampled_texts, real = [], [], harness.loop.evaluation.sample_problems
+
+    def spy(policy, tokenizer, problems, *a, **k):
+        calls.append((len(problems), k.get("group_size")))
+        out = real(policy, tokenizer, problems, *a, **k)
+        if not k.get("greedy"):
+            sampled_texts[-1].extend(out.texts)
+        return out
+
+    monkeypatch.setattr(harness.loop.evaluation, "sample_problems", spy)
     results, sizes = [], []
     for size in (64, 3):
         run = tiny_run(tmp_path, f"train.eval_batch_size={size}", f"train.pass_k={pass_k}")  # 8 eval problems
         setup = setup_run(run, torch.device("cpu"))
         calls.clear()
+        sampled_texts.append([])
         results.append(evaluate(setup.policy, setup.tokenizer, setup.task, run, step=0))
         sizes.append(list(calls))
     sampled = [] if not pass_k else [(8, 2)]  # pass@2: 32 completions per call at 64; 1 problem (2 of them) at 3
@@ -31,5 +39,6 @@ def test_the_evaluation_decodes_eval_batch_size_problems_per_call_with_the_same_
     (row64, records64), (row3, records3) = results
     assert records3 == records64  # the same greedy completions, scores and problem numbers
     assert row3["eval_accuracy"] == row64["eval_accuracy"]
-    if pass_k:  # sampled: other calls draw other completions, so only that it is measured
-        assert 0 <= row3["eval_pass_at_2"] <= 1
+    if pass_k:  # sampled: other calls draw other completions (so with pass@k eval_batch_size is part of the run id:
+        # harness/run/config.py memory_settings), only that it is measured
+        assert 0 <= row3["eval_pass_at_2"] <= 1 and sampled_texts[0] != sampled_texts[1]

@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from harness.apps.launchers import AdoptedHandle
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
-from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
@@ -141,6 +144,52 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
 
 
+@pytest.mark.slow  # two sweeps through submitit's local executor
+def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_submitting_another(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The sweep's parent dies while its SLURM job runs on (submitit's local executor: the job outlives it, as on a
+    cluster). Run again, the sweep submitted a second job for the run, whose `train` stopped on the run's lock, was
+    reported failed and left the manifest `failed` after the first job finished. Now it follows the first job: one
+    job, every step once, the manifest `finished`. The job's run is frozen (SIGSTOP) while the second sweep starts,
+    so that it is still running then, whatever the load."""
+    pytest.importorskip("submitit")
+    exp = tmp_path / "follow.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    overrides = [*TINY_RUN, "train.steps=12", "model.warm_start_steps=0", "model.warm_start_target=null",
+                 f"results_dir={tmp_path}", "launcher.cluster=local"]
+    first = subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(exp), *overrides, "--launcher", "slurm",
+                              "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    exp_dir = tmp_path / "follow"
+
+    def a_run_one_step_in():
+        runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
+        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 2 else None
+
+    run_dir = wait_until(a_run_one_step_in, timeout=240)
+    assert run_dir is not None, "the first sweep made no progress"
+    (train,) = processes_with(f"--run-dir {run_dir}")
+    os.kill(train, signal.SIGSTOP)
+    adopted, real_poll, outcome = threading.Event(), AdoptedHandle.poll, {}
+    monkeypatch.setattr(AdoptedHandle, "poll", lambda self: adopted.set() or real_poll(self))
+    try:
+        first.kill()  # the sweep's parent, SIGKILL; its job lives on
+        first.wait()
+        sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(
+            load_experiment(str(exp), overrides), progress=False, launcher="slurm")))
+        sweep.start()
+        assert adopted.wait(timeout=240), "the second sweep did not follow the running job"
+    finally:
+        os.kill(train, signal.SIGCONT)
+    sweep.join(timeout=240)
+    assert not sweep.is_alive() and [e["status"] for e in outcome["entries"]] == ["finished"]
+    assert "is still running (job " in capsys.readouterr().out
+    assert [r["status"] for r in json.loads((exp_dir / "manifest.json").read_text())["runs"]] == ["finished"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(13))
+    assert len([p for p in (exp_dir / ".submitit").iterdir() if p.name.isdigit()]) == 1  # no second job
+    assert "being written by another process" not in (run_dir / "train.log").read_text()
+
+
 @pytest.mark.parametrize("launcher, override, message", [
     ("ray", "launcher.address=127.0.0.1:9", "no Ray cluster answers at launcher.address=127.0.0.1:9: start one"),
     ("slurm", "launcher.cluster=slurm", "--launcher slurm: no `sbatch` on this machine"),
@@ -186,3 +235,85 @@ def test_the_cli_says_a_launcher_error_in_one_line(tmp_path):
         "config error: no Ray cluster answers at launcher.address=127.0.0.1:9: start one there (ray start --head), "
         "fix the address, or leave it empty for a local Ray cluster"]
     assert not (tmp_path / "results").exists()
+
+
+POPEN = subprocess.Popen  # the real one (the fake_runs fixture replaces it)
+
+
+class FakeRun:
+    """A run's process for the local launcher: records the GPU it was given; ends after ``polls`` polls (or when
+    ``ended`` is set)."""
+
+    started: list[FakeRun] = []
+
+    def __init__(self, args, env=None, polls: int = 10**9, **kwargs):
+        self.gpu = None if env is None else env["CUDA_VISIBLE_DEVICES"]
+        self.env, self.polls, self.ended = env, polls, False
+        self.running_at_start = sum(run.returncode is None for run in FakeRun.started)
+        FakeRun.started.append(self)
+
+    @property
+    def returncode(self):
+        return 0 if self.ended or self.polls <= 0 else None
+
+    def poll(self):
+        self.polls -= 1
+        return self.returncode
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    from harness.apps import launchers
+
+    FakeRun.started = []
+    monkeypatch.setattr(launchers.subprocess, "Popen", FakeRun)
+    return FakeRun.started
+
+
+def test_the_local_launcher_gives_each_concurrent_run_its_own_gpu(tmp_path, monkeypatch, fake_runs):
+    from harness.apps.launchers import LocalLauncher, visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5e1f,5")  # the user's list: indices or UUIDs, as given
+    monkeypatch.setenv("RLVR_MARK", "kept")
+    launcher = LocalLauncher()
+    assert launcher.gpus == ["3", "GPU-5e1f", "5"] and launcher.default_jobs(cpu_jobs=2) == 3
+    for k in range(4):
+        launcher.start(["train"], tmp_path / f"{k}.log", f"run{k}")
+    assert [run.gpu for run in fake_runs] == ["3", "GPU-5e1f", "5", "3"]  # round-robin while all run
+    assert all(run.env["RLVR_MARK"] == "kept" for run in fake_runs)  # the rest of the environment is the sweep's
+    fake_runs[1].ended = True  # GPU-5e1f is free again, 3 holds two runs
+    fake_runs[2].ended = True
+    launcher.start(["train"], tmp_path / "4.log", "run4")
+    launcher.start(["train"], tmp_path / "5.log", "run5")
+    assert [run.gpu for run in fake_runs[4:]] == ["GPU-5e1f", "5"]
+    for listed, gpus in (("", []), ("0,-1,2", ["0"]), (" 1, 2 ", ["1", "2"])):  # CUDA reads up to a bad entry
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+        assert visible_gpus() == gpus
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert visible_gpus() == ["0", "1"]
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    cpu = LocalLauncher()
+    assert cpu.gpus == [] and cpu.default_jobs(cpu_jobs=2) == 2
+    cpu.start(["train"], tmp_path / "cpu.log", "cpu")
+    assert fake_runs[-1].env is None  # no GPU: the sweep's environment, untouched
+
+
+def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeypatch, fake_runs):
+    from harness.apps import sweep
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sweep, "prepare_starting_policies", lambda runs, progress: None)
+    # the sweep's other commands (git, for the code record) still run
+    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen", lambda args, **kwargs: POPEN(args, **kwargs)
+                        if args[0] == "git" else FakeRun(args, polls=3, **kwargs))
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp",
+                                   "sweep.grid.seed=[0,1,2]"])
+    sweep.run_sweep(cfg, progress=False)
+    assert len(fake_runs) == 3 and max(run.running_at_start for run in fake_runs) == 1  # two at once
+    assert [run.gpu for run in fake_runs[:2]] == ["0", "1"] and {run.gpu for run in fake_runs} == {"0", "1"}
+    FakeRun.started.clear()
+    sweep.run_sweep(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=again",
+                                             "sweep.grid.seed=[0,1,2]"]), jobs=1, progress=False)
+    assert [run.running_at_start for run in fake_runs] == [0, 0, 0]  # --jobs wins

@@ -69,3 +69,21 @@ def test_written_files_name_the_stamp_cells_and_every_objective(zoo, tmp_path):
     assert pd.read_csv(tmp_path / "out" / "leaderboard.csv")["objective"].tolist() == ["ctpo", "grpo", "gspo", "p3o"]
     assert "| p3o | n/a |" in text
     assert "<table" in (tmp_path / "out" / "leaderboard.html").read_text()
+
+
+def test_a_run_that_diverged_before_an_evaluation_after_step_0_never_ranks_above_one_that_trained(tmp_path):
+    """A stress regime in which every trained objective ends below the starting policy (0.4): an objective whose runs
+    all diverged at step 1 (their final accuracy is the step-0 evaluation's, 0.4) tied for the best mean rank; it now
+    ranks last, and one seed of three diverged that way ranks an objective below those whose runs all trained."""
+    exp = tmp_path / "zoo"
+    entries = []
+    for lr in (1e-4, 3e-4):
+        for seed in range(3):
+            entries.append(fake_run(exp, "grpo", seed, {"train.lr": lr}, start=0.4, final=0.30 + 0.01 * seed))
+            entries.append(fake_run(exp, "gspo", seed, {"train.lr": lr}, start=0.4, final=0.20 + 0.01 * seed))
+            entries.append(fake_run(exp, "ctpo", seed, {"train.lr": lr}, start=0.4, final=0.35, status="diverged"
+                                    if seed == 0 else "finished", steps_done=1 if seed == 0 else None))
+            entries.append(fake_run(exp, "cispo", seed, {"train.lr": lr}, start=0.4, status="diverged", steps_done=1))
+    board = leaderboard(load_experiment(fake_experiment(exp, entries)), target=0.5).set_index("objective")
+    assert board.loc["cispo", "iqm"] == pytest.approx(0.4)  # scored on the starting policy
+    assert board["mean_rank"].to_dict() == {"grpo": 1.0, "gspo": 2.0, "ctpo": 3.0, "cispo": 4.0}

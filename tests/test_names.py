@@ -37,7 +37,8 @@ def test_trl_names_are_grpo_config_fields():
     from trl import GRPOConfig
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    trainer = {"model", "train_dataset", "reward_funcs", "ref_model"}  # GRPOTrainer's arguments / attributes
+    trainer = {"model", "train_dataset", "reward_funcs", "ref_model", "peft_config"}  # GRPOTrainer's arguments /
+    # attributes
     mentioned = {word for n in names.NAMES for word in re.findall(r"`([a-z_0-9]+)`", n.trl)} - trainer
     assert mentioned and mentioned <= fields, sorted(mentioned - fields)
     assert set(names.ALIASES) <= fields, sorted(set(names.ALIASES) - fields)

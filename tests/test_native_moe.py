@@ -16,7 +16,7 @@ from harness.loop.batch import TrainBatch, collect_batch
 from harness.loop.behaviour import behaviour_logprobs, no_grad_logprobs
 from harness.loop.build import build_learner, hook_routing, setup_run
 from harness.loop.native import train, update
-from harness.loop.update import RunState, UpdatePlan, forward_rows
+from harness.loop.update import Minibatch, RunState, UpdatePlan, forward_rows, microbatch_loss
 from harness.policy import forward as forward_module
 from harness.policy.forward import padding_free_unsupported
 from harness.policy.routing import find_routers
@@ -120,6 +120,36 @@ def test_microbatched_update_replays_as_the_whole_minibatch(tmp_path):
         assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     for name, weight in whole_weights.items():
         torch.testing.assert_close(micro_weights[name], weight, rtol=1e-4, atol=1e-6)  # an Adam step moves 1e-3
+
+
+@pytest.mark.parametrize("mode", ["none", "r2", pytest.param("r3", marks=pytest.mark.slow)])  # r3 replays as r2
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(tmp_path, mode):
+    """train.activation_checkpointing on the MoE: each layer's recompute in backward forces the routing its forward
+    took (the behaviour routing where replay forced it), in every replay mode, routers moved first so that replay
+    overrides the live routing. Loss, metrics and gradients equal those without checkpointing to 1e-6 (measured
+    1e-8): a checkpointed forward runs each row's whole [prompt | completion] (its layers drop the cache of the
+    shared-prompt pass), so attention sums in other shapes, float32 round-off; with the same forward shapes the
+    recompute is bit-exact (tests/test_routing.py)."""
+    cfg, run, batch, _ = moe_step(tmp_path, mode)
+    perturb_routers(run.policy)
+    plan = UpdatePlan.of(batch, cfg, 1)
+    rows = torch.arange(len(batch.rewards))
+    minibatch = Minibatch(rows, batch.rollout.completion_mask.sum())
+    results = []
+    for checkpointing in (False, True):
+        forward_module.set_memory_settings(run.policy, activation_checkpointing=checkpointing)
+        run.policy.zero_grad()
+        run.policy.train()
+        part = microbatch_loss(build_learner(run.policy, run.objective, cfg.train), plan, minibatch, rows, RunState())
+        results.append((part, {name: p.grad.clone() for name, p in run.policy.named_parameters()}))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = results
+    assert plain.forward.volatility.changed_frac > 0  # the moved routers route otherwise than the behaviour
+    assert checkpointed.forward.volatility == plain.forward.volatility
+    assert checkpointed.loss == pytest.approx(plain.loss, rel=0, abs=1e-6)
+    assert checkpointed.metrics == pytest.approx(plain.metrics, rel=0, abs=1e-6)
+    assert max(grad.abs().max() for grad in plain_grads.values()) > 1e-2
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow  # two whole runs: make test

@@ -397,7 +397,9 @@ def test_padding_changes_nothing(name, beta):
 
 # objectives with a KL to the behaviour policy in the loss: with A = 0 it still acts off-policy, so they are
 # checked on-policy here (tests/test_objectives_family.py checks the off-policy gradient is the KL's alone)
-BEHAVIOUR_KL = {"p3o", "kl_cov", "dppo_tv", "dppo_kl"}  # (dppo: only with kl_coef > 0, off by default)
+BEHAVIOUR_KL = {"p3o", "kl_cov", "dppo_tv", "dppo_kl", "dro", "ipo"}  # (dppo: only with kl_coef > 0, off by default)
+# objectives whose default has a KL to the reference (beta > 0): checked at the reference (the KL's gradient is 0 there)
+REFERENCE_KL = {name for name in ALL if get_objective(name).beta > 0}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -407,6 +409,8 @@ def test_equal_rewards_give_zero_gradient(name):
     batch = group_batch(advantages=adv)
     if name in BEHAVIOUR_KL:
         batch.old_logp = batch.logp.detach().clone()
+    if name in REFERENCE_KL:
+        batch.ref_logp = batch.logp.detach().clone()
     out, grad = run(name, batch)
     assert (grad == 0).all() and out.loss.item() == 0.0
 
@@ -439,7 +443,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
             mask=whole.mask[rows, :width], ref_logp=whole.ref_logp[rows, :width],
             advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=total_tokens, num_sequences=8))
+            num_tokens=total_tokens, num_sequences=8, entropy=whole.entropy[rows, :width]))
     stats = sum_statistics([objective.minibatch_statistics(part) for part in parts])
     assert (stats is not None) == objective.uses_minibatch_statistics() == (name == "p3o")
     for part in parts:

@@ -382,7 +382,8 @@ def test_entropy_knobs_off_change_nothing_and_errors_are_clear():
     assert get_objective("grpo", top_entropy_quantile=0.2).entropy_need() == "value"
     assert get_objective("grpo", top_entropy_quantile=0.2).needs_minibatch_at_once()
     assert get_objective("grpo", entropy_coef=0.01, top_entropy_quantile=0.2).entropy_need() == "gradient"
-    with pytest.raises(ValueError, match="entropy_coef=0.1 > 0 but the batch has no entropy"):
+    with pytest.raises(ValueError, match=r"entropy bonus \(entropy_coef=0.1, or an adaptive coefficient\) but the "
+                       "batch has no entropy"):
         get_objective("grpo", entropy_coef=0.1)(batch)
     with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
         get_objective("grpo", top_entropy_quantile=1.5)

@@ -46,7 +46,7 @@ DPPO_ADV = [1.0, -0.5, 0.0]
 
 def test_dppo_tv_hand():
     batch = prob_batch(DPPO_Q, DPPO_P, DPPO_MASK, DPPO_ADV)
-    out, grad = run("dppo_tv", batch)  # delta 0.15 / 0.15, ratio cap 20
+    out, grad = run("dppo_tv", batch, ratio_cap=20.0, aggregation="token_mean")  # delta 0.15 / 0.15 (the example's)
     # row 0 (A > 0): gap +0.1 kept; +0.2 > 0.15 masked; -0.6 kept (moving against A is never masked), r = 1/3
     # row 1 (A < 0): gap -0.2 < -0.15 masked; gap +0.29 kept, r = 30 truncated to 20
     # row 2 (A = 0): gap -0.3 masked (the A <= 0 side), +0.05 kept: no policy gradient either way
@@ -59,8 +59,9 @@ def test_dppo_tv_hand():
     assert num(m["ratio_max"], 30.0, 1e-6)
 
 
-def verl_dppo(logp, old, adv, mask, low, high, cap, kind):
-    """verl compute_policy_loss_dppo_tv / _kl (token-mean, no rollout IS weights), written out."""
+def verl_dppo(logp, old, adv, mask, low, high, cap, kind, agg="token_mean"):
+    """verl compute_policy_loss_dppo_tv / _kl (no rollout IS weights) and agg_loss (token-mean, or
+    seq-mean-token-sum-norm with verl's horizon = the response width), written out."""
     ratio = torch.exp(torch.clamp(logp - old, min=-20.0, max=20.0))
     truncated = torch.clamp(ratio, max=cap).detach()
     prob, old_prob = torch.exp(logp), torch.exp(old)
@@ -70,7 +71,11 @@ def verl_dppo(logp, old, adv, mask, low, high, cap, kind):
         kl = old_prob * (old - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
         pos_ok, neg_ok = (kl <= high) | (prob <= old_prob), (kl <= low) | (prob >= old_prob)
     valid = torch.where(adv > 0, pos_ok, neg_ok).detach().float().to(logp.dtype)
-    return token_mean(-adv * truncated * logp * valid, mask)
+    losses = -adv * truncated * logp * valid
+    if agg == "token_mean":
+        return token_mean(losses, mask)
+    m = mask.to(logp.dtype)
+    return (losses * m).sum(-1).sum() / (m.sum(-1) > 0).sum() / mask.shape[-1]
 
 
 def random_prob_batch(seed, b=12, t=6):
@@ -88,33 +93,37 @@ def random_prob_batch(seed, b=12, t=6):
     adv[0], adv[1], adv[2], adv[3] = -1.0, 0.0, -0.7, 0.8
     old, logp = q.log(), p.log()
     old[~mask], logp[~mask] = -3.0, -0.01  # garbage
-    return PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=mask, advantages=adv)
+    return PolicyBatch(logp=logp.requires_grad_(True), old_logp=old, mask=mask, advantages=adv, max_completion_len=t)
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
 @pytest.mark.parametrize("seed,asymmetric", [(0, False), (1, False), (2, True)])
-def test_dppo_matches_verl(kind, seed, asymmetric):
+@pytest.mark.parametrize("defaults", [True, False])  # the example's; verl's function fallbacks (cap 20, token-mean)
+def test_dppo_matches_verl(kind, seed, asymmetric, defaults):
     batch = random_prob_batch(seed)
     name = f"dppo_{kind}"
     hp = ({"clip_low": 0.08, "clip_high": 0.25} if kind == "tv" else {"clip_low": 0.02, "clip_high": 0.2}) \
         if asymmetric else {}
-    obj = get_objective(name, **hp)
+    obj = get_objective(name, **hp, **({} if defaults else {"ratio_cap": 20.0, "aggregation": "token_mean"}))
     out = obj(batch)
     adv = batch.advantages[:, None].expand_as(batch.logp)
-    ref = verl_dppo(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high, obj.ratio_cap, kind)
+    ref = verl_dppo(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high, obj.ratio_cap, kind,
+                    obj.aggregation)
     m = out.metrics
-    assert m["clip_frac_high"] > 0 and m["clip_frac_low"] > 0 and m["dppo_truncated_frac"] > 0
+    assert m["clip_frac_high"] > 0 and m["clip_frac_low"] > 0 and (m["dppo_truncated_frac"] > 0) != defaults
     assert num(out.loss, ref, 1e-12)
     assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
 
 
 def test_dppo_defaults_are_verls_example():
+    """One source: verl's examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh (thresholds by LOSS_MODE,
+    loss_agg_mode=seq-mean-token-sum-norm, clip_ratio_c=10000.0, use_kl_loss=False)."""
     assert get_objective("dppo_tv").clip_low == get_objective("dppo_tv").clip_high == 0.15
     assert get_objective("dppo_kl").clip_low == get_objective("dppo_kl").clip_high == 0.05
     for name in ("dppo_tv", "dppo_kl"):
         obj = get_objective(name)
-        assert obj.ratio_cap == 20.0 and obj.kl_coef == 0.0 and obj.surrogate == "logp"
-        assert obj.aggregation == "token_mean"
+        assert obj.ratio_cap == 10000.0 and obj.kl_coef == 0.0 and obj.surrogate == "logp"
+        assert obj.aggregation == "seq_mean_token_sum_norm"
     with pytest.raises(ValueError, match="surrogate must be one of"):
         get_objective("dppo_tv", surrogate="clip")
     with pytest.raises(ValueError, match="ratio_cap must be > 0"):
@@ -137,7 +146,7 @@ def test_dppo_tv_prime_rl_setting_matches_prime_rl(seed):
     """prime-rl's default loss = dppo_tv clip 0.2 / 0.2, kl_coef 1e-3, surrogate ratio: value and gradient; verl's
     surrogate has the same gradient with the truncation off and the same KL term, not the same value."""
     batch = random_prob_batch(seed)
-    setting = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-3, surrogate="ratio")
+    setting = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-3, surrogate="ratio", aggregation="token_mean")
     out = get_objective("dppo_tv", **setting)(batch)
     adv = batch.advantages[:, None].expand_as(batch.logp)
     ref = prime_rl_default_loss(batch.logp, batch.old_logp, adv, batch.mask, 0.2, 0.2, 1e-3)
@@ -145,7 +154,8 @@ def test_dppo_tv_prime_rl_setting_matches_prime_rl(seed):
     grad = grad_of(out.loss, batch)
     assert_close(grad, grad_of(ref, batch), tol=1e-12)
     assert out.metrics["clip_frac"] > 0 and out.metrics["dppo_truncated_frac"] == 0.0
-    verl_form = get_objective("dppo_tv", clip_low=0.2, clip_high=0.2, kl_coef=1e-3, ratio_cap=1e9)(batch)
+    verl_form = get_objective("dppo_tv", clip_low=0.2, clip_high=0.2, kl_coef=1e-3, ratio_cap=1e9,
+                              aggregation="token_mean")(batch)
     assert_close(grad_of(verl_form.loss, batch), grad, tol=1e-12)
     assert not num(verl_form.loss, out.loss, 1e-3)
 

@@ -219,7 +219,7 @@ def test_objective_state_ema_zero_positives_and_errors():
     start = policy.layer.weight.detach().clone()
     with torch.no_grad():
         policy.layer.weight.add_(1.0)
-    popo.after_optimizer_step(policy)
+    popo.after_optimizer_step(policy, {})
     assert torch.allclose(popo.target.layer.weight, 0.9 * start + 0.1 * (start + 1.0), atol=1e-15)
     assert not any(p.requires_grad for p in popo.target.parameters())
     # the state round-trips into a fresh objective (what a resumed run does after setup)
@@ -239,7 +239,8 @@ def test_objective_state_ema_zero_positives_and_errors():
         get_objective("popo", weight_mode="rank")
     with pytest.raises(ValueError, match="is not meaningful"):
         get_objective("popo", aggregation="seq_mean_token_mean")
-    assert get_objective("popo").entropy_need() == "gradient" and get_objective("popo").keeps_state()
+    assert get_objective("popo").entropy_need() == "gradient"
+    assert get_objective("popo").needs() == {"state", "hidden_states"}
     assert get_objective("popo", beta_entropy=0.0).entropy_need() == ""
 
 
@@ -290,9 +291,11 @@ def _flat(state, prefix=""):
 
 
 def test_trl_backend_and_gradient_lab_refuse_popo_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="^backend trl: objective 'popo' trains state of its own"):
+    with pytest.raises(ConfigError, match="^backend trl: objective 'popo' reads the policy's hidden states and keeps "
+                       "state of its own across updates .*, which backend trl does not provide; use backend=native$"):
         run_configs(load_experiment("base", ["objective.name=popo", "backend=trl", f"results_dir={tmp_path}"]))
     for override in ("lab.objectives=[grpo,popo]", "lab.mover=popo"):
-        with pytest.raises(ConfigError, match="^lab: objective 'popo' trains state of its own"):
+        with pytest.raises(ConfigError, match="^lab: objective 'popo' reads the policy's hidden states and keeps .*; "
+                           "leave it out of lab.objectives and lab.mover$"):
             validate_lab(load_experiment("lab", [override]))
     assert "popo" not in lab_objectives(load_experiment("lab", []))  # "every objective" means those it can evaluate

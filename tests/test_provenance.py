@@ -148,6 +148,12 @@ class Launcher:
     def threads(self, jobs):
         return 1
 
+    def adopt(self, name):
+        return None  # no earlier sweep's job to follow
+
+    def default_jobs(self, cpu_jobs):
+        return cpu_jobs
+
     def start(self, args, log, name):
         self.started.append(args)
         return Handle()

@@ -91,6 +91,16 @@ def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path)
     assert exp.runs.set_index("run_id").loc[other, "duplicate_of"] == kept
 
 
+def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):
+    """A run that ran out of memory and was resumed with the memory settings on (its config.yaml records them): the
+    same condition as its other seeds, not a cell of its own."""
+    exp_dir = tmp_path / "oom"
+    entries = [fake_run(exp_dir, "grpo", 0), fake_run(exp_dir, "grpo", 1, {
+        "train.activation_checkpointing": True, "train.lm_head_chunk": 1024, "train.eval_batch_size": 16})]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == [] and list(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2]
+
+
 def test_duplicates_keep_the_ended_run(tmp_path):
     exp_dir = tmp_path / "dup"
     finished = fake_run(exp_dir, "grpo", 0, name="b", final=0.6)

@@ -48,7 +48,7 @@ from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py
 )
 
 ALL = ON_BATCHES
-MODES = [m for m in CORRECTION_MODES if m != "none"]
+MODES = [m for m in CORRECTION_MODES if m not in ("none", "decoupled_ppo")]  # decoupled_ppo: tests/test_async.py
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -221,7 +221,8 @@ def test_a_masked_sequence_gets_no_gradient(name):
     weights[[1, 6]] = 0.0  # sequence_mask dropped sequences 1 and 6
     batch.correction = weights
     # tbpo's default band (clip 3e-4 / 4e-4 on both sides for A < 0) clips every row of this batch: widen it
-    _, grad = run_objective(name, batch, **({"clip_low": 0.5, "clip_high": 0.5} if name == "tbpo" else {}))
+    # beta = 0: the KL to the reference is not weighted (adaptive_kl's default has one)
+    _, grad = run_objective(name, batch, beta=0.0, **({"clip_low": 0.5, "clip_high": 0.5} if name == "tbpo" else {}))
     if name == "conspo":  # group-contrastive: a dropped positive's term is 0, but a dropped negative still
         positives = batch.advantages > 0  # shapes the kept positives' terms (it is no term of its own)
         assert (grad[[i for i in (1, 6) if positives[i]]] == 0).all()
@@ -252,7 +253,8 @@ def test_micro_batches_sum_to_the_minibatch_with_a_correction(name, sequence):
             logp=whole.logp[r], old_logp=whole.old_logp[r], mask=whole.mask[r], ref_logp=whole.ref_logp[r],
             advantages=whole.advantages[r], rewards=whole.rewards[r], group_ids=whole.group_ids[r],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=whole.mask.sum(), num_sequences=8, correction=whole.correction[r]) for r in splits]
+            num_tokens=whole.mask.sum(), num_sequences=8, correction=whole.correction[r], entropy=whole.entropy[r])
+            for r in splits]
         stats = sum_statistics([objective.minibatch_statistics(p) for p in parts])
         total = 0.0
         for part in parts:
@@ -263,17 +265,16 @@ def test_micro_batches_sum_to_the_minibatch_with_a_correction(name, sequence):
         assert torch.allclose(micro_grad, grad, rtol=1e-10, atol=1e-13), (name, mode)
 
 
-def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
-    """The loop passes the sampler's log-probs (TBPO's mismatch input) only without a correction: the sampler
+def test_the_loop_says_when_its_correction_weighs_the_sampler():
+    """The loop passes the sampler's log-probs whenever the old log-probs are recomputed (M2PO's mask and OPSM read
+    them), and ``behaviour_corrected`` with a correction, so that TBPO's own mismatch weight is off: the sampler
     difference is corrected once."""
     policy, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
     seen = []
 
-    class Spy:
-        beta, default_advantage = 0.0, "grpo"
-
+    class Spy(objectives.Objective):  # a test double subclasses Objective
         def __call__(self, batch):
-            seen.append((batch.sampler_logp is not None, batch.correction is not None))
+            seen.append((batch.sampler_logp is not None, batch.correction is not None, batch.behaviour_corrected))
             return objectives.ObjectiveOutput((batch.logp * 0).sum(), {})
 
     task = get_task("arith", eval_size=8)
@@ -290,7 +291,7 @@ def test_tbpo_gets_no_sampler_logp_when_the_loop_corrects():
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)
         update(Learner(policy, Spy(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
                UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
-    assert seen == [(True, False), (False, True)]
+    assert seen == [(True, False, False), (True, True, True)]
 
 
 # ----------------------------------------------------------------------------------------------------

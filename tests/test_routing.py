@@ -5,16 +5,18 @@ the minibatch record; activation checkpointing's recompute replays too; bad reco
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
+from harness.policy import forward
 from harness.policy.models import load_model
 from harness.policy.routing import (
     Grid,
     Routing,
     RoutingRecord,
     config_is_moe,
-    enable_checkpointing,
     find_routers,
     full_layout,
     routing_unsupported,
@@ -164,28 +166,40 @@ def test_microbatch_replay_equals_whole_batch():
         torch.testing.assert_close(micro_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
-def test_checkpoint_recompute_replays_the_forward_routing():
+@pytest.mark.parametrize("capture", ["none", "record", "replay"])
+def test_checkpoint_recompute_forces_the_forward_routing_bit_for_bit(capture):
+    """Activation checkpointing as the runs set it (set_memory_settings): the same loss and gradients bit for bit,
+    outside a capture, recording the live routing with its router logits (the update without replay), and replaying
+    a record the moved routers disagree with; the backward runs after the capture ended, as the trainer's does. A
+    recompute without the routing's context_fn stops in one line instead of routing afresh."""
     model, tokenizer = tiny_moe()
     routing, batch = Routing(model), padded_batch(tokenizer)
     behaviour = record_forward(model, routing, batch)
     perturb_routers(model)
     model.train()
+    grid = Grid(len(batch[0]), batch[0].shape[1] + batch[2].shape[1], batch[0].shape[1])
 
-    def replayed_gradients():
+    def loss_and_gradients():
         model.zero_grad()
-        with routing.capture(replay=behaviour):
+        context = {"none": nullcontext(), "record": routing.capture(grid, router_logits=True),
+                   "replay": routing.capture(replay=behaviour, router_logits=True)}[capture]
+        with context as cap:
             loss = -token_logp(full_forward(model, routing, *batch), batch).sum()
-        loss.backward()  # after the capture ended: the recompute must bring its own
-        return gradients(model)
+        if cap is not None:
+            loss = loss + cap.aux_loss()
+        loss.backward()
+        return loss.detach(), gradients(model), None if cap is None else cap.record.indices
 
-    reference = replayed_gradients()
-    enable_checkpointing(model, routing)
-    checkpointed = replayed_gradients()
-    for name, grad in reference.items():
-        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7)
+    plain = loss_and_gradients()
+    forward.set_memory_settings(model, activation_checkpointing=True)
+    checkpointed = loss_and_gradients()
+    assert torch.equal(checkpointed[0], plain[0])
+    assert all(torch.equal(checkpointed[1][name], grad) for name, grad in plain[1].items())
+    assert capture == "none" or torch.equal(checkpointed[2], plain[2])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(RuntimeError, match="enable_checkpointing"):
-        replayed_gradients()
+    with pytest.raises(RuntimeError, match="set_memory_settings") as info:
+        loss_and_gradients()
+    assert "\n" not in str(info.value)
 
 
 def test_record_rows_repad_like_the_rollout_rows():

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from harness.apps.launchers import LocalLauncher
+from harness.apps.sweep import Child, run_entry
+from harness.run.config import load_experiment, run_configs
+from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import read_jsonl
 from tests.helpers.processes import cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
@@ -83,8 +88,10 @@ def test_list_names_the_shared_hyperparameters_once_marks_aliases_and_ends_descr
     assert out.count("kl_estimator=k3") == 1 and out.count("top_entropy_quantile") == 1
     assert "  bnpo         alias of grpo with aggregation=token_mean\n" in out
     assert "  luspo        alias of gspo with aggregation=seq_mean_token_sum\n" in out
-    assert " ".join(out.split()).count("clip_low=0.2, clip_high=0.28") == 1  # dapo's own, once
     flat = " ".join(out.split())
+    assert flat.count("dapo advantage=grpo aggregation=token_mean clip_low=0.2, clip_high=0.28,") == 1  # dapo's own
+    # a shared hyperparameter whose default an objective changes is on its line
+    assert "adaptive_kl advantage=grpo aggregation=seq_mean_token_mean beta=0.001, clip_low=0.2" in flat
     for path in experiment_paths():
         shown = cli_module.first_sentence(experiment_description(path))
         assert f"{path.stem} {shown}" in flat and shown.endswith((".", ")")), path.stem
@@ -190,6 +197,52 @@ def test_an_earlier_manifest_keeps_only_its_runs_still_there(tmp_path):
     manifest.write_text("{torn")
     assert earlier_manifest(manifest, tmp_path, set()) == {"runs": []}
     assert earlier_manifest(tmp_path / "none.json", tmp_path, set()) == {"runs": []}
+
+
+def test_a_sweep_continuing_a_run_with_other_memory_settings_runs_it_with_them_and_says_so(tmp_path, capsys):
+    """The sweep's processes run each run's config.yaml: a run that ran out of memory, swept again with
+    train.activation_checkpointing=true (the same run id), gets the new memory settings there, said in one line; a
+    finished run's config.yaml keeps the settings it ran with."""
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}"])
+    (run,) = run_configs(cfg)
+    low = OmegaConf.merge(run, {"train": {"activation_checkpointing": True, "lm_head_chunk": 5}})
+    first = run_entry(run, cfg, tmp_path)
+    (tmp_path / first["dir"] / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    capsys.readouterr()
+    assert run_entry(low, cfg, tmp_path) == {**first, "status": "interrupted"}
+    saved = OmegaConf.load(tmp_path / first["dir"] / "config.yaml")
+    assert saved == OmegaConf.merge(run, {"train": {"activation_checkpointing": True, "lm_head_chunk": 5}})
+    assert capsys.readouterr().err == (
+        f"continuing {first['dir']} with other memory settings: train.lm_head_chunk 0 -> 5, "
+        "train.activation_checkpointing False -> True (they change no number beyond float round-off; config.yaml "
+        "records the new ones)\n")
+    (tmp_path / first["dir"] / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert run_entry(run, cfg, tmp_path)["status"] == "finished"
+    assert OmegaConf.load(tmp_path / first["dir"] / "config.yaml") == saved and capsys.readouterr().err == ""
+
+
+def test_a_run_whose_lock_another_process_holds_is_followed_to_its_end_not_started_again(tmp_path, capsys):
+    """A rerun of a sweep whose run is still running (started by hand, or by an earlier sweep's job whose record is
+    lost): no second process is started for it (whose `train` would stop on the lock and be reported failed); the
+    sweep waits while the lock is held and then takes the run's status from its summary."""
+
+    class NoStart(LocalLauncher):
+        def start(self, *args):
+            pytest.fail("a second process was started for a running run")
+
+    run_dir = tmp_path / "grpo-s0-abc"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("train: {steps: 3}\n")
+    (run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
+    holder = lock_folder(run_dir / RUN_LOCK, "busy")
+    child = Child.start(NoStart(), run_dir, threads=1, progress=False, position=1, allow_code_change=False)
+    assert "run grpo-s0-abc is still running (another process holds its lock): following it to its end" in \
+        capsys.readouterr().out
+    assert child.poll() and child.poll()  # still running, as long as the lock is held
+    (run_dir / "summary.json").write_text(json.dumps({"status": "finished"}))
+    holder.close()
+    assert not child.poll() and child.ended("grpo-s0-abc") == ("finished", None)
+    child.stop()  # someone else's process: nothing to stop
 
 
 def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_its_heap_back(monkeypatch):

@@ -209,14 +209,16 @@ def spied_volatility(monkeypatch) -> list:
     return seen
 
 
-def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [(), pytest.param(("model.lora.rank=4",), marks=pytest.mark.slow)])  # TRL's peft
+def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch, lora):
     """tiny_moe, 2 minibatches per rollout batch (TRL records the behaviour routing in its old-policy pass), an
     entropy bonus so that every optimizer step moves the routers: each step logs the native loop's routing metrics;
     the step's first minibatch sees the weights the record was made with (volatility exactly 0, which a record
     misaligned with TRL's shuffled rows breaks), the second the moved ones (> 0, which comparing the live routing
     with itself would hide)."""
     seen = spied_volatility(monkeypatch)
-    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2")
+    run = tiny_moe_run(tmp_path, "backend=trl", "device=cpu", "objective.params.entropy_coef=0.1", "train.lr=1e-2",
+                       *lora)
     train_trl(run, tmp_path / "moe", progress=False)
     rows = read_jsonl(tmp_path / "moe" / "metrics.jsonl")[1:]
     assert [r["step"] for r in rows] == [1, 2] and len(seen) == 4  # 2 steps x 2 minibatches of one micro-batch
@@ -252,12 +254,12 @@ def test_dense_run_logs_no_expert_metrics(tmp_path):
 def test_loss_forward_measures_routing_as_the_native_update(tmp_path):
     """The same tiny_moe, rows and behaviour routing (the native recompute's record), routers moved after it: the TRL
     trainer's loss forward and the native loop's update forward (forward_rows) give the same volatility, load entropy
-    and aux loss. One row per group: the native forward then runs every row whole, as TRL's (with a shared prompt it
-    routes the prompt once per group, which the aux loss counts once)."""
+    and aux loss, although the native forward routes a group's shared prompt once and TRL's once per row (the aux
+    loss counts every row's tokens, in grid order)."""
     cfg, run, batch, behaviour = moe_step(tmp_path, "none", "train.old_logp=recompute")
     assert behaviour.routing is not None
     perturb_routers(run.policy)
-    rows = torch.arange(0, len(batch.rewards), cfg.train.group_size)
+    rows = torch.arange(len(batch.rewards))
     native = forward_rows(run.policy, UpdatePlan.of(batch, cfg, 1), rows)
     assert native.volatility.changed_frac > 0
     ro = batch.rollout
@@ -277,3 +279,35 @@ def test_loss_forward_measures_routing_as_the_native_update(tmp_path):
     logged = trainer.meter.result()
     for key in ("expert_load_entropy", "router_aux_loss"):
         assert logged[key] == pytest.approx(native.routing_metrics[key], rel=1e-6), key
+
+
+def test_moe_loss_with_activation_checkpointing_is_the_loss_without(tmp_path):
+    """backend=trl, tiny_moe, train.activation_checkpointing: TRL's Trainer enables it with the harness's checkpoint
+    arguments (grpo_config), so each layer's recompute in backward forces the routing its forward took, although
+    the backward runs after the capture of the loss forward ended. Loss and gradients equal those without
+    checkpointing bit for bit (TRL's loss forward has the same shapes either way)."""
+    cfg, run, batch, behaviour = moe_step(tmp_path, "none", "train.old_logp=recompute")
+    perturb_routers(run.policy)  # the behaviour routing is not the live one: the routing metrics see it
+    ro = batch.rollout
+    inputs = {"prompt_ids": ro.prompt_ids, "prompt_mask": ro.prompt_mask, "completion_ids": ro.completion_ids,
+              "completion_mask": ro.completion_mask.long(), "advantages": batch.advantages,
+              "old_per_token_logps": batch.old_logp, "num_items_in_batch": ro.completion_mask.sum(),
+              "rewards": batch.rewards, "group_ids": batch.group_ids,
+              ROUTING_KEY: behaviour.routing.indices.transpose(0, 1)}
+    results = []
+    for checkpointing in (False, True):
+        args = grpo_config(OmegaConf.merge(cfg, {"train": {"activation_checkpointing": checkpointing}}),
+                           tmp_path / f"trl-{checkpointing}")
+        trainer = RegistryGRPOTrainer(
+            model=run.policy, reward_funcs=reward_functions(run.task), args=args, objective=run.objective,
+            train_dataset=problems_dataset(run.train_problems[:8], run.tokenizer), processing_class=run.tokenizer,
+            estimator=run.estimator)
+        if args.activation_checkpointing:  # as Trainer.train enables it
+            trainer.model.activation_checkpointing_enable(dict(args.activation_checkpointing_kwargs))
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        results.append((*loss_and_grad(trainer, inputs), trainer.volatility, trainer.meter.result()))
+    (plain_loss, plain_grads, plain_volatility, plain_logged), (loss, grads, volatility, logged) = results
+    assert torch.equal(loss, plain_loss) and volatility == plain_volatility and logged == plain_logged
+    assert plain_volatility[0].changed_frac > 0 and plain_grads.keys() == grads.keys()
+    assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())

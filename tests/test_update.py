@@ -23,7 +23,7 @@ from harness.loop.update import (
     token_budget_chunks,
 )
 from harness.policy.sampler import Rollout
-from objectives import ObjectiveOutput
+from objectives import Objective, ObjectiveOutput, get_objective
 from tests.helpers.tiny import tiny_run
 
 
@@ -95,7 +95,8 @@ def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     for loss in (1.0, float("nan"), 1.0, 1.0, 1.0):
         param.grad = torch.ones(3)
-        optimizer_step(Learner(torch.nn.ParameterList([param]), None, optimizer, scheduler), loss, 1.0, state)
+        optimizer_step(Learner(torch.nn.ParameterList([param]), get_objective("grpo"), optimizer, scheduler), loss,
+                       1.0, state, {})
     assert used == pytest.approx([0.0025, 0.005, 0.0075, 0.01]) and state.nonfinite_skips == 1
 
 
@@ -140,26 +141,30 @@ def test_minibatches_cover_every_row_once_and_keep_groups_whole_when_they_fit(si
     assert all(torch.equal(a.rows, b.rows) for a, b in zip(parts, again, strict=True))  # the seed decides the order
 
 
-@pytest.mark.parametrize("old_logp, correction, sampler_is_behaviour", [
-    ("sampler", False, True), ("recompute", False, False), ("recompute", True, True)])
-def test_the_objective_gets_the_sampler_logprobs_only_when_nothing_else_accounts_for_them(
-        old_logp, correction, sampler_is_behaviour, tiny_model):
+@pytest.mark.parametrize("old_logp, correction, sampler_given", [
+    ("sampler", False, False), ("recompute", False, True), ("recompute", True, True)])
+def test_the_objective_gets_the_sampler_logprobs_whenever_its_old_logprobs_are_recomputed(
+        old_logp, correction, sampler_given, tiny_model):
+    """The behaviour (sampler) log-probs reach the objective whenever its old log-probs are the proximal policy's (a
+    rollout correction too: M2PO's mask and OPSM read them); ``behaviour_corrected`` says a correction weighs them."""
     policy, _ = tiny_model
     batch = toy_batch(correction=correction)
     plan = toy_plan(batch, f"old_logp={old_logp}")
-    assert plan.sampler_is_behaviour == sampler_is_behaviour and plan.rollout_step == 2
+    assert plan.rollout_step == 2
     seen = []
 
-    def objective(policy_batch):
-        seen.append(policy_batch)
-        return ObjectiveOutput((policy_batch.logp * policy_batch.mask).sum(), {"x": 1.0})
+    class Seen(Objective):  # a test double subclasses Objective: the loop calls its declared hooks, not getattr
+        def __call__(self, policy_batch):
+            seen.append(policy_batch)
+            return ObjectiveOutput((policy_batch.logp * policy_batch.mask).sum(), {"x": 1.0})
 
     minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
-    learner = Learner(policy, objective, None, None)
+    learner = Learner(policy, Seen(), None, None)
     part = microbatch_loss(learner, plan, minibatch, minibatch.rows[:4], RunState(optimizer_steps=5), with_entropy=True)
     (seen_batch,) = seen
     assert seen_batch.num_tokens == minibatch.num_tokens and seen_batch.num_sequences == plan.minibatch_size == 8
-    assert (seen_batch.sampler_logp is None) == sampler_is_behaviour and seen_batch.step == 5
+    assert (seen_batch.sampler_logp is not None) == sampler_given and seen_batch.step == 5
+    assert seen_batch.behaviour_corrected == correction
     assert (seen_batch.correction is None) != correction
     assert part.tokens == int(batch.rollout.completion_mask[minibatch.rows[:4]].sum()) and "entropy" in part.metrics
     assert not part.forward.logp.requires_grad and part.forward.width == seen_batch.logp.shape[1]

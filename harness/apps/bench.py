@@ -223,8 +223,9 @@ def live_tensors_at_peak(prof, device: str) -> tuple[int, dict[str, int]]:
 
 
 def step_main(overrides: list[str], full_length: bool = False) -> int:
-    """``bench --step`` (the child of ``--busy`` and ``--scale``): one native step (rollout + update) timed after an
-    untimed one of the same sizes; prints one JSON line with the threads used, the seconds, the completion tokens,
+    """``bench --step`` (the child of ``--busy``, ``--scale`` and ``--lora``): one native step (rollout + update) timed
+    after an untimed one of the same sizes; prints one JSON line with the threads used, the parameters trained (all,
+    or LoRA's adapters), the seconds, the completion tokens,
     the measured step's peak memory per phase and the process's peak over both steps (``peak_mem_process_mb``).
     ``full_length``: every row samples ``train.max_new_tokens`` tokens (EOS never drawn: the worst-case shapes)."""
     cfg, setup, problems, threads = bench_run(overrides)
@@ -242,11 +243,62 @@ def step_main(overrides: list[str], full_length: bool = False) -> int:
     step_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     peaks = memory.metrics(total=False)
     process = max(peaks.values())
-    print(json.dumps({"threads": threads, "step_s": step_s, "rollout_s": rollout_s, "update_s": step_s - rollout_s,
+    trained = sum(p.numel() for p in setup.policy.parameters() if p.requires_grad)
+    print(json.dumps({"threads": threads, "trained_parameters": trained, "step_s": step_s, "rollout_s": rollout_s,
+                      "update_s": step_s - rollout_s,
                       "step_cpu_s": cpu_s, "rows": int(ro.completion_ids.shape[0]),
                       "completion_tokens": int(ro.completion_mask.sum()),
                       "peak_mem_rollout_mb": peaks["peak_mem_rollout_mb"],
                       "peak_mem_update_mb": peaks["peak_mem_update_mb"], "peak_mem_process_mb": process}))
+    return 0
+
+
+LORA_RANK = 16  # `bench --lora`'s adapters' rank, unless the overrides set model.lora.rank
+
+
+def lora_main(overrides: list[str], out: Path | None = None) -> int:
+    """``bench --lora``: one native step of the bench configuration with full fine-tuning and one with LoRA
+    adapters (``model.lora.rank`` of the overrides, else ``LORA_RANK``), each ``bench --step`` in a fresh process
+    (neither inherits the other's heap) timed after an untimed step of the same sizes, from the same weights and
+    random stream (the adapters start at B = 0: the same rollouts). Prints a Markdown table of the seconds and peak
+    memory per phase, stamped with the commit, the machine and the load before and after each side, and writes it
+    with the figures to ``<results_dir>/bench/lora.md`` and ``lora.json``."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    rank = cfg.model.lora.rank or LORA_RANK
+    sides = [("full fine-tuning", [*overrides, "model.lora.rank=0", "model.lora.export_merged=false"]),
+             (f"LoRA rank {rank}", [*overrides, f"model.lora.rank={rank}"])]
+    for _, side in sides:  # both sides' settings checked (one line) before either runs
+        run_configs(load_experiment("bench", side))
+    points = []
+    for name, side in sides:
+        load = os.getloadavg()[0]
+        child = subprocess.run([sys.executable, "-m", "harness", "bench", "--step", *side], capture_output=True,
+                               text=True)
+        if child.returncode:
+            lines = child.stderr.strip().splitlines()
+            raise RuntimeError(f"bench --lora, {name}: {lines[-1] if lines else f'exit {child.returncode}'}")
+        step = json.loads(child.stdout.strip().splitlines()[-1])
+        points.append({"side": name, "load_before": load, "load_after": os.getloadavg()[0], **step})
+        print(f"{name}: step {step['step_s']:.1f} s, peak {step['peak_mem_process_mb']:.0f} MiB", file=sys.stderr)
+    t = cfg.train
+    command = " ".join(["python -m harness bench --lora", *overrides])
+    head = (f"`{command}` — {cfg.model.name}, {cfg.task.name}, {t.prompts_per_step} prompts x {t.group_size}, up to "
+            f"{t.max_new_tokens} new tokens, {t.num_minibatches} minibatches; commit {commit()}; "
+            f"{machine(1).split(',')[0]}, {os.cpu_count()} cores, {points[0]['threads']} torch thread(s). Each side "
+            "a fresh process, its step timed after an untimed one; peaks in MiB (CPU: the process's peak resident "
+            "set size in the phase; GPU: peak allocated).\n\n")
+    rows = ["| | trained parameters | tokens | rollout s | update s | step s | step CPU s | rollout peak | update peak "
+            "| process peak | load before / after |", "|" + "---|" * 11]
+    rows += [f"| {p['side']} | {p['trained_parameters']:,} | {p['completion_tokens']:,} | {p['rollout_s']:.1f} | "
+             f"{p['update_s']:.1f} | {p['step_s']:.1f} | {p['step_cpu_s']:.1f} | {p['peak_mem_rollout_mb']:,.0f} | "
+             f"{p['peak_mem_update_mb']:,.0f} | {p['peak_mem_process_mb']:,.0f} | {p['load_before']:.2f} / "
+             f"{p['load_after']:.2f} |" for p in points]
+    table = head + "\n".join(rows)
+    folder = out or Path(cfg.results_dir) / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / "lora.json", json.dumps(points, indent=2))
+    atomic_write(folder / "lora.md", table + "\n")
+    print(table)
     return 0
 
 

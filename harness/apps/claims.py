@@ -23,10 +23,12 @@ over the selected rows of each unit first (a table without units, such as ``sqrt
 a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one seed share their first rollouts).
 
 - ``compare``: per unit, x = metric of ``objective``, y = metric of ``than`` (paired by unit; the compare's own
-  ``where`` / ``than_where`` narrow x's / y's rows further, e.g. two cells of one objective). ``greater`` holds if
-  mean(x) > factor * mean(y) and the percentile bootstrap interval of mean(x - factor * y) lies above 0; ``less``
+  ``where`` / ``than_where`` narrow x's / y's rows further, e.g. two cells of one objective; ``baseline``, a query
+  of its own, makes x and y each one's change from its value on those rows, per unit: "degrades less with lag" is
+  the change from lag 0 compared). ``greater`` holds if
+  mean(x) > factor * mean(y) and the 95% interval of mean(x - factor * y) (see Replication) lies above 0; ``less``
   mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent`` holds if the
-  bootstrap interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
+  interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
   that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
@@ -299,7 +301,12 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
     a, b = spec["objective"], spec["than"]
     x, y = unit_values(table, narrowed(check, spec.get("where")), a), \
         unit_values(table, narrowed(check, spec.get("than_where")), b)
+    if spec.get("baseline"):  # each side's change from its own baseline rows, per unit
+        x = (x - unit_values(table, {**check, "where": spec["baseline"]}, a)).dropna()
+        y = (y - unit_values(table, {**check, "where": spec["baseline"]}, b)).dropna()
     a, b = (f"{name} [{spec[key]}]" if spec.get(key) else name for name, key in ((a, "where"), (b, "than_where")))
+    if spec.get("baseline"):
+        a, b = (f"{name} minus [{spec['baseline']}]" for name in (a, b))
     common = x.index.intersection(y.index)
     if not len(common):
         return "no data", f"{metric}: nothing selected for {a} and {b}", None

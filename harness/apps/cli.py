@@ -1,4 +1,5 @@
-"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,prepare,docs,soak} ...; see README."""
+"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,soak} ...; see
+README."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from harness.apps.bench import (
     SCALE_ROWS,
     SCALE_TOKENS,
     busy_main,
+    lora_main,
     matmuls_main,
     memory_main,
     profile_main,
@@ -75,8 +77,9 @@ def cmd_train(args) -> int:
         check_code([run_dir], args.allow_code_change, "train")
     device = resolve_device(run.device)
     say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
+    lora = f" (LoRA rank {run.model.lora.rank})" if run.model.lora.rank else ""
     say(f"{run.backend} run on {device}{' (device=auto)' if run.device == 'auto' else ''}, {run.model.dtype}, "
-        f"model {run.model.name}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
+        f"model {run.model.name}{lora}, task {run.task.name}, objective {run.objective.name}, seed {run.seed} -> "
         f"{run_dir}", file=sys.stderr)
     try:
         summary = BACKENDS[run.backend].train(run, run_dir, progress=not args.no_progress)
@@ -109,7 +112,7 @@ def rounded(value: float | None) -> str:
 def cmd_sweep(args) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
     entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher,
-                        allow_code_change=args.allow_code_change)
+                        allow_code_change=args.allow_code_change, cpu_jobs=args.cpu_jobs)
     failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
     finished = sum(e["status"] == "finished" for e in entries)
     print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
@@ -173,8 +176,10 @@ def cmd_list(args) -> int:
             print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
             continue
         cls = OBJECTIVES.get(name)
-        own = cls.hyperparameters()
-        params = ", ".join(f"{k}={v}" for k, v in own.items() if k not in SHARED_HYPERPARAMETERS)
+        own, common = cls.hyperparameters(), Objective.hyperparameters()
+        # its own hyperparameters, and a shared one whose default it changes (adaptive_kl's beta)
+        params = ", ".join(f"{k}={v}" for k, v in own.items()
+                           if k not in SHARED_HYPERPARAMETERS or (k != "aggregation" and v != common[k]))
         line = f"  {name:12s} advantage={cls.default_advantage:10s} aggregation={own['aggregation']:24s} {params}"
         print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
@@ -221,6 +226,8 @@ def cmd_bench(args) -> int:
             return step_main(args.overrides, full_length=args.full_length)
         if args.scale:
             return scale_main(args.overrides, rows=args.rows, tokens=args.tokens)
+        if args.lora:
+            return lora_main(args.overrides)
         if args.matmuls or args.profile or args.memory:
             return (matmuls_main if args.matmuls else profile_main if args.profile else memory_main)(args.overrides)
         return bench(args.overrides, repeats=args.repeats)
@@ -255,7 +262,7 @@ def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
     given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
-    if args.objectives:
+    if args.objectives is not None:  # given, even empty: zoo_runs refuses an empty name
         given["objectives"] = args.objectives.split(",")
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
                report=not args.no_report, allow_code_change=args.allow_code_change, stage=args.stage)
@@ -280,6 +287,12 @@ def cmd_explain(args) -> int:
 
 def cmd_worker(args) -> int:
     return serve(sys.stdin)
+
+
+def cmd_gpu_check(args) -> int:
+    from harness.apps.gpu_check import main as gpu_check  # imported when asked: it builds a model folder
+
+    return gpu_check(device=args.device)
 
 
 def cmd_soak(args) -> int:
@@ -337,7 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       help="torch CPU threads of a run without its own threads setting (0: the "
                                            "cores free when it starts; harness/run/threads.py)")
     sub.choices["sweep"].add_argument("--jobs", type=positive_int, default=None,
-                                      help="runs at once (default: 1 with --launcher local, all on a cluster)")
+                                      help="runs at once (default with --launcher local: one per GPU, each on its "
+                                           "own, or --cpu-jobs without GPUs; all on a cluster)")
+    sub.choices["sweep"].add_argument("--cpu-jobs", type=positive_int, default=1,
+                                      help="--launcher local without --jobs on a machine without GPUs: runs at once")
     sub.choices["sweep"].add_argument("--launcher", choices=LAUNCHERS, default="local",
                                       help="where runs execute: child processes here, Ray tasks, SLURM jobs "
                                            "(submitit); settings in the experiment's launcher section")
@@ -389,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
     soak.add_argument("--seed", type=int, default=0)
+    gpu = sub.add_parser("gpu-check", help="the GPU path in minutes: the tiny model and a Qwen2.5-0.5B-shaped one "
+                                           "(random weights), native bf16 with and without LoRA, the TRL backend: "
+                                           "tokens/s and peak memory (docs/benchmark.md)")
+    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cpu: the same checks at tiny shapes (a dry run of the command)")
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
@@ -405,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--scale: sequences per rollout step (prompts x group size)")
     bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",
                        help="--scale: new tokens per sequence")
+    bench.add_argument("--lora", action="store_true",
+                       help="one native step with full fine-tuning beside one with LoRA adapters (model.lora.rank, "
+                            "else 16): seconds and peak memory, a fresh process each")
     bench.add_argument("--matmuls", action="store_true",
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
@@ -448,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
             "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
-            "zoo": cmd_zoo, "worker": cmd_worker}
+            "zoo": cmd_zoo, "worker": cmd_worker, "gpu-check": cmd_gpu_check}
 
 
 def failure_status(e: Exception) -> int | None:

@@ -107,7 +107,9 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"
             f"### Mechanics (mean over training steps; seeds' mean, min–max)\n\n{mechanics_table(exp_dir)}\n\n"
-            f"### Where a run's time goes ({jobs} runs at a time)\n\n{time_table(exp_dir)}\n"
+            f"### Where a run's time goes ({jobs} runs at a time; machine-dependent)\n\nWall-clock times of this "
+            "machine under the load stamped above: a difference between objectives here can be the load's.\n\n"
+            f"{time_table(exp_dir)}\n"
             f"{figures}")
 
 

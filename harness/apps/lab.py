@@ -65,6 +65,11 @@ from harness.run.seeding import step_seed
 from harness.run.threads import run_threads
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
 from objectives.advantages import loop_inputs
+from objectives.base import lifecycle_unsupported
+
+# what the lab provides an objective beyond log-probs and advantages (objectives/base.py NEEDS): nothing; its fixed
+# batches are evaluated once per objective, with no state carried between them
+LAB_PROVIDES: frozenset[str] = frozenset()
 
 MISMATCH_SAMPLERS = ("bfloat16", "float16", "temperature")
 STREAM_PROMPTS, STREAM_ORDER, STREAM_SAMPLING, STREAM_REFERENCE = 0, 1, 2, 3
@@ -104,9 +109,10 @@ def lab_objective(cfg: DictConfig, name: str):
 
 
 def lab_objectives(cfg: DictConfig) -> dict:
-    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all but those with
-    state of their own, which the lab's fixed batches cannot evaluate: :meth:`Objective.keeps_state`)."""
-    names = list(cfg.lab.objectives) or [n for n in OBJECTIVES.names() if not OBJECTIVES.get(n).keeps_state()]
+    """name -> (objective, advantage estimator) for every objective of ``lab.objectives`` (empty: all but those that
+    need what the lab's fixed batches do not provide, :data:`LAB_PROVIDES`: state of their own, hidden states)."""
+    names = list(cfg.lab.objectives) or [n for n in OBJECTIVES.names()
+                                         if not lifecycle_unsupported(OBJECTIVES.get(n), "lab", LAB_PROVIDES)]
     return {name: lab_objective(cfg, name) for name in names}
 
 
@@ -118,10 +124,10 @@ def validate_lab(cfg: DictConfig) -> None:
         lab_objective(cfg, lab.mover)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lab: {e}") from None
-    stateful = [n for n in [*lab.objectives, lab.mover] if OBJECTIVES.get(n).keeps_state()]
-    if stateful:
-        raise ConfigError(f"lab: objective {stateful[0]!r} trains state of its own or reads hidden states, which the "
-                          "lab's fixed batches do not provide; leave it out of lab.objectives and lab.mover")
+    for name in [*lab.objectives, lab.mover]:
+        reason = lifecycle_unsupported(OBJECTIVES.get(name), "lab", LAB_PROVIDES)
+        if reason:
+            raise ConfigError(f"{reason}; leave it out of lab.objectives and lab.mover")
     unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
     if unknown:
         raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")
@@ -149,7 +155,10 @@ def validate_lab(cfg: DictConfig) -> None:
                           f"{lab.mismatch_temperature}")
     if lab.policy is not None and not (Path(lab.policy) / "config.json").exists():
         raise ConfigError(f"lab.policy {lab.policy!r} is not a saved policy folder (no config.json): give a run's "
-                          "final/ folder")
+                          "final/ folder (a LoRA run's: final/merged/, model.lora.export_merged)")
+    if cfg.model.lora.rank:
+        raise ConfigError("lab: the lab compares gradients of the whole policy; model.lora (adapters) is a training "
+                          "setting: set model.lora.rank=0")
 
 
 def check_lab_routing(cfg: DictConfig) -> None:
@@ -284,7 +293,7 @@ class Lab:
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = Minibatch(rows, ro.completion_mask[rows].sum().clamp(min=1))
             part = microbatch_loss(learner, plan, minibatch, rows, state)
-            optimizer_step(learner, part.loss, t.max_grad_norm, state)
+            optimizer_step(learner, part.loss, t.max_grad_norm, state, part.metrics)
             if k in staleness:
                 states[k] = {name: value.detach().clone() for name, value in learner.policy.state_dict().items()}
         return states

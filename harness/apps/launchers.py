@@ -5,9 +5,11 @@
     handle = launcher.start(["train", config, "--run-dir", run_dir, ...], log=run_dir / "train.log", name=run_id)
     handle.poll()                                    # None while it runs, then its exit code (< 0: killed)
     handle.stop()                                    # SIGTERM (the run writes "interrupted"), then wait
+    launcher.adopt(name) or adopt_lock_holder(run_dir)   # a rerun: the earlier sweep's job, or whoever holds the lock
 
 Every launcher executes the same command, ``python -m harness train <run_dir>/config.yaml --run-dir <run_dir>``,
-with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep, ``ray`` as a Ray task
+with its output appended to the run's ``train.log``: ``local`` as a child process of the sweep (on a machine with
+GPUs, each with a GPU of its own: ``CUDA_VISIBLE_DEVICES``, :class:`LocalLauncher`), ``ray`` as a Ray task
 (``launcher.cpus_per_run`` / ``gpus_per_run`` as the task's resources) that starts the same child process on the node
 Ray picks, ``slurm`` as one submitit job per run (partition, time, GPUs from the launcher section). So the sweep loop
 (harness/apps/sweep.py) is one code path: the results folder, run ids, the run's lock, "skip finished, resume the
@@ -16,13 +18,19 @@ results folder and ``$RLVR_CACHE`` (the cached starting policies) must be on a f
 
 A child process dies with the process that started it (the sweep, the Ray worker, the SLURM job's process), so a
 killed worker leaves a stopped run (its summary says running, no process holds its lock), which the same sweep
-command resumes. Ray and submitit are optional (``pip install -e ".[ray]"``, ``".[slurm]"``); they are imported here
+command resumes. A SLURM job outlives the sweep that submitted it: the sweep records each job's id beside the job
+folders, and a sweep run again while the job is queued or running waits for it (:meth:`SlurmLauncher.adopt`)
+instead of submitting a second job for the same run; so does any sweep whose run's lock another process holds (a
+run started by hand, a job whose record is lost: :func:`adopt_lock_holder`). The manifest then follows that run
+to its real end. Ray and submitit are optional (``pip install -e ".[ray]"``, ``".[slurm]"``); they are imported here
 only when their launcher is chosen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -38,13 +46,16 @@ from typing import Protocol
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from harness.run.atomic import atomic_write
 from harness.run.errors import ConfigError
+from harness.run.locks import RUN_LOCK, is_held
 from harness.run.threads import free_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working directory, so ``-m harness`` imports it
 LAUNCHERS = ("local", "ray", "slurm")
 FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
 STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
+JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id of the job submitted as <name>
 
 
 def die_with_parent() -> None:
@@ -93,7 +104,36 @@ class Launcher(Protocol):
 
     def start(self, args: list[str], log: Path, name: str) -> RunHandle: ...
 
+    def adopt(self, name: str) -> RunHandle | None: ...  # the job an earlier sweep started as ``name``, still alive
+
     def close(self) -> None: ...
+
+
+class AdoptedHandle:
+    """A run's process this sweep did not start: polled until ``alive()`` says it ended (exit code 0: the run's
+    summary.json says how it ended); ``stop()`` calls ``cancel`` (an earlier sweep's job, now this sweep's) and
+    waits, or leaves the process alone (None: someone else's). ``what`` names it for the terminal."""
+
+    def __init__(self, alive, what: str, cancel=None):
+        self.alive, self.what, self.cancel, self.error = alive, what, cancel, None
+
+    def poll(self) -> int | None:
+        return None if self.alive() else 0
+
+    def stop(self) -> None:
+        if self.cancel is None:
+            return
+        self.cancel()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(1.0)
+
+
+def adopt_lock_holder(run_dir: Path) -> AdoptedHandle | None:
+    """The process holding ``run_dir``'s lock (a run started by hand, an earlier sweep's job whose record is lost),
+    waited for while it holds it; None when nobody does."""
+    lock = run_dir / RUN_LOCK
+    return AdoptedHandle(lambda: is_held(lock), "another process holds its lock") if is_held(lock) else None
 
 
 # ------------------------------------------------------------------------------------------------------------- local
@@ -169,19 +209,52 @@ class WorkerHandle:
         self.worker.busy = False
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this machine's runs may use, as ``CUDA_VISIBLE_DEVICES`` names them: the user's list of that variable
+    as given (indices or UUIDs, up to its first negative entry, as CUDA reads it; empty: none), else every GPU torch
+    sees (none on a machine without CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        import torch  # the sweep's process has it already; a launcher without GPUs never asks
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    gpus = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        gpus.append(entry)
+    return gpus
+
+
 class LocalLauncher:
-    """Each run on this machine, ``jobs`` at once, the free cores split between them: in a worker process that
-    trains runs one after another (``runs_per_process`` of them at most, 0: no limit), or with 1 in a
-    ``python -m harness train`` process of its own. A worker's run is bit-equal to one in its own process
-    (harness/apps/worker.py); a worker saves each run the process start-up."""
+    """Each run on this machine, ``jobs`` at once, the free cores split between them: on a machine without GPUs in
+    a worker process of the sweep that trains runs one after another (``runs_per_process`` of them at most, 0: no
+    limit; harness/apps/worker.py: a worker's run is bit-equal to one in its own process, and saves it the process
+    start-up), with ``runs_per_process`` 1 (or no ``folder``) each run a ``python -m harness train`` child process
+    of its own. With GPUs visible (:func:`visible_gpus`; ``gpus`` gives the list instead) each run is a process of
+    its own with a GPU of its own through ``CUDA_VISIBLE_DEVICES``: the GPU with the fewest of this sweep's runs on
+    it, the first such in the list (so runs that start together go round-robin, and a run that ends frees its GPU
+    for the next); by default as many runs at once as GPUs (:meth:`default_jobs`)."""
 
     name = "local"
 
-    def __init__(self, folder: Path, runs_per_process: int = 0):
+    def __init__(self, gpus: list[str] | None = None, folder: Path | None = None, runs_per_process: int = 1):
+        self.gpus = visible_gpus() if gpus is None else gpus
+        self.on_gpu: list[tuple[str, subprocess.Popen]] = []  # (GPU, the run's process) of the runs started
         self.folder, self.runs_per_process, self.workers = folder, runs_per_process, []
 
     def check(self) -> None:
         pass
+
+    def default_jobs(self, cpu_jobs: int) -> int:
+        """Runs at once when the sweep is given no number: one per GPU, ``cpu_jobs`` on a machine without one."""
+        return len(self.gpus) or cpu_jobs
+
+    def next_gpu(self) -> str:
+        """The GPU for the next run: the one with the fewest of this sweep's running runs, the first on a tie."""
+        self.on_gpu = [(gpu, proc) for gpu, proc in self.on_gpu if proc.poll() is None]
+        running = [gpu for gpu, _ in self.on_gpu]
+        return min(self.gpus, key=running.count)
 
     def threads(self, jobs: int) -> int:
         free, available, busy = free_threads()
@@ -192,14 +265,22 @@ class LocalLauncher:
         return threads
 
     def start(self, args: list[str], log: Path, name: str) -> LocalHandle | WorkerHandle:
-        if self.runs_per_process == 1:
-            logfile = open(log, "a")
-            proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile,
-                                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            return LocalHandle(proc, logfile)
+        if self.gpus or self.runs_per_process == 1 or self.folder is None:
+            return self.start_process(args, log)
         worker = self.idle_worker()
         worker.send(args, log)
         return WorkerHandle(worker)
+
+    def start_process(self, args: list[str], log: Path) -> LocalHandle:
+        """The run as a child process of its own, on the next GPU when there are any."""
+        gpu = self.next_gpu() if self.gpus else None
+        logfile = open(log, "a")
+        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent,
+                                env=None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+        if gpu is not None:
+            self.on_gpu.append((gpu, proc))
+        return LocalHandle(proc, logfile)
 
     def idle_worker(self) -> Worker:
         """A live worker that is not training and may take another run (one that may not is closed), or a new one."""
@@ -212,6 +293,9 @@ class LocalLauncher:
             self.workers.remove(worker)
         self.workers.append(Worker(self.folder))
         return self.workers[-1]
+
+    def adopt(self, name: str) -> None:
+        return None  # its runs die with the sweep that started them
 
     def close(self) -> None:
         for worker in self.workers:
@@ -300,6 +384,9 @@ class RayLauncher:
             runtime_env={"env_vars": forwarded_env()})
         return RayHandle(self.ray, task.remote(args, str(log), str(ROOT), {}))
 
+    def adopt(self, name: str) -> None:
+        return None  # its tasks end with the driver (the sweep) that submitted them
+
     def close(self) -> None:
         if self.started and self.ray is not None:
             self.ray.shutdown()
@@ -369,10 +456,46 @@ class SlurmLauncher:
 
     def start(self, args: list[str], log: Path, name: str) -> SlurmHandle:
         self.executor.update_parameters(name=name)
-        return SlurmHandle(self.executor.submit(run_harness, args, str(log), str(ROOT), {}))
+        job = self.executor.submit(run_harness, args, str(log), str(ROOT), {})
+        atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id}\n")  # for a sweep run again
+        return SlurmHandle(job)
+
+    def adopt(self, name: str) -> AdoptedHandle | None:
+        """The job an earlier sweep submitted as ``name`` while it is queued or running (its sweep may have died; the
+        job lives on), to wait for instead of submitting a second one; None when there is none."""
+        try:
+            job_id = (self.folder / JOB_RECORD.format(name=name)).read_text().strip()
+        except OSError:
+            return None
+        if self.settings.cluster == "local":  # submitit's local executor: the job id is its controller's pid
+            alive = functools.partial(_local_job_alive, job_id, str(self.folder))
+            cancel = functools.partial(_signal_local_job, job_id, str(self.folder))
+        else:
+            import submitit
+
+            job = submitit.SlurmJob(folder=self.folder / "%j", job_id=job_id)
+            alive, cancel = (lambda: not job.done()), functools.partial(job.cancel, check=False)
+        return AdoptedHandle(alive, f"job {job_id}, submitted by an earlier sweep", cancel) if alive() else None
 
     def close(self) -> None:
         pass
+
+
+def _local_job_alive(job_id: str, folder: str) -> bool:
+    """Whether submitit's local controller of job ``job_id`` (its pid, with ``folder`` on its command line, so not
+    another process that took the pid since) still runs."""
+    try:
+        command = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        return False
+    return "submitit" in command and folder in command
+
+
+def _signal_local_job(job_id: str, folder: str) -> None:
+    """Cancel a local job as submitit does (SIGINT to its controller, which stops the run with SIGTERM)."""
+    if _local_job_alive(job_id, folder):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(job_id), signal.SIGINT)
 
 
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
@@ -380,7 +503,8 @@ def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
     if name == "local":
         if settings.runs_per_process < 0:
             raise ConfigError(f"launcher.runs_per_process must be >= 0 (0: no limit), got {settings.runs_per_process}")
-        return LocalLauncher(exp_dir, settings.runs_per_process)
+        # launcher.gpus_per_run is a cluster's: here one GPU per run, when there are GPUs
+        return LocalLauncher(folder=exp_dir, runs_per_process=settings.runs_per_process)
     for key, low in (("cpus_per_run", 1), ("gpus_per_run", 0), ("time_min", 1)):
         if settings[key] < low:
             raise ConfigError(f"launcher.{key} must be >= {low}, got {settings[key]}")

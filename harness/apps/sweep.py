@@ -2,13 +2,14 @@
 
 results/<exp>/manifest.json lists the runs and their status (pending, running, finished, diverged, failed,
 interrupted, or stopped: killed, its summary still saying running while no process holds its lock). Running the same
-sweep again skips ended runs (finished or diverged) and resumes the others from their last checkpoint. A run's id
-depends on its settings only (not on the experiment's name), so another sweep into the same folder (`make compare`)
-runs only what is not there yet; the manifest keeps the runs earlier sweeps listed (their folders still there) before
-this sweep's, and records the report's baseline (sweep.baseline) and the grid's objectives. ``jobs`` runs
-go at once, CPU threads split between them; if the sweep process dies (even SIGKILL), its children die with it.
-Where a run's process executes is the launcher's business (harness/apps/launchers.py: this machine, a Ray cluster,
-SLURM); the loop is the same.
+sweep again skips ended runs (finished or diverged), follows the ones still running elsewhere to their end (an
+earlier sweep's SLURM job, a process holding the run's lock: never a second process for one run) and resumes the
+others from their last checkpoint. A run's id depends on its settings only (not on the experiment's name), so
+another sweep into the same folder (`make compare`) runs only what is not there yet; the manifest keeps the runs
+earlier sweeps listed (their folders still there) before this sweep's, and records the report's baseline
+(sweep.baseline) and the grid's objectives. ``jobs`` runs go at once, CPU threads split between them; if the sweep
+process dies (even SIGKILL), its children die with it. Where a run's process executes is the launcher's business
+(harness/apps/launchers.py: this machine, a Ray cluster, SLURM); the loop is the same.
 """
 
 from __future__ import annotations
@@ -22,18 +23,26 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Launcher, RunHandle, make_launcher
+from harness.apps.launchers import Launcher, RunHandle, adopt_lock_holder, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
 from harness.policy.models import TINY_MODELS
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
-from harness.run.config import check_this_machine, run_configs, run_id
+from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
 from harness.run.provenance import ALLOW_FLAG, check_code
-from harness.run.records import ENDED, check_writable, read_jsonl, run_status, write_json_atomic
+from harness.run.records import (
+    ENDED,
+    check_writable,
+    memory_changes,
+    read_jsonl,
+    run_status,
+    say_memory_changes,
+    write_json_atomic,
+)
 from harness.run.threads import run_threads
 
 
@@ -94,8 +103,9 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
     for run_dir in first.values():
         if progress:
             tqdm.write(f"preparing the starting policy through --launcher {runner.name} (log: {run_dir / 'train.log'})")
-        handle = runner.start(["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(1))],
-                              run_dir / "train.log", f"prepare-{run_dir.name}")
+        name = f"prepare-{run_dir.name}"
+        handle = runner.adopt(name) or runner.start(["prepare", str(run_dir / "config.yaml"), "--threads",
+                                                     str(runner.threads(1))], run_dir / "train.log", name)
         try:
             while (code := handle.poll()) is None:
                 time.sleep(1.0)
@@ -108,10 +118,11 @@ def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, p
 
 
 def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
-              runs: list[DictConfig] | None = None, allow_code_change: bool = False, command: str = "sweep"
-              ) -> list[dict]:
+              runs: list[DictConfig] | None = None, allow_code_change: bool = False, command: str = "sweep",
+              cpu_jobs: int = 1) -> list[dict]:
     """Run (or resume) the sweep through ``launcher`` (local, ray, slurm: harness/apps/launchers.py), ``jobs`` runs at
-    once (None: 1 locally, every run on a cluster, whose scheduler queues them); returns the manifest's run entries.
+    once (None: locally one per GPU, ``cpu_jobs`` on a machine without GPUs; every run on a cluster, whose scheduler
+    queues them); returns the manifest's run entries.
     ``runs``: these run configs instead of ``cfg``'s grid (the zoo's union of several experiments' grids; ``cfg``
     then names the folder and the keys the manifest records). Raises ConfigError (a launcher that cannot start: a
     missing extra, no cluster; a run to resume that other code began, unless ``allow_code_change``, which is passed
@@ -126,8 +137,8 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:
-        return _sweep(cfg, runs, exp_dir, runner, jobs or (1 if launcher == "local" else len(runs)), progress,
-                      allow_code_change)
+        default = runner.default_jobs(cpu_jobs) if launcher == "local" else len(runs)
+        return _sweep(cfg, runs, exp_dir, runner, jobs or default, progress, allow_code_change)
     finally:
         runner.close()
 
@@ -251,8 +262,28 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
         if OmegaConf.select(saved, "logging") != run.logging:
             saved.logging = run.logging
             atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
+    status = run_status(run_dir)
+    if status not in ENDED and not is_held(run_dir / RUN_LOCK):
+        adopt_memory_settings(run, run_dir)
     return {"run_id": rid, "objective": run.objective.name, "seed": run.seed, "overrides": _grid_point(run, cfg),
-            "status": run_status(run_dir), "dir": rid}
+            "status": status, "dir": rid}
+
+
+def adopt_memory_settings(run: DictConfig, run_dir: Path) -> None:
+    """A run this sweep continues with other memory settings (not part of the run id: e.g. a run that ran out of
+    memory, swept again with ``train.activation_checkpointing=true``): its config.yaml, which its process runs,
+    takes this sweep's, said in one line. A config.yaml that cannot be read is left to the run's process."""
+    path = run_dir / "config.yaml"
+    try:
+        saved = OmegaConf.load(path)
+        changes = memory_changes(OmegaConf.to_container(saved, resolve=True), run)
+    except Exception:  # noqa: BLE001 - damaged: the run's own check_resume says so
+        return
+    if changes:
+        for key in memory_settings(run):
+            OmegaConf.update(saved, key, OmegaConf.select(run, key))
+        atomic_write(path, OmegaConf.to_yaml(saved))
+        say_memory_changes(run_dir, changes)
 
 
 @dataclass
@@ -268,9 +299,16 @@ class Child:
     @classmethod
     def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int,
               allow_code_change: bool) -> Child:
-        handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
-                               str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
-                              run_dir / "train.log", run_dir.name)
+        """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
+        for and followed to its end, else a new one through ``runner``."""
+        handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
+        if handle is not None:
+            tqdm.write(f"run {run_dir.name} is still running ({handle.what}): following it to its end instead of "
+                       "starting it again")
+        else:
+            handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
+                                   str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
+                                  run_dir / "train.log", run_dir.name)
         total = OmegaConf.load(run_dir / "config.yaml").train.steps
         bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
         return cls(run_dir, handle, bar)

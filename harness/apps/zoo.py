@@ -56,6 +56,8 @@ from objectives import available_objectives
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
     "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (at 10x every core objective collapses)
+    # every batch sampled 16 policy versions back, each objective on the stale behaviour log-probs (no correction)
+    "async_staleness": {"train.rollout_lag": [16], "train.rollout_correction": [{"mode": "none"}]},
 }
 SEEDS = 3  # the screen's seeds per objective and cell
 TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstart's starting policy (0.30-0.45 band)
@@ -102,7 +104,12 @@ def stage_runs(stage: str, overrides: list[str], objectives: list[str], seeds: l
 
 def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = None
              ) -> tuple[DictConfig, list[DictConfig]]:
-    """The screen's folder config and runs: every registered objective (or ``objectives``) x seeds 0 .. seeds-1."""
+    """The screen's folder config and runs: ``objectives`` (None: every registered one) x seeds 0 .. seeds-1. An
+    empty list or name (``--objectives ""``, ``grpo,,gspo``) is refused, not read as every objective."""
+    if objectives is not None and not all(name.strip() for name in objectives or [""]):
+        raise ConfigError(f"--objectives {','.join(objectives)!r} has an empty name: give registered names "
+                          "separated by commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out "
+                          "for every one")
     return stage_runs("screen", overrides, objectives or available_objectives(), list(range(seeds)))
 
 

@@ -85,11 +85,13 @@ def reward_weights(task: DictConfig) -> Tensor:
     return torch.tensor([1.0, task.format_weight, 1.0], dtype=torch.float64)
 
 
-def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int,
-                  greedy_baseline: bool = False) -> Collected:
+def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, step: int, greedy_baseline: bool = False,
+                  subset: list[int] | None = None, sampling_seed: int | None = None) -> Collected:
     """The step's rollout (``prompts_per_step`` groups), its rewards [N], and statistics of everything sampled.
-    Problems are drawn without replacement by a generator seeded with (seed, step). ``greedy_baseline`` (ReMax):
-    also one greedy completion of each group's prompt, scored and shaped as the others (:func:`greedy_baselines`).
+    Problems are drawn without replacement by a generator seeded with (seed, step); completions with torch's generator
+    seeded with (seed, step, 2), or ``sampling_seed``. ``greedy_baseline`` (ReMax): also one greedy completion of each
+    group's prompt, scored and shaped as the others (:func:`greedy_baselines`). ``subset``: only these of the step's
+    groups (a lagged batch's groups sampled by one policy version: harness/loop/pipeline.py; no dynamic sampling).
 
     With ``train.dynamic_sampling`` (DAPO, arXiv 2503.14476, Sec. 3.2): groups whose rewards are all equal
     (every advantage 0, so no gradient) are dropped and ``prompts_per_step`` fresh prompts sampled, up to
@@ -103,25 +105,24 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
     """
     t = cfg.train
     rng = np.random.default_rng(step_seed(cfg.seed, step))
-    torch.manual_seed(step_seed(cfg.seed, step, stream=2))
+    torch.manual_seed(step_seed(cfg.seed, step, stream=2) if sampling_seed is None else sampling_seed)
     rounds: list[SampledRound] = []
     record = routing_recorded_at(t, routing_of(sampler) is not None) == "sampler"  # the sampler's routing (R3)
     informative, dropped = [], []  # groups as (round, group index)
     for round_ in range(t.max_sampling_rounds if t.dynamic_sampling else 1):
-        problems = [train_problems[i] for i in rng.choice(len(train_problems), t.prompts_per_step, replace=False)]
-        ro = sample_problems(sampler, tokenizer, problems, t, record_routing=record)
-        scores = [task.score(text, problems[i // t.group_size]) for i, text in enumerate(ro.texts)]
-        lengths = ro.completion_mask.sum(-1)
-        rounds.append(SampledRound(ro, scores, rewards_of(scores, lengths, cfg), problems,
-                                   reward_components(scores, lengths, cfg)[0]))
-        grouped = rounds[-1].rewards.view(t.prompts_per_step, t.group_size)
-        for g, varied in enumerate((grouped != grouped[:, :1]).any(-1).tolist()):
+        problems = [train_problems[i] for i in drawn_problems(rng, len(train_problems), t)]
+        problems = problems if subset is None else [problems[g] for g in subset]
+        rounds.append(scored_round(sample_problems(sampler, tokenizer, problems, t, record_routing=record),
+                                   problems, task, cfg))
+        for g, varied in enumerate(varied_groups(rounds[-1].rewards, t.group_size)):
             (informative if varied else dropped).append((round_, g))
         if len(informative) >= t.prompts_per_step:
             break
-    stats = sampling_stats(rounds, zero_std_groups=len(dropped), groups=len(dropped) + len(informative))
+    stats = sampling_stats([r.rollout for r in rounds], torch.cat([r.rewards for r in rounds]),
+                           torch.cat([r.components for r in rounds]), zero_std_groups=len(dropped),
+                           groups=len(dropped) + len(informative))
     groups = (informative + dropped)[: t.prompts_per_step] if t.dynamic_sampling else \
-        [(0, g) for g in range(t.prompts_per_step)]
+        [(0, g) for g in range(len(rounds[0].problems))]
     baselines = None
     if greedy_baseline:
         baselines, greedy_stats = greedy_baselines(sampler, tokenizer, task, [rounds[r].problems[g] for r, g in groups],
@@ -138,6 +139,26 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
                      torch.stack([rounds[r].components[i] for r, i in rows]), weights)
 
 
+def drawn_problems(rng: np.random.Generator, available: int, t: DictConfig) -> np.ndarray:
+    """One round's problems: ``prompts_per_step`` indices among ``available``, drawn without replacement."""
+    return rng.choice(available, t.prompts_per_step, replace=False)
+
+
+def scored_round(ro: Rollout, problems: list, task, cfg: DictConfig) -> SampledRound:
+    """A rollout of ``group_size`` completions of each problem, scored by the task, its rewards shaped."""
+    scores = [task.score(text, problems[i // cfg.train.group_size]) for i, text in enumerate(ro.texts)]
+    lengths = ro.completion_mask.sum(-1)
+    return SampledRound(ro, scores, rewards_of(scores, lengths, cfg), problems,
+                        reward_components(scores, lengths, cfg)[0])
+
+
+def varied_groups(rewards: Tensor, group_size: int) -> list[bool]:
+    """Per group of ``group_size`` consecutive rows: whether its rewards differ (a group of equal rewards has every
+    advantage 0)."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped != grouped[:, :1]).any(-1).tolist()
+
+
 def greedy_baselines(sampler, tokenizer, task, problems: list, cfg: DictConfig) -> tuple[Tensor, dict]:
     """ReMax's baselines (verl's ``reward_baselines``: its trainer generates each prompt once more with
     ``do_sample=False`` and scores it with the same reward function): one greedy completion of each problem
@@ -152,14 +173,21 @@ def greedy_baselines(sampler, tokenizer, task, problems: list, cfg: DictConfig) 
     return rewards.repeat_interleave(cfg.train.group_size), stats
 
 
-def sampling_stats(rounds: list[SampledRound], zero_std_groups: int, groups: int) -> dict:
-    """Reward, accuracy, format, lengths and truncation over every sampled completion of the step."""
-    scores = [s for r in rounds for s in r.scores]
-    lengths = torch.cat([r.rollout.completion_mask.sum(-1) for r in rounds]).float()
-    rewards = torch.cat([r.rewards for r in rounds])
+def sampling_stats(rollouts: list[Rollout], rewards: Tensor, components: Tensor, zero_std_groups: int,
+                   groups: int) -> dict:
+    """Reward, accuracy, format, lengths and truncation over every sampled completion of the step: the
+    ``rollouts``' rows in order, their ``rewards`` [N] and reward components [N, 3] (:func:`reward_components`)."""
+    lengths = torch.cat([ro.completion_mask.sum(-1) for ro in rollouts]).float()
     return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "accuracy": float(np.mean([s.correct for s in scores])),
-            "format_reward": float(np.mean([s.format for s in scores])),
+            "accuracy": components[:, 0].mean().item(), "format_reward": components[:, 1].mean().item(),
             "completion_len_mean": lengths.mean().item(), "completion_len_max": lengths.max().item(),
-            "frac_truncated": torch.cat([r.rollout.truncated for r in rounds]).float().mean().item(),
+            "frac_truncated": torch.cat([ro.truncated for ro in rollouts]).float().mean().item(),
             "frac_zero_std_groups": zero_std_groups / groups, "sampled_tokens": int(lengths.sum())}
+
+
+def collected_round(round_: SampledRound, cfg: DictConfig) -> Collected:
+    """One round as a step's batch (no dynamic sampling, no greedy baseline): its rollout, rewards, statistics."""
+    zero_std = sum(not varied for varied in varied_groups(round_.rewards, cfg.train.group_size))
+    stats = sampling_stats([round_.rollout], round_.rewards, round_.components, zero_std_groups=zero_std,
+                           groups=len(round_.problems))
+    return Collected(round_.rollout, round_.rewards, stats, None, round_.components, reward_weights(cfg.task))

@@ -20,10 +20,18 @@ from torch import Tensor
 from harness.loop.metrics import MismatchMeter
 from harness.policy.expert_volatility import expert_volatility
 from harness.policy.forward import SUM_PI_SQUARED, completion_logprobs
+from harness.policy.lora import adapters_disabled
 from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
-from objectives.rollout_correction import DEFAULT_THRESHOLD, correction_metrics, correction_weights
+from objectives import OBJECTIVES
+from objectives.rollout_correction import (
+    DEFAULT_THRESHOLD,
+    correction_metrics,
+    correction_weights,
+    rejection_keep,
+    rejection_metrics,
+)
 
 
 def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
@@ -34,17 +42,36 @@ def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
     return rc.mode, rc.threshold, rc.threshold_lower
 
 
+def rejection_settings(t: DictConfig) -> tuple[list[str], list[float]]:
+    """``train.rollout_correction``'s trust-region rules and their bounds (empty when the config has none)."""
+    rc = OmegaConf.select(t, "rollout_correction", default=None)
+    rules = OmegaConf.select(rc, "rejection", default=None) if rc is not None else None
+    if not rules:
+        return [], []
+    return list(rules), [float(b) for b in rc.rejection_threshold]
+
+
+def correction_on(t: DictConfig) -> bool:
+    """Whether the loop weights the loss by a rollout correction: a mode other than none, or trust-region rules."""
+    return correction_settings(t)[0] != "none" or bool(rejection_settings(t)[0])
+
+
 def behaviour_logp(t: DictConfig) -> str:
     """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
     rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
     TRL's ``vllm_importance_sampling_correction`` recompute them too — or routing replay is (R2 records the routing
     in that forward, R3 replays the sampler's there, as verl and slime do), else ``train.old_logp``."""
-    return "recompute" if correction_settings(t)[0] != "none" or replay_mode(t) != "none" else t.old_logp
+    return "recompute" if correction_on(t) or replay_mode(t) != "none" else t.old_logp
 
 
 def replay_mode(t: DictConfig) -> str:
     """``train.routing_replay`` ('none' when the config has none)."""
     return OmegaConf.select(t, "routing_replay", default="none")
+
+
+def lagged(t: DictConfig) -> bool:
+    """Whether ``train.rollout_lag`` > 0 (0 when the config has none): the batch may be older than the policy."""
+    return OmegaConf.select(t, "rollout_lag", default=0) > 0
 
 
 def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:
@@ -61,25 +88,32 @@ def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:
     return "sampler" if t.sampler == "native" and not t.compile_sampler else None
 
 
-def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None,
-                       mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None, mask: Tensor,
+                       ratio_level: str = "token") -> tuple[Tensor | None, dict[str, float]]:
     """The rollout-correction weights [N, T] of a batch and their metrics (objectives/rollout_correction.py), or
     (None, {}) with ``mode: none``. ``sampler_logp`` None: there is no sampler difference (one model in one
-    precision samples and trains: the decode path's round-off is not a different policy), so the sampler's
-    log-probs are the trainer's and every weight is exactly 1."""
+    precision samples and trains, and no older version sampled: the decode path's round-off is not a different
+    policy), so the sampler's log-probs are the trainer's and every weight is exactly 1. ``ratio_level``: the
+    objective's (``Objective.ratio_level``), the level of mode decoupled_ppo's weight."""
     mode, threshold, lower = correction_settings(t)
-    if mode == "none":
+    rules, bounds = rejection_settings(t)
+    if not correction_on(t):
         return None, {}
     sampler_logp = old_logp if sampler_logp is None else sampler_logp
-    weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, lower)
-    return weights, correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights)
+    weights = correction_weights(old_logp, sampler_logp, mask, mode, threshold, lower, ratio_level)
+    keep = rejection_keep(old_logp, sampler_logp, mask, rules, bounds) if rules else None
+    weights = weights if keep is None else weights * keep  # trust-region masking: the rules' dropped tokens get 0
+    metrics = correction_metrics(old_logp, sampler_logp, mask, mode, threshold, lower, weights=weights,
+                                 ratio_level=ratio_level)
+    return weights, metrics if keep is None else {**metrics, **rejection_metrics(keep, mask)}
 
 
 @dataclass(frozen=True)
 class Behaviour:
     """The per-token inputs of a step's update besides the current policy's log-probs."""
 
-    old_logp: Tensor  # [N, T] the behaviour log-probs: the sampler's, or the trainer's recomputed
+    old_logp: Tensor  # [N, T] the objective's old log-probs: the behaviour's (the sampler's), or the proximal policy's
+    #   (the trainer's before this step's update, recomputed)
     ref_logp: Tensor | None  # [N, T] the frozen reference's (a KL term), else None
     correction: Tensor | None  # [N, T] the rollout-correction weights, else None
     metrics: dict  # the recomputation's mismatch with the sampler (and routing's), the correction's statistics
@@ -90,10 +124,13 @@ class Behaviour:
 
 def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate_sampler: bool,
                        with_sum_pi_squared: bool = False) -> Behaviour:
-    """The behaviour log-probs (``train.old_logp``; always recomputed with a rollout correction), the reference's
-    (``reference`` None: no KL term) and the correction's weights. ``separate_sampler``: the rollout came from a
-    copy of the policy in another precision (``model.sampler_dtype``), whose log-probs the correction weighs against
-    the trainer's; else the sampler is the policy and every weight is 1. ``with_sum_pi_squared`` (an advantage
+    """The objective's old log-probs (``train.old_logp``: the behaviour's, the sampler's; or the proximal policy's,
+    recomputed, always with a rollout correction), the reference's (``reference`` None: no KL term) and the
+    correction's weights. ``separate_sampler``: the rollout came from another policy than the trainer's (a copy in
+    another precision, ``model.sampler_dtype``; an older version, ``train.rollout_lag``; or both), whose log-probs the
+    correction weighs against the proximal's; else the sampler is the policy and every weight is 1. With
+    ``train.rollout_lag`` the recomputation's mismatch metrics include the weights' effective sample size
+    (``mismatch_ess``). ``with_sum_pi_squared`` (an advantage
     estimator that reads it: ``objectives.advantages.needs_sum_pi_squared``): also sum_v pi_v^2 and the trainer's
     log-probs from a no-grad forward of the trainer's old policy, the recomputation's when there is one, else one
     extra forward (the behaviour log-probs stay ``train.old_logp``'s)."""
@@ -104,7 +141,7 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
         old_logp, recorded, sum_pi_squared = no_grad_logprobs(policy, ro, t, record=routing_of(policy) is not None,
                                                               replay=replay, sum_pi_squared=with_sum_pi_squared)
         trainer_logp = old_logp if with_sum_pi_squared else None
-        meter = MismatchMeter()
+        meter = MismatchMeter(ess=lagged(t))
         meter.add(ro.sampler_logp, old_logp, ro.completion_mask)
         metrics = meter.result()
         if replay is not None:  # the trainer's own routing where R3 forces the sampler's
@@ -114,8 +151,12 @@ def behaviour_logprobs(policy, reference, ro: Rollout, cfg: DictConfig, separate
     elif with_sum_pi_squared:
         trainer_logp, _, sum_pi_squared = no_grad_logprobs(policy, ro, t, sum_pi_squared=True)
     correction, correction_stats = rollout_correction(
-        t, old_logp, ro.sampler_logp if separate_sampler else None, ro.completion_mask)
-    ref_logp = None if reference is None else no_grad_logprobs(reference, ro, t)[0]
+        t, old_logp, ro.sampler_logp if separate_sampler else None, ro.completion_mask,
+        OBJECTIVES.get(cfg.objective.name).ratio_level)
+    ref_logp = None
+    if reference is not None:
+        with adapters_disabled(reference):  # a LoRA policy as its own reference: its base, the starting policy
+            ref_logp = no_grad_logprobs(reference, ro, t)[0]
     return Behaviour(old_logp, ref_logp, correction, {**metrics, **correction_stats}, routing, sum_pi_squared,
                      trainer_logp)
 

@@ -1,6 +1,6 @@
 """What a run is made of, built from its config the same way for the native loop, the TRL backend, the lab and the
-bench: task, starting policy (after the cached supervised warm start), objective and advantage estimator, frozen
-copies (reference, sampler), optimizer and learning-rate schedule.
+bench: task, starting policy (after the cached supervised warm start; with ``model.lora`` its adapters), objective and
+advantage estimator, frozen copies (reference, sampler), optimizer and learning-rate schedule.
 
     setup = setup_run(cfg, device)          # RunSetup: task, problems, policy, tokenizer, objective, copies
     learner = build_learner(setup.policy, setup.objective, cfg.train)   # + AdamW and its warm-up schedule
@@ -20,6 +20,7 @@ from harness.loop.behaviour import replay_mode, routing_recorded_at
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
 from harness.policy.forward import set_memory_settings
+from harness.policy.lora import with_adapters
 from harness.policy.models import TINY_MODELS, load_model
 from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
@@ -27,7 +28,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task
-from objectives import get_advantage, get_objective
+from objectives import Objective, get_advantage, get_objective
 
 
 @dataclass(frozen=True)
@@ -40,21 +41,30 @@ class RunSetup:
     policy: torch.nn.Module  # the starting policy (warm-started), trainable
     tokenizer: object
     start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
-    objective: Callable  # the config's objective, with its hyperparameters
+    objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
-    reference: torch.nn.Module | None  # a frozen copy of the starting policy for the KL term (beta > 0), else None
+    # the KL term's reference (beta > 0), else None: a frozen copy of the starting policy, or with LoRA adapters the
+    # policy itself, whose base (adapters disabled: harness/policy/lora.py) is the starting policy
+    reference: torch.nn.Module | None
     sampler: torch.nn.Module  # the policy itself, or a frozen copy in model.sampler_dtype (refreshed every step)
 
 
-def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False) -> RunSetup:
-    """Build the task, the starting policy, the objective and the frozen copies, in that order (``progress``: the
-    warm start says whether it loads or builds the starting policy, with a progress bar while it builds)."""
+def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, adapters: bool = True) -> RunSetup:
+    """Build the task, the starting policy (with ``model.lora``'s adapters), the objective and the frozen copies, in
+    that order (``progress``: the warm start says whether it loads or builds the starting policy, with a progress bar
+    while it builds). ``adapters`` False: the adapters are left to the trainer (the TRL backend's peft_config), which
+    then owns the KL reference too (the base with them disabled): no reference here."""
     task = build_task(cfg)
     train_problems = task.train_problems()
     # with the memory settings: the copies' too
     policy, tokenizer, start_policy = build_policy(cfg, task, device, progress)
     objective, estimator = build_objective(cfg)
-    reference = frozen_copy(policy) if objective.beta > 0 else None
+    lora = cfg.model.lora
+    if lora.rank and adapters:
+        policy = with_adapters(policy, lora, seed=cfg.model.seed)
+    reference = None
+    if objective.beta > 0 and (adapters or not lora.rank):
+        reference = policy if lora.rank else frozen_copy(policy)
     dtype = sampler_dtype(cfg)
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
     return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, objective, estimator, reference,
@@ -75,13 +85,15 @@ def hook_routing(run: RunSetup, t: DictConfig) -> None:
         Routing(run.sampler)
 
 
-def build_learner(policy, objective, t: DictConfig) -> Learner:
-    """``policy`` with its objective, AdamW (:func:`build_optimizer`) and warm-up schedule (:func:`build_scheduler`).
-    An objective with state of its own builds it first (``setup``); the parameters it trains get a group of their
-    own (the run's lr and weight decay)."""
-    getattr(objective, "setup", lambda policy: None)(policy)  # a plain callable (tests) has no hooks
-    own = list(getattr(objective, "trainable_parameters", list)())
-    groups = [{"params": list(policy.parameters())}, *([{"params": own}] if own else [])]
+def build_learner(policy, objective: Objective, t: DictConfig) -> Learner:
+    """``policy`` with its objective, AdamW (:func:`build_optimizer`) over the parameters that require gradients
+    (a LoRA policy's adapters) and warm-up schedule (:func:`build_scheduler`). An objective with state of its own
+    builds it first (``setup``); the parameters it trains get a group of their own (the run's lr and weight
+    decay)."""
+    objective.setup(policy)
+    own = objective.trainable_parameters()
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
+    groups = [{"params": trained}, *([{"params": own}] if own else [])]
     optimizer = build_optimizer(groups, t)
     return Learner(policy, objective, optimizer, build_scheduler(optimizer, t))
 

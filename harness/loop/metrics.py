@@ -10,6 +10,8 @@ from collections import defaultdict
 
 import torch
 
+from objectives.rollout_correction import SAFETY_BOUND
+
 
 class MetricMeter:
     """Combines metrics over micro-batches and minibatches: *_min by min, *_max by max, the rest by a weighted
@@ -32,22 +34,32 @@ class MetricMeter:
 
 
 class MismatchMeter:
-    """Mean |sampler - trainer log-prob| (``mismatch_logp_abs``) and the k3 estimate of KL(sampler || trainer)
-    (``mismatch_kl``) over the valid tokens added."""
+    """Between the behaviour log-probs (the sampler's: another precision, an older policy version, or both) and the
+    trainer's before the update (the proximal policy), over the valid tokens added: the mean |sampler - trainer
+    log-prob| (``mismatch_logp_abs``), the k3 estimate of KL(behaviour || proximal) (``mismatch_kl``), and with
+    ``ess`` the normalised effective sample size of the importance weights w = pi_trainer / pi_sampler,
+    (sum w)^2 / (n sum w^2) in (0, 1] (``mismatch_ess``; 1: equal weights; log w clamped to +-20 as
+    objectives/rollout_correction.py's metrics)."""
 
-    def __init__(self):
+    def __init__(self, ess: bool = False):
         self.abs_sum, self.kl_sum, self.tokens = 0.0, 0.0, 0.0
+        self.ess, self.weight_sum, self.square_sum = ess, 0.0, 0.0
 
     def add(self, sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> None:
         diff = torch.where(mask, trainer_logp - sampler_logp, torch.zeros_like(trainer_logp))
         self.abs_sum += diff.abs().sum().item()
         self.kl_sum += torch.where(mask, diff.exp() - 1 - diff, torch.zeros_like(diff)).sum().item()
         self.tokens += mask.sum().item()
+        if self.ess:
+            weight = torch.where(mask, diff.double().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), 0.0)
+            self.weight_sum += weight.sum().item()
+            self.square_sum += weight.square().sum().item()
 
     def result(self) -> dict[str, float]:
         if not self.tokens:
             return {}
-        return {"mismatch_logp_abs": self.abs_sum / self.tokens, "mismatch_kl": self.kl_sum / self.tokens}
+        ess = {"mismatch_ess": self.weight_sum**2 / (self.tokens * self.square_sum)} if self.ess else {}
+        return {"mismatch_logp_abs": self.abs_sum / self.tokens, "mismatch_kl": self.kl_sum / self.tokens, **ess}
 
 
 STATUS, CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"  # Linux: VmHWM, and its reset (write "5")

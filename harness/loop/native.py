@@ -3,15 +3,19 @@
     summary = train(cfg, run_dir)        # setup, step 0's evaluation, then per step:
       1. rollout: ``prompts_per_step`` problems, ``group_size`` completions each from the sampler, with its per-token
          log-probs; scored, rewards shaped (with dynamic sampling: until the batch holds informative groups); for
-         ReMax also one greedy completion per prompt, its reward the baseline; the reward's components (GDPO);
-      2. behaviour log-probs (the sampler's, or the trainer's recomputed; always recomputed with a rollout
-         correction, whose weights come here), reference log-probs when the objective's beta > 0, the old policy's
-         sum pi^2 when the estimator reads it;
+         ReMax also one greedy completion per prompt, its reward the baseline; the reward's components (GDPO). With
+         ``train.rollout_lag`` = k the batch trained is the one sampled k steps earlier (harness/loop/pipeline.py:
+         a queue of pending batches, each token's policy version kept), and this step samples the batches due now;
+      2. old log-probs: the behaviour's (the sampler's) or the proximal policy's (the trainer's before this update,
+         recomputed; always with a rollout correction, whose weights, proximal against behaviour, come here),
+         reference log-probs when the objective's beta > 0, the old policy's sum pi^2 when the estimator reads it;
       3. advantages from the estimator (group = prompt);
       4. for each epoch, for each minibatch: the loss over its micro-batches, one optimizer step (:func:`update`);
       5. every ``eval_every`` steps and at the end: the held-out evaluation;
-      6. one JSON line of metrics, summary.json, a checkpoint every ``save_every`` steps; at the end the policy in
-         transformers' format under <run_dir>/final/ (and every ``export_every`` steps under exports/step_<N>/).
+      6. one JSON line of metrics, summary.json, a checkpoint (the pending lagged batches in it) every ``save_every``
+         steps; at the end the policy in transformers' format under <run_dir>/final/ (and every ``export_every``
+         steps under exports/step_<N>/); a LoRA policy: its adapters in peft's format (harness/policy/lora.py), the
+         merged model on request.
 
 The random streams are re-seeded from (seed, step), so a resumed run continues exactly as an uninterrupted one.
 """
@@ -30,11 +34,12 @@ from omegaconf import DictConfig
 from torch import Tensor
 from tqdm import tqdm
 
-from harness.loop.batch import Collected, TrainBatch, collect_batch
-from harness.loop.behaviour import Behaviour, behaviour_logprobs
+from harness.loop.batch import Collected, TrainBatch
+from harness.loop.behaviour import Behaviour, behaviour_logprobs, lagged
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, MismatchMeter, PhaseMemory, progress_fields
+from harness.loop.pipeline import Pipeline, lag_metrics
 from harness.loop.update import (
     Learner,
     RunState,
@@ -48,6 +53,7 @@ from harness.loop.update import (
 )
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
+from harness.policy.lora import export_merged, load_trained_state, trained_state
 from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
@@ -73,9 +79,11 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         records.start_policy = run.start_policy
         learner = build_learner(run.policy, run.objective, t)
         if checkpoint:
-            for part in ("policy", "optimizer", "scheduler"):
+            load_trained_state(learner.policy, checkpoint["policy"])  # the weights, or a LoRA policy's adapters
+            for part in ("optimizer", "scheduler"):
                 getattr(learner, part).load_state_dict(checkpoint[part])
             learner.objective.load_state_dict(checkpoint.get("objective", {}))  # its own state (POPO's), if any
+        pipeline = Pipeline(cfg, checkpoint.get("pipeline") if checkpoint else None)  # the batches sampled ahead
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
         if state.step == 0:  # the starting policy's evaluation is step 0
@@ -84,7 +92,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         status = "finished"
         for step in range(state.step + 1, t.steps + 1):
             # 1-4. rollout, behaviour log-probs, advantages, update
-            row = train_step(run, learner, cfg, step, state)
+            row = train_step(run, learner, cfg, step, state, pipeline)
             # 5. evaluation
             samples = None
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
@@ -104,36 +112,43 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
                 export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
             if step == t.steps or (t.save_every and step % t.save_every == 0):
-                save_checkpoint(run_dir, {**{part: getattr(learner, part).state_dict()
-                                             for part in ("policy", "optimizer", "scheduler")},
+                save_checkpoint(run_dir, {"policy": trained_state(learner.policy),
+                                          **{part: getattr(learner, part).state_dict()
+                                             for part in ("optimizer", "scheduler")},
                                           "objective": learner.objective.state_dict(),
-                                          "state": dataclasses.asdict(state)})
+                                          "pipeline": pipeline.state_dict(), "state": dataclasses.asdict(state)})
         bar.close()
         if records.main and status == "finished":
-            export_policy(run.policy, run.tokenizer, run_dir / "final")
+            export_policy(run.policy, run.tokenizer, run_dir / "final")  # a LoRA policy: its adapters
+            if cfg.model.lora.export_merged:
+                export_merged(run.policy, run.tokenizer, run_dir / "final" / "merged")
     return records.summary(status)
 
 
-def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState) -> dict:
+def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState,
+               pipeline: Pipeline) -> dict:
     """Stages 1-4 of rollout step ``step`` (module docstring); returns its metrics row."""
     t = cfg.train
-    # 1. rollout and rewards, from the sampler (a copy in model.sampler_dtype refreshed from the policy, or itself)
+    # 1. rollout and rewards: the sampler (a copy in model.sampler_dtype refreshed from the policy, or itself) samples
+    # what is due now; the batch trained is the one due now, sampled train.rollout_lag steps ago (0: just now)
     t0, memory = time.time(), PhaseMemory(run.device)
     memory.start("rollout")
     if run.sampler is not run.policy:
         run.sampler.load_state_dict(run.policy.state_dict())
-    collected = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, step,
-                              greedy_baseline=needs_greedy_baseline(run.estimator))
+    sampled_now = pipeline.advance(run, step)
+    collected, versions = pipeline.take(step, run.tokenizer.pad_token_id)
     ro, rewards, sampled = collected.rollout, collected.rewards, collected.stats
+    lag = lag_metrics(versions, ro.completion_mask, step) if lagged(t) else {}  # each token's version lag
     rollout_s = time.time() - t0
-    # 2-3. behaviour and reference log-probs, rollout-correction weights (harness/loop/behaviour.py); advantages
-    # (group = prompt; the completion lengths for the estimators that weigh by tokens; the old policy's sum pi^2 for
-    # those that read it)
+    # 2-3. old log-probs (the behaviour's, or the proximal's), reference log-probs, rollout-correction weights
+    # (harness/loop/behaviour.py); advantages (group = prompt; the completion lengths for the estimators that weigh
+    # by tokens; the old policy's sum pi^2 for those that read it)
     t1 = time.time()
     memory.start("update")
     rewards = rewards.to(run.device)
     group_ids = torch.arange(t.prompts_per_step, device=run.device).repeat_interleave(t.group_size)
-    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, run.sampler is not run.policy,
+    separate = run.sampler is not run.policy or lag.get("lag_max", 0) > 0  # another precision or an older version
+    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, separate,
                                    with_sum_pi_squared=needs_sum_pi_squared(run.estimator))
     advantages = estimated(run.estimator, collected, group_ids, behaviour).to(run.device)
     batch = TrainBatch(ro, rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp,
@@ -141,16 +156,17 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
     # 4. for each epoch, for each minibatch: loss, optimizer step
     timings = Timings()
     stats = update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+    learner.objective.after_update(stats, len(rewards))  # an adaptive coefficient moves once per rollout step
     update_s = time.time() - t1
     tokens, sampled_tokens = int(ro.completion_mask.sum()), sampled.pop("sampled_tokens")
     state.step = step
     state.rollout_tokens += sampled_tokens
     state.update_tokens += tokens * t.epochs
-    return {"step": step, "rollout_tokens": state.rollout_tokens, **sampled,
+    return {"step": step, "rollout_tokens": state.rollout_tokens, **sampled, **lag,
             **advantage_metrics(advantages, ro.completion_mask),
             **stats, **behaviour.metrics, "lr": learner.scheduler.get_last_lr()[0],
             "nonfinite_skips": state.nonfinite_skips, "rollout_s": rollout_s, "update_s": update_s,
-            **timings.metrics(), "rollout_tok_s": sampled_tokens / rollout_s,
+            **timings.metrics(), "rollout_tok_s": sampled_now / rollout_s,
             "update_tok_s": tokens * t.epochs / update_s, **memory.metrics()}
 
 
@@ -184,13 +200,13 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
     behaviour log-probs are the sampler's; an MoE's expert volatility over all its forwards, expert-load entropy and
     router aux loss)."""
     generator = torch.Generator().manual_seed(plan.order_seed)
-    meter, mismatch, volatility = MetricMeter(), MismatchMeter(), []
+    meter, mismatch, volatility = MetricMeter(), MismatchMeter(ess=plan.lagged), []
     learner.policy.train()
     for epoch in range(plan.epochs):
         for k, minibatch in enumerate(minibatches(plan, generator)):  # a new order each epoch, groups whole
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
-            loss = 0.0
+            loss, window = 0.0, MetricMeter()  # the optimizer step's own metrics, for the objective's hook
             for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":
@@ -198,9 +214,10 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
                     mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
                 loss += part.loss
                 meter.add(part.metrics, part.tokens)
+                window.add(part.metrics, part.tokens)
                 volatility += [] if part.forward.volatility is None else [part.forward.volatility]
             with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
-                grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state)
+                grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state, window.result())
             meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
     # the last step's gradients are not held through the rollout and evaluation that follow (SmolLM2 fp32: 0.5 GB);
     # every minibatch starts from none anyway

@@ -38,6 +38,8 @@ Conventions aligned with the native loop (each one differs from stock TRL):
   TRL skips that pass (one optimizer step per generation batch) it is the loss forward's own (volatility 0);
 - objectives with minibatch statistics (P3O's ESS): summed over the optimizer step's micro-batches (all
   processes) in a no-grad forward at the first micro-batch of the step, as the native loop's two passes.
+- LoRA (``model.lora``): TRL's own ``peft_config`` (the same adapters: A drawn from ``model.seed`` as natively),
+  the reference log-probs the policy's with its adapters disabled, as the native loop's; ``final/`` the adapters.
 Remaining differences: ``model.sampler_dtype`` is not supported; TRL draws the prompts (seeded sampler), shuffles
 sequences, not groups, into minibatches and does not reshuffle between epochs; its linear warm-up starts at
 lr 0; ``grad_norm`` is the last optimizer step's; a non-finite update is not skipped.
@@ -72,6 +74,8 @@ from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
+from harness.policy.forward import CHECKPOINT_KWARGS
+from harness.policy.lora import PEFT_PATTERN_NOTE, adapted, export_merged, lora_settings
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, full_layout, routing_of
 from harness.run.atomic import TMP, atomic_write
@@ -119,6 +123,7 @@ def grpo_config(cfg: DictConfig, output_dir: Path, progress: bool = False, **ove
         save_strategy="steps" if t.save_every else "no", save_steps=max(1, t.save_every) * steps_per_rollout,
         save_total_limit=1, dataloader_num_workers=0,
         activation_checkpointing=t.activation_checkpointing,  # TRL's gradient_checkpointing, on by default in TRL
+        activation_checkpointing_kwargs=dict(CHECKPOINT_KWARGS),  # an MoE's recompute forces its forward's routing
         **correction,
     )
     kwargs.update(overrides)
@@ -194,8 +199,9 @@ class TimedGRPOTrainer(GRPOTrainer):
 
 class RegistryGRPOTrainer(TimedGRPOTrainer):
     """GRPOTrainer whose loss is ``objective`` (any registered one), advantages from ``estimator`` and, when
-    ``reference`` is given (a frozen copy of the policy, made before TRL patches it), a KL term with the
-    objective's beta. ``args.beta`` must be 0: the reference is set up here, not loaded from a path. ``train``
+    ``reference`` is given (a frozen copy of the policy, made before TRL patches it), or the policy has LoRA
+    adapters (``peft_config``: TRL disables them for the reference log-probs), a KL term with the objective's beta.
+    ``args.beta`` must be 0: the reference is set up here, not loaded from a path. ``train``
     (the run's ``train`` config) brings the rollout correction; ``old_logp`` is then ``behaviour_logp(train)``."""
 
     def __init__(self, *args, objective, estimator, reference=None, old_logp: str = "recompute", train=None,
@@ -206,6 +212,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         self.objective, self.estimator, self.old_logp, self.meter = objective, estimator, old_logp, MetricMeter()
         self.correction_on = train is not None and correction_settings(train)[0] != "none"
         self.recording, self.behaviour_record, self.volatility = False, None, []  # an MoE's routing (expert volatility)
+        if objective.beta > 0 and adapted(self.accelerator.unwrap_model(self.model)):
+            self.beta = objective.beta  # TRL's reference log-probs: the policy with its adapters disabled
         if reference is not None:
             self.beta = objective.beta  # makes TRL compute ref_per_token_logps with self.ref_model
             add_fused_lm_head(reference.requires_grad_(False), temperature=self.temperature)
@@ -387,9 +395,10 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             total_steps=max(1, self.state.max_steps), max_completion_len=self.max_completion_length,
             num_tokens=num_tokens.clamp(min=1), num_sequences=logp.size(0) * accumulation * processes,
             rollout_step=self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations),
-            sampler_logp=None if sampled is None or self.old_logp == "sampler" or self.correction_on else torch.where(
+            sampler_logp=None if sampled is None or self.old_logp == "sampler" else torch.where(
                 torch.isnan(sampled), old_logp, sampled),
-            correction=inputs.get("rollout_correction"), minibatch_stats=minibatch_stats,
+            correction=inputs.get("rollout_correction"), behaviour_corrected=self.correction_on,
+            minibatch_stats=minibatch_stats,
             entropy=None if entropy is None else entropy.masked_fill(~mask, 0.0))
 
     def log(self, logs, start_time=None):
@@ -497,9 +506,13 @@ class ProgressLine(ProgressCallback):
 
 def quiet_transformers() -> None:
     """Silence what transformers and TRL print at every step without telling the user anything: TRL's generation
-    context reads the deprecated ``is_gradient_checkpointing`` (a FutureWarning per generation), and checkpoint
-    rotation notes that mtime is unreliable on fast file systems (it then orders checkpoints by number)."""
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    context reads the deprecated ``is_gradient_checkpointing`` and, with activation checkpointing, calls the
+    deprecated ``gradient_checkpointing_disable`` / ``_enable`` around its no-grad passes (a FutureWarning each per
+    generation), and checkpoint rotation notes that mtime is unreliable on fast file systems (it then orders
+    checkpoints by number); and peft's note on its own patterns (harness/policy/lora.py)."""
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated",
+                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=PEFT_PATTERN_NOTE, category=RuntimeWarning)  # TRL's get_peft_model
 
     class NoMtimeNote(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -552,6 +565,7 @@ def launch_problem(device: torch.device) -> str | None:
 
 def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
     """Train one run with TRL into ``run_dir`` (resuming from its last TRL checkpoint); returns the summary."""
+    # the launch environment (WORLD_SIZE) is known only now; the objective's needs were checked with the config
     reason = trl_unsupported(cfg) or launch_problem(resolve_device(cfg.device))
     if reason:
         raise ConfigError(reason)
@@ -571,23 +585,29 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         device = resolve_device(cfg.device)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # accelerate launch: this process's GPU
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        setup = setup_run(cfg, device, progress)  # harness/loop/build.py, as the native loop's
+        setup = setup_run(cfg, device, progress, adapters=False)  # build.py, as the native loop (LoRA: TRL adds it)
         hook_routing(setup, cfg.train)  # an MoE's routing hooks: expert volatility (RegistryGRPOTrainer.routed)
         records.start_policy = setup.start_policy
         callback = RecordsCallback(cfg, records, setup.task, setup.tokenizer)
+        quiet_transformers()
+        lora = cfg.model.lora
+        if lora.rank:  # the adapters' initial A, drawn in TRL's get_peft_model, as the native loop draws it (then
+            torch.manual_seed(cfg.model.seed)  # Trainer seeds torch with cfg.seed, as without adapters)
         trainer = RegistryGRPOTrainer(
             model=setup.policy, reward_funcs=reward_functions(setup.task), args=grpo_config(
                 cfg, run_dir / "trl", progress, reward_weights=[1.0, cfg.task.format_weight]),
             train_dataset=problems_dataset(setup.train_problems, setup.tokenizer), processing_class=setup.tokenizer,
             callbacks=[callback], objective=setup.objective, estimator=setup.estimator, reference=setup.reference,
-            train=cfg.train)
+            train=cfg.train, peft_config=lora_settings(lora) if lora.rank else None)
         callback.trainer = trainer
         trainer.remove_callback(PrinterCallback)  # both print every log dict; metrics.jsonl has them
         trainer.remove_callback(ProgressCallback)
         if progress:
             trainer.add_callback(ProgressLine(records))
-        quiet_transformers()
         with no_save_progress_bar():  # a "Writing model shards" bar per checkpoint
             trainer.train(resume_from_checkpoint=checkpoint)
-        save_model(trainer, run_dir / "final", records.main)
+        save_model(trainer, run_dir / "final", records.main)  # a LoRA policy: its adapters
+        if lora.export_merged and records.main:
+            policy = trainer.accelerator.unwrap_model(trainer.model)
+            export_merged(policy, setup.tokenizer, run_dir / "final" / "merged")
     return records.summary("finished")

@@ -45,6 +45,12 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if t.dynamic_sampling:
         return ("backend trl: train.dynamic_sampling is not supported (TRL's GRPOTrainer has no group refill); "
                 "use backend=native")
+    if t.rollout_lag:
+        return ("backend trl: train.rollout_lag is not supported (TRL 1.16's GRPOTrainer samples with the policy it "
+                "trains; its AsyncGRPOTrainer came later); use backend=native")
+    if t.rollout_correction.mode == "decoupled_ppo":
+        return ("backend trl: train.rollout_correction.mode=decoupled_ppo has no TRL counterpart (its "
+                "vllm_importance_sampling_mode has the token_* and sequence_* modes); use backend=native")
     if trl_extra_args().get("use_vllm") and run.model.name == "tiny":
         return ("backend trl: vLLM cannot load the tiny model; use a hub id, a local model directory or "
                 "smollm2-135m-instruct")
@@ -52,17 +58,20 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if own:
         return (f"backend trl: set the rollout correction with train.rollout_correction (mapped onto TRL's "
                 f"vllm_importance_sampling_* options and recorded in the run id), not RLVR_TRL_ARGS ({', '.join(own)})")
+    if OmegaConf.select(t, "rollout_correction.rejection", default=None):
+        return ("backend trl: train.rollout_correction.rejection (trust-region masking) is not mapped onto TRL's "
+                "importance sampling; use backend=native")
     if sampler_dtype(run) is not None:
         return ("backend trl: model.sampler_dtype is not supported (TRL samples with the policy, or with vLLM: "
                 "RLVR_TRL_ARGS='{\"use_vllm\": true}'); use backend=native")
+    if run.model.lora.export_merged and world_size() > 1:
+        return ("backend trl: model.lora.export_merged merges the adapters on one process (a sharded model's weights "
+                "are not gathered for it); merge final/ afterwards with peft's merge_and_unload, or run on one process")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
     estimator = run.objective.advantage or objective.default_advantage
     if loop_inputs(get_advantage(estimator)):
         return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
                 "policy's sum of pi^2, a greedy baseline rollout, the reward's components); use backend=native")
-    if objective.keeps_state():
-        return (f"backend trl: objective {run.objective.name!r} trains state of its own or reads hidden states (a "
-                "predictor, a moving copy of the policy), which the TRL backend does not provide; use backend=native")
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")

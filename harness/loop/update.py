@@ -27,13 +27,13 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp, replay_mode
+from harness.loop.behaviour import behaviour_logp, lagged, replay_mode
 from harness.policy.expert_volatility import Volatility, capture_metrics
 from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
-from objectives import OBJECTIVES, PolicyBatch
+from objectives import OBJECTIVES, Objective, PolicyBatch
 from objectives.base import sum_statistics
 
 
@@ -95,7 +95,7 @@ class Learner:
     """The policy being trained, its objective, optimizer and learning-rate schedule."""
 
     policy: torch.nn.Module
-    objective: Callable  # PolicyBatch -> ObjectiveOutput (a registered objective, or any callable like one)
+    objective: Objective  # a registered objective (a test double subclasses Objective)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
@@ -120,6 +120,7 @@ class UpdatePlan:
     replay: bool = False  # force batch.routing's experts in every forward of the update (train.routing_replay)
     max_tokens_per_micro_batch: int = 0  # micro-batches packed to this many tokens instead of microbatch_size rows
     micro_batch_unit: int = 1  # rows a token-budget micro-batch keeps together (a group, for group objectives)
+    lagged: bool = False  # train.rollout_lag > 0: the sampler/trainer mismatch also reports the weights' ESS
 
     def microbatches(self, minibatch: Minibatch) -> list[Tensor]:
         """The minibatch's micro-batches: ``microbatch_size`` rows each, or with ``max_tokens_per_micro_batch``
@@ -132,12 +133,6 @@ class UpdatePlan:
         tokens = ro.prompt_mask[rows].sum(-1) + ro.completion_mask[rows].sum(-1)
         return token_budget_chunks(rows, tokens, self.max_tokens_per_micro_batch, self.micro_batch_unit)
 
-    @property
-    def sampler_is_behaviour(self) -> bool:
-        """The objective gets no separate sampler log-probs (TBPO's mismatch weight) when they are the behaviour
-        log-probs, or a rollout correction (``batch.correction``) accounts for them."""
-        return self.behaviour == "sampler" or self.batch.correction is not None
-
     @classmethod
     def of(cls, batch: TrainBatch, cfg: DictConfig, step: int, timings: Timings | None = None) -> UpdatePlan:
         """The plan of rollout step ``step`` of a run."""
@@ -147,7 +142,8 @@ class UpdatePlan:
                    max_completion_len=t.max_new_tokens, max_grad_norm=t.max_grad_norm, rollout_step=step - 1,
                    behaviour=behaviour_logp(t), order_seed=step_seed(cfg.seed, step, stream=1), timings=timings,
                    replay=replay_mode(t) != "none", max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1)
+                   micro_batch_unit=t.group_size if OBJECTIVES.get(cfg.objective.name).needs_whole_groups else 1,
+                   lagged=lagged(t))
 
 
 @dataclass(frozen=True)
@@ -244,8 +240,9 @@ def hidden_of(plan: UpdatePlan, rows: Tensor) -> Callable[[torch.nn.Module], Ten
 
 
 def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, state: RunState) -> PolicyBatch:
-    """The objective's input for the rows of ``forward``: their current log-probs; behaviour / reference / sampler
-    log-probs, rollout-correction weights, advantages, rewards and groups; the minibatch's counts and statistics."""
+    """The objective's input for the rows of ``forward``: their current log-probs; the old log-probs (the behaviour's,
+    or the proximal's with the behaviour's as ``sampler_logp``), reference log-probs, rollout-correction weights,
+    advantages, rewards and groups; the minibatch's counts and statistics."""
     batch, rows, width = plan.batch, forward.rows, forward.width
     return PolicyBatch(
         logp=forward.logp, old_logp=batch.old_logp[rows, :width], mask=forward.mask,
@@ -255,8 +252,9 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
         max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,
         num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
-        sampler_logp=None if plan.sampler_is_behaviour else batch.rollout.sampler_logp[rows, :width],
+        sampler_logp=None if plan.behaviour == "sampler" else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
+        behaviour_corrected=batch.correction is not None,
         minibatch_stats=minibatch.stats, entropy=forward.entropy, hidden=forward.hidden,
         hidden_of=None if forward.hidden is None else hidden_of(plan, rows))
 
@@ -267,9 +265,8 @@ def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, st
     forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same
     log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
     them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
-    uses = getattr(learner.objective, "uses_minibatch_statistics", None)  # a wrapped callable (tests) has none
     chunks = plan.microbatches(minibatch)
-    if len(chunks) < 2 or uses is None or not uses():
+    if len(chunks) < 2 or not learner.objective.uses_minibatch_statistics():
         return minibatch
     parts = [learner.objective.minibatch_statistics(policy_batch(
         plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state)) for rows in chunks]
@@ -289,9 +286,9 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     """Forward the ``rows`` of the minibatch, evaluate the objective (aggregated with the minibatch's counts and
     statistics) and backpropagate. The entropy is computed for the metric (``with_entropy``) or when the objective
     asks for it (``entropy_need``: top-entropy masking, or with gradient an entropy bonus)."""
-    need = getattr(learner.objective, "entropy_need", lambda: "")()  # a wrapped callable (tests) has none
+    need = learner.objective.entropy_need()
     forward = forward_rows(learner.policy, plan, rows, need or ("value" if with_entropy else ""),
-                           with_hidden=getattr(learner.objective, "needs_hidden_states", False))
+                           with_hidden=learner.objective.needs_hidden_states)
     out = learner.objective(policy_batch(plan, minibatch, forward, state))
     with timed(plan.timings, "backward_s"):
         out.loss.backward()
@@ -304,9 +301,11 @@ def microbatch_loss(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, ro
     return MicrobatchLoss(out.loss.item(), metrics, tokens, detached)
 
 
-def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState) -> float:
+def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: RunState,
+                   metrics: dict[str, float]) -> float:
     """Clip the gradient norm and step, unless the loss or the gradient is non-finite: then drop the gradient and
-    count the skip. Returns the gradient norm before clipping."""
+    count the skip; after an applied step, the objective's ``after_optimizer_step`` with the step's ``metrics`` (its
+    micro-batches' metrics, token-weighted). Returns the gradient norm before clipping."""
     params = [p for p in learner.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     state.optimizer_steps += 1
@@ -318,5 +317,5 @@ def optimizer_step(learner: Learner, loss: float, max_grad_norm: float, state: R
     state.nonfinite_in_row = 0
     learner.optimizer.step()
     learner.scheduler.step()
-    getattr(learner.objective, "after_optimizer_step", lambda policy: None)(learner.policy)  # e.g. an EMA copy
+    learner.objective.after_optimizer_step(learner.policy, metrics)  # e.g. an EMA copy, an adaptive coefficient
     return grad_norm

@@ -40,6 +40,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from harness.policy.architecture import positions, written_out_unsupported
+from harness.policy.lora import merged_linear
 from harness.policy.routing import recording
 
 DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # train.decoder: build_decoder's kinds
@@ -90,8 +91,9 @@ def prompt_copies_bytes(model, rows: int, prompt_len: int) -> int:
 class Matmul:
     """x [n, in] -> [n, out_1 + out_2 + ...]: Linear modules that read the same input, as one matmul.
 
-    On CPU, for plain ``nn.Linear`` modules without hooks, the weights (and biases) are stacked once, when it is
-    made (once per rollout: the weights change between rollouts), into one matmul: in float32 from
+    On CPU, for plain ``nn.Linear`` modules without hooks and LoRA layers on them (their adapters merged into the
+    weights: W + (alpha / r) B A, :func:`linear_map`), the weights (and biases) are stacked once, when it is made
+    (once per rollout: the weights change between rollouts), into one matmul: in float32 from
     ``ONEDNN_MIN_WEIGHTS`` stacked weights with at least ``ONEDNN_MIN_WIDENING`` times as many outputs as inputs
     (gate+up, the LM head) through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
     backend uses for linear layers) with the weights reordered into its layout, which runs decode's few rows of
@@ -100,20 +102,21 @@ class Matmul:
     (``make bench MATMULS=1``, docs/benchmark.md). The stacked copy holds those weights a second time while the rollout
     runs (SmolLM2 fp32: ~0.5 GB); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
     keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few kernel
-    launches; a LoRA wrapper; a module with hooks) the modules themselves, outputs concatenated. Results agree to
+    launches; a module with hooks) the modules themselves, outputs concatenated (a LoRA layer then adds its adapters'
+    two small matmuls). Results agree to
     float round-off (tests/test_decode.py).
     """
 
     def __init__(self, *modules, onednn: bool = True):
         self.modules, self.kind = modules, "modules"
-        if all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-               and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
-            weights = [m.weight.detach() for m in modules]
+        linear = [linear_map(m) for m in modules]
+        if all(x is not None and x[0].device.type == "cpu" for x in linear):
+            weights = [weight for weight, _ in linear]
             self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             self.bias = None
-            if any(m.bias is not None for m in modules):
-                self.bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
-                                       for m in modules])
+            if any(bias is not None for _, bias in linear):
+                self.bias = torch.cat([weight.new_zeros(len(weight)) if bias is None else bias
+                                       for weight, bias in linear])
             self.kind = "stacked"
             if (onednn and self.weight.dtype == torch.float32 and self.weight.numel() >= ONEDNN_MIN_WEIGHTS
                     and self.weight.shape[0] >= ONEDNN_MIN_WIDENING * self.weight.shape[1]
@@ -131,6 +134,14 @@ class Matmul:
         else:
             out = torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
         return out if residual is None else residual + out
+
+
+def linear_map(module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, bias) of the linear map ``module`` applies, detached: a plain ``nn.Linear``'s without hooks, or a LoRA
+    layer's with its adapters merged in (harness/policy/lora.py); None for anything else."""
+    if type(module) is torch.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    return merged_linear(module)
 
 
 RMS_NORMS = tuple(f"{family}RMSNorm" for family in ("Llama", "Mistral", "Qwen2", "Qwen3"))

@@ -33,11 +33,14 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from harness.policy.architecture import positions, written_out_unsupported
-from harness.policy.routing import full_layout, laid_out, shared_prompt_layout, tail_layout
+from harness.policy.routing import checkpoint_contexts, full_layout, laid_out, shared_prompt_layout, tail_layout
 
 ENTROPY_BLOCK = 256  # positions per block of the entropy's exp * logp
 SUM_PI_SQUARED = "sum_pi_squared"  # with_entropy's other statistic: sum_v pi_v^2 instead of the entropy, no gradient
 LM_HEAD_CHUNK = "rlvr_lm_head_chunk"  # the model's attribute: positions per chunk of the LM head (set_memory_settings)
+# torch.utils.checkpoint's arguments for the layers (set_memory_settings; the TRL backend's): non-reentrant, an MoE's
+# routing recorded in the forward and forced again in the recompute (harness/policy/routing.py)
+CHECKPOINT_KWARGS = {"use_reentrant": False, "context_fn": checkpoint_contexts}
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -84,10 +87,11 @@ def set_memory_settings(model, lm_head_chunk: int = 0, activation_checkpointing:
     """How the trainer's forward of ``model`` bounds its memory (``train.lm_head_chunk``,
     ``train.activation_checkpointing``), kept on the model so that its frozen copies inherit them: the LM head
     ``lm_head_chunk`` positions at a time (0: all at once; :func:`head_logprobs`), and transformers' activation
-    checkpointing, which the padding-free forward follows layer by layer (:func:`completion_hidden`)."""
+    checkpointing, which the padding-free forward follows layer by layer (:func:`completion_hidden`), with
+    :data:`CHECKPOINT_KWARGS` (a Mixture-of-Experts layer's recompute forces the routing of its forward)."""
     setattr(model, LM_HEAD_CHUNK, lm_head_chunk)
     if activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
     elif getattr(model, "is_activation_checkpointing", False):
         model.activation_checkpointing_disable()
 
@@ -242,7 +246,7 @@ def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion
     recompute = checkpointing(model)  # transformers' activation checkpointing, on the layers its forward would
     for layer, (prefix_keys, prefix_values) in zip(body.layers, prefix, strict=True):
         if recompute and getattr(layer, "gradient_checkpointing", True):
-            hidden = checkpoint(run_layer, layer, hidden, prefix_keys, prefix_values, use_reentrant=False)
+            hidden = checkpoint(run_layer, layer, hidden, prefix_keys, prefix_values, **CHECKPOINT_KWARGS)
         else:
             hidden = run_layer(layer, hidden, prefix_keys, prefix_values)
     return body.norm(hidden)

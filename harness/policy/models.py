@@ -140,12 +140,15 @@ def plain_sampling(model: PreTrainedModel) -> None:
                  ", ".join(changed))
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character (newline + printable ASCII; anything else is ``<unk>``), no chat template.
+def char_tokenizer(size: int | None = None) -> PreTrainedTokenizerFast:
+    """One token per character (newline + printable ASCII; anything else is ``<unk>``), no chat template; ``size``:
+    padded with tokens no text encodes to (``<unused_k>``) up to that many entries, for a model of that vocabulary.
 
     ``decode(encode(text)) == text`` for such text; no BOS/EOS is added when encoding.
     """
-    vocab = {token: i for i, token in enumerate(CHAR_SPECIAL_TOKENS + tuple(CHAR_ALPHABET))}
+    tokens = CHAR_SPECIAL_TOKENS + tuple(CHAR_ALPHABET)
+    tokens += tuple(f"<unused_{k}>" for k in range(max(0, (size or 0) - len(tokens))))
+    vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()

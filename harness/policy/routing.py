@@ -53,11 +53,17 @@ alternative:
 * Mixtral's training-time ``router_jitter_noise`` multiplies the router's input before it runs; replay keeps it;
 * the auxiliary load-balancing loss (``Capture.aux_loss``, the class's own function on the router logits of
   the laid-out tokens) counts the live router's own top-k, as the class computes it from logits;
-* activation checkpointing: layers are keyed by their module name (so a record made by a copy of the model, e.g.
-  the sampler in another precision, replays on the policy) and the recompute in backward replays the forward's
-  own layout and record (:meth:`Routing.checkpoint_contexts`, non-reentrant ``torch.utils.checkpoint``'s
-  ``context_fn``; :func:`enable_checkpointing`); a recompute without them stops with an error instead of
-  silently routing natively.
+* a record names its layers by router module name, so a record made by a copy of the model (e.g. the sampler in
+  another precision) replays on the policy;
+* activation checkpointing (transformers' layers under non-reentrant ``torch.utils.checkpoint`` with
+  :func:`checkpoint_contexts` as ``context_fn``, which :func:`harness.policy.forward.set_memory_settings` and the
+  TRL backend set): the routing is recorded once, in the forward, and the recompute in backward forces it again,
+  keyed by router module and call order within the checkpointed call (as verl's router replay keeps a record per
+  router), whether or not a capture or a replay was active and whenever the backward runs. Inside a checkpointed
+  forward even the live top-k goes through the replay's arithmetic, so that its recompute runs the same operations
+  (torch matches saved tensors by order) and gets the same experts (no near-tie flipped between the two passes):
+  the same loss and gradients as without checkpointing (tests/test_routing.py). A recompute without that
+  ``context_fn`` stops with an error instead of silently routing afresh.
 Every capture also records the live router's own top-k (``Capture.record``), so under replay the disagreement
 between the behaviour routing and the current policy's is measured at the forward replay overrides: each layer's
 router as the current weights choose given the replayed layers below it (what R2/R3 override at that layer).
@@ -79,6 +85,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
+from harness.policy.lora import adapted
 from harness.policy.models import EMBEDDED_MODELS
 from harness.policy.tiny_moe import TINY_MOE
 from harness.run.checks import register_check
@@ -270,28 +277,83 @@ def tail_layout(tail_mask: Tensor, first_column: int, width: int) -> Layout:
 @dataclass
 class Capture:
     """What one :meth:`Routing.capture` collects: the live router's top-k on its grid, and (``router_logits``)
-    each layer's logits of the laid-out tokens (with their graph), for the auxiliary loss."""
+    each layer's router logits (with their graph) and the layout of their call, for the auxiliary loss."""
 
     record: RoutingRecord
     replay: RoutingRecord | None
-    router_logits: list[list[Tensor]] | None
+    router_logits: list[list[tuple[Tensor, Layout]]] | None  # per layer: (the logits of a call, its layout)
     aux_loss_fn: Callable | None = None
     top_k: int = 0
 
     def aux_loss(self) -> Tensor:
         """The class's own load-balancing loss (``load_balancing_loss_func`` of its modeling module, as the model's
-        ``aux_loss`` with ``output_router_logits``) over the laid-out tokens of every captured forward."""
+        ``aux_loss`` with ``output_router_logits``) over the grid's tokens in grid order, whatever the forwards that
+        routed them: a prompt token a shared-prompt forward ran once counts for every row it fills, as in the full
+        forward of the same rows (which an activation-checkpointed forward runs)."""
         if not self.router_logits or not self.router_logits[0]:
             raise ValueError("no router logits captured: use Routing.capture(..., router_logits=True) around a forward")
-        logits = tuple(torch.cat(parts) for parts in self.router_logits)
+        logits = tuple(self._in_grid_order(parts) for parts in self.router_logits)
         return self.aux_loss_fn(logits, self.record.num_experts, self.top_k)
+
+    @staticmethod
+    def _in_grid_order(parts: list[tuple[Tensor, Layout]]) -> Tensor:
+        """One layer's router logits of its calls, one row per grid slot laid out, in slot order."""
+        logits = torch.cat([call[layout.token.to(call.device)] for call, layout in parts])
+        return logits[torch.cat([layout.slot for _, layout in parts]).argsort(stable=True).to(logits.device)]
 
 
 @dataclass(frozen=True)
 class _State:
     capture: Capture
     layout: Layout | None = None
-    recomputing: bool = False
+
+
+class _Tape:
+    """One checkpointed call's routing: the experts each router forced in its forward (by router module, in call
+    order), forced again in its recompute (:func:`checkpoint_contexts`)."""
+
+    def __init__(self):
+        self.calls: dict[torch.nn.Module, list[Tensor]] = {}
+        self.replayed: dict[torch.nn.Module, int] | None = None  # calls replayed so far while recomputing, else None
+
+    def add(self, router: torch.nn.Module, indices: Tensor) -> None:
+        self.calls.setdefault(router, []).append(indices)
+
+    def next(self, router: torch.nn.Module) -> Tensor:
+        done = self.replayed.get(router, 0)
+        calls = self.calls.get(router, [])
+        if done >= len(calls):
+            raise RuntimeError(f"routing: a checkpointed layer's recompute called a router {done + 1} times, its "
+                               f"forward {len(calls)}")
+        self.replayed[router] = done + 1
+        return calls[done]
+
+
+_TAPE: list[_Tape] = []  # the tapes of the checkpointed calls running now (innermost last), forward or recompute
+
+
+class _Taping:
+    """The context of a checkpointed call's forward (``replay=False``: routers add to ``tape``) or of its recompute
+    (every entry starts from the tape's first call again)."""
+
+    def __init__(self, tape: _Tape, replay: bool):
+        self.tape, self.replay = tape, replay
+
+    def __enter__(self):
+        self.tape.replayed = {} if self.replay else None
+        _TAPE.append(self.tape)
+
+    def __exit__(self, *exc):
+        _TAPE.remove(self.tape)
+        self.tape.replayed = None
+        return False
+
+
+def checkpoint_contexts() -> tuple[_Taping, _Taping]:
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint`` (one call per checkpointed call): the routers'
+    experts recorded in its forward, forced in its recompute (module docstring)."""
+    tape = _Tape()
+    return _Taping(tape, replay=False), _Taping(tape, replay=True)
 
 
 def _in_backward() -> bool:
@@ -312,8 +374,8 @@ class Routing:
         self.names = tuple(routers)
         first = next(iter(routers.values()))
         self.top_k, self.num_experts, self._weight = first.top_k, first.num_experts, first.weight
-        self.aux_loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
-        self._layers = [module for module in model.modules() if hasattr(module, "gradient_checkpointing")]
+        base = model.get_base_model() if adapted(model) else model  # a LoRA policy: its base model's module's
+        self.aux_loss_fn = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
         self._state: _State | None = None
         self._handles = [module.register_forward_hook(self._hook_of(layer))
                          for layer, module in enumerate(routers.values())]
@@ -341,7 +403,6 @@ class Routing:
             raise RuntimeError("routing: a capture is already active on this model; captures do not nest")
         if replay is not None:
             self._check_record(replay)
-            self._check_checkpointing()
             grid = replay.grid
         if grid is None:
             raise ValueError("routing.capture needs a grid (or a record to replay)")
@@ -368,37 +429,6 @@ class Routing:
         finally:
             self._state = dataclasses.replace(self._state, layout=outer.layout)
 
-    def checkpoint_contexts(self):
-        """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: the recompute in backward sees the capture
-        (layout, record to replay) of the forward it recomputes, and records nothing a second time."""
-        saved: list[_State | None] = []
-
-        @contextmanager
-        def forward():
-            saved.append(self._state)
-            yield
-
-        @contextmanager
-        def recompute():
-            outer = self._state
-            self._state = None if saved[0] is None else dataclasses.replace(saved[0], recomputing=True)
-            try:
-                yield
-            finally:
-                self._state = outer
-
-        return forward(), recompute()
-
-    def _check_checkpointing(self) -> None:
-        """A replay through layers checkpointed without :meth:`checkpoint_contexts` would recompute them with the
-        live routing in backward."""
-        for layer in self._layers:
-            function = getattr(layer, "_gradient_checkpointing_func", None)
-            if layer.gradient_checkpointing and getattr(function, "keywords", {}).get("context_fn") != \
-                    self.checkpoint_contexts:
-                raise RuntimeError("routing replay: activation checkpointing is on without the routing contexts; "
-                                   "enable it with harness.policy.routing.enable_checkpointing(model, routing)")
-
     def _check_record(self, record: RoutingRecord) -> None:
         if record.layers != self.names:
             raise ValueError(f"routing replay: the record's layers ({len(record.layers)}: {record.layers[0]}, ...) are "
@@ -420,11 +450,33 @@ class Routing:
         return hook
 
     def _route(self, layer: int, module, output):
-        """Record the live top-k of the laid-out tokens and, when replaying, force the recorded experts."""
+        """Inside a capture, record the live top-k of the laid-out tokens and, when replaying, force the recorded
+        experts; inside a checkpointed call, record what the forward routed (forced even when live) and force it
+        again in the recompute."""
+        logits, _, indices = output
+        tape = _TAPE[-1] if _TAPE else None
+        if tape is not None and tape.replayed is not None:  # the recompute of a checkpointed call
+            return self._forced(module, logits, tape.next(module))
+        if _in_backward():
+            raise RuntimeError("routing: a checkpointed layer was recomputed without the routing's context_fn; enable "
+                               "activation checkpointing with harness.policy.forward.set_memory_settings")
+        forced = self._captured(layer, logits, indices)
+        if tape is not None:
+            forced = indices if forced is None else forced
+            tape.add(module, forced)
+        return None if forced is None else self._forced(module, logits, forced)
+
+    @staticmethod
+    def _forced(module, logits: Tensor, indices: Tensor):
+        """The router's output with these experts, gate weights from the live logits by the class's arithmetic."""
+        return logits, ROUTER_WEIGHTS[type(module).__name__](module, logits, indices), indices
+
+    def _captured(self, layer: int, logits: Tensor, indices: Tensor) -> Tensor | None:
+        """Inside a capture: the live top-k of the laid-out tokens recorded (and their logits, when asked), and the
+        experts a replay forces (None without a replay; outside a capture)."""
         state = self._state
         if state is None:
             return None
-        logits, _, indices = output
         layout = state.layout
         if layout is None:
             raise RuntimeError("routing: a router ran inside a capture without Routing.tokens(layout) around its "
@@ -432,31 +484,27 @@ class Routing:
         if layout.tokens != indices.shape[0]:
             raise RuntimeError(f"routing: the layout describes {layout.tokens} tokens, the router got "
                                f"{indices.shape[0]}")
-        if _in_backward() and not state.recomputing:
-            raise RuntimeError("routing: a checkpointed layer was recomputed without the routing contexts; enable "
-                               "activation checkpointing with "
-                               "harness.policy.routing.enable_checkpointing(model, routing)")
         capture = state.capture
-        if not state.recomputing:
-            live = capture.record.indices[layer].view(-1, indices.shape[-1])
-            live[layout.slot.to(live.device)] = indices[layout.token].to(live)
-            if capture.router_logits is not None:
-                capture.router_logits[layer].append(logits[layout.token.unique()])
+        live = capture.record.indices[layer].view(-1, indices.shape[-1])
+        live[layout.slot.to(live.device)] = indices[layout.token].to(live)
+        if capture.router_logits is not None:  # indexed in aux_loss, outside any checkpointed call
+            capture.router_logits[layer].append((logits, layout))
         if capture.replay is None:
             return None
         recorded = capture.replay.indices[layer].view(-1, indices.shape[-1])[layout.slot.to(
             capture.replay.indices.device)].to(indices)
         use = (recorded >= 0).all(-1)
-        forced = indices.index_put((layout.token[use],), recorded[use])
-        return logits, ROUTER_WEIGHTS[type(module).__name__](module, logits, forced), forced
+        return indices.index_put((layout.token[use],), recorded[use])
 
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Routing (the latest made)
 
 
 def routing_of(model) -> Routing | None:
-    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed), or None."""
-    return _ATTACHED.get(model)
+    """The :class:`Routing` hooked onto ``model`` (the latest made, until closed) or, for a LoRA policy, onto its base
+    model (the TRL backend hooks the policy before TRL adds the adapters); None without one."""
+    routing = _ATTACHED.get(model)
+    return _ATTACHED.get(model.get_base_model()) if routing is None and adapted(model) else routing
 
 
 def laid_out(model, layout: Callable[[], Layout]):
@@ -471,13 +519,6 @@ def recording(model, decoder, width: int):
     routing, R3), else ``decoder`` itself. ``width``: the grid's prompt width + max_new_tokens."""
     routing = _ATTACHED.get(model)
     return RecordingDecoder(decoder, routing, width) if routing is not None and routing.capturing else decoder
-
-
-def enable_checkpointing(model, routing: Routing) -> None:
-    """Activation checkpointing of every decoder layer (transformers') whose recompute replays the forward's routing
-    (non-reentrant ``torch.utils.checkpoint`` with :meth:`Routing.checkpoint_contexts`)."""
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": routing.checkpoint_contexts})
 
 
 class RecordingDecoder:

@@ -298,6 +298,7 @@ def decoder_memory(model, tokenizer, problems, train: DictConfig) -> dict[str, i
 def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
     """Sample ``group_size`` completions per prompt (rows ordered prompt by prompt), batched, left-padded;
     ``settings`` are :class:`Sampling`'s fields (an unknown one, or no ``max_new_tokens``, is a TypeError).
+    :func:`generate_ids` with the prompts encoded.
 
     Each distinct prompt is prefilled once. ``sampler="native"``: the native decode loop (finished rows leave the
     batch every ``compact_every`` steps) over a :mod:`harness.policy.decode` ``decoder`` (``"auto"``: prompt keys/values
@@ -308,10 +309,17 @@ def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
     ``record_routing`` (an MoE model with a :class:`harness.policy.routing.Routing` hooked on, the native sampler):
     the rollout carries the sampler's routing of its real tokens (``Rollout.routing``; R3).
     """
+    prompt_ids, prompt_mask = encode_prompts(model, tokenizer, prompts)
+    return generate_ids(model, tokenizer, prompt_ids, prompt_mask, **settings)
+
+
+@torch.no_grad()
+def generate_ids(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, **settings) -> Rollout:
+    """:func:`generate` from prompts already encoded, left-padded [D, P] (e.g. a prompt and the first tokens of its
+    completion, which an in-flight rollout continues with a newer policy: harness/loop/pipeline.py)."""
     how = Sampling(**settings)
     if how.sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {how.sampler!r}")
-    prompt_ids, prompt_mask = encode_prompts(model, tokenizer, prompts)
     was_training = model.training
     model.eval()
     try:
@@ -328,21 +336,26 @@ def generate(model, tokenizer, prompts: list[str], **settings) -> Rollout:
                                                                 tokenizer.eos_token_id)
     finally:
         model.train(was_training)
-    prompt_ids = prompt_ids.repeat_interleave(how.group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(how.group_size, dim=0)
+    ro = rollout_of(tokenizer, prompt_ids.repeat_interleave(how.group_size, dim=0),
+                    prompt_mask.repeat_interleave(how.group_size, dim=0), completion_ids, sampler_logp)
+    if how.record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
+        record = capture.record.select(torch.arange(len(ro.texts)), completion_ids.shape[1])
+        ro.routing = dataclasses.replace(record, indices=record.indices.clone()).masked(
+            torch.cat([ro.prompt_mask.bool(), ro.completion_mask], 1))
+    return ro
+
+
+def rollout_of(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+               sampler_logp: Tensor) -> Rollout:
+    """The rollout of sampled completions [N, T] (anything after a row's first EOS is dropped): the completion mask
+    (tokens up to and including the first EOS), the pad token and log-prob 0 after it, the texts, truncation (no
+    EOS)."""
     is_eos = completion_ids == tokenizer.eos_token_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
-    completion_mask = ~after_eos
-    truncated = ~is_eos.any(-1)
     completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
-    sampler_logp = sampler_logp.masked_fill(after_eos, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    routing = None
-    if how.record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
-        record = capture.record.select(torch.arange(len(texts)), completion_ids.shape[1])
-        routing = dataclasses.replace(record, indices=record.indices.clone()).masked(
-            torch.cat([prompt_mask.bool(), completion_mask], 1))
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp, texts, truncated, routing)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, ~after_eos, sampler_logp.masked_fill(after_eos, 0.0), texts,
+                   ~is_eos.any(-1))
 
 
 @contextmanager

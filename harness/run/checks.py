@@ -25,8 +25,9 @@ Check = Callable[[DictConfig], None]
 # when -> check name -> the module that registers it, in the order the checks run
 EXPECTED: dict[str, dict[str, str]] = {
     "config": {"task": "harness.tasks", "model": "harness.policy.models", "warm_start": "harness.policy.warm_start",
+               "lora": "harness.policy.lora",
                "device": "harness.policy.device", "sampler": "harness.policy.sampler",
-               "routing_replay": "harness.policy.routing",
+               "routing_replay": "harness.policy.routing", "rollout_lag": "harness.loop.pipeline",
                "tracking": "harness.run.tracking", "backend": "harness.loop.backends"},
     "machine": {"hub_model": "harness.policy.models"},
 }

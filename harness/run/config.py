@@ -39,8 +39,13 @@ from harness.run.aliases import translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
-from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
-from objectives.rollout_correction import DEFAULT_THRESHOLD, check_settings
+from objectives.advantages import (
+    needs_greedy_baseline,
+    needs_nonnegative_rewards,
+    needs_reward_components,
+    needs_sum_pi_squared,
+)
+from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
@@ -49,7 +54,27 @@ NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, 
 # settings that do not change a run (nor its id, nor a resume's check): where results go (results_dir; name, the
 # experiment's folder and the trackers' group) and where metrics are also sent; equal runs of two experiments share id
 NOT_IN_RUN_ID = ("results_dir", "name", "logging")
+# settings that bound a run's memory and change no number it computes beyond float32 round-off (docs/benchmark.md):
+# not part of its id, and a run that ran out of memory may be resumed with them changed (records.check_resume)
+MEMORY_SETTINGS = ("train.lm_head_chunk", "train.activation_checkpointing", "train.eval_batch_size")
 OLD_LOGP = ("sampler", "recompute")
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the Llama family's
+
+
+@dataclass
+class LoraSettings:
+    """model.lora: low-rank adapters (LoRA, the peft library) trained on a frozen base (harness/policy/lora.py); the
+    base with the adapters disabled is the KL reference. Both backends (TRL: its peft_config)."""
+
+    rank: int = 0  # the adapters' rank r; 0 = no adapters (full fine-tuning)
+    alpha: float | None = None  # the adapters' scale is alpha / rank; null = 2 x rank (scale 2)
+    dropout: float = 0.0  # dropout on the adapters' input while training (the update's forwards); 0 = none
+    # the linear layers that get adapters (module names; default: every attention and MLP projection of the Llama
+    # family)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    export_merged: bool = False  # also write the base with the adapters merged in to final/merged/ (transformers')
 
 
 @dataclass
@@ -71,6 +96,7 @@ class ModelConfig:
     warm_start_check_every: int = 50  # warm-start steps between the target's accuracy checks
     warm_start_lr: float = 1e-3  # warm-start learning rate (AdamW, constant)
     warm_start_batch_size: int = 32  # warm-start problems per step
+    lora: LoraSettings = field(default_factory=LoraSettings)  # low-rank adapters on a frozen base (off by default)
 
 
 @dataclass
@@ -97,15 +123,22 @@ class ObjectiveConfig:
 class RolloutCorrectionConfig:
     """train.rollout_correction: weight every token's loss by the importance ratio between the trainer's old policy
     and the sampler (verl's rollout correction, TRL's vllm_importance_sampling_*); objectives/rollout_correction.py.
-    A mode other than none makes the loop recompute the trainer's old log-probs (train.old_logp is then ignored)."""
+    A mode other than none, or a rejection rule, makes the loop recompute the trainer's old log-probs (train.old_logp
+    is then ignored)."""
 
-    # importance weights between the trainer's old policy and the sampler: none, token_truncate, token_mask,
-    # sequence_truncate, sequence_mask
+    # importance weights between the trainer's old (proximal) policy and the sampler: none, token_truncate,
+    # token_mask, sequence_truncate, sequence_mask, decoupled_ppo (AReaL's: masked above threshold, per token or, for
+    # a sequence-ratio objective, the sequence's geometric mean)
     mode: str = "none"
     threshold: float = DEFAULT_THRESHOLD  # the weights' upper bound C (truncate at C / mask above C); >= 1
     # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
     # none, as verl and TRL)
     threshold_lower: float | None = None
+    # trust-region masking (verl's rollout_rs, arXiv 2512.23075): divergence rules between the trainer's old policy and
+    # the sampler that drop a token or a whole sequence past their bound: token_k2, token_k3, seq_sum_k2, seq_sum_k3,
+    # seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3 (the paper's: [seq_mean_k3, seq_max_k2]); empty = off
+    rejection: list[str] = field(default_factory=list)
+    rejection_threshold: list[float] = field(default_factory=list)  # the rules' bounds: one for all, or one per rule
 
 
 @dataclass
@@ -125,6 +158,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping (global norm)
     old_logp: str = "sampler"  # behaviour log-probs: sampler (the sampler's) or recompute (the trainer's, recomputed)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # policy lag k (asynchronous RL, docs/async.md): the batch trained at step t was sampled by the policy after step
+    # t-1-k (the starting policy's for t <= k+1); 0 = synchronous, sampled by the policy it trains
+    rollout_lag: int = 0
+    # fixed (every group of a batch has lag rollout_lag) or mixed (each group's lag drawn uniformly in [0,
+    # rollout_lag], the ages a bounded-staleness buffer delivers)
+    lag_mode: str = "fixed"
+    # in-flight weight updates (PipelineRL): a lagged batch's completions switch to the newer policy every this many
+    # tokens, so one completion's tokens come from several versions; 0 = off
+    in_flight_tokens: int = 0
     max_nonfinite_in_row: int = 3  # stop after this many non-finite updates in a row
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards, sample more prompts to refill
     max_sampling_rounds: int = 10  # dynamic sampling's rounds of prompts per step (verl's max_num_gen_batches)
@@ -145,10 +187,11 @@ class TrainConfig:
     routing_replay: str = "none"
     # positions per chunk of the trainer's LM head (logits, log-softmax, entropy), so that no [positions, vocab] tensor
     # larger than a chunk's exists; with gradients each chunk is recomputed in the backward pass (the same gradient);
-    # 0 = all positions at once (native backend)
+    # 0 = all positions at once (native backend). A memory setting: not in the run id, may change on resume
     lm_head_chunk: int = 0
     # recompute each layer's activations in the backward pass instead of keeping them (transformers' activation
-    # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers
+    # checkpointing; on the TRL backend TRL's gradient_checkpointing): less memory for one more forward of the layers;
+    # an MoE layer's recompute forces its forward's experts. A memory setting: not in the run id, may change on resume
     activation_checkpointing: bool = False
     # micro-batches of consecutive rows up to this many real prompt + completion tokens (whole groups for objectives
     # that compare a group's samples; a larger row or group alone) instead of train.micro_batch_size rows; 0 = off
@@ -157,7 +200,8 @@ class TrainConfig:
     eval_every: int = 5  # held-out evaluation every N steps; 0 = start and end only
     eval_max_new_tokens: int = 0  # evaluation's longest completion; 0 = max_new_tokens
     # problems per greedy generate call at evaluation (pass@k: this many completions per call): the evaluation's
-    # keys/values and logits grow with it; lower it to bound the evaluation's memory, at more, smaller calls
+    # keys/values and logits grow with it; lower it to bound the evaluation's memory, at more, smaller calls. Without
+    # pass_k a memory setting: not in the run id, may change on resume
     eval_batch_size: int = 64
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
     save_every: int = 1  # a checkpoint every N steps (resume): a kill loses at most the unfinished steps since
@@ -417,7 +461,9 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
 
 
 def run_configs(cfg: DictConfig) -> list[DictConfig]:
-    """Expand the sweep into validated run configs (the sweep section removed). No grid = one run."""
+    """Expand the sweep into validated run configs (the sweep section removed). No grid = one run. Refused in one
+    line: an objective of the grid that its per-objective settings leave without a run, and two grid points that
+    make the same run (:func:`_check_distinct`)."""
     grid = OmegaConf.to_container(cfg.sweep.grid)
     per_objective = OmegaConf.to_container(cfg.sweep.per_objective)
     for key, values in grid.items():
@@ -425,37 +471,76 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
-    runs, skipped = [], None  # skipped: the last grid point a per-objective value pinned out
+    runs, points, pins = [], [], {}  # pins: objective -> the (key, value) that pinned a grid point of it out
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
         own = per_objective.get(objective, {})
-        pinned = [f"{key}={own[key]} for {objective}" for key, value in assignment.items()
-                  if key in own and own[key] != value]
+        pinned = [(key, own[key]) for key, value in assignment.items() if key in own and own[key] != value]
         if pinned:  # a per-objective value of a swept key pins that axis for the objective's runs
-            skipped = pinned[0]
+            pins.setdefault(objective, pinned[0])
             continue
         dotlist = {**own, **assignment}
         run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
         validate(run)
         runs.append(run)
+        points.append((objective, assignment))
     for name in per_objective:
         if name not in OBJECTIVES:
             raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
     if cfg.sweep.baseline is not None and cfg.sweep.baseline not in OBJECTIVES:
         raise ConfigError(f"sweep.baseline: {OBJECTIVES.unknown_message(cfg.sweep.baseline)}")
-    if not runs and skipped:
-        raise ConfigError(f"the sweep expands to zero runs: sweep.per_objective pins {skipped}, and the grid or a "
-                          "command-line override asks for another value")
+    _check_pins(pins, {objective for objective, _ in points})
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
+    _check_distinct(runs, [point for _, point in points], grid)
     return runs
 
 
+def _check_pins(pins: dict[str, tuple[str, object]], ran: set[str]) -> None:
+    """Refuse a sweep in which an objective's per-objective value of a swept key pins out every grid point of it
+    (e.g. moe_stability's ``train.routing_replay: none`` for gspo, with ``train.routing_replay=r2`` on the command
+    line): its runs would be dropped without a word."""
+    lost = [objective for objective in pins if objective not in ran]
+    if not lost:
+        return
+    by_pin: dict[str, list[str]] = {}
+    for objective in lost:
+        by_pin.setdefault(f"{pins[objective][0]}={_dot(pins[objective][1])}", []).append(objective)
+    pinned = "; ".join(f"{pin} for {', '.join(objectives)}" for pin, objectives in by_pin.items())
+    if not ran:
+        raise ConfigError(f"the sweep expands to zero runs: sweep.per_objective pins {pinned}, and the grid or a "
+                          "command-line override asks for another value")
+    raise ConfigError(f"sweep.per_objective pins {pinned}, and the grid or a command-line override asks for another "
+                      f"value: {', '.join(lost)} would have no run; run the others alone with "
+                      f"sweep.grid.objective.name=[{','.join(sorted(ran))}], or include the pinned value")
+
+
+def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list]) -> None:
+    """Refuse two grid points that make the same run (the same run id): a value listed twice (``seed=[0,0]``), two
+    spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the run's config), or values of a
+    memory setting (not part of the run id: they change no number)."""
+    first: dict[str, dict] = {}
+    for run, point in zip(runs, points, strict=True):
+        other = first.setdefault(run_id(run), point)
+        if other is point:
+            continue
+        differing = [key for key in point if point[key] != other[key]]
+        if not differing:
+            key = next(k for k in grid if sum(v == point[k] for v in grid[k]) > 1)
+            raise ConfigError(f"sweep.grid.{key} lists {_dot(point[key])} more than once: the same run twice; "
+                              "list each value once")
+        key = differing[0]
+        why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
+            else "equal once parsed"
+        raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
+                          "list each value once")
+
+
 def _dot(value) -> str:
-    """A value as a dotlist's right-hand side (None: null, not the string 'None')."""
-    return json.dumps(value) if isinstance(value, list | dict) or value is None else str(value)
+    """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them)."""
+    return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
 def run_id(run: DictConfig) -> str:
@@ -468,8 +553,20 @@ def run_id(run: DictConfig) -> str:
     content = changed(OmegaConf.to_container(run, resolve=True), schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
+    for key in memory_settings(run):  # nor how much memory it takes: the run resumed under less is the same run
+        section, name = key.split(".")
+        content.get(section, {}).pop(name, None)
+        if content.get(section) == {}:
+            del content[section]
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def memory_settings(run: DictConfig) -> tuple[str, ...]:
+    """The :data:`MEMORY_SETTINGS` that change no number of ``run``: ``train.eval_batch_size`` only without pass@k
+    (with ``train.pass_k`` it decides which random numbers each problem's samples draw: the sampler draws one per
+    row of each call)."""
+    return tuple(key for key in MEMORY_SETTINGS if key != "train.eval_batch_size" or not run.train.pass_k)
 
 
 def validate(run: DictConfig) -> None:
@@ -518,10 +615,22 @@ def _check_objective(run: DictConfig) -> None:
         raise ConfigError(f"advantage estimator {estimator!r} gives one advantage per token and objective "
                           f"{run.objective.name!r} needs one per sequence: use a token-level objective or another "
                           "objective.advantage")
+    negative_rewards = run.task.overlong_buffer or run.task.format_weight < 0
+    if needs_nonnegative_rewards(ADVANTAGES.get(estimator)) and negative_rewards:
+        raise ConfigError(f"advantage estimator {estimator!r} assumes rewards >= 0 (it divides by the group's mean "
+                          "reward), and task.overlong_buffer > 0 or task.format_weight < 0 makes negative ones: set "
+                          "task.overlong_buffer=0 and task.format_weight >= 0, or choose another objective.advantage")
     rc = run.train.rollout_correction
     problem = check_settings(rc.mode, rc.threshold, rc.threshold_lower)  # no sampler difference is fine: weights 1
+    problem = problem or check_rejection(list(rc.rejection), list(rc.rejection_threshold))
     if problem:
         raise ConfigError(problem)
+    objective = OBJECTIVES.get(run.objective.name)
+    if rc.mode == "decoupled_ppo" and objective.ratio_level == "other":
+        raise ConfigError(f"train.rollout_correction.mode=decoupled_ppo weighs the objective's ratio against the "
+                          f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
+                          f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
+                          "with: use a token_* or sequence_* mode")
 
 
 def _check_single_sample_groups(estimator: str) -> None:

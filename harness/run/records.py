@@ -16,8 +16,9 @@
     <run_dir>/tensorboard/, wandb/ the trackers of ``logging.backends`` beyond jsonl (harness/run/tracking.py)
 
 On resume both JSON-lines files keep exactly the steps up to the checkpoint's, so no step is ever written twice, and
-only with the settings of the run's config.yaml (check_resume). Every file that is replaced goes through
-atomic_write (temporary + fsync + rename); a full disk is one DiskFullError naming the file, and leaves no temporary.
+only with the settings of the run's config.yaml, its memory settings aside (check_resume). Every file that is
+replaced goes through atomic_write (temporary + fsync + rename); a full disk is one DiskFullError naming the file,
+and leaves no temporary.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from transformers.utils import logging as hf_logging
 
 from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, to_file, write_temporary
 from harness.run.collapse import CollapseRule, detect_collapse
-from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, schema_defaults
+from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, FolderBusyError, is_held, lock_folder
 from harness.run.provenance import code_record, next_segments, run_version
@@ -156,12 +157,12 @@ def _shown(value) -> str:
 _UNSET = object()
 
 
-def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
-    """``key old -> new`` for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what does
-    not change a run (results_dir, logging) and settings added to the schema since at their default."""
+def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
+    """{key: ``key old -> new``} for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what
+    does not change a run (results_dir, logging) and settings added to the schema since at their default."""
     defaults = _flat(schema_defaults())
     old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
-    differences = []
+    differences = {}
     for key in dict.fromkeys([*new, *old]):
         if key.split(".")[0] in IGNORED_ON_RESUME + NOT_RUN_SETTINGS:
             continue
@@ -169,8 +170,20 @@ def settings_differences(saved: dict, cfg: DictConfig) -> list[str]:
         if before is _UNSET and after == defaults.get(key, _UNSET):
             continue  # a setting added to the schema since the run started, at its default
         if before != after:
-            differences.append(f"{key} {_shown(before)} -> {_shown(after)}")
+            differences[key] = f"{key} {_shown(before)} -> {_shown(after)}"
     return differences
+
+
+def memory_changes(saved: dict, cfg: DictConfig) -> list[str]:
+    """``key old -> new`` for each memory setting (harness/run/config.py :func:`memory_settings`) of ``cfg`` that
+    differs from the ``saved`` config's: a resume may change them."""
+    differences = settings_differences(saved, cfg)
+    return [differences[key] for key in memory_settings(cfg) if key in differences]
+
+
+def say_memory_changes(run_dir: Path, changes: list[str]) -> None:
+    print(f"continuing {run_dir.name} with other memory settings: {', '.join(changes)} (they change no number "
+          "beyond float round-off; config.yaml records the new ones)", file=sys.stderr)
 
 
 def check_writable(folder: Path) -> None:
@@ -190,10 +203,11 @@ def check_writable(folder: Path) -> None:
 def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
                  ) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
-    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs; and a
-    folder another process is writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second
-    writer is refused before it prints anything; the lock itself is still taken when the run starts; ``probe_lock``
-    False: not probed, for the run's own records, which take it next). ``main`` False (the other processes of
+    the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs (but for
+    the memory settings, which change no number: named in one line when ``warn``); and a folder another process is
+    writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second writer is refused before it
+    prints anything; the lock itself is still taken when the run starts; ``probe_lock`` False: not probed, for the
+    run's own records, which take it next). ``main`` False (the other processes of
     `accelerate launch`, which write nothing of the run and may find the main one holding the lock): the settings
     are compared, the folder is neither probed for writing nor for its lock."""
     if main:
@@ -211,11 +225,16 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     if not isinstance(saved, dict) or not saved:
         return
     differences = settings_differences(saved, cfg)
+    # the memory settings may change: the run continued under less memory is the same run
+    memory = [differences.pop(key) for key in memory_settings(cfg) if key in differences]
     if differences:
+        differences = list(differences.values())
         shown = ", ".join(differences[:6]) + (f" and {len(differences) - 6} more" if len(differences) > 6 else "")
         raise ConfigError(f"{run_dir} holds a run with other settings ({shown}); continuing it would mix two runs: "
                           f"give a fresh --run-dir (or none) for these settings, or resume that run with its own: "
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
+    if warn and memory:
+        say_memory_changes(run_dir, memory)
 
 
 RUN_FOLDER_BUSY = "run folder {run_dir} is being written by another process"

@@ -10,9 +10,10 @@ import torch
 from objectives import OBJECTIVES, PolicyBatch, available_objectives, get_advantage, get_objective
 
 DT = torch.float64
-# the objectives a hand-made PolicyBatch evaluates: all but those with state of their own or hidden states (POPO,
-# tested in tests/test_popo.py and through the loop)
-ON_BATCHES = [name for name in available_objectives() if not OBJECTIVES.get(name).keeps_state()]
+# the objectives a hand-made PolicyBatch evaluates: all but those that read the policy's hidden states (POPO, tested in
+# tests/test_popo.py and through the loop). A stateful one (adaptive_entropy, adaptive_kl) is evaluated with a fresh
+# state per case: every case builds a new instance (``run``), whose state is made in its __post_init__.
+ON_BATCHES = [name for name in available_objectives() if "hidden_states" not in OBJECTIVES.get(name).needs()]
 
 
 def sig(x):
@@ -74,28 +75,31 @@ LENGTHS = torch.tensor([5, 3, 4, 2, 5, 1, 4, 3])
 
 
 def group_batch(t=5, pad_extra=0, garbage=False, seed=7, advantages=None, beta_ref=True):
-    """8 sequences in 2 groups of 4; ``pad_extra`` garbage columns appended; garbage on padding slots."""
+    """8 sequences in 2 groups of 4; ``pad_extra`` garbage columns appended; garbage on padding slots. The current
+    policy's entropies come with it (what the loop passes an objective whose entropy_need asks; most ignore them)."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(8, t, generator=g, dtype=DT) * 2
     logp = old + 0.3 * torch.randn(8, t, generator=g, dtype=DT)
     ref = old + 0.2 * torch.randn(8, t, generator=g, dtype=DT)
+    entropy = 0.05 + 0.3 * torch.rand(8, t, generator=torch.Generator().manual_seed(seed + 1), dtype=DT)
     mask = torch.arange(t)[None, :] < LENGTHS[:, None]
     if pad_extra:
         cols = t + pad_extra
         mask = torch.arange(cols)[None, :] < LENGTHS[:, None]
         junk = torch.Generator().manual_seed(99)
-        extra = [10 * torch.randn(8, pad_extra, generator=junk, dtype=DT) for _ in range(3)]
+        extra = [10 * torch.randn(8, pad_extra, generator=junk, dtype=DT) for _ in range(4)]
         extra[0][0, 0], extra[1][1, 0], extra[2][2, -1] = 50.0, -50.0, 50.0
-        old, logp, ref = (torch.cat([x, e], dim=1) for x, e in zip((old, logp, ref), extra, strict=True))
+        old, logp, ref, entropy = (torch.cat([x, e], dim=1)
+                                   for x, e in zip((old, logp, ref, entropy), extra, strict=True))
     if garbage:
         junk = torch.Generator().manual_seed(123)
-        for x in (old, logp, ref):
+        for x in (old, logp, ref, entropy):
             x[~mask] = 30 * torch.randn(int((~mask).sum()), generator=junk, dtype=DT)
         logp[~mask] = torch.where(torch.arange(int((~mask).sum())) % 3 == 0, 50.0, logp[~mask])
     adv = get_advantage("grpo")(REWARDS, GROUPS) if advantages is None else advantages
     return PolicyBatch(logp=logp.detach().requires_grad_(True), old_logp=old, mask=mask, advantages=adv,
                        rewards=REWARDS, group_ids=GROUPS, ref_logp=ref if beta_ref else None, step=1,
-                       total_steps=3, max_completion_len=8)
+                       total_steps=3, max_completion_len=8, entropy=entropy)
 
 
 def trl_sequence_level_loss(logp, old, adv, mask, eps_low, eps_high, loss_type, max_len=8):

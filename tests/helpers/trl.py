@@ -62,12 +62,12 @@ def trl_inputs(fixed) -> dict:
             "group_ids": group_ids}
 
 
-def make_trainer(fixed, run, tmp_path, cls=RegistryGRPOTrainer, **trl_options):
+def make_trainer(fixed, run, tmp_path, cls=RegistryGRPOTrainer, peft_config=None, **trl_options):
     model, tokenizer, task, problems = fixed[:4]
-    extra = {}
+    extra = {} if peft_config is None else {"peft_config": peft_config}
     if cls is RegistryGRPOTrainer:
         objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
-        extra = {"objective": objective, "estimator": get_advantage(objective.default_advantage)}
+        extra.update(objective=objective, estimator=get_advantage(objective.default_advantage))
     trainer = cls(model=copy.deepcopy(model), reward_funcs=reward_functions(task),
                   args=grpo_config(run, tmp_path / "trl", **trl_options), train_dataset=problems_dataset(
                       problems, tokenizer), processing_class=tokenizer, **extra)

@@ -1,0 +1,302 @@
+"""LoRA adapters (model.lora, harness/policy/lora.py) on both backends: only the adapters train, the adapted policy
+starts as its base (B = 0) and that base is the KL reference, the objective's math is a full run's on the same
+log-probs (the adapters' gradient is the full weight gradient projected through A), the sampler decodes with the
+adapters merged, checkpoints hold the adapters and resume exactly, final/ loads with peft."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness.loop.batch import TrainBatch, collect_batch
+from harness.loop.behaviour import behaviour_logprobs
+from harness.loop.build import build_learner, setup_run
+from harness.loop.native import train, update
+from harness.loop.update import Learner, RunState, UpdatePlan, microbatch_loss, minibatches
+from harness.policy.decode import Matmul
+from harness.policy.forward import completion_logprobs
+from harness.policy.lora import adapted, export_merged, load_trained_state, lora_settings, with_adapters
+from harness.policy.models import load_model
+from harness.run.config import LoraSettings, load_experiment, run_configs
+from harness.run.errors import ConfigError
+from harness.run.records import read_jsonl
+from tests.helpers.interrupt import stopped_before
+from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
+
+CPU = torch.device("cpu")
+LORA = ("model.lora.rank=4",)
+SHAPED = ("task.overlong_buffer=6", "train.steps=1")  # unequal rewards in the random model's groups: a gradient
+
+
+def lora_layers(model) -> dict[str, torch.nn.Module]:
+    """The adapted model's LoRA layers by their name in the base model."""
+    import peft
+
+    return {name: m for name, m in model.get_base_model().named_modules() if isinstance(m, peft.tuners.lora.Linear)}
+
+
+def first_batch(run, cfg) -> TrainBatch:
+    """Step 1's batch of a run as the native loop builds it (rollout, rewards, behaviour and reference log-probs,
+    advantages)."""
+    t = cfg.train
+    collected = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, 1)
+    ro = collected.rollout
+    group_ids = torch.arange(t.prompts_per_step).repeat_interleave(t.group_size)
+    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, False)
+    advantages = run.estimator(collected.rewards, group_ids, ro.completion_mask.sum(-1))
+    return TrainBatch(ro, collected.rewards, advantages, group_ids, behaviour.old_logp, behaviour.ref_logp)
+
+
+def first_loss(cfg, batch: TrainBatch | None = None):
+    """The run's setup, learner, batch and the first micro-batch's loss (backward done)."""
+    torch.manual_seed(cfg.seed)
+    run = setup_run(cfg, CPU)
+    learner = build_learner(run.policy, run.objective, cfg.train)
+    batch = batch or first_batch(run, cfg)
+    plan = UpdatePlan.of(batch, cfg, 1)
+    minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
+    learner.policy.train()
+    part = microbatch_loss(learner, plan, minibatch, minibatch.rows, RunState(), with_entropy=True)
+    return run, learner, batch, part
+
+
+def test_only_the_adapters_get_gradients_and_the_optimizer(tmp_path):
+    cfg = tiny_run(tmp_path, *LORA, *SHAPED)
+    run, learner, _, _ = first_loss(cfg)
+    assert adapted(run.policy)
+    named = dict(run.policy.named_parameters())
+    adapters = {n for n in named if ".lora_A." in n or ".lora_B." in n}
+    assert adapters and {n for n, p in named.items() if p.requires_grad} == adapters
+    assert {n for n, p in named.items() if p.grad is not None} == adapters
+    assert any(named[n].grad.abs().sum() > 0 for n in adapters if ".lora_B." in n)
+    trained = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(named[n]) for n in adapters}
+
+
+def test_with_b_zero_the_first_steps_logprobs_are_the_base_models(tmp_path):
+    """The adapted policy starts as its base, bit for bit: the trainer's log-probs, the sampler's (merged weights,
+    W + 0), and the reference's (the same policy, adapters disabled; no second copy of the weights)."""
+    cfg = tiny_run(tmp_path, *LORA, *SHAPED, "objective.params.beta=0.04")
+    torch.manual_seed(cfg.seed)
+    run = setup_run(cfg, CPU)
+    assert run.reference is run.policy and run.sampler is run.policy
+    base, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    batch = first_batch(run, cfg)
+    ro = batch.rollout
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        adapted_logp, base_logp = (completion_logprobs(m, *args)[0] for m in (run.policy, base))
+    assert torch.equal(adapted_logp, base_logp)
+    assert torch.equal(batch.ref_logp, base_logp)
+    torch.manual_seed(cfg.seed)
+    base_ro = collect_batch(base, run.tokenizer, run.task, run.train_problems, cfg, 1).rollout
+    assert torch.equal(base_ro.completion_ids, ro.completion_ids) and torch.equal(base_ro.sampler_logp,
+                                                                                  ro.sampler_logp)
+
+
+def test_the_reference_is_the_base_with_the_adapters_disabled(tmp_path):
+    cfg = tiny_run(tmp_path, *LORA, *SHAPED, "objective.params.beta=0.04", "train.old_logp=recompute")
+    run, _, batch, _ = first_loss(cfg)
+    for name, p in run.policy.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p, std=0.5)  # trained adapters: the policy moves, its reference does not
+    base, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    ro = batch.rollout
+    behaviour = behaviour_logprobs(run.policy, run.reference, ro, cfg, False)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        base_logp = completion_logprobs(base, *args)[0]
+    assert torch.equal(behaviour.ref_logp, base_logp)
+    assert not torch.allclose(behaviour.old_logp, base_logp)  # the recomputed policy is the adapted one
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])
+def test_a_lora_runs_objective_math_equals_a_full_runs_on_the_same_logprobs(tmp_path, objective):
+    """On the same batch the LoRA run's loss and metrics are the full run's exactly (its log-probs are the base's at
+    B = 0, its reference the base with adapters disabled, the full run's a frozen copy), and each adapter's
+    gradient is the full weight gradient G through the adapter: dL/dB = s G A^T, dL/dA = s B^T G = 0."""
+    settings = (*SHAPED, f"objective.name={objective}", "objective.params.beta=0.04")
+    full_run, _, batch, full = first_loss(tiny_run(tmp_path, *settings))
+    lora_run, _, _, lora = first_loss(tiny_run(tmp_path, *settings, *LORA), batch)
+    assert lora.loss == full.loss and lora.metrics == full.metrics and full.metrics["kl_ref"] >= 0
+    weights = dict(full_run.policy.named_parameters())
+    layers = lora_layers(lora_run.policy)
+    assert len(layers) == 7 * TINY_SPEC["num_layers"]
+    for name, layer in layers.items():
+        gradient, a = weights[f"{name}.weight"].grad, layer.lora_A["default"].weight
+        scale = layer.scaling["default"]
+        torch.testing.assert_close(layer.lora_B["default"].weight.grad, scale * gradient @ a.T, rtol=1e-4,
+                                   atol=1e-7)
+        assert torch.equal(layer.lora_A["default"].weight.grad, torch.zeros_like(a))
+
+
+def test_the_decoders_matmul_merges_the_adapters_and_follows_disabling():
+    model, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    base = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    policy = with_adapters(model, OmegaConf.structured(LoraSettings(rank=4)), seed=0)
+    layer = policy.get_base_model().model.layers[0].self_attn
+    torch.nn.init.normal_(layer.q_proj.lora_B["default"].weight, std=0.5)
+    x = torch.randn(3, TINY_SPEC["hidden_size"])
+    merged = Matmul(layer.q_proj, layer.k_proj)
+    assert merged.kind == "stacked"
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), torch.cat([layer.q_proj(x), layer.k_proj(x)], -1))
+        assert not torch.allclose(merged(x)[:, : len(base)], x @ base.T)
+        with policy.disable_adapter():
+            plain = Matmul(layer.q_proj)
+            assert plain.kind == "modules" and torch.equal(plain(x), x @ base.T)
+
+
+def test_lora_settings_are_checked_in_one_line(tmp_path):
+    for overrides, message in ((["model.lora.rank=-1"], "model.lora.rank must be >= 0"),
+                               (["model.lora.export_merged=true"], "model.lora.export_merged .* needs model.lora.rank"),
+                               ([*LORA, "model.lora.dropout=1.0"], r"model.lora.dropout must be in \[0, 1\)"),
+                               ([*LORA, "model.lora.alpha=0"], "model.lora.alpha must be > 0"),
+                               ([*LORA, "model.lora.target_modules=[]"], "model.lora.target_modules must name")):
+        with pytest.raises(ConfigError, match=message):
+            tiny_run(tmp_path, *overrides)
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['qkv'\]: .*not found"):
+        setup_run(tiny_run(tmp_path, *LORA, "model.lora.target_modules=[qkv]"), CPU)
+
+
+def test_a_mixture_of_experts_merged_export_is_the_adapted_policy(tmp_path):
+    """peft's LoRA over tiny_moe's stacked expert weights is no linear layer: the merged export falls back to peft's
+    merge of a copy, the policy untouched."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_model("tiny_moe", seed=0)
+    policy = with_adapters(model, OmegaConf.structured(LoraSettings(rank=4)), seed=0)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(5, 90, (2, 10))
+    with torch.no_grad():
+        before = policy(ids).logits
+        export_merged(policy, tokenizer, tmp_path / "merged")
+        assert torch.equal(policy(ids).logits, before)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(merged(ids).logits, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # whole runs: make test
+def test_a_killed_lora_run_resumes_exactly_from_its_adapters(tmp_path):
+    run = tiny_run(tmp_path, *LORA, "train.steps=3", "task.overlong_buffer=6", "objective.params.beta=0.04")
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(3):
+        train(run, tmp_path / "part", progress=False)
+    checkpoint = torch.load(tmp_path / "part" / "checkpoints" / "last.pt", weights_only=True)  # plain tensors
+    assert checkpoint["policy"] and all(".lora_A." in k or ".lora_B." in k for k in checkpoint["policy"])
+    assert len(checkpoint["optimizer"]["state"]) == len(checkpoint["policy"])  # AdamW's moments of the adapters
+    train(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    part = without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl"))
+    assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
+    assert full[3]["kl_ref"] > 0 and full[3]["grad_norm"] > 0
+
+
+@pytest.mark.slow  # a whole run: make test
+def test_final_holds_adapters_peft_loads_and_the_merged_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from harness.policy.sampler import generate
+
+    run = tiny_run(tmp_path, *LORA, *SHAPED, "model.lora.export_merged=true", "train.lr=0.05")
+    train(run, tmp_path / "run", progress=False)
+    final = tmp_path / "run" / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    base, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    loaded = PeftModel.from_pretrained(base, final).eval()
+    trained, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
+    trained = with_adapters(trained, run.model.lora, seed=0)
+    load_trained_state(trained, torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["policy"])
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ro = generate(trained, tokenizer, ["12+34=\n"], group_size=2, max_new_tokens=6)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        expected, peft_logp, merged_logp, base_logp = (completion_logprobs(m, *args)[0] for m in (
+            trained, loaded, merged, load_model("tiny", tiny=TINY_SPEC, seed=0)[0]))
+    assert torch.equal(peft_logp, expected)
+    torch.testing.assert_close(merged_logp, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(base_logp, expected, atol=1e-4)  # the adapters moved the policy
+
+
+def test_the_trl_backends_adapters_loss_and_gradient_are_the_native_loops(fixed, tmp_path):
+    """TRL's peft_config makes the native loop's adapters (A from model.seed); with them perturbed, the loss and
+    the adapters' gradient on a fixed batch equal the native update's; a KL term is computed (TRL disables the
+    adapters for it), with no reference model."""
+    from objectives import get_objective
+    from tests.helpers.trl import (
+        GradCapture,
+        NoSchedule,
+        assert_same,
+        loss_and_grad,
+        make_trainer,
+        run_config,
+        trl_inputs,
+    )
+
+    model, _, _, _, ro, old_logp, ref_logp, rewards, group_ids, advantages = fixed
+    run = run_config(tmp_path, *LORA, "objective.params.beta=0.04")
+    torch.manual_seed(run.model.seed)
+    trainer = make_trainer(fixed, run, tmp_path, peft_config=lora_settings(run.model.lora))
+    native = with_adapters(copy.deepcopy(model), run.model.lora, seed=run.model.seed)
+    assert trainer.beta == 0.04 and trainer.ref_model is None
+    trl_state, native_state = (dict(m.named_parameters()) for m in (trainer.model, native))
+    assert {n for n, p in trl_state.items() if p.requires_grad} == {n for n, p in native_state.items()
+                                                                     if p.requires_grad}
+    generator = torch.Generator().manual_seed(1)
+    for name, p in native_state.items():
+        if ".lora_" in name:
+            assert torch.equal(trl_state[name], p), name
+            if ".lora_B." in name:
+                p.data.normal_(0, 0.1, generator=generator)
+                trl_state[name].data.copy_(p.data)
+    capture = GradCapture(native)
+    batch = TrainBatch(ro, rewards, advantages, group_ids, old_logp, ref_logp)
+    result = update(Learner(native, get_objective("grpo", beta=0.04), capture, NoSchedule()),
+                    UpdatePlan.of(batch, run, 1), RunState(total_optimizer_steps=1))
+    loss, grads = loss_and_grad(trainer, trl_inputs(fixed))
+    assert_same(result["loss"], capture.grads, loss, grads)
+    assert set(grads) == {n for n, p in native_state.items() if p.requires_grad}
+
+
+@pytest.mark.slow  # TRL runs: make test
+def test_a_killed_trl_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path):
+    from harness.loop.trl_backend import train_trl
+    from tests.helpers.trl import run_config
+
+    # the entropy bonus moves the adapters whatever the rewards (the random model's are all 0)
+    run = run_config(tmp_path, *LORA, "train.steps=3", "train.lr=0.05", "objective.params.beta=0.04",
+                     "objective.params.entropy_coef=0.5", "model.lora.export_merged=true")
+    train_trl(run, tmp_path / "full", progress=False)
+    with stopped_before(3):
+        train_trl(run, tmp_path / "part", progress=False)
+    train_trl(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl")) == full
+    assert [r["step"] for r in full] == [0, 1, 2, 3] and full[3]["kl_ref"] > 0
+    final = tmp_path / "full" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # the embedded SmolLM2, three short runs: make test
+def test_a_smollm2_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path):
+    from peft import PeftConfig
+
+    (run,) = run_configs(load_experiment("base", [
+        "model.name=smollm2-135m-instruct", "model.lora.rank=8", "task.eval_size=2", "train.prompts_per_step=2",
+        "train.group_size=2", "train.max_new_tokens=8", "train.num_minibatches=1", "train.steps=2", "threads=1",
+        "train.eval_every=0", "objective.params.entropy_coef=0.1", "train.lr=1e-3", f"results_dir={tmp_path}"]))
+    train(run, tmp_path / "full", progress=False)
+    with stopped_before(2):
+        train(run, tmp_path / "part", progress=False)
+    train(run, tmp_path / "part", progress=False)
+    full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl")) == full and full[2]["grad_norm"] > 0
+    adapters = PeftConfig.from_pretrained(tmp_path / "full" / "final")
+    assert adapters.r == 8 and set(adapters.target_modules) == set(LoraSettings().target_modules)
