@@ -164,7 +164,8 @@ def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir:
     table, units, runs, models = confirmation(confirm_dir, plan)
     counted = runs[runs["counted"] & runs["ended"]]
     correction = plan["correction"]
-    family = (f"Family: {correction['size']} comparisons with {plan['baseline']} (every planned objective's); "
+    size = correction["size"]
+    family = (f"Family: {size} comparison{'s' * (size != 1)} with {plan['baseline']} (every planned objective's); "
               f"correction: Holm's step-down, family-wise error rate {correction['alpha']:g}; each interval at the "
               "level at which Holm tests it (it excludes 0 exactly when the difference is confirmed; adjusted, not "
               "simultaneous). Replication per comparison: "

@@ -231,3 +231,10 @@ def test_compare_changes_from_a_baseline_paired_by_seed():
         "does not hold"
     without = {**check, "compare": {"objective": "a", "than": "b"}}  # the levels at lag 8: a above b too
     assert evaluate_check(without, {"final": final})[0] == "holds"
+
+
+def test_a_probe_builds_its_own_models_and_takes_no_starting_policies():
+    claim = load_claim(CLAIMS_DIR / "moe_expert_volatility.yaml")
+    assert claim.start_policies == 3 and claim.design == ((), None)  # its seeds are its own inits and warm starts
+    sweep = load_claim(CLAIMS_DIR / "gspo_stable_offpolicy.yaml")
+    assert sweep.design == ((2, 3, 4), 5)

@@ -35,7 +35,9 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
 Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 3: model.seed
 CONFIRM_START_SEEDS[:n], harness/apps/zoo.py's; 1: the experiment's own model.seed) and, for a sweep, ``seeds`` seeds
 0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
-one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``). A check's unit is then a
+one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``). A probe builds a model of
+its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
+under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
 (starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
 analysis/stats.py describe over the starting policies' means (over the units with one starting policy).
 
@@ -113,8 +115,8 @@ class Claim:
     @property
     def design(self) -> tuple[tuple[int, ...], int | None]:
         """(model.seed of each starting policy, none: the experiment's own; a sweep's seeds per policy, None: the
-        experiment's)."""
-        if self.start_policies == 1:
+        experiment's); a probe builds its own model per seed: ((), None)."""
+        if self.start_policies == 1 or self.source[0] == "probe":
             return (), self.seeds
         return tuple(CONFIRM_START_SEEDS[: self.start_policies]), self.seeds or CONFIRM_SEEDS
 

@@ -153,7 +153,8 @@ def plan_text(plan: dict, runs: int) -> str:
              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}) from {len(plan['start_seeds'])} starting "
              f"policies (model.seed {plan['start_seeds']}) x {len(plan['seeds'])} seeds ({plan['seeds']}): {runs} "
              "runs.\n",
-             f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparisons with "
+             f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparison"
+             f"{'s' * (plan['correction']['size'] != 1)} with "
              f"{plan['baseline']}, family-wise error rate {plan['correction']['alpha']:g}.\n", "## Tested\n",
              *[f"- {o}: {why}" for o, why in plan["objectives"].items()], "\n## Not tested\n",
              *[f"- {o}: {why}" for o, why in plan["not_tested"].items()]]
