@@ -64,7 +64,9 @@ TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstar
 NAME = "zoo"
 STAGES = ("screen", "confirm", "both")
 BASELINE = "grpo"
-CONFIRM_START_SEEDS = (2, 3, 4)  # model.seed of the confirmation's starting policies (each warm start reaches the band)
+# model.seed of the confirmation's starting policies (the screen's is the regimes' own, 1): each its own warm start,
+# built once into the cache before any run (a warm start that ends outside its band stops the sweep with its error)
+CONFIRM_START_SEEDS = (2, 3, 4)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
 
 
