@@ -19,6 +19,20 @@ from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 
+def test_the_soak_finds_a_sweeps_workers_as_its_runs(tmp_path):
+    """`make soak` kills runs it finds by their command line: a worker's names the results folder, not a run's."""
+    from harness.apps.soak import run_processes
+
+    # Popen returns once the child has exec'd: its command line is the one given
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "worker", str(tmp_path)])
+    try:
+        assert stand_in.pid in run_processes(tmp_path)
+        assert stand_in.pid not in run_processes(tmp_path / "other")
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
 def test_output_to_appends_both_streams_to_the_log_and_restores_them(tmp_path, capsys):
     log = tmp_path / "train.log"
     log.write_text("before\n")
