@@ -97,3 +97,23 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     ref = tmp_path / "ref"
     assert cli("train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(ref), "--no-progress").returncode == 0
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
+
+
+def test_the_throughput_bench_compares_runs_without_their_timings(tmp_path):
+    from harness.apps.throughput import same_runs
+
+    def write(folder: Path, rid: str, loss: float, step_s: float, answer: str = "1") -> None:
+        (folder / rid).mkdir(parents=True)
+        (folder / rid / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "step_s": step_s}) + "\n")
+        (folder / rid / "eval_samples.jsonl").write_text(json.dumps({"step": 1, "completion": answer}) + "\n")
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, step_s in ((first, 1.0), (second, 2.5)):  # the timings differ: the same run
+        write(folder, "same", 0.5, step_s)
+    write(first, "metric", 0.5, 1.0)
+    write(second, "metric", 0.5000001, 1.0)
+    write(first, "sample", 0.5, 1.0)
+    write(second, "sample", 0.5, 1.0, answer="2")
+    write(first, "absent", 0.5, 1.0)  # never written on the second side
+    (second / "absent").mkdir()
+    assert same_runs(first, second, ["same", "metric", "sample", "absent"]) == ["metric", "sample", "absent"]
