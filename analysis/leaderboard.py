@@ -174,8 +174,11 @@ def family_sentence(board: pd.DataFrame, baseline: str) -> str:
     """The leaderboard's family of comparisons with the baseline and what correcting for it leaves."""
     tested = board[board["vs_baseline_holm"].notna()] if "vs_baseline_holm" in board else board.iloc[:0]
     m = len(tested)
-    raw = int(((tested["vs_baseline_low"] > 0) | (tested["vs_baseline_high"] < 0)).sum()) if m else 0
-    holds = int((tested["vs_baseline_holm"] < 1 - LEVEL).sum()) if m else 0
+    if not m:
+        return (f"no comparison with {baseline} has a p-value (too few paired seeds, or seeds that agree with the eval "
+                "problems' spread unknown), so none is corrected.")
+    raw = int(((tested["vs_baseline_low"] > 0) | (tested["vs_baseline_high"] < 0)).sum())
+    holds = int((tested["vs_baseline_holm"] < 1 - LEVEL).sum())
     return (f"the family is {m} comparison{'s' * (m != 1)} with {baseline}, so about {m * (1 - LEVEL):.2f} of them "
             f"would exclude 0 by chance alone; {raw} exclude{'s' * (raw == 1)} 0 unadjusted, {holds} after Holm's "
             f"step-down correction (Holm p < {1 - LEVEL:g}, the family-wise error rate). A difference from one "
