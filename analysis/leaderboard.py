@@ -42,6 +42,10 @@ from harness.run.provenance import runs_stamp
 
 ACCURACY = "final_eval_accuracy"
 MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-run means over training steps
+COLUMNS = ["objective", "cells", "runs", "mean_rank", "iqm", "iqm_low", "iqm_high", "vs_baseline", "vs_baseline_low",
+           "vs_baseline_high", "vs_baseline_p", "vs_baseline_holm", "p_baseline", "p_baseline_low", "p_baseline_high",
+           "collapse_k", "collapse_n", "collapse_rate", "collapse_low", "collapse_high", "tokens_to_target",
+           "reached_target", *MECHANICS]
 
 
 def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
@@ -121,10 +125,9 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
     for objective in sorted(set(exp.runs["objective"].dropna()) - {r["objective"] for r in rows}):
         rows.append({"objective": objective, "cells": len(cells), "runs": 0})  # no ended run in the shared cells
     frame = pd.DataFrame(rows)
-    if len(frame):  # Holm over the family: every objective's comparison with the baseline that has a p-value
-        frame["vs_baseline_holm"] = holm(frame["vs_baseline_p"]) if "vs_baseline_p" in frame else np.nan
-    return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last") if len(frame) \
-        else frame
+    frame = frame.reindex(columns=[*COLUMNS, *(c for c in frame if c not in COLUMNS)])  # also when no run ended
+    frame["vs_baseline_holm"] = holm(frame["vs_baseline_p"])  # over every comparison with the baseline with a p
+    return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last")
 
 
 def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dict:
@@ -172,7 +175,7 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
 
 def family_sentence(board: pd.DataFrame, baseline: str) -> str:
     """The leaderboard's family of comparisons with the baseline and what correcting for it leaves."""
-    tested = board[board["vs_baseline_holm"].notna()] if "vs_baseline_holm" in board else board.iloc[:0]
+    tested = board[board["vs_baseline_holm"].notna()]
     m = len(tested)
     if not m:
         return (f"no comparison with {baseline} has a p-value (too few paired seeds, or seeds that agree with the eval "

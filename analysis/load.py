@@ -12,6 +12,7 @@ names the file, and the run is reported with what exists. A folder with nothing 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -20,13 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
 
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
-from harness.run.records import COLLAPSE_RULE, ENDED
+from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
@@ -60,6 +60,8 @@ class Experiment:
     samples: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> read_samples (runs that wrote some)
     baseline: str | None = None  # manifest.json's `baseline` (the sweep's sweep.baseline)
     objectives: list[str] = field(default_factory=list)  # manifest.json's `objectives`: the sweep grid's, in order
+    sources: list[Path] = field(default_factory=list)  # the results folders read (analysis/combine.py: several);
+    # runs carry `source`, the label of the folder(s) holding them
 
 
 def read_json(path: Path) -> dict | None:
@@ -88,16 +90,21 @@ class MetricsFile:
     nulls: dict[str, list[int]] = field(default_factory=dict)
 
 
-def parse_metrics(path: Path) -> MetricsFile:
+RUN_KEYS = ("run_id", "objective", "seed", "cell", "cell_id", "counted")  # the run's, not a step's: never metrics
+
+
+def parse_metrics(path: Path, total: int | None = None) -> MetricsFile:
     """metrics.jsonl read line by line; bad lines are skipped with a warning naming the file (the truncated last line
-    with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line."""
+    with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line.
+    Lines whose step is no step of the run (not a whole number, negative, beyond ``total`` steps) and keys that name
+    the run rather than a step (``seed``, ...) are left out, each kind named in one warning."""
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
         warn(f"{path}: unreadable, ignored ({e})")
         return MetricsFile(pd.DataFrame(), [])
     lines = text.rstrip("\n").split("\n")
-    rows, truncated = [], None
+    rows, truncated, absurd, foreign = [], None, [], set()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -116,7 +123,19 @@ def parse_metrics(path: Path) -> MetricsFile:
         if not isinstance(row, dict) or not isinstance(row.get("step"), int | float) or isinstance(row["step"], bool):
             warn(f"{path}: skipped line {i} (not an object with a numeric 'step')")
             continue
-        rows.append(row)
+        step = row["step"]
+        if not (math.isfinite(step) and step == int(step) and 0 <= step <= (math.inf if total is None else total)):
+            absurd.append(f"line {i}: {step!r}")
+            continue
+        foreign.update(key for key in RUN_KEYS if key in row)
+        rows.append({**{k: v for k, v in row.items() if k not in RUN_KEYS}, "step": int(step)})
+    if absurd:
+        warn(f"{path}: left out {len(absurd)} line{'s' * (len(absurd) > 1)} whose step is no step of this run "
+             f"({', '.join(absurd[:3])}{', ...' if len(absurd) > 3 else ''}; a step is a whole number from 0 to "
+             f"{'its steps' if total is None else total})")
+    if foreign:
+        warn(f"{path}: {', '.join(f'`{k}`' for k in sorted(foreign))} in its lines left out: the run's own, not "
+             "metrics of a step")
     df = pd.DataFrame(rows)
     if df.empty:
         warn(f"{path}: no metrics (empty file)")
@@ -167,9 +186,20 @@ def read_samples(path: Path) -> pd.DataFrame:
     return frame.drop_duplicates(["step", "problem"], keep="last").reset_index(drop=True)
 
 
-def steps_text(steps: list[int], most: int = 8) -> str:
+def steps_text(steps: list[int], most: int = 8, count: int | None = None) -> str:
+    """The first ``most`` of ``steps`` and, beyond, how many there are (``count``, else ``len(steps)``)."""
+    count = len(steps) if count is None else count
     shown = ", ".join(str(s) for s in steps[:most])
-    return shown + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
+    return shown + (f", ... ({count} in all)" if count > most else "")
+
+
+def missing_steps(steps_done: int, logged: set[int], listed: set[int], most: int = 8) -> tuple[list[int], int]:
+    """The first ``most`` steps of 0 .. steps_done and of ``listed`` that are not ``logged``, and how many there are,
+    without building the range (a damaged summary or file can claim billions of steps)."""
+    inside = sum(0 <= s <= steps_done for s in logged)
+    gaps = list(itertools.islice((s for s in range(steps_done + 1) if s not in logged), most))
+    beyond = sorted(s for s in listed - logged if not 0 <= s <= steps_done)
+    return sorted(gaps + beyond)[:most], max(steps_done + 1 - inside, 0) + len(beyond)
 
 
 def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
@@ -185,10 +215,10 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
     logged = set(read.frame["step"].astype(int)) if len(read.frame) else set()
     listed = summary.get("missing_steps")  # what the loop knew was missing; the file may have lost more since
     listed = {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
-    expected = set(range(steps_done + 1)) if logged else set()
-    missing = sorted((listed | expected) - logged - {read.truncated_step})
-    if missing:
-        warn(f"{path}: step{'s' * (len(missing) > 1)} {steps_text(missing)} missing (steps done: {steps_done})")
+    known = logged | ({read.truncated_step} if read.truncated_step is not None else set())
+    missing, count = missing_steps(steps_done if logged else -1, known, listed)
+    if count:
+        warn(f"{path}: step{'s' * (count > 1)} {steps_text(missing, count=count)} missing (steps done: {steps_done})")
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -201,10 +231,12 @@ def flatten(tree, prefix: str = "") -> dict:
 
 
 def read_config(path: Path) -> dict:
+    """config.yaml flattened to dotted keys; {} with one warning line naming the file when it is not a mapping of
+    settings (not YAML, a tag such as ``!!python/object``, which OmegaConf's safe loader refuses, a list, ...)."""
     try:
-        return flatten(OmegaConf.to_container(OmegaConf.load(path)))
-    except Exception as e:  # any YAML or omegaconf error: report the file, keep going
-        warn(f"{path}: unreadable config, ignored ({type(e).__name__}: {e})")
+        return flatten(read_run_config(path, resolve=False) or {})
+    except DamagedConfigError as e:
+        warn(f"{e}: ignored")
         return {}
 
 
@@ -226,6 +258,7 @@ def start_policy(summary: dict, path: Path) -> dict:
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
 
+COUNTS = ("seed", "steps_done", "total_steps")  # whole numbers >= 0
 SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
                    "best_eval_accuracy", "wall_time_s", "rollout_tokens")
 
@@ -239,6 +272,17 @@ def checked_summary(summary: dict, path: Path) -> dict:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             warn(f"{path}: `{key}` is {value!r}, not a number: ignored")
             out.pop(key)
+    for key in COUNTS:
+        value = out.get(key)
+        if value is not None and not (math.isfinite(value) and value == int(value) and value >= 0):
+            warn(f"{path}: `{key}` is {value!r}, not a whole number >= 0: ignored")
+            out.pop(key)
+        elif value is not None:
+            out[key] = int(value)
+    if out.get("steps_done") is not None and out.get("total_steps") is not None \
+            and out["steps_done"] > out["total_steps"]:
+        warn(f"{path}: `steps_done` {out['steps_done']} is beyond the run's {out['total_steps']} steps: ignored")
+        out.pop("steps_done")
     for key in ("status", "objective"):
         if key in out and not isinstance(out[key], str):
             warn(f"{path}: `{key}` is {out[key]!r}, not a string: ignored")
@@ -297,7 +341,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     summary = checked_summary((read_json(run_dir / "summary.json") if found["summary.json"] else None) or {},
                               run_dir / "summary.json")
     config = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
-    read = parse_metrics(run_dir / "metrics.jsonl") if found["metrics.jsonl"] else MetricsFile(pd.DataFrame(), [])
+    total = _first(summary.get("total_steps"), config.get("train.steps"))
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
+    read = (parse_metrics(run_dir / "metrics.jsonl", total) if found["metrics.jsonl"]
+            else MetricsFile(pd.DataFrame(), []))
     metrics = read.frame
     evals = metrics["eval_accuracy"].dropna() if "eval_accuracy" in metrics else pd.Series(dtype=float)
     at_start = evals[metrics.loc[evals.index, "step"] == 0] if len(evals) else evals
@@ -367,8 +414,23 @@ def is_run_folder(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in ("summary.json", "metrics.jsonl"))
 
 
-def load_experiment(exp_dir: str | Path) -> Experiment:
-    exp_dir = Path(exp_dir)
+@dataclass
+class Folder:
+    """One results folder as read: its label (the name its runs' ``source`` shows), manifest.json (empty when
+    missing) and per run load_run's (run, metrics, config, samples)."""
+    dir: Path
+    label: str
+    manifest: dict
+    loaded: list[tuple]
+
+    def overrides(self) -> dict[str, dict]:
+        """manifest.json's grid point of each run it lists, by run id."""
+        return {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in self.manifest.get("runs", [])
+                if isinstance(e, dict) and isinstance(e.get("overrides"), dict)}
+
+
+def read_folder(exp_dir: Path, label: str) -> Folder:
+    """Every run of the folder: manifest.json's, then the run folders it does not list (named in one warning)."""
     if not exp_dir.is_dir():
         raise AnalysisError(f"results folder {exp_dir} does not exist")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
@@ -386,6 +448,13 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
                             "with a summary.json or metrics.jsonl)")
     loaded = [load_run(exp_dir, e) for e in entries]
+    for run, *_ in loaded:
+        run["source"] = label
+    return Folder(exp_dir, label, manifest or {}, loaded)
+
+
+def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str, dict]) -> Experiment:
+    """The Experiment of the loaded runs (run ids distinct): the frames, the cells (analysis/cells.py)."""
     runs = pd.DataFrame([run for run, *_ in loaded])
     frames = [m for _, m, *_ in loaded if len(m)]
     metrics = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "objective", "step"])
@@ -398,9 +467,6 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     integers = ["seed", START_SEED, "total_steps"]
     runs[integers] = runs[integers].astype("Int64")  # <NA> when unknown
-    name = str((manifest or {}).get("experiment") or exp_dir.name)
-    overrides = {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in entries
-                 if isinstance(e.get("overrides"), dict)}
     configs = {run["run_id"]: config for run, _, config, _ in loaded}
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
@@ -411,8 +477,17 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         warn(note)
     extra = runs.set_index("run_id")[["cell", "cell_id", "counted", START_SEED]]
     metrics = metrics.join(extra, on="run_id")  # each metrics row knows its run's cell and whether it is counted
-    baseline = (manifest or {}).get("baseline")
-    objectives = (manifest or {}).get("objectives")
-    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples,
-                      baseline if isinstance(baseline, str) else None,
-                      [str(o) for o in objectives] if isinstance(objectives, list) else [])
+    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples)
+
+
+def load_experiment(exp_dir: str | Path) -> Experiment:
+    """Every run of one results folder (see the module docstring)."""
+    exp_dir = Path(exp_dir)
+    folder = read_folder(exp_dir, exp_dir.name)
+    exp = assemble(str(folder.manifest.get("experiment") or exp_dir.name), exp_dir, folder.loaded,
+                   folder.overrides())
+    baseline, objectives = folder.manifest.get("baseline"), folder.manifest.get("objectives")
+    exp.baseline = baseline if isinstance(baseline, str) else None
+    exp.objectives = [str(o) for o in objectives] if isinstance(objectives, list) else []
+    exp.sources = [exp_dir]
+    return exp

@@ -147,11 +147,3 @@ def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
         with pytest.raises(ConfigError, match="the zoo sets the objectives"):
             zoo.main(overrides=[override], stage="screen")
 
-
-@pytest.mark.parametrize("given", ["", "grpo,,gspo", ","])
-def test_an_empty_objective_list_or_name_is_refused_not_read_as_every_objective(given, capsys):
-    """`zoo --objectives ""` ran every registered objective (an empty string is falsy), before anything started."""
-    assert cli_main(["zoo", "--objectives", given, "--seeds", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err == f"config error: --objectives {given!r} has an empty name: give registered names separated by " \
-        "commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out for every one\n"
