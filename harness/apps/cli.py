@@ -301,7 +301,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    return serve(sys.stdin)
+    return serve(sys.stdin, main)
 
 
 def cmd_gpu_check(args) -> int:

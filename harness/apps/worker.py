@@ -6,13 +6,13 @@ run. harness/apps/launchers.py's LocalLauncher starts one per job (``launcher.ru
         {"args": ["train", "<run_dir>/config.yaml", "--run-dir", "<run_dir>", ...], "log": "<run_dir>/train.log"}
     # and answers each on stdout with one line: the run's exit status, as `python -m harness <args>` would exit
 
-Each request runs exactly as its own process would: ``harness.apps.cli.main(args)`` (the same checks, the same
-``train``), with the process's stdout and stderr appended to the request's log for its duration, so a run's
-train.log, lock, summary and provenance are what a process of its own writes. Every run sets its own random streams
-and torch threads (harness/loop/native.py, harness/run/threads.py), so its metrics are bit-equal to those of a
-process of its own (tests/test_worker.py). A signal that stops the run (SIGTERM: "interrupted") ends the worker with
-it; the sweep starts another for the next run. The results folder on the command line only names the worker in a
-process list (``make soak`` finds a sweep's runs by it).
+Each request runs exactly as its own process would: ``harness.apps.cli.main(args)``, which the CLI passes in (the
+same checks, the same ``train``), with the process's stdout and stderr appended to the request's log for its
+duration, so a run's train.log, lock, summary and provenance are what a process of its own writes. Every run sets its
+own random streams and torch threads (harness/loop/native.py, harness/run/threads.py), so its metrics are bit-equal
+to those of a process of its own (tests/test_worker.py). A signal that stops the run (SIGTERM: "interrupted") ends
+the worker with it; the sweep starts another for the next run. The results folder on the command line only names the
+worker in a process list (``make soak`` finds a sweep's runs by it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
@@ -45,11 +46,11 @@ def output_to(log: str):
             os.close(descriptor)
 
 
-def serve(requests: IO[str]) -> int:
-    """Run each request of ``requests`` (module docstring) and answer its exit status on this process's stdout (a
-    copy of it: stdout itself goes to stderr between runs, so that nothing else reaches the sweep's pipe); 0 when the
-    requests end (the sweep closed the pipe)."""
-    from harness.apps.cli import main  # the CLI imports this module for its `worker` command
+def serve(requests: IO[str], main: Callable[[list[str]], int]) -> int:
+    """Run each request of ``requests`` (module docstring) with ``main`` (the CLI's: ``main(args)`` as
+    ``python -m harness <args>``) and answer its exit status on this process's stdout (a copy of it: stdout itself
+    goes to stderr between runs, so that nothing else reaches the sweep's pipe); 0 when the requests end (the sweep
+    closed the pipe)."""
     from harness.run.provenance import code_record
 
     code_record()  # the code this process imported, recorded before a later edit of the checkout could be read
