@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from harness.apps import docs
 from harness.run import names
@@ -60,6 +61,7 @@ def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
     assert "| 3 |" in mechanics and "| 6 |" not in mechanics
 
 
+@pytest.mark.slow  # two reports with their figures
 def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkeypatch):
     """`make docs` after an interrupted one at the same commit resumes: its wall time covers only the runs left, and
     the page says how many had finished before (a page once claimed 4 runs in 14.5 min when two were resumed)."""
