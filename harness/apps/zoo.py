@@ -5,8 +5,8 @@
            and results/zoo/report/ (the per-cell report: axis figures, heat map, paired tables)
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
-next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, the
-README's experiment table) at the axis values listed, crossed with every objective and ``--seeds`` seeds; all runs go
+next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed in
+docs/running.md) at the axis values listed, crossed with every objective and ``--seeds`` seeds; all runs go
 into one folder under the experiment name ``zoo``, so a cell two regimes share (e.g. quickstart's settings, were both
 to list it) is one set of runs (run ids are the settings' hash). Overrides apply to every run (e.g. ``train.steps=2``
 for a smoke test).
@@ -32,8 +32,8 @@ from harness.run.records import ENDED
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
-# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). The README's
-# "Where objectives differ" says what was explored, what each regime showed and how the budget is computed.
+# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). docs/zoo.md
+# says what was explored, what each regime showed and how the budget is computed.
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
     "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (at 10x every core objective collapses)
