@@ -1,4 +1,4 @@
-"""The edges a hostile user finds (issue 31): resuming a run folder with other settings, a full disk, killed runs
+"""The edges a hostile user finds: resuming a run folder with other settings, a full disk, killed runs
 shown as running. Each refuses in one line before anything starts, or recovers exactly and says so."""
 
 from __future__ import annotations

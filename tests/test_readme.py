@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from markdown.extensions.toc import slugify
 
 from harness.tasks import TASKS, get_task
@@ -37,6 +38,11 @@ def inline_make_commands(text: str) -> list[str]:
     """The `make ...` code spans of the prose (outside code blocks)."""
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     return [" ".join(span.split()) for span in re.findall(r"`(make [^`]+)`", prose)]
+
+
+def links(text: str) -> list[str]:
+    """The targets of the Markdown links and images of ``text``."""
+    return re.findall(r"\]\(([^)\s]+)\)", text)
 
 
 def make_targets() -> set[str]:
@@ -73,10 +79,8 @@ def test_every_make_target_and_experiment_the_readme_names_exists():
 
 
 def test_every_link_of_the_readme_is_a_file_and_every_anchor_a_heading():
-    text = README.read_text()
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert links
-    for link in links:
+    assert links(README.read_text())
+    for link in links(README.read_text()):
         if re.match(r"[a-z]+://", link):
             continue
         path, _, anchor = link.partition("#")
@@ -85,6 +89,25 @@ def test_every_link_of_the_readme_is_a_file_and_every_anchor_a_heading():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
             assert anchor in {slugify(h, "-") for h in headings}, f"README links to {link}: no such heading"
+
+
+def nav_pages(nav) -> set[str]:
+    """The pages of mkdocs.yml's nav (nested sections flattened)."""
+    if isinstance(nav, str):
+        return {nav}
+    items = nav.values() if isinstance(nav, dict) else nav
+    return set().union(*(nav_pages(item) for item in items))
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_in_the_site():
+    """Each page of docs/ is one the README points to (its Documentation list or the prose) and one the site's nav
+    lists; the site's own reference pages are written at build time (docs/hooks.py), not kept in docs/."""
+    linked = {Path(link.partition("#")[0]) for link in links(README.read_text())}
+    pages = {page.relative_to(ROOT) for page in (ROOT / "docs").glob("*.md")}
+    nav = nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    assert pages - linked == set(), f"docs pages the README does not link: {sorted(map(str, pages - linked))}"
+    missing = {str(page.relative_to("docs")) for page in pages} - nav
+    assert missing == set(), f"docs pages missing from mkdocs.yml's nav: {sorted(missing)}"
 
 
 @pytest.mark.slow  # one `make -n` per command (subprocesses, ~0.1 s each) and the configs they would run

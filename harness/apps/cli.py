@@ -370,10 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("overrides", nargs="*", help="key=value overrides")
     prepare.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: the free cores)")
     docs = sub.add_parser("docs", help="re-run what the docs quote; rewrite docs/ figures and docs/results.md")
-    docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
+    docs.add_argument("--with-gsm8k", action="store_true",
+                      help="also gsm8k_ablation: docs/results_gsm8k.md (its wall time there)")
     docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/results_zoo.md")
     docs.add_argument("--with-moe", action="store_true",
-                      help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
+                      help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
