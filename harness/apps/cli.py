@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--full-length", action="store_true", help=argparse.SUPPRESS)  # --scale's child: no EOS
     bench.add_argument("--scale", action="store_true",
                        help="peak memory and step time per (sequences, new tokens) point, a fresh process each, every "
-                            "row at full length (docs/benchmark.md's scaling table)")
+                            "row at full length (docs/benchmark.md, Scaling)")
     bench.add_argument("--rows", type=int_list, default=SCALE_ROWS, metavar="N,N,...",
                        help="--scale: sequences per rollout step (prompts x group size)")
     bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",

@@ -463,7 +463,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale:
     ``bias``) and the log-sum-exp of its scores [B, H, L, 1], in float32. ``fused`` on CPU: one kernel, the flash
     attention that ``F.scaled_dot_product_attention`` runs there (which also returns the log-sum-exp); faster for
     the prompt part (many queries per group), slower than two batched matmuls for the generated part's few
-    queries per row (docs/benchmark.md: the decode's attention)."""
+    queries per row (docs/results_benchmark.md, "Tried and not used")."""
     if fused and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=bias,
                                                                                scale=scale)
