@@ -63,7 +63,7 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
 	$(PY) -m harness claims --jobs $(JOBS)
 
-zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: docs/zoo.md; SEEDS=N)
+zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: docs/zoo_guide.md; SEEDS=N)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
 plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper; BASELINE=name: the verdict's baseline)
@@ -81,7 +81,7 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the docs quote and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/results_zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
+docs:  ## re-run what the docs quote and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)

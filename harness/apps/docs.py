@@ -6,7 +6,7 @@
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
 into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation;
-``docs/results_zoo.md``: the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts
+``docs/zoo.md``: the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts
 claims checked on its runs and on lab_moe; always the generated tables of docs/trl.md and README.md,
 harness/run/names.py), stamped with the code, the date, the machine (CPU, cores, load before and after), the wall
 time of each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's records).
@@ -144,12 +144,12 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
         atomic_write(DOCS / "results_gsm8k.md", "# gsm8k_ablation, measured\n\n" + header + section)
     if with_zoo:  # the leaderboard carries its own stamp (machine, wall time, load; its runs' code and threads)
         zoo(jobs=jobs, overrides=[f"results_dir={results_dir}"], progress=False)
-        atomic_write(DOCS / "results_zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo: "
-                     "docs/zoo.md).\n\n" + (results_dir / "zoo" / "leaderboard.md").read_text())
+        atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo: "
+                     "docs/zoo_guide.md).\n\n" + (results_dir / "zoo" / "leaderboard.md").read_text())
     if with_moe:
         section = document("moe_stability", results_dir, jobs) + "\n" + claims_section(MOE_CLAIMS, results_dir, jobs)
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
-    pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("results_zoo.md", with_zoo),
+    pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", with_zoo),
              ("results_moe.md", with_moe)]
     print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0

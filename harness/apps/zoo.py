@@ -32,7 +32,7 @@ from harness.run.records import ENDED
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
-# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). docs/zoo.md
+# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). docs/zoo_guide.md
 # says what was explored, what each regime showed and how the budget is computed.
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
