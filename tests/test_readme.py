@@ -110,7 +110,7 @@ def test_every_docs_page_is_linked_from_the_readme_and_in_the_site():
     assert missing == set(), f"docs pages missing from mkdocs.yml's nav: {sorted(missing)}"
 
 
-@pytest.mark.slow  # one `make -n` per command (subprocesses, ~0.1 s each) and the configs they would run
+@pytest.mark.slow  # one `make -n` subprocess per command, and the configs they would run
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_every_readme_command_dry_runs_in_order(tmp_path):
     """From a fresh clone, in the README's order: `make setup`, `make test`, then each command. Each make command
