@@ -81,7 +81,7 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the docs quote and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)

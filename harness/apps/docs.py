@@ -1,15 +1,15 @@
-"""`make docs`: re-run the experiments the docs quote on the current code and rewrite the pages that show them.
+"""`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
 
     python -m harness docs [--with-gsm8k] [--with-zoo] [--with-moe] [--skip-main] [--jobs N]
     # RLVR_CACHE=$(mktemp -d): include the warm start; --skip-main: only the --with-* pages
 
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
-into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation;
-``docs/zoo.md``: the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts
-claims checked on its runs and on lab_moe; always the generated tables of docs/trl.md and README.md,
-harness/run/names.py), stamped with the code, the date, the machine (CPU, cores, load before and after), the wall
-time of each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's records).
+into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``:
+the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs
+and on lab_moe; always the generated tables of docs/trl.md and README.md, harness/run/names.py), stamped with the
+code, the date, the machine (CPU, cores, load before and after), the wall time of each sweep, and each experiment's
+runs' own code versions and torch threads (their summary.json's records).
 """
 
 from __future__ import annotations
