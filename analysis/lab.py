@@ -31,7 +31,8 @@ import torch
 from analysis import plots
 from analysis.report import render_html, render_md
 from analysis.stats import BOOT_SEED, INTERVALS, LEVEL, N_BOOT, describe, num
-from harness.run.atomic import atomic_write
+from harness.run.atomic import ForeignFileError, atomic_write, write_into
+from harness.run.records import load_tensors, unreadable_reason
 
 FRESH = "staleness=0"
 MAX_BANDS = 6  # interval bands are drawn for up to this many objectives (more would hide the lines)
@@ -88,10 +89,19 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def load_batches(folder: Path) -> list[dict]:
+    """The measured batches, read as tensors in plain containers only (:func:`load_tensors`); a file holding anything
+    else is refused in one line (LabError) naming it."""
     paths = sorted((folder / "batches").glob("batch_*.pt"))
     if not paths:
         raise LabError(f"{folder} holds no measured batch (batches/batch_*.pt): run `python -m harness lab ...`")
-    return [torch.load(p, weights_only=False) for p in paths]
+    batches = []
+    for path in paths:
+        try:
+            batches.append(load_tensors(path))
+        except Exception as e:  # noqa: BLE001 - torn, corrupted, or not ours: named, never run
+            raise LabError(f"unreadable lab batch {path} ({unreadable_reason(e)}): delete it and run the lab again "
+                           "to measure that batch anew") from None
+    return batches
 
 
 def tables(batches: list[dict]) -> dict[str, pd.DataFrame]:
@@ -246,8 +256,11 @@ def build_lab_report(folder: str | Path) -> Path:
     found["summary"] = summary(found["lab"])
     found["sqrt_growth"] = sqrt_growth(found["positions"])
     for name, table in found.items():
-        table.to_csv(folder / f"{name}.csv", index=False)
-    atomic_write(folder / "report", write=lambda tmp: write_lab_report(folder, batches, found, tmp), shared=True)
+        atomic_write(folder / f"{name}.csv", table.to_csv(index=False))
+    try:
+        write_into(folder / "report", lambda tmp: write_lab_report(folder, batches, found, tmp), earlier="report.md")
+    except ForeignFileError as e:
+        raise LabError(str(e)) from None
     return folder / "report" / "report.md"
 
 

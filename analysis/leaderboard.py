@@ -40,6 +40,9 @@ from harness.run.provenance import runs_stamp
 
 ACCURACY = "final_eval_accuracy"
 MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-run means over training steps
+COLUMNS = ["objective", "cells", "runs", "mean_rank", "iqm", "iqm_low", "iqm_high", "vs_baseline", "vs_baseline_low",
+           "vs_baseline_high", "p_baseline", "p_baseline_low", "p_baseline_high", "collapse_k", "collapse_n",
+           "collapse_rate", "collapse_low", "collapse_high", "tokens_to_target", "reached_target", *MECHANICS]
 
 
 def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
@@ -119,8 +122,8 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
     for objective in sorted(set(exp.runs["objective"].dropna()) - {r["objective"] for r in rows}):
         rows.append({"objective": objective, "cells": len(cells), "runs": 0})  # no ended run in the shared cells
     frame = pd.DataFrame(rows)
-    return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last") if len(frame) \
-        else frame
+    frame = frame.reindex(columns=[*COLUMNS, *(c for c in frame if c not in COLUMNS)])  # also when no run ended
+    return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last")
 
 
 def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dict:

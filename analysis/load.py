@@ -12,6 +12,7 @@ names the file, and the run is reported with what exists. A folder with nothing 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -20,13 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
 
 from analysis.cells import CODE, UNKNOWN, Cells, assign_cells
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
-from harness.run.records import COLLAPSE_RULE, ENDED
+from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
@@ -88,16 +88,21 @@ class MetricsFile:
     nulls: dict[str, list[int]] = field(default_factory=dict)
 
 
-def parse_metrics(path: Path) -> MetricsFile:
+RUN_KEYS = ("run_id", "objective", "seed", "cell", "cell_id", "counted")  # the run's, not a step's: never metrics
+
+
+def parse_metrics(path: Path, total: int | None = None) -> MetricsFile:
     """metrics.jsonl read line by line; bad lines are skipped with a warning naming the file (the truncated last line
-    with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line."""
+    with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line.
+    Lines whose step is no step of the run (not a whole number, negative, beyond ``total`` steps) and keys that name
+    the run rather than a step (``seed``, ...) are left out, each kind named in one warning."""
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
         warn(f"{path}: unreadable, ignored ({e})")
         return MetricsFile(pd.DataFrame(), [])
     lines = text.rstrip("\n").split("\n")
-    rows, truncated = [], None
+    rows, truncated, absurd, foreign = [], None, [], set()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -116,7 +121,19 @@ def parse_metrics(path: Path) -> MetricsFile:
         if not isinstance(row, dict) or not isinstance(row.get("step"), int | float) or isinstance(row["step"], bool):
             warn(f"{path}: skipped line {i} (not an object with a numeric 'step')")
             continue
-        rows.append(row)
+        step = row["step"]
+        if not (math.isfinite(step) and step == int(step) and 0 <= step <= (math.inf if total is None else total)):
+            absurd.append(f"line {i}: {step!r}")
+            continue
+        foreign.update(key for key in RUN_KEYS if key in row)
+        rows.append({**{k: v for k, v in row.items() if k not in RUN_KEYS}, "step": int(step)})
+    if absurd:
+        warn(f"{path}: left out {len(absurd)} line{'s' * (len(absurd) > 1)} whose step is no step of this run "
+             f"({', '.join(absurd[:3])}{', ...' if len(absurd) > 3 else ''}; a step is a whole number from 0 to "
+             f"{'its steps' if total is None else total})")
+    if foreign:
+        warn(f"{path}: {', '.join(f'`{k}`' for k in sorted(foreign))} in its lines left out: the run's own, not "
+             "metrics of a step")
     df = pd.DataFrame(rows)
     if df.empty:
         warn(f"{path}: no metrics (empty file)")
@@ -167,9 +184,20 @@ def read_samples(path: Path) -> pd.DataFrame:
     return frame.drop_duplicates(["step", "problem"], keep="last").reset_index(drop=True)
 
 
-def steps_text(steps: list[int], most: int = 8) -> str:
+def steps_text(steps: list[int], most: int = 8, count: int | None = None) -> str:
+    """The first ``most`` of ``steps`` and, beyond, how many there are (``count``, else ``len(steps)``)."""
+    count = len(steps) if count is None else count
     shown = ", ".join(str(s) for s in steps[:most])
-    return shown + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
+    return shown + (f", ... ({count} in all)" if count > most else "")
+
+
+def missing_steps(steps_done: int, logged: set[int], listed: set[int], most: int = 8) -> tuple[list[int], int]:
+    """The first ``most`` steps of 0 .. steps_done and of ``listed`` that are not ``logged``, and how many there are,
+    without building the range (a damaged summary or file can claim billions of steps)."""
+    inside = sum(0 <= s <= steps_done for s in logged)
+    gaps = list(itertools.islice((s for s in range(steps_done + 1) if s not in logged), most))
+    beyond = sorted(s for s in listed - logged if not 0 <= s <= steps_done)
+    return sorted(gaps + beyond)[:most], max(steps_done + 1 - inside, 0) + len(beyond)
 
 
 def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
@@ -185,10 +213,10 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
     logged = set(read.frame["step"].astype(int)) if len(read.frame) else set()
     listed = summary.get("missing_steps")  # what the loop knew was missing; the file may have lost more since
     listed = {s for s in listed if isinstance(s, int)} if isinstance(listed, list) else set()
-    expected = set(range(steps_done + 1)) if logged else set()
-    missing = sorted((listed | expected) - logged - {read.truncated_step})
-    if missing:
-        warn(f"{path}: step{'s' * (len(missing) > 1)} {steps_text(missing)} missing (steps done: {steps_done})")
+    known = logged | ({read.truncated_step} if read.truncated_step is not None else set())
+    missing, count = missing_steps(steps_done if logged else -1, known, listed)
+    if count:
+        warn(f"{path}: step{'s' * (count > 1)} {steps_text(missing, count=count)} missing (steps done: {steps_done})")
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -201,10 +229,12 @@ def flatten(tree, prefix: str = "") -> dict:
 
 
 def read_config(path: Path) -> dict:
+    """config.yaml flattened to dotted keys; {} with one warning line naming the file when it is not a mapping of
+    settings (not YAML, a tag such as ``!!python/object``, which OmegaConf's safe loader refuses, a list, ...)."""
     try:
-        return flatten(OmegaConf.to_container(OmegaConf.load(path)))
-    except Exception as e:  # any YAML or omegaconf error: report the file, keep going
-        warn(f"{path}: unreadable config, ignored ({type(e).__name__}: {e})")
+        return flatten(read_run_config(path, resolve=False) or {})
+    except DamagedConfigError as e:
+        warn(f"{e}: ignored")
         return {}
 
 
@@ -226,6 +256,7 @@ def start_policy(summary: dict, path: Path) -> dict:
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
 
+COUNTS = ("seed", "steps_done", "total_steps")  # whole numbers >= 0
 SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
                    "best_eval_accuracy", "wall_time_s", "rollout_tokens")
 
@@ -239,6 +270,17 @@ def checked_summary(summary: dict, path: Path) -> dict:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             warn(f"{path}: `{key}` is {value!r}, not a number: ignored")
             out.pop(key)
+    for key in COUNTS:
+        value = out.get(key)
+        if value is not None and not (math.isfinite(value) and value == int(value) and value >= 0):
+            warn(f"{path}: `{key}` is {value!r}, not a whole number >= 0: ignored")
+            out.pop(key)
+        elif value is not None:
+            out[key] = int(value)
+    if out.get("steps_done") is not None and out.get("total_steps") is not None \
+            and out["steps_done"] > out["total_steps"]:
+        warn(f"{path}: `steps_done` {out['steps_done']} is beyond the run's {out['total_steps']} steps: ignored")
+        out.pop("steps_done")
     for key in ("status", "objective"):
         if key in out and not isinstance(out[key], str):
             warn(f"{path}: `{key}` is {out[key]!r}, not a string: ignored")
@@ -297,7 +339,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     summary = checked_summary((read_json(run_dir / "summary.json") if found["summary.json"] else None) or {},
                               run_dir / "summary.json")
     config = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
-    read = parse_metrics(run_dir / "metrics.jsonl") if found["metrics.jsonl"] else MetricsFile(pd.DataFrame(), [])
+    total = _first(summary.get("total_steps"), config.get("train.steps"))
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
+    read = (parse_metrics(run_dir / "metrics.jsonl", total) if found["metrics.jsonl"]
+            else MetricsFile(pd.DataFrame(), []))
     metrics = read.frame
     evals = metrics["eval_accuracy"].dropna() if "eval_accuracy" in metrics else pd.Series(dtype=float)
     at_start = evals[metrics.loc[evals.index, "step"] == 0] if len(evals) else evals

@@ -39,7 +39,7 @@ from analysis.stats import (
     num,
     rate_interval,
 )
-from harness.run.atomic import TMP, atomic_write
+from harness.run.atomic import TMP, WRITTEN, ForeignFileError, write_into
 from harness.run.provenance import versions_lines
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
@@ -409,8 +409,9 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     """Write the report folder; returns the path of report.md. Data problems are warned (AnalysisWarning) and
     listed in the report; a missing or empty results folder raises AnalysisError. ``paper``: figures for a paper
     (see plots), PDF among the formats. ``baseline``: the objective the verdict compares the others to (None:
-    manifest.json's, else analysis.paired.default_baseline). The folder is built as a hidden sibling and renamed
-    into place."""
+    manifest.json's, else analysis.paired.default_baseline). The files are built in a hidden sibling folder, then
+    each renamed into place (harness.run.atomic.write_into): a file the report did not write there (a draft beside
+    it) is kept, and one of a report file's name refused (AnalysisError)."""
     unknown = set(formats) - set(plots.SAVE_METADATA)
     if unknown:
         raise AnalysisError(f"unknown figure format(s) {', '.join(sorted(unknown))}; use png, pdf or svg")
@@ -425,8 +426,8 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
         raise AnalysisError(f"--baseline {baseline}: no run of {baseline} in {exp.dir}; its objectives: "
                             + ", ".join(paired.registry_order(exp.runs["objective"])))
     out_dir = Path(out) if out else exp.dir / "report"
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "report.md").exists():
-        raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to replace it; choose another "
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
+        raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to write into it; choose another "
                             "--out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.parent.glob(f".{out_dir.name}.*{TMP}"):  # a killed writer's (another may be writing now)
@@ -438,7 +439,10 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
         with plots.context(paper):
             write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline)
 
-    atomic_write(out_dir, write=write, shared=True)  # shared: two reports of one experiment may be written at once
+    try:
+        write_into(out_dir, write, earlier="report.md")
+    except ForeignFileError as e:
+        raise AnalysisError(str(e)) from None
     return out_dir / "report.md"
 
 

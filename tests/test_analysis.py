@@ -250,7 +250,7 @@ def test_report_is_replaced_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in exp.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
     (exp / "notes").mkdir()
     (exp / "notes" / "mine.txt").write_text("x")
-    with pytest.raises(AnalysisError, match="holds no report.md: refusing to replace it"):
+    with pytest.raises(AnalysisError, match="holds no report.md: refusing to write into it"):
         build_report(exp, out=exp / "notes")
     assert (exp / "notes" / "mine.txt").exists()
 

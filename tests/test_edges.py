@@ -57,7 +57,7 @@ def stopped_run(tmp_path):
 
 @pytest.mark.parametrize("override, shown", [
     ("objective.name=gspo", "objective.name grpo -> gspo"), ("train.lr=0.01", "train.lr 0.001 -> 0.01"),
-    ("objective.params.clip_low=0.3", "objective.params.clip_low (unset) -> 0.3")])
+    ("objective.params.clip_low=0.3", "objective.params.clip_low 0.2 -> 0.3")])  # an unset one: its default
 def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing(stopped_run, override, shown,
                                                                                    capsys):
     run, run_dir = stopped_run

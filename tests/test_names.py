@@ -7,6 +7,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -115,8 +116,8 @@ def test_explain_prints_meaning_default_trl_and_verl(capsys):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_explain_passes_the_key():
-    done = subprocess.run(["make", "-n", "explain", "KEY=num_generations"], cwd=names.REPO, capture_output=True,
-                          text=True)
+    done = subprocess.run(["make", "-n", "explain", "KEY=num_generations", f"PY={sys.executable}"], cwd=names.REPO,
+                          capture_output=True, text=True)  # PY: a copy of the checkout may have no .venv
     assert done.returncode == 0 and "-m harness explain num_generations" in done.stdout
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.loop import batch as batch_module
 from harness.loop.batch import collect_batch, rewards_of
 from harness.loop.build import build_policy, build_task
 from harness.loop.native import train
@@ -22,7 +23,8 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.records import read_jsonl
 from harness.tasks import Arith, Score, get_task
-from objectives import ObjectiveOutput, available_advantages, available_objectives, get_objective
+from objectives import ADVANTAGES, ObjectiveOutput, available_advantages, available_objectives, get_objective
+from objectives.advantages import needs_nonnegative_rewards
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
@@ -160,9 +162,23 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", available_advantages())
-def test_every_advantage_estimator_trains_through_the_loop(tmp_path, estimator):
-    """Each registered estimator gets what it needs from the loop (the completion lengths: REINFORCE++, OPO)."""
-    run = tiny_run(tmp_path, "objective.name=grpo", f"objective.advantage={estimator}", "task.overlong_buffer=6")
+def test_every_advantage_estimator_trains_through_the_loop(tmp_path, estimator, monkeypatch):
+    """Each registered estimator gets what it needs from the loop (the completion lengths: REINFORCE++, OPO). The
+    rewards vary within groups: by the overlong penalty (negative), or for an estimator that takes only rewards >= 0
+    (MaxRL) by a format score of every third sample (the random tiny model is never correct)."""
+    if needs_nonnegative_rewards(ADVANTAGES.get(estimator)):
+        components = batch_module.reward_components
+
+        def every_third_formatted(scores, lengths, cfg):
+            parts, weights = components(scores, lengths, cfg)
+            parts[:, 1] = (torch.arange(len(parts)) % 3 == 0).double()
+            return parts, weights
+
+        monkeypatch.setattr(batch_module, "reward_components", every_third_formatted)
+        rewards = ["task.format_weight=0.5"]
+    else:
+        rewards = ["task.overlong_buffer=6"]
+    run = tiny_run(tmp_path, "objective.name=grpo", f"objective.advantage={estimator}", *rewards)
     assert train(run, tmp_path / "run", progress=False)["steps_done"] == 2
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert any(row["adv_std"] > 0 for row in rows[1:]) and all(math.isfinite(row["loss"]) for row in rows[1:])

@@ -652,11 +652,9 @@ def test_a_new_module_alone_passes_the_registry_wide_fast_tests(tmp_path):
     copy = tmp_path / "checkout"
     for folder in COPIED:
         shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("README.md", "pyproject.toml", "Makefile"):
+    for name in ("README.md", "pyproject.toml", "Makefile", "mkdocs.yml"):
         shutil.copy(REPO / name, copy / name)
-    (copy / "docs").mkdir()
-    for page in (REPO / "docs").glob("*.md"):
-        shutil.copy(page, copy / "docs" / page.name)
+    shutil.copytree(REPO / "docs", copy / "docs", ignore=shutil.ignore_patterns("__pycache__"))  # and hooks.py
     source = example_source()
     name = re.search(r'@register_objective\("(\w+)"\)', source).group(1)
     (copy / "objectives" / f"{name}.py").write_text(source)

@@ -32,7 +32,7 @@ def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, 
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:  # Ctrl-C right after the step-0 line, before the first checkpoint
-        patch.setattr("harness.loop.native.collect_batch", interrupted)
+        patch.setattr("harness.loop.pipeline.collect_batch", interrupted)
         with pytest.raises(KeyboardInterrupt):
             train(run, tmp_path / "part", progress=False)
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")] == [0]

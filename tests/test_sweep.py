@@ -235,7 +235,7 @@ def test_a_run_whose_lock_another_process_holds_is_followed_to_its_end_not_start
     (run_dir / "config.yaml").write_text("train: {steps: 3}\n")
     (run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
     holder = lock_folder(run_dir / RUN_LOCK, "busy")
-    child = Child.start(NoStart(), run_dir, threads=1, progress=False, position=1, allow_code_change=False)
+    child = Child.start(NoStart(), run_dir, threads=1, progress=False, position=1, steps=3, allow_code_change=False)
     assert "run grpo-s0-abc is still running (another process holds its lock): following it to its end" in \
         capsys.readouterr().out
     assert child.poll() and child.poll()  # still running, as long as the lock is held

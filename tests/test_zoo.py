@@ -46,12 +46,3 @@ def test_a_setting_a_regime_cannot_take_names_the_regime(capsys):
     assert err.count("\n") == 1 and err.startswith("config error: the zoo's regime 'offpolicy' "
                                                    "(train.num_minibatches=[16], experiments/offpolicy.yaml) with your "
                                                    "settings: objective 'conspo' compares the samples of a group"), err
-
-
-@pytest.mark.parametrize("given", ["", "grpo,,gspo", ","])
-def test_an_empty_objective_list_or_name_is_refused_not_read_as_every_objective(given, capsys):
-    """`zoo --objectives ""` ran every registered objective (an empty string is falsy), before anything started."""
-    assert cli_main(["zoo", "--objectives", given, "--seeds", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err == f"config error: --objectives {given!r} has an empty name: give registered names separated by " \
-        "commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out for every one\n"

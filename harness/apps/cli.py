@@ -34,6 +34,7 @@ from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
 from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
 from harness.policy.sampler import SAMPLERS
+from harness.policy.warm_start import WarmStartError
 from harness.run import names
 from harness.run.allocator import keep_freed_memory
 from harness.run.atomic import atomic_write, disk_full_error
@@ -152,6 +153,20 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def name_list(text: str) -> list[str]:
+    """A comma-separated list of names, each once (``--objectives grpo,gspo``); an empty list or name is refused."""
+    names = [part.strip() for part in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError("give at least one name (comma-separated, e.g. grpo,gspo), or leave the "
+                                         "option out for all of them")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty name in {text!r}: separate the names by single commas")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}: name each once")
+    return names
+
+
 def accuracy(text: str) -> float:
     """An accuracy a run can reach: a number in (0, 1] (0 is reached at the start; above 1 never)."""
     try:
@@ -247,8 +262,8 @@ def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
     given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
-    if args.objectives is not None:  # given, even empty: zoo_runs refuses an empty name
-        given["objectives"] = args.objectives.split(",")
+    if args.objectives is not None:  # name_list refused an empty list or name
+        given["objectives"] = args.objectives
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
                report=not args.no_report, allow_code_change=args.allow_code_change)
 
@@ -355,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
-    zoo.add_argument("--objectives", help="a comma-separated subset (default: every registered objective)")
+    zoo.add_argument("--objectives", type=name_list,
+                     help="a comma-separated subset (default: every registered objective)")
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")
     zoo.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
@@ -448,7 +464,8 @@ COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare":
 
 def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
-    full disk, 0: the reader of stdout has gone); None for any other (its traceback is raised)."""
+    full disk or a warm start that missed its band, 0: the reader of stdout has gone); None for any other (its
+    traceback is raised)."""
     if isinstance(e, ConfigError):
         if MAIN_PROCESS:  # every process of a distributed launch finds the same
             print(f"config error: {e}", file=sys.stderr)
@@ -456,11 +473,18 @@ def failure_status(e: Exception) -> int | None:
     if isinstance(e, FolderBusyError):
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(e, WarmStartError):  # `sweep`, `prepare`: the starting policy, before any run (a run's: cmd_train)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if isinstance(e, BrokenPipeError):  # `python -m harness explain | head`: the reader has gone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if isinstance(e, PermissionError):
         print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError) and e.errno == errno.ELOOP:  # a link where the harness writes (it never follows one)
+        print(f"error: {e.filename} is a symbolic link (or a loop of them), which the harness does not write through; "
+              "remove it and run again", file=sys.stderr)
         return 2
     if isinstance(e, OSError) and e.errno == errno.EROFS:
         print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)

@@ -47,7 +47,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from analysis.lab import build_lab_report
+from analysis.lab import LabError, build_lab_report
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
 from harness.loop.behaviour import no_grad_logprobs
@@ -61,6 +61,7 @@ from harness.run.atomic import atomic_write, to_file
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
 from harness.run.locks import lock_folder
+from harness.run.records import DamagedConfigError, read_run_config
 from harness.run.seeding import step_seed
 from harness.run.threads import run_threads
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
@@ -206,11 +207,15 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     (out / "batches").mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
     try:
-        saved = out / "config.yaml"
-        if saved.exists() and comparable(OmegaConf.load(saved)) != comparable(cfg):
+        try:
+            saved = read_run_config(out / "config.yaml")
+        except DamagedConfigError as e:  # its batches cannot be checked against these settings
+            raise ConfigError(f"{e}: the lab's batches there cannot be checked against these settings; delete "
+                              f"{out} or choose another name=...") from None
+        if saved is not None and comparable(OmegaConf.create(saved)) != comparable(cfg):
             raise ConfigError(f"{out} holds a lab with other settings (only lab.batches may change between calls): "
                               "delete it or choose another name=...")
-        atomic_write(saved, OmegaConf.to_yaml(cfg))
+        atomic_write(out / "config.yaml", OmegaConf.to_yaml(cfg))
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:
             Lab(cfg).measure(todo, out, progress)
@@ -411,7 +416,11 @@ def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
     cfg = load_experiment(experiment, overrides)
     start = time.time()
     out = run_lab(cfg, progress)
-    report = build_lab_report(out)
+    try:
+        report = build_lab_report(out)
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"lab {cfg.name}: {cfg.lab.batches} batches in {out} ({time.time() - start:.0f} s this call); "
           f"report {report}", file=sys.stderr)
     return 0

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.run.atomic import atomic_write
@@ -69,10 +69,16 @@ def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("RLVR_")}
 
 
+def open_log(log: str | Path):
+    """``log`` opened for appending, never through a symbolic link (OSError ELOOP: in a shared results folder a link
+    would let anyone have the run append to a file of theirs)."""
+    return os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "a")
+
+
 def run_harness(args: list[str], log: str, cwd: str, env: dict[str, str]) -> int:
     """``python -m harness <args>`` with this machine's Python, output appended to ``log``; its exit code. What a Ray
     task or a SLURM job executes. Cancelled (KeyboardInterrupt, SIGTERM), it stops the child with SIGTERM first."""
-    with open(log, "a") as out:
+    with open_log(log) as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=cwd, env={**os.environ, **env}, preexec_fn=die_with_parent)
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # scancel, a SLURM time limit
@@ -207,7 +213,7 @@ class LocalLauncher:
 
     def start(self, args: list[str], log: Path, name: str) -> LocalHandle:
         gpu = self.next_gpu() if self.gpus else None
-        logfile = open(log, "a")
+        logfile = open_log(log)
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
                                 preexec_fn=die_with_parent,
                                 env=None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
@@ -363,12 +369,18 @@ class SlurmLauncher:
         if s.cluster == "slurm" and shutil.which("sbatch") is None:
             raise ConfigError("--launcher slurm: no `sbatch` on this machine: submit from a SLURM login node, or "
                               "launcher.cluster=local to try the path here with submitit's local executor")
+        extra = {f"slurm_{k}": v for k, v in OmegaConf.to_container(s.slurm_args).items()}
+        parameters = {"timeout_min": s.time_min, "cpus_per_task": s.cpus_per_run, "gpus_per_node": s.gpus_per_run,
+                      **({"slurm_partition": s.partition} if s.partition else {}),
+                      **({"mem_gb": s.mem_gb} if s.mem_gb else {}), **extra}
+        check_script_values({"the results folder": str(self.folder), **parameters})
         self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=s.cluster)
-        extra = {f"slurm_{k}": v for k, v in s.slurm_args.items()}
-        self.executor.update_parameters(
-            timeout_min=s.time_min, cpus_per_task=s.cpus_per_run, gpus_per_node=s.gpus_per_run,
-            **({"slurm_partition": s.partition} if s.partition else {}),
-            **({"mem_gb": s.mem_gb} if s.mem_gb else {}), **extra)
+        try:
+            self.executor.update_parameters(**parameters)
+        except (NameError, ValueError, TypeError) as e:  # submitit's words for an option it does not know
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"launcher.slurm_args: {reason.removesuffix('.')}; name each sbatch option as "
+                              "submitit's slurm_<name> without the prefix (account, qos, constraint, ...)") from None
 
     def threads(self, jobs: int) -> int:
         return self.settings.cpus_per_run
@@ -415,6 +427,17 @@ def _signal_local_job(job_id: str, folder: str) -> None:
     if _local_job_alive(job_id, folder):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(job_id), signal.SIGINT)
+def check_script_values(values: dict) -> None:
+    """Refuse (ConfigError, one line) a value that would reach the sbatch script submitit writes with a line break
+    or another control character in it: submitit quotes each value, but a quoted newline still ends the
+    ``#SBATCH`` line, and the rest would become a line of the script."""
+    for key, value in values.items():
+        texts = value if isinstance(value, list | tuple) else value.values() if isinstance(value, dict) else [value]
+        for text in map(str, texts):
+            if any(ord(c) < 32 or ord(c) == 127 for c in text):
+                name = key if key.startswith("the ") else f"launcher {key.removeprefix('slurm_')}"
+                raise ConfigError(f"{name} holds a line break or another control character ({text[:60]!r}), which "
+                                  "would become a line of the SLURM script: give it without one")
 
 
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +31,15 @@ from harness.policy.device import resolve_device
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
-from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held, lock_folder
+from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
 from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import (
     ENDED,
+    DamagedConfigError,
     check_writable,
     memory_changes,
     read_jsonl,
+    read_run_config,
     run_status,
     say_memory_changes,
     write_json_atomic,
@@ -131,6 +134,7 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     exp_dir = Path(cfg.results_dir) / cfg.name
     check_writable(exp_dir)
     check_runs_code(cfg, runs, allow_code_change, command)
+    check_lock_file(exp_dir / SWEEP_LOCK)
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:
@@ -164,6 +168,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
 
     save_manifest()
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
+    steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
     if runner.name == "local":
         prepare_starting_policies([run for run, _ in pending], progress)
@@ -179,7 +184,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
             while todo and len(active) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
                 active[entry["run_id"]] = Child.start(runner, exp_dir / entry["dir"], threads, progress,
-                                                      1 + len(active), allow_code_change)
+                                                      1 + len(active), steps_of[entry["run_id"]], allow_code_change)
                 entry["status"] = "running"
                 save_manifest()
             time.sleep(1.0)
@@ -234,19 +239,28 @@ def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
 
 def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
     """The run's folder with its config.yaml (a resumed run's gets this sweep's trackers, which are not part of the
-    run id), and its manifest entry."""
+    run id), and its manifest entry. A damaged config.yaml is named in one warning: an ended or running run's is left
+    as it is, another's written anew from the sweep's settings (the run id is their hash: they are the run's)."""
     rid = run_id(run)
     run_dir = exp_dir / rid
     run_dir.mkdir(exist_ok=True)
-    if not (run_dir / "config.yaml").exists():
+    status, busy = run_status(run_dir), is_held(run_dir / RUN_LOCK)
+    try:
+        saved = read_run_config(run_dir / "config.yaml")
+    except DamagedConfigError as e:
+        keep = status in ENDED or busy
+        tqdm.write(f"warning: {e}: "
+                   + ("left as it is (the run has ended)" if status in ENDED else "left as it is (its run is running)"
+                      if busy else "written anew from the settings of this sweep (the run id is their hash)"),
+                   file=sys.stderr)
+        saved = {} if keep else None
+    if saved is None:
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
-    elif "logging" in run and not is_held(run_dir / RUN_LOCK):
-        saved = OmegaConf.load(run_dir / "config.yaml")
-        if OmegaConf.select(saved, "logging") != run.logging:
-            saved.logging = run.logging
-            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(saved))
-    status = run_status(run_dir)
-    if status not in ENDED and not is_held(run_dir / RUN_LOCK):
+    elif saved and "logging" in run and not busy:
+        logging = OmegaConf.to_container(run.logging)
+        if saved.get("logging") != logging:
+            atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml({**saved, "logging": logging}))
+    if status not in ENDED and not busy:
         adopt_memory_settings(run, run_dir)
     return {"run_id": rid, "objective": run.objective.name, "seed": run.seed, "overrides": _grid_point(run, cfg),
             "status": status, "dir": rid}
@@ -280,7 +294,7 @@ class Child:
     code: int | None = None
 
     @classmethod
-    def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int,
+    def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int, steps: int,
               allow_code_change: bool) -> Child:
         """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
         for and followed to its end, else a new one through ``runner``."""
@@ -292,13 +306,13 @@ class Child:
             handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
                                    str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
                                   run_dir / "train.log", run_dir.name)
-        total = OmegaConf.load(run_dir / "config.yaml").train.steps
-        bar = tqdm(total=total, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
+        bar = tqdm(total=steps, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
         return cls(run_dir, handle, bar)
 
     def poll(self) -> bool:
         """Refresh the progress bar from metrics.jsonl; whether the process is still running."""
-        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        rows = [r for r in read_jsonl(self.run_dir / "metrics.jsonl")  # its own process drops what is no step
+                if isinstance(r, dict) and type(r.get("step")) is int]
         if rows:
             self.bar.n = rows[-1]["step"]
             self.bar.set_postfix(progress_fields(rows[-1], rows))

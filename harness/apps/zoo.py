@@ -83,7 +83,8 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     ``allow_code_change``: resume runs that other code began (harness/run/provenance.py)."""
     cfg, runs = zoo_runs(seeds, list(overrides or []), objectives)
     exp_dir = Path(cfg.results_dir) / cfg.name
-    print(f"zoo: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds x "
+    count = len(available_objectives() if objectives is None else objectives)
+    print(f"zoo: {len(runs)} runs ({count} objectives x {seeds} seeds x "
           f"{len(CELLS)} regime cells, shared cells once) into {exp_dir}, {jobs} at a time", file=sys.stderr)
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow_code_change,

@@ -12,18 +12,38 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.policy.device import sampler_dtype
 from harness.run.config import microbatch_size, minibatch_size
+from harness.run.errors import ConfigError
 from objectives import get_advantage, get_objective
 from objectives.advantages import loop_inputs
 
 
 def world_size() -> int:
-    """Processes of a distributed launch (accelerate / torchrun set WORLD_SIZE), 1 otherwise."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """Processes of a distributed launch (accelerate / torchrun set WORLD_SIZE), 1 otherwise; ConfigError (one line)
+    for a WORLD_SIZE that is not an integer >= 1."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ConfigError(f"the environment's WORLD_SIZE={text!r} is not a number of processes (an integer >= 1): "
+                          "unset it, or launch with accelerate / torchrun, which set it")
+    return size
 
 
 def trl_extra_args() -> dict:
-    """Extra GRPOConfig arguments from $RLVR_TRL_ARGS (JSON), e.g. '{"use_vllm": true}'."""
-    return json.loads(os.environ.get("RLVR_TRL_ARGS") or "{}")
+    """Extra GRPOConfig arguments from $RLVR_TRL_ARGS (JSON), e.g. '{"use_vllm": true}'; ConfigError (one line) for
+    text that is not a JSON object."""
+    text = os.environ.get("RLVR_TRL_ARGS") or "{}"
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"the environment's RLVR_TRL_ARGS is not valid JSON ({e}): give a JSON object of GRPOConfig "
+                          "arguments, e.g. RLVR_TRL_ARGS='{\"use_vllm\": true}'") from None
+    if not isinstance(args, dict):
+        raise ConfigError(f"the environment's RLVR_TRL_ARGS must be a JSON object of GRPOConfig arguments (e.g. "
+                          f"'{{\"use_vllm\": true}}'), got {text[:60]!r}")
+    return args
 
 
 def trl_unsupported(run: DictConfig) -> str | None:

@@ -109,6 +109,8 @@ class WarmStartProgress:
         self.bar = tqdm(total=r.max_steps, desc="warm start", unit="step", file=sys.stderr, disable=not self.enabled,
                         dynamic_ncols=True)
         self.postfix = {"loss": "", **({"check": "none yet", "band": _band(r.target)} if r.target is not None else {})}
+        if self.enabled:
+            self.bar.set_postfix(self.postfix)  # drawn now, not at the first refresh (a fast step may skip it)
 
     def step(self, loss: torch.Tensor) -> None:
         if self.enabled:

@@ -1,7 +1,9 @@
 """Writes that a kill or a full disk cannot leave half done: every file or folder the harness replaces goes to a
-temporary beside it, is flushed to disk and renamed into place (:func:`atomic_write`, the one way); a full disk
-(ENOSPC, EDQUOT, or a library's own words for it) is one :class:`DiskFullError` naming the file, the free space and
-how to resume. Standard library only: the analysis writes its reports through it too.
+temporary beside it, is flushed to disk and renamed into place (:func:`atomic_write`); a folder a user may keep files
+of their own in (a report's) is written file by file into place, and only the harness's own files are replaced or
+removed (:func:`write_into`). A full disk (ENOSPC, EDQUOT, or a library's own words for it) is one
+:class:`DiskFullError` naming the file, the free space and how to resume. Standard library only: the analysis writes
+its reports through it too.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -160,8 +163,8 @@ def atomic_write(path: Path, content: str | bytes | None = None, *,
     path (a file, or a folder), goes to ``<path>.tmp`` beside it, is flushed to disk, then renamed over ``path``
     (a folder: :func:`_swap`). A reader, or a kill, sees the old ``path`` or the new one, never a part; a failure
     leaves no temporary behind and ``path`` as it was; a full disk is a :class:`DiskFullError`. ``shared``: see
-    :func:`write_temporary`. The one way the harness and the analysis write what they replace (summary, manifest,
-    config, checkpoints, exports, caches, the embedded model, reports)."""
+    :func:`write_temporary`. The way the harness and the analysis write what they replace (summary, manifest,
+    config, checkpoints, exports, caches, the embedded model, tables); report folders: :func:`write_into`."""
     path = Path(path)
     tmp = write_temporary(path, content, write=write, shared=shared)
     try:
@@ -195,10 +198,74 @@ def _swap(tmp: Path, path: Path) -> None:
         _remove(aside)
 
 
+WRITTEN = ".written"  # in a folder written by write_into: the files the last write put there, one a line
+
+
+class ForeignFileError(FileExistsError):
+    """:func:`write_into` would replace a file it did not write (named in the message)."""
+
+
+def write_into(folder: Path, write: Callable[[Path], None], *, earlier: str) -> list[Path]:
+    """Write the files ``write(tmp)`` makes in a temporary folder into ``folder`` one by one, each renamed into place
+    (a reader sees each file old or new, never a part); the files of the previous write that this one no longer makes
+    are removed; returns the files written. Any other file in ``folder`` (a draft beside a report) is never touched:
+    the files of a write are listed in ``folder/.written``; a folder from before that list counts the files this
+    write makes as its own when it holds ``earlier`` (e.g. report.md). A file of the same name that the harness did
+    not write is refused (:class:`ForeignFileError`, before anything in ``folder`` changes). The list is written
+    first with the old and the new files, so a kill halfway leaves every file of the harness listed."""
+    folder = Path(folder)
+    tmp = write_temporary(folder, write=write, shared=True)
+    try:
+        made = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
+        listed = folder / WRITTEN
+        ours = _listed(listed) if listed.is_file() else set(made) if (folder / earlier).is_file() else set()
+        foreign = [name for name in made if os.path.lexists(folder / name) and name not in ours]
+        if foreign:
+            raise ForeignFileError(f"{folder} holds {', '.join(map(str, foreign[:3]))}"
+                                   f"{f' and {len(foreign) - 3} more' if len(foreign) > 3 else ''}, which the "
+                                   "harness did not write: refusing to replace it; move it, or choose another folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(listed, "".join(f"{name}\n" for name in sorted(ours | set(made))))
+        for name in made:  # os.replace puts the file in place of a link of that name, never through it
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / name, folder / name)
+        for name in sorted(ours - set(made)):
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()
+        atomic_write(listed, "".join(f"{name}\n" for name in made))
+    finally:
+        _remove(tmp)
+    return [folder / name for name in made]
+
+
+def _listed(path: Path) -> set[Path]:
+    """The files a :data:`WRITTEN` list names, inside its folder only (no absolute path, no '..')."""
+    names = {Path(line) for line in path.read_text(errors="replace").splitlines() if line.strip()}
+    return {name for name in names if not name.is_absolute() and ".." not in name.parts}
+
+
 def remove_stale_temporaries(*folders: Path) -> list[Path]:
     """Remove what a killed (or disk-full) writer left of an atomic write directly in ``folders`` (``*.tmp`` files
-    and folders); returns them. Call only while holding the folders' lock."""
-    stale = sorted(p for folder in folders if folder.is_dir() for p in folder.glob(f"*{TMP}"))
+    and folders); returns them. Call only while holding the folders' lock. A temporary of a process of its own
+    (``.<name>.<pid>.tmp``, ``.<name>.<pid>.old.tmp``) whose process is alive here is another writer's work in
+    progress (a report built while a sweep starts): kept."""
+    stale = sorted(p for folder in folders if folder.is_dir() for p in folder.glob(f"*{TMP}")
+                   if not _writer_alive(p))
     for path in stale:
         _remove(path)
     return stale
+
+
+def _writer_alive(path: Path) -> bool:
+    """Whether ``path`` is a temporary named by its writer's process id (``shared``, or a folder swap's old copy) and
+    that process is alive on this machine."""
+    found = re.fullmatch(rf"\..+\.(\d+)(?:\.old)?{re.escape(TMP)}", path.name)
+    if not found or int(found.group(1)) <= 0:
+        return False
+    try:
+        os.kill(int(found.group(1)), 0)  # signal 0: only whether the process exists
+    except PermissionError:  # another user's, alive
+        return True
+    except (OSError, OverflowError):  # no such process
+        return False
+    return True

@@ -447,6 +447,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         cfg.task.args = OmegaConf.select(layers[1], "task.args", default=None) or {}
     elif keys.get("task.args", "").replace(" ", "") == "{}":
         cfg.task.args = {}
+    _resolve(cfg)
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
@@ -454,6 +455,19 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     if cfg.name == "run":
         cfg.name = path.stem
     return cfg
+
+
+def _resolve(cfg: DictConfig) -> None:
+    """Replace every interpolation (``${oc.env:LR}``, ``${train.lr}``) by its value, typed by the schema, so that
+    what a run records, compares on resume and names its folder by is the value itself; one that cannot be resolved
+    is a ConfigError naming the key."""
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        key = getattr(e, "full_key", None) or "a setting"
+        raise ConfigError(f"{key}: cannot resolve its interpolation ({reason}); give the value itself, or set what it "
+                          "reads (e.g. the environment variable of ${oc.env:NAME})") from None
 
 
 def run_configs(cfg: DictConfig) -> list[DictConfig]:
@@ -532,8 +546,6 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             else "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
-
-
 def _dot(value) -> str:
     """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them)."""
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
@@ -573,6 +585,7 @@ def validate(run: DictConfig) -> None:
     _check_train(run.train)
     _check_batching(run)
     _check_seeds(run)
+    _check_name(run.name)
     run_checks(run)
 
 
@@ -695,6 +708,17 @@ def _check_batching(run: DictConfig) -> None:
         raise ConfigError(f"objective {run.objective.name!r} needs statistics of the whole minibatch: use "
                           f"train.micro_batch_size=0 and train.max_tokens_per_micro_batch=0 (micro-batching would "
                           f"make it inexact)")
+
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # an experiment name: one path component of these
+
+
+def _check_name(name) -> None:
+    """The experiment name is one folder under results_dir (results/<name>/): letters, digits, '.', '_', '-', not
+    starting with '.', at most 100 characters; so it never leaves results_dir and never becomes a line of a script."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ConfigError(f"name must be one folder name of letters, digits, '.', '_' and '-' (not starting with '.', "
+                          f"at most 100 characters): it names results_dir/<name>/; got {str(name)[:120]!r}")
 
 
 def _check_seeds(run: DictConfig) -> None:

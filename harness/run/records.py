@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -42,9 +43,10 @@ from harness.run.atomic import atomic_write, disk_full_error, remove_stale_tempo
 from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults
 from harness.run.errors import ConfigError
-from harness.run.locks import RUN_LOCK, FolderBusyError, is_held, lock_folder
+from harness.run.locks import RUN_LOCK, FolderBusyError, check_lock_file, is_held, lock_folder
 from harness.run.provenance import code_record, next_segments, run_version
 from harness.run.tracking import Trackers
+from objectives import OBJECTIVES
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
 PEAK_MEMORY = ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_eval_mb", "peak_mem_mb")  # per phase, step
@@ -91,8 +93,12 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         keep = -1 if resume_step is None else resume_step
-        self.rows = [r for r in read_jsonl(path, warn=True, complete=keep >= 0 and _torn_step(path, keep))
-                     if r.get("step", math.inf) <= keep]
+        rows = read_jsonl(path, warn=True, complete=keep >= 0 and _torn_step(path, keep))
+        steps = [isinstance(r, dict) and type(r.get("step")) is int and r["step"] >= 0 for r in rows]
+        if not all(steps):
+            print(f"warning: {path}: {len(steps) - sum(steps)} line(s) without a step (a whole number >= 0) dropped",
+                  file=sys.stderr)
+        self.rows = [r for r, is_step in zip(rows, steps, strict=True) if is_step and r["step"] <= keep]
         atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.file = open(path, "a")
 
@@ -159,17 +165,21 @@ _UNSET = object()
 
 def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     """{key: ``key old -> new``} for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what
-    does not change a run (results_dir, logging) and settings added to the schema since at their default."""
+    does not change a run (results_dir, logging) and settings added to the schema since at their default. An
+    objective hyperparameter left out on one side counts as its default (given explicitly, it is the same run);
+    values are compared as numbers where one side holds a number and the other its text (a config.yaml that kept an
+    interpolation such as ``${oc.env:LR}`` resolves to text)."""
     defaults = _flat(schema_defaults())
     old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    old_params, new_params = _param_defaults(old.get("objective.name")), _param_defaults(new.get("objective.name"))
     differences = {}
     for key in dict.fromkeys([*new, *old]):
         if key.split(".")[0] in IGNORED_ON_RESUME + NOT_RUN_SETTINGS:
             continue
-        before, after = old.get(key, _UNSET), new.get(key, _UNSET)
+        before, after = old.get(key, old_params.get(key, _UNSET)), new.get(key, new_params.get(key, _UNSET))
         if before is _UNSET and after == defaults.get(key, _UNSET):
             continue  # a setting added to the schema since the run started, at its default
-        if before != after:
+        if not _same(before, after):
             differences[key] = f"{key} {_shown(before)} -> {_shown(after)}"
     return differences
 
@@ -186,12 +196,47 @@ def say_memory_changes(run_dir: Path, changes: list[str]) -> None:
           "beyond float round-off; config.yaml records the new ones)", file=sys.stderr)
 
 
+def _param_defaults(name) -> dict:
+    """``objective.params.<hyperparameter>`` -> its default, for objective ``name`` ({} if it is not registered)."""
+    if not isinstance(name, str) or name not in OBJECTIVES:
+        return {}
+    return {f"objective.params.{k}": v for k, v in OBJECTIVES.get(name).hyperparameters().items()}
+
+
+def _same(before, after) -> bool:
+    """Equal, or the same number where one side is a number and the other its text (``'1e-4'`` and ``0.0001``)."""
+    if before == after:
+        return True
+    numbers = [v for v in (before, after) if isinstance(v, int | float) and not isinstance(v, bool)]
+    texts = [v for v in (before, after) if isinstance(v, str)]
+    if len(numbers) != 1 or len(texts) != 1:
+        return False
+    try:
+        return float(texts[0]) == numbers[0]
+    except ValueError:
+        return False
+
+
 def check_writable(folder: Path) -> None:
     """Refuse (ConfigError, one line, before anything is printed or touched) a results folder that cannot be made:
     a file on its path, a missing or read-only mount (e.g. ``results_dir=/etc/passwd/x``, ``/proc/x``). Probed by
     making and removing an empty folder in its nearest existing parent (root's permissions pass os.access)."""
-    parent = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
     fix = "give a folder you can write (results_dir=... or --run-dir ...)"
+    parent, problem = Path("."), None  # the nearest existing parent; what the path below it cannot be
+    for path in (folder, *folder.parents):
+        try:
+            path.stat()
+        except (FileNotFoundError, NotADirectoryError):  # not there (under a file: the file is named below)
+            if path.is_symlink():  # a link to nothing: nothing can be made there
+                problem = f"{path} is a symbolic link to a path that does not exist"
+            continue
+        except OSError as e:  # a loop of symbolic links (ELOOP), a name too long, ...: named at its top
+            problem = f"{path}: {e.strerror or e}"
+            continue
+        parent = path
+        break
+    if problem:
+        raise ConfigError(f"cannot make results folder {folder}: {problem}; {fix}")
     if not parent.is_dir():
         raise ConfigError(f"cannot make results folder {folder}: {parent} is a file, not a folder; {fix}")
     try:
@@ -212,17 +257,18 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     are compared, the folder is neither probed for writing nor for its lock."""
     if main:
         check_writable(run_dir)
+        check_lock_file(run_dir / RUN_LOCK)
     if main and probe_lock and is_held(run_dir / RUN_LOCK):
         raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
     saved_path = run_dir / "config.yaml"
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True) if saved_path.is_file() else None
-    except Exception:  # noqa: BLE001 - a damaged config.yaml: nothing to compare with
-        saved = "damaged"
-    if warn and saved is not None and (not isinstance(saved, dict) or not saved):
-        print(f"warning: {saved_path} is damaged (not a mapping of settings): these settings cannot be checked "
-              "against the run's; the run continues with them and config.yaml is written anew", file=sys.stderr)
-    if not isinstance(saved, dict) or not saved:
+        saved = read_run_config(saved_path)
+    except DamagedConfigError as e:
+        if warn:
+            print(f"warning: {e}: these settings cannot be checked against the run's; the run continues with them and "
+                  "config.yaml is written anew", file=sys.stderr)
+        return
+    if saved is None:
         return
     differences = settings_differences(saved, cfg)
     # the memory settings may change: the run continued under less memory is the same run
@@ -235,6 +281,27 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
     if warn and memory:
         say_memory_changes(run_dir, memory)
+
+
+class DamagedConfigError(ValueError):
+    """A run's config.yaml that cannot be read as its settings; the message names the file and why, in one line."""
+
+
+def read_run_config(path: Path, resolve: bool = True) -> dict | None:
+    """A run's config.yaml as plain values (with ``resolve``, the interpolations a config.yaml of an older version
+    may hold resolved now), None when there is none. Raises DamagedConfigError when it is not YAML, holds a tag
+    (``!!python/object``: OmegaConf's safe loader refuses it, nothing is constructed), or is not a mapping of
+    settings."""
+    if not path.is_file():
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=resolve)
+    except Exception as e:  # noqa: BLE001 - yaml's and omegaconf's errors, each its own class
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DamagedConfigError(f"{path} is damaged ({reason})") from None
+    if not isinstance(saved, dict) or not saved:
+        raise DamagedConfigError(f"{path} is damaged (not a mapping of settings)")
+    return saved
 
 
 RUN_FOLDER_BUSY = "run folder {run_dir} is being written by another process"
@@ -411,6 +478,23 @@ def save_checkpoint(run_dir: Path, payload: dict) -> None:
     os.replace(tmp, last)
 
 
+def load_tensors(path: Path, device: torch.device | str = "cpu"):
+    """What the harness saved with torch.save (tensors in plain containers: dicts, lists, numbers, strings), loaded
+    with ``weights_only=True``: a file someone else put there (a results folder may be shared) cannot run code while
+    it is read. Raises what torch raises (an unpickling error for anything else)."""
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def unreadable_reason(error: Exception) -> str:
+    """Why :func:`load_tensors` failed, in a few words: a file holding more than tensors in plain containers was not
+    written by the harness (torch's own message would invite loading it with weights_only=False)."""
+    if isinstance(error, pickle.UnpicklingError):
+        return "it holds Python objects besides tensors, numbers and strings: not a file the harness wrote, and not " \
+               "loaded, since that would run code from it"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def load_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None, Path | None]:
     """The newest readable checkpoint (last.pt, else previous.pt with a warning) and its path, or (None, None) when
     there is none. Raises RuntimeError naming the file and the fix when none of them can be read."""
@@ -421,9 +505,9 @@ def load_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None, P
         if not path.exists():
             continue
         try:
-            payload = torch.load(path, map_location=device, weights_only=False)
+            payload = load_tensors(path, device)
         except Exception as e:  # a torn or corrupted file: zip errors, EOFError, unpickling errors
-            errors.append(f"{path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            errors.append(f"{path} ({unreadable_reason(e)})")
             continue
         if errors:
             print(f"warning: unreadable checkpoint {errors[0]}; resuming from {path}", file=sys.stderr)

@@ -1,0 +1,458 @@
+"""The third hostile pass (docs/hostile_pass.md, its last section): no code runs from a results folder, nothing is
+written through a link or outside results_dir, no file the harness did not write is deleted, one bad file is one
+warning, and every refusal is one line that says what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from analysis.lab import LabError, load_batches
+from analysis.leaderboard import leaderboard, write_leaderboard
+from analysis.load import AnalysisWarning
+from analysis.load import load_experiment as load_results
+from harness.apps.cli import build_parser, main
+from harness.apps.launchers import make_launcher, open_log
+from harness.apps.sweep import run_entry
+from harness.loop.trl_limits import trl_extra_args, world_size
+from harness.run.atomic import ForeignFileError, remove_stale_temporaries, write_into
+from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
+from harness.run.locks import RUN_LOCK, is_held, lock_folder
+from harness.run.records import MetricsLog, check_resume, load_checkpoint, settings_differences
+from tests.helpers.fake_runs import fake_experiment, fake_run
+from tests.helpers.tiny import TINY_RUN
+
+
+class Marker:
+    """A pickled object that creates a file when unpickled: what a crafted checkpoint or lab batch holds."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def crafted(path: Path, marker: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"policy": {"w": torch.zeros(2)}, "state": Marker(marker)}, path)
+    return path
+
+
+def one_line(err: str, start: str) -> str:
+    assert err.count("\n") == 1 and err.startswith(start), err
+    return err
+
+
+def runs_of(tmp_path, *overrides, experiment="base"):
+    return run_configs(load_experiment(experiment, [*TINY_RUN, f"results_dir={tmp_path}", *overrides]))
+
+
+# ------------------------------------------------------------------------ 3. no code from data, no writes via links
+
+
+def test_a_crafted_checkpoint_runs_no_code_and_is_refused_in_one_line(tmp_path):
+    marker = tmp_path / "ran"
+    crafted(tmp_path / "run" / "checkpoints" / "last.pt", marker)
+    with pytest.raises(RuntimeError) as refused:
+        load_checkpoint(tmp_path / "run", torch.device("cpu"))
+    assert not marker.exists()
+    message = str(refused.value)
+    assert "\n" not in message and "last.pt" in message and "not loaded, since that would run code" in message
+    assert "weights_only=False" not in message  # torch's own words invite loading it anyway
+
+
+def test_a_crafted_last_checkpoint_falls_back_on_the_previous_one(tmp_path, capsys):
+    folder = tmp_path / "run" / "checkpoints"
+    crafted(folder / "last.pt", tmp_path / "ran")
+    torch.save({"policy": {"w": torch.ones(2)}, "state": {"step": 1}}, folder / "previous.pt")
+    payload, path = load_checkpoint(tmp_path / "run", torch.device("cpu"))
+    assert path == folder / "previous.pt" and payload["state"] == {"step": 1} and not (tmp_path / "ran").exists()
+    one_line(capsys.readouterr().err, f"warning: unreadable checkpoint {folder / 'last.pt'} (it holds Python objects")
+
+
+def test_a_crafted_lab_batch_runs_no_code_and_is_named(tmp_path):
+    crafted(tmp_path / "batches" / "batch_000.pt", tmp_path / "ran")
+    with pytest.raises(LabError, match=r"unreadable lab batch .*batch_000\.pt \(it holds Python objects"):
+        load_batches(tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("name", [".run.lock", ".sweep.lock", ".lab.lock"])
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / name).symlink_to(victim)
+    with pytest.raises(ConfigError, match="is a symbolic link or not a plain file"):
+        lock_folder(tmp_path / name, "busy")
+    assert victim.read_text() == "precious" and not is_held(tmp_path / name)
+    (tmp_path / "dangling").symlink_to(tmp_path / "made")  # a link to nothing: not created through it
+    with pytest.raises(ConfigError):
+        lock_folder(tmp_path / "dangling", "busy")
+    assert not (tmp_path / "made").exists()
+
+
+def test_a_run_lock_that_is_a_link_is_refused_before_the_run_starts(tmp_path, capsys):
+    (run,) = runs_of(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "victim.txt").write_text("precious")
+    (run_dir / RUN_LOCK).symlink_to(tmp_path / "victim.txt")
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "--run-dir", str(run_dir)]) == 2
+    one_line(capsys.readouterr().err, f"config error: {run_dir / RUN_LOCK} is a symbolic link")
+    assert (tmp_path / "victim.txt").read_text() == "precious" and sorted(os.listdir(run_dir)) == [RUN_LOCK]
+    with pytest.raises(ConfigError):
+        check_resume(run, run_dir)
+
+
+def test_a_run_log_that_is_a_link_is_not_appended_through(tmp_path):
+    (tmp_path / "victim.txt").write_text("precious")
+    (tmp_path / "train.log").symlink_to(tmp_path / "victim.txt")
+    with pytest.raises(OSError, match="symbolic links"):
+        open_log(tmp_path / "train.log")
+    assert (tmp_path / "victim.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize("name", ["../../x", "${oc.env:HOME}/x", "a" * 101, ".hidden", "a b", "x\ny", ""])
+def test_an_experiment_name_is_one_folder_of_safe_characters(tmp_path, name):
+    with pytest.raises(ConfigError, match="name must be one folder name"):
+        runs_of(tmp_path, f"name={json.dumps(name)}")
+
+
+def test_a_name_leaving_results_dir_is_refused_before_anything_is_written(tmp_path, capsys):
+    results = tmp_path / "a" / "b"
+    assert main(["train", "base", *TINY_RUN, f"results_dir={results}", "name=../../x"]) == 2
+    one_line(capsys.readouterr().err, "config error: name must be one folder name")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("partition", "a\nb", "launcher partition"), ("slurm_args", {"account": "x\nrm -rf y"}, "launcher account"),
+    ("slurm_args", {"setup": ["module load a\nb"]}, "launcher setup")])
+def test_a_line_break_never_reaches_the_slurm_script(tmp_path, key, value, shown):
+    pytest.importorskip("submitit")
+    cfg = load_experiment("base", [*TINY_RUN, "launcher.cluster=local"])
+    OmegaConf.update(cfg, f"launcher.{key}", value, merge=False)
+    with pytest.raises(ConfigError, match=f"^{shown} holds a line break"):
+        make_launcher("slurm", cfg.launcher, tmp_path / "exp").check()
+
+
+def test_a_results_folder_with_a_line_break_never_reaches_the_slurm_script(tmp_path):
+    pytest.importorskip("submitit")
+    cfg = load_experiment("base", [*TINY_RUN, "launcher.cluster=local"])
+    with pytest.raises(ConfigError, match="^the results folder holds a line break"):
+        make_launcher("slurm", cfg.launcher, tmp_path / "a\nb").check()
+
+
+def test_a_slurm_args_typo_is_one_line(tmp_path):
+    pytest.importorskip("submitit")
+    cfg = load_experiment("base", [*TINY_RUN, "launcher.cluster=local", "launcher.slurm_args.acount=x"])
+    with pytest.raises(ConfigError) as refused:
+        make_launcher("slurm", cfg.launcher, tmp_path).check()
+    assert str(refused.value).startswith("launcher.slurm_args: Unknown argument 'acount'")
+    assert "\n" not in str(refused.value)
+
+
+# ------------------------------------------------------------------ 4. never delete what the harness did not write
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def writer(contents: dict[str, str]):
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        for name, text in contents.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_text(text)
+    return write
+
+
+def test_writing_a_report_folder_keeps_the_files_the_harness_did_not_write(tmp_path):
+    out = tmp_path / "report"
+    write_into(out, writer({"report.md": "1", "a.png": "1", "sub/b.csv": "1"}), earlier="report.md")
+    (out / "draft.tex").write_text("mine")
+    write_into(out, writer({"report.md": "2", "sub/b.csv": "2"}), earlier="report.md")
+    assert files(out) == {".written": "report.md\nsub/b.csv\n", "draft.tex": "mine", "report.md": "2",
+                          "sub/b.csv": "2"}  # its own a.png, no longer made, is gone; the draft stays
+    (out / "c.md").write_text("also mine")
+    before = files(out)
+    with pytest.raises(ForeignFileError, match=r"holds c\.md, which the harness did not write"):
+        write_into(out, writer({"report.md": "3", "c.md": "3"}), earlier="report.md")
+    assert files(out) == before and not list(tmp_path.glob(".*tmp"))
+
+
+def test_a_report_folder_from_before_the_list_counts_only_report_files_as_its_own(tmp_path):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.md").write_text("old")
+    (out / "draft.tex").write_text("mine")
+    write_into(out, writer({"report.md": "new"}), earlier="report.md")
+    assert files(out) == {".written": "report.md\n", "draft.tex": "mine", "report.md": "new"}
+
+
+def test_a_crafted_list_of_written_files_removes_nothing_outside_the_folder(tmp_path):
+    out = tmp_path / "report"
+    out.mkdir()
+    (tmp_path / "victim.txt").write_text("precious")
+    (out / ".written").write_text(f"../victim.txt\n{tmp_path / 'victim.txt'}\n")
+    write_into(out, writer({"report.md": "1"}), earlier="report.md")
+    assert (tmp_path / "victim.txt").read_text() == "precious"
+
+
+@pytest.mark.slow  # the report's figures
+def test_the_report_keeps_a_draft_beside_it(tmp_path):
+    from analysis.report import build_report
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", seed) for seed in (0, 1)])
+    out = tmp_path / "paper"
+    build_report(exp, out)
+    (out / "draft.tex").write_text("\\section{Results}")
+    build_report(exp, out)
+    assert (out / "draft.tex").read_text() == "\\section{Results}" and (out / "report.md").is_file()
+
+
+@pytest.mark.slow  # the report's figures
+def test_a_report_written_while_a_sweep_starts_on_the_folder_is_not_swept_away(tmp_path, monkeypatch):
+    """The sweep clears the temporaries a killed writer left in its folder; the report being built there by a live
+    process is not one of them."""
+    import analysis.report as report
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0)])
+    write = report.write_report
+
+    def sweep_starts_meanwhile(*args, **kwargs):
+        write(*args, **kwargs)
+        remove_stale_temporaries(exp)
+
+    monkeypatch.setattr(report, "write_report", sweep_starts_meanwhile)
+    assert report.build_report(exp).is_file()
+
+
+def test_a_live_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live, gone = tmp_path / f".report.{os.getpid()}.tmp", tmp_path / f".report.{int(dead.stdout)}.tmp"
+    for path in (live, gone, tmp_path / "manifest.json.tmp"):
+        path.mkdir()
+    assert remove_stale_temporaries(tmp_path) == [gone, tmp_path / "manifest.json.tmp"]
+    assert live.exists()
+
+
+# ------------------------------------------------------------------------------- 7. one bad file is one warning
+
+
+TAGGED = 'a: !!python/object/apply:os.system ["touch {marker}"]\n'
+
+
+@pytest.mark.parametrize("status, kept", [("finished", True), ("running", False)])
+def test_a_tagged_config_of_a_run_is_named_and_never_constructed_by_a_sweep(tmp_path, capsys, status, kept):
+    (run,) = runs_of(tmp_path, "seed=0")
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "seed=0"])
+    exp = tmp_path / "base"
+    exp.mkdir()
+    entry = run_entry(run, cfg, exp)
+    run_dir = exp / entry["dir"]
+    tagged = TAGGED.replace("{marker}", str(tmp_path / "ran"))
+    (run_dir / "config.yaml").write_text(tagged)
+    (run_dir / "summary.json").write_text(json.dumps({"status": status}))
+    capsys.readouterr()
+    entry = run_entry(run, cfg, exp)
+    err = one_line(capsys.readouterr().err, f"warning: {run_dir / 'config.yaml'} is damaged (could not determine "
+                                            "a constructor for the tag")
+    assert not (tmp_path / "ran").exists()
+    if kept:  # an ended run is not started again: its file stays as it is
+        assert "left as it is (the run has ended)" in err and (run_dir / "config.yaml").read_text() == tagged
+        assert entry["status"] == "finished"
+    else:  # a stopped run continues: the sweep's settings, the run's by its id, are written anew
+        assert OmegaConf.load(run_dir / "config.yaml") == run and entry["status"] == "stopped"
+
+
+@pytest.mark.parametrize("text", [TAGGED, "train: {steps: [\n", "- a list\n"])
+def test_a_damaged_config_is_one_warning_in_the_report(tmp_path, text):
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", s) for s in (0, 1)])
+    run_dir = next(p for p in exp.iterdir() if p.is_dir())
+    (run_dir / "config.yaml").write_text(text.replace("{marker}", str(tmp_path / "ran")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_results(exp)
+    about = [str(w.message) for w in caught if str(run_dir / "config.yaml") in str(w.message)]
+    assert len(about) == 1 and "\n" not in about[0] and "is damaged" in about[0], about
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_path):
+    from harness.apps.lab import lab_dir, run_lab
+
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=tiny", "lab.objectives=[grpo]",
+                                   "lab.batches=2", "lab.staleness=[0,1]", "lab.mismatch=[]"])
+    (lab_dir(cfg)).mkdir(parents=True)
+    (lab_dir(cfg) / "config.yaml").write_text(TAGGED.replace("{marker}", str(tmp_path / "ran")))
+    with pytest.raises(ConfigError, match=r"config\.yaml is damaged \(could not determine a constructor"):
+        run_lab(cfg, progress=False)
+    assert not (tmp_path / "ran").exists() and not list((lab_dir(cfg) / "batches").iterdir())
+
+
+@pytest.mark.parametrize("line, shown", [
+    ('{"step": 2000000000}', "2000000000"), ('{"step": 1e400}', "inf"), ('{"step": 1.5}', "1.5"),
+    ('{"step": -3}', "-3"), ('{"step": NaN}', "nan")])
+def test_a_step_that_is_no_step_of_the_run_is_one_warning_and_left_out(tmp_path, line, shown):
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, steps=6)])
+    run_dir = next(p for p in exp.iterdir() if p.is_dir())
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n" + line + "\n")
+    with pytest.warns(AnalysisWarning) as caught:
+        results = load_results(exp)
+    assert sorted(results.metrics["step"]) == list(range(7))
+    about = [str(w.message) for w in caught if "no step of this run" in str(w.message)]
+    assert about == [f"{run_dir / 'metrics.jsonl'}: left out 2 lines whose step is no step of this run (line 8: "
+                     f"{shown}, line 9: {shown}; a step is a whole number from 0 to 6)"]
+
+
+def test_a_huge_step_without_summary_or_config_builds_no_huge_set(tmp_path):
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, summary=False,
+                                                      write_config=False)])
+    run_dir = next(p for p in exp.iterdir() if p.is_dir())
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2000000000}\n')
+    with pytest.warns(AnalysisWarning) as caught:
+        load_results(exp)  # a set of every step up to it: 2e9 integers, tens of GB
+    assert any("steps 7, 8, 9, 10, 11, 12, 13, 14, ... (1999999993 in all) missing" in str(w.message)
+               for w in caught)
+
+
+def test_keys_that_name_the_run_in_a_metrics_line_are_left_out(tmp_path):
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, rows={2: {"seed": 0.5}})])
+    with pytest.warns(AnalysisWarning, match="`seed` in its lines left out: the run's own"):
+        results = load_results(exp)
+    assert set(results.metrics["seed"]) == {0}
+
+
+def test_a_resumed_run_drops_lines_without_a_step_in_one_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": "x"}\n[1]\n{"a": 1}\n{"step": 1}\n{"step": 2}\n')
+    log = MetricsLog(path, resume_step=1)
+    log.close()
+    assert log.rows == [{"step": 0}, {"step": 1}]
+    one_line(capsys.readouterr().err, f"warning: {path}: 3 line(s) without a step")
+
+
+# ----------------------------------------------------------------------- 8. one line where a traceback was
+
+
+@pytest.mark.parametrize("command", ["sweep", "prepare"])
+def test_a_warm_start_outside_its_band_is_one_line(tmp_path, monkeypatch, capsys, command):
+    from harness.policy.warm_start import WarmStartError
+
+    def missed(*args, **kwargs):
+        raise WarmStartError("warm start reached max_steps=10 below its target band [0.90, 1.00]: ...")
+
+    monkeypatch.setattr(f"harness.apps.{'sweep' if command == 'sweep' else 'cli'}.prepare_starting_policies", missed)
+    args = ["base", *TINY_RUN, f"results_dir={tmp_path}", "seed=0"]
+    assert main([command, *args, *(["--no-report", "--no-progress"] if command == "sweep" else [])]) == 1
+    one_line(capsys.readouterr().err, "error: warm start reached max_steps=10 below its target band")
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("RLVR_TRL_ARGS", "{bad", "RLVR_TRL_ARGS is not valid JSON"),
+    ("RLVR_TRL_ARGS", "[1]", "RLVR_TRL_ARGS must be a JSON object"),
+    ("WORLD_SIZE", "0", "WORLD_SIZE='0' is not a number of processes"),
+    ("WORLD_SIZE", "x", "WORLD_SIZE='x' is not a number of processes")])
+def test_a_bad_launch_environment_is_one_line(tmp_path, monkeypatch, capsys, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=message):
+        (trl_extra_args if variable == "RLVR_TRL_ARGS" else world_size)()
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "backend=trl"]) == 2
+    one_line(capsys.readouterr().err, f"config error: the environment's {variable}")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("name=${now:}", "name: cannot resolve its interpolation (Unsupported interpolation type now)"),
+    ("train.lr=${oc.env:RLVR_TEST_UNSET}", "train.lr: cannot resolve its interpolation (KeyError"),
+    ("train.lr=${oc.env:HOME}", "train.lr: cannot resolve its interpolation")])
+def test_an_interpolation_that_cannot_be_resolved_is_one_line(tmp_path, monkeypatch, override, message):
+    monkeypatch.delenv("RLVR_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_experiment("base", [*TINY_RUN, override])
+
+
+def test_a_symlink_loop_as_results_dir_is_one_line(tmp_path, capsys):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for command in ("train", "sweep"):
+        assert main([command, "base", *TINY_RUN, f"results_dir={tmp_path / 'a'}", "seed=0"]) == 2
+        err = one_line(capsys.readouterr().err, "config error: cannot make results folder ")
+        assert f"{tmp_path / 'a'}: Too many levels of symbolic links" in err
+
+
+def test_a_zoo_in_which_every_run_failed_has_a_leaderboard(tmp_path):
+    exp = fake_experiment(tmp_path / "zoo", [fake_run(tmp_path / "zoo", objective, seed, status="failed",
+                                                      steps_done=1) for objective in ("grpo", "gspo")
+                                             for seed in (0, 1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        board = leaderboard(load_results(exp), 0.4)
+        write_leaderboard(exp, exp, "stamp", 0.4)
+    assert list(board["objective"]) == ["grpo", "gspo"] and list(board["runs"]) == [0, 0]
+    assert "| grpo | n/a |" in (exp / "leaderboard.md").read_text()
+
+
+@pytest.mark.parametrize("given, message", [
+    ("grpo,,gspo", "an empty name in 'grpo,,gspo'"), ("", "give at least one name"), (" , ", "give at least one"),
+    ("grpo,grpo", "grpo given twice")])
+def test_zoo_objectives_that_name_nothing_or_twice_are_one_line(capsys, given, message):
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["zoo", "--objectives", given])
+    assert stopped.value.code == 2
+    assert message in one_line(capsys.readouterr().err, "error: python -m harness zoo: argument --objectives: ")
+
+
+def test_an_empty_list_of_zoo_objectives_is_not_every_objective(tmp_path):
+    from harness.apps.zoo import zoo_runs
+
+    with pytest.raises(ConfigError, match="has an empty name"):
+        zoo_runs(1, [*TINY_RUN, f"results_dir={tmp_path}"], objectives=[])
+
+
+def test_an_env_interpolation_is_recorded_as_its_typed_value_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LR", "1e-4")
+    (run,) = runs_of(tmp_path, "seed=0", "train.lr=${oc.env:LR}")
+    assert run.train.lr == 1e-4 and "${" not in OmegaConf.to_yaml(run)  # config.yaml holds the value
+    (again,) = runs_of(tmp_path, "seed=0", "train.lr=${oc.env:LR}")
+    assert settings_differences(OmegaConf.to_container(run), again) == {}
+    older = OmegaConf.to_container(run)
+    older["train"]["lr"] = "1e-4"  # what a config.yaml that kept ${oc.env:LR} resolves to: text
+    assert settings_differences(older, again) == {}
+    older["train"]["lr"] = "2e-4"
+    assert list(settings_differences(older, again).values()) == ["train.lr 2e-4 -> 0.0001"]
+
+
+def test_an_objective_default_given_explicitly_is_the_same_run_on_resume(tmp_path):
+    (run,) = runs_of(tmp_path, "seed=0")
+    saved = OmegaConf.to_container(run)
+    (explicit,) = runs_of(tmp_path, "seed=0", "objective.params.clip_low=0.2")
+    assert settings_differences(saved, explicit) == {}
+    (other,) = runs_of(tmp_path, "seed=0", "objective.params.clip_low=0.3")
+    assert list(settings_differences(saved, other).values()) == ["objective.params.clip_low 0.2 -> 0.3"]
+
+
+def test_the_crafted_file_runs_its_code_with_an_unsafe_loader(tmp_path):
+    """What the tests above refuse is real: the same file, loaded as the harness loaded it before (weights_only=False),
+    runs its code."""
+    path = crafted(tmp_path / "x.pt", tmp_path / "ran")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    torch.load(path, weights_only=False)
+    assert (tmp_path / "ran").exists()
