@@ -1,7 +1,7 @@
 """README.md is the contract: at most 250 lines, the report's path in its first 100, set-up and test exactly what CI
 runs, every command in it a make target or CLI command that exists and dry-runs in its order, every link a file,
-every page of docs/ linked from it and in the site's nav, and its code examples the tested ones (the task example registers, builds and scores; the objective example:
-tests/test_objectives.py)."""
+every page of docs/ linked from it and in the site's nav, and its code examples the tested ones (the task example
+registers, builds and scores; the objective example: tests/test_objectives.py)."""
 
 from __future__ import annotations
 
