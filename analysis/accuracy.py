@@ -105,6 +105,9 @@ def dense(units: dict) -> tuple[np.ndarray, tuple, bool]:
     return x, HIERARCHY if problems else HIERARCHY[:2], problems
 
 
+NO_INTERVAL = "fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores"  # when interval_of has none
+
+
 def interval_of(units: dict) -> Estimate:
     """The mean of the units' values with its interval: by seed and problem when resolved (from 2 seeds), else over
     seeds (describe's convention: the range with 2)."""

@@ -90,6 +90,8 @@ def axis_figure(table: pd.DataFrame, cells: Cells, axis: str, look: dict[str, St
                 if bars.any():
                     ax.errorbar(group["_x"][bars], y[bars], yerr=[y[bars] - low[bars], high[bars] - y[bars]],
                                 fmt="none", ecolor=s.color, capsize=3, alpha=0.7)
+            if kind != "collapse":
+                start_curve(ax, part, axis, x_of)
             ax.set_xticks([x_of[canon(v)] for v in values], [show(v) for v in values])
             ax.set(title=panel + (f"\n{combo_label(combo, names)}" if others else ""),
                    xlabel=axis + (" (log scale)" if scale == "log" else ""), ylabel=ylabel)
@@ -98,12 +100,21 @@ def axis_figure(table: pd.DataFrame, cells: Cells, axis: str, look: dict[str, St
     labels = {o: n_label(o, table.loc[table["objective"] == o, "final_n"]) for o in objectives}
     objective_legend(fig, look, labels, legend_columns(labels.values(), width_of(3, paper, False), paper))
     caption = (f"x: `{axis}`; each point one (objective, cell): mean over its seeds of the runs that ended; bars: "
-               f"{INTERVALS}; collapse rate: collapsed / ended runs with a Wilson 95% interval. n in the legend: "
+               f"{INTERVALS}; grey dashed line: the start (step-0 accuracy, mean over the cell's runs); collapse rate: "
+               "collapsed / ended runs with a Wilson 95% interval. n in the legend: "
                "seeds per point (the tables give each point's n).")
     if others:
         caption += " One row of panels per value of the other axes (" + ", ".join(f"`{a}`" for a in others) + \
                    "): they are never pooled."
     return Made(stem, title, fig, caption)
+
+
+def start_curve(ax, part: pd.DataFrame, axis: str, x_of: dict) -> None:
+    """The start (step-0 eval accuracy, mean over the objectives' rows of each cell) as a grey dashed line, so that an
+    end accuracy reads as a gain or a loss."""
+    start = part[part["start_n"] > 0].groupby(part[axis].map(lambda v: x_of[canon(v)]))["start_mean"].mean()
+    if not start.empty:
+        ax.plot(start.index, start.values, color="0.5", linestyle="--", marker="x", linewidth=1, zorder=1)
 
 
 def heatmap_figure(table: pd.DataFrame, cells: Cells, pair: tuple[str, str], kind: str, title: str, paper: bool,

@@ -47,6 +47,17 @@ class Cells:
     values: list[dict[str, object]] = field(default_factory=lambda: [{}])  # per cell: axis -> value (as written)
     duplicates: list[str] = field(default_factory=list)  # one line per set of duplicate runs
 
+    def columns(self, cell_ids: pd.Series) -> dict[str, pd.Series]:
+        """A table's cell columns from its rows' cell ids: one per axis (named by its short name, the value as
+        shown) when there is more than one cell; ``cell`` (the label) when the cells differ only in runs of unknown
+        settings; none with one cell."""
+        if len(self.labels) < 2:
+            return {}
+        if not self.axes:
+            return {"cell": cell_ids.map(lambda i: self.labels[i])}
+        names = short_names(self.axes)
+        return {names[a]: cell_ids.map(lambda i, a=a: show(self.values[i][a])) for a in self.axes}
+
     def short(self, cell: int) -> str:
         """The cell's label with each axis named by its last component (when that is unambiguous)."""
         if not self.axes:

@@ -60,6 +60,8 @@ class Experiment:
     samples: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> read_samples (runs that wrote some)
     baseline: str | None = None  # manifest.json's `baseline` (the sweep's sweep.baseline)
     objectives: list[str] = field(default_factory=list)  # manifest.json's `objectives`: the sweep grid's, in order
+    sources: list[Path] = field(default_factory=list)  # the results folders read (analysis/combine.py: several);
+    # runs carry `source`, the label of the folder(s) holding them
 
 
 def read_json(path: Path) -> dict | None:
@@ -410,8 +412,23 @@ def is_run_folder(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in ("summary.json", "metrics.jsonl"))
 
 
-def load_experiment(exp_dir: str | Path) -> Experiment:
-    exp_dir = Path(exp_dir)
+@dataclass
+class Folder:
+    """One results folder as read: its label (the name its runs' ``source`` shows), manifest.json (empty when
+    missing) and per run load_run's (run, metrics, config, samples)."""
+    dir: Path
+    label: str
+    manifest: dict
+    loaded: list[tuple]
+
+    def overrides(self) -> dict[str, dict]:
+        """manifest.json's grid point of each run it lists, by run id."""
+        return {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in self.manifest.get("runs", [])
+                if isinstance(e, dict) and isinstance(e.get("overrides"), dict)}
+
+
+def read_folder(exp_dir: Path, label: str) -> Folder:
+    """Every run of the folder: manifest.json's, then the run folders it does not list (named in one warning)."""
     if not exp_dir.is_dir():
         raise AnalysisError(f"results folder {exp_dir} does not exist")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
@@ -429,6 +446,13 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
                             "with a summary.json or metrics.jsonl)")
     loaded = [load_run(exp_dir, e) for e in entries]
+    for run, *_ in loaded:
+        run["source"] = label
+    return Folder(exp_dir, label, manifest or {}, loaded)
+
+
+def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str, dict]) -> Experiment:
+    """The Experiment of the loaded runs (run ids distinct): the frames, the cells (analysis/cells.py)."""
     runs = pd.DataFrame([run for run, *_ in loaded])
     frames = [m for _, m, *_ in loaded if len(m)]
     metrics = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "objective", "step"])
@@ -440,9 +464,6 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
                *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     runs[["seed", "total_steps"]] = runs[["seed", "total_steps"]].astype("Int64")  # integers, <NA> when unknown
-    name = str((manifest or {}).get("experiment") or exp_dir.name)
-    overrides = {str(e.get("run_id") or e.get("dir")): e["overrides"] for e in entries
-                 if isinstance(e.get("overrides"), dict)}
     configs = {run["run_id"]: config for run, _, config, _ in loaded}
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
@@ -453,8 +474,17 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
         warn(note)
     extra = runs.set_index("run_id")[["cell", "cell_id", "counted"]]
     metrics = metrics.join(extra, on="run_id")  # each metrics row knows its run's cell and whether it is counted
-    baseline = (manifest or {}).get("baseline")
-    objectives = (manifest or {}).get("objectives")
-    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples,
-                      baseline if isinstance(baseline, str) else None,
-                      [str(o) for o in objectives] if isinstance(objectives, list) else [])
+    return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples)
+
+
+def load_experiment(exp_dir: str | Path) -> Experiment:
+    """Every run of one results folder (see the module docstring)."""
+    exp_dir = Path(exp_dir)
+    folder = read_folder(exp_dir, exp_dir.name)
+    exp = assemble(str(folder.manifest.get("experiment") or exp_dir.name), exp_dir, folder.loaded,
+                   folder.overrides())
+    baseline, objectives = folder.manifest.get("baseline"), folder.manifest.get("objectives")
+    exp.baseline = baseline if isinstance(baseline, str) else None
+    exp.objectives = [str(o) for o in objectives] if isinstance(objectives, list) else []
+    exp.sources = [exp_dir]
+    return exp

@@ -27,8 +27,10 @@ from scipy.stats import trim_mean
 from analysis import axes, paired, plots, scaling, timing, verdict
 from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.cells import Cells, short_names, show
-from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment, load_experiment
+from analysis.cells import Cells, show
+from analysis.combine import load_experiments
+from analysis.latex import write_tables
+from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment
 from analysis.stats import (
     ACCURACY_INTERVALS,
     INDICATIVE_BELOW,
@@ -134,13 +136,8 @@ def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True
 
 
 def cell_columns(table: pd.DataFrame, cells: Cells) -> dict:
-    """One column per axis (its short name) when there is more than one cell; nothing otherwise."""
-    if len(cells.labels) < 2:
-        return {}
-    if not cells.axes:  # several cells only because some runs' settings are unknown
-        return {"cell": table["cell"]}
-    names = short_names(cells.axes)
-    return {names[a]: table[a].map(show) for a in cells.axes}
+    """One column per axis (its short name) when there is more than one cell; nothing otherwise (Cells.columns)."""
+    return cells.columns(table["cell_id"])
 
 
 def collapsed_column(table: pd.DataFrame) -> list[str]:
@@ -261,6 +258,8 @@ def runs_display(runs: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame
     out = {"run_id": runs["run_id"], "objective": runs["objective"]}
     if len(cells.labels) > 1:
         out["cell"] = runs["cell"]
+    if "source" in runs and runs["source"].nunique() > 1:
+        out["folder"] = runs["source"]
     out.update({
         "seed": runs["seed"].astype("string").fillna("?"), "status": runs["status"],
         "steps": runs["steps_done"].astype(str) + "/" + runs["total_steps"].astype("string").fillna("?"),
@@ -281,7 +280,9 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
     lines = []
     for label, key in CONFIG_KEYS.items() if configs else ():
         values = sorted({str(c.get(key, "unset")) for c in configs.values()})
-        lines.append(f"{label}: " + (values[0] if len(values) == 1 else "differs between runs (below)"))
+        below = key in cells.axes or key in cells.objective_settings  # else not a setting (the experiment's name)
+        lines.append(f"{label}: " + (values[0] if len(values) == 1 else "differs between runs (below)" if below
+                                     else ", ".join(values)))
     lines.append("objectives: " + ", ".join(f"{o} ({plural(k, 'run')})" for o, k in counts.items()))
     lines.append("seeds: " + ", ".join(str(s) for s in sorted(exp.runs["seed"].dropna().unique())))
     if len(configs) < len(exp.runs):
@@ -293,6 +294,11 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
     for key, per_objective in cells.objective_settings.items():
         diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in per_objective.items()))
     return lines, diffs
+
+
+def sources_text(exp: Experiment) -> str:
+    """The results folders the report reads, as the report names them."""
+    return ", ".join(f"`{d}`" for d in exp.sources or [exp.dir])
 
 
 def plural(n: int, word: str) -> str:
@@ -404,12 +410,15 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
     return made, coincide, left_out
 
 
-def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int = 1,
-                 formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False, baseline: str | None = None) -> Path:
-    """Write the report folder; returns the path of report.md. Data problems are warned (AnalysisWarning) and
-    listed in the report; a missing or empty results folder raises AnalysisError. ``paper``: figures for a paper
-    (see plots), PDF among the formats. ``baseline``: the objective the verdict compares the others to (None:
-    manifest.json's, else analysis.paired.default_baseline). The files are built in a hidden sibling folder, then
+def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None = None, smooth: int = 1,
+                 formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False, baseline: str | None = None,
+                 latex: bool = False) -> Path:
+    """Write the report folder; returns the path of report.md. ``exp_dir``: a results folder, or a list of them
+    (one report over all their runs, analysis/combine.py; by default into ``<a>+<b>/report`` beside the first).
+    Data problems are warned (AnalysisWarning) and listed in the report; a missing or empty results folder raises
+    AnalysisError. ``paper``: figures for a paper (see plots), PDF among the formats. ``baseline``: the objective
+    the verdict compares the others to (None: manifest.json's, else analysis.paired.default_baseline). ``latex``:
+    booktabs tables beside report.md (analysis/latex.py). The files are built in a hidden sibling folder, then
     each renamed into place (harness.run.atomic.write_into): a file the report did not write there (a draft beside
     it) is kept, and one of a report file's name refused (AnalysisError)."""
     unknown = set(formats) - set(plots.SAVE_METADATA)
@@ -418,12 +427,12 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     formats = ["png"] + [f for f in formats if f != "png"] + (["pdf"] if paper and "pdf" not in formats else [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AnalysisWarning)
-        exp = load_experiment(exp_dir)
+        exp = load_experiments(exp_dir if isinstance(exp_dir, list | tuple) else [exp_dir])
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     data_warnings = [str(w.message) for w in caught if issubclass(w.category, AnalysisWarning)]
     if baseline is not None and baseline not in set(exp.runs["objective"]):
-        raise AnalysisError(f"--baseline {baseline}: no run of {baseline} in {exp.dir}; its objectives: "
+        raise AnalysisError(f"--baseline {baseline}: no run of {baseline} in {sources_text(exp)}; its objectives: "
                             + ", ".join(paired.registry_order(exp.runs["objective"])))
     out_dir = Path(out) if out else exp.dir / "report"
     if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
@@ -437,7 +446,7 @@ def build_report(exp_dir: str | Path, out: str | Path | None = None, smooth: int
     def write(tmp: Path) -> None:
         tmp.mkdir()
         with plots.context(paper):
-            write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline)
+            write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline, latex)
 
     try:
         write_into(out_dir, write, earlier="report.md")
@@ -509,10 +518,7 @@ def with_cell(frame: pd.DataFrame, label: str, multi: bool) -> pd.DataFrame:
     return frame
 
 
-def paired_display(per_cell: pd.DataFrame, cells: Cells) -> pd.DataFrame:
-    frame = per_cell.copy()
-    for a in cells.axes:
-        frame[a] = [cells.values[i][a] for i in frame["cell_id"]]
+def paired_display(frame: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     return pd.DataFrame({
         **cell_columns(frame, cells), "A": frame["a"], "B": frame["b"], "paired seeds": frame["n"],
         "A − B (final acc)": frame["difference"].map(num),
@@ -576,11 +582,13 @@ class CellParts:
 
 
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
-                 data_warnings: list[str], baseline: str | None = None) -> None:
+                 data_warnings: list[str], baseline: str | None = None, latex: bool = False) -> None:
     """report.md and report.html (and every table and figure they show) into ``out_dir``; verdict.txt: the
-    verdict's lines (what the command line prints)."""
+    verdict's lines (what the command line prints); with ``latex`` the LaTeX tables (analysis/latex.py)."""
     look = plots.styles(exp.runs["objective"])
     numbers = write_numbers(exp, out_dir, baseline)
+    if latex:
+        write_tables(out_dir, exp.name, sources_text(exp), numbers.table, numbers.pairs, exp.cells, numbers.baseline)
     parts = write_cells(exp, out_dir, smooth, formats, paper, look)
     overview = axes.axis_figures(numbers.table, exp.cells, look, exp.name, paper) if exp.cells.axes else []
     blocks = [*intro_blocks(exp, numbers, data_warnings), *figures_section(exp, parts, overview, out_dir, formats),
@@ -652,8 +660,8 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     unfinished = unfinished_lines(runs)
     start = start_line(table)
     blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi),
-              ("p", f"Source: `{exp.dir}`. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} ended, "
-                    f"{len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
+              ("p", f"Source: {sources_text(exp)}. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} "
+                    f"ended, {len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
                     "combination of the settings that differ between runs of an objective; runs that differ in a "
                     "setting are never pooled) and n counts distinct seeds. Tables and the final-accuracy figures "
                     f"use the runs that {ENDED}; the curves use every logged step of every counted run."),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.accuracy import NO_INTERVAL
 from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, num
 
 ALPHA = 1 - LEVEL
@@ -54,15 +55,19 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     """The cell's sentence from its comparisons to the baseline (a, n, difference, bounds, wins, losses, holm)."""
     if rows.empty:
         return f"nothing to compare: no objective shares an ended seed with {baseline} here"
-    family = f" (Holm-corrected over {len(rows)} comparisons)" if len(rows) > 1 else ""
+    tested = rows[rows["holm"].notna()]  # without an interval, no p-value: not in Holm's family
+    family = f" (Holm-corrected over {len(tested)} comparisons)" if len(tested) > 1 else ""
     differ = rows[rows["holm"] < ALPHA]
     n = int(rows["n"].min())
     if differ.empty:
-        alone = rows[(rows["difference_low"] > 0) | (rows["difference_high"] < 0)]["a"].tolist()
-        why = (": every paired interval includes 0" if not alone else
+        alone = tested[(tested["difference_low"] > 0) | (tested["difference_high"] < 0)]["a"].tolist()
+        why = (": no paired interval" if tested.empty else ": every paired interval includes 0" if not alone else
                f": {' and '.join(alone)}'s interval{'s' * (len(alone) > 1)} alone exclude{'s' * (len(alone) == 1)} 0, "
                "not after the correction")
-        return f"no objective differs from {baseline} at this budget{why}{family}{seeds_note(n)}"
+        untested = rows[rows["holm"].isna()]["a"].tolist()
+        none = f"; none for {' and '.join(untested)}" if untested and not tested.empty else ""
+        reason = f" ({NO_INTERVAL})" if untested else ""
+        return f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n)}"
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0
@@ -94,17 +99,27 @@ def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.Data
         "Holm p": [against(o, lambda r: num(r["holm"])) for o in objectives]})
 
 
+def versus_baseline(pairs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
+    """The rows of paired.per_cell that compare an objective (A) to the baseline (B), with ``holm``: their p-values
+    Holm-adjusted within each cell (the family the verdict corrects over)."""
+    versus = pairs[pairs["b"] == baseline].copy()
+    versus["holm"] = np.nan
+    for _, group in versus.groupby("cell_id", sort=True):
+        versus.loc[group.index, "holm"] = holm(group["p_value"])
+    return versus
+
+
 def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None
                   ) -> list[CellVerdict]:
     """Per cell with an ended run: the ranking and the sentence. table: report.eval_table; pairs: paired.per_cell
     (pairs against the baseline first, A the objective)."""
     out = []
+    against = versus_baseline(pairs, baseline)
     for cell_id, group in table.groupby("cell_id", sort=True):
         group = group[group["final_n"] > 0].sort_values("final_mean", ascending=False, kind="stable")
         if group.empty:
             continue
-        versus = pairs[(pairs["cell_id"] == cell_id) & (pairs["b"] == baseline)].copy()
-        versus["holm"] = holm(versus["p_value"])
+        versus = against[against["cell_id"] == cell_id]
         if baseline not in set(group["objective"]):
             text = f"no verdict: the baseline {baseline} has no ended run here"
         else:

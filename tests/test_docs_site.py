@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from analysis import AnalysisWarning
 from tests.helpers.fake_runs import fake_experiment, fake_run
+
+# one worker runs this file's tests (`make test`: pytest-xdist --dist loadgroup): its module fixture is built once
+pytestmark = pytest.mark.xdist_group("test_docs_site")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,16 +134,27 @@ def test_the_site_builds_strictly_offline(tmp_path):
 
 
 def test_the_python_api_page_runs_as_written(tmp_path, monkeypatch):
-    """docs/python_api.md's code blocks, in order, on a fake results/quickstart (2 objectives x 2 seeds)."""
-    exp = tmp_path / "results" / "quickstart"
-    fake_experiment(exp, [fake_run(exp, objective, seed, final=0.4 + 0.1 * seed)
-                          for objective in ("grpo", "gspo") for seed in (0, 1)])
+    """docs/python_api.md's code blocks, in order, on a fake results/quickstart (2 objectives x 2 seeds) and
+    results/step_size (the same at quickstart's learning rate, the same run ids, and at a larger one)."""
+    def runs(folder, lrs):
+        return [fake_run(folder, objective, seed, {"train.lr": lr}, run_id=f"{objective}-s{seed}-{lr:g}",
+                         final=0.4 + 0.1 * seed + (lr > 1e-4) * 0.05) for lr in lrs for objective in ("grpo", "gspo")
+                for seed in (0, 1)]
+
+    quickstart, step_size = tmp_path / "results" / "quickstart", tmp_path / "results" / "step_size"
+    fake_experiment(quickstart, runs(quickstart, [5e-5]))
+    fake_experiment(step_size, runs(step_size, [5e-5, 5e-4]))
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "python_api.md").read_text(), flags=re.S)
     namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/python_api.md", "exec"), namespace)
-    assert len(blocks) == 3 and (tmp_path / "eval_accuracy.png").stat().st_size > 1000
+    with pytest.warns(AnalysisWarning, match="4 runs held by more than one folder"):
+        for block in blocks:
+            exec(compile(block, "docs/python_api.md", "exec"), namespace)
+    assert len(blocks) == 4 and (tmp_path / "eval_accuracy.png").stat().st_size > 1000
+    table = namespace["table"]  # two cells of two objectives, 2 seeds each: the shared runs counted once
+    assert list(table["final_n"]) == [2] * 4 and sorted(table["train.lr"]) == [5e-5, 5e-5, 5e-4, 5e-4]
+    assert (table["final_ci_low"] < table["final_mean"]).all()
+    assert sorted(set(namespace["both"].runs["source"])) == ["quickstart, step_size", "step_size"]
     final = namespace["final"]
     assert list(final["count"]) == [2, 2] and sorted(final.index.get_level_values("objective")) == ["grpo", "gspo"]
     assert final["mean"].tolist() == pytest.approx([0.45, 0.45])

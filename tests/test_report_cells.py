@@ -338,3 +338,21 @@ def test_end_to_end_two_axis_sweep(tmp_path):
     for stem in ("axis_1", "axis_2", "heatmap_1"):
         assert (report_dir / f"{stem}.png").exists(), stem
     assert len(pd.read_csv(report_dir / "eval_accuracy.csv")) == 4
+
+
+def test_the_axis_figures_draw_the_start_beside_the_end_accuracy():
+    """Accuracy axes show the start: the step-0 mean of each cell (over its objectives' runs that have one) as a grey
+    dashed line, so that an end reads as a gain or a loss."""
+    import matplotlib.pyplot as plt
+
+    from analysis.axes import start_curve
+    from analysis.cells import canon
+
+    part = pd.DataFrame({"train.epochs": [1, 1, 2, 2, 4], "start_mean": [0.2, 0.4, 0.5, 0.5, 0.9],
+                         "start_n": [3, 3, 3, 3, 0]})  # the last cell has no step-0 evaluation
+    fig, ax = plt.subplots()
+    start_curve(ax, part, "train.epochs", {canon(1): 0.0, canon(2): 1.0, canon(4): 2.0})
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [0.0, 1.0] and np.allclose(line.get_ydata(), [0.3, 0.5])
+    assert line.get_linestyle() == "--"
+    plt.close(fig)

@@ -36,6 +36,14 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
     neither = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
     assert verdict.sentence(neither, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
                                                  "includes 0 (Holm-corrected over 2 comparisons)")
+    # no interval (one paired seed), hence no p-value: said so, and not counted in Holm's family
+    why = "(fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores)"
+    single = rows(("ctpo", 0.01, np.nan, np.nan, 1, 0, 1, np.nan), ("gspo", -0.02, np.nan, np.nan, 0, 1, 1, np.nan))
+    said = verdict.sentence(single, "grpo")
+    assert said == f"no objective differs from grpo at this budget: no paired interval {why}"
+    mixed = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, np.nan, np.nan, 0, 1, 1, np.nan))
+    assert verdict.sentence(mixed, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
+                                               f"includes 0; none for gspo {why}")
     below = rows(("ctpo", -0.05, -0.07, -0.03, 0, 6, 6, 0.001), ("gspo", 0.01, -0.01, 0.03, 4, 2, 6, 0.3))
     assert verdict.sentence(below, "grpo") == ("ctpo ends below grpo by 0.0500 [-0.0700, -0.0300], 6 of 6 seeds; the "
                                                "other does not (Holm-corrected over 2 comparisons)")
