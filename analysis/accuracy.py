@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 from scipy.stats import t as student_t
 
+from analysis.cells import START_SEED
 from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, HIERARCHY, N_BOOT, resample, satterthwaite, t_bounds, variance_parts
 
 START, FINAL, BEST = "start_eval_accuracy", "final_eval_accuracy", "best_eval_accuracy"
@@ -83,7 +84,8 @@ def runs_scores(runs: pd.DataFrame, samples: dict, column: str) -> dict:
     """(starting policy, seed) -> (starting policy, the run's value, its per-problem scores or None) of the runs
     counted and ended with a finite value (two objectives' runs of one key are paired)."""
     done = runs[runs["counted"] & runs["ended"] & np.isfinite(runs[column].astype(float))]
-    policy = done["start_policy"].fillna("") if "start_policy" in done else pd.Series("", index=done.index)
+    policy = (done[START_SEED].astype("string").fillna("?") if START_SEED in done
+              else pd.Series("", index=done.index))  # the starting policy's replicate (analysis/cells.py)
     return {(p, run.seed): (p, float(getattr(run, column)), run_scores(samples.get(run.run_id), column,
                                                                        float(getattr(run, column))))
             for run, p in zip(done.itertuples(), policy, strict=True)}

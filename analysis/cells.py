@@ -1,7 +1,9 @@
 """Cells: which runs may be pooled as seeds of one condition.
 
 A run's *settings* are its resolved config.yaml (flattened to dotted keys) without the keys that do not change what
-is computed: ``seed`` (what varies between the seeds of a cell), ``name`` (the experiment's label), ``results_dir``,
+is computed: ``seed`` (what varies between the seeds of a cell), ``model.seed`` (START_SEED: the starting policy's
+replicate, what varies between the starting policies of a cell, the level above the seeds), ``name`` (the
+experiment's label), ``results_dir``,
 ``threads`` (CPU threads: speed only), ``logging.*`` (where metrics are also sent; harness/run/config.py run_id leaves
 ``results_dir`` and ``logging`` out of the run id for the same reason), the memory settings (``train.lm_head_chunk``,
 ``train.activation_checkpointing``, ``train.eval_batch_size``: config.py's MEMORY_SETTINGS, which bound memory,
@@ -17,11 +19,12 @@ A key whose value differs between runs is either
 - an *axis*: it takes two or more values within some objective (a swept key, or runs of different experiments put in
   one folder). A *cell* is one combination of axis values, i.e. the grid point without the objective and the seed.
 
-Every table, interval and figure is per (objective, cell), and n counts distinct seeds: runs of the same objective and
-cell with the same seed are duplicates, one of which is counted (an ended run before one that is not, then the one
-with more steps, then the first run id) and the others named in a warning. A run without config.yaml takes its grid
-point from manifest.json (``overrides``) and the keys all other runs share; without either its settings are unknown
-and it forms a cell of its own. Pure pandas: no report, no harness imports.
+Every table, interval and figure is per (objective, cell), and n counts distinct (starting policy, seed) units: runs
+of the same objective and cell with the same starting policy and seed are duplicates, one of which is counted (an
+ended run before one that is not, then the one with more steps, then the first run id) and the others named in a
+warning. A run without config.yaml takes its grid point from manifest.json (``overrides``) and the keys all other
+runs share; without either its settings are unknown and it forms a cell of its own. Pure pandas: no report, no
+harness imports.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-NOT_SETTINGS = frozenset({"seed", "name", "results_dir", "threads", "profile", "objective.name", "train.lm_head_chunk",
-                          "train.activation_checkpointing", "train.eval_batch_size"})
+START_SEED = "model.seed"  # the starting policy's replicate: a run column (analysis/load.py), not a cell's setting
+NOT_SETTINGS = frozenset({"seed", START_SEED, "name", "results_dir", "threads", "profile", "objective.name",
+                          "train.lm_head_chunk", "train.activation_checkpointing", "train.eval_batch_size"})
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
 CODE = "code"  # the setting that holds a run's code version
@@ -188,7 +192,10 @@ def mark_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[s
     runs["counted"] = runs["seed"].notna()
     runs["duplicate_of"] = ""
     lines = []
-    for (objective, cell, seed), group in runs[runs["counted"]].groupby(["objective", "cell", "seed"], sort=True):
+    if START_SEED not in runs:
+        runs[START_SEED] = pd.Series(pd.NA, index=runs.index, dtype="Int64")
+    keys = ["objective", "cell", START_SEED, "seed"]
+    for (objective, cell, start, seed), group in runs[runs["counted"]].groupby(keys, sort=True, dropna=False):
         if len(group) < 2:
             continue
         ranked = group.assign(_ended=~group["ended"], _complete=~group["complete"], _steps=-group["steps_done"]
@@ -196,9 +203,10 @@ def mark_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[s
         keep, others = ranked["run_id"].iloc[0], list(ranked["run_id"].iloc[1:])
         runs.loc[runs["run_id"].isin(others), "counted"] = False
         runs.loc[runs["run_id"].isin(others), "duplicate_of"] = keep
-        lines.append(f"duplicate runs: {objective}, seed {seed}, cell `{cell}`: {', '.join(f'`{r}`' for r in others)} "
-                     f"{'has' if len(others) == 1 else 'have'} the same settings and seed as `{keep}`; only `{keep}` "
-                     "is counted (a seed counts once)")
+        policy = "" if pd.isna(start) else f"starting policy {START_SEED}={start}, "
+        lines.append(f"duplicate runs: {objective}, {policy}seed {seed}, cell `{cell}`: "
+                     f"{', '.join(f'`{r}`' for r in others)} {'has' if len(others) == 1 else 'have'} the same settings "
+                     f"and seed as `{keep}`; only `{keep}` is counted (a seed counts once)")
     unseeded = [f"{r}: seed unknown (no manifest entry, summary.json or config.yaml states it): not counted"
                 for r in runs.loc[runs["seed"].isna(), "run_id"]]
     return runs, lines, unseeded

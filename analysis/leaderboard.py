@@ -14,7 +14,8 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
   analysis.paired.iqm (rliable's conventions);
 - vs the baseline objective (``baseline``, grpo by default): the mean over cells of the paired difference of final
   accuracy (by seed and eval problem) with its t-interval, and P(this > baseline) with its stratified bootstrap
-  interval: analysis.paired.aggregate;
+  interval: analysis.paired.aggregate; the difference's p-value Holm-adjusted over the family of every objective's
+  comparison with the baseline (analysis.verdict.holm), the intervals unadjusted;
 - collapse rate: runs whose collapse record (harness/run/collapse.py, read by analysis/load.py) names a cause, of the
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
@@ -35,14 +36,16 @@ from analysis import paired
 from analysis.load import Experiment, load_experiment
 from analysis.report import eval_table, render_html, render_md
 from analysis.stats import LEVEL, num, rate_interval
+from analysis.verdict import holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import runs_stamp
 
 ACCURACY = "final_eval_accuracy"
 MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-run means over training steps
 COLUMNS = ["objective", "cells", "runs", "mean_rank", "iqm", "iqm_low", "iqm_high", "vs_baseline", "vs_baseline_low",
-           "vs_baseline_high", "p_baseline", "p_baseline_low", "p_baseline_high", "collapse_k", "collapse_n",
-           "collapse_rate", "collapse_low", "collapse_high", "tokens_to_target", "reached_target", *MECHANICS]
+           "vs_baseline_high", "vs_baseline_p", "vs_baseline_holm", "p_baseline", "p_baseline_low", "p_baseline_high",
+           "collapse_k", "collapse_n", "collapse_rate", "collapse_low", "collapse_high", "tokens_to_target",
+           "reached_target", *MECHANICS]
 
 
 def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
@@ -123,13 +126,14 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
         rows.append({"objective": objective, "cells": len(cells), "runs": 0})  # no ended run in the shared cells
     frame = pd.DataFrame(rows)
     frame = frame.reindex(columns=[*COLUMNS, *(c for c in frame if c not in COLUMNS)])  # also when no run ended
+    frame["vs_baseline_holm"] = holm(frame["vs_baseline_p"])  # over every comparison with the baseline with a p
     return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last")
 
 
 def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dict:
     """analysis.paired.aggregate's row for (objective, baseline), signed as objective - baseline."""
-    out = dict.fromkeys(["vs_baseline", "vs_baseline_low", "vs_baseline_high", "p_baseline", "p_baseline_low",
-                         "p_baseline_high"], np.nan)
+    out = dict.fromkeys(["vs_baseline", "vs_baseline_low", "vs_baseline_high", "vs_baseline_p", "p_baseline",
+                         "p_baseline_low", "p_baseline_high"], np.nan)
     pair = versus[(versus["a"].isin([objective, baseline])) & (versus["b"].isin([objective, baseline]))
                   & (versus["a"] != versus["b"])]
     if objective == baseline or pair.empty:
@@ -139,6 +143,7 @@ def baseline_columns(versus: pd.DataFrame, objective: str, baseline: str) -> dic
     low, high = (row["difference_low"], row["difference_high"])[::sign]
     p_low, p_high = (row["p_low"], row["p_high"]) if sign > 0 else (1 - row["p_high"], 1 - row["p_low"])
     return {"vs_baseline": sign * row["difference"], "vs_baseline_low": sign * low, "vs_baseline_high": sign * high,
+            "vs_baseline_p": row["p_value"],
             "p_baseline": row["p_improvement"] if sign > 0 else 1 - row["p_improvement"], "p_baseline_low": p_low,
             "p_baseline_high": p_high}
 
@@ -157,6 +162,7 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
                                                                   strict=True)],
         f"vs {baseline} [95% CI]": [bracket(*v) for v in zip(board["vs_baseline"], board["vs_baseline_low"],
                                                              board["vs_baseline_high"], strict=True)],
+        f"Holm p vs {baseline}": board["vs_baseline_holm"].map(lambda p: "" if pd.isna(p) else num(p)),
         f"P(> {baseline}) [95% CI]": [bracket(*v) for v in zip(board["p_baseline"], board["p_baseline_low"],
                                                                 board["p_baseline_high"], strict=True)],
         "collapsed [Wilson 95%]": [f"{k:.0f}/{n:.0f} " + bracket(r, lo, hi) if n > 0 else "n/a" for k, n, r, lo, hi in
@@ -167,7 +173,24 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
         "runs": board["runs"]})
 
 
-def explanation(exp: Experiment, cells: list[int], target: float, baseline: str) -> list[str]:
+def family_sentence(board: pd.DataFrame, baseline: str) -> str:
+    """The leaderboard's family of comparisons with the baseline and what correcting for it leaves."""
+    tested = board[board["vs_baseline_holm"].notna()]
+    m = len(tested)
+    if not m:
+        return (f"no comparison with {baseline} has a p-value (too few paired seeds, or seeds that agree with the eval "
+                "problems' spread unknown), so none is corrected.")
+    raw = int(((tested["vs_baseline_low"] > 0) | (tested["vs_baseline_high"] < 0)).sum())
+    holds = int((tested["vs_baseline_holm"] < 1 - LEVEL).sum())
+    return (f"the family is {m} comparison{'s' * (m != 1)} with {baseline}, so about {m * (1 - LEVEL):.2f} of them "
+            f"would exclude 0 by chance alone; {raw} exclude{'s' * (raw == 1)} 0 unadjusted, {holds} after Holm's "
+            f"step-down correction (Holm p < {1 - LEVEL:g}, the family-wise error rate). A difference from one "
+            "starting policy is conditioned on it: another starting policy may reverse it (`make zoo`'s "
+            "confirmation tests the screen's differences again on fresh starting policies and seeds).")
+
+
+def explanation(exp: Experiment, cells: list[int], target: float, baseline: str, board: pd.DataFrame
+                ) -> list[str]:
     labels = [exp.cells.labels[c] for c in cells]
     left_out = [label for i, label in enumerate(exp.cells.labels) if i not in cells]
     return [f"Cells ({len(cells)}, each objective x its seeds): " + "; ".join(f"`{c}`" for c in labels) + "."
@@ -179,8 +202,8 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str)
             f"{LEVEL:.0%} stratified bootstrap (seeds and eval problems resampled within cells; analysis/paired.py). "
             f"vs {baseline}: mean over cells of the paired difference of final accuracy (by seed and eval problem; "
             "t-interval whose variance adds the cells', analysis/accuracy.py), and the probability of improvement "
-            "P(objective > baseline), same bootstrap as the IQM; an interval that excludes 0 (or 0.5) is a "
-            "difference at this scale (one comparison; several: see the report's Holm-corrected verdict). "
+            "P(objective > baseline), same bootstrap as the IQM. Each interval is unadjusted, at 95% for one "
+            f"comparison: {family_sentence(board, baseline)} "
             "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
             f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
             f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
@@ -198,7 +221,7 @@ def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, b
     ranked, cells = shared_runs(exp)
     blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp),
               ("p", runs_stamp(ranked.to_dict("records"))), ("table", shown),
-              *[("p", text) for text in explanation(exp, cells, target, baseline)]]
+              *[("p", text) for text in explanation(exp, cells, target, baseline, board)]]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "leaderboard.csv", board.to_csv(index=False))
     atomic_write(out_dir / "leaderboard.md", render_md(blocks))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cells import CODE, UNKNOWN, Cells, assign_cells
+from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
@@ -358,6 +358,8 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         "objective": str(_first(entry.get("objective"), summary.get("objective"), config.get("objective.name"),
                                 "unknown")),
         "seed": _first(entry.get("seed"), summary.get("seed"), config.get("seed")),
+        # the starting policy's replicate (harness/run/config.py model.seed): the level above the seeds
+        START_SEED: _first(config.get(START_SEED), (entry.get("overrides") or {}).get(START_SEED)),
         "status": "stopped" if stopped else status,
         "steps_done": int(_first(summary.get("steps_done"), metrics["step"].max() if len(metrics) else None, 0)),
         "total_steps": _first(summary.get("total_steps"), config.get("train.steps")),
@@ -463,7 +465,8 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
                "collapse_step",
                *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
-    runs[["seed", "total_steps"]] = runs[["seed", "total_steps"]].astype("Int64")  # integers, <NA> when unknown
+    integers = ["seed", START_SEED, "total_steps"]
+    runs[integers] = runs[integers].astype("Int64")  # <NA> when unknown
     configs = {run["run_id"]: config for run, _, config, _ in loaded}
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
@@ -472,7 +475,7 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     runs, cells, notes = assign_cells(runs, with_code, overrides)
     for note in notes:
         warn(note)
-    extra = runs.set_index("run_id")[["cell", "cell_id", "counted"]]
+    extra = runs.set_index("run_id")[["cell", "cell_id", "counted", START_SEED]]
     metrics = metrics.join(extra, on="run_id")  # each metrics row knows its run's cell and whether it is counted
     return Experiment(name, exp_dir, runs, metrics, configs, overrides, cells, samples)
 

@@ -139,7 +139,8 @@ def can_bootstrap(sizes: list[int]) -> bool:
 def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None,
               baseline: str | None = None) -> pd.DataFrame:
     """One row per (A, B) over the cells where both ended a seed: cells, n (seed pairs in all), the mean over cells of
-    the mean difference and of P(A > B), with their intervals (NaN when not computable; see the module docstring)."""
+    the mean difference and of P(A > B), with their intervals, and the difference's t-test p-value (NaN when not
+    computable; see the module docstring)."""
     rows = []
     cells = {c: {o: runs_scores(g, samples or {}, column) for o, g in group.groupby("objective")}
              for c, group in runs.groupby("cell_id", sort=True)}
@@ -151,7 +152,7 @@ def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = No
         sizes = [len(seeds) for _, _, seeds in strata]
         d = combined([accuracy_interval(paired_units(x, y)) for x, y, _ in strata])
         row = {"a": a, "b": b, "cells": len(strata), "n": sum(sizes), "difference": d.mean,
-               "difference_low": np.nan, "difference_high": np.nan,
+               "difference_low": np.nan, "difference_high": np.nan, "p_value": np.nan,
                "p_improvement": float(np.mean([probability_of_improvement([x[s][1] for s in seeds],
                                                                           [y[s][1] for s in seeds])
                                                for x, y, seeds in strata])), "p_low": np.nan, "p_high": np.nan}
@@ -159,11 +160,11 @@ def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = No
             rng = np.random.default_rng(BOOT_SEED)
             drawn = [resampled_values(stacked(x, y, seeds), rng=rng) for x, y, seeds in strata]
             pois = np.mean([probability_of_improvement(v[..., 0], v[..., 1]) for v in drawn], axis=0)
-            row["difference_low"], row["difference_high"] = d.low, d.high
+            row["difference_low"], row["difference_high"], row["p_value"] = d.low, d.high, d.p_value
             row["p_low"], row["p_high"] = np.percentile(pois, PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["a", "b", "cells", "n", "difference", "difference_low", "difference_high",
-                                       "p_improvement", "p_low", "p_high"])
+                                       "p_value", "p_improvement", "p_low", "p_high"])
 
 
 def shared_cells(runs: pd.DataFrame, column: str) -> list[int]:

@@ -17,6 +17,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from analysis.cells import START_SEED  # noqa: E402
 from analysis.scaling import PAPER as SCALING_PAPER  # noqa: E402
 from analysis.scaling import ObjectiveFit, sigmoid  # noqa: E402
 from analysis.stats import INTERVALS, curve, describe, interval_name, num, on_grid, smooth  # noqa: E402
@@ -56,9 +57,9 @@ STALENESS = {"lag_mean": ("Policy lag", "versions behind the trainer (token mean
              "rollout_corr_truncated_frac": ("Truncated by the correction", "fraction of tokens"),
              "m2po_dropped_frac": ("Masked by M2PO", "fraction of tokens")}
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
-BOOKKEEPING = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step", "lr", "rollout_tokens",
-                         "update_tokens", "sampled_tokens", "nonfinite_skips"})
-IDENTITY = frozenset({"run_id", "objective", "seed", "cell", "cell_id", "counted", "step"})
+BOOKKEEPING = frozenset({"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted", "step", "lr",
+                         "rollout_tokens", "update_tokens", "sampled_tokens", "nonfinite_skips"})
+IDENTITY = frozenset({"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted", "step"})
 ROUND_OFF = 1e-6  # a metric whose values all lie within this (relative, or absolute below 1) is constant
 SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}  # no timestamps
 SINGLE, DOUBLE = 3.3, 6.8  # paper column widths (inches)
@@ -331,6 +332,7 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
         return Made("clip_fraction", title, None,
                     notes=["`clip_frac` is reported by no run: clip-fraction comparison left out."])
     per_run = metrics.dropna(subset=["clip_frac"]).groupby(["objective", "run_id"])["clip_frac"].mean()
+    policy = runs.set_index("run_id")[START_SEED] if START_SEED in runs else None
     objectives = sorted(set(per_run.index.get_level_values(0)) | set(PAPER_CLIP_FRAC))
     unfinished = set(runs.loc[~runs["complete"], "run_id"])
     fig, (ax,) = grid(1, paper, title, single=True)
@@ -339,7 +341,7 @@ def clip_figure(metrics: pd.DataFrame, runs: pd.DataFrame, look: dict[str, Style
     for i, objective in enumerate(objectives):
         color = look[objective].color if objective in look else "0.3"
         values = per_run[objective] if objective in per_run.index else pd.Series(dtype=float)
-        d = describe(values)
+        d = describe(values, None if policy is None else policy.reindex(values.index))
         labels.append(f"{objective}\n(n={d['n']})" if d["n"] else f"{objective}\n(not run)")
         if d["n"]:
             shown = values[values > 0]
@@ -394,7 +396,8 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
                   palette={o: look[o].color for o in order}, size=4 if paper else 6, legend=False, ax=ax)
     labels = []
     for i, objective in enumerate(order):
-        d = describe(done.loc[done["objective"] == objective, "final_eval_accuracy"])
+        mine = done[done["objective"] == objective]
+        d = describe(mine["final_eval_accuracy"], mine[START_SEED] if START_SEED in mine else None)
         e = (estimates or {}).get(objective)
         mean, low, high, name = (e.mean, e.low, e.high, "95% CI") if e is not None and e.problems else \
             (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"]))

@@ -27,7 +27,7 @@ from scipy.stats import trim_mean
 from analysis import axes, paired, plots, scaling, timing, verdict
 from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.cells import Cells, show
+from analysis.cells import START_SEED, Cells, show
 from analysis.combine import load_experiments
 from analysis.latex import write_tables
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment
@@ -53,7 +53,7 @@ FIGURES = {"curves_step": "Accuracy and reward against training step",
            "clip_fraction": "Clip fraction: this run (measured) vs the GSPO paper (reported)",
            "final_eval": "Final eval accuracy per objective"}
 STALE_S = 3600  # a temporary report folder older than this was left by a killed analysis
-IDENTITY_COLUMNS = {"run_id", "objective", "seed", "cell", "cell_id", "counted"}  # metrics columns naming the run
+IDENTITY_COLUMNS = {"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted"}  # the run's naming columns
 ENDED = "ended (finished, or diverged: stopped by the loop for non-finite updates, scored by its last eval)"
 
 

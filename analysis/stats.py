@@ -36,6 +36,8 @@ import pandas as pd
 from scipy.stats import binomtest, trim_mean
 from scipy.stats import t as student_t
 
+from analysis.cells import START_SEED
+
 N_BOOT, BOOT_SEED, LEVEL = 2000, 0, 0.95
 IQM_MIN_SEEDS, CI_MIN_SEEDS = 5, 3
 INDICATIVE_BELOW = 5  # seeds: with fewer, the interval's coverage falls short of LEVEL in some simulated case
@@ -86,18 +88,32 @@ def bootstrap_ci(values) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def describe(values) -> dict:
+def describe(values, policies=None) -> dict:
     """mean, ci_low, ci_high (the t-interval over seeds, or the range below CI_MIN_SEEDS: see interval_name), n
-    (finite values) and iqm (NaN below IQM_MIN_SEEDS) of per-seed values."""
+    (finite values) and iqm (NaN below IQM_MIN_SEEDS) of per-seed values. ``policies``: each value's starting policy
+    (the level above the seeds, analysis/cells.py START_SEED); from 2 of them the mean is that of the policies'
+    means and the interval is over those means (variance_parts with HIERARCHY's first two levels: nothing pools two
+    starting policies as seeds of one), ``policies`` their number."""
     x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
+    finite = np.isfinite(x)
+    groups = pd.Series(np.asarray(policies, dtype=object)[finite] if policies is not None else 0).astype(str)
+    x = x[finite]
+    if groups.nunique() >= 2:
+        rows = [x[(groups == p).to_numpy()] for p in sorted(groups.unique())]
+        dense = np.full((len(rows), max(map(len, rows))), np.nan)
+        for i, row in enumerate(rows):
+            dense[i, :len(row)] = row
+        mean, parts = variance_parts(dense, HIERARCHY[:2])
+        lo, hi = t_bounds(mean, parts)
+        return {"mean": float(mean), "ci_low": float(lo), "ci_high": float(hi), "n": len(x),
+                "iqm": trim_mean(x, 0.25) if len(x) >= IQM_MIN_SEEDS else np.nan, "policies": len(rows)}
     lo, hi = (np.nan, np.nan)
     if len(x) >= CI_MIN_SEEDS:
         lo, hi = t_bounds(*variance_parts(x, (Level("seed"),)))
     elif len(x) == 2:
         lo, hi = x.min(), x.max()
     return {"mean": x.mean() if len(x) else np.nan, "ci_low": float(lo), "ci_high": float(hi), "n": len(x),
-            "iqm": trim_mean(x, 0.25) if len(x) >= IQM_MIN_SEEDS else np.nan}
+            "iqm": trim_mean(x, 0.25) if len(x) >= IQM_MIN_SEEDS else np.nan, "policies": 1 if len(x) else 0}
 
 
 def unit_means(x: np.ndarray, axis: int, levels: int) -> np.ndarray:
@@ -140,11 +156,11 @@ def variance_parts(x, levels) -> tuple[np.ndarray, list[tuple[np.ndarray, np.nda
     return mean, parts
 
 
-def t_bounds(mean, parts) -> tuple[np.ndarray, np.ndarray]:
-    """mean +- t_{df, (1 + LEVEL) / 2} sqrt(V): V the sum of the parts' variances, df by Welch–Satterthwaite,
+def t_bounds(mean, parts, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """mean +- t_{df, (1 + level) / 2} sqrt(V): V the sum of the parts' variances, df by Welch–Satterthwaite,
     (sum v)^2 / sum(v^2 / df). Zero variance: the interval is the mean (the quantity does not vary)."""
     variance, df = satterthwaite(parts)
-    half = student_t.ppf(0.5 + LEVEL / 2, np.where(df > 0, df, np.nan)) * np.sqrt(variance)
+    half = student_t.ppf(0.5 + level / 2, np.where(df > 0, df, np.nan)) * np.sqrt(variance)
     half = np.where(variance == 0, 0.0, half)
     return mean - half, mean + half
 
@@ -169,23 +185,26 @@ def smooth(metrics: pd.DataFrame, columns: list[str], window: int) -> pd.DataFra
 
 def on_grid(metrics: pd.DataFrame, x: str, y: str, points: int = 100) -> pd.DataFrame:
     """Each run's y linearly interpolated onto a shared grid of x (NaN outside the run's own range), so that
-    runs whose x differs (rollout tokens) can be averaged."""
+    runs whose x differs (rollout tokens) can be averaged; a run's starting policy (START_SEED) kept when given."""
     data = metrics.dropna(subset=[x, y])
+    kept = [c for c in ("run_id", "objective", START_SEED) if c in data]
     if data.empty:
-        return data[["run_id", "objective", x, y]]
+        return data[[*kept, x, y]]
     grid = np.linspace(data[x].min(), data[x].max(), points)
     frames = []
-    for (run_id, objective), run in data.groupby(["run_id", "objective"], sort=False):
+    for names, run in data.groupby(kept, sort=False, dropna=False):
         values = np.interp(grid, run[x], run[y], left=np.nan, right=np.nan)
-        frames.append(pd.DataFrame({"run_id": run_id, "objective": objective, x: grid, y: values}))
+        frames.append(pd.DataFrame({**dict(zip(kept, names, strict=True)), x: grid, y: values}))
     return pd.concat(frames, ignore_index=True)
 
 
 def curve(metrics: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
-    """Per objective and x: mean over runs of y, its bootstrap CI and the number of runs n."""
+    """Per objective and x: mean over runs of y, its interval (describe's, over the starting policies' means when
+    the runs have several: START_SEED) and the number of runs n."""
     rows = []
     for (objective, xv), group in metrics.dropna(subset=[y]).groupby(["objective", x]):
-        rows.append({"objective": objective, x: xv, **describe(group[y])})
+        rows.append({"objective": objective, x: xv,
+                     **describe(group[y], group[START_SEED] if START_SEED in group else None)})
     return pd.DataFrame(rows, columns=["objective", x, "mean", "ci_low", "ci_high", "n"])
 
 

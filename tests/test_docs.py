@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from harness.apps import docs
 from harness.run import names
@@ -16,8 +17,8 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: documented.append(name) or f"## {name}\n")
     monkeypatch.setattr(docs, "main_page", lambda *a: documented.append("results.md"))
 
-    def run_source(kind, name, overrides, jobs, progress):  # the claims' experiments, under the docs' folder
-        sources.append((kind, name, overrides[-1]))
+    def run_source(kind, name, overrides, start_seeds, seeds, jobs, progress):  # under the docs' folder
+        sources.append((kind, name, overrides[-1], start_seeds))
         seeds = [0, 1, 2]
         if kind == "probe":  # 8 layers: 8-10% of assignments change, 2 layers fewer
             rows = [{"objective": "grpo", "seed": s, "layers": d, "expert_changed_frac": 0.01 * d}
@@ -42,9 +43,11 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert not (tmp_path / "results.md").exists()
     page = (tmp_path / "results_moe.md").read_text()
     assert "## moe_stability" in page and "moe_routing_replay" in page and "moe_ratio_spread" in page
-    assert page.count("| holds |") == 3  # every claim holds on these made-up runs
+    # every check holds on these made-up runs, from one starting policy x 3 seeds: short of the confirmation design
+    assert page.count("| indicative | 1 starting policy x 3 ") == 3
     assert {s[1] for s in sources} == {"moe_stability", "lab_moe", "moe_update"}
     assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs
+    assert {s[1]: s[3] for s in sources} == {"moe_stability": (2, 3, 4), "lab_moe": (2, 3, 4), "moe_update": ()}
 
 
 def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
@@ -58,6 +61,7 @@ def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
     assert "| 3 |" in mechanics and "| 6 |" not in mechanics
 
 
+@pytest.mark.slow  # two reports with their figures
 def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkeypatch):
     """`make docs` after an interrupted one at the same commit resumes: its wall time covers only the runs left, and
     the page says how many had finished before (else it would credit the resumed runs to that wall time)."""

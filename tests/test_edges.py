@@ -191,7 +191,8 @@ def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch)
     from harness.apps import launchers, sweep
     from harness.run.config import load_experiment, run_configs, run_id
 
-    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp"])
+    # a process per run: the stand-in below is that process (a worker's run killed: tests/test_worker.py)
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp", "launcher.runs_per_process=1"])
     (run,) = run_configs(cfg)
     run_dir = tmp_path / "exp" / run_id(run)
     run_dir.mkdir(parents=True)

@@ -87,3 +87,34 @@ def test_a_run_that_diverged_before_an_evaluation_after_step_0_never_ranks_above
     board = leaderboard(load_experiment(fake_experiment(exp, entries)), target=0.5).set_index("objective")
     assert board.loc["cispo", "iqm"] == pytest.approx(0.4)  # scored on the starting policy
     assert board["mean_rank"].to_dict() == {"grpo": 1.0, "gspo": 2.0, "ctpo": 3.0, "cispo": 4.0}
+
+
+NOISE = (-0.01, 0.0, 0.01, -0.005, 0.005)  # per seed, added to each objective's paired difference to grpo
+EFFECT = {"a_obj": 0.05, "b_obj": 0.012, "c_obj": 0.0}
+
+
+def test_the_differences_to_the_baseline_are_holm_adjusted_over_the_family(tmp_path):
+    """Three comparisons with grpo: a (t = 14) survives Holm, b (p 0.027 unadjusted, its interval excluding 0) does
+    not (Holm: 2 x 0.027), c is noise; the adjusted p is Holm's of the paired t-tests' p-values."""
+    from scipy.stats import t as student_t
+
+    from analysis.verdict import holm
+
+    exp = tmp_path / "screen"
+    entries = [fake_run(exp, "grpo", s, {"train.lr": 1e-4}, final=0.4 + 0.01 * s) for s in SEEDS]
+    entries += [fake_run(exp, o, s, {"train.lr": 1e-4}, final=0.4 + 0.01 * s + e + NOISE[s]) for o, e in EFFECT.items()
+                for s in SEEDS]
+    fake_experiment(exp, entries)
+    board = leaderboard(load_experiment(exp), target=0.47).set_index("objective")
+    raw = {}
+    for o, e in EFFECT.items():
+        d = e + np.array(NOISE)
+        raw[o] = 2 * student_t.sf(abs(d.mean()) / (d.std(ddof=1) / np.sqrt(len(d))), len(d) - 1)
+    assert board.loc[list(EFFECT), "vs_baseline_p"].tolist() == pytest.approx(list(raw.values()))
+    assert board.loc[list(EFFECT), "vs_baseline_holm"].tolist() == pytest.approx(list(holm(list(raw.values()))))
+    assert raw["b_obj"] < 0.05 < board.loc["b_obj", "vs_baseline_holm"] and board.loc["b_obj", "vs_baseline_low"] > 0
+    assert board.loc["a_obj", "vs_baseline_holm"] < 0.05 and np.isnan(board.loc["grpo", "vs_baseline_holm"])
+    text = write_leaderboard(exp, tmp_path / "out", "stamp", target=0.47).read_text()
+    assert "the family is 3 comparisons with grpo, so about 0.15 of them would exclude 0 by chance alone; 2 " \
+        "exclude 0 unadjusted, 1 after Holm's step-down correction" in text
+    assert "Holm p vs grpo" in text

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
 import pytest
 
 from harness.apps import zoo
 from harness.apps.cli import main as cli_main
 from harness.run.config import run_id
+from harness.run.errors import ConfigError
 from objectives import OBJECTIVES, available_objectives
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -24,7 +33,8 @@ def test_every_registered_objective_each_cell_once(two_cells, monkeypatch):
     assert len(runs) == len(objectives) * 2 == len({run_id(r) for r in runs})
     assert {(r.objective.name, r.seed, r.train.num_minibatches) for r in runs} == {
         (o, s, m) for o in objectives for s in (0,) for m in (4, 16)}
-    assert all(r.name == "zoo" and r.train.steps == 2 for r in runs) and folder.name == "zoo"
+    assert all(r.name == "screen" and r.train.steps == 2 for r in runs) and folder.name == "screen"
+    assert {r.results_dir for r in runs} == {folder.results_dir} and folder.results_dir.endswith("zoo")
     assert set(folder.sweep.grid) == {"objective.name", "seed", "train.num_minibatches"}
 
 
@@ -46,3 +56,94 @@ def test_a_setting_a_regime_cannot_take_names_the_regime(capsys):
     assert err.count("\n") == 1 and err.startswith("config error: the zoo's regime 'offpolicy' "
                                                    "(train.num_minibatches=[16], experiments/offpolicy.yaml) with your "
                                                    "settings: objective 'conspo' compares the samples of a group"), err
+
+
+CORE = ["grpo", "gspo", "gspo_token", "ctpo"]
+BOARD = pd.DataFrame({"objective": ["grpo", "popo", "holder", "cispo", "gspo", "tbpo"],
+                      "vs_baseline": [np.nan, 0.03, -0.05, 0.01, -0.01, 0.02],
+                      "vs_baseline_low": [np.nan, 0.004, -0.07, -0.02, -0.04, np.nan],
+                      "vs_baseline_high": [np.nan, 0.05, -0.03, 0.03, 0.01, np.nan]})
+
+
+def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_and_seeds():
+    plan = zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []})
+    registry = available_objectives()
+    assert list(plan["objectives"]) == sorted(["grpo", "gspo", "gspo_token", "ctpo", "popo", "holder"],
+                                              key=registry.index)
+    assert plan["objectives"]["popo"] == "screen: 0.0300 [0.00400, 0.0500] vs grpo, excludes 0"
+    assert plan["objectives"]["gspo"] == "core objective" and plan["objectives"]["grpo"] == "the baseline"
+    assert set(plan["not_tested"]) == {"cispo", "tbpo"}  # tbpo: no interval, nothing excluded
+    assert "includes 0" in plan["not_tested"]["cispo"]
+    assert len(plan["start_seeds"]) >= 3 and 1 not in plan["start_seeds"]  # none of the screen's policy
+    assert len(plan["seeds"]) >= 5 and not set(plan["seeds"]) & {0, 1, 2}  # seeds the screen never used
+    assert plan["correction"] == {"method": "holm", "alpha": 0.05, "size": 5,
+                                  "family": [f"{o} - grpo" for o in plan["objectives"] if o != "grpo"]}
+    assert plan["cells"] == zoo.CELLS and plan["screen"] == {"start_seeds": [1], "seeds": [0, 1, 2]}
+    text = zoo.plan_text(plan, 300)
+    assert "Holm's step-down over the family of 5 comparisons" in text and "- cispo: screen:" in text
+
+
+@pytest.fixture
+def one_cell(monkeypatch, tmp_path):
+    """One regime cell, results under tmp_path, a finished screen whose leaderboard is BOARD; the confirmation's
+    sweep and leaderboard recorded, not run."""
+    monkeypatch.setattr(zoo, "CELLS", {"offpolicy": {"train.num_minibatches": [16]}})
+    screen = tmp_path / "zoo" / "screen"
+    screen.mkdir(parents=True)
+    (screen / "manifest.json").write_text(json.dumps({"runs": [{"run_id": "x", "status": "finished"}]}))
+    monkeypatch.setattr(zoo, "load_results", lambda folder: folder)
+    monkeypatch.setattr(zoo, "leaderboard", lambda exp, target, baseline: BOARD)
+    calls = []
+
+    def swept(cfg, runs, *args):
+        calls.append((cfg.name, len(runs), (tmp_path / "zoo" / "confirm" / "plan.json").is_file()))
+        return [], "stamp"
+
+    monkeypatch.setattr(zoo, "swept", swept)
+    monkeypatch.setattr(zoo, "write_confirmation", lambda *args: tmp_path / "leaderboard.md")
+    return tmp_path, calls
+
+
+def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
+    tmp_path, calls = one_cell
+    overrides = [f"results_dir={tmp_path}", "train.steps=2"]
+    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False) == 0
+    plan = json.loads((tmp_path / "zoo" / "confirm" / "plan.json").read_text())
+    assert list(plan["objectives"]) == ["grpo", "popo"]  # the core within --objectives, and popo's difference
+    assert calls == [("confirm", 2 * 3 * 5, True)]  # 2 objectives x 3 policies x 5 seeds in the one cell
+    assert (tmp_path / "zoo" / "confirm" / "plan.md").is_file()
+    written = (tmp_path / "zoo" / "confirm" / "plan.json").read_text()
+    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False) == 0  # resumed
+    assert (tmp_path / "zoo" / "confirm" / "plan.json").read_text() == written
+    with pytest.raises(ConfigError, match="was made with other settings"):
+        zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False)
+
+
+def test_no_plan_from_a_screen_that_did_not_end(one_cell):
+    tmp_path, calls = one_cell
+    (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))
+    with pytest.raises(ConfigError, match="run `make zoo STAGE=screen` first"):
+        zoo.confirm(3, 1, 0.4, [f"results_dir={tmp_path}"], False, ["grpo"], False)
+    assert not calls and not (tmp_path / "zoo" / "confirm").exists()
+
+
+@pytest.mark.parametrize("stage, ran", [("screen", ["screen"]), ("confirm", ["confirm"]),
+                                        ("both", ["screen", "confirm"])])
+def test_a_stage_runs_alone_or_both_in_order(stage, ran, monkeypatch, tmp_path):
+    done = []
+    monkeypatch.setattr(zoo, "swept", lambda cfg, *a: (done.append("screen"), ([], "stamp"))[1])
+    monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
+    monkeypatch.setattr(zoo, "confirm", lambda *a: done.append("confirm") or 0)
+    assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}"], progress=False, report=False, objectives=["grpo"],
+                    stage=stage) == 0
+    assert done == ran
+
+
+def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
+    out = subprocess.run(["make", "-n", "--no-print-directory", "zoo", "STAGE=screen"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert "--stage screen" in out.stdout
+    for override in ("seed=4", "model.seed=2", "objective.name=gspo", "sweep.grid.seed=[0]"):
+        with pytest.raises(ConfigError, match="the zoo sets the objectives"):
+            zoo.main(overrides=[override], stage="screen")
+

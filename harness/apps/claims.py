@@ -26,14 +26,29 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   ``where`` / ``than_where`` narrow x's / y's rows further, e.g. two cells of one objective; ``baseline``, a query
   of its own, makes x and y each one's change from its value on those rows, per unit: "degrades less with lag" is
   the change from lag 0 compared). ``greater`` holds if
-  mean(x) > factor * mean(y) and the percentile bootstrap interval of mean(x - factor * y) lies above 0; ``less``
+  mean(x) > factor * mean(y) and the 95% interval of mean(x - factor * y) (see Replication) lies above 0; ``less``
   mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent`` holds if the
-  bootstrap interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
+  interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
   that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
-The ledger says "holds", "does not hold" (with the numbers) or "no data" (a check found nothing to measure).
-Experiments are resumable (labs per batch, sweeps per run), so `make claims` continues where it stopped.
+Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 3: model.seed
+CONFIRM_START_SEEDS[:n], harness/apps/zoo.py's; 1: the experiment's own model.seed) and, for a sweep, ``seeds`` seeds
+0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
+one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``). A probe builds a model of
+its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
+under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
+(starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
+analysis/stats.py describe over the starting policies' means (over the units with one starting policy).
+
+Verdicts: "holds" only under the confirmation design (DESIGN: at least 3 starting policies x 5 seeds or batches per
+starting policy, in every check's selection) when every check holds; "indicative" when every check holds with less
+replication; "does not hold" (with the numbers); "no data" (a check found nothing to measure). Every row states its
+replication, its model and its correction: none across claims (each claim is its own question, from its own
+paper), and within a claim every check must hold, each at 95% (an intersection-union test, which needs no
+adjustment for the number of checks). An ``equivalent`` check's 95% interval inside the margin is two one-sided
+tests at 2.5% each. Experiments are resumable (labs per batch, sweeps per run), so `make claims` continues where it
+stopped.
 """
 
 from __future__ import annotations
@@ -51,15 +66,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import yaml
+from omegaconf import DictConfig
 
+from analysis.cells import START_SEED
 from analysis.lab import build_lab_report
 from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
-from analysis.stats import bootstrap_ci, num
+from analysis.stats import describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
 from harness.apps.sweep import check_runs_code, run_sweep
+from harness.apps.zoo import CONFIRM_SEEDS, CONFIRM_START_SEEDS
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
 from harness.run.errors import ConfigError
@@ -73,6 +91,8 @@ KINDS = ("lab", "sweep", "probe")
 PROBES = ("moe_update",)  # {probe: moe_update}: harness/apps/moe_probe.py's one-update routing change by depth
 DIRECTIONS = ("greater", "less", "equal", "equivalent")
 STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
+DESIGN = (3, 5)  # what "holds" needs: starting policies, and seeds (or batches) per starting policy
+CORRECTION = ("none across claims; within the claim every check must hold, each at 95% (intersection-union test)")
 
 
 @dataclass
@@ -84,11 +104,26 @@ class Claim:
     checks: list[dict[str, Any]]
     reported: str = ""
     notes: list[str] = field(default_factory=list)
+    start_policies: int = DESIGN[0]  # starting policies (model.seed) its experiment runs from (module docstring)
+    seeds: int | None = None  # a sweep's seeds per starting policy (None: CONFIRM_SEEDS, or the experiment's with one)
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
         kind = next(k for k in KINDS if k in self.experiment)
         return kind, self.experiment[kind], tuple(self.experiment.get("overrides", []))
+
+    @property
+    def design(self) -> tuple[tuple[int, ...], int | None]:
+        """(model.seed of each starting policy, none: the experiment's own; a sweep's seeds per policy, None: the
+        experiment's); a probe builds its own model per seed: ((), None)."""
+        if self.start_policies == 1 or self.source[0] == "probe":
+            return (), self.seeds
+        return tuple(CONFIRM_START_SEEDS[: self.start_policies]), self.seeds or CONFIRM_SEEDS
+
+    @property
+    def key(self) -> tuple:
+        """What its tables depend on: claims with the same key share one experiment."""
+        return (*self.source, *self.design)
 
 
 def load_claim(path: Path) -> Claim:
@@ -98,6 +133,11 @@ def load_claim(path: Path) -> Claim:
         claim = Claim(name=path.stem, **data)
     except (yaml.YAMLError, TypeError) as e:
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
+    if not (isinstance(claim.start_policies, int) and 1 <= claim.start_policies <= len(CONFIRM_START_SEEDS)):
+        raise ConfigError(f"{path}: start_policies must be a whole number from 1 to {len(CONFIRM_START_SEEDS)} "
+                          f"(model.seed {list(CONFIRM_START_SEEDS)}), got {claim.start_policies!r}")
+    if claim.seeds is not None and not (isinstance(claim.seeds, int) and claim.seeds >= 1):
+        raise ConfigError(f"{path}: seeds must be a whole number >= 1, got {claim.seeds!r}")
     if sum(k in claim.experiment for k in KINDS) != 1:
         raise ConfigError(f"{path}: experiment must name one lab, one sweep or one probe, e.g. {{lab: lab}}")
     if "probe" in claim.experiment and claim.experiment["probe"] not in PROBES:
@@ -129,27 +169,56 @@ def load_claims(names: list[str] | None = None) -> list[Claim]:
     return [load_claim(p) for p in paths]
 
 
-def run_source(kind: str, name: str, overrides: tuple[str, ...], jobs: int, progress: bool,
-               run: bool = True, allow_code_change: bool = False) -> dict[str, pd.DataFrame]:
-    """Run (or resume; with ``run`` False: only read) the claim's experiment (``allow_code_change``: its runs that
-    other code began too); its tables by name (none when there is nothing to read: its checks say "no data")."""
+def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...] = (),
+               seeds: int | None = None, jobs: int = 2, progress: bool = True, run: bool = True,
+               allow_code_change: bool = False) -> dict[str, pd.DataFrame]:
+    """Run (or resume; with ``run`` False: only read) the claim's experiment from ``start_seeds``' starting policies
+    (none: the experiment's own) with ``seeds`` seeds each (a sweep's; None: the experiment's) (``allow_code_change``:
+    its runs that other code began too); its tables by name, with a START_SEED column (none when there is nothing to
+    read: its checks say "no data")."""
     if kind == "probe":
         return run_probe(overrides, run)
-    cfg = load_experiment(name, list(overrides))
     if kind == "lab":
-        folder = run_lab(cfg, progress) if run else lab_dir(cfg)
-        if not (folder / "batches").is_dir():
-            return {}
-        build_lab_report(folder)
-        return {t: pd.read_csv(folder / f"{t}.csv") for t in ("lab", "pairwise", "snr", "sqrt_growth")}
+        return lab_tables(name, overrides, start_seeds, progress, run)
+    cfg = sweep_config(name, overrides, start_seeds, seeds)
     if run:
         run_sweep(cfg, jobs=jobs, progress=progress, allow_code_change=allow_code_change, command="claims")
     try:
         exp = load_results(Path(cfg.results_dir) / cfg.name)
     except AnalysisError:
         return {}
-    final = exp.runs[exp.runs["counted"] & exp.runs["ended"]]
-    return {"runs": exp.metrics, "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
+    design = {(int(r.model.seed), int(r.seed)) for r in run_configs(cfg)}  # the folder may hold other designs' runs
+    runs = exp.runs[[(p, s) in design for p, s in zip(exp.runs[START_SEED], exp.runs["seed"], strict=True)]]
+    final = runs[runs["counted"] & runs["ended"]]
+    return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
+            "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
+
+
+def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], seeds: int | None
+                 ) -> DictConfig:
+    """The claim's sweep: the experiment with its overrides, its grid over ``start_seeds`` (model.seed) and ``seeds``
+    seeds 0 .. seeds-1 when given."""
+    design = [*([f"sweep.grid.model.seed=[{','.join(map(str, start_seeds))}]"] if start_seeds else []),
+              *([f"sweep.grid.seed=[{','.join(map(str, range(seeds)))}]"] if seeds else [])]
+    return load_experiment(name, [*overrides, *design])
+
+
+def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
+               run: bool) -> dict[str, pd.DataFrame]:
+    """A lab's tables, one lab per starting policy (its folder ``<name>_start<model.seed>``) stacked with a
+    START_SEED column; the experiment's own policy without ``start_seeds``."""
+    parts: dict[str, list] = {}
+    for seed in start_seeds or (None,):
+        cfg = load_experiment(name, list(overrides) + ([] if seed is None else [f"model.seed={seed}"]))
+        if seed is not None:
+            cfg.name = f"{cfg.name}_start{seed}"
+        folder = run_lab(cfg, progress) if run else lab_dir(cfg)
+        if not (folder / "batches").is_dir():
+            return {}
+        build_lab_report(folder)
+        for t in ("lab", "pairwise", "snr", "sqrt_growth"):
+            parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed}))
+    return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
 
 
 def probe_settings(overrides: tuple[str, ...]) -> tuple[dict, Path]:
@@ -181,13 +250,30 @@ def run_probe(overrides: tuple[str, ...], run: bool) -> dict[str, pd.DataFrame]:
 
 
 def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.Series:
-    """The check's metric averaged per unit (batch / seed) over the selected rows (of ``objective`` if given)."""
+    """The check's metric averaged per unit over the selected rows (of ``objective`` if given): indexed by (starting
+    policy, batch / seed), the policy "" in a table without START_SEED; a table without units (such as
+    ``sqrt_growth``) has one unit per selected row."""
     rows = table.query(check["where"]) if check.get("where") else table
     if objective is not None:
         rows = rows[rows["objective"] == objective]
     unit = UNITS.get(check["table"])
-    values = rows[[unit, check["metric"]]].dropna() if unit else rows[[check["metric"]]].dropna()
-    return values.groupby(unit)[check["metric"]].mean() if unit else values[check["metric"]].reset_index(drop=True)
+    rows = rows.assign(_policy=rows[START_SEED].astype("string").fillna("") if START_SEED in rows else "",
+                       _unit=rows[unit] if unit else range(len(rows)))
+    values = rows[["_policy", "_unit", check["metric"]]].dropna(subset=[check["metric"]])
+    return values.groupby(["_policy", "_unit"])[check["metric"]].mean()
+
+
+def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
+    """(starting policies, the fewest units of one of them, the units' name) of unit_values' result."""
+    per = values.groupby(level=0).size()
+    name = {"batch": "batches", "seed": "seeds"}.get(UNITS.get(table), "rows")
+    return (len(per), int(per.min()) if len(per) else 0, name)
+
+
+def interval(values: pd.Series) -> tuple[float, float]:
+    """analysis.stats.describe's interval of unit values (over the starting policies' means with several)."""
+    d = describe(values.to_numpy(), values.index.get_level_values(0))
+    return d["ci_low"], d["ci_high"]
 
 
 def narrowed(check: dict, where: str | None) -> dict:
@@ -196,22 +282,23 @@ def narrowed(check: dict, where: str | None) -> dict:
     return {**check, "where": " and ".join(f"({w})" for w in both)} if both else check
 
 
-def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
-    """(verdict, what was measured) of one check."""
+def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tuple | None]:
+    """(verdict, what was measured, replication: starting policies, the fewest units per policy, their name) of one
+    check."""
     table = tables[check["table"]]
     metric = check["metric"]
     if "within" in check:
         low, high = check["within"]
         values = unit_values(table, check, check.get("objective"))
         if values.empty:
-            return "no data", f"{metric}: nothing selected"
+            return "no data", f"{metric}: nothing selected", None
         statistic = check.get("statistic", "mean")
         value = float(STATISTICS[statistic](values.to_numpy()))
-        lo, hi = bootstrap_ci(values.to_numpy()) if statistic == "mean" else (np.nan, np.nan)
+        lo, hi = interval(values) if statistic == "mean" else (np.nan, np.nan)
         who = f"{check['objective']} " if check.get("objective") else ""
-        interval = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else ""
-        measured = f"{who}{metric} {statistic} {num(value)}{interval} (n={len(values)}; expected in [{low}, {high}])"
-        return ("holds" if low <= value <= high else "does not hold"), measured
+        shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else ""
+        measured = f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}; expected in [{low}, {high}])"
+        return ("holds" if low <= value <= high else "does not hold"), measured, replication(values, check["table"])
     spec = check["compare"]
     a, b = spec["objective"], spec["than"]
     x, y = unit_values(table, narrowed(check, spec.get("where")), a), \
@@ -224,50 +311,74 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
         a, b = (f"{name} minus [{spec['baseline']}]" for name in (a, b))
     common = x.index.intersection(y.index)
     if not len(common):
-        return "no data", f"{metric}: nothing selected for {a} and {b}"
-    x, y = x[common].to_numpy(), y[common].to_numpy()
+        return "no data", f"{metric}: nothing selected for {a} and {b}", None
+    x, y = x[common], y[common]
+    units = replication(x, check["table"])
+    over = f"{units[0]} starting policies x {units[1]}+ {units[2]}" if units[0] > 1 else f"{len(x)} {units[2]}"
+    numbers = f"{a} {num(x.mean())}, {b} {num(y.mean())} ({metric}, mean over {over})"
     direction, factor = spec.get("direction", "greater"), spec.get("factor", 1.0)
-    numbers = f"{a} {num(x.mean())}, {b} {num(y.mean())} ({metric}, mean over {len(x)} {UNITS[check['table']]}es)"
-    numbers = numbers.replace("seedes", "seeds")
     if direction == "equal":
         gap = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
         tolerance = spec.get("tolerance", 1e-6)
-        return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}"
+        return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}", units
     if direction == "equivalent":
-        lo, hi = bootstrap_ci(x - y)
+        lo, hi = interval(x - y)
         margin = spec["margin"]
         holds = np.isfinite(lo) and -margin <= lo and hi <= margin
-        return ("holds" if holds else "does not hold"), (f"{numbers}; {a} - {b}: {num((x - y).mean())} "
-                                                         f"[{num(lo)}, {num(hi)}], equivalence margin +-{margin:g}")
+        measured = (f"{numbers}; {a} - {b}: {num((x - y).mean())} [{num(lo)}, {num(hi)}], equivalence margin "
+                    f"+-{margin:g}")
+        return ("holds" if holds else "does not hold"), measured, units
     sign = 1 if direction == "greater" else -1
     difference = sign * (x - factor * y)
-    lo, hi = bootstrap_ci(difference)
+    lo, hi = interval(difference)
     holds = difference.mean() > 0 and (np.isfinite(lo) and lo > 0)
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
     return ("holds" if holds else "does not hold"), (f"{numbers}; {a} {relation} {b}: margin {num(difference.mean())}"
-                                                     f" [{num(lo)}, {num(hi)}]")
+                                                     f" [{num(lo)}, {num(hi)}]"), units
 
 
-def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str]:
+def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tuple | None]:
     """evaluate_check, with a check that cannot be evaluated (a bad ``where``, an unknown metric) reported in the
     ledger as such instead of stopping it after the experiments have run."""
     if check["table"] not in tables:
-        return "no data", f"{check['metric']}: the experiment has no results (`make claims` runs it)"
+        return "no data", f"{check['metric']}: the experiment has no results (`make claims` runs it)", None
     try:
         return evaluate_check(check, tables)
     except (KeyError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
-        return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}"
+        return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}", None
+
+
+def model_of(claim: Claim) -> str:
+    """The model and task the claim's experiment trains ("tiny on arith")."""
+    kind, name, overrides = claim.source
+    if kind == "probe":
+        return "tiny_moe (the moe_update probe, harness/apps/moe_probe.py)"
+    cfg = load_experiment(name, list(overrides))
+    model = cfg.lab.policy if kind == "lab" and cfg.lab.policy is not None else cfg.model.name
+    return f"{model} on {cfg.task.name}"
+
+
+def design_text(units: list[tuple]) -> tuple[str, bool]:
+    """The replication of a claim's checks (the least of them) and whether it meets DESIGN."""
+    if not units:
+        return "none", False
+    policies, per, name = min(units)
+    return (f"{policies} starting polic{'y' if policies == 1 else 'ies'} x {per} {name}",
+            policies >= DESIGN[0] and per >= DESIGN[1])
 
 
 def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
     rows = []
     for claim in claims:
-        results = [checked(c, tables_of[claim.source]) for c in claim.checks]
-        verdicts = [v for v, _ in results]
-        verdict = ("no data" if "no data" in verdicts else "holds" if all(v == "holds" for v in verdicts)
-                   else "does not hold")
+        results = [checked(c, tables_of[claim.key]) for c in claim.checks]
+        verdicts = [v for v, _, _ in results]
+        text, confirmed = design_text([u for _, _, u in results if u is not None])
+        verdict = ("no data" if "no data" in verdicts else "does not hold" if any(v != "holds" for v in verdicts)
+                   else "holds" if confirmed else "indicative")
         rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
-                     "measured": "; ".join(m for _, m in results), "holds?": verdict,
+                     "measured": "; ".join(m for _, m, _ in results), "holds?": verdict, "replication": text,
+                     "model": model_of(claim), "correction": f"{CORRECTION}; {len(claim.checks)} check"
+                                                             f"{'s' * (len(claim.checks) > 1)}",
                      "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name,
                      "notes": " ".join(claim.notes)})
     return rows
@@ -277,7 +388,7 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     """ledger.csv, ledger.md and ledger.html, each written whole then renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
-    shown = frame[["claim", "paper", "reported", "measured", "holds?"]]
+    shown = frame[["claim", "paper", "reported", "measured", "holds?", "replication", "model"]]
     notes = [f"- {r['name']}: {r['notes']}" for r in rows if r["notes"]]
     stamp = stamp + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
     files = {"ledger.csv": frame.to_csv(index=False),
@@ -302,20 +413,25 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])
         else:
-            cfg = load_experiment(claim.source[1], list(claim.source[2]))
+            cfg = sweep_config(claim.source[1], claim.source[2], *claim.design)
             if run and claim.source[0] == "sweep":  # a run other code began: refused before any experiment runs
                 check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
     start = time.time()
     tables_of = {}
-    for source in dict.fromkeys(c.source for c in claims):
-        print(f"claims: {source[0]} {source[1]} {' '.join(source[2])}", file=sys.stderr)
-        tables_of[source] = run_source(*source, jobs=jobs, progress=progress, run=run,
-                                       allow_code_change=allow_code_change)
+    for key in dict.fromkeys(c.key for c in claims):
+        kind, name, overrides, start_seeds, seeds = key
+        print(f"claims: {kind} {name} {' '.join(overrides)}"
+              + (f" from model.seed {list(start_seeds)}" if start_seeds else ""), file=sys.stderr)
+        tables_of[key] = run_source(kind, name, overrides, start_seeds, seeds, jobs=jobs, progress=progress, run=run,
+                                    allow_code_change=allow_code_change)
     rows = ledger_rows(claims, tables_of)
     checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
-    stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold; experiments run or resumed in "
+    stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
+             f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
+             "holds with less); experiments run or resumed in "
              f"{time.time() - start:.0f} s by `make claims` (wall time of this call)." if run else
-             f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold, on the runs that existed "
+             f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design, on "
+             "the runs that existed "
              "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
     stamp += f" {runs_stamp(checked_on)}"
     path = write_ledger(rows, Path(results_dir) / "claims", stamp)

@@ -30,6 +30,7 @@ from harness.apps.bench import main as bench
 from harness.apps.launchers import LAUNCHERS
 from harness.apps.soak import main as soak
 from harness.apps.sweep import prepare_starting_policies, run_sweep
+from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
 from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
@@ -220,6 +221,10 @@ def cmd_prepare(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
+        if args.sweep_throughput:
+            from harness.apps.throughput import main as throughput
+
+            return throughput(args.overrides, jobs=args.jobs)
         if args.busy:
             return busy_main(args.overrides)
         if args.step:
@@ -265,7 +270,7 @@ def cmd_zoo(args) -> int:
     if args.objectives is not None:  # name_list refused an empty list or name
         given["objectives"] = args.objectives
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,
-               report=not args.no_report, allow_code_change=args.allow_code_change)
+               report=not args.no_report, allow_code_change=args.allow_code_change, stage=args.stage)
 
 
 def cmd_explain(args) -> int:
@@ -283,6 +288,10 @@ def cmd_explain(args) -> int:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_worker(args) -> int:
+    return serve(sys.stdin, main)
 
 
 def cmd_gpu_check(args) -> int:
@@ -367,7 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the claims on the results that exist; start no run (those not done are left out)")
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
-    zoo.add_argument("--seeds", type=positive_int, help="seeds per objective and cell (default: harness/apps/zoo.py)")
+    zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
+                     help="screen: every objective, one starting policy; confirm: the plan the screen decides, on "
+                          "fresh starting policies and seeds; both (default): one, then the other (docs/replicates.md)")
+    zoo.add_argument("--seeds", type=positive_int, help="the screen's seeds per objective and cell (default: "
+                                                        "harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
     zoo.add_argument("--objectives", type=name_list,
@@ -393,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
+    worker = sub.add_parser("worker", help="a local sweep's process that trains its runs one after another, told "
+                                           "which on stdin (harness/apps/worker.py; started by the sweep)")
+    worker.add_argument("folder", help="the sweep's results folder (names the process only)")
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
     soak.add_argument("--seed", type=int, default=0)
@@ -424,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the decode step's matmul shapes, MKL vs oneDNN GFLOP/s (harness/policy/decode.py)")
     bench.add_argument("--profile", action="store_true",
                        help="only torch.profiler's operators of one native rollout and one update, after a warm-up")
+    bench.add_argument("--sweep-throughput", action="store_true",
+                       help="runs per CPU-hour of quickstart's sweep (with the overrides), a process per run against "
+                            "worker processes, and whether both give the same runs (harness/apps/throughput.py)")
+    bench.add_argument("--jobs", type=positive_int, default=2, help="--sweep-throughput: runs at once")
     bench.add_argument("--memory", action="store_true",
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")
@@ -459,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
             "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
-            "zoo": cmd_zoo, "gpu-check": cmd_gpu_check}
+            "zoo": cmd_zoo, "worker": cmd_worker, "gpu-check": cmd_gpu_check}
 
 
 def failure_status(e: Exception) -> int | None:

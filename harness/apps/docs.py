@@ -15,6 +15,7 @@ runs' own code versions and torch threads (their summary.json's records).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,11 +122,23 @@ def verdict_list(report: Path) -> str:
 def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
     """The claims ``names`` checked on their experiments' runs under ``results_dir`` (run or resumed there)."""
     claims = load_claims(list(names))
-    tables_of = {c.source: run_source(c.source[0], c.source[1], (*c.source[2], f"results_dir={results_dir}"), jobs,
-                                      progress=False) for c in claims}
+    tables_of = {c.key: run_source(c.source[0], c.source[1], (*c.source[2], f"results_dir={results_dir}"), *c.design,
+                                   jobs=jobs, progress=False) for c in claims}
     rows = pd.DataFrame(ledger_rows(claims, tables_of))
     return (f"## The claims on these runs (experiments/claims/: {', '.join(names)})\n\n"
-            f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?']])}\n")
+            f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?', 'replication']])}\n")
+
+
+def zoo_page(results_dir: Path, jobs: int) -> None:
+    """docs/zoo.md: the zoo run (or resumed) into ``results_dir``, its confirmed leaderboard, the plan and the
+    screen's leaderboard."""
+    zoo(jobs=jobs, overrides=[f"results_dir={results_dir}"], progress=False)
+    parts = [(results_dir / "zoo" / name).read_text()
+             for name in ("leaderboard.md", "confirm/plan.md", "screen/leaderboard.md")]
+    atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo in two "
+                 "stages, docs/replicates.md: the confirmed leaderboard, the plan written before the confirmation ran, "
+                 "the screen's leaderboard).\n\n" + parts[0] + "\n"
+                 + "\n".join(re.sub(r"^#", "##", part, flags=re.M) for part in parts[1:]))
 
 
 def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_moe: bool = False,
@@ -143,9 +156,7 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
         section = document("gsm8k_ablation", results_dir, jobs)
         atomic_write(DOCS / "results_gsm8k.md", "# gsm8k_ablation, measured\n\n" + header + section)
     if with_zoo:  # the leaderboard carries its own stamp (machine, wall time, load; its runs' code and threads)
-        zoo(jobs=jobs, overrides=[f"results_dir={results_dir}"], progress=False)
-        atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo: "
-                     "docs/zoo_guide.md).\n\n" + (results_dir / "zoo" / "leaderboard.md").read_text())
+        zoo_page(results_dir, jobs)
     if with_moe:
         section = document("moe_stability", results_dir, jobs) + "\n" + claims_section(MOE_CLAIMS, results_dir, jobs)
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)

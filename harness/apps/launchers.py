@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import shutil
@@ -160,6 +161,60 @@ class LocalHandle:
         self.logfile.close()
 
 
+class Worker:
+    """A ``python -m harness worker`` process (harness/apps/worker.py): it trains the runs it is sent one after
+    another, answering each one's exit status on its stdout; ``runs``: how many it was sent."""
+
+    def __init__(self, folder: Path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness", "worker", str(folder)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, preexec_fn=die_with_parent)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.runs, self.busy, self.answer = 0, False, b""
+
+    def send(self, args: list[str], log: Path) -> None:
+        self.proc.stdin.write((json.dumps({"args": args, "log": str(log)}) + "\n").encode())
+        self.proc.stdin.flush()
+        self.runs, self.busy = self.runs + 1, True
+
+    def poll(self) -> int | None:
+        """The run's exit status once the worker answered; the worker's own (< 0: killed) if it ended first."""
+        try:
+            self.answer += os.read(self.proc.stdout.fileno(), 64)
+        except BlockingIOError:  # no answer yet
+            pass
+        if self.answer.endswith(b"\n"):
+            code, self.answer, self.busy = int(self.answer), b"", False
+            return code
+        code = self.proc.poll()
+        if code is not None:
+            self.busy = False
+        return code
+
+    def close(self) -> None:
+        """No more runs: the worker ends when its stdin closes."""
+        try:
+            self.proc.stdin.close()
+        except OSError:  # it died: the pipe is broken
+            pass
+        self.proc.wait()
+
+
+class WorkerHandle:
+    def __init__(self, worker: Worker):
+        self.worker, self.error, self.code = worker, None, None
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            self.code = self.worker.poll()
+        return self.code
+
+    def stop(self) -> None:
+        """SIGTERM: the run writes "interrupted" and the worker ends with it."""
+        self.worker.proc.terminate()
+        self.worker.proc.wait()
+        self.worker.busy = False
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this machine's runs may use, as ``CUDA_VISIBLE_DEVICES`` names them: the user's list of that variable
     as given (indices or UUIDs, up to its first negative entry, as CUDA reads it; empty: none), else every GPU torch
@@ -178,17 +233,21 @@ def visible_gpus() -> list[str]:
 
 
 class LocalLauncher:
-    """Each run a child process of the sweep on this machine; ``jobs`` at once, the free cores split between them.
-    With GPUs visible (:func:`visible_gpus`; ``gpus`` gives the list instead) each run gets one of its own through
-    ``CUDA_VISIBLE_DEVICES``: the GPU with the fewest of this sweep's runs on it, the first such in the list (so runs
-    that start together go round-robin, and a run that ends frees its GPU for the next); by default as many runs at
-    once as GPUs (:meth:`default_jobs`)."""
+    """Each run on this machine, ``jobs`` at once, the free cores split between them: on a machine without GPUs in
+    a worker process of the sweep that trains runs one after another (``runs_per_process`` of them at most, 0: no
+    limit; harness/apps/worker.py: a worker's run is bit-equal to one in its own process, and saves it the process
+    start-up), with ``runs_per_process`` 1 (or no ``folder``) each run a ``python -m harness train`` child process
+    of its own. With GPUs visible (:func:`visible_gpus`; ``gpus`` gives the list instead) each run is a process of
+    its own with a GPU of its own through ``CUDA_VISIBLE_DEVICES``: the GPU with the fewest of this sweep's runs on
+    it, the first such in the list (so runs that start together go round-robin, and a run that ends frees its GPU
+    for the next); by default as many runs at once as GPUs (:meth:`default_jobs`)."""
 
     name = "local"
 
-    def __init__(self, gpus: list[str] | None = None):
+    def __init__(self, gpus: list[str] | None = None, folder: Path | None = None, runs_per_process: int = 1):
         self.gpus = visible_gpus() if gpus is None else gpus
         self.on_gpu: list[tuple[str, subprocess.Popen]] = []  # (GPU, the run's process) of the runs started
+        self.folder, self.runs_per_process, self.workers = folder, runs_per_process, []
 
     def check(self) -> None:
         pass
@@ -211,7 +270,15 @@ class LocalLauncher:
                        f"thread{'s' if threads > 1 else ''} per run")
         return threads
 
-    def start(self, args: list[str], log: Path, name: str) -> LocalHandle:
+    def start(self, args: list[str], log: Path, name: str) -> LocalHandle | WorkerHandle:
+        if self.gpus or self.runs_per_process == 1 or self.folder is None:
+            return self.start_process(args, log)
+        worker = self.idle_worker()
+        worker.send(args, log)
+        return WorkerHandle(worker)
+
+    def start_process(self, args: list[str], log: Path) -> LocalHandle:
+        """The run as a child process of its own, on the next GPU when there are any."""
         gpu = self.next_gpu() if self.gpus else None
         logfile = open_log(log)
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
@@ -221,11 +288,25 @@ class LocalLauncher:
             self.on_gpu.append((gpu, proc))
         return LocalHandle(proc, logfile)
 
+    def idle_worker(self) -> Worker:
+        """A live worker that is not training and may take another run (one that may not is closed), or a new one."""
+        for worker in list(self.workers):
+            if worker.busy:
+                continue
+            if worker.proc.poll() is None and not (self.runs_per_process and worker.runs >= self.runs_per_process):
+                return worker
+            worker.close()
+            self.workers.remove(worker)
+        self.workers.append(Worker(self.folder))
+        return self.workers[-1]
+
     def adopt(self, name: str) -> None:
         return None  # its runs die with the sweep that started them
 
     def close(self) -> None:
-        pass
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
 
 
 # --------------------------------------------------------------------------------------------------------------- ray
@@ -443,7 +524,10 @@ def check_script_values(values: dict) -> None:
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
     """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place)."""
     if name == "local":
-        return LocalLauncher()  # launcher.gpus_per_run is a cluster's: here one GPU per run, when there are GPUs
+        if settings.runs_per_process < 0:
+            raise ConfigError(f"launcher.runs_per_process must be >= 0 (0: no limit), got {settings.runs_per_process}")
+        # launcher.gpus_per_run is a cluster's: here one GPU per run, when there are GPUs
+        return LocalLauncher(folder=exp_dir, runs_per_process=settings.runs_per_process)
     for key, low in (("cpus_per_run", 1), ("gpus_per_run", 0), ("time_min", 1)):
         if settings[key] < low:
             raise ConfigError(f"launcher.{key} must be >= {low}, got {settings[key]}")

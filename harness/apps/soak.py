@@ -41,7 +41,9 @@ def harness(*args: str, **kwargs) -> subprocess.Popen:
 
 
 def run_processes(exp_dir: Path) -> list[int]:
-    """Pids of the runs a sweep of ``exp_dir`` has started (their command line names their run folder)."""
+    """Pids of the runs a sweep of ``exp_dir`` has started: ``train`` processes (their command line names their run
+    folder) and the workers that train its runs one after another (theirs names the results folder:
+    harness/apps/worker.py)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -49,7 +51,7 @@ def run_processes(exp_dir: Path) -> list[int]:
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if " train " in command and str(exp_dir) in command:
+            if (" train " in command or " worker " in command) and str(exp_dir) in command:
                 pids.append(int(entry.name))
     return pids
 

@@ -28,9 +28,11 @@ from harness.apps.launchers import Launcher, RunHandle, adopt_lock_holder, make_
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
+from harness.policy.models import TINY_MODELS
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
 from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import (
@@ -130,6 +132,7 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     on to the runs; ``command``: the command the refusal names) before any folder is touched, and FolderBusyError if
     another sweep holds the folder."""
     runs = run_configs(cfg) if runs is None else runs
+    check_start_seeds(runs)
     check_this_machine(runs)
     exp_dir = Path(cfg.results_dir) / cfg.name
     check_writable(exp_dir)
@@ -142,6 +145,20 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
         return _sweep(cfg, runs, exp_dir, runner, jobs or default, progress, allow_code_change)
     finally:
         runner.close()
+
+
+def check_start_seeds(runs: list[DictConfig]) -> None:
+    """Refuse (ConfigError) a sweep whose runs differ in model.seed where it changes nothing: a hub model without a
+    warm start starts every run from the same pretrained policy, so its model.seed values are not starting policies
+    (the analysis would count them as replicates, analysis/cells.py START_SEED)."""
+    if len({run.model.seed for run in runs}) < 2:
+        return
+    same = sorted({run.model.name for run in runs if run.model.name not in TINY_MODELS and not
+                   run.model.warm_start_steps})
+    if same:
+        raise ConfigError(f"model.seed takes several values, but model {same[0]} has no warm start "
+                          "(model.warm_start_steps=0): each value is the same pretrained starting policy, not another "
+                          "one; sweep model.seed with a warm start or a tiny model")
 
 
 def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, command: str) -> None:

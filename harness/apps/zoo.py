@@ -1,15 +1,28 @@
-"""`make zoo`: every registered objective through the shipped stress regimes on the tiny model, then the leaderboard.
+"""`make zoo`: every registered objective through the shipped stress regimes on the tiny model, in two stages, then
+the leaderboard (docs/replicates.md explains the design).
 
-    python -m harness zoo [--seeds N] [--jobs N] [--target ACC] [--objectives a,b] [--no-report] [key=value ...]
-        -> results/zoo/<run_id>/ (resumable, as any sweep), results/zoo/leaderboard.md, .html, .csv
-           and results/zoo/report/ (the per-cell report: axis figures, heat map, paired tables)
+    python -m harness zoo [--stage screen|confirm|both] [--seeds N] [--jobs N] [--target ACC] [--objectives a,b]
+                          [--no-report] [key=value ...]
+        results/zoo/screen/    stage 1, the screen: every objective x CELLS x seeds 0 .. N-1 from one starting policy
+                               (the regimes' own, model.seed), its leaderboard (leaderboard.md) and report
+        results/zoo/confirm/   stage 2, the confirmation: plan.json and plan.md, written before any of its runs, then
+                               the runs the plan names
+        results/zoo/leaderboard.md, .html, .csv: per objective confirmed above / confirmed below / not confirmed /
+                               not tested, with the family, its correction and the replication
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
-next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed in
-docs/running.md) at the axis values listed, crossed with every objective and ``--seeds`` seeds; all runs go
-into one folder under the experiment name ``zoo``, so a cell two regimes share (e.g. quickstart's settings, were both
-to list it) is one set of runs (run ids are the settings' hash). Overrides apply to every run (e.g. ``train.steps=2``
-for a smoke test).
+next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed
+in docs/running.md) at the axis values listed, crossed with every objective and seed; a cell two regimes share
+is one set of runs (run ids are the settings' hash). Overrides apply to every run of both stages (e.g.
+``train.steps=2`` for a smoke test).
+
+The confirmation is decided from the screen alone and written down before it runs (``plan_confirmation``): the
+objectives whose screen interval of the paired difference to BASELINE (mean over the cells) excluded 0, and the core
+objectives (quickstart's: `make sweep`'s four), each with the baseline, on CONFIRM_START_SEEDS' starting policies
+(none of them the screen's) x CONFIRM_SEEDS fresh seeds (after the screen's) per cell. A plan once written is kept:
+the confirmation resumes under it, and settings other than those it was made with are refused (remove the
+confirm folder to plan again). The verdicts: analysis/leaderboard.py ``write_confirmation`` (Holm over the plan's
+family of comparisons with the baseline).
 """
 
 from __future__ import annotations
@@ -18,14 +31,20 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from analysis.leaderboard import write_leaderboard
+from analysis.confirmation import write_confirmation
+from analysis.leaderboard import leaderboard, write_leaderboard
+from analysis.load import load_experiment as load_results
 from analysis.report import build_report
+from analysis.stats import LEVEL, num
+from analysis.verdict import ALPHA
 from harness.apps.stamp import machine
 from harness.apps.sweep import run_sweep
+from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import ENDED
@@ -40,23 +59,33 @@ CELLS: dict[str, dict[str, list]] = {
     # every batch sampled 16 policy versions back, each objective on the stale behaviour log-probs (no correction)
     "async_staleness": {"train.rollout_lag": [16], "train.rollout_correction": [{"mode": "none"}]},
 }
-SEEDS = 3
+SEEDS = 3  # the screen's seeds per objective and cell
 TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstart's starting policy (0.30-0.45 band)
 NAME = "zoo"
+STAGES = ("screen", "confirm", "both")
+BASELINE = "grpo"
+# model.seed of the confirmation's starting policies (the screen's is the regimes' own, 1): each its own warm start,
+# built once into the cache before any run (a warm start that ends outside its band stops the sweep with its error)
+CONFIRM_START_SEEDS = (2, 3, 4)
+CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
 
 
-def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = None
-             ) -> tuple[DictConfig, list[DictConfig]]:
-    """The zoo's folder config (``name=zoo``; its grid names every swept key, for the manifest) and its runs: every
-    cell of CELLS x ``objectives`` (None: every registered one) x seeds 0 .. seeds-1, each run once (by run id). An
-    empty list or name (``--objectives ""``, ``grpo,,gspo``) is refused, not read as every objective."""
-    if objectives is not None and not all(name.strip() for name in objectives or [""]):
-        raise ConfigError(f"--objectives {','.join(objectives)!r} has an empty name: give registered names "
-                          "separated by commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out "
-                          "for every one")
-    objectives = objectives or available_objectives()
-    common = [*overrides, f"name={NAME}", f"sweep.grid.objective.name=[{','.join(objectives)}]",
-              f"sweep.grid.seed=[{','.join(map(str, range(seeds)))}]"]
+def core_objectives() -> list[str]:
+    """The core objectives: quickstart's (`make sweep`'s) grid."""
+    return list(load_experiment("quickstart").sweep.grid["objective.name"])
+
+
+def stage_runs(stage: str, overrides: list[str], objectives: list[str], seeds: list[int],
+               start_seeds: list[int] | None = None) -> tuple[DictConfig, list[DictConfig]]:
+    """A stage's folder config (results/zoo/<stage>/; its grid names every swept key, for the manifest) and its runs:
+    every cell of CELLS x ``objectives`` x ``start_seeds`` (model.seed; None: the regimes' own) x ``seeds``, each run
+    once (by run id)."""
+    root = Path(load_experiment("quickstart", overrides).results_dir) / NAME
+    where = [f"results_dir={root}", f"name={stage}"]
+    common = [*overrides, *where, f"sweep.grid.objective.name=[{','.join(objectives)}]",
+              f"sweep.grid.seed=[{','.join(map(str, seeds))}]"]
+    if start_seeds is not None:
+        common.append(f"sweep.grid.model.seed=[{','.join(map(str, start_seeds))}]")
     runs: dict[str, DictConfig] = {}
     keys: dict[str, None] = {}
     for experiment, axes in CELLS.items():
@@ -70,33 +99,168 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
         keys.update(dict.fromkeys(cfg.sweep.grid))
         for run in cells:
             runs.setdefault(run_id(run), run)
-    folder = load_experiment("quickstart", [*overrides, f"name={NAME}"])
+    folder = load_experiment("quickstart", [*overrides, *where])
     folder.sweep.grid = {key: [] for key in keys}
     return folder, list(runs.values())
 
 
+def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = None
+             ) -> tuple[DictConfig, list[DictConfig]]:
+    """The screen's folder config and runs: ``objectives`` (None: every registered one) x seeds 0 .. seeds-1. An
+    empty list or name (``--objectives ""``, ``grpo,,gspo``) is refused, not read as every objective."""
+    if objectives is not None and not all(name.strip() for name in objectives or [""]):
+        raise ConfigError(f"--objectives {','.join(objectives)!r} has an empty name: give registered names "
+                          "separated by commas (e.g. grpo,gspo; python -m harness list), or leave --objectives out "
+                          "for every one")
+    return stage_runs("screen", overrides, objectives or available_objectives(), list(range(seeds)))
+
+
+def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[int], core: list[str],
+                      settings: dict) -> dict:
+    """The confirmation's plan from the screen's leaderboard (analysis.leaderboard.leaderboard's frame, its
+    vs_baseline interval the screen's difference to BASELINE over the cells): which objectives and why, which
+    starting policies and seeds (none of the screen's), the family of comparisons and its correction."""
+    reasons = {}
+    for row in board.itertuples():
+        interval = f"{num(row.vs_baseline)} [{num(row.vs_baseline_low)}, {num(row.vs_baseline_high)}]"
+        excludes = row.vs_baseline_low > 0 or row.vs_baseline_high < 0  # NaN (no interval) excludes nothing
+        reasons[row.objective] = (excludes, f"screen: {interval} vs {BASELINE}, "
+                                            f"{'excludes' if excludes else 'includes'} 0")
+    chosen = {o: why for o, (excludes, why) in reasons.items() if excludes}
+    for o in core:
+        chosen[o] = "core objective" + (f"; {chosen[o]}" if o in chosen else "")
+    chosen[BASELINE] = "the baseline"
+    order = [o for o in available_objectives() if o in chosen] + sorted(set(chosen) - set(available_objectives()))
+    start_seeds = [s for s in CONFIRM_START_SEEDS if s not in screen_start_seeds]
+    seeds = list(range(max(screen_seeds) + 1, max(screen_seeds) + 1 + CONFIRM_SEEDS))
+    family = [o for o in order if o != BASELINE]
+    return {"written": datetime.now(UTC).isoformat(timespec="seconds"), "baseline": BASELINE,
+            "rule": (f"the objectives whose screen interval ({LEVEL:.0%}, the paired difference to {BASELINE}, mean "
+                     "over the cells) excluded 0, and the core objectives (quickstart's)"),
+            "objectives": {o: chosen[o] for o in order},
+            "not_tested": {o: why for o, (excludes, why) in reasons.items() if o not in chosen},
+            "cells": CELLS, "start_seeds": start_seeds, "seeds": seeds,
+            "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds},
+            "correction": {"method": "holm", "alpha": round(ALPHA, 6), "family": [f"{o} - {BASELINE}" for o in family],
+                           "size": len(family)},
+            "settings": settings}
+
+
+def plan_text(plan: dict, runs: int) -> str:
+    """plan.md: the plan in sentences."""
+    lines = [f"# The zoo's confirmation plan\n\nWritten {plan['written']}, before any of its runs, from the screen "
+             f"(model.seed {plan['screen']['start_seeds']}, seeds {plan['screen']['seeds']}).\n",
+             f"Rule: {plan['rule']}.\n",
+             f"Design: each objective and {plan['baseline']} in each cell "
+             f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}) from {len(plan['start_seeds'])} starting "
+             f"policies (model.seed {plan['start_seeds']}) x {len(plan['seeds'])} seeds ({plan['seeds']}): {runs} "
+             "runs.\n",
+             f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparison"
+             f"{'s' * (plan['correction']['size'] != 1)} with "
+             f"{plan['baseline']}, family-wise error rate {plan['correction']['alpha']:g}.\n", "## Tested\n",
+             *[f"- {o}: {why}" for o, why in plan["objectives"].items()], "\n## Not tested\n",
+             *[f"- {o}: {why}" for o, why in plan["not_tested"].items()]]
+    return "\n".join(lines) + "\n"
+
+
+def read_plan(folder: Path, settings: dict) -> dict | None:
+    """The plan written in ``folder`` (None: none yet); ConfigError if it was made with other settings."""
+    path = folder / "plan.json"
+    if not path.is_file():
+        return None
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); remove {folder} to plan the confirmation again") from None
+    if plan.get("settings") != settings:
+        raise ConfigError(f"{path} was made with other settings ({plan.get('settings')}, now {settings}): the "
+                          f"confirmation keeps its plan; remove {folder} to plan it again from the screen")
+    return plan
+
+
+def screen_ended(folder: Path) -> bool:
+    """Whether every run of the screen's last sweep ended (its manifest.json)."""
+    try:
+        runs = json.loads((folder / "manifest.json").read_text())["runs"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return False
+    return bool(runs) and all(r.get("status") in ENDED for r in runs)
+
+
+def stamp(stage: str, entries: list[dict], wall: float, load_before: float, jobs: int) -> str:
+    ended = sum(e["status"] in ENDED for e in entries)
+    return (f"`make zoo STAGE={stage}`: {ended}/{len(entries)} runs ended "
+            f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {wall / 60:.1f} min "
+            f"(1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after). Machine: "
+            f"{machine(jobs)}.")
+
+
+def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
+    """The stage's sweep (run or resumed) and its stamp."""
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow, command="zoo")
+    return entries, stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
+
+
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,
          progress: bool = True, report: bool = True, objectives: list[str] | None = None,
-         allow_code_change: bool = False) -> int:
-    """Run (or resume) the zoo, then write its leaderboard (and report); 0 when every run ended. ``objectives``: a
-    subset (a smoke test, a quick look); the default and the leaderboard `make zoo` writes are every registered one.
-    ``allow_code_change``: resume runs that other code began (harness/run/provenance.py)."""
-    cfg, runs = zoo_runs(seeds, list(overrides or []), objectives)
-    exp_dir = Path(cfg.results_dir) / cfg.name
-    count = len(available_objectives() if objectives is None else objectives)
-    print(f"zoo: {len(runs)} runs ({count} objectives x {seeds} seeds x "
-          f"{len(CELLS)} regime cells, shared cells once) into {exp_dir}, {jobs} at a time", file=sys.stderr)
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow_code_change,
-                        command="zoo")
-    wall = time.perf_counter() - start
-    ended = sum(e["status"] in ENDED for e in entries)
-    stamp = (f"`make zoo`: {ended}/{len(entries)} runs ended "
-             f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {wall / 60:.1f} min "
-             f"(1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after). Machine: "
-             f"{machine(jobs)}. Target accuracy for tokens-to-target: {target:g}.")
-    path = write_leaderboard(exp_dir, exp_dir, stamp, target)
-    if report:
-        build_report(exp_dir)
-    print(f"{stamp}\nleaderboard: {path}", file=sys.stderr)
-    return 0 if ended == len(entries) else 1
+         allow_code_change: bool = False, stage: str = "both") -> int:
+    """Run (or resume) the zoo's ``stage`` (screen, confirm or both), then write its leaderboards; 0 when every run
+    ended. ``objectives``: a subset (a smoke test); ``allow_code_change``: resume runs that other code began."""
+    overrides = list(overrides or [])
+    fixed = [o for o in overrides if o.partition("=")[0] in ("seed", "model.seed", "objective.name")
+             or o.startswith("sweep.")]
+    if fixed:
+        raise ConfigError(f"{fixed[0]}: the zoo sets the objectives (--objectives), the seeds (--seeds) and the "
+                          "starting policies (the screen: the regimes' own model.seed; the confirmation: "
+                          "harness/apps/zoo.py CONFIRM_START_SEEDS) itself")
+    if stage not in STAGES:
+        raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    status = 0
+    if stage in ("screen", "both"):
+        cfg, runs = zoo_runs(seeds, overrides, objectives)
+        screen = Path(cfg.results_dir) / cfg.name
+        print(f"zoo screen: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds "
+              f"x {len(CELLS)} regime cells) into {screen}, {jobs} at a time", file=sys.stderr)
+        entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
+        path = write_leaderboard(screen, screen, f"{text} Target accuracy for tokens-to-target: {target:g}.", target,
+                                 BASELINE)
+        if report:
+            build_report(screen)
+        print(f"{text}\nscreen leaderboard: {path}", file=sys.stderr)
+        status = 0 if all(e["status"] in ENDED for e in entries) else 1
+    if stage in ("confirm", "both") and status == 0:
+        status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change)
+    return status
+
+
+def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
+            objectives: list[str] | None, allow_code_change: bool) -> int:
+    """Stage 2: the plan (read, or made from the finished screen and written), its runs, the leaderboard."""
+    cfg, screen_runs = zoo_runs(seeds, overrides, objectives)
+    screen = Path(cfg.results_dir) / cfg.name
+    folder = screen.parent / "confirm"
+    settings = {"overrides": overrides, "seeds": seeds, "objectives": objectives}
+    plan = read_plan(folder, settings)
+    if plan is None:
+        if not screen_ended(screen):
+            raise ConfigError(f"the confirmation is planned from a finished screen, and {screen} has runs that did "
+                              "not end (or none): run `make zoo STAGE=screen` first")
+        board = leaderboard(load_results(screen), target, BASELINE)
+        board = board[board["objective"].isin(objectives)] if objectives else board
+        start = sorted({int(r.model.seed) for r in screen_runs})
+        core = [o for o in core_objectives() if objectives is None or o in objectives]
+        plan = plan_confirmation(board, list(range(seeds)), start, core, settings)
+    cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"])
+    if not (folder / "plan.json").is_file():  # written whole before any run of the confirmation starts
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
+        atomic_write(folder / "plan.json", json.dumps(plan, indent=1) + "\n")
+    print(f"zoo confirmation: {len(runs)} runs ({len(plan['objectives'])} objectives x {len(plan['start_seeds'])} "
+          f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
+          f"into {folder}, {jobs} at a time", file=sys.stderr)
+    entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
+    path = write_confirmation(screen, folder, plan, screen.parent, text)
+    print(f"{text}\nleaderboard: {path}", file=sys.stderr)
+    return 0 if all(e["status"] in ENDED for e in entries) else 1
+

@@ -86,7 +86,9 @@ class ModelConfig:
     tiny: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # trainer precision: float32, bfloat16, float16 (weights and compute)
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); null = policy
-    seed: int = 0  # the tiny model's init and warm-start seed: the starting policy, shared by every run of a sweep
+    # the starting policy: the tiny model's init and the warm start's batch order (its cache key); several values
+    # (sweep.grid.model.seed) are starting-policy replicates, the level above the seeds (analysis/cells.py)
+    seed: int = 0
     warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached); with a target: the cap
     # [low, high]: stop at the first check whose held-out greedy accuracy is in the band (an error if the cap is hit
     # outside it)
@@ -244,9 +246,11 @@ class LoggingConfig:
 
 @dataclass
 class LauncherConfig:
-    """Where a sweep's runs execute with `sweep --launcher ray|slurm` (harness/apps/launchers.py); not part of a run
+    """Where a sweep's runs execute (`sweep --launcher local|ray|slurm`, harness/apps/launchers.py); not part of a run
     (nor of its run id): the same runs, wherever they go."""
 
+    # local: runs one worker process trains one after another, sharing its start-up (0: no limit; 1: a process per run)
+    runs_per_process: int = 0
     cpus_per_run: int = 1  # CPU cores per run: the Ray task's num_cpus, SLURM's cpus_per_task, the run's torch threads
     gpus_per_run: int = 0  # GPUs per run: the Ray task's num_gpus, SLURM's gpus_per_node
     address: str | None = None  # ray: the cluster (host:port, ray://host:10001, auto); null = a local Ray cluster

@@ -185,6 +185,7 @@ NAMES: tuple[Name, ...] = (
     Name("lab.policy"),
     Name("logging.backends", "`report_to`", "`trainer.logger`"),
     Name("logging.project", "— (`WANDB_PROJECT`, `TRACKIO_PROJECT`)", "`trainer.project_name`"),
+    Name("launcher.runs_per_process"),
     Name("launcher.cpus_per_run"),
     Name("launcher.gpus_per_run", "—", "`trainer.n_gpus_per_node`"),
     Name("launcher.address"),

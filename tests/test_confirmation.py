@@ -1,0 +1,96 @@
+"""analysis/confirmation.py: the zoo's confirmation on hand-made runs whose numbers are known: the difference per
+(starting policy, seed) averaged over the cells, the starting policies as the top level of the interval, Holm's
+step-down over the plan's family and its verdicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import t as student_t
+
+from analysis.cells import START_SEED
+from analysis.confirmation import confirmation, holm_levels, write_confirmation
+from analysis.load import AnalysisWarning
+from analysis.verdict import holm
+from tests.helpers.fake_runs import fake_experiment, fake_run
+
+POLICIES, SEEDS, CELLS = (2, 3, 4), range(5, 10), (1e-4, 3e-4)
+# the difference to grpo per starting policy: A's is about the same from every policy, B's depends on the policy
+EFFECT = {"grpo": {2: 0.0, 3: 0.0, 4: 0.0}, "a_obj": {2: 0.05, 3: 0.051, 4: 0.049},
+          "b_obj": {2: 0.04, 3: 0.0, 4: 0.035}, "c_obj": {2: -0.03, 3: -0.031, 4: -0.029}}
+PLAN = {"baseline": "grpo", "objectives": {"grpo": "the baseline", "a_obj": "screen", "b_obj": "screen",
+                                           "c_obj": "core objective"},
+        "not_tested": {"d_obj": "screen: includes 0"}, "start_seeds": list(POLICIES), "seeds": list(SEEDS),
+        "cells": {"offpolicy": {}, "step_size": {}}, "rule": "hand-made",
+        "correction": {"method": "holm", "alpha": 0.05, "family": ["a_obj - grpo", "b_obj - grpo", "c_obj - grpo"],
+                       "size": 3}}
+
+
+def final(objective: str, policy: int, seed: int, lr: float) -> float:
+    """The run's final accuracy: a policy effect, a seed effect shared by the objectives (it cancels when paired),
+    a cell effect, the objective's difference."""
+    return 0.3 + 0.1 * (policy - 3) + 0.01 * (seed - 7) + (0.05 if lr == 3e-4 else 0.0) + EFFECT[objective][policy]
+
+
+@pytest.fixture(scope="module")
+def confirm(tmp_path_factory):
+    exp = tmp_path_factory.mktemp("results") / "confirm"
+    entries = [fake_run(exp, o, s, {"train.lr": lr, START_SEED: p}, final=final(o, p, s, lr))
+               for o in EFFECT for p in POLICIES for s in SEEDS for lr in CELLS]
+    return fake_experiment(exp, entries)
+
+
+def test_holm_levels_step_down_and_match_the_adjusted_p():
+    p = np.array([0.04, 0.001, 0.3, 0.012, np.nan])
+    levels = holm_levels(p)
+    # ascending: 0.001 at 0.05/4 (rejected), 0.012 at 0.05/3 (rejected), 0.04 at 0.05/2 (not): 0.3 at 0.05/2 too
+    assert levels[:4] == pytest.approx([0.025, 0.0125, 0.025, 0.05 / 3]) and np.isnan(levels[4])
+    assert ((p < levels) == (holm(p) < 0.05))[:4].all()  # an interval at its level excludes 0 iff Holm rejects
+    assert ((p < 0.05).sum(), (holm(p) < 0.05).sum()) == (3, 2)  # unadjusted, 0.04 would count
+
+
+def test_verdicts_over_the_policies_with_holm(confirm):
+    table, units, _, models = confirmation(confirm, PLAN)
+    rows = table.set_index("objective")
+    assert rows["verdict"].to_dict() == {"grpo": "baseline", "a_obj": "confirmed above", "b_obj": "not confirmed",
+                                         "c_obj": "confirmed below", "d_obj": "not tested"}
+    assert models == "tiny on arith" and len(units["a_obj"]) == 15
+    # b: the mean over the policies of their mean difference, t with 3 - 1 degrees of freedom, Holm over 3
+    means = np.array(list(EFFECT["b_obj"].values()))
+    se = means.std(ddof=1) / np.sqrt(3)
+    p = 2 * student_t.sf(means.mean() / se, 2)
+    assert rows.loc["b_obj", "difference"] == pytest.approx(means.mean())
+    assert rows.loc["b_obj", "p_value"] == pytest.approx(p) and rows.loc["b_obj", "holm_p"] >= p
+    # pooled as 15 seeds of one policy (the old design), b would have been a difference far below any correction
+    pooled = np.repeat(means, 5)
+    assert 2 * student_t.sf(pooled.mean() / (pooled.std(ddof=1) / np.sqrt(15)), 14) * 3 < 0.001
+    # each interval at the level Holm tests it: a and c rejected first (0.05/3, 0.05/2), b at 0.05
+    assert rows.loc["b_obj", "low"] < 0 < rows.loc["b_obj", "high"]
+    assert rows.loc["a_obj", "low"] > 0 and rows.loc["c_obj", "high"] < 0
+    assert sorted(rows.loc[["a_obj", "c_obj"], "level"]) == pytest.approx([1 - 0.05 / 2, 1 - 0.05 / 3])
+
+
+def test_a_comparison_missing_runs_is_incomplete_and_stays_in_the_family(confirm, tmp_path):
+    """Without one of a_obj's runs its verdict is 'incomplete' (no verdict on another design than the plan's), and
+    the family still counts it: c is tested at 0.05/3 first, as with every comparison there."""
+    import shutil
+
+    exp = tmp_path / "confirm"
+    shutil.copytree(confirm, exp)
+    (next(exp.glob("a_obj-s5-*")) / "summary.json").unlink()
+    (next(exp.glob("a_obj-s5-*")) / "metrics.jsonl").unlink()
+    with pytest.warns(AnalysisWarning, match="missing"):
+        rows = confirmation(exp, PLAN)[0].set_index("objective")
+    assert rows.loc["a_obj", "verdict"] == "incomplete" and rows.loc["c_obj", "verdict"] == "confirmed below"
+    assert rows.loc["c_obj", "level"] == pytest.approx(1 - 0.05 / 3)
+
+
+def test_the_leaderboard_states_family_correction_replication_and_model(confirm, tmp_path):
+    path = write_confirmation(tmp_path / "screen", confirm, PLAN, tmp_path, "stamp line")
+    text = path.read_text()
+    for needle in ("Family: 3 comparisons with grpo", "Holm's step-down", "family-wise error rate 0.05",
+                   "3 starting policies (model.seed [2, 3, 4]) x 5 seeds ([5, 6, 7, 8, 9]) x 2 cells",
+                   "Model: tiny on arith", "| a_obj | confirmed above |", "| d_obj | not tested |",
+                   "3 starting policies x 5 seeds", "stamp line"):
+        assert needle in text, needle
+    assert (tmp_path / "leaderboard.csv").exists() and (tmp_path / "leaderboard.html").exists()

@@ -1,0 +1,99 @@
+"""Starting policies as replicates (model.seed): the level above the seeds in every interval, never a cell, never
+pooled with the seeds; hand-made runs whose numbers are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import t as student_t
+
+from analysis import paired
+from analysis.accuracy import estimate
+from analysis.cells import START_SEED
+from analysis.load import load_experiment
+from analysis.stats import describe
+from harness.apps.sweep import check_start_seeds
+from harness.run.errors import ConfigError
+from tests.helpers.fake_runs import fake_experiment, fake_run
+from tests.helpers.tiny import tiny_run
+
+# final accuracy per starting policy (model.seed): far apart, so that pooling them as seeds hides their spread
+POLICY_MEAN = {1: 0.30, 2: 0.50, 3: 0.70}
+SEED_NOISE = (-0.01, 0.0, 0.01, -0.005, 0.005)
+
+
+@pytest.fixture(scope="module")
+def three_policies(tmp_path_factory):
+    exp = tmp_path_factory.mktemp("results") / "replicates"
+    entries = [fake_run(exp, objective, seed, {START_SEED: policy}, final=mean + noise + (0.02 if objective == "gspo"
+                                                                                           else 0.0))
+               for objective in ("grpo", "gspo") for policy, mean in POLICY_MEAN.items()
+               for seed, noise in enumerate(SEED_NOISE)]
+    return fake_experiment(exp, entries)
+
+
+def policy_t_interval(values_by_policy: dict) -> tuple[float, float, float]:
+    """By hand: the mean of the policies' means and its t-interval with (policies - 1) degrees of freedom."""
+    means = np.array([np.mean(v) for v in values_by_policy.values()])
+    half = student_t.ppf(0.975, len(means) - 1) * means.std(ddof=1) / np.sqrt(len(means))
+    return means.mean(), means.mean() - half, means.mean() + half
+
+
+def test_starting_policies_are_one_cell_and_their_seeds_no_duplicates(three_policies):
+    exp = load_experiment(three_policies)
+    assert exp.cells.axes == [] and exp.runs["cell_id"].nunique() == 1  # model.seed is no axis
+    assert exp.runs["counted"].all() and not exp.cells.duplicates  # seed 0 of policy 1 and of policy 2: two units
+    assert sorted(exp.runs[START_SEED].unique()) == [1, 2, 3]
+    assert set(exp.metrics[START_SEED].unique()) == {1, 2, 3}
+
+
+def test_describe_takes_the_policies_means_not_the_pooled_runs():
+    values = [m + n for m in POLICY_MEAN.values() for n in SEED_NOISE[:3]]
+    policies = [p for p in POLICY_MEAN for _ in range(3)]
+    mean, low, high = policy_t_interval({p: [m + n for n in SEED_NOISE[:3]] for p, m in POLICY_MEAN.items()})
+    d = describe(values, policies)
+    assert (d["n"], d["policies"]) == (9, 3)
+    assert d["mean"] == pytest.approx(mean) and (d["ci_low"], d["ci_high"]) == pytest.approx((low, high))
+    pooled = describe(values)  # the same values as 9 seeds of one policy: far narrower
+    assert pooled["ci_high"] - pooled["ci_low"] < 0.3 * (high - low)
+    assert describe(values, [1] * 9) == pooled  # one policy: conditioned on, as before
+
+
+def test_accuracy_interval_is_over_the_policies(three_policies):
+    exp = load_experiment(three_policies)
+    grpo = exp.runs[exp.runs["objective"] == "grpo"]
+    e = estimate(grpo, exp.samples)
+    mean, low, high = policy_t_interval({p: [m + n for n in SEED_NOISE] for p, m in POLICY_MEAN.items()})
+    assert e.n == 15 and e.mean == pytest.approx(mean) and (e.low, e.high) == pytest.approx((low, high))
+    assert [df for _, df in e.parts] == [2.0]  # the policies' spread, 3 - 1 degrees of freedom
+
+
+def test_iqm_bootstrap_resamples_the_policies(three_policies):
+    """The IQM's hierarchical bootstrap draws starting policies first: its interval spans most of the policies'
+    spread (0.3 .. 0.7), where a bootstrap of 15 pooled seeds would stay near 0.5."""
+    exp = load_experiment(three_policies)
+    row = paired.iqm(exp.runs, samples=exp.samples).set_index("objective").loc["grpo"]
+    assert row["iqm_low"] < 0.4 and row["iqm_high"] > 0.6
+
+
+def test_a_paired_difference_keeps_each_policy_with_its_seeds(three_policies):
+    """gspo - grpo is +0.02 in every (policy, seed) unit: pairing by (policy, seed) finds it exactly; pairing by seed
+    alone would pair policy 1's runs with policy 3's."""
+    exp = load_experiment(three_policies)
+    row = paired.per_cell(exp.runs, samples=exp.samples, baseline="grpo").iloc[0]
+    assert (row["a"], row["b"], row["n"], row["wins"]) == ("gspo", "grpo", 15, 15)
+    assert row["difference"] == pytest.approx(0.02)
+
+
+def test_model_seed_swept_where_it_changes_nothing_is_refused(tmp_path):
+    tiny = [tiny_run(tmp_path, f"model.seed={s}") for s in (1, 2)]
+    check_start_seeds(tiny)  # a tiny model: its init differs
+    hub = [run.copy() for run in tiny]
+    for run in hub:
+        run.model.name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(ConfigError, match="model.seed takes several values, but model HuggingFaceTB/SmolLM2-135M-"
+                                          "Instruct has no warm start"):
+        check_start_seeds(hub)
+    for run in hub:
+        run.model.warm_start_steps = 10
+    check_start_seeds(hub)  # another warm start per value: other starting policies

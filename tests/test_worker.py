@@ -1,0 +1,119 @@
+"""harness/apps/worker.py and the local launcher's workers: a run trained in a worker after another run is the run a
+process of its own trains, bit for bit, with its own train.log, lock, summary and provenance."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.apps.worker import output_to
+from harness.run.locks import RUN_LOCK, is_held
+from harness.run.records import read_jsonl
+from tests.helpers.processes import ROOT, cli, processes_with, wait_until
+from tests.helpers.tiny import TINY_RUN, without_timing
+
+
+def test_the_soak_finds_a_sweeps_workers_as_its_runs(tmp_path):
+    """`make soak` kills runs it finds by their command line: a worker's names the results folder, not a run's."""
+    from harness.apps.soak import run_processes
+
+    # Popen returns once the child has exec'd: its command line is the one given
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "worker", str(tmp_path)])
+    try:
+        assert stand_in.pid in run_processes(tmp_path)
+        assert stand_in.pid not in run_processes(tmp_path / "other")
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_output_to_appends_both_streams_to_the_log_and_restores_them(tmp_path, capsys):
+    log = tmp_path / "train.log"
+    log.write_text("before\n")
+    with capsys.disabled():  # the real streams: the worker's
+        before = os.fstat(1).st_ino, os.fstat(2).st_ino
+        with output_to(str(log)):
+            print("out line")
+            print("err line", file=sys.stderr)
+        assert (os.fstat(1).st_ino, os.fstat(2).st_ino) == before
+    assert log.read_text() == "before\nout line\nerr line\n"
+
+
+@pytest.mark.slow
+def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path):
+    exp = tmp_path / "pair.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [gspo, grpo]\n")
+    settings = [*TINY_RUN, "train.steps=3", "train.eval_every=2"]
+    out = cli("sweep", str(exp), *settings, f"results_dir={tmp_path}/res", "--jobs", "1", "--no-progress",
+              "--no-report")  # one worker: gspo's run, then grpo's in the same process
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "res" / "pair"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [r["status"] for r in manifest["runs"]] == ["finished", "finished"]
+    second = folder / manifest["runs"][1]["dir"]
+    alone = tmp_path / "alone"
+    out = cli("train", str(exp), *settings, "objective.name=grpo", "--run-dir", str(alone), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert without_timing(read_jsonl(second / "metrics.jsonl")) == without_timing(read_jsonl(alone / "metrics.jsonl"))
+    assert read_jsonl(second / "eval_samples.jsonl") == read_jsonl(alone / "eval_samples.jsonl")
+    for entry in manifest["runs"]:  # each run's own log, lock released, summary with its code and one segment
+        run_dir = folder / entry["dir"]
+        log = (run_dir / "train.log").read_text()
+        assert f"objective {entry['objective']}, seed 0 -> {run_dir}" in log and log.count(" run on ") == 1
+        assert not is_held(run_dir / RUN_LOCK)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "finished" and len(summary["segments"]) == 1 and summary["code"]["version"]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path):
+    """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
+    resumed run equals one never interrupted."""
+    exp = tmp_path / "one.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    args = [str(exp), *TINY_RUN, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress", "--no-report"]
+    sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    folder = tmp_path / "res" / "one"
+
+    def two_steps() -> Path | None:
+        runs = [p for p in folder.glob("grpo-*") if p.is_dir()] if folder.exists() else []
+        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None
+
+    run_dir = wait_until(two_steps, timeout=120)
+    assert run_dir is not None, "the sweep made no progress"
+    (worker,) = processes_with(f"harness worker {folder}")
+    os.kill(worker, signal.SIGKILL)
+    assert sweep.wait(timeout=120) == 1  # the run did not end: the sweep says so
+    assert json.loads((folder / "manifest.json").read_text())["runs"][0]["status"] == "stopped"
+    out = cli("sweep", *args)
+    assert out.returncode == 0, out.stderr
+    ref = tmp_path / "ref"
+    assert cli("train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(ref), "--no-progress").returncode == 0
+    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
+
+
+def test_the_throughput_bench_compares_runs_without_their_timings(tmp_path):
+    from harness.apps.throughput import same_runs
+
+    def write(folder: Path, rid: str, loss: float, step_s: float, answer: str = "1") -> None:
+        (folder / rid).mkdir(parents=True)
+        (folder / rid / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "step_s": step_s}) + "\n")
+        (folder / rid / "eval_samples.jsonl").write_text(json.dumps({"step": 1, "completion": answer}) + "\n")
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, step_s in ((first, 1.0), (second, 2.5)):  # the timings differ: the same run
+        write(folder, "same", 0.5, step_s)
+    write(first, "metric", 0.5, 1.0)
+    write(second, "metric", 0.5000001, 1.0)
+    write(first, "sample", 0.5, 1.0)
+    write(second, "sample", 0.5, 1.0, answer="2")
+    write(first, "absent", 0.5, 1.0)  # never written on the second side
+    (second / "absent").mkdir()
+    assert same_runs(first, second, ["same", "metric", "sample", "absent"]) == ["metric", "sample", "absent"]
