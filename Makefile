@@ -60,8 +60,8 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASE
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
 
-claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html
-	$(PY) -m harness claims --jobs $(JOBS)
+claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours)
+	$(PY) -m harness claims --jobs $(JOBS) $(if $(WITH_LONG),--with-long)
 
 zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; docs/zoo_guide.md, docs/replicates.md)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
@@ -82,8 +82,8 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md); SKIP_MAIN=1: only those
-	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md), WITH_MOE=1 moe_stability (docs/results_moe.md), WITH_SMOLLM2=1 smollm2_rl and smollm2_transfer (docs/results_smollm2.md, ~4 h); SKIP_MAIN=1: only those
+	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo) $(if $(WITH_MOE),--with-moe) $(if $(WITH_SMOLLM2),--with-smollm2) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site

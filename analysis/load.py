@@ -260,7 +260,7 @@ def start_policy(summary: dict, path: Path) -> dict:
 
 COUNTS = ("seed", "steps_done", "total_steps")  # whole numbers >= 0
 SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
-                   "best_eval_accuracy", "wall_time_s", "rollout_tokens")
+                   "best_eval_accuracy", "wall_time_s", "cpu_time_s", "rollout_tokens")
 
 
 def checked_summary(summary: dict, path: Path) -> dict:
@@ -367,6 +367,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         "best_eval_accuracy": _first(summary.get("best_eval_accuracy"), evals.max() if len(evals) else None),
         "start_eval_accuracy": _first(at_start.iloc[0] if len(at_start) else None, summary.get("start_eval_accuracy")),
         "wall_time_s": summary.get("wall_time_s"),
+        "cpu_time_s": summary.get("cpu_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
         "has_summary": bool(summary),
         **code_of(summary),
@@ -461,8 +462,8 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     if "rollout_tokens" in metrics:  # the step-0 evaluation precedes any sampling
         before = metrics["step"] == 0
         metrics.loc[before, "rollout_tokens"] = metrics.loc[before, "rollout_tokens"].fillna(0)
-    numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "rollout_tokens",
-               "collapse_step",
+    numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "cpu_time_s",
+               "rollout_tokens", "collapse_step",
                *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     integers = ["seed", START_SEED, "total_steps"]

@@ -14,6 +14,7 @@ from harness.apps.claims import (
     ledger_rows,
     load_claim,
     load_claims,
+    model_of,
     probe_settings,
     run_source,
     write_ledger,
@@ -33,6 +34,19 @@ def test_shipped_claims_parse_and_their_experiments_exist():
         else:
             load_experiment(claim.source[1], list(claim.source[2]))
         assert claim.paper and claim.checks
+
+
+def test_long_claims_run_when_named_or_asked_for_and_the_smollm2_ones_run_their_experiments_own_seeds():
+    """A bare `make claims` leaves out the SmolLM2 claims (hours of sweeps); named or with_long they are in; they run
+    from the experiment's own starting policy and seeds (one policy: at most "indicative") and name SmolLM2."""
+    default, every = load_claims(), load_claims(with_long=True)
+    long = {c.name for c in every if c.long}
+    assert long >= {"ctpo_outperforms_smollm2", "gspo_stable_offpolicy_smollm2"}
+    assert not long & {c.name for c in default}
+    assert {c.name for c in default} | long == {c.name for c in every}
+    (named,) = load_claims(["gspo_stable_offpolicy_smollm2"])
+    assert named.long and named.design == ((), None)
+    assert model_of(named).startswith("smollm2-135m-instruct")
 
 
 def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):

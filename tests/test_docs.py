@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import pandas as pd
 import pytest
 
 from harness.apps import docs
 from harness.run import names
+from harness.run.config import load_experiment
 from tests.helpers.fake_runs import grid_experiment
 
 
@@ -75,3 +79,87 @@ def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkey
     for summary in (results / "quickstart").glob("*/summary.json"):
         summary.unlink()
     assert "had finished before" not in docs.document("quickstart", results, 2)
+
+
+def write_scores(run_dir, scores_by_step: dict[int, list[float]]) -> None:
+    """eval_samples.jsonl as the loop writes it: one line per evaluation and eval problem."""
+    lines = [{"step": step, "problem": i, "answer": "1", "correct": c, "format": 1.0, "truncated": False,
+              "completion": "#### 1"} for step, scores in scores_by_step.items() for i, c in enumerate(scores)]
+    (run_dir / "eval_samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.mark.slow
+def test_the_gain_over_the_start_is_paired_by_seed_and_problem_with_the_accuracy_interval(tmp_path):
+    """Every run starts at 8 of 40 problems; grpo solves 10 + seed more at its end (yes), gspo the same ones (cannot
+    tell), ctpo 4 + seed fewer (no); the gain is the last evaluation's minus step 0's, whatever lies between."""
+    start = [1.0] * 8 + [0.0] * 32
+    end = {"grpo": lambda s: [1.0] * (18 + s) + [0.0] * (22 - s), "gspo": lambda s: start,
+           "ctpo": lambda s: [0.0] * (4 + s) + start[4 + s:]}
+    exp = grid_experiment(tmp_path / "smol", {}, objectives=tuple(end), seeds=(0, 1, 2),
+                          effect=lambda o, point, s: sum(end[o](s)) / 40)
+    for run in exp.glob("*/summary.json"):
+        objective, seed = run.parent.name.split("-")[0], int(run.parent.name.split("-s")[1][0])
+        write_scores(run.parent, {0: start, 3: [0.5] * 40, 6: end[objective](seed)})
+    rows = {line.split("|")[2].strip(): line for line in docs.gain_table(exp).splitlines()[2:]}
+    assert "| 0.200 | 0.475 | 0.275 [" in rows["grpo"] and rows["grpo"].endswith("| yes |")
+    assert "| 0.00 " in rows["gspo"] and rows["gspo"].endswith("| cannot tell |")
+    assert "| -0.125 [" in rows["ctpo"] and rows["ctpo"].endswith("| no |")
+    assert all("| 3 |" in row and "over seeds only" not in row for row in rows.values())
+
+
+def test_the_gain_falls_back_on_the_seeds_without_per_problem_scores(tmp_path):
+    exp = grid_experiment(tmp_path / "smol", {}, objectives=("grpo",), seeds=(0, 1, 2))
+    (row,) = docs.gain_table(exp).splitlines()[2:]
+    assert "over seeds only" in row and row.endswith("| yes |")  # 0.2 -> 0.40, 0.41, 0.42
+
+
+@pytest.mark.parametrize("tiny, smol, verdict", [
+    ((0.03, 0.01, 0.06), (0.04, 0.02, 0.07), "holds"),
+    ((0.03, 0.01, 0.06), (-0.04, -0.07, -0.02), "does not hold: SmolLM2 reverses it"),
+    ((0.03, 0.01, 0.06), (0.04, -0.01, 0.07), "cannot be told apart on SmolLM2 at this budget"),
+    ((0.03, 0.00, 0.06), (0.04, 0.02, 0.07), "no tiny-model difference; SmolLM2 separates them"),
+    ((-0.01, -0.03, 0.02), (0.0, -0.01, 0.01), "neither separates them"),
+])
+def test_a_tiny_model_finding_holds_only_when_both_intervals_exclude_0_on_one_side(tiny, smol, verdict):
+    assert docs.transfer_verdict(tiny, smol) == verdict
+
+
+@pytest.mark.slow
+def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_runs(tmp_path, monkeypatch):
+    """The tiny model's cells are swept into their own folders with the SmolLM2 experiments' objectives; the table
+    pairs each SmolLM2 experiment with its cell, per pair of objectives (differences oriented A − B by name)."""
+    results = tmp_path / "results"
+    monkeypatch.setattr(docs, "DOCS", tmp_path)
+    monkeypatch.setattr(docs, "ROOT", tmp_path)
+    monkeypatch.setattr(docs, "code_record", lambda: {"version": "abc"})
+    swept = []
+    monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs, progress: swept.append(
+        (cfg.name, list(cfg.sweep.grid["objective.name"]), dict(cfg.sweep.grid))))
+    objectives = tuple(load_experiment("smollm2_rl", []).sweep.grid["objective.name"])
+    assert {"grpo", "gspo", "ctpo"} <= set(objectives)
+    above_ctpo = lambda o, point, s: 0.4 if o == "ctpo" else 0.45 + 0.01 * s  # noqa: E731
+    for name in ("smollm2_rl", "smollm2_transfer", "transfer_tiny_base", "transfer_tiny_stress"):
+        grid_experiment(results / "docs" / "abc" / name, {}, objectives=objectives,
+                        effect=above_ctpo if name.endswith(("transfer", "stress")) else None)
+
+    def document(name, results_dir, jobs):
+        (results_dir / name / "report").mkdir()
+        (results_dir / name / "report" / "paired.md").write_text(f"pairs of {name}\n")
+        return f"## {name}\n"
+
+    monkeypatch.setattr(docs, "document", document)
+    monkeypatch.setattr(docs, "gain_table", lambda exp_dir: f"gains of {exp_dir.name}")
+    monkeypatch.setattr(docs, "claims_section", lambda names, results_dir, jobs: f"claims {', '.join(names)}\n")
+    monkeypatch.setattr(docs.names, "write_docs", lambda: [])
+    assert docs.main(with_smollm2=True, skip_main=True, jobs=1) == 0
+    page = (tmp_path / "results_smollm2.md").read_text()
+    assert "## smollm2_rl\n" in page and "gains of smollm2_transfer" in page and "pairs of smollm2_rl" in page
+    assert f"claims {', '.join(docs.SMOLLM2_CLAIMS)}" in page
+    assert [s[:2] for s in swept] == [("transfer_tiny_base", list(objectives)),
+                                      ("transfer_tiny_stress", list(objectives))]
+    assert swept[1][2]["train.num_minibatches"] == [8]
+    rows = [line for line in page.splitlines() if line.startswith("| smollm2")]
+    pairs = list(itertools.combinations(sorted(objectives), 2))
+    assert len(rows) == 2 * len(pairs)  # every pair, in both experiments
+    stress = {row.split("|")[3].strip(): row.split("|")[-2].strip() for row in rows if "smollm2_transfer" in row}
+    assert stress == {" − ".join(pair): "holds" if "ctpo" in pair else "neither separates them" for pair in pairs}

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from harness.loop.native import train
+from harness.run import records
 from harness.run.collapse import CollapseRule
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, check_resume, read_jsonl
@@ -110,3 +111,24 @@ def test_summary_carries_the_collapse_record_of_the_rows_so_far_across_a_resume(
     assert record["step"] == 2 and record["cause"] == "entropy_floor" and record["detail"]["confirmed_at"] == 6
     assert record["detail"]["values"] == [0.001] * 5 and record["rule"] == CollapseRule().as_dict()
     assert again.summary("finished")["collapse"] == record
+
+
+def test_summary_counts_the_cpu_seconds_of_every_attempt(tmp_path, monkeypatch):
+    """summary.json's cpu_time_s is this process's CPU time since its records opened plus the attempts it resumes
+    (a resumed run's cost is the sum of its processes', each with its own clock)."""
+    clock = {"now": 10.0}
+    monkeypatch.setattr(records.time, "process_time", lambda: clock["now"])
+    run = tiny_run(tmp_path)
+    summary = lambda: json.loads((tmp_path / "run" / "summary.json").read_text())  # noqa: E731
+    first = RunRecords(run, tmp_path / "run", None, None, "native")
+    with first.recording():
+        first.log({"step": 0, "eval_accuracy": 0.5})
+        clock["now"] = 12.5
+        first.log({"step": 1, "loss": 0.1})
+    assert summary()["cpu_time_s"] == 2.5
+    clock["now"] = 50.0  # the resuming process's own clock
+    again = RunRecords(run, tmp_path / "run", 1, None, "native")
+    with again.recording():
+        clock["now"] = 51.0
+        again.log({"step": 2, "loss": 0.1})
+    assert summary()["cpu_time_s"] == 3.5

@@ -106,6 +106,7 @@ class Claim:
     notes: list[str] = field(default_factory=list)
     start_policies: int = DESIGN[0]  # starting policies (model.seed) its experiment runs from (module docstring)
     seeds: int | None = None  # a sweep's seeds per starting policy (None: CONFIRM_SEEDS, or the experiment's with one)
+    long: bool = False  # hours of SmolLM2 sweeps: run when named or with --with-long, not by a bare `make claims`
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
@@ -158,15 +159,16 @@ def load_claim(path: Path) -> Claim:
     return claim
 
 
-def load_claims(names: list[str] | None = None) -> list[Claim]:
+def load_claims(names: list[str] | None = None, with_long: bool = False) -> list[Claim]:
+    """The claims ``names`` (default: every claim, the ``long`` ones only ``with_long``)."""
     paths = sorted(CLAIMS_DIR.glob("*.yaml"))
     if names:
         known = {p.stem: p for p in paths}
         missing = [n for n in names if n not in known]
         if missing:
             raise ConfigError(f"no claim {', '.join(missing)} in {CLAIMS_DIR}; claims: {', '.join(known)}")
-        paths = [known[n] for n in names]
-    return [load_claim(p) for p in paths]
+        return [load_claim(known[n]) for n in names]
+    return [c for c in map(load_claim, paths) if with_long or not c.long]
 
 
 def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...] = (),
@@ -404,11 +406,11 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
-         run: bool = True, allow_code_change: bool = False) -> int:
+         run: bool = True, allow_code_change: bool = False, with_long: bool = False) -> int:
     """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing;
     ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
     the code and threads of the runs the claims were checked on)."""
-    claims = load_claims(names)
+    claims = load_claims(names, with_long)
     for claim in claims:  # every experiment is checked before the first one runs
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])

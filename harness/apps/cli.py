@@ -247,7 +247,7 @@ def cmd_docs(args) -> int:
     from harness.apps.docs import main as docs  # imported when used: the plotting stack (cmd_sweep's note)
 
     return docs(with_gsm8k=args.with_gsm8k, with_zoo=args.with_zoo, with_moe=args.with_moe, skip_main=args.skip_main,
-                jobs=args.jobs)
+                with_smollm2=args.with_smollm2, jobs=args.jobs)
 
 
 def cmd_lab(args) -> int:
@@ -260,7 +260,7 @@ def cmd_claims(args) -> int:
     from harness.apps.claims import main as claims  # imported when used: the plotting stack (cmd_sweep's note)
 
     return claims(args.names, jobs=args.jobs, progress=not args.no_progress, run=not args.existing,
-                  allow_code_change=args.allow_code_change)
+                  allow_code_change=args.allow_code_change, with_long=args.with_long)
 
 
 def cmd_zoo(args) -> int:
@@ -368,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
     lab.add_argument("--no-progress", action="store_true", help="no progress bar")
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
-    claims.add_argument("names", nargs="*", help="claim files to run (default: all)")
+    claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones)")
+    claims.add_argument("--with-long", action="store_true",
+                        help="with no names: also the long claims (SmolLM2 sweeps, hours on 2 cores)")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
     claims.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
@@ -404,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md")
     docs.add_argument("--with-moe", action="store_true",
                       help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
+    docs.add_argument("--with-smollm2", action="store_true",
+                      help="also smollm2_rl, smollm2_transfer: docs/results_smollm2.md (its wall time there)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     worker = sub.add_parser("worker", help="a local sweep's process that trains its runs one after another, told "

@@ -1,15 +1,17 @@
 """`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
 
-    python -m harness docs [--with-gsm8k] [--with-zoo] [--with-moe] [--skip-main] [--jobs N]
+    python -m harness docs [--with-gsm8k] [--with-zoo] [--with-moe] [--with-smollm2] [--skip-main] [--jobs N]
     # RLVR_CACHE=$(mktemp -d): include the warm start; --skip-main: only the --with-* pages
 
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
 into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``:
 the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs
-and on lab_moe; always the generated tables of docs/trl.md and README.md, harness/run/names.py), stamped with the
-code, the date, the machine (CPU, cores, load before and after), the wall time of each sweep, and each experiment's
-runs' own code versions and torch threads (their summary.json's records).
+and on lab_moe; ``docs/results_smollm2.md``: smollm2_rl and smollm2_transfer, each one's gain over its start, the
+tiny model's matching cells and the transfer table, and the SmolLM2 claims; always the generated tables of docs/trl.md
+and README.md, harness/run/names.py), stamped with the code, the date, the machine (CPU, cores, load before and after),
+the wall time of each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's
+records).
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from analysis import paired
+from analysis.accuracy import FINAL, START, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment as load_results
-from analysis.report import build_report, md_table
+from analysis.report import build_report, ci_text, md_table
+from analysis.stats import num
 from harness.apps.claims import ledger_rows, load_claims, run_source
 from harness.apps.stamp import ROOT, machine
 from harness.apps.sweep import run_sweep
@@ -42,10 +48,19 @@ DOCS = ROOT / "docs"
 FIGURES = {"quickstart": {"curves_step": "quickstart_curves.png", "stability": "quickstart_stability.png"},
            "gspo_clip_repro": {"clip_fraction": "gspo_clip_repro.png", "stability": "gspo_clip_repro_stability.png"},
            "gsm8k_ablation": {"stability": "gsm8k_ablation_stability.png", "curves_step": "gsm8k_ablation_curves.png"},
-           "moe_stability": {"axis_1": "moe_stability_axis.png", "stability_c1": "moe_stability_stability.png"}}
+           "moe_stability": {"axis_1": "moe_stability_axis.png", "stability_c1": "moe_stability_stability.png"},
+           "smollm2_rl": {"curves_step": "smollm2_rl_curves.png", "clip_fraction": "smollm2_rl_clip_fraction.png"},
+           "smollm2_transfer": {"curves_step": "smollm2_transfer_curves.png",
+                                "clip_fraction": "smollm2_transfer_clip_fraction.png"}}
 # experiments/claims/: checked on the moe page's own runs (and the moe_update probe)
 MOE_CLAIMS = ("moe_expert_volatility", "moe_routing_replay", "moe_ratio_spread")
-MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm")  # per-run means over training steps
+# per-run means over training steps
+MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm", "completion_len_mean")
+# each SmolLM2 experiment and the tiny model's cell it transfers: (experiment, overrides); the tiny runs go into a
+# folder of their own (name=...), apart from the main page's quickstart and any other offpolicy cells
+SMOLLM2_CLAIMS = ("ctpo_outperforms_smollm2", "gspo_clips_more_smollm2", "gspo_stable_offpolicy_smollm2")
+SMOLLM2 = {"smollm2_rl": ("quickstart", ["name=transfer_tiny_base"]),
+           "smollm2_transfer": ("offpolicy", ["name=transfer_tiny_stress", "sweep.grid.train.num_minibatches=[8]"])}
 
 
 def mechanics_table(exp_dir: Path) -> str:
@@ -67,20 +82,87 @@ def mechanics_table(exp_dir: Path) -> str:
 
 def time_table(exp_dir: Path) -> str:
     """Where a run's wall time goes, per cell and objective (mean over runs): sampling, update, the rest
-    (evaluations, start-up, model loading, records)."""
+    (evaluations, start-up, model loading, records); and its CPU seconds (summary.json's cpu_time_s: with other work
+    on the machine, the cost that its wall time is not)."""
     exp = load_results(exp_dir)
     counted = exp.runs[exp.runs["counted"]]
     train = exp.metrics[(exp.metrics["step"] >= 1) & exp.metrics["run_id"].isin(counted["run_id"])]
     rows = []
     for (cell, objective), runs in train.groupby(["cell", "objective"], sort=True):
-        wall = counted[(counted["objective"] == objective) & (counted["cell"] == cell)]["wall_time_s"].mean()
+        these = counted[(counted["objective"] == objective) & (counted["cell"] == cell)]
+        wall = these["wall_time_s"].mean()
         rollout = runs.groupby("run_id")["rollout_s"].sum().mean()
         update = runs.groupby("run_id")["update_s"].sum().mean()
         rows.append({"cell": cell, "objective": objective, "wall time per run (s)": f"{wall:.1f}",
+                     "CPU time per run (s)": num(these["cpu_time_s"].mean()),
                      "sampling": f"{rollout:.1f} s ({rollout / wall:.0%})", "update": f"{update:.1f} s "
                      f"({update / wall:.0%})", "evaluation, start-up, records": f"{wall - rollout - update:.1f} s "
                      f"({(wall - rollout - update) / wall:.0%})"})
     return md_table(pd.DataFrame(rows))
+
+
+def gain_table(exp_dir: Path) -> str:
+    """Per cell and objective: the final eval accuracy minus the start's, paired by seed and eval problem (every run
+    of a cell starts from one policy and scores the same problems at step 0 and at its last evaluation), with the
+    interval analysis/accuracy.py gives any paired accuracy difference (seeds' and eval problems' spreads)."""
+    exp = load_results(exp_dir)
+    rows = []
+    for (cell, objective), group in exp.runs.groupby(["cell", "objective"], sort=True):
+        end, start = (runs_scores(group, exp.samples, column) for column in (FINAL, START))
+        gain = interval_of(paired_units(end, start))
+        if not gain.n:
+            continue
+        rows.append({"cell": cell, "objective": objective, "seeds": gain.n,
+                     "start": num(np.mean([value for _, value, _ in start.values()])),
+                     "end": num(np.mean([value for _, value, _ in end.values()])),
+                     "end − start [95% CI]": f"{num(gain.mean)} {ci_text(gain.low, gain.high)}"
+                     + ("" if gain.problems else " (over seeds only: per-problem scores missing)"),
+                     "above the start": "yes" if gain.low > 0 else "no" if gain.high < 0 else "cannot tell"})
+    return md_table(pd.DataFrame(rows))
+
+
+def pair_differences(exp_dir: Path, objectives) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(A, B) with A before B by name -> final eval accuracy of A minus B paired by seed and eval problem with its
+    interval (analysis.paired.per_cell), for the pairs of ``objectives`` in an experiment of one cell."""
+    exp = load_results(exp_dir)
+    out = {}
+    for row in paired.per_cell(exp.runs, samples=exp.samples).itertuples():
+        if {row.a, row.b} <= set(objectives):
+            sign = 1 if row.a < row.b else -1
+            low, high = sorted((sign * row.difference_low, sign * row.difference_high))
+            out[tuple(sorted((row.a, row.b)))] = (sign * row.difference, low, high)
+    return out
+
+
+def transfer_verdict(tiny: tuple[float, float, float], smol: tuple[float, float, float]) -> str:
+    """Whether a tiny-model difference between two objectives holds on SmolLM2 (each: difference, low, high)."""
+    side = lambda d: 0 if not d[1] > 0 and not d[2] < 0 else np.sign(d[0])  # noqa: E731 (0: the interval meets 0)
+    if side(tiny) == 0:
+        return "no tiny-model difference; SmolLM2 separates them" if side(smol) else "neither separates them"
+    if side(smol) == 0:
+        return "cannot be told apart on SmolLM2 at this budget"
+    return "holds" if side(smol) == side(tiny) else "does not hold: SmolLM2 reverses it"
+
+
+def transfer_section(results_dir: Path, jobs: int) -> str:
+    """Per SmolLM2 experiment, the tiny model's runs of the matching cell (same objectives; run here), and per pair
+    of objectives both models' paired difference of final accuracy and whether the tiny model's finding holds."""
+    rows = []
+    for name, (tiny_name, overrides) in SMOLLM2.items():
+        objectives = list(load_experiment(name, []).sweep.grid["objective.name"])
+        cfg = load_experiment(tiny_name, [f"results_dir={results_dir}",
+                                          f"sweep.grid.objective.name=[{','.join(objectives)}]", *overrides])
+        run_sweep(cfg, jobs=jobs, progress=False)
+        tiny, smol = (pair_differences(folder, objectives) for folder in (results_dir / cfg.name, results_dir / name))
+        for pair in sorted(set(tiny) & set(smol)):
+            rows.append({"SmolLM2 experiment": name, "tiny model's cell": f"{tiny_name} {' '.join(overrides[1:])}",
+                         "A − B": " − ".join(pair), "tiny model [95% CI]": f"{num(tiny[pair][0])} "
+                         f"{ci_text(*tiny[pair][1:])}", "SmolLM2 [95% CI]": f"{num(smol[pair][0])} "
+                         f"{ci_text(*smol[pair][1:])}", "on SmolLM2": transfer_verdict(tiny[pair], smol[pair])})
+    return ("## Transfer: the tiny model's differences on SmolLM2\n\nFinal eval accuracy of A minus B, paired by seed "
+            "(analysis/paired.py), on the tiny char-level model (its experiment and cell, run here) and on SmolLM2 "
+            "at the same objectives and the same stress. A finding *holds* when both intervals exclude 0 on the same "
+            f"side.\n\n{md_table(pd.DataFrame(rows))}\n")
 
 
 def document(name: str, results_dir: Path, jobs: int) -> str:
@@ -141,14 +223,29 @@ def zoo_page(results_dir: Path, jobs: int) -> None:
                  + "\n".join(re.sub(r"^#", "##", part, flags=re.M) for part in parts[1:]))
 
 
+def smollm2_page(header: str, results_dir: Path, jobs: int) -> None:
+    """docs/results_smollm2.md: smollm2_rl and smollm2_transfer (each with its gain over the start and the paired
+    differences between objectives), then the transfer table and the SmolLM2 claims checked on these runs."""
+    sections = []
+    for name in SMOLLM2:
+        section = document(name, results_dir, jobs)  # sweeps it and writes its report
+        pairs = (results_dir / name / "report" / "paired.md").read_text()
+        sections.append(f"{section}\n### Gain over the start\n\n{gain_table(results_dir / name)}\n\n"
+                        f"### Paired differences between objectives\n\n{pairs}")
+    atomic_write(DOCS / "results_smollm2.md", "# SmolLM2-135M-Instruct under RL, measured\n\n" + header
+                 + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs) + "\n"
+                 + claims_section(SMOLLM2_CLAIMS, results_dir, jobs))
+
+
 def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_moe: bool = False,
-         skip_main: bool = False) -> int:
+         skip_main: bool = False, with_smollm2: bool = False) -> int:
     version = code_record()["version"]
     results_dir = ROOT / "results" / "docs" / version
     header = (f"Generated by `make docs` with code {version} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.\n"
               f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
-              "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation, the longest; "
-              "`WITH_MOE=1` for moe_stability; `SKIP_MAIN=1`: only those pages).\n\n")
+              "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation; `WITH_MOE=1` for "
+              "moe_stability; `WITH_SMOLLM2=1` for smollm2_rl and smollm2_transfer, the longest; `SKIP_MAIN=1`: only "
+              "those pages).\n\n")
     tables = names.write_docs()  # the generated tables of docs/trl.md and README.md (harness/run/names.py)
     if not skip_main:
         main_page(header, results_dir, jobs)
@@ -160,8 +257,10 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
     if with_moe:
         section = document("moe_stability", results_dir, jobs) + "\n" + claims_section(MOE_CLAIMS, results_dir, jobs)
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
+    if with_smollm2:
+        smollm2_page(header, results_dir, jobs)
     pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", with_zoo),
-             ("results_moe.md", with_moe)]
+             ("results_moe.md", with_moe), ("results_smollm2.md", with_smollm2)]
     print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0
 

@@ -336,6 +336,7 @@ class RunRecords:
         self.progress = {"steps_done": resume_step or 0, "rollout_tokens": 0, "update_tokens": 0,
                          "nonfinite_skips": None}
         self.started, self.elapsed_before = time.time(), 0.0
+        self.cpu_started, self.cpu_before = time.process_time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
         self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
@@ -355,6 +356,7 @@ class RunRecords:
                 with contextlib.suppress(json.JSONDecodeError):
                     self.previous = json.loads(previous.read_text())
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
+                self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
             atomic_write(run_dir / "config.yaml", f"# code: {run_version({'segments': self.segments})} (summary.json's "
                          f"segments: each start's commit, changes and packages)\n{OmegaConf.to_yaml(cfg)}")
@@ -382,6 +384,11 @@ class RunRecords:
     def wall_time_s(self) -> float:
         return self.elapsed_before + time.time() - self.started
 
+    def cpu_time_s(self) -> float:
+        """CPU seconds (user + system, every thread) of this process since the records opened, plus those of the
+        attempts it resumes: the run's cost, much less sensitive than its wall time to other work on the machine."""
+        return self.cpu_before + time.process_time() - self.cpu_started
+
     def summary(self, status: str, error: str | None = None) -> dict:
         self.segments[-1]["threads"] = self.progress.get("threads")  # set by the backend once the run has started
         evals = [r["eval_accuracy"] for r in self.rows if r.get("eval_accuracy") is not None]
@@ -394,7 +401,8 @@ class RunRecords:
                 # none before step 0's row; all if every row is lost
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
                 if self.rows or self.progress["steps_done"] else [],
-                "wall_time_s": self.wall_time_s(), "error": error, "collapse": self.collapse(),
+                "wall_time_s": self.wall_time_s(), "cpu_time_s": self.cpu_time_s(), "error": error,
+                "collapse": self.collapse(),
                 "code": self.segments[-1]["code"], "segments": self.segments,
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
