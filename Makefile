@@ -63,7 +63,7 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours)
 	$(PY) -m harness claims --jobs $(JOBS) $(if $(WITH_LONG),--with-long)
 
-zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; docs/zoo.md)
+zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; docs/zoo_guide.md, docs/replicates.md)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
 comma := ,

@@ -21,7 +21,7 @@ modes (upper truncation only, as verl's ``rollout_is`` and TRL's default). The m
 rejection-sampling bound of verl 0.6.1 to 0.7.0 (``rollout_rs`` token / sequence with ``rollout_rs_threshold`` and
 ``rollout_rs_threshold_lower``, whose default is 1 / upper; ``verl/trainer/ppo/rollout_corr_helper.py``
 ``compute_rollout_rejection_mask``, tag v0.7.0): our keep set [C_low, C] equals its mask. verl >= 0.8 (commit
-97eac90, January 2026) replaced that API by divergence rules (``rollout_rs`` token_k1 / seq_sum_k1 / ... with
+97eac90) replaced that API by divergence rules (``rollout_rs`` token_k1 / seq_sum_k1 / ... with
 ``rollout_rs_threshold`` strings, "lower_upper" for the k1 rules) that map asymmetric bounds differently, so
 our mask modes no longer equal current verl's rejection sampling except through IcePop (below). Set, C_low is
 TRL's ``vllm_importance_sampling_clip_min``, which defaults to None in TRL 1.16 (no lower bound: TRL's ``*_mask``

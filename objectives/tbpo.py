@@ -1,9 +1,8 @@
 """TBPO — Trust-Band Policy Optimization, from QaRL (Gu et al., "QaRL: Rollout-Aligned Quantization-Aware RL for
 Fast and Stable Training under Training-Inference Mismatch", arXiv 2604.07853v1; ACL 2026 Findings). No public code.
 
-What the descriptions of TBPO that we could read say (re-read for issue 35: the arXiv v1 HTML mirror
-confer.prescheme.top/html/2604.07853v1, whose stored copy reaches only the abstract and the opening of §1, and three
-secondary summaries: arxivlens.com, newx.sg, layerthelatestinalattice.com; no method section, no equation, no code):
+What the public descriptions of TBPO say (the paper's abstract and the opening of its §1, and secondary summaries:
+arxivlens.com, newx.sg, layerthelatestinalattice.com; no method section, no equation, no code):
 - QaRL reduces the training-inference mismatch of quantised rollouts upstream, by running the trainer's forward
   pass with the same quantisation as the rollout engine (abstract);
 - quantised rollouts produce repetitive / garbled "error tokens" in long responses, and TBPO is introduced
@@ -14,7 +13,7 @@ Everything else below — the form of the sequence ratio, the mismatch weight, w
 handling of sequences outside it, the aggregation and every default — is OUR READING, unverified against the
 paper's equations; each choice is listed with its alternative.
 
-The dual clip (decided for issue 35). PPO's clip bounds a negative sample's ratio from below only (1 - clip_low);
+The dual clip. PPO's clip bounds a negative sample's ratio from below only (1 - clip_low);
 a dual clip bounds it from above, so negative samples are held in a band [1 - clip_low, c] — our reading of the
 "trust band" of "dual clipping for negative samples". On the geometric-mean sequence ratio that band must be on
 the ratio's own scale: verl's constant c = 3 fires only when the mean log-ratio exceeds ln 3 = 1.1 nats per token,

@@ -1,7 +1,7 @@
 """Shared fixtures: the local GSM8K copy, a tiny model and tokenizer, a private cache directory.
 
 Nothing heavy is imported at module level: pytest-xdist's controller process loads this file too, and with torch
-and transformers imported here it would spend ~5-10 s before starting the workers that import them again."""
+and transformers imported here it would spend seconds before starting the workers that import them again."""
 
 from pathlib import Path
 

@@ -1,6 +1,6 @@
-"""Advantage estimators added for issue 35, pinned to transcriptions of verl's ``core_algos.py`` estimators
-(verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9; REINFORCE++ re-read at volcengine/verl
-b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py, unchanged): the token-level [B, T]
+"""The advantage estimators grpo_passk, gpg, reinforce_plus_plus(_baseline) and opo, pinned to transcriptions of
+verl's ``core_algos.py`` estimators (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9; REINFORCE++ the same
+at volcengine/verl b178a3cd56f58b2d502255daba591e92833930a7, verl/trainer/ppo/core_algos.py): the token-level [B, T]
 output of verl (outcome reward on the last valid token) equals ours broadcast over each sequence's valid tokens.
 Groups of several sizes, ties, equal rewards, a group of one (where our convention differs from verl's, stated per
 estimator), float64.

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                  reason="glibc's mallopt only"),
-              pytest.mark.slow]  # two fresh processes importing torch: ~6 s, kept out of `make test-fast`
+              pytest.mark.slow]  # two fresh processes importing torch, kept out of `make test-fast`
 
 FAULTS = """
 import json, resource, torch

@@ -73,7 +73,8 @@ def test_a_folder_that_cannot_be_put_in_place_puts_the_old_one_back(tmp_path, mo
 def test_a_librarys_failed_write_is_a_full_disk_when_less_is_free_than_it_had_written(tmp_path, monkeypatch, error,
                                                                                        free_mib, full):
     """torch.save reports a refused write as "unexpected pos"; two runs writing checkpoints side by side on a
-    nearly full disk saw it with 0.5 GiB free, the other run's failed part already removed."""
+    nearly full disk can see it with more free than the failed write needed, the other run's failed part already
+    removed."""
     def write(tmp):
         tmp.write_bytes(b"\0" * (3 << 20))  # 3 MiB written before the failure
         raise RuntimeError(error)

@@ -171,8 +171,8 @@ def test_scale_measures_full_length_points_in_fresh_processes(tmp_path):
 
 
 def test_bad_settings_of_the_bench_are_a_config_error_like_every_command(capsys):
-    """Hostile pass (docs/hostile_pass.md, case 92): `bench model.name=bogus` said 'error: ConfigError: ...' with
-    status 1."""
+    """`bench model.name=bogus` is a config error with status 2, not 'error: ConfigError: ...' with status 1
+    (docs/hostile_pass.md, case 92)."""
     assert cli_main(["bench", "model.name=bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: model.name 'bogus' is neither") and err.count("\n") == 1, err

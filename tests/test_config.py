@@ -264,15 +264,15 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     ("model.warm_start_lr=.nan", r"model.warm_start_lr is NaN"),
 ])
 def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, message):
-    """Hostile pass (docs/hostile_pass.md, case 42): `train.lr=.nan` passed every range check and the run failed in
-    torch's optimizer, with a run folder and a traceback file."""
+    """`train.lr=.nan` fails the range check before anything starts, not in torch's optimizer with a run folder and a
+    traceback file (docs/hostile_pass.md, case 42)."""
     with pytest.raises(ConfigError, match=message):
         run_configs(load_experiment("quickstart", [override]))
 
 
 def test_a_missing_experiment_file_is_named_as_given(tmp_path):
-    """Hostile pass (docs/hostile_pass.md, case 58): `train /nonexistent.yaml` said it looked for
-    /nonexistent.yaml.yaml."""
+    """`train /nonexistent.yaml` names the file it looked for as given, not /nonexistent.yaml.yaml
+    (docs/hostile_pass.md, case 58)."""
     with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\); give") as e:
         load_experiment(str(tmp_path / "x.yaml"))
     assert ".yaml.yaml" not in str(e.value)
@@ -280,16 +280,16 @@ def test_a_missing_experiment_file_is_named_as_given(tmp_path):
 
 @pytest.mark.parametrize("override", ["train.steps=[1,", "sweep.grid.seed=[1,"])
 def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
-    """Hostile pass (docs/hostile_pass.md, case 65): the error listed every override and the YAML parser's three
-    lines."""
+    """The error names the one override that does not parse, not every override and the YAML parser's three lines
+    (docs/hostile_pass.md, case 65)."""
     with pytest.raises(ConfigError) as e:
         load_experiment("quickstart", ["train.steps=3", override, "seed=0"])
     assert str(e.value).startswith(f"bad override {override!r}: ") and "\n" not in str(e.value), str(e.value)
 
 
 def test_a_value_given_to_a_whole_section_names_the_section(tmp_path):
-    """Hostile pass (docs/hostile_pass.md, case 62): `train: 3` said 'Merge error: int is not a subclass of
-    TrainConfig'."""
+    """`train: 3` says what the section must be, not 'Merge error: int is not a subclass of TrainConfig'
+    (docs/hostile_pass.md, case 62)."""
     (tmp_path / "x.yaml").write_text("train: 3\n")
     for args in [(str(tmp_path / "x.yaml"),), ("quickstart", ["model=tiny"])]:
         with pytest.raises(ConfigError, match=r"^(train|model) is a section of settings, not a value: got "):

@@ -68,7 +68,7 @@ def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
 @pytest.mark.slow  # two reports with their figures
 def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkeypatch):
     """`make docs` after an interrupted one at the same commit resumes: its wall time covers only the runs left, and
-    the page says how many had finished before (a page once claimed 4 runs in 14.5 min when two were resumed)."""
+    the page says how many had finished before (else it would credit the resumed runs to that wall time)."""
     results = tmp_path / "results"
     grid_experiment(results / "quickstart", {}, seeds=(0,))  # grpo and gspo, finished before the command
     monkeypatch.setattr(docs, "DOCS", tmp_path)

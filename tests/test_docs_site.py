@@ -117,7 +117,7 @@ def test_the_site_config_fails_on_a_broken_link_and_fetches_nothing():
     assert "--strict" in (REPO / "Makefile").read_text().split("\ndocs-site:")[1].split("\n\n")[0]
 
 
-@pytest.mark.slow  # mkdocs in a fresh interpreter: imports the harness, writes ~40 pages (10-40 s)
+@pytest.mark.slow  # mkdocs in a fresh interpreter: imports the harness, writes every page
 def test_the_site_builds_strictly_offline(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}

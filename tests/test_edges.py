@@ -1,4 +1,4 @@
-"""The edges a hostile user finds (issue 31): resuming a run folder with other settings, a full disk, killed runs
+"""The edges a hostile user finds: resuming a run folder with other settings, a full disk, killed runs
 shown as running. Each refuses in one line before anything starts, or recovers exactly and says so."""
 
 from __future__ import annotations
@@ -359,8 +359,8 @@ def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(t
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
-    """Hostile pass (docs/hostile_pass.md, cases 13-14): the run used to start, print its header and fail with
-    'NotADirectoryError ... (no traceback file: ...)'."""
+    """Refused before the run starts, not after its header with 'NotADirectoryError ... (no traceback file: ...)'
+    (docs/hostile_pass.md, cases 13-14)."""
     (tmp_path / "file").write_text("")
     results = tmp_path / "file" / "results"
     assert main([command, "quickstart", *QUICK, "seed=0", "sweep.grid.objective.name=[grpo]",
@@ -489,8 +489,8 @@ def test_a_trl_checkpoint_cut_short_is_not_resumed_from_and_is_removed_under_the
 
 @pytest.mark.parametrize("damage", ["train: {steps: [\n", "- a list\n"])
 def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stopped_run, capsys, damage):
-    """Hostile pass (docs/hostile_pass.md, case 122): a damaged config.yaml was silently rewritten from the settings
-    given, which could not be checked against the run's."""
+    """A damaged config.yaml is not silently rewritten from the settings given, which cannot be checked against the
+    run's (docs/hostile_pass.md, case 122)."""
     run, run_dir = stopped_run
     (run_dir / "config.yaml").write_text(damage)
     check_resume(run, run_dir)

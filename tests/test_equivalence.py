@@ -1,4 +1,4 @@
-"""A restructuring changes no result: the runs of tests/golden/make_golden.py (native loop: grpo with a KL term,
+"""A refactoring changes no result: the runs of tests/golden/make_golden.py (native loop: grpo with a KL term,
 epochs and warm-up, gspo micro-batched with shuffled rows and a padded forward, ctpo recomputing old log-probs with
 the cache decoder, p3o's minibatch statistics, cispo / gspo_token / tbpo under a bf16 sampler with and without a
 rollout correction, dapo's dynamic sampling with the hf sampler, conspo's whole groups; the TRL backend: grpo with
@@ -6,10 +6,10 @@ a KL term, gspo with a rollout correction, p3o's statistics; the gradient lab) g
 samples and final weights to those recorded in tests/golden/golden.json.
 
 The goldens hold for the build they were made with (torch / transformers / trl versions and the CPU's vector
-instructions): golden.json holds one entry per build (AVX2 and AVX512 today, both made at the restructuring's base
-9a22299); on a build it has none for, this test skips and names the builds it has. Add one with
+instructions): golden.json holds one entry per build (e.g. AVX2 and AVX512); on a build it has none for, this test
+skips and names the builds it has. Add one with
 ``OMP_NUM_THREADS=1 .venv/bin/python -m tests.golden.make_golden`` on a commit you trust (make_golden's docstring),
-then run this test on the commit under test. ~30 s on one loaded core.
+then run this test on the commit under test.
 """
 
 from __future__ import annotations

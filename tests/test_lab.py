@@ -1,4 +1,4 @@
-"""The gradient lab (issue 13): its measurements pinned on hand-checkable tensors, and an end-to-end lab on the tiny
+"""The gradient lab: its measurements pinned on hand-checkable tensors, and an end-to-end lab on the tiny
 test model (files, determinism, resume)."""
 
 import math

@@ -201,7 +201,7 @@ def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_s
     ("slurm", "launcher.cluster=pbs", "launcher.cluster must be slurm or local"),
     ("ray", "launcher.cpus_per_run=0", "launcher.cpus_per_run must be >= 1"),
     pytest.param("ray", "launcher.gpus_per_run=1", "launcher.gpus_per_run=1, but no node of the Ray cluster has "
-                 "more than 0 GPUs", marks=pytest.mark.slow),  # starts a local Ray cluster (~10 s)
+                 "more than 0 GPUs", marks=pytest.mark.slow),  # starts a local Ray cluster
 ])
 def test_launcher_errors_stop_the_sweep_before_any_folder_exists(tmp_path, monkeypatch, launcher, override,
                                                                   message):

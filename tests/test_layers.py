@@ -81,11 +81,14 @@ def test_the_config_layer_imports_nothing_above_it():
 
 
 
-def test_the_readme_layout_names_every_module():
-    """README "Layout" is the map of the house: every module of harness/ is named there."""
-    text = (ROOT / "README.md").read_text()
-    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    modules = sorted(p.name for p in (ROOT / "harness").rglob("*.py") if p.name != "__init__.py")
-    assert [m for m in modules if m not in layout] == []
+def test_the_layout_names_every_package_and_module():
+    """The map of the house: README "Layout" names every package of harness/, docs/layout.md (which it links) every
+    module."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/layout.md)" in layout
     packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "harness").rglob("__init__.py"))
     assert [p for p in packages if p != "harness" and f"{p}/" not in layout] == []
+    files = (ROOT / "docs" / "layout.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "harness").rglob("*.py") if p.name != "__init__.py")
+    assert [m for m in modules if m not in files] == []

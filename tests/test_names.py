@@ -122,33 +122,52 @@ def test_make_explain_passes_the_key():
 
 
 def test_the_generator_writes_each_doc_table_between_its_markers(tmp_path, monkeypatch, capsys):
-    """The generated tables are the generator's business (`make docs` writes them): it fills each file's marked block
-    with the table and leaves the rest of the file alone. A committed copy is not compared with the registry, so a
-    new objective needs no edit of docs/trl.md."""
+    """The generated tables are the generator's business (`make docs` writes them): it fills each file's marked blocks
+    with the tables and leaves the rest of the file alone. A committed copy is not compared with the registry, so a
+    new objective needs no edit of docs/trl.md or README.md (README's objectives table is one of them)."""
+    assert names.DOCS[names.REPO / "README.md"] == ("objectives",)
     copies = {}
-    for path, kind in names.DOCS.items():
+    for path, kinds in names.DOCS.items():
         text = path.read_text()
-        assert names.section(text, kind) is not None, f"{path.name} lost its generated {kind} block's markers"
-        start, end = names.markers(kind)
+        for kind in kinds:
+            assert names.section(text, kind) is not None, f"{path.name} lost its generated {kind} block's markers"
+            start, end = names.markers(kind)
+            text = text.split(start)[0] + start + "\nstale\n" + end + text.split(end)[1]
         copy = tmp_path / path.name
-        copy.write_text(text.split(start)[0] + start + "\nstale\n" + end + text.split(end)[1])
-        copies[copy] = kind
+        copy.write_text(text)
+        copies[copy] = kinds
     assert names.write_docs(copies) == list(copies)
-    for copy, kind in copies.items():
+    for copy, kinds in copies.items():
         written, original = copy.read_text(), next(p for p in names.DOCS if p.name == copy.name).read_text()
-        assert names.section(written, kind) == names.generated(kind)
-        start, end = names.markers(kind)
-        assert written.split(start)[0] == original.split(start)[0] and written.split(end)[1] == original.split(end)[1]
+        for kind in kinds:
+            assert names.section(written, kind) == names.generated(kind)
+            start, end = names.markers(kind)
+            assert written.split(start)[0].split("-->")[-1] == original.split(start)[0].split("-->")[-1]
+            assert written.split(end)[1].split("<!--")[0] == original.split(end)[1].split("<!--")[0]
     assert names.write_docs(copies) == []  # written once, nothing to change
-    monkeypatch.setattr(names, "DOCS", {copy: kind for copy, kind in copies.items()})
-    for copy in copies:
-        copy.write_text(copy.read_text().replace(names.generated(copies[copy]), "stale\n"))
+    monkeypatch.setattr(names, "DOCS", copies)
+    for copy, kinds in copies.items():
+        copy.write_text(copy.read_text().replace(names.generated(kinds[0]), "stale\n"))
     from harness.apps import docs
 
     assert docs.main(skip_main=True) == 0  # `make docs` writes them (SKIP_MAIN=1: nothing else)
-    assert all(names.section(c.read_text(), k) == names.generated(k) for c, k in copies.items())
+    assert all(names.section(c.read_text(), k) == names.generated(k) for c, kinds in copies.items() for k in kinds)
     out = capsys.readouterr().out
     assert all(str(c) in out for c in copies)
+
+
+def test_the_readme_objectives_table_lists_every_objective_and_estimator():
+    """README's generated table, from the registry: a row per objective with its paper, defaults and estimator."""
+    from objectives import available_advantages
+
+    table = names.objectives_markdown()
+    for name in OBJECTIVES.names():
+        assert f"\n| `{name}` |" in table, name
+    assert "| `grpo` | GRPO, arXiv 2402.03300 | clip_low=0.2, clip_high=0.2," in table
+    assert "| `bnpo` | alias of `grpo`, aggregation=token_mean |" in table
+    assert "| `adaptive_kl` | Adaptive KL coefficient, arXiv 1707.06347, 1909.08593 | beta=0.001," in table
+    assert "| `gpg` | GPG, arXiv 2504.02546 | — | token_mean | gpg |" in table
+    assert all(f"`{name}`" in table.split("Advantage estimators")[1] for name in available_advantages())
 
 
 def test_explain_knows_every_objective_hyperparameter(capsys):

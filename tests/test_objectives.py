@@ -610,7 +610,7 @@ def example_source() -> str:
     return block.group(1)
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch (~3-5 s)
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_a_new_module_is_registered_automatically(tmp_path):
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -644,7 +644,7 @@ REGISTRY_WIDE = ("OBJECTIVES.names()", "available_objectives()")  # a test file 
 COPIED = ("analysis", "harness", "objectives", "tests", "experiments")  # besides README.md, pyproject.toml, docs/*.md
 
 
-@pytest.mark.slow  # a pytest of its own over the registry-wide test files (~1-2 minutes on 2 cores)
+@pytest.mark.slow  # a pytest of its own over the registry-wide test files
 def test_a_new_module_alone_passes_the_registry_wide_fast_tests(tmp_path):
     """One file, really: the README's example dropped into a copy of the checkout, and every fast test that runs over
     the whole registry (the test files naming OBJECTIVES.names() or available_objectives()) passes on it, with no

@@ -1,4 +1,4 @@
-"""The rest of the family (issue 14): P3O, the CTPO and HölderPO variants, verl's dual clip, the GSPO log-ratio
+"""The rest of the family: P3O, the CTPO and HölderPO variants, verl's dual clip, the GSPO log-ratio
 cap, and aggregation as a hyperparameter. Hand-computed values with ``math`` on scalars, and the authors'
 formulas re-derived here step by step (FeynRL's P3O, the CTPO authors' verl losses, HölderPO's oat branches,
 verl's ``vanilla`` / ``gspo``), compared in value and gradient. Tensors are float64.

@@ -1,4 +1,4 @@
-"""Knobs every objective has (issue 35): the reference-KL estimator (verl's ``kl_loss_type``), off-policy sequence
+"""Knobs every objective has: the reference-KL estimator (verl's ``kl_loss_type``), off-policy sequence
 masking (OPSM: TRL 1.16 ``off_policy_mask_threshold``, DeepSeek-V3.2 Eq. 9) and the aggregation modes, each pinned to
 a transcription of the reference code on hand-made tensors (float64, value and gradient).
 

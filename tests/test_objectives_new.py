@@ -1,7 +1,7 @@
-"""The objectives added for issue 35, each pinned in value and gradient to a transcription of its reference code on
-hand-made tensors that reach every branch (masks / clip regions, both advantage signs, padding with garbage), plus
-hand-computed values with ``math``. References (repository, path, commit) are in each objective's docstring; the
-transcriptions below are written out from them. Tensors float64.
+"""dppo, gpg, clip_cov, kl_cov, vespo, m2po and the aliases luspo and bnpo, each pinned in value and gradient to a
+transcription of its reference code on hand-made tensors that reach every branch (masks / clip regions, both
+advantage signs, padding with garbage), plus hand-computed values with ``math``. References (repository, path,
+commit) are in each objective's docstring; the transcriptions below are written out from them. Tensors float64.
 """
 
 import math

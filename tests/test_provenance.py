@@ -211,7 +211,7 @@ def test_stamps_name_the_code_and_threads_of_the_runs_not_of_the_checkout(code, 
     board = write_leaderboard(exp, tmp_path / "board", "a stamp", target=0.4).read_text()
     assert "Runs summarised: code `1234567`: 4 runs, torch threads per run 3 (4 runs)" in board
     assert "aaaaaaa" not in board
-    assert "thread" not in stamp.machine(2)  # the machine line no longer guesses the runs' threads from the cores
+    assert "thread" not in stamp.machine(2)  # the machine line does not guess the runs' threads from the cores
 
 
 def test_a_run_folder_the_manifest_does_not_list_is_reported_with_a_note(tmp_path):

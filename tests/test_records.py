@@ -31,8 +31,8 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
 
 
 def test_a_run_whose_metrics_were_all_lost_lists_every_step_as_missing(tmp_path):
-    """Hostile pass (docs/hostile_pass.md, case 124): a finished run's emptied metrics.jsonl, run again, rewrote its
-    summary with missing_steps [] (nothing lost) and every accuracy null."""
+    """A finished run's emptied metrics.jsonl, run again, must not rewrite its summary with missing_steps [] (nothing
+    lost) and every accuracy null (docs/hostile_pass.md, case 124)."""
     run = tiny_run(tmp_path, "train.steps=2")
     train(run, tmp_path / "run", progress=False)
     (tmp_path / "run" / "metrics.jsonl").write_text("")
@@ -63,7 +63,7 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
     holder = RunRecords(run, tmp_path / "run", None, None, "native")
     with pytest.raises(FolderBusyError, match="is being written by another process"):
         train(run, tmp_path / "run", progress=False)
-    # the command refuses a second writer before it prints anything (hostile pass case 125: after its header line)
+    # the command refuses a second writer before it prints anything, not after its header line (hostile pass case 125)
     with pytest.raises(FolderBusyError, match="is being written by another process; wait for it or stop it"):
         check_resume(run, tmp_path / "run")
     RunRecords(run, tmp_path / "run", None, None, "native", main=False)  # the run's other processes do not probe

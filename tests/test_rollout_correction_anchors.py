@@ -1,4 +1,4 @@
-"""Rollout-correction modes against the references they claim to equal (issue 35; objectives only, no harness):
+"""Rollout-correction modes against the references they claim to equal (objectives only, no harness):
 
 - IcePop = ``token_mask`` with [C_low, C] = [0.5, 5]: verl 0.10 ``compute_rollout_correction_weights`` with
   ``rollout_is="token"``, ``rollout_is_threshold="0.5_5.0"`` (verl-project/verl 1dda039b, rollout_corr_helper.py)

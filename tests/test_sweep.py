@@ -106,7 +106,7 @@ def test_first_sentence_stops_at_a_sentence_end_only():
     assert first_sentence("no full stop") == "no full stop"
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch and every reasoning-gym generator (~5 s)
+@pytest.mark.slow  # a fresh interpreter importing torch and every reasoning-gym generator
 def test_cli_lists_registered_names():
     out = cli("list")
     assert out.returncode == 0
@@ -247,7 +247,7 @@ def test_a_run_whose_lock_another_process_holds_is_followed_to_its_end_not_start
 
 def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_its_heap_back(monkeypatch):
     """The sweep's parent waits on its runs for the whole sweep: after building the warm starts it must hold none of
-    them (measured: gsm8k_ablation's parent kept the SmolLM2 SFT's 11.5 GB through the sweep)."""
+    them (a SmolLM2 SFT held through the sweep is gigabytes the runs cannot use)."""
     import gc
     import weakref
 

@@ -1,4 +1,4 @@
-"""Torch's CPU threads (harness/run/threads.py, issue 31 item 11): set in one place; a run without its own setting
+"""Torch's CPU threads (harness/run/threads.py): set in one place; a run without its own setting
 takes the cores free when it starts, with a one-line note when that is fewer than the cores, and keeps that count
 when it resumes (so that the resume reproduces the uninterrupted run)."""
 

@@ -155,9 +155,10 @@ def test_a_killed_two_process_run_resumes_exactly(runs, tmp_path):
 
 
 def documented_launches() -> list[str]:
-    """Every ``accelerate launch`` command in the code blocks of docs/trl.md and README.md, continuations joined."""
+    """Every ``accelerate launch`` command in the code blocks of docs/trl.md, docs/cluster.md and README.md,
+    continuations joined."""
     commands = []
-    for doc in (ROOT / "docs" / "trl.md", ROOT / "README.md"):
+    for doc in (ROOT / "docs" / "trl.md", ROOT / "docs" / "cluster.md", ROOT / "README.md"):
         blocks = re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S)
         for block in blocks:
             commands += [line.strip() for line in block.replace("\\\n", " ").splitlines()

@@ -40,8 +40,8 @@ def test_every_registered_objective_each_cell_once(two_cells, monkeypatch):
 
 @pytest.mark.parametrize("target", ["2", "0", "nan", "x"])
 def test_a_target_accuracy_no_run_can_reach_is_refused_in_one_line(target, capsys):
-    """Hostile pass (docs/hostile_pass.md, case 132): `zoo --target 2` ran every run and left the tokens-to-target
-    column empty."""
+    """`zoo --target 2` is refused before any run, not run to a tokens-to-target column left empty
+    (docs/hostile_pass.md, case 132)."""
     with pytest.raises(SystemExit) as e:
         cli_main(["zoo", "--target", target, "--objectives", "grpo"])
     assert e.value.code == 2

@@ -1,5 +1,5 @@
 """Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,soak} ...; see
-README."""
+README.md and docs/ (make docs-site)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import argparse
 import errno
 import importlib.metadata
 import os
-import re
 import signal
 import sys
 import textwrap
@@ -50,12 +49,13 @@ from harness.run.config import (
 )
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
+from harness.run.names import first_sentence
 from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import ENDED, check_resume
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, Objective, available_advantages
-from objectives.base import SHARED_HYPERPARAMETERS, alias_of
+from objectives.base import alias_of
 
 MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
 
@@ -191,11 +191,9 @@ def cmd_list(args) -> int:
             print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
             continue
         cls = OBJECTIVES.get(name)
-        own, common = cls.hyperparameters(), Objective.hyperparameters()
-        # its own hyperparameters, and a shared one whose default it changes (adaptive_kl's beta)
-        params = ", ".join(f"{k}={v}" for k, v in own.items()
-                           if k not in SHARED_HYPERPARAMETERS or (k != "aggregation" and v != common[k]))
-        line = f"  {name:12s} advantage={cls.default_advantage:10s} aggregation={own['aggregation']:24s} {params}"
+        params = ", ".join(f"{k}={v}" for k, v in names.own_hyperparameters(name).items())
+        line = (f"  {name:12s} advantage={cls.default_advantage:10s} "
+                f"aggregation={cls.hyperparameters()['aggregation']:24s} {params}")
         print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
     print("tasks (task.name):                " + ", ".join(available_tasks()))
@@ -209,14 +207,6 @@ def cmd_list(args) -> int:
         print(textwrap.fill(first_sentence(experiment_description(path)), 116, initial_indent=f"  {path.stem:20s} ",
                             subsequent_indent=" " * 23))
     return 0
-
-
-def first_sentence(text: str) -> str:
-    """Up to the first full stop that ends a sentence, one followed by a space or the end (not the dots of
-    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "et al.", "Dr.")."""
-    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\bal)(?<!\bDr)"
-                      r"[.!?](?=\s|$)", text)
-    return text[: match.end()] if match else text
 
 
 def cmd_prepare(args) -> int:
@@ -390,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
     zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
                      help="screen: every objective, one starting policy; confirm: the plan the screen decides, on "
-                          "fresh starting policies and seeds; both (default): one, then the other (docs/zoo.md)")
+                          "fresh starting policies and seeds; both (default): one, then the other (docs/replicates.md)")
     zoo.add_argument("--seeds", type=positive_int, help="the screen's seeds per objective and cell (default: "
                                                         "harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
@@ -403,20 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
     explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
-    explain.add_argument("--markdown", action="store_true", help="the table as Markdown (KEY names|aliases)")
+    explain.add_argument("--markdown", action="store_true", help="the table as Markdown (KEY names|aliases|objectives)")
     explain.add_argument("--write", action="store_true", help="rewrite the generated tables in docs/trl.md, README.md")
     prepare = sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors; "
                                              "with an experiment: cache its runs' starting policies (warm starts)")
     prepare.add_argument("experiment", nargs="?", help="an experiment or a run's config.yaml")
     prepare.add_argument("overrides", nargs="*", help="key=value overrides")
     prepare.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: the free cores)")
-    docs = sub.add_parser("docs", help="re-run what the README quotes; rewrite docs/ figures and docs/results.md")
-    docs.add_argument("--with-gsm8k", action="store_true", help="also gsm8k_ablation (~1 h on 2 cores)")
-    docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md (README budget)")
+    docs = sub.add_parser("docs", help="re-run what the docs quote; rewrite docs/ figures and docs/results.md")
+    docs.add_argument("--with-gsm8k", action="store_true",
+                      help="also gsm8k_ablation: docs/results_gsm8k.md (its wall time there)")
+    docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md")
     docs.add_argument("--with-moe", action="store_true",
-                      help="also moe_stability and the MoE claims: docs/results_moe.md (~15 min on 2 cores)")
+                      help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
     docs.add_argument("--with-smollm2", action="store_true",
-                      help="also smollm2_rl, smollm2_transfer: docs/results_smollm2.md (~4 h on 2 cores)")
+                      help="also smollm2_rl, smollm2_transfer: docs/results_smollm2.md (its wall time there)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     worker = sub.add_parser("worker", help="a local sweep's process that trains its runs one after another, told "
@@ -430,18 +421,18 @@ def build_parser() -> argparse.ArgumentParser:
                                            "tokens/s and peak memory (docs/benchmark.md)")
     gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="cpu: the same checks at tiny shapes (a dry run of the command)")
-    bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (see README)")
+    bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (docs/benchmark.md)")
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
     bench.add_argument("--busy", action="store_true",
                        help="one native step per thread setting, on this machine as it is and beside a busy process "
-                            "(oversubscription; README Threads)")
+                            "(oversubscription; docs/threads.md)")
     bench.add_argument("--step", action="store_true", help=argparse.SUPPRESS)  # --busy's child: one step, JSON
     bench.add_argument("--full-length", action="store_true", help=argparse.SUPPRESS)  # --scale's child: no EOS
     bench.add_argument("--scale", action="store_true",
                        help="peak memory and step time per (sequences, new tokens) point, a fresh process each, every "
-                            "row at full length (docs/benchmark.md's scaling table)")
+                            "row at full length (docs/benchmark.md, Scaling)")
     bench.add_argument("--rows", type=int_list, default=SCALE_ROWS, metavar="N,N,...",
                        help="--scale: sequences per rollout step (prompts x group size)")
     bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",

@@ -4,7 +4,7 @@
     python -m harness gpu-check --device cpu     # the same checks at tiny shapes: a dry run of the command
 
 Each check is one run of two rollout steps through ``python -m harness train`` in a fresh process (so that no check
-inherits another's GPU memory), all of them within a budget (7.5 minutes on a GPU): the tiny model (float32, native
+inherits another's GPU memory), all of them within a budget (``GPU_BUDGET_S`` on a GPU): the tiny model (float32, native
 loop); a model of Qwen2.5-0.5B's shape (Qwen2Config built here: 24 layers, hidden 896, 14 heads / 2 key-value heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) with random weights, so nothing comes from the hub, in
 bfloat16 through the native loop with full fine-tuning, with LoRA adapters (rank 16), and through the TRL backend.

@@ -1,4 +1,4 @@
-"""How much one optimizer step moves a Mixture-of-Experts policy's routing: claim (a) of issue 34, GSPO's "about 10%
+"""How much one optimizer step moves a Mixture-of-Experts policy's routing: GSPO's claim of "about 10%
 of the experts a token activates change after one RL gradient update of the 48-layer Qwen3-30B-A3B, more in deeper
 models" (arXiv 2507.18071, §5.3), measured on tiny_moe at several depths.
 

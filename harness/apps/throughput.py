@@ -5,7 +5,7 @@ worker processes (harness/apps/worker.py), and whether the two give the same run
         -> results/bench/throughput.json, one table on stdout
 
 The sweep is run twice into fresh folders, with the same ``jobs``, first with ``launcher.runs_per_process=1`` (each
-run its own ``python -m harness train`` process: the path before workers) and then with 0 (a worker per job takes
+run its own ``python -m harness train`` process, as without workers) and then with 0 (a worker per job takes
 the runs one after another; on a machine with GPUs both sides are a process per run, as the local launcher runs
 them there). Its starting policies are prepared first, in a process of their own, counted in
 neither. Each side's CPU time is the user + system time of the sweep's process and of every process it started

@@ -1,5 +1,5 @@
 """`make zoo`: every registered objective through the shipped stress regimes on the tiny model, in two stages, then
-the leaderboard (docs/zoo.md explains the design).
+the leaderboard (docs/replicates.md explains the design).
 
     python -m harness zoo [--stage screen|confirm|both] [--seeds N] [--jobs N] [--target ACC] [--objectives a,b]
                           [--no-report] [key=value ...]
@@ -11,8 +11,8 @@ the leaderboard (docs/zoo.md explains the design).
                                not tested, with the family, its correction and the replication
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
-next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, the
-README's experiment table) at the axis values listed, crossed with every objective and seed; a cell two regimes share
+next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed
+in docs/running.md) at the axis values listed, crossed with every objective and seed; a cell two regimes share
 is one set of runs (run ids are the settings' hash). Overrides apply to every run of both stages (e.g.
 ``train.steps=2`` for a smoke test).
 
@@ -51,8 +51,8 @@ from harness.run.records import ENDED
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
-# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). The README's
-# "Where objectives differ" says what was explored, what each regime showed and how the budget is computed.
+# stress end of each regime (quickstart's own cell, where the core objectives tie, is `make sweep`'s). docs/zoo_guide.md
+# says what was explored, what each regime showed and how the budget is computed.
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
     "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (at 10x every core objective collapses)

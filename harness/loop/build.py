@@ -134,8 +134,9 @@ def build_objective(cfg: DictConfig):
 
 def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:
     """AdamW with the run's ``lr`` and ``weight_decay``: the fused kernel (one pass over each parameter, its gradient
-    and moments instead of a dozen tensor ops: the same update to round-off, faster on CPU (docs/benchmark.md); what
-    TRL's Trainer runs by default) where torch has it for every parameter's device, the per-tensor loop elsewhere."""
+    and moments instead of a dozen tensor ops: the same update to round-off, faster on CPU
+    (docs/results_benchmark.md); what TRL's Trainer runs by default) where torch has it for every parameter's device,
+    the per-tensor loop elsewhere."""
     params = list(params)  # tensors, or parameter groups ({"params": [...]})
     tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in tensors)

@@ -219,8 +219,8 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
             with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
                 grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state, window.result())
             meter.add({"loss": loss, "grad_norm": grad_norm}, 1.0)
-    # the last step's gradients are not held through the rollout and evaluation that follow (SmolLM2 fp32: 0.5 GB);
-    # every minibatch starts from none anyway
+    # the last step's gradients (as large as the trained weights) are not held through the rollout and evaluation
+    # that follow; every minibatch starts from none anyway
     learner.optimizer.zero_grad(set_to_none=True)
     routing = merge_volatility(volatility).metrics() if volatility else {}  # an MoE's, over every update forward
     return {**meter.result(), **mismatch.result(), **routing}

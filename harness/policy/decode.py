@@ -100,7 +100,7 @@ class Matmul:
     those wide shapes faster than the default MKL GEMM on this project's CPU; the narrower ones (q+k+v, o, down:
     MKL faster, with 1 and 2 threads) and the small ones (where oneDNN's per-call cost loses) through ``F.linear``
     (``make bench MATMULS=1``, docs/benchmark.md). The stacked copy holds those weights a second time while the rollout
-    runs (SmolLM2 fp32: ~0.5 GB); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
+    runs (the size of those weights); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
     keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few kernel
     launches; a module with hooks) the modules themselves, outputs concatenated (a LoRA layer then adds its adapters'
     two small matmuls). Results agree to
@@ -463,7 +463,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale:
     ``bias``) and the log-sum-exp of its scores [B, H, L, 1], in float32. ``fused`` on CPU: one kernel, the flash
     attention that ``F.scaled_dot_product_attention`` runs there (which also returns the log-sum-exp); faster for
     the prompt part (many queries per group), slower than two batched matmuls for the generated part's few
-    queries per row (docs/benchmark.md: the decode's attention)."""
+    queries per row (docs/results_benchmark.md, "Tried and not used")."""
     if fused and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=bias,
                                                                                scale=scale)

@@ -195,7 +195,7 @@ def _inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     u x (total weight), for u = ``uniform`` [n] in [0, 1); never an index of weight 0.
 
     Two levels, so that no cumulative sum over the whole vocabulary is formed (torch's CPU cumsum runs element by
-    element: docs/benchmark.md, the sampler's draw): the block of ``SAMPLE_BLOCK`` entries (one block of
+    element: docs/results_benchmark.md): the block of ``SAMPLE_BLOCK`` entries (one block of
     V entries when V is smaller) whose cumulative block sum first exceeds the point, then the entry inside it;
     where float rounding of the block's own cumulative sum leaves the point past its end, the entry at which that
     cumulative sum reaches its final value (a positive weight: the sum grew there).

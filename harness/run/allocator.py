@@ -1,14 +1,13 @@
 """Keep freed CPU memory in the process, so that every training step after the first reuses the pages of the one
 before instead of asking the kernel for fresh ones.
 
-By default glibc's malloc hands blocks of 32 MiB and more (an update's logits, [rows, positions, vocab]) straight
-to ``mmap`` and gives freed memory at the top of its heap back to the kernel: every step then page-faults its
-activations, logits and gradients in again, and each first touch of a page costs a fault and the zeroing of the
-page (on this project's virtual machine a large part of SmolLM2's bench update was spent in the kernel:
-docs/benchmark.md, "make bench"). ``keep_freed_memory`` sets ``M_MMAP_MAX = 0`` (every block from
-the heap) and ``M_TRIM_THRESHOLD`` to its maximum (the heap never shrinks): the process keeps its peak memory
-between steps, as PyTorch's CUDA caching allocator does on a GPU. Called once by the command line
-(``python -m harness ...``) before any work; glibc only (elsewhere nothing changes). ``RLVR_KEEP_FREED_MEMORY``:
+By default glibc's malloc hands blocks of 32 MiB and more (an update's logits, [rows, positions, vocab]) straight to
+``mmap`` and gives freed memory at the top of its heap back to the kernel: every step then page-faults its activations,
+logits and gradients in again, and each first touch of a page costs a fault and the zeroing of the page
+(docs/results_benchmark.md measures what that costs a SmolLM2 update). ``keep_freed_memory`` sets ``M_MMAP_MAX = 0``
+(every block from the heap) and ``M_TRIM_THRESHOLD`` to its maximum (the heap never shrinks): the process keeps its peak
+memory between steps, as PyTorch's CUDA caching allocator does on a GPU. Called once by the command line (``python -m
+harness ...``) before any work; glibc only (elsewhere nothing changes). ``RLVR_KEEP_FREED_MEMORY``:
 
 - ``1`` (or unset): keep freed memory, as above (the speed default);
 - ``0``: glibc's defaults. Its mmap threshold is dynamic: once a block of up to 32 MiB mmap'd is freed, blocks of

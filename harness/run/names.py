@@ -4,6 +4,7 @@ the TRL names accepted on the command line (harness/run/aliases.py's :data:`ALIA
     python -m harness explain train.group_size     # meaning, default, TRL and verl names (a TRL or verl name works too)
     python -m harness explain                      # the whole table
     python -m harness explain --markdown --write   # rewrite the generated tables in docs/trl.md and README.md
+                                                   # (README's: every registered objective, from the registry)
 
 TRL names are TRL 1.16's ``GRPOConfig`` fields (``trl/trainer/grpo_config.py``), verl names its ``ppo_trainer.yaml``
 keys (and the DAPO recipe's ``reward_model.overlong_buffer``). ``—``: no equivalent. A TRL-named override
@@ -26,9 +27,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from harness.run.aliases import ALIASES
 from harness.run.config import REPO, RunConfig, schema
-from objectives import OBJECTIVES
+from objectives import OBJECTIVES, available_advantages
+from objectives.base import SHARED_HYPERPARAMETERS, Objective, alias_of
 
-DOCS = {REPO / "docs" / "trl.md": "names", REPO / "README.md": "aliases"}  # file -> the generated table it holds
+# file -> the generated tables it holds (each between its markers)
+DOCS = {REPO / "docs" / "trl.md": ("names", "aliases"), REPO / "README.md": ("objectives",)}
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,30 @@ def _docstring_meaning(name: str, param: str) -> str:
     return f"see {cls.__module__.replace('.', '/')}.py" + (f": {line}" if line else "")
 
 
+def own_hyperparameters(name: str) -> dict[str, object]:
+    """Objective ``name``'s own hyperparameters with its defaults, and the shared ones whose default it changes
+    (adaptive_kl's beta); ``aggregation`` apart (its default is shown on its own)."""
+    own, common = OBJECTIVES.get(name).hyperparameters(), Objective.hyperparameters()
+    return {k: v for k, v in own.items() if k != "aggregation" and (k not in SHARED_HYPERPARAMETERS or v != common[k])}
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence, one followed by a space or the end (not the dots of
+    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "et al.", "Dr.")."""
+    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\bal)(?<!\bDr)"
+                      r"[.!?](?=\s|$)", text)
+    return text[: match.end()] if match else text
+
+
+def objective_paper(name: str) -> str:
+    """Objective ``name``'s source in a few words, from the first paragraph of its module's docstring: the name
+    before its " — " and the arXiv ids it cites, or (none cited) its first sentence."""
+    doc = inspect.getdoc(sys.modules[OBJECTIVES.get(name).__module__]) or ""
+    head = " ".join(doc.split("\n\n")[0].split())
+    ids = list(dict.fromkeys(re.findall(r"arXiv (\d{4}\.\d{4,5})", head)))
+    return f"{head.split(' — ')[0]}, arXiv {', '.join(ids)}" if ids else first_sentence(head)
+
+
 def objectives_taking(param: str) -> list[str]:
     return [name for name in OBJECTIVES.names() if param in OBJECTIVES.get(name).hyperparameters()]
 
@@ -426,15 +453,30 @@ def names_markdown() -> str:
 
 
 def aliases_markdown() -> str:
-    """The README's table: the TRL names accepted (or refused) on the command line."""
+    """docs/trl.md's second table: the TRL names accepted (or refused) on the command line."""
     lines = ["| TRL name | ours | how |", "|---|---|---|"]
     for a in ALIASES.values():
         lines.append(f"| `{a.trl}` | `{a.key}` | {'refused: ' if a.refused else ''}{cell(a.rule)} |")
     return "\n".join(lines) + "\n"
 
 
+def objectives_markdown() -> str:
+    """The README's table: every registered objective, its source, its own hyperparameters' defaults, its default
+    aggregation and advantage estimator, then every advantage estimator (a new file is in it at the next make docs)."""
+    lines = ["| objective | paper | hyperparameters (defaults) | aggregation | advantage |", "|---|---|---|---|---|"]
+    for name in OBJECTIVES.names():
+        cls, alias = OBJECTIVES.get(name), alias_of(name)
+        paper = (f"alias of `{alias[0]}`" + "".join(f", {k}={shown(v)}" for k, v in alias[1].items()) if alias else
+                 objective_paper(name))
+        params = ", ".join(f"{k}={shown(v)}" for k, v in own_hyperparameters(name).items())
+        lines.append(f"| `{name}` | {cell(paper)} | {cell(params) or '—'} | {cls.hyperparameters()['aggregation']} "
+                     f"| {cls.default_advantage} |")
+    estimators = ", ".join(f"`{name}`" for name in available_advantages())
+    return "\n".join(lines) + f"\n\nAdvantage estimators (`objective.advantage`): {estimators}.\n"
+
+
 def generated(kind: str) -> str:
-    return {"names": names_markdown, "aliases": aliases_markdown}[kind]()
+    return {"names": names_markdown, "aliases": aliases_markdown, "objectives": objectives_markdown}[kind]()
 
 
 def markers(kind: str) -> tuple[str, str]:
@@ -450,19 +492,19 @@ def section(text: str, kind: str) -> str | None:
     return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
-def write_docs(files: dict[Path, str] | None = None) -> list[Path]:
-    """Rewrite the generated tables in ``files`` (file -> kind; default :data:`DOCS`), each between its markers;
+def write_docs(files: dict[Path, tuple[str, ...]] | None = None) -> list[Path]:
+    """Rewrite the generated tables in ``files`` (file -> kinds; default :data:`DOCS`), each between its markers;
     returns the files changed. `make docs` and `python -m harness explain --markdown --write` call it: the committed
     tables are as fresh as the last of those (a new objective changes them; no test compares them)."""
     changed = []
-    for path, kind in (DOCS if files is None else files).items():
-        text = path.read_text()
-        old = section(text, kind)
-        if old is None:
-            raise RuntimeError(f"{path}: no {' ... '.join(markers(kind))} block to write the {kind} table into")
-        start, end = markers(kind)
-        new = text.split(start, 1)[0] + start + "\n" + generated(kind) + end + text.split(end, 1)[1]
-        if new != text:
-            path.write_text(new)
+    for path, kinds in (DOCS if files is None else files).items():
+        text = original = path.read_text()
+        for kind in kinds:
+            if section(text, kind) is None:
+                raise RuntimeError(f"{path}: no {' ... '.join(markers(kind))} block to write the {kind} table into")
+            start, end = markers(kind)
+            text = text.split(start, 1)[0] + start + "\n" + generated(kind) + end + text.split(end, 1)[1]
+        if text != original:
+            path.write_text(text)
             changed.append(path)
     return changed

@@ -3,7 +3,7 @@
 torch's default is one OpenMP thread per core. Beside another busy process that oversubscribes the cores: a
 parallel region waits for its slowest thread, and a thread that lost its core makes the others spin at the
 barrier, and a step takes many times longer than with one thread (``python -m harness bench --busy`` measures it
-on any machine; README "Threads" has a measured table). So a run's thread count, unless set, is the number of cores
+on any machine; docs/threads.md has a measured table). So a run's thread count, unless set, is the number of cores
 free when it starts (the cores this process may use minus those other processes keep busy), with a one-line note
 when that is fewer than the cores; and it stays with the run: a resume uses the count the run started with, since
 CPU reductions may round differently with another count and a resume must reproduce the uninterrupted run.

@@ -12,8 +12,8 @@ final weights (a lab: its table and position rows and a digest of its gradient s
 tests/test_equivalence.py reruns them and requires exact float equality. Float results depend on the CPU's
 instruction set and on the torch / transformers / trl builds, so the file holds one entry per build (:func:`build`):
 ``{"goldens": [{"build": {...}, "runs": {...}}, ...]}``; the test uses the entry of the build it runs on and skips,
-naming the builds it has, on another: add that build's entry from a commit you trust (e.g. the restructuring's base,
-9a22299: ``git worktree add /tmp/base 9a22299`` and run this module there with ``PYTHONPATH=/tmp/base``, then copy
+naming the builds it has, on another: add that build's entry from a commit you trust
+(``git worktree add /tmp/base <commit>`` and run this module there with ``PYTHONPATH=/tmp/base``, then copy
 its entry over), then check the new code against it.
 """
 
