@@ -20,9 +20,6 @@ from analysis.report import FIGURES, eval_table
 from analysis.stats import bootstrap_ci, describe, num
 from tests.helpers.toy_experiment import FINAL, PROBLEMS, write_experiment, write_run
 
-# one worker runs this file's tests (`make test`: pytest-xdist --dist loadgroup): its module fixture is built once
-pytestmark = pytest.mark.xdist_group("test_analysis")
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):

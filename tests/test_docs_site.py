@@ -17,9 +17,6 @@ import pytest
 from analysis import AnalysisWarning
 from tests.helpers.fake_runs import fake_experiment, fake_run
 
-# one worker runs this file's tests (`make test`: pytest-xdist --dist loadgroup): its module fixture is built once
-pytestmark = pytest.mark.xdist_group("test_docs_site")
-
 REPO = Path(__file__).resolve().parent.parent
 
 

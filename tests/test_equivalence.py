@@ -20,9 +20,6 @@ import pytest
 
 from tests.golden.make_golden import RUNS, build, build_entry, fresh_cache, load_goldens, run_one
 
-# one worker runs this file's tests (`make test`: pytest-xdist --dist loadgroup): its module fixture is built once
-pytestmark = pytest.mark.xdist_group("test_equivalence")
-
 GOLDENS = load_goldens()
 
 

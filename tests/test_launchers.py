@@ -23,9 +23,6 @@ from harness.run.records import read_jsonl
 from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
-# `make test` (pytest-xdist --dist loadgroup) runs the tests of the local_sweep fixture on one worker: built once
-LOCAL_SWEEP = pytest.mark.xdist_group("local_sweep")
-
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
 # a launcher that mixed runs up would show), 6 steps (room to kill a run mid-way).
 SETTINGS = [*TINY_RUN, "threads=1", "train.steps=6", "train.max_new_tokens=16", "train.micro_batch_size=0",
@@ -66,7 +63,6 @@ def local_sweep(tmp_path_factory):
 
 
 @pytest.mark.slow
-@LOCAL_SWEEP
 def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resumable(local_sweep, tmp_path):
     ray = pytest.importorskip("ray")
     folder, reference = local_sweep
@@ -137,7 +133,6 @@ def test_a_run_whose_worker_died_gets_the_status_its_own_record_calls_for(tmp_pa
 
 
 @pytest.mark.slow
-@LOCAL_SWEEP
 def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_sweep, tmp_path):
     pytest.importorskip("submitit")
     folder, reference = local_sweep

@@ -29,9 +29,6 @@ from tests.helpers.processes import processes_with, wait_until
 from tests.helpers.tiny import TINY_SPEC, without_timing
 from tests.helpers.tiny_moe import TINY_MOE_SPEC
 
-# one worker runs this file's tests (`make test`: pytest-xdist --dist loadgroup): its module fixture is built once
-pytestmark = pytest.mark.xdist_group("test_trl_distributed")
-
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "trl_launch.py")
 # One optimizer step per pass over the rollout batch (num_minibatches=1) and two passes (epochs=2: the second pass
