@@ -4,13 +4,14 @@ left behind (a full disk, a failing writer)."""
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 
 import pytest
 import torch
 
-from harness.run.atomic import DiskFullError, atomic_write
+from harness.run.atomic import DiskFullError, atomic_write, to_file, write_temporary
 from harness.run.records import save_checkpoint
 from tests.helpers.disk import fill_disk_at, temporaries
 
@@ -114,3 +115,26 @@ def test_a_checkpoint_refused_by_the_disk_is_a_full_disk_whatever_space_is_free_
     with pytest.raises(DiskFullError, match=r"disk full: could not write .*last\.pt"):
         save_checkpoint(tmp_path, {"policy": {"w": torch.zeros(1 << 16)}})
     assert temporaries(tmp_path) == [] and not (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+def test_ctrl_c_during_a_checkpoints_torch_save_stops_as_an_interruption_not_an_error(tmp_path):
+    """Ctrl-C that cuts torch.save short makes its zip writer's clean-up raise "unexpected pos ..." while the
+    KeyboardInterrupt is handled; the write raises the KeyboardInterrupt (the run stops as interrupted, exit 130, not
+    failed with a traceback) and leaves no temporary behind."""
+    class CutShort(io.RawIOBase):  # a file that Ctrl-C interrupts after `left` bytes
+        def __init__(self, file, left: int):
+            self.file, self.left = file, left
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            if self.left <= 0:
+                raise KeyboardInterrupt
+            self.left -= len(data)
+            return self.file.write(data)
+
+    with pytest.raises(KeyboardInterrupt):
+        write_temporary(tmp_path / "last.pt", write=to_file(lambda f: torch.save({"w": torch.arange(1e4)},
+                                                                               CutShort(f, 5000))))
+    assert list(tmp_path.iterdir()) == []

@@ -148,13 +148,29 @@ def write_temporary(path: Path, content: str | bytes | None = None, *,
             write(tmp)
             _fsync(tmp)
     except BaseException as e:
-        full = disk_full_error(e, path, written=_size(tmp))
+        interruption = _interruption(e)
+        full = None if interruption is not None else disk_full_error(e, path, written=_size(tmp))
         with contextlib.suppress(OSError):
             _remove(tmp)
+        if interruption is not None and interruption is not e:
+            raise interruption from None
         if full is not None:
             raise full from None
         raise
     return tmp
+
+
+def _interruption(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit (a signal's) that ``error`` is, or was raised while handling: a library
+    whose clean-up fails once Ctrl-C has cut its write short (torch.save's zip writer then raises "unexpected pos
+    ..."), so that the run stops as interrupted, not as failed."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def atomic_write(path: Path, content: str | bytes | None = None, *,
