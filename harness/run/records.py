@@ -495,7 +495,7 @@ def load_tensors(path: Path, device: torch.device | str = "cpu"):
 
 def unreadable_reason(error: Exception) -> str:
     """Why :func:`load_tensors` failed, in a few words: a file holding more than tensors in plain containers was not
-    written by the harness (torch's own message would invite loading it with weights_only=False)."""
+    written by the harness (torch's own message would invite loading it with code execution allowed)."""
     if isinstance(error, pickle.UnpicklingError):
         return "it holds Python objects besides tensors, numbers and strings: not a file the harness wrote, and not " \
                "loaded, since that would run code from it"
