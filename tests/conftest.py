@@ -48,3 +48,11 @@ def rlvr_cache(tmp_path, monkeypatch) -> Path:
     """An empty ``RLVR_CACHE`` for this test."""
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that hold end-to-end (slow) tests first, each file's tests in their order. `make test` hands whole
+    files to its two workers in this order (--dist loadfile --no-loadscopereorder): the long files start first and
+    the many short ones fill the end, so neither worker waits alone on a long file at the end."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)  # a stable sort: the order within each group is kept

@@ -179,7 +179,7 @@ def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rl
     built = []
     for on in ("false", "true"):
         run = (tiny_moe_run if model == "tiny_moe" else tiny_run)(
-            tmp_path, "model.warm_start_steps=20", "model.warm_start_target=null",
+            tmp_path, "model.warm_start_steps=4", "model.warm_start_target=null",
             f"train.activation_checkpointing={on}")
         policy, _, sidecar = build_policy(run, build_task(run), torch.device("cpu"))
         (rlvr_cache / "warm_start" / f"{sidecar['key']}.safetensors").unlink()  # the next one trains again

@@ -315,9 +315,11 @@ def schema_defaults() -> dict:
     return OmegaConf.to_container(schema(), resolve=True)
 
 
-def _merge(*configs) -> DictConfig:
+def _merge(*configs, onto: DictConfig | None = None) -> DictConfig:
+    """``configs`` merged in order onto a copy of ``onto`` (a config already merged onto the schema), or of the
+    schema."""
     try:
-        return OmegaConf.merge(schema(), *configs)
+        return OmegaConf.merge(schema() if onto is None else onto, *configs)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
 
@@ -485,6 +487,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
+    base = _merge(base)  # onto the schema once: each run merges only its grid point onto it
     runs, points, pins = [], [], {}  # pins: objective -> the (key, value) that pinned a grid point of it out
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
@@ -495,7 +498,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
             pins.setdefault(objective, pinned[0])
             continue
         dotlist = {**own, **assignment}
-        run = _merge(base, OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]))
+        run = _merge(OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]), onto=base)
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
         validate(run)
         runs.append(run)
