@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import TrainerCallback
 
 from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
@@ -600,24 +599,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _SecondStepMark(TrainerCallback):
-    """The clocks and TRL's phase totals when its second rollout step begins (global step ``steps``)."""
-
-    def __init__(self, trainer, steps: int):
-        self.trainer, self.steps, self.mark = trainer, steps, None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.steps:
-            self.mark = time.perf_counter(), time.process_time(), dict(self.trainer.phase_s)
-
-
 def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
     """Two generations, each followed by ``num_minibatches`` optimizer steps, of TRL's own GRPOTrainer (loss_type
     grpo, no gradient checkpointing, as the native loop); the second is timed (the first pays the one-time costs, as
     the native warm-up does; the second starts from weights its 4 optimizer steps at the bench's lr 1e-6 moved, where
     the native side restores them), phases from its timed methods (harness.loop.trl_backend)."""
-    # imported when TRL runs: trl takes seconds to import, which `bench --step` and `--profile` never need
+    # imported when TRL runs: trl (and transformers' trainer, which imports peft) take seconds to import, which
+    # `bench --step`, `--profile` and every run's process never need
+    from transformers import TrainerCallback
+
     from harness.loop.trl_backend import TimedGRPOTrainer, grpo_config, problems_dataset, reward_functions
+
+    class SecondStepMark(TrainerCallback):
+        """The clocks and TRL's phase totals when its second rollout step begins (global step ``steps``)."""
+
+        def __init__(self, trainer, steps: int):
+            self.trainer, self.steps, self.mark = trainer, steps, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == self.steps:
+                self.mark = time.perf_counter(), time.process_time(), dict(self.trainer.phase_s)
 
     t = cfg.train
     steps = updates_per_step(t)
@@ -626,7 +627,7 @@ def trl_step(cfg, policy, tokenizer, task, problems) -> dict:
                            save_strategy="no", reward_weights=[1.0, cfg.task.format_weight])
         trainer = TimedGRPOTrainer(model=policy, reward_funcs=reward_functions(task), args=args,
                                    train_dataset=problems_dataset(problems, tokenizer), processing_class=tokenizer)
-        marker = _SecondStepMark(trainer, steps)
+        marker = SecondStepMark(trainer, steps)
         trainer.add_callback(marker)
         start = time.perf_counter()
         trainer.train()
