@@ -104,41 +104,46 @@ def stateful_example() -> str:
     return block.group(1)
 
 
-RESUME_SCRIPT = """
-import sys, torch
+RESUME_TEST = """
+import torch
 import harness.apps
 from harness.loop.native import train
 from objectives import OBJECTIVES
 from tests.helpers.interrupt import full_and_resumed
 from tests.helpers.tiny import tiny_run
-from pathlib import Path
-assert OBJECTIVES.get("{name}").stateful and OBJECTIVES.get("{name}").__module__ == "objectives.{name}"
-folder = Path(sys.argv[1])
-run = tiny_run(folder, "objective.name={name}", "objective.params.kl_target=1e-9", "train.steps=3",
-               "task.overlong_buffer=6")
-full, part = full_and_resumed(train, run, folder, step=3)
-assert part == full and [r["ppo_kl_beta"] for r in full[1:]] == [0.04, 0.08, 0.16], full
-a, b = (torch.load(folder / d / "checkpoints" / "last.pt", weights_only=False) for d in ("full", "part"))
-assert a["objective"] == b["objective"] == {{"coefficient": 0.32}}
-assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
+
+
+def test_{name}_resumes_exactly(tmp_path):
+    assert OBJECTIVES.get("{name}").stateful and OBJECTIVES.get("{name}").__module__ == "objectives.{name}"
+    run = tiny_run(tmp_path, "objective.name={name}", "objective.params.kl_target=1e-9", "train.steps=3",
+                   "task.overlong_buffer=6")
+    full, part = full_and_resumed(train, run, tmp_path, step=3)
+    assert part == full and [r["ppo_kl_beta"] for r in full[1:]] == [0.04, 0.08, 0.16], full
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=False) for d in ("full", "part"))
+    assert a["objective"] == b["objective"] == {{"coefficient": 0.32}}
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
 """
 
 
-@pytest.mark.slow  # a copy of the package in fresh interpreters: the registry-wide tests, then two tiny runs
+@pytest.mark.slow  # a copy of the package in a fresh interpreter: the registry-wide tests, then two tiny runs
 def test_the_documented_stateful_example_passes_the_registry_tests_and_resumes_exactly(tmp_path):
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
     source = stateful_example()
     name = re.search(r'@register_objective\("(\w+)"\)', source).group(1)
     (package / f"{name}.py").write_text(source)
+    resume = tmp_path / "checks" / f"test_{name}_resume.py"  # its own folder: pytest collects nothing else there
+    resume.parent.mkdir()
+    resume.write_text(RESUME_TEST.format(name=name))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
     tests = [str(REPO / "tests" / f) for f in ("test_objectives.py", "test_rollout_correction.py")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append",
-                           "-m", "not slow", "-k", name, *tests], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    pytest_args = ["-q", "-rp", "-p", "no:cacheprovider", "--import-mode=append", "-c", str(REPO / "pyproject.toml"),
+                   "--basetemp", str(tmp_path / "runs"), "-m", "not slow", "-k", name]
+    done = subprocess.run([sys.executable, "-m", "pytest", *pytest_args, *tests, str(resume)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    assert int(re.search(r"(\d+) passed", done.stdout).group(1)) >= 10  # padding, micro-batching, equal rewards, ...
-    done = subprocess.run([sys.executable, "-c", RESUME_SCRIPT.format(name=name), str(tmp_path / "runs")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # padding, micro-batching, equal rewards, ... and the resume
+    assert int(re.search(r"(\d+) passed", done.stdout).group(1)) >= 11
+    passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED ")]
+    assert any(line.endswith(f"::test_{name}_resumes_exactly") for line in passed), done.stdout[-3000:]
     assert name not in available_objectives()  # the real package is untouched
