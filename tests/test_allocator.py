@@ -64,9 +64,11 @@ def test_release_gives_every_freed_block_back_at_once():
     assert release["freed"] > 90 * 2**20  # (kept, the default, gives nothing back: the test above faults nothing)
 
 
-def test_a_bad_switch_is_refused_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "harness", "list"], capture_output=True, text=True,
-                         env={**os.environ, "RLVR_KEEP_FREED_MEMORY": "yes"})
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == ("config error: RLVR_KEEP_FREED_MEMORY='yes': set it to 0 (glibc's defaults), 1 "
-                                  "(keep freed memory) or release (give it back at once), or unset it")
+def test_a_bad_switch_is_refused_in_one_line(monkeypatch, capsys):
+    from harness.apps.cli import main
+
+    monkeypatch.setenv("RLVR_KEEP_FREED_MEMORY", "yes")  # refused before anything is set: nothing process-wide
+    assert main(["list"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == ("config error: RLVR_KEEP_FREED_MEMORY='yes': set it to 0 (glibc's defaults), "
+                                         "1 (keep freed memory) or release (give it back at once), or unset it")
