@@ -235,13 +235,15 @@ def test_clip_fraction_zero_is_stated_not_drawn(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_is_replaced_atomically(tmp_path, monkeypatch):
+def test_report_is_replaced_atomically(tmp_path, monkeypatch, capsys):
     """A failure midway leaves the previous report as it was, and no temporary folder; a folder that is not a
-    report is never replaced."""
+    report is never replaced. The first report is written by the CLI (cli_prints_warnings checks what it prints)."""
     exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5}}, extra=False)
+    with open(exp / "grpo-s0-abcd1234" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "reward_me')  # a last line cut short: warned
+    out = cli_prints_warnings(exp, exp / "report", capsys)  # where build_report writes it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = build_report(exp, formats=("png",)).parent
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         monkeypatch.setattr(report_module, "figures", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
         with pytest.raises(RuntimeError, match="killed"):  # after the tables are written, before the figures
@@ -250,7 +252,9 @@ def test_report_is_replaced_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in exp.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
     (exp / "notes").mkdir()
     (exp / "notes" / "mine.txt").write_text("x")
-    with pytest.raises(AnalysisError, match="holds no report.md: refusing to write into it"):
+    with pytest.raises(AnalysisError, match="holds no report.md: refusing to write into it"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the truncated line, warned by the CLI above
         build_report(exp, out=exp / "notes")
     assert (exp / "notes" / "mine.txt").exists()
 
@@ -324,13 +328,15 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist"
 
 
-@pytest.mark.slow
-def test_cli_prints_warnings(tmp_path, capsys):
-    exp = write_experiment(tmp_path / "toy")
-    assert main([str(exp), "--out", str(tmp_path / "out"), "--formats", "png"]) == 0
+def cli_prints_warnings(exp: Path, out: Path, capsys) -> Path:
+    """`python -m analysis` prints the data warnings and writes only the formats asked for; returns the report
+    folder (a report the CLI writes anyway in test_report_is_replaced_atomically)."""
+    assert main([str(exp), "--out", str(out), "--formats", "png"]) == 0
     captured = capsys.readouterr()
     assert "warning: " in captured.err and "skipped truncated last line" in captured.err
-    assert (tmp_path / "out" / "report.html").exists() and not (tmp_path / "out" / "stability.pdf").exists()
+    assert (out / "report.html").exists() and (out / "stability.png").exists()
+    assert not (out / "stability.pdf").exists()
+    return out
 
 
 def test_an_moe_runs_routing_metrics_are_panels_of_the_stability_figure():

@@ -3,14 +3,18 @@ writes its JSON line; without CUDA the GPU command refuses in one line; a spent 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from harness.apps import gpu_check
+from harness.apps import cli, gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +50,27 @@ def test_make_gpu_check_passes_the_device():
     assert done.returncode == 0 and "-m harness gpu-check --device cpu" in done.stdout
 
 
-@pytest.mark.slow  # four runs in fresh processes: make test
-def test_the_dry_run_runs_every_check_and_writes_its_json_line(tmp_path):
+RUN = subprocess.run
+
+
+def in_this_process(command, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, except that a check's ``python -m harness train ...`` is run by the CLI in this process (on a
+    CPU a fresh process isolates no GPU memory: it would only import the libraries again)."""
+    if command[:3] != [sys.executable, "-m", "harness"]:
+        return RUN(command, **kwargs)
+    assert kwargs["capture_output"] and kwargs["text"] and kwargs["timeout"] > 0, kwargs
+    err, threads = io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(command[3:])
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(command, code, "", err.getvalue())
+
+
+@pytest.mark.slow  # four runs, one of them through TRL: make test
+def test_the_dry_run_runs_every_check_and_writes_its_json_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.subprocess, "run", in_this_process)
     assert gpu_check.main(device="cpu", out=tmp_path) == 0
     (record,) = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     assert record["dry_run"] and record["versions"]["peft"] and record["versions"]["trl"]

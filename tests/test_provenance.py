@@ -12,6 +12,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from analysis import plots
 from analysis.leaderboard import write_leaderboard
 from analysis.load import load_experiment as load_results
 from harness.apps import docs, stamp, sweep
@@ -20,7 +21,7 @@ from harness.run import provenance
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, read_jsonl
-from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
+from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, unrasterized
 from tests.helpers.tiny import TINY_RUN, tiny_run
 
 A, B = "a" * 40, "b" * 40  # two commits
@@ -228,7 +229,7 @@ def test_a_run_folder_the_manifest_does_not_list_is_reported_with_a_note(tmp_pat
     assert json.loads((exp / "manifest.json").read_text())["runs"] == listed  # the sweep's plan, untouched
 
 
-@pytest.mark.slow  # the report's figures: make test
+@pytest.mark.slow  # a report: make test
 def test_the_report_and_the_docs_page_name_every_version_and_the_runs_the_manifest_does_not_list(
         code, tmp_path, monkeypatch):
     code(A)
@@ -236,6 +237,7 @@ def test_the_report_and_the_docs_page_name_every_version_and_the_runs_the_manife
     other = fake_run(exp, "grpo", 1, run_id="unlisted", summary_extra=code_segments("b" * 7))
     monkeypatch.setattr(docs, "DOCS", tmp_path)
     monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs: [{"status": "finished"}] * 6)
+    monkeypatch.setattr(plots, "save", unrasterized)  # the text is checked, not the images
     with pytest.warns(UserWarning):
         section = docs.document("quickstart", tmp_path / "results", 2)  # writes the report too
     report = (exp / "report" / "report.md").read_text()

@@ -13,7 +13,7 @@ import pytest
 from analysis import build_report, load_experiment
 from analysis.report import eval_table, headline_display, md_table, status_lines
 from harness.run.locks import RUN_LOCK, lock_folder
-from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
+from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment, unrasterized
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -260,7 +260,11 @@ def write_state(exp_dir: Path, state: str) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("state", STATES)
-def test_the_report_is_written_whatever_the_folder_holds(tmp_path, state):
+def test_the_report_is_written_whatever_the_folder_holds(tmp_path, monkeypatch, state):
+    """Every figure is built from the damaged folder (its images are drawn by the tests of the swept axes)."""
+    from analysis import plots
+
+    monkeypatch.setattr(plots, "save", unrasterized)
     exp_dir = write_state(tmp_path / "exp", state)
     if state == "sweep still running":
         holder = lock_folder(next(exp_dir.glob("gspo-s1-*")) / RUN_LOCK, "busy")  # its trainer is alive
@@ -317,21 +321,19 @@ def test_two_axis_sweep_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_end_to_end_two_axis_sweep(tmp_path):
-    """A real (tiny) sweep over two axes, then its report: the cells, the axis figures and the heat map."""
-    import subprocess
-    import sys
-
+def test_end_to_end_two_axis_sweep(tmp_path, monkeypatch, capsys):
+    """A real (tiny) sweep over two axes, then its report: the cells, the axis figures and the heat map. The sweep
+    is the CLI's, called here; its runs train in its worker process."""
+    from harness.apps.cli import main
     from tests.helpers.tiny import TINY_RUN
 
+    monkeypatch.chdir(ROOT)
     exp = tmp_path / "axes.yaml"
     exp.write_text("sweep:\n  grid:\n    train.num_minibatches: [1, 2]\n    train.lr: [1.0e-4, 1.0e-3]\n")  # 4 runs
     tiny = [o for o in TINY_RUN if not o.startswith(("train.num_minibatches=", "train.lr="))]  # would pin the axes
-    out = subprocess.run([sys.executable, "-m", "harness", "sweep", str(exp), *tiny, "train.steps=2",
-                          "model.warm_start_steps=0", "model.warm_start_target=null", f"results_dir={tmp_path}/res",
-                          "--jobs", "2", "--no-progress"], capture_output=True, text=True,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
+    code = main(["sweep", str(exp), *tiny, "train.steps=2", "model.warm_start_steps=0", "model.warm_start_target=null",
+                 f"results_dir={tmp_path}/res", "--jobs", "1", "--no-progress"])
+    assert code == 0, capsys.readouterr().err[-2000:]
     report_dir = tmp_path / "res" / "axes" / "report"
     text = (report_dir / "report.md").read_text()
     assert "Cells (4):" in text and "- cell 4: `train.lr=0.001, train.num_minibatches=2`" in text
