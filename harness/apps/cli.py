@@ -301,7 +301,7 @@ def cmd_gpu_check(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    return soak(kills=args.kills, seed=args.seed, steps=args.steps)
+    return soak(main, kills=args.kills, seed=args.seed, steps=args.steps)
 
 
 DISTRIBUTION = "rlvr-objectives-harness"  # pyproject.toml's name

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.apps.worker import output_to
@@ -89,20 +90,19 @@ def check_files(exp_dir: Path) -> list[str]:
     return problems
 
 
-def train_uninterrupted(run_dir: Path, folder: Path) -> Path:
-    """The run of ``run_dir``'s config.yaml trained from scratch into ``folder``/<its name> by the CLI's own ``train``
-    in this process (as a sweep's worker trains it: bit-equal to a process of its own, tests/test_worker.py), its
-    output in ``folder``/<its name>.log; that folder."""
-    from harness.apps.cli import main as harness_main  # the CLI imports this module
-
+def train_uninterrupted(run_dir: Path, folder: Path, cli: Callable[[list[str]], int]) -> Path:
+    """The run of ``run_dir``'s config.yaml trained from scratch into ``folder``/<its name> by ``cli`` (the CLI's
+    ``main``: ``train`` in this process, as a sweep's worker trains it: bit-equal to a process of its own,
+    tests/test_worker.py), its output in ``folder``/<its name>.log; that folder."""
     reference = folder / run_dir.name
     folder.mkdir(parents=True, exist_ok=True)
     with output_to(str(folder / f"{run_dir.name}.log")):
-        harness_main(["train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress"])
+        cli(["train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress"])
     return reference
 
 
-def main(kills: int = 20, seed: int = 0, steps: int = 30) -> int:
+def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30) -> int:
+    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     experiment = work / "soak.yaml"
@@ -141,7 +141,7 @@ def main(kills: int = 20, seed: int = 0, steps: int = 30) -> int:
         if entry["status"] != "finished":
             problems.append(f"{entry['run_id']}: {entry['status']} after the final resume")
             continue
-        reference = train_uninterrupted(run_dir, work / "reference")
+        reference = train_uninterrupted(run_dir, work / "reference", cli)
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
             got = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(run_dir / name)]
             want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(reference / name)]
