@@ -217,11 +217,10 @@ def test_the_sweep_manifest_shows_a_killed_run_as_stopped(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_sigkilled_run_is_stopped_and_a_refused_resume_leaves_it_so(tmp_path):
+def test_a_sigkilled_run_is_stopped_and_a_refused_resume_leaves_it_so(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "harness", "train", "base", *TINY_RUN, "train.steps=500", "--run-dir", str(run_dir),
-            "--no-progress"]
-    proc = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.DEVNULL)
+    args = ["train", "base", *TINY_RUN, "train.steps=500", "--run-dir", str(run_dir), "--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, stderr=subprocess.DEVNULL)
     while len(read_jsonl(run_dir / "metrics.jsonl")) < 2:
         assert proc.poll() is None
         time.sleep(0.05)
@@ -231,8 +230,9 @@ def test_a_sigkilled_run_is_stopped_and_a_refused_resume_leaves_it_so(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
     assert run_status(run_dir) == "stopped"
     before = snapshot(run_dir)
-    out = subprocess.run([*args, "objective.name=gspo"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "objective.name grpo -> gspo" in out.stderr
+    assert main([*args, "objective.name=gspo"]) == 2  # the refused resume: the CLI's code in this process
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "objective.name grpo -> gspo" in err
     assert snapshot(run_dir) == before and run_status(run_dir) == "stopped"
 
 
@@ -308,7 +308,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_space_is_freed(
-        small_disk, tmp_path, reference):
+        small_disk, tmp_path, reference, capsys):
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - 700 * 1024))  # room for two checkpoints only
     args = ["train", "base", *TINY_RUN, "train.steps=3", "--run-dir", str(small_disk / "run"), "--no-progress"]
@@ -319,15 +319,17 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_
     assert temporaries(small_disk) == []
     assert run_status(small_disk / "run") != "running"
     filler.unlink()
-    out = subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0 and "resuming run from step" in out.stderr, out.stderr
+    # the resume and the sweep in this process (the CLI's code; the fresh interpreter above showed its whole stderr)
+    assert main(args) == 0
+    assert "resuming run from step" in capsys.readouterr().err
     assert without_timing(read_jsonl(small_disk / "run" / "metrics.jsonl")) == reference
     # a sweep whose manifest cannot be written: one line as well
     filler.write_bytes(b"\0" * shutil.disk_usage(small_disk).free)
-    out = subprocess.run([sys.executable, "-m", "harness", "sweep", "base", *TINY_RUN, f"results_dir={small_disk}",
-                          "name=exp", "--no-progress", "--no-report"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    (line,) = error_lines(out.stderr)
+    assert main(["sweep", "base", *TINY_RUN, f"results_dir={small_disk}", "name=exp", "--no-progress",
+                 "--no-report"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = error_lines(err)
     assert "disk full: could not write" in line and temporaries(small_disk) == []
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.apps.cli import main
 from harness.loop.native import train
 from harness.run.records import read_jsonl
 from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
@@ -44,18 +45,24 @@ def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, 
     assert samples == [0] * 8 + [1] * 8 + [2] * 8
 
 
-@pytest.mark.slow
-def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
+@pytest.mark.slow  # a fresh interpreter
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    """Each case through the CLI's main() here (its exit status: what it returns, or argparse's SystemExit), and one
+    through a fresh interpreter: its exit code, and nothing else on stderr (an import's warning would be a line)."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  steps: [1,\n")
     cases = [(("train", str(bad)), "not valid YAML at line 3"), (("train", "quickstart", "train.lr=-1"), "train.lr"),
              *((("sweep", "quickstart", "--jobs", jobs), "--jobs: must be an integer >= 1") for jobs in ("0", "-1"))]
-    started = [(subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True), message)
-               for args, message in cases]  # side by side: each is an interpreter's start-up, then one line
-    for process, message in started:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 2 and err.count("\n") == 1 and message in err, err
+    for args, message in cases:
+        try:
+            status = main(list(args))
+        except SystemExit as e:
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and err.count("\n") == 1 and message in err, (args, err)
+    (args, message), *_ = cases
+    out = cli(*args)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("installed", ["5.23.0", "6.0.0"])
@@ -63,7 +70,7 @@ def test_a_transformers_outside_the_requirement_is_refused_in_one_line_before_an
         installed, monkeypatch, capsys, tmp_path):
     import importlib.metadata
 
-    from harness.apps.cli import main, unmet_requirement
+    from harness.apps.cli import unmet_requirement
 
     assert unmet_requirement() is None  # the environment the suite runs in meets pyproject's requirements
     version = importlib.metadata.version
@@ -93,16 +100,16 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_soak_kills_and_resumes_without_loss():
-    out = cli("soak", "--kills", "2", "--seed", "1", timeout=600)  # make soak KILLS=10 is the real soak
-    assert out.returncode == 0 and "soak: PASS: 2 kills" in out.stdout, out.stdout + out.stderr
+def test_soak_kills_and_resumes_without_loss(capsys):
+    """The soak's command in this process (its sweeps are processes it starts and kills), on shorter runs (make soak
+    KILLS=10 is the real soak, 30 steps)."""
+    assert main(["soak", "--kills", "2", "--seed", "1", "--steps", "10"]) == 0, capsys.readouterr()
+    assert "soak: PASS: 2 kills" in capsys.readouterr().out
 
 
 def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
     """A shell's background job starts with SIGINT ignored; the CLI installs Python's handler itself, so Ctrl-C /
     kill -INT still stops it (the soak's SIGINT kills and users' `kill -INT` of a background sweep rely on it)."""
-    from harness.apps.cli import main
-
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         assert main(["list"]) == 0

@@ -14,12 +14,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.apps.cli import main
 from harness.apps.launchers import LocalLauncher
 from harness.apps.sweep import Child, run_entry
 from harness.run.config import load_experiment, run_configs
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import read_jsonl
-from tests.helpers.processes import cli, processes_with, wait_until
+from tests.helpers.processes import processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,12 +71,11 @@ def test_make_help_shows_no_make_variables():
     assert out.returncode == 0 and "$(" not in out.stdout and "make plots" in out.stdout
 
 
-@pytest.mark.slow
-def test_cli_reports_config_errors_without_traceback():
-    out = cli("train", "quickstart", "objective.name=grpoo")
-    assert out.returncode == 2
-    assert "config error: unknown objective 'grpoo'. Did you mean 'grpo'?" in out.stderr
-    assert "Traceback" not in out.stderr
+def test_cli_reports_config_errors_without_traceback(capsys):
+    """The CLI's code in this process (a fresh interpreter's one line: tests/test_reliability.py)."""
+    assert main(["train", "quickstart", "objective.name=grpoo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: unknown objective 'grpoo'. Did you mean 'grpo'?") and err.count("\n") == 1
 
 
 def test_list_names_the_shared_hyperparameters_once_marks_aliases_and_ends_descriptions(capsys, monkeypatch):
@@ -106,16 +106,17 @@ def test_first_sentence_stops_at_a_sentence_end_only():
     assert first_sentence("no full stop") == "no full stop"
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch and every reasoning-gym generator
-def test_cli_lists_registered_names():
-    out = cli("list")
-    assert out.returncode == 0
-    for name in ("grpo", "gspo", "gspo_token", "ctpo", "arith", "gsm8k", "quickstart", "rloo"):
-        assert name in out.stdout
+@pytest.mark.slow  # imports every reasoning-gym generator
+def test_cli_lists_registered_names(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    # caesar_cipher: a reasoning-gym generator, named by nothing else in the list
+    for name in ("grpo", "gspo", "gspo_token", "ctpo", "arith", "gsm8k", "quickstart", "rloo", "caesar_cipher"):
+        assert name in out
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
+def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path, capsys):
     exp = tmp_path / "killtest.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
     args = [str(exp), *TINY_RUN, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
@@ -136,8 +137,9 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
     assert wait_until(lambda: not processes_with(str(first)), timeout=30), "the run outlived the killed sweep"
     assert all("step" in r for r in read_jsonl(first / "metrics.jsonl"))
 
-    out = cli("sweep", *args)
-    assert out.returncode == 0, out.stderr
+    # the resuming sweep, the reference and the rerun in this process: the kill above is the one about processes
+    # (the resumed run still trains in a worker process the sweep starts)
+    assert main(["sweep", *args]) == 0, capsys.readouterr().err
     assert (exp_dir / "report" / "report.md").exists()  # the report follows results_dir
     manifest = json.loads((exp_dir / "manifest.json").read_text())
     assert [r["status"] for r in manifest["runs"]] == ["finished", "finished"]
@@ -145,37 +147,44 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path):
         rows = read_jsonl(exp_dir / run["dir"] / "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(7))
     # the resumed run is the run that was never interrupted
-    out = cli("train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(tmp_path / "ref"), "--no-progress")
-    assert out.returncode == 0, out.stderr
+    assert main(["train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(tmp_path / "ref"),
+                 "--no-progress"]) == 0, capsys.readouterr().err
     assert without_timing(read_jsonl(first / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
-    again = cli("sweep", *args)  # everything finished: nothing runs again
-    assert again.returncode == 0 and "2/2 runs finished" in again.stderr
+    written = snapshot_times(exp_dir)
+    capsys.readouterr()
+    assert main(["sweep", *args, "--no-report"]) == 0  # everything finished: nothing runs again
+    assert "2/2 runs finished" in capsys.readouterr().err and snapshot_times(exp_dir) == written
 
 
+def snapshot_times(exp_dir: Path) -> dict:
+    """The modification time of every file of the runs under ``exp_dir`` (not the sweep's own manifest)."""
+    return {p: p.stat().st_mtime_ns for p in exp_dir.glob("*-s*-*/**/*") if p.is_file()}
 
 
 @pytest.mark.slow
-def test_a_second_comparison_adds_to_the_first_and_runs_no_run_again(tmp_path):
+def test_a_second_comparison_adds_to_the_first_and_runs_no_run_again(tmp_path, capsys):
     """`make compare` twice into the experiment's folder: one manifest and one report with every run, the shared
-    baseline run once; the verdict and the report's path on the terminal."""
+    baseline run once; the verdict and the report's path on the terminal. (The sweeps run in this process, their
+    runs in the worker each starts.)"""
     exp = tmp_path / "cmp.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
     args = [str(exp), *TINY_RUN, f"results_dir={tmp_path}/res", "--no-progress"]
-    first = cli("sweep", *args, "--no-report")
-    assert first.returncode == 0, first.stderr
+    assert main(["sweep", *args, "--no-report"]) == 0, capsys.readouterr().err
     exp_dir = tmp_path / "res" / "cmp"
     grpo = next(exp_dir.glob("grpo-*")) / "metrics.jsonl"
     written = grpo.stat().st_mtime_ns
-    second = cli("sweep", *args, "sweep.grid.objective.name=[grpo,cispo]", "sweep.baseline=grpo")
-    assert second.returncode == 0, second.stderr
+    capsys.readouterr()
+    assert main(["sweep", *args, "sweep.grid.objective.name=[grpo,cispo]", "sweep.baseline=grpo"]) == 0, \
+        capsys.readouterr().err
+    second = capsys.readouterr()
     assert grpo.stat().st_mtime_ns == written  # the baseline's run was there: not run again
     manifest = json.loads((exp_dir / "manifest.json").read_text())
     assert [r["objective"] for r in manifest["runs"]] == ["gspo", "grpo", "cispo"]  # the first's kept, before
     assert manifest["baseline"] == "grpo" and manifest["objectives"] == ["grpo", "cispo", "gspo"]
     runs = (exp_dir / "report" / "runs.csv").read_text()
     assert all(o in runs for o in ("grpo-s0", "gspo-s0", "cispo-s0"))
-    assert "verdict:\n" in second.stdout and f"report: {exp_dir / 'report' / 'report.html'}" in second.stdout
+    assert "verdict:\n" in second.out and f"report: {exp_dir / 'report' / 'report.html'}" in second.out
 
 
 def test_an_earlier_manifest_keeps_only_its_runs_still_there(tmp_path):

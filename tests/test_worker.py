@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.apps.cli import main
 from harness.apps.worker import output_to
 from harness.run.locks import RUN_LOCK, is_held
 from harness.run.records import read_jsonl
@@ -45,20 +46,20 @@ def test_output_to_appends_both_streams_to_the_log_and_restores_them(tmp_path, c
 
 
 @pytest.mark.slow
-def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path):
+def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path, capsys):
     exp = tmp_path / "pair.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [gspo, grpo]\n")
     settings = [*TINY_RUN, "train.steps=3", "train.eval_every=2"]
-    out = cli("sweep", str(exp), *settings, f"results_dir={tmp_path}/res", "--jobs", "1", "--no-progress",
-              "--no-report")  # one worker: gspo's run, then grpo's in the same process
-    assert out.returncode == 0, out.stderr
+    # the sweep in this process; one worker process: gspo's run, then grpo's in it
+    assert main(["sweep", str(exp), *settings, f"results_dir={tmp_path}/res", "--jobs", "1", "--no-progress",
+                 "--no-report"]) == 0, capsys.readouterr().err
     folder = tmp_path / "res" / "pair"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [r["status"] for r in manifest["runs"]] == ["finished", "finished"]
     second = folder / manifest["runs"][1]["dir"]
     alone = tmp_path / "alone"
     out = cli("train", str(exp), *settings, "objective.name=grpo", "--run-dir", str(alone), "--no-progress")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr  # a process of its own, which trained nothing before
     assert without_timing(read_jsonl(second / "metrics.jsonl")) == without_timing(read_jsonl(alone / "metrics.jsonl"))
     assert read_jsonl(second / "eval_samples.jsonl") == read_jsonl(alone / "eval_samples.jsonl")
     for entry in manifest["runs"]:  # each run's own log, lock released, summary with its code and one segment
@@ -71,7 +72,7 @@ def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path):
+def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path, capsys):
     """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
     resumed run equals one never interrupted."""
     exp = tmp_path / "one.yaml"
@@ -91,10 +92,10 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     os.kill(worker, signal.SIGKILL)
     assert sweep.wait(timeout=120) == 1  # the run did not end: the sweep says so
     assert json.loads((folder / "manifest.json").read_text())["runs"][0]["status"] == "stopped"
-    out = cli("sweep", *args)
-    assert out.returncode == 0, out.stderr
+    # the resuming sweep (its run in a worker process it starts) and the reference in this process
+    assert main(["sweep", *args]) == 0, capsys.readouterr().err
     ref = tmp_path / "ref"
-    assert cli("train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(ref), "--no-progress").returncode == 0
+    assert main(["train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(ref), "--no-progress"]) == 0
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
 
 

@@ -301,7 +301,7 @@ def cmd_gpu_check(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    return soak(kills=args.kills, seed=args.seed)
+    return soak(main, kills=args.kills, seed=args.seed, steps=args.steps)
 
 
 DISTRIBUTION = "rlvr-objectives-harness"  # pyproject.toml's name
@@ -416,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak = sub.add_parser("soak", help="kill sweeps and runs at random moments; check nothing is lost or repeated")
     soak.add_argument("--kills", type=positive_int, default=20)
     soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--steps", type=positive_int, default=30, help="steps of each of the sweep's two runs")
     gpu = sub.add_parser("gpu-check", help="the GPU path in minutes: the tiny model and a Qwen2.5-0.5B-shaped one "
                                            "(random weights), native bf16 with and without LoRA, the TRL backend: "
                                            "tokens/s and peak memory (docs/benchmark.md)")

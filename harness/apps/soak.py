@@ -1,14 +1,14 @@
 """`make soak`: kill sweeps and runs at random moments, resume, and check that nothing was lost or written twice.
 
-    python -m harness soak [--kills 20] [--seed 0]
+    python -m harness soak [--kills 20] [--seed 0] [--steps 30]
 
-A tiny two-objective sweep (30 steps each) is started again and again; each time it is killed with SIGKILL,
+A tiny two-objective sweep (``steps`` steps each) is started again and again; each time it is killed with SIGKILL,
 SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
 (after the starting policy's evaluation line, before the first checkpoint; the first kill aims there) or while
 a checkpoint is being written. After ``kills`` kills the sweep runs to the end. Then every run must be
-finished, every file must parse, metrics.jsonl must hold steps 0..30 once each, and every run's metrics and eval
-records must equal those of the same run trained without interruption. Writes results/soak/soak.json and prints
-one line.
+finished, every file must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval
+records must equal those of the same run trained without interruption (trained here, in the soak's own process, after
+the sweep). Writes results/soak/soak.json and prints one line.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from harness.apps.worker import output_to
 from harness.run.atomic import atomic_write
 from harness.run.records import TIMING_METRICS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 30
 SETTINGS = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
             "model.tiny.intermediate_size=64", "task.eval_size=8", "train.prompts_per_step=4", "train.group_size=4",
-            "train.max_new_tokens=8", "train.num_minibatches=2", f"train.steps={STEPS}", "train.eval_every=5",
-            "threads=1", "train.lr=1e-3", "task.overlong_buffer=6"]
+            "train.max_new_tokens=8", "train.num_minibatches=2", "train.eval_every=5", "threads=1", "train.lr=1e-3",
+            "task.overlong_buffer=6"]
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 
 
@@ -89,13 +90,25 @@ def check_files(exp_dir: Path) -> list[str]:
     return problems
 
 
-def main(kills: int = 20, seed: int = 0) -> int:
+def train_uninterrupted(run_dir: Path, folder: Path, cli: Callable[[list[str]], int]) -> Path:
+    """The run of ``run_dir``'s config.yaml trained from scratch into ``folder``/<its name> by ``cli`` (the CLI's
+    ``main``: ``train`` in this process, as a sweep's worker trains it: bit-equal to a process of its own,
+    tests/test_worker.py), its output in ``folder``/<its name>.log; that folder."""
+    reference = folder / run_dir.name
+    folder.mkdir(parents=True, exist_ok=True)
+    with output_to(str(folder / f"{run_dir.name}.log")):
+        cli(["train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress"])
+    return reference
+
+
+def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30) -> int:
+    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     experiment = work / "soak.yaml"
     experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
-    sweep_args = ["sweep", str(experiment), *SETTINGS, f"results_dir={work}/res", "--no-progress", "--no-report",
-                  "--jobs", "2"]
+    sweep_args = ["sweep", str(experiment), *SETTINGS, f"train.steps={steps}", f"results_dir={work}/res",
+                  "--no-progress", "--no-report", "--jobs", "2"]
     exp_dir = work / "res" / "soak"
     log, problems, started = [], [], time.time()
     while len(log) < kills:
@@ -128,15 +141,14 @@ def main(kills: int = 20, seed: int = 0) -> int:
         if entry["status"] != "finished":
             problems.append(f"{entry['run_id']}: {entry['status']} after the final resume")
             continue
-        reference = work / "reference" / entry["dir"]
-        harness("train", str(run_dir / "config.yaml"), "--run-dir", str(reference), "--no-progress").wait()
+        reference = train_uninterrupted(run_dir, work / "reference", cli)
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
             got = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(run_dir / name)]
             want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(reference / name)]
             if got != want:
                 problems.append(f"{run_dir / name} differs from the uninterrupted run's")
-        if [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] != list(range(STEPS + 1)):
-            problems.append(f"{run_dir}/metrics.jsonl does not hold steps 0..{STEPS} once each")
+        if [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] != list(range(steps + 1)):
+            problems.append(f"{run_dir}/metrics.jsonl does not hold steps 0..{steps} once each")
     result = {"kills": len(log), "by_moment": {m: sum(e["moment"] == m for e in log) for m in
                                                ("random", "step0", "checkpoint")},
               "by_target": {t: sum(e["target"] == t for e in log) for t in ("sweep", "run")},
