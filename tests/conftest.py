@@ -52,7 +52,7 @@ def rlvr_cache(tmp_path, monkeypatch) -> Path:
 
 def pytest_collection_modifyitems(config, items):
     """The files that hold end-to-end (slow) tests first, each file's tests in their order. `make test` hands whole
-    files to its two workers in this order (--dist loadfile --no-loadscopereorder): the long files start first and
+    files to its two workers in this order (--dist loadfile --no-loadscope-reorder): the long files start first and
     the many short ones fill the end, so neither worker waits alone on a long file at the end."""
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in heavy)  # a stable sort: the order within each group is kept
