@@ -24,7 +24,7 @@ from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import check_resume, read_jsonl, run_status
 from tests.helpers.disk import fill_disk_at, temporaries
 from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
+from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, tiny_run, without_timing
 from tests.helpers.tiny_moe import tiny_moe_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def error_lines(err: str) -> list[str]:
 @pytest.fixture
 def stopped_run(tmp_path):
     """A grpo run killed after step 1 of 3 (its checkpoint, rows 0 and 1; summary.json says running)."""
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     with stopped_before(2):
         train(run, tmp_path / "run", progress=False)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -62,7 +62,8 @@ def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing
                                                                                    capsys):
     run, run_dir = stopped_run
     before = snapshot(run_dir)
-    code = main(["train", "base", *TINY_RUN, "train.steps=3", override, "--run-dir", str(run_dir), "--no-progress"])
+    code = main(["train", "base", *TINY_RUN, VARIED_REWARD, "train.steps=3", override, "--run-dir", str(run_dir),
+                 "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("config error: "), err
     assert shown in err and "mix two runs" in err and f"train {run_dir / 'config.yaml'} --run-dir {run_dir}" in err
@@ -80,7 +81,8 @@ def test_the_trl_backend_refuses_another_runs_folder_before_touching_it(stopped_
     run, run_dir = stopped_run
     before = snapshot(run_dir)
     with pytest.raises(ConfigError, match="backend native -> trl"):
-        train_trl(OmegaConf.merge(run, {"backend": "trl"}), run_dir, progress=False)
+        # (without the overlong penalty, which TRL's backend refuses first)
+        train_trl(OmegaConf.merge(run, {"backend": "trl", "task": {"overlong_buffer": 0}}), run_dir, progress=False)
     assert snapshot(run_dir) == before
 
 
@@ -241,7 +243,7 @@ def test_a_sigkilled_run_is_stopped_and_a_refused_resume_leaves_it_so(tmp_path, 
 
 @pytest.fixture
 def reference(tmp_path):
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     train(run, tmp_path / "reference", progress=False)
     return without_timing(read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
 
@@ -255,7 +257,7 @@ def reference(tmp_path):
 def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_path, monkeypatch, capsys, reference,
                                                                           name, after, code):
     run_dir = tmp_path / "run"
-    args = ["train", "base", *TINY_RUN, "train.steps=3", "--run-dir", str(run_dir), "--no-progress"]
+    args = ["train", "base", *TINY_RUN, VARIED_REWARD, "train.steps=3", "--run-dir", str(run_dir), "--no-progress"]
     with monkeypatch.context() as patch:
         calls = fill_disk_at(patch, name, after, code)
         assert main(args) == 1
@@ -311,7 +313,8 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_it_resumes_exactly_once_
         small_disk, tmp_path, reference, capsys):
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - 700 * 1024))  # room for two checkpoints only
-    args = ["train", "base", *TINY_RUN, "train.steps=3", "--run-dir", str(small_disk / "run"), "--no-progress"]
+    args = ["train", "base", *TINY_RUN, VARIED_REWARD, "train.steps=3", "--run-dir", str(small_disk / "run"),
+            "--no-progress"]
     out = subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     (line,) = error_lines(out.stderr)
@@ -503,6 +506,6 @@ def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stop
 def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_run, tmp_path, capsys):
     run, run_dir = stopped_run
     (run_dir / "config.yaml").write_text("- a list\n")
-    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "train.steps=3", "--run-dir", str(run_dir),
-                 "--no-progress"]) == 0
+    assert main(["train", "base", *TINY_RUN, VARIED_REWARD, f"results_dir={tmp_path}", "train.steps=3", "--run-dir",
+                 str(run_dir), "--no-progress"]) == 0
     assert capsys.readouterr().err.count("config.yaml is damaged") == 1

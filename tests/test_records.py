@@ -13,11 +13,11 @@ from harness.run.collapse import CollapseRule
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, check_resume, read_jsonl
 from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import tiny_run, without_timing
+from tests.helpers.tiny import VARIED_REWARD, tiny_run, without_timing
 
 
 def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     with stopped_before(3):
         train(run, tmp_path / "run", progress=False)
     path = tmp_path / "run" / "metrics.jsonl"
@@ -42,7 +42,7 @@ def test_a_run_whose_metrics_were_all_lost_lists_every_step_as_missing(tmp_path)
 
 @pytest.mark.slow  # a whole run (or several): make test
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_do(tmp_path):
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
     with stopped_before(3):
         train(run, tmp_path / "part", progress=False)
@@ -76,7 +76,7 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
 
 
 def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     train(run, tmp_path / "run", progress=False)
     path = tmp_path / "run" / "metrics.jsonl"
     text = path.read_text()

@@ -15,7 +15,7 @@ import pytest
 from harness.apps.cli import main
 from harness.loop.native import train
 from harness.run.records import read_jsonl
-from tests.helpers.tiny import TINY_RUN, tiny_run, without_timing
+from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, tiny_run, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def cli(*args, **kw):
 
 @pytest.mark.slow  # a whole run (or several): make test
 def test_an_interruption_after_the_step0_evaluation_writes_step0_once(tmp_path, monkeypatch):
-    run = tiny_run(tmp_path, "train.eval_every=1")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.eval_every=1")
     train(run, tmp_path / "full", progress=False)
 
     def interrupted(*args, **kwargs):

@@ -21,7 +21,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import read_jsonl
 from tests.helpers.processes import processes_with, wait_until
-from tests.helpers.tiny import TINY_RUN, without_timing
+from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_cli_lists_registered_names(capsys):
 def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path, capsys):
     exp = tmp_path / "killtest.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
-    args = [str(exp), *TINY_RUN, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
+    args = [str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress"]
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     exp_dir = tmp_path / "res" / "killtest"
@@ -147,7 +147,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path, capsys
         rows = read_jsonl(exp_dir / run["dir"] / "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(7))
     # the resumed run is the run that was never interrupted
-    assert main(["train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(tmp_path / "ref"),
+    assert main(["train", str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", "--run-dir", str(tmp_path / "ref"),
                  "--no-progress"]) == 0, capsys.readouterr().err
     assert without_timing(read_jsonl(first / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))

@@ -17,7 +17,7 @@ from harness.apps.worker import output_to
 from harness.run.locks import RUN_LOCK, is_held
 from harness.run.records import read_jsonl
 from tests.helpers.processes import ROOT, cli, processes_with, wait_until
-from tests.helpers.tiny import TINY_RUN, without_timing
+from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
 
 
 def test_the_soak_finds_a_sweeps_workers_as_its_runs(tmp_path):
@@ -49,7 +49,7 @@ def test_output_to_appends_both_streams_to_the_log_and_restores_them(tmp_path, c
 def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path, capsys):
     exp = tmp_path / "pair.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [gspo, grpo]\n")
-    settings = [*TINY_RUN, "train.steps=3", "train.eval_every=2"]
+    settings = [*TINY_RUN, VARIED_REWARD, "train.steps=3", "train.eval_every=2"]
     # the sweep in this process; one worker process: gspo's run, then grpo's in it
     assert main(["sweep", str(exp), *settings, f"results_dir={tmp_path}/res", "--jobs", "1", "--no-progress",
                  "--no-report"]) == 0, capsys.readouterr().err
@@ -77,7 +77,8 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     resumed run equals one never interrupted."""
     exp = tmp_path / "one.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
-    args = [str(exp), *TINY_RUN, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress", "--no-report"]
+    args = [str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress",
+            "--no-report"]
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     folder = tmp_path / "res" / "one"
@@ -95,7 +96,8 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     # the resuming sweep (its run in a worker process it starts) and the reference in this process
     assert main(["sweep", *args]) == 0, capsys.readouterr().err
     ref = tmp_path / "ref"
-    assert main(["train", str(exp), *TINY_RUN, "train.steps=6", "--run-dir", str(ref), "--no-progress"]) == 0
+    assert main(["train", str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", "--run-dir", str(ref),
+                 "--no-progress"]) == 0
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
 
 

@@ -12,6 +12,12 @@ TINY_RUN = [
     "threads=1", "train.lr=1e-3",
 ]
 
+# The random tiny model answers no problem, so with TINY_RUN alone every reward, advantage and gradient is 0: a test
+# that a resumed run equals the uninterrupted one could not see a weight or an optimizer state lost. The overlong
+# penalty (completions past 8 - 6 = 2 tokens lose reward) varies with each completion's length: gradients that are
+# not 0. The native loop's (TRL's backend refuses the penalty).
+VARIED_REWARD = "task.overlong_buffer=6"
+
 
 def tiny_run(tmp_path, *overrides):
     """One validated run of the default experiment with the tiny settings, writing under ``tmp_path``."""
