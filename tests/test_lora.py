@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from harness.loop.batch import TrainBatch, collect_batch
 from harness.loop.behaviour import behaviour_logprobs
@@ -298,5 +299,8 @@ def test_a_smollm2_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path):
     train(run, tmp_path / "part", progress=False)
     full = without_timing(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     assert without_timing(read_jsonl(tmp_path / "part" / "metrics.jsonl")) == full and full[2]["grad_norm"] > 0
+    # the resumed step 2's update (its optimizer state restored, not restarted) gives the same adapters
+    adapters = [load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("full", "part")]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
     adapters = PeftConfig.from_pretrained(tmp_path / "full" / "final")
     assert adapters.r == 8 and set(adapters.target_modules) == set(LoraSettings().target_modules)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from harness.loop import batch as batch_module
 from harness.loop.batch import collect_batch, rewards_of
@@ -26,7 +27,7 @@ from harness.tasks import Arith, Score, get_task
 from objectives import ADVANTAGES, ObjectiveOutput, available_advantages, available_objectives, get_objective
 from objectives.advantages import needs_nonnegative_rewards
 from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
+from tests.helpers.tiny import TINY_SPEC, VARIED_REWARD, tiny_run, without_timing
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path, threads):
 
 @pytest.mark.slow  # a whole run (or several): make test
 def test_resume_from_checkpoint_continues_exactly(tmp_path):
-    run = tiny_run(tmp_path, "train.steps=3")
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     train(run, tmp_path / "full", progress=False)
     # a kill after step 2 of 3: the checkpoint of step 2, and a torn line at the end of the metrics file
     with stopped_before(3):
@@ -210,6 +211,9 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
     # the first attempt's records (the eval at 0) are kept, the resumed step 3 appends its own, none repeats
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "eval_samples.jsonl")] == [0] * 8 + [3] * 8
+    # the resumed step 3's update (its optimizer state restored, not restarted) gives the same final weights
+    weights = [load_file(tmp_path / name / "final" / "model.safetensors") for name in ("full", "part")]
+    assert full[3]["grad_norm"] > 0 and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tmp_path, monkeypatch):
