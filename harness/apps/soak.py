@@ -1,6 +1,6 @@
 """`make soak`: kill sweeps and runs at random moments, resume, and check that nothing was lost or written twice.
 
-    python -m harness soak [--kills 20] [--seed 0] [--steps 30]
+    python -m harness soak [--kills 20] [--seed 0] [--steps 30] [--jobs 2]
 
 A tiny two-objective sweep (``steps`` steps each) is started again and again; each time it is killed with SIGKILL,
 SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
@@ -101,14 +101,14 @@ def train_uninterrupted(run_dir: Path, folder: Path, cli: Callable[[list[str]], 
     return reference
 
 
-def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30) -> int:
+def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30, jobs: int = 2) -> int:
     """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     experiment = work / "soak.yaml"
     experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
     sweep_args = ["sweep", str(experiment), *SETTINGS, f"train.steps={steps}", f"results_dir={work}/res",
-                  "--no-progress", "--no-report", "--jobs", "2"]
+                  "--no-progress", "--no-report", "--jobs", str(jobs)]
     exp_dir = work / "res" / "soak"
     log, problems, started = [], [], time.time()
     while len(log) < kills:
