@@ -78,6 +78,19 @@ def launch(run_dir: Path, processes: int, env: dict, settings: list[str] = SETTI
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
+def one_process(run_dir: Path, env: dict, settings: list[str] = SETTINGS) -> None:
+    """The one-process run in this process, with the launcher's row-seeded draws (tests/trl_launch.py), undone
+    after it: the same run as ``launch(run_dir, 1, env)`` without a fresh interpreter importing TRL."""
+    from harness.apps.cli import main
+    from tests.trl_launch import row_seeded_generate
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        row_seeded_generate(patch.setattr)
+        assert main(["train", "trl_quickstart", *settings, "--run-dir", str(run_dir), "--no-progress"]) == 0
+
+
 def finished(proc: subprocess.Popen) -> str:
     out, err = proc.communicate(timeout=540)
     assert proc.returncode == 0, err[-3000:]
@@ -91,7 +104,7 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trl2")
     env = {"RLVR_CACHE": str(folder / "cache"), "RLVR_TEST_ROW_SEEDS": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    finished(launch(folder / "one", 1, env))  # first: it caches the starting policy both processes then load
+    one_process(folder / "one", env)  # first: it caches the starting policy both processes then load
     (folder / "writes").mkdir()
     err = finished(launch(folder / "two", 2, {**env, "RLVR_TEST_WRITES": str(folder / "writes")}))
     return folder, env, err
@@ -231,8 +244,8 @@ def test_moe_expert_volatility_on_two_processes_equals_one_process(tmp_path):
     process's (the load entropy and the aux loss are each micro-batch's, whose rows the split changes: close)."""
     env = {"RLVR_CACHE": str(tmp_path / "cache"), "RLVR_TEST_ROW_SEEDS": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    for name, processes in (("one", 1), ("two", 2)):
-        finished(launch(tmp_path / name, processes, env, settings=MOE_SETTINGS))
+    one_process(tmp_path / "one", env, MOE_SETTINGS)
+    finished(launch(tmp_path / "two", 2, env, settings=MOE_SETTINGS))
     one, two = (read_jsonl(tmp_path / name / "metrics.jsonl")[1:] for name in ("one", "two"))
     assert len(one) == len(two) == 3
     for a, b in zip(one, two, strict=True):

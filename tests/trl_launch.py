@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 RANK = int(os.environ.get("RANK", "0"))
 
 
-def row_seeded_generate() -> None:
+def row_seeded_generate(patch=setattr) -> None:
+    """Installs the row-seeded draws (``patch``: how to set an attribute; a MonkeyPatch's setattr undoes them)."""
     import torch
     from transformers.generation.utils import GenerationMixin
 
@@ -52,8 +53,8 @@ def row_seeded_generate() -> None:
         width = max(len(r) for r in rows)
         return torch.stack([torch.cat([r, r.new_full((width - len(r),), pad)]) for r in rows])
 
-    trl_backend.RegistryGRPOTrainer._generate_and_score_completions = rollout
-    GenerationMixin.generate = generate
+    patch(trl_backend.RegistryGRPOTrainer, "_generate_and_score_completions", rollout)
+    patch(GenerationMixin, "generate", generate)
 
 
 def record_writes(run_dir: str, log: Path) -> None:
