@@ -142,6 +142,7 @@ def test_ledger_rows_and_files(tmp_path):
     assert "does not hold" in text and "Dr. GRPO" in text and (tmp_path / "ledger.html").exists()
 
 
+@pytest.mark.slow  # every shipped claim read (seconds): make test
 def test_existing_results_only_start_nothing_and_missing_ones_are_no_data(tmp_path):
     """--existing: a sweep's tables from the runs that exist (the ended ones in ``final``, with ``collapsed``); an
     experiment never run gives no tables, and its checks say no data."""

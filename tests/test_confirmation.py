@@ -49,6 +49,7 @@ def test_holm_levels_step_down_and_match_the_adjusted_p():
     assert ((p < 0.05).sum(), (holm(p) < 0.05).sum()) == (3, 2)  # unadjusted, 0.04 would count
 
 
+@pytest.mark.slow  # a 120-run folder analysed (seconds): make test
 def test_verdicts_over_the_policies_with_holm(confirm):
     table, units, _, models = confirmation(confirm, PLAN)
     rows = table.set_index("objective")
@@ -70,6 +71,7 @@ def test_verdicts_over_the_policies_with_holm(confirm):
     assert sorted(rows.loc[["a_obj", "c_obj"], "level"]) == pytest.approx([1 - 0.05 / 2, 1 - 0.05 / 3])
 
 
+@pytest.mark.slow  # a 120-run folder analysed (seconds): make test
 def test_a_comparison_missing_runs_is_incomplete_and_stays_in_the_family(confirm, tmp_path):
     """Without one of a_obj's runs its verdict is 'incomplete' (no verdict on another design than the plan's), and
     the family still counts it: c is tested at 0.05/3 first, as with every comparison there."""
@@ -85,6 +87,7 @@ def test_a_comparison_missing_runs_is_incomplete_and_stays_in_the_family(confirm
     assert rows.loc["c_obj", "level"] == pytest.approx(1 - 0.05 / 3)
 
 
+@pytest.mark.slow  # a 120-run folder analysed (seconds): make test
 def test_the_leaderboard_states_family_correction_replication_and_model(confirm, tmp_path):
     path = write_confirmation(tmp_path / "screen", confirm, PLAN, tmp_path, "stamp line")
     text = path.read_text()

@@ -163,6 +163,7 @@ def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # four warm starts (seconds): make test
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rlvr_cache, tmp_path, monkeypatch,
                                                                              model):

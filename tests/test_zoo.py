@@ -24,6 +24,7 @@ def two_cells(monkeypatch):
     monkeypatch.setattr(zoo, "CELLS", {"quickstart": {}, "offpolicy": {"train.num_minibatches": [4, 16]}})
 
 
+@pytest.mark.slow  # every objective x two cells validated (seconds): make test
 def test_every_registered_objective_each_cell_once(two_cells, monkeypatch):
     monkeypatch.setitem(OBJECTIVES._items, "grpo_copy", OBJECTIVES.get("grpo"))  # registered after the zoo
     objectives = available_objectives()
@@ -104,6 +105,7 @@ def one_cell(monkeypatch, tmp_path):
     return tmp_path, calls
 
 
+@pytest.mark.slow  # three confirmations planned (seconds): make test
 def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
     tmp_path, calls = one_cell
     overrides = [f"results_dir={tmp_path}", "train.steps=2"]
