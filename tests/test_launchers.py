@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.apps.launchers import AdoptedHandle
+from harness.apps.launchers import AdoptedHandle, init_local_ray
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
@@ -68,7 +68,7 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
     folder, reference = local_sweep
     cfg = experiment(folder, tmp_path)
     exp_dir = tmp_path / "launch"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray, num_cpus=2)  # as the launcher starts one: the runs at this process's priority
     try:
         outcome = {}
         sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(cfg, progress=False,
@@ -82,6 +82,8 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
         killed = wait_until(a_run_two_steps_in, timeout=240)
         assert killed is not None, "the Ray sweep made no progress"
         (train,) = processes_with(f"--run-dir {killed}")
+        assert os.getpriority(os.PRIO_PROCESS, train) == os.nice(0)  # not Ray's nice 15, where a run beside any
+        # other work gets a sliver of a core
         worker = int(Path(f"/proc/{train}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
         os.kill(worker, signal.SIGKILL)  # the Ray worker running the task; the run dies with it
         sweep.join(timeout=240)
@@ -205,7 +207,7 @@ def test_launcher_errors_stop_the_sweep_before_any_folder_exists(tmp_path, monke
     if "gpus_per_run" in override:  # a local Ray cluster without GPUs
         import ray
 
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        init_local_ray(ray, num_cpus=1)
     try:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             run_sweep(experiment(tmp_path, tmp_path / "results", override), progress=False, launcher=launcher)

@@ -322,6 +322,15 @@ def _reachable(address: str, timeout: float = 5.0) -> bool:
         return False
 
 
+def init_local_ray(ray, **options) -> None:
+    """Start a local Ray cluster for this process (``options``: ray.init's, e.g. ``num_cpus``) whose workers, and so
+    the runs they start, keep this process's priority. Ray's own default starts its workers at nice 15 (its
+    ``worker_niceness``), below every other process on the machine: beside any other work a run would get a sliver of
+    a core and a sweep would crawl. A cluster the sweep joins (``launcher.address``) keeps its operator's setting."""
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             _system_config={"worker_niceness": os.nice(0)}, **options)
+
+
 class RayHandle:
     def __init__(self, ray, ref):
         self.ray, self.ref, self.error = ray, ref, None
@@ -367,8 +376,10 @@ class RayLauncher:
                 raise ConfigError(f"no Ray cluster answers at launcher.address={address}: start one there "
                                   "(ray start --head), fix the address, or leave it empty for a local Ray cluster")
             try:
-                ray.init(address=address or None, include_dashboard=False if not address else None,
-                         log_to_driver=False, logging_level=logging.ERROR)
+                if address:
+                    ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+                else:
+                    init_local_ray(ray)
             except ConnectionError as e:  # address=auto with no cluster on this machine
                 raise ConfigError(f"no Ray cluster at launcher.address={address}: {str(e).splitlines()[0]}") \
                     from None
