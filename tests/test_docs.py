@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,6 +14,7 @@ from harness.apps import docs
 from harness.run import names
 from harness.run.config import load_experiment
 from tests.helpers.fake_runs import grid_experiment
+from tests.helpers.processes import ROOT
 
 
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
@@ -163,3 +166,35 @@ def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_r
     assert len(rows) == 2 * len(pairs)  # every pair, in both experiments
     stress = {row.split("|")[3].strip(): row.split("|")[-2].strip() for row in rows if "smollm2_transfer" in row}
     assert stress == {" − ".join(pair): "holds" if "ctpo" in pair else "neither separates them" for pair in pairs}
+
+
+@pytest.mark.parametrize("stage", ["screen", "both"])
+def test_with_zoo_screen_writes_the_screens_leaderboard_as_no_verdict(tmp_path, monkeypatch, stage):
+    monkeypatch.setattr(docs, "DOCS", tmp_path)
+    monkeypatch.setattr(names, "DOCS", {})  # the generated tables: tests/test_names.py
+    stages = []
+
+    def zoo(jobs, overrides, progress, stage):  # writes what the zoo's stages write, under the docs' folder
+        stages.append(stage)
+        folder = Path(overrides[0].partition("=")[2]) / "zoo"
+        (folder / "screen").mkdir(parents=True)
+        (folder / "screen" / "leaderboard.md").write_text("# Objective leaderboard: screen\n")
+        if stage == "both":
+            (folder / "confirm").mkdir()
+            (folder / "confirm" / "plan.md").write_text("# plan\n")
+            (folder / "leaderboard.md").write_text("# confirmed\n")
+        return 0
+
+    monkeypatch.setattr(docs, "zoo", zoo)
+    monkeypatch.setattr(docs, "ROOT", tmp_path)  # results/docs/<version>/ under it
+    assert docs.main(with_zoo=stage, skip_main=True, jobs=1) == 0
+    page = (tmp_path / "zoo.md").read_text()
+    assert stages == [stage] and "# Objective leaderboard: screen" in page
+    assert ("The confirmation has not run" in page) == (stage == "screen")
+    assert ("# confirmed" in page) == (stage == "both")
+
+
+@pytest.mark.parametrize("value, flag", [("1", "--with-zoo both"), ("screen", "--with-zoo screen")])
+def test_make_docs_passes_the_zoos_stage(value, flag):
+    done = subprocess.run(["make", "-n", "docs", f"WITH_ZOO={value}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and flag in done.stdout

@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs = sub.add_parser("docs", help="re-run what the docs quote; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true",
                       help="also gsm8k_ablation: docs/results_gsm8k.md (its wall time there)")
-    docs.add_argument("--with-zoo", action="store_true", help="also the zoo's leaderboard: docs/zoo.md")
+    docs.add_argument("--with-zoo", nargs="?", const="both", choices=("screen", "both"),
+                      help="also the zoo's leaderboard, docs/zoo.md: both stages, or the screen alone (screen)")
     docs.add_argument("--with-moe", action="store_true",
                       help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
     docs.add_argument("--with-smollm2", action="store_true",

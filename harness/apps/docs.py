@@ -1,6 +1,6 @@
 """`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
 
-    python -m harness docs [--with-gsm8k] [--with-zoo] [--with-moe] [--with-smollm2] [--skip-main] [--jobs N]
+    python -m harness docs [--with-gsm8k] [--with-zoo [screen|both]] [--with-moe] [--with-smollm2] [--skip-main] [--jobs N]
     # RLVR_CACHE=$(mktemp -d): include the warm start; --skip-main: only the --with-* pages
 
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or
@@ -211,10 +211,17 @@ def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
             f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?', 'replication']])}\n")
 
 
-def zoo_page(results_dir: Path, jobs: int) -> None:
-    """docs/zoo.md: the zoo run (or resumed) into ``results_dir``, its confirmed leaderboard, the plan and the
-    screen's leaderboard."""
-    zoo(jobs=jobs, overrides=[f"results_dir={results_dir}"], progress=False)
+def zoo_page(results_dir: Path, jobs: int, stage: str = "both") -> None:
+    """docs/zoo.md: the zoo run (or resumed) into ``results_dir``; both stages: its confirmed leaderboard, the plan
+    and the screen's leaderboard; ``stage="screen"``: the screen's leaderboard alone, said to be no verdict."""
+    zoo(jobs=jobs, overrides=[f"results_dir={results_dir}"], progress=False, stage=stage)
+    if stage == "screen":
+        atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=screen` writes this page (the zoo's "
+                     "first stage, docs/replicates.md). The confirmation has not run: this screen (one starting "
+                     "policy, 3 seeds) says where to look, not which objective is better; `make docs WITH_ZOO=1` runs "
+                     "both stages and writes the confirmed leaderboard here.\n\n"
+                     + (results_dir / "zoo" / "screen" / "leaderboard.md").read_text())
+        return
     parts = [(results_dir / "zoo" / name).read_text()
              for name in ("leaderboard.md", "confirm/plan.md", "screen/leaderboard.md")]
     atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo in two "
@@ -237,7 +244,7 @@ def smollm2_page(header: str, results_dir: Path, jobs: int) -> None:
                  + claims_section(SMOLLM2_CLAIMS, results_dir, jobs))
 
 
-def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_moe: bool = False,
+def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: str | None = None, with_moe: bool = False,
          skip_main: bool = False, with_smollm2: bool = False) -> int:
     version = code_record()["version"]
     results_dir = ROOT / "results" / "docs" / version
@@ -253,13 +260,13 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: bool = False, with_m
         section = document("gsm8k_ablation", results_dir, jobs)
         atomic_write(DOCS / "results_gsm8k.md", "# gsm8k_ablation, measured\n\n" + header + section)
     if with_zoo:  # the leaderboard carries its own stamp (machine, wall time, load; its runs' code and threads)
-        zoo_page(results_dir, jobs)
+        zoo_page(results_dir, jobs, with_zoo)
     if with_moe:
         section = document("moe_stability", results_dir, jobs) + "\n" + claims_section(MOE_CLAIMS, results_dir, jobs)
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
     if with_smollm2:
         smollm2_page(header, results_dir, jobs)
-    pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", with_zoo),
+    pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", bool(with_zoo)),
              ("results_moe.md", with_moe), ("results_smollm2.md", with_smollm2)]
     print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0
