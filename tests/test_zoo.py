@@ -149,3 +149,27 @@ def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
         with pytest.raises(ConfigError, match="the zoo sets the objectives"):
             zoo.main(overrides=[override], stage="screen")
 
+
+
+def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypatch, tmp_path):
+    """A zoo command run again after a stage ended (the confirmation after the screen, `make docs WITH_ZOO=1` after
+    `STAGE=screen`) must not stamp the stage with the seconds it took to find its runs ended."""
+    cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
+    folder = tmp_path / "zoo" / "screen"
+    clock = iter([0.0, 600.0, 1000.0, 1001.0, 2000.0, 2002.0])
+    monkeypatch.setattr(zoo.time, "perf_counter", lambda: next(clock))
+
+    def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
+        for run in runs:
+            (folder / run_id(run)).mkdir(parents=True, exist_ok=True)
+            (folder / run_id(run) / "summary.json").write_text(json.dumps({"status": "finished"}))
+        return [{"status": "finished"}] * len(runs)
+
+    monkeypatch.setattr(zoo, "run_sweep", run_sweep)
+    _, first = zoo.swept(cfg, runs, 2, False, False)
+    assert "run or resumed in 10.0 min" in first and "had ended before" not in first
+    _, again = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
+    assert again.startswith(first) and "found every run ended" in again
+    (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
+    _, resumed = zoo.swept(cfg, runs, 2, False, False)
+    assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed

@@ -47,7 +47,7 @@ from harness.apps.sweep import run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
-from harness.run.records import ENDED
+from harness.run.records import ENDED, run_status
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
@@ -68,6 +68,7 @@ BASELINE = "grpo"
 # built once into the cache before any run (a warm start that ends outside its band stops the sweep with its error)
 CONFIRM_START_SEEDS = (2, 3, 4)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
+STAMP = "stamp.txt"  # in a stage's folder: the stamp of the command that ran all of its runs (swept)
 
 
 def core_objectives() -> list[str]:
@@ -196,10 +197,23 @@ def stamp(stage: str, entries: list[dict], wall: float, load_before: float, jobs
 
 
 def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
-    """The stage's sweep (run or resumed) and its stamp."""
+    """The stage's sweep (run or resumed) and its stamp. A stage that ran every one of its runs keeps its stamp in
+    STAMP; run again once every run has ended, it gives that stamp back (its wall time is the stage's, not the few
+    seconds of finding the runs ended); resumed part-way, the stamp says how many runs had ended before."""
+    folder = Path(cfg.results_dir) / cfg.name
+    before = sum(run_status(folder / run_id(run)) in ENDED for run in runs)
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow, command="zoo")
-    return entries, stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
+    text = stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
+    kept = folder / STAMP
+    if before == 0:
+        atomic_write(kept, text)
+    elif before == len(runs) and kept.is_file():
+        text = f"{kept.read_text().strip()} (This command found every run ended: the stamp is that of the " \
+               "command that ran them.)"
+    else:
+        text += f" {before} of them had ended before this command (resumed, not rerun: the wall time covers the rest)."
+    return entries, text
 
 
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,
