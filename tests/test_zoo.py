@@ -173,3 +173,11 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
     _, resumed = zoo.swept(cfg, runs, 2, False, False)
     assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed
+
+
+def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):
+    cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
+    monkeypatch.setattr(zoo, "run_sweep", lambda cfg, runs, **kwargs: [{"status": "failed"}] * len(runs))
+    (tmp_path / "zoo" / "screen").mkdir(parents=True)
+    zoo.swept(cfg, runs, 2, False, False)
+    assert not (tmp_path / "zoo" / "screen" / zoo.STAMP).exists()  # its stamp would not be the whole stage's

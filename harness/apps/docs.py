@@ -1,6 +1,7 @@
 """`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
 
-    python -m harness docs [--with-gsm8k] [--with-zoo [screen|both]] [--with-moe] [--with-smollm2] [--skip-main] [--jobs N]
+    python -m harness docs [--with-gsm8k] [--with-zoo [screen|both]] [--with-moe] [--with-smollm2] [--skip-main]
+                           [--jobs N]
     # RLVR_CACHE=$(mktemp -d): include the warm start; --skip-main: only the --with-* pages
 
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or

@@ -197,16 +197,17 @@ def stamp(stage: str, entries: list[dict], wall: float, load_before: float, jobs
 
 
 def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
-    """The stage's sweep (run or resumed) and its stamp. A stage that ran every one of its runs keeps its stamp in
-    STAMP; run again once every run has ended, it gives that stamp back (its wall time is the stage's, not the few
-    seconds of finding the runs ended); resumed part-way, the stamp says how many runs had ended before."""
+    """The stage's sweep (run or resumed) and its stamp. A command that ran every one of a stage's runs to its end
+    keeps its stamp in STAMP; run again once every run has ended, the stage gives that stamp back (its wall time is
+    the stage's, not the seconds of finding the runs ended); resumed part-way, the stamp says how many runs had
+    ended before."""
     folder = Path(cfg.results_dir) / cfg.name
     before = sum(run_status(folder / run_id(run)) in ENDED for run in runs)
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow, command="zoo")
     text = stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
     kept = folder / STAMP
-    if before == 0:
+    if before == 0 and all(e["status"] in ENDED for e in entries):  # a whole stage, measured by this command
         atomic_write(kept, text)
     elif before == len(runs) and kept.is_file():
         text = f"{kept.read_text().strip()} (This command found every run ended: the stamp is that of the " \
