@@ -156,7 +156,7 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     `STAGE=screen`) must not stamp the stage with the seconds it took to find its runs ended."""
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
     folder = tmp_path / "zoo" / "screen"
-    clock = iter([0.0, 600.0, 1000.0, 1001.0, 2000.0, 2002.0])
+    clock = iter([0.0, 600.0, 1000.0, 1001.0, 2000.0, 2002.0, 3000.0, 3001.0])
     monkeypatch.setattr(zoo.time, "perf_counter", lambda: next(clock))
 
     def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
@@ -173,6 +173,8 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
     _, resumed = zoo.swept(cfg, runs, 2, False, False)
     assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed
+    _, fewer = zoo.swept(cfg, runs[1:], 2, False, False)  # other runs than the stamp's (a subset): not its stamp
+    assert "found every run ended" not in fewer and "in 0.0 min" in fewer
 
 
 def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):

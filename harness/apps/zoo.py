@@ -68,7 +68,7 @@ BASELINE = "grpo"
 # built once into the cache before any run (a warm start that ends outside its band stops the sweep with its error)
 CONFIRM_START_SEEDS = (2, 3, 4)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
-STAMP = "stamp.txt"  # in a stage's folder: the stamp of the command that ran all of its runs (swept)
+STAMP = "stamp.json"  # in a stage's folder: the stamp of the command that ran all of its runs, and their ids
 
 
 def core_objectives() -> list[str]:
@@ -196,6 +196,15 @@ def stamp(stage: str, entries: list[dict], wall: float, load_before: float, jobs
             f"{machine(jobs)}.")
 
 
+def read_stamp(path: Path, ids: list[str]) -> str | None:
+    """The stamp kept at ``path`` by the command that ran exactly the runs ``ids`` (None: none, or other runs')."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return kept.get("stamp") if isinstance(kept, dict) and kept.get("runs") == ids else None
+
+
 def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
     """The stage's sweep (run or resumed) and its stamp. A command that ran every one of a stage's runs to its end
     keeps its stamp in STAMP; run again once every run has ended, the stage gives that stamp back (its wall time is
@@ -206,13 +215,12 @@ def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, al
     load_before, start = os.getloadavg()[0], time.perf_counter()
     entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow, command="zoo")
     text = stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
-    kept = folder / STAMP
+    kept, ids = folder / STAMP, sorted(run_id(run) for run in runs)
     if before == 0 and all(e["status"] in ENDED for e in entries):  # a whole stage, measured by this command
-        atomic_write(kept, text)
-    elif before == len(runs) and kept.is_file():
-        text = f"{kept.read_text().strip()} (This command found every run ended: the stamp is that of the " \
-               "command that ran them.)"
-    else:
+        atomic_write(kept, json.dumps({"runs": ids, "stamp": text}))
+    elif before == len(runs) and (earlier := read_stamp(kept, ids)):
+        text = f"{earlier} (This command found every run ended: the stamp is that of the command that ran them.)"
+    elif before:
         text += f" {before} of them had ended before this command (resumed, not rerun: the wall time covers the rest)."
     return entries, text
 
