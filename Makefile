@@ -82,8 +82,8 @@ list:  ## objectives (hyperparameters), advantages, tasks, experiments
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
-docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md; WITH_ZOO=screen: its first stage alone), WITH_MOE=1 moe_stability (docs/results_moe.md), WITH_SMOLLM2=1 smollm2_rl and smollm2_transfer (docs/results_smollm2.md, ~4 h); SKIP_MAIN=1: only those
-	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo $(if $(filter screen,$(WITH_ZOO)),screen,both)) $(if $(WITH_MOE),--with-moe) $(if $(WITH_SMOLLM2),--with-smollm2) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
+docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md; WITH_ZOO=screen: its first stage alone), WITH_MOE=1 moe_stability (docs/results_moe.md), WITH_SMOLLM2=1 smollm2_rl and smollm2_transfer (docs/results_smollm2.md; WITH_SMOLLM2=rl: smollm2_rl alone); SKIP_MAIN=1: only those
+	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo $(if $(filter screen,$(WITH_ZOO)),screen,both)) $(if $(WITH_MOE),--with-moe) $(if $(WITH_SMOLLM2),--with-smollm2 $(if $(filter rl,$(WITH_SMOLLM2)),rl,both)) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site

@@ -128,9 +128,11 @@ def test_a_tiny_model_finding_holds_only_when_both_intervals_exclude_0_on_one_si
 
 
 @pytest.mark.slow
-def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage", ["both", "rl"])
+def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_runs(tmp_path, monkeypatch, stage):
     """The tiny model's cells are swept into their own folders with the SmolLM2 experiments' objectives; the table
-    pairs each SmolLM2 experiment with its cell, per pair of objectives (differences oriented A − B by name)."""
+    pairs each SmolLM2 experiment with its cell, per pair of objectives (differences oriented A − B by name). Stage
+    ``rl``: smollm2_rl alone (its cell, rows and claim), smollm2_transfer said not to have run."""
     results = tmp_path / "results"
     monkeypatch.setattr(docs, "DOCS", tmp_path)
     monkeypatch.setattr(docs, "ROOT", tmp_path)
@@ -154,15 +156,22 @@ def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_r
     monkeypatch.setattr(docs, "gain_table", lambda exp_dir: f"gains of {exp_dir.name}")
     monkeypatch.setattr(docs, "claims_section", lambda names, results_dir, jobs: f"claims {', '.join(names)}\n")
     monkeypatch.setattr(docs.names, "write_docs", lambda: [])
-    assert docs.main(with_smollm2=True, skip_main=True, jobs=1) == 0
+    assert docs.main(with_smollm2=stage, skip_main=True, jobs=1) == 0
     page = (tmp_path / "results_smollm2.md").read_text()
-    assert "## smollm2_rl\n" in page and "gains of smollm2_transfer" in page and "pairs of smollm2_rl" in page
-    assert f"claims {', '.join(docs.SMOLLM2_CLAIMS)}" in page
+    assert "## smollm2_rl\n" in page and "pairs of smollm2_rl" in page
+    rows = [line for line in page.splitlines() if line.startswith("| smollm2")]
+    pairs = list(itertools.combinations(sorted(objectives), 2))
+    if stage == "rl":
+        assert "gains of smollm2_transfer" not in page and "Not run at this code version: smollm2_transfer" in page
+        assert "claims ctpo_outperforms_smollm2\n" in page
+        assert [s[:2] for s in swept] == [("transfer_tiny_base", list(objectives))]
+        assert len(rows) == len(pairs) and all("smollm2_rl" in row for row in rows)
+        return
+    assert "gains of smollm2_transfer" in page and "Not run" not in page
+    assert f"claims {', '.join(c for claims in docs.SMOLLM2_CLAIMS.values() for c in claims)}\n" in page
     assert [s[:2] for s in swept] == [("transfer_tiny_base", list(objectives)),
                                       ("transfer_tiny_stress", list(objectives))]
     assert swept[1][2]["train.num_minibatches"] == [8]
-    rows = [line for line in page.splitlines() if line.startswith("| smollm2")]
-    pairs = list(itertools.combinations(sorted(objectives), 2))
     assert len(rows) == 2 * len(pairs)  # every pair, in both experiments
     stress = {row.split("|")[3].strip(): row.split("|")[-2].strip() for row in rows if "smollm2_transfer" in row}
     assert stress == {" − ".join(pair): "holds" if "ctpo" in pair else "neither separates them" for pair in pairs}
@@ -194,7 +203,9 @@ def test_with_zoo_screen_writes_the_screens_leaderboard_as_no_verdict(tmp_path, 
     assert ("# confirmed" in page) == (stage == "both")
 
 
-@pytest.mark.parametrize("value, flag", [("1", "--with-zoo both"), ("screen", "--with-zoo screen")])
-def test_make_docs_passes_the_zoos_stage(value, flag):
-    done = subprocess.run(["make", "-n", "docs", f"WITH_ZOO={value}"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("variable, value, flag", [
+    ("WITH_ZOO", "1", "--with-zoo both"), ("WITH_ZOO", "screen", "--with-zoo screen"),
+    ("WITH_SMOLLM2", "1", "--with-smollm2 both"), ("WITH_SMOLLM2", "rl", "--with-smollm2 rl")])
+def test_make_docs_passes_the_zoos_and_smollm2s_stage(variable, value, flag):
+    done = subprocess.run(["make", "-n", "docs", f"{variable}={value}"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and flag in done.stdout

@@ -407,8 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also the zoo's leaderboard, docs/zoo.md: both stages, or the screen alone (screen)")
     docs.add_argument("--with-moe", action="store_true",
                       help="also moe_stability and the MoE claims: docs/results_moe.md (its wall time there)")
-    docs.add_argument("--with-smollm2", action="store_true",
-                      help="also smollm2_rl, smollm2_transfer: docs/results_smollm2.md (its wall time there)")
+    docs.add_argument("--with-smollm2", nargs="?", const="both", choices=("rl", "both"),
+                      help="also smollm2_rl and smollm2_transfer, or smollm2_rl alone (rl): docs/results_smollm2.md "
+                           "(its wall time there)")
     docs.add_argument("--skip-main", action="store_true", help="only the --with-* pages, not docs/results.md")
     docs.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     worker = sub.add_parser("worker", help="a local sweep's process that trains its runs one after another, told "

@@ -1,15 +1,15 @@
 """`make docs`: re-run the experiments the README quotes on the current code and rewrite what it shows.
 
-    python -m harness docs [--with-gsm8k] [--with-zoo [screen|both]] [--with-moe] [--with-smollm2] [--skip-main]
-                           [--jobs N]
+    python -m harness docs [--with-gsm8k] [--with-zoo [screen|both]] [--with-moe] [--with-smollm2 [rl|both]]
+                           [--skip-main] [--jobs N]
     # RLVR_CACHE=$(mktemp -d): include the warm start; --skip-main: only the --with-* pages
 
 Each experiment is swept into ``results/docs/<code version>/`` (harness/run/provenance.py: other code, a new commit or
 other uncommitted changes, re-runs everything; the same code resumes), its report is written, its figures are copied
 into ``docs/`` and its tables into ``docs/results.md`` (``docs/results_gsm8k.md`` for gsm8k_ablation; ``docs/zoo.md``:
 the zoo's leaderboard; ``docs/results_moe.md``: moe_stability and the Mixture-of-Experts claims checked on its runs
-and on lab_moe; ``docs/results_smollm2.md``: smollm2_rl and smollm2_transfer, each one's gain over its start, the
-tiny model's matching cells and the transfer table, and the SmolLM2 claims; always the generated tables of docs/trl.md
+and on lab_moe; ``docs/results_smollm2.md``: smollm2_rl and smollm2_transfer (``rl``: smollm2_rl alone), each one's
+gain over its start, the tiny model's matching cells and the transfer table, and the SmolLM2 claims; always the generated tables of docs/trl.md
 and README.md, harness/run/names.py), stamped with the code, the date, the machine (CPU, cores, load before and after),
 the wall time of each sweep, and each experiment's runs' own code versions and torch threads (their summary.json's
 records).
@@ -59,9 +59,12 @@ MOE_CLAIMS = ("moe_expert_volatility", "moe_routing_replay", "moe_ratio_spread")
 MECHANICS = ("clip_frac", "ratio_std", "kl_behavior", "entropy", "grad_norm", "completion_len_mean")
 # each SmolLM2 experiment and the tiny model's cell it transfers: (experiment, overrides); the tiny runs go into a
 # folder of their own (name=...), apart from the main page's quickstart and any other offpolicy cells
-SMOLLM2_CLAIMS = ("ctpo_outperforms_smollm2", "gspo_clips_more_smollm2", "gspo_stable_offpolicy_smollm2")
 SMOLLM2 = {"smollm2_rl": ("quickstart", ["name=transfer_tiny_base"]),
            "smollm2_transfer": ("offpolicy", ["name=transfer_tiny_stress", "sweep.grid.train.num_minibatches=[8]"])}
+# each SmolLM2 experiment's claims (experiments/claims/), checked on its runs
+SMOLLM2_CLAIMS = {"smollm2_rl": ("ctpo_outperforms_smollm2",),
+                  "smollm2_transfer": ("gspo_clips_more_smollm2", "gspo_stable_offpolicy_smollm2")}
+SMOLLM2_STAGES = {"rl": ("smollm2_rl",), "both": tuple(SMOLLM2)}  # --with-smollm2's choices: the experiments each runs
 
 
 def mechanics_table(exp_dir: Path) -> str:
@@ -145,11 +148,13 @@ def transfer_verdict(tiny: tuple[float, float, float], smol: tuple[float, float,
     return "holds" if side(smol) == side(tiny) else "does not hold: SmolLM2 reverses it"
 
 
-def transfer_section(results_dir: Path, jobs: int) -> str:
-    """Per SmolLM2 experiment, the tiny model's runs of the matching cell (same objectives; run here), and per pair
-    of objectives both models' paired difference of final accuracy and whether the tiny model's finding holds."""
+def transfer_section(results_dir: Path, jobs: int, experiments: tuple[str, ...] = tuple(SMOLLM2)) -> str:
+    """Per SmolLM2 experiment of ``experiments``, the tiny model's runs of the matching cell (same objectives; run
+    here), and per pair of objectives both models' paired difference of final accuracy and whether the tiny model's
+    finding holds."""
     rows = []
-    for name, (tiny_name, overrides) in SMOLLM2.items():
+    for name in experiments:
+        tiny_name, overrides = SMOLLM2[name]
         objectives = list(load_experiment(name, []).sweep.grid["objective.name"])
         cfg = load_experiment(tiny_name, [f"results_dir={results_dir}",
                                           f"sweep.grid.objective.name=[{','.join(objectives)}]", *overrides])
@@ -231,28 +236,34 @@ def zoo_page(results_dir: Path, jobs: int, stage: str = "both") -> None:
                  + "\n".join(re.sub(r"^#", "##", part, flags=re.M) for part in parts[1:]))
 
 
-def smollm2_page(header: str, results_dir: Path, jobs: int) -> None:
-    """docs/results_smollm2.md: smollm2_rl and smollm2_transfer (each with its gain over the start and the paired
-    differences between objectives), then the transfer table and the SmolLM2 claims checked on these runs."""
+def smollm2_page(header: str, results_dir: Path, jobs: int, stage: str = "both") -> None:
+    """docs/results_smollm2.md: the experiments of SMOLLM2_STAGES[stage] (each with its gain over the start and the
+    paired differences between objectives), then their transfer table and the SmolLM2 claims checked on their runs;
+    an experiment the stage leaves out is said not to have run."""
+    experiments = SMOLLM2_STAGES[stage]
+    left_out = [name for name in SMOLLM2 if name not in experiments]
+    if left_out:
+        header += (f"Not run at this code version: {', '.join(left_out)} (its sections, transfer rows and claims; "
+                   "`make docs WITH_SMOLLM2=1 SKIP_MAIN=1` runs every SmolLM2 experiment).\n\n")
     sections = []
-    for name in SMOLLM2:
+    for name in experiments:
         section = document(name, results_dir, jobs)  # sweeps it and writes its report
         pairs = (results_dir / name / "report" / "paired.md").read_text()
         sections.append(f"{section}\n### Gain over the start\n\n{gain_table(results_dir / name)}\n\n"
                         f"### Paired differences between objectives\n\n{pairs}")
     atomic_write(DOCS / "results_smollm2.md", "# SmolLM2-135M-Instruct under RL, measured\n\n" + header
-                 + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs) + "\n"
-                 + claims_section(SMOLLM2_CLAIMS, results_dir, jobs))
+                 + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs, experiments) + "\n"
+                 + claims_section(tuple(c for name in experiments for c in SMOLLM2_CLAIMS[name]), results_dir, jobs))
 
 
 def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: str | None = None, with_moe: bool = False,
-         skip_main: bool = False, with_smollm2: bool = False) -> int:
+         skip_main: bool = False, with_smollm2: str | None = None) -> int:
     version = code_record()["version"]
     results_dir = ROOT / "results" / "docs" / version
     header = (f"Generated by `make docs` with code {version} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.\n"
               f"Machine: {machine(jobs)}. Cache: {os.environ.get('RLVR_CACHE') or '~/.cache/rlvr-harness'}.\n"
               "Do not edit by hand: run `make docs` (add `WITH_GSM8K=1` for gsm8k_ablation; `WITH_MOE=1` for "
-              "moe_stability; `WITH_SMOLLM2=1` for smollm2_rl and smollm2_transfer, the longest; `SKIP_MAIN=1`: only "
+              "moe_stability; `WITH_SMOLLM2=1` for smollm2_rl and smollm2_transfer (`WITH_SMOLLM2=rl`: smollm2_rl alone), the longest; `SKIP_MAIN=1`: only "
               "those pages).\n\n")
     tables = names.write_docs()  # the generated tables of docs/trl.md and README.md (harness/run/names.py)
     if not skip_main:
@@ -266,9 +277,9 @@ def main(with_gsm8k: bool = False, jobs: int = 2, with_zoo: str | None = None, w
         section = document("moe_stability", results_dir, jobs) + "\n" + claims_section(MOE_CLAIMS, results_dir, jobs)
         atomic_write(DOCS / "results_moe.md", "# moe_stability, measured\n\n" + header + section)
     if with_smollm2:
-        smollm2_page(header, results_dir, jobs)
+        smollm2_page(header, results_dir, jobs, with_smollm2)
     pages = [("results.md", not skip_main), ("results_gsm8k.md", with_gsm8k), ("zoo.md", bool(with_zoo)),
-             ("results_moe.md", with_moe), ("results_smollm2.md", with_smollm2)]
+             ("results_moe.md", with_moe), ("results_smollm2.md", bool(with_smollm2))]
     print("wrote " + ", ".join([str(DOCS / page) for page, written in pages if written] + [str(p) for p in tables]))
     return 0
 
