@@ -307,3 +307,92 @@ def test_a_run_gives_back_what_its_warm_start_freed(monkeypatch):
     (run,) = run_configs(load_experiment("quickstart", [*tiny, *no_warm_start]))
     build.build_policy(run, build.build_task(run), torch.device("cpu"))
     assert calls == ["warm", "release"]  # no warm start: nothing to give back
+
+
+class _Runner:
+    """Stands in for a launcher: each started job ends after two polls with status 0, or after one with its status
+    in ``codes``."""
+
+    name = "stand-in"
+
+    def __init__(self, codes=None):
+        self.started, self.stopped, self.active, self.most = [], [], set(), 0
+        self.codes = codes or {}
+
+    def threads(self, jobs):
+        return 1
+
+    def adopt(self, name):
+        return None
+
+    def start(self, args, log, name):
+        runner, polls = self, []
+        self.started.append(args[1])
+        self.active.add(name)
+        self.most = max(self.most, len(self.active))
+
+        class Handle:
+            error = None
+
+            def poll(self):
+                polls.append(1)
+                code = runner.codes.get(args[1], 0)
+                if len(polls) < (1 if code else 2):
+                    return None
+                runner.active.discard(name)
+                return code
+
+            def stop(self):
+                runner.stopped.append(args[1])
+
+        return Handle()
+
+
+def test_starting_policies_are_prepared_side_by_side_each_once_and_a_failure_stops_the_others(tmp_path, monkeypatch):
+    """prepare_through: one job per distinct starting policy (the first run's config), at most ``at_once`` at a time;
+    a failed one stops those still running and raises with its log."""
+    from harness.apps import sweep
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    runs = run_configs(load_experiment("quickstart", ["sweep.grid.seed=[0,1]", "sweep.grid.model.seed=[2,3,4]",
+                                                      "model.warm_start_steps=5"]))
+    pending = [(run, tmp_path / f"run{i}") for i, run in enumerate(runs)]
+    assert sweep.distinct_policies(runs) == 3
+    runner = _Runner()
+    sweep.prepare_through(pending, runner, progress=False, at_once=2)
+    firsts = {}
+    for run, run_dir in pending:
+        firsts.setdefault(run.model.seed, str(run_dir / "config.yaml"))
+    assert runner.started == list(firsts.values()) and runner.most == 2
+    failing = _Runner({firsts[3]: 1})
+    with pytest.raises(RuntimeError, match="preparing the starting policy failed .exit 1"):
+        sweep.prepare_through(pending, failing, progress=False, at_once=3)
+    assert failing.stopped == [firsts[2], firsts[4]]  # the others, still running when it failed
+
+
+@pytest.mark.slow
+def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path):
+    """With two jobs and two starting policies the local sweep prepares them in two processes at once; each cached
+    policy is the one the sweep's own process builds (a warm start trains on one thread whatever the process)."""
+    from harness.loop.build import build_policy, build_task
+
+    env = {**os.environ, "RLVR_CACHE": str(tmp_path / "side_by_side")}
+    settings = [*TINY_RUN, "train.steps=1", "model.warm_start_steps=3", "model.warm_start_target=null",
+                "sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "sweep.grid.model.seed=[2,3]"]
+    done = subprocess.run([sys.executable, "-m", "harness", "sweep", "quickstart", *settings,
+                           f"results_dir={tmp_path / 'results'}", "--jobs", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "results" / "quickstart").glob("*/train.log"))
+    assert logs.count("starting policy: building it once") == 2  # each in a run's log: a process of its own
+    built = sorted((tmp_path / "side_by_side" / "warm_start").glob("*.safetensors"))
+    assert len(built) == 2
+    os.environ["RLVR_CACHE"], saved = str(tmp_path / "here"), os.environ.get("RLVR_CACHE")
+    try:
+        for run in run_configs(load_experiment("quickstart", settings)):
+            build_policy(run, build_task(run), torch.device("cpu"))
+    finally:
+        os.environ.pop("RLVR_CACHE") if saved is None else os.environ.__setitem__("RLVR_CACHE", saved)
+    here = sorted((tmp_path / "here" / "warm_start").glob("*.safetensors"))
+    assert [p.name for p in here] == [p.name for p in built]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(here, built, strict=True))

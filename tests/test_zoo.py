@@ -15,6 +15,7 @@ from harness.apps.cli import main as cli_main
 from harness.run.config import run_id
 from harness.run.errors import ConfigError
 from objectives import OBJECTIVES, available_objectives
+from tests.helpers.tiny import TINY_SPEC
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,9 +131,10 @@ def test_no_plan_from_a_screen_that_did_not_end(one_cell):
 
 
 @pytest.mark.parametrize("stage, ran", [("screen", ["screen"]), ("confirm", ["confirm"]),
-                                        ("both", ["screen", "confirm"])])
+                                        ("both", ["prepare", "screen", "confirm"])])
 def test_a_stage_runs_alone_or_both_in_order(stage, ran, monkeypatch, tmp_path):
     done = []
+    monkeypatch.setattr(zoo, "prepare_policies", lambda *a: done.append("prepare"))
     monkeypatch.setattr(zoo, "swept", lambda cfg, *a: (done.append("screen"), ([], "stamp"))[1])
     monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
     monkeypatch.setattr(zoo, "confirm", lambda *a: done.append("confirm") or 0)
@@ -183,3 +185,21 @@ def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):
     (tmp_path / "zoo" / "screen").mkdir(parents=True)
     zoo.swept(cfg, runs, 2, False, False)
     assert not (tmp_path / "zoo" / "screen" / zoo.STAMP).exists()  # its stamp would not be the whole stage's
+
+
+@pytest.mark.slow  # four tiny warm starts, two processes at a time (~30 s)
+def test_both_stages_starting_policies_are_built_before_the_screen_side_by_side(monkeypatch, tmp_path):
+    """`make zoo` builds the screen's and the confirmation's starting policies before the screen's first run, each
+    in a process of its own (its config and log under results/zoo/prepare/), into the cache the runs load from."""
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    overrides = [f"results_dir={tmp_path}", "model.warm_start_steps=3", "model.warm_start_target=null",
+                 *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
+    _, runs = zoo.zoo_runs(1, overrides, ["grpo"])
+    zoo.prepare_policies(runs, overrides, 2, progress=False)
+    seeds = [1, *zoo.CONFIRM_START_SEEDS]
+    logs = {seed: (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log").read_text() for seed in seeds}
+    assert all("starting policy: building it once" in log for log in logs.values())
+    assert len(list((tmp_path / "cache" / "warm_start").glob("*.safetensors"))) == len(seeds)
+    zoo.prepare_policies(runs, overrides, 2, progress=False)  # again: each loaded from the cache
+    assert all("starting policy: loaded" in (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log"
+                                             ).read_text() for seed in seeds)

@@ -95,29 +95,47 @@ def _policy_key(run: DictConfig) -> str:
     return json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])), sort_keys=True)
 
 
-def prepare_remotely(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool) -> None:
+def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool, at_once: int) -> None:
     """Build each distinct warm-started starting policy once through ``runner`` (``python -m harness prepare
-    <run config>``, logged in that run's train.log) and wait for it, before the runs start, so that every run of the
-    sweep loads the same cached policy ($RLVR_CACHE on a shared file system) instead of training its own."""
+    <run config>``, logged in that run's train.log), ``at_once`` of them at a time, and wait for all of them before
+    the runs start, so that every run of the sweep loads the same cached policy ($RLVR_CACHE on a shared file system)
+    instead of training its own. A warm start trains on one thread whatever the process's count
+    (harness/policy/warm_start.py), so the policies built side by side are those built one after another. The first
+    that fails stops the others and raises."""
     first = {}
     for run, run_dir in pending:
         if run.model.warm_start_steps:
             first.setdefault(_policy_key(run), run_dir)
-    for run_dir in first.values():
-        if progress:
-            tqdm.write(f"preparing the starting policy through --launcher {runner.name} (log: {run_dir / 'train.log'})")
-        name = f"prepare-{run_dir.name}"
-        handle = runner.adopt(name) or runner.start(["prepare", str(run_dir / "config.yaml"), "--threads",
-                                                     str(runner.threads(1))], run_dir / "train.log", name)
-        try:
-            while (code := handle.poll()) is None:
+    waiting, active = list(first.values()), {}
+    try:
+        while waiting or active:
+            while waiting and len(active) < at_once:
+                run_dir = waiting.pop(0)
+                if progress:
+                    tqdm.write(f"preparing a starting policy through --launcher {runner.name} "
+                               f"(log: {run_dir / 'train.log'})")
+                name = f"prepare-{run_dir.name}"
+                active[run_dir] = runner.adopt(name) or runner.start(
+                    ["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(at_once))],
+                    run_dir / "train.log", name)
+            ended = {run_dir: code for run_dir, handle in active.items() if (code := handle.poll()) is not None}
+            for run_dir, code in ended.items():
+                handle = active.pop(run_dir)
+                if code:
+                    raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
+                                       f"{handle.error or _error(run_dir) or 'no output'}; log in "
+                                       f"{run_dir / 'train.log'}")
+            if active and not ended:
                 time.sleep(1.0)
-        except BaseException:
+    except BaseException:
+        for handle in active.values():
             handle.stop()
-            raise
-        if code:
-            raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
-                               f"{handle.error or _error(run_dir) or 'no output'}; log in {run_dir / 'train.log'}")
+        raise
+
+
+def distinct_policies(runs: list[DictConfig]) -> int:
+    """How many warm-started starting policies ``runs`` start from."""
+    return len({_policy_key(run) for run in runs if run.model.warm_start_steps})
 
 
 def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, launcher: str = "local",
@@ -187,10 +205,10 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
-    if runner.name == "local":
+    if runner.name == "local" and (jobs < 2 or distinct_policies([run for run, _ in pending]) < 2):
         prepare_starting_policies([run for run, _ in pending], progress)
-    else:  # on the cluster, as a job: the runs' nodes may differ from this one (a login node)
-        prepare_remotely(pending, runner, progress)
+    else:  # several side by side, each a process; on a cluster as jobs (the runs' nodes may not be this one)
+        prepare_through(pending, runner, progress, jobs)
     threads = runner.threads(jobs)
     sweep_bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=f"sweep {cfg.name}",
                      unit="run", disable=not progress, position=0)

@@ -9,6 +9,7 @@ the leaderboard (docs/replicates.md explains the design).
                                the runs the plan names
         results/zoo/leaderboard.md, .html, .csv: per objective confirmed above / confirmed below / not confirmed /
                                not tested, with the family, its correction and the replication
+        results/zoo/prepare/   both stages: each starting policy's config and build log (``prepare_policies``)
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
 next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed
@@ -34,7 +35,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from analysis.confirmation import write_confirmation
 from analysis.leaderboard import leaderboard, write_leaderboard
@@ -42,8 +43,9 @@ from analysis.load import load_experiment as load_results
 from analysis.report import build_report
 from analysis.stats import LEVEL, num
 from analysis.verdict import ALPHA
+from harness.apps.launchers import LocalLauncher
 from harness.apps.stamp import machine
-from harness.apps.sweep import run_sweep
+from harness.apps.sweep import prepare_through, run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -243,6 +245,8 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     if stage in ("screen", "both"):
         cfg, runs = zoo_runs(seeds, overrides, objectives)
         screen = Path(cfg.results_dir) / cfg.name
+        if stage == "both" and not screen_ended(screen):
+            prepare_policies(runs, overrides, jobs, progress)
         print(f"zoo screen: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds "
               f"x {len(CELLS)} regime cells) into {screen}, {jobs} at a time", file=sys.stderr)
         entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
@@ -255,6 +259,24 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     if stage in ("confirm", "both") and status == 0:
         status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change)
     return status
+
+
+def prepare_policies(screen_runs: list[DictConfig], overrides: list[str], jobs: int, progress: bool) -> None:
+    """Both stages' starting policies (the screen's and CONFIRM_START_SEEDS', which do not depend on the screen's
+    findings) built before the screen's first run, ``jobs`` side by side, each a process of its own (a warm start
+    trains on one thread: harness/policy/warm_start.py), into the cache every run loads them from. Each policy's
+    config and build log: results/zoo/prepare/model_seed_<N>/. A cached policy is loaded, not built again."""
+    _, confirm_runs = stage_runs("confirm", overrides, [BASELINE], [0], list(CONFIRM_START_SEEDS))
+    first: dict[int, DictConfig] = {}
+    for run in [*screen_runs, *confirm_runs]:
+        first.setdefault(int(run.model.seed), run)
+    pending = []
+    for seed, run in first.items():
+        folder = Path(run.results_dir) / "prepare" / f"model_seed_{seed}"  # results_dir: the zoo's folder
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "config.yaml", OmegaConf.to_yaml(run))
+        pending.append((run, folder))
+    prepare_through(pending, LocalLauncher(), progress, jobs)
 
 
 def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
