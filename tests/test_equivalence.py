@@ -57,3 +57,16 @@ def test_run_equals_its_golden(name, warm_start_cache, tmp_path):
                                              and found[key][first].get(k) != v}
             pytest.fail(f"{name}: {key} differ (row {first}; found, golden: {diff})")
     assert found == want
+
+
+def test_a_golden_holds_only_for_the_cpu_it_was_made_on():
+    """Two CPUs with the same vector instructions can round otherwise (an AMD EPYC and a Xeon, both AVX512): an entry
+    is used on its own CPU, or, for the first entries that name only a vendor, on that vendor's CPUs."""
+    libs = {"torch": "t", "cpu_capability": "AVX512"}
+    intel, amd = {**libs, "cpu": "GenuineIntel"}, {**libs, "cpu": "AuthenticAMD family 26 model 2"}
+    goldens = [{"build": intel, "runs": {"a": 1}}, {"build": amd, "runs": {"b": 2}}]
+    assert build_entry(goldens, {**libs, "cpu": "GenuineIntel family 6 model 143"})["runs"] == {"a": 1}
+    assert build_entry(goldens, {**libs, "cpu": "AuthenticAMD family 26 model 2"})["runs"] == {"b": 2}
+    assert build_entry(goldens, {**libs, "cpu": "AuthenticAMD family 25 model 17"})["runs"] == {}
+    assert build_entry(goldens, {**libs, "cpu_capability": "AVX2", "cpu": "GenuineIntel family 6"})["runs"] == {}
+    assert build_entry(goldens, {**libs, "cpu": "GenuineIntelX family 6 model 1"})["runs"] == {}

@@ -9,8 +9,9 @@ torch thread, every setting written out (never ``threads=0``: it follows the mac
 every metrics.jsonl value except time and memory (:data:`TIMING_METRICS`), every eval sample, and a digest of the
 final weights (a lab: its table and position rows and a digest of its gradient sketches).
 
-tests/test_equivalence.py reruns them and requires exact float equality. Float results depend on the CPU's
-instruction set and on the torch / transformers / trl builds, so the file holds one entry per build (:func:`build`):
+tests/test_equivalence.py reruns them and requires exact float equality. Float results depend on the CPU (its
+instruction set, and its make: an AMD EPYC and a Xeon, both AVX512, round otherwise) and on the torch / transformers /
+trl builds, so the file holds one entry per build (:func:`build`):
 ``{"goldens": [{"build": {...}, "runs": {...}}, ...]}``; the test uses the entry of the build it runs on and skips,
 naming the builds it has, on another: add that build's entry from a commit you trust
 (``git worktree add /tmp/base <commit>`` and run this module there with ``PYTHONPATH=/tmp/base``, then copy
@@ -83,13 +84,24 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 
 
 def build() -> dict:
-    """What the floats depend on besides the code: the libraries and the CPU's vector instructions."""
+    """What the floats depend on besides the code: the libraries, the CPU's vector instructions and the CPU itself
+    (two CPUs with the same instructions can round otherwise: their BLAS kernels differ)."""
     import transformers
     import trl
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "cpu": cpu()}
+
+
+def cpu() -> str:
+    """The CPU's vendor, family and model (Linux's /proc/cpuinfo; elsewhere platform.processor())."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return platform.processor()
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{fields.get('vendor_id', '')} family {fields.get('cpu family', '')} model {fields.get('model', '')}"
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -147,8 +159,14 @@ def load_goldens() -> list[dict]:
 
 
 def build_entry(goldens: list[dict], here: dict) -> dict:
-    """The entry made on the build ``here`` (an empty one when there is none)."""
-    return next((g for g in goldens if g["build"] == here), {"build": here, "runs": {}})
+    """The entry made on the build ``here`` (an empty one when there is none). An entry whose ``cpu`` names only a
+    vendor (the first entries, made on Intel Xeons before the CPU was recorded) holds for that vendor's CPUs."""
+    def same(made: dict) -> bool:
+        rest = {k: v for k, v in made.items() if k != "cpu"}
+        return rest == {k: v for k, v in here.items() if k != "cpu"} and \
+            (here.get("cpu", "") == made.get("cpu") or here.get("cpu", "").startswith(f"{made.get('cpu')} family"))
+
+    return next((g for g in goldens if same(g["build"])), {"build": here, "runs": {}})
 
 
 def fresh_cache() -> tempfile.TemporaryDirectory:
