@@ -107,6 +107,7 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         if run.model.warm_start_steps:
             first.setdefault(_policy_key(run), run_dir)
     waiting, active = list(first.values()), {}
+    threads = runner.threads(at_once) if waiting else 0  # once: the jobs started here would count as other load
     try:
         while waiting or active:
             while waiting and len(active) < at_once:
@@ -116,7 +117,7 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
                                f"(log: {run_dir / 'train.log'})")
                 name = f"prepare-{run_dir.name}"
                 active[run_dir] = runner.adopt(name) or runner.start(
-                    ["prepare", str(run_dir / "config.yaml"), "--threads", str(runner.threads(at_once))],
+                    ["prepare", str(run_dir / "config.yaml"), "--threads", str(threads)],
                     run_dir / "train.log", name)
             ended = {run_dir: code for run_dir, handle in active.items() if (code := handle.poll()) is not None}
             for run_dir, code in ended.items():
