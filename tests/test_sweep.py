@@ -371,7 +371,8 @@ def test_starting_policies_are_prepared_side_by_side_each_once_and_a_failure_sto
 
 
 @pytest.mark.slow
-def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path):
+def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path,
+                                                                                                    monkeypatch):
     """With two jobs and two starting policies the local sweep prepares them in two processes at once; each cached
     policy is the one the sweep's own process builds (a warm start trains on one thread whatever the process)."""
     from harness.loop.build import build_policy, build_task
@@ -387,12 +388,9 @@ def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_af
     assert logs.count("starting policy: building it once") == 2  # each in a run's log: a process of its own
     built = sorted((tmp_path / "side_by_side" / "warm_start").glob("*.safetensors"))
     assert len(built) == 2
-    os.environ["RLVR_CACHE"], saved = str(tmp_path / "here"), os.environ.get("RLVR_CACHE")
-    try:
-        for run in run_configs(load_experiment("quickstart", settings)):
-            build_policy(run, build_task(run), torch.device("cpu"))
-    finally:
-        os.environ.pop("RLVR_CACHE") if saved is None else os.environ.__setitem__("RLVR_CACHE", saved)
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "here"))  # the same policies, built in this process
+    for run in run_configs(load_experiment("quickstart", settings)):
+        build_policy(run, build_task(run), torch.device("cpu"))
     here = sorted((tmp_path / "here" / "warm_start").glob("*.safetensors"))
     assert [p.name for p in here] == [p.name for p in built]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(here, built, strict=True))
