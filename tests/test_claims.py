@@ -1,6 +1,8 @@
 """The claims ledger (harness/apps/claims.py): every shipped claim file parses and names an existing experiment; the
 checks' verdicts on small tables whose answer is known by hand."""
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -45,7 +47,7 @@ def test_long_claims_run_when_named_or_asked_for_and_the_smollm2_ones_run_their_
     assert not long & {c.name for c in default}
     assert {c.name for c in default} | long == {c.name for c in every}
     (named,) = load_claims(["gspo_stable_offpolicy_smollm2"])
-    assert named.long and named.design == ((), None)
+    assert named.long and named.design == (0, None)
     assert model_of(named).startswith("smollm2-135m-instruct")
 
 
@@ -250,6 +252,32 @@ def test_compare_changes_from_a_baseline_paired_by_seed():
 
 def test_a_probe_builds_its_own_models_and_takes_no_starting_policies():
     claim = load_claim(CLAIMS_DIR / "moe_expert_volatility.yaml")
-    assert claim.start_policies == 3 and claim.design == ((), None)  # its seeds are its own inits and warm starts
+    assert claim.start_policies == 3 and claim.design == (0, None)  # its seeds are its own inits and warm starts
     sweep = load_claim(CLAIMS_DIR / "gspo_stable_offpolicy.yaml")
-    assert sweep.design == ((2, 3, 4), 5)
+    assert sweep.design == (3, 5)
+
+
+def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path, monkeypatch):
+    """A claim's starting policies are sweep.first_landing's (a candidate whose warm start misses its band on this
+    CPU is passed over), built before any experiment runs; `--existing` reads the ones a former call found and
+    builds nothing; a lab on a policy of its own has no warm start to miss."""
+    from harness.apps import claims
+
+    asked = []
+
+    def first_landing(runs_for, candidates, wanted, folder, at_once, progress):
+        runs = runs_for([2, 3])
+        asked.append((sorted({int(r.model.seed) for r in runs}), list(candidates), wanted, at_once))
+        folder.mkdir(parents=True)
+        (folder / claims.START_POLICIES).write_text(json.dumps({"landed": [2, 4, 5], "missed": {"3": "missed"}}))
+        return {"landed": [2, 4, 5], "missed": {3: "missed"}}
+
+    monkeypatch.setattr(claims, "first_landing", first_landing)
+    key = ("sweep", "offpolicy", (f"results_dir={tmp_path}",), 3, 5)
+    assert claims.start_seeds(key, 2, False, run=False) == (2, 3, 4)  # nothing found yet: the first candidates
+    assert claims.start_seeds(key, 2, False, run=True) == (2, 4, 5)
+    assert asked == [([2, 3], list(claims.START_CANDIDATES), 3, 2)]
+    assert claims.start_seeds(key, 2, False, run=False) == (2, 4, 5) and len(asked) == 1  # read, not built
+    assert claims.start_seeds(("sweep", "offpolicy", key[2], 0, None), 2, False, run=True) == ()  # its own policy
+    own = ("lab", "lab", (f"results_dir={tmp_path}", "lab.policy=smollm2-135m-instruct"), 3, None)
+    assert claims.start_seeds(own, 2, False, run=True) == (2, 3, 4) and len(asked) == 1

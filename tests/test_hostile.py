@@ -353,14 +353,14 @@ def test_a_resumed_run_drops_lines_without_a_step_in_one_warning(tmp_path, capsy
 
 @pytest.mark.parametrize("command", ["sweep", "prepare"])
 def test_a_warm_start_outside_its_band_is_one_line(tmp_path, monkeypatch, capsys, command):
-    from harness.policy.warm_start import WarmStartError
+    from harness.policy.warm_start import MISSED_BAND, WarmStartError
 
     def missed(*args, **kwargs):
         raise WarmStartError("warm start reached max_steps=10 below its target band [0.90, 1.00]: ...")
 
     monkeypatch.setattr(f"harness.apps.{'sweep' if command == 'sweep' else 'cli'}.prepare_starting_policies", missed)
     args = ["base", *TINY_RUN, f"results_dir={tmp_path}", "seed=0"]
-    assert main([command, *args, *(["--no-report", "--no-progress"] if command == "sweep" else [])]) == 1
+    assert main([command, *args, *(["--no-report", "--no-progress"] if command == "sweep" else [])]) == MISSED_BAND
     one_line(capsys.readouterr().err, "error: warm start reached max_steps=10 below its target band")
 
 

@@ -394,3 +394,28 @@ def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_af
     here = sorted((tmp_path / "here" / "warm_start").glob("*.safetensors"))
     assert [p.name for p in here] == [p.name for p in built]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(here, built, strict=True))
+
+
+@pytest.mark.slow  # two tiny warm starts in processes of their own, twice (~20 s)
+def test_starting_policies_that_miss_their_band_are_passed_over_recorded_and_not_built_again(tmp_path, monkeypatch):
+    """first_landing through real `python -m harness prepare` processes: a warm start that misses its band exits
+    MISSED_BAND, which passes the value over (too few landing: WarmStartError naming each miss); the miss is recorded
+    in the cache, so asking again reads the record instead of training to the same miss."""
+    from harness.apps import sweep
+    from harness.policy.warm_start import WarmStartError
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    settings = [*TINY_RUN, f"results_dir={tmp_path}", "model.warm_start_steps=2", "model.warm_start_check_every=1",
+                "model.warm_start_target=[0.99,1.0]", "sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]"]
+
+    def runs_for(seeds):
+        grid = f"sweep.grid.model.seed=[{','.join(map(str, seeds))}]"
+        return run_configs(load_experiment("quickstart", [*settings, grid]))
+
+    for attempt in ("built", "recorded"):
+        with pytest.raises(WarmStartError, match=r"only 0 of model.seed \[2, 3\] reached .* \(1 wanted\): 2: warm "
+                                                 r"start reached max_steps=2 below its target band .*; 3: warm start"):
+            sweep.first_landing(runs_for, (2, 3), 1, tmp_path / "prepare", 2, False)
+        logs = [(tmp_path / "prepare" / f"model_seed_{s}" / "train.log").read_text() for s in (2, 3)]
+        assert all(("recorded in" in log) == (attempt == "recorded") for log in logs), logs
+    assert len(list((tmp_path / "cache" / "warm_start").glob("*.missed.json"))) == 2

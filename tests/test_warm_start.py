@@ -113,6 +113,17 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     with pytest.raises(WarmStartError, match=r"max_steps=3 below .*0\.00 at step 3; raise max_steps") as error:
         warm_start(model, tokenizer, _easy_task(), WarmStartRecipe(**settings))
     assert "\n" not in str(error.value)
+    (record,) = (rlvr_cache / "warm_start").glob("*")  # the miss, recorded; no policy
+    assert record.name.endswith(".missed.json") and json.loads(record.read_text())["error"] == str(error.value)
+
+    def trains(*args):
+        raise AssertionError("a recorded miss was trained again")
+
+    with monkeypatch.context() as patch, pytest.raises(WarmStartError, match=rf"max_steps=3 below .*; raise "
+                                                       rf"max_steps.* \(recorded in {record} when"):
+        patch.setattr("harness.policy.warm_start._train", trains)
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), WarmStartRecipe(**settings))
+    record.unlink()
 
     accuracies = iter([0.0, 0.8])
 
@@ -123,7 +134,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     settings = {**BAND, "max_steps": 10, "check_every": 1, "target": (0.3, 0.45)}
     with pytest.raises(WarmStartError, match=r"overshot .*0\.00 at step 1, 0\.80 at step 2; lower check_every"):
         warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, _easy_task(), WarmStartRecipe(**settings))
-    assert not list((rlvr_cache / "warm_start").glob("*"))  # nothing cached on an error
+    assert [p.suffixes for p in (rlvr_cache / "warm_start").glob("*")] == [[".missed", ".json"]]  # no policy
 
 
 def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):

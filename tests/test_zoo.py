@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.apps import zoo
+from harness.apps import sweep, zoo
 from harness.apps.cli import main as cli_main
 from harness.run.config import run_id
 from harness.run.errors import ConfigError
@@ -68,7 +68,8 @@ BOARD = pd.DataFrame({"objective": ["grpo", "popo", "holder", "cispo", "gspo", "
 
 
 def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_and_seeds():
-    plan = zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []})
+    starts = {"landed": [2, 4, 5], "missed": {3: "warm start reached max_steps=3000 below its target band"}}
+    plan = zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []}, starts)
     registry = available_objectives()
     assert list(plan["objectives"]) == sorted(["grpo", "gspo", "gspo_token", "ctpo", "popo", "holder"],
                                               key=registry.index)
@@ -76,13 +77,65 @@ def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_a
     assert plan["objectives"]["gspo"] == "core objective" and plan["objectives"]["grpo"] == "the baseline"
     assert set(plan["not_tested"]) == {"cispo", "tbpo"}  # tbpo: no interval, nothing excluded
     assert "includes 0" in plan["not_tested"]["cispo"]
-    assert len(plan["start_seeds"]) >= 3 and 1 not in plan["start_seeds"]  # none of the screen's policy
+    assert plan["start_seeds"] == [2, 4, 5] and plan["start_seeds_missed"] == starts["missed"]
     assert len(plan["seeds"]) >= 5 and not set(plan["seeds"]) & {0, 1, 2}  # seeds the screen never used
     assert plan["correction"] == {"method": "holm", "alpha": 0.05, "size": 5,
                                   "family": [f"{o} - grpo" for o in plan["objectives"] if o != "grpo"]}
     assert plan["cells"] == zoo.CELLS and plan["screen"] == {"start_seeds": [1], "seeds": [0, 1, 2]}
     text = zoo.plan_text(plan, 300)
     assert "Holm's step-down over the family of 5 comparisons" in text and "- cispo: screen:" in text
+    assert "(model.seed [2, 4, 5])" in text and "model.seed 3 was passed over: warm start reached max_steps" in text
+
+
+def _building(monkeypatch, misses=()):
+    """Stands in for the processes that build starting policies: records each round's model.seed values; those in
+    ``misses`` miss their band (their log's last line, as `python -m harness prepare` writes it)."""
+    rounds = []
+
+    def prepare_through(pending, runner, progress, at_once, missed_ok=False):
+        assert missed_ok and at_once == 2
+        rounds.append([int(run.model.seed) for run, _ in pending])
+        for run, folder in pending:
+            assert (folder / "config.yaml").is_file() and folder.name == f"model_seed_{run.model.seed}"
+            if run.model.seed in misses:
+                (folder / "train.log").write_text(f"building\nerror: warm start of {run.model.seed} missed\n")
+        return [folder for run, folder in pending if run.model.seed in misses]
+
+    monkeypatch.setattr(sweep, "prepare_through", prepare_through)
+    return rounds
+
+
+@pytest.mark.parametrize("misses, rounds, landed", [((), [[1, 2, 3, 4]], [2, 3, 4]),
+                                                    ((3,), [[1, 2, 3, 4], [5]], [2, 4, 5]),
+                                                    ((2, 5), [[1, 2, 3, 4], [5], [6]], [3, 4, 6])])
+def test_the_confirmation_takes_the_first_starting_policies_that_land_in_their_band(misses, rounds, landed,
+                                                                                    monkeypatch, tmp_path):
+    """A starting policy whose warm start misses its band on this CPU is passed over, in order, for the next
+    candidate (built in a round of as many as are still wanted), and its error is kept for the plan."""
+    built = _building(monkeypatch, misses)
+    overrides = [f"results_dir={tmp_path}"]
+    _, screen_runs = zoo.zoo_runs(1, overrides, ["grpo"])
+    starts = zoo.confirm_start_seeds(overrides, 2, False, screen_runs)
+    assert built == rounds and starts["landed"] == landed
+    assert starts["missed"] == {seed: f"warm start of {seed} missed" for seed in misses}
+    record = json.loads((tmp_path / "zoo" / "prepare" / sweep.START_POLICIES).read_text())
+    assert record["landed"] == landed and record["missed"] == {str(s): e for s, e in starts["missed"].items()}
+
+
+def test_the_screens_policy_or_too_few_landing_stop_the_zoo(monkeypatch, tmp_path):
+    from harness.policy.warm_start import WarmStartError
+
+    overrides = [f"results_dir={tmp_path}"]
+    _, screen_runs = zoo.zoo_runs(1, overrides, ["grpo"])
+    _building(monkeypatch, misses=(1,))
+    with pytest.raises(WarmStartError, match="a starting policy that must land missed its band, model.seed 1: warm "
+                                             "start of 1 missed"):
+        zoo.confirm_start_seeds(overrides, 2, False, screen_runs)
+    built = _building(monkeypatch, misses=zoo.START_CANDIDATES[1:])
+    with pytest.raises(WarmStartError, match=r"only 1 of model.seed \[2, 3, .*\] reached .* \(3 wanted\): 3: warm "
+                                             r"start"):
+        zoo.confirm_start_seeds(overrides, 2, False, screen_runs)
+    assert sum(built, []) == [1, *zoo.START_CANDIDATES]  # every candidate tried once
 
 
 @pytest.fixture
@@ -103,6 +156,7 @@ def one_cell(monkeypatch, tmp_path):
 
     monkeypatch.setattr(zoo, "swept", swept)
     monkeypatch.setattr(zoo, "write_confirmation", lambda *args: tmp_path / "leaderboard.md")
+    monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *args: {"landed": [2, 3, 4], "missed": {}})
     return tmp_path, calls
 
 
@@ -196,7 +250,7 @@ def test_both_stages_starting_policies_are_built_before_the_screen_side_by_side(
                  *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
     _, runs = zoo.zoo_runs(1, overrides, ["grpo"])
     zoo.prepare_policies(runs, overrides, 2, progress=False)
-    seeds = [1, *zoo.CONFIRM_START_SEEDS]
+    seeds = [1, *zoo.START_CANDIDATES[: zoo.CONFIRM_START_POLICIES]]  # none misses: no band
     logs = {seed: (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log").read_text() for seed in seeds}
     assert all("starting policy: building it once" in log for log in logs.values())
     assert len(list((tmp_path / "cache" / "warm_start").glob("*.safetensors"))) == len(seeds)

@@ -32,8 +32,9 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
-Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 3: model.seed
-CONFIRM_START_SEEDS[:n], harness/apps/zoo.py's; 1: the experiment's own model.seed) and, for a sweep, ``seeds`` seeds
+Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 3: the first n
+values of START_CANDIDATES, harness/apps/zoo.py's, whose warm start lands in its band: ``start_seeds``; 1: the
+experiment's own model.seed) and, for a sweep, ``seeds`` seeds
 0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
 one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``). A probe builds a model of
 its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
@@ -66,7 +67,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import yaml
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from analysis.cells import START_SEED
 from analysis.lab import build_lab_report
@@ -76,8 +77,8 @@ from analysis.report import md_table
 from analysis.stats import describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
-from harness.apps.sweep import check_runs_code, run_sweep
-from harness.apps.zoo import CONFIRM_SEEDS, CONFIRM_START_SEEDS
+from harness.apps.sweep import START_POLICIES, check_runs_code, first_landing, run_sweep
+from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
 from harness.run.errors import ConfigError
@@ -114,12 +115,12 @@ class Claim:
         return kind, self.experiment[kind], tuple(self.experiment.get("overrides", []))
 
     @property
-    def design(self) -> tuple[tuple[int, ...], int | None]:
-        """(model.seed of each starting policy, none: the experiment's own; a sweep's seeds per policy, None: the
-        experiment's); a probe builds its own model per seed: ((), None)."""
+    def design(self) -> tuple[int, int | None]:
+        """(starting policies, 0: the experiment's own; a sweep's seeds per policy, None: the experiment's); a probe
+        builds its own model per seed: (0, None). Which model.seed values: start_seeds."""
         if self.start_policies == 1 or self.source[0] == "probe":
-            return (), self.seeds
-        return tuple(CONFIRM_START_SEEDS[: self.start_policies]), self.seeds or CONFIRM_SEEDS
+            return 0, self.seeds
+        return self.start_policies, self.seeds or CONFIRM_SEEDS
 
     @property
     def key(self) -> tuple:
@@ -134,9 +135,9 @@ def load_claim(path: Path) -> Claim:
         claim = Claim(name=path.stem, **data)
     except (yaml.YAMLError, TypeError) as e:
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
-    if not (isinstance(claim.start_policies, int) and 1 <= claim.start_policies <= len(CONFIRM_START_SEEDS)):
-        raise ConfigError(f"{path}: start_policies must be a whole number from 1 to {len(CONFIRM_START_SEEDS)} "
-                          f"(model.seed {list(CONFIRM_START_SEEDS)}), got {claim.start_policies!r}")
+    if not (isinstance(claim.start_policies, int) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
+        raise ConfigError(f"{path}: start_policies must be a whole number from 1 to {len(START_CANDIDATES)} "
+                          f"(the first that land of model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
     if claim.seeds is not None and not (isinstance(claim.seeds, int) and claim.seeds >= 1):
         raise ConfigError(f"{path}: seeds must be a whole number >= 1, got {claim.seeds!r}")
     if sum(k in claim.experiment for k in KINDS) != 1:
@@ -194,6 +195,32 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     final = runs[runs["counted"] & runs["ended"]]
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
             "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
+
+
+def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, ...]:
+    """model.seed of a claim's starting policies (``key``: Claim.key): none for the experiment's own; else the first
+    ``n`` of START_CANDIDATES whose warm start lands in its band (sweep.first_landing: built or loaded before any
+    experiment runs, ``jobs`` side by side, their build logs in <results_dir>/prepare/<experiment>_<overrides' hash>/).
+    Without ``run`` (start nothing): those a former call found (its start_policies.json there), else the first ``n``
+    candidates. A lab on a policy of its own (lab.policy) has no warm start to miss."""
+    kind, name, overrides, wanted, _ = key
+    if not wanted:
+        return ()
+    cfg = sweep_config(name, overrides, (), None)
+    hashed = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]
+    folder = Path(cfg.results_dir) / "prepare" / f"{name}_{hashed}"
+    if kind == "lab" and OmegaConf.select(cfg, "lab.policy") is not None:
+        return START_CANDIDATES[:wanted]
+    if not run:
+        try:
+            return tuple(json.loads((folder / START_POLICIES).read_text())["landed"][:wanted])
+        except (OSError, ValueError, KeyError, TypeError):
+            return START_CANDIDATES[:wanted]
+
+    def runs_for(seeds: list[int]) -> list[DictConfig]:
+        return run_configs(sweep_config(name, overrides, tuple(seeds), 1))
+
+    return tuple(first_landing(runs_for, START_CANDIDATES, wanted, folder, jobs, progress)["landed"])
 
 
 def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], seeds: int | None
@@ -411,21 +438,24 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
     the code and threads of the runs the claims were checked on)."""
     claims = load_claims(names, with_long)
-    for claim in claims:  # every experiment is checked before the first one runs
+    for claim in claims:  # every experiment's settings are checked before anything is built or run
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])
         else:
-            cfg = sweep_config(claim.source[1], claim.source[2], *claim.design)
-            if run and claim.source[0] == "sweep":  # a run other code began: refused before any experiment runs
-                check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
+            sweep_config(claim.source[1], claim.source[2], START_CANDIDATES[: claim.design[0]], claim.design[1])
     start = time.time()
+    starts = {key: start_seeds(key, jobs, progress, run) for key in dict.fromkeys(c.key for c in claims)}
+    for claim in claims:  # a run other code began: refused before any experiment runs
+        if run and claim.source[0] == "sweep":
+            cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
+            check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
     tables_of = {}
-    for key in dict.fromkeys(c.key for c in claims):
-        kind, name, overrides, start_seeds, seeds = key
+    for key, seeds_of_policies in starts.items():
+        kind, name, overrides, _, seeds = key
         print(f"claims: {kind} {name} {' '.join(overrides)}"
-              + (f" from model.seed {list(start_seeds)}" if start_seeds else ""), file=sys.stderr)
-        tables_of[key] = run_source(kind, name, overrides, start_seeds, seeds, jobs=jobs, progress=progress, run=run,
-                                    allow_code_change=allow_code_change)
+              + (f" from model.seed {list(seeds_of_policies)}" if seeds_of_policies else ""), file=sys.stderr)
+        tables_of[key] = run_source(kind, name, overrides, seeds_of_policies, seeds, jobs=jobs, progress=progress,
+                                    run=run, allow_code_change=allow_code_change)
     rows = ledger_rows(claims, tables_of)
     checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
     stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "

@@ -35,7 +35,7 @@ from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
 from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
 from harness.policy.sampler import SAMPLERS
-from harness.policy.warm_start import WarmStartError
+from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
 from harness.run.allocator import keep_freed_memory
 from harness.run.atomic import atomic_write, disk_full_error
@@ -492,8 +492,8 @@ COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare":
 
 def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
-    full disk or a warm start that missed its band, 0: the reader of stdout has gone); None for any other (its
-    traceback is raised)."""
+    full disk, MISSED_BAND (3): a warm start that missed its band, 0: the reader of stdout has gone); None for any
+    other (its traceback is raised)."""
     if isinstance(e, ConfigError):
         if MAIN_PROCESS:  # every process of a distributed launch finds the same
             print(f"config error: {e}", file=sys.stderr)
@@ -503,7 +503,7 @@ def failure_status(e: Exception) -> int | None:
         return 2
     if isinstance(e, WarmStartError):  # `sweep`, `prepare`: the starting policy, before any run (a run's: cmd_train)
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return MISSED_BAND
     if isinstance(e, BrokenPipeError):  # `python -m harness explain | head`: the reader has gone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -18,17 +18,19 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Launcher, RunHandle, adopt_lock_holder, make_launcher
+from harness.apps.launchers import Launcher, LocalLauncher, RunHandle, adopt_lock_holder, make_launcher
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
 from harness.policy.models import TINY_MODELS
+from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
@@ -48,8 +50,10 @@ from harness.run.records import (
 )
 from harness.run.threads import run_threads
 
+START_POLICIES = "start_policies.json"  # first_landing's record, in the folder of its policies' build logs
 
-def _error(run_dir: Path) -> str | None:
+
+def stopped_error(run_dir: Path) -> str | None:
     """A stopped run's error: summary.json's, else the last line of its train.log (e.g. a full disk's, when the
     summary could not be written)."""
     try:
@@ -95,14 +99,16 @@ def _policy_key(run: DictConfig) -> str:
     return json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(run, ["model", "task", "device"])), sort_keys=True)
 
 
-def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool, at_once: int) -> None:
+def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool, at_once: int,
+                    missed_ok: bool = False) -> list[Path]:
     """Build each distinct warm-started starting policy once through ``runner`` (``python -m harness prepare
     <run config>``, logged in that run's train.log), ``at_once`` of them at a time, and wait for all of them before
     the runs start, so that every run of the sweep loads the same cached policy ($RLVR_CACHE on a shared file system)
     instead of training its own. A warm start trains on one thread whatever the process's count
     (harness/policy/warm_start.py), so the policies built side by side are those built one after another. The first
-    that fails stops the others and raises."""
-    first = {}
+    that fails stops the others and raises; with ``missed_ok`` one whose warm start missed its band (exit
+    MISSED_BAND) does not, and the folders of those that missed are returned."""
+    first, missed = {}, []
     for run, run_dir in pending:
         if run.model.warm_start_steps:
             first.setdefault(_policy_key(run), run_dir)
@@ -122,9 +128,11 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
             ended = {run_dir: code for run_dir, handle in active.items() if (code := handle.poll()) is not None}
             for run_dir, code in ended.items():
                 handle = active.pop(run_dir)
-                if code:
+                if code == MISSED_BAND and missed_ok:
+                    missed.append(run_dir)
+                elif code:
                     raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
-                                       f"{handle.error or _error(run_dir) or 'no output'}; log in "
+                                       f"{handle.error or stopped_error(run_dir) or 'no output'}; log in "
                                        f"{run_dir / 'train.log'}")
             if active and not ended:
                 time.sleep(1.0)
@@ -132,6 +140,59 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         for handle in active.values():
             handle.stop()
         raise
+    return missed
+
+
+def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates: Sequence[int], wanted: int,
+                  folder: Path, at_once: int, progress: bool, first: list[DictConfig] = ()) -> dict:
+    """The starting policies of a replicated design: the first ``wanted`` of ``candidates`` (model.seed values) whose
+    warm start lands in its band, built or loaded, as ``{"landed": [...], "missed": {model.seed: its error}}`` (also
+    written to ``folder``/start_policies.json). A recipe's starting policy is one that lands in its band; a value
+    that misses it (another CPU rounds the warm start otherwise) is passed over, in order, never stretched to fit.
+    ``runs_for(seeds)``: run configs, the first of each model.seed naming its policy. Built in rounds of as many as are
+    still wanted (``first``'s policies, which must land, in the first round), ``at_once`` side by side, each a process
+    of its own through prepare_through, into the cache every run loads them from; a cached policy is loaded and a
+    recorded miss read (harness/policy/warm_start.py), neither built again. Each policy's config and build log:
+    ``folder``/model_seed_<N>/. WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
+    extra = _first_of_each(first)
+    left = [seed for seed in candidates if seed not in extra]
+    landed, missed = [], {}
+    while len(landed) < wanted:
+        round_, left = left[: wanted - len(landed)], left[wanted - len(landed):]
+        if not round_:
+            raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
+                                 f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
+        errors = _prepare_seeds({**extra, **_first_of_each(runs_for(round_))}, folder, at_once, progress)
+        if failed := [f"model.seed {seed}: {errors[seed]}" for seed in extra if seed in errors]:
+            raise WarmStartError(f"a starting policy that must land missed its band, {'; '.join(failed)}")
+        extra = {}
+        landed += [seed for seed in round_ if seed not in errors]
+        missed.update({seed: errors[seed] for seed in round_ if seed in errors})
+    found = {"candidates": list(candidates), "landed": landed, "missed": missed}
+    atomic_write(folder / START_POLICIES, json.dumps(found, indent=1) + "\n")
+    return {"landed": landed, "missed": missed}
+
+
+def _first_of_each(runs: list[DictConfig]) -> dict[int, DictConfig]:
+    """model.seed -> the first of ``runs`` with it, in order."""
+    first: dict[int, DictConfig] = {}
+    for run in runs:
+        first.setdefault(int(run.model.seed), run)
+    return first
+
+
+def _prepare_seeds(runs: dict[int, DictConfig], folder: Path, at_once: int, progress: bool) -> dict[int, str]:
+    """Build (or load) each ``model.seed -> run``'s starting policy through prepare_through, ``at_once`` side by side,
+    logged in ``folder``/model_seed_<N>/; the errors of those whose warm start missed its band."""
+    pending = {}
+    for seed, run in runs.items():
+        where = folder / f"model_seed_{seed}"
+        where.mkdir(parents=True, exist_ok=True)
+        atomic_write(where / "config.yaml", OmegaConf.to_yaml(run))
+        pending[where] = seed
+    missed = prepare_through([(run, where) for where, run in zip(pending, runs.values(), strict=True)],
+                             LocalLauncher(), progress, at_once, missed_ok=True)
+    return {pending[where]: (stopped_error(where) or "missed its band").removeprefix("error: ") for where in missed}
 
 
 def distinct_policies(runs: list[DictConfig]) -> int:
@@ -361,7 +422,7 @@ class Child:
         whose process the launcher lost (a Ray worker that died) is `stopped` when it died before it could write its
         status, `interrupted` when the signal that stopped it (e.g. the SIGTERM that Ray sends a dead worker's
         process group) reached it first and it wrote so: both resumable; the launcher's reason is said in both."""
-        status, error = run_status(self.run_dir), _error(self.run_dir)
+        status, error = run_status(self.run_dir), stopped_error(self.run_dir)
         code = self.code
         if code and status not in ("failed", "interrupted"):  # it could not write its summary
             status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk

@@ -19,8 +19,9 @@ is one set of runs (run ids are the settings' hash). Overrides apply to every ru
 
 The confirmation is decided from the screen alone and written down before it runs (``plan_confirmation``): the
 objectives whose screen interval of the paired difference to BASELINE (mean over the cells) excluded 0, and the core
-objectives (quickstart's: `make sweep`'s four), each with the baseline, on CONFIRM_START_SEEDS' starting policies
-(none of them the screen's) x CONFIRM_SEEDS fresh seeds (after the screen's) per cell. A plan once written is kept:
+objectives (quickstart's: `make sweep`'s four), each with the baseline, on CONFIRM_START_POLICIES starting policies
+(the first of START_CANDIDATES whose warm start lands in its band; none of them the screen's) x CONFIRM_SEEDS fresh
+seeds (after the screen's) per cell. A plan once written is kept:
 the confirmation resumes under it, and settings other than those it was made with are refused (remove the
 confirm folder to plan again). The verdicts: analysis/leaderboard.py ``write_confirmation`` (Holm over the plan's
 family of comparisons with the baseline).
@@ -35,7 +36,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from analysis.confirmation import write_confirmation
 from analysis.leaderboard import leaderboard, write_leaderboard
@@ -43,9 +44,8 @@ from analysis.load import load_experiment as load_results
 from analysis.report import build_report
 from analysis.stats import LEVEL, num
 from analysis.verdict import ALPHA
-from harness.apps.launchers import LocalLauncher
 from harness.apps.stamp import machine
-from harness.apps.sweep import prepare_through, run_sweep
+from harness.apps.sweep import first_landing, run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -66,9 +66,12 @@ TARGET = 0.40  # eval accuracy for "tokens to target": about 0.1 above quickstar
 NAME = "zoo"
 STAGES = ("screen", "confirm", "both")
 BASELINE = "grpo"
-# model.seed of the confirmation's starting policies (the screen's is the regimes' own, 1): each its own warm start,
-# built once into the cache before any run (a warm start that ends outside its band stops the sweep with its error)
-CONFIRM_START_SEEDS = (2, 3, 4)
+# The confirmation's starting policies: the first CONFIRM_START_POLICIES values of START_CANDIDATES (model.seed; the
+# screen's is the regimes' own, 1) whose warm start lands in its band, each built once into the cache before any run.
+# The recipe's starting policy is one that lands in the band; a value that misses it (another CPU rounds the warm
+# start otherwise) is recorded and passed over, in order, never stretched to fit (docs/replicates.md).
+CONFIRM_START_POLICIES = 3
+START_CANDIDATES = (2, 3, 4, 5, 6, 7, 8, 9)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
 STAMP = "stamp.json"  # in a stage's folder: the stamp of the command that ran all of its runs, and their ids
 
@@ -119,10 +122,11 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
 
 
 def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[int], core: list[str],
-                      settings: dict) -> dict:
+                      settings: dict, starts: dict) -> dict:
     """The confirmation's plan from the screen's leaderboard (analysis.leaderboard.leaderboard's frame, its
     vs_baseline interval the screen's difference to BASELINE over the cells): which objectives and why, which
-    starting policies and seeds (none of the screen's), the family of comparisons and its correction."""
+    starting policies (``starts``: confirm_start_seeds') and seeds (none of the screen's), the family of comparisons
+    and its correction."""
     reasons = {}
     for row in board.itertuples():
         interval = f"{num(row.vs_baseline)} [{num(row.vs_baseline_low)}, {num(row.vs_baseline_high)}]"
@@ -134,7 +138,6 @@ def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[i
         chosen[o] = "core objective" + (f"; {chosen[o]}" if o in chosen else "")
     chosen[BASELINE] = "the baseline"
     order = [o for o in available_objectives() if o in chosen] + sorted(set(chosen) - set(available_objectives()))
-    start_seeds = [s for s in CONFIRM_START_SEEDS if s not in screen_start_seeds]
     seeds = list(range(max(screen_seeds) + 1, max(screen_seeds) + 1 + CONFIRM_SEEDS))
     family = [o for o in order if o != BASELINE]
     return {"written": datetime.now(UTC).isoformat(timespec="seconds"), "baseline": BASELINE,
@@ -142,7 +145,7 @@ def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[i
                      "over the cells) excluded 0, and the core objectives (quickstart's)"),
             "objectives": {o: chosen[o] for o in order},
             "not_tested": {o: why for o, (excludes, why) in reasons.items() if o not in chosen},
-            "cells": CELLS, "start_seeds": start_seeds, "seeds": seeds,
+            "cells": CELLS, "start_seeds": starts["landed"], "start_seeds_missed": starts["missed"], "seeds": seeds,
             "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds},
             "correction": {"method": "holm", "alpha": round(ALPHA, 6), "family": [f"{o} - {BASELINE}" for o in family],
                            "size": len(family)},
@@ -158,6 +161,8 @@ def plan_text(plan: dict, runs: int) -> str:
              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}) from {len(plan['start_seeds'])} starting "
              f"policies (model.seed {plan['start_seeds']}) x {len(plan['seeds'])} seeds ({plan['seeds']}): {runs} "
              "runs.\n",
+             *[f"Starting policy model.seed {seed} was passed over: {error}\n"
+               for seed, error in plan.get("start_seeds_missed", {}).items()],
              f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparison"
              f"{'s' * (plan['correction']['size'] != 1)} with "
              f"{plan['baseline']}, family-wise error rate {plan['correction']['alpha']:g}.\n", "## Tested\n",
@@ -238,7 +243,7 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     if fixed:
         raise ConfigError(f"{fixed[0]}: the zoo sets the objectives (--objectives), the seeds (--seeds) and the "
                           "starting policies (the screen: the regimes' own model.seed; the confirmation: "
-                          "harness/apps/zoo.py CONFIRM_START_SEEDS) itself")
+                          "harness/apps/zoo.py START_CANDIDATES) itself")
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
     status = 0
@@ -262,21 +267,20 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
 
 
 def prepare_policies(screen_runs: list[DictConfig], overrides: list[str], jobs: int, progress: bool) -> None:
-    """Both stages' starting policies (the screen's and CONFIRM_START_SEEDS', which do not depend on the screen's
-    findings) built before the screen's first run, ``jobs`` side by side, each a process of its own (a warm start
-    trains on one thread: harness/policy/warm_start.py), into the cache every run loads them from. Each policy's
-    config and build log: results/zoo/prepare/model_seed_<N>/. A cached policy is loaded, not built again."""
-    _, confirm_runs = stage_runs("confirm", overrides, [BASELINE], [0], list(CONFIRM_START_SEEDS))
-    first: dict[int, DictConfig] = {}
-    for run in [*screen_runs, *confirm_runs]:
-        first.setdefault(int(run.model.seed), run)
-    pending = []
-    for seed, run in first.items():
-        folder = Path(run.results_dir) / "prepare" / f"model_seed_{seed}"  # results_dir: the zoo's folder
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(folder / "config.yaml", OmegaConf.to_yaml(run))
-        pending.append((run, folder))
-    prepare_through(pending, LocalLauncher(), progress, jobs)
+    """Both stages' starting policies (the screen's and the confirmation's, which do not depend on the screen's
+    findings) built before the screen's first run (confirm_start_seeds, the screen's in its first round)."""
+    confirm_start_seeds(overrides, jobs, progress, screen_runs)
+
+
+def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_runs: list[DictConfig]) -> dict:
+    """The confirmation's starting policies (sweep.first_landing): the first CONFIRM_START_POLICIES of
+    START_CANDIDATES whose warm start lands in its band, the screen's built in the first round, ``jobs`` side by side;
+    their configs and build logs in results/zoo/prepare/."""
+    def runs_for(seeds: list[int]) -> list[DictConfig]:
+        return stage_runs("confirm", overrides, [BASELINE], [0], seeds)[1]
+
+    folder = Path(load_experiment("quickstart", overrides).results_dir) / NAME / "prepare"
+    return first_landing(runs_for, START_CANDIDATES, CONFIRM_START_POLICIES, folder, jobs, progress, screen_runs)
 
 
 def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
@@ -295,7 +299,8 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         board = board[board["objective"].isin(objectives)] if objectives else board
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
-        plan = plan_confirmation(board, list(range(seeds)), start, core, settings)
+        starts = confirm_start_seeds(overrides, jobs, progress, screen_runs)
+        plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts)
     cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"])
     if not (folder / "plan.json").is_file():  # written whole before any run of the confirmation starts
         folder.mkdir(parents=True, exist_ok=True)

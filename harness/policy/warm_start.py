@@ -44,10 +44,14 @@ WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash bel
 # on an idle or a busy machine and with any number of cores (on one CPU family: other instruction sets round otherwise).
 WARM_START_THREADS = 1
 CHECK_CHUNK = 64  # check-set problems per sampler call
+MISSED_SUFFIX = ".missed.json"  # beside the cached policies: a recipe that missed its band, its error and checks
 
 
 class WarmStartError(ValueError):
-    """The warm start could not stop inside its target band."""
+    """The warm start could not stop inside its target band (a command exits with :data:`MISSED_BAND`)."""
+
+
+MISSED_BAND = 3  # the exit status of a command whose warm start missed its band (harness/apps/cli.py)
 
 
 @register_check("warm_start")
@@ -152,7 +156,10 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     problems are held out as a check set (never trained on, nor is any train problem with the same
     question); every ``check_every`` steps (and at ``max_steps``) the greedy accuracy on it is measured
     and training stops at the first check with ``low <= acc <= high``. A check above ``high``, or
-    ``max_steps`` reached below ``low``, raises :class:`WarmStartError`. The batch stream is the same
+    ``max_steps`` reached below ``low``, raises :class:`WarmStartError` and records the miss in the cache
+    (``<key>.missed.json``: its error, settings, wall time): a later call with the same key raises it again at once
+    instead of training to the same miss (a sweep's or the zoo's starting policies are prepared in processes of their
+    own, which would each pay the cap again). The batch stream is the same
     whatever the checks find, so a given step count always gives the same weights.
 
     The result is cached under ``cache_dir()/warm_start`` as ``<key>.safetensors`` and the JSON sidecar
@@ -177,24 +184,36 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
     folder = cache_dir() / "warm_start"
     weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
+    missed = folder / f"{key}{MISSED_SUFFIX}"
     report = WarmStartProgress(recipe, weights, progress)
     if weights.is_file() and sidecar_path.is_file():
         load_safetensors(model, weights, device=str(model.device))
         sidecar = json.loads(sidecar_path.read_text())
         report.loaded(sidecar)
         return model.eval(), sidecar
+    if missed.is_file():
+        record = json.loads(missed.read_text())
+        raise WarmStartError(f"{record['error']} (recorded in {missed} when this policy was built, "
+                             f"{record['built_at']}; remove that file to build it again)")
 
     start = time.perf_counter()
     report.building()
+    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS,
+             "torch_version": torch.__version__, "transformers_version": transformers.__version__}
     try:
         with fixed_threads(WARM_START_THREADS):
             step, checks = _train(model, tokenizer, task, recipe, report)
+    except WarmStartError as e:  # recorded: the same recipe would train to the same miss
+        record = {**built, "error": str(e), "wall_time_s": round(time.perf_counter() - start, 2),
+                  "built_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(missed, lambda name: Path(name).write_text(json.dumps(record, indent=1) + "\n"))
+        raise
     finally:
         report.close()
     sidecar = {
-        "key": key, **version, "steps": step, "accuracy": checks.get(step), "checks": checks, **settings,
-        "wall_time_s": round(time.perf_counter() - start, 2), "torch_threads": WARM_START_THREADS,
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        **built, "steps": step, "accuracy": checks.get(step), "checks": checks,
+        "wall_time_s": round(time.perf_counter() - start, 2),
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     folder.mkdir(parents=True, exist_ok=True)
