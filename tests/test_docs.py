@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.apps import docs
+from harness.apps import claims, docs
 from harness.run import names
 from harness.run.config import load_experiment
 from tests.helpers.fake_runs import grid_experiment
@@ -23,6 +23,9 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     documented, sources = [], []
     monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: documented.append(name) or f"## {name}\n")
     monkeypatch.setattr(docs, "main_page", lambda *a: documented.append("results.md"))
+    landing = []  # the claims' starting policies: the first candidates that land (none missed here)
+    monkeypatch.setattr(claims, "first_landing", lambda runs_for, candidates, wanted, folder, *a: landing.append(
+        folder) or {"landed": list(candidates[:wanted]), "missed": {}})
 
     def run_source(kind, name, overrides, start_seeds, seeds, jobs, progress):  # under the docs' folder
         sources.append((kind, name, overrides[-1], start_seeds))
@@ -55,6 +58,7 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert {s[1] for s in sources} == {"moe_stability", "lab_moe", "moe_update"}
     assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs
     assert {s[1]: s[3] for s in sources} == {"moe_stability": (2, 3, 4), "lab_moe": (2, 3, 4), "moe_update": ()}
+    assert len(landing) == 2 and all("docs" in str(folder) for folder in landing)  # built under the page's folder
 
 
 def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):

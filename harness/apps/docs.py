@@ -34,7 +34,7 @@ from analysis.accuracy import FINAL, START, interval_of, paired_units, runs_scor
 from analysis.load import load_experiment as load_results
 from analysis.report import build_report, ci_text, md_table
 from analysis.stats import num
-from harness.apps.claims import ledger_rows, load_claims, run_source
+from harness.apps.claims import ledger_rows, load_claims, run_source, start_seeds
 from harness.apps.stamp import ROOT, machine
 from harness.apps.sweep import run_sweep
 from harness.apps.zoo import main as zoo
@@ -210,8 +210,12 @@ def verdict_list(report: Path) -> str:
 def claims_section(names: tuple[str, ...], results_dir: Path, jobs: int) -> str:
     """The claims ``names`` checked on their experiments' runs under ``results_dir`` (run or resumed there)."""
     claims = load_claims(list(names))
-    tables_of = {c.key: run_source(c.source[0], c.source[1], (*c.source[2], f"results_dir={results_dir}"), *c.design,
-                                   jobs=jobs, progress=False) for c in claims}
+    tables_of = {}
+    for claim in claims:
+        kind, name, overrides, wanted, seeds = claim.key
+        key = (kind, name, (*overrides, f"results_dir={results_dir}"), wanted, seeds)
+        tables_of[claim.key] = run_source(*key[:3], start_seeds(key, jobs, False, run=True), seeds, jobs=jobs,
+                                          progress=False)
     rows = pd.DataFrame(ledger_rows(claims, tables_of))
     return (f"## The claims on these runs (experiments/claims/: {', '.join(names)})\n\n"
             f"{md_table(rows[['claim', 'experiment', 'measured', 'holds?', 'replication']])}\n")
