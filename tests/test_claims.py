@@ -281,3 +281,19 @@ def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path,
     assert claims.start_seeds(("sweep", "offpolicy", key[2], 0, None), 2, False, run=True) == ()  # its own policy
     own = ("lab", "lab", (f"results_dir={tmp_path}", "lab.policy=smollm2-135m-instruct"), 3, None)
     assert claims.start_seeds(own, 2, False, run=True) == (2, 3, 4) and len(asked) == 1
+
+
+def test_claims_check_their_runs_before_building_policies_and_again_for_a_replacement(tmp_path, monkeypatch):
+    """`make claims` refuses a run other code began before it builds any starting policy (the design where none
+    misses), and checks again the runs of a candidate that replaced one that missed its band."""
+    from harness.apps import claims
+
+    order = []
+    monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: order.append(
+        ("check", sorted({int(r.model.seed) for r in runs}))))
+    monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: order.append(("build", key[1])) or
+                        ((2, 4, 5) if key[3] else ()))
+    monkeypatch.setattr(claims, "run_source", lambda *args, **kwargs: {})
+    assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False, results_dir=str(tmp_path)) == 0
+    assert order == [("check", [2, 3, 4]), ("build", "offpolicy"), ("check", [2, 4, 5])]
+    assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()

@@ -432,23 +432,30 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     return out / "ledger.md"
 
 
+def check_claims(claims: list[Claim], starts: dict, run: bool, allow_code_change: bool) -> None:
+    """Every claim's experiment settings (``starts``: its starting policies by Claim.key), and with ``run`` none of
+    its sweep's runs to resume begun by other code (ConfigError, one line)."""
+    for claim in claims:
+        if claim.source[0] == "probe":
+            probe_settings(claim.source[2])
+            continue
+        cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
+        if run and claim.source[0] == "sweep":
+            check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
+
+
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
          run: bool = True, allow_code_change: bool = False, with_long: bool = False) -> int:
     """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing;
     ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
     the code and threads of the runs the claims were checked on)."""
     claims = load_claims(names, with_long)
-    for claim in claims:  # every experiment's settings are checked before anything is built or run
-        if claim.source[0] == "probe":
-            probe_settings(claim.source[2])
-        else:
-            sweep_config(claim.source[1], claim.source[2], START_CANDIDATES[: claim.design[0]], claim.design[1])
+    likely = {c.key: START_CANDIDATES[: c.design[0]] for c in claims}  # the starting policies where none misses
+    check_claims(claims, likely, run, allow_code_change)  # before anything is built or run
     start = time.time()
-    starts = {key: start_seeds(key, jobs, progress, run) for key in dict.fromkeys(c.key for c in claims)}
-    for claim in claims:  # a run other code began: refused before any experiment runs
-        if run and claim.source[0] == "sweep":
-            cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
-            check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
+    starts = {key: start_seeds(key, jobs, progress, run) for key in likely}
+    if starts != likely:  # a candidate missed its band: the runs of its replacement too
+        check_claims(claims, starts, run, allow_code_change)
     tables_of = {}
     for key, seeds_of_policies in starts.items():
         kind, name, overrides, _, seeds = key
