@@ -283,6 +283,7 @@ def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path,
     assert claims.start_seeds(own, 2, False, run=True) == (2, 3, 4) and len(asked) == 1
 
 
+@pytest.mark.slow  # every run config of offpolicy's grid, twice (seconds): make test
 def test_claims_check_their_runs_before_building_policies_and_again_for_a_replacement(tmp_path, monkeypatch):
     """`make claims` refuses a run other code began before it builds any starting policy (the design where none
     misses), and checks again the runs of a candidate that replaced one that missed its band."""
