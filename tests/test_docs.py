@@ -163,6 +163,7 @@ def test_with_smollm2_writes_its_page_with_the_transfer_table_from_both_models_r
     assert docs.main(with_smollm2=stage, skip_main=True, jobs=1) == 0
     page = (tmp_path / "results_smollm2.md").read_text()
     assert "## smollm2_rl\n" in page and "pairs of smollm2_rl" in page
+    assert f"### Gain over the start\n\n{docs.GAIN_NOTE}\n\ngains of smollm2_rl" in page  # what the interval covers
     rows = [line for line in page.splitlines() if line.startswith("| smollm2")]
     pairs = list(itertools.combinations(sorted(objectives), 2))
     if stage == "rl":

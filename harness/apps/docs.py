@@ -105,6 +105,11 @@ def time_table(exp_dir: Path) -> str:
     return md_table(pd.DataFrame(rows))
 
 
+GAIN_NOTE = ("Final eval accuracy minus the start's, paired by seed and eval problem: each interval covers the seeds' "
+             "and the eval problems' spread, from the experiment's one starting policy (another warm start of the same "
+             "recipe is not sampled); below 5 seeds it is indicative.")
+
+
 def gain_table(exp_dir: Path) -> str:
     """Per cell and objective: the final eval accuracy minus the start's, paired by seed and eval problem (every run
     of a cell starts from one policy and scores the same problems at step 0 and at its last evaluation), with the
@@ -253,7 +258,7 @@ def smollm2_page(header: str, results_dir: Path, jobs: int, stage: str = "both")
     for name in experiments:
         section = document(name, results_dir, jobs)  # sweeps it and writes its report
         pairs = (results_dir / name / "report" / "paired.md").read_text()
-        sections.append(f"{section}\n### Gain over the start\n\n{gain_table(results_dir / name)}\n\n"
+        sections.append(f"{section}\n### Gain over the start\n\n{GAIN_NOTE}\n\n{gain_table(results_dir / name)}\n\n"
                         f"### Paired differences between objectives\n\n{pairs}")
     atomic_write(DOCS / "results_smollm2.md", "# SmolLM2-135M-Instruct under RL, measured\n\n" + header
                  + "\n".join(sections) + "\n" + transfer_section(results_dir, jobs, experiments) + "\n"
