@@ -36,7 +36,7 @@ from harness.tasks import Score
 from objectives import ADVANTAGES, get_objective
 from objectives.rollout_correction import correction_weights
 from tests.helpers.objectives import DT, assert_close, num
-from tests.helpers.tiny import tiny_run
+from tests.helpers.tiny import KEEP, tiny_run
 
 # ----------------------------------------------------------------------------------------------------
 # AReaL 4aef98d, transcribed
@@ -455,7 +455,7 @@ def test_a_killed_lagged_run_resumes_to_the_uninterrupted_metrics(tmp_path, mode
     from harness.loop.native import train
     from tests.helpers.interrupt import full_and_resumed
 
-    run = tiny_run(tmp_path, *LAGGED, *mode)
+    run = tiny_run(tmp_path, *LAGGED, *mode, KEEP)
     full, part = full_and_resumed(train, run, tmp_path, step=4)
     assert [r["step"] for r in part] == [0, 1, 2, 3, 4, 5] and part == full
     state = torch.load(tmp_path / "part" / "checkpoints" / "previous.pt", weights_only=True)  # the step-4 one

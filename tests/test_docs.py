@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
-from harness.apps import claims, docs
+from harness.apps import claims, docs, stamp
 from harness.run import names
-from harness.run.config import load_experiment
-from tests.helpers.fake_runs import grid_experiment
+from harness.run.config import load_experiment, run_configs, run_id
+from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
 from tests.helpers.processes import ROOT
 
 
@@ -72,20 +74,36 @@ def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
     assert "| 3 |" in mechanics and "| 6 |" not in mechanics
 
 
-@pytest.mark.slow  # two reports with their figures
-def test_a_resumed_docs_sweep_says_how_many_runs_it_did_not_run(tmp_path, monkeypatch):
+@pytest.mark.slow  # three reports with their figures
+def test_a_docs_sweep_resumed_or_found_ended_says_whose_wall_time_it_states(tmp_path, monkeypatch):
     """`make docs` after an interrupted one at the same commit resumes: its wall time covers only the runs left, and
-    the page says how many had finished before (else it would credit the resumed runs to that wall time)."""
-    results = tmp_path / "results"
-    grid_experiment(results / "quickstart", {}, seeds=(0,))  # grpo and gspo, finished before the command
+    the page says how many had ended before (else it would credit the resumed runs to that wall time). Run again
+    once every run has ended (`make docs WITH_SMOLLM2=1` after `WITH_SMOLLM2=rl`), the page states the time of the
+    command that ran them, not the seconds of finding them ended."""
+    results, overrides = tmp_path / "results", [f"results_dir={tmp_path / 'results'}"]
+    runs = run_configs(load_experiment("quickstart", overrides))
+
+    def finished(some):  # the runs as the sweep leaves them, under their own ids
+        fake_experiment(results / "quickstart", [fake_run(results / "quickstart", run.objective.name, run.seed,
+                                                          run_id=run_id(run)) for run in some])
+
     monkeypatch.setattr(docs, "DOCS", tmp_path)
-    entries = [{"status": "finished"}] * 4
+    entries = [{"status": "finished"}] * len(runs)
+    finished(runs[:2])  # before the command
     monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs: entries)
     section = docs.document("quickstart", results, 2)
-    assert "4/4 runs finished in" in section and "; 2 of them had finished before this command" in section
-    for summary in (results / "quickstart").glob("*/summary.json"):
-        summary.unlink()
-    assert "had finished before" not in docs.document("quickstart", results, 2)
+    assert f"{len(runs)}/{len(runs)} runs finished in" in section
+    assert ". 2 of them had ended before this command" in section
+    shutil.rmtree(results / "quickstart")
+    clock = iter([0.0, 1500.0, 1600.0, 1601.0])
+    monkeypatch.setattr(stamp, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # the timing's clock
+    monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs: finished(runs) or entries)  # all, run by this command
+    first = docs.document("quickstart", results, 2)
+    assert "runs finished in 25.0 min" in first and "had ended before" not in first
+    monkeypatch.setattr(docs, "run_sweep", lambda cfg, jobs: entries)
+    again = docs.document("quickstart", results, 2)  # every run ended: the first command's time, said so
+    assert "runs finished in 25.0 min" in again and "found every run ended" in again
+    assert "found every run ended" not in first
 
 
 def write_scores(run_dir, scores_by_step: dict[int, list[float]]) -> None:

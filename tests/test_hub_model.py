@@ -18,7 +18,7 @@ from harness.policy.models import build_prompt, char_tokenizer, load_model
 from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs
 from harness.run.records import read_jsonl
-from tests.helpers.tiny import TINY_RUN, TINY_SPEC, tiny_run
+from tests.helpers.tiny import KEEP, TINY_RUN, TINY_SPEC, tiny_run
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -131,7 +131,7 @@ def test_the_trl_backend_trains_a_hub_model_with_its_chat_template(tmp_path, hub
 
 
 def test_export_every_saves_policies_that_reload_with_the_same_logprobs(tmp_path):
-    run = tiny_run(tmp_path, "train.export_every=1", "task.eval_size=4")
+    run = tiny_run(tmp_path, "train.export_every=1", "task.eval_size=4", KEEP)
     train(run, tmp_path / "run", progress=False)
     exports = tmp_path / "run" / "exports"
     assert sorted(p.name for p in exports.iterdir()) == ["step_1", "step_2"]  # no .tmp left behind

@@ -13,7 +13,7 @@ from harness.run.collapse import CollapseRule
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, check_resume, read_jsonl
 from tests.helpers.interrupt import stopped_before
-from tests.helpers.tiny import VARIED_REWARD, tiny_run, without_timing
+from tests.helpers.tiny import KEEP, VARIED_REWARD, tiny_run, without_timing
 
 
 def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
@@ -132,3 +132,36 @@ def test_summary_counts_the_cpu_seconds_of_every_attempt(tmp_path, monkeypatch):
         clock["now"] = 51.0
         again.log({"step": 2, "loss": 0.1})
     assert summary()["cpu_time_s"] == 3.5
+
+
+def test_an_ended_run_keeps_one_checkpoint_without_the_optimizer_and_started_again_trains_nothing(tmp_path):
+    """Else an ended run keeps two checkpoints with AdamW's moments (six copies of its weights) beside final/, and a
+    sweep of SmolLM2 runs fills a disk. What stays is what a run started again at its end reads."""
+    run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=2")
+    train(run, tmp_path / "run", progress=False)
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.pt"]
+    last = records.load_tensors(folder / "last.pt")
+    assert last["state"]["step"] == 2 and last["policy"] and not {"optimizer", "scheduler"} & set(last)
+    rows = without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    assert train(run, tmp_path / "run", progress=False)["status"] == "finished"  # nothing trained, nothing twice
+    assert without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == rows
+    kept = tiny_run(tmp_path, VARIED_REWARD, "train.steps=2", KEEP)
+    train(kept, tmp_path / "kept", progress=False)
+    assert {"optimizer", "scheduler"} <= set(records.load_tensors(tmp_path / "kept" / "checkpoints" / "last.pt"))
+    assert (tmp_path / "kept" / "checkpoints" / "previous.pt").exists()
+
+
+def test_an_ended_trl_run_keeps_its_newest_checkpoint_and_no_link_is_followed(tmp_path):
+    run = tiny_run(tmp_path)
+    run_dir, outside = tmp_path / "run", tmp_path / "outside.pt"
+    for step in (4, 8, 12):
+        (run_dir / "trl" / f"checkpoint-{step}").mkdir(parents=True)
+    outside.write_bytes(b"a user's file")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "previous.pt").symlink_to(outside)
+    holder = RunRecords(run, run_dir, None, None, "trl")
+    holder.end("finished")
+    holder.close(failed=False)
+    assert sorted(p.name for p in (run_dir / "trl").iterdir()) == ["checkpoint-12"]
+    assert (run_dir / "checkpoints" / "previous.pt").is_symlink() and outside.read_bytes() == b"a user's file"

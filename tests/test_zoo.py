@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from harness.apps import sweep, zoo
+from harness.apps import stamp, sweep, zoo
 from harness.apps.cli import main as cli_main
 from harness.run.config import run_id
 from harness.run.errors import ConfigError
@@ -213,7 +214,7 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
     folder = tmp_path / "zoo" / "screen"
     clock = iter([0.0, 600.0, 1000.0, 1001.0, 2000.0, 2002.0, 3000.0, 3001.0])
-    monkeypatch.setattr(zoo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(stamp, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # the timing's clock
 
     def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
         for run in runs:
@@ -225,7 +226,8 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     _, first = zoo.swept(cfg, runs, 2, False, False)
     assert "run or resumed in 10.0 min" in first and "had ended before" not in first
     _, again = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
-    assert again.startswith(first) and "found every run ended" in again
+    assert again.startswith(first) and "run or resumed in 10.0 min" in again
+    assert "found every run ended" in again and "found every run ended" not in first
     (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
     _, resumed = zoo.swept(cfg, runs, 2, False, False)
     assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed
@@ -238,7 +240,7 @@ def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):
     monkeypatch.setattr(zoo, "run_sweep", lambda cfg, runs, **kwargs: [{"status": "failed"}] * len(runs))
     (tmp_path / "zoo" / "screen").mkdir(parents=True)
     zoo.swept(cfg, runs, 2, False, False)
-    assert not (tmp_path / "zoo" / "screen" / zoo.STAMP).exists()  # its stamp would not be the whole stage's
+    assert not (tmp_path / "zoo" / "screen" / stamp.KEPT).exists()  # its stamp would not be the whole stage's
 
 
 @pytest.mark.slow  # four tiny warm starts, two processes at a time (~30 s)

@@ -22,7 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,14 +34,13 @@ from analysis.load import load_experiment as load_results
 from analysis.report import build_report, ci_text, md_table
 from analysis.stats import num
 from harness.apps.claims import ledger_rows, load_claims, run_source, start_seeds
-from harness.apps.stamp import ROOT, machine
+from harness.apps.stamp import ROOT, machine, timed_sweep
 from harness.apps.sweep import run_sweep
 from harness.apps.zoo import main as zoo
 from harness.run import names
 from harness.run.atomic import atomic_write
-from harness.run.config import load_experiment
+from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.provenance import code_record, runs_stamp
-from harness.run.records import run_status
 
 DOCS = ROOT / "docs"
 # experiment -> (report figure -> docs/ file name)
@@ -180,11 +178,8 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
     """Sweep ``name``, write its report, copy its figures; returns its section of the results page."""
     cfg = load_experiment(name, [f"results_dir={results_dir}"])
     exp_dir = results_dir / name
-    before = sum(run_status(run.parent) == "finished" for run in exp_dir.glob("*/summary.json"))
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    entries = run_sweep(cfg, jobs=jobs)
-    wall = time.perf_counter() - start
-    load_after = os.getloadavg()[0]
+    entries, timing = timed_sweep(exp_dir, [run_id(run) for run in run_configs(cfg)], jobs,
+                                  lambda: run_sweep(cfg, jobs=jobs))
     report = build_report(exp_dir).parent
     for figure, target in FIGURES.get(name, {}).items():
         if (report / f"{figure}.png").exists():
@@ -192,11 +187,10 @@ def document(name: str, results_dir: Path, jobs: int) -> str:
     finished = sum(e["status"] == "finished" for e in entries)
     figures = "".join(f"\n![{name} {figure}]({target})\n" for figure, target in FIGURES.get(name, {}).items())
     runs = runs_stamp(load_results(exp_dir).runs.to_dict("records"))
-    return (f"## {name}\n\n`make sweep EXP={name}` — {finished}/{len(entries)} runs finished in {wall / 60:.1f} min "
-            f"(wall time of the sweep, including a warm start when the cache lacked it; 1-minute load average "
-            f"{load_before:.2f} before, {load_after:.2f} after)"
-            + (f"; {before} of them had finished before this command (an earlier, interrupted `make docs` at this "
-               "code: resumed, not rerun, so the wall time covers the rest)" if before else "") + f". {runs}\n\n"
+    return (f"## {name}\n\n`make sweep EXP={name}` — {finished}/{len(entries)} runs finished in "
+            f"{timing.wall_s / 60:.1f} min (wall time of the sweep, including a warm start when the cache lacked it; "
+            f"1-minute load average {timing.load_before:.2f} before, {timing.load_after:.2f} after).{timing.note()} "
+            f"{runs}\n\n"
             f"### Verdict\n\n{verdict_list(report)}\n"
             f"### Start and end accuracy\n\n{(report / 'headline.md').read_text()}\n"
             f"### Eval accuracy\n\n{(report / 'eval_accuracy.md').read_text()}\n"

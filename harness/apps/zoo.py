@@ -30,9 +30,7 @@ family of comparisons with the baseline).
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -44,12 +42,12 @@ from analysis.load import load_experiment as load_results
 from analysis.report import build_report
 from analysis.stats import LEVEL, num
 from analysis.verdict import ALPHA
-from harness.apps.stamp import machine
+from harness.apps.stamp import SweepTime, timed_sweep
 from harness.apps.sweep import first_landing, run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
-from harness.run.records import ENDED, run_status
+from harness.run.records import ENDED
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
@@ -73,7 +71,6 @@ BASELINE = "grpo"
 CONFIRM_START_POLICIES = 3
 START_CANDIDATES = (2, 3, 4, 5, 6, 7, 8, 9)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
-STAMP = "stamp.json"  # in a stage's folder: the stamp of the command that ran all of its runs, and their ids
 
 
 def core_objectives() -> list[str]:
@@ -195,41 +192,21 @@ def screen_ended(folder: Path) -> bool:
     return bool(runs) and all(r.get("status") in ENDED for r in runs)
 
 
-def stamp(stage: str, entries: list[dict], wall: float, load_before: float, jobs: int) -> str:
+def stamp(stage: str, entries: list[dict], timing: SweepTime) -> str:
     ended = sum(e["status"] in ENDED for e in entries)
     return (f"`make zoo STAGE={stage}`: {ended}/{len(entries)} runs ended "
-            f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {wall / 60:.1f} min "
-            f"(1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after). Machine: "
-            f"{machine(jobs)}.")
-
-
-def read_stamp(path: Path, ids: list[str]) -> str | None:
-    """The stamp kept at ``path`` by the command that ran exactly the runs ``ids`` (None: none, or other runs')."""
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return kept.get("stamp") if isinstance(kept, dict) and kept.get("runs") == ids else None
+            f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {timing.wall_s / 60:.1f} "
+            f"min (1-minute load average {timing.load_before:.2f} before, {timing.load_after:.2f} after). Machine: "
+            f"{timing.machine}.{timing.note()}")
 
 
 def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
-    """The stage's sweep (run or resumed) and its stamp. A command that ran every one of a stage's runs to its end
-    keeps its stamp in STAMP; run again once every run has ended, the stage gives that stamp back (its wall time is
-    the stage's, not the seconds of finding the runs ended); resumed part-way, the stamp says how many runs had
-    ended before."""
-    folder = Path(cfg.results_dir) / cfg.name
-    before = sum(run_status(folder / run_id(run)) in ENDED for run in runs)
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    entries = run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow, command="zoo")
-    text = stamp(cfg.name, entries, time.perf_counter() - start, load_before, jobs)
-    kept, ids = folder / STAMP, sorted(run_id(run) for run in runs)
-    if before == 0 and all(e["status"] in ENDED for e in entries):  # a whole stage, measured by this command
-        atomic_write(kept, json.dumps({"runs": ids, "stamp": text}))
-    elif before == len(runs) and (earlier := read_stamp(kept, ids)):
-        text = f"{earlier} (This command found every run ended: the stamp is that of the command that ran them.)"
-    elif before:
-        text += f" {before} of them had ended before this command (resumed, not rerun: the wall time covers the rest)."
-    return entries, text
+    """The stage's sweep (run or resumed) and its stamp, timed by timed_sweep: found ended, a stage is stamped with
+    the time of the command that ran it, not the seconds of finding its runs ended."""
+    entries, timing = timed_sweep(Path(cfg.results_dir) / cfg.name, [run_id(run) for run in runs], jobs, lambda:
+                                  run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow,
+                                            command="zoo"))
+    return entries, stamp(cfg.name, entries, timing)
 
 
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,

@@ -54,7 +54,7 @@ from harness.loop.update import (
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
 from harness.policy.lora import export_merged, load_trained_state, trained_state
-from harness.run.records import RunRecords, export_policy, load_checkpoint, save_checkpoint
+from harness.run.records import RunRecords, export_policy, learner_parts, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
 
@@ -80,7 +80,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         learner = build_learner(run.policy, run.objective, t)
         if checkpoint:
             load_trained_state(learner.policy, checkpoint["policy"])  # the weights, or a LoRA policy's adapters
-            for part in ("optimizer", "scheduler"):
+            for part in learner_parts(t, state.step):  # none in a run's last checkpoint (harness/run/records.py)
                 getattr(learner, part).load_state_dict(checkpoint[part])
             learner.objective.load_state_dict(checkpoint.get("objective", {}))  # its own state (POPO's), if any
         pipeline = Pipeline(cfg, checkpoint.get("pipeline") if checkpoint else None)  # the batches sampled ahead
@@ -114,7 +114,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if step == t.steps or (t.save_every and step % t.save_every == 0):
                 save_checkpoint(run_dir, {"policy": trained_state(learner.policy),
                                           **{part: getattr(learner, part).state_dict()
-                                             for part in ("optimizer", "scheduler")},
+                                             for part in learner_parts(t, step)},
                                           "objective": learner.objective.state_dict(),
                                           "pipeline": pipeline.state_dict(), "state": dataclasses.asdict(state)})
         bar.close()
@@ -122,7 +122,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             export_policy(run.policy, run.tokenizer, run_dir / "final")  # a LoRA policy: its adapters
             if cfg.model.lora.export_merged:
                 export_merged(run.policy, run.tokenizer, run_dir / "final" / "merged")
-    return records.summary(status)
+    return records.end(status)  # summary.json; the checkpoints no run reads again removed (records.py)
 
 
 def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState,

@@ -610,4 +610,4 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         if lora.export_merged and records.main:
             policy = trainer.accelerator.unwrap_model(trainer.model)
             export_merged(policy, setup.tokenizer, run_dir / "final" / "merged")
-    return records.summary("finished")
+    return records.end("finished")  # summary.json; the checkpoints no run reads again removed (records.py)

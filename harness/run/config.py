@@ -205,6 +205,9 @@ class TrainConfig:
     eval_batch_size: int = 64
     pass_k: int = 0  # also pass@k at evaluation (k samples per problem); 0 = off
     save_every: int = 1  # a checkpoint every N steps (resume): a kill loses at most the unfinished steps since
+    # keep both last checkpoints, the optimizer's state included, once the run has ended; default: only the newest,
+    # without the optimizer's state (no update follows; AdamW's moments are two copies of the weights per checkpoint)
+    keep_checkpoints: bool = False
     export_every: int = 0  # save_pretrained the policy to exports/step_N/ every N steps; 0 = final/ only
 
 

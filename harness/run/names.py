@@ -168,6 +168,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.eval_batch_size", "— (nearest: `per_device_eval_batch_size`)"),
     Name("train.pass_k", "—", f"`{R}val_kwargs.n`"),
     Name("train.save_every", "`save_steps` (optimizer steps)", "`trainer.save_freq`"),
+    Name("train.keep_checkpoints", "— (nearest: `save_total_limit`)", "— (nearest: `trainer.max_actor_ckpt_to_keep`)"),
     Name("train.export_every"),
     Name("sweep.grid"),
     Name("sweep.per_objective"),

@@ -10,7 +10,8 @@
                                    (``segments``: harness/run/provenance.py); written atomically.
                                    "running" is only true while a process holds <run_dir>/.run.lock: read the
                                    status with run_status(), which says "stopped" for a killed run
-    <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt)
+    <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt); once the run has
+                                   ended, last.pt alone, without the optimizer's state (RunRecords.end, learner_parts)
     <run_dir>/final/               the trained policy in transformers' format (save_pretrained), at the end
     <run_dir>/exports/step_<N>/    the same every ``train.export_every`` steps (both backends)
     <run_dir>/tensorboard/, wandb/ the trackers of ``logging.backends`` beyond jsonl (harness/run/tracking.py)
@@ -29,6 +30,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -410,6 +412,22 @@ class RunRecords:
             write_json_atomic(self.run_dir / "summary.json", data)
         return data
 
+    def end(self, status: str) -> dict:
+        """The ended run's summary.json (``status``: finished or diverged: ENDED); then, unless
+        ``train.keep_checkpoints``, the checkpoints it no longer needs: checkpoints/previous.pt and every
+        trl/checkpoint-<N>/ but the newest. The newest stays (a run started again after its end resumes there: it
+        trains nothing, and writes its summary and final/ again); each removed one holds AdamW's moments, two more
+        copies of the weights. A link is not followed (nor removed); a kill mid-way leaves files no run reads."""
+        data = self.summary(status)
+        if self.main and not self.cfg.train.keep_checkpoints:
+            numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in (self.run_dir / "trl").glob("checkpoint-*")
+                              if p.name.rsplit("-", 1)[1].isdigit())
+            for path in (self.run_dir / "checkpoints" / "previous.pt", *(p for _, p in numbered[:-1])):
+                if path.is_symlink() or not path.exists():
+                    continue
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        return data
+
     def collapse(self) -> dict | None:
         """The collapse record of the rows logged so far (harness/run/collapse.py's format, with the rule), or None.
         Rows come in step order, so an onset found once stays the one found later."""
@@ -484,6 +502,14 @@ def save_checkpoint(run_dir: Path, payload: dict) -> None:
     if last.exists():
         os.replace(last, folder / "previous.pt")
     os.replace(tmp, last)
+
+
+def learner_parts(train: DictConfig, step: int) -> tuple[str, ...]:
+    """What of the learner a checkpoint at ``step`` holds besides the policy and the loop's state: the optimizer and
+    its schedule, except at the run's last step unless ``train.keep_checkpoints`` (no update follows it: a run
+    started again there only exports and summarises; AdamW's moments are two copies of the
+    weights)."""
+    return ("optimizer", "scheduler") if step < train.steps or train.keep_checkpoints else ()
 
 
 def load_tensors(path: Path, device: torch.device | str = "cpu"):

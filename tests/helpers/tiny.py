@@ -17,6 +17,7 @@ TINY_RUN = [
 # penalty (completions past 8 - 6 = 2 tokens lose reward) varies with each completion's length: gradients that are
 # not 0. The native loop's (TRL's backend refuses the penalty).
 VARIED_REWARD = "task.overlong_buffer=6"
+KEEP = "train.keep_checkpoints=true"  # a test that reads previous.pt or the optimizer of an ended run (else removed)
 
 
 def tiny_run(tmp_path, *overrides):
