@@ -26,7 +26,7 @@ from objectives.popo import (
     popo_weights,
 )
 from tests.helpers.interrupt import full_and_resumed
-from tests.helpers.tiny import TINY_SPEC, tiny_run
+from tests.helpers.tiny import KEEP, TINY_SPEC, tiny_run
 
 DT = torch.float64
 G = 4  # generations per prompt
@@ -267,7 +267,7 @@ def test_popo_trains_in_the_loop_and_a_killed_run_resumes_exactly(tmp_path):
     policy, predictor and target as the uninterrupted run. A random tiny policy solves nothing: tau_r = -1.5 under the
     overlong penalty (rewards in [-1, 0]) makes every completion a positive, weighted by its log-probability."""
     run = tiny_run(tmp_path, "objective.name=popo", "objective.params.tau_r=-1.5", "objective.params.tau=0.5",
-                   "objective.params.predictor_hidden_dim=16", "task.overlong_buffer=6", "train.steps=3")
+                   "objective.params.predictor_hidden_dim=16", "task.overlong_buffer=6", "train.steps=3", KEEP)
     full, part = full_and_resumed(train, run, tmp_path, step=3)
     assert [r["step"] for r in part] == [0, 1, 2, 3] and part == full
     assert all(r["popo_sim"] != 0 and r["popo_positive_frac"] == 1 and r["grad_norm"] > 0 for r in full[1:])
