@@ -155,8 +155,10 @@ def test_an_ended_run_keeps_one_checkpoint_without_the_optimizer_and_started_aga
 def test_an_ended_trl_run_keeps_its_newest_checkpoint_and_no_link_is_followed(tmp_path):
     run = tiny_run(tmp_path)
     run_dir, outside = tmp_path / "run", tmp_path / "outside.pt"
-    for step in (4, 8, 12):
+    for step in (4, 8, 12, 16):  # checkpoint-16: cut short (no trainer_state.json)
         (run_dir / "trl" / f"checkpoint-{step}").mkdir(parents=True)
+        if step < 16:
+            (run_dir / "trl" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     outside.write_bytes(b"a user's file")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "previous.pt").symlink_to(outside)

@@ -414,18 +414,24 @@ class RunRecords:
 
     def end(self, status: str) -> dict:
         """The ended run's summary.json (``status``: finished or diverged: ENDED); then, unless
-        ``train.keep_checkpoints``, the checkpoints it no longer needs: checkpoints/previous.pt and every
-        trl/checkpoint-<N>/ but the newest. The newest stays (a run started again after its end resumes there: it
-        trains nothing, and writes its summary and final/ again); each removed one holds AdamW's moments, two more
-        copies of the weights. A link is not followed (nor removed); a kill mid-way leaves files no run reads."""
+        ``train.keep_checkpoints``, the checkpoints it no longer needs: checkpoints/previous.pt, and every
+        trl/checkpoint-<N>/ but the newest whole one (torn ones too). What stays is what a run started again after
+        its end resumes from (it trains nothing, and writes its summary and final/ again); each removed checkpoint
+        holds AdamW's moments, two more copies of the weights. A link is neither followed nor removed; a kill
+        mid-way leaves files no run reads."""
         data = self.summary(status)
-        if self.main and not self.cfg.train.keep_checkpoints:
-            numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in (self.run_dir / "trl").glob("checkpoint-*")
-                              if p.name.rsplit("-", 1)[1].isdigit())
-            for path in (self.run_dir / "checkpoints" / "previous.pt", *(p for _, p in numbered[:-1])):
-                if path.is_symlink() or not path.exists():
-                    continue
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        if not self.main or self.cfg.train.keep_checkpoints:
+            return data
+        numbered = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in (self.run_dir / "trl").glob("checkpoint-*")
+                          if p.name.rsplit("-", 1)[1].isdigit())
+        whole = [p for _, p in numbered if (p / "trainer_state.json").is_file()]  # Trainer writes it last
+        for path in (self.run_dir / "checkpoints" / "previous.pt", *(p for _, p in numbered if p not in whole[-1:])):
+            if path.is_symlink() or not path.exists():
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         return data
 
     def collapse(self) -> dict | None:
@@ -507,8 +513,7 @@ def save_checkpoint(run_dir: Path, payload: dict) -> None:
 def learner_parts(train: DictConfig, step: int) -> tuple[str, ...]:
     """What of the learner a checkpoint at ``step`` holds besides the policy and the loop's state: the optimizer and
     its schedule, except at the run's last step unless ``train.keep_checkpoints`` (no update follows it: a run
-    started again there only exports and summarises; AdamW's moments are two copies of the
-    weights)."""
+    started again there only exports and summarises; AdamW's moments are two copies of the weights)."""
     return ("optimizer", "scheduler") if step < train.steps or train.keep_checkpoints else ()
 
 
