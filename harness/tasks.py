@@ -344,17 +344,9 @@ class Arith(Task):
         space = 10 ** (self.digits * self.num_operands) * len(operators) ** (self.num_operands - 1)
         if self.eval_size > space // 2:
             raise ValueError(f"eval_size={self.eval_size} is over half of the {space} possible problems")
-        eval_rng, train_rng = random.Random(f"arith-eval-{self.seed}"), random.Random(f"arith-train-{self.seed}")
-        seen: set[str] = set()
-        while len(self._eval) < self.eval_size:
-            problem = self._sample(eval_rng, operators)
-            if problem.question not in seen:
-                seen.add(problem.question)
-                self._eval.append(problem)
-        while len(self._train) < self.train_size:
-            problem = self._sample(train_rng, operators)
-            if problem.question not in seen:
-                self._train.append(problem)
+        eval_problems, train_problems = _arith_problems(self.num_operands, self.digits, tuple(operators), self.seed,
+                                                        self.train_size, self.eval_size)
+        self._eval, self._train = list(eval_problems), list(train_problems)
 
     def train_problems(self) -> Sequence[Problem]:
         return self._train
@@ -367,16 +359,34 @@ class Arith(Task):
         well_formed = predicted is not None and re.fullmatch(r"-?[0-9]+", predicted) is not None
         return Score(correct=float(well_formed and predicted == problem.answer), format=float(well_formed))
 
-    def _sample(self, rng: random.Random, operators: list[str]) -> Problem:
-        operands = [rng.randrange(10**self.digits) for _ in range(self.num_operands)]
-        ops = [rng.choice(operators) for _ in range(self.num_operands - 1)]
+
+
+@functools.lru_cache(maxsize=8)  # a worker process's runs (harness/apps/worker.py) build the same problems once
+def _arith_problems(num_operands: int, digits: int, operators: tuple[str, ...], seed: int, train_size: int,
+                    eval_size: int) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
+    """:class:`Arith`'s eval and train problems (its docstring), immutable."""
+    eval_rng, train_rng = random.Random(f"arith-eval-{seed}"), random.Random(f"arith-train-{seed}")
+
+    def sample(rng: random.Random) -> Problem:
+        operands = [rng.randrange(10**digits) for _ in range(num_operands)]
+        ops = [rng.choice(operators) for _ in range(num_operands - 1)]
         expression = str(operands[0]) + "".join(op + str(x) for op, x in zip(ops, operands[1:], strict=True))
         answer = str(_evaluate(operands, ops))
-        return Problem(
-            question=f'What is {expression}? Answer after "####".',
-            answer=answer,
-            solution=f"{expression}={answer} #### {answer}",
-        )
+        return Problem(question=f'What is {expression}? Answer after "####".', answer=answer,
+                       solution=f"{expression}={answer} #### {answer}")
+
+    seen: set[str] = set()
+    eval_problems, train_problems = [], []
+    while len(eval_problems) < eval_size:
+        problem = sample(eval_rng)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            eval_problems.append(problem)
+    while len(train_problems) < train_size:
+        problem = sample(train_rng)
+        if problem.question not in seen:
+            train_problems.append(problem)
+    return tuple(eval_problems), tuple(train_problems)
 
 
 def _evaluate(operands: list[int], ops: list[str]) -> int:

@@ -224,7 +224,7 @@ def cmd_bench(args) -> int:
         if args.sweep_throughput:
             from harness.apps.throughput import main as throughput
 
-            return throughput(args.overrides, jobs=args.jobs)
+            return throughput(args.overrides, jobs=args.jobs, rev=args.against)
         if args.busy:
             return busy_main(args.overrides)
         if args.step:
@@ -452,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="runs per CPU-hour of quickstart's sweep (with the overrides), a process per run against "
                             "worker processes, and whether both give the same runs (harness/apps/throughput.py)")
     bench.add_argument("--jobs", type=positive_int, default=2, help="--sweep-throughput: runs at once")
+    bench.add_argument("--against", metavar="REV", default=None,
+                       help="--sweep-throughput: also the sweep at commit REV, a process per run, and this code's "
+                            "runs per CPU-hour over REV's")
     bench.add_argument("--memory", action="store_true",
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")

@@ -1,7 +1,7 @@
 """`python -m harness bench --sweep-throughput`: runs per CPU-hour of one sweep, a process per run against the
 worker processes (harness/apps/worker.py), and whether the two give the same runs.
 
-    python -m harness bench --sweep-throughput [--jobs 2] [key=value ...]   # quickstart's sweep and the overrides
+    python -m harness bench --sweep-throughput [--jobs 2] [--against REV] [key=value ...]   # quickstart's sweep
         -> results/bench/throughput.json, one table on stdout
 
 The sweep is run twice into fresh folders, with the same ``jobs``, first with ``launcher.runs_per_process=1`` (each
@@ -12,6 +12,12 @@ neither. Each side's CPU time is the user + system time of the sweep's process a
 (``resource.getrusage(RUSAGE_CHILDREN)`` around it), not the wall time: on a shared machine the wall time measures
 the other processes too. Then every run's metrics (without timings) and per-problem eval records are compared
 between the two sides: they must be equal, bit for bit.
+
+``--against REV``: the same sweep also runs, a process per run, in a checkout of the commit ``REV`` (a git worktree,
+removed after; its starting policy prepared there first, counted in neither), and the result adds the runs per
+CPU-hour of this code's default launch (workers) over REV's with a process per run: the gain from REV's
+launch to this code's, on the same sweep and machine. Its runs are not compared with this code's (another code
+version computes otherwise: a kernel, a recipe).
 """
 
 from __future__ import annotations
@@ -39,12 +45,36 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def harness(args: list[str]) -> tuple[int, float, float]:
-    """``python -m harness <args>`` in the checkout: its exit status, its CPU seconds (its own and its descendants')
-    and its wall seconds."""
+def harness(args: list[str], root: Path = ROOT) -> tuple[int, float, float]:
+    """``python -m harness <args>`` in the checkout ``root``: its exit status, its CPU seconds (its own and its
+    descendants') and its wall seconds."""
     cpu, start = children_cpu_s(), time.perf_counter()
-    code = subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, stdout=subprocess.DEVNULL).returncode
+    code = subprocess.run([sys.executable, "-m", "harness", *args], cwd=root, stdout=subprocess.DEVNULL).returncode
     return code, children_cpu_s() - cpu, time.perf_counter() - start
+
+
+def measured(label: str, root: Path, per_process: int, folder: Path, overrides: list[str], jobs: int,
+             runs: int) -> dict:
+    """One side: the sweep into ``folder`` from the checkout ``root``, ``per_process`` runs per process."""
+    code, cpu, wall = harness(["sweep", EXPERIMENT, *overrides, f"results_dir={folder}", "--jobs", str(jobs),
+                               f"launcher.runs_per_process={per_process}", "--no-report", "--no-progress"], root)
+    print(f"{label}: {cpu:.1f} CPU-s ({cpu / runs:.1f} per run), {wall:.0f} s wall, exit {code}", file=sys.stderr)
+    return {"side": label, "runs_per_process": per_process, "exit": code, "cpu_s": round(cpu, 1),
+            "wall_s": round(wall, 1), "runs_per_cpu_hour": round(runs * 3600 / cpu, 1)}
+
+
+def against(rev: str, tmp: Path, overrides: list[str], jobs: int, runs: int) -> dict:
+    """The sweep in a worktree of ``rev``, a process per run (module docstring); its starting policy prepared first."""
+    worktree = tmp / "against"
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), rev], cwd=ROOT, check=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=worktree, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        code, _, _ = harness(["prepare", EXPERIMENT, *overrides], worktree)
+        side = measured(f"{commit}, a process per run", worktree, 1, tmp / "rev", overrides, jobs, runs)
+        return {**side, "exit": code or side["exit"], "commit": commit}
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, check=False)
 
 
 def same_runs(first: Path, second: Path, ids: list[str]) -> list[str]:
@@ -57,8 +87,8 @@ def same_runs(first: Path, second: Path, ids: list[str]) -> list[str]:
     return [rid for rid in ids if records(first, rid) != records(second, rid) or not records(first, rid)[0]]
 
 
-def main(overrides: list[str], jobs: int = 2) -> int:
-    """Measure both sides (module docstring); 0 when every run ended the same on both."""
+def main(overrides: list[str], jobs: int = 2, rev: str | None = None) -> int:
+    """Measure both sides, and REV's with ``rev`` (module docstring); 0 when every run ended the same on both."""
     cfg = load_experiment(EXPERIMENT, overrides)
     ids = [run_id(run) for run in run_configs(cfg)]
     print(f"sweep throughput: {EXPERIMENT} {' '.join(overrides)}: {len(ids)} runs, {jobs} at a time, each side "
@@ -67,26 +97,26 @@ def main(overrides: list[str], jobs: int = 2) -> int:
     if code:
         print(f"error: preparing the starting policy failed (exit {code})", file=sys.stderr)
         return 1
-    sides = []
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
-        for label, per_process in SIDES:
-            folder = Path(tmp) / str(per_process)
-            code, cpu, wall = harness(["sweep", EXPERIMENT, *overrides, f"results_dir={folder}", "--jobs", str(jobs),
-                                       f"launcher.runs_per_process={per_process}", "--no-report", "--no-progress"])
-            sides.append({"side": label, "runs_per_process": per_process, "exit": code, "cpu_s": round(cpu, 1),
-                          "wall_s": round(wall, 1), "runs_per_cpu_hour": round(len(ids) * 3600 / cpu, 1)})
-            print(f"{label}: {cpu:.1f} CPU-s ({cpu / len(ids):.1f} per run), {wall:.0f} s wall, exit {code}",
-                  file=sys.stderr)
+        before = against(rev, Path(tmp), overrides, jobs, len(ids)) if rev else None
+        sides = [measured(label, ROOT, per_process, Path(tmp) / str(per_process), overrides, jobs, len(ids))
+                 for label, per_process in SIDES]
         differ = same_runs(*(Path(tmp) / str(p) / cfg.name for _, p in SIDES), ids)
     ratio = sides[0]["cpu_s"] / sides[1]["cpu_s"]
     result = {"experiment": EXPERIMENT, "overrides": overrides, "runs": len(ids), "jobs": jobs,
               "prepare_cpu_s": round(prepare_s, 1), "sides": sides, "ratio": round(ratio, 3),
               "runs_differ": differ, "load_after": os.getloadavg()[0]}
+    summary = (f"runs per CPU-hour: {sides[0]['runs_per_cpu_hour']:g} ({sides[0]['side']}), "
+               f"{sides[1]['runs_per_cpu_hour']:g} ({sides[1]['side']}): {ratio:.2f}x; runs equal on both sides: "
+               f"{len(ids) - len(differ)}/{len(ids)}" + (f" (differ: {', '.join(differ)})" if differ else ""))
+    if before:
+        gain = before["cpu_s"] / sides[1]["cpu_s"]
+        result.update(against=before, ratio_against=round(gain, 3))
+        summary += (f"\nagainst {before['side']}: {before['runs_per_cpu_hour']:g} runs per CPU-hour; this code's "
+                    f"workers {gain:.2f}x that")
     out = Path(cfg.results_dir) / "bench" / "throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(result, indent=1) + "\n")
-    print(f"runs per CPU-hour: {sides[0]['runs_per_cpu_hour']:g} ({sides[0]['side']}), "
-          f"{sides[1]['runs_per_cpu_hour']:g} ({sides[1]['side']}): {ratio:.2f}x; runs equal on both sides: "
-          f"{len(ids) - len(differ)}/{len(ids)}" + (f" (differ: {', '.join(differ)})" if differ else "")
-          + f"\nwritten: {out}")
-    return 0 if not differ and not any(s["exit"] for s in sides) else 1
+    print(f"{summary}\nwritten: {out}")
+    failed = any(s["exit"] for s in sides) or bool(before and before["exit"])
+    return 0 if not differ and not failed else 1

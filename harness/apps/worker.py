@@ -17,6 +17,7 @@ worker in a process list (``make soak`` finds a sweep's runs by it).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -54,6 +55,7 @@ def serve(requests: IO[str], main: Callable[[list[str]], int]) -> int:
     from harness.run.provenance import code_record
 
     code_record()  # the code this process imported, recorded before a later edit of the checkout could be read
+    gc.freeze()  # the imports' objects live as long as the process: a run's gc.collect (loop/build.py) skips them
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     for line in requests:

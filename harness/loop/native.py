@@ -54,6 +54,7 @@ from harness.loop.update import (
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
 from harness.policy.lora import export_merged, load_trained_state, trained_state
+from harness.policy.matmul import cpu_matmul
 from harness.run.records import RunRecords, export_policy, learner_parts, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
@@ -86,37 +87,39 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         pipeline = Pipeline(cfg, checkpoint.get("pipeline") if checkpoint else None)  # the batches sampled ahead
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
-        if state.step == 0:  # the starting policy's evaluation is step 0
-            evaluation, samples = evaluated(run, cfg, 0)
-            records.log({"step": 0, **evaluation}, samples)
-        status = "finished"
-        for step in range(state.step + 1, t.steps + 1):
-            # 1-4. rollout, behaviour log-probs, advantages, update
-            row = train_step(run, learner, cfg, step, state, pipeline)
-            # 5. evaluation
-            samples = None
-            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-                evaluation, samples = evaluated(run, cfg, step)
-                row.update(evaluation)
-            # 6. records and checkpoint
-            count(records, state)
-            records.log(row, samples)
-            bar.update(1)
-            bar.set_postfix(progress_fields(row, records.rows))
-            if state.nonfinite_in_row >= t.max_nonfinite_in_row:  # diverged: the records so far stay as they are
-                status = "diverged"
-                tqdm.write(f"diverged: {state.nonfinite_in_row} updates in a row had a non-finite loss or gradient "
-                           f"(step {step}); the run stops here (a lower train.lr, or check the objective's inputs)",
-                           file=sys.stderr)
-                break
-            if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
-                export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
-            if step == t.steps or (t.save_every and step % t.save_every == 0):
-                save_checkpoint(run_dir, {"policy": trained_state(learner.policy),
-                                          **{part: getattr(learner, part).state_dict()
-                                             for part in learner_parts(t, step)},
-                                          "objective": learner.objective.state_dict(),
-                                          "pipeline": pipeline.state_dict(), "state": dataclasses.asdict(state)})
+        # the run's linear layers on the kernel of train.cpu_matmul (the warm start pins its own)
+        with cpu_matmul(t.cpu_matmul):
+            if state.step == 0:  # the starting policy's evaluation is step 0
+                evaluation, samples = evaluated(run, cfg, 0)
+                records.log({"step": 0, **evaluation}, samples)
+            status = "finished"
+            for step in range(state.step + 1, t.steps + 1):
+                # 1-4. rollout, behaviour log-probs, advantages, update
+                row = train_step(run, learner, cfg, step, state, pipeline)
+                # 5. evaluation
+                samples = None
+                if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                    evaluation, samples = evaluated(run, cfg, step)
+                    row.update(evaluation)
+                # 6. records and checkpoint
+                count(records, state)
+                records.log(row, samples)
+                bar.update(1)
+                bar.set_postfix(progress_fields(row, records.rows))
+                if state.nonfinite_in_row >= t.max_nonfinite_in_row:  # diverged: the records so far stay as they are
+                    status = "diverged"
+                    tqdm.write(f"diverged: {state.nonfinite_in_row} updates in a row had a non-finite loss or gradient "
+                               f"(step {step}); the run stops here (a lower train.lr, or check the objective's inputs)",
+                               file=sys.stderr)
+                    break
+                if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
+                    export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
+                if step == t.steps or (t.save_every and step % t.save_every == 0):
+                    save_checkpoint(run_dir, {"policy": trained_state(learner.policy),
+                                              **{part: getattr(learner, part).state_dict()
+                                                 for part in learner_parts(t, step)},
+                                              "objective": learner.objective.state_dict(),
+                                              "pipeline": pipeline.state_dict(), "state": dataclasses.asdict(state)})
         bar.close()
         if records.main and status == "finished":
             export_policy(run.policy, run.tokenizer, run_dir / "final")  # a LoRA policy: its adapters

@@ -76,6 +76,7 @@ from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
 from harness.policy.forward import CHECKPOINT_KWARGS
 from harness.policy.lora import PEFT_PATTERN_NOTE, adapted, export_merged, lora_settings
+from harness.policy.matmul import cpu_matmul
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, full_layout, routing_of
 from harness.run.atomic import TMP, atomic_write
@@ -604,7 +605,8 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         trainer.remove_callback(ProgressCallback)
         if progress:
             trainer.add_callback(ProgressLine(records))
-        with no_save_progress_bar():  # a "Writing model shards" bar per checkpoint
+        # a "Writing model shards" bar per checkpoint; the linear layers on train.cpu_matmul's kernel
+        with no_save_progress_bar(), cpu_matmul(cfg.train.cpu_matmul):
             trainer.train(resume_from_checkpoint=checkpoint)
         save_model(trainer, run_dir / "final", records.main)  # a LoRA policy: its adapters
         if lora.export_merged and records.main:

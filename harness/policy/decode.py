@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.lora import merged_linear
+from harness.policy.matmul import linear, linear_add
 from harness.policy.routing import recording
 
 DECODERS = ("auto", "shared_prefix", "per_row", "cache")  # train.decoder: build_decoder's kinds
@@ -98,13 +99,13 @@ class Matmul:
     (gate+up, the LM head) through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel torch.compile's CPU
     backend uses for linear layers) with the weights reordered into its layout, which runs decode's few rows of
     those wide shapes faster than the default MKL GEMM on this project's CPU; the narrower ones (q+k+v, o, down:
-    MKL faster, with 1 and 2 threads) and the small ones (where oneDNN's per-call cost loses) through ``F.linear``
-    (``make bench MATMULS=1``, docs/benchmark.md). The stacked copy holds those weights a second time while the rollout
-    runs (the size of those weights); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot be traced)
-    keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few kernel
-    launches; a module with hooks) the modules themselves, outputs concatenated (a LoRA layer then adds its adapters'
-    two small matmuls). Results agree to
-    float round-off (tests/test_decode.py).
+    MKL faster, with 1 and 2 threads) and the small ones (where oneDNN's per-call cost loses) through
+    :func:`harness.policy.matmul.linear`: ``F.linear``, or under ``train.cpu_matmul=onednn`` oneDNN on the weights as
+    they are (``make bench MATMULS=1``, docs/benchmark.md). The stacked copy holds those weights a second time while
+    the rollout runs (the size of those weights); ``onednn=False`` (a step to compile: oneDNN's weight layout cannot
+    be traced) keeps ``F.linear``. Elsewhere (a GPU, where a second copy of a large model's weights is not worth a few
+    kernel launches; a module with hooks) the modules themselves, outputs concatenated (a LoRA layer then adds its
+    adapters' two small matmuls). Results agree to float round-off (tests/test_decode.py).
     """
 
     def __init__(self, *modules, onednn: bool = True):
@@ -126,11 +127,11 @@ class Matmul:
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """The outputs [n, out], plus ``residual`` [n, out] if given (added inside the matmul where it can be)."""
         if self.kind == "stacked" and residual is not None and self.bias is None:
-            return torch.addmm(residual, x, self.weight.t())
+            return linear_add(residual, x, self.weight)
         if self.kind == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         elif self.kind == "stacked":
-            out = torch.nn.functional.linear(x, self.weight, self.bias)
+            out = linear(x, self.weight, self.bias)
         else:
             out = torch.cat([m(x) for m in self.modules], -1) if len(self.modules) > 1 else self.modules[0](x)
         return out if residual is None else residual + out

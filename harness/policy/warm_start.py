@@ -26,6 +26,7 @@ from safetensors.torch import save_model as save_safetensors
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from harness.policy.matmul import cpu_matmul
 from harness.policy.models import build_prompt, cache_dir
 from harness.policy.sampler import sample_problems
 from harness.run.atomic import atomic_write
@@ -36,13 +37,15 @@ from harness.tasks import Task
 
 log = logging.getLogger(__name__)
 
-WARM_START_RECIPE = 2  # bump on a change to the recipe that the source hash below would not see
+WARM_START_RECIPE = 3  # bump on a change to the recipe that the source hash below would not see (3: oneDNN's kernels)
 # Torch threads of the warm start's training and checks, whatever the caller's: CPU reductions round differently with
 # another count, and over a warm start's many steps the weights part ways (stopping at another step, with another
 # eval accuracy: docs/loop.md, "The starting policy"). Every run of a sweep starts from this one policy, so a
 # difference here is shared by all its seeds, not averaged out by them; a fixed count builds the same starting policy
 # on an idle or a busy machine and with any number of cores (on one CPU family: other instruction sets round otherwise).
 WARM_START_THREADS = 1
+# The kernel of its linear layers, whatever the run's train.cpu_matmul (harness/policy/matmul.py), for the same reason.
+WARM_START_MATMUL = "onednn"
 CHECK_CHUNK = 64  # check-set problems per sampler call
 MISSED_SUFFIX = ".missed.json"  # beside the cached policies: a recipe that missed its band, its error and checks
 
@@ -198,10 +201,10 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
 
     start = time.perf_counter()
     report.building()
-    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS,
+    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS, "cpu_matmul": WARM_START_MATMUL,
              "torch_version": torch.__version__, "transformers_version": transformers.__version__}
     try:
-        with fixed_threads(WARM_START_THREADS):
+        with fixed_threads(WARM_START_THREADS), cpu_matmul(WARM_START_MATMUL):
             step, checks = _train(model, tokenizer, task, recipe, report)
     except WarmStartError as e:  # recorded: the same recipe would train to the same miss
         record = {**built, "error": str(e), "wall_time_s": round(time.perf_counter() - start, 2),

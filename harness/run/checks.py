@@ -27,6 +27,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "config": {"task": "harness.tasks", "model": "harness.policy.models", "warm_start": "harness.policy.warm_start",
                "lora": "harness.policy.lora",
                "device": "harness.policy.device", "sampler": "harness.policy.sampler",
+               "cpu_matmul": "harness.policy.matmul",
                "routing_replay": "harness.policy.routing", "rollout_lag": "harness.loop.pipeline",
                "tracking": "harness.run.tracking", "backend": "harness.loop.backends"},
     "machine": {"hub_model": "harness.policy.models"},

@@ -157,6 +157,7 @@ NAMES: tuple[Name, ...] = (
     Name("train.decoder"),
     Name("train.compile_sampler"),
     Name("train.padding_free", "—", "`actor_rollout_ref.model.use_remove_padding`"),
+    Name("train.cpu_matmul"),
     Name("train.routing_replay", "—", f"`{A}router_replay.mode` (disabled / R2 / R3)"),
     Name("train.lm_head_chunk", "— (nearest: `use_liger_kernel`'s fused linear cross-entropy)",
          f"— (nearest: `actor_rollout_ref.model.use_fused_kernels`; `{A}entropy_from_logits_with_chunking`)"),

@@ -1,0 +1,114 @@
+"""The CPU kernel of a native run's float32 linear layers (``train.cpu_matmul``): torch's default, MKL's GEMM, or
+oneDNN's, the library torch.compile's CPU backend uses for linear layers.
+
+    with cpu_matmul("onednn"):        # every nn.Linear forward and backward, and the decoders' stacked matmuls
+        ...                           # (harness/policy/decode.py), on CPU float32 inputs of >= ONEDNN_MIN_ROWS rows
+    y = linear(x, weight, bias)       # F.linear, through the kernel of the current scope
+
+Both compute y = x W^T + b in float32 with float32 accumulation; they differ in the order of their sums, so a run's
+numbers agree to float round-off, not bit for bit, between the kernels, and are bit-equal from run to run under
+one. MKL dispatches its GEMM by CPU vendor: on AMD processors it takes a narrower code path than the instruction set
+allows, which oneDNN (dispatching by instruction set) does not (``make bench MATMULS=1`` compares them;
+docs/benchmark.md). A few rows pay oneDNN's larger fixed cost per call, so inputs of fewer than
+:data:`ONEDNN_MIN_ROWS` rows keep torch's kernel (the shape decides, never a timing: the same run takes the same
+kernels on every machine). Outside a scope, and for every other dtype or device, torch's kernel runs. The warm start
+(harness/policy/warm_start.py) runs in a scope of its own (``WARM_START_MATMUL``), so a starting policy does not
+depend on the run's setting.
+
+The backward of a oneDNN linear runs oneDNN too: dL/dx = dL/dy W, dL/dW = (dL/dy)^T x, dL/db = the sum of dL/dy
+over rows (:class:`_OneDnnLinear`; tests/test_matmul.py pins value and gradient to F.linear's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
+
+KERNELS = ("onednn", "torch")  # train.cpu_matmul
+ONEDNN_MIN_ROWS = 16  # fewer rows (a decode step's last rows): MKL's smaller per-call cost wins
+_scope = ["torch"]  # the kernel of the innermost cpu_matmul scope
+
+
+@register_check("cpu_matmul")
+def check_cpu_matmul(run: DictConfig) -> None:
+    """``train.cpu_matmul``: one of :data:`KERNELS`."""
+    if run.train.cpu_matmul not in KERNELS:
+        raise ConfigError(f"train.cpu_matmul must be one of {', '.join(KERNELS)}, got {run.train.cpu_matmul!r}")
+
+
+@contextmanager
+def cpu_matmul(kernel: str) -> Iterator[None]:
+    """Inside: ``nn.Linear`` modules and :func:`linear` run ``kernel`` (:data:`KERNELS`) where it applies (module
+    docstring); restored on leaving."""
+    if kernel not in KERNELS:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    forward = torch.nn.Linear.forward
+    _scope.append(kernel)
+    torch.nn.Linear.forward = _module_forward
+    try:
+        yield
+    finally:
+        _scope.pop()
+        torch.nn.Linear.forward = forward
+
+
+def onednn_applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`linear` of ``x`` by ``weight`` runs oneDNN here: its scope, CPU float32, enough rows."""
+    return (_scope[-1] == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (x.is_mkldnn or weight.is_mkldnn) and x.dim() >= 2
+            and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and _AVAILABLE)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` through the current scope's kernel."""
+    if not onednn_applies(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _OneDnnLinear.apply(x, weight, bias)
+    return _onednn(x, weight, bias)
+
+
+def linear_add(residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """``residual + x W^T`` (x [n, in]), the sum inside the matmul: ``torch.addmm`` or oneDNN's add post-op."""
+    if onednn_applies(x, weight):
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, None, "add")
+    return torch.addmm(residual, x, weight.t())
+
+
+def _module_forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """y = x W^T + b through oneDNN, its gradients through oneDNN too (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = _onednn(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
+        inputs = x.reshape(-1, x.shape[-1])
+        grad_weight = _onednn(rows.t(), inputs.t(), None) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
+_AVAILABLE = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
