@@ -21,6 +21,7 @@ from transformers import (
 from harness.policy import decode
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.decode import CacheDecoder, Matmul, PerRowDecoder, SharedPrefixDecoder, build_decoder
+from harness.policy.matmul import ONEDNN_MIN_ROWS, cpu_matmul
 from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import encode_prompts, generate
 from harness.tasks import get_task
@@ -257,8 +258,9 @@ def test_auto_picks_per_row_for_small_prompt_copies_and_prefills_one_by_one_only
     assert ways == [False, False, True]
 
 
-def sampler_runs(greedy: bool, settings: list[dict]) -> list:
-    """One tiny model's rollouts (4 prompts, one cut short, x 3; 20 tokens; T = 1.2) with each ``generate`` setting."""
+def sampler_runs(greedy: bool, settings: list[dict], group_size: int = 3) -> list:
+    """One tiny model's rollouts (4 prompts, one cut short, x ``group_size``; 20 tokens; T = 1.2) with each
+    ``generate`` setting."""
     model, tokenizer = load_model("tiny", tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2,
                                                 "intermediate_size": 64})
     prompts = [build_prompt(tokenizer, p.question) for p in get_task("arith").train_problems()[:4]]
@@ -266,7 +268,7 @@ def sampler_runs(greedy: bool, settings: list[dict]) -> list:
     runs = []
     for setting in settings:
         torch.manual_seed(0)
-        runs.append(generate(model, tokenizer, prompts, group_size=3, max_new_tokens=20, temperature=1.2,
+        runs.append(generate(model, tokenizer, prompts, group_size=group_size, max_new_tokens=20, temperature=1.2,
                              greedy=greedy, **setting))
     return runs
 
@@ -282,8 +284,11 @@ def test_the_sampler_gives_the_same_rollout_through_every_decoder(greedy):
 @pytest.mark.slow
 def test_the_compiled_sampler_gives_the_same_rollout():
     """generate(compile=True) (under inference mode, rows finishing): the eager per-row decoder's tokens and
-    log-probs."""
-    eager, compiled = sampler_runs(False, [{"decoder": "per_row"}, {"decoder": "per_row", "compile": True}])
+    log-probs, inside a run's oneDNN scope (train.cpu_matmul's default, from 16 rows: the graph keeps inductor's
+    kernels)."""
+    with cpu_matmul("onednn"):
+        eager, compiled = sampler_runs(False, [{"decoder": "per_row"}, {"decoder": "per_row", "compile": True}],
+                                       group_size=ONEDNN_MIN_ROWS // 4 + 1)
     assert eager.truncated.any() and not eager.truncated.all()  # rows finished early and left the batch
     assert torch.equal(eager.completion_ids, compiled.completion_ids)
     torch.testing.assert_close(eager.sampler_logp, compiled.sampler_logp, atol=1e-5, rtol=0)

@@ -60,8 +60,10 @@ def cpu_matmul(kernel: str) -> Iterator[None]:
 
 
 def onednn_applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`linear` of ``x`` by ``weight`` runs oneDNN here: its scope, CPU float32, enough rows."""
-    return (_scope[-1] == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    """Whether :func:`linear` of ``x`` by ``weight`` runs oneDNN here: its scope, CPU float32, enough rows, not in a
+    graph torch.compile traces (``train.compile_sampler``: inductor picks its own kernels there)."""
+    return (_scope[-1] == "onednn" and not torch.compiler.is_compiling()  # inductor lowers only its own oneDNN
+            and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not (x.is_mkldnn or weight.is_mkldnn) and x.dim() >= 2
             and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and _AVAILABLE)
 
