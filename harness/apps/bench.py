@@ -66,10 +66,11 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> f
     return 2 * size**3 * reps / (time.perf_counter() - start)
 
 
-def decode_matmuls(model, rows=(64, 32, 8), rounds: int = 10) -> list[dict]:
+def decode_matmuls(model, rows=(1024, 64, 32, 8), rounds: int = 10) -> list[dict]:
     """GFLOP/s of the decode step's matmul shapes (the LM head and, stacked as the shared-prefix decoder runs
     them, q+k+v, o, gate+up, down) through MKL (``F.linear``, as ``nn.Linear``) and through oneDNN
-    (:class:`harness.policy.decode.Matmul`'s kernel), at each number of ``rows``: medians over ``rounds`` interleaved
+    (:class:`harness.policy.decode.Matmul`'s kernel), at each number of ``rows`` (1024: the tokens of an update's
+    micro-batch, what ``train.cpu_matmul`` decides; 64 and fewer: a decode step's): medians over ``rounds`` interleaved
     rounds, random weights of the model's shapes, one copy per layer called in turn (as a decode step reads them:
     from memory, not from a cache a single weight would stay in), torch's current thread count."""
     config = model.config.get_text_config()

@@ -115,6 +115,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _config(overrides: list[str], results: Path):
+    import harness.apps  # noqa: F401  (every component's config checks, as `python -m harness` registers them)
     from harness.run.config import load_experiment, run_configs
 
     cfg = load_experiment("base", [*COMMON, *overrides, f"results_dir={results}"])
