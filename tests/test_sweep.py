@@ -419,3 +419,28 @@ def test_starting_policies_that_miss_their_band_are_passed_over_recorded_and_not
         logs = [(tmp_path / "prepare" / f"model_seed_{s}" / "train.log").read_text() for s in (2, 3)]
         assert all(("recorded in" in log) == (attempt == "recorded") for log in logs), logs
     assert len(list((tmp_path / "cache" / "warm_start").glob("*.missed.json"))) == 2
+
+
+def test_first_landing_fills_idle_processes_with_the_next_candidates_and_takes_them_in_order(tmp_path, monkeypatch):
+    """Rounds of whole batches: 3 wanted beside the screen's policy (2 at once) is one round of 3 candidates; after
+    one miss, a round of 2 (the second a spare). The first ``wanted`` that land are taken in candidate order: a spare
+    that landed is not taken, nor is its miss recorded."""
+    from harness.apps import sweep
+
+    rounds, misses = [], {4, 5}
+
+    def prepare(runs, folder, at_once, progress):
+        rounds.append(sorted(runs))
+        return {seed: f"{seed} missed" for seed in runs if seed in misses}
+
+    monkeypatch.setattr(sweep, "_prepare_seeds", prepare)
+    first = [OmegaConf.create({"model": {"seed": 1}})]
+    found = sweep.first_landing(lambda seeds: [OmegaConf.create({"model": {"seed": s}}) for s in seeds],
+                                (2, 3, 4, 5, 6, 7, 8), 3, tmp_path, 2, False, first)
+    assert rounds == [[1, 2, 3, 4], [5, 6]] and found == {"landed": [2, 3, 6], "missed": {4: "4 missed", 5: "5 missed"}}
+    rounds.clear()
+    misses = {4}
+    found = sweep.first_landing(lambda seeds: [OmegaConf.create({"model": {"seed": s}}) for s in seeds],
+                                (2, 3, 4, 5, 6, 7, 8), 3, tmp_path, 2, False, first)
+    assert rounds == [[1, 2, 3, 4], [5, 6]] and found == {"landed": [2, 3, 5], "missed": {4: "4 missed"}}
+    assert json.loads((tmp_path / "start_policies.json").read_text())["landed"] == [2, 3, 5]

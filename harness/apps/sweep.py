@@ -150,15 +150,19 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     written to ``folder``/start_policies.json). A recipe's starting policy is one that lands in its band; a value
     that misses it (another CPU rounds the warm start otherwise) is passed over, in order, never stretched to fit.
     ``runs_for(seeds)``: run configs, the first of each model.seed naming its policy. Built in rounds of as many as are
-    still wanted (``first``'s policies, which must land, in the first round), ``at_once`` side by side, each a process
-    of its own through prepare_through, into the cache every run loads them from; a cached policy is loaded and a
-    recorded miss read (harness/policy/warm_start.py), neither built again. Each policy's config and build log:
-    ``folder``/model_seed_<N>/. WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
+    still wanted (``first``'s policies, which must land, in the first round), rounded up to whole batches of
+    ``at_once`` (the next candidates fill the processes a round would leave idle: if one misses, its successor is
+    built already), ``at_once`` side by side, each a process of its own through prepare_through, into the cache every
+    run loads them from; a cached policy is loaded and a recorded miss read (harness/policy/warm_start.py), neither
+    built again. The candidates are taken in order whatever the round built: a later one that landed beside an
+    earlier one is not taken before it. Each policy's config and build log: ``folder``/model_seed_<N>/.
+    WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
     extra = _first_of_each(first)
     left = [seed for seed in candidates if seed not in extra]
     landed, missed = [], {}
     while len(landed) < wanted:
-        round_, left = left[: wanted - len(landed)], left[wanted - len(landed):]
+        size = -(-(wanted - len(landed) + len(extra)) // at_once) * at_once - len(extra)  # whole batches of at_once
+        round_, left = left[:size], left[size:]
         if not round_:
             raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
                                  f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
@@ -166,8 +170,13 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
         if failed := [f"model.seed {seed}: {errors[seed]}" for seed in extra if seed in errors]:
             raise WarmStartError(f"a starting policy that must land missed its band, {'; '.join(failed)}")
         extra = {}
-        landed += [seed for seed in round_ if seed not in errors]
-        missed.update({seed: errors[seed] for seed in round_ if seed in errors})
+        for seed in round_:
+            if len(landed) == wanted:
+                break  # the round's later candidates: built, not taken
+            if seed in errors:
+                missed[seed] = errors[seed]
+            else:
+                landed.append(seed)
     found = {"candidates": list(candidates), "landed": landed, "missed": missed}
     atomic_write(folder / START_POLICIES, json.dumps(found, indent=1) + "\n")
     return {"landed": landed, "missed": missed}
