@@ -9,11 +9,11 @@ Both compute y = x W^T + b in float32 with float32 accumulation; they differ in 
 numbers agree to float round-off, not bit for bit, between the kernels, and are bit-equal from run to run under
 one. MKL dispatches its GEMM by CPU vendor: on AMD processors it takes a narrower code path than the instruction set
 allows, which oneDNN (dispatching by instruction set) does not (``make bench MATMULS=1`` compares them;
-docs/benchmark.md). A few rows pay oneDNN's larger fixed cost per call, so inputs of fewer than
-:data:`ONEDNN_MIN_ROWS` rows keep torch's kernel (the shape decides, never a timing: the same run takes the same
-kernels on every machine). Outside a scope, and for every other dtype or device, torch's kernel runs. The warm start
-(harness/policy/warm_start.py) runs in a scope of its own (``WARM_START_MATMUL``), so a starting policy does not
-depend on the run's setting.
+docs/benchmark.md). On CPUs other than x86, torch's kernel runs under either setting. A few rows pay oneDNN's larger
+fixed cost per call, so inputs of fewer than :data:`ONEDNN_MIN_ROWS` rows keep torch's kernel (the shape decides,
+never a timing: the same run takes the same kernels on every machine). Outside a scope, and for every other dtype or
+device, torch's kernel runs. The warm start (harness/policy/warm_start.py) runs in a scope of its own
+(``WARM_START_MATMUL``), so a starting policy does not depend on the run's setting.
 
 The backward of a oneDNN linear runs oneDNN too: dL/dx = dL/dy W, dL/dW = (dL/dy)^T x, dL/db = the sum of dL/dy
 over rows (:class:`_OneDnnLinear`; tests/test_matmul.py pins value and gradient to F.linear's).
@@ -21,6 +21,7 @@ over rows (:class:`_OneDnnLinear`; tests/test_matmul.py pins value and gradient 
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -113,4 +114,6 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-_AVAILABLE = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+# x86 only: where MKL is torch's GEMM (measured there); other CPUs keep torch's kernel under either setting
+_AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+              and torch.backends.mkldnn.is_available())
