@@ -107,12 +107,13 @@ def _building(monkeypatch, misses=()):
 
 
 @pytest.mark.parametrize("misses, rounds, landed", [((), [[1, 2, 3, 4]], [2, 3, 4]),
-                                                    ((3,), [[1, 2, 3, 4], [5]], [2, 4, 5]),
-                                                    ((2, 5), [[1, 2, 3, 4], [5], [6]], [3, 4, 6])])
+                                                    ((3,), [[1, 2, 3, 4], [5, 6]], [2, 4, 5]),
+                                                    ((2, 5), [[1, 2, 3, 4], [5, 6]], [3, 4, 6])])
 def test_the_confirmation_takes_the_first_starting_policies_that_land_in_their_band(misses, rounds, landed,
                                                                                     monkeypatch, tmp_path):
     """A starting policy whose warm start misses its band on this CPU is passed over, in order, for the next
-    candidate (built in a round of as many as are still wanted), and its error is kept for the plan."""
+    candidate (rounds of as many as are still wanted, filled up to whole batches of the 2 jobs: the spare beside the
+    one still wanted is built at once), and its error is kept for the plan."""
     built = _building(monkeypatch, misses)
     overrides = [f"results_dir={tmp_path}"]
     _, screen_runs = zoo.zoo_runs(1, overrides, ["grpo"])
