@@ -121,22 +121,21 @@ def test_the_throughput_bench_compares_runs_without_their_timings(tmp_path):
     assert same_runs(first, second, ["same", "metric", "sample", "absent"]) == ["metric", "sample", "absent"]
 
 
-@pytest.mark.slow  # three one-run sweeps in processes of their own (seconds each): make test
-def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_the_worktree(tmp_path, capsys):
-    """``--against HEAD``: the sweep also runs in a worktree of the last commit; the result names that commit and
-    this code's gain over it, and the worktree is gone after."""
-    from harness.apps.throughput import main as throughput
+@pytest.mark.slow  # a one-run sweep in a worktree, in processes of its own (seconds): make test
+def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_the_worktree(tmp_path):
+    """``--against HEAD``: the sweep runs in a worktree of the last commit, a process per run; the side names that
+    commit, its CPU time and exit, and the worktree is gone after."""
+    from harness.apps.throughput import against
 
     def worktrees() -> str:
         return subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
 
     before = worktrees()
     overrides = ["sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "train.steps=1", "task.eval_size=8",
-                 "model.warm_start_steps=0", "model.warm_start_target=null", f"results_dir={tmp_path}"]
-    assert throughput(overrides, jobs=1, rev="HEAD") == 0, capsys.readouterr().err
-    result = json.loads((tmp_path / "bench" / "throughput.json").read_text())
+                 "model.warm_start_steps=0", "model.warm_start_target=null"]
+    side = against("HEAD", tmp_path, overrides, 1, 1)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert result["against"]["commit"] == head.strip() and result["against"]["exit"] == 0
-    assert result["against"]["side"] == f"{head.strip()}, a process per run" and result["runs_differ"] == []
-    assert result["ratio_against"] == round(result["against"]["cpu_s"] / result["sides"][1]["cpu_s"], 3)
-    assert "this code's workers" in capsys.readouterr().out and worktrees() == before
+    assert side["commit"] == head.strip() and side["side"] == f"{head.strip()}, a process per run"
+    assert side["exit"] == 0 and side["runs_per_process"] == 1 and side["cpu_s"] > 0
+    assert len(list((tmp_path / "rev" / "quickstart").glob("grpo-s0-*/summary.json"))) == 1
+    assert worktrees() == before
