@@ -139,3 +139,9 @@ def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_
     assert side["exit"] == 0 and side["runs_per_process"] == 1 and side["cpu_s"] > 0
     assert len(list((tmp_path / "rev" / "quickstart").glob("grpo-s0-*/summary.json"))) == 1
     assert worktrees() == before
+
+
+def test_the_throughput_bench_against_a_name_that_is_no_commit_is_one_config_error_before_anything_runs(capsys):
+    assert main(["bench", "--sweep-throughput", "--against", "no-such-commit-0000"]) == 2
+    err = capsys.readouterr().err
+    assert "--against no-such-commit-0000: not a commit of this checkout" in err and "sweep throughput" not in err

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.errors import ConfigError
 from harness.run.records import TIMING_METRICS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,10 @@ def same_runs(first: Path, second: Path, ids: list[str]) -> list[str]:
 
 def main(overrides: list[str], jobs: int = 2, rev: str | None = None) -> int:
     """Measure both sides, and REV's with ``rev`` (module docstring); 0 when every run ended the same on both."""
+    if rev and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
+                              capture_output=True).returncode:
+        raise ConfigError(f"--against {rev}: not a commit of this checkout (git rev-parse {rev}); name one that "
+                          "`git log` shows")
     cfg = load_experiment(EXPERIMENT, overrides)
     ids = [run_id(run) for run in run_configs(cfg)]
     print(f"sweep throughput: {EXPERIMENT} {' '.join(overrides)}: {len(ids)} runs, {jobs} at a time, each side "
