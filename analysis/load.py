@@ -244,16 +244,24 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
+START_POLICY_NUMBERS = ("start_policy_steps", "start_policy_check_accuracy", "start_policy_eval_accuracy")
+
+
 def start_policy(summary: dict, path: Path) -> dict:
-    """summary.json's `start_policy` as run columns. start_policy: its key, "none" (null: no warm start) or None
-    (not recorded: runs older than the field)."""
+    """summary.json's `start_policy` as run columns. start_policy: which starting policy, "none" (null: no warm
+    start) or None (not recorded: runs older than the field). A starting policy is its cache key and the digest of
+    its weights, ``<key>/<first 8 digits>``: the key names what it was built from, and the same key built apart on
+    two CPUs can give two policies (harness/policy/warm_start.py), which the intervals then resample as two. Runs
+    that recorded no digest (older ones) are their key alone."""
     info = summary.get("start_policy")
     if info is None:
         return {"start_policy": "none" if "start_policy" in summary else None}
     if not isinstance(info, dict):
         warn(f"{path}: start_policy is not an object or null, ignored")
         return {"start_policy": None}
-    return {"start_policy": str(info.get("key") or "?"), "start_policy_steps": info.get("steps"),
+    key, weights = str(info.get("key") or "?"), info.get("weights_sha256")
+    return {"start_policy": key if weights is None else f"{key}/{str(weights)[:8]}", "start_policy_key": key,
+            "start_policy_cpu": info.get("cpu"), "start_policy_steps": info.get("steps"),
             "start_policy_check_accuracy": info.get("accuracy"),
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
@@ -464,7 +472,7 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
         metrics.loc[before, "rollout_tokens"] = metrics.loc[before, "rollout_tokens"].fillna(0)
     numbers = ["final_eval_accuracy", "best_eval_accuracy", "start_eval_accuracy", "wall_time_s", "cpu_time_s",
                "rollout_tokens", "collapse_step",
-               *[c for c in runs if c.startswith(("start_policy_", "final_" + SCORING_PREFIX))]]
+               *[c for c in runs if c in START_POLICY_NUMBERS or c.startswith("final_" + SCORING_PREFIX)]]
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     integers = ["seed", START_SEED, "total_steps"]
     runs[integers] = runs[integers].astype("Int64")  # <NA> when unknown

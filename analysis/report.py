@@ -219,7 +219,8 @@ def rule_text() -> str:
 
 
 def start_policy_lines(runs: pd.DataFrame) -> list[str]:
-    """One line per distinct starting policy (summary.json's start_policy), naming the runs that used it."""
+    """One line per distinct starting policy (summary.json's start_policy: its key and weights, analysis/load.py),
+    naming the runs that used it."""
     lines = []
     written = runs[runs["has_summary"]] if "has_summary" in runs else runs
     if written.empty:
@@ -239,7 +240,10 @@ def start_policy_lines(runs: pd.DataFrame) -> list[str]:
             first = group.iloc[0]
             steps = first.get("start_policy_steps")
             steps = "?" if pd.isna(steps) else f"{steps:,.0f}"
-            lines.append(f"key `{key}`, warm-started {steps} steps, check accuracy "
+            key, _, weights = key.partition("/")
+            cpu = first.get("start_policy_cpu")
+            built = f", weights `{weights}`" + (f" (built on {cpu})" if isinstance(cpu, str) else "") if weights else ""
+            lines.append(f"key `{key}`{built}, warm-started {steps} steps, check accuracy "
                          f"{num(first.get('start_policy_check_accuracy'))}, eval accuracy "
                          f"{num(first.get('start_policy_eval_accuracy'))} ({which}).")
     return lines

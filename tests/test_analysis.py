@@ -206,6 +206,24 @@ def test_headline_with_mixed_start_policies(tmp_path):
         "no warm start: the runs start from the base model (grpo (1 run))."]
 
 
+def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
+    """The cache key names what a starting policy is built from; built apart on two CPUs it can differ. Runs that
+    recorded other weights under one key are two starting policies: two lines, two units of the intervals."""
+    exp = write_objectives(tmp_path / "objs", {"key": "k1", "steps": 10, "accuracy": 0.5,
+                                               "weights_sha256": "aaaabbbbccccdddd", "cpu": "CPU A"})
+    summary = exp / "grpo-s0-abcd1234" / "summary.json"
+    other = {"key": "k1", "steps": 12, "accuracy": 0.4, "weights_sha256": "eeeeffff00001111", "cpu": "CPU B"}
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_policy": other}))
+    runs = load_experiment(exp).runs
+    grpo = runs[runs["objective"] == "grpo"].set_index("seed")["start_policy"]
+    assert grpo[0] == "k1/eeeeffff" and grpo[1] == "k1/aaaabbbb" and runs["start_policy_steps"].dtype == float
+    assert report_module.start_policy_lines(runs) == [
+        "key `k1`, weights `aaaabbbb` (built on CPU A), warm-started 10 steps, check accuracy 0.500, eval accuracy "
+        "n/a (ctpo (1 run), grpo (1 run), gspo (3 runs), gspo_token (3 runs)).",
+        "key `k1`, weights `eeeeffff` (built on CPU B), warm-started 12 steps, check accuracy 0.400, eval accuracy "
+        "n/a (grpo (1 run))."]
+
+
 def test_reward_equal_to_accuracy_is_one_panel(tmp_path):
     exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5, 1: 0.6}}, extra=False)
     for run in exp.glob("grpo-*/metrics.jsonl"):

@@ -7,10 +7,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_model
 
 import harness.policy.warm_start
 from harness.policy.models import load_model
 from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
+from harness.run.errors import ConfigError
+from harness.run.provenance import cpu, tensors_digest
 from harness.tasks import get_task
 from tests.helpers.tiny import TINY_SPEC
 from tests.helpers.tiny_moe import TINY_MOE_SPEC, tiny_moe_run
@@ -52,6 +55,29 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
     (folder / f"{sidecar['key']}.json").unlink()  # a hit needs the weights and the sidecar
     with pytest.raises(AssertionError, match="cache hit"):
         warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, WarmStartRecipe(**BAND))
+
+
+def test_a_starting_policy_records_its_weights_digest_and_cpu_and_a_changed_cache_file_is_refused(rlvr_cache):
+    task, recipe = _easy_task(), WarmStartRecipe(**BAND)
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    model, sidecar = warm_start(model, tokenizer, task, recipe)
+    assert sidecar["weights_sha256"] == tensors_digest(model.state_dict())[:16] and len(sidecar["weights_sha256"]) == 16
+    assert sidecar["cpu"] == cpu() and sidecar["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    fresh, hit = warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, recipe)
+    assert hit == sidecar  # recomputed from the loaded weights: the same
+
+    folder = rlvr_cache / "warm_start"
+    sidecar_path, weights = folder / f"{sidecar['key']}.json", folder / f"{sidecar['key']}.safetensors"
+    older = {k: v for k, v in sidecar.items() if k != "weights_sha256"}  # a sidecar from before the digest
+    sidecar_path.write_text(json.dumps(older))
+    assert warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, recipe)[1] == sidecar
+
+    sidecar_path.write_text(json.dumps(sidecar))
+    with torch.no_grad():
+        next(fresh.parameters()).add_(1.0)
+    save_model(fresh, str(weights))  # the cached weights changed after they were built
+    with pytest.raises(ConfigError, match=f"records {sidecar['weights_sha256']}: the file changed after it was built"):
+        warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, recipe)
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from harness.policy.sampler import sample_problems
 from harness.run.atomic import atomic_write
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.provenance import cpu, tensors_digest
 from harness.run.threads import fixed_threads
 from harness.tasks import Task
 
@@ -167,9 +168,14 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
 
     The result is cached under ``cache_dir()/warm_start`` as ``<key>.safetensors`` and the JSON sidecar
     ``<key>.json`` (steps taken, check accuracy reached, every check's accuracy, the settings, wall time,
-    torch threads, library versions, build time). ``key`` hashes the model (config and a sample of its
-    weights), the tokenizer, the task, the settings, ``cache_key_extra``, :data:`WARM_START_RECIPE` and the
-    source code of the training functions, so a change to that code invalidates the cache.
+    torch threads, library versions, the CPU it was built on, build time, the weights' digest). ``key`` hashes the
+    model (config and a sample of its weights), the tokenizer, the task, the settings, ``cache_key_extra``,
+    :data:`WARM_START_RECIPE` and the source code of the training functions, so a change to that code invalidates the
+    cache. The key names what the policy is built from, not what the build gave: another CPU rounds otherwise and can
+    stop at another step with other weights (docs/loop.md, "The starting policy"). So the returned record also holds
+    ``weights_sha256``, the digest of the weights the run starts from (computed on every load: a cached file whose
+    weights differ from its sidecar's digest is an error), and a starting policy is its key and that digest
+    (analysis/load.py): runs whose policies were built apart on two CPUs are two starting policies, not one.
 
     ``progress``: say on stderr whether the policy was loaded or is built and where it is cached, with a progress
     bar while it builds (:class:`WarmStartProgress`).
@@ -192,6 +198,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     if weights.is_file() and sidecar_path.is_file():
         load_safetensors(model, weights, device=str(model.device))
         sidecar = json.loads(sidecar_path.read_text())
+        sidecar["weights_sha256"] = _checked_digest(model, sidecar, weights)
         report.loaded(sidecar)
         return model.eval(), sidecar
     if missed.is_file():
@@ -202,7 +209,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     start = time.perf_counter()
     report.building()
     built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS, "cpu_matmul": WARM_START_MATMUL,
-             "torch_version": torch.__version__, "transformers_version": transformers.__version__}
+             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+             "cpu": cpu(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     try:
         with fixed_threads(WARM_START_THREADS), cpu_matmul(WARM_START_MATMUL):
             step, checks = _train(model, tokenizer, task, recipe, report)
@@ -217,7 +225,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     sidecar = {
         **built, "steps": step, "accuracy": checks.get(step), "checks": checks,
         "wall_time_s": round(time.perf_counter() - start, 2),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"), "weights_sha256": weights_digest(model),
     }
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(weights, lambda name: save_safetensors(model, name))
@@ -225,6 +233,22 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
     report.built(sidecar)
     return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
+
+
+def weights_digest(model) -> str:
+    """The first 16 hex digits of the sha256 of ``model``'s weights (harness.run.provenance.tensors_digest)."""
+    return tensors_digest(model.state_dict())[:16]
+
+
+def _checked_digest(model, sidecar: dict, weights: Path) -> str:
+    """The digest of the weights just loaded from ``weights``; a ConfigError when their ``sidecar`` records another
+    (the file changed after it was built). A sidecar from before the digest was recorded is taken as it is."""
+    digest, recorded = weights_digest(model), sidecar.get("weights_sha256")
+    if recorded is not None and recorded != digest:
+        raise ConfigError(f"the cached starting policy {weights} has weights of digest {digest}, its sidecar records "
+                          f"{recorded}: the file changed after it was built; remove it and its .json sidecar, and "
+                          "the next run builds it again")
+    return digest
 
 
 def _train(model, tokenizer, task: Task, recipe: WarmStartRecipe,

@@ -69,6 +69,30 @@ def packages() -> dict[str, str | None]:
             **{name: version(name) for name in PACKAGES}}
 
 
+def cpu() -> str:
+    """The CPU's vendor, family and model (Linux's /proc/cpuinfo; elsewhere platform.processor()): two CPUs with the
+    same vector instructions can round otherwise (their BLAS kernels differ), so the same code and settings can train
+    other weights on another CPU."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return platform.processor()
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{fields.get('vendor_id', '')} family {fields.get('cpu family', '')} model {fields.get('model', '')}"
+
+
+def tensors_digest(tensors: dict) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order (the same bits, the same digest)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _git(*args: str) -> bytes:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
 

@@ -21,7 +21,6 @@ its entry over), then check the new code against it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -30,6 +29,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from harness.run.provenance import cpu
+from harness.run.provenance import tensors_digest as digest
 
 GOLDEN = Path(__file__).resolve().parent / "golden.json"
 
@@ -92,26 +94,6 @@ def build() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
             "python": platform.python_version(), "cpu": cpu()}
-
-
-def cpu() -> str:
-    """The CPU's vendor, family and model (Linux's /proc/cpuinfo; elsewhere platform.processor())."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
-    except OSError:
-        return platform.processor()
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return f"{fields.get('vendor_id', '')} family {fields.get('cpu family', '')} model {fields.get('model', '')}"
-
-
-def digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _config(overrides: list[str], results: Path):
