@@ -46,6 +46,7 @@ def test_the_code_record_names_the_commit_the_changes_and_the_packages(code):
     assert record["commit"] == A and record["dirty"] and record["diff_sha256"] == "c" * 64
     assert set(record["packages"]) == {"python", "torch", "transformers", "trl", provenance.DISTRIBUTION}
     assert record["packages"]["torch"]  # installed here
+    assert record["cpu"] == provenance.cpu() and record["cpu"].strip()
 
 
 def test_without_git_the_record_says_so_and_hashes_the_source_files(monkeypatch, tmp_path):

@@ -4,6 +4,7 @@ A *code record* is what this process runs: the git commit, whether the code diff
 untracked files under CODE_PATHS) and a hash of that difference, and the versions of the packages that matter. Its
 ``version`` is one short label: ``<commit>`` (clean), ``<commit>+diff-<hash>`` (with changes), ``source-<hash>`` (no
 git: a tarball or an installed package; ``git`` says why, and the hash covers every source file under CODE_PATHS).
+The record also names the CPU (:func:`cpu`): not code, but what else decides a run's floats.
 Runs written before the records existed are of version ``unknown``.
 
 Only the code paths count: ``make docs`` rewrites tracked pages under docs/ between its sweeps, and a new experiment
@@ -54,7 +55,7 @@ def code_record() -> dict:
         commit, diff = git
         record = {"version": commit[:7] + (f"+diff-{diff[:8]}" if diff else ""), "commit": commit,
                   "dirty": diff is not None, "diff_sha256": diff, "git": "available", "source_sha256": None}
-    return {**record, "packages": packages()}
+    return {**record, "packages": packages(), "cpu": cpu()}  # the CPU: not the code, but what rounds its floats
 
 
 def packages() -> dict[str, str | None]:
