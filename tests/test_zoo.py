@@ -244,11 +244,13 @@ def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):
     assert not (tmp_path / "zoo" / "screen" / stamp.KEPT).exists()  # its stamp would not be the whole stage's
 
 
-@pytest.mark.slow  # four tiny warm starts, two processes at a time (~30 s)
+@pytest.mark.slow  # two tiny warm starts side by side, built then loaded: four processes
 def test_both_stages_starting_policies_are_built_before_the_screen_side_by_side(monkeypatch, tmp_path):
     """`make zoo` builds the screen's and the confirmation's starting policies before the screen's first run, each
-    in a process of its own (its config and log under results/zoo/prepare/), into the cache the runs load from."""
+    in a process of its own (its config and log under results/zoo/prepare/), into the cache the runs load from
+    (one confirmation policy here: each process costs its imports; how many are taken is test_zoo's fast tests')."""
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(zoo, "CONFIRM_START_POLICIES", 1)
     overrides = [f"results_dir={tmp_path}", "model.warm_start_steps=3", "model.warm_start_target=null",
                  *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
     _, runs = zoo.zoo_runs(1, overrides, ["grpo"])
