@@ -91,15 +91,16 @@ def test_linear_add_adds_the_residual_inside_the_matmul():
 
 
 def test_a_bad_kernel_is_one_config_error():
-    with pytest.raises(ConfigError, match="train.cpu_matmul must be one of onednn, torch, got 'mkl'"):
+    with pytest.raises(ConfigError, match="train.cpu_matmul must be one of auto, onednn, torch, got 'mkl'"):
         run_configs(load_experiment("quickstart", ["train.cpu_matmul=mkl"]))
     with pytest.raises(ValueError, match="cpu_matmul must be one of"), cpu_matmul("mkl"):
         pass
 
 
 def test_the_warm_start_builds_the_same_weights_under_either_kernel_of_the_caller(rlvr_cache):
-    """The warm start pins its kernel (WARM_START_MATMUL): built inside a "torch" and a "onednn" scope it takes the same
-    steps to the same bits (the two kernels' weights part ways within these steps), and says which kernel it ran."""
+    """The warm start pins its kernel (WARM_START_MATMUL, auto's): built inside a "torch" and a "onednn" scope it
+    takes the same steps to the same bits (the two kernels' weights part ways within these steps), and says which
+    kernel it ran."""
     task = get_task("arith", num_operands=2, digits=1, train_size=2000, eval_size=8)
     recipe = WarmStartRecipe(max_steps=20, lr=1e-2, batch_size=16, seed=0)
     built = []
@@ -107,6 +108,26 @@ def test_the_warm_start_builds_the_same_weights_under_either_kernel_of_the_calle
         model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
         with cpu_matmul(kernel):
             model, sidecar = warm_start(model, tokenizer, task, recipe, cache_key_extra=kernel)  # not a cache hit
-        assert sidecar["cpu_matmul"] == "onednn"
+        assert sidecar["matmul"] == matmul.resolve("auto")
         built.append(model.state_dict())
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
+
+
+@pytest.mark.parametrize("cpu_name, capability, available, onednn", [
+    ("AuthenticAMD family 26 model 2", "AVX512", True, True),  # MKL's narrower path: oneDNN
+    ("AuthenticAMD family 23 model 49", "AVX2", True, False),  # the same width: MKL's whole runs were faster
+    ("GenuineIntel family 6 model 143", "AVX512", True, False),  # MKL's widest path
+    ("AuthenticAMD family 26 model 2", "AVX512", False, False)])  # no oneDNN linear in this torch
+def test_auto_takes_onednn_only_on_amd_processors_with_avx512(cpu_name, capability, available, onednn):
+    assert matmul.auto_onednn(cpu_name, capability, available) is onednn
+
+
+@pytest.mark.parametrize("here", [True, False])
+def test_an_auto_scope_runs_the_kernel_auto_takes_on_this_cpu(onednn_calls, monkeypatch, here):
+    monkeypatch.setattr(matmul, "AUTO_ONEDNN", here)
+    x, weight, bias = (t.detach() for t in _inputs(ONEDNN_MIN_ROWS, torch.Generator().manual_seed(6)))
+    with cpu_matmul("auto"):
+        out = linear(x, weight, bias)
+    assert len(onednn_calls) == here and matmul.resolve("auto") == ("onednn" if here else "torch")
+    if not here:
+        assert torch.equal(out, torch.nn.functional.linear(x, weight, bias))

@@ -1,9 +1,11 @@
 """The CPU kernel of a native run's float32 linear layers (``train.cpu_matmul``): torch's default, MKL's GEMM, or
-oneDNN's, the library torch.compile's CPU backend uses for linear layers.
+oneDNN's, the library torch.compile's CPU backend uses for linear layers; ``auto`` (the default) takes oneDNN's
+where MKL's vendor dispatch leaves vector width unused (:data:`AUTO_ONEDNN`), else torch's.
 
     with cpu_matmul("onednn"):        # every nn.Linear forward and backward, and the decoders' stacked matmuls
         ...                           # (harness/policy/decode.py), on CPU float32 inputs of >= ONEDNN_MIN_ROWS rows
     y = linear(x, weight, bias)       # F.linear, through the kernel of the current scope
+    resolve("auto")                   # "onednn" or "torch": the kernel auto takes on this CPU
 
 Both compute y = x W^T + b in float32 with float32 accumulation; they differ in the order of their sums, so a run's
 numbers agree to float round-off, not bit for bit, between the kernels, and are bit-equal from run to run under
@@ -11,9 +13,15 @@ one. MKL dispatches its GEMM by CPU vendor: on AMD processors it takes a narrowe
 allows, which oneDNN (dispatching by instruction set) does not (``make bench MATMULS=1`` compares them;
 docs/benchmark.md). On CPUs other than x86, torch's kernel runs under either setting. A few rows pay oneDNN's larger
 fixed cost per call, so inputs of fewer than :data:`ONEDNN_MIN_ROWS` rows keep torch's kernel (the shape decides,
-never a timing: the same run takes the same kernels on every machine). Outside a scope, and for every other dtype or
-device, torch's kernel runs. The warm start (harness/policy/warm_start.py) runs in a scope of its own
-(``WARM_START_MATMUL``), so a starting policy does not depend on the run's setting.
+never a timing: the same run takes the same kernels on every machine of one CPU kind). Outside a scope, and for
+every other dtype or device, torch's kernel runs. The warm start (harness/policy/warm_start.py) runs in a scope of
+its own (``WARM_START_MATMUL``), so a starting policy does not depend on the run's setting.
+
+``auto``: oneDNN on AMD processors with AVX512 (where MKL takes its narrower path), torch's kernel elsewhere: on
+AVX2-only AMD processors both take the same width and whole runs were faster on MKL's, and on Intel processors MKL
+takes its widest path (docs/replicates.md, "Throughput", has the measurements). The
+choice is a function of the CPU alone, which every run records (harness/run/provenance.py), so a run's kernel is
+known from its config and its record.
 
 The backward of a oneDNN linear runs oneDNN too: dL/dx = dL/dy W, dL/dW = (dL/dy)^T x, dL/db = the sum of dL/dy
 over rows (:class:`_OneDnnLinear`; tests/test_matmul.py pins value and gradient to F.linear's).
@@ -31,8 +39,9 @@ from torch import Tensor
 
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.provenance import cpu
 
-KERNELS = ("onednn", "torch")  # train.cpu_matmul
+KERNELS = ("auto", "onednn", "torch")  # train.cpu_matmul
 ONEDNN_MIN_ROWS = 16  # fewer rows (a decode step's last rows): MKL's smaller per-call cost wins
 _scope = ["torch"]  # the kernel of the innermost cpu_matmul scope
 
@@ -48,16 +57,21 @@ def check_cpu_matmul(run: DictConfig) -> None:
 def cpu_matmul(kernel: str) -> Iterator[None]:
     """Inside: ``nn.Linear`` modules and :func:`linear` run ``kernel`` (:data:`KERNELS`) where it applies (module
     docstring); restored on leaving."""
-    if kernel not in KERNELS:
-        raise ValueError(f"cpu_matmul must be one of {', '.join(KERNELS)}, got {kernel!r}")
     forward = torch.nn.Linear.forward
-    _scope.append(kernel)
+    _scope.append(resolve(kernel))
     torch.nn.Linear.forward = _module_forward
     try:
         yield
     finally:
         _scope.pop()
         torch.nn.Linear.forward = forward
+
+
+def resolve(kernel: str) -> str:
+    """The kernel a scope of ``kernel`` (:data:`KERNELS`) runs on this CPU: "onednn" or "torch"."""
+    if kernel not in KERNELS:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return "onednn" if kernel == "onednn" or (kernel == "auto" and AUTO_ONEDNN) else "torch"
 
 
 def onednn_applies(x: Tensor, weight: Tensor) -> bool:
@@ -117,3 +131,12 @@ class _OneDnnLinear(torch.autograd.Function):
 # x86 only: where MKL is torch's GEMM (measured there); other CPUs keep torch's kernel under either setting
 _AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
               and torch.backends.mkldnn.is_available())
+
+
+def auto_onednn(cpu_name: str, capability: str, available: bool = True) -> bool:
+    """auto's choice (module docstring) on a CPU (harness.run.provenance.cpu) with torch's ``capability``
+    (``torch.backends.cpu.get_cpu_capability()``): oneDNN on AMD with AVX512, where it was measured faster than MKL."""
+    return available and cpu_name.startswith("AuthenticAMD") and capability == "AVX512"
+
+
+AUTO_ONEDNN = auto_onednn(cpu(), torch.backends.cpu.get_cpu_capability(), _AVAILABLE)  # on this machine

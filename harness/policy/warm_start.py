@@ -26,7 +26,7 @@ from safetensors.torch import save_model as save_safetensors
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from harness.policy.matmul import cpu_matmul
+from harness.policy.matmul import cpu_matmul, resolve
 from harness.policy.models import build_prompt, cache_dir
 from harness.policy.sampler import sample_problems
 from harness.run.atomic import atomic_write
@@ -45,8 +45,9 @@ WARM_START_RECIPE = 3  # bump on a change to the recipe that the source hash bel
 # difference here is shared by all its seeds, not averaged out by them; a fixed count builds the same starting policy
 # on an idle or a busy machine and with any number of cores (on one CPU family: other instruction sets round otherwise).
 WARM_START_THREADS = 1
-# The kernel of its linear layers, whatever the run's train.cpu_matmul (harness/policy/matmul.py), for the same reason.
-WARM_START_MATMUL = "onednn"
+# The kernel of its linear layers, whatever the run's train.cpu_matmul (harness/policy/matmul.py), for the same reason:
+# auto's, which depends on the CPU alone (the CPU already decides the rounding).
+WARM_START_MATMUL = "auto"
 CHECK_CHUNK = 64  # check-set problems per sampler call
 MISSED_SUFFIX = ".missed.json"  # beside the cached policies: a recipe that missed its band, its error and checks
 
@@ -189,7 +190,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
         "target": list(target) if checked else None,
         "check_every": recipe.check_every if checked else None, "check_size": recipe.check_size if checked else None,
     }
-    version = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH}
+    version = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH,
+               "matmul": resolve(WARM_START_MATMUL)}
     key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
     folder = cache_dir() / "warm_start"
     weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
@@ -208,7 +210,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
 
     start = time.perf_counter()
     report.building()
-    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS, "cpu_matmul": WARM_START_MATMUL,
+    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS,
              "torch_version": torch.__version__, "transformers_version": transformers.__version__,
              "cpu": cpu(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     try:

@@ -181,10 +181,10 @@ class TrainConfig:
     # model's forward on the padded batch)
     padding_free: bool = True
     # the x86 CPU kernel of a run's float32 linear layers, forward and backward, from 16 rows
-    # (harness/policy/matmul.py): onednn (oneDNN's; on AMD processors MKL's GEMM takes a narrower code path) or torch
-    # (torch's default, MKL). The two agree to float round-off, not bit for bit; the warm start always runs its own
-    # (oneDNN's on x86)
-    cpu_matmul: str = "onednn"
+    # (harness/policy/matmul.py): onednn (oneDNN's), torch (torch's default, MKL) or auto: oneDNN's on AMD processors
+    # with AVX512 (where MKL's GEMM takes a narrower code path), torch's elsewhere. The two agree to float round-off,
+    # not bit for bit; the warm start always runs auto's
+    cpu_matmul: str = "auto"
     # Mixture-of-Experts routing replay (harness/policy/routing.py): none; r2 (the experts each token's router chose in
     # the trainer's old-policy forward of the batch, forced in every update forward); r3 (the sampler's own routing,
     # forced in the old-policy recompute and every update forward). r2/r3 recompute the behaviour log-probs; MoE
