@@ -22,9 +22,10 @@ A key whose value differs between runs is either
 Every table, interval and figure is per (objective, cell), and n counts distinct (starting policy, seed) units: runs
 of the same objective and cell with the same starting policy and seed are duplicates, one of which is counted (an
 ended run before one that is not, then the one with more steps, then the first run id) and the others named in a
-warning. A run without config.yaml takes its grid point from manifest.json (``overrides``) and the keys all other
-runs share; without either its settings are unknown and it forms a cell of its own. Pure pandas: no report, no
-harness imports.
+warning. So are runs of one ``model.seed`` whose starting policy has one cache key but other weights (built apart on
+another CPU: :func:`mark_mixed_policies`). A run without config.yaml takes its grid point from manifest.json
+(``overrides``) and the keys all other runs share; without either its settings are unknown and it forms a cell of
+its own. Pure pandas: no report, no harness imports.
 """
 
 from __future__ import annotations
@@ -181,8 +182,36 @@ def assign_cells(runs: pd.DataFrame, configs: dict[str, dict], overrides: dict[s
         runs[a] = [values[i][a] for i in cell_ids]
     cells = Cells(axes, objective_settings, labels, values)
     runs, cells.duplicates, unseeded = mark_duplicates(runs)
+    runs, mixed = mark_mixed_policies(runs)
+    cells.duplicates += mixed
     notes += cells.duplicates + unseeded
     return runs, cells, notes
+
+
+def mark_mixed_policies(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Runs whose starting policy has one cache key and one ``model.seed`` but other weights (analysis/load.py
+    ``start_policy``: built apart, e.g. on two CPUs, it is another policy): the intervals take ``model.seed`` as the
+    starting policy, so only the runs of one of them are counted (the one with the most counted runs, then the first
+    by name) and the others are named in a line; they would otherwise be pooled as seeds of one policy."""
+    if "start_policy_key" not in runs:
+        return runs, []
+    runs, lines = runs.copy(), []
+    known = runs[runs["counted"] & runs["start_policy_key"].notna()]
+    for (start, key), group in known.groupby([START_SEED, "start_policy_key"], sort=True, dropna=False):
+        sizes = group["start_policy"].value_counts()
+        if len(sizes) < 2:
+            continue
+        keep = sorted(sizes.index, key=lambda p: (-sizes[p], p))[0]
+        others = group.loc[group["start_policy"] != keep, "run_id"]
+        runs.loc[runs["run_id"].isin(others), "counted"] = False
+        policy = "" if pd.isna(start) else f"{START_SEED}={start}, "
+        counts = ", ".join(f"{sizes[p]} run{'' if sizes[p] == 1 else 's'} from `{p}`"
+                           for p in sorted(sizes.index, key=lambda p: (-sizes[p], p)))
+        lines.append(f"starting policies built apart: {policy}key `{key}` has {len(sizes)} sets of weights in these "
+                     f"runs ({counts}; another CPU builds other weights); only the runs from `{keep}` are counted, not "
+                     f"{', '.join(f'`{r}`' for r in sorted(others))}: put runs from one machine's starting policies "
+                     "in one results folder")
+    return runs, lines
 
 
 def mark_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[str]]:

@@ -251,8 +251,9 @@ def start_policy(summary: dict, path: Path) -> dict:
     """summary.json's `start_policy` as run columns. start_policy: which starting policy, "none" (null: no warm
     start) or None (not recorded: runs older than the field). A starting policy is its cache key and the digest of
     its weights, ``<key>/<first 8 digits>``: the key names what it was built from, and the same key built apart on
-    two CPUs can give two policies (harness/policy/warm_start.py), which the intervals then resample as two. Runs
-    that recorded no digest (older ones) are their key alone."""
+    two CPUs can give two policies (harness/policy/warm_start.py), which are never pooled as one (the intervals take
+    ``model.seed`` as the starting policy: analysis/cells.py mark_mixed_policies counts one's runs and names the
+    others). Runs that recorded no digest (older ones) are their key alone."""
     info = summary.get("start_policy")
     if info is None:
         return {"start_policy": "none" if "start_policy" in summary else None}

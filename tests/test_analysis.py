@@ -208,15 +208,20 @@ def test_headline_with_mixed_start_policies(tmp_path):
 
 def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
     """The cache key names what a starting policy is built from; built apart on two CPUs it can differ. Runs that
-    recorded other weights under one key are two starting policies: two lines, two units of the intervals."""
+    recorded other weights under one key are two starting policies: two lines, and never pooled as one."""
     exp = write_objectives(tmp_path / "objs", {"key": "k1", "steps": 10, "accuracy": 0.5,
                                                "weights_sha256": "aaaabbbbccccdddd", "cpu": "CPU A"})
     summary = exp / "grpo-s0-abcd1234" / "summary.json"
     other = {"key": "k1", "steps": 12, "accuracy": 0.4, "weights_sha256": "eeeeffff00001111", "cpu": "CPU B"}
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_policy": other}))
-    runs = load_experiment(exp).runs
-    grpo = runs[runs["objective"] == "grpo"].set_index("seed")["start_policy"]
-    assert grpo[0] == "k1/eeeeffff" and grpo[1] == "k1/aaaabbbb" and runs["start_policy_steps"].dtype == float
+    built_apart = r"starting policies built apart: key `k1` has 2 sets of weights in these runs \(8 runs from `k1/aaaa"
+    with pytest.warns(AnalysisWarning, match=built_apart + r"bbbb`, 1 run from `k1/eeeeffff`; another CPU"):
+        runs = load_experiment(exp).runs
+    grpo = runs[runs["objective"] == "grpo"].set_index("seed")
+    assert grpo.loc[0, "start_policy"] == "k1/eeeeffff" and grpo.loc[1, "start_policy"] == "k1/aaaabbbb"
+    assert runs["start_policy_steps"].dtype == float
+    # the intervals take model.seed as the starting policy: only the runs of one of the two are counted
+    assert not grpo.loc[0, "counted"] and runs.loc[runs["start_policy"] == "k1/aaaabbbb", "counted"].all()
     assert report_module.start_policy_lines(runs) == [
         "key `k1`, weights `aaaabbbb` (built on CPU A), warm-started 10 steps, check accuracy 0.500, eval accuracy "
         "n/a (ctpo (1 run), grpo (1 run), gspo (3 runs), gspo_token (3 runs)).",

@@ -176,7 +176,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     stop at another step with other weights (docs/loop.md, "The starting policy"). So the returned record also holds
     ``weights_sha256``, the digest of the weights the run starts from (computed on every load: a cached file whose
     weights differ from its sidecar's digest is an error), and a starting policy is its key and that digest
-    (analysis/load.py): runs whose policies were built apart on two CPUs are two starting policies, not one.
+    (analysis/load.py): runs whose policies were built apart on two CPUs are never pooled as seeds of one.
 
     ``progress``: say on stderr whether the policy was loaded or is built and where it is cached, with a progress
     bar while it builds (:class:`WarmStartProgress`).
