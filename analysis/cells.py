@@ -51,6 +51,7 @@ class Cells:
     labels: list[str] = field(default_factory=lambda: [ALL])  # index = cell id: "key=value, key=value"
     values: list[dict[str, object]] = field(default_factory=lambda: [{}])  # per cell: axis -> value (as written)
     duplicates: list[str] = field(default_factory=list)  # one line per set of duplicate runs
+    mixed_policies: list[str] = field(default_factory=list)  # one line per key built apart (mark_mixed_policies)
 
     def columns(self, cell_ids: pd.Series) -> dict[str, pd.Series]:
         """A table's cell columns from its rows' cell ids: one per axis (named by its short name, the value as
@@ -182,9 +183,8 @@ def assign_cells(runs: pd.DataFrame, configs: dict[str, dict], overrides: dict[s
         runs[a] = [values[i][a] for i in cell_ids]
     cells = Cells(axes, objective_settings, labels, values)
     runs, cells.duplicates, unseeded = mark_duplicates(runs)
-    runs, mixed = mark_mixed_policies(runs)
-    cells.duplicates += mixed
-    notes += cells.duplicates + unseeded
+    runs, cells.mixed_policies = mark_mixed_policies(runs)
+    notes += cells.duplicates + cells.mixed_policies + unseeded
     return runs, cells, notes
 
 

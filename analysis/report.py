@@ -461,7 +461,7 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
 
 def status_lines(exp: Experiment, table: pd.DataFrame, data_warnings: list[str]) -> list[str]:
     """What the headline's numbers rest on and what is missing: runs by status, the (objective, cell)s without an
-    ended run, duplicates left out, data warnings."""
+    ended run, duplicates and starting policies built apart left out, data warnings."""
     runs = exp.runs
     counts = runs["status"].value_counts()
     what = {"finished": "finished", "diverged": "diverged (stopped by the loop for non-finite updates)",
@@ -486,6 +486,9 @@ def status_lines(exp: Experiment, table: pd.DataFrame, data_warnings: list[str])
     if exp.cells.duplicates:
         lines.append(f"{plural(len(exp.cells.duplicates), 'set')} of duplicate runs (same objective, cell and seed): "
                      "one of each counted (see Data warnings).")
+    if exp.cells.mixed_policies:
+        lines.append(f"{plural(len(exp.cells.mixed_policies), 'starting-policy key')} built apart into other "
+                     "weights (one key and model.seed): the runs of one set of weights counted (see Data warnings).")
     if data_warnings:
         lines.append(f"{plural(len(data_warnings), 'data warning')}: see Data warnings below.")
     return lines

@@ -216,7 +216,12 @@ def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_policy": other}))
     built_apart = r"starting policies built apart: key `k1` has 2 sets of weights in these runs \(8 runs from `k1/aaaa"
     with pytest.warns(AnalysisWarning, match=built_apart + r"bbbb`, 1 run from `k1/eeeeffff`; another CPU"):
-        runs = load_experiment(exp).runs
+        loaded = load_experiment(exp)
+    runs = loaded.runs
+    assert not loaded.cells.duplicates and len(loaded.cells.mixed_policies) == 1
+    status = report_module.status_lines(loaded, report_module.eval_table(runs), [])
+    assert ("1 starting-policy key built apart into other weights (one key and model.seed): the runs of one set of "
+            "weights counted (see Data warnings).") in status
     grpo = runs[runs["objective"] == "grpo"].set_index("seed")
     assert grpo.loc[0, "start_policy"] == "k1/eeeeffff" and grpo.loc[1, "start_policy"] == "k1/aaaabbbb"
     assert runs["start_policy_steps"].dtype == float
