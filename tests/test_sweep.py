@@ -429,7 +429,7 @@ def test_first_landing_fills_idle_processes_with_the_next_candidates_and_takes_t
 
     rounds, misses = [], {4, 5}
 
-    def prepare(runs, folder, at_once, progress):
+    def prepare(runs, folder, at_once, progress, decided):
         rounds.append(sorted(runs))
         return {seed: f"{seed} missed" for seed in runs if seed in misses}
 
@@ -444,3 +444,51 @@ def test_first_landing_fills_idle_processes_with_the_next_candidates_and_takes_t
                                 (2, 3, 4, 5, 6, 7, 8), 3, tmp_path, 2, False, first)
     assert rounds == [[1, 2, 3, 4], [5, 6]] and found == {"landed": [2, 3, 5], "missed": {4: "4 missed"}}
     assert json.loads((tmp_path / "start_policies.json").read_text())["landed"] == [2, 3, 5]
+
+
+@pytest.mark.parametrize("done, decided", [
+    ({1: True, 2: True, 3: True}, True),            # 2 wanted: 2 and 3 landed, the screen's 1 ended
+    ({2: True, 3: True}, False),                    # the screen's policy (first) still building
+    ({1: True, 2: True, 4: True}, False),           # 3 still building: 4 cannot be taken before it
+    ({1: True, 2: False, 3: True}, False),          # 2 missed: 3 and the next that lands
+    ({1: True, 2: False, 3: True, 4: True}, True),
+    ({1: True, 3: True, 4: True, 5: True}, False),  # 2, the first candidate, still building
+])
+def test_a_round_of_starting_policies_is_decided_once_the_first_wanted_in_order_have_landed(done, decided):
+    from harness.apps import sweep
+
+    assert sweep._decided(done, first=[1], round_=[2, 3, 4, 5], still=2) is decided
+
+
+def test_spare_builds_are_stopped_once_the_policies_wanted_have_landed(tmp_path, monkeypatch):
+    """first_landing's round of whole batches builds spares beside the candidates wanted; once the first ``wanted``
+    in order have landed, a spare still building is stopped (its result could not be taken) and the round ends."""
+    from harness.apps import sweep
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    slow = {}
+
+    class Runner(_Runner):
+        def start(self, args, log, name):
+            handle = super().start(args, log, name)
+            if "model_seed_5" in args[1]:  # the spare: ends only after many polls
+                polls = slow.setdefault(args[1], [])
+
+                def poll():
+                    polls.append(1)
+                    return 0 if len(polls) > 50 else None
+                handle.poll = poll
+            return handle
+
+    runner = Runner()
+    monkeypatch.setattr(sweep, "LocalLauncher", lambda: runner)
+    settings = ["sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "model.warm_start_steps=5"]
+
+    def runs_for(seeds):
+        grid = f"sweep.grid.model.seed=[{','.join(map(str, seeds))}]"
+        return run_configs(load_experiment("quickstart", [*settings, grid]))
+
+    found = sweep.first_landing(runs_for, (2, 3, 4, 5, 6), 3, tmp_path, 2, False)
+    assert found == {"landed": [2, 3, 4], "missed": {}}
+    assert [Path(c).parent.name for c in runner.stopped] == ["model_seed_5"]
+    assert len(next(iter(slow.values()))) < 50

@@ -93,7 +93,7 @@ def _building(monkeypatch, misses=()):
     ``misses`` miss their band (their log's last line, as `python -m harness prepare` writes it)."""
     rounds = []
 
-    def prepare_through(pending, runner, progress, at_once, missed_ok=False):
+    def prepare_through(pending, runner, progress, at_once, missed_ok=False, enough=None):
         assert missed_ok and at_once == 2
         rounds.append([int(run.model.seed) for run, _ in pending])
         for run, folder in pending:

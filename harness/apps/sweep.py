@@ -14,6 +14,7 @@ process dies (even SIGKILL), its children die with it. Where a run's process exe
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -100,15 +101,17 @@ def _policy_key(run: DictConfig) -> str:
 
 
 def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool, at_once: int,
-                    missed_ok: bool = False) -> list[Path]:
+                    missed_ok: bool = False, enough: Callable[[dict[Path, bool]], bool] | None = None) -> list[Path]:
     """Build each distinct warm-started starting policy once through ``runner`` (``python -m harness prepare
     <run config>``, logged in that run's train.log), ``at_once`` of them at a time, and wait for all of them before
     the runs start, so that every run of the sweep loads the same cached policy ($RLVR_CACHE on a shared file system)
     instead of training its own. A warm start trains on one thread whatever the process's count
     (harness/policy/warm_start.py), so the policies built side by side are those built one after another. The first
     that fails stops the others and raises; with ``missed_ok`` one whose warm start missed its band (exit
-    MISSED_BAND) does not, and the folders of those that missed are returned."""
-    first, missed = {}, []
+    MISSED_BAND) does not, and the folders of those that missed are returned. ``enough``: called with the builds
+    ended so far ({folder: landed}); once it says True, the builds still running are stopped (a warm start is cached
+    whole or not at all) and those not begun are not: the caller takes none of them."""
+    first, missed, done = {}, [], {}
     for run, run_dir in pending:
         if run.model.warm_start_steps:
             first.setdefault(_policy_key(run), run_dir)
@@ -134,13 +137,26 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
                     raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
                                        f"{handle.error or stopped_error(run_dir) or 'no output'}; log in "
                                        f"{run_dir / 'train.log'}")
-            if active and not ended:
+                done[run_dir] = code == 0
+            if ended and enough is not None and enough(done):
+                _stop_spares(active, waiting, progress)
+            elif active and not ended:
                 time.sleep(1.0)
     except BaseException:
         for handle in active.values():
             handle.stop()
         raise
     return missed
+
+
+def _stop_spares(active: dict, waiting: list[Path], progress: bool) -> None:
+    """Stop the builds still ``active`` and drop those ``waiting``: the policies wanted have landed without them."""
+    if progress and (active or waiting):
+        tqdm.write(f"starting policies: enough landed; {len(active)} spare build(s) stopped, {len(waiting)} not begun")
+    for handle in active.values():
+        handle.stop()
+    active.clear()
+    waiting.clear()
 
 
 def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates: Sequence[int], wanted: int,
@@ -166,7 +182,8 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
         if not round_:
             raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
                                  f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
-        errors = _prepare_seeds({**extra, **_first_of_each(runs_for(round_))}, folder, at_once, progress)
+        decided = functools.partial(_decided, first=list(extra), round_=round_, still=wanted - len(landed))
+        errors = _prepare_seeds({**extra, **_first_of_each(runs_for(round_))}, folder, at_once, progress, decided)
         if failed := [f"model.seed {seed}: {errors[seed]}" for seed in extra if seed in errors]:
             raise WarmStartError(f"a starting policy that must land missed its band, {'; '.join(failed)}")
         extra = {}
@@ -182,6 +199,21 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     return {"landed": landed, "missed": missed}
 
 
+def _decided(done: dict[int, bool], first: list[int], round_: list[int], still: int) -> bool:
+    """Whether the builds ended so far (``done``: model.seed -> landed) decide a round of first_landing: every one
+    of ``first`` has ended, and ``still`` of ``round_`` have landed with every candidate before them ended (the
+    candidates are taken in order, so a later one still building could not be taken)."""
+    if any(seed not in done for seed in first):
+        return False
+    for seed in round_:
+        if seed not in done:
+            return False
+        still -= done[seed]
+        if still == 0:
+            return True
+    return False
+
+
 def _first_of_each(runs: list[DictConfig]) -> dict[int, DictConfig]:
     """model.seed -> the first of ``runs`` with it, in order."""
     first: dict[int, DictConfig] = {}
@@ -190,9 +222,11 @@ def _first_of_each(runs: list[DictConfig]) -> dict[int, DictConfig]:
     return first
 
 
-def _prepare_seeds(runs: dict[int, DictConfig], folder: Path, at_once: int, progress: bool) -> dict[int, str]:
+def _prepare_seeds(runs: dict[int, DictConfig], folder: Path, at_once: int, progress: bool,
+                   decided: Callable[[dict[int, bool]], bool]) -> dict[int, str]:
     """Build (or load) each ``model.seed -> run``'s starting policy through prepare_through, ``at_once`` side by side,
-    logged in ``folder``/model_seed_<N>/; the errors of those whose warm start missed its band."""
+    logged in ``folder``/model_seed_<N>/, until ``decided`` by those ended (model.seed -> landed); the errors of those
+    whose warm start missed its band."""
     pending = {}
     for seed, run in runs.items():
         where = folder / f"model_seed_{seed}"
@@ -200,7 +234,8 @@ def _prepare_seeds(runs: dict[int, DictConfig], folder: Path, at_once: int, prog
         atomic_write(where / "config.yaml", OmegaConf.to_yaml(run))
         pending[where] = seed
     missed = prepare_through([(run, where) for where, run in zip(pending, runs.values(), strict=True)],
-                             LocalLauncher(), progress, at_once, missed_ok=True)
+                             LocalLauncher(), progress, at_once, missed_ok=True,
+                             enough=lambda done: decided({pending[where]: landed for where, landed in done.items()}))
     return {pending[where]: (stopped_error(where) or "missed its band").removeprefix("error: ") for where in missed}
 
 
