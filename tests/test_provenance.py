@@ -216,6 +216,17 @@ def test_stamps_name_the_code_and_threads_of_the_runs_not_of_the_checkout(code, 
     assert "thread" not in stamp.machine(2)  # the machine line does not guess the runs' threads from the cores
 
 
+def test_a_generated_pages_machine_line_names_what_rounds_its_floats():
+    """A page's machine line names the CPU's vendor, family and model and torch's vector capability, not only the CPU's
+    name ("AMD EPYC" names several families, which round otherwise); the name stays first, before any comma."""
+    import torch
+
+    line = stamp.machine(2)
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert f"({provenance.cpu()}; {capability}), " in line
+    assert capability in line.split(",")[0]  # bench's pages print the part before the first comma
+
+
 def test_a_run_folder_the_manifest_does_not_list_is_reported_with_a_note(tmp_path):
     exp = tmp_path / "exp"
     listed = [fake_run(exp, "grpo", s, {"train.lr": 1e-4}) for s in (0, 1)]

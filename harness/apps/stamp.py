@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from harness.run.atomic import atomic_write
+from harness.run.provenance import cpu
 from harness.run.records import ENDED, run_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,15 @@ def commit() -> str:
 
 
 def machine(jobs: int) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    """The machine line of a generated page: the CPU's name, its vendor, family and model and torch's vector
+    capability (what rounds a run's floats: harness/run/provenance.py cpu), the cores, the runs at a time, the
+    versions."""
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
     cores = os.cpu_count() or 1
-    return (f"{cpu}, {cores} cores, {jobs} runs at a time; torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, Python {platform.python_version()} here")
+    return (f"{name} ({cpu()}; {torch.backends.cpu.get_cpu_capability()}), {cores} cores, {jobs} runs at a time; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()} "
+            "here")
 
 
 KEPT = "stamp.json"  # in a sweep's folder: the timing of the command that ran every one of its runs, and their ids
