@@ -100,6 +100,26 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_first_is_reported(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """A sweep that has already ended when its kill is due gets no signal, and no kill is logged for it (the soak said
+    "2 kills" where one was sent); a soak whose sweeps end before any kill fails with a line saying so, not a loop."""
+    import random
+
+    from harness.apps import soak
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    monkeypatch.setattr(soak, "harness", lambda *args, **kwargs: ended)
+    monkeypatch.setattr(soak, "wait_for", lambda condition, timeout: False)
+    (tmp_path / "soak").mkdir()
+    (tmp_path / "soak" / "manifest.json").write_text("{}")  # as the sweep left it
+    log = []
+    assert soak.kill_round(random.Random(0), ["sweep", "x"], tmp_path / "soak", log, kills=3) == [] and log == []
+    assert soak.main(main, kills=2) == 1
+    assert "soak: FAIL: 0 kills" in capsys.readouterr().out
+
+
 def test_soak_kills_and_resumes_without_loss(capsys):
     """The soak's command in this process (its sweeps are processes it starts and kills), on shorter runs, one at a
     time (make soak KILLS=10 is the real soak: 30 steps, two runs at once)."""

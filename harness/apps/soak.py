@@ -4,8 +4,10 @@
 
 A tiny two-objective sweep (``steps`` steps each) is started again and again; each time it is killed with SIGKILL,
 SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
-(after the starting policy's evaluation line, before the first checkpoint; the first kill aims there) or while
-a checkpoint is being written. After ``kills`` kills the sweep runs to the end. Then every run must be
+(after the starting policy's evaluation line, before the first checkpoint; a sweep's first kill aims there) or
+while a checkpoint is being written. A kill counts once its signal is sent; a sweep that ends on its own before the
+kills planned is followed by a new one in a folder of its own, so that every kill planned lands. After ``kills``
+kills each sweep runs to the end. Then every run must be
 finished, every file must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval
 records must equal those of the same run trained without interruption (trained here, in the soak's own process, after
 the sweep). Writes results/soak/soak.json and prints one line.
@@ -101,19 +103,20 @@ def train_uninterrupted(run_dir: Path, folder: Path, cli: Callable[[list[str]], 
     return reference
 
 
-def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30, jobs: int = 2) -> int:
-    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
-    rng = random.Random(seed)
-    work = Path(tempfile.mkdtemp(prefix="soak-"))
-    experiment = work / "soak.yaml"
-    experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
-    sweep_args = ["sweep", str(experiment), *SETTINGS, f"train.steps={steps}", f"results_dir={work}/res",
-                  "--no-progress", "--no-report", "--jobs", str(jobs)]
-    exp_dir = work / "res" / "soak"
-    log, problems, started = [], [], time.time()
+def sweep_args(experiment: Path, folder: Path, steps: int, jobs: int) -> list[str]:
+    """The soak's sweep command, its results under ``folder``."""
+    return ["sweep", str(experiment), *SETTINGS, f"train.steps={steps}", f"results_dir={folder}", "--no-progress",
+            "--no-report", "--jobs", str(jobs)]
+
+
+def kill_round(rng: random.Random, args: list[str], exp_dir: Path, log: list[dict], kills: int) -> list[str]:
+    """Start the sweep of ``args`` again and again, each time killing it or one of its runs (module docstring), until
+    ``log`` holds ``kills`` kills or the sweep ends first; a kill is logged only when its signal was sent. The
+    problems of the files as found after each kill."""
+    problems = []
     while len(log) < kills:
-        sweep = harness(*sweep_args)
-        moment = "step0" if not log else rng.choice(["random", "random", "checkpoint"])
+        sweep = harness(*args)
+        moment = "step0" if not (exp_dir / "manifest.json").exists() else rng.choice(["random", "random", "checkpoint"])
         if moment == "step0":
             hit = wait_for(lambda: in_step0_window(exp_dir), 30)
         elif moment == "checkpoint":
@@ -123,43 +126,78 @@ def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps:
         name = rng.choice(list(SIGNALS))
         runs = run_processes(exp_dir)
         target = "run" if runs and rng.random() < 0.4 else "sweep"
-        if sweep.poll() is None:
+        killed = sweep.poll() is None
+        if killed:
             os.kill(rng.choice(runs) if target == "run" else sweep.pid, SIGNALS[name])
-        log.append({"moment": moment if hit else "random", "signal": name, "target": target})
+            log.append({"moment": moment if hit else "random", "signal": name, "target": target})
         if target == "run" and sweep.poll() is None:
             sweep.kill()  # the sweep goes on after a run dies; stop it too, so each round starts afresh
         sweep.wait()
         wait_for(lambda: not run_processes(exp_dir), 30)
         problems += check_files(exp_dir)
-        if sweep.returncode == 0:
-            break  # finished before the planned kills: nothing left to interrupt
-    final = harness(*sweep_args)
-    final.wait()
-    manifest = json.loads((exp_dir / "manifest.json").read_text())
+        if not killed:  # it ended before the kills planned: nothing left to interrupt in this folder
+            return problems + ([] if sweep.returncode == 0 else [f"the sweep failed on its own (exit "
+                                                                  f"{sweep.returncode}): {' '.join(args)}"])
+    return problems
+
+
+def check_resumed(exp_dir: Path, manifest: dict, reference: Path, cli: Callable[[list[str]], int],
+                  steps: int) -> list[str]:
+    """After the final resume: every run of ``manifest`` finished, its metrics and eval records equal to those of
+    the same run trained without interruption (into ``reference``), its steps 0..``steps`` once each."""
+    problems = []
     for entry in manifest["runs"]:
         run_dir = exp_dir / entry["dir"]
         if entry["status"] != "finished":
             problems.append(f"{entry['run_id']}: {entry['status']} after the final resume")
             continue
-        reference = train_uninterrupted(run_dir, work / "reference", cli)
+        uninterrupted = train_uninterrupted(run_dir, reference, cli)
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
             got = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(run_dir / name)]
-            want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(reference / name)]
+            want = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in read_jsonl(uninterrupted / name)]
             if got != want:
                 problems.append(f"{run_dir / name} differs from the uninterrupted run's")
         if [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] != list(range(steps + 1)):
             problems.append(f"{run_dir}/metrics.jsonl does not hold steps 0..{steps} once each")
+    return problems
+
+
+def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30, jobs: int = 2) -> int:
+    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
+    rng = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix="soak-"))
+    experiment = work / "soak.yaml"
+    experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
+    log, problems, started, rounds = [], [], time.time(), []
+    while len(log) < kills and not problems:  # a sweep that ends before the kills planned: a round in a new folder
+        rounds.append(work / f"round{len(rounds)}")
+        before = len(log)
+        problems += kill_round(rng, sweep_args(experiment, rounds[-1], steps, jobs), rounds[-1] / "soak", log, kills)
+        if len(log) == before:
+            problems.append("a sweep ended before any kill could reach it: raise --steps")
+    runs = 0
+    for folder in rounds:
+        final = harness(*sweep_args(experiment, folder, steps, jobs))
+        final.wait()
+        try:
+            manifest = json.loads((folder / "soak" / "manifest.json").read_text())
+        except (OSError, ValueError) as e:
+            problems.append(f"{folder / 'soak'}: no manifest after the final resume ({e})")
+            continue
+        runs += len(manifest["runs"])
+        problems += check_resumed(folder / "soak", manifest, work / "reference" / folder.name, cli, steps)
     result = {"kills": len(log), "by_moment": {m: sum(e["moment"] == m for e in log) for m in
                                                ("random", "step0", "checkpoint")},
               "by_target": {t: sum(e["target"] == t for e in log) for t in ("sweep", "run")},
-              "by_signal": {s: sum(e["signal"] == s for e in log) for s in SIGNALS}, "runs": len(manifest["runs"]),
+              "by_signal": {s: sum(e["signal"] == s for e in log) for s in SIGNALS}, "runs": runs,
               "problems": problems, "passed": not problems, "seed": seed, "wall_time_s": time.time() - started,
               "log": log}
     out = ROOT / "results" / "soak"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "soak.json", json.dumps(result, indent=2))
     print(f"soak: {'PASS' if not problems else 'FAIL'}: {len(log)} kills ({result['by_moment']}, "
-          f"{result['by_target']}, {result['by_signal']}), {len(manifest['runs'])} runs resumed to the end, "
+          f"{result['by_target']}, {result['by_signal']}), {runs} runs resumed to the end in {len(rounds)} "
+          f"sweep{'s' * (len(rounds) > 1)}, "
           f"{len(problems)} problems{': ' + '; '.join(problems[:3]) if problems else ''} "
           f"({result['wall_time_s']:.0f} s; results/soak/soak.json)")
     return 0 if not problems else 1
