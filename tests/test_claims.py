@@ -51,6 +51,14 @@ def test_long_claims_run_when_named_or_asked_for_and_the_smollm2_ones_run_their_
     assert model_of(named).startswith("smollm2-135m-instruct")
 
 
+def test_a_long_claim_named_without_with_long_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Naming a SmolLM2 claim would start hours of sweeps: one line asks for --with-long, and nothing is built."""
+    monkeypatch.setattr(harness.apps.claims, "start_seeds", lambda *a, **k: pytest.fail("a starting policy was built"))
+    with pytest.raises(ConfigError, match="ctpo_outperforms_smollm2: long .* add --with-long"):
+        harness.apps.claims.main(["gspo_clips_more", "ctpo_outperforms_smollm2"], results_dir=str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
 def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("claim: x\npaper: y\nexperiment: {lab: lab, sweep: quickstart}\nchecks: []\n")

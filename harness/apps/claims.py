@@ -107,7 +107,7 @@ class Claim:
     notes: list[str] = field(default_factory=list)
     start_policies: int = DESIGN[0]  # starting policies (model.seed) its experiment runs from (module docstring)
     seeds: int | None = None  # a sweep's seeds per starting policy (None: CONFIRM_SEEDS, or the experiment's with one)
-    long: bool = False  # hours of SmolLM2 sweeps: run when named or with --with-long, not by a bare `make claims`
+    long: bool = False  # hours of SmolLM2 sweeps: run only with --with-long (named or not), never by a bare `make claims`
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
@@ -450,6 +450,10 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
     the code and threads of the runs the claims were checked on)."""
     claims = load_claims(names, with_long)
+    long = [c.name for c in claims if c.long]
+    if long and run and not with_long:  # named, not asked for: hours of sweeps would start without a word
+        raise ConfigError(f"claims {', '.join(long)}: long (SmolLM2 sweeps, hours on 2 cores); add --with-long to run "
+                          "them, or --existing to check the runs that exist")
     likely = {c.key: START_CANDIDATES[: c.design[0]] for c in claims}  # the starting policies where none misses
     check_claims(claims, likely, run, allow_code_change)  # before anything is built or run
     start = time.time()

@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
     claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones)")
     claims.add_argument("--with-long", action="store_true",
-                        help="with no names: also the long claims (SmolLM2 sweeps, hours on 2 cores)")
+                        help="also the long claims (SmolLM2 sweeps, hours on 2 cores): with no names all of them; "
+                             "a long claim named runs only with it")
     claims.add_argument("--jobs", type=positive_int, default=2, help="sweep runs in parallel processes")
     claims.add_argument("--no-progress", action="store_true", help="no progress bars")
     claims.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
