@@ -107,7 +107,7 @@ class Claim:
     notes: list[str] = field(default_factory=list)
     start_policies: int = DESIGN[0]  # starting policies (model.seed) its experiment runs from (module docstring)
     seeds: int | None = None  # a sweep's seeds per starting policy (None: CONFIRM_SEEDS, or the experiment's with one)
-    long: bool = False  # hours of SmolLM2 sweeps: run only with --with-long (named or not), never by a bare `make claims`
+    long: bool = False  # hours of SmolLM2 sweeps: run only with --with-long (named or not), not by a bare `make claims`
 
     @property
     def source(self) -> tuple[str, str, tuple[str, ...]]:
