@@ -230,7 +230,8 @@ def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
 STATES = {
     "sweep still running": "1 running now, 1 not started",
     "all runs of an objective failed": "gspo: no run has ended (2 failed); error: ValueError: boom",
-    "summary.json deleted": "no summary.json",
+    "summary.json deleted": "gspo: no ended run can be read (1 finished, without a readable summary.json: see Data "
+                            "warnings): its accuracy is n/a.",
     "summary.json unreadable": "unreadable JSON, ignored",
     "only step 0": "stopped at step 0/6 (killed; run the same command to resume)",
     "empty metrics file": "metrics.jsonl: no metrics (empty file)",
