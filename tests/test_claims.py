@@ -306,3 +306,27 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False, results_dir=str(tmp_path)) == 0
     assert order == [("check", [2, 3, 4]), ("build", "offpolicy"), ("check", [2, 4, 5])]
     assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_claims_labs_run_apart_in_processes_give_the_tables_of_labs_run_here(tmp_path, monkeypatch):
+    """With several starting policies and jobs > 1 each lab is a `python -m harness lab` process of its own (two at
+    once, each logged beside its folder); its tables equal those of the same labs run one after another in this
+    process."""
+    from harness.apps import lab as lab_app
+    from tests.helpers.tiny import TINY_RUN, VARIED_REWARD
+
+    settings = (*TINY_RUN, VARIED_REWARD, "lab.objectives=[grpo,gspo]", "lab.batches=2", "lab.staleness=[0,1]",
+                "lab.mismatch=[]", "lab.reference_samples=2")
+    here = harness.apps.claims.lab_tables("base", (*settings, f"results_dir={tmp_path / 'here'}"), (2, 3),
+                                          progress=False, run=True, jobs=1)
+    monkeypatch.setattr(lab_app, "run_lab", lambda *a, **k: pytest.fail("a lab ran in this process"))
+    monkeypatch.setattr(harness.apps.claims, "run_lab", lab_app.run_lab)
+    apart = harness.apps.claims.lab_tables("base", (*settings, f"results_dir={tmp_path / 'apart'}"), (2, 3),
+                                           progress=False, run=True, jobs=2)
+    assert set(here) == set(apart) == {"lab", "pairwise", "snr", "sqrt_growth"}
+    for table in here:
+        pd.testing.assert_frame_equal(here[table], apart[table])
+    assert sorted(here["lab"][START_SEED].unique()) == [2, 3] and here["lab"]["grad_norm"].max() > 0
+    assert [p.name for p in sorted((tmp_path / "apart" / "lab").glob("*.log"))] == ["base_start2.log",
+                                                                                 "base_start3.log"]

@@ -36,7 +36,8 @@ Replication. A claim runs its experiment from ``start_policies`` starting polici
 values of START_CANDIDATES, harness/apps/zoo.py's, whose warm start lands in its band: ``start_seeds``; 1: the
 experiment's own model.seed) and, for a sweep, ``seeds`` seeds
 0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
-one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``). A probe builds a model of
+one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``; with ``--jobs`` > 1 each
+in a process of its own, that many at a time). A probe builds a model of
 its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
 under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
 (starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
@@ -76,6 +77,7 @@ from analysis.load import load_experiment as load_results
 from analysis.report import md_table
 from analysis.stats import describe, num
 from harness.apps.lab import lab_dir, run_lab
+from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
 from harness.apps.sweep import START_POLICIES, check_runs_code, first_landing, run_sweep
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
@@ -182,7 +184,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     if kind == "probe":
         return run_probe(overrides, run)
     if kind == "lab":
-        return lab_tables(name, overrides, start_seeds, progress, run)
+        return lab_tables(name, overrides, start_seeds, progress, run, jobs)
     cfg = sweep_config(name, overrides, start_seeds, seeds)
     if run:
         run_sweep(cfg, jobs=jobs, progress=progress, allow_code_change=allow_code_change, command="claims")
@@ -233,21 +235,52 @@ def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, 
 
 
 def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
-               run: bool) -> dict[str, pd.DataFrame]:
+               run: bool, jobs: int = 1) -> dict[str, pd.DataFrame]:
     """A lab's tables, one lab per starting policy (its folder ``<name>_start<model.seed>``) stacked with a
-    START_SEED column; the experiment's own policy without ``start_seeds``."""
-    parts: dict[str, list] = {}
+    START_SEED column; the experiment's own policy without ``start_seeds``. Run (``run``) with several starting
+    policies and ``jobs`` > 1: each lab in a process of its own, ``jobs`` at a time (:func:`labs_apart`); else
+    here, one after another."""
+    cfgs = []
     for seed in start_seeds or (None,):
         cfg = load_experiment(name, list(overrides) + ([] if seed is None else [f"model.seed={seed}"]))
         if seed is not None:
             cfg.name = f"{cfg.name}_start{seed}"
-        folder = run_lab(cfg, progress) if run else lab_dir(cfg)
+        cfgs.append(cfg)
+    apart = run and len(cfgs) > 1 and jobs > 1
+    if apart:
+        labs_apart(name, overrides, cfgs, jobs)
+    parts: dict[str, list] = {}
+    for cfg in cfgs:
+        folder = run_lab(cfg, progress) if run and not apart else lab_dir(cfg)
         if not (folder / "batches").is_dir():
             return {}
-        build_lab_report(folder)
+        if not apart:  # a lab apart wrote its report as it ended
+            build_lab_report(folder)
         for t in ("lab", "pairwise", "snr", "sqrt_growth"):
             parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed}))
     return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
+
+
+def labs_apart(name: str, overrides: tuple[str, ...], cfgs: list[DictConfig], jobs: int) -> None:
+    """Measure each lab of ``cfgs`` (one per starting policy: ``name`` with ``overrides``, its model.seed and its
+    name) in a ``python -m harness lab`` process of its own, ``jobs`` at a time, each on its share of the free
+    cores, logged beside its folder (<results_dir>/lab/<its name>.log): in this process they would run one after
+    another on one core. A lab's batches are its own, so where it runs changes none of them; a lab whose batches
+    are all there only writes its report. One that fails stops the others and raises, naming its log."""
+    runner = LocalLauncher()
+    threads = runner.threads(min(jobs, len(cfgs)))
+
+    def ended(job: Job, code: int, handle) -> bool:
+        if code:
+            raise RuntimeError(f"the lab {job.key} failed (exit {code}); log in {job.log}")
+        return False
+
+    for cfg in cfgs:
+        lab_dir(cfg).parent.mkdir(parents=True, exist_ok=True)
+    print(f"claims: {len(cfgs)} labs, {jobs} at a time (logs: {lab_dir(cfgs[0]).parent}/<lab>.log)", file=sys.stderr)
+    run_each([Job(cfg.name, ["lab", name, *overrides, f"model.seed={cfg.model.seed}", f"name={cfg.name}",
+                             "--no-progress", "--threads", str(threads)],
+                  lab_dir(cfg).parent / f"{cfg.name}.log", f"lab-{cfg.name}") for cfg in cfgs], runner, jobs, ended)
 
 
 def probe_settings(overrides: tuple[str, ...]) -> tuple[dict, Path]:

@@ -253,6 +253,7 @@ def cmd_docs(args) -> int:
 def cmd_lab(args) -> int:
     from harness.apps.lab import main as lab  # imported when used: the plotting stack (cmd_sweep's note)
 
+    prefer_threads(args.threads)  # the claims' share of the cores, for a lab without its own threads setting
     return lab(args.experiment, args.overrides, progress=not args.no_progress)
 
 
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
     lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
     lab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    lab.add_argument("--threads", type=non_negative_int, default=0,
+                     help="torch CPU threads of a lab without its own threads setting (0: the free cores)")
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
     claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones)")
     claims.add_argument("--with-long", action="store_true",

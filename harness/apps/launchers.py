@@ -40,6 +40,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -113,6 +115,43 @@ class Launcher(Protocol):
     def adopt(self, name: str) -> RunHandle | None: ...  # the job an earlier sweep started as ``name``, still alive
 
     def close(self) -> None: ...
+
+
+@dataclass
+class Job:
+    """A ``python -m harness <args>`` command for :func:`run_each`, logged to ``log``, known to the launcher as
+    ``name`` (one an earlier call started under that name and still alive is adopted, not started again)."""
+
+    key: Hashable  # the caller's name for it, handed back when it ends
+    args: list[str]
+    log: Path
+    name: str
+
+
+def run_each(jobs: list[Job], runner: Launcher, at_once: int,
+             ended: Callable[[Job, int, RunHandle], bool]) -> None:
+    """Run ``jobs`` through ``runner``, in order, ``at_once`` at a time, polling each second. ``ended(job, exit code,
+    handle)`` as each one ends: when it returns True, those still running are stopped and those not begun dropped;
+    when it raises (or anything else interrupts the loop), those still running are stopped and it propagates."""
+    waiting, active = list(jobs), {}
+    try:
+        while waiting or active:
+            while waiting and len(active) < at_once:
+                job = waiting.pop(0)
+                active[job.key] = (job, runner.adopt(job.name) or runner.start(job.args, job.log, job.name))
+            done = [(job, code, handle) for job, handle in active.values() if (code := handle.poll()) is not None]
+            stop = False
+            for job, code, handle in done:
+                del active[job.key]
+                stop = ended(job, code, handle) or stop
+            if stop:
+                waiting.clear()
+                break
+            if active and not done:
+                time.sleep(1.0)
+    finally:
+        for _, handle in active.values():
+            handle.stop()
 
 
 class AdoptedHandle:

@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Launcher, LocalLauncher, RunHandle, adopt_lock_holder, make_launcher
+from harness.apps.launchers import Job, Launcher, LocalLauncher, RunHandle, adopt_lock_holder, make_launcher, run_each
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
@@ -115,48 +115,32 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
     for run, run_dir in pending:
         if run.model.warm_start_steps:
             first.setdefault(_policy_key(run), run_dir)
-    waiting, active = list(first.values()), {}
-    threads = runner.threads(at_once) if waiting else 0  # once: the jobs started here would count as other load
-    try:
-        while waiting or active:
-            while waiting and len(active) < at_once:
-                run_dir = waiting.pop(0)
-                if progress:
-                    tqdm.write(f"preparing a starting policy through --launcher {runner.name} "
-                               f"(log: {run_dir / 'train.log'})")
-                name = f"prepare-{run_dir.name}"
-                active[run_dir] = runner.adopt(name) or runner.start(
-                    ["prepare", str(run_dir / "config.yaml"), "--threads", str(threads)],
-                    run_dir / "train.log", name)
-            ended = {run_dir: code for run_dir, handle in active.items() if (code := handle.poll()) is not None}
-            for run_dir, code in ended.items():
-                handle = active.pop(run_dir)
-                if code == MISSED_BAND and missed_ok:
-                    missed.append(run_dir)
-                elif code:
-                    raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
-                                       f"{handle.error or stopped_error(run_dir) or 'no output'}; log in "
-                                       f"{run_dir / 'train.log'}")
-                done[run_dir] = code == 0
-            if ended and enough is not None and enough(done):
-                _stop_spares(active, waiting, progress)
-            elif active and not ended:
-                time.sleep(1.0)
-    except BaseException:
-        for handle in active.values():
-            handle.stop()
-        raise
+    if not first:
+        return missed
+    threads = runner.threads(at_once)  # once: the jobs started here would count as other load
+    if progress:
+        tqdm.write(f"preparing {len(first)} starting polic{'y' if len(first) == 1 else 'ies'} through --launcher "
+                   f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log: "
+                   f"{', '.join(str(d) for d in first.values())})")
+
+    def ended(job: Job, code: int, handle) -> bool:
+        if code == MISSED_BAND and missed_ok:
+            missed.append(job.key)
+        elif code:
+            raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
+                               f"{handle.error or stopped_error(job.key) or 'no output'}; log in {job.log}")
+        done[job.key] = code == 0
+        if enough is None or not enough(done):
+            return False
+        if progress and len(done) < len(first):
+            tqdm.write(f"starting policies: enough landed; {len(first) - len(done)} spare build(s) stopped or not "
+                       "begun")
+        return True
+
+    run_each([Job(run_dir, ["prepare", str(run_dir / "config.yaml"), "--threads", str(threads)],
+                  run_dir / "train.log", f"prepare-{run_dir.name}") for run_dir in first.values()],
+             runner, at_once, ended)
     return missed
-
-
-def _stop_spares(active: dict, waiting: list[Path], progress: bool) -> None:
-    """Stop the builds still ``active`` and drop those ``waiting``: the policies wanted have landed without them."""
-    if progress and (active or waiting):
-        tqdm.write(f"starting policies: enough landed; {len(active)} spare build(s) stopped, {len(waiting)} not begun")
-    for handle in active.values():
-        handle.stop()
-    active.clear()
-    waiting.clear()
 
 
 def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates: Sequence[int], wanted: int,
