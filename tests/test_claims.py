@@ -309,24 +309,45 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
 
 
 @pytest.mark.slow
-def test_a_claims_labs_run_apart_in_processes_give_the_tables_of_labs_run_here(tmp_path, monkeypatch):
-    """With several starting policies and jobs > 1 each lab is a `python -m harness lab` process of its own (two at
-    once, each logged beside its folder); its tables equal those of the same labs run one after another in this
-    process."""
-    from harness.apps import lab as lab_app
+def test_a_claims_labs_run_apart_as_lab_commands_give_the_tables_of_labs_run_here(tmp_path, monkeypatch):
+    """With several starting policies and jobs > 1 each lab is a `python -m harness lab` command of its own (a
+    process through the local launcher; here a stand-in launcher runs the command in this process, one at a time):
+    its model.seed, its name and the threads share on the command line, its log beside its folder, and its tables
+    equal those of the same labs run one after another here."""
+    from types import SimpleNamespace
+
+    from harness.apps.cli import main as cli
+    from harness.run import threads
     from tests.helpers.tiny import TINY_RUN, VARIED_REWARD
 
+    class InProcess:
+        name = "local"
+        commands = []  # (args, log) of each command started
+
+        def threads(self, jobs):
+            return 1
+
+        def adopt(self, name):
+            return None
+
+        def start(self, args, log, name):
+            self.commands.append((args, log))
+            code = cli(args)
+            return SimpleNamespace(poll=lambda: code, stop=lambda: None, error=None)
+
+    monkeypatch.setattr(threads, "_PREFERRED", 0)  # the lab command sets the process's preference
+    monkeypatch.setattr(harness.apps.claims, "LocalLauncher", InProcess)
     settings = (*TINY_RUN, VARIED_REWARD, "lab.objectives=[grpo,gspo]", "lab.batches=2", "lab.staleness=[0,1]",
                 "lab.mismatch=[]", "lab.reference_samples=2")
     here = harness.apps.claims.lab_tables("base", (*settings, f"results_dir={tmp_path / 'here'}"), (2, 3),
                                           progress=False, run=True, jobs=1)
-    monkeypatch.setattr(lab_app, "run_lab", lambda *a, **k: pytest.fail("a lab ran in this process"))
-    monkeypatch.setattr(harness.apps.claims, "run_lab", lab_app.run_lab)
+    assert not InProcess.commands
     apart = harness.apps.claims.lab_tables("base", (*settings, f"results_dir={tmp_path / 'apart'}"), (2, 3),
                                            progress=False, run=True, jobs=2)
     assert set(here) == set(apart) == {"lab", "pairwise", "snr", "sqrt_growth"}
     for table in here:
         pd.testing.assert_frame_equal(here[table], apart[table])
     assert sorted(here["lab"][START_SEED].unique()) == [2, 3] and here["lab"]["grad_norm"].max() > 0
-    assert [p.name for p in sorted((tmp_path / "apart" / "lab").glob("*.log"))] == ["base_start2.log",
-                                                                                 "base_start3.log"]
+    for (args, log), seed in zip(InProcess.commands, (2, 3), strict=True):
+        assert args[:2] == ["lab", "base"] and f"model.seed={seed}" in args and f"name=base_start{seed}" in args
+        assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_start{seed}.log"
