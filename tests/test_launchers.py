@@ -31,6 +31,16 @@ SETTINGS = [*TINY_RUN, "threads=1", "train.steps=6", "train.max_new_tokens=16", 
 EXPERIMENT = "sweep:\n  grid:\n    objective.name: [grpo, gspo]\n"
 
 
+@pytest.fixture(autouse=True)
+def ray_outlives_a_lost_gcs(monkeypatch):
+    """Ray ends a process whose GCS has not answered for ``gcs_rpc_server_reconnect_timeout_s`` (60 s), with exit
+    status 1 and nothing on its output. Under load, a driver client that a ray.shutdown() here left behind did so 60 s
+    later and took the pytest worker with it (xdist: "node down", and the suite hung). The tests' processes, and the
+    clusters they start (the variable is inherited), keep their GCS clients for a day instead; a test whose cluster is
+    lost still fails on its own waits."""
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "86400")
+
+
 def experiment(folder: Path, results: Path, *overrides: str):
     exp = folder / "launch.yaml"
     exp.write_text(EXPERIMENT)
