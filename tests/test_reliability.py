@@ -120,6 +120,7 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
     assert "soak: FAIL: 0 kills" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_soak_kills_and_resumes_without_loss(capsys):
     """The soak's command in this process (its sweeps are processes it starts and kills), on shorter runs, one at a
     time (make soak KILLS=10 is the real soak: 30 steps, two runs at once)."""
