@@ -111,6 +111,7 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     monkeypatch.setattr(soak, "harness", lambda *args, **kwargs: ended)
+    monkeypatch.setattr(soak, "ROOT", tmp_path)  # its soak.json, not over a real soak's in results/
     monkeypatch.setattr(soak, "wait_for", lambda condition, timeout: False)
     (tmp_path / "soak").mkdir()
     (tmp_path / "soak" / "manifest.json").write_text("{}")  # as the sweep left it

@@ -123,6 +123,8 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
                    f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log: "
                    f"{', '.join(str(d) for d in first.values())})")
 
+    told = []  # the spares' line, said once
+
     def ended(job: Job, code: int, handle) -> bool:
         if code == MISSED_BAND and missed_ok:
             missed.append(job.key)
@@ -132,7 +134,8 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         done[job.key] = code == 0
         if enough is None or not enough(done):
             return False
-        if progress and len(done) < len(first):
+        if progress and len(done) < len(first) and not told:
+            told.append(True)
             tqdm.write(f"starting policies: enough landed; {len(first) - len(done)} spare build(s) stopped or not "
                        "begun")
         return True
