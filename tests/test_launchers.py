@@ -229,6 +229,47 @@ def test_launcher_errors_stop_the_sweep_before_any_folder_exists(tmp_path, monke
     assert not (tmp_path / "results").exists()
 
 
+class FakeRay:
+    """What the Ray launcher calls of ``ray``, recording the session's starts and shutdowns."""
+
+    def __init__(self):
+        self.inits, self.shutdowns, self.cloudpickle = 0, 0, self
+
+    def register_pickle_by_value(self, module):
+        pass
+
+    def remote(self, function):
+        return function
+
+    def is_initialized(self) -> bool:
+        return self.inits > self.shutdowns
+
+    def init(self, **options):
+        self.inits += 1
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+    def nodes(self) -> list[dict]:
+        return [{"Alive": True, "Resources": {"CPU": 2.0}}]
+
+
+def test_the_ray_session_a_sweep_starts_lasts_until_the_process_exits(tmp_path, monkeypatch):
+    """A sweep that started a local Ray cluster leaves it up when it ends (Ray shuts it down at the process's exit):
+    a ray.shutdown() can leave a client that ends the process a minute later, in the report or the next sweep. The
+    next sweep of the process joins the same session instead of starting another."""
+    from harness.apps.launchers import make_launcher
+
+    ray = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    settings = experiment(tmp_path, tmp_path / "results").launcher
+    for _ in range(2):  # two sweeps of one process (the zoo's stages)
+        runner = make_launcher("ray", settings, tmp_path)
+        runner.check()
+        runner.close()
+        assert (ray.inits, ray.shutdowns) == (1, 0)
+
+
 @pytest.mark.parametrize("module, extra", [("ray", "ray"), ("submitit", "slurm")])
 def test_a_missing_extra_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, module, extra):
     monkeypatch.setitem(__import__("sys").modules, module, None)  # import fails as if not installed

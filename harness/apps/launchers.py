@@ -398,7 +398,7 @@ class RayLauncher:
     name = "ray"
 
     def __init__(self, settings: DictConfig):
-        self.settings, self.ray, self.task, self.started = settings, None, None, False
+        self.settings, self.ray, self.task = settings, None, None
 
     def check(self) -> None:
         try:
@@ -422,12 +422,10 @@ class RayLauncher:
             except ConnectionError as e:  # address=auto with no cluster on this machine
                 raise ConfigError(f"no Ray cluster at launcher.address={address}: {str(e).splitlines()[0]}") \
                     from None
-            self.started = True
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         for key, need in (("CPU", self.settings.cpus_per_run), ("GPU", self.settings.gpus_per_run)):
             most = max((n.get(key, 0) for n in nodes), default=0)
             if need > most:
-                self.close()
                 raise ConfigError(f"launcher.{key.lower()}s_per_run={need}, but no node of the Ray cluster has more "
                                   f"than {most:g} {key}s: lower it, or add such nodes")
 
@@ -444,9 +442,11 @@ class RayLauncher:
         return None  # its tasks end with the driver (the sweep) that submitted them
 
     def close(self) -> None:
-        if self.started and self.ray is not None:
-            self.ray.shutdown()
-            self.started = False
+        """Nothing: the Ray session this process joined or started stays up until the process exits, when Ray's own
+        exit handler shuts it down. After a ray.shutdown() Ray 2.60 can leave a client in the process that ends it
+        ("Failed to connect to GCS within 60 seconds", status 1) a minute later: the sweep's report, or the next sweep
+        of the same command (the zoo's stages, the claims' sweeps), would die there. A later sweep joins the same
+        session (``ray.is_initialized``)."""
 
 
 # ------------------------------------------------------------------------------------------------------------- slurm
