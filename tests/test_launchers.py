@@ -263,7 +263,7 @@ def test_the_ray_session_a_sweep_starts_lasts_until_the_process_exits(tmp_path, 
     ray = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", ray)
     settings = experiment(tmp_path, tmp_path / "results").launcher
-    for _ in range(2):  # two sweeps of one process (the zoo's stages)
+    for _ in range(2):  # two sweeps of one Python process
         runner = make_launcher("ray", settings, tmp_path)
         runner.check()
         runner.close()

@@ -444,9 +444,9 @@ class RayLauncher:
     def close(self) -> None:
         """Nothing: the Ray session this process joined or started stays up until the process exits, when Ray's own
         exit handler shuts it down. After a ray.shutdown() Ray 2.60 can leave a client in the process that ends it
-        ("Failed to connect to GCS within 60 seconds", status 1) a minute later: the sweep's report, or the next sweep
-        of the same command (the zoo's stages, the claims' sweeps), would die there. A later sweep joins the same
-        session (``ray.is_initialized``)."""
+        ("Failed to connect to GCS within 60 seconds", status 1) a minute later: the sweep's report, written after the
+        runs, or a later sweep of the same Python process would die there. A later sweep joins the same session
+        (``ray.is_initialized``)."""
 
 
 # ------------------------------------------------------------------------------------------------------------- slurm
