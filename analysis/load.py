@@ -147,6 +147,8 @@ def parse_metrics(path: Path, total: int | None = None) -> MetricsFile:
                     or isinstance(value, float) and not math.isfinite(value)):  # a NaN / Infinity another writer left
                 nulls.setdefault(key, []).append(int(row["step"]))
     for col in df.columns:
+        if pd.api.types.is_numeric_dtype(df[col]):  # already numbers (to_numeric would return them as they are)
+            continue
         values = pd.to_numeric(df[col], errors="coerce")
         if values.isna().sum() > df[col].isna().sum():
             warn(f"{path}: non-numeric values of {col!r} treated as missing")

@@ -34,6 +34,7 @@ provides, and :func:`lifecycle_unsupported` checks one against the other before 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -47,6 +48,14 @@ from objectives.registry import Registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 RATIO_LEVELS = ("token", "sequence", "other")  # Objective.ratio_level
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    """``typing.get_type_hints`` of an objective class (its fields' types; the annotations are strings here), worked
+    out once per class rather than for every objective built: it evaluates the annotations of the class and its
+    bases."""
+    return typing.get_type_hints(cls)
 
 
 @dataclass
@@ -448,7 +457,7 @@ class Objective:
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, self._checked(f.name, getattr(self, f.name), hints[f.name]))
         if self.aggregation == "":

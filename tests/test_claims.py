@@ -265,6 +265,7 @@ def test_a_probe_builds_its_own_models_and_takes_no_starting_policies():
     assert sweep.design == (3, 5)
 
 
+@pytest.mark.slow  # expands the claims' sweeps round by round: make test
 def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path, monkeypatch):
     """A claim's starting policies are sweep.first_landing's (a candidate whose warm start misses its band on this
     CPU is passed over), built before any experiment runs; `--existing` reads the ones a former call found and

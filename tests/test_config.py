@@ -21,6 +21,10 @@ from harness.run.errors import ConfigError
     (["train.num_minibatches=3"], "must divide prompts_per_step x group_size"),
     (["model.dtype=fp8"], "model.dtype must be one of"),
     (["sweep.grid.seed=[]"], "zero runs"),
+    # a grid's (or a per-objective setting's) keys are checked as the command line's are, at the top level too
+    (["sweep.grid.sead=[0,1]"], "unknown config key 'sead'"),
+    (["sweep.grid.seed=[0,x]"], "seed"),
+    (["sweep.per_objective.gspo={sead: 1}"], "unknown config key 'sead'"),
     (["train.lm_head_chunk=-1"], "train.lm_head_chunk and train.max_tokens_per_micro_batch must be >= 0"),
     (["train.eval_batch_size=0"], "train.eval_batch_size must be >= 1, got 0"),
     (["train.max_tokens_per_micro_batch=512", "train.micro_batch_size=4"], "not both"),

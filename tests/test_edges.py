@@ -163,6 +163,7 @@ def test_a_run_resumed_with_other_memory_settings_equals_the_uninterrupted_run(t
     assert_equal_but_round_off(part, full)
 
 
+@pytest.mark.slow  # a run resumed: make test
 def test_a_setting_added_to_the_schema_since_does_not_block_a_resume(stopped_run):
     run, run_dir = stopped_run
     saved = OmegaConf.load(run_dir / "config.yaml")
@@ -254,6 +255,7 @@ def reference(tmp_path):
     pytest.param("summary.json.tmp", 3, errno.EDQUOT, marks=pytest.mark.slow),  # a quota, at step 1's summary
     pytest.param("config.yaml.tmp", 0, errno.ENOSPC, marks=pytest.mark.slow),  # before the first step
 ])
+@pytest.mark.slow  # a run cut short, then resumed: make test
 def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_path, monkeypatch, capsys, reference,
                                                                           name, after, code):
     run_dir = tmp_path / "run"
@@ -275,6 +277,7 @@ def test_a_full_disk_is_one_line_leaves_no_temporary_and_resumes_exactly(tmp_pat
     assert temporaries(run_dir) == []
 
 
+@pytest.mark.slow  # a run resumed: make test
 def test_stale_temporaries_are_swept_away_when_a_run_resumes(stopped_run):
     run, run_dir = stopped_run
     for stale in (run_dir / "summary.json.tmp", run_dir / "checkpoints" / "last.pt.tmp"):
@@ -441,6 +444,7 @@ def test_a_nonexistent_hub_id_is_refused_whether_or_not_the_hub_answers(tmp_path
 # ------------------------------------------------------------------------------ 9. a torn line that is not redone
 
 
+@pytest.mark.slow  # a run resumed: make test
 def test_a_killed_runs_cut_short_last_line_is_redone_without_a_warning(stopped_run, capsys):
     run, run_dir = stopped_run
     with open(run_dir / "metrics.jsonl", "a") as f:
@@ -503,6 +507,7 @@ def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stop
     assert err.count("\n") == 1 and err.startswith(f"warning: {run_dir / 'config.yaml'} is damaged"), err
 
 
+@pytest.mark.slow  # a run resumed: make test
 def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_run, tmp_path, capsys):
     run, run_dir = stopped_run
     (run_dir / "config.yaml").write_text("- a list\n")

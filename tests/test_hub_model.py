@@ -130,6 +130,7 @@ def test_the_trl_backend_trains_a_hub_model_with_its_chat_template(tmp_path, hub
     assert_same_logprobs(tmp_path / "run" / "exports" / "step_2", final, tokenizer)
 
 
+@pytest.mark.slow  # a run exporting its policy each step: make test
 def test_export_every_saves_policies_that_reload_with_the_same_logprobs(tmp_path):
     run = tiny_run(tmp_path, "train.export_every=1", "task.eval_size=4", KEEP)
     train(run, tmp_path / "run", progress=False)

@@ -225,6 +225,7 @@ def test_final_holds_adapters_peft_loads_and_the_merged_model(tmp_path):
     assert not torch.allclose(base_logp, expected, atol=1e-4)  # the adapters moved the policy
 
 
+@pytest.mark.slow  # a TRL trainer built and stepped: make test
 def test_the_trl_backends_adapters_loss_and_gradient_are_the_native_loops(fixed, tmp_path):
     """TRL's peft_config makes the native loop's adapters (A from model.seed); with them perturbed, the loss and
     the adapters' gradient on a fixed batch equal the native update's; a KL term is computed (TRL disables the

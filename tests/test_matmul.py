@@ -97,6 +97,7 @@ def test_a_bad_kernel_is_one_config_error():
         pass
 
 
+@pytest.mark.slow  # trains two warm starts: make test
 def test_the_warm_start_builds_the_same_weights_under_either_kernel_of_the_caller(rlvr_cache):
     """The warm start pins its kernel (WARM_START_MATMUL, auto's): built inside a "torch" and a "onednn" scope it
     takes the same steps to the same bits (the two kernels' weights part ways within these steps), and says which

@@ -11,6 +11,7 @@ from harness.loop.metrics import CLEAR_REFS, PhaseMemory, peak_memory_mb
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow  # allocates and frees hundreds of MB: make test
 @pytest.mark.skipif(not os.access(CLEAR_REFS, os.W_OK), reason="the kernel's peak RSS cannot be reset here")
 def test_a_phase_peak_is_its_own_not_the_process_peak_before_it():
     memory = PhaseMemory(CPU)

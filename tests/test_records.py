@@ -134,6 +134,7 @@ def test_summary_counts_the_cpu_seconds_of_every_attempt(tmp_path, monkeypatch):
     assert summary()["cpu_time_s"] == 3.5
 
 
+@pytest.mark.slow  # a run, then its restart: make test
 def test_an_ended_run_keeps_one_checkpoint_without_the_optimizer_and_started_again_trains_nothing(tmp_path):
     """Else an ended run keeps two checkpoints with AdamW's moments (six copies of its weights) beside final/, and a
     sweep of SmolLM2 runs fills a disk. What stays is what a run started again at its end reads."""

@@ -67,15 +67,17 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("installed", ["5.23.0", "6.0.0"])
 def test_a_transformers_outside_the_requirement_is_refused_in_one_line_before_anything_starts(
-        installed, monkeypatch, capsys, tmp_path):
+        installed, monkeypatch, capsys, tmp_path, request):
     import importlib.metadata
 
-    from harness.apps.cli import unmet_requirement
+    from harness.apps.cli import installed_version, unmet_requirement
 
     assert unmet_requirement() is None  # the environment the suite runs in meets pyproject's requirements
     version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: installed if name == "transformers" else version(name))
+    installed_version.cache_clear()  # looked up once per process: as if this transformers had been there all along
+    request.addfinalizer(installed_version.cache_clear)  # and the real one again for the tests after this one
     assert main(["train", "quickstart", f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err == (f"error: transformers {installed} is installed, the harness needs transformers<6,>=5.24: "

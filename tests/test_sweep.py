@@ -254,6 +254,7 @@ def test_a_run_whose_lock_another_process_holds_is_followed_to_its_end_not_start
     child.stop()  # someone else's process: nothing to stop
 
 
+@pytest.mark.slow  # a full garbage collection of the test process's heap: make test
 def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_its_heap_back(monkeypatch):
     """The sweep's parent waits on its runs for the whole sweep: after building the warm starts it must hold none of
     them (a SmolLM2 SFT held through the sweep is gigabytes the runs cannot use)."""
@@ -288,6 +289,7 @@ def test_the_parent_prepares_each_starting_policy_once_then_drops_it_and_gives_i
     assert at_release == []  # nothing built, nothing to give back
 
 
+@pytest.mark.slow  # a full garbage collection of the test process's heap: make test
 def test_a_run_gives_back_what_its_warm_start_freed(monkeypatch):
     """build_policy gives the heap back after a warm start (its optimizer state and activations are garbage then),
     and only then."""

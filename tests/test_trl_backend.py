@@ -209,6 +209,7 @@ def spied_volatility(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.slow  # a TRL run: make test
 @pytest.mark.parametrize("lora", [(), pytest.param(("model.lora.rank=4",), marks=pytest.mark.slow)])  # TRL's peft
 def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, monkeypatch, lora):
     """tiny_moe, 2 minibatches per rollout batch (TRL records the behaviour routing in its old-policy pass), an
@@ -231,6 +232,7 @@ def test_moe_run_logs_expert_volatility_against_the_old_policy_pass(tmp_path, mo
         assert row["routed_tokens"] == forwards[0].tokens + forwards[1].tokens
 
 
+@pytest.mark.slow  # a TRL run: make test
 def test_one_minibatch_behaviour_routing_is_the_loss_forwards_own(tmp_path, monkeypatch):
     """One optimizer step per rollout batch: TRL skips its old-policy pass (the behaviour log-probs are the loss
     forward's own, at the weights that sampled), so the behaviour routing is that forward's: volatility 0, while the
@@ -244,6 +246,7 @@ def test_one_minibatch_behaviour_routing_is_the_loss_forwards_own(tmp_path, monk
     assert math.isfinite(row["router_aux_loss"]) and math.isfinite(row["expert_load_entropy"])
 
 
+@pytest.mark.slow  # a TRL run: make test
 def test_dense_run_logs_no_expert_metrics(tmp_path):
     run = run_config(tmp_path, "train.num_minibatches=2")
     train_trl(run, tmp_path / "dense", progress=False)

@@ -30,6 +30,7 @@ BAND = {"max_steps": 150, "lr": 1e-2, "batch_size": 16, "seed": 0, "target": (0.
         "check_size": 32}
 
 
+@pytest.mark.slow  # trains a warm start: make test
 def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
     task = _easy_task()
     model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
@@ -57,6 +58,7 @@ def test_warm_start_stops_in_band_and_is_cached(rlvr_cache, monkeypatch):
         warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, WarmStartRecipe(**BAND))
 
 
+@pytest.mark.slow  # trains a warm start: make test
 def test_a_starting_policy_records_its_weights_digest_and_cpu_and_a_changed_cache_file_is_refused(rlvr_cache):
     task, recipe = _easy_task(), WarmStartRecipe(**BAND)
     model, tokenizer = load_model("tiny", tiny=TINY_SPEC)

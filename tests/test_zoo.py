@@ -106,6 +106,7 @@ def _building(monkeypatch, misses=()):
     return rounds
 
 
+@pytest.mark.slow  # expands the zoo's stages round by round: make test
 @pytest.mark.parametrize("misses, rounds, landed", [((), [[1, 2, 3, 4]], [2, 3, 4]),
                                                     ((3,), [[1, 2, 3, 4], [5, 6]], [2, 4, 5]),
                                                     ((2, 5), [[1, 2, 3, 4], [5, 6]], [3, 4, 6])])
@@ -124,6 +125,7 @@ def test_the_confirmation_takes_the_first_starting_policies_that_land_in_their_b
     assert record["landed"] == landed and record["missed"] == {str(s): e for s, e in starts["missed"].items()}
 
 
+@pytest.mark.slow  # expands the zoo's stages round by round: make test
 def test_the_screens_policy_or_too_few_landing_stop_the_zoo(monkeypatch, tmp_path):
     from harness.policy.warm_start import WarmStartError
 

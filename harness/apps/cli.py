@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib.metadata
 import os
 import signal
@@ -319,13 +320,23 @@ def unmet_requirement() -> str | None:
     for requirement in map(Requirement, requirements):
         if requirement.marker is not None:  # extras (dev, track)
             continue
-        try:
-            installed = importlib.metadata.version(requirement.name)
-        except importlib.metadata.PackageNotFoundError:
+        installed = installed_version(requirement.name)
+        if installed is None:
             return f"{requirement.name} is not installed (needs {requirement})"
         if not requirement.specifier.contains(installed, prereleases=True):
             return f"{requirement.name} {installed} is installed, the harness needs {requirement}"
     return None
+
+
+@functools.cache
+def installed_version(name: str) -> str | None:
+    """The installed version of the distribution ``name`` (``None``: not installed), looked up once per process: each
+    lookup scans the installed packages' metadata, and a process that calls :func:`main` many times (a test, the soak)
+    would scan them each time."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class OneLineParser(argparse.ArgumentParser):

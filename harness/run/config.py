@@ -18,10 +18,12 @@ Each field's comment is its meaning: ``python -m harness explain KEY`` and docs/
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -414,8 +416,7 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
     own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
     try:
-        top = yaml.safe_load(path.read_text())
-        layer = OmegaConf.load(path) if isinstance(top, dict) else OmegaConf.create()
+        top, layer = _parsed_layer(path.read_text(encoding="utf-8"))
     except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -425,6 +426,7 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         kind = "a list" if isinstance(top, list) else f"the {type(top).__name__} {str(top)[:40]!r}"
         raise ConfigError(f"{path}: the top level must be a mapping of settings (e.g. `train:` then `  steps: 20`), "
                           f"not {kind}")
+    layer = copy.deepcopy(layer)  # the cached one stays as read
     parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
     if parent is None:
         return layer
@@ -432,6 +434,14 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if parent_path in seen or parent_path == path:
         raise ConfigError(f"{path}: inherit: {parent} makes a cycle")
     return OmegaConf.merge(experiment_layer(parent_path, (*seen, path)), layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_layer(text: str) -> tuple[Any, DictConfig]:
+    """An experiment file's text as YAML (its top level, to check) and as OmegaConf reads it; parsed once per text
+    (a sweep of the zoo loads its regimes' files dozens of times). Read only."""
+    top = yaml.safe_load(text)
+    return top, OmegaConf.load(io.StringIO(text)) if isinstance(top, dict) else OmegaConf.create()
 
 
 def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
