@@ -21,6 +21,7 @@ one batch are left out of the off-diagonal mean).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -248,6 +249,19 @@ def display(summary_: pd.DataFrame, snr: pd.DataFrame, axis: str) -> pd.DataFram
                          for _, r in data.iterrows()])
 
 
+CODE_FILE = "code.json"  # a lab's folder: the code record (harness/run/provenance.py) of what measured its batches
+
+
+def lab_version(folder: Path) -> str | None:
+    """The code version that measured the lab's batches (``folder/code.json``); None for a lab from before labs
+    recorded their code, or whose record is damaged."""
+    try:
+        version = json.loads((folder / CODE_FILE).read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) and version else None
+
+
 def build_lab_report(folder: str | Path) -> Path:
     """Write the tables into ``folder`` and the report into ``folder/report``; returns report.md's path."""
     folder = Path(folder)
@@ -286,8 +300,11 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
     blocks = [("h1", f"Gradient lab: {name}"),
               ("p", f"{len(batches)} batches of {first['eval_prompts']} prompts (the evaluation minibatch), "
                     f"{first['parameters']:,} parameters compared through {sketch}; measured in {seconds:.0f} s "
-                    "(sum over batches). Tables: lab.csv (one row per objective x point x batch), summary.csv, "
-                    "snr.csv, pairwise.csv, positions.csv, sqrt_growth.csv."),
+                    "(sum over batches) by code "
+                    + (f"`{lab_version(folder)}` ({CODE_FILE})" if lab_version(folder) else
+                       "of no recorded version (a lab from before labs recorded their code)")
+                    + ". Tables: lab.csv (one row per objective x point x batch), summary.csv, snr.csv, pairwise.csv, "
+                    "positions.csv, sqrt_growth.csv."),
               ("h2", "Staleness axis"), ("table", display(found["summary"], found["snr"], "staleness")),
               ("h2", "Mismatch axis"), ("table", display(found["summary"], found["snr"], "mismatch")),
               *([("h2", "Routing axis (MoE: the largest staleness with the behaviour routing forced; replay off is "

@@ -352,3 +352,20 @@ def test_a_claims_labs_run_apart_as_lab_commands_give_the_tables_of_labs_run_her
     for (args, log), seed in zip(InProcess.commands, (2, 3), strict=True):
         assert args[:2] == ["lab", "base"] and f"model.seed={seed}" in args and f"name=base_start{seed}" in args
         assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_start{seed}.log"
+
+
+def test_the_ledger_names_each_labs_code_and_the_claims_whose_labs_differ():
+    """Labs are stamped as runs are: their code versions, and an experiment whose labs (one per starting policy) were
+    measured by two codes, which its claims pool."""
+    from harness.apps.claims import labs_stamp
+
+    def lab(codes):
+        return {"lab": pd.DataFrame({START_SEED: [2, 2, 3, 4], "code": codes})}
+
+    assert labs_stamp({("sweep", "offpolicy", (), 3, 5): {"final": pd.DataFrame()}}) == ""
+    one = labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa"] * 4)})
+    assert one == " Labs measured: code `aaaaaaa`: 3 labs."
+    two = labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa", "aaaaaaa", "aaaaaaa", "bbbbbbb"]),
+                      ("lab", "lab_moe", ("seed=1",), 3, 5): lab(["bbbbbbb"] * 4)})
+    assert two.startswith(" Labs measured: code `aaaaaaa`: 2 labs; code `bbbbbbb`: 4 labs.")
+    assert "The labs of lab differ in code" in two and "lab_moe" not in two

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis.lab import build_lab_report, gram_snr, snr_interval
+from analysis.lab import CODE_FILE, build_lab_report, gram_snr, lab_version, snr_interval
 from harness.apps.gradient_stats import (
     CountSketch,
     kish_ess,
@@ -18,9 +18,10 @@ from harness.apps.gradient_stats import (
     token_weights,
     weight_metrics,
 )
-from harness.apps.lab import LAB_PROVIDES, lab_config, run_lab
+from harness.apps.lab import LAB_PROVIDES, check_lab_code, lab_config, run_lab
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
+from harness.run.provenance import code_record
 from objectives import OBJECTIVES, PolicyBatch, get_objective
 from objectives.base import lifecycle_unsupported
 from tests.helpers.objectives import ON_BATCHES
@@ -183,6 +184,26 @@ def parity_rewards(self, ro, problems, group_size):
     return (ro.completion_ids[:, 0] % 2).float()
 
 
+def test_a_labs_batches_are_one_code_versions(tmp_path, monkeypatch, capsys):
+    """A fresh lab records the code that measures it; batches are not added to a lab another code measured (they
+    would be pooled as one lab's); a lab from before the record is extended with a warning, its code unrecorded."""
+    from harness.apps import lab
+
+    out = tmp_path / "lab"
+    (out / "batches").mkdir(parents=True)
+    monkeypatch.setattr(lab, "code_record", lambda: {"version": "aaaaaaa", "commit": "a" * 40})
+    check_lab_code(out)
+    assert lab_version(out) == "aaaaaaa"
+    (out / "batches" / "batch_000.pt").write_bytes(b"")
+    check_lab_code(out)  # the same code adds batches
+    monkeypatch.setattr(lab, "code_record", lambda: {"version": "bbbbbbb", "commit": "b" * 40})
+    with pytest.raises(ConfigError, match=f"{out} holds a lab measured by code aaaaaaa and this is code bbbbbbb"):
+        check_lab_code(out)
+    (out / CODE_FILE).unlink()  # a lab measured before labs recorded their code
+    check_lab_code(out)
+    assert "measured before labs recorded their code" in capsys.readouterr().err and lab_version(out) is None
+
+
 @pytest.mark.slow
 def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
@@ -199,6 +220,8 @@ def test_lab_end_to_end_is_deterministic_and_resumes(tmp_path, monkeypatch):
     assert len(pairs) == 3 * 4 and pairs["cosine"].notna().sum() >= 10  # NaN: both gradients 0 (all clipped)
     assert np.allclose(pairs["cosine"].dropna(), 1.0, atol=1e-6)
     assert (folder / "report" / "report.md").exists() and (folder / "report" / "staleness.png").exists()
+    version = code_record()["version"]  # the code that measured the batches: recorded, and named by the report
+    assert lab_version(folder) == version and f"by code `{version}`" in (folder / "report" / "report.md").read_text()
     snr = pd.read_csv(folder / "snr.csv")
     assert snr["snr_low"].notna().all()  # 3 batches: a bootstrap interval
     # rerun after losing one batch: the same table

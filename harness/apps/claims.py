@@ -71,7 +71,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.cells import START_SEED
-from analysis.lab import build_lab_report
+from analysis.lab import build_lab_report, lab_version
 from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
@@ -84,7 +84,7 @@ from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
 from harness.run.errors import ConfigError
-from harness.run.provenance import runs_stamp
+from harness.run.provenance import UNKNOWN, runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
@@ -234,6 +234,27 @@ def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, 
     return load_experiment(name, [*overrides, *design])
 
 
+def labs_stamp(tables_of: dict) -> str:
+    """What the ledger says of the labs its checks read: each lab's code version (its code.json), as runs_stamp says
+    the runs', and which experiment's labs differ in code (its claims pool them); "" without labs."""
+    versions: dict[str, int] = {}
+    mixed = []
+    for (_, name, overrides, *_), tables in tables_of.items():
+        if "lab" in tables and "code" in tables["lab"]:
+            own = list(tables["lab"].drop_duplicates(START_SEED)["code"])
+            for version in own:
+                versions[version] = versions.get(version, 0) + 1
+            if len(set(own)) > 1:
+                mixed.append(" ".join([name, *overrides]))
+    if not versions:
+        return ""
+    shown = "; ".join(f"code `{v}`{' (before labs recorded their code)' if v == UNKNOWN else ''}: {n} "
+                      f"lab{'s' * (n != 1)}" for v, n in sorted(versions.items()))
+    several = (f" The labs of {', '.join(mixed)} differ in code and its claims pool them: measure them again under "
+               "one code." if mixed else "")
+    return f" Labs measured: {shown}.{several}"
+
+
 def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
                run: bool, jobs: int = 1) -> dict[str, pd.DataFrame]:
     """A lab's tables, one lab per starting policy (its folder ``<name>_start<model.seed>``) stacked with a
@@ -256,8 +277,10 @@ def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ..
             return {}
         if not apart:  # a lab apart wrote its report as it ended
             build_lab_report(folder)
+        code = {"code": lab_version(folder) or UNKNOWN}  # the lab's code version, on its rows (labs_stamp)
         for t in ("lab", "pairwise", "snr", "sqrt_growth"):
-            parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed}))
+            parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed},
+                                                                                 **code))
     return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
 
 
@@ -509,7 +532,7 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
              f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design, on "
              "the runs that existed "
              "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
-    stamp += f" {runs_stamp(checked_on)}"
+    stamp += f" {runs_stamp(checked_on)}{labs_stamp(tables_of)}"
     path = write_ledger(rows, Path(results_dir) / "claims", stamp)
     print(f"{stamp}\nledger: {path}", file=sys.stderr)
     return 0

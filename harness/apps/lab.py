@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import sys
 import time
 from contextlib import nullcontext
@@ -47,7 +48,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from analysis.lab import LabError, build_lab_report
+from analysis.lab import CODE_FILE, LabError, build_lab_report, lab_version
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
 from harness.loop.behaviour import no_grad_logprobs
@@ -61,6 +62,7 @@ from harness.run.atomic import atomic_write, to_file
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
 from harness.run.locks import lock_folder
+from harness.run.provenance import code_record
 from harness.run.records import DamagedConfigError, read_run_config
 from harness.run.seeding import step_seed
 from harness.run.threads import run_threads
@@ -218,10 +220,29 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         atomic_write(out / "config.yaml", OmegaConf.to_yaml(cfg))
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:
+            check_lab_code(out)
             Lab(cfg).measure(todo, out, progress)
     finally:
         lock.close()
     return out
+
+
+def check_lab_code(out: Path) -> None:
+    """Before batches are added to the lab in ``out``: its batches are one code version's. A lab without batches records
+    this process's code (``code.json``); one measured by other code is refused (ConfigError, one line); one from before
+    labs recorded their code is extended with a warning and stays unrecorded (its report says so)."""
+    current = code_record()
+    recorded = lab_version(out)
+    measured = any((out / "batches").glob("batch_*.pt"))
+    if recorded is not None and recorded != current["version"]:
+        raise ConfigError(f"{out} holds a lab measured by code {recorded} and this is code {current['version']}: its "
+                          f"batches would mix two code versions; check out {recorded} to add to it, or delete it or "
+                          "choose another name=...")
+    if recorded is None and measured:
+        print(f"warning: {out}: measured before labs recorded their code (no readable {CODE_FILE}); adding batches "
+              f"under code {current['version']}, the lab's code stays unrecorded", file=sys.stderr)
+    elif recorded is None:
+        atomic_write(out / CODE_FILE, json.dumps(current, indent=1) + "\n")
 
 
 def comparable(cfg: DictConfig) -> dict:
