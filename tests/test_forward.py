@@ -101,6 +101,7 @@ def test_where_padding_free_does_not_apply_the_models_forward_runs(case, reason,
     assert torch.isfinite(logp).all() and (logp[~completion_mask] == 0).all()
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 @pytest.mark.parametrize("old_logp", ["sampler", "recompute"])  # recompute: the no-grad forward before the update
 def test_a_run_with_and_without_padding_free_ends_at_the_same_weights(tmp_path, monkeypatch, old_logp):
     from harness.loop.native import train

@@ -100,6 +100,7 @@ def test_a_hub_folder_loads_with_its_chat_template_and_samples_from_the_policy(h
         assert torch.allclose(logp.masked_fill(~ro.completion_mask, 0), ro.sampler_logp, atol=1e-5), sampler
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_run_trains_a_hub_model_with_chat_template_prompts(tmp_path, hub_folder, monkeypatch, dtype):
     prompts = spy_prompts(monkeypatch)

@@ -216,6 +216,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     assert full[3]["grad_norm"] > 0 and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tmp_path, monkeypatch):
     real = get_objective("grpo")
 
@@ -255,6 +256,7 @@ class _Wrap:
         return self.fn(batch)
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_bf16_sampler_mismatch_is_measured(tmp_path):
     run = tiny_run(tmp_path, "model.sampler_dtype=bfloat16", "train.steps=1")
     train(run, tmp_path / "mm", progress=False)
@@ -332,6 +334,7 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tmp_path
     assert stats["sampled_tokens"] > plain[2]["sampled_tokens"]
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_dynamic_sampling_through_the_loop_counts_every_sampled_token(tmp_path, monkeypatch):
     monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(parity(completion), 0.0))
     train(tiny_run(tmp_path, "train.dynamic_sampling=true", "train.group_size=2"), tmp_path / "run", progress=False)
@@ -359,6 +362,7 @@ def test_overlong_penalty_matches_dapo_by_hand(tmp_path):
         tiny_run(tmp_path, "train.max_new_tokens=20", "task.overlong_buffer=21")
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_finished_run_exports_a_policy_transformers_loads_with_the_same_logprobs(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -417,6 +421,7 @@ def test_every_optimizer_step_uses_its_warm_up_value_across_a_resume_and_none_is
 
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_run_does_not_depend_on_random_numbers_drawn_while_its_model_loads(tmp_path, monkeypatch):
     """Building the embedded model's cache in the run's own process draws from torch's generator; every stage that
     samples seeds itself (per step), so the run's metrics are the same."""

@@ -16,6 +16,7 @@ from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import KEEP, VARIED_REWARD, tiny_run, without_timing
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp_path, capsys):
     run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     with stopped_before(3):
@@ -30,6 +31,7 @@ def test_a_garbage_line_inside_the_metrics_is_reported_and_listed_as_missing(tmp
     assert [r["step"] for r in read_jsonl(path)] == [0, 2, 3]
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_run_whose_metrics_were_all_lost_lists_every_step_as_missing(tmp_path):
     """A finished run's emptied metrics.jsonl, run again, must not rewrite its summary with missing_steps [] (nothing
     lost) and every accuracy null (docs/hostile_pass.md, case 124)."""
@@ -58,6 +60,7 @@ def test_a_corrupted_checkpoint_falls_back_to_the_previous_one_or_says_what_to_d
         train(run, tmp_path / "part", progress=False)
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_two_processes_cannot_write_one_run_folder(tmp_path):
     run = tiny_run(tmp_path)
     holder = RunRecords(run, tmp_path / "run", None, None, "native")
@@ -75,6 +78,7 @@ def test_two_processes_cannot_write_one_run_folder(tmp_path):
 
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and_the_step(tmp_path, capsys):
     run = tiny_run(tmp_path, VARIED_REWARD, "train.steps=3")
     train(run, tmp_path / "run", progress=False)

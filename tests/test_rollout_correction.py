@@ -341,6 +341,7 @@ def final_policy(run_dir):
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["policy"]
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_fp32_sampler_run_is_bit_identical_to_no_correction(tmp_path, mode):
     corrected = tiny_run(tmp_path, f"train.rollout_correction.mode={mode}", "train.steps=1",
@@ -357,6 +358,7 @@ def test_fp32_sampler_run_is_bit_identical_to_no_correction(tmp_path, mode):
     assert [{k: v for k, v in r.items() if not k.startswith("rollout_corr")} for r in rows_c] == rows_p
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 @pytest.mark.parametrize("objective", ["dapo", "gspo"])
 def test_micro_batches_give_the_minibatch_update_with_a_correction(tmp_path, objective):
     finals = []

@@ -139,6 +139,7 @@ def test_replay_forces_the_record_after_the_routers_move(hub_model):
         assert bool(model.model.layers[0].mlp.shared_expert_gate.weight.grad.abs().sum() > 0)
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_an_r3_run_of_the_native_loop_records_and_replays_the_class(hub_model, tmp_path):
     """model.name = the saved folder, train.routing_replay=r3: the sampler records through the cache decoder, the
     recompute replays it (in fp32 the trainer routes as the sampler did), the update forwards measure volatility."""

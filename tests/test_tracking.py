@@ -45,6 +45,7 @@ def assert_same_rows(tracked: dict[int, dict[str, float]], rows: list[dict]) -> 
         assert tracked[row["step"]] == pytest.approx(numeric(row), rel=1e-6, abs=1e-12), row["step"]
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_tensorboard_event_files_hold_the_metrics_jsonl_values(tmp_path):
     pytest.importorskip("tensorboard")
     run = tiny_run(tmp_path, "logging.backends=[jsonl,tensorboard]", "train.eval_every=1")
@@ -103,6 +104,7 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
                                 "(or pip install wandb)")
 
 
+@pytest.mark.slow  # an end-to-end run in this process: make test
 def test_a_failing_tracker_leaves_the_run_and_metrics_jsonl_alone(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tensorboard")
     from harness.run import tracking
