@@ -354,18 +354,28 @@ def test_a_claims_labs_run_apart_as_lab_commands_give_the_tables_of_labs_run_her
         assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_start{seed}.log"
 
 
-def test_the_ledger_names_each_labs_code_and_the_claims_whose_labs_differ():
-    """Labs are stamped as runs are: their code versions, and an experiment whose labs (one per starting policy) were
-    measured by two codes, which its claims pool."""
-    from harness.apps.claims import labs_stamp
+def test_the_ledger_names_each_labs_code_and_labs_of_two_codes_are_not_pooled(tmp_path):
+    """Labs are stamped as runs are, with their code versions; a claim's labs (one per starting policy, pooled by its
+    checks) measured by two codes, or one of them before labs recorded their code, are refused."""
+    from analysis.lab import CODE_FILE
+    from harness.apps.claims import check_one_code, labs_stamp
 
     def lab(codes):
         return {"lab": pd.DataFrame({START_SEED: [2, 2, 3, 4], "code": codes})}
 
     assert labs_stamp({("sweep", "offpolicy", (), 3, 5): {"final": pd.DataFrame()}}) == ""
-    one = labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa"] * 4)})
-    assert one == " Labs measured: code `aaaaaaa`: 3 labs."
-    two = labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa", "aaaaaaa", "aaaaaaa", "bbbbbbb"]),
-                      ("lab", "lab_moe", ("seed=1",), 3, 5): lab(["bbbbbbb"] * 4)})
-    assert two.startswith(" Labs measured: code `aaaaaaa`: 2 labs; code `bbbbbbb`: 4 labs.")
-    assert "The labs of lab differ in code" in two and "lab_moe" not in two
+    assert labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa"] * 4)}) == " Labs measured: code `aaaaaaa`: 3 labs."
+    two = labs_stamp({("lab", "lab", (), 3, 5): lab(["aaaaaaa"] * 4),
+                      ("lab", "lab_moe", (), 3, 5): lab(["bbbbbbb"] * 4)})
+    assert two == " Labs measured: code `aaaaaaa`: 3 labs; code `bbbbbbb`: 3 labs."
+    folders = [tmp_path / f"lab_start{seed}" for seed in (2, 3, 4)]
+    for folder, version in zip(folders, ("aaaaaaa", "aaaaaaa", "bbbbbbb"), strict=True):
+        folder.mkdir()
+        (folder / CODE_FILE).write_text(json.dumps({"version": version}))
+    check_one_code(folders[:2])
+    with pytest.raises(ConfigError, match="lab_start2 by aaaaaaa, lab_start3 by aaaaaaa, lab_start4 by bbbbbbb were "
+                                          "measured by different code"):
+        check_one_code(folders)
+    (folders[2] / CODE_FILE).unlink()  # before labs recorded their code: unknown, not the others' code either
+    with pytest.raises(ConfigError, match="lab_start4 by unknown"):
+        check_one_code(folders)

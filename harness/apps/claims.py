@@ -84,7 +84,7 @@ from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
 from harness.run.errors import ConfigError
-from harness.run.provenance import UNKNOWN, runs_stamp
+from harness.run.provenance import UNKNOWN, code_record, runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
@@ -236,23 +236,17 @@ def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, 
 
 def labs_stamp(tables_of: dict) -> str:
     """What the ledger says of the labs its checks read: each lab's code version (its code.json), as runs_stamp says
-    the runs', and which experiment's labs differ in code (its claims pool them); "" without labs."""
+    the runs'; "" without labs."""
     versions: dict[str, int] = {}
-    mixed = []
-    for (_, name, overrides, *_), tables in tables_of.items():
+    for tables in tables_of.values():
         if "lab" in tables and "code" in tables["lab"]:
-            own = list(tables["lab"].drop_duplicates(START_SEED)["code"])
-            for version in own:
+            for version in tables["lab"].drop_duplicates(START_SEED)["code"]:
                 versions[version] = versions.get(version, 0) + 1
-            if len(set(own)) > 1:
-                mixed.append(" ".join([name, *overrides]))
     if not versions:
         return ""
     shown = "; ".join(f"code `{v}`{' (before labs recorded their code)' if v == UNKNOWN else ''}: {n} "
                       f"lab{'s' * (n != 1)}" for v, n in sorted(versions.items()))
-    several = (f" The labs of {', '.join(mixed)} differ in code and its claims pool them: measure them again under "
-               "one code." if mixed else "")
-    return f" Labs measured: {shown}.{several}"
+    return f" Labs measured: {shown}."
 
 
 def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
@@ -271,10 +265,11 @@ def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ..
     if apart:
         labs_apart(name, overrides, cfgs, jobs)
     parts: dict[str, list] = {}
-    for cfg in cfgs:
-        folder = run_lab(cfg, progress) if run and not apart else lab_dir(cfg)
-        if not (folder / "batches").is_dir():
-            return {}
+    folders = [run_lab(cfg, progress) if run and not apart else lab_dir(cfg) for cfg in cfgs]
+    if not all((folder / "batches").is_dir() for folder in folders):
+        return {}
+    check_one_code(folders)
+    for cfg, folder in zip(cfgs, folders, strict=True):
         if not apart:  # a lab apart wrote its report as it ended
             build_lab_report(folder)
         code = {"code": lab_version(folder) or UNKNOWN}  # the lab's code version, on its rows (labs_stamp)
@@ -282,6 +277,16 @@ def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ..
             parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed},
                                                                                  **code))
     return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
+
+
+def check_one_code(folders: list[Path]) -> None:
+    """A claim's labs (one per starting policy) are pooled by its checks: refuse (ConfigError, one line) labs that
+    different code measured, a lab from before labs recorded their code among them too."""
+    versions = {folder: lab_version(folder) or UNKNOWN for folder in folders}
+    if len(set(versions.values())) > 1:
+        shown = ", ".join(f"{folder.name} by {version}" for folder, version in versions.items())
+        raise ConfigError(f"the labs {shown} were measured by different code and a claim pools them: delete those not "
+                          f"measured by {code_record()['version']} (this code) and run the claims again")
 
 
 def labs_apart(name: str, overrides: tuple[str, ...], cfgs: list[DictConfig], jobs: int) -> None:
