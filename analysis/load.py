@@ -444,7 +444,9 @@ class Folder:
 def read_folder(exp_dir: Path, label: str) -> Folder:
     """Every run of the folder: manifest.json's, then the run folders it does not list (named in one warning)."""
     if not exp_dir.is_dir():
-        raise AnalysisError(f"results folder {exp_dir} does not exist")
+        what = "is not a folder" if exp_dir.exists() or exp_dir.is_symlink() else "does not exist"
+        raise AnalysisError(f"results folder {exp_dir} {what}: give an experiment's results folder "
+                            "(results/<experiment>, the one holding manifest.json)")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
     entries = [e for e in (manifest or {}).get("runs", []) if isinstance(e, dict) and (e.get("dir") or e.get("run_id"))]
     planned = {str(e.get("dir") or e.get("run_id")) for e in entries}

@@ -353,7 +353,12 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: no runs in")
     proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "nope")], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 1 and proc.stderr.strip() == f"error: results folder {tmp_path / 'nope'} does not exist"
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"error: results folder {tmp_path / 'nope'} does not exist: give an experiment's results folder "
+        "(results/<experiment>, the one holding manifest.json)")
+    (tmp_path / "report.md").write_text("")  # a file given for the folder: named as such, not as missing
+    with pytest.raises(AnalysisError, match=r"report\.md is not a folder: give an experiment's results folder"):
+        load_experiment(tmp_path / "report.md")
 
 
 def cli_prints_warnings(exp: Path, out: Path, capsys) -> Path:
