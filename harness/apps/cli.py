@@ -355,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command, its arguments and their help."""
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (add_run_commands, add_lab_and_claims, add_zoo, add_tools, add_bench):
+        add(sub)
+    return parser
+
+
+def add_run_commands(sub) -> None:
+    """train and sweep."""
     for name, help_text in (("train", "train one run of an experiment (its sweep section is ignored)"),
                             ("sweep", "run or resume every run of an experiment's sweep")):
         p = sub.add_parser(name, help=help_text)
@@ -375,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       help="where runs execute: child processes here, Ray tasks, SLURM jobs "
                                            "(submitit); settings in the experiment's launcher section")
     sub.choices["sweep"].add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+
+
+def add_lab_and_claims(sub) -> None:
+    """lab and claims."""
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
     lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
     lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
@@ -391,6 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
     claims.add_argument("--existing", action="store_true",
                         help="check the claims on the results that exist; start no run (those not done are left out)")
+
+
+def add_zoo(sub) -> None:
+    """zoo."""
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
     zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
     zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
@@ -405,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     zoo.add_argument("--no-report", action="store_true", help="only the leaderboard, not the per-cell report")
     zoo.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
+
+
+def add_tools(sub) -> None:
+    """list, explain, prepare, docs, worker, soak and gpu-check."""
     sub.add_parser("list", help="registered objectives, advantage estimators, tasks and experiments")
     explain = sub.add_parser("explain", help="a config key's meaning, default, TRL GRPOConfig and verl names")
     explain.add_argument("key", nargs="?", help="our key, or a TRL / verl name (none: the whole table)")
@@ -440,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "tokens/s and peak memory (docs/benchmark.md)")
     gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="cpu: the same checks at tiny shapes (a dry run of the command)")
+
+
+def add_bench(sub) -> None:
+    """bench and its measurements."""
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (docs/benchmark.md)")
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--repeats", type=positive_int, default=1,
@@ -473,8 +496,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory", action="store_true",
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")
-    return parser
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
