@@ -223,6 +223,7 @@ def sequence_advantages(batch: PolicyBatch, objective: str) -> Tensor:
 
 
 CUM_LOG_RATIO_CLAMP = 20.0  # CTPO: per-token |d| bound before the prefix sum (the authors')
+CUM_LOG_RATIO_CAP = 10.0  # CTPO: upper cap of log rho_t, the prefix log-ratio (the authors'; ctpo and ctpo_clip)
 CUM_RATIO_MODES = ("cumprod", "geomean")
 
 

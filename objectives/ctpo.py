@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from objectives.base import (
+    CUM_LOG_RATIO_CAP,
     CUM_RATIO_MODES,
     Objective,
     PolicyBatch,
@@ -48,8 +49,6 @@ from objectives.base import (
     ratio_metrics,
     register_objective,
 )
-
-LOG_RHO_CAP = 10.0  # upper cap of log rho_t
 
 
 @register_objective("ctpo")
@@ -76,7 +75,7 @@ class CTPO(Objective):
     def policy_loss(self, batch: PolicyBatch):
         mask = batch.mask
         raw = cumulative_log_ratio(batch, self.ratio_mode)
-        log_rho = raw.clamp(max=LOG_RHO_CAP)
+        log_rho = raw.clamp(max=CUM_LOG_RATIO_CAP)
         rho = torch.exp(log_rho)
         scale = torch.cumsum(mask.to(batch.logp.dtype), dim=-1).clamp(min=1) ** self.la_power
         low_bound, high_bound = -self.clip_low * scale, self.clip_high * scale
@@ -87,7 +86,7 @@ class CTPO(Objective):
         per_token = torch.where(adv < 0, torch.minimum(ppo, dual), ppo)
         loss = aggregate(per_token, batch, self.aggregation)
 
-        capped = raw > LOG_RHO_CAP
+        capped = raw > CUM_LOG_RATIO_CAP
         low = (adv < 0) & (log_rho < low_bound)
         high = (adv > 0) & ((log_rho > high_bound) | capped)
         dual_clipped = (adv < 0) & ((ppo > dual) | capped)

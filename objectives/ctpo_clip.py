@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from objectives.base import (
+    CUM_LOG_RATIO_CAP,
     CUM_RATIO_MODES,
     Objective,
     PolicyBatch,
@@ -35,8 +36,6 @@ from objectives.base import (
     register_objective,
     validate_dual_clip,
 )
-
-LOG_RHO_CAP = 10.0  # upper cap of log rho_t
 
 
 @register_objective("ctpo_clip")
@@ -62,14 +61,14 @@ class CTPOClip(Objective):
     def policy_loss(self, batch: PolicyBatch):
         mask = batch.mask
         raw = cumulative_log_ratio(batch, self.ratio_mode)
-        rho = torch.exp(raw.clamp(max=LOG_RHO_CAP))
+        rho = torch.exp(raw.clamp(max=CUM_LOG_RATIO_CAP))
         adv = batch.token_advantages
         ppo = torch.maximum(-adv * rho, -adv * rho.clamp(1.0 - self.clip_low, 1.0 + self.clip_high))
         dual = -adv * self.clip_ratio_c
         per_token = torch.where(adv < 0, torch.minimum(ppo, dual), ppo)
         loss = aggregate(per_token, batch, self.aggregation)
 
-        capped = raw > LOG_RHO_CAP
+        capped = raw > CUM_LOG_RATIO_CAP
         low = (adv < 0) & (rho < 1.0 - self.clip_low)
         high = (adv > 0) & ((rho > 1.0 + self.clip_high) | capped)
         dual_clipped = (adv < 0) & ((ppo > dual) | capped)

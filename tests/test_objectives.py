@@ -316,6 +316,10 @@ def test_ctpo_log_ratio_cap_removes_and_counts_the_gradient():
     m = out.metrics
     assert num(m["clip_frac_high"], 2 / 5) and num(m["clip_frac_dual"], 1 / 5) and num(m["clip_frac"], 3 / 5)
     assert approx(m["ratio_max"], E(10.0))
+    # ctpo_clip caps at the same 10: past its ratio window the cap changes no loss, only the ratio it reports
+    out, grad = run("ctpo_clip", make_batch(OLD, d, MASK, ADV))
+    assert_close(grad, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert approx(out.metrics["ratio_max"], E(10.0))
 
 
 def test_sapo_gradient_weight_is_one_on_policy():
