@@ -383,7 +383,7 @@ def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_af
     settings = [*TINY_RUN, "train.steps=1", "model.warm_start_steps=3", "model.warm_start_target=null",
                 "sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "sweep.grid.model.seed=[2,3]"]
     done = subprocess.run([sys.executable, "-m", "harness", "sweep", "quickstart", *settings,
-                           f"results_dir={tmp_path / 'results'}", "--jobs", "2"], cwd=ROOT, env=env,
+                           f"results_dir={tmp_path / 'results'}", "--jobs", "2", "--no-report"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     logs = "".join(p.read_text() for p in (tmp_path / "results" / "quickstart").glob("*/train.log"))
