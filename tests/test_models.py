@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.policy.models import build_prompt, char_tokenizer, load_model
+from harness.policy.models import build_prompt, char_tokenizer, gguf_parsed_once, load_model
 from harness.tasks import get_task
 from tests.helpers.tiny import TINY_SPEC
 
@@ -37,6 +37,52 @@ def test_tiny_model_is_seeded():
 
 def test_build_prompt_without_chat_template():
     assert build_prompt(char_tokenizer(), "What is 1+2?") == "What is 1+2?\n"
+
+
+# tensors_digest of the embedded SmolLM2's float32 weights as transformers' own GGUF loading dequantizes them, without
+# gguf_parsed_once (transformers 5.24.0, gguf-py 0.19.0; the elementwise Q4_1 dequantization does not depend on the CPU)
+EMBEDDED_WEIGHTS_SHA256 = "3ac0c172da6bdd046b558c2f12d0adaa20eba5c9bd3bd656ecf4f7a2e6d30912"
+
+
+def test_a_gguf_file_is_parsed_once_inside_the_block_and_the_library_is_restored_after_it(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(4, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first and gguf.GGUFReader(str(path), "r") is first  # one parse per file
+        assert gguf.GGUFReader(str(path), "c") is not first  # another mode is another reader
+        assert first.tensors[0].data.tolist() == np.arange(12).reshape(4, 3).tolist()
+        table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is table  # built once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not table
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == plain
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))  # outside: the library's own, a parse each
+    with pytest.raises(RuntimeError), gguf_parsed_once():
+        raise RuntimeError
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == plain  # restored after an error too
+
+
+@pytest.mark.slow  # builds the embedded model's cache where it is missing (make setup builds it)
+def test_the_embedded_weights_are_transformers_own_dequantization():
+    """The cache prepare_embedded_model builds (reading the GGUF once) holds the weights transformers' plain GGUF
+    loading gives, bit for bit."""
+    from safetensors.torch import load_file
+
+    from harness.policy.models import prepare_embedded_model
+    from harness.run.provenance import tensors_digest
+
+    weights = load_file(prepare_embedded_model() / "model.safetensors")
+    assert len(weights) == 272 and tensors_digest(weights) == EMBEDDED_WEIGHTS_SHA256
 
 
 @pytest.mark.slow

