@@ -102,6 +102,24 @@ def to_file(save: Callable[[BinaryIO], None]) -> Callable[[Path], None]:
     return write
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # the mode open() gives a new file in this process (its umask, read at import)
+
+
+def _readable_as_opened(path: Path) -> None:
+    """Give the files a ``write`` made under ``path`` the mode a plain open() gives (FILE_MODE). A library that writes
+    through a temporary file of its own (safetensors: mode 0600) would leave weights that no one else can read in a
+    results folder or a cache shared with others, beside metrics and configs they can."""
+    for item in [path] if not path.is_dir() else path.rglob("*"):
+        if item.is_file() and not item.is_symlink() and item.stat().st_mode & 0o777 != FILE_MODE:
+            os.chmod(item, FILE_MODE)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -146,6 +164,7 @@ def write_temporary(path: Path, content: str | bytes | None = None, *,
                 os.fsync(f.fileno())
         else:
             write(tmp)
+            _readable_as_opened(tmp)
             _fsync(tmp)
     except BaseException as e:
         interruption = _interruption(e)
