@@ -493,6 +493,7 @@ def add_bench(sub) -> None:
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
