@@ -158,3 +158,18 @@ def test_weights_written_through_a_librarys_own_temporary_get_the_mode_open_give
     written = [tmp_path / "weights.safetensors", *(tmp_path / "final").iterdir()]
     assert (tmp_path / "final" / "model.safetensors") in written
     assert {p.name: p.stat().st_mode & 0o777 for p in written} == {p.name: FILE_MODE for p in written}
+
+
+def test_a_file_system_that_refuses_a_mode_change_still_gets_the_file(tmp_path, monkeypatch):
+    """Some network mounts refuse chmod: the weights are written all the same, with the mode the mount gives."""
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    def write_private(tmp):  # as safetensors writes: mode 0600, which the writer then tries to change
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(b"w")
+
+    monkeypatch.setattr(os, "chmod", refused)
+    atomic_write(tmp_path / "weights.bin", write=write_private)
+    assert (tmp_path / "weights.bin").read_bytes() == b"w" and not temporaries(tmp_path)
+    assert (tmp_path / "weights.bin").stat().st_mode & 0o777 == 0o600  # the mode change was tried and refused

@@ -117,7 +117,8 @@ def _readable_as_opened(path: Path) -> None:
     results folder or a cache shared with others, beside metrics and configs they can."""
     for item in [path] if not path.is_dir() else path.rglob("*"):
         if item.is_file() and not item.is_symlink() and item.stat().st_mode & 0o777 != FILE_MODE:
-            os.chmod(item, FILE_MODE)
+            with contextlib.suppress(OSError):  # a file system without modes (some network mounts) keeps its own
+                os.chmod(item, FILE_MODE)
 
 
 def _remove(path: Path) -> None:
