@@ -124,11 +124,25 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
 
 
 @pytest.mark.slow
-def test_soak_kills_and_resumes_without_loss(capsys):
+def test_soak_kills_and_resumes_without_loss(capsys, tmp_path, monkeypatch):
     """The soak's command in this process (its sweeps are processes it starts and kills), on shorter runs, one at a
-    time (make soak KILLS=10 is the real soak: 30 steps, two runs at once)."""
-    assert main(["soak", "--kills", "2", "--seed", "1", "--steps", "10", "--jobs", "1"]) == 0, capsys.readouterr()
-    assert "soak: PASS: 2 kills" in capsys.readouterr().out
+    time (make soak KILLS=10 is the real soak: 30 steps, two runs at once). Its record goes where --out says (the
+    checkout's results/soak, a user's last real soak, is not touched) and, as it passes, its sweeps' temporary folder
+    is removed."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the soak's mkdtemp makes its folder
+    (tmp_path / "tmp").mkdir()
+    mine = ROOT / "results" / "soak" / "soak.json"
+    before = mine.stat().st_mtime_ns if mine.exists() else None
+    assert main(["soak", "--kills", "2", "--seed", "1", "--steps", "10", "--jobs", "1",
+                 "--out", str(tmp_path / "out")]) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "soak: PASS: 2 kills" in printed and f"; {tmp_path / 'out' / 'soak.json'})" in printed
+    record = json.loads((tmp_path / "out" / "soak.json").read_text())
+    assert record["passed"] and record["kills"] == 2 and record["sweeps_kept_in"] is None
+    assert (mine.stat().st_mtime_ns if mine.exists() else None) == before
+    assert not list((tmp_path / "tmp").iterdir())  # the sweeps' folder, gone
 
 
 def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():

@@ -299,7 +299,8 @@ def cmd_gpu_check(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    return soak(main, kills=args.kills, seed=args.seed, steps=args.steps, jobs=args.jobs)
+    where = {"out": Path(args.out)} if args.out else {}
+    return soak(main, kills=args.kills, seed=args.seed, steps=args.steps, jobs=args.jobs, **where)
 
 
 DISTRIBUTION = "rlvr-objectives-harness"  # pyproject.toml's name
@@ -450,6 +451,7 @@ def add_tools(sub) -> None:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--steps", type=positive_int, default=30, help="steps of each of the sweep's two runs")
     soak.add_argument("--jobs", type=positive_int, default=2, help="the sweep's runs at once (each a worker process)")
+    soak.add_argument("--out", help="the folder of soak.json (default: the checkout's results/soak)")
     gpu = sub.add_parser("gpu-check", help="the GPU path in minutes: the tiny model and a Qwen2.5-0.5B-shaped one "
                                            "(random weights), native bf16 with and without LoRA, the TRL backend: "
                                            "tokens/s and peak memory (docs/benchmark.md)")

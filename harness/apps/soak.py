@@ -1,6 +1,6 @@
 """`make soak`: kill sweeps and runs at random moments, resume, and check that nothing was lost or written twice.
 
-    python -m harness soak [--kills 20] [--seed 0] [--steps 30] [--jobs 2]
+    python -m harness soak [--kills 20] [--seed 0] [--steps 30] [--jobs 2] [--out results/soak]
 
 A tiny two-objective sweep (``steps`` steps each) is started again and again; each time it is killed with SIGKILL,
 SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
@@ -10,7 +10,9 @@ kills planned is followed by a new one in a folder of its own, so that every kil
 kills each sweep runs to the end. Then every run must be
 finished, every file must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval
 records must equal those of the same run trained without interruption (trained here, in the soak's own process, after
-the sweep). Writes results/soak/soak.json and prints one line.
+the sweep). Writes ``soak.json`` into ``--out`` (default results/soak) and prints one line. The sweeps run in a
+temporary folder of the soak's own, removed when the soak passes and kept (named in that line) when it finds a
+problem.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,8 +165,10 @@ def check_resumed(exp_dir: Path, manifest: dict, reference: Path, cli: Callable[
     return problems
 
 
-def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30, jobs: int = 2) -> int:
-    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs."""
+def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps: int = 30, jobs: int = 2,
+         out: Path = ROOT / "results" / "soak") -> int:
+    """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs; ``out``: the
+    folder of soak.json."""
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     experiment = work / "soak.yaml"
@@ -191,13 +196,16 @@ def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps:
               "by_target": {t: sum(e["target"] == t for e in log) for t in ("sweep", "run")},
               "by_signal": {s: sum(e["signal"] == s for e in log) for s in SIGNALS}, "runs": runs,
               "problems": problems, "passed": not problems, "seed": seed, "wall_time_s": time.time() - started,
-              "log": log}
-    out = ROOT / "results" / "soak"
+              "log": log, "sweeps_kept_in": str(work) if problems else None}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "soak.json", json.dumps(result, indent=2))
+    if not problems:
+        shutil.rmtree(work, ignore_errors=True)  # the soak's own temporary folder: nothing in it is the user's
+    record = out.resolve() / "soak.json"
+    record = record.relative_to(ROOT) if record.is_relative_to(ROOT) else record  # as docs/results.md quotes it
     print(f"soak: {'PASS' if not problems else 'FAIL'}: {len(log)} kills ({result['by_moment']}, "
           f"{result['by_target']}, {result['by_signal']}), {runs} runs resumed to the end in {len(rounds)} "
           f"sweep{'s' * (len(rounds) > 1)}, "
           f"{len(problems)} problems{': ' + '; '.join(problems[:3]) if problems else ''} "
-          f"({result['wall_time_s']:.0f} s; results/soak/soak.json)")
+          f"({result['wall_time_s']:.0f} s; {record}{f'; the sweeps kept in {work}' if problems else ''})")
     return 0 if not problems else 1
