@@ -107,20 +107,24 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
     """A sweep that has already ended when its kill is due gets no signal, and no kill is logged for it (the soak said
     "2 kills" where one was sent); a soak whose sweeps end before any kill fails with a line saying so, not a loop."""
     import random
+    import tempfile
 
     from harness.apps import soak
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     monkeypatch.setattr(soak, "harness", lambda *args, **kwargs: ended)
-    monkeypatch.setattr(soak, "ROOT", tmp_path)  # its soak.json, not over a real soak's in results/
     monkeypatch.setattr(soak, "wait_for", lambda condition, timeout: False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the soak's mkdtemp makes its folder
+    (tmp_path / "tmp").mkdir()
     (tmp_path / "soak").mkdir()
     (tmp_path / "soak" / "manifest.json").write_text("{}")  # as the sweep left it
     log = []
     assert soak.kill_round(random.Random(0), ["sweep", "x"], tmp_path / "soak", log, kills=3) == [] and log == []
-    assert soak.main(main, kills=2) == 1
-    assert "soak: FAIL: 0 kills" in capsys.readouterr().out
+    assert soak.main(main, kills=2, out=tmp_path / "out") == 1  # its soak.json, not over a real soak's in results/
+    (kept,) = (tmp_path / "tmp").iterdir()  # a failed soak keeps its sweeps, and says where
+    assert "soak: FAIL: 0 kills" in (printed := capsys.readouterr().out) and f"; the sweeps kept in {kept})" in printed
+    assert json.loads((tmp_path / "out" / "soak.json").read_text())["sweeps_kept_in"] == str(kept)
 
 
 @pytest.mark.slow
