@@ -40,7 +40,9 @@ def test_build_prompt_without_chat_template():
 
 
 # tensors_digest of the embedded SmolLM2's float32 weights as transformers' own GGUF loading dequantizes them, without
-# gguf_parsed_once (transformers 5.24.0, gguf-py 0.19.0; the elementwise Q4_1 dequantization does not depend on the CPU)
+# gguf_parsed_once (transformers 5.24.0, gguf-py 0.19.0). The file's tensors are Q4_1, Q8_0 and F32; gguf-py
+# dequantizes them with separate numpy multiplies and adds, each rounded alone, so no CPU should give other bits
+# (recorded on one AMD EPYC; other CPUs not checked)
 EMBEDDED_WEIGHTS_SHA256 = "3ac0c172da6bdd046b558c2f12d0adaa20eba5c9bd3bd656ecf4f7a2e6d30912"
 
 
