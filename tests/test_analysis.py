@@ -101,6 +101,26 @@ def test_figures_written(report):
     assert html.count("data:image/png;base64,") == len(FIGURES) + len(FAMILIES)
 
 
+def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
+    """The constrained layout runs at the first format's save; the others keep its panel positions."""
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+    runs = []
+    execute = ConstrainedLayoutEngine.execute
+    monkeypatch.setattr(ConstrainedLayoutEngine, "execute", lambda self, fig: runs.append(1) or execute(self, fig))
+    fig, axes = plt.subplots(1, 2, figsize=(6, 3), layout="constrained")
+    axes[0].set(xlabel="step", ylabel="eval accuracy", title="a")
+    real_savefig = fig.savefig
+    positions = []
+    def savefig(*args, **kw):
+        real_savefig(*args, **kw)
+        positions.append([ax.get_position().bounds for ax in fig.axes])
+    monkeypatch.setattr(fig, "savefig", savefig)
+    paths = plots.save(fig, tmp_path, "f", ["png", "pdf", "svg"])
+    assert [p.name for p in paths] == ["f.png", "f.pdf", "f.svg"] and all(p.stat().st_size > 1000 for p in paths)
+    assert len(runs) == 1
+    assert positions[0] == positions[1] == positions[2]
+
+
 @pytest.mark.slow
 def test_every_objective_metric_is_drawn(report):
     """Metrics an objective reports (not in the fixed figures) are drawn, grouped by prefix; bookkeeping is not."""
