@@ -282,7 +282,8 @@ def test_a_missing_experiment_file_is_named_as_given(tmp_path):
     assert ".yaml.yaml" not in str(e.value)
 
 
-@pytest.mark.parametrize("override", ["train.steps=[1,", "sweep.grid.seed=[1,"])
+@pytest.mark.parametrize("override", ["train.steps=[1,", "sweep.grid.seed=[1,",
+                                      "sweep.grid.objective.name=[grpo,,cispo]"])  # make compare OBJECTIVES=grpo,,cispo
 def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
     """The error names the one override that does not parse, not every override and the YAML parser's three lines
     (docs/hostile_pass.md, case 65)."""

@@ -356,7 +356,8 @@ QUICK = ["model.warm_start_steps=0", "model.warm_start_target=null", "train.step
     ("seed=-1", r"seed must be an integer in \[0, 2\*\*32\)"),
     ("model.seed=-1", r"model.seed must be an integer in \[0, 2\*\*32\)"),
     ("task.name=gsm8k task.data_dir=/nonexistent", "gsm8k: task.data_dir=/nonexistent does not exist; point it"),
-    ("model.name=/nonexistent/model", "neither a local folder .* nor a hub id"),
+    ("model.name=/nonexistent/model", r"neither a local folder \(there is none at that path\) nor a hub id"),
+    (f"model.name={__file__}", r"neither a local folder \(a file is at that path, not a folder\) nor a hub id"),
 ])
 def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(tmp_path, capsys, override, message):
     assert main(["train", "quickstart", *QUICK, *override.split(), f"results_dir={tmp_path / 'results'}"]) == 2

@@ -305,7 +305,8 @@ def hub_model_problem(name: str) -> str | None:
         if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
             return None
     except HFValidationError:
-        return f"model.name {name!r} is neither a local folder (there is none at that path) nor a hub id; {fix}"
+        there = "a file is at that path, not a folder" if os.path.exists(name) else "there is none at that path"
+        return f"model.name {name!r} is neither a local folder ({there}) nor a hub id; {fix}"
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return f"model.name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}"
     try:

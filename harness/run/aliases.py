@@ -189,7 +189,10 @@ def _objectives(overrides: list[str], layer: DictConfig) -> list[str]:
     if "objective.name" in keys:
         return [keys["objective.name"]]
     if "sweep.grid.objective.name" in keys:
-        return [str(v) for v in yaml.safe_load(keys["sweep.grid.objective.name"]) or []]
+        try:
+            return [str(v) for v in yaml.safe_load(keys["sweep.grid.objective.name"]) or []]
+        except yaml.YAMLError:
+            return []  # not YAML: load_experiment names the override in one line
     grid = OmegaConf.select(layer, "sweep.grid", default=None) if isinstance(layer, DictConfig) else None
     if grid is not None and "objective.name" in grid:
         return [str(v) for v in grid["objective.name"]]
