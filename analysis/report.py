@@ -41,7 +41,8 @@ from analysis.stats import (
     num,
     rate_interval,
 )
-from harness.run.atomic import TMP, WRITTEN, ForeignFileError, write_into
+from harness.run.atomic import TMP, WRITTEN, ForeignFileError, check_writable, write_into
+from harness.run.errors import ConfigError
 from harness.run.provenance import versions_lines
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
@@ -439,6 +440,10 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
         raise AnalysisError(f"--baseline {baseline}: no run of {baseline} in {sources_text(exp)}; its objectives: "
                             + ", ".join(paired.registry_order(exp.runs["objective"])))
     out_dir = Path(out) if out else exp.dir / "report"
+    try:
+        check_writable(out_dir, "report folder", "choose another --out")
+    except ConfigError as e:
+        raise AnalysisError(str(e)) from None
     if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
         raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to write into it; choose another "
                             "--out")

@@ -381,6 +381,18 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
         load_experiment(tmp_path / "report.md")
 
 
+@pytest.mark.parametrize("out", ["file", "file/report"])
+def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path, capsys, out):
+    """--out at or under a file: one line naming it before anything is read or written, not FileExistsError."""
+    exp = write_experiment(tmp_path / "toy")
+    (tmp_path / "file").write_text("mine")
+    assert main([str(exp), "--out", str(tmp_path / out), "--formats", "png"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: cannot make report folder {tmp_path / out}: {tmp_path / 'file'} is a file, not a "
+                       "folder; choose another --out"), err
+    assert (tmp_path / "file").read_text() == "mine" and not (exp / "report").exists()
+
+
 def cli_prints_warnings(exp: Path, out: Path, capsys) -> Path:
     """`python -m analysis` prints the data warnings and writes only the formats asked for; returns the report
     folder (a report the CLI writes anyway in test_report_is_replaced_atomically)."""

@@ -81,6 +81,22 @@ def test_a_starting_policy_records_its_weights_digest_and_cpu_and_a_changed_cach
     with pytest.raises(ConfigError, match=f"records {sidecar['weights_sha256']}: the file changed after it was built"):
         warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, recipe)
 
+    unreadable = "cannot be read .*; remove both, and the next run builds it again"
+    for damage in ("cut short", "sidecar not JSON", "sidecar a list", "another model's weights"):
+        save_model(fresh, str(weights))
+        sidecar_path.write_text(json.dumps(sidecar))
+        if damage == "cut short":
+            weights.write_bytes(weights.read_bytes()[:1000])
+        elif damage == "sidecar not JSON":
+            sidecar_path.write_text("{garbage")
+        elif damage == "sidecar a list":
+            sidecar_path.write_text("[]")
+        else:
+            save_model(torch.nn.Linear(2, 2), str(weights))
+        with pytest.raises(ConfigError, match=f"^the cached starting policy {weights} .*{unreadable}") as e:
+            warm_start(load_model("tiny", tiny=TINY_SPEC)[0], tokenizer, task, recipe)
+        assert "\n" not in str(e.value), damage
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, spec", [("tiny", TINY_SPEC), ("tiny_moe", TINY_MOE_SPEC)])

@@ -33,7 +33,7 @@ from harness.policy.device import resolve_device
 from harness.policy.models import TINY_MODELS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run.allocator import release_freed_memory
-from harness.run.atomic import atomic_write, remove_stale_temporaries
+from harness.run.atomic import atomic_write, check_writable, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
@@ -41,7 +41,6 @@ from harness.run.provenance import ALLOW_FLAG, check_code
 from harness.run.records import (
     ENDED,
     DamagedConfigError,
-    check_writable,
     memory_changes,
     read_jsonl,
     read_run_config,

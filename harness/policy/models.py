@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from harness.policy.tiny_moe import TINY_MOE, TinyMoeSpec, build_tiny_moe
-from harness.run.atomic import atomic_write
+from harness.run.atomic import atomic_write, nearest_existing
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 
@@ -293,6 +293,21 @@ def check_hub_model(run: DictConfig) -> None:
         problem = hub_model_problem(name)
         if problem:
             raise ConfigError(problem)
+
+
+@register_check("cache", when="machine")
+def check_cache(run: DictConfig) -> None:
+    """When runs start here: a run that keeps its starting policy or the embedded model in :func:`cache_dir` can
+    make that folder (a file on its path would otherwise stop the run after its warm start). Not probed for
+    writing: a read-only cache that holds them serves."""
+    if not (run.model.warm_start_steps or run.model.name == EMBEDDED_NAME):
+        return
+    folder = cache_dir()
+    parent, problem = nearest_existing(folder)
+    if problem or not parent.is_dir():
+        raise ConfigError(f"cannot use the cache folder {folder} ($RLVR_CACHE): "
+                          f"{problem or f'{parent} is a file, not a folder'}; set RLVR_CACHE to a folder, or unset it "
+                          "(~/.cache/rlvr-harness)")
 
 
 @functools.lru_cache(maxsize=16)

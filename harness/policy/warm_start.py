@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import transformers
 from omegaconf import DictConfig
-from safetensors.torch import load_model as load_safetensors
+from safetensors import SafetensorError
+from safetensors.torch import load_model
 from safetensors.torch import save_model as save_safetensors
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -240,6 +241,20 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
 def weights_digest(model) -> str:
     """The first 16 hex digits of the sha256 of ``model``'s weights (harness.run.provenance.tensors_digest)."""
     return tensors_digest(model.state_dict())[:16]
+
+
+def load_safetensors(model, weights: Path, device: str) -> None:
+    """Load a cached starting policy's ``weights`` into ``model`` (safetensors' load_model), after reading its .json
+    sidecar: a cache file that cannot be read (cut short, overwritten, another model's) is a ConfigError naming it
+    and what to do, not the parser's error."""
+    try:
+        if not isinstance(json.loads(weights.with_suffix(".json").read_text()), dict):
+            raise ValueError(f"{weights.with_suffix('.json').name} is not a JSON object")
+        load_model(model, weights, device=device)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # JSON's and UTF-8's errors are ValueErrors
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"the cached starting policy {weights} or its .json sidecar cannot be read "
+                          f"({type(e).__name__}: {reason}); remove both, and the next run builds it again") from None
 
 
 def _checked_digest(model, sidecar: dict, weights: Path) -> str:

@@ -13,9 +13,12 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from harness.run.errors import ConfigError
 
 TMP = ".tmp"  # suffix of what atomic_write / atomic_folder write before renaming it into place
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -305,3 +308,38 @@ def _writer_alive(path: Path) -> bool:
     except (OSError, OverflowError):  # no such process
         return False
     return True
+
+
+def nearest_existing(folder: Path) -> tuple[Path, str | None]:
+    """The nearest of ``folder`` and its parents that exists, and why the path below it cannot be made (None: it
+    can, unless that parent is a file): a symbolic link to nothing, a loop of links, a name too long, ..."""
+    problem = None
+    for path in (folder, *folder.parents):
+        try:
+            path.stat()
+        except (FileNotFoundError, NotADirectoryError):  # not there (under a file: the caller names the file)
+            if path.is_symlink():  # a link to nothing: nothing can be made there
+                problem = f"{path} is a symbolic link to a path that does not exist"
+            continue
+        except OSError as e:  # a loop of symbolic links (ELOOP), a name too long, ...: named at its top
+            problem = f"{path}: {e.strerror or e}"
+            continue
+        return path, problem
+    return Path("."), problem
+
+
+def check_writable(folder: Path, what: str = "results folder",
+                   fix: str = "give a folder you can write (results_dir=... or --run-dir ...)") -> None:
+    """Refuse (ConfigError, one line, before anything is printed or touched) a folder that cannot be made: a file
+    on its path, a missing or read-only mount (e.g. ``results_dir=/etc/passwd/x``, ``/proc/x``). Probed by making
+    and removing an empty folder in its nearest existing parent (root's permissions pass os.access). ``what``: the
+    folder's name in the message; ``fix``: what to do, its end."""
+    parent, problem = nearest_existing(folder)
+    if problem:
+        raise ConfigError(f"cannot make {what} {folder}: {problem}; {fix}")
+    if not parent.is_dir():
+        raise ConfigError(f"cannot make {what} {folder}: {parent} is a file, not a folder; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"cannot make {what} {folder}: {parent}: {e.strerror or e}; {fix}") from e

@@ -32,7 +32,6 @@ import pickle
 import re
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +40,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as hf_logging
 
-from harness.run.atomic import atomic_write, disk_full_error, remove_stale_temporaries, to_file, write_temporary
+from harness.run.atomic import (
+    atomic_write,
+    check_writable,
+    disk_full_error,
+    remove_stale_temporaries,
+    to_file,
+    write_temporary,
+)
 from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults
 from harness.run.errors import ConfigError
@@ -217,34 +223,6 @@ def _same(before, after) -> bool:
         return float(texts[0]) == numbers[0]
     except ValueError:
         return False
-
-
-def check_writable(folder: Path) -> None:
-    """Refuse (ConfigError, one line, before anything is printed or touched) a results folder that cannot be made:
-    a file on its path, a missing or read-only mount (e.g. ``results_dir=/etc/passwd/x``, ``/proc/x``). Probed by
-    making and removing an empty folder in its nearest existing parent (root's permissions pass os.access)."""
-    fix = "give a folder you can write (results_dir=... or --run-dir ...)"
-    parent, problem = Path("."), None  # the nearest existing parent; what the path below it cannot be
-    for path in (folder, *folder.parents):
-        try:
-            path.stat()
-        except (FileNotFoundError, NotADirectoryError):  # not there (under a file: the file is named below)
-            if path.is_symlink():  # a link to nothing: nothing can be made there
-                problem = f"{path} is a symbolic link to a path that does not exist"
-            continue
-        except OSError as e:  # a loop of symbolic links (ELOOP), a name too long, ...: named at its top
-            problem = f"{path}: {e.strerror or e}"
-            continue
-        parent = path
-        break
-    if problem:
-        raise ConfigError(f"cannot make results folder {folder}: {problem}; {fix}")
-    if not parent.is_dir():
-        raise ConfigError(f"cannot make results folder {folder}: {parent} is a file, not a folder; {fix}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=parent))
-    except OSError as e:
-        raise ConfigError(f"cannot make results folder {folder}: {parent}: {e.strerror or e}; {fix}") from e
 
 
 def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
