@@ -180,6 +180,14 @@ def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
         zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False)
 
 
+@pytest.mark.parametrize("text", ["{garbage", "[]", "\udcff"])
+def test_an_unreadable_plan_is_one_line_naming_it(tmp_path, text):
+    """A plan.json that is not a JSON object (damaged, or another file's): one line, not a traceback."""
+    (tmp_path / "plan.json").write_text(text, errors="surrogateescape")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'plan.json'}: unreadable \(.*\); remove {tmp_path} to plan"):
+        zoo.read_plan(tmp_path, {})
+
+
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))

@@ -175,7 +175,9 @@ def read_plan(folder: Path, settings: dict) -> dict | None:
         return None
     try:
         plan = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        if not isinstance(plan, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:  # json's decoding errors are ValueErrors
         raise ConfigError(f"{path}: unreadable ({e}); remove {folder} to plan the confirmation again") from None
     if plan.get("settings") != settings:
         raise ConfigError(f"{path} was made with other settings ({plan.get('settings')}, now {settings}): the "
