@@ -67,7 +67,7 @@ class Experiment:
 def read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # not JSON, or not UTF-8 (both ValueErrors)
         warn(f"{path}: unreadable JSON, ignored ({e})")
         return None
     if not isinstance(data, dict):

@@ -292,6 +292,37 @@ def test_a_damaged_config_is_one_warning_in_the_report(tmp_path, text):
     assert not (tmp_path / "ran").exists()
 
 
+def test_bytes_that_are_not_utf8_in_a_results_folder_are_damage_not_a_traceback(tmp_path):
+    """A byte no UTF-8 text holds (a damaged disk, another tool's file) in a summary, a metrics line, a config or the
+    manifest: the sweep reads the run as it reads any damaged file (pending, no error, no earlier runs) and the
+    report warns and keeps what it can read, where each raised UnicodeDecodeError."""
+    from harness.apps.soak import check_files
+    from harness.apps.sweep import earlier_manifest, stopped_error
+    from harness.apps.zoo import screen_ended
+    from harness.run.records import read_jsonl, run_status
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", s) for s in (0, 1, 2)])
+    runs = sorted(p for p in exp.iterdir() if p.is_dir())
+    (runs[0] / "summary.json").write_bytes(b'{"status": "fin\xffished"}')
+    lines = len(read_jsonl(runs[1] / "metrics.jsonl"))
+    with open(runs[1] / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 7, "loss": 0.\xff5}\n')
+    (runs[2] / "config.yaml").write_bytes(b"train:\n  steps: \xff\n")
+    (exp / "manifest.json").write_bytes(b'{"runs": "\xff"}')
+    assert run_status(runs[0]) == "pending" and stopped_error(runs[0]) is None
+    assert earlier_manifest(exp / "manifest.json", exp, set()) == {"runs": []} and not screen_ended(exp)
+    assert len(read_jsonl(runs[1] / "metrics.jsonl")) == lines  # the damaged line left out
+    found = check_files(exp)  # the soak's reader: each damaged JSON file is a problem it names
+    assert len(found) == 2 and {f.split(": ")[0] for f in found} == {str(exp / "manifest.json"),
+                                                                     str(runs[0] / "summary.json")}, found
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(load_results(exp).runs) == 3
+    said = "\n".join(str(w.message) for w in caught)
+    for damaged in (runs[0] / "summary.json", runs[1] / "metrics.jsonl", runs[2] / "config.yaml"):
+        assert str(damaged) in said, damaged
+
+
 def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_path):
     from harness.apps.lab import lab_dir, run_lab
 

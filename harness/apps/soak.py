@@ -86,7 +86,7 @@ def check_files(exp_dir: Path) -> list[str]:
     for path in [exp_dir / "manifest.json", *exp_dir.glob("*/summary.json")]:
         try:
             json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # not JSON, or not UTF-8
             problems.append(f"{path}: {e}")
     for path in exp_dir.glob("*/metrics.jsonl"):
         steps = [r["step"] for r in read_jsonl(path)]

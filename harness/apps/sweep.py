@@ -58,12 +58,12 @@ def stopped_error(run_dir: Path) -> str | None:
     summary could not be written)."""
     try:
         error = json.loads((run_dir / "summary.json").read_text()).get("error")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
         error = None
     if error:
         return error
     try:
-        lines = [line for line in (run_dir / "train.log").read_text().splitlines() if line.strip()]
+        lines = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return None
     return lines[-1] if lines else None
@@ -349,7 +349,7 @@ def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
     its baseline and objectives. An unreadable manifest keeps nothing (the report still finds the run folders)."""
     try:
         old = json.loads(manifest.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # not JSON, or not UTF-8
         return {"runs": []}
     old = old if isinstance(old, dict) else {}
     runs = []

@@ -189,7 +189,7 @@ def screen_ended(folder: Path) -> bool:
     """Whether every run of the screen's last sweep ended (its manifest.json)."""
     try:
         runs = json.loads((folder / "manifest.json").read_text())["runs"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
         return False
     return bool(runs) and all(r.get("status") in ENDED for r in runs)
 

@@ -80,7 +80,7 @@ def read_jsonl(path: Path, warn: bool = False, complete: bool = False) -> list[d
     writer is done, e.g. a finished run: the step is lost), which warns as for any other line, naming its step."""
     if not path.exists():
         return []
-    rows, lines = [], path.read_text().splitlines()
+    rows, lines = [], path.read_text(errors="replace").splitlines()  # a damaged byte: that line does not parse
     for number, line in enumerate(lines, start=1):
         try:
             rows.append(json.loads(line))
@@ -137,7 +137,7 @@ def _torn_step(path: Path, keep: int) -> bool:
     """Whether ``path``'s last line is cut short and held a step <= ``keep`` (one that will not be redone)."""
     if not path.exists():
         return False
-    lines = path.read_text().splitlines()
+    lines = path.read_text(errors="replace").splitlines()
     if not lines:
         return False
     try:
@@ -296,7 +296,7 @@ def run_status(run_dir: Path) -> str:
     while no process holds its lock is ``stopped`` (killed, even by SIGKILL, or refused: resumable)."""
     try:
         status = json.loads((run_dir / "summary.json").read_text())["status"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
         return "pending"
     return "stopped" if status == "running" and not is_held(run_dir / RUN_LOCK) else status
 
