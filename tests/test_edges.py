@@ -164,6 +164,18 @@ def test_a_run_resumed_with_other_memory_settings_equals_the_uninterrupted_run(t
 
 
 @pytest.mark.slow  # a run resumed: make test
+@pytest.mark.parametrize("damaged", [b'{"status": "run\xffning"}', b"[]", b"{garbage"])
+def test_a_damaged_summary_does_not_block_a_resume(stopped_run, damaged):
+    """summary.json not UTF-8, not an object or not JSON (the earlier attempt's times then start from 0): the run
+    resumes from its checkpoint and finishes, as it does when the summary is missing."""
+    run, run_dir = stopped_run
+    (run_dir / "summary.json").write_bytes(damaged)
+    summary = train(run, run_dir, progress=False)
+    assert summary["status"] == "finished"
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow  # a run resumed: make test
 def test_a_setting_added_to_the_schema_since_does_not_block_a_resume(stopped_run):
     run, run_dir = stopped_run
     saved = OmegaConf.load(run_dir / "config.yaml")

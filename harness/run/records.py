@@ -333,8 +333,9 @@ class RunRecords:
                 print(f"restarting {run_dir.name} from step 0 (no checkpoint yet)", file=sys.stderr)
             previous = run_dir / "summary.json"
             if resume_step is not None and previous.exists():
-                with contextlib.suppress(json.JSONDecodeError):
-                    self.previous = json.loads(previous.read_text())
+                with contextlib.suppress(ValueError):  # not JSON or not UTF-8: resumed without the earlier times
+                    found = json.loads(previous.read_text())
+                    self.previous = found if isinstance(found, dict) else {}
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
                 self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
