@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.policy.models import build_prompt, char_tokenizer, gguf_parsed_once, load_model
+from harness.policy.models import build_prompt, char_tokenizer, gguf_parsed_once, load_model, prepare_embedded_model
+from harness.run.errors import ConfigError
 from harness.tasks import get_task
 from tests.helpers.tiny import TINY_SPEC
 
@@ -109,3 +110,13 @@ def test_a_hub_model_that_cannot_be_loaded_is_one_line_saying_what_to_do(monkeyp
                                       r" model folder.*HF_HUB_OFFLINE") as error:
         load_model("no-such-owner/no-such-model")
     assert "\n" not in str(error.value)
+
+
+def test_the_embedded_cache_under_a_file_is_one_line_before_the_build(tmp_path, monkeypatch):
+    """`make setup`'s prepare with RLVR_CACHE a file: the config error, not FileExistsError after the build."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr("harness.policy.models.AutoModelForCausalLM", None)  # a build would fail on it at once
+    with pytest.raises(ConfigError, match=f"^cannot use the cache folder {tmp_path / 'file'} "):
+        prepare_embedded_model()
+

