@@ -77,6 +77,10 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     with pytest.raises(ConfigError, match="no claim nope"):
         load_claims(["nope"])
     assert CLAIMS_DIR.is_dir()
+    for text in (b"- a list\n", b"claim: \xff\n"):  # not a mapping; not UTF-8
+        path.write_bytes(text)
+        with pytest.raises(ConfigError, match="bad.yaml: not a claim"):
+            load_claim(path)
 
 
 LAB = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2, 3, 3], "objective": ["a", "b"] * 4,

@@ -135,7 +135,7 @@ def load_claim(path: Path) -> Claim:
     try:
         data = yaml.safe_load(path.read_text())
         claim = Claim(name=path.stem, **data)
-    except (yaml.YAMLError, TypeError) as e:
+    except (yaml.YAMLError, TypeError, ValueError) as e:  # ValueError: not UTF-8
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
     if not (isinstance(claim.start_policies, int) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
         raise ConfigError(f"{path}: start_policies must be a whole number from 1 to {len(START_CANDIDATES)} "
