@@ -243,3 +243,18 @@ def test_the_warm_start_builds_the_same_weights_with_activation_checkpointing(rl
     (key0, steps0, weights0, checkpointed0), (key1, steps1, weights1, checkpointed1) = built
     assert (key0, steps0) == (key1, steps1) and (checkpointed0, checkpointed1) == (False, True)
     assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+
+
+def test_running_out_of_device_memory_while_loading_a_cached_policy_is_not_called_a_damaged_file(tmp_path,
+                                                                                                 monkeypatch):
+    """The loader names a file it cannot read; the device's memory running out is the device's error, raised as is."""
+    weights = tmp_path / "key.safetensors"
+    weights.write_bytes(b"")
+    weights.with_suffix(".json").write_text("{}")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(harness.policy.warm_start, "load_model", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        harness.policy.warm_start.load_safetensors(torch.nn.Linear(1, 1), weights, "cpu")

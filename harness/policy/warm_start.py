@@ -251,7 +251,10 @@ def load_safetensors(model, weights: Path, device: str) -> None:
         if not isinstance(json.loads(weights.with_suffix(".json").read_text()), dict):
             raise ValueError(f"{weights.with_suffix('.json').name} is not a JSON object")
         load_model(model, weights, device=device)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # JSON's and UTF-8's errors are ValueErrors
+    except torch.OutOfMemoryError:
+        raise  # the device's memory, not the file
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # JSON's and UTF-8's errors are ValueErrors;
+        # RuntimeError: another model's names or shapes
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"the cached starting policy {weights} or its .json sidecar cannot be read "
                           f"({type(e).__name__}: {reason}); remove both, and the next run builds it again") from None

@@ -3,7 +3,7 @@ temporary beside it, is flushed to disk and renamed into place (:func:`atomic_wr
 of their own in (a report's) is written file by file into place, and only the harness's own files are replaced or
 removed (:func:`write_into`). A full disk (ENOSPC, EDQUOT, or a library's own words for it) is one
 :class:`DiskFullError` naming the file, the free space and how to resume. Standard library only: the analysis writes
-its reports through it too.
+its reports through it too. :func:`check_writable` refuses, before anything is written, a folder that cannot be made.
 """
 
 from __future__ import annotations
