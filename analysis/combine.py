@@ -29,9 +29,10 @@ MEASURED = ("_s", "_mb")  # metric suffixes of wall-clock and memory measurement
 RECORDS = ("status", "steps_done", "code", "final_eval_accuracy")  # run columns two copies of one run share
 
 
-def load_experiments(dirs: list[str | Path]) -> Experiment:
-    """The runs of every folder as one Experiment (see the module docstring); one folder: load_experiment's."""
-    dirs = [Path(d) for d in dirs]
+def load_experiments(dirs: list[str | Path] | str | Path) -> Experiment:
+    """The runs of every folder as one Experiment (see the module docstring); one folder (also given alone, not in a
+    list): load_experiment's."""
+    dirs = [Path(d) for d in ([dirs] if isinstance(dirs, str | Path) else dirs)]  # a str is no list of folders
     if not dirs:
         raise AnalysisError("no results folder given")
     if len(dirs) == 1:

@@ -67,6 +67,10 @@ def test_one_folder_is_load_experiment_with_its_source(tmp_path):
     a, _ = two_folders(tmp_path)
     exp, _ = load(a)
     assert exp.sources == [a] and set(exp.runs["source"]) == {"a"} and exp.dir == a
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for alone in (a, str(a)):  # a folder given alone, not in a list: not a list of its characters
+            assert load_experiments(alone).runs.equals(exp.runs)
 
 
 # ---------------------------------------------------------------------------------------------- copies that differ
