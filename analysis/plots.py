@@ -32,7 +32,7 @@ CURVES = {"eval_accuracy": ("Eval accuracy (greedy, held-out)", "accuracy"),
 STABILITY = {"clip_frac": ("Clip fraction (token level)", "fraction of tokens clipped"),
              "ratio_std": ("Importance-ratio spread", "std of ratio π/π_old"),
              "ratio_max": ("Importance-ratio max", "max of ratio π/π_old"),
-             "kl_ref": ("KL to reference", "k3 KL (nats/token)"),
+             "kl_ref": ("KL to reference", "KL estimate (nats/token, kl_estimator's)"),  # k1 can be < 0
              # kl_behavior (objectives/base.py): the k1 estimate of KL(π_old || π), token mean of log π_old - log π,
              # unbiased but one batch's value can be < 0; a k3 estimate logged as kl_behavior_k3 is drawn instead
              "kl_behavior_k3": ("KL to behaviour policy (k3)", "k3 KL (nats/token, >= 0)"),
@@ -56,6 +56,17 @@ STALENESS = {"lag_mean": ("Policy lag", "versions behind the trainer (token mean
              "rollout_corr_masked_frac": ("Masked by the correction", "fraction of tokens"),
              "rollout_corr_truncated_frac": ("Truncated by the correction", "fraction of tokens"),
              "m2po_dropped_frac": ("Masked by M2PO", "fraction of tokens")}
+# the range a metric's mean lies in by construction: a line figure's band is drawn inside it (a t-interval over 3
+# seeds of a fraction can reach below 0; its part inside the range covers the mean as often, the mean being there)
+UNIT, NON_NEGATIVE = (0.0, 1.0), (0.0, np.inf)
+RANGES = {**dict.fromkeys(["eval_accuracy", "accuracy", "clip_frac", "frac_zero_std_groups", "expert_changed_frac",
+                           "expert_token_changed_frac", "expert_layer_changed_max", "expert_load_entropy",
+                           "mismatch_ess", "rollout_corr_masked_frac", "rollout_corr_truncated_frac",
+                           "m2po_dropped_frac"], UNIT),
+          **dict.fromkeys(["ratio_std", "ratio_max", "kl_behavior_k3", "entropy", "grad_norm",
+                           "completion_len_mean", "lag_mean", "mismatch_kl", "router_aux_loss"], NON_NEGATIVE)}
+BANDS = ("drawn inside the metric's range where it has one (a fraction in [0, 1], a non-negative quantity from 0: "
+         + ", ".join(f"`{m}`" for m in RANGES) + ")")
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted", "step", "lr",
                          "rollout_tokens", "update_tokens", "sampled_tokens", "nonfinite_skips"})
@@ -206,10 +217,10 @@ def objective_legend(fig, look: dict[str, Style], labels: dict[str, str], column
 
 
 def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]) -> None:
-    """Mean over runs per objective with its interval band: solid where all of the objective's runs contribute,
-    faded where fewer do (runs of different length). Rollout tokens differ per run, so runs are first interpolated
-    onto a shared token grid. On lines of 6+ points, markers are spaced (every 2nd point or sparser, about 8 a line)
-    and offset per objective, so that the markers of coinciding lines alternate."""
+    """Mean over runs per objective with its interval band (inside the metric's range, RANGES): solid where all of
+    the objective's runs contribute, faded where fewer do (runs of different length). Rollout tokens differ per run,
+    so runs are first interpolated onto a shared token grid. On lines of 6+ points, markers are spaced (every 2nd
+    point or sparser, about 8 a line) and offset per objective, so that the markers of coinciding lines alternate."""
     data = on_grid(metrics, x, y) if x == "rollout_tokens" else metrics
     for objective, c in curve(data, x, y).groupby("objective"):
         s = look[objective]
@@ -218,7 +229,9 @@ def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]
         full = c["n"] == c["n"].max()
         ax.plot(c[x], c["mean"], alpha=0.35, **kw)
         ax.plot(c[x].where(full), c["mean"].where(full), **kw)
-        ax.fill_between(c[x], c["ci_low"], c["ci_high"], color=s.color, alpha=0.15, linewidth=0)
+        low, high = RANGES.get(y, (-np.inf, np.inf))
+        ax.fill_between(c[x], c["ci_low"].clip(low, high), c["ci_high"].clip(low, high), color=s.color, alpha=0.15,
+                        linewidth=0)
     if x == "step":
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 

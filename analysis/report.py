@@ -719,9 +719,9 @@ def figures_section(exp: Experiment, parts: CellParts, overview: list, out_dir: 
     blocks = [("h2", "Figures"),
               ("p", f"Line figures: the mean over seeds of each objective, told apart by colour, line style and "
                     f"marker (markers alternate between objectives, so coinciding lines stay visible); band: "
-                    f"{INTERVALS}; n in the legend. A line is solid where all of the objective's runs contribute "
-                    "and faded where fewer do (runs of different length or unfinished). Every numeric per-step "
-                    "metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
+                    f"{INTERVALS}, {plots.BANDS}; n in the legend. A line is solid where all of the objective's "
+                    "runs contribute and faded where fewer do (runs of different length or unfinished). Every "
+                    "numeric per-step metric is drawn except bookkeeping (timings `*_s`, `*_mb`, "
                     + ", ".join(f"`{k}`" for k in sorted(plots.BOOKKEEPING - IDENTITY_COLUMNS))
                     + "); the metrics outside the accuracy and stability figures are grouped by name prefix "
                     "(`metrics_<prefix>`, single ones in `metrics_other`)."

@@ -101,6 +101,31 @@ def test_figures_written(report):
     assert html.count("data:image/png;base64,") == len(FIGURES) + len(FAMILIES)
 
 
+def test_a_band_stays_inside_its_metrics_range():
+    """Three seeds of a fraction near 0: the t-interval reaches below 0, the band stops at 0 (and at 1 above); a
+    metric without a range (the k1 KL, which can be < 0) keeps the whole interval."""
+    from analysis.cells import START_SEED
+
+    rows = [{"objective": "grpo", "run_id": f"r{seed}", "seed": seed, START_SEED: 1, "step": step,
+             "clip_frac": value, "frac_zero_std_groups": 1 - value, "kl_behavior": value - 0.05}
+            for seed, value in enumerate([0.0, 0.0, 0.3]) for step in (1, 2)]
+    metrics = pd.DataFrame(rows)
+    look = plots.styles(["grpo"])
+    bands = {}
+    for metric in ("clip_frac", "frac_zero_std_groups", "kl_behavior"):
+        fig, ax = plt.subplots()
+        plots.line_panel(ax, metrics, "step", metric, look)
+        (band,) = ax.collections
+        ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+        bands[metric] = ys.min(), ys.max()
+        plt.close(fig)
+    d = describe(metrics[metrics["step"] == 1]["clip_frac"])
+    assert d["ci_low"] < 0 < d["ci_high"] < 1  # the interval itself reaches below 0
+    assert bands["clip_frac"] == (0.0, pytest.approx(d["ci_high"]))
+    assert bands["frac_zero_std_groups"] == (pytest.approx(1 - d["ci_high"]), 1.0)
+    assert bands["kl_behavior"][0] == pytest.approx(d["ci_low"] - 0.05)
+
+
 def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
     """The constrained layout runs at the first format's save; the others keep its panel positions."""
     from matplotlib.layout_engine import ConstrainedLayoutEngine
