@@ -216,6 +216,12 @@ def objective_legend(fig, look: dict[str, Style], labels: dict[str, str], column
     fig.legend(handles=handles, loc="outside lower center", ncols=columns, frameon=False)
 
 
+def in_range(metric: str, low, high) -> tuple:
+    """The interval (low, high) as drawn: inside ``metric``'s range (RANGES; the whole interval without one)."""
+    bottom, top = RANGES.get(metric, (-np.inf, np.inf))
+    return np.clip(low, bottom, top), np.clip(high, bottom, top)
+
+
 def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]) -> None:
     """Mean over runs per objective with its interval band (inside the metric's range, RANGES): solid where all of
     the objective's runs contribute, faded where fewer do (runs of different length). Rollout tokens differ per run,
@@ -229,9 +235,7 @@ def line_panel(ax, metrics: pd.DataFrame, x: str, y: str, look: dict[str, Style]
         full = c["n"] == c["n"].max()
         ax.plot(c[x], c["mean"], alpha=0.35, **kw)
         ax.plot(c[x].where(full), c["mean"].where(full), **kw)
-        low, high = RANGES.get(y, (-np.inf, np.inf))
-        ax.fill_between(c[x], c["ci_low"].clip(low, high), c["ci_high"].clip(low, high), color=s.color, alpha=0.15,
-                        linewidth=0)
+        ax.fill_between(c[x], *in_range(y, c["ci_low"], c["ci_high"]), color=s.color, alpha=0.15, linewidth=0)
     if x == "step":
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
@@ -415,6 +419,7 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
         mean, low, high, name = (e.mean, e.low, e.high, "95% CI") if e is not None and e.problems else \
             (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"]))
         labels.append(f"{objective}\n(n={d['n']}, {name})")
+        low, high = in_range("eval_accuracy", low, high)
         yerr = [[mean - low], [high - mean]] if np.isfinite(low) else None
         ax.errorbar(i + 0.25, mean, yerr=yerr, fmt="D", color=look[objective].color, markerfacecolor="white",
                     markersize=5, capsize=3)
@@ -429,7 +434,8 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     caption = ("Points: each seed's final greedy held-out accuracy (runs that ended: finished, or diverged with their "
                "last eval), coloured by objective. Open diamond: mean over seeds; bar: the interval of the tables "
-               f"(over seeds and eval problems; where the runs lack per-problem scores, {INTERVALS}). Dashed: the "
+               f"(over seeds and eval problems; where the runs lack per-problem scores, {INTERVALS}), drawn inside "
+               "[0, 1]. Dashed: the "
                "mean step-0 accuracy of these runs (the start), so the axis shows the gain.")
     return Made("final_eval", title, fig, caption)
 
@@ -448,7 +454,8 @@ def scaling_figure(fits: list[ObjectiveFit], look: dict[str, Style], title: str,
     for f in shown:
         s = look[f.objective]
         d = pd.DataFrame([describe(points) for points in f.per_seed.T])
-        yerr = [d["mean"] - d["ci_low"], d["ci_high"] - d["mean"]] if f.seeds > 1 else None
+        low, high = in_range("eval_accuracy", d["ci_low"], d["ci_high"])
+        yerr = [d["mean"] - low, high - d["mean"]] if f.seeds > 1 else None
         ax.errorbar(f.tokens, d["mean"], yerr=yerr, fmt=s.marker, color=s.color, capsize=2, zorder=3)
         c = np.geomspace(f.tokens.min(), f.tokens.max(), 100)
         ax.plot(c, sigmoid(c, f.fit.r0, f.fit.a, f.fit.b, f.fit.c_mid), color=s.color, linestyle=s.linestyle)

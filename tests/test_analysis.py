@@ -7,6 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import matplotlib.collections
 import numpy as np
 import pandas as pd
 import pytest
@@ -124,6 +125,15 @@ def test_a_band_stays_inside_its_metrics_range():
     assert bands["clip_frac"] == (0.0, pytest.approx(d["ci_high"]))
     assert bands["frac_zero_std_groups"] == (pytest.approx(1 - d["ci_high"]), 1.0)
     assert bands["kl_behavior"][0] == pytest.approx(d["ci_low"] - 0.05)
+
+    runs = pd.DataFrame([{"objective": "grpo", "run_id": f"r{seed}", "seed": seed, START_SEED: 1, "ended": True,
+                          "final_eval_accuracy": value, "start_eval_accuracy": 0.5}
+                         for seed, value in enumerate([1.0, 1.0, 0.7])])
+    made = plots.final_figure(runs, look, "t", False)
+    (bar,) = [c for c in made.fig.axes[0].collections if isinstance(c, matplotlib.collections.LineCollection)]
+    assert describe(runs["final_eval_accuracy"])["ci_high"] > 1  # the interval reaches above 1, its bar stops there
+    assert max(seg[:, 1].max() for seg in bar.get_segments()) == 1.0
+    plt.close(made.fig)
 
 
 def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
