@@ -378,14 +378,17 @@ def test_settings_this_machine_cannot_run_are_refused_before_any_folder_exists(t
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "prepare"])
 @pytest.mark.parametrize("cache", ["file", "file/below"])
-def test_a_cache_folder_that_cannot_be_made_is_refused_before_the_warm_start(tmp_path, capsys, monkeypatch, cache):
+def test_a_cache_folder_that_cannot_be_made_is_refused_before_the_warm_start(tmp_path, capsys, monkeypatch, cache,
+                                                                            command):
     """RLVR_CACHE at or under a file: refused in one line before any folder exists, not after the warm start has
-    trained (NotADirectoryError when it was cached)."""
+    trained (NotADirectoryError when it was cached); also by `prepare <experiment>`, which a launcher runs on the
+    node that builds a sweep's starting policies."""
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / cache))
     warm = ["model.warm_start_steps=5", "model.warm_start_target=null"]
-    assert main(["train", "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
+    assert main([command, "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith(f"config error: cannot use the cache folder {tmp_path / cache} ($RLVR_CACHE): "

@@ -209,6 +209,7 @@ def cmd_list(args) -> int:
 def cmd_prepare(args) -> int:
     if args.experiment:  # a sweep's starting policies, built on the node a launcher picked (harness/apps/sweep.py)
         runs = run_configs(load_experiment(args.experiment, args.overrides))
+        check_this_machine(runs)  # the node that builds them: its cache, its hub access
         prefer_threads(args.threads)
         prepare_starting_policies(runs, progress=True)
         return 0
