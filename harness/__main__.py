@@ -2,7 +2,10 @@
 
 import sys
 
-from harness.apps.cli import main
+from harness.run.errors import one_line_for_a_broken_module
+
+with one_line_for_a_broken_module():
+    from harness.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,9 +7,6 @@ Every module in this package is imported here, so a new file with a ``@register_
 class is all it takes to add an objective.
 """
 
-import importlib
-import pkgutil
-
 from objectives.advantages import ADVANTAGES, available_advantages, get_advantage
 from objectives.base import (
     OBJECTIVES,
@@ -21,10 +18,9 @@ from objectives.base import (
     get_objective,
     register_objective,
 )
-from objectives.registry import UnknownNameError
+from objectives.registry import UnknownNameError, import_every_module
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+import_every_module(__name__, __path__)
 
 __all__ = [
     "ADVANTAGES",

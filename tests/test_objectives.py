@@ -644,6 +644,73 @@ print(json.dumps({{"loss": out.loss.item(), "grad": logp.grad.tolist(), "metrics
     assert name not in available_objectives()  # the real package is untouched
 
 
+
+BROKEN = {  # a file of a package whose every module is imported, and the line its one line names
+    "unclosed.py": ("x = (\n", 1, "SyntaxError: '(' was never closed. Every file in"),
+    "twice.py": ("from {pkg}.first import NAMES\n\n\n@NAMES.register('a')\nclass Again:\n    pass\n", 4,
+                 "ValueError: thing 'a' is registered twice: by {pkg}.first.First and by {pkg}.twice.Again; give "
+                 "one of them another name"),
+    "deep.py": ("def load():\n    import no_such_package_here\n\n\nload()\n", 2,
+                "ModuleNotFoundError: No module named 'no_such_package_here'"),
+}
+FIRST = ("from objectives.registry import Registry\nNAMES = Registry('thing')\n\n\n@NAMES.register('a')\n"
+         "class First:\n    pass\n")
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_a_module_that_does_not_import_is_named_with_its_line_in_one_line(tmp_path, monkeypatch, broken):
+    """objectives/ imports every file in it: one that fails names itself, the line and the error (a registration
+    twice names both classes), chained to the error; the files before it imported as they are."""
+    from objectives.registry import ModuleImportError, import_every_module
+
+    pkg = f"pkg_{broken[:-3]}"
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / pkg / "first.py").write_text(FIRST)
+    source, line, said = BROKEN[broken]
+    (tmp_path / pkg / broken).write_text(source.format(pkg=pkg))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(ModuleImportError) as caught:
+            import_every_module(pkg, [str(tmp_path / pkg)])
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == pkg]:
+            del sys.modules[name]
+    message = str(caught.value)
+    assert message.startswith(f"{pkg}/{broken}, line {line}: ") and said.format(pkg=pkg) in message, message
+    assert message.endswith(f"Every file in {pkg}/ is imported: fix this one, or move it out of the folder")
+    assert "\n" not in message and caught.value.__cause__ is not None
+
+
+def test_a_broken_module_ends_an_entry_point_in_its_one_line(capsys):
+    """The CLI's imports under one_line_for_a_broken_module: that error is its line on stderr and status 2; any
+    other import error is raised as it is."""
+    from harness.run.errors import one_line_for_a_broken_module
+    from objectives.registry import ModuleImportError
+
+    with pytest.raises(SystemExit) as ended, one_line_for_a_broken_module():
+        raise ModuleImportError("objectives/x.py, line 3: ValueError: no")
+    assert ended.value.code == 2 and capsys.readouterr().err == "error: objectives/x.py, line 3: ValueError: no\n"
+    with pytest.raises(ImportError, match="other"), one_line_for_a_broken_module():
+        raise ImportError("other")
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch
+def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path):
+    """`python -m harness` with a copy of objectives/ holding a file that registers a name again: one line naming
+    the file, its line and both classes, status 2, no traceback."""
+    package = tmp_path / "objectives"
+    shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "my_grpo.py").write_text("from objectives import register_objective\nfrom objectives.grpo import "
+                                        "GRPO\n\n\n@register_objective('grpo')\nclass Mine(GRPO):\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "harness", "list"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == ("error: objectives/my_grpo.py, line 5: ValueError: objective 'grpo' is registered twice: "
+                           "by objectives.grpo.GRPO and by objectives.my_grpo.Mine; give one of them another name. "
+                           "Every file in objectives/ is imported: fix this one, or move it out of the folder\n")
+
 # A pytest plugin for the copy's run: a case parametrized by an objective registered before the new one is left
 # out (it ran in this checkout's own suite, and one module more does not change it); every other case runs.
 ONLY_THE_NEW_OBJECTIVE = """
