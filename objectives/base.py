@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -620,6 +621,10 @@ class Objective:
         n_valid = batch.mask.sum().clamp(min=1)
         batch, entropy_keep, masking = self.token_masks(batch)
         loss, metrics = self.policy_loss(batch)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise ValueError(f"objective {self.name!r}: policy_loss returned a loss of shape "
+                             f"{list(getattr(loss, 'shape', []))} ({type(loss).__name__}); reduce it to one number "
+                             "with aggregate or sequence_aggregate")
         metrics = {**metrics, **masking}
         metrics["pg_loss"] = loss.item()
         entropy_coef = self.entropy_bonus_coef()
@@ -689,11 +694,46 @@ def check_lifecycle_declared(name: str, cls: type[Objective]) -> None:
                          "(a resumed run could not restore its state)")
 
 
+NAME = re.compile(r"[a-z][a-z0-9_]*")  # an objective's name: a config value, a part of its runs' folder names
+HYPERPARAMETER_KINDS = (float, int, bool, str)  # what a hyperparameter field may be (anything else: a ClassVar)
+
+
+def check_declared(name: str, cls) -> None:
+    """Before a class is registered: its name, that it is an Objective, the lifecycle hooks it declares (each refusal
+    one line naming the objective and what to change)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"objective name {name!r}: use lower-case letters, digits and _, starting with a letter (it "
+                         "is objective.name in a config and part of its runs' folder names)")
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise TypeError(f"objective {name!r}: {cls!r} is not a subclass of objectives.base.Objective")
+    check_lifecycle_declared(name, cls)
+
+
+def as_dataclass(name: str, cls: type[Objective]) -> type[Objective]:
+    """``cls`` as a dataclass of its hyperparameters, each with a default and of a kind :meth:`Objective._checked`
+    checks (float, int, bool, str)."""
+    if "__dataclass_fields__" not in cls.__dict__:
+        try:
+            cls = dataclass(cls)
+        except TypeError as error:  # the base's fields all have defaults, so a field without one comes after them
+            raise TypeError(f"objective {name!r}: {error}: give every hyperparameter a default (scale: float = 1.0)"
+                            ) from None
+    hints = _type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if kind not in HYPERPARAMETER_KINDS:
+            shown = kind.__name__ if isinstance(kind, type) else kind
+            raise TypeError(f"objective {name!r}: hyperparameter {field.name} is annotated {shown}; a "
+                            "hyperparameter is a float, int, bool or str (anything else: a ClassVar, or an attribute "
+                            "set in __post_init__ or setup)")
+    return cls
+
+
 def register_objective(name: str):
     """Class decorator: make the class a dataclass of its hyperparameters and register it under ``name``."""
 
     def decorator(cls):
-        check_lifecycle_declared(name, cls)
+        check_declared(name, cls)
         legacy = cls.__dict__.get("aggregation")
         if isinstance(legacy, str) and "aggregation" not in cls.__dict__.get("__annotations__", {}):
             cls.default_aggregation = legacy  # an old-style ``aggregation = "..."`` class attribute: its default
@@ -707,10 +747,11 @@ def register_objective(name: str):
         if cls.ratio_level not in RATIO_LEVELS or (cls.ratio_level == "other") != bool(cls.ratio_note):
             raise ValueError(f"objective {name!r}: ratio_level must be one of {RATIO_LEVELS}, with a ratio_note "
                              f"exactly when it is 'other'; got {cls.ratio_level!r}, {cls.ratio_note!r}")
+        if cls.policy_loss is Objective.policy_loss:
+            raise TypeError(f"objective {name!r}: {cls.__qualname__} defines no policy_loss(self, batch) -> (loss, "
+                            "metrics)")
         cls.name = name
-        if "__dataclass_fields__" not in cls.__dict__:
-            cls = dataclass(cls)
-        return OBJECTIVES.register(name)(cls)
+        return OBJECTIVES.register(name)(as_dataclass(name, cls))
 
     return decorator
 

@@ -69,13 +69,16 @@ def test_an_objective_page_carries_its_docstring_defaults_meanings_and_trl_verl_
 
 
 def test_a_new_objective_file_gets_its_page_without_an_edit(reference, monkeypatch):
-    from objectives import OBJECTIVES, Objective, register_objective
+    from objectives import OBJECTIVES, Objective, aggregate, register_objective
 
     monkeypatch.setattr(OBJECTIVES, "_items", dict(OBJECTIVES._items))  # registered for this test only
 
     @register_objective("docs_probe")
     class Probe(Objective):
         scale: float = 0.5  # multiplies the surrogate
+
+        def policy_loss(self, batch):
+            return aggregate(-self.scale * batch.logp * batch.token_advantages, batch, self.aggregation), {}
 
     pages = reference.pages()
     assert "| `scale` | `0.5` | multiplies the surrogate |" in pages["reference/objectives/docs_probe.md"]

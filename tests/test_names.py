@@ -184,7 +184,7 @@ def test_explain_knows_every_objective_hyperparameter(capsys):
 
 
 def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkeypatch, capsys):
-    from objectives.base import Objective, register_objective
+    from objectives.base import Objective, aggregate, register_objective
 
     monkeypatch.setattr(OBJECTIVES, "_items", dict(OBJECTIVES._items))  # registered for this test only
     names.all_names.cache_clear()
@@ -195,6 +195,9 @@ def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkey
         # a knob documented above its line
         knob_b: int = 3
         la_power: float = 2.0  # this objective's own la_power
+
+        def policy_loss(self, batch):
+            return aggregate(-batch.logp * batch.token_advantages, batch, self.aggregation), {}
 
     try:
         assert main(["explain", "knob_a"]) == 0

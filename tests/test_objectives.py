@@ -23,6 +23,7 @@ from objectives import (
     Objective,
     PolicyBatch,
     UnknownNameError,
+    aggregate,
     available_objectives,
     get_advantage,
     get_objective,
@@ -605,6 +606,62 @@ def test_class_conventions_are_declared_and_checked():
 # Adding an objective: a new module in objectives/ is all it takes
 # ----------------------------------------------------------------------------------------------------
 
+
+class Loss(Objective):
+    """A loss for the declaration tests below (unregistered)."""
+
+    def policy_loss(self, batch):
+        return aggregate(-batch.logp * batch.token_advantages, batch, self.aggregation), {}
+
+
+def declared_wrong(case: str):
+    """One class a new objective file may declare wrongly, by case (registered as 'wrong' unless the name is the
+    fault)."""
+    if case == "name":
+        register_objective("My Loss")(type("Named", (Loss,), {"__module__": __name__}))
+    elif case == "not an Objective":
+        register_objective("wrong")(type("Plain", (), {"policy_loss": Loss.policy_loss}))
+    elif case == "no policy_loss":
+        register_objective("wrong")(type("Empty", (Objective,), {"__module__": __name__}))
+    elif case == "no default":
+        register_objective("wrong")(type("NoDefault", (Loss,), {"__annotations__": {"scale": "float"},
+                                                                "__module__": __name__}))
+    elif case == "list":
+        register_objective("wrong")(type("Listed", (Loss,), {"__annotations__": {"clips": "list"}, "clips": None,
+                                                             "__module__": __name__}))
+
+
+@pytest.mark.parametrize("case, said", [
+    ("name", "objective name 'My Loss': use lower-case letters, digits and _, starting with a letter"),
+    ("not an Objective", r"objective 'wrong': <class '.*Plain'> is not a subclass of objectives.base.Objective"),
+    ("no policy_loss", r"objective 'wrong': Empty defines no policy_loss\(self, batch\) -> \(loss, metrics\)"),
+    ("no default", "objective 'wrong': non-default argument 'scale' follows default argument: give every "
+                   "hyperparameter a default"),
+    ("list", "objective 'wrong': hyperparameter clips is annotated list; a hyperparameter is a float, int, bool or "
+             "str"),
+], ids=["name", "not_an_objective", "no_policy_loss", "no_default", "list"])
+def test_a_class_declared_wrong_is_refused_when_it_registers_in_one_line(case, said):
+    """What a new objective file can get wrong is one line when it registers (so its import names the file and line:
+    objectives/registry.py), not an AttributeError or a silent acceptance later; nothing is registered."""
+    with pytest.raises((TypeError, ValueError), match=f"^{said}") as refused:
+        declared_wrong(case)
+    assert "\n" not in str(refused.value)
+    assert {"wrong", "My Loss"}.isdisjoint(available_objectives())
+
+
+def test_a_loss_that_is_not_one_number_is_named():
+    """policy_loss must reduce to a scalar: a per-token loss is one line naming the objective and what to use."""
+    class PerToken(Loss):
+        def policy_loss(self, batch):
+            return -batch.logp * batch.token_advantages, {}
+
+    PerToken.name = "per_token"
+    batch = PolicyBatch(logp=torch.zeros(2, 3, dtype=DT, requires_grad=True), old_logp=torch.zeros(2, 3, dtype=DT),
+                        mask=torch.ones(2, 3, dtype=DT), advantages=torch.tensor([1.0, -1.0], dtype=DT))
+    with pytest.raises(ValueError, match=r"^objective 'per_token': policy_loss returned a loss of shape \[2, 3\] "
+                                         r"\(Tensor\); reduce it to one number with aggregate or sequence_aggregate"):
+        dataclasses.dataclass(PerToken)()(batch)
+    assert Loss()(batch).loss.dim() == 0
 
 def example_source() -> str:
     """The README's worked example (so the documented code is the tested one); its absence is a failure."""
