@@ -80,11 +80,21 @@ class Task:
 
 
 def register_task(name: str):
-    """Class decorator: register a Task dataclass under ``name`` (also sets ``cls.name``)."""
+    """Class decorator: register a Task dataclass under ``name`` (also sets ``cls.name``); a class that is not one, or
+    lacks a method every task has, is refused in one line."""
+    register = TASKS.register(name)  # refuses a name a config could not give
 
     def decorator(cls: type[Task]) -> type[Task]:
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise TypeError(f"task {name!r}: {cls!r} is not a subclass of harness.tasks.Task")
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"task {name!r}: {cls.__qualname__} is not a dataclass: put @dataclass under "
+                            "@register_task (its fields are task.args)")
+        missing = [m for m in ("train_problems", "eval_problems", "score") if getattr(cls, m) is getattr(Task, m)]
+        if missing:
+            raise TypeError(f"task {name!r}: {cls.__qualname__} does not implement {', '.join(missing)}")
         cls.name = name
-        return TASKS.register(name)(cls)
+        return register(cls)
 
     return decorator
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -694,16 +693,12 @@ def check_lifecycle_declared(name: str, cls: type[Objective]) -> None:
                          "(a resumed run could not restore its state)")
 
 
-NAME = re.compile(r"[a-z][a-z0-9_]*")  # an objective's name: a config value, a part of its runs' folder names
 HYPERPARAMETER_KINDS = (float, int, bool, str)  # what a hyperparameter field may be (anything else: a ClassVar)
 
 
 def check_declared(name: str, cls) -> None:
-    """Before a class is registered: its name, that it is an Objective, the lifecycle hooks it declares (each refusal
-    one line naming the objective and what to change)."""
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"objective name {name!r}: use lower-case letters, digits and _, starting with a letter (it "
-                         "is objective.name in a config and part of its runs' folder names)")
+    """Before a class is registered: that it is an Objective, the lifecycle hooks it declares (each refusal one line
+    naming the objective and what to change; the registry checks the name)."""
     if not (isinstance(cls, type) and issubclass(cls, Objective)):
         raise TypeError(f"objective {name!r}: {cls!r} is not a subclass of objectives.base.Objective")
     check_lifecycle_declared(name, cls)
@@ -732,6 +727,8 @@ def as_dataclass(name: str, cls: type[Objective]) -> type[Objective]:
 def register_objective(name: str):
     """Class decorator: make the class a dataclass of its hyperparameters and register it under ``name``."""
 
+    register = OBJECTIVES.register(name)  # refuses a name a config could not give
+
     def decorator(cls):
         check_declared(name, cls)
         legacy = cls.__dict__.get("aggregation")
@@ -751,7 +748,7 @@ def register_objective(name: str):
             raise TypeError(f"objective {name!r}: {cls.__qualname__} defines no policy_loss(self, batch) -> (loss, "
                             "metrics)")
         cls.name = name
-        return OBJECTIVES.register(name)(as_dataclass(name, cls))
+        return register(as_dataclass(name, cls))
 
     return decorator
 

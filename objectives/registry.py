@@ -7,6 +7,7 @@ import difflib
 import importlib
 import os
 import pkgutil
+import re
 import traceback
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -58,12 +59,19 @@ def failing_line(error: Exception, file: str) -> int | str:
     return lines[-1] if lines else "?"
 
 
+NAME = re.compile(r"[a-z][a-z0-9_]*")  # a registered name: a config's value, part of a run's folder name
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ValueError(f"{self.kind} name {name!r}: use lower-case letters, digits and _, starting with a letter "
+                             "(a config names it, and so do its runs' folders)")
+
         def decorator(item: T) -> T:
             if name in self._items and self._items[name] is not item:
                 raise ValueError(f"{self.kind} {name!r} is registered twice: by {where(self._items[name])} and by "

@@ -632,7 +632,8 @@ def declared_wrong(case: str):
 
 
 @pytest.mark.parametrize("case, said", [
-    ("name", "objective name 'My Loss': use lower-case letters, digits and _, starting with a letter"),
+    ("name", r"objective name 'My Loss': use lower-case letters, digits and _, starting with a letter \(a config "
+             r"names it, and so do its runs' folders\)"),
     ("not an Objective", r"objective 'wrong': <class '.*Plain'> is not a subclass of objectives.base.Objective"),
     ("no policy_loss", r"objective 'wrong': Empty defines no policy_loss\(self, batch\) -> \(loss, metrics\)"),
     ("no default", "objective 'wrong': non-default argument 'scale' follows default argument: give every "

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import pytest
 
-from harness.tasks import Problem, Score, available_tasks, get_task
+from harness.tasks import Problem, Score, Task, available_tasks, get_task, register_task
 from objectives.registry import UnknownNameError
 
 GSM8K_ROW = {"question": "Tom has 3 apples and buys 5. How many?", "answer": "3+5=<<3+5=8>>8\n#### 8"}
@@ -26,6 +27,32 @@ def test_registry_and_argument_errors():
         get_task("gsm8")
     with pytest.raises(TypeError, match=r"no argument digit; its arguments: .*digits=2"):
         get_task("arith", digit=3)
+
+
+
+class Lacking(Task):
+    """A task that implements its problems but not its verifier (unregistered)."""
+
+    def train_problems(self):
+        return [Problem("1+1=", "2", "2")]
+
+    eval_problems = train_problems
+
+
+@pytest.mark.parametrize("name, cls, said", [
+    ("Parity", dataclass(type("Named", (Lacking,), {"score": lambda self, c, p: Score(1.0, 1.0)})),
+     r"task name 'Parity': use lower-case letters, digits and _, starting with a letter"),
+    ("plain", type("Plain", (), {}), r"task 'plain': <class '.*Plain'> is not a subclass of harness.tasks.Task"),
+    ("undecorated", type("Undecorated", (Lacking,), {}), "task 'undecorated': Undecorated is not a dataclass: put "
+     "@dataclass under @register_task"),
+    ("lacking", dataclass(type("NoScore", (Lacking,), {})), "task 'lacking': NoScore does not implement score$"),
+], ids=["name", "not_a_task", "not_a_dataclass", "no_score"])
+def test_a_task_declared_wrong_is_refused_when_it_registers(name, cls, said):
+    """A new task's declaration errors are one line when it registers, not a TypeError from dataclasses.fields when
+    a run is configured or a NotImplementedError at the first reward; nothing is registered."""
+    with pytest.raises((TypeError, ValueError), match=f"^{said}"):
+        register_task(name)(cls)
+    assert name not in available_tasks()
 
 
 def test_gsm8k_loads_local_copy_from_env(gsm8k_dir, monkeypatch):
