@@ -4,12 +4,15 @@ writer per run folder."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from omegaconf import OmegaConf
 
 from harness.loop.native import train
 from harness.run import records
 from harness.run.collapse import CollapseRule
+from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError
 from harness.run.records import RunRecords, check_resume, read_jsonl
 from tests.helpers.interrupt import stopped_before
@@ -167,8 +170,35 @@ def test_an_ended_trl_run_keeps_its_newest_checkpoint_and_no_link_is_followed(tm
     outside.write_bytes(b"a user's file")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "previous.pt").symlink_to(outside)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))  # the run's, written first
     holder = RunRecords(run, run_dir, None, None, "trl")
     holder.end("finished")
     holder.close(failed=False)
     assert sorted(p.name for p in (run_dir / "trl").iterdir()) == ["checkpoint-12"]
     assert (run_dir / "checkpoints" / "previous.pt").is_symlink() and outside.read_bytes() == b"a user's file"
+
+
+@pytest.mark.parametrize("held", [["metrics.jsonl"], ["draft.tmp"], ["notes.txt", "checkpoints/"]])
+def test_a_folder_that_holds_files_but_no_run_is_refused_and_left_as_it_was(tmp_path, held):
+    """--run-dir at a folder of other files: the run would have rewritten its metrics.jsonl, and removed a *.tmp as
+    a killed write's leftover. Refused in one line naming them; what a run's folder holds before its config.yaml
+    (its lock, its launcher's log, config.yaml's temporary) is not refused, nor is a run's folder."""
+    run, folder = tiny_run(tmp_path), tmp_path / "folder"
+    folder.mkdir()
+    for name in held:
+        (folder / name.rstrip("/")).mkdir() if name.endswith("/") else (folder / name).write_text("mine")
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(ConfigError, match=rf"^{folder} holds {', '.join(sorted(n.rstrip('/') for n in held))} but no "
+                                          r"run \(no config.yaml\): a run there would write over or remove what it "
+                                          r"holds; give a new or empty --run-dir$"):
+        check_resume(run, folder)
+    with pytest.raises(ConfigError, match="but no run"):
+        RunRecords(run, folder, None, None, "native")
+    assert sorted(p.name for p in folder.iterdir()) == before
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    for name in (".run.lock", "train.log", "config.yaml.tmp", f".config.yaml.{os.getpid()}.tmp"):
+        (starting / name).write_text("")
+    check_resume(run, starting)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(run))  # the run's own folder: continued
+    check_resume(run, folder)

@@ -237,6 +237,7 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     are compared, the folder is neither probed for writing nor for its lock."""
     if main:
         check_writable(run_dir)
+        check_run_folder(run_dir)
         check_lock_file(run_dir / RUN_LOCK)
     if main and probe_lock and is_held(run_dir / RUN_LOCK):
         raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
@@ -261,6 +262,24 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
     if warn and memory:
         say_memory_changes(run_dir, memory)
+
+
+# what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary
+BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|\.?config\.yaml(\.\d+)?\.tmp")
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """Refuse (ConfigError) a folder that holds files but no run. config.yaml is the first file a run writes (a
+    sweep writes it before the run starts); before it, a run's folder holds at most its lock, the log its launcher
+    appends to and config.yaml's own temporary. Anything else is not the run's: the run would write over it
+    (metrics.jsonl, summary.json) or remove it as a killed write's leftover (a ``*.tmp``)."""
+    if not run_dir.is_dir() or (run_dir / "config.yaml").exists():
+        return
+    foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ConfigError(f"{run_dir} holds {shown} but no run (no config.yaml): a run there would write over or "
+                          "remove what it holds; give a new or empty --run-dir")
 
 
 class DamagedConfigError(ValueError):
