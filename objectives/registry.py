@@ -47,7 +47,8 @@ def import_every_module(package: str, path) -> None:
             said = error.msg if isinstance(error, SyntaxError) else error  # its str repeats the file and line
             raise ModuleImportError(f"{package}/{name}, line {failing_line(error, file)}: "
                                     f"{type(error).__name__}: {said}. Every file in {package}/ is imported: fix "
-                                    f"this one, or move it out of the folder") from error
+                                    f"this one, or move it out of the folder (its traceback: python -c 'import "
+                                    f"{package}')") from error
 
 
 def failing_line(error: Exception, file: str) -> int | str:

@@ -736,7 +736,8 @@ def test_a_module_that_does_not_import_is_named_with_its_line_in_one_line(tmp_pa
             del sys.modules[name]
     message = str(caught.value)
     assert message.startswith(f"{pkg}/{broken}, line {line}: ") and said.format(pkg=pkg) in message, message
-    assert message.endswith(f"Every file in {pkg}/ is imported: fix this one, or move it out of the folder")
+    assert message.endswith(f"Every file in {pkg}/ is imported: fix this one, or move it out of the folder (its "
+                            f"traceback: python -c 'import {pkg}')")
     assert "\n" not in message and caught.value.__cause__ is not None
 
 
@@ -767,7 +768,8 @@ def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == ("error: objectives/my_grpo.py, line 5: ValueError: objective 'grpo' is registered twice: "
                            "by objectives.grpo.GRPO and by objectives.my_grpo.Mine; give one of them another name. "
-                           "Every file in objectives/ is imported: fix this one, or move it out of the folder\n")
+                           "Every file in objectives/ is imported: fix this one, or move it out of the folder (its "
+                           "traceback: python -c 'import objectives')\n")
 
 # A pytest plugin for the copy's run: a case parametrized by an objective registered before the new one is left
 # out (it ran in this checkout's own suite, and one module more does not change it); every other case runs.
