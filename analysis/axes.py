@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.cells import Cells, canon, order, short_names, show
-from analysis.plots import Made, Style, grid, legend_columns, objective_legend, width_of
+from analysis.plots import Made, Style, grid, in_range, legend_columns, objective_legend, width_of
 from analysis.stats import INTERVALS
 
 PANELS = {"final": ("Final eval accuracy", "accuracy"), "best": ("Best eval accuracy", "accuracy"),
@@ -87,6 +87,7 @@ def axis_figure(table: pd.DataFrame, cells: Cells, axis: str, look: dict[str, St
                 ok = y.notna()
                 ax.plot(group["_x"][ok], y[ok], color=s.color, linestyle=s.linestyle, marker=s.marker)
                 bars = ok & low.notna()
+                low, high = in_range("accuracy", low, high)  # a fraction: the bar inside [0, 1], as the curves'
                 if bars.any():
                     ax.errorbar(group["_x"][bars], y[bars], yerr=[y[bars] - low[bars], high[bars] - y[bars]],
                                 fmt="none", ecolor=s.color, capsize=3, alpha=0.7)
@@ -100,7 +101,8 @@ def axis_figure(table: pd.DataFrame, cells: Cells, axis: str, look: dict[str, St
     labels = {o: n_label(o, table.loc[table["objective"] == o, "final_n"]) for o in objectives}
     objective_legend(fig, look, labels, legend_columns(labels.values(), width_of(3, paper, False), paper))
     caption = (f"x: `{axis}`; each point one (objective, cell): mean over its seeds of the runs that ended; bars: "
-               f"{INTERVALS}; grey dashed line: the start (step-0 accuracy, mean over the cell's runs); collapse rate: "
+               f"{INTERVALS}, drawn inside [0, 1] (the tables give the whole interval); grey dashed line: the start "
+               "(step-0 accuracy, mean over the cell's runs); collapse rate: "
                "collapsed / ended runs with a Wilson 95% interval. n in the legend: "
                "seeds per point (the tables give each point's n).")
     if others:

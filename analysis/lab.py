@@ -169,7 +169,8 @@ def staleness_figure(summary_: pd.DataFrame, snr: pd.DataFrame, look, title: str
             st = look[objective]
             ax.plot(c["staleness"], c[measure], color=st.color, linestyle=st.linestyle, marker=st.marker)
             if low in c and len(look) <= MAX_BANDS:
-                ax.fill_between(c["staleness"], c[low], c[high], color=st.color, alpha=0.12, linewidth=0)
+                ax.fill_between(c["staleness"], *plots.in_range(measure, c[low], c[high]), color=st.color, alpha=0.12,
+                                linewidth=0)
         ax.set(title=label, xlabel="staleness (optimizer steps since sampling)")
         if measure == "snr":
             ax.set_yscale("symlog", linthresh=1e-3)
@@ -290,7 +291,8 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
     seconds = sum(m["seconds"] for m in batches)
     figures = [("staleness", staleness_figure(found["summary"], found["snr"], look, f"{name}: against staleness"),
                 f"Mean over {len(batches)} batches per objective; "
-                + (f"band: {INTERVALS.replace('seeds', 'batches')}; SNR band: percentile bootstrap over batches"
+                + (f"band: {INTERVALS.replace('seeds', 'batches')}, {plots.BANDS}; SNR band: percentile bootstrap "
+                   "over batches"
                    if len(look) <= MAX_BANDS else f"intervals (not drawn for more than {MAX_BANDS} objectives): "
                    "the tables above and summary.csv / snr.csv") + ". SNR on a symlog axis."),
                ("mismatch", mismatch_figure(found["summary"], look, f"{name}: behaviour from another sampler"),

@@ -62,10 +62,12 @@ UNIT, NON_NEGATIVE = (0.0, 1.0), (0.0, np.inf)
 RANGES = {**dict.fromkeys(["eval_accuracy", "accuracy", "clip_frac", "frac_zero_std_groups", "expert_changed_frac",
                            "expert_token_changed_frac", "expert_layer_changed_max", "expert_load_entropy",
                            "mismatch_ess", "rollout_corr_masked_frac", "rollout_corr_truncated_frac",
-                           "m2po_dropped_frac"], UNIT),
+                           "m2po_dropped_frac", "ess_token_frac", "frac_tokens_with_grad"], UNIT),
+          **dict.fromkeys(["cos_reference", "cos_fresh"], (-1.0, 1.0)),
           **dict.fromkeys(["ratio_std", "ratio_max", "kl_behavior_k3", "entropy", "grad_norm",
                            "completion_len_mean", "lag_mean", "mismatch_kl", "router_aux_loss"], NON_NEGATIVE)}
-BANDS = ("drawn inside the metric's range where it has one (a fraction in [0, 1], a non-negative quantity from 0: "
+BANDS = ("drawn inside the metric's range where it has one (a fraction in [0, 1], a cosine in [-1, 1], a "
+         "non-negative quantity from 0: "
          + ", ".join(f"`{m}`" for m in RANGES) + ")")
 # per-step keys that are bookkeeping, not measurements of the policy or the objective (also: *_s, *_mb)
 BOOKKEEPING = frozenset({"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted", "step", "lr",

@@ -9,7 +9,16 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis.lab import CODE_FILE, build_lab_report, gram_snr, lab_version, snr_interval
+from analysis.lab import (
+    CODE_FILE,
+    MEASURES,
+    build_lab_report,
+    gram_snr,
+    lab_version,
+    snr_interval,
+    staleness_figure,
+    summary,
+)
 from harness.apps.gradient_stats import (
     CountSketch,
     kish_ess,
@@ -287,3 +296,29 @@ def test_lab_routing_axis_replays_the_behaviour_routing_at_the_largest_staleness
     assert np.allclose(r2["loss"], r3["loss"], rtol=0, atol=0) and np.allclose(r2["grad_norm"], r3["grad_norm"])
     assert not np.allclose(r2["grad_norm"], stale["grad_norm"], rtol=1e-6, atol=0)  # the moved routing, overridden
     assert "Routing axis" in (folder / "report" / "report.md").read_text()
+
+
+def test_the_staleness_bands_stay_inside_each_measures_range():
+    """A fraction near 1 over 3 batches (its t-interval passes 1) and a cosine near -1: their bands stop at 1 and -1,
+    as the report's curves do; SNR, without a range, keeps its band."""
+    import matplotlib.pyplot as plt
+
+    from analysis import plots
+
+    lab = pd.DataFrame({"objective": "grpo", "axis": "staleness", "point": "2", "staleness": 2,
+                        "frac_tokens_with_grad": [1.0, 1.0, 0.7], "cos_reference": [-1.0, -1.0, -0.7],
+                        "ess_token_frac": 0.5, "clip_frac": 0.1})
+    snr = pd.DataFrame({"objective": ["grpo"], "axis": ["staleness"], "point": ["2"], "snr": [1.0],
+                        "snr_low": [-0.5], "snr_high": [2.0]})
+    fig = staleness_figure(summary(pd.concat([lab, lab.assign(point="4", staleness=4)])), snr,
+                           plots.styles(["grpo"]), "t")
+    drawn = {}
+    panels = dict(zip(MEASURES, fig.axes, strict=False))  # a panel per measure, in MEASURES' order
+    for measure in ("cos_reference", "snr", "frac_tokens_with_grad"):
+        (band,) = panels[measure].collections
+        ys = np.concatenate([path.vertices[:, 1] for path in band.get_paths()])
+        drawn[measure] = ys.min(), ys.max()
+    plt.close(fig)
+    assert drawn["frac_tokens_with_grad"][1] == 1.0 and drawn["cos_reference"][0] == -1.0
+    assert summary(lab)["frac_tokens_with_grad_high"].iloc[0] > 1  # the interval itself passes 1
+    assert drawn["snr"][0] == -0.5

@@ -359,3 +359,31 @@ def test_the_axis_figures_draw_the_start_beside_the_end_accuracy():
     assert list(line.get_xdata()) == [0.0, 1.0] and np.allclose(line.get_ydata(), [0.3, 0.5])
     assert line.get_linestyle() == "--"
     plt.close(fig)
+
+
+def test_the_axis_figures_bars_stay_inside_0_and_1():
+    """A final accuracy whose t-interval over 3 seeds reaches below 0 (and a best one above 1): its bar stops at 0
+    (and at 1), as the curves' bands do; the tables keep the whole interval."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from analysis import plots
+    from analysis.axes import axis_figure
+    from analysis.cells import Cells
+
+    table = pd.DataFrame({"objective": ["grpo", "grpo"], "train.epochs": [1, 2], "cell_id": [0, 1],
+                          "final_mean": [0.04, 0.5], "final_ci_low": [-0.07, 0.4], "final_ci_high": [0.15, 0.6],
+                          "best_mean": [0.95, 0.5], "best_ci_low": [0.85, 0.4], "best_ci_high": [1.05, 0.6],
+                          "collapse_rate": [0.0, 0.0], "collapse_low": [0.0, 0.0], "collapse_high": [0.56, 0.56],
+                          "start_mean": [0.3, 0.3], "start_n": [3, 3], "final_n": [3, 3]})
+    cells = Cells(axes=["train.epochs"], labels=["train.epochs=1", "train.epochs=2"],
+                  values=[{"train.epochs": 1}, {"train.epochs": 2}])
+    made = axis_figure(table, cells, "train.epochs", plots.styles(["grpo"]), "t", False, "axis_1")
+    ends = []
+    for ax in made.fig.axes[:2]:
+        (bars,) = [c for c in ax.collections if isinstance(c, matplotlib.collections.LineCollection)]
+        ends.append(np.concatenate([seg[:, 1] for seg in bars.get_segments()]))
+    assert ends[0].min() == 0.0 and ends[0].max() == pytest.approx(0.6)  # final: -0.07 drawn as 0
+    assert ends[1].max() == 1.0 and ends[1].min() == pytest.approx(0.4)  # best: 1.05 drawn as 1
+    assert "drawn inside [0, 1]" in made.caption
+    plt.close(made.fig)
