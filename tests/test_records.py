@@ -182,7 +182,8 @@ def test_an_ended_trl_run_keeps_its_newest_checkpoint_and_no_link_is_followed(tm
 def test_a_folder_that_holds_files_but_no_run_is_refused_and_left_as_it_was(tmp_path, held):
     """--run-dir at a folder of other files: the run would have rewritten its metrics.jsonl, and removed a *.tmp as
     a killed write's leftover. Refused in one line naming them; what a run's folder holds before its config.yaml
-    (its lock, its launcher's log, config.yaml's temporary) is not refused, nor is a run's folder."""
+    (its lock, its launcher's log, config.yaml's temporary, an earlier attempt's traceback) is not refused, nor is a
+    run's folder."""
     run, folder = tiny_run(tmp_path), tmp_path / "folder"
     folder.mkdir()
     for name in held:
@@ -197,7 +198,7 @@ def test_a_folder_that_holds_files_but_no_run_is_refused_and_left_as_it_was(tmp_
     assert sorted(p.name for p in folder.iterdir()) == before
     starting = tmp_path / "starting"
     starting.mkdir()
-    for name in (".run.lock", "train.log", "config.yaml.tmp", f".config.yaml.{os.getpid()}.tmp"):
+    for name in (".run.lock", "train.log", "config.yaml.tmp", f".config.yaml.{os.getpid()}.tmp", "traceback.txt"):
         (starting / name).write_text("")
     check_resume(run, starting)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(run))  # the run's own folder: continued

@@ -264,15 +264,18 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         say_memory_changes(run_dir, memory)
 
 
-# what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary
-BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|\.?config\.yaml(\.\d+)?\.tmp")
+# what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary, and
+# the traceback of a run that failed before writing it (harness/apps/cli.py writes it beside the run)
+BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|traceback\.txt"
+                           r"|\.?(config\.yaml|traceback\.txt)(\.\d+)?\.tmp")
 
 
 def check_run_folder(run_dir: Path) -> None:
     """Refuse (ConfigError) a folder that holds files but no run. config.yaml is the first file a run writes (a
     sweep writes it before the run starts); before it, a run's folder holds at most its lock, the log its launcher
-    appends to and config.yaml's own temporary. Anything else is not the run's: the run would write over it
-    (metrics.jsonl, summary.json) or remove it as a killed write's leftover (a ``*.tmp``)."""
+    appends to, config.yaml's own temporary and the traceback of an attempt that failed first. Anything else is not
+    the run's: the run would write over it (metrics.jsonl, summary.json) or remove it as a killed write's leftover
+    (a ``*.tmp``)."""
     if not run_dir.is_dir() or (run_dir / "config.yaml").exists():
         return
     foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
