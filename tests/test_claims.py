@@ -2,6 +2,7 @@
 checks' verdicts on small tables whose answer is known by hand."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -21,7 +22,7 @@ from harness.apps.claims import (
     run_source,
     write_ledger,
 )
-from harness.run.config import load_experiment
+from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from tests.helpers.fake_runs import fake_experiment, fake_run
 
@@ -161,9 +162,12 @@ def test_existing_results_only_start_nothing_and_missing_ones_are_no_data(tmp_pa
     """--existing: a sweep's tables from the runs that exist (the ended ones in ``final``, with ``collapsed``); an
     experiment never run gives no tables, and its checks say no data."""
     exp = tmp_path / "offpolicy"
-    fake_experiment(exp, [fake_run(exp, "grpo", 0, {"train.num_minibatches": 16, START_SEED: 1}, final=0.4),
+    own = {(o, s): rid for (o, _, s), rid in ids_of(load_experiment("offpolicy", [f"results_dir={tmp_path}",
+                                                                                   "sweep.grid.train.num_minibatches=[16]"])).items()}
+    fake_experiment(exp, [fake_run(exp, "grpo", 0, {"train.num_minibatches": 16, START_SEED: 1}, final=0.4,
+                                   run_id=own["grpo", 0]),
                           fake_run(exp, "gspo", 0, {"train.num_minibatches": 16, START_SEED: 1}, final=0.5,
-                                   status="diverged",
+                                   status="diverged", run_id=own["gspo", 0],
                                    summary_extra={"collapse": {"step": 2, "cause": "non_finite_loss"}})])
     tables = run_source("sweep", "offpolicy", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
     final = tables["final"].set_index("objective")
@@ -231,18 +235,34 @@ def test_a_difference_that_depends_on_the_starting_policy_does_not_hold():
     assert evaluate_check(check, {"lab": pooled})[0] == "holds"
 
 
+def ids_of(cfg) -> dict[tuple[str, int, int], str]:
+    """The run ids of a sweep's grid by (objective, starting policy, seed)."""
+    return {(run.objective.name, int(run.model.seed), int(run.seed)): run_id(run) for run in run_configs(cfg)}
+
+
 def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
-    """The claim's folder also holds runs of another starting policy (an earlier design): its tables hold the runs
-    of its own design only, each with its starting policy."""
-    exp = tmp_path / "offpolicy"
-    entries = [fake_run(exp, o, seed, {"train.num_minibatches": 16, START_SEED: policy}, final=0.4)
-               for o in ("grpo", "gspo") for policy in (1, 2, 3) for seed in (0, 1)]
-    fake_experiment(exp, entries)
+    """From starting policies of its own a claim's sweep has a folder of its own (results/claims/<experiment>/, not
+    the experiment's, whose report covers every run there). That folder also holds runs of other designs: another
+    starting policy, and another claim's setting at the same starting policies and seeds (num_minibatches 1, as a
+    claim with other overrides of the same experiment runs): its tables hold the runs of its own design only, each
+    with its starting policy."""
     overrides = (f"results_dir={tmp_path}", "sweep.grid.train.num_minibatches=[16]",
                  "sweep.grid.objective.name=[grpo,gspo]")
+    cfg = harness.apps.claims.sweep_config("offpolicy", overrides, (2, 3), 2)
+    exp = tmp_path / "claims" / "offpolicy"
+    assert Path(cfg.results_dir) / cfg.name == exp and {Path(r.results_dir) for r in run_configs(cfg)} == {exp.parent}
+    assert load_experiment("offpolicy", list(overrides)).results_dir == str(tmp_path)  # its own policy: its folder
+    ids = ids_of(cfg)
+    entries = [fake_run(exp, o, seed, {"train.num_minibatches": 16, START_SEED: policy}, final=0.4,
+                       run_id=ids.get((o, policy, seed))) for o in ("grpo", "gspo") for policy in (1, 2, 3)
+               for seed in (0, 1)]
+    entries += [fake_run(exp, o, seed, {"train.num_minibatches": 1, START_SEED: policy}, final=0.9)
+                for o in ("grpo", "gspo") for policy in (2, 3) for seed in (0, 1)]
+    fake_experiment(exp, entries)
     tables = run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
     assert len(tables["final"]) == 8 and set(tables["final"][START_SEED]) == {2, 3}
-    assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"])
+    assert set(tables["final"]["final_eval_accuracy"].round(6)) == {0.4}  # none of the other setting's runs
+    assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"]) == set(ids.values())
 
 
 def test_compare_changes_from_a_baseline_paired_by_seed():

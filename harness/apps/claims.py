@@ -82,11 +82,12 @@ from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
 from harness.apps.sweep import START_POLICIES, check_runs_code, first_landing, run_sweep
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
-from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs
+from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.provenance import UNKNOWN, code_record, runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
+CLAIMS_RUNS = "claims"  # <results_dir>/claims/: the ledger, and the sweeps run from the claims' own starting policies
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
 TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final"),  # each experiment kind's
           "probe": ("probe",)}
@@ -192,8 +193,8 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
         exp = load_results(Path(cfg.results_dir) / cfg.name)
     except AnalysisError:
         return {}
-    design = {(int(r.model.seed), int(r.seed)) for r in run_configs(cfg)}  # the folder may hold other designs' runs
-    runs = exp.runs[[(p, s) in design for p, s in zip(exp.runs[START_SEED], exp.runs["seed"], strict=True)]]
+    # the folder may hold other designs' runs (other starting policies; another claim's settings at the same seeds)
+    runs = exp.runs[exp.runs["run_id"].isin({run_id(run) for run in run_configs(cfg)})]
     final = runs[runs["counted"] & runs["ended"]]
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
             "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
@@ -228,10 +229,15 @@ def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, 
 def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], seeds: int | None
                  ) -> DictConfig:
     """The claim's sweep: the experiment with its overrides, its grid over ``start_seeds`` (model.seed) and ``seeds``
-    seeds 0 .. seeds-1 when given."""
+    seeds 0 .. seeds-1 when given. From starting policies of its own (``start_seeds``) its runs go to
+    <results_dir>/claims/<experiment>/, apart from the experiment's folder, whose report (`make sweep`, `make docs`)
+    covers every run there; from the experiment's own starting policy it runs (or reads) in the experiment's folder."""
     design = [*([f"sweep.grid.model.seed=[{','.join(map(str, start_seeds))}]"] if start_seeds else []),
               *([f"sweep.grid.seed=[{','.join(map(str, range(seeds)))}]"] if seeds else [])]
-    return load_experiment(name, [*overrides, *design])
+    cfg = load_experiment(name, [*overrides, *design])
+    if not start_seeds:
+        return cfg
+    return load_experiment(name, [*overrides, *design, f"results_dir={Path(cfg.results_dir) / CLAIMS_RUNS}"])
 
 
 def labs_stamp(tables_of: dict) -> str:
@@ -538,6 +544,6 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
              "the runs that existed "
              "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
     stamp += f" {runs_stamp(checked_on)}{labs_stamp(tables_of)}"
-    path = write_ledger(rows, Path(results_dir) / "claims", stamp)
+    path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
     print(f"{stamp}\nledger: {path}", file=sys.stderr)
     return 0
