@@ -250,6 +250,28 @@ def test_a_live_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path):
     assert live.exists()
 
 
+@pytest.mark.slow  # a one-step sweep (seconds)
+def test_a_sweep_removes_only_its_own_temporaries_from_its_folder(tmp_path):
+    """An experiment's folder may hold the user's files: a sweep there removes the manifest's temporary a kill
+    left and a dead process's, not a ``draft.tmp`` of the user's (the old sweep removed every ``*.tmp``)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    exp_dir = tmp_path / "res" / "own"
+    exp_dir.mkdir(parents=True)
+    draft, gone = exp_dir / "draft.tmp", exp_dir / f".report.{int(dead.stdout)}.tmp"
+    draft.write_text("my notes")
+    gone.mkdir()
+    (exp_dir / "manifest.json.tmp").write_text("{")
+    assert remove_stale_temporaries(exp_dir, own=("manifest.json",)) == [gone, exp_dir / "manifest.json.tmp"]
+    gone.mkdir()
+    (exp_dir / "manifest.json.tmp").write_text("{")
+    exp = tmp_path / "own.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    assert main(["sweep", str(exp), *TINY_RUN, "train.steps=1", f"results_dir={tmp_path}/res", "--no-progress",
+                 "--jobs", "1"]) == 0
+    assert draft.read_text() == "my notes" and not gone.exists() and not (exp_dir / "manifest.json.tmp").exists()
+    assert json.loads((exp_dir / "manifest.json").read_text())["runs"][0]["status"] == "finished"
+
+
 # ------------------------------------------------------------------------------- 7. one bad file is one warning
 
 

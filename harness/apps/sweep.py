@@ -282,7 +282,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
            progress: bool, allow_code_change: bool) -> list[dict]:
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
-    remove_stale_temporaries(exp_dir)  # a manifest.json.tmp a full disk or a kill left
+    remove_stale_temporaries(exp_dir, own=("manifest.json",))  # a manifest.json.tmp a full disk or a kill left
     entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
     earlier = earlier_manifest(manifest, exp_dir, {e["run_id"] for e in entries})

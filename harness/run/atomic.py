@@ -283,22 +283,29 @@ def _listed(path: Path) -> set[Path]:
     return {name for name in names if not name.is_absolute() and ".." not in name.parts}
 
 
-def remove_stale_temporaries(*folders: Path) -> list[Path]:
+def remove_stale_temporaries(*folders: Path, own: tuple[str, ...] | None = None) -> list[Path]:
     """Remove what a killed (or disk-full) writer left of an atomic write directly in ``folders`` (``*.tmp`` files
     and folders); returns them. Call only while holding the folders' lock. A temporary of a process of its own
     (``.<name>.<pid>.tmp``, ``.<name>.<pid>.old.tmp``) whose process is alive here is another writer's work in
-    progress (a report built while a sweep starts): kept."""
+    progress (a report built while a sweep starts): kept. ``own``: in a folder that may hold the user's files too (an
+    experiment's), only the temporaries of these file names (``<name>.tmp``) and those named by a process are the
+    harness's; any other ``*.tmp`` there is kept (the next write of that file replaces its own leftover anyway)."""
     stale = sorted(p for folder in folders if folder.is_dir() for p in folder.glob(f"*{TMP}")
-                   if not _writer_alive(p))
+                   if (own is None or _named_by_process(p) or p.name.removesuffix(TMP) in own)
+                   and not _writer_alive(p))
     for path in stale:
         _remove(path)
     return stale
 
 
+def _named_by_process(path: Path) -> re.Match | None:
+    """``path``'s name as a temporary named by its writer's process id (``shared``, or a folder swap's old copy)."""
+    return re.fullmatch(rf"\..+\.(\d+)(?:\.old)?{re.escape(TMP)}", path.name)
+
+
 def _writer_alive(path: Path) -> bool:
-    """Whether ``path`` is a temporary named by its writer's process id (``shared``, or a folder swap's old copy) and
-    that process is alive on this machine."""
-    found = re.fullmatch(rf"\..+\.(\d+)(?:\.old)?{re.escape(TMP)}", path.name)
+    """Whether ``path`` is a temporary named by its writer's process id and that process is alive on this machine."""
+    found = _named_by_process(path)
     if not found or int(found.group(1)) <= 0:
         return False
     try:
