@@ -10,10 +10,18 @@ cells.axes)`` the per-(cell, objective) numbers (accuracies with intervals, coll
 analysis.paired's ``per_cell``, ``aggregate`` and ``iqm`` the paired comparisons and the IQM across cells.
 """
 
-from analysis.combine import load_experiments
-from analysis.load import AnalysisError, AnalysisWarning, load_experiment
-from analysis.paired import aggregate, iqm, per_cell
-from analysis.report import build_report, eval_table
+import importlib
 
-__all__ = ["AnalysisError", "AnalysisWarning", "aggregate", "build_report", "eval_table", "iqm", "load_experiment",
-           "load_experiments", "per_cell"]
+# what the package offers, by the module that defines it: imported when first used (PEP 562), so that importing the
+# package (`python -m analysis` does, before its __main__) does not import the objectives the report names
+EXPORTS = {"load_experiments": "analysis.combine", "AnalysisError": "analysis.load",
+           "AnalysisWarning": "analysis.load", "load_experiment": "analysis.load", "aggregate": "analysis.paired",
+           "iqm": "analysis.paired", "per_cell": "analysis.paired", "build_report": "analysis.report",
+           "eval_table": "analysis.report"}
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in EXPORTS:
+        return getattr(importlib.import_module(EXPORTS[name]), name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")

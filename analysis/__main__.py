@@ -5,8 +5,11 @@ import argparse
 import sys
 import warnings
 
-from analysis.load import AnalysisError
-from analysis.report import build_report
+from harness.run.errors import one_line_for_a_broken_module
+
+with one_line_for_a_broken_module():  # a file of objectives/ that does not import: one line, not a traceback
+    from analysis.load import AnalysisError
+    from analysis.report import build_report
 
 
 def main(argv: list[str] | None = None) -> int:

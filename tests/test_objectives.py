@@ -755,16 +755,18 @@ def test_a_broken_module_ends_an_entry_point_in_its_one_line(capsys):
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch
-def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path):
-    """`python -m harness` with a copy of objectives/ holding a file that registers a name again: one line naming
-    the file, its line and both classes, status 2, no traceback."""
+@pytest.mark.parametrize("command", [["harness", "list"], ["analysis", "results/none"]])
+def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path, command):
+    """`python -m harness` and `python -m analysis` (whose package import the report's imports of the objectives
+    once came before its entry point) with a copy of objectives/ holding a file that registers a name again: one
+    line naming the file, its line and both classes, status 2, no traceback."""
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "my_grpo.py").write_text("from objectives import register_objective\nfrom objectives.grpo import "
                                         "GRPO\n\n\n@register_objective('grpo')\nclass Mine(GRPO):\n    pass\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    done = subprocess.run([sys.executable, "-m", "harness", "list"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == ("error: objectives/my_grpo.py, line 5: ValueError: objective 'grpo' is registered twice: "
                            "by objectives.grpo.GRPO and by objectives.my_grpo.Mine; give one of them another name. "
