@@ -6,6 +6,8 @@ adapters merged, checkpoints hold the adapters and resume exactly, final/ loads 
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[1]
 LORA = ("model.lora.rank=4",)
 SHAPED = ("task.overlong_buffer=6", "train.steps=1")  # unequal rewards in the random model's groups: a gradient
 
@@ -223,6 +226,12 @@ def test_final_holds_adapters_peft_loads_and_the_merged_model(tmp_path):
     assert torch.equal(peft_logp, expected)
     torch.testing.assert_close(merged_logp, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(base_logp, expected, atol=1e-4)  # the adapters moved the policy
+    # docs/lora.md's script, as written, on this run's folder: the policy it loads is the trained one
+    block = re.search(r"```python\n(.*?)```", (REPO / "docs" / "lora.md").read_text(), flags=re.S).group(1)
+    namespace = {}
+    exec(compile(block.replace("results/<exp>/<run_id>", str(tmp_path / "run")), "docs/lora.md", "exec"), namespace)
+    with torch.no_grad():
+        assert torch.equal(completion_logprobs(namespace["policy"].eval(), *args)[0], expected)
 
 
 @pytest.mark.slow  # a TRL trainer built and stepped: make test
