@@ -221,6 +221,15 @@ def test_a_claim_holds_only_under_the_confirmation_design():
     assert (row["holds?"], row["replication"]) == ("indicative", "3 starting policies x 4 batches")
     one = steady[steady[START_SEED] == 2]
     assert ledger_rows([claim], {claim.key: {"lab": one}})[0]["holds?"] == "indicative"
+    # every check must meet the design: one with 4 starting policies x 1 batch beside one with 3 x 5 is short of it
+    # (the fewest policies of any check, and the fewest batches of any, are what the row states)
+    thin = policies_table({2: 0.5, 3: 0.52, 4: 0.48, 5: 0.5}, batches=1).rename(columns={"m": "m2"})
+    both = Claim(name="y", claim="a beats b twice", paper="p", experiment={"lab": "lab"},
+                 checks=[check, {**check, "metric": "m2"}])
+    table = pd.concat([steady, thin])
+    assert evaluate_check({**check, "metric": "m2"}, {"lab": table})[2] == (4, 1, "batches")
+    row = ledger_rows([both], {both.key: {"lab": table}})[0]
+    assert (row["holds?"], row["replication"]) == ("indicative", "3 starting policies x 1 batches")
 
 
 def test_a_difference_that_depends_on_the_starting_policy_does_not_hold():

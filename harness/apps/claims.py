@@ -455,12 +455,14 @@ def model_of(claim: Claim) -> str:
 
 
 def design_text(units: list[tuple]) -> tuple[str, bool]:
-    """The replication of a claim's checks (the least of them) and whether it meets DESIGN."""
+    """The replication of a claim's checks (the fewest starting policies of any check, and the fewest units per
+    policy of any check) and whether every check meets DESIGN."""
     if not units:
         return "none", False
-    policies, per, name = min(units)
+    policies = min(p for p, _, _ in units)
+    _, per, name = min(units, key=lambda u: u[1])
     return (f"{policies} starting polic{'y' if policies == 1 else 'ies'} x {per} {name}",
-            policies >= DESIGN[0] and per >= DESIGN[1])
+            all(p >= DESIGN[0] and n >= DESIGN[1] for p, n, _ in units))
 
 
 def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
