@@ -8,15 +8,14 @@ without importing anything above it.
     run_checks(run)                                # harness.run.config.validate, after the schema's own checks
     run_checks(run, when="machine")                # harness.run.config.check_this_machine: when runs start here
 
-:data:`EXPECTED` names every check and the module that registers it. ``python -m harness`` and every app import the
-components (``harness/apps/__init__.py``); a script that validates a config through harness.run.config alone (docs/
-lora.md's) has its checks' modules imported by those names when it first validates one. A check that its module does
-not register is a programming error, raised as such, never skipped.
+:data:`EXPECTED` names every check and the module that registers it. A check that is not registered when a config is
+validated is a programming error, raised as such (the process never imported the component), never skipped:
+``python -m harness`` and every app import the components (``harness/apps/__init__.py``); tests do the same
+(tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from omegaconf import DictConfig
@@ -50,13 +49,11 @@ def register_check(name: str, when: str = "config") -> Callable[[Check], Check]:
 
 
 def run_checks(run: DictConfig, when: str = "config") -> None:
-    """Run every check of ``when`` on ``run`` in :data:`EXPECTED`'s order, importing the module of one not yet
-    registered; raise RuntimeError if that module does not register it."""
-    for module in dict.fromkeys(m for name, m in EXPECTED[when].items() if name not in _CHECKS[when]):
-        importlib.import_module(module)
+    """Run every registered check of ``when`` on ``run`` in :data:`EXPECTED`'s order; raise RuntimeError if one is not
+    registered (its module was never imported)."""
     missing = [f"{name} ({module})" for name, module in EXPECTED[when].items() if name not in _CHECKS[when]]
     if missing:
-        raise RuntimeError(f"config checks not registered: {', '.join(missing)}; each module named must register its "
-                           "check with @register_check")
+        raise RuntimeError(f"config checks not registered: {', '.join(missing)}; import harness.apps (it imports "
+                           "every component) before validating a config")
     for name in EXPECTED[when]:
         _CHECKS[when][name](run)
