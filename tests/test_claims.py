@@ -2,6 +2,7 @@
 checks' verdicts on small tables whose answer is known by hand."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +25,7 @@ from harness.apps.claims import (
 )
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
-from tests.helpers.fake_runs import fake_experiment, fake_run
+from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
 
 
 def test_shipped_claims_parse_and_their_experiments_exist():
@@ -272,6 +273,31 @@ def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
     assert len(tables["final"]) == 8 and set(tables["final"][START_SEED]) == {2, 3}
     assert set(tables["final"]["final_eval_accuracy"].round(6)) == {0.4}  # none of the other setting's runs
     assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"]) == set(ids.values())
+
+
+def test_a_claims_sweep_runs_of_two_code_versions_are_refused(tmp_path):
+    """A sweep keeps a run another code version finished, so a claim's folder can hold runs of two versions (a
+    claim's sweep resumed under new code): its checks would pool them, paired by seed, so reading them is refused in
+    one line naming the versions; runs of one version (not this code's) are read, as the ledger stamps them."""
+    overrides = (f"results_dir={tmp_path}", "sweep.grid.train.num_minibatches=[16]",
+                 "sweep.grid.objective.name=[grpo,gspo]")
+    exp = tmp_path / "claims" / "offpolicy"
+    ids = ids_of(harness.apps.claims.sweep_config("offpolicy", overrides, (2, 3), 2))
+
+    def runs(newer: set) -> list[dict]:
+        return [fake_run(exp, o, seed, {"train.num_minibatches": 16, START_SEED: policy}, final=0.4,
+                         run_id=ids[o, policy, seed],
+                         summary_extra=code_segments("bbb" if (o, policy, seed) in newer else "aaa"))
+                for o, policy, seed in ids]
+
+    fake_experiment(exp, runs(set()))
+    tables = run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
+    assert set(tables["final"]["code"]) == {"aaa"} and len(tables["final"]) == 8
+    shutil.rmtree(exp)
+    fake_experiment(exp, runs({("gspo", 3, 1)}))
+    with pytest.raises(ConfigError, match=rf"runs a claim reads in {exp} were made by different code \(7 by aaa, 1 by "
+                                          r"bbb\) and its checks would pool them: move or delete"):
+        run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
 
 
 def test_compare_changes_from_a_baseline_paired_by_seed():

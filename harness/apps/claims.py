@@ -196,6 +196,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     # the folder may hold other designs' runs (other starting policies; another claim's settings at the same seeds)
     runs = exp.runs[exp.runs["run_id"].isin({run_id(run) for run in run_configs(cfg)})]
     final = runs[runs["counted"] & runs["ended"]]
+    check_runs_one_code(final, exp.dir)
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
             "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
 
@@ -283,6 +284,18 @@ def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ..
             parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed},
                                                                                  **code))
     return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
+
+
+def check_runs_one_code(final: pd.DataFrame, folder: Path) -> None:
+    """A claim's checks pool its sweep's runs (paired by seed): refuse (ConfigError, one line) runs that different
+    code made, as check_one_code refuses labs. A sweep keeps a run another code version finished (it is not run
+    again), so a claim's sweep resumed under new code, or one whose runs another claim's sweep made, can hold two."""
+    versions = final["code"].fillna(UNKNOWN).value_counts().sort_index()
+    if len(versions) > 1:
+        shown = ", ".join(f"{n} by {version}" for version, n in versions.items())
+        raise ConfigError(f"the runs a claim reads in {folder} were made by different code ({shown}) and its checks "
+                          f"would pool them: move or delete those not made by {code_record()['version']} (this code) "
+                          "and run the claims again")
 
 
 def check_one_code(folders: list[Path]) -> None:
