@@ -27,7 +27,7 @@ from scipy.stats import trim_mean
 from analysis import axes, paired, plots, scaling, timing, verdict
 from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.cells import START_SEED, Cells, show
+from analysis.cells import CODE, START_SEED, Cells, show
 from analysis.combine import load_experiments
 from analysis.latex import write_tables
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment
@@ -634,7 +634,7 @@ def write_numbers(exp: Experiment, out_dir: Path, baseline: str | None = None) -
     aggregated.to_csv(out_dir / "paired_aggregate.csv", index=False)
     iqms.to_csv(out_dir / "iqm.csv", index=False)
     (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
-    verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline)
+    verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline, cells.objective_settings.get(CODE))
     (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in verdict.lines(verdicts)))
     return Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
 

@@ -109,10 +109,27 @@ def versus_baseline(pairs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     return versus
 
 
-def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None
-                  ) -> list[CellVerdict]:
+def code_note(versus: pd.DataFrame, baseline: str, codes: dict[str, str]) -> str:
+    """What the sentence adds when the objectives it compares were run by different code versions (``codes``:
+    objective -> version, where the version is constant within each objective, analysis/cells.py): say so, since each
+    difference then includes the change between the versions (a baseline that `make compare` kept from an earlier
+    sweep is not run again)."""
+    compared = [o for o in dict.fromkeys([baseline, *versus["a"]]) if o in codes]
+    if len({codes[o] for o in compared}) < 2:
+        return ""
+    by_code: dict[str, list[str]] = {}
+    for objective in compared:
+        by_code.setdefault(codes[objective], []).append(objective)
+    shown = "; ".join(f"{', '.join(objectives)} by `{code}`" for code, objectives in by_code.items())
+    return (f" (run by different code: {shown}; each difference includes the change between them: to compare the "
+            "objectives alone, run them under one code version, e.g. into another results_dir)")
+
+
+def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None,
+                  codes: dict[str, str] | None = None) -> list[CellVerdict]:
     """Per cell with an ended run: the ranking and the sentence. table: report.eval_table; pairs: paired.per_cell
-    (pairs against the baseline first, A the objective)."""
+    (pairs against the baseline first, A the objective); codes: each objective's code version when it differs
+    between objectives and not within one (else the cells keep versions apart): :func:`code_note`."""
     out = []
     against = versus_baseline(pairs, baseline)
     for cell_id, group in table.groupby("cell_id", sort=True):
@@ -123,7 +140,7 @@ def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], b
         if baseline not in set(group["objective"]):
             text = f"no verdict: the baseline {baseline} has no ended run here"
         else:
-            text = sentence(versus, baseline)
+            text = sentence(versus, baseline) + code_note(versus, baseline, codes or {})
         out.append(CellVerdict(labels[cell_id], ranking(group, versus, baseline), text))
     return out
 

@@ -94,3 +94,27 @@ def test_the_final_accuracy_figure_shows_the_start():
     assert ax.get_ylim()[0] <= 0.28
     assert "start (step 0): 0.280" in [t.get_text() for t in made.fig.legends[0].get_texts()]
     plt.close(made.fig)
+
+
+def test_objectives_run_by_different_code_are_said_to_be_in_the_verdict(tmp_path):
+    """`make compare` keeps a baseline an earlier sweep ran: after a commit its runs and the new objective's differ in
+    code version (constant within each objective: not a cell, analysis/cells.py), so the verdict compares them and
+    says that each difference includes the change between the versions; runs of one version say nothing of it."""
+    from analysis.report import build_report
+    from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
+
+    def report(folder, versions):
+        exp = tmp_path / folder
+        fake_experiment(exp, [fake_run(exp, o, s, {}, final=0.4 + 0.1 * (o == "gspo") + 0.01 * s,
+                                       summary_extra=code_segments(versions[o]))
+                              for o in ("grpo", "gspo", "ctpo") for s in range(3)])
+        return (build_report(exp, formats=("png",)).parent / "verdict.txt").read_text()
+
+    said = report("two", {"grpo": "aaa", "gspo": "bbb", "ctpo": "aaa"})
+    assert said.rstrip().endswith("(run by different code: grpo, ctpo by `aaa`; gspo by `bbb`; each difference "
+                                  "includes the change between them: to compare the objectives alone, run them under "
+                                  "one code version, e.g. into another results_dir)."), said
+    assert "different code" not in report("one", {"grpo": "aaa", "gspo": "aaa", "ctpo": "aaa"})
+    codes = {"grpo": "aaa", "gspo": "bbb"}
+    versus = pd.DataFrame({"a": ["ctpo"]})  # ctpo's version unknown here: only the versions known are compared
+    assert verdict.code_note(versus, "grpo", codes) == "" and verdict.code_note(versus, "gspo", codes) == ""
