@@ -36,7 +36,7 @@ from analysis.report import render_html, render_md
 from analysis.stats import num, t_bounds
 from analysis.verdict import ALPHA, holm
 from harness.run.atomic import atomic_write
-from harness.run.provenance import runs_stamp
+from harness.run.provenance import check_one_version, runs_stamp
 
 VERDICTS = ("confirmed above", "confirmed below", "not confirmed", "not tested", "incomplete", "baseline")
 
@@ -131,6 +131,8 @@ def confirmation(confirm_dir: Path, plan: dict) -> tuple[pd.DataFrame, dict, pd.
     units of each difference, the runs and the models they trained ("tiny on arith")."""
     exp = load_experiment(confirm_dir)
     runs = exp.runs
+    ended = runs.loc[runs["counted"] & runs["ended"], "code"]
+    check_one_version(ended.tolist(), confirm_dir, "the confirmation's runs")  # its differences pair objectives' runs
     cells = sorted(runs["cell_id"].unique())
     baseline, planned = plan["baseline"], list(plan["objectives"])
     expected = len(plan["start_seeds"]) * len(plan["seeds"]) * len(cells)

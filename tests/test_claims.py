@@ -295,9 +295,38 @@ def test_a_claims_sweep_runs_of_two_code_versions_are_refused(tmp_path):
     assert set(tables["final"]["code"]) == {"aaa"} and len(tables["final"]) == 8
     shutil.rmtree(exp)
     fake_experiment(exp, runs({("gspo", 3, 1)}))
-    with pytest.raises(ConfigError, match=rf"runs a claim reads in {exp} were made by different code \(7 by aaa, 1 by "
-                                          r"bbb\) and its checks would pool them: move or delete"):
+    with pytest.raises(ConfigError, match=rf"runs a claim reads in {exp} are of different code versions \(7 by aaa, 1 "
+                                          r"by bbb\) and would be paired with each other: move or delete"):
         run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
+
+
+def test_a_claims_sweep_continued_under_other_code_is_refused_before_it_runs(tmp_path):
+    """Before any run: a claim's design whose ended runs other code made, with runs left to do (under this code), is
+    refused in one line (the read would refuse it after the runs); ended runs of one version with nothing left, or
+    runs of this code, are not."""
+    from harness.apps.sweep import check_runs_one_version
+    from harness.run.provenance import code_record
+
+    overrides = (f"results_dir={tmp_path}", "sweep.grid.train.num_minibatches=[16]",
+                 "sweep.grid.objective.name=[grpo,gspo]")
+    cfg = harness.apps.claims.sweep_config("offpolicy", overrides, (2, 3), 2)
+    exp, runs, ids = tmp_path / "claims" / "offpolicy", run_configs(cfg), ids_of(cfg)
+
+    def made(version: str, keys) -> None:
+        shutil.rmtree(exp, ignore_errors=True)
+        fake_experiment(exp, [fake_run(exp, o, seed, {"train.num_minibatches": 16, START_SEED: policy},
+                                       run_id=ids[o, policy, seed], summary_extra=code_segments(version))
+                              for o, policy, seed in keys])
+
+    current = code_record()["version"]
+    made("aaa", list(ids)[:5])
+    with pytest.raises(ConfigError, match="are of different code versions") as refused:
+        check_runs_one_version(cfg, runs, "the runs a claim reads")
+    assert "5 by aaa" in str(refused.value) and f"3 by {current} (this code)" in str(refused.value)
+    made("aaa", list(ids))
+    check_runs_one_version(cfg, runs, "the runs a claim reads")  # nothing left to run: read as one version
+    made(current, list(ids)[:5])
+    check_runs_one_version(cfg, runs, "the runs a claim reads")
 
 
 def test_compare_changes_from_a_baseline_paired_by_seed():

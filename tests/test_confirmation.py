@@ -87,6 +87,25 @@ def test_a_comparison_missing_runs_is_incomplete_and_stays_in_the_family(confirm
     assert rows.loc["c_obj", "level"] == pytest.approx(1 - 0.05 / 3)
 
 
+def test_runs_of_two_code_versions_are_refused_not_paired(confirm, tmp_path):
+    """A confirmation continued after a commit keeps the runs that ended under the old code: its differences would
+    pair the old code's runs with the new code's, so it is refused in one line naming the versions."""
+    import json
+    import shutil
+
+    from harness.run.errors import ConfigError
+    from tests.helpers.fake_runs import code_segments
+
+    exp = tmp_path / "confirm"
+    shutil.copytree(confirm, exp)
+    for folder in exp.glob("c_obj-*"):  # c_obj's runs by another version than the others' (recorded by none)
+        summary = json.loads((folder / "summary.json").read_text())
+        (folder / "summary.json").write_text(json.dumps({**summary, **code_segments("bbb")}))
+    with pytest.raises(ConfigError, match=r"the confirmation's runs in .* are of different code versions \(30 by bbb, "
+                                          r"90 by unknown\) and would be paired with each other"):
+        confirmation(exp, PLAN)
+
+
 @pytest.mark.slow  # a 120-run folder analysed (seconds): make test
 def test_the_leaderboard_states_family_correction_replication_and_model(confirm, tmp_path):
     path = write_confirmation(tmp_path / "screen", confirm, PLAN, tmp_path, "stamp line")

@@ -79,12 +79,12 @@ from analysis.stats import describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
-from harness.apps.sweep import START_POLICIES, check_runs_code, first_landing, run_sweep
+from harness.apps.sweep import START_POLICIES, check_runs_code, check_runs_one_version, first_landing, run_sweep
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
-from harness.run.provenance import UNKNOWN, code_record, runs_stamp
+from harness.run.provenance import UNKNOWN, check_one_version, code_record, runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 CLAIMS_RUNS = "claims"  # <results_dir>/claims/: the ledger, and the sweeps run from the claims' own starting policies
@@ -196,7 +196,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     # the folder may hold other designs' runs (other starting policies; another claim's settings at the same seeds)
     runs = exp.runs[exp.runs["run_id"].isin({run_id(run) for run in run_configs(cfg)})]
     final = runs[runs["counted"] & runs["ended"]]
-    check_runs_one_code(final, exp.dir)
+    check_one_version(final["code"].tolist(), exp.dir, "the runs a claim reads")
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
             "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
 
@@ -284,18 +284,6 @@ def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ..
             parts.setdefault(t, []).append(pd.read_csv(folder / f"{t}.csv").assign(**{START_SEED: cfg.model.seed},
                                                                                  **code))
     return {t: pd.concat(frames, ignore_index=True) for t, frames in parts.items()}
-
-
-def check_runs_one_code(final: pd.DataFrame, folder: Path) -> None:
-    """A claim's checks pool its sweep's runs (paired by seed): refuse (ConfigError, one line) runs that different
-    code made, as check_one_code refuses labs. A sweep keeps a run another code version finished (it is not run
-    again), so a claim's sweep resumed under new code, or one whose runs another claim's sweep made, can hold two."""
-    versions = final["code"].fillna(UNKNOWN).value_counts().sort_index()
-    if len(versions) > 1:
-        shown = ", ".join(f"{n} by {version}" for version, n in versions.items())
-        raise ConfigError(f"the runs a claim reads in {folder} were made by different code ({shown}) and its checks "
-                          f"would pool them: move or delete those not made by {code_record()['version']} (this code) "
-                          "and run the claims again")
 
 
 def check_one_code(folders: list[Path]) -> None:
@@ -524,6 +512,7 @@ def check_claims(claims: list[Claim], starts: dict, run: bool, allow_code_change
         cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
         if run and claim.source[0] == "sweep":
             check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
+            check_runs_one_version(cfg, run_configs(cfg), "the runs a claim reads")
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",

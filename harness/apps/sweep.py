@@ -37,7 +37,7 @@ from harness.run.atomic import atomic_write, check_writable, remove_stale_tempor
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
-from harness.run.provenance import ALLOW_FLAG, check_code
+from harness.run.provenance import ALLOW_FLAG, check_code, check_one_version, code_record, ended_version
 from harness.run.records import (
     ENDED,
     DamagedConfigError,
@@ -276,6 +276,18 @@ def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, comman
     (harness/run/provenance.py check_code): every run folder to resume is checked before any run starts."""
     exp_dir = Path(cfg.results_dir) / cfg.name
     check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in ENDED], allow, command)
+
+
+def check_runs_one_version(cfg: DictConfig, runs: list[DictConfig], what: str) -> None:
+    """Before runs are added to a design whose verdicts pair its runs (a claim's, the zoo's confirmation): refuse
+    (harness/run/provenance.py check_one_version) when its ended runs and those still to run (under this code) are of
+    different code versions."""
+    exp_dir = Path(cfg.results_dir) / cfg.name
+    dirs = [exp_dir / run_id(run) for run in runs]
+    todo = [d for d in dirs if run_status(d) not in ENDED]
+    if todo:
+        current = code_record()["version"]
+        check_one_version([ended_version(d) for d in dirs if d not in todo] + [current] * len(todo), exp_dir, what)
 
 
 def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launcher, jobs: int,

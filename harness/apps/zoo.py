@@ -43,7 +43,7 @@ from analysis.report import build_report
 from analysis.stats import LEVEL, num
 from analysis.verdict import ALPHA
 from harness.apps.stamp import SweepTime, timed_sweep
-from harness.apps.sweep import first_landing, run_sweep
+from harness.apps.sweep import check_runs_one_version, first_landing, run_sweep
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -288,6 +288,7 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
     print(f"zoo confirmation: {len(runs)} runs ({len(plan['objectives'])} objectives x {len(plan['start_seeds'])} "
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
+    check_runs_one_version(cfg, runs, "the confirmation's runs")  # its verdicts pair runs across objectives
     entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
     path = write_confirmation(screen, folder, plan, screen.parent, text)
     print(f"{text}\nleaderboard: {path}", file=sys.stderr)

@@ -241,6 +241,31 @@ def check_code(run_dirs: list[Path], allow: bool, command: str = "the command") 
               "summary.json's segments", file=sys.stderr)
 
 
+def ended_version(run_dir: Path) -> str | None:
+    """The code version (run_version) of a run folder's summary.json; None without a readable one."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return run_version(summary) if isinstance(summary, dict) else None
+
+
+def check_one_version(versions: list[str | None], folder: Path, what: str) -> None:
+    """Refuse (ConfigError, one line) runs of ``folder`` made, or to be made, by more than one code version
+    (``versions``: one per run, None for unknown), for a command whose verdicts pair runs with each other (the claims,
+    the zoo's confirmation): a sweep keeps the runs that ended, so one continued after a commit would pair the old
+    code's runs with the new code's. ``what``: the runs, as the line names them."""
+    counts: dict[str, int] = {}
+    for version in versions:
+        counts[version or UNKNOWN] = counts.get(version or UNKNOWN, 0) + 1
+    if len(counts) > 1:
+        current = code_record()["version"]
+        shown = ", ".join(f"{n} by {v}{' (this code)' if v == current else ''}" for v, n in sorted(counts.items()))
+        raise ConfigError(f"{what} in {folder} are of different code versions ({shown}) and would be paired with each "
+                          f"other: move or delete those not of {current} (this code) and run again, or check out the "
+                          "other version to finish under it")
+
+
 # ---------------------------------------------------------------------------------------- what pages say
 
 
