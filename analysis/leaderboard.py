@@ -33,10 +33,11 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
+from analysis.cells import CODE
 from analysis.load import Experiment, load_experiment
 from analysis.report import eval_table, render_html, render_md
 from analysis.stats import LEVEL, num, rate_interval
-from analysis.verdict import holm
+from analysis.verdict import code_note, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import runs_stamp
 
@@ -219,8 +220,11 @@ def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, b
     board = leaderboard(exp, target, baseline)
     shown = display(board, baseline) if len(board) else pd.DataFrame({"objective": []})
     ranked, cells = shared_runs(exp)
+    codes = exp.cells.objective_settings.get(CODE, {})  # each objective's version, where it differs between them
+    note = code_note([baseline, *(board["objective"] if len(board) else [])], codes)
     blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp),
-              ("p", runs_stamp(ranked.to_dict("records"))), ("table", shown),
+              ("p", runs_stamp(ranked.to_dict("records"))), *([("p", f"Objectives {note}.")] if note else []),
+              ("table", shown),
               *[("p", text) for text in explanation(exp, cells, target, baseline, board)]]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "leaderboard.csv", board.to_csv(index=False))

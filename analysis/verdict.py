@@ -109,20 +109,20 @@ def versus_baseline(pairs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     return versus
 
 
-def code_note(versus: pd.DataFrame, baseline: str, codes: dict[str, str]) -> str:
-    """What the sentence adds when the objectives it compares were run by different code versions (``codes``:
-    objective -> version, where the version is constant within each objective, analysis/cells.py): say so, since each
-    difference then includes the change between the versions (a baseline that `make compare` kept from an earlier
-    sweep is not run again)."""
-    compared = [o for o in dict.fromkeys([baseline, *versus["a"]]) if o in codes]
+def code_note(objectives: list[str], codes: dict[str, str]) -> str:
+    """What a verdict (or a leaderboard) says when the ``objectives`` it compares were run by different code versions
+    (``codes``: objective -> version, where the version is constant within each objective, analysis/cells.py; a
+    baseline that `make compare` kept from an earlier sweep is not run again): each difference then includes the
+    change between the versions. "" when they were run by one."""
+    compared = [o for o in dict.fromkeys(objectives) if o in codes]
     if len({codes[o] for o in compared}) < 2:
         return ""
     by_code: dict[str, list[str]] = {}
     for objective in compared:
         by_code.setdefault(codes[objective], []).append(objective)
     shown = "; ".join(f"{', '.join(objectives)} by `{code}`" for code, objectives in by_code.items())
-    return (f" (run by different code: {shown}; each difference includes the change between them: to compare the "
-            "objectives alone, run them under one code version, e.g. into another results_dir)")
+    return (f"run by different code: {shown}; each difference includes the change between them: to compare the "
+            "objectives alone, run them under one code version, e.g. into another results_dir")
 
 
 def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], baseline: str | None,
@@ -140,7 +140,8 @@ def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], b
         if baseline not in set(group["objective"]):
             text = f"no verdict: the baseline {baseline} has no ended run here"
         else:
-            text = sentence(versus, baseline) + code_note(versus, baseline, codes or {})
+            note = code_note([baseline, *versus["a"]], codes or {})
+            text = sentence(versus, baseline) + (f" ({note})" if note else "")
         out.append(CellVerdict(labels[cell_id], ranking(group, versus, baseline), text))
     return out
 

@@ -118,3 +118,21 @@ def test_the_differences_to_the_baseline_are_holm_adjusted_over_the_family(tmp_p
     assert "the family is 3 comparisons with grpo, so about 0.15 of them would exclude 0 by chance alone; 2 " \
         "exclude 0 unadjusted, 1 after Holm's step-down correction" in text
     assert "Holm p vs grpo" in text
+
+
+def test_objectives_run_by_different_code_are_said_to_be_on_the_board(tmp_path):
+    """A zoo screen continued after a commit: an objective whose every run the new code made is compared with a
+    baseline the old code ran, and the board says so (its differences include the change between the versions)."""
+    from tests.helpers.fake_runs import code_segments
+
+    exp = tmp_path / "screen"
+    fake_experiment(exp, [fake_run(exp, o, s, {"train.lr": 1e-4}, final=0.4 + 0.01 * s + 0.05 * (o == "b_obj"),
+                                   summary_extra=code_segments("bbb" if o == "b_obj" else "aaa"))
+                          for o in ("grpo", "a_obj", "b_obj") for s in SEEDS])
+    text = write_leaderboard(exp, tmp_path / "out", "stamp", target=0.47).read_text()
+    assert "Objectives run by different code: grpo, a_obj by `aaa`; b_obj by `bbb`; each difference includes the " \
+        "change between them" in text  # the baseline first, then the board's order
+    one = tmp_path / "one"
+    fake_experiment(one, [fake_run(one, o, s, {"train.lr": 1e-4}, final=0.4, summary_extra=code_segments("aaa"))
+                          for o in ("grpo", "a_obj") for s in SEEDS])
+    assert "different code" not in write_leaderboard(one, tmp_path / "out1", "stamp", target=0.47).read_text()

@@ -115,6 +115,5 @@ def test_objectives_run_by_different_code_are_said_to_be_in_the_verdict(tmp_path
                                   "includes the change between them: to compare the objectives alone, run them under "
                                   "one code version, e.g. into another results_dir)."), said
     assert "different code" not in report("one", {"grpo": "aaa", "gspo": "aaa", "ctpo": "aaa"})
-    codes = {"grpo": "aaa", "gspo": "bbb"}
-    versus = pd.DataFrame({"a": ["ctpo"]})  # ctpo's version unknown here: only the versions known are compared
-    assert verdict.code_note(versus, "grpo", codes) == "" and verdict.code_note(versus, "gspo", codes) == ""
+    codes = {"grpo": "aaa", "gspo": "bbb"}  # ctpo's version unknown here: only the versions known are compared
+    assert verdict.code_note(["grpo", "ctpo"], codes) == "" and verdict.code_note(["gspo", "ctpo"], codes) == ""
