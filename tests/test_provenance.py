@@ -5,6 +5,7 @@ reported, the manifest's or not."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -283,3 +284,14 @@ def test_a_killed_run_resumed_under_other_code_is_refused_then_continued_with_th
         == [0, 1, 2, 3]
     assert [(s["from_step"], s["threads"], provenance.segment_version(s)) for s in summary["segments"]] == [
         (0, 1, "aaaaaaa"), (1, 1, "bbbbbbb")]
+
+
+def test_one_version_reads_a_missing_version_as_unknown():
+    """check_one_version: None and a table's NaN (a run without summary.json) are one version, unknown; two known
+    versions are refused in one line with each one's count."""
+    from harness.run.errors import ConfigError
+
+    provenance.check_one_version([None, float("nan"), float("nan"), "unknown"], Path("f"), "the runs")
+    provenance.check_one_version(["aaa", "aaa"], Path("f"), "the runs")
+    with pytest.raises(ConfigError, match=r"^the runs in f are of different code versions \(2 by aaa, 1 by unknown\)"):
+        provenance.check_one_version(["aaa", None, "aaa"], Path("f"), "the runs")

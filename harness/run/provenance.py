@@ -256,8 +256,9 @@ def check_one_version(versions: list[str | None], folder: Path, what: str) -> No
     the zoo's confirmation): a sweep keeps the runs that ended, so one continued after a commit would pair the old
     code's runs with the new code's. ``what``: the runs, as the line names them."""
     counts: dict[str, int] = {}
-    for version in versions:
-        counts[version or UNKNOWN] = counts.get(version or UNKNOWN, 0) + 1
+    for version in versions:  # None, or a table's NaN: unknown
+        known = version if isinstance(version, str) and version else UNKNOWN
+        counts[known] = counts.get(known, 0) + 1
     if len(counts) > 1:
         current = code_record()["version"]
         shown = ", ".join(f"{n} by {v}{' (this code)' if v == current else ''}" for v, n in sorted(counts.items()))
