@@ -8,8 +8,6 @@ import json
 import os
 import pickle
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -241,9 +239,13 @@ def test_a_report_written_while_a_sweep_starts_on_the_folder_is_not_swept_away(t
     assert report.build_report(exp, formats=("png",)).is_file()
 
 
+# a process id no process can have (above Linux's largest pid_max, 2**22): a dead writer's, whatever else runs (the
+# id of a process that has just ended could be given to a new one)
+NO_PROCESS = 2**31 - 2
+
+
 def test_a_live_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    live, gone = tmp_path / f".report.{os.getpid()}.tmp", tmp_path / f".report.{int(dead.stdout)}.tmp"
+    live, gone = tmp_path / f".report.{os.getpid()}.tmp", tmp_path / f".report.{NO_PROCESS}.tmp"
     for path in (live, gone, tmp_path / "manifest.json.tmp"):
         path.mkdir()
     assert remove_stale_temporaries(tmp_path) == [gone, tmp_path / "manifest.json.tmp"]
@@ -254,10 +256,9 @@ def test_a_live_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path):
 def test_a_sweep_removes_only_its_own_temporaries_from_its_folder(tmp_path):
     """An experiment's folder may hold the user's files: a sweep there removes the manifest's temporary a kill
     left and a dead process's, not a ``draft.tmp`` of the user's (the old sweep removed every ``*.tmp``)."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     exp_dir = tmp_path / "res" / "own"
     exp_dir.mkdir(parents=True)
-    draft, gone = exp_dir / "draft.tmp", exp_dir / f".report.{int(dead.stdout)}.tmp"
+    draft, gone = exp_dir / "draft.tmp", exp_dir / f".report.{NO_PROCESS}.tmp"
     draft.write_text("my notes")
     gone.mkdir()
     (exp_dir / "manifest.json.tmp").write_text("{")

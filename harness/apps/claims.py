@@ -511,8 +511,9 @@ def check_claims(claims: list[Claim], starts: dict, run: bool, allow_code_change
             continue
         cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
         if run and claim.source[0] == "sweep":
-            check_runs_code(cfg, run_configs(cfg), allow_code_change, "claims")
-            check_runs_one_version(cfg, run_configs(cfg), "the runs a claim reads")
+            runs = run_configs(cfg)
+            check_runs_code(cfg, runs, allow_code_change, "claims")
+            check_runs_one_version(cfg, runs, "the runs a claim reads")
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",

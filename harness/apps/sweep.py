@@ -283,11 +283,11 @@ def check_runs_one_version(cfg: DictConfig, runs: list[DictConfig], what: str) -
     (harness/run/provenance.py check_one_version) when its ended runs and those still to run (under this code) are of
     different code versions."""
     exp_dir = Path(cfg.results_dir) / cfg.name
-    dirs = [exp_dir / run_id(run) for run in runs]
-    todo = [d for d in dirs if run_status(d) not in ENDED]
+    ended = {exp_dir / run_id(run): run_status(exp_dir / run_id(run)) in ENDED for run in runs}
+    todo = sum(not done for done in ended.values())
     if todo:
-        current = code_record()["version"]
-        check_one_version([ended_version(d) for d in dirs if d not in todo] + [current] * len(todo), exp_dir, what)
+        versions = [ended_version(d) for d, done in ended.items() if done]
+        check_one_version(versions + [code_record()["version"]] * todo, exp_dir, what)
 
 
 def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launcher, jobs: int,
