@@ -389,12 +389,49 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     order = []
     monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: order.append(
         ("check", sorted({int(r.model.seed) for r in runs}))))
-    monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: order.append(("build", key[1])) or
-                        ((2, 4, 5) if key[3] else ()))
+    monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: run and order.append(
+        ("build", key[1])) or ((2, 4, 5) if run else claims.START_CANDIDATES[: key[3]]))  # the others: not built
     monkeypatch.setattr(claims, "run_source", lambda *args, **kwargs: {})
     assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False, results_dir=str(tmp_path)) == 0
     assert order == [("check", [2, 3, 4]), ("build", "offpolicy"), ("check", [2, 4, 5])]
     assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()
+
+
+def test_naming_claims_runs_theirs_and_the_ledger_keeps_a_row_for_every_other_claim(tmp_path, monkeypatch, capsys):
+    """`python -m harness claims NAME` runs the named claims' experiments only; the other claims of a bare call are
+    checked on their runs as they are, so results/claims/ledger.md keeps their rows instead of becoming a ledger of
+    the named claim alone; the stamp says what ran. An unnamed claim whose runs cannot be read (two code versions)
+    is a row saying why, not a stop after the named runs; a named one stops the call."""
+    from harness.apps import claims
+
+    ran = {}
+
+    def run_source(kind, name, overrides, seeds_of_policies, seeds, jobs, progress, run, allow_code_change):
+        ran[kind, name, overrides] = run
+        if name == "moe_stability":
+            raise ConfigError("the runs a claim reads in there are of different code versions (1 by aaa, 1 by bbb)")
+        return {}
+
+    monkeypatch.setattr(claims, "run_source", run_source)
+    monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: claims.START_CANDIDATES[: key[3]])
+    monkeypatch.setattr(claims, "check_runs_code", lambda *args: None)
+    monkeypatch.setattr(claims, "check_runs_one_version", lambda *args: None)
+    assert claims.main(["gspo_clips_more"], jobs=1, progress=False, results_dir=str(tmp_path)) == 0
+    assert [source for source, run in ran.items() if run] == [("sweep", "gspo_clip_repro", ())]
+    ledger = pd.read_csv(tmp_path / "claims" / "ledger.csv")
+    assert list(ledger["name"]) == [c.name for c in load_claims()]  # every claim, in file order
+    replay = ledger.set_index("name").loc["moe_routing_replay"]
+    assert replay["holds?"] == "no data" and "not read: the runs a claim reads in there are of different" in replay[
+        "measured"]
+    n = len(ledger)
+    text = (tmp_path / "claims" / "ledger.md").read_text()
+    assert (f"{n} claims, 0 hold" in text and "experiments of 1 run or resumed in" in text
+            and f"by `python -m harness claims gspo_clips_more` (wall time of this call); the other {n - 1} claims' "
+                "on the runs that existed" in text)
+    assert "\ngspo_clips_more: no data\n" in capsys.readouterr().err
+    assert claims.main(None, jobs=1, progress=False, results_dir=str(tmp_path), run=False) == 0  # --existing: rows
+    with pytest.raises(ConfigError, match="different code versions"):
+        claims.main(["moe_routing_replay"], jobs=1, progress=False, results_dir=str(tmp_path))
 
 
 @pytest.mark.slow

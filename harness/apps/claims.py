@@ -1,6 +1,8 @@
 """The paper-claims ledger: one YAML per claim in experiments/claims/, run and checked by `make claims`.
 
     python -m harness claims [NAME ...] [--existing]   # -> results/claims/ledger.md, ledger.html, ledger.csv
+    # NAME ...: run those claims' experiments; the ledger still has a row for every claim (the others checked on
+    # their runs as they are)
 
 A claim file::
 
@@ -466,10 +468,14 @@ def design_text(units: list[tuple]) -> tuple[str, bool]:
             all(p >= DESIGN[0] and n >= DESIGN[1] for p, n, _ in units))
 
 
-def ledger_rows(claims: list[Claim], tables_of: dict) -> list[dict]:
+def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None) -> list[dict]:
+    """One row per claim from its experiment's tables (``tables_of`` by Claim.key); a key in ``unread`` (why its runs
+    could not be read) gives "no data" with that reason."""
     rows = []
     for claim in claims:
-        results = [checked(c, tables_of[claim.key]) for c in claim.checks]
+        reason = (unread or {}).get(claim.key)
+        results = ([("no data", f"not read: {reason}", None)] if reason else
+                   [checked(c, tables_of[claim.key]) for c in claim.checks])
         verdicts = [v for v, _, _ in results]
         text, confirmed = design_text([u for _, _, u in results if u is not None])
         verdict = ("no data" if "no data" in verdicts else "does not hold" if any(v != "holds" for v in verdicts)
@@ -502,53 +508,93 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     return out / "ledger.md"
 
 
-def check_claims(claims: list[Claim], starts: dict, run: bool, allow_code_change: bool) -> None:
-    """Every claim's experiment settings (``starts``: its starting policies by Claim.key), and with ``run`` none of
-    its sweep's runs to resume begun by other code (ConfigError, one line)."""
-    for claim in claims:
+def check_claims(claims: list[Claim], starts: dict, running: set, allow_code_change: bool) -> None:
+    """Every claim's experiment settings (``starts``: its starting policies by Claim.key), and for the keys in
+    ``running`` (the experiments this call runs) none of its sweep's runs to resume begun by other code (ConfigError,
+    one line); each experiment once (claims with one key share it)."""
+    for claim in {c.key: c for c in claims}.values():
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])
             continue
         cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
-        if run and claim.source[0] == "sweep":
+        if claim.key in running and claim.source[0] == "sweep":
             runs = run_configs(cfg)
             check_runs_code(cfg, runs, allow_code_change, "claims")
             check_runs_one_version(cfg, runs, "the runs a claim reads")
 
 
-def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
-         run: bool = True, allow_code_change: bool = False, with_long: bool = False) -> int:
-    """Run every claim's experiment (each once, resumable; ``run`` False: read what exists, start nothing;
-    ``allow_code_change``: resume runs that other code began), check the claims, write results/claims/ (stamped with
-    the code and threads of the runs the claims were checked on)."""
-    claims = load_claims(names, with_long)
-    long = [c.name for c in claims if c.long]
-    if long and run and not with_long:  # named, not asked for: hours of sweeps would start without a word
-        raise ConfigError(f"claims {', '.join(long)}: long (SmolLM2 sweeps, hours on 2 cores); add --with-long to run "
-                          "them, or --existing to check the runs that exist")
-    likely = {c.key: START_CANDIDATES[: c.design[0]] for c in claims}  # the starting policies where none misses
-    check_claims(claims, likely, run, allow_code_change)  # before anything is built or run
-    start = time.time()
-    starts = {key: start_seeds(key, jobs, progress, run) for key in likely}
-    if starts != likely:  # a candidate missed its band: the runs of its replacement too
-        check_claims(claims, starts, run, allow_code_change)
-    tables_of = {}
+def ledger_claims(asked: list[Claim], names: list[str] | None, with_long: bool) -> list[Claim]:
+    """The claims of the ledger: those ``asked``, and with ``names`` the rest of the claims a call without names
+    takes (checked on the runs that exist), in file order, so that checking some claims again keeps the others' rows
+    in results/claims/ledger.md instead of a ledger of those few."""
+    if not names:
+        return asked
+    named = {c.name for c in asked}
+    return sorted(asked + [c for c in load_claims(None, with_long) if c.name not in named], key=lambda c: c.name)
+
+
+def read_tables(claims: list[Claim], starts: dict, running: set, jobs: int, progress: bool,
+                allow_code_change: bool) -> tuple[dict, dict]:
+    """Each experiment's tables by Claim.key (run or resumed first for the keys in ``running``), and why the runs of
+    a key not run by this call could not be read (a ConfigError's line: its row says so, the ledger is still
+    written)."""
+    tables_of, unread = {}, {}
     for key, seeds_of_policies in starts.items():
         kind, name, overrides, _, seeds = key
         print(f"claims: {kind} {name} {' '.join(overrides)}"
-              + (f" from model.seed {list(seeds_of_policies)}" if seeds_of_policies else ""), file=sys.stderr)
-        tables_of[key] = run_source(kind, name, overrides, seeds_of_policies, seeds, jobs=jobs, progress=progress,
-                                    run=run, allow_code_change=allow_code_change)
-    rows = ledger_rows(claims, tables_of)
-    checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
-    stamp = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
+              + (f" from model.seed {list(seeds_of_policies)}" if seeds_of_policies else "")
+              + ("" if key in running else " (its runs as they are)"), file=sys.stderr)
+        try:
+            tables_of[key] = run_source(kind, name, overrides, seeds_of_policies, seeds, jobs=jobs, progress=progress,
+                                        run=key in running, allow_code_change=allow_code_change)
+        except ConfigError as e:
+            if key in running:
+                raise
+            tables_of[key], unread[key] = {}, str(e)
+    return tables_of, unread
+
+
+def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, run: bool, seconds: float) -> str:
+    """The ledger's first sentence: how many claims hold, which ones this call ran and how long it took."""
+    count = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
              f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
-             "holds with less); experiments run or resumed in "
-             f"{time.time() - start:.0f} s by `make claims` (wall time of this call)." if run else
-             f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design, on "
-             "the runs that existed "
-             "(`python -m harness claims --existing`: no run was started; runs not done are not counted).")
-    stamp += f" {runs_stamp(checked_on)}{labs_stamp(tables_of)}"
+             "holds with less)")
+    if not run:
+        return (f"{count}, on the runs that existed (`python -m harness claims --existing`: no run was started; runs "
+                "not done are not counted).")
+    command = f"`python -m harness claims {' '.join(c.name for c in asked)}`" if names else "`make claims`"
+    rest = ("" if len(asked) == len(rows) else f"; the other {len(rows) - len(asked)} claims' on the runs that "
+            "existed (runs not done are not counted)")
+    return (f"{count}; experiments of {len(asked)} run or resumed in {seconds:.0f} s by {command} (wall time of this "
+            f"call){rest}.")
+
+
+def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
+         run: bool = True, allow_code_change: bool = False, with_long: bool = False) -> int:
+    """Run the experiments of the claims ``names`` (default: every claim; each experiment once, resumable; ``run``
+    False: read what exists, start nothing; ``allow_code_change``: resume runs that other code began), check them
+    and the other claims on their runs as they are (ledger_claims), write results/claims/ (stamped with the code and
+    threads of the runs the claims were checked on)."""
+    asked = load_claims(names, with_long)
+    long = [c.name for c in asked if c.long]
+    if long and run and not with_long:  # named, not asked for: hours of sweeps would start without a word
+        raise ConfigError(f"claims {', '.join(long)}: long (SmolLM2 sweeps, hours on 2 cores); add --with-long to run "
+                          "them, or --existing to check the runs that exist")
+    claims = ledger_claims(asked, names, with_long)
+    running = {c.key for c in asked} if run else set()
+    likely = {c.key: START_CANDIDATES[: c.design[0]] for c in claims}  # the starting policies where none misses
+    check_claims(claims, likely, running, allow_code_change)  # before anything is built or run
+    start = time.time()
+    starts = {key: start_seeds(key, jobs, progress, key in running) for key in likely}
+    if starts != likely:  # a candidate missed its band: the runs of its replacement too
+        check_claims(claims, starts, running, allow_code_change)
+    tables_of, unread = read_tables(claims, starts, running, jobs, progress, allow_code_change)
+    rows = ledger_rows(claims, tables_of, unread)
+    checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
+    stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start)} {runs_stamp(checked_on)}"
+    stamp += labs_stamp(tables_of)
     path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
-    print(f"{stamp}\nledger: {path}", file=sys.stderr)
+    verdicts = {r["name"]: r["holds?"] for r in rows}
+    print("\n".join([stamp, *(f"{c.name}: {verdicts[c.name]}" for c in asked if names)]) + f"\nledger: {path}",
+          file=sys.stderr)
     return 0

@@ -391,7 +391,8 @@ def add_lab_and_claims(sub) -> None:
     lab.add_argument("--threads", type=non_negative_int, default=0,
                      help="torch CPU threads of a lab without its own threads setting (0: the free cores)")
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
-    claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones)")
+    claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones); the ledger "
+                        "keeps a row for every other claim, checked on its runs as they are")
     claims.add_argument("--with-long", action="store_true",
                         help="also the long claims (SmolLM2 sweeps, hours on 2 cores): with no names all of them; "
                              "a long claim named runs only with it")
