@@ -397,6 +397,7 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()
 
 
+@pytest.mark.slow  # every shipped claim's experiment loaded, by three calls (seconds): make test
 def test_naming_claims_runs_theirs_and_the_ledger_keeps_a_row_for_every_other_claim(tmp_path, monkeypatch, capsys):
     """`python -m harness claims NAME` runs the named claims' experiments only; the other claims of a bare call are
     checked on their runs as they are, so results/claims/ledger.md keeps their rows instead of becoming a ledger of
