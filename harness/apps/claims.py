@@ -562,11 +562,13 @@ def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, 
     if not run:
         return (f"{count}, on the runs that existed (`python -m harness claims --existing`: no run was started; runs "
                 "not done are not counted).")
-    command = f"`python -m harness claims {' '.join(c.name for c in asked)}`" if names else "`make claims`"
-    rest = ("" if len(asked) == len(rows) else f"; the other {len(rows) - len(asked)} claims' on the runs that "
-            "existed (runs not done are not counted)")
-    return (f"{count}; experiments of {len(asked)} run or resumed in {seconds:.0f} s by {command} (wall time of this "
-            f"call){rest}.")
+    if not names:
+        return f"{count}; experiments run or resumed in {seconds:.0f} s by `make claims` (wall time of this call)."
+    others = len(rows) - len(asked)
+    return (f"{count}; the named claims' experiments run or resumed in {seconds:.0f} s by `python -m harness claims "
+            f"{' '.join(c.name for c in asked)}` (wall time of this call)"
+            + (f"; the other {others} claims checked on the runs that existed (runs not done are not counted)."
+               if others else "."))
 
 
 def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, results_dir: str = "results",
