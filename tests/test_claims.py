@@ -48,7 +48,7 @@ def test_long_claims_run_when_named_or_asked_for_and_the_smollm2_ones_run_their_
     assert long >= {"ctpo_outperforms_smollm2", "gspo_stable_offpolicy_smollm2"}
     assert not long & {c.name for c in default}
     assert {c.name for c in default} | long == {c.name for c in every}
-    (named,) = load_claims(["gspo_stable_offpolicy_smollm2"])
+    (named,) = load_claims(["gspo_stable_offpolicy_smollm2", "gspo_stable_offpolicy_smollm2"])  # one row
     assert named.long and named.design == (0, None)
     assert model_of(named).startswith("smollm2-135m-instruct")
 

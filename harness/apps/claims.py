@@ -173,7 +173,7 @@ def load_claims(names: list[str] | None = None, with_long: bool = False) -> list
         missing = [n for n in names if n not in known]
         if missing:
             raise ConfigError(f"no claim {', '.join(missing)} in {CLAIMS_DIR}; claims: {', '.join(known)}")
-        return [load_claim(known[n]) for n in names]
+        return [load_claim(known[n]) for n in dict.fromkeys(names)]  # a name given twice: one row
     return [c for c in map(load_claim, paths) if with_long or not c.long]
 
 
