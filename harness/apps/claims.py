@@ -592,7 +592,8 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
         check_claims(claims, starts, running, allow_code_change)
     tables_of, unread = read_tables(claims, starts, running, jobs, progress, allow_code_change)
     rows = ledger_rows(claims, tables_of, unread)
-    checked_on = [r for tables in tables_of.values() if "final" in tables for r in tables["final"].to_dict("records")]
+    checked_on = list({r["run_id"]: r for tables in tables_of.values() if "final" in tables  # a run read by two
+                       for r in tables["final"].to_dict("records")}.values())  # claims' experiments: counted once
     stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start)} {runs_stamp(checked_on)}"
     stamp += labs_stamp(tables_of)
     path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
