@@ -397,6 +397,33 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()
 
 
+@pytest.mark.slow  # every run config of offpolicy's grid (seconds): make test
+def test_claims_check_first_the_runs_of_the_starting_policies_a_former_call_found(tmp_path, monkeypatch):
+    """Before anything is built, the runs checked are those of the starting policies a former call found (its
+    start_policies.json: 2, 3 and 6 where 4 and 5 missed their band on this CPU), not the first candidates': a claims
+    call after a commit, whose runs one code version had all ended, was refused as pairing that version's runs with
+    runs of model.seed 4 that would never run (seen on the asynchronous claims)."""
+    import hashlib
+
+    from harness.apps import claims
+
+    monkeypatch.chdir(tmp_path)  # the experiments' results folder, results/, is here
+    (claim,) = load_claims(["gspo_stable_offpolicy"])
+    _, name, overrides = claim.source
+    hashed = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]  # as start_seeds names its folder
+    folder = tmp_path / "results" / "prepare" / f"{name}_{hashed}"
+    folder.mkdir(parents=True)
+    (folder / claims.START_POLICIES).write_text(json.dumps({"landed": [2, 3, 6], "missed": {"4": "low", "5": "low"}}))
+    checked = []
+    monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: None)
+    monkeypatch.setattr(claims, "check_runs_one_version", lambda cfg, runs, what: checked.append(
+        sorted({int(r.model.seed) for r in runs})))
+    monkeypatch.setattr(claims, "first_landing", lambda *args: {"landed": [2, 3, 6]})
+    monkeypatch.setattr(claims, "run_source", lambda *args, **kwargs: {})
+    assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False) == 0
+    assert checked == [[2, 3, 6]]
+
+
 def test_the_ledger_counts_a_run_two_claims_read_once(tmp_path, monkeypatch):
     """Two claims whose experiments share runs (m2po's and gspo's: grpo at lags 0 and 16 from the same policies and
     seeds) read them both; the ledger's stamp counts each run once (it counted 180 runs where 120 ran)."""

@@ -584,7 +584,8 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
                           "them, or --existing to check the runs that exist")
     claims = ledger_claims(asked, names, with_long)
     running = {c.key for c in asked} if run else set()
-    likely = {c.key: START_CANDIDATES[: c.design[0]] for c in claims}  # the starting policies where none misses
+    # the starting policies a former call found (its start_policies.json), else the first candidates (none missed)
+    likely = {c.key: start_seeds(c.key, jobs, progress, run=False) for c in claims}
     check_claims(claims, likely, running, allow_code_change)  # before anything is built or run
     start = time.time()
     starts = {key: start_seeds(key, jobs, progress, key in running) for key in likely}
