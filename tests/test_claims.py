@@ -424,6 +424,7 @@ def test_claims_check_first_the_runs_of_the_starting_policies_a_former_call_foun
     assert checked == [[2, 3, 6]]
 
 
+@pytest.mark.slow  # two shipped claims checked by main (seconds): make test
 def test_the_ledger_counts_a_run_two_claims_read_once(tmp_path, monkeypatch):
     """Two claims whose experiments share runs (m2po's and gspo's: grpo at lags 0 and 16 from the same policies and
     seeds) read them both; the ledger's stamp counts each run once (it counted 180 runs where 120 ran)."""

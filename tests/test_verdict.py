@@ -96,6 +96,7 @@ def test_the_final_accuracy_figure_shows_the_start():
     plt.close(made.fig)
 
 
+@pytest.mark.slow  # writes a whole report (seconds): make test
 def test_objectives_run_by_different_code_are_said_to_be_in_the_verdict(tmp_path):
     """`make compare` keeps a baseline an earlier sweep ran: after a commit its runs and the new objective's differ in
     code version (constant within each objective: not a cell, analysis/cells.py), so the verdict compares them and
