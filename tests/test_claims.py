@@ -76,8 +76,8 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
                     "compare: {objective: a, than: b, direction: equivalent}}]\n")
     with pytest.raises(ConfigError, match="compare.margin is the equivalence margin"):
         load_claim(path)
-    with pytest.raises(ConfigError, match="no claim nope"):
-        load_claims(["nope"])
+    with pytest.raises(ConfigError, match=r"no claim 'nope', '' in .* \(name a claim by its file's name without "):
+        load_claims(["nope", ""])  # an empty name quoted, not a blank
     assert CLAIMS_DIR.is_dir()
     for text in (b"- a list\n", b"claim: \xff\n"):  # not a mapping; not UTF-8
         path.write_bytes(text)

@@ -172,7 +172,8 @@ def load_claims(names: list[str] | None = None, with_long: bool = False) -> list
         known = {p.stem: p for p in paths}
         missing = [n for n in names if n not in known]
         if missing:
-            raise ConfigError(f"no claim {', '.join(missing)} in {CLAIMS_DIR}; claims: {', '.join(known)}")
+            raise ConfigError(f"no claim {', '.join(map(repr, missing))} in {CLAIMS_DIR} (name a claim by its file's "
+                              f"name without .yaml); claims: {', '.join(known)}")
         return [load_claim(known[n]) for n in dict.fromkeys(names)]  # a name given twice: one row
     return [c for c in map(load_claim, paths) if with_long or not c.long]
 
