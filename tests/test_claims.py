@@ -523,9 +523,28 @@ def test_a_claims_labs_run_apart_as_lab_commands_give_the_tables_of_labs_run_her
     for table in here:
         pd.testing.assert_frame_equal(here[table], apart[table])
     assert sorted(here["lab"][START_SEED].unique()) == [2, 3] and here["lab"]["grad_norm"].max() > 0
+    tag = harness.apps.claims.overrides_tag(settings)  # the lab's settings: its folders' names say them
     for (args, log), seed in zip(InProcess.commands, (2, 3), strict=True):
-        assert args[:2] == ["lab", "base"] and f"model.seed={seed}" in args and f"name=base_start{seed}" in args
-        assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_start{seed}.log"
+        assert args[:2] == ["lab", "base"] and f"model.seed={seed}" in args and f"name=base_{tag}_start{seed}" in args
+        assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_{tag}_start{seed}.log"
+
+
+def test_two_claims_labs_of_other_settings_have_folders_of_their_own():
+    """A claim's labs are named by the lab, the overrides that change its settings and the starting policy: the
+    claims on the default lab share `lab_start<model.seed>`, Dr. GRPO's (40 fresh batches at staleness 0) has folders
+    of its own (they shared one, and `make claims` stopped at its lab: "holds a lab with other settings");
+    results_dir only says where."""
+    from harness.apps.claims import lab_configs
+
+    default = {c.key for c in load_claims() if c.source[:2] == ("lab", "lab") and not c.source[2]}
+    assert len(default) == 1  # cispo, ctpo_prefix, gspo_token, sequence_ratio_bf16: one experiment
+    (dr_grpo,) = load_claims(["dr_grpo_length_bias"])
+    names = [c.name for c in lab_configs("lab", (), (2, 3))]
+    assert names == ["lab_start2", "lab_start3"]
+    assert [c.name for c in lab_configs("lab", ("results_dir=elsewhere",), (2, 3))] == names
+    theirs = [c.name for c in lab_configs("lab", dr_grpo.source[2], (2, 3))]
+    assert theirs[0].startswith("lab_") and theirs[0].endswith("_start2") and not set(theirs) & set(names)
+    assert [c.name for c in lab_configs("lab", dr_grpo.source[2], (2, 3))] == theirs
 
 
 def test_the_ledger_names_each_labs_code_and_labs_of_two_codes_are_not_pooled(tmp_path):

@@ -38,7 +38,8 @@ Replication. A claim runs its experiment from ``start_policies`` starting polici
 values of START_CANDIDATES, harness/apps/zoo.py's, whose warm start lands in its band: ``start_seeds``; 1: the
 experiment's own model.seed) and, for a sweep, ``seeds`` seeds
 0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
-one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``; with ``--jobs`` > 1 each
+one); a lab runs once per starting policy (its folder named ``<lab>_start<model.seed>``, with its overrides' tag
+when the claim sets any: lab_configs; with ``--jobs`` > 1 each
 in a process of its own, that many at a time). A probe builds a model of
 its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
 under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
@@ -214,8 +215,7 @@ def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, 
     if not wanted:
         return ()
     cfg = sweep_config(name, overrides, (), None)
-    hashed = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]
-    folder = Path(cfg.results_dir) / "prepare" / f"{name}_{hashed}"
+    folder = Path(cfg.results_dir) / "prepare" / f"{name}_{overrides_tag(overrides)}"
     if kind == "lab" and OmegaConf.select(cfg, "lab.policy") is not None:
         return START_CANDIDATES[:wanted]
     if not run:
@@ -259,18 +259,33 @@ def labs_stamp(tables_of: dict) -> str:
     return f" Labs measured: {shown}."
 
 
-def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
-               run: bool, jobs: int = 1) -> dict[str, pd.DataFrame]:
-    """A lab's tables, one lab per starting policy (its folder ``<name>_start<model.seed>``) stacked with a
-    START_SEED column; the experiment's own policy without ``start_seeds``. Run (``run``) with several starting
-    policies and ``jobs`` > 1: each lab in a process of its own, ``jobs`` at a time (:func:`labs_apart`); else
-    here, one after another."""
+def overrides_tag(overrides: tuple[str, ...]) -> str:
+    """8 hex digits that name a claim's experiment overrides in the names of its folders."""
+    return hashlib.sha256(json.dumps(list(overrides)).encode()).hexdigest()[:8]
+
+
+def lab_configs(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...]) -> list[DictConfig]:
+    """A claim's labs: the lab ``name`` with ``overrides``, one per starting policy, each named
+    ``<name>_start<model.seed>``, or ``<name>_<overrides_tag>_start<model.seed>`` when the overrides change the lab's
+    settings (``results_dir`` only says where), so that two claims' labs of other settings never share a folder
+    (the second was refused as "a lab with other settings"); the experiment's own policy without ``start_seeds``."""
+    settings = tuple(o for o in overrides if not o.startswith("results_dir="))
+    tag = f"_{overrides_tag(settings)}" if settings else ""
     cfgs = []
     for seed in start_seeds or (None,):
         cfg = load_experiment(name, list(overrides) + ([] if seed is None else [f"model.seed={seed}"]))
         if seed is not None:
-            cfg.name = f"{cfg.name}_start{seed}"
+            cfg.name = f"{cfg.name}{tag}_start{seed}"
         cfgs.append(cfg)
+    return cfgs
+
+
+def lab_tables(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], progress: bool,
+               run: bool, jobs: int = 1) -> dict[str, pd.DataFrame]:
+    """A lab's tables, one lab per starting policy (:func:`lab_configs`) stacked with a START_SEED column. Run
+    (``run``) with several starting policies and ``jobs`` > 1: each lab in a process of its own, ``jobs`` at a time
+    (:func:`labs_apart`); else here, one after another."""
+    cfgs = lab_configs(name, overrides, start_seeds)
     apart = run and len(cfgs) > 1 and jobs > 1
     if apart:
         labs_apart(name, overrides, cfgs, jobs)
