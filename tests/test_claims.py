@@ -529,6 +529,33 @@ def test_a_claims_labs_run_apart_as_lab_commands_give_the_tables_of_labs_run_her
         assert args[-2:] == ["--threads", "1"] and log == tmp_path / "apart" / "lab" / f"base_{tag}_start{seed}.log"
 
 
+def test_a_lab_that_fails_apart_stops_the_claims_with_its_error_in_one_line(tmp_path, monkeypatch):
+    """A claim's lab run in a process of its own that fails: the claims call stops with one line that names the lab,
+    its exit status and the last line of its log (its own error), not a traceback that only points at the log."""
+    from types import SimpleNamespace
+
+    from harness.apps import claims
+
+    class Failing:
+        name = "local"
+
+        def threads(self, jobs):
+            return 1
+
+        def adopt(self, name):
+            return None
+
+        def start(self, args, log, name):
+            log.write_text("lab: starting\nconfig error: results/lab/x holds a lab with other settings\n\n")
+            return SimpleNamespace(poll=lambda: 2, stop=lambda: None, error=None)
+
+    monkeypatch.setattr(claims, "LocalLauncher", Failing)
+    cfgs = claims.lab_configs("lab", (f"results_dir={tmp_path}",), (2, 3))
+    with pytest.raises(ConfigError, match=r"the lab lab_start2 failed \(exit 2: config error: results/lab/x holds a "
+                                          r"lab with other settings\); log in .*lab_start2\.log"):
+        claims.labs_apart("lab", (f"results_dir={tmp_path}",), cfgs, jobs=2)
+
+
 def test_two_claims_labs_of_other_settings_have_folders_of_their_own():
     """A claim's labs are named by the lab, the overrides that change its settings and the starting policy: the
     claims on the default lab share `lab_start<model.seed>`, Dr. GRPO's (40 fresh batches at staleness 0) has folders

@@ -82,7 +82,14 @@ from analysis.stats import describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
-from harness.apps.sweep import START_POLICIES, check_runs_code, check_runs_one_version, first_landing, run_sweep
+from harness.apps.sweep import (
+    START_POLICIES,
+    check_runs_code,
+    check_runs_one_version,
+    first_landing,
+    last_line,
+    run_sweep,
+)
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
 from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id
@@ -325,7 +332,8 @@ def labs_apart(name: str, overrides: tuple[str, ...], cfgs: list[DictConfig], jo
 
     def ended(job: Job, code: int, handle) -> bool:
         if code:
-            raise RuntimeError(f"the lab {job.key} failed (exit {code}); log in {job.log}")
+            raise ConfigError(f"the lab {job.key} failed (exit {code}: {last_line(job.log) or 'its log is empty'}); "
+                              f"log in {job.log}")
         return False
 
     for cfg in cfgs:

@@ -60,10 +60,13 @@ def stopped_error(run_dir: Path) -> str | None:
         error = json.loads((run_dir / "summary.json").read_text()).get("error")
     except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
         error = None
-    if error:
-        return error
+    return error or last_line(run_dir / "train.log")
+
+
+def last_line(log: Path) -> str | None:
+    """The last line of ``log`` that is not blank (a failed command's one-line error); None if it has none."""
     try:
-        lines = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return None
     return lines[-1] if lines else None
