@@ -427,22 +427,29 @@ def test_claims_check_first_the_runs_of_the_starting_policies_a_former_call_foun
 @pytest.mark.slow  # two shipped claims checked by main (seconds): make test
 def test_the_ledger_counts_a_run_two_claims_read_once(tmp_path, monkeypatch):
     """Two claims whose experiments share runs (m2po's and gspo's: grpo at lags 0 and 16 from the same policies and
-    seeds) read them both; the ledger's stamp counts each run once (it counted 180 runs where 120 ran)."""
+    seeds) read them both; the ledger's stamp counts each run once (it counted 180 runs where 120 ran), and runs of
+    two experiments' folders that share a run id (an id names a run within its folder) as two (gspo_clip_repro's
+    runs were counted as the async claims')."""
     from harness.apps import claims
 
     def run_source(kind, name, overrides, seeds_of_policies, seeds, jobs, progress, run, allow_code_change):
         other = "m2po" if "m2po" in " ".join(overrides) else "gspo"
         ids = [f"grpo_{i}" for i in range(4)] + [f"{other}_{i}" for i in range(4)]
-        return {"final": pd.DataFrame({"run_id": ids, "code": "aaa", "threads": "1"})}
+        if name == "gspo_clip_repro":
+            return {"final": pd.DataFrame({"run_id": ids, "code": "bbb", "threads": "1", "folder": name})}
+        return {"final": pd.DataFrame({"run_id": ids, "code": "aaa", "threads": "1", "folder": name})}
 
     monkeypatch.setattr(claims, "run_source", run_source)
     monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: claims.START_CANDIDATES[: key[3]])
     monkeypatch.setattr(claims, "check_runs_code", lambda *args: None)
     monkeypatch.setattr(claims, "check_runs_one_version", lambda *args: None)
     monkeypatch.setattr(claims, "load_claims", lambda names, with_long: [
-        load_claim(CLAIMS_DIR / f"{n}.yaml") for n in ("m2po_stable_at_high_staleness", "gspo_degrades_less_with_lag")])
+        load_claim(CLAIMS_DIR / f"{n}.yaml") for n in ("m2po_stable_at_high_staleness", "gspo_degrades_less_with_lag",
+                                                         "gspo_clips_more")])
     assert claims.main(None, jobs=1, progress=False, results_dir=str(tmp_path)) == 0
-    assert "code `aaa`: 12 runs, torch threads per run 1 (12 runs)" in (tmp_path / "claims" / "ledger.md").read_text()
+    text = (tmp_path / "claims" / "ledger.md").read_text()
+    assert "code `aaa`: 12 runs, torch threads per run 1 (12 runs)" in text
+    assert "code `bbb`: 8 runs, torch threads per run 1 (8 runs)" in text
 
 
 @pytest.mark.slow  # every shipped claim's experiment loaded, by three calls (seconds): make test

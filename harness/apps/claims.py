@@ -19,8 +19,9 @@ harness/apps/moe_probe.py's rows, one per depth (``layers``), seed and lr; units
 ``pairwise``, ``snr``, ``sqrt_growth`` (analysis/lab.py); a sweep's ``runs`` (one row per
 run and logged step: every per-step metric, from analysis/load.py) and ``final`` (one row per run that ended and is
 counted, analysis/load.py's run table: ``final_eval_accuracy``, ``best_eval_accuracy``, ``collapsed`` (1 when its
-collapse record names a cause, else 0), the swept keys as columns, e.g. ```train.num_minibatches` == 16``). ``where``
-is a pandas query on the table. A check's *units* are the lab's batches or the sweep's seeds: the metric is averaged
+collapse record names a cause, else 0), ``folder`` (its experiment's results folder), the swept keys as columns,
+e.g. ```train.num_minibatches` == 16``). ``where`` is a pandas query on the table. A check's *units* are the lab's
+batches or the sweep's seeds: the metric is averaged
 over the selected rows of each unit first (a table without units, such as ``sqrt_growth``, has one unit per row), so
 a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one seed share their first rollouts).
 
@@ -209,7 +210,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     final = runs[runs["counted"] & runs["ended"]]
     check_one_version(final["code"].tolist(), exp.dir, "the runs a claim reads")
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
-            "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float))}
+            "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float), folder=str(exp.dir))}
 
 
 def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, ...]:
@@ -617,8 +618,9 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
         check_claims(claims, starts, running, allow_code_change)
     tables_of, unread = read_tables(claims, starts, running, jobs, progress, allow_code_change)
     rows = ledger_rows(claims, tables_of, unread)
-    checked_on = list({r["run_id"]: r for tables in tables_of.values() if "final" in tables  # a run read by two
-                       for r in tables["final"].to_dict("records")}.values())  # claims' experiments: counted once
+    checked_on = list({(r["folder"], r["run_id"]): r for tables in tables_of.values() if "final" in tables
+                       for r in tables["final"].to_dict("records")}.values())  # a run two claims read: counted once
+    # (a run id names a run within its folder: two experiments' runs can share one)
     stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start)} {runs_stamp(checked_on)}"
     stamp += labs_stamp(tables_of)
     path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
