@@ -23,9 +23,10 @@ import sys
 
 import yaml
 
-from harness.apps.cli import build_parser, first_sentence
 from harness.run import names
+from harness.run.commandline import build_parser
 from harness.run.config import REPO, experiment_description, experiment_paths
+from harness.run.names import first_sentence
 from harness.tasks import TASKS, reasoning_gym_datasets
 from objectives import ADVANTAGES, OBJECTIVES, Objective
 from objectives.advantages import loop_inputs

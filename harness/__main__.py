@@ -1,11 +1,14 @@
-"""``python -m harness {train,sweep,lab,claims,list,explain,bench,prepare,docs,soak} ...``: harness/apps/cli.py."""
+"""``python -m harness {train,sweep,lab,claims,list,explain,bench,prepare,docs,soak} ...``: the arguments are parsed
+first (harness/run/commandline.py, without torch: ``-h`` and a mistyped option answer at once), then the command
+runs (harness/apps/cli.py, which imports every component)."""
 
 import sys
 
+from harness.run.commandline import parse
 from harness.run.errors import one_line_for_a_broken_module
 
-with one_line_for_a_broken_module():
-    from harness.apps.cli import main
-
 if __name__ == "__main__":
+    parse()  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
+    with one_line_for_a_broken_module():
+        from harness.apps.cli import main
     sys.exit(main())

@@ -19,11 +19,12 @@ from analysis.lab import LabError, load_batches
 from analysis.leaderboard import leaderboard, write_leaderboard
 from analysis.load import AnalysisWarning
 from analysis.load import load_experiment as load_results
-from harness.apps.cli import build_parser, main
+from harness.apps.cli import main
 from harness.apps.launchers import make_launcher, open_log
 from harness.apps.sweep import run_entry
 from harness.loop.trl_limits import trl_extra_args, world_size
 from harness.run.atomic import ForeignFileError, remove_stale_temporaries, write_into
+from harness.run.commandline import build_parser
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder

@@ -117,7 +117,7 @@ def test_every_readme_command_dry_runs_in_order(tmp_path):
     dry-runs (`make -n`: the target exists and its recipe expands, e.g. compare's checks of OBJECTIVES and SEEDS), and
     each `python -m harness` command it would run, or the README gives, parses; a train or sweep's experiment and
     overrides pass the config's validation (the runs they would start are valid), without running anything."""
-    from harness.apps.cli import build_parser
+    from harness.run.commandline import build_parser
     from harness.run.config import load_experiment, run_configs
 
     text = README.read_text()

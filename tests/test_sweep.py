@@ -98,7 +98,7 @@ def test_list_names_the_shared_hyperparameters_once_marks_aliases_and_ends_descr
 
 
 def test_first_sentence_stops_at_a_sentence_end_only():
-    from harness.apps.cli import first_sentence
+    from harness.run.names import first_sentence
 
     assert first_sentence("GSPO paper, Fig. 2 (arXiv 2507.18071): more, e.g. here. Paper: x.") == \
         "GSPO paper, Fig. 2 (arXiv 2507.18071): more, e.g. here."

@@ -48,6 +48,7 @@ from harness.policy.sampler import Rollout, decoder_memory, sample_problems
 from harness.run.allocator import ENV as ALLOCATOR_ENV
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
+from harness.run.commandline import SCALE_ROWS, SCALE_TOKENS
 from harness.run.config import load_experiment, run_configs, updates_per_step
 from harness.run.errors import ConfigError
 from harness.run.threads import cores as threads_cores
@@ -300,10 +301,6 @@ def lora_main(overrides: list[str], out: Path | None = None) -> int:
     atomic_write(folder / "lora.md", table + "\n")
     print(table)
     return 0
-
-
-SCALE_ROWS = (32, 64, 128)  # `bench --scale`'s default grid: sequences per rollout step (prompts x group size) ...
-SCALE_TOKENS = (128, 256, 512)  # ... and new tokens per sequence
 
 
 def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens: tuple[int, ...] = SCALE_TOKENS,

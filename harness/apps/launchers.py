@@ -49,12 +49,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.run.atomic import atomic_write
+from harness.run.commandline import LAUNCHERS
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held
 from harness.run.threads import free_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working directory, so ``-m harness`` imports it
-LAUNCHERS = ("local", "ray", "slurm")
 FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
 STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
 JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id of the job submitted as <name>

@@ -1,0 +1,55 @@
+"""harness/run/commandline.py: the arguments are parsed before torch is imported, so `-h` and a mistyped option
+answer without the seconds of the imports; what the parser accepts is what the commands run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.run.commandline import parse
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def harness_importing(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``python -X importtime -m harness <args>``: the process and the top-level packages it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    return done, imported
+
+
+@pytest.mark.parametrize("args", [["--help"], ["zoo", "--help"], ["sweep", "quickstart", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(args):
+    done, imported = harness_importing(*args)
+    assert done.returncode == 0 and "usage: python -m harness" in done.stdout
+    assert not imported & {"torch", "transformers", "objectives", "omegaconf"}, imported
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep", "quickstart", "--bogus"], "unrecognized arguments: --bogus"),
+    (["zoo", "--objectives", "grpo,,gspo"], "an empty name"),
+    (["sweep", "quickstart", "--launcher", "k8s"], "invalid choice: 'k8s'"),
+])
+def test_a_mistyped_option_is_one_line_before_torch_is_imported(args, message):
+    done, imported = harness_importing(*args)
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and len(errors) == 1 and message in errors[0], errors
+    assert "torch" not in imported
+
+
+def test_the_parser_module_imports_no_torch():
+    code = "import sys, harness.run.commandline; print(sorted({'torch', 'omegaconf', 'objectives'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert out.strip() == "[]"
+
+
+def test_overrides_may_follow_the_options():
+    args = parse(["sweep", "quickstart", "--jobs", "2", "seed=3", "train.steps=4"])
+    assert (args.command, args.jobs, args.overrides) == ("sweep", 2, ["seed=3", "train.steps=4"])
+    with pytest.raises(SystemExit):
+        parse(["sweep", "quickstart", "--jobs", "2", "--nope"])
