@@ -37,7 +37,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def int_at_least(low: int):
     """An argparse type: an integer >= ``low``; anything else one line saying so."""
-    def parse(text: str) -> int:
+    def checked(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
@@ -45,7 +45,7 @@ def int_at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
         return value
-    return parse
+    return checked
 
 
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
