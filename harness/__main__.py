@@ -7,8 +7,14 @@ import sys
 from harness.run.commandline import parse
 from harness.run.errors import one_line_for_a_broken_module
 
-if __name__ == "__main__":
-    parse()  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
+
+def main(argv: list[str] | None = None) -> int:
+    """The command of ``argv`` (default: the process's arguments); its exit status."""
+    parse(argv)  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
     with one_line_for_a_broken_module():
-        from harness.apps.cli import main
+        from harness.apps.cli import main as run
+    return run(argv)
+
+
+if __name__ == "__main__":
     sys.exit(main())

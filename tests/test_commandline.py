@@ -53,3 +53,14 @@ def test_overrides_may_follow_the_options():
     assert (args.command, args.jobs, args.overrides) == ("sweep", 2, ["seed=3", "train.steps=4"])
     with pytest.raises(SystemExit):
         parse(["sweep", "quickstart", "--jobs", "2", "--nope"])
+
+
+def test_the_module_entry_point_parses_then_runs_the_command(capsys):
+    """``harness.__main__.main(argv)``: what ``python -m harness`` runs and what a launcher's script imports (the
+    TRL backend's two-process test does)."""
+    from harness.__main__ import main
+
+    assert main(["explain", "train.lr"]) == 0 and "train.lr" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["explain", "--bogus"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
