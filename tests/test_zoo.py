@@ -150,7 +150,8 @@ def one_cell(monkeypatch, tmp_path):
     screen = tmp_path / "zoo" / "screen"
     screen.mkdir(parents=True)
     (screen / "manifest.json").write_text(json.dumps({"runs": [{"run_id": "x", "status": "finished"}]}))
-    monkeypatch.setattr(zoo, "load_results", lambda folder: folder)
+    monkeypatch.setattr(zoo, "load_results", lambda folder: SimpleNamespace(runs=None))
+    monkeypatch.setattr(zoo, "check_screen", lambda *args: None)  # the screen's runs are not made here
     monkeypatch.setattr(zoo, "leaderboard", lambda exp, target, baseline: BOARD)
     calls = []
 
@@ -178,6 +179,31 @@ def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
     assert (tmp_path / "zoo" / "confirm" / "plan.json").read_text() == written
     with pytest.raises(ConfigError, match="was made with other settings"):
         zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False)
+
+
+def test_the_confirmation_is_planned_only_from_the_screen_its_settings_make(tmp_path):
+    """A screen of other --seeds, --objectives or overrides (the runs of its folder that ended) is refused in one line,
+    not planned from and recorded as the screen of these settings; runs of objectives not compared do not count."""
+    overrides = [f"results_dir={tmp_path}", "train.steps=2"]
+
+    def frame(seeds, objectives=("grpo", "gspo"), ended=True):
+        runs = zoo.zoo_runs(seeds, overrides, list(objectives))[1]
+        return pd.DataFrame({"run_id": [run_id(r) for r in runs], "objective": [r.objective.name for r in runs],
+                             "ended": ended})
+
+    three = zoo.zoo_runs(3, overrides, ["grpo", "gspo"])[1]
+    zoo.check_screen(frame(3), three, ["grpo", "gspo"], tmp_path)
+    zoo.check_screen(pd.concat([frame(3), frame(1, ["cispo"])]), three, ["grpo", "gspo"], tmp_path)  # not compared
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} is not the screen these settings make: 12 of its 18 runs "
+                                          r"have not ended there \(e.g. .*\) and 0 ended runs"):
+        zoo.check_screen(frame(1), three, ["grpo", "gspo"], tmp_path)  # the screen ran --seeds 1, this says 3
+    with pytest.raises(ConfigError, match="18 of its 18 runs have not ended"):
+        zoo.check_screen(frame(3, ended=False), three, ["grpo", "gspo"], tmp_path)
+    with pytest.raises(ConfigError, match=r"0 of its 6 runs have not ended there and 12 ended runs there are not"):
+        zoo.check_screen(frame(3), zoo.zoo_runs(1, overrides, ["grpo", "gspo"])[1], ["grpo", "gspo"], tmp_path)
+    with pytest.raises(ConfigError, match="give the screen's --seeds, --objectives and overrides"):
+        zoo.check_screen(frame(3), zoo.zoo_runs(3, [*overrides, "train.lr=1e-4"], ["grpo", "gspo"])[1],
+                         ["grpo", "gspo"], tmp_path)
 
 
 @pytest.mark.parametrize("text", ["{garbage", "[]", "\udcff"])

@@ -262,6 +262,21 @@ def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_
     return first_landing(runs_for, START_CANDIDATES, CONFIRM_START_POLICIES, folder, jobs, progress, screen_runs)
 
 
+def check_screen(runs, expected: list[DictConfig], objectives: list[str] | None, screen: Path) -> None:
+    """ConfigError unless the ended runs of ``screen`` (``runs``: its runs frame) of the objectives compared are
+    exactly the screen these settings name (``expected``: --seeds, --objectives, the overrides): the plan is decided
+    from that board and records that screen, so a screen of other seeds or settings is not planned from."""
+    want = {run_id(run) for run in expected}
+    compared = runs if objectives is None else runs[runs["objective"].isin(objectives)]
+    have = set(compared.loc[compared["ended"].astype(bool), "run_id"])
+    if have != want:
+        missing, other = sorted(want - have), sorted(have - want)
+        raise ConfigError(f"{screen} is not the screen these settings make: {len(missing)} of its {len(want)} runs "
+                          f"have not ended there{f' (e.g. {missing[0]})' if missing else ''} and {len(other)} ended "
+                          f"runs there are not among them{f' (e.g. {other[0]})' if other else ''}; give the screen's "
+                          "--seeds, --objectives and overrides, or run `make zoo STAGE=screen` with these first")
+
+
 def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
             objectives: list[str] | None, allow_code_change: bool) -> int:
     """Stage 2: the plan (read, or made from the finished screen and written), its runs, the leaderboard."""
@@ -274,7 +289,9 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         if not screen_ended(screen):
             raise ConfigError(f"the confirmation is planned from a finished screen, and {screen} has runs that did "
                               "not end (or none): run `make zoo STAGE=screen` first")
-        board = leaderboard(load_results(screen), target, BASELINE)
+        results = load_results(screen)
+        check_screen(results.runs, screen_runs, objectives, screen)
+        board = leaderboard(results, target, BASELINE)
         board = board[board["objective"].isin(objectives)] if objectives else board
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
