@@ -482,9 +482,9 @@ def status_lines(exp: Experiment, table: pd.DataFrame, data_warnings: list[str])
         states = ", ".join(f"{k} {s}" for s, k in group["status"].value_counts().sort_index().items())
         errors = sorted({e.split("error: ", 1)[1] for e in group["problem"] if "error: " in e})
         where = f" in cell `{row.cell}`" if multi else ""
-        lost = (group["status"] == "finished").any()  # the manifest's word, its summary.json gone or unreadable
-        lines.append(f"{row.objective}{where}: " + (f"no ended run can be read ({states}, without a readable "
-                                                     "summary.json: see Data warnings)" if lost else
+        lost = (group["status"] == "finished").any()  # the manifest's word; its summary or metrics gone or unreadable
+        lines.append(f"{row.objective}{where}: " + (f"no ended run can be read ({states}, a file it needs missing "
+                                                     "or damaged: see Data warnings)" if lost else
                                                      f"no run has ended ({states})")
                      + (f"; error: {errors[0]}" if errors else "") + ": its accuracy is n/a.")
     partial = table[(table["seeds"] > 0) & (table["unfinished_runs"] > 0)]

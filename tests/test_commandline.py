@@ -64,3 +64,16 @@ def test_the_module_entry_point_parses_then_runs_the_command(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["explain", "--bogus"])
     assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_the_imports_is_the_commands_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the seconds before the command runs (the parse, the imports of torch and transformers) ends with
+    the line and status the running command gives (130), not a traceback through the imports."""
+    import harness.__main__ as entry
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "parse", interrupted)
+    assert entry.main(["list"]) == 130
+    assert capsys.readouterr().err == "interrupted: run the same command again to resume (finished steps are kept)\n"

@@ -230,8 +230,10 @@ def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
 STATES = {
     "sweep still running": "1 running now, 1 not started",
     "all runs of an objective failed": "gspo: no run has ended (2 failed); error: ValueError: boom",
-    "summary.json deleted": "gspo: no ended run can be read (1 finished, without a readable summary.json: see Data "
-                            "warnings): its accuracy is n/a.",
+    "summary.json deleted": "gspo: no ended run can be read (1 finished, a file it needs missing or damaged: see "
+                            "Data warnings): its accuracy is n/a.",
+    "metrics.jsonl deleted": "gspo: no ended run can be read (1 finished, a file it needs missing or damaged: see "
+                             "Data warnings): its accuracy is n/a.",
     "summary.json unreadable": "unreadable JSON, ignored",
     "only step 0": "stopped at step 0/6 (killed; run the same command to resume)",
     "empty metrics file": "metrics.jsonl: no metrics (empty file)",
@@ -250,6 +252,8 @@ def write_state(exp_dir: Path, state: str) -> Path:
                                           summary_extra={"error": "ValueError: boom"}) for s in range(2)]
     elif state == "summary.json deleted":
         (exp_dir / entries[2]["dir"] / "summary.json").unlink()
+    elif state == "metrics.jsonl deleted":  # its summary.json says finished and is readable
+        (exp_dir / entries[2]["dir"] / "metrics.jsonl").unlink()
     elif state == "summary.json unreadable":
         (exp_dir / entries[2]["dir"] / "summary.json").write_text('{"status": "fini')
     elif state == "only step 0":

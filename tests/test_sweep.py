@@ -18,6 +18,7 @@ from harness.apps.cli import main
 from harness.apps.launchers import LocalLauncher
 from harness.apps.sweep import Child, run_entry
 from harness.run.config import load_experiment, run_configs
+from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import read_jsonl
 from tests.helpers.processes import processes_with, wait_until
@@ -185,6 +186,27 @@ def test_a_second_comparison_adds_to_the_first_and_runs_no_run_again(tmp_path, c
     runs = (exp_dir / "report" / "runs.csv").read_text()
     assert all(o in runs for o in ("grpo-s0", "gspo-s0", "cispo-s0"))
     assert "verdict:\n" in second.out and f"report: {exp_dir / 'report' / 'report.html'}" in second.out
+
+
+def test_a_baseline_no_run_is_is_refused_before_the_sweep_starts(tmp_path):
+    """`make compare OBJECTIVES=grpo,gspo BASELINE=cispo`: refused in one line before any folder or run (it was found
+    by the report, after every run had trained); a baseline an earlier sweep's run in the folder is, is taken."""
+    from harness.apps.sweep import check_baseline, run_sweep
+
+    cfg = load_experiment("quickstart", [*TINY_RUN, f"results_dir={tmp_path}", "sweep.grid.objective.name=[grpo,gspo]",
+                                         "sweep.baseline=cispo"])
+    with pytest.raises(ConfigError, match=rf"^sweep.baseline=cispo: no run of this sweep is cispo, nor any earlier run "
+                                          rf"in {tmp_path / 'quickstart'}: add it to the objectives \(make compare "
+                                          r"OBJECTIVES=cispo,...\) or name one of grpo, gspo$"):
+        run_sweep(cfg, progress=False)
+    assert not any(tmp_path.iterdir())
+    runs = run_configs(cfg)
+    check_baseline("gspo", runs, tmp_path)  # one of the sweep's
+    check_baseline(None, runs, tmp_path)
+    (tmp_path / "cispo-s0-x").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps({"runs": [{"run_id": "cispo-s0-x", "dir": "cispo-s0-x",
+                                                                  "objective": "cispo", "status": "finished"}]}))
+    check_baseline("cispo", runs, tmp_path)  # an earlier sweep's run in the folder
 
 
 def test_an_earlier_manifest_keeps_only_its_runs_still_there(tmp_path):

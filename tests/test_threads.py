@@ -95,3 +95,24 @@ def test_the_tiny_runs_metrics_do_not_depend_on_the_thread_count(tmp_path):
         lines = (tmp_path / f"t{n}" / "metrics.jsonl").read_text().splitlines()
         rows[n] = without_timing([{k: v for k, v in json.loads(line).items() if k != "threads"} for line in lines])
     assert rows[1] == rows[2] and len(rows[1]) == 3
+
+
+def test_more_threads_than_cores_are_refused_before_the_run_folder_exists(machine, tmp_path, capsys):
+    """threads=N or --threads N above the cores this process may use: one line and status 2 before anything is
+    written (torch would start N OpenMP threads: a huge N ended the run in a traceback or a segfault after its
+    folder was made); the cores themselves are taken."""
+    from harness.apps.cli import main
+    from harness.apps.sweep import run_sweep
+    from harness.run.config import load_experiment
+    from harness.run.errors import ConfigError
+
+    threads.check_count(4, "threads")
+    for args in (["threads=5"], ["--threads", "100000"]):
+        assert main(["train", "quickstart", f"results_dir={tmp_path}", *args]) == 2
+        err = capsys.readouterr().err
+        key = args[0].split("=")[0] if "=" in args[0] else args[0]
+        assert err.startswith(f"config error: {key}=") and "is more than the 4 cores this process may run on: give " \
+            "at most 4 (0: the cores free when the run starts" in err and err.count("\n") == 1, err
+    with pytest.raises(ConfigError, match=r"^threads=8 is more than the 4 cores"):
+        run_sweep(load_experiment("quickstart", [f"results_dir={tmp_path}", "threads=8"]), progress=False)
+    assert not any(tmp_path.iterdir())

@@ -46,11 +46,12 @@ from harness.run.config import (
     run_configs,
     run_id,
 )
-from harness.run.errors import ConfigError
+from harness.run.errors import INTERRUPTED, ConfigError
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
 from harness.run.provenance import check_code
 from harness.run.records import ENDED, check_resume
+from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, Objective, available_advantages
@@ -68,6 +69,8 @@ def cmd_train(args) -> int:
     cfg.sweep.grid, cfg.sweep.per_objective = {}, {}  # a single run: the experiment's base settings
     (run,) = run_configs(cfg)
     prefer_threads(args.threads)  # a sweep's share of the cores, for a run without its own threads
+    check_thread_count(run.threads, "threads")
+    check_thread_count(args.threads, "--threads")
     check_this_machine([run])
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     # another run's folder, or one another process is writing: refused before anything is printed or touched
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return status
     except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume (finished steps are kept)", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
 
 

@@ -48,6 +48,7 @@ from harness.run.records import (
     say_memory_changes,
     write_json_atomic,
 )
+from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import run_threads
 
 START_POLICIES = "start_policies.json"  # first_landing's record, in the folder of its policies' build logs
@@ -247,9 +248,13 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     runs = run_configs(cfg) if runs is None else runs
     check_start_seeds(runs)
     check_this_machine(runs)
+    if launcher == "local":  # the runs start on this machine (on a cluster each run checks its node's cores)
+        for run in runs:
+            check_thread_count(run.threads, "threads")
     exp_dir = Path(cfg.results_dir) / cfg.name
     check_writable(exp_dir)
     check_runs_code(cfg, runs, allow_code_change, command)
+    check_baseline(cfg.sweep.baseline, runs, exp_dir)
     check_lock_file(exp_dir / SWEEP_LOCK)
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
@@ -258,6 +263,20 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
         return _sweep(cfg, runs, exp_dir, runner, jobs or default, progress, allow_code_change)
     finally:
         runner.close()
+
+
+def check_baseline(baseline: str | None, runs: list[DictConfig], exp_dir: Path) -> None:
+    """Refuse (ConfigError) a ``sweep.baseline`` that no run of the sweep is, nor any run an earlier sweep left in the
+    folder (its manifest.json): the report's verdict would find no baseline, after every run had trained."""
+    if baseline is None or any(run.objective.name == baseline for run in runs):
+        return
+    earlier = earlier_manifest(exp_dir / "manifest.json", exp_dir, set())["runs"]
+    if any(entry.get("objective") == baseline for entry in earlier):
+        return
+    names = sorted({run.objective.name for run in runs})
+    raise ConfigError(f"sweep.baseline={baseline}: no run of this sweep is {baseline}, nor any earlier run in "
+                      f"{exp_dir}: add it to the objectives (make compare OBJECTIVES={baseline},...) or name one of "
+                      f"{', '.join(names)}")
 
 
 def check_start_seeds(runs: list[DictConfig]) -> None:

@@ -367,13 +367,14 @@ def _bad_override(overrides: list[str], grid: dict[str, str], error: Exception) 
                 yaml.safe_load(override.partition("=")[2])
             else:
                 OmegaConf.from_dotlist([override])
-        except (OmegaConfBaseException, yaml.YAMLError) as e:
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
             error = e
             break
     else:
         override = " ".join(overrides)
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"bad override {override!r}: {reason}. Use key=value with a YAML value, e.g. train.steps=20"
+    shown = override if len(override) <= 200 else f"{override[:100]}...{override[-20:]}"  # one readable line
+    return f"bad override {shown!r}: {reason}. Use key=value with a YAML value, e.g. train.steps=20"
 
 
 def _hyperparameter_names() -> set[str]:
@@ -455,7 +456,7 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
         layers.append(OmegaConf.from_dotlist(overrides))
         # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
         layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # ValueError: e.g. over 4300 digits
         raise ConfigError(_bad_override(overrides, grid_overrides, e)) from None
     cfg = _merge(*layers)
     if cfg.profile is not None:
@@ -554,8 +555,8 @@ def _check_pins(pins: dict[str, tuple[str, object]], ran: set[str]) -> None:
 
 def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list]) -> None:
     """Refuse two grid points that make the same run (the same run id): a value listed twice (``seed=[0,0]``), two
-    spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the run's config), or values of a
-    memory setting (not part of the run id: they change no number)."""
+    spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the run's config), values of a memory
+    setting (not part of the run id: they change no number), or of where results go (:data:`NOT_IN_RUN_ID`)."""
     first: dict[str, dict] = {}
     for run, point in zip(runs, points, strict=True):
         other = first.setdefault(run_id(run), point)
@@ -567,10 +568,15 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             raise ConfigError(f"sweep.grid.{key} lists {_dot(point[key])} more than once: the same run twice; "
                               "list each value once")
         key = differing[0]
+        if key.split(".")[0] in NOT_IN_RUN_ID:
+            raise ConfigError(f"sweep.grid.{key}: where results go and where metrics are sent are not part of a run, "
+                              f"so its values make the same runs; run one sweep per value ({key}=...)")
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
             else "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
+
+
 def _dot(value) -> str:
     """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them)."""
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+INTERRUPTED = "interrupted: run the same command again to resume (finished steps are kept)"  # Ctrl-C's one line
+
 
 class ConfigError(ValueError):
     """A configuration problem, stated with the key at fault and how to fix it."""

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
+from harness.run.errors import ConfigError
+
 _PREFERRED = 0  # the process's --threads (a sweep's share of the cores), set by the CLI; 0: none
 
 
@@ -29,6 +31,16 @@ def prefer(threads: int) -> None:
     """What a run without its own ``threads`` uses in this process (``python -m harness train --threads N``)."""
     global _PREFERRED
     _PREFERRED = max(0, threads)
+
+
+def check_count(threads: int, key: str) -> None:
+    """Refuse (ConfigError) a thread count given for a run (``key``: the setting or option that gave it) above the
+    cores this process may run on, before the run's folder exists: torch would start that many OpenMP threads, and
+    beyond the machine's limits the run ends later in a traceback or a segfault (on any machine it crawls)."""
+    available = cores()
+    if threads > available:
+        raise ConfigError(f"{key}={threads} is more than the {available} cores this process may run on: give at most "
+                          f"{available} (0: the cores free when the run starts; docs/threads.md)")
 
 
 def cores() -> int:
