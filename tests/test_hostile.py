@@ -202,6 +202,19 @@ def test_a_report_folder_from_before_the_list_counts_only_report_files_as_its_ow
     assert files(out) == {".written": "report.md\n", "draft.tex": "mine", "report.md": "new"}
 
 
+def test_a_report_folder_that_is_a_link_is_not_written_through(tmp_path):
+    """results/<exp>/report a link to a folder of one's own, holding a report.md: refused in one line, the target
+    untouched (it was written through, its report.md replaced)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    (tmp_path / "report").symlink_to(mine)
+    with pytest.raises(ForeignFileError, match=rf"^{tmp_path / 'report'} is a link \(to {mine}\), which the harness "
+                                               "did not make: it does not write through links"):
+        write_into(tmp_path / "report", writer({"report.md": "1"}), earlier="report.md")
+    assert files(mine) == {"report.md": "my notes"} and not list(tmp_path.glob(".*tmp"))
+
+
 def test_a_crafted_list_of_written_files_removes_nothing_outside_the_folder(tmp_path):
     out = tmp_path / "report"
     out.mkdir()

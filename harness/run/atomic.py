@@ -253,6 +253,9 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: str) -> 
     not write is refused (:class:`ForeignFileError`, before anything in ``folder`` changes). The list is written
     first with the old and the new files, so a kill halfway leaves every file of the harness listed."""
     folder = Path(folder)
+    if folder.is_symlink():  # a link put there (to a folder of one's own): never written through
+        raise ForeignFileError(f"{folder} is a link (to {os.readlink(folder)}), which the harness did not make: it "
+                               "does not write through links; remove the link, or choose another folder")
     tmp = write_temporary(folder, write=write, shared=True)
     try:
         made = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
