@@ -115,4 +115,7 @@ def test_more_threads_than_cores_are_refused_before_the_run_folder_exists(machin
             "at most 4 (0: the cores free when the run starts" in err and err.count("\n") == 1, err
     with pytest.raises(ConfigError, match=r"^threads=8 is more than the 4 cores"):
         run_sweep(load_experiment("quickstart", [f"results_dir={tmp_path}", "threads=8"]), progress=False)
+    for args in (["threads=6"], ["--threads", "7"]):  # the gradient lab likewise
+        assert main(["lab", "lab", f"results_dir={tmp_path}", *args]) == 2
+        assert "is more than the 4 cores this process may run on" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

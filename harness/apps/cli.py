@@ -207,6 +207,7 @@ def cmd_lab(args) -> int:
     from harness.apps.lab import main as lab  # imported when used: the plotting stack (cmd_sweep's note)
 
     prefer_threads(args.threads)  # the claims' share of the cores, for a lab without its own threads setting
+    check_thread_count(args.threads, "--threads")
     return lab(args.experiment, args.overrides, progress=not args.no_progress)
 
 

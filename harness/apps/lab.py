@@ -65,6 +65,7 @@ from harness.run.locks import lock_folder
 from harness.run.provenance import code_record
 from harness.run.records import DamagedConfigError, read_run_config
 from harness.run.seeding import step_seed
+from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import run_threads
 from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
 from objectives.advantages import loop_inputs
@@ -205,6 +206,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     report (analysis/lab.py)."""
     cfg = lab_config(cfg)
     check_this_machine([cfg])
+    check_thread_count(cfg.threads, "threads")
     out = lab_dir(cfg)
     (out / "batches").mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
