@@ -56,7 +56,7 @@ sweep:  ## all runs of an experiment (resumable, JOBS at once; with GPUs and no 
 
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASELINE=grpo]: those objectives on EXP's budget, into results/EXP/ (runs already there are not run again; the report holds every run of the folder)
 	$(if $(OBJECTIVES),,$(error make compare: give OBJECTIVES=name,name (see make list)))
-	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]*'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number >= 1 (runs seeds 0 .. SEEDS-1)))
+	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]{0,3}|10000'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number from 1 to 10000 (runs seeds 0 .. SEEDS-1; the list is one argument of the command line)))
 	$(PY) -m harness sweep $(EXP) "sweep.grid.objective.name=[$(OBJECTIVES)]" \
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(if $(BASELINE),sweep.baseline=$(BASELINE)) \
 		$(OVERRIDES) $(SWEEP_JOBS)

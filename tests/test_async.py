@@ -245,15 +245,19 @@ def test_a_truncated_correction_under_lag_is_verl_decoupled_tis():
     assert_close(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(ref, ref_logp)[0], tol=1e-12)
 
 
+LAG2 = ["train.rollout_lag=2", "train.steps=3"]  # a lag below the steps (tiny_run has 2)
+
+
 @pytest.mark.parametrize("override, message", [
     (["objective.name=ctpo", "train.rollout_correction.mode=decoupled_ppo"], "a prefix product"),
     (["objective.name=popo", "train.rollout_correction.mode=decoupled_ppo"], "none: a likelihood"),
     (["train.lag_mode=mixed"], "set train.rollout_lag >= 1"),
-    (["train.rollout_lag=2", "train.in_flight_tokens=8"], "a value below train.max_new_tokens=8"),
-    (["train.rollout_lag=2", "train.lag_mode=mixed", "train.dynamic_sampling=true"], "train.dynamic_sampling"),
-    (["train.rollout_lag=2", "train.in_flight_tokens=3", "objective.advantage=remax"], "greedy-baseline"),
+    ([*LAG2, "train.in_flight_tokens=8"], "a value below train.max_new_tokens=8"),
+    ([*LAG2, "train.lag_mode=mixed", "train.dynamic_sampling=true"], "train.dynamic_sampling"),
+    ([*LAG2, "train.in_flight_tokens=3", "objective.advantage=remax"], "greedy-baseline"),
     (["train.lag_mode=stale"], "train.lag_mode must be one of fixed, mixed"),
     (["train.rollout_lag=-1"], "must be >= 0"),
+    (["train.rollout_lag=5", "train.steps=5"], "set train.rollout_lag <= 4 or more train.steps"),
 ])
 def test_bad_async_settings_are_one_line(tmp_path, override, message):
     with pytest.raises(ConfigError) as error:
@@ -262,7 +266,7 @@ def test_bad_async_settings_are_one_line(tmp_path, override, message):
 
 
 def test_the_trl_backend_refuses_lag_and_decoupled_ppo_in_one_line(tmp_path):
-    for override, message in ((["train.rollout_lag=2"], "train.rollout_lag is not supported"),
+    for override, message in ((LAG2, "train.rollout_lag is not supported"),
                               (["train.rollout_correction.mode=decoupled_ppo"], "no TRL counterpart")):
         reason = trl_unsupported(tiny_run(tmp_path, *override))
         assert message in reason and "\n" not in reason

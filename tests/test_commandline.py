@@ -55,6 +55,23 @@ def test_overrides_may_follow_the_options():
         parse(["sweep", "quickstart", "--jobs", "2", "--nope"])
 
 
+@pytest.mark.parametrize("args, said, unsaid", [
+    (["train"], "python -m harness train: the following arguments are required: experiment (", "overrides"),
+    (["list", "x"], "python -m harness list: unrecognized arguments: x (`python -m harness list -h`", None),
+    (["explain", "a", "b"], "python -m harness explain: unrecognized arguments: b", None),
+    (["train", "quickstart", "--run-dir", ""], "argument --run-dir: must name a folder", None),
+    (["train", "quickstart", "--run-dir= "], "argument --run-dir: must name a folder", None),
+])
+def test_a_mistake_is_named_by_the_commands_own_parser(args, said, unsaid, capsys):
+    """An optional list of overrides is not called required; an extra argument is the command's (its `-h` lists
+    what it takes); an empty --run-dir is refused, not taken for the default folder."""
+    with pytest.raises(SystemExit) as stop:
+        parse(args)
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and said in error and error.count("\n") == 1, error
+    assert unsaid is None or unsaid not in error
+
+
 def test_the_module_entry_point_parses_then_runs_the_command(capsys):
     """``harness.__main__.main(argv)``: what ``python -m harness`` runs and what a launcher's script imports (the
     TRL backend's two-process test does)."""

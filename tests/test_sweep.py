@@ -48,7 +48,7 @@ def make(*args, cwd=ROOT) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("seeds", ["0", "x", "", "-1"])
+@pytest.mark.parametrize("seeds", ["0", "x", "", "-1", "30000"])  # 30000: over the shell's longest argument
 def test_make_compare_names_seeds_when_it_is_not_a_count(seeds):
     out = make("compare", "OBJECTIVES=grpo", f"SEEDS={seeds}")
     assert out.returncode == 2 and f"SEEDS={seeds}: give the number of seeds" in out.stderr

@@ -246,7 +246,7 @@ def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
 
 
 
-def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypatch, tmp_path):
+def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cells, monkeypatch, tmp_path):
     """A zoo command run again after a stage ended (the confirmation after the screen, `make docs WITH_ZOO=1` after
     `STAGE=screen`) must not stamp the stage with the seconds it took to find its runs ended."""
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
@@ -273,7 +273,7 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(monkeypa
     assert "found every run ended" not in fewer and "in 0.0 min" in fewer
 
 
-def test_a_stage_that_did_not_end_keeps_no_stamp(monkeypatch, tmp_path):
+def test_a_stage_that_did_not_end_keeps_no_stamp(two_cells, monkeypatch, tmp_path):
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
     monkeypatch.setattr(zoo, "run_sweep", lambda cfg, runs, **kwargs: [{"status": "failed"}] * len(runs))
     (tmp_path / "zoo" / "screen").mkdir(parents=True)

@@ -67,6 +67,10 @@ def check_rollout_lag(run: DictConfig) -> None:
     if t.rollout_lag < 0 or t.in_flight_tokens < 0:
         raise ConfigError(f"train.rollout_lag and train.in_flight_tokens must be >= 0, got {t.rollout_lag} and "
                           f"{t.in_flight_tokens}")
+    if t.rollout_lag >= t.steps:
+        raise ConfigError(f"train.rollout_lag={t.rollout_lag} is not below train.steps={t.steps}: from a lag of "
+                          f"{t.steps - 1} on, every batch of a {t.steps}-step run is the starting policy's; set "
+                          f"train.rollout_lag <= {t.steps - 1} or more train.steps")
     if t.lag_mode not in LAG_MODES:
         raise ConfigError(f"train.lag_mode must be one of {', '.join(LAG_MODES)}, got {t.lag_mode!r}")
     parts = "train.lag_mode=mixed" if t.lag_mode == "mixed" else "train.in_flight_tokens" if t.in_flight_tokens \

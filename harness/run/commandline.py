@@ -25,8 +25,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # named by the command's own parser (the top-level one knows nothing of the command's arguments)
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
@@ -49,6 +49,13 @@ def int_at_least(low: int):
 
 
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def folder(text: str) -> str:
+    """A folder's path: not empty (an empty one would be taken for the current folder or for no option at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder; leave the option out for the default")
+    return text
 
 
 def name_list(text: str) -> list[str]:
@@ -94,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_run_commands, add_lab_and_claims, add_zoo, add_tools, add_bench):
         add(sub)
+    parser.commands = sub.choices  # each command's parser, by name
     return parser
 
 
@@ -103,10 +111,12 @@ def add_run_commands(sub) -> None:
                             ("sweep", "run or resume every run of an experiment's sweep")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("experiment", help="experiment name in experiments/ or a path to a YAML file")
-        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
+        p.add_argument("overrides", nargs="*", default=[],
+                       help="key=value overrides, e.g. train.steps=20 objective.name=gspo")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         p.add_argument(ALLOW_FLAG, action="store_true", help=ALLOW_HELP)
-    sub.choices["train"].add_argument("--run-dir", help="write the run here (default results/<name>/<run_id>)")
+    sub.choices["train"].add_argument("--run-dir", type=folder, help="write the run here (default "
+                                      "results/<name>/<run_id>)")
     sub.choices["train"].add_argument("--threads", type=non_negative_int, default=0,
                                       help="torch CPU threads of a run without its own threads setting (0: the "
                                            "cores free when it starts; harness/run/threads.py)")
@@ -125,13 +135,14 @@ def add_lab_and_claims(sub) -> None:
     """lab and claims."""
     lab = sub.add_parser("lab", help="every objective's gradient on the same batches (docs/lab.md)")
     lab.add_argument("experiment", help="a lab experiment (e.g. lab) or a path to a YAML file")
-    lab.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
+    lab.add_argument("overrides", nargs="*", default=[],
+                     help="key=value overrides, e.g. lab.batches=4 lab.objectives=[grpo,gspo]")
     lab.add_argument("--no-progress", action="store_true", help="no progress bar")
     lab.add_argument("--threads", type=non_negative_int, default=0,
                      help="torch CPU threads of a lab without its own threads setting (0: the free cores)")
     claims = sub.add_parser("claims", help="run the paper-claims ledger (experiments/claims/) and write its table")
-    claims.add_argument("names", nargs="*", help="claim files to run (default: all but the long ones); the ledger "
-                        "keeps a row for every other claim, checked on its runs as they are")
+    claims.add_argument("names", nargs="*", default=[], help="claim files to run (default: all but the long ones); "
+                        "the ledger keeps a row for every other claim, checked on its runs as they are")
     claims.add_argument("--with-long", action="store_true",
                         help="also the long claims (SmolLM2 sweeps, hours on 2 cores): with no names all of them; "
                              "a long claim named runs only with it")
@@ -145,7 +156,7 @@ def add_lab_and_claims(sub) -> None:
 def add_zoo(sub) -> None:
     """zoo."""
     zoo = sub.add_parser("zoo", help="every registered objective through the stress regimes; the leaderboard")
-    zoo.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. train.steps=2")
+    zoo.add_argument("overrides", nargs="*", default=[], help="key=value overrides for every run, e.g. train.steps=2")
     zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
                      help="screen: every objective, one starting policy; confirm: the plan the screen decides, on "
                           "fresh starting policies and seeds; both (default): one, then the other (docs/replicates.md)")
@@ -170,7 +181,7 @@ def add_tools(sub) -> None:
     prepare = sub.add_parser("prepare", help="dequantize the embedded SmolLM2 once and cache it as safetensors; "
                                              "with an experiment: cache its runs' starting policies (warm starts)")
     prepare.add_argument("experiment", nargs="?", help="an experiment or a run's config.yaml")
-    prepare.add_argument("overrides", nargs="*", help="key=value overrides")
+    prepare.add_argument("overrides", nargs="*", default=[], help="key=value overrides")
     prepare.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: the free cores)")
     docs = sub.add_parser("docs", help="re-run what the docs quote; rewrite docs/ figures and docs/results.md")
     docs.add_argument("--with-gsm8k", action="store_true",
@@ -203,7 +214,7 @@ def add_tools(sub) -> None:
 def add_bench(sub) -> None:
     """bench and its measurements."""
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (docs/benchmark.md)")
-    bench.add_argument("overrides", nargs="*")
+    bench.add_argument("overrides", nargs="*", default=[])
     bench.add_argument("--repeats", type=positive_int, default=1,
                        help="measure N times from the same weights and seed; print the medians and the ratios' range")
     bench.add_argument("--busy", action="store_true",

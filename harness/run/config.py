@@ -161,7 +161,7 @@ class TrainConfig:
     old_logp: str = "sampler"  # behaviour log-probs: sampler (the sampler's) or recompute (the trainer's, recomputed)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # policy lag k (asynchronous RL, docs/async.md): the batch trained at step t was sampled by the policy after step
-    # t-1-k (the starting policy's for t <= k+1); 0 = synchronous, sampled by the policy it trains
+    # t-1-k (the starting policy's for t <= k+1); 0 = synchronous, sampled by the policy it trains; below train.steps
     rollout_lag: int = 0
     # fixed (every group of a batch has lag rollout_lag) or mixed (each group's lag drawn uniformly in [0,
     # rollout_lag], the ages a bounded-staleness buffer delivers)
