@@ -46,7 +46,7 @@ from torch import Tensor
 
 from objectives.registry import Registry
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum", "prompt_mean")
 RATIO_LEVELS = ("token", "sequence", "other")  # Objective.ratio_level
 
 
@@ -72,6 +72,8 @@ class PolicyBatch:
     max_completion_len: int | None = None  # constant normaliser of Dr. GRPO
     num_tokens: float | None = None  # valid tokens in the whole minibatch (default: this batch's)
     num_sequences: int | None = None  # sequences in the whole minibatch (default: this batch's)
+    group_tokens: Tensor | None = None  # [B] valid tokens of each row's group (prompt) in the whole minibatch, and ...
+    num_groups: int | None = None  # ... the groups with a row in it: prompt_mean's normalisers (default: this batch's)
     # Optional inputs (None unless the loop passes them; each objective that reads one documents its fallback):
     rollout_step: int | None = None  # rollout (prompt-batch) steps done before this update, 0 for the first
     #   rollout: HölderPO's ``p_schedule="rollout_steps"`` (which adds 1: the authors count rollouts from 1)
@@ -100,6 +102,9 @@ class PolicyBatch:
             value = getattr(self, name)
             if value is not None and value.shape != self.logp.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, logp has {tuple(self.logp.shape)}")
+        if self.group_tokens is not None and self.group_tokens.shape != self.logp.shape[:1]:
+            raise ValueError(f"group_tokens must be [B] = {tuple(self.logp.shape[:1])}, got "
+                             f"{tuple(self.group_tokens.shape)}")
         if self.advantages.shape not in (self.logp.shape[:1], self.logp.shape):
             raise ValueError(
                 f"advantages must be [B] or [B, T] = {tuple(self.logp.shape)}, "
@@ -121,6 +126,16 @@ class PolicyBatch:
     @property
     def sequence_count(self) -> int:
         return self.num_sequences if self.num_sequences is not None else self.logp.shape[0]
+
+    def prompt_counts(self) -> tuple[Tensor, int]:
+        """prompt_mean's normalisers: N_p of each row's prompt [B] (its group's valid tokens in the whole minibatch,
+        at least 1) and P, the prompts with a row in it (``group_tokens`` / ``num_groups``, else this batch's)."""
+        if self.group_tokens is not None and self.num_groups is not None:
+            return self.group_tokens.to(self.logp.dtype).clamp(min=1), self.num_groups
+        if self.group_ids is None:
+            raise ValueError("aggregation prompt_mean needs PolicyBatch.group_ids (the prompt of each row)")
+        tokens, groups = group_totals(self.mask.sum(-1).to(self.logp.dtype), self.group_ids)
+        return tokens.clamp(min=1), groups
 
     @property
     def lengths(self) -> Tensor:
@@ -154,6 +169,14 @@ class ObjectiveOutput:
     metrics: dict[str, float]
 
 
+def group_totals(values: Tensor, group_ids: Tensor) -> tuple[Tensor, int]:
+    """Each row's group's sum of ``values`` [B] (a group: the rows of one ``group_ids`` value) and the number of
+    groups."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    groups = int(index.max()) + 1 if index.numel() else 0
+    return values.new_zeros(groups).index_add_(0, index, values)[index], groups
+
+
 def masked(x: Tensor, mask: Tensor) -> Tensor:
     """x on valid positions, 0 elsewhere (also where x is inf/NaN on padding)."""
     return torch.where(mask, x, torch.zeros_like(x))
@@ -166,7 +189,10 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = 
     seq_mean_token_mean:     sum_i( sum_t(l * mask) / L_i ) / N_seqs       (GRPO paper, GSPO-token, SAPO)
     seq_mean_token_sum_norm: sum(l * mask) / (N_seqs * max_completion_len) (Dr. GRPO)
     seq_mean_token_sum:      sum(l * mask) / N_seqs                        (verl's seq-mean-token-sum; LUSPO)
-    N_tokens / N_seqs are the minibatch's global counts when given, else this batch's. With
+    prompt_mean:             sum_p( sum_{i in p} sum_t(l * mask) / N_p ) / P   (SkyRL's prompt_mean: the token
+                             mean within each prompt's rows, N_p their valid tokens, then the mean over the P prompts)
+    N_tokens / N_seqs / N_p and P are the minibatch's global counts when given, else this batch's (a minibatch that
+    splits a group holds part of it: N_p counts the tokens of the rows it holds). With
     ``PolicyBatch.correction`` (and ``correct``; the KL to the reference passes False) l is first multiplied by
     the rollout-correction weight w: l * w * mask, the counts unchanged.
     """
@@ -183,6 +209,9 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = 
         return total.sum() / (batch.sequence_count * batch.max_completion_len)
     if mode == "seq_mean_token_sum":
         return total.sum() / batch.sequence_count
+    if mode == "prompt_mean":
+        prompt_tokens, prompts = batch.prompt_counts()
+        return (total.sum(-1) / prompt_tokens).sum() / prompts
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
@@ -205,6 +234,7 @@ def sequence_loss(per_sequence: Tensor, batch: PolicyBatch, mode: str) -> Tensor
                                                                          and ``bnpo`` over one micro-batch)
     seq_mean_token_sum_norm: sum_i L_i l_i / (N_seqs * max_completion_len)   (TRL ``dr_grpo``)
     seq_mean_token_sum:      sum_i L_i l_i / N_seqs                     (TRL ``luspo``)
+    prompt_mean:             sum_i L_i l_i / N_p(i) / P                 (each prompt's sequences by their length)
     (verl's ``gspo`` broadcasts the same way but hard-codes seq-mean-token-mean, whatever ``loss_agg_mode`` says.)
     With ``PolicyBatch.correction`` w, each is the aggregate of l_i w_t over the tokens of i (seq_mean_token_mean:
     sum_i c_i l_i / N_seqs with c_i the token mean of w over sequence i).

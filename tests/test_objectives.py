@@ -42,6 +42,7 @@ from tests.helpers.objectives import (
     assert_close,
     group_batch,
     make_batch,
+    minibatch_counts,
     num,
     random_batch,
     run,
@@ -437,7 +438,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
         return
     whole = group_batch()
     out, grad = run(name, whole, beta=beta, aggregation=mode)
-    total_tokens, total_loss = whole.mask.sum(), 0.0
+    total_loss = 0.0
     objective = get_objective(name, beta=beta, aggregation=mode)
     splits = (slice(0, 4), slice(4, 8)) if objective.needs_whole_groups else (slice(0, 3), slice(3, 4), slice(4, 8))
     parts = []
@@ -448,7 +449,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole(name, mode, beta):
             mask=whole.mask[rows, :width], ref_logp=whole.ref_logp[rows, :width],
             advantages=whole.advantages[rows], rewards=whole.rewards[rows], group_ids=whole.group_ids[rows],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=total_tokens, num_sequences=8, entropy=whole.entropy[rows, :width]))
+            **minibatch_counts(whole, rows), entropy=whole.entropy[rows, :width]))
     stats = sum_statistics([objective.minibatch_statistics(part) for part in parts])
     assert (stats is not None) == objective.uses_minibatch_statistics() == (name == "p3o")
     for part in parts:

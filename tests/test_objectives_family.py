@@ -21,6 +21,7 @@ from tests.helpers.objectives import (
     assert_close,
     group_batch,
     make_batch,
+    minibatch_counts,
     num,
     random_batch,
     run,
@@ -559,7 +560,7 @@ def test_tbpo_with_sampler_logp_micro_batches_and_padding(mode):
     for rows in (slice(0, 3), slice(3, 8)):
         part = PolicyBatch(logp=whole.logp[rows], old_logp=whole.old_logp[rows], mask=whole.mask[rows],
                            advantages=whole.advantages[rows], sampler_logp=whole.sampler_logp[rows],
-                           max_completion_len=8, num_tokens=whole.mask.sum(), num_sequences=8)
+                           max_completion_len=8, group_ids=whole.group_ids[rows], **minibatch_counts(whole, rows))
         total = total + get_objective("tbpo", aggregation=mode, clip_low=0.05, clip_high=0.05)(part).loss
     assert num(total, out.loss, 1e-12)
     assert_close(grad_of(total, whole), grad, tol=1e-12)

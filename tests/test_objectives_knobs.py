@@ -7,6 +7,7 @@ verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9 (0.10.0.dev); TRL 1.1
 (``get_off_policy_mask``, ``_compute_loss``), the installed wheel.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -255,7 +256,7 @@ def verl_agg_loss(loss_mat, loss_mask, mode, scale=None):
     return (seq * seq_mask).sum() / seq_mask.sum()
 
 
-@pytest.mark.parametrize("mode", AGGREGATIONS)
+@pytest.mark.parametrize("mode", [m for m in AGGREGATIONS if m != "prompt_mean"])  # verl has none: SkyRL's below
 def test_aggregation_modes_match_verl_agg_loss(mode):
     batch = random_batch(seed=21, scale=0.3, b=6, t=5, max_completion_len=7)
     out, grad = run("grpo", batch, aggregation=mode)
@@ -267,6 +268,39 @@ def test_aggregation_modes_match_verl_agg_loss(mode):
     tol = 1e-8 if mode == "seq_mean_token_mean" else 1e-13  # verl adds 1e-8 to L_i there
     assert num(out.loss, ref, tol)
     assert_close(grad, grad_of(ref, batch), tol=tol)
+
+
+def skyrl_prompt_mean(advantages, loss_mask, prompt_boundaries):
+    """SkyRL's ``apply_loss_reduction_to_advantages_minibatch`` with ``loss_reduction="prompt_mean"`` (NovaSky-AI/SkyRL
+    a9564572e, skyrl/backends/skyrl_train/utils/ppo_utils.py), written out: each prompt's advantages [rows, T] divided
+    by (prompts x the prompt's valid tokens); its policy loss then sums the per-token loss (``reduce_loss``)."""
+    scaled = torch.zeros_like(advantages)
+    for start, end in prompt_boundaries:
+        scaled[start:end] = advantages[start:end] / (len(prompt_boundaries) * loss_mask[start:end].sum().clamp(min=1))
+    return scaled
+
+
+@pytest.mark.parametrize("dual_clip", [False, True])
+def test_prompt_mean_is_skyrls(dual_clip):
+    """Three prompts of 3, 2 and 3 completions of unequal lengths (one prompt's completions all short), ratios on
+    both sides of the clip, negative advantages under the dual clip: GRPO's loss and gradient with
+    aggregation=prompt_mean equal SkyRL's ppo_policy_loss on its prompt_mean-scaled advantages."""
+    batch = random_batch(seed=4, scale=0.4, b=8, t=6)
+    batch.mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 5, 1, 1, 3, 6, 4])[:, None]
+    batch.group_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    out, grad = run("grpo", batch, aggregation="prompt_mean", dual_clip=dual_clip, clip_ratio_c=1.5)
+    m = batch.mask.to(DT)
+    adv = skyrl_prompt_mean(batch.advantages[:, None].expand_as(m), m, [(0, 3), (3, 5), (5, 8)])
+    ratio = torch.exp(batch.logp - batch.old_logp)
+    loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    if dual_clip:
+        loss = torch.where(adv < 0, torch.min(-adv * 1.5, loss), loss)
+    ref = (loss * m).sum()
+    assert 0 < out.metrics["clip_frac"] and (not dual_clip or out.metrics["clip_frac_dual"] > 0)
+    assert num(out.loss, ref, 1e-13)
+    assert_close(grad, grad_of(ref, batch), tol=1e-13)
+    with pytest.raises(ValueError, match="prompt_mean needs PolicyBatch.group_ids"):
+        get_objective("grpo", aggregation="prompt_mean")(dataclasses.replace(batch, group_ids=None))
 
 
 @pytest.mark.parametrize("loss_type,mode", [("grpo", "seq_mean_token_mean"), ("dapo", "token_mean"),

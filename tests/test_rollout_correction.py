@@ -35,7 +35,7 @@ from harness.tasks import get_task
 from objectives import PolicyBatch, get_objective
 from objectives.base import sum_statistics
 from objectives.rollout_correction import CORRECTION_MODES, correction_metrics, correction_weights
-from tests.helpers.objectives import DT, ON_BATCHES, group_batch, num
+from tests.helpers.objectives import DT, ON_BATCHES, group_batch, minibatch_counts, num
 from tests.helpers.tiny import TINY_SPEC, tiny_run, without_timing
 from tests.helpers.trl import (  # the ``fixed`` batch itself: tests/conftest.py's fixture
     GradCapture,
@@ -253,8 +253,7 @@ def test_micro_batches_sum_to_the_minibatch_with_a_correction(name, sequence):
             logp=whole.logp[r], old_logp=whole.old_logp[r], mask=whole.mask[r], ref_logp=whole.ref_logp[r],
             advantages=whole.advantages[r], rewards=whole.rewards[r], group_ids=whole.group_ids[r],
             step=whole.step, total_steps=whole.total_steps, max_completion_len=whole.max_completion_len,
-            num_tokens=whole.mask.sum(), num_sequences=8, correction=whole.correction[r], entropy=whole.entropy[r])
-            for r in splits]
+            **minibatch_counts(whole, r), correction=whole.correction[r], entropy=whole.entropy[r]) for r in splits]
         stats = sum_statistics([objective.minibatch_statistics(p) for p in parts])
         total = 0.0
         for part in parts:

@@ -27,9 +27,11 @@ from objectives import Objective, ObjectiveOutput, get_objective
 from tests.helpers.tiny import tiny_run
 
 
-# p3o: its minibatch ESS from the loop's no-grad first pass; conspo compares a group's samples (micro-batches: groups)
-@pytest.mark.parametrize("objective", ["dapo", "p3o", "conspo"])
-def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatch):
+# p3o: its minibatch ESS from the loop's no-grad first pass; conspo compares a group's samples (micro-batches: groups);
+# prompt_mean: each prompt's tokens and the prompts counted over the minibatch, not the micro-batch
+@pytest.mark.parametrize("objective, extra", [("dapo", ()), ("p3o", ()), ("conspo", ()),
+                                              ("grpo", ("objective.params.aggregation=prompt_mean",))])
+def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, monkeypatch):
     passes, real = [], harness.loop.native.with_statistics
 
     def spy(*args, **kwargs):
@@ -45,7 +47,8 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, monkeypatc
     # whole minibatches, 4 rows, a token budget (rows of 35 or 36 prompt and 6 to 8 completion tokens)
     for k, setting in enumerate(("train.micro_batch_size=0", "train.micro_batch_size=4",
                                  "train.max_tokens_per_micro_batch=130")):
-        run = tiny_run(tmp_path, setting, "train.steps=1", f"objective.name={objective}", "task.overlong_buffer=6")
+        run = tiny_run(tmp_path, setting, "train.steps=1", f"objective.name={objective}", "task.overlong_buffer=6",
+                       *extra)
         sizes.clear()
         train(run, tmp_path / f"m{k}", progress=False)
         finals.append(torch.load(tmp_path / f"m{k}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
@@ -186,3 +189,15 @@ def test_no_gradient_is_held_after_the_update(tmp_path, monkeypatch):
         held.append(sum(p.grad is not None for p in policy.parameters())) or real(policy, *a, **k)))
     train(tiny_run(tmp_path, "train.steps=2", "train.eval_every=1"), tmp_path / "run", progress=False)
     assert held == [0, 0, 0]  # at the start, after step 1, after step 2
+
+
+def test_the_trl_backend_takes_prompt_mean_only_on_one_micro_batch_per_optimizer_step(tmp_path):
+    """TRL shuffles and splits a minibatch's groups across micro-batches and processes, so each would count its own
+    prompts: refused in one line unless the optimizer step is one micro-batch on one process."""
+    from harness.loop.trl_limits import trl_unsupported
+
+    prompt_mean = "objective.params.aggregation=prompt_mean"
+    reason = trl_unsupported(tiny_run(tmp_path, prompt_mean))
+    assert "normalises by each prompt's tokens in the minibatch (aggregation prompt_mean)" in reason
+    assert "\n" not in reason and trl_unsupported(tiny_run(tmp_path)) is None
+    assert trl_unsupported(tiny_run(tmp_path, prompt_mean, "train.num_minibatches=1")) is None

@@ -95,8 +95,10 @@ def trl_unsupported(run: DictConfig) -> str | None:
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")
-    if objective.needs_whole_groups and minibatch // micro * t.num_minibatches > 1:
-        return (f"backend trl: objective {run.objective.name!r} compares the samples of a group, and TRL splits "
-                "groups across micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one "
-                "process, or backend=native")
+    whole = ("compares the samples of a group" if objective.needs_whole_groups else "normalises by each prompt's "
+             "tokens in the minibatch (aggregation prompt_mean)" if objective.aggregation == "prompt_mean" else None)
+    if whole and minibatch // micro * t.num_minibatches > 1:
+        return (f"backend trl: objective {run.objective.name!r} {whole}, and TRL splits groups across "
+                "micro-batches; use train.num_minibatches=1 with whole-batch micro-batches on one process, or "
+                "backend=native")
     return None

@@ -34,7 +34,7 @@ from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.seeding import step_seed
 from objectives import OBJECTIVES, Objective, PolicyBatch
-from objectives.base import sum_statistics
+from objectives.base import group_totals, sum_statistics
 
 
 @dataclass
@@ -153,6 +153,8 @@ class Minibatch:
     rows: Tensor  # row indices into the batch
     num_tokens: Tensor  # their valid tokens (>= 1): every micro-batch's token-mean denominator
     stats: dict | None = None  # the objective's minibatch statistics (P3O); None: each micro-batch's own
+    group_tokens: Tensor | None = None  # [batch rows] each of its rows' group's valid tokens among its rows, and ...
+    num_groups: int | None = None  # ... its groups: prompt_mean's normalisers; None: each micro-batch's own
 
     def chunks(self, size: int) -> list[Tensor]:
         """The micro-batches: ``size`` rows each."""
@@ -189,7 +191,10 @@ def minibatches(plan: UpdatePlan, generator: torch.Generator) -> Iterator[Miniba
     order = minibatch_order(len(mask), plan.group_size, size, generator)
     for k in range(len(mask) // size):
         rows = order[k * size : (k + 1) * size]
-        yield Minibatch(rows, mask[rows].sum().clamp(min=1))
+        tokens = mask[rows].sum(-1)
+        per_row, groups = group_totals(tokens, plan.batch.group_ids[rows])
+        yield Minibatch(rows, tokens.sum().clamp(min=1), group_tokens=tokens.new_zeros(len(mask)).index_copy_(
+            0, rows, per_row), num_groups=groups)
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,8 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :width],
         step=state.optimizer_steps, total_steps=state.total_optimizer_steps,
         max_completion_len=plan.max_completion_len, num_tokens=minibatch.num_tokens,
-        num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step,
+        num_sequences=plan.minibatch_size, rollout_step=plan.rollout_step, num_groups=minibatch.num_groups,
+        group_tokens=None if minibatch.group_tokens is None else minibatch.group_tokens[rows],
         sampler_logp=None if plan.behaviour == "sampler" else batch.rollout.sampler_logp[rows, :width],
         correction=None if batch.correction is None else batch.correction[rows, :width],
         behaviour_corrected=batch.correction is not None,

@@ -91,7 +91,8 @@ NAMES: tuple[Name, ...] = (
          f"`{A}kl_loss_coef` (`use_kl_loss=true`, `kl_loss_type=low_var_kl`)",
          meaning="weight of the k3 KL to the reference policy; 0 = no reference"),
     Name("objective.params.aggregation", "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)",
-         meaning="token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"),
+         meaning="token_mean, seq_mean_token_mean, seq_mean_token_sum_norm, seq_mean_token_sum or prompt_mean "
+                 "(SkyRL's: the token mean per prompt, then the mean over prompts)"),
     Name("objective.params.dual_clip", "—", "— (verl's vanilla loss always applies it)", meaning="grpo, dapo, "
          "dr_grpo: true = the dual clip for A < 0 (bound clip_ratio_c); ctpo: its width in log space (threshold "
          "exp(dual_clip n_t^la_power))"),

@@ -8,6 +8,7 @@ import math
 import torch
 
 from objectives import OBJECTIVES, PolicyBatch, available_objectives, get_advantage, get_objective
+from objectives.base import group_totals
 
 DT = torch.float64
 # the objectives a hand-made PolicyBatch evaluates: all but those that read the policy's hidden states (POPO, tested in
@@ -27,6 +28,14 @@ def make_batch(old, d, mask, adv, **kw):
     kw.setdefault("max_completion_len", 8)
     return PolicyBatch(logp=logp, old_logp=old, mask=torch.as_tensor(mask).bool(),
                        advantages=torch.as_tensor(adv, dtype=DT), **kw)
+
+
+def minibatch_counts(whole: PolicyBatch, rows) -> dict:
+    """The counts of the minibatch ``whole`` that the loop gives each of its micro-batches (here ``rows`` of it):
+    valid tokens, sequences, and prompt_mean's tokens of each row's prompt and number of prompts."""
+    group_tokens, groups = group_totals(whole.mask.sum(-1).to(whole.logp.dtype), whole.group_ids)
+    return {"num_tokens": whole.mask.sum(), "num_sequences": whole.logp.shape[0], "group_tokens": group_tokens[rows],
+            "num_groups": groups}
 
 
 def run(name, batch, **hp):
