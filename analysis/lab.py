@@ -201,7 +201,10 @@ def mismatch_figure(summary_: pd.DataFrame, look, title: str):
 
 def positions_figure(positions: pd.DataFrame, title: str):
     """Standard deviation of the log ratios against position (log-log), one panel per staleness > 0 point and
-    per mismatch sampler, with a sqrt(t) line through the cumulative ratio's first position."""
+    per mismatch sampler, with a sqrt(t) line through the cumulative ratio's first position; None when there is no
+    such point or no position with two sequences."""
+    if positions.empty:
+        return None
     points = [p for p in dict.fromkeys(zip(positions["axis"], positions["point"], strict=True))
               if not (p[0] == "staleness" and p[1] == "0")]
     if not points:
@@ -226,9 +229,10 @@ def positions_figure(positions: pd.DataFrame, title: str):
 def sqrt_growth(positions: pd.DataFrame) -> pd.DataFrame:
     """Per axis point: the slope of log sd(c_t) against log t (1/2 for independent equal-variance increments),
     fitted by least squares over positions with at least half of the first position's sequences, and the fraction
-    of positions where var_token <= var_cumulative <= var_sequence."""
+    of positions where var_token <= var_cumulative <= var_sequence; no row when no position had two sequences
+    (every completion empty)."""
     out = []
-    for (axis, point), data in positions.groupby(["axis", "point"], sort=False):
+    for (axis, point), data in ([] if positions.empty else positions.groupby(["axis", "point"], sort=False)):
         mean = data.groupby("position").agg({"var_token": "mean", "var_cumulative": "mean", "var_sequence": "mean",
                                              "sequences": "mean"})
         mean = mean[(mean["sequences"] >= mean["sequences"].iloc[0] / 2) & (mean["var_cumulative"] > 0)]
@@ -237,7 +241,7 @@ def sqrt_growth(positions: pd.DataFrame) -> pd.DataFrame:
         between = ((mean["var_token"] <= mean["var_cumulative"]) & (mean["var_cumulative"] <= mean["var_sequence"]))
         out.append({"axis": axis, "point": point, "cumulative_sd_slope": slope, "positions": len(mean),
                     "frac_positions_ordered": between.mean() if len(mean) else float("nan")})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=["axis", "point", "cumulative_sd_slope", "positions", "frac_positions_ordered"])
 
 
 def display(summary_: pd.DataFrame, snr: pd.DataFrame, axis: str) -> pd.DataFrame:
@@ -315,7 +319,8 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
               ("h2", "Growth of the cumulative log ratio"), ("table", found["sqrt_growth"].round(3))]
     for stem, fig, caption in figures:
         if fig is None:
-            blocks.append(("p", f"{stem}: not drawn (no point with a moved policy or another sampler)."))
+            blocks.append(("p", f"{stem}: not drawn (no point with a moved policy or another sampler, or no "
+                                "position that two sequences reach)."))
             continue
         plots.save(fig, tmp, stem, ["png"])
         blocks.append(("figure", stem, stem, caption))

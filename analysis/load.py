@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
+from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
@@ -64,7 +65,18 @@ class Experiment:
     # runs carry `source`, the label of the folder(s) holding them
 
 
+def regular(path: Path) -> bool:
+    """False, with a warning, for a named pipe, socket or device where a run writes a file: reading it would block
+    the report, or take what no run wrote."""
+    if special_file(path):
+        warn(f"{path}: not a regular file (a named pipe, a socket or a device): not read")
+        return False
+    return True
+
+
 def read_json(path: Path) -> dict | None:
+    if not regular(path):
+        return None
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:  # not JSON, or not UTF-8 (both ValueErrors)
@@ -98,6 +110,8 @@ def parse_metrics(path: Path, total: int | None = None) -> MetricsFile:
     with the step it held), non-numeric values become missing with a warning, repeated steps keep their last line.
     Lines whose step is no step of the run (not a whole number, negative, beyond ``total`` steps) and keys that name
     the run rather than a step (``seed``, ...) are left out, each kind named in one warning."""
+    if not regular(path):
+        return MetricsFile(pd.DataFrame(), [])
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
@@ -269,7 +283,9 @@ def start_policy(summary: dict, path: Path) -> dict:
             "start_policy_eval_accuracy": info.get("eval_accuracy")}
 
 
-COUNTS = ("seed", "steps_done", "total_steps")  # whole numbers >= 0
+COUNTS = ("seed", "steps_done", "total_steps")  # whole numbers >= 0 (below 2^63: a table's integers)
+ACCURACIES = ("start_eval_accuracy", "final_eval_accuracy", "best_eval_accuracy")  # in [0, 1]
+AMOUNTS = ("wall_time_s", "cpu_time_s", "rollout_tokens")  # finite, >= 0
 SUMMARY_NUMBERS = ("seed", "steps_done", "total_steps", "start_eval_accuracy", "final_eval_accuracy",
                    "best_eval_accuracy", "wall_time_s", "cpu_time_s", "rollout_tokens")
 
@@ -285,11 +301,18 @@ def checked_summary(summary: dict, path: Path) -> dict:
             out.pop(key)
     for key in COUNTS:
         value = out.get(key)
-        if value is not None and not (math.isfinite(value) and value == int(value) and value >= 0):
-            warn(f"{path}: `{key}` is {value!r}, not a whole number >= 0: ignored")
+        if value is not None and not (math.isfinite(value) and value == int(value) and 0 <= value < 2**63):
+            warn(f"{path}: `{key}` is {value!r}, not a whole number >= 0 (below 2^63): ignored")
             out.pop(key)
         elif value is not None:
             out[key] = int(value)
+    for keys, low, high, what in ((ACCURACIES, 0.0, 1.0, "an accuracy in [0, 1]"),
+                                  (AMOUNTS, 0.0, math.inf, "a finite number >= 0")):
+        for key in keys:
+            value = out.get(key)
+            if value is not None and not (math.isfinite(value) and low <= value <= high):
+                warn(f"{path}: `{key}` is {value!r}, not {what}: ignored")
+                out.pop(key)
     if out.get("steps_done") is not None and out.get("total_steps") is not None \
             and out["steps_done"] > out["total_steps"]:
         warn(f"{path}: `steps_done` {out['steps_done']} is beyond the run's {out['total_steps']} steps: ignored")
@@ -298,6 +321,8 @@ def checked_summary(summary: dict, path: Path) -> dict:
         if key in out and not isinstance(out[key], str):
             warn(f"{path}: `{key}` is {out[key]!r}, not a string: ignored")
             out.pop(key)
+    if summary and "status" not in summary:
+        warn(f"{path}: no `status`: the run's status is unknown")
     return out
 
 
@@ -333,6 +358,8 @@ def code_of(summary: dict) -> dict:
 
 def log_error(path: Path) -> str | None:
     """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json)."""
+    if not regular(path):
+        return None
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:

@@ -4,10 +4,12 @@ warning, and every refusal is one line that says what is wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import signal
 import warnings
 from pathlib import Path
 
@@ -113,6 +115,52 @@ def test_a_run_lock_that_is_a_link_is_refused_before_the_run_starts(tmp_path, ca
     assert (tmp_path / "victim.txt").read_text() == "precious" and sorted(os.listdir(run_dir)) == [RUN_LOCK]
     with pytest.raises(ConfigError):
         check_resume(run, run_dir)
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail (TimeoutError) instead of hanging when the block blocks, e.g. opening a named pipe no one writes."""
+    def stop(*_):
+        raise TimeoutError(f"blocked for {seconds} s")
+    before = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "train.log", "manifest.json"])
+def test_a_named_pipe_among_a_runs_files_is_named_not_read(tmp_path, name):
+    """A report reads every run's files: a named pipe in place of one (nothing writes it) would block it forever."""
+    exp = tmp_path / "exp"
+    entry = fake_run(exp, "grpo", 0, status="failed" if name == "train.log" else "finished")  # (a failed run's log)
+    fake_experiment(exp, [entry])
+    path = exp / "manifest.json" if name == "manifest.json" else exp / entry["dir"] / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    with within(20), pytest.warns(AnalysisWarning) as caught:
+        results = load_results(exp)
+    assert any(str(w.message).startswith(f"{path}: not a regular file") for w in caught)
+    assert name == "manifest.json" or len(results.runs) == 1
+
+
+def test_a_run_folder_holding_a_named_pipe_or_that_is_a_link_is_refused_before_the_run_starts(tmp_path, capsys):
+    """Resuming would block on the pipe after taking the folder's lock and rewriting its config.yaml; a --run-dir
+    that is a link would be written through."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "metrics.jsonl")
+    with within(60):
+        assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "--run-dir", str(run_dir)]) == 2
+    one_line(capsys.readouterr().err, f"config error: {run_dir / 'metrics.jsonl'} is not a regular file (a named pipe")
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl"]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "--run-dir", str(tmp_path / "link")]) == 2
+    one_line(capsys.readouterr().err, f"config error: {tmp_path / 'link'} is a symbolic link: a run is not written")
+    assert not any((tmp_path / "elsewhere").iterdir())
 
 
 def test_a_run_log_that_is_a_link_is_not_appended_through(tmp_path):
@@ -398,6 +446,32 @@ def test_a_huge_step_without_summary_or_config_builds_no_huge_set(tmp_path):
         load_results(exp)  # a set of every step up to it: 2e9 integers, tens of GB
     assert any("steps 7, 8, 9, 10, 11, 12, 13, 14, ... (1999999993 in all) missing" in str(w.message)
                for w in caught)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("seed", 10**20, "not a whole number >= 0 (below 2^63)"),  # was an OverflowError traceback, no report
+    ("final_eval_accuracy", 1.5, "not an accuracy in [0, 1]"),  # was reported as the run's final accuracy
+    ("final_eval_accuracy", float("nan"), "not an accuracy in [0, 1]"),  # was: the run counted ended, yet no verdict
+    ("wall_time_s", -3.0, "not a finite number >= 0"),
+    ("status", None, "no `status`: the run's status is unknown"),  # was shown "unknown" without a word
+])
+def test_an_impossible_number_in_summary_json_is_named_and_not_used(tmp_path, key, value, said):
+    exp = tmp_path / "exp"
+    entry = fake_run(exp, "grpo", 0, final=0.5)
+    fake_experiment(exp, [entry])
+    path = exp / entry["dir"] / "summary.json"
+    summary = json.loads(path.read_text())
+    if value is None:
+        del summary[key]
+    else:
+        summary[key] = value
+    path.write_text(json.dumps(summary))
+    with pytest.warns(AnalysisWarning, match=re.escape(f"{path}: `{key}`") + ".*" + re.escape(said)
+                      if key != "status" else re.escape(f"{path}: {said}")):
+        results = load_results(exp)
+    (run,) = results.runs.to_dict("records")
+    if key == "final_eval_accuracy":
+        assert run["final_eval_accuracy"] == pytest.approx(0.5)  # from metrics.jsonl's last evaluation
 
 
 def test_keys_that_name_the_run_in_a_metrics_line_are_left_out(tmp_path):

@@ -15,7 +15,9 @@ from analysis.lab import (
     build_lab_report,
     gram_snr,
     lab_version,
+    positions_figure,
     snr_interval,
+    sqrt_growth,
     staleness_figure,
     summary,
 )
@@ -171,14 +173,26 @@ def test_gradient_snr_from_the_gram_matrix_by_hand():
     assert estimate > 50 and low <= estimate <= high  # |mu|^2 = 50, tr Sigma = 0.5: SNR ~ 100
 
 
+def test_no_position_with_two_sequences_leaves_the_growth_table_empty_and_the_figure_undrawn():
+    """Every completion empty (EOS first): ratio_by_position gives no row, the batches' positions table has no column;
+    the report's growth table is then empty and its figure not drawn (it was a KeyError after every batch ran)."""
+    empty = torch.zeros(3, 4, dtype=torch.bool)
+    assert ratio_by_position(torch.zeros(3, 4), torch.zeros(3, 4), empty) == []
+    growth = sqrt_growth(pd.DataFrame([]))
+    assert growth.empty and "cumulative_sd_slope" in growth
+    assert positions_figure(pd.DataFrame([]), "lab") is None
+
+
 def test_lab_settings_are_checked_before_anything_runs(tmp_path):
     base = [*TINY_RUN, f"results_dir={tmp_path}"]
     for override, key in (("lab.staleness=[1,2]", "lab.staleness"), ("lab.mismatch=[fp8]", "lab.mismatch"),
                           ("lab.objectives=[grpoo]", "grpo"), ("lab.batches=1", "lab.batches"),
                           ("lab.policy=/nonexistent", "lab.policy"), ("lab.mover=nope", "lab"),
-                          ("model.lora.rank=4", "model.lora.rank=0")):
+                          ("model.lora.rank=4", "model.lora.rank=0"),
+                          ("train.prompts_per_step=2 train.group_size=2 train.num_minibatches=4",
+                           "minibatch holds 1 sequence")):
         with pytest.raises(ConfigError, match=key):
-            lab_config(load_experiment("base", [*base, override]))
+            lab_config(load_experiment("base", [*base, *override.split()]))
     with pytest.raises(ConfigError, match="num_minibatches"):
         lab_config(load_experiment("base", [*base, "train.num_minibatches=1", "lab.staleness=[0,1]"]))
 

@@ -166,6 +166,24 @@ def test_lora_settings_are_checked_in_one_line(tmp_path):
         setup_run(tiny_run(tmp_path, *LORA, "model.lora.target_modules=[qkv]"), CPU)
 
 
+@pytest.mark.parametrize("model, targets, said", [
+    ("tiny", "[nonexistent]", "Target modules {'nonexistent'} not found in the base model"),
+    ("tiny", "[q_proj,nonexistent]", "nonexistent matches no module of tiny"),  # peft alone ignores it
+    ("tiny_moe", "[q_proj,qkv,gate_proj,up_proj]", "qkv matches no module of tiny_moe"),
+    ("tiny_moe", "[q_proj,gate_proj]", "without also targeting up_proj"),  # fused in the experts' stacked weights
+])
+def test_target_modules_the_model_lacks_are_refused_before_the_run_folder(tmp_path, capsys, model, targets, said):
+    from harness.apps.cli import main
+    from tests.helpers.tiny import TINY_RUN
+    from tests.helpers.tiny_moe import TINY_MOE_RUN
+
+    assert main(["train", "base", *(TINY_RUN if model == "tiny" else TINY_MOE_RUN), *LORA,
+                 f"model.lora.target_modules={targets}", f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: model.lora.target_modules=") and said in err and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+
+
 def test_a_mixture_of_experts_merged_export_is_the_adapted_policy(tmp_path):
     """peft's LoRA over tiny_moe's stacked expert weights is no linear layer: the merged export falls back to peft's
     merge of a copy, the policy untouched."""

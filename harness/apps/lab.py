@@ -150,6 +150,11 @@ def validate_lab(cfg: DictConfig) -> None:
     for sampler in lab.mismatch:
         if sampler not in MISMATCH_SAMPLERS:
             raise ConfigError(f"lab.mismatch entries must be among {', '.join(MISMATCH_SAMPLERS)}, got {sampler!r}")
+    if minibatch_size(t) < 2:
+        raise ConfigError(f"lab: the evaluation minibatch holds {minibatch_size(t)} sequence (train.prompts_per_step x "
+                          f"train.group_size / train.num_minibatches = {t.prompts_per_step} x {t.group_size} / "
+                          f"{t.num_minibatches}); the spreads across its sequences need >= 2: raise "
+                          "train.prompts_per_step or lower train.num_minibatches")
     if lab.batches < 2 or lab.reference_samples < 2:
         raise ConfigError(f"lab.batches and lab.reference_samples must be >= 2 (SNR across batches, leave-one-out "
                           f"baselines), got {lab.batches} and {lab.reference_samples}")

@@ -25,13 +25,15 @@ peft is imported when adapters are made or loaded: a run without them never pays
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness.run.atomic import atomic_write
@@ -60,6 +62,51 @@ def check_lora(run: DictConfig) -> None:
     if not targets or not all(isinstance(name, str) and name for name in targets):
         raise ConfigError(f"model.lora.target_modules must name the linear layers to adapt (e.g. [q_proj, v_proj]), "
                           f"got {targets}")
+    tiny = run.model.get("tiny")
+    reason = targets_refused(run.model.name, json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True),
+                             tuple(targets))
+    if reason:
+        raise targets_error(targets, reason)
+
+
+@functools.cache
+def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | None:
+    """Why ``targets`` do not all name modules of model ``name`` (peft's adapters on its skeleton on the meta device,
+    before any run folder is made), or None; None too for a model whose modules are not known before it loads (a
+    hub id: the run checks them then, :func:`with_adapters`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from harness.policy.models import skeleton
+
+    model = skeleton(name, json.loads(tiny))
+    if model is None:
+        return None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adapted = get_peft_model(model, LoraConfig(r=1, target_modules=list(targets), task_type="CAUSAL_LM"))
+    except ValueError as error:  # no name matched, or a fused pair named in part
+        return peft_reason(error)
+    # peft ignores a name that matches nothing when another one matches; on a Mixture of Experts it moves the
+    # experts' projections to target_parameters (their stacked weights)
+    settings = adapted.peft_config["default"]
+    unmatched = sorted(
+        target for wanted, found in ((settings.target_modules, adapted.targeted_module_names),
+                                     (getattr(settings, "target_parameters", None) or (),
+                                      getattr(adapted, "targeted_parameter_names", None) or ()))
+        for target in wanted if not any(n == target or n.endswith(f".{target}") for n in found))
+    return f"{', '.join(unmatched)} {'matches' if len(unmatched) == 1 else 'match'} no module of {name}" \
+        if unmatched else None
+
+
+def peft_reason(error: ValueError) -> str:
+    """peft's refusal in one line ("Target modules {...} not found in the base model")."""
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
+def targets_error(targets: list, reason: str) -> ConfigError:
+    return ConfigError(f"model.lora.target_modules={list(targets)}: {reason}; name the model's linear layers (the "
+                       "Llama family's: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
 
 
 def lora_settings(lora: DictConfig):
@@ -95,10 +142,7 @@ def with_adapters(model, lora: DictConfig, seed: int):
         try:
             return get_peft_model(model, lora_settings(lora))
         except ValueError as error:  # peft: "Target modules {...} not found in the base model"
-            reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
-            raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {reason}; name the model's "
-                              "linear layers (the Llama family's: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                              "down_proj)") from None
+            raise targets_error(list(lora.target_modules), peft_reason(error)) from None
 
 
 def adapted(model) -> bool:

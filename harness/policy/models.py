@@ -27,6 +27,7 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationE
 from omegaconf import DictConfig
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -115,6 +116,22 @@ def load_model(
         tokenizer.padding_side = "left"
         plain_sampling(model)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def skeleton(name: str, tiny: dict | None = None) -> PreTrainedModel | None:
+    """The modules of model ``name`` (:func:`load_model`'s names) on the meta device, without weights: the tiny
+    models, or a model whose config.json is in a local folder (the embedded one once prepared); None for a hub id
+    (its config is read when the run loads it)."""
+    if name in TINY_MODELS:
+        with torch.device("meta"):
+            build = build_tiny_model if name == "tiny" else build_tiny_moe
+            spec = (TinyModelSpec if name == "tiny" else TinyMoeSpec)(**(tiny or {}))
+            return build(char_tokenizer(), spec, 0)
+    folder = cache_dir() / EMBEDDED_NAME if name == EMBEDDED_NAME else Path(name)
+    if not (folder / "config.json").is_file():
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
 
 
 # generation_config fields that reshape the next-token distribution beyond temperature / top-p / top-k (which the

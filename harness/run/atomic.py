@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -318,6 +319,16 @@ def _writer_alive(path: Path) -> bool:
     except (OSError, OverflowError):  # no such process
         return False
     return True
+
+
+def special_file(path: Path) -> bool:
+    """Whether ``path`` (a link followed) is there and neither a regular file nor a folder: a named pipe, a socket or a
+    device, which a read or a write would block on or take what no run wrote from."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # absent, or a link to nothing
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def nearest_existing(folder: Path) -> tuple[Path, str | None]:

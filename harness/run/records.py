@@ -45,6 +45,7 @@ from harness.run.atomic import (
     check_writable,
     disk_full_error,
     remove_stale_temporaries,
+    special_file,
     to_file,
     write_temporary,
 )
@@ -236,8 +237,8 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     `accelerate launch`, which write nothing of the run and may find the main one holding the lock): the settings
     are compared, the folder is neither probed for writing nor for its lock."""
     if main:
-        check_writable(run_dir)
         check_run_folder(run_dir)
+        check_writable(run_dir)
         check_lock_file(run_dir / RUN_LOCK)
     if main and probe_lock and is_held(run_dir / RUN_LOCK):
         raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
@@ -271,12 +272,22 @@ BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|traceback\.txt"
 
 
 def check_run_folder(run_dir: Path) -> None:
-    """Refuse (ConfigError) a folder that holds files but no run. config.yaml is the first file a run writes (a
-    sweep writes it before the run starts); before it, a run's folder holds at most its lock, the log its launcher
-    appends to, config.yaml's own temporary and the traceback of an attempt that failed first. Anything else is not
-    the run's: the run would write over it (metrics.jsonl, summary.json) or remove it as a killed write's leftover
-    (a ``*.tmp``)."""
-    if not run_dir.is_dir() or (run_dir / "config.yaml").exists():
+    """Refuse (ConfigError) a run folder that is a link (a run is not written through one), one that holds a named
+    pipe, socket or device (a read or write of it would block, or take what no run wrote), and a folder that holds
+    files but no run. config.yaml is the first file a run writes (a sweep writes it before the run starts); before
+    it, a run's folder holds at most its lock, the log its launcher appends to, config.yaml's own temporary and the
+    traceback of an attempt that failed first. Anything else is not the run's: the run would write over it
+    (metrics.jsonl, summary.json) or remove it as a killed write's leftover (a ``*.tmp``)."""
+    if run_dir.is_symlink():
+        raise ConfigError(f"{run_dir} is a symbolic link: a run is not written through one; give the folder it "
+                          f"points to ({run_dir.resolve()}) or another --run-dir")
+    if not run_dir.is_dir():
+        return
+    special = sorted(p.name for p in run_dir.iterdir() if special_file(p))
+    if special:
+        raise ConfigError(f"{run_dir / special[0]} is not a regular file (a named pipe, a socket or a device): the run "
+                          "reads and writes its files there; remove it, or give another --run-dir")
+    if (run_dir / "config.yaml").exists():
         return
     foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
     if foreign:
