@@ -396,6 +396,20 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_before_the_warm_start(tmp
     assert not (tmp_path / "results").exists()
 
 
+def test_a_relative_cache_folder_is_refused_before_anything_is_made(tmp_path, capsys, monkeypatch):
+    """A relative RLVR_CACHE is found in each process's own working folder (a sweep's workers, a cluster's jobs):
+    another cache per process, or one made inside the checkout."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLVR_CACHE", "relcache")
+    warm = ["model.warm_start_steps=5", "model.warm_start_target=null"]
+    assert main(["train", "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"config error: RLVR_CACHE='relcache' is a relative path: each process (a sweep's runs, a "
+                   f"cluster's jobs) would find it in its own working folder; give an absolute path, e.g. "
+                   f"RLVR_CACHE={tmp_path / 'relcache'}\n")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
     """Refused before the run starts, not after its header with 'NotADirectoryError ... (no traceback file: ...)'

@@ -323,8 +323,13 @@ def check_cache(run: DictConfig) -> None:
 
 
 def check_cache_folder() -> None:
-    """ConfigError (one line) when :func:`cache_dir` cannot be made: a file on its path, a link to nothing."""
+    """ConfigError (one line) when :func:`cache_dir` is relative (each process, a sweep's or a cluster's, would
+    resolve it in its own working folder) or cannot be made: a file on its path, a link to nothing."""
     folder = cache_dir()
+    if not folder.is_absolute():
+        raise ConfigError(f"RLVR_CACHE={os.environ.get('RLVR_CACHE')!r} is a relative path: each process (a sweep's "
+                          f"runs, a cluster's jobs) would find it in its own working folder; give an absolute path, "
+                          f"e.g. RLVR_CACHE={folder.absolute()}")
     parent, problem = nearest_existing(folder)
     if problem or not parent.is_dir():
         raise ConfigError(f"cannot use the cache folder {folder} ($RLVR_CACHE): "
