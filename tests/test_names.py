@@ -97,6 +97,17 @@ def test_epsilon_maps_only_where_the_objective_has_it(tmp_path):
         tiny_run(tmp_path, "sweep.grid.objective.name=[cispo,grpo]", "epsilon_high=5")
 
 
+def test_a_trl_name_given_as_a_hyperparameter_is_named_with_ours(tmp_path):
+    """`objective.params.epsilon=0.2`: TRL's name where ours is wanted; the error says which of ours it is."""
+    with pytest.raises(ConfigError) as error:
+        tiny_run(tmp_path, "objective.params.epsilon=0.2")
+    assert str(error.value).endswith("; `epsilon` is TRL's name: give epsilon=... on its own (translated) or "
+                                     "objective.params.clip_low (`python -m harness explain epsilon`)")
+    with pytest.raises(ConfigError) as error:
+        tiny_run(tmp_path, "objective.params.bogus=0.2")
+    assert "TRL's name" not in str(error.value)
+
+
 def test_explain_prints_meaning_default_trl_and_verl(capsys):
     assert main(["explain", "train.group_size"]) == 0
     out = capsys.readouterr().out
@@ -112,6 +123,16 @@ def test_explain_prints_meaning_default_trl_and_verl(capsys):
     assert all(f"{key} = " in out for key in names.schema_keys())
     assert main(["explain", "group_sise"]) == 2
     assert "Did you mean train.group_size?" in capsys.readouterr().err
+
+
+def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
+    assert main(["explain", ""]) == 0 and "train.steps = " in capsys.readouterr().out  # the whole table
+    assert main(["explain", "TRAIN.STEPS"]) == 2 and "Did you mean train.steps?" in capsys.readouterr().err
+    assert main(["explain", "grpo"]) == 2
+    assert "grpo is an objective: objective.name=grpo (python -m harness list)." in capsys.readouterr().err
+    assert main(["explain", "x" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 300 and "x" * 77 + "..." in err
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")

@@ -37,7 +37,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.run.aliases import translate_overrides
+from harness.run.aliases import ALIASES, translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
 from objectives import ADVANTAGES, OBJECTIVES, get_objective
@@ -647,7 +647,11 @@ def _check_objective(run: DictConfig) -> None:
         if run.objective.advantage is not None:
             ADVANTAGES.get(run.objective.advantage)
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+        trl = sorted(set(run.objective.params) & set(ALIASES)) if run.objective.name in OBJECTIVES.names() else []
+        trl = [name for name in trl if name not in OBJECTIVES.get(run.objective.name).hyperparameters()]
+        raise ConfigError(str(e) + (f"; `{trl[0]}` is TRL's name: give {trl[0]}=... on its own (translated) or "
+                                    f"{ALIASES[trl[0]].key} (`python -m harness explain {trl[0]}`)"
+                                    if trl else "")) from None
     estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
     if run.train.group_size == 1:
         _check_single_sample_groups(estimator)

@@ -413,7 +413,7 @@ def find(query: str) -> list[Name]:
 
 def explain(query: str | None = None) -> str:
     """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown."""
-    if query is None:
+    if query is None or not query.strip():
         lines = []
         for n in all_names():
             lines += [f"{n.key} = {default(n.key) if not n.key.startswith('objective.params.') else '(per objective)'}",
@@ -423,10 +423,14 @@ def explain(query: str | None = None) -> str:
     if not rows:
         keys = by_key()
         leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
-        close = difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
+        close = [k for k in [*keys, *ALIASES] if k.lower() == query.lower()]
+        close = close or difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
         close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no config key, TRL or verl name {query!r}.{hint} The whole table: python -m harness explain")
+        hint = (f" Did you mean {', '.join(close)}?" if close else
+                f" {query} is an objective: objective.name={query} (python -m harness list)."
+                if query in OBJECTIVES.names() else "")
+        shown = repr(query if len(query) <= 80 else query[:77] + "...")
+        raise KeyError(f"no config key, TRL or verl name {shown}.{hint} The whole table: python -m harness explain")
     out = []
     if query in ALIASES:
         a = ALIASES[query]
