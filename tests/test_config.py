@@ -298,6 +298,19 @@ def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
     assert str(e.value).startswith(f"bad override {shown!r}: ") and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.target_modules=q_proj",
+     "model.lora.target_modules takes a list: give model.lora.target_modules=[a,b]"),
+    ("logging.backends=jsonl", "logging.backends takes a list: give logging.backends=[a,b]"),
+    ("logging.project=", "logging.project takes a value: give logging.project=<value> (nothing after = means null"),
+])
+def test_a_scalar_for_a_list_or_nothing_for_a_value_says_what_to_give(override, message):
+    """Not OmegaConf's "AnyNode is not a ListConfig, TupleConfig, list, or tuple" / "Incompatible value 'None'"."""
+    with pytest.raises(ConfigError) as e:
+        load_experiment("quickstart", [override])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
 def test_a_value_given_to_a_whole_section_names_the_section(tmp_path):
     """`train: 3` says what the section must be, not 'Merge error: int is not a subclass of TrainConfig'
     (docs/hostile_pass.md, case 62)."""

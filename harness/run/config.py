@@ -356,6 +356,10 @@ def _explain(e: OmegaConfBaseException) -> str:
         key = sections[0] if sections else merge[2]
         return (f"{key} is a section of settings, not a value: got {key}={merge[3]}; give its keys (e.g. "
                 f"{key}.<key>=..., or `{key}:` then indented `<key>: ...` in a file)")
+    if key and "is not a ListConfig" in msg:  # a scalar where a list is wanted
+        return f"{key} takes a list: give {key}=[a,b] (in a file: `[a, b]`)"
+    if key and msg.startswith("Incompatible value 'None'"):  # `key=` (nothing after =) on the command line
+        return f"{key} takes a value: give {key}=<value> (nothing after = means null, which it does not take)"
     return f"invalid config value at {key!r}: {msg}" if key else f"invalid config: {msg}"
 
 
