@@ -171,6 +171,8 @@ def test_lora_settings_are_checked_in_one_line(tmp_path):
     ("tiny", "[q_proj,nonexistent]", "nonexistent matches no module of tiny"),  # peft alone ignores it
     ("tiny_moe", "[q_proj,qkv,gate_proj,up_proj]", "qkv matches no module of tiny_moe"),
     ("tiny_moe", "[q_proj,gate_proj]", "without also targeting up_proj"),  # fused in the experts' stacked weights
+    ("tiny", "[q_proj,lm_head]", "lm_head is the model's embeddings or LM head, which stay frozen"),  # (tied here)
+    ("tiny", "[embed_tokens]", "embed_tokens is the model's embeddings or LM head"),
 ])
 def test_target_modules_the_model_lacks_are_refused_before_the_run_folder(tmp_path, capsys, model, targets, said):
     from harness.apps.cli import main

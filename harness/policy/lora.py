@@ -71,9 +71,9 @@ def check_lora(run: DictConfig) -> None:
 
 @functools.cache
 def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | None:
-    """Why ``targets`` do not all name modules of model ``name`` (peft's adapters on its skeleton on the meta device,
-    before any run folder is made), or None; None too for a model whose modules are not known before it loads (a
-    hub id: the run checks them then, :func:`with_adapters`)."""
+    """Why ``targets`` do not all name linear layers of model ``name``'s blocks (peft's adapters on its skeleton on
+    the meta device, before any run folder is made; not its embeddings or LM head), or None; None too for a model
+    whose modules are not known before it loads (a hub id: the run checks them then, :func:`with_adapters`)."""
     from peft import LoraConfig, get_peft_model
 
     from harness.policy.models import skeleton
@@ -81,6 +81,12 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
     model = skeleton(name, json.loads(tiny))
     if model is None:
         return None
+    ends = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    frozen = [n for n, module in model.named_modules() if id(module) in ends]
+    named = sorted({t for t in targets if any(n == t or n.endswith(f".{t}") for n in frozen)})
+    if named:  # peft would adapt them (tied ones with a warning); the harness keeps them frozen
+        return (f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} the model's embeddings or LM head, which "
+                "stay frozen (docs/lora.md, Limits)")
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
