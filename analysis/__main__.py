@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
                         "several: one report over all their runs, a run held by two folders counted once "
                         "(analysis/combine.py)")
     parser.add_argument("--out", help="output folder (default: <results>/report; several folders: <a>+<b>/report "
-                        "beside the first)")
+                        "beside the first; needed for folders of one name)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing rolling mean over N steps of the train "
                         "metrics in the curves (default 1: no smoothing; eval accuracy is never smoothed)")
     parser.add_argument("--formats", default="png,pdf", help="figure formats besides the PNG the report embeds: "

@@ -14,7 +14,8 @@ Everything else is as for one folder: the runs of all folders are told apart by 
 (analysis/cells.py), never by the folder they were read from; the verdict's baseline is the one the folders'
 sweeps name, none when they name different ones (then ``--baseline`` or the default rule,
 analysis.paired.default_baseline); the grid's objectives are the folders' in order. The report goes to
-``<first folder's parent>/<a>+<b>/report/`` unless ``--out`` says otherwise.
+``<first folder's parent>/<a>+<b>/report/`` unless ``--out`` says otherwise (folders of one name need ``--out``:
+analysis/report.py ``check_default_folder``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from analysis import axes, paired, plots, scaling, timing, verdict
 from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
 from analysis.cells import CODE, START_SEED, Cells, show
-from analysis.combine import load_experiments
+from analysis.combine import combined_dir, load_experiments, named
 from analysis.latex import write_tables
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment
 from analysis.stats import (
@@ -415,6 +415,17 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
     return made, coincide, left_out
 
 
+def check_default_folder(exp_dir: str | Path | list[str | Path], out: str | Path | None) -> None:
+    """Several folders of one name (``a/x``, ``b/x``) without ``--out``: refused (AnalysisError). Their default folder,
+    ``x+x`` beside the first, is every such pair's: another pair's report would replace this one."""
+    dirs = [Path(d) for d in (exp_dir if isinstance(exp_dir, list | tuple) else [exp_dir])]
+    names = [named(d).name for d in dirs]
+    if out is None and len(dirs) > 1 and len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise AnalysisError(f"the folders share the name {', '.join(twice)}: the default report folder "
+                            f"({combined_dir(dirs) / 'report'}) would be any such pair's; give --out")
+
+
 def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None = None, smooth: int = 1,
                  formats: tuple[str, ...] = ("png", "pdf"), paper: bool = False, baseline: str | None = None,
                  latex: bool = False) -> Path:
@@ -430,6 +441,7 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
     if unknown:
         raise AnalysisError(f"unknown figure format(s) {', '.join(sorted(unknown))}; use png, pdf or svg")
     formats = ["png"] + [f for f in formats if f != "png"] + (["pdf"] if paper and "pdf" not in formats else [])
+    check_default_folder(exp_dir, out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AnalysisWarning)
         exp = load_experiments(exp_dir if isinstance(exp_dir, list | tuple) else [exp_dir])

@@ -276,3 +276,16 @@ def test_make_plots_passes_several_experiments_and_latex():
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
                            "EXP=a,b", "PAPER=1", "LATEX=1", "PY=python"], capture_output=True, text=True, check=True)
     assert made.stdout.split() == ["python", "-m", "analysis", "results/a", "results/b", "--paper", "--latex"]
+
+
+def test_folders_of_one_name_need_their_own_report_folder(tmp_path, capsys):
+    """`a/x b/x` then `a/x c/x` would both write `a/x+x/report`: the second replaced the first pair's report."""
+    folders = [fake_experiment(tmp_path / parent / "x", [fake_run(tmp_path / parent / "x", "grpo", 0)])
+               for parent in ("a", "b")]
+    assert main([*map(str, folders), "--formats", "png"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: the folders share the name x: the default report folder "
+                        f"({tmp_path / 'a' / 'x+x' / 'report'}) would be any such pair's; give --out\n"), err
+    assert not (tmp_path / "a" / "x+x").exists()
+    assert main([*map(str, folders), "--formats", "png", "--out", str(tmp_path / "both")]) == 0
+    assert (tmp_path / "both" / "report.md").is_file()
