@@ -486,8 +486,11 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
         warn(f"{exp_dir / 'manifest.json'}: missing or lists no runs; analysing the {len(found)} run folders found")
     entries += found
     if not entries:
-        raise AnalysisError(f"no runs in {exp_dir}: no manifest.json listing runs and no run folders (a folder "
-                            "with a summary.json or metrics.jsonl)")
+        lab = (exp_dir / "batches").is_dir() and (exp_dir / "config.yaml").is_file()  # harness/apps/lab.py's folder
+        raise AnalysisError(f"no runs in {exp_dir}: " + (
+            "it holds a gradient lab's batches, whose report the lab writes itself (its report/ folder; `python -m "
+            "harness lab` with the same settings, or `make lab`, writes it again)" if lab else
+            "no manifest.json listing runs and no run folders (a folder with a summary.json or metrics.jsonl)"))
     loaded = [load_run(exp_dir, e) for e in entries]
     for run, *_ in loaded:
         run["source"] = label

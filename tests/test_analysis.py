@@ -406,6 +406,10 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     assert main([str(tmp_path / "empty")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no runs in")
+    (tmp_path / "lab" / "batches").mkdir(parents=True)  # a gradient lab's folder: its report is the lab's
+    (tmp_path / "lab" / "config.yaml").write_text("name: lab\n")
+    with pytest.raises(AnalysisError, match="it holds a gradient lab's batches, whose report the lab writes itself"):
+        load_experiment(tmp_path / "lab")
     proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "nope")], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 1 and proc.stderr.strip() == (
