@@ -102,6 +102,10 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
         tiny_run(tmp_path, "logging.backends=[jsonl,wandb]")
     assert str(error.value) == ('logging.backends: wandb is not installed: pip install -e ".[track]" '
                                 "(or pip install wandb)")
+    for project in ("../../x", "a\nb", "team/proj", ""):  # checked before the tracker is looked for
+        with pytest.raises(ConfigError, match="a tracker project is one name of letters, digits and . _ -, not a path"):
+            tiny_run(tmp_path, "logging.backends=[jsonl,trackio]", f"logging.project='{project}'")
+    tiny_run(tmp_path, "logging.project='../../x'")  # jsonl alone: no project is used
 
 
 @pytest.mark.slow  # an end-to-end run in this process: make test

@@ -32,6 +32,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -44,10 +45,14 @@ from harness.run.errors import ConfigError
 INSTALL = 'pip install -e ".[track]"'
 
 
+PROJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # logging.project of wandb / trackio
+
+
 @register_check("tracking")
 def check_trackers(run: DictConfig) -> None:
-    """``logging.backends``: a one-line ConfigError for an unknown tracker, a list without jsonl, or a tracker that is
-    not installed. (A run's config.yaml from before the logging section has none: jsonl only.)"""
+    """``logging.backends``: a one-line ConfigError for an unknown tracker, a list without jsonl, a wandb / trackio
+    project that is not one name (``../x``, a line break), or a tracker that is not installed. (A run's config.yaml
+    from before the logging section has none: jsonl only.)"""
     backends = list(OmegaConf.select(run, "logging.backends", default=None) or ["jsonl"])
     for name in backends:
         if name not in TRACKERS:
@@ -58,6 +63,10 @@ def check_trackers(run: DictConfig) -> None:
         example = ",".join(["jsonl", *backends] if backends else ["jsonl", "tensorboard"])
         raise ConfigError("logging.backends must include jsonl (metrics.jsonl is what analysis, resume and the report "
                           f"read); add trackers beside it: logging.backends=[{example}]")
+    project = OmegaConf.select(run, "logging.project", default=None)
+    if {"wandb", "trackio"} & set(backends) and not PROJECT_NAME.fullmatch(str(project)):
+        raise ConfigError(f"logging.project {str(project)[:80]!r}: a tracker project is one name of letters, digits "
+                          "and . _ -, not a path")
     missing = [name for name in backends
                if TRACKERS[name].requires and importlib.util.find_spec(TRACKERS[name].requires) is None]
     if missing:
