@@ -102,10 +102,14 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
         tiny_run(tmp_path, "logging.backends=[jsonl,wandb]")
     assert str(error.value) == ('logging.backends: wandb is not installed: pip install -e ".[track]" '
                                 "(or pip install wandb)")
-    for project in ("../../x", "a\nb", "team/proj", ""):  # checked before the tracker is looked for
-        with pytest.raises(ConfigError, match="a tracker project is one name of letters, digits and . _ -, not a path"):
-            tiny_run(tmp_path, "logging.backends=[jsonl,trackio]", f"logging.project='{project}'")
+    for project in ("'../../x'", '"a\\nb"', "team/proj", "''", ".hidden", "'a\\b'"):  # before the tracker is looked for
+        with pytest.raises(ConfigError, match="a tracker project is one name, not empty, not a path"):
+            tiny_run(tmp_path, "logging.backends=[jsonl,trackio]", f"logging.project={project}")
     tiny_run(tmp_path, "logging.project='../../x'")  # jsonl alone: no project is used
+    with pytest.raises(ConfigError, match="trackio is not installed"):  # a name with a space passes the name check
+        real_find = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "trackio" else real_find(n, *a))
+        tiny_run(tmp_path, "logging.backends=[jsonl,trackio]", "logging.project='My project-2'")
 
 
 @pytest.mark.slow  # an end-to-end run in this process: make test

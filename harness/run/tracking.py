@@ -45,7 +45,7 @@ from harness.run.errors import ConfigError
 INSTALL = 'pip install -e ".[track]"'
 
 
-PROJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # logging.project of wandb / trackio
+NOT_A_NAME = re.compile(r"^$|^\.|[/\\]|[^ -~\u00a0-\U0010ffff]")  # empty, .., a path, a control character
 
 
 @register_check("tracking")
@@ -64,9 +64,9 @@ def check_trackers(run: DictConfig) -> None:
         raise ConfigError("logging.backends must include jsonl (metrics.jsonl is what analysis, resume and the report "
                           f"read); add trackers beside it: logging.backends=[{example}]")
     project = OmegaConf.select(run, "logging.project", default=None)
-    if {"wandb", "trackio"} & set(backends) and not PROJECT_NAME.fullmatch(str(project)):
-        raise ConfigError(f"logging.project {str(project)[:80]!r}: a tracker project is one name of letters, digits "
-                          "and . _ -, not a path")
+    if {"wandb", "trackio"} & set(backends) and NOT_A_NAME.search(str(project)):
+        raise ConfigError(f"logging.project {str(project)[:80]!r}: a tracker project is one name, not empty, not a "
+                          "path (no / or \\, no leading .) and without line breaks")
     missing = [name for name in backends
                if TRACKERS[name].requires and importlib.util.find_spec(TRACKERS[name].requires) is None]
     if missing:
