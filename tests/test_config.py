@@ -146,6 +146,21 @@ def test_the_run_id_leaves_out_the_memory_settings_but_eval_batch_size_with_pass
     assert run_id(OmegaConf.merge(run, {"train": {"micro_batch_size": 16}})) != run_id(run)
 
 
+def test_the_run_id_leaves_out_the_settings_of_adapters_a_run_does_not_have():
+    """At model.lora.rank=0 (no adapters) alpha, dropout and the target modules change nothing: the same run, the
+    same id (they made another run folder of the same run); with adapters each is part of the run."""
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    inert = ["model.lora.alpha=8", "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]"]
+    assert all(run_id(OmegaConf.merge(run, OmegaConf.from_dotlist([o]))) == run_id(run) for o in inert)
+    adapted = OmegaConf.merge(run, {"model": {"lora": {"rank": 4}}})
+    assert run_id(adapted) != run_id(run)
+    assert all(run_id(OmegaConf.merge(adapted, OmegaConf.from_dotlist([o]))) != run_id(adapted) for o in inert)
+    with pytest.raises(ConfigError, match=r"sweep.grid.model.lora.alpha: 8 and 16 make the same run \(LoRA's "
+                       r"settings change nothing at model.lora.rank=0 \(no adapters\)\)"):
+        run_configs(load_experiment("base", ["sweep.grid.model.lora.alpha=[8,16]"]))
+    assert len(run_configs(load_experiment("base", ["model.lora.rank=2", "sweep.grid.model.lora.alpha=[8,16]"]))) == 2
+
+
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
     assert trl.backend == "trl" and trl.train.save_every == 5

@@ -186,6 +186,26 @@ def test_target_modules_the_model_lacks_are_refused_before_the_run_folder(tmp_pa
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("targets, rank, said", [
+    ("[q_proj,gate_proj]", 33, "model.lora.rank=33 is above 32, the smaller side of model.layers.0.mlp.gate_proj "
+     "(64 x 32)"),
+    ("[gate_proj]", 100000, "above 32, the smaller side of model.layers.0.mlp.gate_proj (64 x 32)")])
+def test_a_rank_above_a_layers_smaller_side_is_refused_before_the_run_folder(tmp_path, capsys, targets, rank, said):
+    """B A on a layer of m x n has rank at most min(m, n): a larger rank only adds parameters and memory (100000 on
+    SmolLM2's 210 adapted layers would allocate tens of GB before the first step)."""
+    from harness.apps.cli import main
+    from harness.run.config import load_experiment, run_configs, validate
+    from tests.helpers.tiny import TINY_RUN
+
+    args = ["train", "base", *TINY_RUN, f"model.lora.target_modules={targets}", f"results_dir={tmp_path / 'r'}"]
+    assert main([*args, f"model.lora.rank={rank}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and said in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+    validate(run_configs(load_experiment("base", [*TINY_RUN, f"model.lora.target_modules={targets}",
+                                                  "model.lora.rank=32"]))[0])  # full rank: taken
+
+
 def test_a_mixture_of_experts_merged_export_is_the_adapted_policy(tmp_path):
     """peft's LoRA over tiny_moe's stacked expert weights is no linear layer: the merged export falls back to peft's
     merge of a copy, the policy untouched."""

@@ -96,6 +96,8 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
         tiny_run(tmp_path, "logging.backends=[jsonl,tensorbord]")
     with pytest.raises(ConfigError, match=r"must include jsonl .* logging.backends=\[jsonl,tensorboard\]"):
         tiny_run(tmp_path, "logging.backends=[tensorboard]")
+    with pytest.raises(ConfigError, match=r"must include jsonl .* logging.backends=\[jsonl\]$"):  # was jsonl alone,
+        tiny_run(tmp_path, "logging.backends=[]")  # silently, while [tensorboard] was refused
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError) as error:

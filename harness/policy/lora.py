@@ -67,6 +67,26 @@ def check_lora(run: DictConfig) -> None:
                              tuple(targets))
     if reason:
         raise targets_error(targets, reason)
+    bound = rank_bound(run.model.name, json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True),
+                       tuple(targets))
+    if bound and lora.rank > bound[0]:
+        raise ConfigError(f"model.lora.rank={lora.rank} is above {bound[0]}, the smaller side of {bound[1]}, a layer it "
+                          f"adapts: the update B A has rank at most {bound[0]} whatever the rank, so a larger one only "
+                          f"adds parameters and memory; give at most {bound[0]}")
+
+
+@functools.cache
+def rank_bound(name: str, tiny: str, targets: tuple[str, ...]) -> tuple[int, str] | None:
+    """The smallest min(in_features, out_features) of the linear layers of model ``name`` that ``targets`` name, and
+    that layer's name and shape (on its skeleton, :func:`targets_refused`), or None where the modules are not known
+    before the model loads or no plain linear layer is named (an MoE's stacked experts)."""
+    from harness.policy.models import skeleton
+
+    model = skeleton(name, json.loads(tiny))
+    named = [(min(m.in_features, m.out_features), f"{n} ({m.out_features} x {m.in_features})")
+             for n, m in (model.named_modules() if model is not None else ())
+             if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith(f".{t}") for t in targets)]
+    return min(named) if named else None
 
 
 @functools.cache

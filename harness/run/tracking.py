@@ -53,14 +53,15 @@ def check_trackers(run: DictConfig) -> None:
     """``logging.backends``: a one-line ConfigError for an unknown tracker, a list without jsonl, a wandb / trackio
     project that is not one name (``../x``, a line break), or a tracker that is not installed. (A run's config.yaml
     from before the logging section has none: jsonl only.)"""
-    backends = list(OmegaConf.select(run, "logging.backends", default=None) or ["jsonl"])
+    given = OmegaConf.select(run, "logging.backends", default=None)
+    backends = ["jsonl"] if given is None else list(given)
     for name in backends:
         if name not in TRACKERS:
             close = difflib.get_close_matches(str(name), TRACKERS, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"logging.backends: unknown backend {name!r}.{hint} Backends: {', '.join(TRACKERS)}")
     if "jsonl" not in backends:
-        example = ",".join(["jsonl", *backends] if backends else ["jsonl", "tensorboard"])
+        example = ",".join(["jsonl", *backends])  # [] too: jsonl alone is a run without trackers
         raise ConfigError("logging.backends must include jsonl (metrics.jsonl is what analysis, resume and the report "
                           f"read); add trackers beside it: logging.backends=[{example}]")
     project = OmegaConf.select(run, "logging.project", default=None)
