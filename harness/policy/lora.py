@@ -63,16 +63,15 @@ def check_lora(run: DictConfig) -> None:
         raise ConfigError(f"model.lora.target_modules must name the linear layers to adapt (e.g. [q_proj, v_proj]), "
                           f"got {targets}")
     tiny = run.model.get("tiny")
-    reason = targets_refused(run.model.name, json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True),
-                             tuple(targets))
+    shape = json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True)  # the tiny models' (cache key)
+    reason = targets_refused(run.model.name, shape, tuple(targets))
     if reason:
         raise targets_error(targets, reason)
-    bound = rank_bound(run.model.name, json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True),
-                       tuple(targets))
+    bound = rank_bound(run.model.name, shape, tuple(targets))
     if bound and lora.rank > bound[0]:
-        raise ConfigError(f"model.lora.rank={lora.rank} is above {bound[0]}, the smaller side of {bound[1]}, a layer it "
-                          f"adapts: the update B A has rank at most {bound[0]} whatever the rank, so a larger one only "
-                          f"adds parameters and memory; give at most {bound[0]}")
+        raise ConfigError(f"model.lora.rank={lora.rank} is above {bound[0]}, the smaller side of {bound[1]}, a layer "
+                          f"it adapts: the update B A has rank at most {bound[0]} whatever the rank, so a larger one "
+                          f"only adds parameters and memory; give at most {bound[0]}")
 
 
 @functools.cache
