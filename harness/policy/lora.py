@@ -74,6 +74,11 @@ def check_lora(run: DictConfig) -> None:
                           f"only adds parameters and memory; give at most {bound[0]}")
 
 
+def names(module: str, target: str) -> bool:
+    """Whether peft's ``target_modules`` entry ``target`` names the module ``module`` (its full name or last parts)."""
+    return module == target or module.endswith(f".{target}")
+
+
 @functools.cache
 def rank_bound(name: str, tiny: str, targets: tuple[str, ...]) -> tuple[int, str] | None:
     """The smallest min(in_features, out_features) of the linear layers of model ``name`` that ``targets`` name, and
@@ -84,7 +89,7 @@ def rank_bound(name: str, tiny: str, targets: tuple[str, ...]) -> tuple[int, str
     model = skeleton(name, json.loads(tiny))
     named = [(min(m.in_features, m.out_features), f"{n} ({m.out_features} x {m.in_features})")
              for n, m in (model.named_modules() if model is not None else ())
-             if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith(f".{t}") for t in targets)]
+             if isinstance(m, torch.nn.Linear) and any(names(n, t) for t in targets)]
     return min(named) if named else None
 
 
@@ -102,7 +107,7 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
         return None
     ends = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     frozen = [n for n, module in model.named_modules() if id(module) in ends]
-    named = sorted({t for t in targets if any(n == t or n.endswith(f".{t}") for n in frozen)})
+    named = sorted({t for t in targets if any(names(n, t) for n in frozen)})
     if named:  # peft would adapt them (tied ones with a warning); the harness keeps them frozen
         return (f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} the model's embeddings or LM head, which "
                 "stay frozen (docs/lora.md, Limits)")
@@ -119,7 +124,7 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
         target for wanted, found in ((settings.target_modules, adapted.targeted_module_names),
                                      (getattr(settings, "target_parameters", None) or (),
                                       getattr(adapted, "targeted_parameter_names", None) or ()))
-        for target in wanted if not any(n == target or n.endswith(f".{target}") for n in found))
+        for target in wanted if not any(names(n, target) for n in found))
     return f"{', '.join(unmatched)} {'matches' if len(unmatched) == 1 else 'match'} no module of {name}" \
         if unmatched else None
 
