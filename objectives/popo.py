@@ -202,6 +202,8 @@ class POPO(Objective):
             raise ValueError(f"objective 'popo': tau (EMA momentum) must be in [0, 1], got {self.tau}")
         if self.predictor_layers < 2:
             raise ValueError(f"objective 'popo': predictor_layers must be >= 2, got {self.predictor_layers}")
+        if self.predictor_hidden_dim < 1:  # width 0: the predictor's output is its last bias, whatever its input
+            raise ValueError(f"objective 'popo': predictor_hidden_dim must be >= 1, got {self.predictor_hidden_dim}")
 
     def __post_init__(self):
         super().__post_init__()

@@ -34,6 +34,7 @@ def test_help_imports_neither_torch_nor_transformers(args):
     (["sweep", "quickstart", "--bogus"], "unrecognized arguments: --bogus"),
     (["zoo", "--objectives", "grpo,,gspo"], "an empty name"),
     (["sweep", "quickstart", "--launcher", "k8s"], "invalid choice: 'k8s'"),
+    (["zoo", "--seeds", "10000"], "--seeds: must be at most 100"),  # it planned for minutes without a word
 ])
 def test_a_mistyped_option_is_one_line_before_torch_is_imported(args, message):
     done, imported = harness_importing(*args)

@@ -195,6 +195,13 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
             lab_config(load_experiment("base", [*base, *override.split()]))
     with pytest.raises(ConfigError, match="num_minibatches"):
         lab_config(load_experiment("base", [*base, "train.num_minibatches=1", "lab.staleness=[0,1]"]))
+    with pytest.raises(ConfigError, match=r"lab.mismatch must be distinct samplers, got \['temperature', "
+                       r"'temperature'\]"):  # its points counted each batch twice
+        lab_config(load_experiment("base", [*base, "lab.mismatch=[temperature,temperature]"]))
+    with pytest.raises(ConfigError, match=r"lab.params.dapo: the lab runs no dapo \(lab.objectives: .*; add it to "
+                       r"lab.objectives or drop its params"):  # they were recorded and changed nothing
+        lab_config(load_experiment("base", [*base, "lab.objectives=[grpo,gspo]",
+                                            "lab.params={dapo: {clip_high: 0.9}}"]))
 
 
 LAB_RUN = ["lab.objectives=[grpo,gspo,gspo_token,cispo]", "lab.batches=3", "lab.staleness=[0,2]",

@@ -299,3 +299,11 @@ def test_trl_backend_and_gradient_lab_refuse_popo_in_one_line(tmp_path):
                            "leave it out of lab.objectives and lab.mover$"):
             validate_lab(load_experiment("lab", [override]))
     assert "popo" not in lab_objectives(load_experiment("lab", []))  # "every objective" means those it can evaluate
+
+
+@pytest.mark.parametrize("setting, said", [("predictor_hidden_dim=0", "predictor_hidden_dim must be >= 1, got 0"),
+                                           ("predictor_layers=1", "predictor_layers must be >= 2, got 1")])
+def test_a_predictor_without_width_or_depth_is_refused_before_the_run(setting, said):
+    """A predictor of width 0 outputs its last bias whatever its input: the run trained on a constant prediction."""
+    with pytest.raises(ConfigError, match=said):
+        run_configs(load_experiment("quickstart", ["objective.name=popo", f"objective.params.{setting}"]))

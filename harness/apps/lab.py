@@ -135,6 +135,11 @@ def validate_lab(cfg: DictConfig) -> None:
     unknown = sorted(set(lab.params) - set(OBJECTIVES.names()))
     if unknown:
         raise ConfigError(f"lab.params: {OBJECTIVES.unknown_message(unknown[0])}")
+    unused = sorted(set(lab.params) - {*lab.objectives, lab.mover})
+    if unused:
+        raise ConfigError(f"lab.params.{unused[0]}: the lab runs no {unused[0]} (lab.objectives: "
+                          f"{', '.join(lab.objectives)}; lab.mover: {lab.mover}); add it to lab.objectives or drop "
+                          "its params")
     loop_only = [n for n, (_, estimator) in {**lab_objectives(cfg), lab.mover: lab_objective(cfg, lab.mover)}.items()
                    if loop_inputs(estimator)]
     if loop_only:
@@ -150,6 +155,8 @@ def validate_lab(cfg: DictConfig) -> None:
     for sampler in lab.mismatch:
         if sampler not in MISMATCH_SAMPLERS:
             raise ConfigError(f"lab.mismatch entries must be among {', '.join(MISMATCH_SAMPLERS)}, got {sampler!r}")
+    if len(set(lab.mismatch)) != len(lab.mismatch):  # each would be measured twice on the same batches
+        raise ConfigError(f"lab.mismatch must be distinct samplers, got {list(lab.mismatch)}")
     if minibatch_size(t) < 2:
         raise ConfigError(f"lab: the evaluation minibatch holds {minibatch_size(t)} sequence (train.prompts_per_step x "
                           f"train.group_size / train.num_minibatches = {t.prompts_per_step} x {t.group_size} / "

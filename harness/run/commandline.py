@@ -49,6 +49,17 @@ def int_at_least(low: int):
 
 
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+SCREEN_SEEDS_MAX = 100  # zoo --seeds: the screen's seeds per objective and cell (x objectives x cells runs)
+
+
+def screen_seeds(text: str) -> int:
+    """zoo --seeds: 1 to SCREEN_SEEDS_MAX (100 already makes 100 x objectives x cells runs; 10000 planned for
+    minutes without a word)."""
+    value = positive_int(text)
+    if value > SCREEN_SEEDS_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {SCREEN_SEEDS_MAX} (seeds per objective and cell of the "
+                                         f"screen; the confirmation adds its own), got {text!r}")
+    return value
 
 
 def folder(text: str) -> str:
@@ -160,8 +171,8 @@ def add_zoo(sub) -> None:
     zoo.add_argument("--stage", choices=("screen", "confirm", "both"), default="both",
                      help="screen: every objective, one starting policy; confirm: the plan the screen decides, on "
                           "fresh starting policies and seeds; both (default): one, then the other (docs/replicates.md)")
-    zoo.add_argument("--seeds", type=positive_int, help="the screen's seeds per objective and cell (default: "
-                                                        "harness/apps/zoo.py)")
+    zoo.add_argument("--seeds", type=screen_seeds, help="the screen's seeds per objective and cell, at most "
+                                                        f"{SCREEN_SEEDS_MAX} (default: harness/apps/zoo.py)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
     zoo.add_argument("--objectives", type=name_list,
