@@ -333,3 +333,17 @@ def test_a_value_given_to_a_whole_section_names_the_section(tmp_path):
     for args in [(str(tmp_path / "x.yaml"),), ("quickstart", ["model=tiny"])]:
         with pytest.raises(ConfigError, match=r"^(train|model) is a section of settings, not a value: got "):
             load_experiment(*args)
+    with pytest.raises(ConfigError, match=r"^train.rollout_correction is a section of settings, not a value: got "
+                       r"train.rollout_correction=none; give its keys \(e.g. train.rollout_correction.<key>=..."):
+        load_experiment("quickstart", ["train.rollout_correction=none"])  # named its class RolloutCorrectionConfig
+
+
+@pytest.mark.parametrize("text, section", [("train: []\n", "train"), ("train:\n  - steps: 3\n", "train"),
+                                           ("sweep:\n  grid: [1]\n", "sweep.grid")])
+def test_a_list_for_a_section_an_inherited_experiment_has_is_named_in_one_line(tmp_path, text, section):
+    """Over `inherit:` it was omegaconf's traceback (TypeError: Cannot merge incompatible container types)."""
+    (tmp_path / "x.yaml").write_text("inherit: quickstart\n" + text)
+    with pytest.raises(ConfigError, match=rf"x.yaml: {section} is a section of settings in quickstart, not a value or "
+                       r"a list: give its keys as a mapping") as info:
+        load_experiment(str(tmp_path / "x.yaml"))
+    assert "\n" not in str(info.value)

@@ -352,8 +352,7 @@ def _explain(e: OmegaConfBaseException) -> str:
         return f"unknown config key {key!r}.{hint}" + (f" Valid keys here: {', '.join(valid)}." if valid else "")
     merge = re.match(r"Merge error: (\w+) is not a subclass of (\w+)\. value: (.*)", msg)
     if merge and not key:  # `train: 3` in a file or `train=3` on the command line
-        sections = [f.name for f in dataclasses.fields(RunConfig) if getattr(f.type, "__name__", f.type) == merge[2]]
-        key = sections[0] if sections else merge[2]
+        key = next(_sections_of_type(RunConfig(), merge[2]), merge[2])  # `train.rollout_correction=none` too
         return (f"{key} is a section of settings, not a value: got {key}={merge[3]}; give its keys (e.g. "
                 f"{key}.<key>=..., or `{key}:` then indented `<key>: ...` in a file)")
     if key and "is not a ListConfig" in msg:  # a scalar where a list is wanted
@@ -438,7 +437,25 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     parent_path = experiment_path(str(parent))
     if parent_path in seen or parent_path == path:
         raise ConfigError(f"{path}: inherit: {parent} makes a cycle")
-    return OmegaConf.merge(experiment_layer(parent_path, (*seen, path)), layer)
+    underneath = experiment_layer(parent_path, (*seen, path))
+    clash = _section_clash(OmegaConf.to_container(underneath), OmegaConf.to_container(layer))
+    if clash:  # omegaconf's merge would raise a TypeError ("Cannot merge incompatible container types")
+        raise ConfigError(f"{path}: {clash} is a section of settings in {parent}, not a value or a list: give its "
+                          "keys as a mapping (`<key>: ...` lines indented under it)")
+    return OmegaConf.merge(underneath, layer)
+
+
+def _section_clash(under: dict, over: dict, prefix: str = "") -> str | None:
+    """The first key that is a section (a mapping) on one side and a value or a list on the other."""
+    for key in over.keys() & under.keys():
+        a, b = under[key], over[key]
+        if isinstance(a, dict) != isinstance(b, dict) and None not in (a, b):
+            return f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = _section_clash(a, b, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -580,6 +597,16 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             and not run.model.lora.rank else "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
+
+
+def _sections_of_type(node, type_name: str, prefix: str = ""):
+    """The dotted keys of the sections (dataclass fields, at any depth) whose class is named ``type_name``."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            if type(value).__name__ == type_name:
+                yield prefix + f.name
+            yield from _sections_of_type(value, type_name, f"{prefix}{f.name}.")
 
 
 def _dot(value) -> str:
