@@ -410,6 +410,22 @@ def test_a_relative_cache_folder_is_refused_before_anything_is_made(tmp_path, ca
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+@pytest.mark.parametrize("command", [["train", "quickstart"], ["sweep", "quickstart"], ["prepare"]])
+def test_a_cache_folder_that_cannot_be_made_is_refused_before_anything_is_made(tmp_path, capsys, monkeypatch,
+                                                                              command):
+    """RLVR_CACHE=/proc/x (or, for a user other than root, a folder under a read-only one): train had made its run
+    folder and failed with a traceback at the warm start's cache, a sweep left every run pending after two
+    tracebacks, prepare converted the embedded model first."""
+    monkeypatch.setenv("RLVR_CACHE", "/proc/x")
+    warm = ["model.warm_start_steps=5", "model.warm_start_target=null", f"results_dir={tmp_path / 'results'}"]
+    assert main([*command, *(QUICK + warm if command != ["prepare"] else [])]) == 2
+    assert capsys.readouterr().err == ("config error: cannot use the cache folder /proc/x ($RLVR_CACHE): it cannot be "
+                                       "made (No such file or directory); set RLVR_CACHE to a folder, or unset it "
+                                       "(~/.cache/rlvr-harness)\n")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
     """Refused before the run starts, not after its header with 'NotADirectoryError ... (no traceback file: ...)'

@@ -331,6 +331,11 @@ def check_cache_folder() -> None:
                           f"runs, a cluster's jobs) would find it in its own working folder; give an absolute path, "
                           f"e.g. RLVR_CACHE={folder.absolute()}")
     parent, problem = nearest_existing(folder)
+    if not problem and parent.is_dir():
+        try:  # made now, as the run would make it (a folder under /proc, or a read-only one, cannot be)
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problem = f"it cannot be made ({e.strerror or type(e).__name__})"
     if problem or not parent.is_dir():
         raise ConfigError(f"cannot use the cache folder {folder} ($RLVR_CACHE): "
                           f"{problem or f'{parent} is a file, not a folder'}; set RLVR_CACHE to a folder, or unset it "
