@@ -130,6 +130,8 @@ def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert main(["explain", "TRAIN.STEPS"]) == 2 and "Did you mean train.steps?" in capsys.readouterr().err
     assert main(["explain", "grpo"]) == 2
     assert "grpo is an objective: objective.name=grpo (python -m harness list)." in capsys.readouterr().err
+    assert main(["explain", "cispo"]) == 2  # close to clip_low: it suggested objective.params.clip_low
+    assert "cispo is an objective: objective.name=cispo (python -m harness list)." in capsys.readouterr().err
     assert main(["explain", "x" * 5000]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 300 and "x" * 77 + "..." in err
