@@ -161,6 +161,17 @@ def test_the_run_id_leaves_out_the_settings_of_adapters_a_run_does_not_have():
     assert len(run_configs(load_experiment("base", ["model.lora.rank=2", "sweep.grid.model.lora.alpha=[8,16]"]))) == 2
 
 
+def test_a_run_without_adapters_resumes_with_other_lora_settings_but_not_another_rank(tmp_path):
+    """The same run id, so the same run on resume: alpha at rank 0 is no difference; the rank still is."""
+    from harness.run.records import check_resume
+
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    check_resume(OmegaConf.merge(run, {"model": {"lora": {"alpha": 8.0}}}), tmp_path)
+    with pytest.raises(ConfigError, match=r"other settings \(model.lora.rank 0 -> 4, model.lora.alpha null -> 8"):
+        check_resume(OmegaConf.merge(run, {"model": {"lora": {"rank": 4, "alpha": 8.0}}}), tmp_path)
+
+
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
     assert trl.backend == "trl" and trl.train.save_every == 5

@@ -593,8 +593,8 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             raise ConfigError(f"sweep.grid.{key}: where results go and where metrics are sent are not part of a run, "
                               f"so its values make the same runs; run one sweep per value ({key}=...)")
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
-            else "LoRA's settings change nothing at model.lora.rank=0 (no adapters)" if key.startswith("model.lora.") \
-            and not run.model.lora.rank else "equal once parsed"
+            else "LoRA's settings change nothing at model.lora.rank=0 (no adapters)" if unused_lora_setting(run, key) \
+            else "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
 
@@ -629,14 +629,19 @@ def run_id(run: DictConfig) -> str:
         content.get(section, {}).pop(name, None)
         if content.get(section) == {}:
             del content[section]
-    if not run.model.lora.rank:  # nor the settings of adapters a run does not have (rank 0: no LoRA)
-        model = content.get("model", {})
-        lora = {k: v for k, v in model.pop("lora", {}).items() if k == "rank"}
-        model.update({"lora": lora} if lora else {})
-        if content.get("model") == {}:
-            del content["model"]
+    model = content.get("model", {})  # nor the settings of adapters a run does not have (rank 0: no LoRA)
+    lora = {k: v for k, v in model.pop("lora", {}).items() if not unused_lora_setting(run, f"model.lora.{k}")}
+    model.update({"lora": lora} if lora else {})
+    if content.get("model") == {}:
+        del content["model"]
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def unused_lora_setting(run: DictConfig, key: str) -> bool:
+    """Whether ``key`` is a ``model.lora`` setting other than the rank of a run without adapters (rank 0): it changes
+    nothing, so it is neither part of the run id nor a difference on resume."""
+    return not run.model.lora.rank and key.startswith("model.lora.") and key != "model.lora.rank"
 
 
 def memory_settings(run: DictConfig) -> tuple[str, ...]:
