@@ -255,16 +255,27 @@ def display(summary_: pd.DataFrame, snr: pd.DataFrame, axis: str) -> pd.DataFram
 
 
 CODE_FILE = "code.json"  # a lab's folder: the code record (harness/run/provenance.py) of what measured its batches
+POLICY_FILE = "policy.json"  # a lab's folder: the digest of the policy whose gradients its batches measured
 
 
 def lab_version(folder: Path) -> str | None:
     """The code version that measured the lab's batches (``folder/code.json``); None for a lab from before labs
     recorded their code, or whose record is damaged."""
+    return _recorded(folder / CODE_FILE, "version")
+
+
+def lab_policy(folder: Path) -> str | None:
+    """The digest of the policy the lab's batches measured (``folder/policy.json``, ``weights_sha256``); None for a
+    lab from before labs recorded their policy, or whose record is damaged."""
+    return _recorded(folder / POLICY_FILE, "weights_sha256")
+
+
+def _recorded(path: Path, key: str) -> str | None:
     try:
-        version = json.loads((folder / CODE_FILE).read_text()).get("version")
+        value = json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return version if isinstance(version, str) and version else None
+    return value if isinstance(value, str) and value else None
 
 
 def build_lab_report(folder: str | Path) -> Path:
@@ -309,6 +320,8 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
                     "(sum over batches) by code "
                     + (f"`{lab_version(folder)}` ({CODE_FILE})" if lab_version(folder) else
                        "of no recorded version (a lab from before labs recorded their code)")
+                    + (f", on the policy of weights digest `{lab_policy(folder)}` ({POLICY_FILE})" if lab_policy(folder)
+                       else ", on a policy whose weights were not recorded (a lab from before labs recorded them)")
                     + ". Tables: lab.csv (one row per objective x point x batch), summary.csv, snr.csv, pairwise.csv, "
                     "positions.csv, sqrt_growth.csv."),
               ("h2", "Staleness axis"), ("table", display(found["summary"], found["snr"], "staleness")),

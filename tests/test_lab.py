@@ -8,12 +8,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from analysis.lab import (
     CODE_FILE,
     MEASURES,
+    POLICY_FILE,
     build_lab_report,
     gram_snr,
+    lab_policy,
     lab_version,
     positions_figure,
     snr_interval,
@@ -29,7 +32,7 @@ from harness.apps.gradient_stats import (
     token_weights,
     weight_metrics,
 )
-from harness.apps.lab import LAB_PROVIDES, check_lab_code, lab_config, run_lab
+from harness.apps.lab import LAB_PROVIDES, check_lab_code, check_lab_policy, lab_config, run_lab
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.provenance import code_record
@@ -227,11 +230,29 @@ def test_a_labs_batches_are_one_code_versions(tmp_path, monkeypatch, capsys):
     (out / "batches" / "batch_000.pt").write_bytes(b"")
     check_lab_code(out)  # the same code adds batches
     monkeypatch.setattr(lab, "code_record", lambda: {"version": "bbbbbbb", "commit": "b" * 40})
-    with pytest.raises(ConfigError, match=f"{out} holds a lab measured by code aaaaaaa and this is code bbbbbbb"):
+    with pytest.raises(ConfigError, match=f"{out} holds a lab measured by code aaaaaaa, not bbbbbbb: .*check out "
+                       "aaaaaaa"):
         check_lab_code(out)
     (out / CODE_FILE).unlink()  # a lab measured before labs recorded their code
     check_lab_code(out)
-    assert "measured before labs recorded their code" in capsys.readouterr().err and lab_version(out) is None
+    assert "measured before labs recorded code.json" in capsys.readouterr().err and lab_version(out) is None
+
+
+def test_a_labs_batches_are_one_policys(tmp_path, capsys):
+    """The lab records the digest of the policy it measures; batches are not added on a policy of other weights
+    (lab.policy names a folder whose weights can be replaced; a starting policy built on another CPU differs)."""
+    out = tmp_path / "lab"
+    (out / "batches").mkdir(parents=True)
+    check_lab_policy(out, "/runs/a/final", "1" * 16)
+    assert lab_policy(out) == "1" * 16
+    (out / "batches" / "batch_000.pt").write_bytes(b"")
+    check_lab_policy(out, "/runs/a/final", "1" * 16)  # the same weights add batches
+    with pytest.raises(ConfigError, match=f"{out} holds a lab measured on /runs/a/final with weights of digest "
+                       f"{'1' * 16}, not {'2' * 16}: .*restore those weights"):
+        check_lab_policy(out, "/runs/a/final", "2" * 16)
+    (out / POLICY_FILE).unlink()  # a lab measured before labs recorded their policy
+    check_lab_policy(out, "/runs/a/final", "2" * 16)
+    assert "measured before labs recorded policy.json" in capsys.readouterr().err and lab_policy(out) is None
 
 
 @pytest.mark.slow
@@ -275,14 +296,20 @@ def test_lab_measures_a_policy_a_run_saved(tmp_path, monkeypatch):
     train(run, tmp_path / "run", progress=False)
     monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
     final = str(tmp_path / "run" / "final")
-    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", f"lab.policy={final}", "name=fromrun",
-                                   "lab.objectives=[grpo]", "lab.batches=2", "lab.staleness=[0,1]",
-                                   "lab.mismatch=[]", "lab.reference_samples=2"])
+    cfg_overrides = [*TINY_RUN, f"results_dir={tmp_path}", f"lab.policy={final}", "name=fromrun",
+                     "lab.objectives=[grpo]", "lab.staleness=[0,1]", "lab.mismatch=[]", "lab.reference_samples=2"]
+    cfg = load_experiment("base", [*cfg_overrides, "lab.batches=2"])
     assert lab_config(cfg).model.name == final
     folder = run_lab(cfg, progress=False)
     build_lab_report(folder)
     lab = pd.read_csv(folder / "lab.csv")
     assert len(lab) == 2 * 2 and set(lab["objective"]) == {"grpo"}
+    assert f"weights digest `{lab_policy(folder)}`" in (folder / "report" / "report.md").read_text()
+    # the folder's weights replaced by others: its batches are not pooled with the first policy's
+    weights = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    save_file({name: value + 1e-3 for name, value in weights.items()}, tmp_path / "run" / "final" / "model.safetensors")
+    with pytest.raises(ConfigError, match=f"measured on {final} with weights of digest {lab_policy(folder)}, not "):
+        run_lab(load_experiment("base", [*cfg_overrides, "lab.batches=3"]), progress=False)
 
 
 def test_lab_routing_settings_are_one_line_errors(tmp_path):

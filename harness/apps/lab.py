@@ -48,7 +48,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from analysis.lab import CODE_FILE, LabError, build_lab_report, lab_version
+from analysis.lab import CODE_FILE, POLICY_FILE, LabError, build_lab_report, lab_policy, lab_version
 from harness.apps.gradient_stats import CountSketch, ratio_by_position, reinforce_loss, token_weights, weight_metrics
 from harness.loop.batch import TrainBatch, rewards_of
 from harness.loop.behaviour import no_grad_logprobs
@@ -58,6 +58,7 @@ from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
 from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routing_of
 from harness.policy.sampler import Rollout, sample_problems
+from harness.policy.warm_start import weights_digest
 from harness.run.atomic import atomic_write, to_file
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
@@ -235,7 +236,9 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:
             check_lab_code(out)
-            Lab(cfg).measure(todo, out, progress)
+            lab = Lab(cfg)
+            check_lab_policy(out, cfg.model.name, weights_digest(lab.policy))
+            lab.measure(todo, out, progress)
     finally:
         lock.close()
     return out
@@ -246,17 +249,34 @@ def check_lab_code(out: Path) -> None:
     this process's code (``code.json``); one measured by other code is refused (ConfigError, one line); one from before
     labs recorded their code is extended with a warning and stays unrecorded (its report says so)."""
     current = code_record()
-    recorded = lab_version(out)
+    check_lab_record(out, CODE_FILE, lab_version(out), current, "version", "measured by code",
+                     f"check out {lab_version(out)} to add to it")
+
+
+def check_lab_policy(out: Path, source: str, digest: str) -> None:
+    """Before batches are added to the lab in ``out``: its batches measure one policy's gradients. As
+    :func:`check_lab_code`, for the digest of the policy's weights (``policy.json``): ``lab.policy`` names a folder,
+    whose weights can be replaced between two calls, and a starting policy built on another CPU has other weights
+    under the same settings (harness/policy/warm_start.py)."""
+    check_lab_record(out, POLICY_FILE, lab_policy(out), {"weights_sha256": digest, "policy": source},
+                     "weights_sha256", f"measured on {source} with weights of digest",
+                     "restore those weights to add to it")
+
+
+def check_lab_record(out: Path, file: str, recorded: str | None, current: dict, key: str, what: str,
+                     fix: str) -> None:
+    """``out/file`` records ``current`` (its ``key``: what the lab's batches share) when the lab has no batches; with
+    batches, a ``recorded`` value other than ``current[key]`` is refused (``what``: the refusal's words, ``fix``: how
+    to add to it) and a lab from before the record is extended with a warning, unrecorded."""
     measured = any((out / "batches").glob("batch_*.pt"))
-    if recorded is not None and recorded != current["version"]:
-        raise ConfigError(f"{out} holds a lab measured by code {recorded} and this is code {current['version']}: its "
-                          f"batches would mix two code versions; check out {recorded} to add to it, or delete it or "
-                          "choose another name=...")
+    if recorded is not None and recorded != current[key]:
+        raise ConfigError(f"{out} holds a lab {what} {recorded}, not {current[key]}: its batches would be pooled "
+                          f"with this call's; {fix}, or delete it or choose another name=...")
     if recorded is None and measured:
-        print(f"warning: {out}: measured before labs recorded their code (no readable {CODE_FILE}); adding batches "
-              f"under code {current['version']}, the lab's code stays unrecorded", file=sys.stderr)
+        print(f"warning: {out}: its batches were measured before labs recorded {file} (none readable there); adding "
+              f"batches with {key} {current[key]}, the lab's stays unrecorded", file=sys.stderr)
     elif recorded is None:
-        atomic_write(out / CODE_FILE, json.dumps(current, indent=1) + "\n")
+        atomic_write(out / file, json.dumps(current, indent=1) + "\n")
 
 
 def comparable(cfg: DictConfig) -> dict:
