@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.hub import hub_problem
 from objectives.registry import Registry
 
 TASKS: Registry[type[Task]] = Registry("task")
@@ -73,6 +74,12 @@ class Task:
     def eval_scores(self, completion: str, problem: Problem) -> dict[str, float]:
         """Correctness of ``completion`` under each named scoring of the task (``{}``: one scoring only)."""
         return {}
+
+    def data_problem(self) -> str | None:
+        """Why this task's data cannot be had on this machine, found out without loading it, in seconds (one line
+        naming the fix); None when it can. Asked once before runs start here (the ``task_data`` check); a task whose
+        data is generated or local leaves it None."""
+        return None
 
     def config(self) -> dict:
         """The task's keyword arguments (enough to rebuild it with :func:`get_task`)."""
@@ -123,13 +130,27 @@ def check_task(run: DictConfig) -> None:
         TASKS.get(run.task.name)
     except KeyError as e:
         raise ConfigError(str(e)) from None
-    arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
-    if run.task.data_dir:
-        arguments["data_dir"] = run.task.data_dir
-    error = _task_error(run.task.name, json.dumps(arguments, sort_keys=True), os.environ.get("GSM8K_DIR"))
+    error = _task_error(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
     if error:  # the task's own message, prefixed with its name unless it starts with it
         named = error.startswith((f"task {run.task.name!r}", f"{run.task.name}:", f"{run.task.name} "))
         raise ConfigError(error if named else f"task {run.task.name!r}: {error}")
+
+
+@register_check("task_data", when="machine")
+def check_task_data(run: DictConfig) -> None:
+    """When runs start here: the task's data can be had (:meth:`Task.data_problem`), asked once per task and
+    arguments."""
+    problem = _task_data_problem(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
+    if problem:
+        raise ConfigError(problem)
+
+
+def _task_arguments(run: DictConfig) -> str:
+    """The task's keyword arguments of ``run`` as sorted JSON (a cache key)."""
+    arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
+    if run.task.data_dir:
+        arguments["data_dir"] = run.task.data_dir
+    return json.dumps(arguments, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -140,6 +161,12 @@ def _task_error(name: str, arguments: str, gsm8k_dir: str | None = None) -> str 
     except (TypeError, ValueError) as e:
         return str(e)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _task_data_problem(name: str, arguments: str, gsm8k_dir: str | None = None) -> str | None:
+    """:meth:`Task.data_problem` of the task these arguments build (checked valid by then; ``gsm8k_dir`` as above)."""
+    return get_task(name, **json.loads(arguments)).data_problem()
 
 
 def canonical_number(text: str) -> str | None:
@@ -169,6 +196,8 @@ def _require_int(name: str, value, minimum: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- GSM8K
 
+GSM8K_HUB_ID, GSM8K_HUB_CONFIG = "openai/gsm8k", "main"  # the hub's copy, when no local folder is given
+GSM8K_HUB_TRAIN_FILE = "train-00000-of-00001.parquet"  # in GSM8K_HUB_CONFIG/: the file that says it was downloaded
 GSM8K_INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 _STRICT = re.compile(r"#### (-?[0-9.,]+)")  # verl gsm8k.py and lm-eval strict-match: exactly one space
 _FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # lm-eval flexible-extract
@@ -263,6 +292,15 @@ class GSM8K(Task):
     def eval_scores(self, completion: str, problem: Problem) -> dict[str, float]:
         return {name: float(extract(completion) == problem.answer) for name, extract in GSM8K_SCORINGS.items()}
 
+    def data_problem(self) -> str | None:
+        """Without ``data_dir``: the hub's copy is in the local datasets or hub cache, or the hub can be asked for it
+        (harness/run/hub.py: seconds, where loading it retries for half a minute)."""
+        if self.data_dir is not None or _hub_copy_cached():
+            return None
+        return hub_problem(GSM8K_HUB_ID, "dataset", f"task gsm8k's data ({GSM8K_HUB_ID}: neither task.data_dir nor "
+                           "GSM8K_DIR is set)", "set GSM8K_DIR or task.data_dir to a folder with train.jsonl and "
+                           "test.jsonl (`make bench` and the README's commands use ../shared/data/gsm8k)")
+
     def _split(self, split: str, size: int | None) -> list[Problem]:
         if split not in self._splits:
             self._splits[split] = [_gsm8k_problem(row) for row in self._rows(split)]
@@ -276,7 +314,7 @@ class GSM8K(Task):
 
         if self.data_dir is None:
             try:
-                return datasets.load_dataset("openai/gsm8k", "main", split=split)
+                return datasets.load_dataset(GSM8K_HUB_ID, GSM8K_HUB_CONFIG, split=split)
             except Exception as error:
                 raise RuntimeError(
                     f"could not load openai/gsm8k from the hub ({error}); "
@@ -285,6 +323,18 @@ class GSM8K(Task):
         path = Path(self.data_dir).expanduser() / f"{split}.jsonl"
         check_gsm8k_file(path)
         return datasets.load_dataset("json", data_files=str(path), split="train")
+
+
+def _hub_copy_cached() -> bool:
+    """Whether the hub's GSM8K is on this machine: prepared in the datasets cache, or its train file in the hub
+    cache (what ``datasets.load_dataset`` reads without the network)."""
+    import datasets.config
+    import huggingface_hub
+
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / GSM8K_HUB_ID.replace("/", "___") / GSM8K_HUB_CONFIG
+    downloaded = huggingface_hub.try_to_load_from_cache(GSM8K_HUB_ID, f"{GSM8K_HUB_CONFIG}/{GSM8K_HUB_TRAIN_FILE}",
+                                                        repo_type="dataset")
+    return (prepared.is_dir() and any(prepared.rglob("dataset_info.json"))) or isinstance(downloaded, str)
 
 
 def check_gsm8k_file(path: Path) -> None:

@@ -452,6 +452,62 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
 
 
 @pytest.fixture
+def gsm8k_hub(monkeypatch, tmp_path):
+    """GSM8K without GSM8K_DIR, with empty datasets and hub caches and a hub that cannot be reached: yields the
+    timeouts the hub was asked with; loading the data fails the test (the check came too late)."""
+    import datasets.config
+    import huggingface_hub
+
+    from harness import tasks
+
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    calls = []
+
+    def dataset_info(name, timeout=None):
+        calls.append(timeout)
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "dataset_info", dataset_info)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the data was loaded: the check came "
+                                                                               "too late"))
+    tasks._task_data_problem.cache_clear()
+    yield calls
+    tasks._task_data_problem.cache_clear()
+
+
+def test_gsm8k_from_an_unreachable_hub_is_refused_once_in_seconds_before_anything_starts(tmp_path, capsys, gsm8k_hub,
+                                                                                       monkeypatch):
+    """Without GSM8K_DIR the hub's copy is asked for in one short request (the datasets library retried for ~30 s
+    after the run folder was made; the fifth hostile pass, 10.9); a cached copy is not asked for."""
+    import datasets.config
+    import huggingface_hub
+
+    from harness import tasks
+    from harness.run.hub import HUB_TIMEOUT_S
+
+    args = ["quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "task gsm8k's data (openai/gsm8k: neither task.data_dir nor GSM8K_DIR is set) is " \
+        "not in the local Hugging Face cache and the hub cannot be reached" in err and "set GSM8K_DIR" in err
+    assert main(["sweep", *args, "sweep.grid.seed=[0,1]"]) == 2 and gsm8k_hub == [HUB_TIMEOUT_S]  # asked once
+    assert main(["bench", f"results_dir={tmp_path / 'results'}"]) == 2 and "set GSM8K_DIR" in capsys.readouterr().err
+    assert gsm8k_hub == [HUB_TIMEOUT_S] * 2  # the bench's task has other arguments
+    assert not (tmp_path / "results").exists()
+    tasks._task_data_problem.cache_clear()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["train", *args]) == 2 and gsm8k_hub == [HUB_TIMEOUT_S] * 2  # not asked
+    assert "HF_HUB_OFFLINE is set: set GSM8K_DIR" in capsys.readouterr().err
+    prepared = datasets.config.HF_DATASETS_CACHE / "openai___gsm8k" / "main" / "0.0.0" / "e53f048"
+    prepared.mkdir(parents=True)
+    (prepared / "dataset_info.json").write_text("{}")
+    tasks._task_data_problem.cache_clear()
+    assert tasks.get_task("gsm8k").data_problem() is None and gsm8k_hub == [HUB_TIMEOUT_S] * 2  # cached: not asked
+
+
+@pytest.fixture
 def hub_check(monkeypatch):
     import huggingface_hub
 
@@ -472,7 +528,7 @@ def hub_check(monkeypatch):
 
 
 def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
-    from harness.policy.models import HUB_TIMEOUT_S
+    from harness.run.hub import HUB_TIMEOUT_S
 
     args = ["quickstart", *QUICK, "model.name=nobody/nothing", f"results_dir={tmp_path / 'results'}"]
     assert main(["train", *args]) == 2

@@ -49,7 +49,7 @@ from harness.run.allocator import ENV as ALLOCATOR_ENV
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.commandline import SCALE_ROWS, SCALE_TOKENS
-from harness.run.config import load_experiment, run_configs, updates_per_step
+from harness.run.config import check_this_machine, load_experiment, run_configs, updates_per_step
 from harness.run.errors import ConfigError
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
@@ -127,6 +127,7 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     of (harness/loop/build.py), the first ``prompts_per_step`` train problems (the timed steps' prompts), the thread
     count."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
+    check_this_machine([cfg])  # a hub model or dataset that cannot be had, an unusable cache: before anything
     threads = run_threads(cfg.threads)
     setup = setup_run(cfg, resolve_device(cfg.device))
     # seeded after the model is loaded: building the embedded model's cache in this process (a fresh RLVR_CACHE)

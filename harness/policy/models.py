@@ -23,7 +23,7 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.errors import HFValidationError
 from omegaconf import DictConfig
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -41,6 +41,7 @@ from harness.policy.tiny_moe import TINY_MOE, TinyMoeSpec, build_tiny_moe
 from harness.run.atomic import atomic_write, nearest_existing
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.hub import hub_problem
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODELS = ("tiny", TINY_MOE, EMBEDDED_NAME)  # model.name values that need nothing from the hub
 TINY_MODELS = ("tiny", TINY_MOE)  # built here at random (model.tiny: their shape), not loaded
-HUB_TIMEOUT_S = 5  # how long the check of a hub model id waits for the hub
 CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 
@@ -305,7 +305,7 @@ def check_model(run: DictConfig) -> None:
 @register_check("hub_model", when="machine")
 def check_hub_model(run: DictConfig) -> None:
     """When runs start here: a hub model is in the local cache or on a hub that answers (in at most
-    :data:`HUB_TIMEOUT_S`, instead of the half minute of retries loading it would take)."""
+    :data:`harness.run.hub.HUB_TIMEOUT_S`, instead of the half minute of retries loading it would take)."""
     name = run.model.name
     if name not in EMBEDDED_MODELS and not os.path.isdir(name):
         problem = hub_model_problem(name)
@@ -344,9 +344,8 @@ def check_cache_folder() -> None:
 
 @functools.lru_cache(maxsize=16)
 def hub_model_problem(name: str) -> str | None:
-    """Why the hub model ``name`` cannot be loaded, found out now in at most HUB_TIMEOUT_S (loading it would retry
-    for half a minute): not in the local Hugging Face cache and the hub unreachable or offline, or no such
-    model. None when it is cached, or the hub has it."""
+    """Why the hub model ``name`` cannot be loaded, found out now (harness/run/hub.py): not in the local Hugging Face
+    cache and the hub unreachable or offline, or no such model. None when it is cached, or the hub has it."""
     fix = "give a local model folder, an embedded model (smollm2-135m-instruct, tiny), or a cached hub id"
     try:
         if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
@@ -354,18 +353,4 @@ def hub_model_problem(name: str) -> str | None:
     except HFValidationError:
         there = "a file is at that path, not a folder" if os.path.exists(name) else "there is none at that path"
         return f"model.name {name!r} is neither a local folder ({there}) nor a hub id; {fix}"
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return f"model.name {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {fix}"
-    try:
-        huggingface_hub.model_info(name, timeout=HUB_TIMEOUT_S)  # looked up now: tests replace it
-    except GatedRepoError:
-        return None  # it exists; loading says what access it needs
-    except RepositoryNotFoundError:
-        return (f"model.name {name!r}: no such model on the Hugging Face hub (or a private one: `hf auth login`); "
-                f"{fix}")
-    except HfHubHTTPError:
-        return None  # the hub answered: loading will say more
-    except Exception as e:  # noqa: BLE001 - no network (httpx's ConnectError, a timeout, ...)
-        return (f"model.name {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
-                f"({type(e).__name__}); {fix}")
-    return None
+    return hub_problem(name, "model", f"model.name {name!r}", fix)
