@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from harness.apps.cli import main
 from harness.loop.native import train
+from harness.policy import models
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
@@ -449,6 +450,51 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
     assert main(["train", "quickstart", *QUICK, "task.name=gsm8k", f"results_dir={tmp_path / 'results'}"]) == 2
     assert f"GSM8K_DIR={tmp_path / 'empty'}: train.jsonl and test.jsonl do not exist" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
+
+
+def test_the_memory_floor_is_the_weights_and_the_samplers_keys_and_values_at_capacity(monkeypatch):
+    """By hand on the tiny model (2 layers, 2 heads of 16, fp32): 2 x 2 x 2 x 16 x 4 = 512 bytes per token; refused
+    one byte below weights + rows x max_new_tokens x 512, not at it."""
+    from harness.policy import memory
+    from tests.helpers.tiny import TINY_SPEC
+
+    (run,) = run_configs(load_experiment("base", [*TINY_RUN, "train.max_new_tokens=8"]))
+    weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    assert per_token == 2 * 2 * 2 * 16 * 4
+    assert weights == 4 * sum(p.numel() for p in models.skeleton("tiny", TINY_SPEC).parameters())
+    floor = weights + 16 * 8 * per_token  # prompts_per_step 4 x group_size 4
+    monkeypatch.setattr(memory, "device_memory", lambda device: floor)
+    assert memory.sampling_memory_problem(run, 16, "rows") is None
+    monkeypatch.setattr(memory, "device_memory", lambda device: floor - 1)
+    assert memory.sampling_memory_problem(run, 16, "rows").startswith(
+        "rows = 16 completions of up to train.max_new_tokens=8 tokens need 0.1 MB of keys and values beside ")
+
+
+def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything(tmp_path, capsys):
+    """group_size or lab.reference_samples of 10^8: torch's allocation error after the run's or lab's folder, the warm
+    start and a traceback (the fifth hostile pass, 10.8); now one line naming the settings, nothing made."""
+    results = f"results_dir={tmp_path / 'results'}"
+    assert main(["train", "quickstart", *QUICK, "train.group_size=100000000", results]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config error: train.prompts_per_step x train.group_size = " in err
+    assert re.search(r"GB of keys and values beside .* of weights, and this machine's cpu has .* GB in all", err)
+    assert main(["lab", "base", *TINY_RUN, "lab.reference_samples=100000000", results]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lab.reference_samples x the evaluation minibatch's prompts = 200000000 " in err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_labs_own_failure_is_one_line_with_its_traceback_in_the_labs_folder(tmp_path, capsys, monkeypatch):
+    def beyond_memory(self, b, bar):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr("harness.apps.lab.Lab.measure_batch", beyond_memory)
+    assert main(["lab", "base", *TINY_RUN, "name=l", f"results_dir={tmp_path}", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    folder = tmp_path / "lab" / "l"
+    assert err == ("error: RuntimeError: DefaultCPUAllocator: can't allocate memory (traceback in "
+                   f"{folder / 'traceback.txt'})\n")
+    assert "beyond_memory" in (folder / "traceback.txt").read_text()
 
 
 @pytest.fixture

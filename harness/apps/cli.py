@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import textwrap
-import traceback
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -36,7 +35,7 @@ from harness.policy.sampler import SAMPLERS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
 from harness.run.allocator import keep_freed_memory
-from harness.run.atomic import atomic_write, disk_full_error
+from harness.run.atomic import disk_full_error, failure_line
 from harness.run.commandline import parse
 from harness.run.config import (
     check_this_machine,
@@ -89,17 +88,7 @@ def cmd_train(args) -> int:
     except (ConfigError, FolderBusyError, KeyboardInterrupt):
         raise
     except Exception as e:  # the run's own failure: one line here, the traceback beside the run
-        full = disk_full_error(e, run_dir)
-        if full is not None:  # no traceback file: there is no room for it, and the line says all
-            print(f"error: {full}", file=sys.stderr)
-            return 1
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(run_dir / "traceback.txt", traceback.format_exc())
-            where = f" (traceback in {run_dir / 'traceback.txt'})"
-        except OSError as write_error:
-            where = f" (no traceback file: {write_error.strerror or write_error})"
-        print(f"error: {type(e).__name__}: {e}{where}", file=sys.stderr)
+        print(f"error: {failure_line(e, run_dir)}", file=sys.stderr)
         return 1
     say(f"{summary['status']}: eval accuracy {rounded(summary['start_eval_accuracy'])} at the start, "
         f"{rounded(summary['final_eval_accuracy'])} at the end (best {rounded(summary['best_eval_accuracy'])}), "

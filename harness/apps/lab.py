@@ -56,13 +56,14 @@ from harness.loop.build import build_learner, frozen_copy, setup_run
 from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
+from harness.policy.memory import sampling_memory_problem
 from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routing_of
 from harness.policy.sampler import Rollout, sample_problems
-from harness.policy.warm_start import weights_digest
-from harness.run.atomic import atomic_write, to_file
+from harness.policy.warm_start import WarmStartError, weights_digest
+from harness.run.atomic import atomic_write, failure_line, to_file
 from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
 from harness.run.errors import ConfigError
-from harness.run.locks import lock_folder
+from harness.run.locks import FolderBusyError, lock_folder
 from harness.run.provenance import code_record
 from harness.run.records import DamagedConfigError, read_run_config
 from harness.run.seeding import step_seed
@@ -219,6 +220,11 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     report (analysis/lab.py)."""
     cfg = lab_config(cfg)
     check_this_machine([cfg])
+    t = cfg.train  # the reference directions' completions, sampled at once: at least one prompt's per group of rows
+    problem = sampling_memory_problem(cfg, cfg.lab.reference_samples * -(-minibatch_size(t) // t.group_size),
+                                      "lab.reference_samples x the evaluation minibatch's prompts")
+    if problem:
+        raise ConfigError(problem)
     check_thread_count(cfg.threads, "threads")
     out = lab_dir(cfg)
     (out / "batches").mkdir(parents=True, exist_ok=True)
@@ -470,7 +476,13 @@ def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
     """``python -m harness lab``: measure, then write the tables and the report."""
     cfg = load_experiment(experiment, overrides)
     start = time.time()
-    out = run_lab(cfg, progress)
+    try:
+        out = run_lab(cfg, progress)
+    except (ConfigError, FolderBusyError, WarmStartError, OSError, KeyboardInterrupt):
+        raise  # said in one line by the command line (harness/apps/cli.py's failure_status)
+    except Exception as e:  # the lab's own failure (torch's, beyond memory: 'can't allocate'): one line, the
+        print(f"error: {failure_line(e, lab_dir(cfg))}", file=sys.stderr)  # traceback in its folder
+        return 1
     try:
         report = build_lab_report(out)
     except LabError as e:

@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -84,6 +85,22 @@ def disk_full_error(error: BaseException, path: Path | str | None = None, writte
     free = _free_bytes(Path(path))
     short_write = any(words in str(error) for words in SHORT_WRITE)
     return DiskFullError(path) if free < FULL_BELOW or short_write and free < written else None
+
+
+def failure_line(error: Exception, folder: Path) -> str:
+    """A run's or a lab's own failure as the one line the command prints: the error, with its traceback written to
+    ``folder/traceback.txt`` (made if need be) and named; no traceback file when the disk is full (the line says so)
+    or it cannot be written (the line says why). Call it in the ``except`` block (the traceback is the current one)."""
+    full = disk_full_error(error, folder)
+    if full is not None:
+        return str(full)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "traceback.txt", traceback.format_exc())
+        where = f" (traceback in {folder / 'traceback.txt'})"
+    except OSError as write_error:
+        where = f" (no traceback file: {write_error.strerror or write_error})"
+    return f"{type(error).__name__}: {error}{where}"
 
 
 def _size(path: Path) -> int:
