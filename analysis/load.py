@@ -27,7 +27,7 @@ from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
-from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, read_run_config
+from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, listed, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
@@ -479,7 +479,7 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
     planned = {str(e.get("dir") or e.get("run_id")) for e in entries}
     found = [{"run_id": d.name} for d in sorted(exp_dir.iterdir()) if d.name not in planned and is_run_folder(d)]
     if found and entries:
-        names = ", ".join(e["run_id"] for e in found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+        names = listed([e["run_id"] for e in found], 10)
         warn(f"{exp_dir}: {len(found)} run{'s' * (len(found) > 1)} on disk that manifest.json does not list (another "
              f"sweep's or `train`'s, into the same folder) {'is' if len(found) == 1 else 'are'} reported too: {names}")
     elif found:

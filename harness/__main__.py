@@ -5,17 +5,18 @@ runs (harness/apps/cli.py, which imports every component)."""
 import sys
 
 from harness.run.commandline import parse
-from harness.run.errors import INTERRUPTED, one_line_for_a_broken_module
+from harness.run.errors import interrupted, one_line_for_a_broken_module
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command of ``argv`` (default: the process's arguments); its exit status."""
+    command = None
     try:
-        parse(argv)  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
-        with one_line_for_a_broken_module():
+        command = parse(argv).command  # -h, or a mistake in the arguments: answered here, in one line, before the
+        with one_line_for_a_broken_module():  # imports below
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs
-        print(INTERRUPTED, file=sys.stderr)
+        print(interrupted(command), file=sys.stderr)
         return 130
     return run(argv)
 

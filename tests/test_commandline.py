@@ -94,4 +94,23 @@ def test_ctrl_c_during_the_imports_is_the_commands_one_line(monkeypatch, capsys)
 
     monkeypatch.setattr(entry, "parse", interrupted)
     assert entry.main(["list"]) == 130
-    assert capsys.readouterr().err == "interrupted: run the same command again to resume (finished steps are kept)\n"
+    assert capsys.readouterr().err == "interrupted: nothing of it is kept; run it again\n"  # the command not yet known
+
+
+@pytest.mark.parametrize(("command", "kept"), [
+    ("train", "(finished steps are kept)"), ("sweep", "(finished runs and steps are kept)"),
+    ("lab", "(measured batches are kept)"), ("bench", None), ("explain", None)])
+def test_ctrl_c_says_what_the_command_keeps(monkeypatch, capsys, command, kept):
+    """Ctrl-C of a bench (which writes its table at its end) or of explain said 'finished steps are kept' as a
+    run's did (the fifth hostile pass); each command now says what it keeps."""
+    from harness.apps import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, command, interrupted)
+    args = {"train": ["quickstart"], "sweep": ["quickstart"], "lab": ["lab"], "bench": [], "explain": ["train.lr"]}
+    assert cli.main([command, *args[command]]) == 130
+    err = capsys.readouterr().err
+    assert err == (f"interrupted: run the same command again to resume {kept}\n" if kept else
+                   "interrupted: nothing of it is kept; run it again\n")

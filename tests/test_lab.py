@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from analysis.lab import (
@@ -32,7 +33,7 @@ from harness.apps.gradient_stats import (
     token_weights,
     weight_metrics,
 )
-from harness.apps.lab import LAB_PROVIDES, check_lab_code, check_lab_policy, lab_config, run_lab
+from harness.apps.lab import LAB_PROVIDES, check_lab_code, check_lab_policy, lab_config, lab_dir, run_lab
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
 from harness.run.provenance import code_record
@@ -201,10 +202,23 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"lab.mismatch must be distinct samplers, got \['temperature', "
                        r"'temperature'\]"):  # its points counted each batch twice
         lab_config(load_experiment("base", [*base, "lab.mismatch=[temperature,temperature]"]))
+    with pytest.raises(ConfigError, match=r"lab.objectives must be distinct objectives, got \['grpo', 'grpo'\]"):
+        lab_config(load_experiment("base", [*base, "lab.objectives=[grpo,grpo]"]))  # was measured once, silently
     with pytest.raises(ConfigError, match=r"lab.params.dapo: the lab runs no dapo \(lab.objectives: .*; add it to "
                        r"lab.objectives or drop its params"):  # they were recorded and changed nothing
         lab_config(load_experiment("base", [*base, "lab.objectives=[grpo,gspo]",
                                             "lab.params={dapo: {clip_high: 0.9}}"]))
+
+
+def test_a_lab_with_other_settings_names_them(tmp_path):
+    """Adding to a lab folder with other settings is refused naming each (it said only 'other settings')."""
+    base = [*TINY_RUN, f"results_dir={tmp_path}", "name=l"]
+    cfg = lab_config(load_experiment("base", base))
+    (lab_dir(cfg) / "batches").mkdir(parents=True)
+    (lab_dir(cfg) / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    with pytest.raises(ConfigError, match=r"holds a lab with other settings \(train.lr 0.001 -> 0.01, lab.mover "
+                       r"grpo -> gspo; only lab.batches may change between calls\)"):
+        run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.mover=gspo", "lab.batches=9"]))
 
 
 LAB_RUN = ["lab.objectives=[grpo,gspo,gspo_token,cispo]", "lab.batches=3", "lab.staleness=[0,2]",

@@ -45,7 +45,7 @@ from harness.run.config import (
     run_configs,
     run_id,
 )
-from harness.run.errors import INTERRUPTED, ConfigError
+from harness.run.errors import ConfigError, interrupted
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
 from harness.run.provenance import check_code
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return status
     except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+        print(interrupted(args.command), file=sys.stderr)
         return 130
 
 

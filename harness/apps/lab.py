@@ -65,7 +65,7 @@ from harness.run.config import check_this_machine, load_experiment, minibatch_si
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError, lock_folder
 from harness.run.provenance import code_record
-from harness.run.records import DamagedConfigError, read_run_config
+from harness.run.records import DamagedConfigError, listed, plain_differences, read_run_config
 from harness.run.seeding import step_seed
 from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import run_threads
@@ -130,6 +130,8 @@ def validate_lab(cfg: DictConfig) -> None:
         lab_objective(cfg, lab.mover)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lab: {e}") from None
+    if len(set(lab.objectives)) != len(lab.objectives):  # measured once each: a repeat said nothing
+        raise ConfigError(f"lab.objectives must be distinct objectives, got {list(lab.objectives)}")
     for name in [*lab.objectives, lab.mover]:
         reason = lifecycle_unsupported(OBJECTIVES.get(name), "lab", LAB_PROVIDES)
         if reason:
@@ -235,9 +237,10 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         except DamagedConfigError as e:  # its batches cannot be checked against these settings
             raise ConfigError(f"{e}: the lab's batches there cannot be checked against these settings; delete "
                               f"{out} or choose another name=...") from None
-        if saved is not None and comparable(OmegaConf.create(saved)) != comparable(cfg):
-            raise ConfigError(f"{out} holds a lab with other settings (only lab.batches may change between calls): "
-                              "delete it or choose another name=...")
+        differences = [] if saved is None else plain_differences(comparable(OmegaConf.create(saved)), comparable(cfg))
+        if differences:
+            raise ConfigError(f"{out} holds a lab with other settings ({listed(differences)}; only lab.batches may "
+                              "change between calls): delete it or choose another name=...")
         atomic_write(out / "config.yaml", OmegaConf.to_yaml(cfg))
         todo = [b for b in range(cfg.lab.batches) if not batch_path(out, b).exists()]
         if todo:

@@ -6,7 +6,17 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-INTERRUPTED = "interrupted: run the same command again to resume (finished steps are kept)"  # Ctrl-C's one line
+# what a command interrupted by Ctrl-C keeps, for its one line (:func:`interrupted`); other commands keep nothing
+KEPT = {"train": "finished steps are kept", "sweep": "finished runs and steps are kept",
+        "zoo": "finished runs and steps are kept", "claims": "finished runs, steps and lab batches are kept",
+        "lab": "measured batches are kept", "soak": "its folder is kept"}
+
+
+def interrupted(command: str | None) -> str:
+    """The one line Ctrl-C of ``command`` (None: before it was known) prints."""
+    if command in KEPT:
+        return f"interrupted: run the same command again to resume ({KEPT[command]})"
+    return "interrupted: nothing of it is kept; run it again"
 
 
 class ConfigError(ValueError):

@@ -172,6 +172,19 @@ def _shown(value) -> str:
 _UNSET = object()
 
 
+def listed(items: list[str], most: int = 6) -> str:
+    """The first ``most`` of ``items`` joined for a one-line message, with how many more there are."""
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def plain_differences(old: dict, new: dict) -> list[str]:
+    """``key old -> new`` for every dotted key whose value differs between the nested ``old`` and ``new`` (a key on one
+    side only shows as ``(unset)`` on the other); no default or resume rule applies (:func:`settings_differences`)."""
+    before, after = _flat(old), _flat(new)
+    return [f"{key} {_shown(before.get(key, _UNSET))} -> {_shown(after.get(key, _UNSET))}"
+            for key in dict.fromkeys([*before, *after]) if before.get(key, _UNSET) != after.get(key, _UNSET)]
+
+
 def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     """{key: ``key old -> new``} for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what
     does not change a run (results_dir, logging) and settings added to the schema since at their default. An
@@ -258,9 +271,8 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     for key in [key for key in differences if unused_lora_setting(cfg, key)]:  # no adapters: they change nothing
         differences.pop(key)
     if differences:
-        differences = list(differences.values())
-        shown = ", ".join(differences[:6]) + (f" and {len(differences) - 6} more" if len(differences) > 6 else "")
-        raise ConfigError(f"{run_dir} holds a run with other settings ({shown}); continuing it would mix two runs: "
+        raise ConfigError(f"{run_dir} holds a run with other settings ({listed(list(differences.values()))}); "
+                          "continuing it would mix two runs: "
                           f"give a fresh --run-dir (or none) for these settings, or resume that run with its own: "
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
     if warn and memory:
@@ -293,9 +305,8 @@ def check_run_folder(run_dir: Path) -> None:
         return
     foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
     if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise ConfigError(f"{run_dir} holds {shown} but no run (no config.yaml): a run there would write over or "
-                          "remove what it holds; give a new or empty --run-dir")
+        raise ConfigError(f"{run_dir} holds {listed(foreign, 4)} but no run (no config.yaml): a run there would write "
+                          "over or remove what it holds; give a new or empty --run-dir")
 
 
 class DamagedConfigError(ValueError):
