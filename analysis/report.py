@@ -417,8 +417,13 @@ def figures(runs: pd.DataFrame, metrics: pd.DataFrame, name: str, smooth: int, p
 
 def check_default_folder(exp_dir: str | Path | list[str | Path], out: str | Path | None) -> None:
     """Several folders of one name (``a/x``, ``b/x``) without ``--out``: refused (AnalysisError). Their default folder,
-    ``x+x`` beside the first, is every such pair's: another pair's report would replace this one."""
+    ``x+x`` beside the first, is every such pair's: another pair's report would replace this one. One folder given
+    twice (``R R``, ``R ./R``) is refused with or without ``--out``."""
     dirs = [Path(d) for d in (exp_dir if isinstance(exp_dir, list | tuple) else [exp_dir])]
+    resolved = [d.resolve() for d in dirs]
+    again = next((d for d, r in zip(dirs, resolved, strict=True) if resolved.count(r) > 1), None)
+    if again is not None:  # its runs would be reported twice, as two sweeps
+        raise AnalysisError(f"{again} is given twice (as the same folder): give each results folder once")
     names = [named(d).name for d in dirs]
     if out is None and len(dirs) > 1 and len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})

@@ -88,7 +88,7 @@ class Registry(Generic[T]):
         return self._items[name]
 
     def unknown_message(self, name: str) -> str:
-        close = difflib.get_close_matches(str(name), self.names(), n=1, cutoff=0.4)
+        close = difflib.get_close_matches(str(name).lower(), self.names(), n=1, cutoff=0.4)  # names are lower-case
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return f"unknown {self.kind} {name!r}.{hint} Registered: {', '.join(self.names())}."
 

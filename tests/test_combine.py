@@ -289,3 +289,8 @@ def test_folders_of_one_name_need_their_own_report_folder(tmp_path, capsys):
     assert not (tmp_path / "a" / "x+x").exists()
     assert main([*map(str, folders), "--formats", "png", "--out", str(tmp_path / "both")]) == 0
     assert (tmp_path / "both" / "report.md").is_file()
+    # one folder twice: said so before anything (it said the folders share a name; with --out, a warning after the
+    # runs were read)
+    assert main([str(folders[0]), f"{folders[0]}/", "--formats", "png", "--out", str(tmp_path / "twice")]) == 1
+    assert capsys.readouterr().err.endswith(f"error: {folders[0]} is given twice (as the same folder): give each "
+                                            "results folder once\n")

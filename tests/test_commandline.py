@@ -49,6 +49,15 @@ def test_the_parser_module_imports_no_torch():
     assert out.strip() == "[]"
 
 
+def test_bench_modes_get_their_options_defaults():
+    from harness.run.commandline import SCALE_ROWS, SCALE_TOKENS
+
+    args = parse(["bench", "--scale"])
+    assert (args.rows, args.tokens, args.jobs, args.against) == (SCALE_ROWS, SCALE_TOKENS, 2, None)
+    assert parse(["bench", "--scale", "--rows", "8,16"]).rows == (8, 16)
+    assert parse(["bench", "--sweep-throughput", "--jobs", "1"]).jobs == 1
+
+
 def test_overrides_may_follow_the_options():
     args = parse(["sweep", "quickstart", "--jobs", "2", "seed=3", "train.steps=4"])
     assert (args.command, args.jobs, args.overrides) == ("sweep", 2, ["seed=3", "train.steps=4"])
@@ -62,6 +71,10 @@ def test_overrides_may_follow_the_options():
     (["explain", "a", "b"], "python -m harness explain: unrecognized arguments: b", None),
     (["train", "quickstart", "--run-dir", ""], "argument --run-dir: must name a folder", None),
     (["train", "quickstart", "--run-dir= "], "argument --run-dir: must name a folder", None),
+    # a bench option without the mode that reads it was ignored, silently
+    (["bench", "--rows", "32"], "python -m harness bench: --rows is read by --scale only: add --scale or leave --rows "
+                                "out", None),
+    (["bench", "--jobs", "3"], "--jobs is read by --sweep-throughput only", None),
 ])
 def test_a_mistake_is_named_by_the_commands_own_parser(args, said, unsaid, capsys):
     """An optional list of overrides is not called required; an extra argument is the command's (its `-h` lists

@@ -15,6 +15,7 @@ from harness.run.errors import ConfigError
     (["train.stepz=3"], "unknown config key 'train.stepz'. Did you mean 'train.steps'? Valid keys here: steps,"),
     (["train.steps=abc"], "train.steps"),
     (["objective.name=gspoo"], "Did you mean 'gspo'?"),
+    (["objective.name=GRPO"], "Did you mean 'grpo'?"),  # names are lower-case: a capital made no match
     (["objective.params.clip_low=-1"], "clip_low must be >= 0"),
     (["objective.params.eps=0.1"], "has no hyperparameter eps"),
     (["task.name=gsm9k"], "Did you mean 'gsm8k'?"),
@@ -309,6 +310,10 @@ def test_a_missing_experiment_file_is_named_as_given(tmp_path):
     with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\); give") as e:
         load_experiment(str(tmp_path / "x.yaml"))
     assert ".yaml.yaml" not in str(e.value)
+    # a path without .yaml is not a name either: it was looked for as /dev/null.yaml
+    with pytest.raises(ConfigError, match=r"^no experiment '/dev/null': give an experiment's name \(.*quickstart.*\) "
+                       "or the path of a file ending in .yaml$"):
+        load_experiment("/dev/null")
 
 
 @pytest.mark.parametrize("override", ["train.steps=[1,", "sweep.grid.seed=[1,",

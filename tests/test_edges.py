@@ -409,6 +409,15 @@ def test_a_relative_cache_folder_is_refused_before_anything_is_made(tmp_path, ca
                    f"cluster's jobs) would find it in its own working folder; give an absolute path, e.g. "
                    f"RLVR_CACHE={tmp_path / 'relcache'}\n")
     assert not any(tmp_path.iterdir())
+    # RLVR_CACHE unset with HOME relative or empty: the message named RLVR_CACHE=None, or (empty) the cache was /.cache
+    monkeypatch.delenv("RLVR_CACHE")
+    for home, folder in (("relative/dir", "relative/dir/.cache/rlvr-harness"), ("", "/.cache/rlvr-harness")):
+        monkeypatch.setenv("HOME", home)
+        assert main(["train", "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
+        assert capsys.readouterr().err == (f"config error: RLVR_CACHE is unset and HOME={home!r} is not an absolute "
+                                           f"folder, so the cache folder (~/.cache/rlvr-harness) would be {folder}: "
+                                           "set RLVR_CACHE to an absolute folder, or HOME\n")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")

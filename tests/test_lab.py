@@ -221,6 +221,22 @@ def test_a_lab_with_other_settings_names_them(tmp_path):
         run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.mover=gspo", "lab.batches=9"]))
 
 
+@pytest.mark.slow
+def test_a_lab_asked_for_fewer_batches_than_it_holds_says_it_reports_them_all(tmp_path, monkeypatch, capsys):
+    """lowering lab.batches on a lab folder said 'N batches' of the lower N while the report held every batch."""
+    from harness.apps.cli import main
+
+    monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
+    small = [*TINY_RUN, f"results_dir={tmp_path}", "name=l", "lab.objectives=[grpo]", "lab.staleness=[0]",
+             "lab.mismatch=[]", "lab.reference_samples=2", "--no-progress"]
+    assert main(["lab", "base", *small, "lab.batches=3"]) == 0
+    assert "lab l: 3 batches in " in capsys.readouterr().err
+    assert main(["lab", "base", *small, "lab.batches=2"]) == 0
+    assert "lab l: 3 batches in " + str(tmp_path / "lab" / "l") + " (lab.batches=2; the folder holds 3 measured, " \
+        "all reported" in capsys.readouterr().err
+    assert len(pd.read_csv(tmp_path / "lab" / "l" / "lab.csv")) == 3
+
+
 LAB_RUN = ["lab.objectives=[grpo,gspo,gspo_token,cispo]", "lab.batches=3", "lab.staleness=[0,2]",
            "lab.mismatch=[bfloat16,temperature]", "lab.reference_samples=4", "name=tinylab"]
 

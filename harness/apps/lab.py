@@ -491,6 +491,9 @@ def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
     except LabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"lab {cfg.name}: {cfg.lab.batches} batches in {out} ({time.time() - start:.0f} s this call); "
+    measured = len(list((out / "batches").glob("batch_*.pt")))
+    more = (f" (lab.batches={cfg.lab.batches}; the folder holds {measured} measured, all reported: delete it or "
+            "choose another name=... for fewer)" if measured > cfg.lab.batches else "")
+    print(f"lab {cfg.name}: {measured} batches in {out}{more} ({time.time() - start:.0f} s this call); "
           f"report {report}", file=sys.stderr)
     return 0

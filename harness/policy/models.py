@@ -324,8 +324,13 @@ def check_cache(run: DictConfig) -> None:
 
 def check_cache_folder() -> None:
     """ConfigError (one line) when :func:`cache_dir` is relative (each process, a sweep's or a cluster's, would
-    resolve it in its own working folder) or cannot be made: a file on its path, a link to nothing."""
-    folder = cache_dir()
+    resolve it in its own working folder; with RLVR_CACHE unset, a relative or empty HOME) or cannot be made: a file
+    on its path, a link to nothing."""
+    folder, home = cache_dir(), os.environ.get("HOME")
+    if not os.environ.get("RLVR_CACHE") and home is not None and not os.path.isabs(home):  # ~ is HOME (empty: /);
+        # unset, ~ is the user's home folder in the password database
+        raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is not an absolute folder, so the cache folder "
+                          f"(~/.cache/rlvr-harness) would be {folder}: set RLVR_CACHE to an absolute folder, or HOME")
     if not folder.is_absolute():
         raise ConfigError(f"RLVR_CACHE={os.environ.get('RLVR_CACHE')!r} is a relative path: each process (a sweep's "
                           f"runs, a cluster's jobs) would find it in its own working folder; give an absolute path, "

@@ -27,7 +27,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.overrides += extra
     elif extra:  # named by the command's own parser (the top-level one knows nothing of the command's arguments)
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":
+        given_without_mode(parser.commands["bench"], args)
     return args
+
+
+# bench's options that only one of its modes reads: option -> (the mode's flag, its default)
+BENCH_MODE_OPTIONS = {"rows": ("scale", SCALE_ROWS), "tokens": ("scale", SCALE_TOKENS),
+                      "jobs": ("sweep_throughput", 2), "against": ("sweep_throughput", None)}
+
+
+def given_without_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bench option given without the mode that reads it (``--rows`` without ``--scale``: ignored, silently) ends
+    the process with one line; the others get their defaults."""
+    for option, (mode, default) in BENCH_MODE_OPTIONS.items():
+        if getattr(args, option) is not None and not getattr(args, mode):
+            parser.error(f"--{option.replace('_', '-')} is read by --{mode.replace('_', '-')} only: add "
+                         f"--{mode.replace('_', '-')} or leave --{option.replace('_', '-')} out")
+        if getattr(args, option) is None:
+            setattr(args, option, default)
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -236,10 +254,11 @@ def add_bench(sub) -> None:
     bench.add_argument("--scale", action="store_true",
                        help="peak memory and step time per (sequences, new tokens) point, a fresh process each, every "
                             "row at full length (docs/benchmark.md, Scaling)")
-    bench.add_argument("--rows", type=int_list, default=SCALE_ROWS, metavar="N,N,...",
-                       help="--scale: sequences per rollout step (prompts x group size)")
-    bench.add_argument("--tokens", type=int_list, default=SCALE_TOKENS, metavar="N,N,...",
-                       help="--scale: new tokens per sequence")
+    bench.add_argument("--rows", type=int_list, default=None, metavar="N,N,...",
+                       help="--scale: sequences per rollout step (prompts x group size; "
+                            f"default {','.join(map(str, SCALE_ROWS))})")
+    bench.add_argument("--tokens", type=int_list, default=None, metavar="N,N,...",
+                       help=f"--scale: new tokens per sequence (default {','.join(map(str, SCALE_TOKENS))})")
     bench.add_argument("--lora", action="store_true",
                        help="one native step with full fine-tuning beside one with LoRA adapters (model.lora.rank, "
                             "else 16): seconds and peak memory, a fresh process each")
@@ -250,7 +269,7 @@ def add_bench(sub) -> None:
     bench.add_argument("--sweep-throughput", action="store_true",
                        help="runs per CPU-hour of quickstart's sweep (with the overrides), a process per run against "
                             "worker processes, and whether both give the same runs (harness/apps/throughput.py)")
-    bench.add_argument("--jobs", type=positive_int, default=2, help="--sweep-throughput: runs at once")
+    bench.add_argument("--jobs", type=positive_int, default=None, help="--sweep-throughput: runs at once (2)")
     bench.add_argument("--against", metavar="REV", default=None,
                        help="--sweep-throughput: also the sweep at commit REV, a process per run, and this code's "
                             "runs per CPU-hour over REV's")

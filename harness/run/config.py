@@ -391,9 +391,12 @@ def experiment_path(name: str) -> Path:
             raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}); give "
                               f"an existing YAML file or an experiment's name (`python -m harness list`)")
         return path
+    known = [p.stem for p in experiment_paths()]
+    if "/" in name:  # a path, not a name: never experiments/<path>.yaml
+        raise ConfigError(f"no experiment {name!r}: give an experiment's name ({', '.join(known)}) or the path of a "
+                          "file ending in .yaml")
     path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.exists():
-        known = [p.stem for p in experiment_paths()]
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"no experiment {name!r} (looked for {path}).{hint} Experiments: {', '.join(known)}.")
