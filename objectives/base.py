@@ -560,6 +560,13 @@ class Objective:
         > 0 (an adaptive controller returns its current coefficient, 0 included)."""
         return self.entropy_coef if self.entropy_coef > 0 else None
 
+    def inert_hyperparameters(self) -> frozenset[str]:
+        """The hyperparameters that change nothing at this objective's values, declared by the objective: the run id
+        leaves them out and a resume may change them (harness/run/config.py ``unused_setting``). Here kl_estimator
+        without a KL term (beta 0: no reference forward, no term, no metric); an objective that reads one
+        otherwise says so by overriding this."""
+        return frozenset({"kl_estimator"}) if self.beta == 0 else frozenset()
+
     def reference_kl_coef(self) -> float:
         """The coefficient of the KL to the reference in this loss: ``beta`` (an adaptive controller's current one)."""
         return self.beta

@@ -3,6 +3,8 @@ check a config goes through before anything starts (the schema's own and the com
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -171,6 +173,32 @@ def test_a_run_without_adapters_resumes_with_other_lora_settings_but_not_another
     check_resume(OmegaConf.merge(run, {"model": {"lora": {"alpha": 8.0}}}), tmp_path)
     with pytest.raises(ConfigError, match=r"other settings \(model.lora.rank 0 -> 4, model.lora.alpha null -> 8"):
         check_resume(OmegaConf.merge(run, {"model": {"lora": {"rank": 4, "alpha": 8.0}}}), tmp_path)
+
+
+@pytest.mark.parametrize(("inert", "live", "why"), [
+    ("train.rollout_correction.threshold=5", "train.rollout_correction.mode=token_mask",
+     r"the correction's thresholds change nothing at train.rollout_correction.mode=none"),
+    ("train.rollout_correction.threshold_lower=0.5", "train.rollout_correction.mode=token_truncate",
+     r"the correction's thresholds change nothing at train.rollout_correction.mode=none"),
+    ("objective.params.kl_estimator=k1", "objective.params.beta=0.01",
+     r"objective grpo declares kl_estimator inert at these values"),
+])
+def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, why, tmp_path):
+    """A correction's thresholds at mode none and kl_estimator at beta 0 (grpo's own
+    declaration) made another run id for the same run, as LoRA's settings at rank 0 did: now the same id, a resume
+    that may change them, and a sweep over them refused as the same run; where they act, each is part of the run."""
+    from harness.run.records import check_resume
+
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
+    assert run_id(OmegaConf.merge(run, OmegaConf.from_dotlist([inert]))) == run_id(run)
+    acting = OmegaConf.merge(run, OmegaConf.from_dotlist([live]))
+    assert run_id(OmegaConf.merge(acting, OmegaConf.from_dotlist([inert]))) != run_id(acting) != run_id(run)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    check_resume(OmegaConf.merge(run, OmegaConf.from_dotlist([inert])), tmp_path)
+    key, value = inert.split("=")
+    values = {"5": "[5,6]", "0.5": "[0.5,0.25]", "k1": "[k1,k2]"}[value]
+    with pytest.raises(ConfigError, match=rf"sweep.grid.{re.escape(key)}: .* make the same run \({why}\)"):
+        run_configs(load_experiment("quickstart", ["sweep.grid.objective.name=[grpo]", f"sweep.grid.{key}={values}"]))
 
 
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):

@@ -596,8 +596,7 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             raise ConfigError(f"sweep.grid.{key}: where results go and where metrics are sent are not part of a run, "
                               f"so its values make the same runs; run one sweep per value ({key}=...)")
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
-            else "LoRA's settings change nothing at model.lora.rank=0 (no adapters)" if unused_lora_setting(run, key) \
-            else "equal once parsed"
+            else unused_setting(run, key) or "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
 
@@ -627,24 +626,51 @@ def run_id(run: DictConfig) -> str:
     content = changed(OmegaConf.to_container(run, resolve=True), schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
-    for key in memory_settings(run):  # nor how much memory it takes: the run resumed under less is the same run
-        section, name = key.split(".")
-        content.get(section, {}).pop(name, None)
-        if content.get(section) == {}:
-            del content[section]
-    model = content.get("model", {})  # nor the settings of adapters a run does not have (rank 0: no LoRA)
-    lora = {k: v for k, v in model.pop("lora", {}).items() if not unused_lora_setting(run, f"model.lora.{k}")}
-    model.update({"lora": lora} if lora else {})
-    if content.get("model") == {}:
-        del content["model"]
+    memory = memory_settings(run)  # nor how much memory it takes (the run resumed under less is the same run), nor
+    for key in [key for key in _dotted(content) if key in memory or unused_setting(run, key)]:  # what changes nothing
+        _drop(content, key.split("."))
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
 
 
-def unused_lora_setting(run: DictConfig, key: str) -> bool:
-    """Whether ``key`` is a ``model.lora`` setting other than the rank of a run without adapters (rank 0): it changes
-    nothing, so it is neither part of the run id nor a difference on resume."""
-    return not run.model.lora.rank and key.startswith("model.lora.") and key != "model.lora.rank"
+def unused_setting(run: DictConfig, key: str) -> str | None:
+    """Why the setting ``key`` (dotted) changes nothing in ``run``, or None: it is then neither part of the run id nor
+    a difference on resume, and a sweep over it is the same run. LoRA's settings but the rank at rank 0 (no
+    adapters); the rollout correction's thresholds at mode none (its rules' bounds without rules are refused); an
+    objective's hyperparameters that it declares inert at its values (``Objective.inert_hyperparameters``:
+    kl_estimator at beta 0)."""
+    rc = run.train.rollout_correction
+    if key.startswith("model.lora.") and key != "model.lora.rank" and not run.model.lora.rank:
+        return "LoRA's settings change nothing at model.lora.rank=0 (no adapters)"
+    if key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") and rc.mode == "none":
+        return "the correction's thresholds change nothing at train.rollout_correction.mode=none"
+    if key.startswith("objective.params.") and key.removeprefix("objective.params.") in _inert(run):
+        return f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at these values"
+    return None
+
+
+def _inert(run: DictConfig) -> frozenset[str]:
+    """The run's objective's inert hyperparameters (none when its settings do not build it: validation says why)."""
+    try:
+        return get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params)).inert_hyperparameters()
+    except (KeyError, TypeError, ValueError):
+        return frozenset()
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of a nested dict."""
+    return [key for name, value in tree.items()
+            for key in (_dotted(value, f"{prefix}{name}.") if isinstance(value, dict) and value else [prefix + name])]
+
+
+def _drop(tree: dict, path: list[str]) -> None:
+    """Remove the leaf at ``path`` from a nested dict, and every section it leaves empty."""
+    if len(path) > 1:
+        _drop(tree[path[0]], path[1:])
+        if tree[path[0]] == {}:
+            del tree[path[0]]
+    else:
+        del tree[path[0]]
 
 
 def memory_settings(run: DictConfig) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ from harness.run.atomic import (
     write_temporary,
 )
 from harness.run.collapse import CollapseRule, detect_collapse
-from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults, unused_lora_setting
+from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults, unused_setting
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, FolderBusyError, check_lock_file, is_held, lock_folder
 from harness.run.provenance import code_record, next_segments, run_version
@@ -268,7 +268,7 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     differences = settings_differences(saved, cfg)
     # the memory settings may change: the run continued under less memory is the same run
     memory = [differences.pop(key) for key in memory_settings(cfg) if key in differences]
-    for key in [key for key in differences if unused_lora_setting(cfg, key)]:  # no adapters: they change nothing
+    for key in [key for key in differences if unused_setting(cfg, key)]:  # they change nothing
         differences.pop(key)
     if differences:
         raise ConfigError(f"{run_dir} holds a run with other settings ({listed(list(differences.values()))}); "
