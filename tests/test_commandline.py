@@ -107,7 +107,7 @@ def test_ctrl_c_during_the_imports_is_the_commands_one_line(monkeypatch, capsys)
 
     monkeypatch.setattr(entry, "parse", interrupted)
     assert entry.main(["list"]) == 130
-    assert capsys.readouterr().err == "interrupted: nothing of it is kept; run it again\n"  # the command not yet known
+    assert capsys.readouterr().err == "interrupted: run the command again\n"  # before the command was known
 
 
 @pytest.mark.parametrize(("command", "kept"), [
@@ -126,4 +126,4 @@ def test_ctrl_c_says_what_the_command_keeps(monkeypatch, capsys, command, kept):
     assert cli.main([command, *args[command]]) == 130
     err = capsys.readouterr().err
     assert err == (f"interrupted: run the same command again to resume {kept}\n" if kept else
-                   "interrupted: nothing of it is kept; run it again\n")
+                   "interrupted: it does not resume; run it again\n")

@@ -25,7 +25,8 @@ from harness.run.errors import ConfigError
 
 def device_memory(device: torch.device) -> int | None:
     """Bytes of memory ``device`` has in all: a CUDA device's, or (cpu) the machine's physical memory or the
-    cgroup's limit when lower (a container's); None where unknown (mps)."""
+    cgroup's limit when lower (a container's); None where unknown (mps). On CUDA this initializes torch's CUDA state
+    in the calling process (a sweep's parent: it starts its runs as new processes, never by fork)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device.index or 0).total_memory
     if device.type != "cpu":

@@ -9,14 +9,16 @@ from contextlib import contextmanager
 # what a command interrupted by Ctrl-C keeps, for its one line (:func:`interrupted`); other commands keep nothing
 KEPT = {"train": "finished steps are kept", "sweep": "finished runs and steps are kept",
         "zoo": "finished runs and steps are kept", "claims": "finished runs, steps and lab batches are kept",
-        "lab": "measured batches are kept", "soak": "its folder is kept"}
+        "lab": "measured batches are kept"}
 
 
 def interrupted(command: str | None) -> str:
     """The one line Ctrl-C of ``command`` (None: before it was known) prints."""
+    if command is None:  # before the arguments were read: nothing has started
+        return "interrupted: run the command again"
     if command in KEPT:
         return f"interrupted: run the same command again to resume ({KEPT[command]})"
-    return "interrupted: nothing of it is kept; run it again"
+    return "interrupted: it does not resume; run it again"
 
 
 class ConfigError(ValueError):
