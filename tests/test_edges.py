@@ -461,22 +461,25 @@ def test_a_gsm8k_dir_that_is_not_there_is_refused_naming_the_variable(tmp_path, 
     assert not (tmp_path / "results").exists()
 
 
-def test_the_memory_floor_is_the_weights_and_the_samplers_keys_and_values_at_capacity(monkeypatch):
-    """By hand on the tiny model (2 layers, 2 heads of 16, fp32): 2 x 2 x 2 x 16 x 4 = 512 bytes per token; refused
-    one byte below weights + rows x max_new_tokens x 512, not at it."""
+def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkeypatch):
+    """By hand on the tiny model (fp32, 2 layers, 2 heads of 16, the character vocabulary of 100): a token takes
+    4 x (100 logits + 2 x 2 x 2 x 16 keys and values) = 912 bytes; refused one byte below weights + rows x 912, not
+    at it."""
     from harness.policy import memory
     from tests.helpers.tiny import TINY_SPEC
 
-    (run,) = run_configs(load_experiment("base", [*TINY_RUN, "train.max_new_tokens=8"]))
+    (run,) = run_configs(load_experiment("base", TINY_RUN))
     weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
-    assert per_token == 2 * 2 * 2 * 16 * 4
+    assert per_token == 4 * (100 + 2 * 2 * 2 * 16) == 912
     assert weights == 4 * sum(p.numel() for p in models.skeleton("tiny", TINY_SPEC).parameters())
-    floor = weights + 16 * 8 * per_token  # prompts_per_step 4 x group_size 4
+    floor = weights + 16 * per_token  # prompts_per_step 4 x group_size 4
     monkeypatch.setattr(memory, "device_memory", lambda device: floor)
     assert memory.sampling_memory_problem(run, 16, "rows") is None
     monkeypatch.setattr(memory, "device_memory", lambda device: floor - 1)
-    assert memory.sampling_memory_problem(run, 16, "rows").startswith(
-        "rows = 16 completions of up to train.max_new_tokens=8 tokens need 0.1 MB of keys and values beside ")
+    assert memory.sampling_memory_problem(run, 16, "rows") == (
+        f"rows = 16 completions sampled at once need at least 14.6 kB for their first token (its logits, keys and "
+        f"values) beside {memory.size(weights)} of weights, and this machine's cpu has {memory.size(floor - 1)} in "
+        "all: lower them")
 
 
 def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything(tmp_path, capsys):
@@ -486,7 +489,8 @@ def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything
     assert main(["train", "quickstart", *QUICK, "train.group_size=100000000", results]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config error: train.prompts_per_step x train.group_size = " in err
-    assert re.search(r"GB of keys and values beside .* of weights, and this machine's cpu has .* GB in all", err)
+    assert re.search(r"completions sampled at once need at least .* GB for their first token \(its logits, keys and "
+                     r"values\) beside .* of weights, and this machine's cpu has .* GB in all: lower them", err)
     assert main(["lab", "base", *TINY_RUN, "lab.reference_samples=100000000", results]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lab.reference_samples x the evaluation minibatch's prompts = 200000000 " in err

@@ -1,9 +1,10 @@
 """Whether a run's sampling can fit in this machine's memory, checked before anything starts.
 
-A floor, not an estimate of the peak: the policy's weights and the keys and values the native sampler allocates for
-its completions at ``train.max_new_tokens`` (harness/policy/decode.py: at capacity, resident as they are written),
-which every completion that runs to that length fills. Gradients, optimizer state, activations, logits, the prompts'
-keys and values and the allocator's slack come on top. A run whose floor exceeds the device's memory would end in an
+A floor, not an estimate of the peak: the policy's weights, and for every completion sampled at once what its first
+token takes for certain, the logits of one step over the vocabulary and that token's keys and values in every layer.
+Every later token adds its keys and values (the native sampler reserves them up to ``train.max_new_tokens``, made
+resident as they are written, harness/policy/decode.py), and gradients, optimizer state, activations and the
+allocator's slack come on top: a run can fail above this floor, never below it. A run under it would end in an
 allocation error at its first rollout, after its folder, its warm start and a traceback; it is refused in one line.
 Where the model's shape is not known before it loads (a hub id), nothing is checked.
 """
@@ -41,8 +42,9 @@ def device_memory(device: torch.device) -> int | None:
 
 @functools.lru_cache(maxsize=16)
 def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
-    """(weights, keys and values per token) in bytes of model ``name`` (``tiny``: its model.tiny as JSON) in
-    ``dtype``, from its skeleton (harness/policy/models.py); None when its shape is not known before it loads."""
+    """(weights, one token) in bytes of model ``name`` (``tiny``: its model.tiny as JSON) in ``dtype``: a token's
+    logits over the vocabulary and its keys and values in every layer; from its skeleton (harness/policy/models.py);
+    None when its shape is not known before it loads."""
     from harness.policy.models import skeleton
 
     try:
@@ -52,38 +54,43 @@ def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
         config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        layers = config.num_hidden_layers
+        per_token = config.vocab_size + config.num_hidden_layers * 2 * kv_heads * head_dim
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # a folder whose config transformers cannot build, or of another shape: loading it says why
     size = DTYPES[dtype].itemsize
-    return sum(p.numel() for p in model.parameters()) * size, layers * 2 * kv_heads * head_dim * size
+    return sum(p.numel() for p in model.parameters()) * size, per_token * size
 
 
 def sampling_memory_problem(run: DictConfig, rows: int, what: str) -> str | None:
-    """Why ``rows`` completions of up to ``train.max_new_tokens`` tokens (``what``: the settings that make them, for
-    the message) cannot fit on the run's device: the weights and their keys and values at capacity above its memory;
-    or None."""
+    """Why ``rows`` completions sampled at once (``what``: the settings that make them, for the message) cannot fit on
+    the run's device: the weights and each completion's first token (module docstring) above its memory; or None."""
     known = model_bytes(run.model.name, json.dumps(OmegaConf.to_container(run.model.tiny), sort_keys=True),
                         run.model.dtype)
     device = resolve_device(run.device)
     total = device_memory(device)
     if known is None or total is None:
         return None
-    weights, keys_values = known[0], rows * run.train.max_new_tokens * known[1]
-    if weights + keys_values <= total:
+    weights, first_tokens = known[0], rows * known[1]
+    if weights + first_tokens <= total:
         return None
-    return (f"{what} = {rows} completions of up to train.max_new_tokens={run.train.max_new_tokens} tokens need "
-            f"{size(keys_values)} of keys and values beside {size(weights)} of weights, and this machine's "
-            f"{device.type} has {size(total)} in all: lower them")
+    return (f"{what} = {rows} completions sampled at once need at least {size(first_tokens)} for their first token "
+            f"(its logits, keys and values) beside {size(weights)} of weights, and this machine's {device.type} has "
+            f"{size(total)} in all: lower them")
 
 
 def size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB"
+    """Bytes for a message: GB from 0.1 GB, MB from 0.1 MB, else kB."""
+    return (f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e5
+            else f"{nbytes / 1e3:,.1f} kB")
 
 
 @register_check("memory", when="machine")
 def check_memory(run: DictConfig) -> None:
-    """When runs start here: a rollout's completions fit in the device's memory (:func:`sampling_memory_problem`)."""
+    """When runs start here: a rollout's completions fit in the device's memory (:func:`sampling_memory_problem`).
+    The native loop samples a step's completions at once; TRL's backend shares them among its processes (each
+    samples its part), so its runs are not checked here."""
+    if run.backend != "native":
+        return
     problem = sampling_memory_problem(run, run.train.prompts_per_step * run.train.group_size,
                                       "train.prompts_per_step x train.group_size")
     if problem:
