@@ -250,6 +250,7 @@ def ids_of(cfg) -> dict[tuple[str, int, int], str]:
     return {(run.objective.name, int(run.model.seed), int(run.seed)): run_id(run) for run in run_configs(cfg)}
 
 
+@pytest.mark.slow  # seconds of runs or reports: make test
 def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
     """From starting policies of its own a claim's sweep has a folder of its own (results/claims/<experiment>/, not
     the experiment's, whose report covers every run there). That folder also holds runs of other designs: another
@@ -275,6 +276,7 @@ def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
     assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"]) == set(ids.values())
 
 
+@pytest.mark.slow  # seconds of runs or reports: make test
 def test_a_claims_sweep_runs_of_two_code_versions_are_refused(tmp_path):
     """A sweep keeps a run another code version finished, so a claim's folder can hold runs of two versions (a
     claim's sweep resumed under new code): its checks would pool them, paired by seed, so reading them is refused in

@@ -278,6 +278,7 @@ def test_make_plots_passes_several_experiments_and_latex():
     assert made.stdout.split() == ["python", "-m", "analysis", "results/a", "results/b", "--paper", "--latex"]
 
 
+@pytest.mark.slow  # seconds of runs or reports: make test
 def test_folders_of_one_name_need_their_own_report_folder(tmp_path, capsys):
     """`a/x b/x` then `a/x c/x` would both write `a/x+x/report`: the second replaced the first pair's report."""
     folders = [fake_experiment(tmp_path / parent / "x", [fake_run(tmp_path / parent / "x", "grpo", 0)])

@@ -87,6 +87,7 @@ def test_a_comparison_missing_runs_is_incomplete_and_stays_in_the_family(confirm
     assert rows.loc["c_obj", "level"] == pytest.approx(1 - 0.05 / 3)
 
 
+@pytest.mark.slow  # seconds of runs or reports: make test
 def test_runs_of_two_code_versions_are_refused_not_paired(confirm, tmp_path):
     """A confirmation continued after a commit keeps the runs that ended under the old code: its differences would
     pair the old code's runs with the new code's, so it is refused in one line naming the versions."""

@@ -372,6 +372,7 @@ class _Runner:
         return Handle()
 
 
+@pytest.mark.slow  # seconds of runs or reports: make test
 def test_starting_policies_are_prepared_side_by_side_each_once_and_a_failure_stops_the_others(tmp_path, monkeypatch):
     """prepare_through: one job per distinct starting policy (the first run's config), at most ``at_once`` at a time;
     a failed one stops those still running and raises with its log."""

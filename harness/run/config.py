@@ -639,10 +639,12 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
     adapters); the rollout correction's thresholds at mode none (its rules' bounds without rules are refused); an
     objective's hyperparameters that it declares inert at its values (``Objective.inert_hyperparameters``:
     kl_estimator at beta 0)."""
-    rc = run.train.rollout_correction
-    if key.startswith("model.lora.") and key != "model.lora.rank" and not run.model.lora.rank:
+    # a config written before a setting existed lacks it: its default then
+    lora_rank, mode = (OmegaConf.select(run, k, default=d) for k, d in (("model.lora.rank", 0),
+                                                                      ("train.rollout_correction.mode", "none")))
+    if key.startswith("model.lora.") and key != "model.lora.rank" and not lora_rank:
         return "LoRA's settings change nothing at model.lora.rank=0 (no adapters)"
-    if key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") and rc.mode == "none":
+    if key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") and mode == "none":
         return "the correction's thresholds change nothing at train.rollout_correction.mode=none"
     if key.startswith("objective.params.") and key.removeprefix("objective.params.") in _inert(run):
         return f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at these values"
@@ -652,7 +654,8 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
 def _inert(run: DictConfig) -> frozenset[str]:
     """The run's objective's inert hyperparameters (none when its settings do not build it: validation says why)."""
     try:
-        return get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params)).inert_hyperparameters()
+        params = OmegaConf.to_container(OmegaConf.select(run, "objective.params", default=None) or OmegaConf.create())
+        return get_objective(run.objective.name, **params).inert_hyperparameters()
     except (KeyError, TypeError, ValueError):
         return frozenset()
 
