@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import random
@@ -84,6 +85,13 @@ class Task:
     def config(self) -> dict:
         """The task's keyword arguments (enough to rebuild it with :func:`get_task`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+def problems_digest(train: Sequence[Problem], evaluation: Sequence[Problem]) -> str:
+    """The first 16 hex digits of the sha256 of the problems a run trains and evaluates on (question and answer, in
+    order): what the task's data was, whatever folder or environment variable gave it (summary.json's task_data)."""
+    content = json.dumps([[[p.question, p.answer] for p in train], [[p.question, p.answer] for p in evaluation]])
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 def register_task(name: str):

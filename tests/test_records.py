@@ -120,6 +120,35 @@ def test_summary_carries_the_collapse_record_of_the_rows_so_far_across_a_resume(
     assert again.summary("finished")["collapse"] == record
 
 
+def gsm8k_folder(folder, offset: int):
+    """A small GSM8K-shaped folder whose problems depend on ``offset`` (another copy of the data)."""
+    folder.mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"What is {i} plus {offset}?", "answer": f"{i} + {offset}\n#### {i + offset}"}
+                for i in range(12)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.slow  # a run resumed: make test
+def test_a_run_is_not_resumed_on_other_task_data(tmp_path, monkeypatch):
+    """GSM8K_DIR is not a setting of the run (the same data from another folder is the same run): a run stopped
+    under one folder and resumed under a folder of other problems mixed the two data sets without a word. The
+    digest of its problems is in summary.json and a resume on others is refused; back on its own it continues."""
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_folder(tmp_path / "a", 1)))
+    run = tiny_run(tmp_path, "task.name=gsm8k", "train.steps=3", "task.eval_size=4")
+    with stopped_before(2):
+        train(run, tmp_path / "run", progress=False)
+    recorded = json.loads((tmp_path / "run" / "summary.json").read_text())["task_data"]
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_folder(tmp_path / "b", 2)))
+    with pytest.raises(ConfigError, match=rf"run was begun on other task data \(problems of digest {recorded}, "
+                       r"these [0-9a-f]{16}\): GSM8K_DIR or task.data_dir gives other problems; point it back"):
+        train(run, tmp_path / "run", progress=False)
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "a"))
+    summary = train(run, tmp_path / "run", progress=False)
+    assert summary["status"] == "finished" and summary["task_data"] == recorded
+
+
 def test_summary_counts_the_cpu_seconds_of_every_attempt(tmp_path, monkeypatch):
     """summary.json's cpu_time_s is this process's CPU time since its records opened plus the attempts it resumes
     (a resumed run's cost is the sum of its processes', each with its own clock)."""

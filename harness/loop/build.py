@@ -27,7 +27,7 @@ from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
-from harness.tasks import Problem, Task, get_task
+from harness.tasks import Problem, Task, get_task, problems_digest
 from objectives import Objective, get_advantage, get_objective
 
 
@@ -41,6 +41,7 @@ class RunSetup:
     policy: torch.nn.Module  # the starting policy (warm-started), trainable
     tokenizer: object
     start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
+    task_data: str  # the digest of the problems it trains and evaluates on (summary.json's task_data)
     objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
     # the KL term's reference (beta > 0), else None: a frozen copy of the starting policy, or with LoRA adapters the
@@ -67,8 +68,9 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
         reference = policy if lora.rank else frozen_copy(policy)
     dtype = sampler_dtype(cfg)
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
-    return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, objective, estimator, reference,
-                    sampler)
+    task_data = problems_digest(train_problems, task.eval_problems())
+    return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, task_data, objective, estimator,
+                    reference, sampler)
 
 
 def hook_routing(run: RunSetup, t: DictConfig) -> None:

@@ -364,6 +364,7 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.cpu_started, self.cpu_before = time.process_time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
+        self.task_data: str | None = None  # the digest of the task's problems (check_task_data)
         self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
@@ -382,6 +383,7 @@ class RunRecords:
                 with contextlib.suppress(ValueError):  # not JSON or not UTF-8: resumed without the earlier times
                     found = json.loads(previous.read_text())
                     self.previous = found if isinstance(found, dict) else {}
+                self.task_data = self.previous.get("task_data")  # kept by a summary written before the check
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
                 self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
@@ -393,6 +395,17 @@ class RunRecords:
         except BaseException:
             self.close(failed=True)
             raise
+
+    def check_task_data(self, digest: str) -> None:
+        """Record the digest of the problems this attempt trains and evaluates on
+        (:func:`harness.tasks.problems_digest`); a ConfigError when the attempt it resumes recorded other problems:
+        another GSM8K_DIR or task.data_dir (not settings of the run: the same data from another folder is the same
+        run) would mix two data sets in one run."""
+        if self.task_data is not None and self.task_data != digest:
+            raise ConfigError(f"{self.run_dir} was begun on other task data (problems of digest {self.task_data}, "
+                              f"these {digest}): GSM8K_DIR or task.data_dir gives other problems; point it back to "
+                              "continue this run, or give a fresh --run-dir (or results_dir) for these problems")
+        self.task_data = digest
 
     @property
     def rows(self) -> list[dict]:
@@ -425,6 +438,7 @@ class RunRecords:
                 "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
+                "task_data": self.task_data,
                 # none before step 0's row; all if every row is lost
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
                 if self.rows or self.progress["steps_done"] else [],
