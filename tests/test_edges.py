@@ -480,6 +480,27 @@ def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkey
         f"rows = 16 completions sampled at once need at least 14.6 kB for their first token (its logits, keys and "
         f"values) beside {memory.size(weights)} of weights, and this machine's cpu has {memory.size(floor - 1)} in "
         "all: lower them")
+    monkeypatch.setattr(memory, "device_memory", lambda device: weights)  # not one completion: the model's fault
+    assert memory.sampling_memory_problem(run, 16, "rows").startswith("model 'tiny' takes at least ")
+
+
+def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_path, monkeypatch):
+    """A local folder's config.json with zero heads, a size as text, or 200000 layers: the check raised a traceback
+    (ZeroDivisionError, transformers' field validation) or built the model's skeleton for minutes without a word (the
+    sixth hostile pass); now it reads the config alone and leaves what it cannot size to the model's load."""
+    from harness.policy import memory
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 3, "vocab_size": 1000, "intermediate_size": 128}
+    for name, change in (("zero", {"num_attention_heads": 0}), ("text", {"hidden_size": "576"}),
+                         ("deep", {"num_hidden_layers": 200000}), ("plain", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**base, **change}))
+    monkeypatch.setattr(models, "skeleton", lambda *a: pytest.fail("a folder's model was built"))
+    assert memory.model_bytes(str(tmp_path / "zero"), "{}", "float32") is None
+    assert memory.model_bytes(str(tmp_path / "text"), "{}", "float32") is None
+    assert memory.model_bytes(str(tmp_path / "plain"), "{}", "float32") == (0, 4 * (1000 + 3 * 2 * 2 * 16))
+    assert memory.model_bytes(str(tmp_path / "deep"), "{}", "float32") == (0, 4 * (1000 + 200000 * 2 * 2 * 16))
 
 
 def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything(tmp_path, capsys):

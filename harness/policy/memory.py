@@ -43,22 +43,30 @@ def device_memory(device: torch.device) -> int | None:
 @functools.lru_cache(maxsize=16)
 def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
     """(weights, one token) in bytes of model ``name`` (``tiny``: its model.tiny as JSON) in ``dtype``: a token's
-    logits over the vocabulary and its keys and values in every layer; from its skeleton (harness/policy/models.py);
-    None when its shape is not known before it loads."""
-    from harness.policy.models import skeleton
+    logits over the vocabulary and its keys and values in every layer, read from its config (a local folder's
+    config.json, never a model built from it: a huge or odd one would take minutes or fail here); the weights are
+    counted for the tiny models (their skeleton), 0 for a folder (a floor still). None when the shape is not known
+    before the model loads (a hub id) or its config cannot be read (loading it says why)."""
+    from transformers import AutoConfig
+
+    from harness.policy.models import TINY_MODELS, model_folder, skeleton
 
     try:
-        model = skeleton(name, json.loads(tiny))
-        if model is None:
+        if name in TINY_MODELS:
+            model = skeleton(name, json.loads(tiny))
+            config, weights = model.config, sum(p.numel() for p in model.parameters())
+        elif (model_folder(name) / "config.json").is_file():
+            config, weights = AutoConfig.from_pretrained(model_folder(name)), 0
+        else:
             return None
-        config = model.config.get_text_config()
+        config = config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = config.vocab_size + config.num_hidden_layers * 2 * kv_heads * head_dim
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # a folder whose config transformers cannot build, or of another shape: loading it says why
+        per_token = int(config.vocab_size) + int(config.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim)
+    except Exception:  # noqa: BLE001 - any config transformers cannot read or we cannot size: not checked here
+        return None
     size = DTYPES[dtype].itemsize
-    return sum(p.numel() for p in model.parameters()) * size, per_token * size
+    return weights * size, max(per_token, 0) * size
 
 
 def sampling_memory_problem(run: DictConfig, rows: int, what: str) -> str | None:
@@ -73,9 +81,14 @@ def sampling_memory_problem(run: DictConfig, rows: int, what: str) -> str | None
     weights, first_tokens = known[0], rows * known[1]
     if weights + first_tokens <= total:
         return None
+    beside = f" beside {size(weights)} of weights" if weights else ""
+    if weights + known[1] > total:  # not even one completion: the model itself, not the batch
+        return (f"model {run.model.name!r} takes at least {size(weights + known[1])} for one completion's first token "
+                f"(its weights, logits, keys and values), and this machine's {device.type} has {size(total)} in all: "
+                "choose a smaller model (or model.tiny's sizes)")
     return (f"{what} = {rows} completions sampled at once need at least {size(first_tokens)} for their first token "
-            f"(its logits, keys and values) beside {size(weights)} of weights, and this machine's {device.type} has "
-            f"{size(total)} in all: lower them")
+            f"(its logits, keys and values){beside}, and this machine's {device.type} has {size(total)} in all: "
+            "lower them")
 
 
 def size(nbytes: int) -> str:

@@ -118,6 +118,12 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
+def model_folder(name: str) -> Path:
+    """The folder model ``name`` loads from: the embedded model's prepared cache, or a local folder's path (a hub id's
+    is not a folder)."""
+    return cache_dir() / EMBEDDED_NAME if name == EMBEDDED_NAME else Path(name)
+
+
 def skeleton(name: str, tiny: dict | None = None) -> PreTrainedModel | None:
     """The modules of model ``name`` (:func:`load_model`'s names) on the meta device, without weights: the tiny
     models, or a model whose config.json is in a local folder (the embedded one once prepared); None for a hub id
@@ -127,7 +133,7 @@ def skeleton(name: str, tiny: dict | None = None) -> PreTrainedModel | None:
             build = build_tiny_model if name == "tiny" else build_tiny_moe
             spec = (TinyModelSpec if name == "tiny" else TinyMoeSpec)(**(tiny or {}))
             return build(char_tokenizer(), spec, 0)
-    folder = cache_dir() / EMBEDDED_NAME if name == EMBEDDED_NAME else Path(name)
+    folder = model_folder(name)
     if not (folder / "config.json").is_file():
         return None
     with torch.device("meta"):
