@@ -1,6 +1,7 @@
 """The gradient lab: its measurements pinned on hand-checkable tensors, and an end-to-end lab on the tiny
 test model (files, determinism, resume)."""
 
+import json
 import math
 import re
 
@@ -268,7 +269,7 @@ def test_a_labs_batches_are_one_code_versions(tmp_path, monkeypatch, capsys):
     assert "measured before labs recorded code.json" in capsys.readouterr().err and lab_version(out) is None
 
 
-def test_a_labs_batches_are_one_policys(tmp_path, capsys):
+def test_a_labs_batches_are_one_policys(tmp_path, capsys, monkeypatch):
     """The lab records the digest of the policy it measures; batches are not added on a policy of other weights
     (lab.policy names a folder whose weights can be replaced; a starting policy built on another CPU differs)."""
     out = tmp_path / "lab"
@@ -283,6 +284,14 @@ def test_a_labs_batches_are_one_policys(tmp_path, capsys):
     (out / POLICY_FILE).unlink()  # a lab measured before labs recorded their policy
     check_lab_policy(out, "/runs/a/final", "2" * 16)
     assert "measured before labs recorded policy.json" in capsys.readouterr().err and lab_policy(out) is None
+    # but this code records it: with this code's code.json, a missing or damaged one is damage, not an old lab
+    from harness.apps import lab
+
+    monkeypatch.setattr(lab, "code_record", lambda: {"version": "ccccccc", "commit": "c" * 40})
+    (out / CODE_FILE).write_text(json.dumps({"version": "ccccccc"}))
+    (out / POLICY_FILE).write_text("not json{")
+    with pytest.raises(ConfigError, match=r"policy.json is missing or damaged, though this code measured the lab"):
+        check_lab_policy(out, "/runs/a/final", "2" * 16)
 
 
 @pytest.mark.slow

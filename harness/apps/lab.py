@@ -267,6 +267,11 @@ def check_lab_policy(out: Path, source: str, digest: str) -> None:
     :func:`check_lab_code`, for the digest of the policy's weights (``policy.json``): ``lab.policy`` names a folder,
     whose weights can be replaced between two calls, and a starting policy built on another CPU has other weights
     under the same settings (harness/policy/warm_start.py)."""
+    measured = any((out / "batches").glob("batch_*.pt"))
+    if measured and lab_policy(out) is None and lab_version(out) == code_record()["version"]:
+        raise ConfigError(f"{out}: {POLICY_FILE} is missing or damaged, though this code measured the lab and records "
+                          "it: the policy its batches measured cannot be checked; delete the folder or choose another "
+                          "name=...")
     check_lab_record(out, POLICY_FILE, lab_policy(out), {"weights_sha256": digest, "policy": source},
                      "weights_sha256", f"measured on {source} with weights of digest",
                      "restore those weights to add to it")
