@@ -201,6 +201,21 @@ def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, wh
         run_configs(load_experiment("quickstart", ["sweep.grid.objective.name=[grpo]", f"sweep.grid.{key}={values}"]))
 
 
+@pytest.mark.parametrize(("grid", "runs"), [
+    (["sweep.grid.objective.name=[grpo]", "sweep.grid.train.rollout_correction.mode=[none,token_mask]",
+      "sweep.grid.train.rollout_correction.threshold=[2,3]"], 3),
+    (["sweep.grid.objective.name=[grpo]", "sweep.grid.objective.params.beta=[0,0.1]",
+      "sweep.grid.objective.params.kl_estimator=[k1,k3]"], 3),
+    (["sweep.grid.objective.name=[grpo,adaptive_kl]", "sweep.grid.objective.params.kl_estimator=[k1,k3]"], 3),
+])
+def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_does_not(grid, runs):
+    """A threshold crossed with mode=[none, token_mask] (or kl_estimator with beta=[0, 0.1]) was refused as 'the same
+    run twice; list each value once', which no grid of the two axes could satisfy (the sixth hostile pass): the
+    inert corner is one run. adaptive_kl starts at beta 0.001, so its kl_estimator acts (two runs), grpo's not (one)."""
+    made = run_configs(load_experiment("quickstart", ["seed=0", *grid]))
+    assert len(made) == runs and len({run_id(run) for run in made}) == runs
+
+
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
     assert trl.backend == "trl" and trl.train.save_every == 5

@@ -522,7 +522,7 @@ def _resolve(cfg: DictConfig) -> None:
 def run_configs(cfg: DictConfig) -> list[DictConfig]:
     """Expand the sweep into validated run configs (the sweep section removed). No grid = one run. Refused in one
     line: an objective of the grid that its per-objective settings leave without a run, and two grid points that
-    make the same run (:func:`_check_distinct`)."""
+    make the same run (:func:`_distinct`)."""
     grid = OmegaConf.to_container(cfg.sweep.grid)
     per_objective = OmegaConf.to_container(cfg.sweep.per_objective)
     for key, values in grid.items():
@@ -554,8 +554,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     _check_pins(pins, {objective for objective, _ in points})
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
-    _check_distinct(runs, [point for _, point in points], grid)
-    return runs
+    return _distinct(runs, [point for _, point in points], grid)
 
 
 def _check_pins(pins: dict[str, tuple[str, object]], ran: set[str]) -> None:
@@ -577,16 +576,24 @@ def _check_pins(pins: dict[str, tuple[str, object]], ran: set[str]) -> None:
                       f"sweep.grid.objective.name=[{','.join(sorted(ran))}], or include the pinned value")
 
 
-def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list]) -> None:
-    """Refuse two grid points that make the same run (the same run id): a value listed twice (``seed=[0,0]``), two
-    spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the run's config), values of a memory
-    setting (not part of the run id: they change no number), or of where results go (:data:`NOT_IN_RUN_ID`)."""
+def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list]) -> list[DictConfig]:
+    """The runs of the grid, each once. Two grid points that make the same run (the same run id) are refused: a value
+    listed twice (``seed=[0,0]``), two spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the
+    run's config), values of a memory setting (not part of the run id: they change no number), of where results go
+    (:data:`NOT_IN_RUN_ID`), or of a setting that changes nothing in any of the grid's runs (:func:`unused_setting`).
+    A setting that acts in some of the grid's runs and not in others (``threshold`` crossed with
+    ``rollout_correction.mode=[none, token_mask]``) makes one run where it changes nothing, not a refusal."""
     first: dict[str, dict] = {}
+    acting = {key for key in grid if any(not unused_setting(run, key) for run in runs)}
+    kept = []
     for run, point in zip(runs, points, strict=True):
         other = first.setdefault(run_id(run), point)
         if other is point:
+            kept.append(run)
             continue
         differing = [key for key in point if point[key] != other[key]]
+        if differing and all(key in acting and unused_setting(run, key) for key in differing):
+            continue  # the same run as an earlier point: the setting changes nothing here, and acts elsewhere
         if not differing:
             key = next(k for k in grid if sum(v == point[k] for v in grid[k]) > 1)
             raise ConfigError(f"sweep.grid.{key} lists {_dot(point[key])} more than once: the same run twice; "
@@ -599,6 +606,7 @@ def _check_distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, 
             else unused_setting(run, key) or "equal once parsed"
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
+    return kept
 
 
 def _sections_of_type(node, type_name: str, prefix: str = ""):
