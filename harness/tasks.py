@@ -334,15 +334,16 @@ class GSM8K(Task):
 
 
 def _hub_copy_cached() -> bool:
-    """Whether the hub's GSM8K is on this machine: prepared in the datasets cache, or its train file in the hub
-    cache (what ``datasets.load_dataset`` reads without the network)."""
+    """Whether the hub's GSM8K is on this machine: prepared in the datasets cache (its info and a train split's
+    Arrow file), or its train file in the hub cache (what ``datasets.load_dataset`` reads without the network)."""
     import datasets.config
     import huggingface_hub
 
     prepared = Path(datasets.config.HF_DATASETS_CACHE) / GSM8K_HUB_ID.replace("/", "___") / GSM8K_HUB_CONFIG
     downloaded = huggingface_hub.try_to_load_from_cache(GSM8K_HUB_ID, f"{GSM8K_HUB_CONFIG}/{GSM8K_HUB_TRAIN_FILE}",
                                                         repo_type="dataset")
-    return (prepared.is_dir() and any(prepared.rglob("dataset_info.json"))) or isinstance(downloaded, str)
+    return (prepared.is_dir() and any(prepared.rglob("dataset_info.json")) and any(prepared.rglob("*-train*.arrow"))
+            or isinstance(downloaded, str))
 
 
 def check_gsm8k_file(path: Path) -> None:

@@ -75,6 +75,7 @@ def test_overrides_may_follow_the_options():
     (["bench", "--rows", "32"], "python -m harness bench: --rows is read by --scale only: add --scale or leave --rows "
                                 "out", None),
     (["bench", "--jobs", "3"], "--jobs is read by --sweep-throughput only", None),
+    (["bench", "--scale", "--memory"], "--scale and --memory are separate measurements: give one per command", None),
 ])
 def test_a_mistake_is_named_by_the_commands_own_parser(args, said, unsaid, capsys):
     """An optional list of overrides is not called required; an extra argument is the command's (its `-h` lists

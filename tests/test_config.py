@@ -216,6 +216,15 @@ def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_do
     assert len(made) == runs and len({run_id(run) for run in made}) == runs
 
 
+def test_where_results_go_is_not_an_objectives_own_setting():
+    """sweep.per_objective={gspo: {results_dir: ...}} was accepted: the run was written in the sweep's folder, its
+    config.yaml recorded the other folder (the sixth hostile pass)."""
+    for key in ("results_dir", "name", "logging.project"):
+        with pytest.raises(ConfigError, match=rf"^sweep.per_objective.gspo.{re.escape(key)}: where results go and "
+                           rf"where metrics are sent are the sweep's, not one objective's; set {re.escape(key)} for"):
+            run_configs(load_experiment("quickstart", [f"sweep.per_objective={{gspo: {{{key}: x}}}}"]))
+
+
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
     assert trl.backend == "trl" and trl.train.save_every == 5

@@ -584,6 +584,9 @@ def test_gsm8k_from_an_unreachable_hub_is_refused_once_in_seconds_before_anythin
     prepared.mkdir(parents=True)
     (prepared / "dataset_info.json").write_text("{}")
     tasks._task_data_problem.cache_clear()
+    assert "HF_HUB_OFFLINE is set" in tasks.get_task("gsm8k").data_problem()  # an info file alone is no copy
+    (prepared / "gsm8k-train.arrow").write_bytes(b"")
+    tasks._task_data_problem.cache_clear()
     assert tasks.get_task("gsm8k").data_problem() is None and gsm8k_hub == [HUB_TIMEOUT_S] * 2  # cached: not asked
 
 

@@ -32,14 +32,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# bench's modes, each its own measurement (its --step and --full-length are --busy's and --scale's children's)
+BENCH_MODES = ("busy", "scale", "lora", "matmuls", "profile", "memory", "sweep_throughput")
 # bench's options that only one of its modes reads: option -> (the mode's flag, its default)
 BENCH_MODE_OPTIONS = {"rows": ("scale", SCALE_ROWS), "tokens": ("scale", SCALE_TOKENS),
                       "jobs": ("sweep_throughput", 2), "against": ("sweep_throughput", None)}
 
 
 def given_without_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A bench option given without the mode that reads it (``--rows`` without ``--scale``: ignored, silently) ends
-    the process with one line; the others get their defaults."""
+    """Two bench modes at once, or a bench option given without the mode that reads it (``--rows`` without
+    ``--scale``: ignored, silently), end the process with one line; the others get their defaults."""
+    modes = [mode for mode in BENCH_MODES if getattr(args, mode)]
+    if len(modes) > 1:  # one ran, the others were dropped without a word
+        parser.error(f"{' and '.join('--' + m.replace('_', '-') for m in modes)} are separate measurements: give one "
+                     "per command")
     for option, (mode, default) in BENCH_MODE_OPTIONS.items():
         if getattr(args, option) is not None and not getattr(args, mode):
             parser.error(f"--{option.replace('_', '-')} is read by --{mode.replace('_', '-')} only: add "

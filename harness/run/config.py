@@ -525,6 +525,11 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     make the same run (:func:`_distinct`)."""
     grid = OmegaConf.to_container(cfg.sweep.grid)
     per_objective = OmegaConf.to_container(cfg.sweep.per_objective)
+    for name, own in per_objective.items():  # the runs are written where the sweep is: one objective's elsewhere
+        outside = [key for key in own or {} if str(key).split(".")[0] in NOT_IN_RUN_ID]  # would be recorded, not used
+        if outside:
+            raise ConfigError(f"sweep.per_objective.{name}.{outside[0]}: where results go and where metrics are sent "
+                              f"are the sweep's, not one objective's; set {outside[0]} for the whole sweep")
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
