@@ -368,6 +368,9 @@ class RunRecords:
         self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
+        if resume_step is not None:  # every process, so that all refuse other problems alike (check_task_data)
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                self.task_data = json.loads((run_dir / "summary.json").read_text()).get("task_data")
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -383,7 +386,6 @@ class RunRecords:
                 with contextlib.suppress(ValueError):  # not JSON or not UTF-8: resumed without the earlier times
                     found = json.loads(previous.read_text())
                     self.previous = found if isinstance(found, dict) else {}
-                self.task_data = self.previous.get("task_data")  # kept by a summary written before the check
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
                 self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
