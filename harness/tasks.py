@@ -275,8 +275,8 @@ class GSM8K(Task):
             folder = Path(self.data_dir).expanduser()
             missing = [name for name in ("train.jsonl", "test.jsonl") if not (folder / name).is_file()]
             if missing:
-                what = (" does not exist" if not folder.is_dir() else
-                        f": {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist")
+                what = (" is a file, not a folder" if folder.is_file() else " does not exist" if not folder.is_dir()
+                        else f": {' and '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist")
                 raise ValueError(f"gsm8k: {source}={self.data_dir}{what}; point it at a folder with train.jsonl "
                                  "and test.jsonl (openai/gsm8k's main split), or unset it to load the hub's copy")
         if self.scoring not in GSM8K_SCORINGS:

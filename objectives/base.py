@@ -515,10 +515,10 @@ class Objective:
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{where} must be finite, got {value}")
+            if value <= 0 and name in self.positive:  # before the sign: "must be >= 0" would offer 0, refused too
+                raise ValueError(f"{where} must be > 0, got {value}")
             if value < 0 and name not in self.signed:
                 raise ValueError(f"{where} must be >= 0, got {value}")
-            if value <= 0 and name in self.positive:
-                raise ValueError(f"{where} must be > 0, got {value}")
             if value >= 1 and name in self.below_one:
                 raise ValueError(f"{where} must be < 1 (ratio floor 1 - {name} > 0), got {value}")
         elif kind is int:

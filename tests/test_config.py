@@ -216,6 +216,22 @@ def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_do
     assert len(made) == runs and len({run_id(run) for run in made}) == runs
 
 
+def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent():
+    """luspo is gspo with aggregation=seq_mean_token_sum; luspo with aggregation=token_mean was accepted and ran gspo
+    under luspo's name (the sixth hostile pass): a sweep would compare gspo with itself under two names."""
+    with pytest.raises(ConfigError, match=r"^objective.name=luspo is gspo with aggregation=seq_mean_token_sum, and "
+                       r"objective.params.aggregation=token_mean undoes it: that is objective.name=gspo \(give it "
+                       r"with objective.params.aggregation=token_mean\)$"):
+        run_configs(load_experiment("quickstart", ["objective.name=luspo", "objective.params.aggregation=token_mean"]))
+    with pytest.raises(ConfigError, match=r"^objective.name=bnpo is grpo with aggregation=token_mean, and "):
+        run_configs(load_experiment("quickstart", ["objective.name=bnpo",
+                                                   "objective.params.aggregation=seq_mean_token_mean"]))
+    # the alias's own value, given again, or another setting changed: still the alias
+    for params in (["objective.params.aggregation=seq_mean_token_sum"], ["objective.params.clip_high=0.01"], []):
+        runs = run_configs(load_experiment("quickstart", ["objective.name=luspo", *params]))
+        assert {run.objective.name for run in runs} == {"luspo"}
+
+
 def test_where_results_go_is_not_an_objectives_own_setting():
     """sweep.per_objective={gspo: {results_dir: ...}} was accepted: the run was written in the sweep's folder, its
     config.yaml recorded the other folder (the sixth hostile pass)."""
@@ -359,9 +375,13 @@ def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, me
 def test_a_missing_experiment_file_is_named_as_given(tmp_path):
     """`train /nonexistent.yaml` names the file it looked for as given, not /nonexistent.yaml.yaml
     (docs/hostile_pass.md, case 58)."""
-    with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\); give") as e:
+    with pytest.raises(ConfigError, match=rf"^no experiment file {tmp_path / 'x.yaml'} \(not there\)\. Give") as e:
         load_experiment(str(tmp_path / "x.yaml"))
-    assert ".yaml.yaml" not in str(e.value)
+    assert ".yaml.yaml" not in str(e.value) and "Did you mean" not in str(e.value)
+    # an experiment's file name given as its name (run from another folder than the checkout): the name is offered
+    with pytest.raises(ConfigError, match=r"^no experiment file quickstart.yaml \(not there\)\. Did you mean the "
+                       r"experiment 'quickstart' \(.*experiments/quickstart.yaml\)\?"):
+        load_experiment("quickstart.yaml")
     # a path without .yaml is not a name either: it was looked for as /dev/null.yaml
     with pytest.raises(ConfigError, match=r"^no experiment '/dev/null': give an experiment's name \(.*quickstart.*\) "
                        "or the path of a file ending in .yaml$"):

@@ -418,6 +418,14 @@ def test_a_relative_cache_folder_is_refused_before_anything_is_made(tmp_path, ca
                                            f"folder, so the cache folder (~/.cache/rlvr-harness) would be {folder}: "
                                            "set RLVR_CACHE to an absolute folder, or HOME\n")
     assert not any(tmp_path.iterdir())
+    # a HOME that does not exist (mistyped): it was made, with the cache in it
+    monkeypatch.setenv("HOME", str(tmp_path / "nohome"))
+    assert main(["train", "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
+    assert capsys.readouterr().err == (f"config error: RLVR_CACHE is unset and HOME={str(tmp_path / 'nohome')!r} is "
+                                       "not a folder that exists, so the cache folder would be "
+                                       f"{tmp_path / 'nohome/.cache/rlvr-harness'}: set HOME to your home folder, "
+                                       "or RLVR_CACHE to a folder for the cache\n")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
@@ -519,6 +527,78 @@ def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything
     assert main(["lab", "base", *TINY_RUN, "lab.reference_samples=100000000", results]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lab.reference_samples x the evaluation minibatch's prompts = 200000000 " in err
+    # the evaluation's completions: pass@k's k samples of a problem at once (the sixth pass: not counted)
+    assert main(["train", "quickstart", *QUICK, "train.pass_k=100000000", results]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: evaluation: train.pass_k x train.eval_batch_size // "
+                                                   "train.pass_k (at least 1, at most task.eval_size) problems = "
+                                                   "100000000 completions sampled at once need at least "), err
+    assert not (tmp_path / "results").exists()
+
+
+def test_ctrl_c_says_so_on_a_line_of_its_own(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a run: its line was written after the progress bar, on the bar's own line (the sixth hostile
+    pass); the bar is closed (cleared) first, however the loop ends."""
+    from harness.loop import native
+
+    real = native.train_step
+
+    def interrupted_at_step_2(run, learner, cfg, step, *rest):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(run, learner, cfg, step, *rest)
+
+    monkeypatch.setattr(native, "train_step", interrupted_at_step_2)
+    assert main(["train", "quickstart", *QUICK, "train.steps=4", f"results_dir={tmp_path}"]) == 130
+    err = capsys.readouterr().err
+    assert "1/4" in err  # the bar was drawn
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # what the terminal shows on the line it ends on
+    assert last == "interrupted: run the same command again to resume (finished steps are kept)", repr(err[-300:])
+
+
+@pytest.mark.parametrize("text, reason", [
+    (None, "{folder} holds no config.json"),
+    ("{not json", "its config.json cannot be read ("),
+    ("[1, 2]", "its config.json cannot be read ("),
+    ('{"model_type": "nosuchmodel"}', "its config.json cannot be read ("),
+])
+def test_a_local_model_folder_transformers_cannot_read_is_refused_before_anything(tmp_path, capsys, text, reason):
+    """A model folder without config.json, or with one that is not JSON, a list, or of an unknown model_type: the run
+    failed in transformers after its folder was made (the sixth hostile pass); now one line before anything."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if text is not None:
+        (folder / "config.json").write_text(text)
+    assert main(["train", "quickstart", *QUICK, f"model.name={folder}", f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: model.name {str(folder)!r}: {reason.format(folder=folder)}"), err
+    assert err.endswith("give a model folder in the hub layout (config.json, the weights, the tokenizer's files), as "
+                        "save_pretrained writes it\n") and err.count("\n") == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_completions_that_fill_the_models_positions_are_refused(tmp_path, capsys):
+    """train.max_new_tokens at or past a model's position limit left no room for the prompt: a RoPE model sampled
+    past what it was built for without a word (the sixth hostile pass). The tiny models' limit is model.tiny's, a
+    folder's its config.json's."""
+    with pytest.raises(ConfigError, match=r"^train.max_new_tokens=512 leaves no position for the prompt: model "
+                       r"'tiny' takes at most 512 tokens of prompt and completion \(model.tiny.max_position\); "
+                       r"lower train.max_new_tokens$"):
+        run_configs(load_experiment("quickstart", ["train.max_new_tokens=512"]))
+    with pytest.raises(ConfigError, match=r"^train.eval_max_new_tokens=80 leaves no position .*\(model.tiny"):
+        run_configs(load_experiment("quickstart", ["train.eval_max_new_tokens=80", "model.tiny.max_position=64"]))
+    run_configs(load_experiment("quickstart", ["train.max_new_tokens=511"]))  # one position left: accepted
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "vocab_size": 100, "intermediate_size": 128, "max_position_embeddings": 32}))
+    assert main(["train", "quickstart", *QUICK, f"model.name={folder}", "train.max_new_tokens=40",
+                 f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"config error: train.max_new_tokens=40 leaves no position for the prompt: model {str(folder)!r} "
+                   f"takes at most 32 tokens of prompt and completion (max_position_embeddings in "
+                   f"{folder / 'config.json'}); lower train.max_new_tokens\n")
     assert not (tmp_path / "results").exists()
 
 

@@ -300,7 +300,7 @@ class FakeRun:
     started: list[FakeRun] = []
 
     def __init__(self, args, env=None, polls: int = 10**9, **kwargs):
-        self.gpu = None if env is None else env["CUDA_VISIBLE_DEVICES"]
+        self.args, self.gpu = args, None if env is None else env["CUDA_VISIBLE_DEVICES"]
         self.env, self.polls, self.ended = env, polls, False
         self.running_at_start = sum(run.returncode is None for run in FakeRun.started)
         FakeRun.started.append(self)
@@ -370,3 +370,21 @@ def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeyp
     sweep.run_sweep(load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=again",
                                              "sweep.grid.seed=[0,1,2]"]), jobs=1, progress=False)
     assert [run.running_at_start for run in fake_runs] == [0, 0, 0]  # --jobs wins
+
+
+def test_more_jobs_than_runs_share_the_cores_among_the_runs(tmp_path, monkeypatch, fake_runs):
+    """`sweep --jobs 100` for 3 runs on a machine without GPUs: each run was given 1/100 of the free cores (one torch
+    thread on any machine), not a third of them (the sixth hostile pass: accepted silently)."""
+    from harness.apps import launchers, sweep
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sweep, "prepare_starting_policies", lambda runs, progress: None)
+    monkeypatch.setattr(launchers, "free_threads", lambda: (12, 12, 0.0))  # 12 cores, all free
+    monkeypatch.setattr("harness.apps.launchers.subprocess.Popen", lambda args, **kwargs: POPEN(args, **kwargs)
+                        if args[0] == "git" else FakeRun(args, polls=3, **kwargs))
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp", "sweep.grid.seed=[0,1,2]",
+                                   "launcher.runs_per_process=1"])  # a process per run: its arguments are seen
+    sweep.run_sweep(cfg, jobs=100, progress=False)
+    assert [run.args[run.args.index("--threads") + 1] for run in fake_runs] == ["4", "4", "4"]
+    assert [run.running_at_start for run in fake_runs] == [0, 1, 2]  # all three at once

@@ -601,6 +601,8 @@ def test_class_conventions_are_declared_and_checked():
         Floor(eps=1.0)
     with pytest.raises(ValueError, match=r"hyperparameter eps must be > 0, got 0\.0"):
         Floor(eps=0.0)
+    with pytest.raises(ValueError, match=r"hyperparameter eps must be > 0, got -0\.1"):  # not ">= 0": 0 is refused too
+        Floor(eps=-0.1)
 
 
 # ----------------------------------------------------------------------------------------------------

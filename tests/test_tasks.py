@@ -147,6 +147,10 @@ def test_gsm8k_bad_data_names_file_and_line(tmp_path, lines, message):
 def test_gsm8k_missing_directory(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         get_task("gsm8k", data_dir=str(tmp_path / "missing")).eval_problems()
+    (tmp_path / "train.jsonl").write_text("")  # a data file given for the folder: it said "does not exist"
+    with pytest.raises(ValueError, match=rf"^gsm8k: task.data_dir={tmp_path / 'train.jsonl'} is a file, not a folder; "
+                       "point it at a folder with train.jsonl and test.jsonl"):
+        get_task("gsm8k", data_dir=str(tmp_path / "train.jsonl"))
 
 
 def test_arith_is_deterministic_and_eval_is_disjoint():

@@ -6,6 +6,6 @@ trackers with it; the others are named so that the list is complete whatever tho
 """
 
 from harness import tasks  # noqa: F401
-from harness.loop import backends  # noqa: F401
+from harness.loop import backends, evaluation  # noqa: F401
 from harness.policy import device, lora, memory, models, routing, sampler, warm_start  # noqa: F401
 from harness.run import tracking  # noqa: F401

@@ -120,6 +120,7 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
             first.setdefault(_policy_key(run), run_dir)
     if not first:
         return missed
+    at_once = min(at_once, len(first))  # no more at once than policies to build: each its share of the cores
     threads = runner.threads(at_once)  # once: the jobs started here would count as other load
     if progress:
         tqdm.write(f"preparing {len(first)} starting polic{'y' if len(first) == 1 else 'ies'} through --launcher "
@@ -331,6 +332,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
+    jobs = max(1, min(jobs, len(todo)))  # --jobs 100 for 4 runs: 4 at once, each its share of the cores, not 1/100
     if runner.name == "local" and (jobs < 2 or distinct_policies([run for run, _ in pending]) < 2):
         prepare_starting_policies([run for run, _ in pending], progress)
     else:  # several side by side, each a process; on a cluster as jobs (the runs' nodes may not be this one)

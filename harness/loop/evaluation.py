@@ -9,7 +9,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from harness.policy.memory import sampling_memory_problem
 from harness.policy.sampler import sample_problems
+from harness.run.checks import register_check
+from harness.run.errors import ConfigError
 from harness.run.seeding import step_seed
 
 
@@ -20,7 +23,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     ``task.eval_scores``'s scorings; ``eval_pass_at_<k>`` is logged when ``train.pass_k`` = k > 0."""
     problems = list(task.eval_problems())
     max_new = cfg.train.eval_max_new_tokens or cfg.train.max_new_tokens
-    per_call = cfg.train.eval_batch_size  # problems per greedy call
+    per_call = problems_per_call(cfg.train, sampled=False)
     correct, by_scoring, records = [], defaultdict(list), []
     for i in range(0, len(problems), per_call):
         chunk = problems[i : i + per_call]
@@ -39,7 +42,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
     k = cfg.train.pass_k
     if k:
         torch.manual_seed(step_seed(cfg.seed, step, stream=7))
-        per_call = max(1, cfg.train.eval_batch_size // k)  # problems per sampled call: k completions each
+        per_call = problems_per_call(cfg.train, sampled=True)
         solved = []
         for i in range(0, len(problems), per_call):
             chunk = problems[i : i + per_call]
@@ -48,3 +51,24 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
             solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]
         row[f"eval_pass_at_{k}"] = float(np.mean(solved))
     return row, records
+
+
+def problems_per_call(train: DictConfig, sampled: bool) -> int:
+    """Eval problems per sampling call: ``train.eval_batch_size`` greedy ones, or for pass@k (``sampled``)
+    ``eval_batch_size // pass_k`` (at least 1) of ``pass_k`` completions each."""
+    return max(1, train.eval_batch_size // train.pass_k) if sampled else train.eval_batch_size
+
+
+@register_check("eval_memory", when="machine")
+def check_eval_memory(run: DictConfig) -> None:
+    """When runs start here: the evaluation's completions sampled at once (its greedy calls', or pass@k's when more)
+    fit in the device's memory (harness/policy/memory.py's floor). Both backends: TRL's every process evaluates the
+    whole eval set."""
+    t, problems = run.train, run.task.eval_size
+    rows, what = min(problems_per_call(t, sampled=False), problems), "train.eval_batch_size (at most task.eval_size)"
+    if t.pass_k and min(problems_per_call(t, sampled=True), problems) * t.pass_k > rows:
+        rows = min(problems_per_call(t, sampled=True), problems) * t.pass_k
+        what = "train.pass_k x train.eval_batch_size // train.pass_k (at least 1, at most task.eval_size) problems"
+    problem = sampling_memory_problem(run, rows, what)
+    if problem:
+        raise ConfigError(f"evaluation: {problem}")

@@ -88,8 +88,9 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         pipeline = Pipeline(cfg, checkpoint.get("pipeline") if checkpoint else None)  # the batches sampled ahead
         bar = tqdm(total=t.steps, initial=state.step, desc=run_dir.name, unit="step", disable=not progress,
                    leave=False)
-        # the run's linear layers on the kernel of train.cpu_matmul (the warm start pins its own)
-        with cpu_matmul(t.cpu_matmul):
+        # the run's linear layers on the kernel of train.cpu_matmul (the warm start pins its own); the bar is closed
+        # however the loop ends (Ctrl-C's line then starts a line of its own, not the bar's)
+        with cpu_matmul(t.cpu_matmul), bar:
             if state.step == 0:  # the starting policy's evaluation is step 0
                 evaluation, samples = evaluated(run, cfg, 0)
                 records.log({"step": 0, **evaluation}, samples)
@@ -121,7 +122,6 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                                                  for part in learner_parts(t, step)},
                                               "objective": learner.objective.state_dict(),
                                               "pipeline": pipeline.state_dict(), "state": dataclasses.asdict(state)})
-        bar.close()
         if records.main and status == "finished":
             export_policy(run.policy, run.tokenizer, run_dir / "final")  # a LoRA policy: its adapters
             if cfg.model.lora.export_merged:

@@ -47,18 +47,16 @@ def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
     config.json, never a model built from it: a huge or odd one would take minutes or fail here); the weights are
     counted for the tiny models (their skeleton), 0 for a folder (a floor still). None when the shape is not known
     before the model loads (a hub id) or its config cannot be read (loading it says why)."""
-    from transformers import AutoConfig
-
-    from harness.policy.models import TINY_MODELS, model_folder, skeleton
+    from harness.policy.models import TINY_MODELS, folder_config, model_folder, skeleton
 
     try:
         if name in TINY_MODELS:
             model = skeleton(name, json.loads(tiny))
             config, weights = model.config, sum(p.numel() for p in model.parameters())
-        elif (model_folder(name) / "config.json").is_file():
-            config, weights = AutoConfig.from_pretrained(model_folder(name)), 0
         else:
-            return None
+            config, weights = folder_config(str(model_folder(name)))[0], 0
+            if config is None:  # a hub id, or a folder the local_model check refuses
+                return None
         config = config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -32,6 +32,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -296,6 +297,9 @@ def check_model(run: DictConfig) -> None:
     unknown = sorted(set(m.tiny) - set(valid))
     if unknown:
         raise ConfigError(f"model.tiny has no field {', '.join(unknown)} for {m.name}; its fields: {', '.join(valid)}")
+    problem = position_problem(run, m.tiny.get("max_position", spec_class.max_position), "model.tiny.max_position")
+    if problem:
+        raise ConfigError(problem)
     if m.name == TINY_MOE:
         try:
             TinyMoeSpec(**m.tiny).check()
@@ -306,6 +310,54 @@ def check_model(run: DictConfig) -> None:
     if min(dataclasses.astuple(spec)) < 1 or spec.hidden_size % spec.num_heads:
         raise ConfigError(f"model.tiny: sizes must be >= 1 and hidden_size ({spec.hidden_size}) a multiple of "
                           f"num_heads ({spec.num_heads})")
+
+
+def position_problem(run: DictConfig, positions: object, where: str) -> str | None:
+    """Why a completion of ``run`` cannot fit in the model's ``positions`` (its longest prompt + completion, read
+    from ``where``): ``train.max_new_tokens`` or ``train.eval_max_new_tokens`` alone fill them, leaving no position
+    for the prompt (a RoPE model would sample past what it was built for without a word); or None."""
+    longest = max(run.train.max_new_tokens, run.train.eval_max_new_tokens)
+    if not isinstance(positions, int) or isinstance(positions, bool) or longest < positions:
+        return None
+    key = "train.max_new_tokens" if longest == run.train.max_new_tokens else "train.eval_max_new_tokens"
+    return (f"{key}={longest} leaves no position for the prompt: model {run.model.name!r} takes at most {positions} "
+            f"tokens of prompt and completion ({where}); lower {key}")
+
+
+@register_check("local_model", when="machine")
+def check_local_model(run: DictConfig) -> None:
+    """When runs start here: a local model folder (and the embedded model's, once prepared) has a config.json that
+    transformers reads, a JSON object of a known ``model_type`` (a folder without one, or with a damaged one, failed
+    in transformers after the run's folder was made), whose position limit leaves room for a prompt
+    (:func:`position_problem`)."""
+    name = run.model.name
+    if name in TINY_MODELS or (name != EMBEDDED_NAME and not os.path.isdir(name)):
+        return
+    folder = model_folder(name)
+    if name == EMBEDDED_NAME and not (folder / "config.json").is_file():
+        return  # not prepared yet: the run prepares it from the package
+    config, problem = folder_config(str(folder))
+    if config is None:
+        raise ConfigError(f"model.name {name!r}: {problem}; give a model folder in the hub layout (config.json, the "
+                          "weights, the tokenizer's files), as save_pretrained writes it")
+    text = config.get_text_config()
+    problem = position_problem(run, getattr(text, "max_position_embeddings", None),
+                               f"max_position_embeddings in {folder / 'config.json'}")
+    if problem:
+        raise ConfigError(problem)
+
+
+@functools.lru_cache(maxsize=16)
+def folder_config(folder: str) -> tuple[PretrainedConfig | None, str | None]:
+    """(the config transformers reads from ``folder``'s config.json, None) or (None, why it cannot be read)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None, f"{folder} holds no config.json"
+    try:
+        return AutoConfig.from_pretrained(folder), None
+    except Exception as error:  # noqa: BLE001 - not JSON, not an object, an unknown model_type: transformers' reason
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return None, f"its config.json cannot be read ({reason})"
 
 
 @register_check("hub_model", when="machine")
@@ -337,6 +389,9 @@ def check_cache_folder() -> None:
         # unset, ~ is the user's home folder in the password database
         raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is not an absolute folder, so the cache folder "
                           f"(~/.cache/rlvr-harness) would be {folder}: set RLVR_CACHE to an absolute folder, or HOME")
+    if not os.environ.get("RLVR_CACHE") and home and not os.path.isdir(home):  # a mistyped HOME: never made here
+        raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is not a folder that exists, so the cache folder "
+                          f"would be {folder}: set HOME to your home folder, or RLVR_CACHE to a folder for the cache")
     if not folder.is_absolute():
         raise ConfigError(f"RLVR_CACHE={os.environ.get('RLVR_CACHE')!r} is a relative path: each process (a sweep's "
                           f"runs, a cluster's jobs) would find it in its own working folder; give an absolute path, "

@@ -30,8 +30,9 @@ EXPECTED: dict[str, dict[str, str]] = {
                "cpu_matmul": "harness.policy.matmul",
                "routing_replay": "harness.policy.routing", "rollout_lag": "harness.loop.pipeline",
                "tracking": "harness.run.tracking", "backend": "harness.loop.backends"},
-    "machine": {"hub_model": "harness.policy.models", "task_data": "harness.tasks", "cache": "harness.policy.models",
-                "memory": "harness.policy.memory"},
+    "machine": {"hub_model": "harness.policy.models", "local_model": "harness.policy.models",
+                "task_data": "harness.tasks", "cache": "harness.policy.models",
+                "memory": "harness.policy.memory", "eval_memory": "harness.loop.evaluation"},
 }
 _CHECKS: dict[str, dict[str, Check]] = {when: {} for when in EXPECTED}
 

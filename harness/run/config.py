@@ -47,6 +47,7 @@ from objectives.advantages import (
     needs_reward_components,
     needs_sum_pi_squared,
 )
+from objectives.base import alias_of
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -388,8 +389,10 @@ def experiment_path(name: str) -> Path:
     path = Path(name)
     if path.suffix in (".yaml", ".yml"):  # a file's path: there or not, never experiments/<path>.yaml
         if not path.is_file():
-            raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}); give "
-                              f"an existing YAML file or an experiment's name (`python -m harness list`)")
+            named = "/" not in name and (EXPERIMENTS_DIR / name).is_file()  # `train quickstart.yaml`
+            hint = f" Did you mean the experiment {path.stem!r} ({EXPERIMENTS_DIR / name})?" if named else ""
+            raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}).{hint} "
+                              f"Give an existing YAML file or an experiment's name (`python -m harness list`)")
         return path
     known = [p.stem for p in experiment_paths()]
     if "/" in name:  # a path, not a name: never experiments/<path>.yaml
@@ -740,6 +743,7 @@ def _check_objective(run: DictConfig) -> None:
         raise ConfigError(str(e) + (f"; `{trl[0]}` is TRL's name: give {trl[0]}=... on its own (translated) or "
                                     f"{ALIASES[trl[0]].key} (`python -m harness explain {trl[0]}`)"
                                     if trl else "")) from None
+    _check_alias_kept(run)
     estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
     if run.train.group_size == 1:
         _check_single_sample_groups(estimator)
@@ -763,6 +767,23 @@ def _check_objective(run: DictConfig) -> None:
                           f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
                           f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
                           "with: use a token_* or sequence_* mode")
+
+
+def _check_alias_kept(run: DictConfig) -> None:
+    """An alias (``luspo``: ``gspo`` with ``aggregation=seq_mean_token_sum``) whose every defining setting the run
+    gives another value is its parent objective under another name: refused, naming the parent (a sweep would
+    compare ``gspo`` with itself under two names)."""
+    alias = alias_of(run.objective.name)
+    if alias is None or not alias[1]:
+        return
+    parent, defining = alias
+    given = {**OmegaConf.to_container(run.objective.params), "advantage": run.objective.advantage}
+    if all(given.get(key) not in (None, "", value) for key, value in defining.items()):
+        settings = ", ".join(f"{key}={value}" for key, value in defining.items())
+        mine = " ".join(f"{'objective.params.' if key != 'advantage' else 'objective.'}{key}={given[key]}"
+                        for key in defining)
+        raise ConfigError(f"objective.name={run.objective.name} is {parent} with {settings}, and {mine} undoes it: "
+                          f"that is objective.name={parent} (give it with {mine})")
 
 
 def _check_single_sample_groups(estimator: str) -> None:
