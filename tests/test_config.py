@@ -220,8 +220,9 @@ def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent(
     """luspo is gspo with aggregation=seq_mean_token_sum; luspo with aggregation=token_mean was accepted and ran gspo
     under luspo's name (the sixth hostile pass): a sweep would compare gspo with itself under two names."""
     with pytest.raises(ConfigError, match=r"^objective.name=luspo is gspo with aggregation=seq_mean_token_sum, and "
-                       r"objective.params.aggregation=token_mean undoes it: that is objective.name=gspo \(give it "
-                       r"with objective.params.aggregation=token_mean\)$"):
+                       r"objective.params.aggregation=token_mean undoes it: that is objective.name=gspo with "
+                       r"objective.params.aggregation=token_mean \(a sweep grid over aggregation: leave luspo out, "
+                       r"gspo's runs cover its values\)$"):
         run_configs(load_experiment("quickstart", ["objective.name=luspo", "objective.params.aggregation=token_mean"]))
     with pytest.raises(ConfigError, match=r"^objective.name=bnpo is grpo with aggregation=token_mean, and "):
         run_configs(load_experiment("quickstart", ["objective.name=bnpo",

@@ -783,7 +783,8 @@ def _check_alias_kept(run: DictConfig) -> None:
         mine = " ".join(f"{'objective.params.' if key != 'advantage' else 'objective.'}{key}={given[key]}"
                         for key in defining)
         raise ConfigError(f"objective.name={run.objective.name} is {parent} with {settings}, and {mine} undoes it: "
-                          f"that is objective.name={parent} (give it with {mine})")
+                          f"that is objective.name={parent} with {mine} (a sweep grid over {', '.join(defining)}: "
+                          f"leave {run.objective.name} out, {parent}'s runs cover its values)")
 
 
 def _check_single_sample_groups(estimator: str) -> None:
