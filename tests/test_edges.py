@@ -492,6 +492,24 @@ def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkey
     assert memory.sampling_memory_problem(run, 16, "rows").startswith("model 'tiny' takes at least ")
 
 
+@pytest.mark.parametrize("name, spec", [("tiny", {"num_layers": 5, "hidden_size": 32, "num_heads": 2}),
+                                        ("tiny_moe", {"num_layers": 3, "num_experts": 3}), ("tiny", {})])
+def test_a_tiny_models_floor_counts_its_layers_without_building_them_all(monkeypatch, name, spec):
+    """The tiny models' weights: the skeleton of every layer was built (model.tiny.num_layers=20000: minutes before
+    the refusal or the run, the sixth hostile pass); now those of one and two layers, the rest counted, and equal
+    to the whole skeleton's count."""
+    from harness.policy import memory
+
+    whole = sum(p.numel() for p in models.skeleton(name, spec).parameters())
+    built = []
+    real = models.skeleton
+    monkeypatch.setattr(models, "skeleton", lambda n, tiny: built.append(tiny["num_layers"]) or real(n, tiny))
+    config, weights, layers = memory.tiny_shape(name, spec)
+    assert weights == whole and layers == spec.get("num_layers", 4) and max(built) <= 2
+    memory.tiny_shape(name, {**spec, "num_layers": 10**6})
+    assert max(built) <= 2
+
+
 def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_path, monkeypatch):
     """A local folder's config.json with zero heads, a size as text, or 200000 layers: the check raised a traceback
     (ZeroDivisionError, transformers' field validation) or built the model's skeleton for minutes without a word (the

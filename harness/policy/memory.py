@@ -47,24 +47,36 @@ def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
     config.json, never a model built from it: a huge or odd one would take minutes or fail here); the weights are
     counted for the tiny models (their skeleton), 0 for a folder (a floor still). None when the shape is not known
     before the model loads (a hub id) or its config cannot be read (loading it says why)."""
-    from harness.policy.models import TINY_MODELS, folder_config, model_folder, skeleton
+    from harness.policy.models import TINY_MODELS, folder_config, model_folder
 
     try:
         if name in TINY_MODELS:
-            model = skeleton(name, json.loads(tiny))
-            config, weights = model.config, sum(p.numel() for p in model.parameters())
+            config, weights, layers = tiny_shape(name, json.loads(tiny))
         else:
             config, weights = folder_config(str(model_folder(name)))[0], 0
             if config is None:  # a hub id, or a folder the local_model check refuses
                 return None
+            layers = config.get_text_config().num_hidden_layers
         config = config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = int(config.vocab_size) + int(config.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim)
+        per_token = int(config.vocab_size) + int(layers) * 2 * int(kv_heads) * int(head_dim)
     except Exception:  # noqa: BLE001 - any config transformers cannot read or we cannot size: not checked here
         return None
     size = DTYPES[dtype].itemsize
     return weights * size, max(per_token, 0) * size
+
+
+def tiny_shape(name: str, tiny: dict) -> tuple[object, int, int]:
+    """(config, weights, layers) of tiny model ``name`` of shape ``tiny``, from the skeletons of one and two of its
+    layers (every layer of both tiny models is the same, so the weights are the one-layer model's plus a layer's
+    for each further one): a skeleton of ``num_layers`` layers would take minutes for a deep one."""
+    from harness.policy.models import TINY_MODEL_SPECS, skeleton
+
+    layers = tiny.get("num_layers", TINY_MODEL_SPECS[name].num_layers)
+    one, two = (skeleton(name, {**tiny, "num_layers": n}) for n in (1, 2))
+    sizes = [sum(p.numel() for p in model.parameters()) for model in (one, two)]
+    return one.config, sizes[0] + (layers - 1) * (sizes[1] - sizes[0]), layers
 
 
 def sampling_memory_problem(run: DictConfig, rows: int, what: str) -> str | None:

@@ -69,6 +69,9 @@ class TinyModelSpec:
     max_position: int = 512
 
 
+TINY_MODEL_SPECS = {"tiny": TinyModelSpec, TINY_MOE: TinyMoeSpec}  # each tiny model's shape (model.tiny)
+
+
 def cache_dir() -> Path:
     """``$RLVR_CACHE`` or ``~/.cache/rlvr-harness``."""
     return Path(os.environ.get("RLVR_CACHE") or "~/.cache/rlvr-harness").expanduser()
@@ -132,7 +135,7 @@ def skeleton(name: str, tiny: dict | None = None) -> PreTrainedModel | None:
     if name in TINY_MODELS:
         with torch.device("meta"):
             build = build_tiny_model if name == "tiny" else build_tiny_moe
-            spec = (TinyModelSpec if name == "tiny" else TinyMoeSpec)(**(tiny or {}))
+            spec = TINY_MODEL_SPECS[name](**(tiny or {}))
             return build(char_tokenizer(), spec, 0)
     folder = model_folder(name)
     if not (folder / "config.json").is_file():
@@ -292,7 +295,7 @@ def check_model(run: DictConfig) -> None:
         if m.tiny:
             raise ConfigError(f"model.tiny only applies to model.name=tiny or {TINY_MOE}, not {m.name!r}; remove it")
         return
-    spec_class = TinyModelSpec if m.name == "tiny" else TinyMoeSpec
+    spec_class = TINY_MODEL_SPECS[m.name]
     valid = [f.name for f in dataclasses.fields(spec_class)]
     unknown = sorted(set(m.tiny) - set(valid))
     if unknown:
