@@ -595,6 +595,30 @@ def test_a_local_model_folder_transformers_cannot_read_is_refused_before_anythin
     assert not (tmp_path / "results").exists()
 
 
+def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_anything(tmp_path, capsys):
+    """A folder holding config.json alone, or config and weights without the tokenizer's files: the run failed in
+    transformers (its file-not-found error; a 6-line tokenizer message) after the run's folder was made (the seventh
+    hostile pass). A whole folder passes the check."""
+    from harness.run.config import check_this_machine
+    from tests.helpers.tiny import TINY_SPEC
+
+    model, tokenizer = models.load_model("tiny", tiny=TINY_SPEC)
+    whole, no_tokenizer, config_only = (tmp_path / name for name in ("whole", "no_tokenizer", "config_only"))
+    for folder in (whole, no_tokenizer):
+        model.save_pretrained(folder)
+    tokenizer.save_pretrained(whole)
+    config_only.mkdir()
+    shutil.copy(whole / "config.json", config_only)
+    check_this_machine(run_configs(load_experiment("quickstart", [*QUICK, f"model.name={whole}"])))
+    capsys.readouterr()  # save_pretrained's progress
+    for folder, reason in ((config_only, f"{config_only} holds no weights (model.safetensors, "),
+                           (no_tokenizer, "its tokenizer cannot be built (")):
+        assert main(["train", "quickstart", *QUICK, f"model.name={folder}", f"results_dir={tmp_path / 'results'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: model.name {str(folder)!r}: {reason}") and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+
+
 def test_completions_that_fill_the_models_positions_are_refused(tmp_path, capsys):
     """train.max_new_tokens at or past a model's position limit left no room for the prompt: a RoPE model sampled
     past what it was built for without a word (the sixth hostile pass). The tiny models' limit is model.tiny's, a

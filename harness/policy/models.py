@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from harness.policy.tiny_moe import TINY_MOE, TinyMoeSpec, build_tiny_moe
 from harness.run.atomic import atomic_write, nearest_existing
@@ -70,6 +71,7 @@ class TinyModelSpec:
 
 
 TINY_MODEL_SPECS = {"tiny": TinyModelSpec, TINY_MOE: TinyMoeSpec}  # each tiny model's shape (model.tiny)
+WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)  # a folder's, any one
 
 
 def cache_dir() -> Path:
@@ -330,24 +332,43 @@ def position_problem(run: DictConfig, positions: object, where: str) -> str | No
 @register_check("local_model", when="machine")
 def check_local_model(run: DictConfig) -> None:
     """When runs start here: a local model folder (and the embedded model's, once prepared) has a config.json that
-    transformers reads, a JSON object of a known ``model_type`` (a folder without one, or with a damaged one, failed
-    in transformers after the run's folder was made), whose position limit leaves room for a prompt
-    (:func:`position_problem`)."""
+    transformers reads, a JSON object of a known ``model_type``, whose position limit leaves room for a prompt
+    (:func:`position_problem`), and (a folder of the user's) weights and a tokenizer transformers can load
+    (:func:`folder_files_problem`): a folder short of any of them failed in transformers after the run's folder was
+    made."""
     name = run.model.name
     if name in TINY_MODELS or (name != EMBEDDED_NAME and not os.path.isdir(name)):
         return
     folder = model_folder(name)
     if name == EMBEDDED_NAME and not (folder / "config.json").is_file():
         return  # not prepared yet: the run prepares it from the package
+    fix = ("give a model folder in the hub layout (config.json, the weights, the tokenizer's files), as "
+           "save_pretrained writes it")
     config, problem = folder_config(str(folder))
     if config is None:
-        raise ConfigError(f"model.name {name!r}: {problem}; give a model folder in the hub layout (config.json, the "
-                          "weights, the tokenizer's files), as save_pretrained writes it")
-    text = config.get_text_config()
-    problem = position_problem(run, getattr(text, "max_position_embeddings", None),
+        raise ConfigError(f"model.name {name!r}: {problem}; {fix}")
+    problem = position_problem(run, getattr(config.get_text_config(), "max_position_embeddings", None),
                                f"max_position_embeddings in {folder / 'config.json'}")
     if problem:
         raise ConfigError(problem)
+    problem = None if name == EMBEDDED_NAME else folder_files_problem(str(folder))  # ours is made whole
+    if problem:
+        raise ConfigError(f"model.name {name!r}: {problem}; {fix}")
+
+
+@functools.lru_cache(maxsize=16)
+def folder_files_problem(folder: str) -> str | None:
+    """Why a model folder's weights or tokenizer cannot be loaded (no weights file transformers looks for; a
+    tokenizer transformers cannot build from the folder's files), or None. The tokenizer is built here (a fraction
+    of a second): its files come in several layouts, and only transformers knows which it takes."""
+    if not any((Path(folder) / name).is_file() for name in WEIGHT_FILES):
+        return f"{folder} holds no weights ({', '.join(WEIGHT_FILES)})"
+    try:
+        AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - missing or damaged files: transformers' reason
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"its tokenizer cannot be built ({reason})"
+    return None
 
 
 @functools.lru_cache(maxsize=16)
