@@ -197,7 +197,10 @@ def mark_mixed_policies(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         return runs, []
     runs, lines = runs.copy(), []
     known = runs[runs["counted"] & runs["start_policy_key"].notna()]
-    for (start, key), group in known.groupby([START_SEED, "start_policy_key"], sort=True, dropna=False):
+    # without a warm start (key none) what the weights are built from is the cell's model: compared within a cell
+    scope = known["cell"].where(known["start_policy_key"] == "none", "") if "cell" in known else ""
+    for (start, key, _), group in known.assign(_scope=scope).groupby([START_SEED, "start_policy_key", "_scope"],
+                                                                      sort=True, dropna=False):
         sizes = group["start_policy"].value_counts()
         if len(sizes) < 2:
             continue
@@ -207,6 +210,13 @@ def mark_mixed_policies(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         policy = "" if pd.isna(start) else f"{START_SEED}={start}, "
         counts = ", ".join(f"{sizes[p]} run{'' if sizes[p] == 1 else 's'} from `{p}`"
                            for p in sorted(sizes.index, key=lambda p: (-sizes[p], p)))
+        left_out = ", ".join(f"`{r}`" for r in sorted(others))
+        if key == "none":  # no warm start: the model's own weights differ (a folder whose weights were replaced)
+            lines.append(f"starting weights differ: {policy}the runs without a warm start of cell "
+                         f"`{group['cell'].iloc[0]}` start from {len(sizes)} sets of weights ({counts}: the model's "
+                         f"files changed between runs); only the runs from `{keep}` are counted, not {left_out}: keep "
+                         "one model's runs in one results folder")
+            continue
         lines.append(f"starting policies built apart: {policy}key `{key}` has {len(sizes)} sets of weights in these "
                      f"runs ({counts}; another CPU builds other weights); only the runs from `{keep}` are counted, not "
                      f"{', '.join(f'`{r}`' for r in sorted(others))}: put runs from one machine's starting policies "

@@ -269,10 +269,16 @@ def start_policy(summary: dict, path: Path) -> dict:
     its weights, ``<key>/<first 8 digits>``: the key names what it was built from, and the same key built apart on
     two CPUs can give two policies (harness/policy/warm_start.py), which are never pooled as one (the intervals take
     ``model.seed`` as the starting policy: analysis/cells.py mark_mixed_policies counts one's runs and names the
-    others). Runs that recorded no digest (older ones) are their key alone."""
+    others). Runs that recorded no digest (older ones) are their key alone. Without a warm start the policy is
+    ``none/<first 8 digits of start_weights>`` (key ``none``): a model folder whose weights changed between runs is
+    two policies too."""
     info = summary.get("start_policy")
-    if info is None:
-        return {"start_policy": "none" if "start_policy" in summary else None}
+    if info is None:  # no warm start: the base model's weights, their digest where recorded (start_weights)
+        weights = summary.get("start_weights")
+        if "start_policy" not in summary:
+            return {"start_policy": None}
+        return {"start_policy": f"none/{str(weights)[:8]}" if weights else "none",
+                **({"start_policy_key": "none"} if weights else {})}
     if not isinstance(info, dict):
         warn(f"{path}: start_policy is not an object or null, ignored")
         return {"start_policy": None}

@@ -233,8 +233,9 @@ def start_policy_lines(runs: pd.DataFrame) -> list[str]:
         counts = group["objective"].value_counts().sort_index()
         which = everyone if len(group) == len(runs) else ", ".join(f"{o} ({plural(k, 'run')})"
                                                                      for o, k in counts.items())
-        if key == "none":
-            lines.append(f"no warm start: the runs start from the base model ({which}).")
+        if key.partition("/")[0] == "none":
+            weights = f", weights `{key.partition('/')[2]}`" if "/" in key else ""
+            lines.append(f"no warm start: the runs start from the base model{weights} ({which}).")
         elif not key:
             lines.append(f"not recorded ({which}: summary.json has no `start_policy`, runs written before the field).")
         else:
@@ -512,8 +513,10 @@ def status_lines(exp: Experiment, table: pd.DataFrame, data_warnings: list[str])
         lines.append(f"{plural(len(exp.cells.duplicates), 'set')} of duplicate runs (same objective, cell and seed): "
                      "one of each counted (see Data warnings).")
     if exp.cells.mixed_policies:
-        lines.append(f"{plural(len(exp.cells.mixed_policies), 'starting-policy key')} built apart into other "
-                     "weights (one key and model.seed): the runs of one set of weights counted (see Data warnings).")
+        n = len(exp.cells.mixed_policies)
+        lines.append(f"{n} starting polic{'y' if n == 1 else 'ies'} with other "
+                     "weights in some runs (one warm-start key, or one cell without a warm start, and one model.seed): "
+                     "the runs of one set of weights counted (see Data warnings).")
     if data_warnings:
         lines.append(f"{plural(len(data_warnings), 'data warning')}: see Data warnings below.")
     return lines

@@ -275,8 +275,8 @@ def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
     runs = loaded.runs
     assert not loaded.cells.duplicates and len(loaded.cells.mixed_policies) == 1
     status = report_module.status_lines(loaded, report_module.eval_table(runs), [])
-    assert ("1 starting-policy key built apart into other weights (one key and model.seed): the runs of one set of "
-            "weights counted (see Data warnings).") in status
+    assert ("1 starting policy with other weights in some runs (one warm-start key, or one cell without a warm start, "
+            "and one model.seed): the runs of one set of weights counted (see Data warnings).") in status
     grpo = runs[runs["objective"] == "grpo"].set_index("seed")
     assert grpo.loc[0, "start_policy"] == "k1/eeeeffff" and grpo.loc[1, "start_policy"] == "k1/aaaabbbb"
     assert runs["start_policy_steps"].dtype == float
@@ -287,6 +287,30 @@ def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
         "n/a (ctpo (1 run), grpo (1 run), gspo (3 runs), gspo_token (3 runs)).",
         "key `k1`, weights `eeeeffff` (built on CPU B), warm-started 12 steps, check accuracy 0.400, eval accuracy "
         "n/a (grpo (1 run))."]
+
+
+def test_runs_without_a_warm_start_from_other_weights_are_two_starting_policies(tmp_path):
+    """Without a warm start a run starts from the model's own weights: a model folder whose weights were replaced
+    between runs (the same model.name, the same settings) gave runs from two starting policies, pooled as seeds of
+    one (the seventh hostile pass). summary.json's start_weights tells them apart: one set's runs are counted, the
+    others named; runs of other cells (another model) are not compared."""
+    exp = write_objectives(tmp_path / "objs", None)
+    for summary in exp.glob("*/summary.json"):
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_weights": "aaaabbbbccccdddd"}))
+    summary = exp / "grpo-s0-abcd1234" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "start_weights": "eeeeffff00001111"}))
+    with pytest.warns(AnalysisWarning, match=r"starting weights differ: the runs without a warm start of cell `.*` "
+                      r"start from 2 sets of weights \(8 runs from `none/aaaabbbb`, 1 run from `none/eeeeffff`: the "
+                      r"model's files changed between runs\); only the runs from `none/aaaabbbb` are counted, not "
+                      r"`grpo-s0-abcd1234`"):
+        loaded = load_experiment(exp)
+    runs = loaded.runs
+    assert len(loaded.cells.mixed_policies) == 1 and not runs.set_index("run_id").loc["grpo-s0-abcd1234", "counted"]
+    assert runs.loc[runs["start_policy"] == "none/aaaabbbb", "counted"].all()
+    assert report_module.start_policy_lines(runs) == [
+        "no warm start: the runs start from the base model, weights `aaaabbbb` (ctpo (1 run), grpo (1 run), gspo (3 "
+        "runs), gspo_token (3 runs)).",
+        "no warm start: the runs start from the base model, weights `eeeeffff` (grpo (1 run))."]
 
 
 def test_reward_equal_to_accuracy_is_one_panel(tmp_path):

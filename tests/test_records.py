@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from omegaconf import OmegaConf
@@ -147,6 +148,36 @@ def test_a_run_is_not_resumed_on_other_task_data(tmp_path, monkeypatch):
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "a"))
     summary = train(run, tmp_path / "run", progress=False)
     assert summary["status"] == "finished" and summary["task_data"] == recorded
+
+
+def test_a_run_is_not_resumed_from_other_starting_weights(tmp_path):
+    """A model folder whose weights were replaced keeps its model.name, so its runs keep their ids: a run stopped and
+    resumed after the swap went on from other starting weights (its KL reference among them), and its report pooled
+    runs of two starting policies (the seventh hostile pass). summary.json records the digest of the weights a run
+    starts from, warm-started or not; a resume from others is refused; back on its own it continues."""
+    from harness.policy.models import load_model
+    from harness.run.config import load_experiment, run_configs
+    from tests.helpers.tiny import TINY_RUN, TINY_SPEC
+
+    folder, other, kept = tmp_path / "model", tmp_path / "other", tmp_path / "kept.safetensors"
+    for seed, where in ((0, folder), (1, other)):
+        model, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=seed)
+        model.save_pretrained(where)
+        tokenizer.save_pretrained(where)
+    settings = [setting for setting in TINY_RUN if not setting.startswith("model.tiny.")]
+    (run,) = run_configs(load_experiment("base", [*settings, f"results_dir={tmp_path}", f"model.name={folder}",
+                                                  "train.steps=3"]))
+    with stopped_before(2):
+        train(run, tmp_path / "run", progress=False)
+    recorded = json.loads((tmp_path / "run" / "summary.json").read_text())["start_weights"]
+    shutil.copy(folder / "model.safetensors", kept)
+    shutil.copy(other / "model.safetensors", folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"run was begun from other starting weights \(digest {recorded}, these "
+                       rf"[0-9a-f]{{16}}\): model '{folder}' has changed since; put its weights back"):
+        train(run, tmp_path / "run", progress=False)
+    shutil.copy(kept, folder / "model.safetensors")
+    summary = train(run, tmp_path / "run", progress=False)
+    assert summary["status"] == "finished" and summary["start_weights"] == recorded
 
 
 def test_summary_counts_the_cpu_seconds_of_every_attempt(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from harness.policy.lora import with_adapters
 from harness.policy.models import TINY_MODELS, load_model
 from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
-from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_digest
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task, problems_digest
@@ -42,6 +42,7 @@ class RunSetup:
     tokenizer: object
     start_policy: dict | None  # the warm start's record (summary.json's start_policy); None without one
     task_data: str  # the digest of the problems it trains and evaluates on (summary.json's task_data)
+    start_weights: str  # the digest of the weights it starts from, warm-started or not (summary.json's start_weights)
     objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
     # the KL term's reference (beta > 0), else None: a frozen copy of the starting policy, or with LoRA adapters the
@@ -59,6 +60,8 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     train_problems = task.train_problems()
     # with the memory settings: the copies' too
     policy, tokenizer, start_policy = build_policy(cfg, task, device, progress)
+    # the weights it starts from (the warm start's record has their digest), before the adapters
+    start_weights = (start_policy or {}).get("weights_sha256") or weights_digest(policy)
     objective, estimator = build_objective(cfg)
     lora = cfg.model.lora
     if lora.rank and adapters:
@@ -69,8 +72,8 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     dtype = sampler_dtype(cfg)
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
     task_data = problems_digest(train_problems, task.eval_problems())
-    return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, task_data, objective, estimator,
-                    reference, sampler)
+    return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, task_data, start_weights, objective,
+                    estimator, reference, sampler)
 
 
 def hook_routing(run: RunSetup, t: DictConfig) -> None:

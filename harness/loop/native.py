@@ -78,7 +78,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         run = setup_run(cfg, device, progress)
         hook_routing(run, t)  # an MoE's routing hooks (record, replay, volatility)
         records.start_policy = run.start_policy
-        records.check_task_data(run.task_data)  # a resume on other problems is refused
+        records.check_begun_on(run.task_data, run.start_weights)  # a resume on other problems or weights: refused
         learner = build_learner(run.policy, run.objective, t)
         if checkpoint:
             load_trained_state(learner.policy, checkpoint["policy"])  # the weights, or a LoRA policy's adapters

@@ -589,7 +589,7 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
         setup = setup_run(cfg, device, progress, adapters=False)  # build.py, as the native loop (LoRA: TRL adds it)
         hook_routing(setup, cfg.train)  # an MoE's routing hooks: expert volatility (RegistryGRPOTrainer.routed)
         records.start_policy = setup.start_policy
-        records.check_task_data(setup.task_data)  # a resume on other problems is refused
+        records.check_begun_on(setup.task_data, setup.start_weights)  # a resume on other problems or weights: refused
         callback = RecordsCallback(cfg, records, setup.task, setup.tokenizer)
         quiet_transformers()
         lora = cfg.model.lora

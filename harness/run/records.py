@@ -364,13 +364,17 @@ class RunRecords:
         self.started, self.elapsed_before = time.time(), 0.0
         self.cpu_started, self.cpu_before = time.process_time(), 0.0
         self.previous: dict = {}  # the summary.json of the attempt this one resumes
-        self.task_data: str | None = None  # the digest of the task's problems (check_task_data)
+        # digests of what the run is made of, checked on resume (check_begun_on): the task's problems, the weights
+        # it starts from
+        self.task_data: str | None = None
+        self.start_weights: str | None = None
         self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
-        if resume_step is not None:  # every process, so that all refuse other problems alike (check_task_data)
+        if resume_step is not None:  # every process, so that all refuse other problems alike (check_begun_on)
             with contextlib.suppress(OSError, ValueError, AttributeError):
-                self.task_data = json.loads((run_dir / "summary.json").read_text()).get("task_data")
+                begun = json.loads((run_dir / "summary.json").read_text())
+                self.task_data, self.start_weights = begun.get("task_data"), begun.get("start_weights")
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -398,16 +402,21 @@ class RunRecords:
             self.close(failed=True)
             raise
 
-    def check_task_data(self, digest: str) -> None:
-        """Record the digest of the problems this attempt trains and evaluates on
-        (:func:`harness.tasks.problems_digest`); a ConfigError when the attempt it resumes recorded other problems:
-        another GSM8K_DIR or task.data_dir (not settings of the run: the same data from another folder is the same
-        run) would mix two data sets in one run."""
-        if self.task_data is not None and self.task_data != digest:
+    def check_begun_on(self, task_data: str, start_weights: str) -> None:
+        """Record the digests of the problems this attempt trains and evaluates on
+        (:func:`harness.tasks.problems_digest`) and of the weights it starts from; a ConfigError when the attempt it
+        resumes recorded others: another GSM8K_DIR or task.data_dir (not settings of the run: the same data from
+        another folder is the same run) would mix two data sets in one run, a model folder whose weights were
+        replaced (the same model.name) two starting policies (the KL's reference among them)."""
+        if self.task_data is not None and self.task_data != task_data:
             raise ConfigError(f"{self.run_dir} was begun on other task data (problems of digest {self.task_data}, "
-                              f"these {digest}): GSM8K_DIR or task.data_dir gives other problems; point it back to "
+                              f"these {task_data}): GSM8K_DIR or task.data_dir gives other problems; point it back to "
                               "continue this run, or give a fresh --run-dir (or results_dir) for these problems")
-        self.task_data = digest
+        if self.start_weights is not None and self.start_weights != start_weights:
+            raise ConfigError(f"{self.run_dir} was begun from other starting weights (digest {self.start_weights}, "
+                              f"these {start_weights}): model {self.cfg.model.name!r} has changed since; put its "
+                              "weights back to continue this run, or give a fresh --run-dir (or results_dir)")
+        self.task_data, self.start_weights = task_data, start_weights
 
     @property
     def rows(self) -> list[dict]:
@@ -440,7 +449,7 @@ class RunRecords:
                 "backend": self.backend, "status": status, **self.progress, "total_steps": self.cfg.train.steps,
                 "start_eval_accuracy": start_eval, "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals) if evals else None, "start_policy": self.start_policy,
-                "task_data": self.task_data,
+                "task_data": self.task_data, "start_weights": self.start_weights,
                 # none before step 0's row; all if every row is lost
                 "missing_steps": sorted(set(range(self.progress["steps_done"] + 1)) - logged)
                 if self.rows or self.progress["steps_done"] else [],
