@@ -227,6 +227,15 @@ def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent(
     with pytest.raises(ConfigError, match=r"^objective.name=bnpo is grpo with aggregation=token_mean, and "):
         run_configs(load_experiment("quickstart", ["objective.name=bnpo",
                                                    "objective.params.aggregation=seq_mean_token_mean"]))
+    # its mirror in a sweep: gspo given luspo's setting beside luspo ran one computation twice under two names, then
+    # compared the two (the seventh hostile pass)
+    with pytest.raises(ConfigError, match=r"^the sweep runs luspo-s0-\w+ and gspo-s0-\w+, one computation under two "
+                       r"names \(luspo is gspo with aggregation=seq_mean_token_sum\): leave luspo out, or gspo's "
+                       r"aggregation=seq_mean_token_sum$"):
+        run_configs(load_experiment("quickstart", [
+            "sweep.grid.objective.name=[luspo,gspo]", "seed=0",
+            "sweep.per_objective={gspo: {objective.params.aggregation: seq_mean_token_sum}}"]))
+    assert len(run_configs(load_experiment("quickstart", ["sweep.grid.objective.name=[luspo,gspo]", "seed=0"]))) == 2
     # the alias's own value, given again, or another setting changed: still the alias
     for params in (["objective.params.aggregation=seq_mean_token_sum"], ["objective.params.clip_high=0.01"], []):
         runs = run_configs(load_experiment("quickstart", ["objective.name=luspo", *params]))

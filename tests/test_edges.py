@@ -426,6 +426,10 @@ def test_a_relative_cache_folder_is_refused_before_anything_is_made(tmp_path, ca
                                        f"{tmp_path / 'nohome/.cache/rlvr-harness'}: set HOME to your home folder, "
                                        "or RLVR_CACHE to a folder for the cache\n")
     assert not any(tmp_path.iterdir())
+    (tmp_path / "file").write_text("")  # a HOME that is a file: "not a folder that exists" (it exists)
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))
+    assert main(["train", "quickstart", *QUICK, *warm, f"results_dir={tmp_path / 'results'}"]) == 2
+    assert f"HOME={str(tmp_path / 'file')!r} is a file, not a folder, so" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
@@ -576,6 +580,8 @@ def test_ctrl_c_says_so_on_a_line_of_its_own(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("text, reason", [
     (None, "{folder} holds no config.json"),
+    ("folder", "its config.json is a folder, not a file"),  # both said "holds no config.json" (the seventh pass)
+    ("link", "its config.json is a symbolic link to nothing (or to itself)"),
     ("{not json", "its config.json cannot be read ("),
     ("[1, 2]", "its config.json cannot be read ("),
     ('{"model_type": "nosuchmodel"}', "its config.json cannot be read ("),
@@ -585,7 +591,11 @@ def test_a_local_model_folder_transformers_cannot_read_is_refused_before_anythin
     failed in transformers after its folder was made (the sixth hostile pass); now one line before anything."""
     folder = tmp_path / "model"
     folder.mkdir()
-    if text is not None:
+    if text == "folder":
+        (folder / "config.json").mkdir()
+    elif text == "link":
+        (folder / "config.json").symlink_to(folder / "config.json")
+    elif text is not None:
         (folder / "config.json").write_text(text)
     assert main(["train", "quickstart", *QUICK, f"model.name={folder}", f"results_dir={tmp_path / 'results'}"]) == 2
     err = capsys.readouterr().err
@@ -630,6 +640,14 @@ def test_completions_that_fill_the_models_positions_are_refused(tmp_path, capsys
     with pytest.raises(ConfigError, match=r"^train.eval_max_new_tokens=80 leaves no position .*\(model.tiny"):
         run_configs(load_experiment("quickstart", ["train.eval_max_new_tokens=80", "model.tiny.max_position=64"]))
     run_configs(load_experiment("quickstart", ["train.max_new_tokens=511"]))  # one position left: accepted
+    # the task's prompts count too, as the run starts (before its warm start): a prompt of 36 characters and 24 new
+    # tokens ran on a model of 25 positions (the seventh hostile pass)
+    assert main(["train", "quickstart", *QUICK, "model.tiny.max_position=50", "train.max_new_tokens=24",
+                 f"results_dir={tmp_path / 'tiny'}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"config error: the task's longest prompt \((\d+) tokens\) and train.max_new_tokens=24 need "
+                     r"\d+ positions, and model 'tiny' takes at most 50 \(its config's max_position_embeddings\): "
+                     r"lower train.max_new_tokens to at most \d+, or give a model with more positions\n$", err), err
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({

@@ -21,7 +21,7 @@ from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
 from harness.policy.forward import set_memory_settings
 from harness.policy.lora import with_adapters
-from harness.policy.models import TINY_MODELS, load_model
+from harness.policy.models import TINY_MODELS, check_prompt_positions, load_model
 from harness.policy.routing import Routing, routing_unsupported
 from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_digest
@@ -116,6 +116,8 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bo
     tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     check_decoder(model, cfg)
+    # the longest prompt and completion fit the model's positions, before a warm start
+    check_prompt_positions(cfg, model, tokenizer, [p.question for p in [*task.train_problems(), *task.eval_problems()]])
     # before the warm start, which then recomputes activations too when asked (bit-equal gradients, so the same cached
     # policy: tests/test_warm_start.py); the trainer's forward reads them from the model
     set_memory_settings(model, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)

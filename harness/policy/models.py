@@ -329,6 +329,26 @@ def position_problem(run: DictConfig, positions: object, where: str) -> str | No
             f"tokens of prompt and completion ({where}); lower {key}")
 
 
+def check_prompt_positions(run: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                           questions: list[str]) -> None:
+    """ConfigError when the longest of ``questions``' prompts (:func:`build_prompt`, as the sampler encodes them) and
+    the longest completion need more positions than ``model`` takes (its config's ``max_position_embeddings``): a
+    RoPE model would sample past what it was built for without a word. Called as a run starts (the prompts need the
+    task's problems and the tokenizer)."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool) or not questions:
+        return
+    prompts = [build_prompt(tokenizer, question) for question in questions]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    new = max(run.train.max_new_tokens, run.train.eval_max_new_tokens)
+    if longest + new > positions:
+        key = "train.max_new_tokens" if new == run.train.max_new_tokens else "train.eval_max_new_tokens"
+        raise ConfigError(f"the task's longest prompt ({longest} tokens) and {key}={new} need {longest + new} "
+                          f"positions, and model {run.model.name!r} takes at most {positions} (its config's "
+                          f"max_position_embeddings): lower {key} to at most {positions - longest}, or give a model "
+                          "with more positions")
+
+
 @register_check("local_model", when="machine")
 def check_local_model(run: DictConfig) -> None:
     """When runs start here: a local model folder (and the embedded model's, once prepared) has a config.json that
@@ -376,7 +396,9 @@ def folder_config(folder: str) -> tuple[PretrainedConfig | None, str | None]:
     """(the config transformers reads from ``folder``'s config.json, None) or (None, why it cannot be read)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        return None, f"{folder} holds no config.json"
+        kind = ("a symbolic link to nothing (or to itself)" if path.is_symlink() and not path.exists() else
+                "a folder, not a file" if path.is_dir() else "")
+        return None, f"its config.json is {kind}" if kind else f"{folder} holds no config.json"
     try:
         return AutoConfig.from_pretrained(folder), None
     except Exception as error:  # noqa: BLE001 - not JSON, not an object, an unknown model_type: transformers' reason
@@ -414,7 +436,8 @@ def check_cache_folder() -> None:
         raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is not an absolute folder, so the cache folder "
                           f"(~/.cache/rlvr-harness) would be {folder}: set RLVR_CACHE to an absolute folder, or HOME")
     if not os.environ.get("RLVR_CACHE") and home and not os.path.isdir(home):  # a mistyped HOME: never made here
-        raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is not a folder that exists, so the cache folder "
+        what = "a file, not a folder" if os.path.exists(home) else "not a folder that exists"
+        raise ConfigError(f"RLVR_CACHE is unset and HOME={home!r} is {what}, so the cache folder "
                           f"would be {folder}: set HOME to your home folder, or RLVR_CACHE to a folder for the cache")
     if not folder.is_absolute():
         raise ConfigError(f"RLVR_CACHE={os.environ.get('RLVR_CACHE')!r} is a relative path: each process (a sweep's "

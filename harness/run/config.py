@@ -562,7 +562,9 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     _check_pins(pins, {objective for objective, _ in points})
     if not runs:
         raise ConfigError("the sweep expands to zero runs: some sweep.grid list is empty")
-    return _distinct(runs, [point for _, point in points], grid)
+    runs = _distinct(runs, [point for _, point in points], grid)
+    _check_alias_twins(runs)
+    return runs
 
 
 def _check_pins(pins: dict[str, tuple[str, object]], ran: set[str]) -> None:
@@ -767,6 +769,30 @@ def _check_objective(run: DictConfig) -> None:
                           f"proximal policy by pi_prox / pi_behaviour at the ratio's own level, and the ratio of "
                           f"objective {run.objective.name!r} is {objective.ratio_note}, which no such weight composes "
                           "with: use a token_* or sequence_* mode")
+
+
+def _check_alias_twins(runs: list[DictConfig]) -> None:
+    """Refuse two runs of a sweep that are one computation under two objective names: an alias and its parent given
+    the alias's defining settings (``luspo`` and ``gspo`` with ``aggregation=seq_mean_token_sum``): the report would
+    compare the computation with itself."""
+    seen: dict[str, DictConfig] = {}
+    for run in runs:
+        alias = alias_of(run.objective.name)
+        canonical = run
+        if alias is not None and alias[1]:  # the alias as its parent with its defining settings given
+            canonical = copy.deepcopy(run)
+            canonical.objective.name = alias[0]
+            for key, value in alias[1].items():
+                OmegaConf.update(canonical, "objective.advantage" if key == "advantage" else f"objective.params.{key}",
+                                 value, force_add=True)
+        other = seen.setdefault(run_id(canonical), run)
+        if other is not run and other.objective.name != run.objective.name:
+            named = {r.objective.name: r for r in (other, run)}
+            name = next(n for n in named if alias_of(n) and alias_of(n)[1])
+            parent, defining = alias_of(name)
+            settings = ", ".join(f"{key}={value}" for key, value in defining.items())
+            raise ConfigError(f"the sweep runs {run_id(other)} and {run_id(run)}, one computation under two names "
+                              f"({name} is {parent} with {settings}): leave {name} out, or {parent}'s {settings}")
 
 
 def _check_alias_kept(run: DictConfig) -> None:
