@@ -474,6 +474,42 @@ class Folder:
                 if isinstance(e, dict) and isinstance(e.get("overrides"), dict)}
 
 
+def manifest_entries(exp_dir: Path, manifest: dict | None) -> list[dict]:
+    """manifest.json's runs, each folder once and only the experiment folder's own: an entry listed twice (a hand
+    edit, a merge of two manifests) would be two rows of one run, each the other's duplicate, and so counted zero
+    times; a ``dir`` outside the folder (``../..``, an absolute path) would be read as a run of this experiment. Both
+    said in one warning each."""
+    entries, seen, twice, outside = [], set(), [], []
+    for entry in (manifest or {}).get("runs", []) if isinstance(manifest, dict) else []:
+        if not isinstance(entry, dict) or not (entry.get("dir") or entry.get("run_id")):
+            continue
+        name = str(entry.get("dir") or entry.get("run_id"))
+        if Path(name).name != name or name in (".", "..") or (exp_dir / name).is_symlink():
+            outside.append(name)
+        elif name in seen:
+            twice.append(name)
+        else:
+            seen.add(name)
+            entries.append(entry)
+    if twice:
+        warn(f"{exp_dir / 'manifest.json'} lists {listed(sorted(set(twice)), 10)} more than once: each run is read "
+             "once")
+    if outside:
+        warn(f"{exp_dir / 'manifest.json'} lists {listed(outside, 10)}, not a folder of this experiment's: ignored "
+             "(a run's folder is one of the experiment folder's own, not a symbolic link)")
+    return entries
+
+
+def linked_run_folders(exp_dir: Path) -> set[str]:
+    """The names of the experiment folder's symbolic links to run folders, said in one warning: never followed (a
+    link to another experiment's run would be reported as this one's)."""
+    links = sorted(d.name for d in exp_dir.iterdir() if d.is_symlink() and is_run_folder(d))
+    if links:
+        warn(f"{exp_dir}: {listed(links, 10)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'} to "
+             "a run folder elsewhere: not read (copy the run's folder here to report it with this experiment)")
+    return set(links)
+
+
 def read_folder(exp_dir: Path, label: str) -> Folder:
     """Every run of the folder: manifest.json's, then the run folders it does not list (named in one warning)."""
     if not exp_dir.is_dir():
@@ -481,9 +517,11 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
         raise AnalysisError(f"results folder {exp_dir} {what}: give an experiment's results folder "
                             "(results/<experiment>, the one holding manifest.json)")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
-    entries = [e for e in (manifest or {}).get("runs", []) if isinstance(e, dict) and (e.get("dir") or e.get("run_id"))]
+    entries = manifest_entries(exp_dir, manifest)
     planned = {str(e.get("dir") or e.get("run_id")) for e in entries}
-    found = [{"run_id": d.name} for d in sorted(exp_dir.iterdir()) if d.name not in planned and is_run_folder(d)]
+    linked = linked_run_folders(exp_dir)
+    found = [{"run_id": d.name} for d in sorted(exp_dir.iterdir())
+             if d.name not in planned | linked and is_run_folder(d)]
     if found and entries:
         names = listed([e["run_id"] for e in found], 10)
         warn(f"{exp_dir}: {len(found)} run{'s' * (len(found) > 1)} on disk that manifest.json does not list (another "

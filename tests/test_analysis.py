@@ -313,6 +313,30 @@ def test_runs_without_a_warm_start_from_other_weights_are_two_starting_policies(
         "no warm start: the runs start from the base model, weights `eeeeffff` (grpo (1 run))."]
 
 
+def test_a_manifest_listing_a_run_twice_or_a_folder_elsewhere_reads_each_run_once(tmp_path):
+    """manifest.json edited by hand: a run listed twice was two rows, each the other's duplicate, so counted zero
+    times (the verdict changed); a ``dir`` of ``../..`` or an absolute path was read as a run of this experiment (the
+    seventh hostile pass). Now each run once, and the entries outside the folder ignored, each said in a warning."""
+    exp = write_objectives(tmp_path / "objs")
+    manifest = json.loads((exp / "manifest.json").read_text())
+    clean = load_experiment(exp).runs
+    manifest["runs"] += [manifest["runs"][3], {**manifest["runs"][0], "dir": "../../../etc"},
+                         {**manifest["runs"][1], "dir": str(exp / manifest["runs"][1]["dir"])}]
+    (exp / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(AnalysisWarning) as caught:
+        runs = load_experiment(exp).runs
+    said = [str(w.message) for w in caught]
+    assert any(f"lists {manifest['runs'][3]['dir']} more than once: each run is read once" in m for m in said), said
+    assert any("lists ../../../etc, " in m and "not a folder of this experiment's: ignored" in m for m in said), said
+    assert list(runs["run_id"]) == list(clean["run_id"]) and list(runs["counted"]) == list(clean["counted"])
+    # a symbolic link to another experiment's run folder: reported as a run of this one, nothing saying so
+    other = write_objectives(tmp_path / "other")
+    (exp / "grpo-s7-linked").symlink_to(other / manifest["runs"][0]["dir"])
+    with pytest.warns(AnalysisWarning, match=r"grpo-s7-linked is a symbolic link to a run folder elsewhere: not read"):
+        runs = load_experiment(exp).runs
+    assert "grpo-s7-linked" not in set(runs["run_id"])
+
+
 def test_reward_equal_to_accuracy_is_one_panel(tmp_path):
     exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5, 1: 0.6}}, extra=False)
     for run in exp.glob("grpo-*/metrics.jsonl"):
