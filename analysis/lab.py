@@ -288,7 +288,8 @@ def build_lab_report(folder: str | Path) -> Path:
     for name, table in found.items():
         atomic_write(folder / f"{name}.csv", table.to_csv(index=False))
     try:
-        write_into(folder / "report", lambda tmp: write_lab_report(folder, batches, found, tmp), earlier="report.md")
+        write_into(folder / "report", lambda tmp: write_lab_report(folder, batches, found, tmp),
+                   earlier=("report.md", "# Gradient lab: "))
     except ForeignFileError as e:
         raise LabError(str(e)) from None
     return folder / "report" / "report.md"

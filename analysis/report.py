@@ -476,7 +476,7 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
             write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline, latex)
 
     try:
-        write_into(out_dir, write, earlier="report.md")
+        write_into(out_dir, write, earlier=("report.md", "# Report: "))
     except ForeignFileError as e:
         raise AnalysisError(str(e)) from None
     return out_dir / "report.md"

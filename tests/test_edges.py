@@ -621,6 +621,15 @@ def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_a
     shutil.copy(whole / "config.json", config_only)
     check_this_machine(run_configs(load_experiment("quickstart", [*QUICK, f"model.name={whole}"])))
     capsys.readouterr()  # save_pretrained's progress
+    # the same process after the folder's config.json changed (the Python API, a worker): it read the first one again
+    config = json.loads((whole / "config.json").read_text())
+    (whole / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16, "vocab_size": 10**12}))
+    with pytest.raises(ConfigError, match=r"^train.max_new_tokens=24 leaves no position for the prompt"):
+        check_this_machine(run_configs(load_experiment("quickstart", [*QUICK, f"model.name={whole}"])))
+    (whole / "config.json").write_text(json.dumps({**config, "vocab_size": 10**12}))
+    with pytest.raises(ConfigError, match=r"takes at least 4,000.0 GB for one completion.s first token"):
+        check_this_machine(run_configs(load_experiment("quickstart", [*QUICK, f"model.name={whole}"])))
+    (whole / "config.json").write_text(json.dumps(config))
     for folder, reason in ((config_only, f"{config_only} holds no weights (model.safetensors, "),
                            (no_tokenizer, "its tokenizer cannot be built (")):
         assert main(["train", "quickstart", *QUICK, f"model.name={folder}", f"results_dir={tmp_path / 'results'}"]) == 2

@@ -227,27 +227,43 @@ def writer(contents: dict[str, str]):
     return write
 
 
+EARLIER = ("report.md", "# Report: ")  # the analysis report's (analysis/report.py)
+
+
 def test_writing_a_report_folder_keeps_the_files_the_harness_did_not_write(tmp_path):
     out = tmp_path / "report"
-    write_into(out, writer({"report.md": "1", "a.png": "1", "sub/b.csv": "1"}), earlier="report.md")
+    write_into(out, writer({"report.md": "1", "a.png": "1", "sub/b.csv": "1"}), earlier=EARLIER)
     (out / "draft.tex").write_text("mine")
-    write_into(out, writer({"report.md": "2", "sub/b.csv": "2"}), earlier="report.md")
+    write_into(out, writer({"report.md": "2", "sub/b.csv": "2"}), earlier=EARLIER)
     assert files(out) == {".written": "report.md\nsub/b.csv\n", "draft.tex": "mine", "report.md": "2",
                           "sub/b.csv": "2"}  # its own a.png, no longer made, is gone; the draft stays
     (out / "c.md").write_text("also mine")
     before = files(out)
     with pytest.raises(ForeignFileError, match=r"holds c\.md, which the harness did not write"):
-        write_into(out, writer({"report.md": "3", "c.md": "3"}), earlier="report.md")
+        write_into(out, writer({"report.md": "3", "c.md": "3"}), earlier=EARLIER)
     assert files(out) == before and not list(tmp_path.glob(".*tmp"))
 
 
 def test_a_report_folder_from_before_the_list_counts_only_report_files_as_its_own(tmp_path):
     out = tmp_path / "report"
     out.mkdir()
-    (out / "report.md").write_text("old")
+    (out / "report.md").write_text("# Report: old")
     (out / "draft.tex").write_text("mine")
-    write_into(out, writer({"report.md": "new"}), earlier="report.md")
+    write_into(out, writer({"report.md": "new"}), earlier=EARLIER)
     assert files(out) == {".written": "report.md\n", "draft.tex": "mine", "report.md": "new"}
+
+
+def test_a_folder_of_ones_own_holding_a_report_md_is_not_taken_for_a_report_folder(tmp_path):
+    """`python -m analysis R --out mine/`, mine/ holding the user's own report.md, paired.csv and a figure: all three
+    were replaced without a word (a report.md was taken for an earlier report's; the seventh hostile pass). Only a
+    report.md the harness writes (its first line) makes a folder from before the list a report folder."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("report.md", "paired.csv", "notes.txt"):
+        (mine / name).write_text(f"my {name}")
+    with pytest.raises(ForeignFileError, match=r"holds paired\.csv, report\.md, which the harness did not write"):
+        write_into(mine, writer({"report.md": "1", "paired.csv": "1"}), earlier=EARLIER)
+    assert files(mine) == {name: f"my {name}" for name in ("report.md", "paired.csv", "notes.txt")}
 
 
 def test_a_report_folder_that_is_a_link_is_not_written_through(tmp_path):
@@ -259,7 +275,7 @@ def test_a_report_folder_that_is_a_link_is_not_written_through(tmp_path):
     (tmp_path / "report").symlink_to(mine)
     with pytest.raises(ForeignFileError, match=rf"^{tmp_path / 'report'} is a link \(to {mine}\), which the harness "
                                                "did not make: it does not write through links"):
-        write_into(tmp_path / "report", writer({"report.md": "1"}), earlier="report.md")
+        write_into(tmp_path / "report", writer({"report.md": "1"}), earlier=EARLIER)
     assert files(mine) == {"report.md": "my notes"} and not list(tmp_path.glob(".*tmp"))
 
 
@@ -268,7 +284,7 @@ def test_a_crafted_list_of_written_files_removes_nothing_outside_the_folder(tmp_
     out.mkdir()
     (tmp_path / "victim.txt").write_text("precious")
     (out / ".written").write_text(f"../victim.txt\n{tmp_path / 'victim.txt'}\n")
-    write_into(out, writer({"report.md": "1"}), earlier="report.md")
+    write_into(out, writer({"report.md": "1"}), earlier=EARLIER)
     assert (tmp_path / "victim.txt").read_text() == "precious"
 
 

@@ -41,19 +41,20 @@ def device_memory(device: torch.device) -> int | None:
 
 
 @functools.lru_cache(maxsize=16)
-def model_bytes(name: str, tiny: str, dtype: str) -> tuple[int, int] | None:
+def model_bytes(name: str, tiny: str, dtype: str, stamp: tuple = ()) -> tuple[int, int] | None:
     """(weights, one token) in bytes of model ``name`` (``tiny``: its model.tiny as JSON) in ``dtype``: a token's
     logits over the vocabulary and its keys and values in every layer, read from its config (a local folder's
     config.json, never a model built from it: a huge or odd one would take minutes or fail here); the weights are
     counted for the tiny models (their skeleton), 0 for a folder (a floor still). None when the shape is not known
-    before the model loads (a hub id) or its config cannot be read (loading it says why)."""
+    before the model loads (a hub id) or its config cannot be read (loading it says why). ``stamp``: a folder's
+    :func:`harness.policy.models.folder_stamp`, a cache key only."""
     from harness.policy.models import TINY_MODELS, folder_config, model_folder
 
     try:
         if name in TINY_MODELS:
             config, weights, layers = tiny_shape(name, json.loads(tiny))
         else:
-            config, weights = folder_config(str(model_folder(name)))[0], 0
+            config, weights = folder_config(str(model_folder(name)), stamp)[0], 0
             if config is None:  # a hub id, or a folder the local_model check refuses
                 return None
             layers = config.get_text_config().num_hidden_layers
@@ -82,8 +83,11 @@ def tiny_shape(name: str, tiny: dict) -> tuple[object, int, int]:
 def sampling_memory_problem(run: DictConfig, rows: int, what: str) -> str | None:
     """Why ``rows`` completions sampled at once (``what``: the settings that make them, for the message) cannot fit on
     the run's device: the weights and each completion's first token (module docstring) above its memory; or None."""
+    from harness.policy.models import TINY_MODELS, folder_stamp, model_folder
+
+    stamp = () if run.model.name in TINY_MODELS else folder_stamp(model_folder(run.model.name))
     known = model_bytes(run.model.name, json.dumps(OmegaConf.to_container(run.model.tiny), sort_keys=True),
-                        run.model.dtype)
+                        run.model.dtype, stamp)
     device = resolve_device(run.device)
     total = device_memory(device)
     if known is None or total is None:

@@ -364,20 +364,30 @@ def check_local_model(run: DictConfig) -> None:
         return  # not prepared yet: the run prepares it from the package
     fix = ("give a model folder in the hub layout (config.json, the weights, the tokenizer's files), as "
            "save_pretrained writes it")
-    config, problem = folder_config(str(folder))
+    config, problem = folder_config(str(folder), folder_stamp(folder))
     if config is None:
         raise ConfigError(f"model.name {name!r}: {problem}; {fix}")
     problem = position_problem(run, getattr(config.get_text_config(), "max_position_embeddings", None),
                                f"max_position_embeddings in {folder / 'config.json'}")
     if problem:
         raise ConfigError(problem)
-    problem = None if name == EMBEDDED_NAME else folder_files_problem(str(folder))  # ours is made whole
+    problem = None if name == EMBEDDED_NAME else folder_files_problem(str(folder), folder_stamp(folder))  # ours: whole
     if problem:
         raise ConfigError(f"model.name {name!r}: {problem}; {fix}")
 
 
+def folder_stamp(folder: Path | str) -> tuple:
+    """What a model folder holds now, as a cache key: each entry's name, size and modification time, so that a
+    process running several runs (the Python API, a worker) reads a folder again once its files have changed."""
+    try:
+        entries = [(e.name, e.stat(follow_symlinks=False)) for e in os.scandir(folder)]
+    except OSError:
+        return ()
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in entries))
+
+
 @functools.lru_cache(maxsize=16)
-def folder_files_problem(folder: str) -> str | None:
+def folder_files_problem(folder: str, stamp: tuple = ()) -> str | None:
     """Why a model folder's weights or tokenizer cannot be loaded (no weights file transformers looks for; a
     tokenizer transformers cannot build from the folder's files), or None. The tokenizer is built here (a fraction
     of a second): its files come in several layouts, and only transformers knows which it takes."""
@@ -392,8 +402,9 @@ def folder_files_problem(folder: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def folder_config(folder: str) -> tuple[PretrainedConfig | None, str | None]:
-    """(the config transformers reads from ``folder``'s config.json, None) or (None, why it cannot be read)."""
+def folder_config(folder: str, stamp: tuple = ()) -> tuple[PretrainedConfig | None, str | None]:
+    """(the config transformers reads from ``folder``'s config.json, None) or (None, why it cannot be read); ``stamp``
+    (:func:`folder_stamp`): a cache key only."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         kind = ("a symbolic link to nothing (or to itself)" if path.is_symlink() and not path.exists() else

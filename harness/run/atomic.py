@@ -262,12 +262,25 @@ class ForeignFileError(FileExistsError):
     """:func:`write_into` would replace a file it did not write (named in the message)."""
 
 
-def write_into(folder: Path, write: Callable[[Path], None], *, earlier: str) -> list[Path]:
+def _begins(path: Path, heading: str) -> bool:
+    """Whether ``path`` is a file (not a link) whose text begins with ``heading``."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return f.read(len(heading)) == heading
+    except OSError:
+        return False
+
+
+def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[str, str]) -> list[Path]:
     """Write the files ``write(tmp)`` makes in a temporary folder into ``folder`` one by one, each renamed into place
     (a reader sees each file old or new, never a part); the files of the previous write that this one no longer makes
     are removed; returns the files written. Any other file in ``folder`` (a draft beside a report) is never touched:
     the files of a write are listed in ``folder/.written``; a folder from before that list counts the files this
-    write makes as its own when it holds ``earlier`` (e.g. report.md). A file of the same name that the harness did
+    write makes as its own when it holds ``earlier`` = (a file, the start of its first line), e.g. a report.md
+    beginning "# Report: " (a folder of one's own holding a report.md of one's own is not a report folder). A file
+    of the same name that the harness did
     not write is refused (:class:`ForeignFileError`, before anything in ``folder`` changes). The list is written
     first with the old and the new files, so a kill halfway leaves every file of the harness listed."""
     folder = Path(folder)
@@ -278,7 +291,7 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: str) -> 
     try:
         made = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
         listed = folder / WRITTEN
-        ours = _listed(listed) if listed.is_file() else set(made) if (folder / earlier).is_file() else set()
+        ours = _listed(listed) if listed.is_file() else set(made) if _begins(folder / earlier[0], earlier[1]) else set()
         foreign = [name for name in made if os.path.lexists(folder / name) and name not in ours]
         if foreign:
             raise ForeignFileError(f"{folder} holds {', '.join(map(str, foreign[:3]))}"
