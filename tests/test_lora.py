@@ -166,6 +166,21 @@ def test_lora_settings_are_checked_in_one_line(tmp_path):
         setup_run(tiny_run(tmp_path, *LORA, "model.lora.target_modules=[qkv]"), CPU)
 
 
+def test_target_modules_are_a_set_of_layers(tmp_path):
+    """[q_proj,v_proj] and [v_proj,q_proj] (or [q_proj,q_proj] and [q_proj]) gave the same adapters, the same metrics,
+    under two run ids: in one folder two cells neither could compare, in a grid the same run twice (the seventh
+    hostile pass). The order makes one run id; a layer listed twice is refused."""
+    from harness.run.config import run_id
+
+    ids = {run_id(tiny_run(tmp_path, *LORA, f"model.lora.target_modules={targets}"))
+           for targets in ("[q_proj,v_proj]", "[v_proj,q_proj]")}
+    assert len(ids) == 1
+    assert run_id(tiny_run(tmp_path, *LORA, "model.lora.target_modules=[q_proj]")) not in ids
+    with pytest.raises(ConfigError, match=r"^model.lora.target_modules lists q_proj more than once: list each layer "
+                       "once$"):
+        tiny_run(tmp_path, *LORA, "model.lora.target_modules=[q_proj,q_proj]")
+
+
 @pytest.mark.parametrize("model, targets, said", [
     ("tiny", "[nonexistent]", "Target modules {'nonexistent'} not found in the base model"),
     ("tiny", "[q_proj,nonexistent]", "nonexistent matches no module of tiny"),  # peft alone ignores it

@@ -62,6 +62,9 @@ def check_lora(run: DictConfig) -> None:
     if not targets or not all(isinstance(name, str) and name for name in targets):
         raise ConfigError(f"model.lora.target_modules must name the linear layers to adapt (e.g. [q_proj, v_proj]), "
                           f"got {targets}")
+    twice = sorted({name for name in targets if targets.count(name) > 1})
+    if twice:  # the same adapters as listing it once, under another run id
+        raise ConfigError(f"model.lora.target_modules lists {', '.join(twice)} more than once: list each layer once")
     tiny = run.model.get("tiny")
     shape = json.dumps(OmegaConf.to_container(tiny) if tiny else {}, sort_keys=True)  # the tiny models' (cache key)
     reason = targets_refused(run.model.name, shape, tuple(targets))

@@ -641,7 +641,12 @@ def run_id(run: DictConfig) -> str:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
 
-    content = changed(OmegaConf.to_container(run, resolve=True), schema_defaults())
+    values = OmegaConf.to_container(run, resolve=True)
+    lora = values.get("model", {}).get("lora") or {}
+    if isinstance(lora.get("target_modules"), list):  # a set of layers: the same adapters in any order
+        lora["target_modules"] = sorted(lora["target_modules"], key=lambda name: (
+            LORA_TARGETS.index(name) if name in LORA_TARGETS else len(LORA_TARGETS), str(name)))
+    content = changed(values, schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
     memory = memory_settings(run)  # nor how much memory it takes (the run resumed under less is the same run), nor
