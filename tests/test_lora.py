@@ -188,6 +188,7 @@ def test_target_modules_are_a_set_of_layers(tmp_path):
     ("tiny_moe", "[q_proj,gate_proj]", "without also targeting up_proj"),  # fused in the experts' stacked weights
     ("tiny", "[q_proj,lm_head]", "lm_head is the model's embeddings or LM head, which stay frozen"),  # (tied here)
     ("tiny", "[embed_tokens]", "embed_tokens is the model's embeddings or LM head"),
+    ("tiny", "[mlp]", "it names a LlamaMLP block, not a linear layer peft can adapt;"),  # was cut mid-repr
 ])
 def test_target_modules_the_model_lacks_are_refused_before_the_run_folder(tmp_path, capsys, model, targets, said):
     from harness.apps.cli import main

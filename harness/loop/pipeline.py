@@ -78,9 +78,10 @@ def check_rollout_lag(run: DictConfig) -> None:
     if parts and t.rollout_lag < 1:
         raise ConfigError(f"{parts} spreads a batch over the versions of a lag: set train.rollout_lag >= 1")
     if t.in_flight_tokens and (t.lag_mode == "mixed" or t.in_flight_tokens >= t.max_new_tokens):
+        need = ("train.lag_mode=fixed (a mixed lag already spreads a batch over versions)" if t.lag_mode == "mixed"
+                else f"a value below train.max_new_tokens={t.max_new_tokens}")
         raise ConfigError(f"train.in_flight_tokens={t.in_flight_tokens} switches a completion to the newer policy "
-                          f"every that many tokens: it needs train.lag_mode=fixed and a value below "
-                          f"train.max_new_tokens={t.max_new_tokens}")
+                          f"every that many tokens: it needs {need}")
     estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
     if parts and (t.dynamic_sampling or needs_greedy_baseline(ADVANTAGES.get(estimator))):
         raise ConfigError(f"{parts} samples a batch in parts by several policy versions, which train.dynamic_sampling "

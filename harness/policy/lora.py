@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -133,8 +134,15 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
 
 
 def peft_reason(error: ValueError) -> str:
-    """peft's refusal in one line ("Target modules {...} not found in the base model")."""
-    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    """peft's refusal in one line ("Target modules {...} not found in the base model"); one that names a module by its
+    printed form (a block such as LlamaMLP, whose repr spans lines) said as that block's class."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    block = re.match(r"Target module (\w+)\(", text)
+    if block:
+        return f"it names a {block[1]} block, not a linear layer peft can adapt"
+    return text.splitlines()[0].rstrip(".")
 
 
 def targets_error(targets: list, reason: str) -> ConfigError:
