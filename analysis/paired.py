@@ -110,7 +110,13 @@ def stacked(a: dict, b: dict, seeds) -> dict:
 def per_cell(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None,
              baseline: str | None = None) -> pd.DataFrame:
     """One row per (cell, A, B) (objective_pairs' order) with at least one seed both ended: cell_id, cell, a, b and
-    compare()'s numbers. samples: analysis.load.Experiment.samples (none: over seeds only)."""
+    compare()'s numbers. samples: analysis.load.Experiment.samples (none: over seeds only). A ``baseline`` no run
+    has is a ValueError, as on the command line (the pairs would silently be between other objectives)."""
+    if not isinstance(runs, pd.DataFrame):
+        raise TypeError(f"per_cell takes the runs as a DataFrame (Experiment.runs), got {type(runs).__name__}")
+    if baseline is not None and baseline not in set(runs["objective"]):
+        raise ValueError(f"baseline {baseline!r}: no run of it; these runs' objectives: "
+                         + ", ".join(registry_order(runs["objective"])))
     rows = []
     for (cell_id, cell), group in runs.groupby(["cell_id", "cell"], sort=True):
         scores = {o: runs_scores(g, samples or {}, column) for o, g in group.groupby("objective")}

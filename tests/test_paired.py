@@ -162,6 +162,11 @@ def test_per_cell_pairs_by_seed_and_never_across_cells():
     assert np.isnan(table.loc[1, "difference_low"])  # seeds alike, problems unknown: no interval
     lonely = frame({(0, "grpo"): [0.3], (1, "gspo"): [0.4]})  # never the same cell: nothing to compare
     assert paired.per_cell(lonely).empty and paired.aggregate(lonely).empty
+    # the Python API with a baseline no run has: the pairs were silently between the others (the seventh pass)
+    with pytest.raises(ValueError, match=r"^baseline 'cispo': no run of it; these runs' objectives: grpo, gspo$"):
+        paired.per_cell(runs, baseline="cispo")
+    with pytest.raises(TypeError, match=r"per_cell takes the runs as a DataFrame \(Experiment.runs\), got list"):
+        paired.per_cell(runs.to_dict("records"))
 
 
 def test_aggregate_is_the_mean_over_cells_with_the_cells_variances_added():
