@@ -15,7 +15,7 @@ The objectives are the registry's (``objectives.available_objectives()``), so an
 next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed
 in docs/running.md) at the axis values listed, crossed with every objective and seed; a cell two regimes share
 is one set of runs (run ids are the settings' hash). Overrides apply to every run of both stages (e.g.
-``train.steps=2`` for a smoke test).
+``train.steps=17 train.eval_every=17`` for a smoke test: the async_staleness regime's lag of 16 needs more steps).
 
 The confirmation is decided from the screen alone and written down before it runs (``plan_confirmation``): the
 objectives whose screen interval of the paired difference to BASELINE (mean over the cells) excluded 0, and the core
