@@ -531,9 +531,13 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
     entries += found
     if not entries:
         lab = (exp_dir / "batches").is_dir() and (exp_dir / "config.yaml").is_file()  # harness/apps/lab.py's folder
+        inside = sorted(d.name for d in exp_dir.iterdir() if d.is_dir() and not d.is_symlink()
+                        and (d / "manifest.json").is_file())  # a results_dir: its experiments' folders
         raise AnalysisError(f"no runs in {exp_dir}: " + (
             "it holds a gradient lab's batches, whose report the lab writes itself (its report/ folder; `python -m "
             "harness lab` with the same settings, or `make lab`, writes it again)" if lab else
+            f"it holds the experiment folder{'s' if len(inside) > 1 else ''} {listed(inside, 10)}: give "
+            f"{exp_dir / inside[0]}" if inside else
             "no manifest.json listing runs and no run folders (a folder with a summary.json or metrics.jsonl)"))
     loaded = [load_run(exp_dir, e) for e in entries]
     for run, *_ in loaded:

@@ -460,6 +460,9 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     (tmp_path / "lab" / "config.yaml").write_text("name: lab\n")
     with pytest.raises(AnalysisError, match="it holds a gradient lab's batches, whose report the lab writes itself"):
         load_experiment(tmp_path / "lab")
+    write_experiment(tmp_path / "results" / "toy", {"grpo": {0: 0.5}}, extra=False)  # a results_dir given: named
+    with pytest.raises(AnalysisError, match=rf"it holds the experiment folder toy: give {tmp_path / 'results/toy'}$"):
+        load_experiment(tmp_path / "results")
     proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "nope")], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 1 and proc.stderr.strip() == (
