@@ -211,15 +211,39 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
                                             "lab.params={dapo: {clip_high: 0.9}}"]))
 
 
+def test_a_lab_alias_undone_by_its_params_is_refused(tmp_path):
+    """lab.params={luspo: {aggregation: token_mean}} measured gspo under luspo's name (train and sweep refuse the
+    same: the seventh hostile pass)."""
+    base = [*TINY_RUN, f"results_dir={tmp_path}"]
+    for extra in (["lab.objectives=[grpo,luspo]"], ["lab.mover=luspo"]):
+        with pytest.raises(ConfigError, match=r"^lab: objective.name=luspo is gspo with aggregation="
+                           r"seq_mean_token_sum, and lab.params.luspo.aggregation=token_mean undoes it"):
+            lab_config(load_experiment("base", [*base, *extra, "lab.params={luspo: {aggregation: token_mean}}"]))
+
+
 def test_a_lab_with_other_settings_names_them(tmp_path):
     """Adding to a lab folder with other settings is refused naming each (it said only 'other settings')."""
     base = [*TINY_RUN, f"results_dir={tmp_path}", "name=l"]
     cfg = lab_config(load_experiment("base", base))
     (lab_dir(cfg) / "batches").mkdir(parents=True)
     (lab_dir(cfg) / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (lab_dir(cfg) / "batches" / "batch_000.pt").write_bytes(b"")  # a batch measured under those settings
     with pytest.raises(ConfigError, match=r"holds a lab with other settings \(train.lr 0.001 -> 0.01, lab.mover "
                        r"grpo -> gspo; only lab.batches may change between calls\)"):
         run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.mover=gspo", "lab.batches=9"]))
+
+
+def test_a_lab_folder_that_measured_nothing_is_taken_over(tmp_path, monkeypatch):
+    """A lab whose start failed (a policy folder without weights) left its config.yaml and no batch: the next lab of
+    that name with other settings was refused for 'other settings' it never measured (the seventh hostile pass)."""
+    base = [*TINY_RUN, f"results_dir={tmp_path}", "name=l"]
+    cfg = lab_config(load_experiment("base", base))
+    (lab_dir(cfg) / "batches").mkdir(parents=True)
+    (lab_dir(cfg) / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    measured = []
+    monkeypatch.setattr("harness.apps.lab.Lab.measure", lambda self, todo, out, progress: measured.append(todo))
+    run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.batches=3"]))
+    assert measured == [[0, 1, 2]] and "lr: 0.01" in (lab_dir(cfg) / "config.yaml").read_text()
 
 
 @pytest.mark.slow

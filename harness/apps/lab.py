@@ -61,7 +61,14 @@ from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routin
 from harness.policy.sampler import Rollout, sample_problems
 from harness.policy.warm_start import WarmStartError, weights_digest
 from harness.run.atomic import atomic_write, failure_line, to_file
-from harness.run.config import check_this_machine, load_experiment, minibatch_size, rollout_size, validate
+from harness.run.config import (
+    alias_undone,
+    check_this_machine,
+    load_experiment,
+    minibatch_size,
+    rollout_size,
+    validate,
+)
 from harness.run.errors import ConfigError
 from harness.run.locks import FolderBusyError, lock_folder
 from harness.run.provenance import code_record
@@ -130,6 +137,11 @@ def validate_lab(cfg: DictConfig) -> None:
         lab_objective(cfg, lab.mover)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lab: {e}") from None
+    for name in dict.fromkeys([*lab.objectives, lab.mover]):  # an alias undone by its params: its parent, renamed
+        params = dict(OmegaConf.to_container(lab.params).get(name) or {})
+        problem = alias_undone(name, params, params.pop("advantage", None), where=f"lab.params.{name}.")
+        if problem:
+            raise ConfigError(f"lab: {problem}")
     if len(set(lab.objectives)) != len(lab.objectives):  # measured once each: a repeat said nothing
         raise ConfigError(f"lab.objectives must be distinct objectives, got {list(lab.objectives)}")
     for name in [*lab.objectives, lab.mover]:
@@ -238,7 +250,8 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
             raise ConfigError(f"{e}: the lab's batches there cannot be checked against these settings; delete "
                               f"{out} or choose another name=...") from None
         differences = [] if saved is None else plain_differences(comparable(OmegaConf.create(saved)), comparable(cfg))
-        if differences:
+        if differences and any((out / "batches").glob("batch_*.pt")):  # one that measured nothing (a start that
+            # failed) has nothing to keep: these settings take its folder over
             raise ConfigError(f"{out} holds a lab with other settings ({listed(differences)}; only lab.batches may "
                               "change between calls): delete it or choose another name=...")
         atomic_write(out / "config.yaml", OmegaConf.to_yaml(cfg))

@@ -243,7 +243,7 @@ class LabConfig:
     # staleness: the same moved policy with the behaviour routing forced, beside the staleness point without
     routing: list[str] = field(default_factory=list)
     reference_samples: int = 64  # completions per prompt of the on-policy reference gradient
-    sketch_dim: int = 65536  # size of the gradients' count sketch (exact if the model is smaller)
+    sketch_dim: int = 65536  # size of the gradients' count sketch (exact if the model is smaller; 0: always exact)
     policy: str | None = None  # a saved policy folder (final/, exports/step_N/); null = the starting policy
 
 
@@ -801,21 +801,30 @@ def _check_alias_twins(runs: list[DictConfig]) -> None:
 
 
 def _check_alias_kept(run: DictConfig) -> None:
-    """An alias (``luspo``: ``gspo`` with ``aggregation=seq_mean_token_sum``) whose every defining setting the run
-    gives another value is its parent objective under another name: refused, naming the parent (a sweep would
-    compare ``gspo`` with itself under two names)."""
-    alias = alias_of(run.objective.name)
+    """The run's objective is not an alias whose defining setting it undoes (:func:`alias_undone`)."""
+    problem = alias_undone(run.objective.name, OmegaConf.to_container(run.objective.params), run.objective.advantage)
+    if problem:
+        raise ConfigError(problem)
+
+
+def alias_undone(name: str, params: dict, advantage: str | None, where: str = "objective.params.") -> str | None:
+    """Why objective ``name`` with hyperparameters ``params`` (and estimator ``advantage``; ``where``: how their keys
+    are given) is its parent under another name, or None: an alias (``luspo``: ``gspo`` with
+    ``aggregation=seq_mean_token_sum``) whose every defining setting is given another value (a sweep would compare
+    ``gspo`` with itself under two names)."""
+    alias = alias_of(name)
     if alias is None or not alias[1]:
-        return
+        return None
     parent, defining = alias
-    given = {**OmegaConf.to_container(run.objective.params), "advantage": run.objective.advantage}
-    if all(given.get(key) not in (None, "", value) for key, value in defining.items()):
-        settings = ", ".join(f"{key}={value}" for key, value in defining.items())
-        mine = " ".join(f"{'objective.params.' if key != 'advantage' else 'objective.'}{key}={given[key]}"
-                        for key in defining)
-        raise ConfigError(f"objective.name={run.objective.name} is {parent} with {settings}, and {mine} undoes it: "
-                          f"that is objective.name={parent} with {mine} (a sweep grid over {', '.join(defining)}: "
-                          f"leave {run.objective.name} out, {parent}'s runs cover its values)")
+    given = {**params, "advantage": advantage}
+    if not all(given.get(key) not in (None, "", value) for key, value in defining.items()):
+        return None
+    settings = ", ".join(f"{key}={value}" for key, value in defining.items())
+    mine = " ".join(f"{where if key != 'advantage' or where != 'objective.params.' else 'objective.'}{key}={given[key]}"
+                    for key in defining)
+    return (f"objective.name={name} is {parent} with {settings}, and {mine} undoes it: that is objective.name="
+            f"{parent} with {mine} (a sweep grid over {', '.join(defining)}: leave {name} out, {parent}'s runs cover "
+            "its values)")
 
 
 def _check_single_sample_groups(estimator: str) -> None:
