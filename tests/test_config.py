@@ -259,6 +259,10 @@ def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     (tmp_path / "b.yaml").write_text(f"inherit: {tmp_path / 'a.yaml'}\n")
     with pytest.raises(ConfigError, match="makes a cycle"):
         load_experiment(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("inherit: [quickstart, base]\n")  # was looked for as "['quickstart', 'base']"
+    with pytest.raises(ConfigError, match=r"c.yaml: inherit takes one experiment \(a name or a .yaml path\), got "
+                       r"\['quickstart', 'base'\]$"):
+        load_experiment(str(tmp_path / "c.yaml"))
 
 
 

@@ -98,6 +98,8 @@ def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
         tiny_run(tmp_path, "logging.backends=[tensorboard]")
     with pytest.raises(ConfigError, match=r"must include jsonl .* logging.backends=\[jsonl\]$"):  # was jsonl alone,
         tiny_run(tmp_path, "logging.backends=[]")  # silently, while [tensorboard] was refused
+    with pytest.raises(ConfigError, match=r"^logging.backends lists jsonl more than once: list each backend once$"):
+        tiny_run(tmp_path, "logging.backends=[jsonl,jsonl]")  # taken without a word (the seventh hostile pass)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError) as error:

@@ -96,7 +96,8 @@ def main(overrides: list[str], jobs: int = 2, rev: str | None = None) -> int:
                           "`git log` shows")
     cfg = load_experiment(EXPERIMENT, overrides)
     ids = [run_id(run) for run in run_configs(cfg)]
-    print(f"sweep throughput: {EXPERIMENT} {' '.join(overrides)}: {len(ids)} runs, {jobs} at a time, each side "
+    at_once = min(jobs, len(ids))  # the sweep starts no more processes than runs
+    print(f"sweep throughput: {EXPERIMENT} {' '.join(overrides)}: {len(ids)} runs, {at_once} at a time, each side "
           "into a fresh folder (load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ")", file=sys.stderr)
     code, prepare_s, _ = harness(["prepare", EXPERIMENT, *overrides])
     if code:

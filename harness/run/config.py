@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.run.aliases import ALIASES, translate_overrides
@@ -440,6 +440,9 @@ def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     parent = layer.pop("inherit", None) if isinstance(layer, DictConfig) else None
     if parent is None:
         return layer
+    if not isinstance(parent, str):  # a list or a mapping would be looked for as one experiment's name
+        given = OmegaConf.to_container(parent) if isinstance(parent, DictConfig | ListConfig) else parent
+        raise ConfigError(f"{path}: inherit takes one experiment (a name or a .yaml path), got {given!r}")
     parent_path = experiment_path(str(parent))
     if parent_path in seen or parent_path == path:
         raise ConfigError(f"{path}: inherit: {parent} makes a cycle")

@@ -60,6 +60,9 @@ def check_trackers(run: DictConfig) -> None:
             close = difflib.get_close_matches(str(name), TRACKERS, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"logging.backends: unknown backend {name!r}.{hint} Backends: {', '.join(TRACKERS)}")
+    twice = sorted({name for name in backends if backends.count(name) > 1})
+    if twice:  # each tracker once (a repeat would log each step to it twice, or be dropped without a word)
+        raise ConfigError(f"logging.backends lists {', '.join(twice)} more than once: list each backend once")
     if "jsonl" not in backends:
         example = ",".join(["jsonl", *backends])  # [] too: jsonl alone is a run without trackers
         raise ConfigError("logging.backends must include jsonl (metrics.jsonl is what analysis, resume and the report "
