@@ -71,8 +71,8 @@ zoo:  ## every registered objective through the stress regimes on the tiny model
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
 
 comma := ,
-plots:  ## results/EXP/report/ from whatever runs exist (EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline)
-	$(PY) -m analysis $(addprefix results/,$(subst $(comma), ,$(EXP))) $(if $(PAPER),--paper) $(if $(LATEX),--latex) $(if $(BASELINE),--baseline $(BASELINE))
+plots:  ## results/EXP/report/ from whatever runs exist (EXP=/abs/folder: that folder's; EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline)
+	$(PY) -m analysis $(foreach e,$(subst $(comma), ,$(EXP)),$(if $(filter /%,$(e)),$(e),results/$(e))) $(if $(PAPER),--paper) $(if $(LATEX),--latex) $(if $(BASELINE),--baseline $(BASELINE))
 
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory; THROUGHPUT=1: quickstart's sweep's runs per CPU-hour, a process per run vs worker processes, JOBS at once, AGAINST=REV: and REV's, a process per run)
 	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora) $(if $(THROUGHPUT),--sweep-throughput --jobs $(JOBS) $(if $(AGAINST),--against $(AGAINST)))

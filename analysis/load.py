@@ -574,6 +574,9 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
 
 def load_experiment(exp_dir: str | Path) -> Experiment:
     """Every run of one results folder (see the module docstring)."""
+    if not isinstance(exp_dir, str | Path):  # a list went six frames deep into pathlib
+        raise TypeError(f"load_experiment takes one results folder (a str or Path), got {type(exp_dir).__name__}; "
+                        "several: load_experiments([...])")
     exp_dir = Path(exp_dir)
     folder = read_folder(exp_dir, exp_dir.name)
     exp = assemble(str(folder.manifest.get("experiment") or exp_dir.name), exp_dir, folder.loaded,

@@ -84,7 +84,9 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
     their number, one per distinct seed) the start, final, best (and per scoring variant final) eval accuracy as
     mean, interval (analysis/accuracy.py: over seeds and eval problems where the runs' per-problem scores are in
     ``samples``, else over seeds; ``_problems`` says which), n, IQM; the collapses (k of the runs whose collapse state
-    is known, rate, Wilson interval, causes); mean cost per run; the runs not ended and the duplicates left out."""
+    is known, rate, Wilson interval, causes); mean cost per run; the runs not ended and the duplicates left out.
+    ``axes_keys``: the swept settings (one may be given as a string)."""
+    axes_keys = [axes_keys] if isinstance(axes_keys, str) else axes_keys  # not read one character at a time
     runs = cell_identity(runs)
     rows = []
     order = {o: i for i, o in enumerate(paired.registry_order(runs["objective"]))}

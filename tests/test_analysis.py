@@ -450,6 +450,9 @@ def test_run_without_metrics(tmp_path):
 def test_missing_or_empty_results_dir(tmp_path, capsys):
     with pytest.raises(AnalysisError, match="does not exist"):
         load_experiment(tmp_path / "nope")
+    with pytest.raises(TypeError, match=r"^load_experiment takes one results folder \(a str or Path\), got list; "
+                       r"several: load_experiments"):  # pathlib's TypeError six frames deep
+        load_experiment([tmp_path / "nope"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="no runs in"):
         load_experiment(tmp_path / "empty")

@@ -276,6 +276,9 @@ def test_make_plots_passes_several_experiments_and_latex():
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
                            "EXP=a,b", "PAPER=1", "LATEX=1", "PY=python"], capture_output=True, text=True, check=True)
     assert made.stdout.split() == ["python", "-m", "analysis", "results/a", "results/b", "--paper", "--latex"]
+    made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
+                           "EXP=/abs/x,b", "PY=python"], capture_output=True, text=True, check=True)
+    assert made.stdout.split() == ["python", "-m", "analysis", "/abs/x", "results/b"]  # was results//abs/x
 
 
 @pytest.mark.slow  # seconds of runs or reports: make test

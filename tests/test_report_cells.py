@@ -42,6 +42,8 @@ def test_a_grid_over_minibatches_with_one_seed_is_two_cells_not_two_seeds(tmp_pa
     assert exp.cells.labels == ["train.num_minibatches=1", "train.num_minibatches=2"]
     table = eval_table(exp.runs, exp.cells.axes)
     assert list(table["seeds"]) == [1, 1] and list(table["train.num_minibatches"]) == [1, 2]
+    # the Python API given one axis as a string: it was read one character at a time (KeyError 't')
+    assert eval_table(exp.runs, "train.num_minibatches").equals(table)
     shown = md_table(headline_display(table, exp.cells))
     assert "range" not in shown and "| 1 | grpo |" in shown and "| 2 | grpo |" in shown
 
