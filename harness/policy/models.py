@@ -71,6 +71,7 @@ class TinyModelSpec:
 
 
 TINY_MODEL_SPECS = {"tiny": TinyModelSpec, TINY_MOE: TinyMoeSpec}  # each tiny model's shape (model.tiny)
+PREFIX_TOKENS = 8  # tokens a tokenizer may add that cover no byte of the text (a SentencePiece prefix marker)
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)  # a folder's, any one
 
 
@@ -339,8 +340,12 @@ def check_prompt_positions(run: DictConfig, model: PreTrainedModel, tokenizer: P
     if not isinstance(positions, int) or isinstance(positions, bool) or not questions:
         return
     prompts = [build_prompt(tokenizer, question) for question in questions]
-    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
     new = max(run.train.max_new_tokens, run.train.eval_max_new_tokens)
+    # a token covers at least one byte of the text (byte-level and character tokenizers) but for a word-start marker
+    # (SentencePiece's): within that bound, as almost always, the prompts need not be tokenized (seconds per run)
+    if max(len(prompt.encode()) for prompt in prompts) + PREFIX_TOKENS + new <= positions:
+        return
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
     if longest + new > positions:
         key = "train.max_new_tokens" if new == run.train.max_new_tokens else "train.eval_max_new_tokens"
         raise ConfigError(f"the task's longest prompt ({longest} tokens) and {key}={new} need {longest + new} "
