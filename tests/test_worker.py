@@ -101,6 +101,35 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
 
 
+def test_a_stopped_throughput_bench_stops_its_sweeps_workers_too(monkeypatch):
+    """Ctrl-C or SIGTERM of `bench --sweep-throughput` killed its sweep's process alone: the sweep's workers ran on
+    to their runs' ends (~50 s on 2 cores, the seventh hostile pass). The sweep runs in a process group of its own,
+    which the bench stops with SIGTERM (a kill of a sweep: its runs stay resumable) before it ends."""
+    import signal
+
+    from harness.apps import throughput
+
+    signalled, started = [], []
+
+    class Sweep:
+        pid, waits = 4242, 0
+
+        def __init__(self, args, **kwargs):
+            started.append(kwargs)
+
+        def wait(self):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            return -15
+
+    monkeypatch.setattr(throughput.subprocess, "Popen", Sweep)
+    monkeypatch.setattr(throughput.os, "killpg", lambda pid, sig: signalled.append((pid, sig)))
+    with pytest.raises(KeyboardInterrupt):
+        throughput.harness(["sweep", "quickstart"])
+    assert started[0]["start_new_session"] and signalled == [(4242, signal.SIGTERM)]
+
+
 def test_the_throughput_bench_compares_runs_without_their_timings(tmp_path):
     from harness.apps.throughput import same_runs
 

@@ -22,9 +22,11 @@ version computes otherwise: a kernel, a recipe).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,7 +52,17 @@ def harness(args: list[str], root: Path = ROOT) -> tuple[int, float, float]:
     """``python -m harness <args>`` in the checkout ``root``: its exit status, its CPU seconds (its own and its
     descendants') and its wall seconds."""
     cpu, start = children_cpu_s(), time.perf_counter()
-    code = subprocess.run([sys.executable, "-m", "harness", *args], cwd=root, stdout=subprocess.DEVNULL).returncode
+    # its own process group: stopped (Ctrl-C, SIGTERM), the bench stops the sweep and its workers with it, as a kill
+    # of a sweep does (its runs stay resumable); killing the sweep alone left its workers running to their runs' ends
+    process = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=root, stdout=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        code = process.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+        raise
     return code, children_cpu_s() - cpu, time.perf_counter() - start
 
 
