@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -595,6 +596,9 @@ class ReasoningGym(Task):
             return
         from reasoning_gym.factory import DATASETS
 
+        # some of the library's generators take minutes for 10000 problems (sudoku: ~160 s on a CPU core), silently
+        print(f"reasoning_gym {self.dataset}: generating {self.eval_size} eval and {self.train_size} training "
+              "problems (once per process)", file=sys.stderr, flush=True)
         draws = 4 * (self.eval_size + self.train_size)
         generator = DATASETS[self.dataset][0](config=self._generator_config(size=draws))
         self._scorer = generator.score_answer
