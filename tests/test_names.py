@@ -132,6 +132,8 @@ def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert "grpo is an objective: objective.name=grpo (python -m harness list)." in capsys.readouterr().err
     assert main(["explain", "cispo"]) == 2  # close to clip_low: it suggested objective.params.clip_low
     assert "cispo is an objective: objective.name=cispo (python -m harness list)." in capsys.readouterr().err
+    assert main(["explain", "model.lora"]) == 2  # a section: a did-you-mean of some of its keys (the seventh pass)
+    assert ("model.lora is a section; its keys: model.lora.rank, model.lora.alpha, " in capsys.readouterr().err)
     assert main(["explain", "x" * 5000]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 300 and "x" * 77 + "..." in err

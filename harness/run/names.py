@@ -426,8 +426,11 @@ def explain(query: str | None = None) -> str:
         close = [k for k in [*keys, *ALIASES] if k.lower() == query.lower()]
         close = close or difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
         close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
+        inside = [key for key in keys if key.startswith(f"{query}.")]  # a section: its keys, not a did-you-mean
         hint = (f" {query} is an objective: objective.name={query} (python -m harness list)."
-                if query in OBJECTIVES.names() else f" Did you mean {', '.join(close)}?" if close else "")
+                if query in OBJECTIVES.names() else
+                f" {query} is a section; its keys: {', '.join(inside)}." if inside else
+                f" Did you mean {', '.join(close)}?" if close else "")
         shown = repr(query if len(query) <= 80 else query[:77] + "...")
         raise KeyError(f"no config key, TRL or verl name {shown}.{hint} The whole table: python -m harness explain")
     out = []
