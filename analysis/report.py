@@ -697,7 +697,7 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     multi = len(cells.labels) > 1
     unfinished = unfinished_lines(runs)
     start = start_line(table)
-    blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi),
+    blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi), *beyond_objective_blocks(cells),
               ("p", f"Source: {sources_text(exp)}. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} "
                     f"ended, {len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
                     "combination of the settings that differ between runs of an objective; runs that differ in a "
@@ -717,6 +717,18 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
                      "setting like any other):"), ("ul", versions_lines(runs.to_dict("records")) or ["not known yet: "
                                                                                       "no run has started."])]
     return blocks
+
+
+def beyond_objective_blocks(cells) -> list[tuple]:
+    """Under the verdict: the settings other than their own hyperparameters in which the objectives of a cell differ
+    (a sweep's ``per_objective``, runs of several experiments in one folder), which a difference may come from."""
+    settings = {key: values for key, values in cells.objective_settings.items() if not key.startswith("objective.")}
+    if not settings:
+        return []
+    return [("p", "The objectives compared differ in more than the objective: "
+                  + "; ".join(f"{key} ({', '.join(f'{o}={v}' for o, v in values.items())})"
+                              for key, values in settings.items())
+                  + ". A difference in the verdict may come from these settings as well.")]
 
 
 def verdict_blocks(numbers: Numbers, multi: bool) -> list[tuple]:

@@ -392,6 +392,19 @@ def test_report_is_replaced_atomically(tmp_path, monkeypatch, capsys):
     assert (exp / "notes" / "mine.txt").exists()
 
 
+def test_the_verdict_names_settings_beyond_the_objective_that_differ_in_a_cell():
+    """grpo at lr 5e-5 and gspo at 3e-4 in one folder were compared in one cell, only the configuration section
+    saying so, far below the verdict (the seventh hostile pass); now a line under the verdict names them."""
+    from types import SimpleNamespace
+
+    cells = SimpleNamespace(objective_settings={"train.lr": {"grpo": "5e-05", "gspo": "0.0003"},
+                                                "objective.params.clip_high": {"grpo": "0.2", "gspo": "0.0004"}})
+    assert report_module.beyond_objective_blocks(cells) == [("p", (
+        "The objectives compared differ in more than the objective: train.lr (grpo=5e-05, gspo=0.0003). A difference "
+        "in the verdict may come from these settings as well."))]
+    assert report_module.beyond_objective_blocks(SimpleNamespace(objective_settings={})) == []
+
+
 @pytest.mark.slow
 def test_report_lists_problems(report):
     md_path, caught = report
@@ -404,6 +417,7 @@ def test_report_lists_problems(report):
     assert "`grpo-s4-abcd1234` (grpo, seed 4): status pending; not started (no folder grpo-s4-abcd1234/)" in md
     assert "`kl_ref` is not reported by: gspo." in md
     assert "objective.params.beta: per objective: grpo=0.01, gspo=0.0" in md
+    assert "differ in more than the objective" not in md  # beta is each objective's own hyperparameter
     assert "steps: 6" in md and "group size: 4" in md
     assert any("gspo-s3-abcd1234/metrics.jsonl: skipped truncated last line 4" in w for w in caught)
     assert "skipped truncated last line" in md  # listed under data warnings
