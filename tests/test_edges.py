@@ -552,9 +552,10 @@ def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything
     # the evaluation's completions: pass@k's k samples of a problem at once (the sixth pass: not counted)
     assert main(["train", "quickstart", *QUICK, "train.pass_k=100000000", results]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("config error: evaluation: train.pass_k x train.eval_batch_size // "
-                                                   "train.pass_k (at least 1, at most task.eval_size) problems = "
-                                                   "100000000 completions sampled at once need at least "), err
+    assert err.count("\n") == 1 and err.startswith("config error: evaluation: pass@k: train.pass_k=100000000 "
+                                                   "completions for each of 1 problem per call (train.eval_batch_size "
+                                                   "// train.pass_k, at least 1) = 100000000 completions sampled at "
+                                                   "once need at least "), err
     assert not (tmp_path / "results").exists()
 
 

@@ -65,10 +65,13 @@ def check_eval_memory(run: DictConfig) -> None:
     fit in the device's memory (harness/policy/memory.py's floor). Both backends: TRL's every process evaluates the
     whole eval set."""
     t, problems = run.train, run.task.eval_size
-    rows, what = min(problems_per_call(t, sampled=False), problems), "train.eval_batch_size (at most task.eval_size)"
+    rows = min(problems_per_call(t, sampled=False), problems)
+    what = f"greedy calls of train.eval_batch_size={t.eval_batch_size} problems (task.eval_size={problems})"
     if t.pass_k and min(problems_per_call(t, sampled=True), problems) * t.pass_k > rows:
-        rows = min(problems_per_call(t, sampled=True), problems) * t.pass_k
-        what = "train.pass_k x train.eval_batch_size // train.pass_k (at least 1, at most task.eval_size) problems"
+        per_call = min(problems_per_call(t, sampled=True), problems)
+        rows = per_call * t.pass_k
+        what = (f"pass@k: train.pass_k={t.pass_k} completions for each of {per_call} problem{'s' * (per_call > 1)} "
+                "per call (train.eval_batch_size // train.pass_k, at least 1)")
     problem = sampling_memory_problem(run, rows, what)
     if problem:
         raise ConfigError(f"evaluation: {problem}")
