@@ -41,7 +41,7 @@ from harness.run.provenance import code_record
 from objectives import OBJECTIVES, PolicyBatch, get_objective
 from objectives.base import lifecycle_unsupported
 from tests.helpers.objectives import ON_BATCHES
-from tests.helpers.tiny import TINY_RUN
+from tests.helpers.tiny import TINY_RUN, TINY_SPEC
 from tests.helpers.tiny_moe import TINY_MOE_RUN
 
 # what the lab evaluates: the objectives on hand-made batches that need nothing the lab does not provide (no state)
@@ -231,6 +231,21 @@ def test_a_lab_with_other_settings_names_them(tmp_path):
     with pytest.raises(ConfigError, match=r"holds a lab with other settings \(train.lr 0.001 -> 0.01, lab.mover "
                        r"grpo -> gspo; only lab.batches may change between calls\)"):
         run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.mover=gspo", "lab.batches=9"]))
+
+
+def test_a_lab_policy_folder_without_weights_is_refused_before_anything_naming_lab_policy(tmp_path, capsys):
+    """lab.policy a folder with config.json but no weights: a 40-line traceback after the lab's folder was made (the
+    seventh hostile pass); now one line before anything, naming lab.policy as given."""
+    from harness.apps.cli import main
+    from harness.policy.models import load_model
+
+    model, _ = load_model("tiny", tiny=TINY_SPEC)
+    model.config.save_pretrained(tmp_path / "policy")  # config.json alone
+    assert main(["lab", "base", *TINY_RUN, f"lab.policy={tmp_path / 'policy'}", f"results_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: lab.policy {str(tmp_path / 'policy')!r}: {tmp_path / 'policy'} holds no "
+                          "weights (model.safetensors, ") and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_lab_folder_that_measured_nothing_is_taken_over(tmp_path, monkeypatch):

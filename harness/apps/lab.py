@@ -233,7 +233,12 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     """Measure every missing batch into ``lab_dir(cfg)/batches/``; returns the folder. The caller writes the
     report (analysis/lab.py)."""
     cfg = lab_config(cfg)
-    check_this_machine([cfg])
+    try:
+        check_this_machine([cfg])
+    except ConfigError as e:  # lab.policy is the model here: named as the user gave it
+        given = f"model.name {cfg.lab.policy!r}"
+        raise ConfigError(str(e).replace(given, f"lab.policy {cfg.lab.policy!r}", 1) if cfg.lab.policy else str(e)) \
+            from None
     t = cfg.train  # the reference directions' completions, sampled at once: at least one prompt's per group of rows
     problem = sampling_memory_problem(cfg, cfg.lab.reference_samples * -(-minibatch_size(t) // t.group_size),
                                       "lab.reference_samples x the evaluation minibatch's prompts")
