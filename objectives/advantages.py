@@ -11,6 +11,7 @@ for every group-centred estimator; REINFORCE++ and REINFORCE++-baseline (made fo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -216,7 +217,8 @@ def opo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = N
 # baseline the old policy's per-token distribution (``estimator(rewards, group_ids, lengths, old_logp=,
 # sum_pi_squared=, mask=, correction=)``, [B, T] out; the behaviour forward then also gives sum pi^2,
 # harness/loop/behaviour.py), ReMax a greedy completion's reward per prompt (``baselines=``; harness/loop/batch.py),
-# GDPO the reward's components (``components=, weights=``; harness/loop/batch.py).
+# GDPO the reward's components (``components=, weights=``; harness/loop/batch.py), A*-PO the rewards of the reference
+# policy's completions of each row's prompt (``reference_rewards=``; harness/loop/batch.py).
 # ----------------------------------------------------------------------------------------------------------------
 
 OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
@@ -225,6 +227,9 @@ OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
 SUM_PI_SQUARED_INPUT = "sum_pi_squared"  # old_logp, sum_pi_squared, mask, correction [B, T] of the old policy
 GREEDY_BASELINE_INPUT = "greedy_baseline"  # baselines [B]: the reward of a greedy completion of each row's prompt
 REWARD_COMPONENTS_INPUT = "reward_components"  # components [B, K] and their weights [K] (the reward = their sum)
+# reference_rewards [B, n]: the rewards of n completions of each row's prompt sampled from the reference policy (the
+# starting policy); n is the estimator's ``reference_samples`` attribute
+REFERENCE_REWARDS_INPUT = "reference_rewards"
 
 
 def loop_inputs(estimator: AdvantageEstimator) -> tuple[str, ...]:
@@ -251,6 +256,12 @@ def needs_reward_components(estimator: AdvantageEstimator) -> bool:
 def needs_greedy_baseline(estimator: AdvantageEstimator) -> bool:
     """Whether ``estimator`` reads the reward of one greedy completion per prompt (ReMax)."""
     return GREEDY_BASELINE_INPUT in loop_inputs(estimator)
+
+
+def reference_samples(estimator: AdvantageEstimator) -> int:
+    """How many completions of each prompt the reference policy samples for ``estimator`` (A*-PO's V*), 0 if it
+    reads none (its ``reference_samples`` attribute, declared beside ``REFERENCE_REWARDS_INPUT``)."""
+    return getattr(estimator, "reference_samples", 0) if REFERENCE_REWARDS_INPUT in loop_inputs(estimator) else 0
 
 
 @ADVANTAGES.register("optimal_token_baseline")
@@ -370,6 +381,44 @@ def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = 
 
 
 gdpo_advantage.loop_inputs = (REWARD_COMPONENTS_INPUT,)
+
+
+A2PO_BETA1 = 0.5  # beta_1 of A*-PO's V* (the KL temperature of stage 1; TRL's and the paper's default)
+A2PO_VALUE_SAMPLES = 8  # reference completions per prompt for V* (TRL's num_value_samples default)
+
+
+@ADVANTAGES.register("a2po")
+def a2po_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, *,
+                   reference_rewards: Tensor | None = None) -> Tensor:
+    """A*-PO's optimal advantage (Brantley et al., "Accelerating RL for LLM Reasoning with Optimal Advantage
+    Regression", arXiv 2505.20686, Eq. 5 and Algorithm 1; TRL 1.16.0 ``trl/experimental/a2po/a2po_trainer.py``
+    ``_estimate_optimal_values`` and ``_prepare_inputs``, the PyPI release): A_i = R_i - V*(x_i), with the optimal
+    value of row i's prompt estimated from n completions y_1..y_n of it sampled from the reference policy pi_ref
+    (the starting policy):
+
+        V*(x) = beta_1 log( (1/n) sum_j exp(r(x, y_j) / beta_1) ) = beta_1 (logsumexp_j(r_j / beta_1) - log n)
+
+    ``reference_rewards`` [B, n] (keyword; the same within a group; shaped as the rollout's rewards, DAPO's overlong
+    punishment and the format weight included: harness/loop/batch.py ``reference_rewards``), beta_1 =
+    ``A2PO_BETA1``, n = ``A2PO_VALUE_SAMPLES`` (TRL's ``beta1`` and ``num_value_samples`` defaults; another value
+    is another registered estimator). No group statistics: a group of one keeps its advantage (A*-PO samples one
+    completion per prompt: ``train.group_size=1``). Our reading where the harness differs from TRL: TRL estimates
+    V* once per prompt, over the whole dataset, before training; here the loop samples the reference's completions of
+    each step's prompts when the step draws them (seeded by the run seed and the step: the same estimator, drawn when
+    needed; a prompt drawn at two steps gets two independent estimates), and counts their tokens in
+    ``rollout_tokens``. TRL's ``filter_all_incorrect`` (drop, before training, the prompts none of whose reference
+    samples is correct) is not applied: such a prompt has V* = 0 (binary rewards), so A = R."""
+    del group_ids, lengths
+    if reference_rewards is None or reference_rewards.dim() != 2:
+        raise ValueError("advantage estimator 'a2po' needs reference_rewards [B, n] (keyword): the rewards of n "
+                         "reference-policy completions of each row's prompt")
+    r = reference_rewards.to(torch.float64)
+    value = A2PO_BETA1 * (torch.logsumexp(r / A2PO_BETA1, dim=1) - math.log(r.shape[1]))
+    return _in_dtype_of(rewards.to(torch.float64) - value, rewards)
+
+
+a2po_advantage.loop_inputs = (REFERENCE_REWARDS_INPUT,)
+a2po_advantage.reference_samples = A2PO_VALUE_SAMPLES
 
 
 def get_advantage(name: str) -> AdvantageEstimator:

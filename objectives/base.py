@@ -457,6 +457,9 @@ class Objective:
     needs_whole_minibatch: ClassVar[bool] = False
     # True if the loss reads the policy's hidden states (``PolicyBatch.hidden`` and ``hidden_of``; POPO)
     needs_hidden_states: ClassVar[bool] = False
+    # True if the loss reads the reference policy's log-probs (``PolicyBatch.ref_logp``) whatever its beta (A*-PO's
+    # implicit reward beta_2 log(pi / pi_ref)); without it the loop computes them only for a KL term (beta > 0)
+    needs_reference: ClassVar[bool] = False
     # True if the objective keeps state of its own across updates (the lifecycle below: ``setup``, the hooks,
     # ``state_dict`` in every checkpoint): declared, and checked at registration against the hooks it implements
     stateful: ClassVar[bool] = False
@@ -613,9 +616,10 @@ class Objective:
     @classmethod
     def needs(cls) -> frozenset[str]:
         """What the objective needs of the trainer that runs it beyond log-probs and advantages (keys of
-        :data:`NEEDS`), as its class declares: "state" (``stateful``), "hidden_states" (``needs_hidden_states``)."""
-        return frozenset({"state"} if cls.stateful else set()) | frozenset(
-            {"hidden_states"} if cls.needs_hidden_states else set())
+        :data:`NEEDS`), as its class declares: "state" (``stateful``), "hidden_states" (``needs_hidden_states``),
+        "reference" (``needs_reference``)."""
+        declared = {"state": cls.stateful, "hidden_states": cls.needs_hidden_states, "reference": cls.needs_reference}
+        return frozenset(need for need, flag in declared.items() if flag)
 
     @classmethod
     def uses_minibatch_statistics(cls) -> bool:
@@ -702,6 +706,7 @@ class Objective:
 NEEDS = {
     "state": "keeps state of its own across updates (its lifecycle hooks, its state in every checkpoint)",
     "hidden_states": "reads the policy's hidden states",
+    "reference": "reads the reference policy's log-probs whatever its beta",
 }
 LIFECYCLE_HOOKS = ("setup", "trainable_parameters", "after_optimizer_step", "after_update", "state_dict",
                    "load_state_dict")

@@ -206,7 +206,7 @@ def test_reinforce_plus_plus_trains_with_one_sample_per_prompt():
         (run,) = run_configs(load_experiment("quickstart", ["train.group_size=1", f"objective.advantage={name}",
                                                             "seed=0", "objective.name=grpo"]))
         assert run.objective.advantage == name
-    with pytest.raises(ConfigError, match="objective.advantage one of reinforce_plus_plus, "):
+    with pytest.raises(ConfigError, match="objective.advantage one of a2po, reinforce_plus_plus, "):
         run_configs(load_experiment("quickstart", ["train.group_size=1", "objective.advantage=opo", "seed=0",
                                                    "objective.name=grpo"]))
 

@@ -255,7 +255,7 @@ LAG2 = ["train.rollout_lag=2", "train.steps=3"]  # a lag below the steps (tiny_r
     ([*LAG2, "train.in_flight_tokens=8"], "tokens: it needs a value below train.max_new_tokens=8"),
     ([*LAG2, "train.in_flight_tokens=4", "train.lag_mode=mixed"], "it needs train.lag_mode=fixed (a mixed lag"),
     ([*LAG2, "train.lag_mode=mixed", "train.dynamic_sampling=true"], "train.dynamic_sampling"),
-    ([*LAG2, "train.in_flight_tokens=3", "objective.advantage=remax"], "greedy-baseline"),
+    ([*LAG2, "train.in_flight_tokens=3", "objective.advantage=remax"], "('remax': a greedy baseline"),
     (["train.lag_mode=stale"], "train.lag_mode must be one of fixed, mixed"),
     (["train.rollout_lag=-1"], "must be >= 0"),
     (["train.rollout_lag=5", "train.steps=5"], "set train.rollout_lag <= 4 or more train.steps"),

@@ -44,7 +44,8 @@ def test_statefulness_is_declared_and_checked_when_an_objective_registers():
 
     assert "forgot" not in available_objectives() and "unsaved" not in available_objectives()
     declared = {name: OBJECTIVES.get(name).needs() for name in available_objectives() if OBJECTIVES.get(name).needs()}
-    assert declared == {"popo": {"state", "hidden_states"}, "adaptive_entropy": {"state"}, "adaptive_kl": {"state"}}
+    assert declared == {"popo": {"state", "hidden_states"}, "adaptive_entropy": {"state"}, "adaptive_kl": {"state"},
+                        "a2po": {"reference"}}
 
 
 def test_one_function_checks_an_objective_against_what_a_trainer_provides():

@@ -147,8 +147,9 @@ def test_every_objective_trains_through_the_loop(tmp_path, objective):
         assert 0 <= row["clip_frac"] <= 1 and row["ratio_min"] <= row["ratio_mean"] <= row["ratio_max"]
         assert row["lr"] == run.train.lr and row["mismatch_logp_abs"] < 1e-4  # one model, one precision
         assert math.isfinite(row["loss"]) and row["entropy"] > 0
-    assert rows[2]["rollout_tokens"] - rows[1]["rollout_tokens"] == round(
-        rows[2]["completion_len_mean"] * run.train.prompts_per_step * run.train.group_size)
+    assert rows[2]["rollout_tokens"] - rows[1]["rollout_tokens"] == round(  # (A*-PO's: and the reference's)
+        rows[2]["completion_len_mean"] * run.train.prompts_per_step * run.train.group_size) + rows[2].get(
+        "reference_tokens", 0)
     policy = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)["policy"]
     start, _ = load_model("tiny", tiny=TINY_SPEC, seed=0)
     assert any(not torch.equal(policy[k], v) for k, v in start.state_dict().items())  # the update moved it

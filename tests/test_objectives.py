@@ -404,8 +404,9 @@ def test_padding_changes_nothing(name, beta):
 # objectives with a KL to the behaviour policy in the loss: with A = 0 it still acts off-policy, so they are
 # checked on-policy here (tests/test_objectives_family.py checks the off-policy gradient is the KL's alone)
 BEHAVIOUR_KL = {"p3o", "kl_cov", "dppo_tv", "dppo_kl", "dro", "ipo"}  # (dppo: only with kl_coef > 0, off by default)
-# objectives whose default has a KL to the reference (beta > 0): checked at the reference (the KL's gradient is 0 there)
-REFERENCE_KL = {name for name in ALL if get_objective(name).beta > 0}
+# objectives whose default has a KL to the reference (beta > 0), or whose loss reads the reference (A*-PO's implicit
+# reward): checked at the reference (the KL's gradient, the implicit reward, is 0 there)
+REFERENCE_KL = {name for name in ALL if get_objective(name).beta > 0 or objectives.OBJECTIVES.get(name).needs_reference}
 
 
 @pytest.mark.parametrize("name", ALL)

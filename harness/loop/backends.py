@@ -47,8 +47,9 @@ class Backend:
 
 
 BACKENDS = {
-    "native": Backend("native", native.train, lambda run: None, frozenset({"state", "hidden_states"})),
-    # TRL's trainer calls none of the lifecycle hooks and computes no hidden states for the loss
+    "native": Backend("native", native.train, lambda run: None, frozenset({"state", "hidden_states", "reference"})),
+    # TRL's trainer calls none of the lifecycle hooks, computes no hidden states for the loss and reference log-probs
+    # only for its KL term (beta > 0)
     "trl": Backend("trl", train_trl, trl_unsupported, frozenset()),
 }
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.behaviour import routing_recorded_at
+from harness.policy.lora import adapters_disabled
 from harness.policy.routing import RoutingRecord, routing_of
 from harness.policy.sampler import Rollout, sample_problems, select_rows
 from harness.run.seeding import step_seed
@@ -55,6 +56,9 @@ class Collected(NamedTuple):
     baselines: Tensor | None  # [N] the reward of a greedy completion of each row's prompt (ReMax), else None
     components: Tensor  # [N, 3] the rewards' components (reward_components; GDPO)
     weights: Tensor  # [3] their weights
+    problems: list | None = None  # the batch's problems, one per group in order (as sampled; not kept in a checkpoint)
+    # [N, n] the rewards of n reference-policy completions of each row's prompt (A*-PO's V*: with_reference_rewards)
+    reference_rewards: Tensor | None = None
 
 
 def rewards_of(scores: list[Score], lengths: Tensor, cfg: DictConfig) -> Tensor:
@@ -130,13 +134,15 @@ def collect_batch(sampler, tokenizer, task, train_problems, cfg: DictConfig, ste
         stats.update(greedy_stats, sampled_tokens=stats["sampled_tokens"] + greedy_stats["greedy_baseline_tokens"])
     weights = reward_weights(cfg.task)
     if not t.dynamic_sampling:
-        return Collected(rounds[0].rollout, rounds[0].rewards, stats, baselines, rounds[0].components, weights)
+        return Collected(rounds[0].rollout, rounds[0].rewards, stats, baselines, rounds[0].components, weights,
+                         rounds[0].problems)
     rows = [(r, g * t.group_size + j) for r, g in groups for j in range(t.group_size)]
     stats.update(sampling_rounds=len(rounds),
                  frac_zero_std_groups_trained=sum(g in dropped for g in groups) / t.prompts_per_step)
     rollout = select_rows([r.rollout for r in rounds], rows, tokenizer.pad_token_id)
     return Collected(rollout, torch.stack([rounds[r].rewards[i] for r, i in rows]), stats, baselines,
-                     torch.stack([rounds[r].components[i] for r, i in rows]), weights)
+                     torch.stack([rounds[r].components[i] for r, i in rows]), weights,
+                     [rounds[r].problems[g] for r, g in groups])
 
 
 def drawn_problems(rng: np.random.Generator, available: int, t: DictConfig) -> np.ndarray:
@@ -173,6 +179,29 @@ def greedy_baselines(sampler, tokenizer, task, problems: list, cfg: DictConfig) 
     return rewards.repeat_interleave(cfg.train.group_size), stats
 
 
+REFERENCE_STREAM = 5  # step_seed stream of the reference policy's completions (with_reference_rewards)
+
+
+def with_reference_rewards(collected: Collected, reference, tokenizer, task, cfg: DictConfig, step: int,
+                           samples: int) -> Collected:
+    """``collected`` with ``reference_rewards`` [N, samples]: ``samples`` completions of each of its groups' prompts
+    sampled from ``reference`` (the reference policy: a frozen copy of the starting policy, or a LoRA policy's base
+    with its adapters off) at the run's sampling settings, seeded by (seed, ``step``, ``REFERENCE_STREAM``), scored and
+    shaped as the rollout's (:func:`rewards_of`), repeated over each group's rows (A*-PO's V*: objectives/advantages.py
+    ``a2po``). Their tokens join ``sampled_tokens``; ``reference_tokens`` and ``reference_reward`` say what they
+    were."""
+    problems = collected.problems
+    torch.manual_seed(step_seed(cfg.seed, step, stream=REFERENCE_STREAM))
+    with adapters_disabled(reference):
+        ro = sample_problems(reference, tokenizer, problems, cfg.train, group_size=samples)
+    lengths = ro.completion_mask.sum(-1)
+    rewards = rewards_of([task.score(text, problems[i // samples]) for i, text in enumerate(ro.texts)], lengths, cfg)
+    stats = {**collected.stats, "reference_tokens": int(lengths.sum()), "reference_reward": rewards.mean().item(),
+             "sampled_tokens": collected.stats["sampled_tokens"] + int(lengths.sum())}
+    per_row = rewards.view(len(problems), samples).repeat_interleave(cfg.train.group_size, dim=0)
+    return collected._replace(stats=stats, reference_rewards=per_row)
+
+
 def sampling_stats(rollouts: list[Rollout], rewards: Tensor, components: Tensor, zero_std_groups: int,
                    groups: int) -> dict:
     """Reward, accuracy, format, lengths and truncation over every sampled completion of the step: the
@@ -190,4 +219,5 @@ def collected_round(round_: SampledRound, cfg: DictConfig) -> Collected:
     zero_std = sum(not varied for varied in varied_groups(round_.rewards, cfg.train.group_size))
     stats = sampling_stats([round_.rollout], round_.rewards, round_.components, zero_std_groups=zero_std,
                            groups=len(round_.problems))
-    return Collected(round_.rollout, round_.rewards, stats, None, round_.components, reward_weights(cfg.task))
+    return Collected(round_.rollout, round_.rewards, stats, None, round_.components, reward_weights(cfg.task),
+                     round_.problems)

@@ -29,6 +29,7 @@ from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task, problems_digest
 from objectives import Objective, get_advantage, get_objective
+from objectives.advantages import reference_samples
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class RunSetup:
     start_weights: str  # the digest of the weights it starts from, warm-started or not (summary.json's start_weights)
     objective: Objective  # the config's objective, with its hyperparameters
     estimator: Callable  # its advantage estimator
-    # the KL term's reference (beta > 0), else None: a frozen copy of the starting policy, or with LoRA adapters the
-    # policy itself, whose base (adapters disabled: harness/policy/lora.py) is the starting policy
+    # the reference policy (a KL term, beta > 0; an objective or estimator that reads it: ``references``), else None:
+    # a frozen copy of the starting policy, or with LoRA adapters the policy itself, whose base (adapters disabled:
+    # harness/policy/lora.py) is the starting policy
     reference: torch.nn.Module | None
     sampler: torch.nn.Module  # the policy itself, or a frozen copy in model.sampler_dtype (refreshed every step)
 
@@ -67,13 +69,19 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     if lora.rank and adapters:
         policy = with_adapters(policy, lora, seed=cfg.model.seed)
     reference = None
-    if objective.beta > 0 and (adapters or not lora.rank):
+    if references(objective, estimator) and (adapters or not lora.rank):
         reference = policy if lora.rank else frozen_copy(policy)
     dtype = sampler_dtype(cfg)
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
     task_data = problems_digest(train_problems, task.eval_problems())
     return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, task_data, start_weights, objective,
                     estimator, reference, sampler)
+
+
+def references(objective: Objective, estimator: Callable) -> bool:
+    """Whether a run of ``objective`` with ``estimator`` needs the reference policy: a KL term (beta > 0), an objective
+    that reads its log-probs (``needs_reference``: A*-PO), an estimator that samples it (``reference_samples``)."""
+    return objective.beta > 0 or objective.needs_reference or reference_samples(estimator) > 0
 
 
 def hook_routing(run: RunSetup, t: DictConfig) -> None:

@@ -3,12 +3,14 @@
     summary = train(cfg, run_dir)        # setup, step 0's evaluation, then per step:
       1. rollout: ``prompts_per_step`` problems, ``group_size`` completions each from the sampler, with its per-token
          log-probs; scored, rewards shaped (with dynamic sampling: until the batch holds informative groups); for
-         ReMax also one greedy completion per prompt, its reward the baseline; the reward's components (GDPO). With
+         ReMax also one greedy completion per prompt, its reward the baseline; for A*-PO the reference policy's
+         completions of each prompt, their rewards its V*; the reward's components (GDPO). With
          ``train.rollout_lag`` = k the batch trained is the one sampled k steps earlier (harness/loop/pipeline.py:
          a queue of pending batches, each token's policy version kept), and this step samples the batches due now;
       2. old log-probs: the behaviour's (the sampler's) or the proximal policy's (the trainer's before this update,
          recomputed; always with a rollout correction, whose weights, proximal against behaviour, come here),
-         reference log-probs when the objective's beta > 0, the old policy's sum pi^2 when the estimator reads it;
+         reference log-probs when the objective's beta > 0 or it reads them (A*-PO), the old policy's sum pi^2 when
+         the estimator reads it;
       3. advantages from the estimator (group = prompt);
       4. for each epoch, for each minibatch: the loss over its micro-batches, one optimizer step (:func:`update`);
       5. every ``eval_every`` steps and at the end: the held-out evaluation;
@@ -57,7 +59,12 @@ from harness.policy.lora import export_merged, load_trained_state, trained_state
 from harness.policy.matmul import cpu_matmul
 from harness.run.records import RunRecords, export_policy, learner_parts, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
-from objectives.advantages import needs_greedy_baseline, needs_reward_components, needs_sum_pi_squared
+from objectives.advantages import (
+    needs_greedy_baseline,
+    needs_reward_components,
+    needs_sum_pi_squared,
+    reference_samples,
+)
 
 
 def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
@@ -176,12 +183,15 @@ def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, stat
 
 def estimated(estimator, collected: Collected, group_ids: Tensor, behaviour: Behaviour) -> Tensor:
     """The step's advantages, [N] or (an estimator that reads the old policy's sum pi^2) [N, T], given what the
-    estimator reads (``objectives.advantages.loop_inputs``): the greedy completions' rewards (ReMax), the reward's
-    components (GDPO), the old policy's per-token distribution (the optimal token baseline)."""
+    estimator reads (``objectives.advantages.loop_inputs``): the greedy completions' rewards (ReMax), the reference
+    policy's completions' rewards (A*-PO), the reward's components (GDPO), the old policy's per-token distribution (the
+    optimal token baseline)."""
     ro, device = collected.rollout, group_ids.device
     rewards, lengths = collected.rewards.to(device), ro.completion_mask.sum(-1).to(device)
     if needs_greedy_baseline(estimator):
         return estimator(rewards, group_ids, lengths, baselines=collected.baselines.to(device))
+    if reference_samples(estimator):
+        return estimator(rewards, group_ids, lengths, reference_rewards=collected.reference_rewards.to(device))
     if needs_reward_components(estimator):
         return estimator(rewards, group_ids, lengths, components=collected.components.to(device),
                          weights=collected.weights)

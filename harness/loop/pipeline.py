@@ -46,6 +46,7 @@ from harness.loop.batch import (
     sampling_stats,
     scored_round,
     varied_groups,
+    with_reference_rewards,
 )
 from harness.policy.routing import RoutingRecord
 from harness.policy.sampler import Rollout, generate_ids, rollout_of, sample_problems, sampler_options, select_rows
@@ -53,7 +54,7 @@ from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 from harness.run.seeding import step_seed
 from objectives import ADVANTAGES, OBJECTIVES
-from objectives.advantages import needs_greedy_baseline
+from objectives.advantages import needs_greedy_baseline, reference_samples
 
 LAG_MODES = ("fixed", "mixed")
 LAG_STREAM, PIECE_STREAM = 3, 4  # step_seed streams: the groups' lags (mixed); the pieces' and segments' draws
@@ -83,10 +84,12 @@ def check_rollout_lag(run: DictConfig) -> None:
         raise ConfigError(f"train.in_flight_tokens={t.in_flight_tokens} switches a completion to the newer policy "
                           f"every that many tokens: it needs {need}")
     estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
-    if parts and (t.dynamic_sampling or needs_greedy_baseline(ADVANTAGES.get(estimator))):
+    whole = needs_greedy_baseline(ADVANTAGES.get(estimator)) or reference_samples(ADVANTAGES.get(estimator))
+    if parts and (t.dynamic_sampling or whole):
         raise ConfigError(f"{parts} samples a batch in parts by several policy versions, which train.dynamic_sampling "
-                          f"(refill) and a greedy-baseline estimator ({estimator!r}) cannot follow: use "
-                          "train.lag_mode=fixed without in-flight updates")
+                          f"(refill) and an estimator that samples its prompts again ({estimator!r}: a greedy "
+                          "baseline, the reference's completions) cannot follow: use train.lag_mode=fixed without "
+                          "in-flight updates")
     if t.in_flight_tokens and t.routing_replay == "r3":
         raise ConfigError("train.routing_replay=r3 replays the sampler's routing, which a completion sampled in "
                           "flight by several versions does not record: use r2 or none")
@@ -156,6 +159,9 @@ class Pipeline:
         if len(groups) == t.prompts_per_step:
             collected = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, target,
                                       greedy_baseline=needs_greedy_baseline(run.estimator))
+            if reference_samples(run.estimator):  # A*-PO's V*: the reference's completions of the same prompts
+                collected = with_reference_rewards(collected, run.reference, run.tokenizer, run.task, cfg, target,
+                                                   reference_samples(run.estimator))
         else:
             collected = collect_batch(run.sampler, run.tokenizer, run.task, run.train_problems, cfg, target,
                                       subset=groups, sampling_seed=seed)
@@ -276,7 +282,8 @@ def piece_state(piece: Piece) -> dict:
     if piece.collected is not None:
         c = piece.collected
         state["collected"] = {"rollout": rollout_state(c.rollout), "rewards": c.rewards, "stats": dict(c.stats),
-                              "baselines": c.baselines, "components": c.components, "weights": c.weights}
+                              "baselines": c.baselines, "components": c.components, "weights": c.weights,
+                              "reference_rewards": c.reference_rewards}
     if piece.flight is not None:
         state["flight"] = dataclasses.asdict(piece.flight)
     return state
@@ -287,7 +294,8 @@ def piece_from(state: dict) -> Piece:
     collected = state.get("collected")
     if collected is not None:
         collected = Collected(rollout_from(collected["rollout"]), collected["rewards"], dict(collected["stats"]),
-                              collected["baselines"], collected["components"], collected["weights"])
+                              collected["baselines"], collected["components"], collected["weights"],
+                              reference_rewards=collected.get("reference_rewards"))
     flight = Flight(**state["flight"]) if state.get("flight") is not None else None
     return Piece(state["step"], list(state["groups"]), state["versions"], collected, flight)
 

@@ -22,6 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from harness.policy.device import DTYPES, resolve_device
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from objectives import ADVANTAGES, OBJECTIVES
+from objectives.advantages import reference_samples
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -113,12 +115,21 @@ def size(nbytes: int) -> str:
 
 @register_check("memory", when="machine")
 def check_memory(run: DictConfig) -> None:
-    """When runs start here: a rollout's completions fit in the device's memory (:func:`sampling_memory_problem`).
+    """When runs start here: a rollout's completions (or, if more, the reference's completions an estimator samples
+    per step) fit in the device's memory (:func:`sampling_memory_problem`).
     The native loop samples a step's completions at once; TRL's backend shares them among its processes (each
     samples its part), so its runs are not checked here."""
     if run.backend != "native":
         return
-    problem = sampling_memory_problem(run, run.train.prompts_per_step * run.train.group_size,
-                                      "train.prompts_per_step x train.group_size")
+    t = run.train
+    estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
+    references = reference_samples(ADVANTAGES.get(estimator))  # A*-PO's V*: that many of each prompt at once
+    if references > t.group_size:
+        problem = sampling_memory_problem(run, t.prompts_per_step * references,
+                                          f"train.prompts_per_step x the {references} reference completions of "
+                                          f"estimator {estimator!r}")
+    else:
+        problem = sampling_memory_problem(run, t.prompts_per_step * t.group_size,
+                                          "train.prompts_per_step x train.group_size")
     if problem:
         raise ConfigError(problem)

@@ -46,6 +46,7 @@ from objectives.advantages import (
     needs_nonnegative_rewards,
     needs_reward_components,
     needs_sum_pi_squared,
+    reference_samples,
 )
 from objectives.base import alias_of
 from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, check_settings
@@ -847,6 +848,8 @@ def _learns_from_single_samples(name: str) -> bool:
         return False
     rewards, groups, lengths = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.tensor([2, 3, 4])
     extra = {"baselines": torch.tensor([1.0, 0.0, 1.0])} if needs_greedy_baseline(estimator) else {}
+    if reference_samples(estimator):
+        extra = {"reference_rewards": torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])}
     return bool(estimator(rewards, groups, lengths, **extra).abs().sum() > 0)
 
 

@@ -110,6 +110,7 @@ NAMES: tuple[Name, ...] = (
     Name("objective.params.kl_target", "—", "`algorithm.kl_ctrl.target_kl` (verl: the KL in the reward)"),
     Name("objective.params.kl_horizon", "—", "`algorithm.kl_ctrl.horizon`"),
     Name("objective.params.dro_beta", "—", f"`{A}policy_loss.dro_beta`"),
+    Name("objective.params.beta2", "— (beta2 of TRL's experimental A2POConfig, not a GRPOConfig field)", "—"),
     Name("objective.params.tau_pos", "`sapo_temperature_pos`", f"`{A}tau_pos`",
          meaning="SAPO's gate temperature for A > 0"),
     Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
