@@ -868,3 +868,20 @@ def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_r
     assert main(["train", "base", *TINY_RUN, VARIED_REWARD, f"results_dir={tmp_path}", "train.steps=3", "--run-dir",
                  str(run_dir), "--no-progress"]) == 0
     assert capsys.readouterr().err.count("config.yaml is damaged") == 1
+
+
+def test_more_prompts_per_step_than_training_problems_is_one_line_before_the_warm_start(tmp_path, capsys, monkeypatch):
+    """A step draws its prompts without replacement: more than the task has was a ValueError traceback from numpy
+    after the run had begun."""
+    from harness.loop import build
+
+    def no_policy(*args, **kwargs):
+        raise AssertionError("the starting policy was built")
+
+    monkeypatch.setattr(build, "build_policy", no_policy)
+    problems = len(build.build_task(tiny_run(tmp_path)).train_problems())
+    assert main(["train", "quickstart", *QUICK, f"train.prompts_per_step={problems + 1}",
+                 f"results_dir={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"config error: train.prompts_per_step={problems + 1} is more than the {problems} training "
+                       "problems of task 'arith', and a step draws its prompts without replacement: lower it"), err

@@ -60,6 +60,10 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     then owns the KL reference too (the base with them disabled): no reference here."""
     task = build_task(cfg)
     train_problems = task.train_problems()
+    if cfg.train.prompts_per_step > len(train_problems):  # a step (a sampling round) draws them without replacement
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} is more than the "
+                          f"{len(train_problems)} training problems of task {cfg.task.name!r}, and a step draws its "
+                          "prompts without replacement: lower it")
     # with the memory settings: the copies' too
     policy, tokenizer, start_policy = build_policy(cfg, task, device, progress)
     # the weights it starts from (the warm start's record has their digest), before the adapters
