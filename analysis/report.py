@@ -698,6 +698,7 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     unfinished = unfinished_lines(runs)
     start = start_line(table)
     blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi), *beyond_objective_blocks(cells),
+              *budget_blocks(numbers, multi),
               ("p", f"Source: {sources_text(exp)}. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} "
                     f"ended, {len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
                     "combination of the settings that differ between runs of an objective; runs that differ in a "
@@ -729,6 +730,35 @@ def beyond_objective_blocks(cells) -> list[tuple]:
                   + "; ".join(f"{key} ({', '.join(f'{o}={v}' for o, v in values.items())})"
                               for key, values in settings.items())
                   + ". A difference in the verdict may come from these settings as well.")]
+
+
+BUDGET_TOLERANCE = 0.1  # budget_blocks: a mean rollout budget per run this far (relative) from the baseline's is said
+
+
+def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
+    """Under the verdict: the objectives whose ended runs sampled, in the same steps, a rollout budget (mean rollout
+    tokens per run) more than ``BUDGET_TOLERANCE`` away from the baseline's in their cell (an estimator's extra
+    completions, e.g. A*-PO's reference samples or ReMax's greedy ones, dynamic sampling's refills, longer
+    completions): the verdict compares them at equal steps, not at equal sampling."""
+    table = numbers.table
+    if numbers.baseline is None or table.empty or "rollout_tokens" not in table:
+        return []
+    parts = []
+    for cell, group in table.groupby("cell", sort=False):
+        tokens = group.set_index("objective")["rollout_tokens"].astype(float)
+        base = tokens.get(numbers.baseline, np.nan)
+        if not np.isfinite(base) or base <= 0:
+            continue
+        apart = [f"{o} {t / base:.2f}x" for o, t in tokens.items()
+                 if o != numbers.baseline and np.isfinite(t) and abs(t / base - 1) > BUDGET_TOLERANCE]
+        if apart:
+            parts.append((f"cell `{cell}`: " if multi else "") + ", ".join(apart))
+    if not parts:
+        return []
+    return [("p", f"Rollout budgets differ: in the same steps these objectives sampled more or fewer rollout tokens "
+                  f"per run than {numbers.baseline} (mean over ended runs, more than {BUDGET_TOLERANCE:.0%} apart): "
+                  + "; ".join(parts) + ". The verdict compares final accuracies at equal steps; the figure against "
+                  "rollout tokens (`curves_tokens`) compares the objectives at equal sampling.")]
 
 
 def verdict_blocks(numbers: Numbers, multi: bool) -> list[tuple]:

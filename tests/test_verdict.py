@@ -118,3 +118,24 @@ def test_objectives_run_by_different_code_are_said_to_be_in_the_verdict(tmp_path
     assert "different code" not in report("one", {"grpo": "aaa", "gspo": "aaa", "ctpo": "aaa"})
     codes = {"grpo": "aaa", "gspo": "bbb"}  # ctpo's version unknown here: only the versions known are compared
     assert verdict.code_note(["grpo", "ctpo"], codes) == "" and verdict.code_note(["gspo", "ctpo"], codes) == ""
+
+
+def test_the_report_says_when_the_objectives_sampled_different_rollout_budgets():
+    """An estimator's extra completions (A*-PO's reference samples, ReMax's greedy ones) or dynamic sampling's refills
+    give an objective more rollout tokens in the same steps: said under the verdict, per cell, beyond 10%."""
+    from analysis.report import Numbers, budget_blocks
+
+    def numbers(tokens: dict, baseline="grpo", cells=("all runs",)) -> Numbers:
+        table = pd.DataFrame([{"cell": c, "objective": o, "rollout_tokens": t}
+                              for c in cells for o, t in tokens.items()])
+        empty = pd.DataFrame()
+        return Numbers(table, empty, empty, empty, empty, empty, baseline, [])
+
+    assert budget_blocks(numbers({"grpo": 100.0, "gspo": 109.0, "cispo": 91.0}), False) == []  # within 10%
+    (block,) = budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0, "gspo": 105.0, "dapo": 80.0}), False)
+    assert block[0] == "p" and "rollout tokens per run than grpo" in block[1]
+    assert ": a2po 2.00x, dapo 0.80x." in block[1]
+    (block,) = budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0}, cells=("lr=0.1", "lr=1")), True)
+    assert "cell `lr=0.1`: a2po 2.00x; cell `lr=1`: a2po 2.00x." in block[1]
+    assert budget_blocks(numbers({"grpo": np.nan, "a2po": 200.0}), False) == []  # no baseline budget: nothing to say
+    assert budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0}, baseline=None), False) == []
