@@ -20,6 +20,8 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
   when none is); the median over runs ("not reached" when more than half never reach it), and how many runs reached it;
+- rollout tokens per run: the mean over runs of the rollout tokens each sampled in its steps, and its ratio to the
+  baseline's (the ranking is at equal steps, not at equal sampling);
 - clip fraction and ratio spread: per run, the mean over its training steps of ``clip_frac`` and of ``ratio_std``
   (the standard deviation of the importance ratios over the minibatch's tokens, as the objective logs it); the mean
   over runs. "not logged" for objectives that log neither (no ratio, or no clipping).
@@ -46,7 +48,7 @@ MECHANICS = {"clip_frac": "clip fraction", "ratio_std": "ratio spread"}  # per-r
 COLUMNS = ["objective", "cells", "runs", "mean_rank", "iqm", "iqm_low", "iqm_high", "vs_baseline", "vs_baseline_low",
            "vs_baseline_high", "vs_baseline_p", "vs_baseline_holm", "p_baseline", "p_baseline_low", "p_baseline_high",
            "collapse_k", "collapse_n", "collapse_rate", "collapse_low", "collapse_high", "tokens_to_target",
-           "reached_target", *MECHANICS]
+           "reached_target", "rollout_tokens", "rollout_budget", *MECHANICS]
 
 
 def shared_runs(exp: Experiment) -> tuple[pd.DataFrame, list[int]]:
@@ -120,7 +122,7 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
                **baseline_columns(versus, objective, baseline),
                "collapse_k": k, "collapse_n": n, "collapse_rate": k / n if n else np.nan, "collapse_low": low,
                "collapse_high": high, "tokens_to_target": float(np.median(reach)) if len(reach) else np.nan,
-               "reached_target": int(np.isfinite(reach).sum()),
+               "reached_target": int(np.isfinite(reach).sum()), "rollout_tokens": float(group["rollout_tokens"].mean()),
                **{key: float(means[key][ids].mean()) for key in MECHANICS}}
         rows.append(row)
     for objective in sorted(set(exp.runs["objective"].dropna()) - {r["objective"] for r in rows}):
@@ -128,6 +130,8 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
     frame = pd.DataFrame(rows)
     frame = frame.reindex(columns=[*COLUMNS, *(c for c in frame if c not in COLUMNS)])  # also when no run ended
     frame["vs_baseline_holm"] = holm(frame["vs_baseline_p"])  # over every comparison with the baseline with a p
+    base = frame.loc[frame["objective"] == baseline, "rollout_tokens"]
+    frame["rollout_budget"] = frame["rollout_tokens"] / base.iloc[0] if len(base) and base.iloc[0] > 0 else np.nan
     return frame.sort_values(["mean_rank", "objective"], ignore_index=True, na_position="last")
 
 
@@ -170,6 +174,9 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
                                    zip(board["collapse_k"], board["collapse_n"], board["collapse_rate"],
                                        board["collapse_low"], board["collapse_high"], strict=True)],
         "tokens to target (reached)": tokens,
+        f"rollout tokens per run (x {baseline})": [
+            "n/a" if pd.isna(t) else num(t) + ("" if pd.isna(b) else f" ({b:.2f}x)")
+            for t, b in zip(board["rollout_tokens"], board["rollout_budget"], strict=True)],
         **{label: board[key].map(lambda v: "not logged" if pd.isna(v) else num(v)) for key, label in MECHANICS.items()},
         "runs": board["runs"]})
 
@@ -208,8 +215,11 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str,
             "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
             f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
             f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
-            "did not; in brackets the runs that reached it). Clip fraction and ratio spread (ratio_std): per-run "
-            "means over training steps, averaged over runs. Module: analysis/leaderboard.py."]
+            "did not; in brackets the runs that reached it). Rollout tokens per run: the mean over its runs in "
+            f"these cells of the rollout tokens each sampled, and its ratio to {baseline}'s: the ranking compares "
+            "objectives at equal steps, and one that samples more in a step (A*-PO's reference completions, ReMax's "
+            "greedy ones, dynamic sampling's refills) spends more for its accuracy. Clip fraction and ratio spread "
+            "(ratio_std): per-run means over training steps, averaged over runs. Module: analysis/leaderboard.py."]
 
 
 def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, baseline: str = "grpo") -> Path:
