@@ -15,6 +15,7 @@ from objectives.base import (
     PolicyBatch,
     aggregate,
     available_objectives,
+    estimator_name,
     get_objective,
     register_objective,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "aggregate",
     "available_advantages",
     "available_objectives",
+    "estimator_name",
     "get_advantage",
     "get_objective",
     "register_objective",

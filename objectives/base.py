@@ -803,6 +803,12 @@ def sum_statistics(parts: list[dict[str, Tensor] | None]) -> dict[str, Tensor] |
     return {key: sum(p[key] for p in parts) for key in parts[0]}
 
 
+def estimator_name(objective: str, advantage: str | None) -> str:
+    """The advantage estimator a run of ``objective`` uses: ``advantage`` (a config's ``objective.advantage``, a lab's
+    ``advantage`` key) when given, else the objective's ``default_advantage``."""
+    return advantage or OBJECTIVES.get(objective).default_advantage
+
+
 def get_objective(name: str, **hyperparameters) -> Objective:
     """Build a registered objective; unknown names and hyperparameters raise errors listing the choices."""
     cls = OBJECTIVES.get(name)

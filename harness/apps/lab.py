@@ -76,7 +76,7 @@ from harness.run.records import DamagedConfigError, listed, plain_differences, r
 from harness.run.seeding import step_seed
 from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import run_threads
-from objectives import OBJECTIVES, PolicyBatch, get_advantage, get_objective
+from objectives import OBJECTIVES, PolicyBatch, estimator_name, get_advantage, get_objective
 from objectives.advantages import loop_inputs
 from objectives.base import lifecycle_unsupported
 
@@ -118,7 +118,7 @@ def lab_objective(cfg: DictConfig, name: str):
     params = dict(OmegaConf.to_container(cfg.lab.params).get(name) or {})
     estimator = params.pop("advantage", None)
     objective = get_objective(name, **params)
-    return objective, get_advantage(estimator or objective.default_advantage)
+    return objective, get_advantage(estimator_name(name, estimator))
 
 
 def lab_objectives(cfg: DictConfig) -> dict:

@@ -28,7 +28,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_diges
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task, problems_digest
-from objectives import Objective, get_advantage, get_objective
+from objectives import Objective, estimator_name, get_advantage, get_objective
 from objectives.advantages import reference_samples
 
 
@@ -148,7 +148,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bo
 def build_objective(cfg: DictConfig):
     """The objective (with the config's hyperparameters) and its advantage estimator."""
     objective = get_objective(cfg.objective.name, **OmegaConf.to_container(cfg.objective.params))
-    return objective, get_advantage(cfg.objective.advantage or objective.default_advantage)
+    return objective, get_advantage(estimator_name(cfg.objective.name, cfg.objective.advantage))
 
 
 def build_optimizer(params, t: DictConfig) -> torch.optim.AdamW:

@@ -53,7 +53,7 @@ from harness.policy.sampler import Rollout, generate_ids, rollout_of, sample_pro
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 from harness.run.seeding import step_seed
-from objectives import ADVANTAGES, OBJECTIVES
+from objectives import ADVANTAGES, estimator_name
 from objectives.advantages import needs_greedy_baseline, reference_samples
 
 LAG_MODES = ("fixed", "mixed")
@@ -83,7 +83,7 @@ def check_rollout_lag(run: DictConfig) -> None:
                 else f"a value below train.max_new_tokens={t.max_new_tokens}")
         raise ConfigError(f"train.in_flight_tokens={t.in_flight_tokens} switches a completion to the newer policy "
                           f"every that many tokens: it needs {need}")
-    estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
+    estimator = estimator_name(run.objective.name, run.objective.advantage)
     whole = needs_greedy_baseline(ADVANTAGES.get(estimator)) or reference_samples(ADVANTAGES.get(estimator))
     if parts and (t.dynamic_sampling or whole):
         raise ConfigError(f"{parts} samples a batch in parts by several policy versions, which train.dynamic_sampling "

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.policy.device import sampler_dtype
 from harness.run.config import microbatch_size, minibatch_size
 from harness.run.errors import ConfigError
-from objectives import get_advantage, get_objective
+from objectives import estimator_name, get_advantage, get_objective
 from objectives.advantages import loop_inputs
 
 
@@ -88,10 +88,11 @@ def trl_unsupported(run: DictConfig) -> str | None:
         return ("backend trl: model.lora.export_merged merges the adapters on one process (a sharded model's weights "
                 "are not gathered for it); merge final/ afterwards with peft's merge_and_unload, or run on one process")
     objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
-    estimator = run.objective.advantage or objective.default_advantage
+    estimator = estimator_name(run.objective.name, run.objective.advantage)
     if loop_inputs(get_advantage(estimator)):
         return (f"backend trl: advantage estimator {estimator!r} reads what only the native loop provides (the old "
-                "policy's sum of pi^2, a greedy baseline rollout, the reward's components); use backend=native")
+                "policy's sum of pi^2, a greedy baseline rollout, the reference's completions, the reward's "
+                "components); use backend=native")
     if objective.needs_minibatch_at_once() and minibatch // micro > 1:
         return (f"backend trl: objective {run.objective.name!r} needs statistics of the whole minibatch, and TRL "
                 "accumulates micro-batches; use train.micro_batch_size=0 on one process, or backend=native")

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.policy.device import DTYPES, resolve_device
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
-from objectives import ADVANTAGES, OBJECTIVES
+from objectives import ADVANTAGES, estimator_name
 from objectives.advantages import reference_samples
 
 
@@ -122,7 +122,7 @@ def check_memory(run: DictConfig) -> None:
     if run.backend != "native":
         return
     t = run.train
-    estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
+    estimator = estimator_name(run.objective.name, run.objective.advantage)
     references = reference_samples(ADVANTAGES.get(estimator))  # A*-PO's V*: that many of each prompt at once
     if references > t.group_size:
         problem = sampling_memory_problem(run, t.prompts_per_step * references,

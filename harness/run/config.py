@@ -40,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from harness.run.aliases import ALIASES, translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
-from objectives import ADVANTAGES, OBJECTIVES, get_objective
+from objectives import ADVANTAGES, OBJECTIVES, estimator_name, get_objective
 from objectives.advantages import (
     needs_greedy_baseline,
     needs_nonnegative_rewards,
@@ -755,7 +755,7 @@ def _check_objective(run: DictConfig) -> None:
                                     f"{ALIASES[trl[0]].key} (`python -m harness explain {trl[0]}`)"
                                     if trl else "")) from None
     _check_alias_kept(run)
-    estimator = run.objective.advantage or OBJECTIVES.get(run.objective.name).default_advantage
+    estimator = estimator_name(run.objective.name, run.objective.advantage)
     if run.train.group_size == 1:
         _check_single_sample_groups(estimator)
     if needs_sum_pi_squared(ADVANTAGES.get(estimator)) and OBJECTIVES.get(run.objective.name).needs_sequence_advantages:
