@@ -186,7 +186,8 @@ def with_reference_rewards(collected: Collected, reference, tokenizer, task, cfg
                            samples: int) -> Collected:
     """``collected`` with ``reference_rewards`` [N, samples]: ``samples`` completions of each of its groups' prompts
     sampled from ``reference`` (the reference policy: a frozen copy of the starting policy, or a LoRA policy's base
-    with its adapters off) at the run's sampling settings, seeded by (seed, ``step``, ``REFERENCE_STREAM``), scored and
+    with its adapters off, in the policy's precision, not ``model.sampler_dtype``'s) at the run's sampling settings
+    (temperature, top-p, sampler, decoder), seeded by (seed, ``step``, ``REFERENCE_STREAM``), scored and
     shaped as the rollout's (:func:`rewards_of`), repeated over each group's rows (A*-PO's V*: objectives/advantages.py
     ``a2po``). Their tokens join ``sampled_tokens``; ``reference_tokens`` and ``reference_reward`` say what they
     were."""
