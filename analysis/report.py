@@ -112,6 +112,8 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
                    collapse_high=high, collapse_causes=", ".join(f"{c} {m}" for c, m in causes.items()),
                    diverged=int((done["status"] == "diverged").sum()),
                    wall_time_s=done["wall_time_s"].mean(), rollout_tokens=done["rollout_tokens"].mean(),
+                   rollout_tokens_per_step=(done["rollout_tokens"].astype(float)
+                                            / done["steps_done"].astype(float).where(done["steps_done"] > 0)).mean(),
                    unfinished_runs=len(counted) - len(done), duplicates=int((group["duplicate_of"] != "").sum()))
         rows.append(row)
     return pd.DataFrame(rows)
@@ -621,7 +623,8 @@ class CellParts:
 def write_report(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool,
                  data_warnings: list[str], baseline: str | None = None, latex: bool = False) -> None:
     """report.md and report.html (and every table and figure they show) into ``out_dir``; verdict.txt: the
-    verdict's lines (what the command line prints); with ``latex`` the LaTeX tables (analysis/latex.py)."""
+    verdict's lines and, when the objectives' rollout budgets differ, that line (what the command line prints); with
+    ``latex`` the LaTeX tables (analysis/latex.py)."""
     look = plots.styles(exp.runs["objective"])
     numbers = write_numbers(exp, out_dir, baseline)
     if latex:
@@ -658,8 +661,10 @@ def write_numbers(exp: Experiment, out_dir: Path, baseline: str | None = None) -
     iqms.to_csv(out_dir / "iqm.csv", index=False)
     (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
     verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline, cells.objective_settings.get(CODE))
-    (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in verdict.lines(verdicts)))
-    return Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
+    numbers = Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
+    budgets = [text for _, text in budget_blocks(numbers, len(cells.labels) > 1)]  # the terminal says it too
+    (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in [*verdict.lines(verdicts), *budgets]))
+    return numbers
 
 
 def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str], paper: bool, look) -> CellParts:
@@ -736,16 +741,17 @@ BUDGET_TOLERANCE = 0.1  # budget_blocks: a mean rollout budget per run this far 
 
 
 def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
-    """Under the verdict: the objectives whose ended runs sampled, in the same steps, a rollout budget (mean rollout
-    tokens per run) more than ``BUDGET_TOLERANCE`` away from the baseline's in their cell (an estimator's extra
-    completions, e.g. A*-PO's reference samples or ReMax's greedy ones, dynamic sampling's refills, longer
-    completions): the verdict compares them at equal steps, not at equal sampling."""
+    """Under the verdict: the objectives whose ended runs sampled a rollout budget per step (rollout tokens over steps
+    done, the mean over runs) more than ``BUDGET_TOLERANCE`` away from the baseline's in their cell (an estimator's
+    extra completions, e.g. A*-PO's reference samples or ReMax's greedy ones, dynamic sampling's refills, longer
+    completions): the verdict compares them at equal steps, not at equal sampling. Per step, so that a run that
+    stopped early (diverged) does not read as a smaller budget."""
     table = numbers.table
-    if numbers.baseline is None or table.empty or "rollout_tokens" not in table:
+    if numbers.baseline is None or table.empty or "rollout_tokens_per_step" not in table:
         return []
     parts = []
     for cell, group in table.groupby("cell", sort=False):
-        tokens = group.set_index("objective")["rollout_tokens"].astype(float)
+        tokens = group.set_index("objective")["rollout_tokens_per_step"].astype(float)
         base = tokens.get(numbers.baseline, np.nan)
         if not np.isfinite(base) or base <= 0:
             continue
@@ -755,8 +761,9 @@ def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
             parts.append((f"cell `{cell}`: " if multi else "") + ", ".join(apart))
     if not parts:
         return []
-    return [("p", f"Rollout budgets differ: in the same steps these objectives sampled more or fewer rollout tokens "
-                  f"per run than {numbers.baseline} (mean over ended runs, more than {BUDGET_TOLERANCE:.0%} apart): "
+    return [("p", f"Rollout budgets differ: these objectives sampled more or fewer rollout tokens per step than "
+                  f"{numbers.baseline} (rollout tokens over steps done, mean over ended runs; more than "
+                  f"{BUDGET_TOLERANCE:.0%} apart): "
                   + "; ".join(parts) + ". The verdict compares final accuracies at equal steps; the figure against "
                   "rollout tokens (`curves_tokens`) compares the objectives at equal sampling.")]
 

@@ -250,3 +250,19 @@ def test_the_memory_floor_counts_the_references_completions_when_they_are_more(m
                                  "objective.advantage=remax", "train.group_size=1"))  # 4 rows: far below
     with pytest.raises(ConfigError, match="^train.prompts_per_step x train.group_size = 36 completions"):
         memory.check_memory(tiny_run(tmp_path, "objective.name=a2po", "train.group_size=9"))
+
+
+@pytest.mark.parametrize("overrides", [["objective.name=a2po", "objective.advantage=grpo"],
+                                       ["objective.name=grpo", "objective.advantage=a2po"],
+                                       ["objective.name=grpo", "objective.params.beta=0.1"]])
+def test_the_bench_refuses_a_run_that_needs_the_reference_before_building_it(overrides, monkeypatch):
+    """The bench's timed step computes no reference log-probs and samples no reference: it failed after the model
+    was built ('needs PolicyBatch.ref_logp')."""
+    from harness.apps import bench
+
+    def built(*args, **kwargs):
+        raise AssertionError("the run was built")
+
+    monkeypatch.setattr(bench, "setup_run", built)
+    with pytest.raises(ConfigError, match="^the bench times a step without the reference policy"):
+        bench.bench_run(["model.name=tiny", "model.warm_start_steps=0", "model.warm_start_target=null", *overrides])

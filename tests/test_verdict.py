@@ -126,16 +126,38 @@ def test_the_report_says_when_the_objectives_sampled_different_rollout_budgets()
     from analysis.report import Numbers, budget_blocks
 
     def numbers(tokens: dict, baseline="grpo", cells=("all runs",)) -> Numbers:
-        table = pd.DataFrame([{"cell": c, "objective": o, "rollout_tokens": t}
+        table = pd.DataFrame([{"cell": c, "objective": o, "rollout_tokens_per_step": t}
                               for c in cells for o, t in tokens.items()])
         empty = pd.DataFrame()
         return Numbers(table, empty, empty, empty, empty, empty, baseline, [])
 
     assert budget_blocks(numbers({"grpo": 100.0, "gspo": 109.0, "cispo": 91.0}), False) == []  # within 10%
     (block,) = budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0, "gspo": 105.0, "dapo": 80.0}), False)
-    assert block[0] == "p" and "rollout tokens per run than grpo" in block[1]
+    assert block[0] == "p" and "rollout tokens per step than grpo" in block[1]
     assert ": a2po 2.00x, dapo 0.80x." in block[1]
     (block,) = budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0}, cells=("lr=0.1", "lr=1")), True)
     assert "cell `lr=0.1`: a2po 2.00x; cell `lr=1`: a2po 2.00x." in block[1]
     assert budget_blocks(numbers({"grpo": np.nan, "a2po": 200.0}), False) == []  # no baseline budget: nothing to say
     assert budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0}, baseline=None), False) == []
+
+
+def test_a_run_that_stopped_early_is_not_read_as_a_smaller_budget(tmp_path):
+    """Budgets are compared per step: an objective that samples twice the tokens a step but diverged after 1 of 6
+    steps sampled less in all, and still 2.00x per step."""
+    from analysis.load import load_experiment
+    from analysis.report import Numbers, budget_blocks, eval_table, write_numbers
+    from tests.helpers.fake_runs import fake_experiment, fake_run
+
+    exp = tmp_path / "quickstart"
+    entries = [fake_run(exp, "grpo", seed, final=0.4) for seed in range(3)]
+    entries += [fake_run(exp, "a2po", seed, final=0.4, status="diverged", steps_done=1,
+                         summary_extra={"rollout_tokens": 200}) for seed in range(3)]
+    loaded = load_experiment(fake_experiment(exp, entries))
+    table = eval_table(loaded.runs)
+    assert table.set_index("objective")["rollout_tokens"].to_dict() == {"grpo": 600, "a2po": 200}  # in all
+    empty = pd.DataFrame()
+    (block,) = budget_blocks(Numbers(table, empty, empty, empty, empty, empty, "grpo", []), False)
+    assert ": a2po 2.00x." in block[1]
+    (tmp_path / "out").mkdir()
+    write_numbers(loaded, tmp_path / "out")  # the terminal's verdict (verdict.txt) says it too
+    assert (tmp_path / "out" / "verdict.txt").read_text().splitlines()[-1] == block[1]

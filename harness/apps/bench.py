@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
-from harness.loop.build import RunSetup, build_learner, setup_run
+from harness.loop.build import RunSetup, build_learner, build_objective, references, setup_run
 from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
@@ -127,6 +127,11 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     of (harness/loop/build.py), the first ``prompts_per_step`` train problems (the timed steps' prompts), the thread
     count."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
+    objective, estimator = build_objective(cfg)
+    if references(objective, estimator):  # before the model is built
+        raise ConfigError("the bench times a step without the reference policy (no KL term, no objective or estimator "
+                          "that reads it): set objective.params.beta=0 and another objective (a2po reads it) or "
+                          "objective.advantage (a2po samples it)")
     check_this_machine([cfg])  # a hub model or dataset that cannot be had, an unusable cache: before anything
     threads = run_threads(cfg.threads)
     setup = setup_run(cfg, resolve_device(cfg.device))

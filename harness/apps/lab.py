@@ -156,11 +156,13 @@ def validate_lab(cfg: DictConfig) -> None:
         raise ConfigError(f"lab.params.{unused[0]}: the lab runs no {unused[0]} (lab.objectives: "
                           f"{', '.join(lab.objectives)}; lab.mover: {lab.mover}); add it to lab.objectives or drop "
                           "its params")
-    loop_only = [n for n, (_, estimator) in {**lab_objectives(cfg), lab.mover: lab_objective(cfg, lab.mover)}.items()
-                   if loop_inputs(estimator)]
+    loop_only = [(n, estimator) for n, (_, estimator) in {**lab_objectives(cfg),
+                                                          lab.mover: lab_objective(cfg, lab.mover)}.items()
+                 if loop_inputs(estimator)]
     if loop_only:
-        raise ConfigError(f"lab.params.{loop_only[0]}.advantage: an estimator that reads what only the training "
-                          "loop provides (optimal_token_baseline, remax, gdpo) cannot run on the lab's batches; choose "
+        name, estimator = loop_only[0]
+        raise ConfigError(f"lab.params.{name}.advantage: an estimator that reads what only the training loop provides "
+                          f"(here: {', '.join(loop_inputs(estimator))}) cannot run on the lab's batches; choose "
                           "another")
     staleness = list(lab.staleness)
     if not staleness or 0 not in staleness or min(staleness) < 0 or len(set(staleness)) != len(staleness):
