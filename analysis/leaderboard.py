@@ -20,7 +20,7 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
   when none is); the median over runs ("not reached" when more than half never reach it), and how many runs reached it;
-- rollout tokens per run: the mean over runs of the rollout tokens each sampled in its steps, and its ratio to the
+- rollout tokens per step: the mean over runs of the rollout tokens each sampled per step done, and its ratio to the
   baseline's (the ranking is at equal steps, not at equal sampling);
 - clip fraction and ratio spread: per run, the mean over its training steps of ``clip_frac`` and of ``ratio_std``
   (the standard deviation of the importance ratios over the minibatch's tokens, as the objective logs it); the mean
@@ -102,6 +102,13 @@ def run_means(metrics: pd.DataFrame, runs: pd.DataFrame, key: str) -> pd.Series:
     return rows.groupby("run_id")[key].mean().reindex(runs["run_id"])
 
 
+def per_step(runs: pd.DataFrame) -> float:
+    """The mean over ``runs`` of their rollout tokens per step done (a run that stopped early is not a smaller
+    budget)."""
+    return float((runs["rollout_tokens"].astype(float) / runs["steps_done"].astype(float).where(runs["steps_done"] > 0)
+                  ).mean())
+
+
 def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.DataFrame:
     """The leaderboard's numbers, one row per objective, best mean rank first (see the module docstring)."""
     runs, cells = shared_runs(exp)
@@ -122,7 +129,7 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
                **baseline_columns(versus, objective, baseline),
                "collapse_k": k, "collapse_n": n, "collapse_rate": k / n if n else np.nan, "collapse_low": low,
                "collapse_high": high, "tokens_to_target": float(np.median(reach)) if len(reach) else np.nan,
-               "reached_target": int(np.isfinite(reach).sum()), "rollout_tokens": float(group["rollout_tokens"].mean()),
+               "reached_target": int(np.isfinite(reach).sum()), "rollout_tokens": per_step(group),
                **{key: float(means[key][ids].mean()) for key in MECHANICS}}
         rows.append(row)
     for objective in sorted(set(exp.runs["objective"].dropna()) - {r["objective"] for r in rows}):
@@ -174,7 +181,7 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
                                    zip(board["collapse_k"], board["collapse_n"], board["collapse_rate"],
                                        board["collapse_low"], board["collapse_high"], strict=True)],
         "tokens to target (reached)": tokens,
-        f"rollout tokens per run (x {baseline})": [
+        f"rollout tokens per step (x {baseline})": [
             "n/a" if pd.isna(t) else num(t) + ("" if pd.isna(b) else f" ({b:.2f}x)")
             for t, b in zip(board["rollout_tokens"], board["rollout_budget"], strict=True)],
         **{label: board[key].map(lambda v: "not logged" if pd.isna(v) else num(v)) for key, label in MECHANICS.items()},
@@ -215,8 +222,9 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str,
             "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
             f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
             f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
-            "did not; in brackets the runs that reached it). Rollout tokens per run: the mean over its runs in "
-            f"these cells of the rollout tokens each sampled, and its ratio to {baseline}'s: the ranking compares "
+            "did not; in brackets the runs that reached it). Rollout tokens per step: the mean over its runs in "
+            f"these cells of the rollout tokens each sampled per step done, and its ratio to {baseline}'s: the ranking "
+            "compares "
             "objectives at equal steps, and one that samples more in a step (A*-PO's reference completions, ReMax's "
             "greedy ones, dynamic sampling's refills) spends more for its accuracy. Clip fraction and ratio spread "
             "(ratio_std): per-run means over training steps, averaged over runs. Module: analysis/leaderboard.py."]

@@ -737,7 +737,7 @@ def beyond_objective_blocks(cells) -> list[tuple]:
                   + ". A difference in the verdict may come from these settings as well.")]
 
 
-BUDGET_TOLERANCE = 0.1  # budget_blocks: a mean rollout budget per run this far (relative) from the baseline's is said
+BUDGET_TOLERANCE = 0.1  # budget_blocks: a rollout budget per step this far (relative) from the baseline's is said
 
 
 def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
