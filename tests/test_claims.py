@@ -1,6 +1,7 @@
 """The claims ledger (harness/apps/claims.py): every shipped claim file parses and names an existing experiment; the
 checks' verdicts on small tables whose answer is known by hand."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -608,3 +609,27 @@ def test_the_ledger_names_each_labs_code_and_labs_of_two_codes_are_not_pooled(tm
     (folders[2] / CODE_FILE).unlink()  # before labs recorded their code: unknown, not the others' code either
     with pytest.raises(ConfigError, match="lab_start4 by unknown"):
         check_one_code(folders)
+
+
+def test_a_check_on_an_objective_the_sweep_does_not_run_or_a_bad_margin_is_refused_before_the_sweep(tmp_path):
+    """A check naming an objective outside its sweep's grid, or an equivalence margin <= 0, gave "no data" or a claim
+    that can never hold, after the whole sweep (28 min for a2po_one_sample)."""
+    from harness.apps.claims import check_claims, check_compared_objectives
+
+    path = tmp_path / "bad.yaml"
+    for margin in ("-0.05", "0", ".inf", "yes", "'a'"):
+        path.write_text("claim: x\npaper: y\nexperiment: {sweep: a2po_one_sample}\nchecks: [{table: final, metric: m, "
+                        f"compare: {{objective: a2po, than: grpo, direction: equivalent, margin: {margin}}}}}]\n")
+        with pytest.raises(ConfigError, match="bad.yaml: compare.margin must be a number > 0"):
+            load_claim(path)
+    claim = load_claim(CLAIMS_DIR / "a2po_one_sample.yaml")
+    check_compared_objectives(claim, {"grpo", "a2po"})
+    typo = dataclasses.replace(claim, checks=[{**claim.checks[0], "compare": {**claim.checks[0]["compare"],
+                                                                             "objective": "a2poo"}}])
+    with pytest.raises(ConfigError, match=r"^claim a2po_one_sample: a check's objective 'a2poo' is not an objective "
+                                          r"its sweep runs \(a2po, grpo\)"):
+        check_compared_objectives(typo, {"grpo", "a2po"})
+    other = dataclasses.replace(claim, checks=[{**claim.checks[0], "compare": {**claim.checks[0]["compare"],
+                                                                              "than": "gspo"}}])
+    with pytest.raises(ConfigError, match="check's than 'gspo' is not an objective its sweep runs"):
+        check_claims([other], {other.key: ()}, {other.key}, allow_code_change=False)  # as the command runs it

@@ -166,6 +166,9 @@ def load_claim(path: Path) -> Claim:
         if "compare" in check and (check["compare"].get("direction") == "equivalent") != ("margin" in check["compare"]):
             raise ConfigError(f"{path}: compare.margin is the equivalence margin: give it with direction equivalent "
                               "(only)")
+        margin = check.get("compare", {}).get("margin", 1.0)
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 < margin < float("inf"):
+            raise ConfigError(f"{path}: compare.margin must be a number > 0 (the equivalence margin), got {margin!r}")
         if check["table"] not in TABLES[claim.source[0]]:
             raise ConfigError(f"{path}: a {claim.source[0]} has no table {check['table']!r}; tables: "
                               f"{', '.join(TABLES[claim.source[0]])}")
@@ -546,6 +549,19 @@ def check_claims(claims: list[Claim], starts: dict, running: set, allow_code_cha
             runs = run_configs(cfg)
             check_runs_code(cfg, runs, allow_code_change, "claims")
             check_runs_one_version(cfg, runs, "the runs a claim reads")
+            for same in (c for c in claims if c.key == claim.key):  # before the sweep: a check it could never read
+                check_compared_objectives(same, {run.objective.name for run in runs})
+
+
+def check_compared_objectives(claim: Claim, ran: set[str]) -> None:
+    """A sweep claim's checks compare objectives its sweep runs (ConfigError naming the claim, the check's key and
+    the sweep's objectives): a name it does not run would give "no data" only after the sweep."""
+    for check in claim.checks:
+        names = {key: check.get("compare", {}).get(key) for key in ("objective", "than")}
+        for key, name in [*names.items(), ("objective", check.get("objective"))]:
+            if name is not None and name not in ran:
+                raise ConfigError(f"claim {claim.name}: a check's {key} {name!r} is not an objective its sweep runs "
+                                  f"({', '.join(sorted(ran))}): fix the claim file")
 
 
 def ledger_claims(asked: list[Claim], names: list[str] | None, with_long: bool) -> list[Claim]:
