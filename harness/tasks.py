@@ -596,7 +596,7 @@ class ReasoningGym(Task):
             return
         from reasoning_gym.factory import DATASETS
 
-        # some of the library's generators take minutes for 10000 problems (sudoku: ~160 s on a CPU core), silently
+        # some of the library's generators take minutes for 10000 problems (sudoku), which would pass without a word
         print(f"reasoning_gym {self.dataset}: generating {self.eval_size} eval and {self.train_size} training "
               "problems (once per process)", file=sys.stderr, flush=True)
         draws = 4 * (self.eval_size + self.train_size)

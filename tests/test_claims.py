@@ -613,7 +613,7 @@ def test_the_ledger_names_each_labs_code_and_labs_of_two_codes_are_not_pooled(tm
 
 def test_a_check_on_an_objective_the_sweep_does_not_run_or_a_bad_margin_is_refused_before_the_sweep(tmp_path):
     """A check naming an objective outside its sweep's grid, or an equivalence margin <= 0, gave "no data" or a claim
-    that can never hold, after the whole sweep (28 min for a2po_one_sample)."""
+    that can never hold, after the whole sweep (docs/claims_ledger.md says how long a2po_one_sample's takes)."""
     from harness.apps.claims import check_claims, check_compared_objectives
 
     path = tmp_path / "bad.yaml"

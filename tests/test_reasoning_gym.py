@@ -25,7 +25,7 @@ def test_problems_and_answers_come_from_the_library(capsys):
     task = small()
     library = reasoning_gym.create_dataset("chain_sum", **PARAMS, seed=0, size=10)
     first = task.eval_problems()[0]
-    task.train_problems()  # generated once, said once: sudoku's 10000 took ~160 s without a line (the seventh pass)
+    task.train_problems()  # generated once, said once: sudoku's 10000 took minutes without a line (the seventh pass)
     assert capsys.readouterr().err == ("reasoning_gym chain_sum: generating 16 eval and 200 training problems (once "
                                        "per process)\n")
     assert first.question == library[0]["question"] + ' Answer after "####".'

@@ -103,7 +103,7 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
 
 def test_a_stopped_throughput_bench_stops_its_sweeps_workers_too(monkeypatch):
     """Ctrl-C or SIGTERM of `bench --sweep-throughput` killed its sweep's process alone: the sweep's workers ran on
-    to their runs' ends (~50 s on 2 cores, the seventh hostile pass). The sweep runs in a process group of its own,
+    to their runs' ends (the seventh hostile pass). The sweep runs in a process group of its own,
     which the bench stops with SIGTERM (a kill of a sweep: its runs stay resumable) before it ends."""
     import signal
 

@@ -342,7 +342,7 @@ def check_prompt_positions(run: DictConfig, model: PreTrainedModel, tokenizer: P
     prompts = [build_prompt(tokenizer, question) for question in questions]
     new = max(run.train.max_new_tokens, run.train.eval_max_new_tokens)
     # a token covers at least one byte of the text (byte-level and character tokenizers) but for a word-start marker
-    # (SentencePiece's): within that bound, as almost always, the prompts need not be tokenized (seconds per run)
+    # (SentencePiece's): within that bound, as almost always, the prompts need not be tokenized (a cost per run start)
     if max(len(prompt.encode()) for prompt in prompts) + PREFIX_TOKENS + new <= positions:
         return
     longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
