@@ -169,6 +169,13 @@ class ObjectiveOutput:
     metrics: dict[str, float]
 
 
+# Metrics that are a micro-batch's share of its minibatch's value, not a mean over the micro-batch: the policy loss
+# and the entropy bonus are aggregated with the minibatch's counts (``num_tokens``, ``num_sequences``), so that the
+# micro-batches' values sum to the whole minibatch's; the trainers add them up per optimizer step
+# (harness.loop.metrics.MetricMeter). Every other metric is the micro-batch's own mean, averaged by tokens.
+MINIBATCH_SHARES = frozenset({"pg_loss", "entropy_bonus"})
+
+
 def group_totals(values: Tensor, group_ids: Tensor) -> tuple[Tensor, int]:
     """Each row's group's sum of ``values`` [B] (a group: the rows of one ``group_ids`` value) and the number of
     groups."""
@@ -596,12 +603,14 @@ class Objective:
 
     def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
         """Called after each optimizer step that updated the policy, with that step's metrics: the objective's (and
-        the loop's ``entropy``) averaged over the step's micro-batches weighted by their valid tokens (an EMA copy
+        the loop's ``entropy``) averaged over the step's micro-batches weighted by their valid tokens, the shares
+        (:data:`MINIBATCH_SHARES`, ``pg_loss``) summed (an EMA copy
         follows the policy here; TRL's adaptive entropy coefficient moves here)."""
 
     def after_update(self, metrics: dict[str, float], sequences: int) -> None:
         """Called once per rollout step, after its last optimizer step, with the step's update metrics (the
-        objective's averaged over all its micro-batches, weighted by valid tokens; ``loss``, ``grad_norm``) and the
+        objective's averaged over all its micro-batches, weighted by valid tokens, the shares summed per optimizer
+        step; ``loss``, ``grad_norm``) and the
         number of sequences the step trained on (verl's adaptive KL controller moves here)."""
 
     def state_dict(self) -> dict:

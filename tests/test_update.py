@@ -23,13 +23,15 @@ from harness.loop.update import (
     token_budget_chunks,
 )
 from harness.policy.sampler import Rollout
+from harness.run.records import read_jsonl
 from objectives import Objective, ObjectiveOutput, get_objective
 from tests.helpers.tiny import tiny_run
 
 
 # p3o: its minibatch ESS from the loop's no-grad first pass; conspo compares a group's samples (micro-batches: groups);
 # prompt_mean: each prompt's tokens and the prompts counted over the minibatch, not the micro-batch
-@pytest.mark.parametrize("objective, extra", [("dapo", ()), ("p3o", ()), ("conspo", ()),
+@pytest.mark.parametrize("objective, extra", [("dapo", ("objective.params.entropy_coef=0.01",)), ("p3o", ()),
+                                              ("conspo", ()),
                                               ("grpo", ("objective.params.aggregation=prompt_mean",))])
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, monkeypatch):
     passes, real = [], harness.loop.native.with_statistics
@@ -43,7 +45,7 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, mon
     monkeypatch.setattr(harness.loop.native, "microbatch_loss",
                         lambda learner, plan, minibatch, rows, *a, **k: sizes.append(len(rows)) or
                         real_loss(learner, plan, minibatch, rows, *a, **k))
-    finals, counts = [], []
+    finals, counts, logged = [], [], []
     # whole minibatches, 4 rows, a token budget (rows of 35 or 36 prompt and 6 to 8 completion tokens)
     for k, setting in enumerate(("train.micro_batch_size=0", "train.micro_batch_size=4",
                                  "train.max_tokens_per_micro_batch=130")):
@@ -53,9 +55,13 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, mon
         train(run, tmp_path / f"m{k}", progress=False)
         finals.append(torch.load(tmp_path / f"m{k}" / "checkpoints" / "last.pt", weights_only=False)["policy"])
         counts.append(list(sizes))
+        logged.append(read_jsonl(tmp_path / f"m{k}" / "metrics.jsonl")[1])
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
         assert torch.allclose(finals[0][key], finals[2][key], atol=1e-6), key
+    # the logged loss and its shares (summed over an optimizer step's micro-batches, not averaged) as the whole's
+    for key in ("loss", "pg_loss", *(("entropy_bonus",) if objective == "dapo" else ())):
+        assert [row[key] for row in logged] == pytest.approx([logged[0][key]] * 3, rel=1e-5, abs=1e-7), key
     assert counts[:2] == [[8, 8], [4] * 4] and sum(counts[2]) == 16 and len(counts[2]) > 2
     if objective == "conspo":  # whole groups of 4: each over the budget, alone
         assert counts[2] == [4] * 4

@@ -10,23 +10,29 @@ from collections import defaultdict
 
 import torch
 
+from objectives.base import MINIBATCH_SHARES
 from objectives.rollout_correction import SAFETY_BOUND
 
 
 class MetricMeter:
     """Combines metrics over micro-batches and minibatches: *_min by min, *_max by max, the rest by a weighted
-    mean (weights: tokens, or 1 per optimizer step)."""
+    mean (weights: tokens, or 1 per optimizer step). A micro-batch's share of its optimizer step's value
+    (:data:`objectives.base.MINIBATCH_SHARES`, e.g. ``pg_loss``) is not a mean over the micro-batch: with
+    ``step_tokens`` (the valid tokens of the micro-batch's whole optimizer step) it adds ``value x step_tokens``
+    with the micro-batch's own weight, so that the result is the optimizer steps' values (the sums of their
+    micro-batches' shares) averaged with their tokens as weights, whatever the micro-batching."""
 
     def __init__(self):
         self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
 
-    def add(self, metrics: dict[str, float], weight: float) -> None:
+    def add(self, metrics: dict[str, float], weight: float, step_tokens: float | None = None) -> None:
         for key, value in metrics.items():
             if key.endswith("_min") or key.endswith("_max"):
                 pick = min if key.endswith("_min") else max
                 self.extremes[key] = pick(self.extremes.get(key, value), value)
             elif math.isfinite(value):
-                self.sums[key] += value * weight
+                share = step_tokens is not None and key in MINIBATCH_SHARES
+                self.sums[key] += value * (step_tokens if share else weight)
                 self.weights[key] += weight
 
     def result(self) -> dict[str, float]:

@@ -227,8 +227,9 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
                     ro, forward = plan.batch.rollout, part.forward
                     mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
                 loss += part.loss
-                meter.add(part.metrics, part.tokens)
-                window.add(part.metrics, part.tokens)
+                step_tokens = minibatch.num_tokens.item()  # the shares (pg_loss) sum to the optimizer step's
+                meter.add(part.metrics, part.tokens, step_tokens)
+                window.add(part.metrics, part.tokens, step_tokens)
                 volatility += [] if part.forward.volatility is None else [part.forward.volatility]
             with timed(plan.timings, "optimizer_s"):  # clip, skip if non-finite, step
                 grad_norm = optimizer_step(learner, loss, plan.max_grad_norm, state, window.result())

@@ -368,7 +368,7 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         out = self.objective(batch)
         tokens = batch.mask.sum().item()
         self.meter.add({**out.metrics, "entropy": (entropy.detach() * batch.mask).sum().item() / max(tokens, 1),
-                        **routing_metrics}, tokens)
+                        **routing_metrics}, tokens, float(batch.num_tokens))  # shares sum to the step's value
         # Trainer sums micro-batch losses and DDP / DeepSpeed average gradients over processes: undo the average
         return out.loss * self.accelerator.num_processes
 

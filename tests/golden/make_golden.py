@@ -136,6 +136,17 @@ def run_one(name: str, workdir: Path) -> dict:
             "final_weights": digest(load_file(run_dir / "final" / "model.safetensors"))}
 
 
+def compared(entry: dict, name: str, run: dict) -> dict:
+    """What of ``run`` (``run_one``'s output, or the entry's record of it) is compared with the entry: all of it, less
+    the metrics the entry marks stale for that run (``entry["stale"][name]``: metrics whose definition changed after
+    the entry was made, which only a session on its build can record again; ``entry["stale_why"]`` says what
+    changed). Every other value of the run is still compared bit for bit."""
+    stale = set(entry.get("stale", {}).get(name, ()))
+    if not stale or "metrics" not in run:
+        return run
+    return {**run, "metrics": [{k: v for k, v in row.items() if k not in stale} for row in run["metrics"]]}
+
+
 def load_goldens() -> list[dict]:
     """golden.json's entries, one per build."""
     return json.loads(GOLDEN.read_text())["goldens"] if GOLDEN.exists() else []
@@ -170,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="golden-") as work:
         for name in args.names or RUNS:
             found[name] = json.loads(json.dumps(run_one(name, Path(work) / name)))  # as the file will hold it
-            if args.check and found[name] != golden["runs"].get(name):
+            want = compared(golden, name, golden["runs"].get(name, {}))
+            if args.check and compared(golden, name, found[name]) != want:
                 differ.append(name)
             print(f"{name}: {'differs' if name in differ else 'done'}", file=sys.stderr)
     cache.cleanup()
@@ -179,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
               (f"; differ: {', '.join(differ)}" if differ else ""), file=sys.stderr)
         return 1 if differ else 0
     golden["runs"] = {**golden["runs"], **found} if args.names else found
-    goldens = [g for g in load_goldens() if g["build"] != golden["build"]] + [golden]
+    stale, why = golden.pop("stale", {}), golden.pop("stale_why", None)
+    stale = {name: keys for name, keys in stale.items() if name not in found}  # the runs made now are whole again
+    if stale:
+        golden.update(stale=stale, stale_why=why)
+    goldens = load_goldens()  # the entry replaced where it stands (a new build's appended): a diff shows the change
+    where = next((i for i, g in enumerate(goldens) if g["build"] == golden["build"]), len(goldens))
+    goldens[where:where + 1] = [golden]
     GOLDEN.write_text(json.dumps({"goldens": goldens}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
     return 0
