@@ -207,6 +207,9 @@ def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, wh
     (["sweep.grid.objective.name=[grpo]", "sweep.grid.objective.params.beta=[0,0.1]",
       "sweep.grid.objective.params.kl_estimator=[k1,k3]"], 3),
     (["sweep.grid.objective.name=[grpo,adaptive_kl]", "sweep.grid.objective.params.kl_estimator=[k1,k3]"], 3),
+    # grpo's own estimator spelled out is grpo's run; for a2po (its own: a2po) it is another estimator
+    (["sweep.grid.objective.name=[grpo,a2po]", "sweep.grid.objective.advantage=[null,grpo]"], 3),
+    (["sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.objective.params.clip_low=[0.2,0.0003]"], 4),
 ])
 def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_does_not(grid, runs):
     """A threshold crossed with mode=[none, token_mask] (or kl_estimator with beta=[0, 0.1]) was refused as 'the same
@@ -214,6 +217,13 @@ def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_do
     inert corner is one run. adaptive_kl starts at beta 0.001, so its kl_estimator acts (two runs), grpo's not (one)."""
     made = run_configs(load_experiment("quickstart", ["seed=0", *grid]))
     assert len(made) == runs and len({run_id(run) for run in made}) == runs
+
+
+def test_a_grid_over_an_objectives_own_value_and_its_default_is_refused_as_the_same_run():
+    with pytest.raises(ConfigError, match=r"^sweep.grid.objective.advantage: null and grpo make the same run "
+                       r"\(objective grpo's own is grpo\); list each value once$"):
+        run_configs(load_experiment("quickstart", ["seed=0", "sweep.grid.objective.name=[grpo]",
+                                                   "sweep.grid.objective.advantage=[null,grpo]"]))
 
 
 def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent():

@@ -27,7 +27,7 @@ from harness.apps.sweep import run_entry
 from harness.loop.trl_limits import trl_extra_args, world_size
 from harness.run.atomic import ForeignFileError, remove_stale_temporaries, write_into
 from harness.run.commandline import build_parser
-from harness.run.config import load_experiment, run_configs
+from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.records import MetricsLog, check_resume, load_checkpoint, settings_differences
@@ -597,13 +597,24 @@ def test_an_env_interpolation_is_recorded_as_its_typed_value_and_resumes(tmp_pat
     assert list(settings_differences(older, again).values()) == ["train.lr 2e-4 -> 0.0001"]
 
 
-def test_an_objective_default_given_explicitly_is_the_same_run_on_resume(tmp_path):
+@pytest.mark.parametrize(("default", "other", "key", "values"), [
+    ("objective.params.clip_low=0.2", "objective.params.clip_low=0.3", "objective.params.clip_low", ("0.2", "0.3")),
+    ("objective.advantage=grpo", "objective.advantage=opo", "objective.advantage", ("grpo", "opo")),
+])
+def test_an_objective_default_given_explicitly_is_the_same_run(tmp_path, default, other, key, values):
+    """A hyperparameter or the estimator written out at the objective's own value is the run without it: the same
+    run id (it was another id, so `make train` with it started a duplicate of the run in a new folder) and a resume
+    either way (objective.advantage=grpo refused to resume the run made without it); another value is another
+    run."""
     (run,) = runs_of(tmp_path, "seed=0")
-    saved = OmegaConf.to_container(run)
-    (explicit,) = runs_of(tmp_path, "seed=0", "objective.params.clip_low=0.2")
-    assert settings_differences(saved, explicit) == {}
-    (other,) = runs_of(tmp_path, "seed=0", "objective.params.clip_low=0.3")
-    assert list(settings_differences(saved, other).values()) == ["objective.params.clip_low 0.2 -> 0.3"]
+    (explicit,) = runs_of(tmp_path, "seed=0", default)
+    (changed,) = runs_of(tmp_path, "seed=0", other)
+    assert run_id(explicit) == run_id(run) != run_id(changed)
+    assert settings_differences(OmegaConf.to_container(run), explicit) == {}
+    assert settings_differences(OmegaConf.to_container(explicit), run) == {}
+    own, given = values
+    assert list(settings_differences(OmegaConf.to_container(run), changed).values()) == [f"{key} {own} -> {given}"]
+    assert list(settings_differences(OmegaConf.to_container(changed), run).values()) == [f"{key} {given} -> {own}"]
 
 
 def test_the_crafted_file_runs_its_code_with_an_unsafe_loader(tmp_path):

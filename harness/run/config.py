@@ -594,11 +594,13 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     """The runs of the grid, each once. Two grid points that make the same run (the same run id) are refused: a value
     listed twice (``seed=[0,0]``), two spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the
     run's config), values of a memory setting (not part of the run id: they change no number), of where results go
-    (:data:`NOT_IN_RUN_ID`), or of a setting that changes nothing in any of the grid's runs (:func:`unused_setting`).
+    (:data:`NOT_IN_RUN_ID`), of a setting that changes nothing in any of the grid's runs (:func:`unused_setting`),
+    or an objective's own value and its default (``objective.advantage=[null, grpo]`` for grpo: :func:`at_own_value`).
     A setting that acts in some of the grid's runs and not in others (``threshold`` crossed with
-    ``rollout_correction.mode=[none, token_mask]``) makes one run where it changes nothing, not a refusal."""
+    ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po]) makes
+    one run where it changes nothing, not a refusal."""
     first: dict[str, dict] = {}
-    acting = {key for key in grid if any(not unused_setting(run, key) for run in runs)}
+    acting = {key for key in grid if any(not (unused_setting(run, key) or at_own_value(run, key)) for run in runs)}
     kept = []
     for run, point in zip(runs, points, strict=True):
         other = first.setdefault(run_id(run), point)
@@ -606,7 +608,8 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
             kept.append(run)
             continue
         differing = [key for key in point if point[key] != other[key]]
-        if differing and all(key in acting and unused_setting(run, key) for key in differing):
+        if differing and all(key in acting and (unused_setting(run, key) or at_own_value(run, key))
+                             for key in differing):
             continue  # the same run as an earlier point: the setting changes nothing here, and acts elsewhere
         if not differing:
             key = next(k for k in grid if sum(v == point[k] for v in grid[k]) > 1)
@@ -616,8 +619,10 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
         if key.split(".")[0] in NOT_IN_RUN_ID:
             raise ConfigError(f"sweep.grid.{key}: where results go and where metrics are sent are not part of a run, "
                               f"so its values make the same runs; run one sweep per value ({key}=...)")
+        own = objective_defaults(run.objective.name)
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
-            else unused_setting(run, key) or "equal once parsed"
+            else unused_setting(run, key) or (f"objective {run.objective.name}'s own is {_dot(own[key])}"
+                                              if key in own else "equal once parsed")
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
     return kept
@@ -639,8 +644,10 @@ def _dot(value) -> str:
 
 
 def run_id(run: DictConfig) -> str:
-    """Readable and stable: <objective>-s<seed>-<hash of the run's values that differ from the schema defaults>.
-    Hashing only the differences keeps ids (and so resumability) when a new setting is added at its default."""
+    """Readable and stable: <objective>-s<seed>-<hash of the run's values that differ from the schema defaults and
+    from the objective's own (:func:`objective_defaults`)>. Hashing only the differences keeps ids (and so
+    resumability) when a new setting is added at its default, and gives a setting written out at its default the
+    run's own id."""
     def changed(values: dict, defaults: dict) -> dict:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
@@ -654,10 +661,35 @@ def run_id(run: DictConfig) -> str:
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
     memory = memory_settings(run)  # nor how much memory it takes (the run resumed under less is the same run), nor
-    for key in [key for key in _dotted(content) if key in memory or unused_setting(run, key)]:  # what changes nothing
-        _drop(content, key.split("."))
+    for key in _dotted(content):  # what changes nothing, nor an objective's setting given at its own value
+        if key in memory or unused_setting(run, key) or at_own_value(run, key):
+            _drop(content, key.split("."))
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def objective_defaults(name) -> dict[str, object]:
+    """What objective ``name`` uses when a run does not say (``objective.advantage``: its default estimator;
+    ``objective.params.<hyperparameter>``: its default): given explicitly at these values, a setting makes the same
+    run (the same run id, and a resume of the run without it). {} for an objective that is not registered."""
+    if not isinstance(name, str) or name not in OBJECTIVES:
+        return {}
+    cls = OBJECTIVES.get(name)
+    return {"objective.advantage": cls.default_advantage,
+            **{f"objective.params.{k}": v for k, v in cls.hyperparameters().items()}}
+
+
+def at_own_value(run: DictConfig, key: str) -> bool:
+    """Whether the setting ``key`` (dotted) of ``run`` is one of its objective's at the objective's own value
+    (:func:`objective_defaults`; ``objective.advantage: null`` names the objective's own estimator): the run is then
+    the one without it. Equal and of the same kind: ``True`` is not ``1``."""
+    own = objective_defaults(run.objective.name)
+    if key not in own:
+        return False
+    given = OmegaConf.select(run, key)
+    if key == "objective.advantage" and given is None:
+        return True
+    return given == own[key] and isinstance(given, bool) == isinstance(own[key], bool)
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:

@@ -50,12 +50,18 @@ from harness.run.atomic import (
     write_temporary,
 )
 from harness.run.collapse import CollapseRule, detect_collapse
-from harness.run.config import NOT_IN_RUN_ID, NOT_RUN_SECTIONS, memory_settings, schema_defaults, unused_setting
+from harness.run.config import (
+    NOT_IN_RUN_ID,
+    NOT_RUN_SECTIONS,
+    memory_settings,
+    objective_defaults,
+    schema_defaults,
+    unused_setting,
+)
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, FolderBusyError, check_lock_file, is_held, lock_folder
 from harness.run.provenance import code_record, next_segments, run_version
 from harness.run.tracking import Trackers
-from objectives import OBJECTIVES
 
 # per-step metrics that measure time or memory: they differ between otherwise identical runs (resume checks skip them)
 PEAK_MEMORY = ("peak_mem_rollout_mb", "peak_mem_update_mb", "peak_mem_eval_mb", "peak_mem_mb")  # per phase, step
@@ -188,12 +194,16 @@ def plain_differences(old: dict, new: dict) -> list[str]:
 def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     """{key: ``key old -> new``} for every setting of ``cfg`` that differs from the ``saved`` config's, ignoring what
     does not change a run (results_dir, logging) and settings added to the schema since at their default. An
-    objective hyperparameter left out on one side counts as its default (given explicitly, it is the same run);
+    objective hyperparameter left out on one side counts as its default, ``objective.advantage: null`` as the
+    objective's own estimator (given explicitly, either is the same run: :func:`harness.run.config.objective_defaults`);
     values are compared as numbers where one side holds a number and the other its text (a config.yaml that kept an
     interpolation such as ``${oc.env:LR}`` resolves to text)."""
     defaults = _flat(schema_defaults())
     old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
-    old_params, new_params = _param_defaults(old.get("objective.name")), _param_defaults(new.get("objective.name"))
+    old_params, new_params = (objective_defaults(flat.get("objective.name")) for flat in (old, new))
+    for flat, own in ((old, old_params), (new, new_params)):  # null: the objective's own estimator
+        if flat.get("objective.advantage") is None and "objective.advantage" in own:
+            flat["objective.advantage"] = own["objective.advantage"]
     differences = {}
     for key in dict.fromkeys([*new, *old]):
         if key.split(".")[0] in IGNORED_ON_RESUME + NOT_RUN_SETTINGS:
@@ -216,13 +226,6 @@ def memory_changes(saved: dict, cfg: DictConfig) -> list[str]:
 def say_memory_changes(run_dir: Path, changes: list[str]) -> None:
     print(f"continuing {run_dir.name} with other memory settings: {', '.join(changes)} (they change no number "
           "beyond float round-off; config.yaml records the new ones)", file=sys.stderr)
-
-
-def _param_defaults(name) -> dict:
-    """``objective.params.<hyperparameter>`` -> its default, for objective ``name`` ({} if it is not registered)."""
-    if not isinstance(name, str) or name not in OBJECTIVES:
-        return {}
-    return {f"objective.params.{k}": v for k, v in OBJECTIVES.get(name).hyperparameters().items()}
 
 
 def _same(before, after) -> bool:
