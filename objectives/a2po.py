@@ -50,6 +50,7 @@ class A2PO(Objective):
     positive = frozenset({"beta2"})
     needs_sequence_advantages = True  # one target A_i per sequence
     needs_reference = True  # ref_logp whatever beta
+    share_metrics = frozenset({"implicit_reward", "a2po_target", "a2po_residual"})
     ratio_level = "other"
     ratio_note = "none: a regression of beta2 log(pi / pi_ref) onto the advantage"
 
@@ -61,6 +62,7 @@ class A2PO(Objective):
         loss = sequence_aggregate(residual.square(), batch)
         nothing = torch.zeros_like(batch.mask)
         moved = ratio_metrics(torch.exp(batch.log_ratio()), batch.mask)
-        return loss, {**clip_metrics(nothing, nothing, batch), **moved, "implicit_reward": implicit.mean().item(),
-                      "a2po_target": sequence_advantages(batch, self.name).mean().item(),
-                      "a2po_residual": residual.detach().abs().mean().item()}
+        per_sequence = {"implicit_reward": implicit, "a2po_target": sequence_advantages(batch, self.name),
+                        "a2po_residual": residual.abs()}  # means over the minibatch's sequences: shares of them
+        shares = {key: (value.detach().sum() / batch.sequence_count).item() for key, value in per_sequence.items()}
+        return loss, {**clip_metrics(nothing, nothing, batch), **moved, **shares}

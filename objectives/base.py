@@ -172,7 +172,8 @@ class ObjectiveOutput:
 # Metrics that are a micro-batch's share of its minibatch's value, not a mean over the micro-batch: the policy loss
 # and the entropy bonus are aggregated with the minibatch's counts (``num_tokens``, ``num_sequences``), so that the
 # micro-batches' values sum to the whole minibatch's; the trainers add them up per optimizer step
-# (harness.loop.metrics.MetricMeter). Every other metric is the micro-batch's own mean, averaged by tokens.
+# (harness.loop.metrics.MetricMeter); an objective adds its own (``Objective.share_metrics``). Every other metric is
+# the micro-batch's own mean, averaged by tokens.
 MINIBATCH_SHARES = frozenset({"pg_loss", "entropy_bonus"})
 
 
@@ -470,6 +471,9 @@ class Objective:
     # True if the objective keeps state of its own across updates (the lifecycle below: ``setup``, the hooks,
     # ``state_dict`` in every checkpoint): declared, and checked at registration against the hooks it implements
     stateful: ClassVar[bool] = False
+    # the objective's own metrics that are, like its loss, a micro-batch's share of the minibatch's value (normalised
+    # by the minibatch's counts): the trainers sum them per optimizer step (:meth:`minibatch_shares`)
+    share_metrics: ClassVar[frozenset[str]] = frozenset()
     # True if the loss needs one advantage per sequence (``sequence_advantages``: GSPO, GMPO, HolderPO, ConSPO, TBPO),
     # so a token-level estimator's [B, T] advantages (optimal_token_baseline) cannot feed it
     needs_sequence_advantages: ClassVar[bool] = False
@@ -629,6 +633,12 @@ class Objective:
         "reference" (``needs_reference``)."""
         declared = {"state": cls.stateful, "hidden_states": cls.needs_hidden_states, "reference": cls.needs_reference}
         return frozenset(need for need, flag in declared.items() if flag)
+
+    @classmethod
+    def minibatch_shares(cls) -> frozenset[str]:
+        """The metrics the trainers sum over an optimizer step's micro-batches (:data:`MINIBATCH_SHARES` and the
+        class's ``share_metrics``) rather than average."""
+        return MINIBATCH_SHARES | cls.share_metrics
 
     @classmethod
     def uses_minibatch_statistics(cls) -> bool:

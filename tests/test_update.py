@@ -31,7 +31,7 @@ from tests.helpers.tiny import tiny_run
 # p3o: its minibatch ESS from the loop's no-grad first pass; conspo compares a group's samples (micro-batches: groups);
 # prompt_mean: each prompt's tokens and the prompts counted over the minibatch, not the micro-batch
 @pytest.mark.parametrize("objective, extra", [("dapo", ("objective.params.entropy_coef=0.01",)), ("p3o", ()),
-                                              ("conspo", ()),
+                                              ("conspo", ()), ("a2po", ()),
                                               ("grpo", ("objective.params.aggregation=prompt_mean",))])
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, monkeypatch):
     passes, real = [], harness.loop.native.with_statistics
@@ -60,7 +60,8 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, mon
         assert torch.allclose(finals[0][key], finals[1][key], atol=1e-6), key
         assert torch.allclose(finals[0][key], finals[2][key], atol=1e-6), key
     # the logged loss and its shares (summed over an optimizer step's micro-batches, not averaged) as the whole's
-    for key in ("loss", "pg_loss", *(("entropy_bonus",) if objective == "dapo" else ())):
+    own = {"dapo": ["entropy_bonus"], "a2po": ["implicit_reward", "a2po_target", "a2po_residual"]}  # means over the
+    for key in ["loss", "pg_loss", *own.get(objective, [])]:  # minibatch's sequences: shares of the whole, as pg_loss
         assert [row[key] for row in logged] == pytest.approx([logged[0][key]] * 3, rel=1e-5, abs=1e-7), key
     assert counts[:2] == [[8, 8], [4] * 4] and sum(counts[2]) == 16 and len(counts[2]) > 2
     if objective == "conspo":  # whole groups of 4: each over the budget, alone

@@ -16,14 +16,15 @@ from objectives.rollout_correction import SAFETY_BOUND
 
 class MetricMeter:
     """Combines metrics over micro-batches and minibatches: *_min by min, *_max by max, the rest by a weighted
-    mean (weights: tokens, or 1 per optimizer step). A micro-batch's share of its optimizer step's value
-    (:data:`objectives.base.MINIBATCH_SHARES`, e.g. ``pg_loss``) is not a mean over the micro-batch: with
+    mean (weights: tokens, or 1 per optimizer step). A micro-batch's share of its optimizer step's value (``shares``:
+    :meth:`objectives.base.Objective.minibatch_shares`, e.g. ``pg_loss``) is not a mean over the micro-batch: with
     ``step_tokens`` (the valid tokens of the micro-batch's whole optimizer step) it adds ``value x step_tokens``
     with the micro-batch's own weight, so that the result is the optimizer steps' values (the sums of their
     micro-batches' shares) averaged with their tokens as weights, whatever the micro-batching."""
 
-    def __init__(self):
+    def __init__(self, shares: frozenset[str] = MINIBATCH_SHARES):
         self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
+        self.shares = shares  # the objective's (Objective.minibatch_shares)
 
     def add(self, metrics: dict[str, float], weight: float, step_tokens: float | None = None) -> None:
         for key, value in metrics.items():
@@ -31,7 +32,7 @@ class MetricMeter:
                 pick = min if key.endswith("_min") else max
                 self.extremes[key] = pick(self.extremes.get(key, value), value)
             elif math.isfinite(value):
-                share = step_tokens is not None and key in MINIBATCH_SHARES
+                share = step_tokens is not None and key in self.shares
                 self.sums[key] += value * (step_tokens if share else weight)
                 self.weights[key] += weight
 

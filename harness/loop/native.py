@@ -214,13 +214,14 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
     behaviour log-probs are the sampler's; an MoE's expert volatility over all its forwards, expert-load entropy and
     router aux loss)."""
     generator = torch.Generator().manual_seed(plan.order_seed)
-    meter, mismatch, volatility = MetricMeter(), MismatchMeter(ess=plan.lagged), []
+    shares = learner.objective.minibatch_shares()  # pg_loss and the like: summed over an optimizer step
+    meter, mismatch, volatility = MetricMeter(shares), MismatchMeter(ess=plan.lagged), []
     learner.policy.train()
     for epoch in range(plan.epochs):
         for k, minibatch in enumerate(minibatches(plan, generator)):  # a new order each epoch, groups whole
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
-            loss, window = 0.0, MetricMeter()  # the optimizer step's own metrics, for the objective's hook
+            loss, window = 0.0, MetricMeter(shares)  # the optimizer step's own metrics, for the objective's hook
             for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":

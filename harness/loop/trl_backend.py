@@ -210,7 +210,8 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         super().__init__(*args, **kwargs)
         self.train_cfg = train
         old_logp = old_logp if train is None else behaviour_logp(train)
-        self.objective, self.estimator, self.old_logp, self.meter = objective, estimator, old_logp, MetricMeter()
+        self.objective, self.estimator, self.old_logp = objective, estimator, old_logp
+        self.meter = MetricMeter(objective.minibatch_shares())
         self.correction_on = train is not None and correction_settings(train)[0] != "none"
         self.recording, self.behaviour_record, self.volatility = False, None, []  # an MoE's routing (expert volatility)
         if objective.beta > 0 and adapted(self.accelerator.unwrap_model(self.model)):
@@ -406,7 +407,7 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
         if self.model.training:
             logs.update(self.gathered_meter().result())
             logs.update(self.gathered_volatility())
-            self.meter, self.volatility = MetricMeter(), []
+            self.meter, self.volatility = MetricMeter(self.objective.minibatch_shares()), []
         super().log(logs, start_time)
 
     def gathered_volatility(self) -> dict[str, float]:
