@@ -17,6 +17,7 @@ from objectives.base import (
     available_objectives,
     estimator_name,
     get_objective,
+    reads_reference_policy,
     register_objective,
 )
 from objectives.registry import UnknownNameError, import_every_module
@@ -36,5 +37,6 @@ __all__ = [
     "estimator_name",
     "get_advantage",
     "get_objective",
+    "reads_reference_policy",
     "register_objective",
 ]

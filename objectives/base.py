@@ -44,6 +44,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from objectives.advantages import reference_samples
 from objectives.registry import Registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum", "prompt_mean")
@@ -826,6 +827,13 @@ def estimator_name(objective: str, advantage: str | None) -> str:
     """The advantage estimator a run of ``objective`` uses: ``advantage`` (a config's ``objective.advantage``, a lab's
     ``advantage`` key) when given, else the objective's ``default_advantage``."""
     return advantage or OBJECTIVES.get(objective).default_advantage
+
+
+def reads_reference_policy(objective: Objective, estimator: Callable) -> bool:
+    """Whether a run of ``objective`` with advantage ``estimator`` needs the reference policy: a KL term (beta > 0),
+    an objective that reads its log-probs (``needs_reference``: A*-PO), an estimator that samples it
+    (``reference_samples``)."""
+    return objective.beta > 0 or objective.needs_reference or reference_samples(estimator) > 0
 
 
 def get_objective(name: str, **hyperparameters) -> Objective:

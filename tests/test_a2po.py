@@ -13,7 +13,7 @@ import torch
 from harness.apps.lab import validate_lab
 from harness.loop.backends import BACKENDS
 from harness.loop.batch import collect_batch, rewards_of, with_reference_rewards
-from harness.loop.build import build_policy, build_task, frozen_copy, references
+from harness.loop.build import build_policy, build_task, frozen_copy
 from harness.loop.native import train
 from harness.loop.trl_limits import trl_unsupported
 from harness.policy.sampler import sample_problems
@@ -21,7 +21,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.seeding import step_seed
 from harness.tasks import Arith, Score
-from objectives import PolicyBatch, get_advantage, get_objective
+from objectives import PolicyBatch, get_advantage, get_objective, reads_reference_policy
 from objectives.advantages import A2PO_BETA1, A2PO_VALUE_SAMPLES, reference_samples
 from tests.helpers.objectives import DT, assert_close, group_batch, num
 from tests.helpers.tiny import tiny_run
@@ -137,9 +137,9 @@ def test_the_a2po_objective_is_checked_and_declares_the_reference():
         get_objective("a2po")(batch)
     a2po, grpo = get_objective("a2po"), get_objective("grpo")
     assert "reference" in type(a2po).needs() and "reference" not in type(grpo).needs()
-    assert references(a2po, get_advantage("grpo")) and references(grpo, get_advantage("a2po"))
-    assert not references(grpo, get_advantage("grpo")) and references(get_objective("grpo", beta=0.1),
-                                                                       get_advantage("grpo"))
+    reads = reads_reference_policy
+    assert reads(a2po, get_advantage("grpo")) and reads(grpo, get_advantage("a2po"))
+    assert not reads(grpo, get_advantage("grpo")) and reads(get_objective("grpo", beta=0.1), get_advantage("grpo"))
     assert "reference" in BACKENDS["native"].provides and "reference" not in BACKENDS["trl"].provides
 
 
@@ -239,6 +239,7 @@ def test_the_memory_floor_counts_the_references_completions_when_they_are_more(m
     from tests.helpers.tiny import TINY_SPEC
 
     weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    weights *= 2  # the policy and its reference copy
     run = tiny_run(tmp_path, "objective.name=a2po", "train.group_size=1")  # 4 prompts: 4 rollout rows, 32 reference
     monkeypatch.setattr(memory, "device_memory", lambda device: weights + 32 * per_token)
     memory.check_memory(run)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from harness.apps.cli import main
@@ -490,8 +491,8 @@ def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkey
     monkeypatch.setattr(memory, "device_memory", lambda device: floor - 1)
     assert memory.sampling_memory_problem(run, 16, "rows") == (
         f"rows = 16 completions sampled at once need at least 14.6 kB for their first token (its logits, keys and "
-        f"values) beside {memory.size(weights)} of weights, and this machine's cpu has {memory.size(floor - 1)} in "
-        "all: lower them")
+        f"values) beside {memory.size(weights)} of weights (the policy's), and this machine's cpu has "
+        f"{memory.size(floor - 1)} in all: lower them")
     monkeypatch.setattr(memory, "device_memory", lambda device: weights)  # not one completion: the model's fault
     assert memory.sampling_memory_problem(run, 16, "rows").startswith("model 'tiny' takes at least ")
 
@@ -533,6 +534,55 @@ def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_
     assert memory.model_bytes(str(tmp_path / "deep"), "{}", "float32") == (0, 4 * (1000 + 200000 * 2 * 2 * 16))
 
 
+@pytest.mark.parametrize(("settings", "copies", "parts"), [
+    ([], 1, "the policy's"),
+    (["objective.params.beta=0.04"], 2, "the policy's, its reference copy's"),  # a KL term: a frozen reference
+    (["objective.params.beta=0.04", "model.lora.rank=2"], 1, "the policy's"),  # the base, adapters off: no copy
+    (["model.sampler_dtype=bfloat16"], 1.5, "the policy's, its bfloat16 sampler copy's"),
+])
+def test_the_memory_floor_counts_the_frozen_copies_a_run_holds(monkeypatch, settings, copies, parts):
+    """The policy's weights were counted once, whatever the run holds beside them: the reference policy's frozen copy
+    (a KL term, a2po), the sampler's copy in another precision (whose keys and values are in its precision too)."""
+    from harness.policy import memory
+    from tests.helpers.tiny import TINY_SPEC
+
+    (run,) = run_configs(load_experiment("base", [*TINY_RUN, *settings]))
+    weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    held = int(weights * copies)
+    sampled = per_token // 2 if "model.sampler_dtype=bfloat16" in settings else per_token
+    assert memory.held_weights(run, weights) == (held, parts)
+    monkeypatch.setattr(memory, "device_memory", lambda device: held + 16 * sampled)
+    memory.check_memory(run)
+    monkeypatch.setattr(memory, "device_memory", lambda device: held + 16 * sampled - 1)
+    with pytest.raises(ConfigError, match=rf"beside {memory.size(held)} of weights \({parts}\)"):
+        memory.check_memory(run)
+
+
+def test_the_memory_floor_counts_a_folders_weights_from_its_safetensors_headers(tmp_path):
+    """A local folder's weights counted 0: the floor of a 7B model in float32 beside its reference was the logits
+    alone. Now the parameters of the files transformers loads, from their headers (a sharded folder's index; a
+    Mistral-style consolidated file beside them is not loaded, not counted), nothing else read."""
+    from safetensors.torch import save_file
+
+    from harness.policy import memory
+
+    tensors = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    (tmp_path / "one").mkdir()
+    save_file(tensors, tmp_path / "one" / "model.safetensors")
+    assert memory.folder_parameters(tmp_path / "one") == 17
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    save_file({"a": tensors["a"]}, shards / "model-1.safetensors")
+    save_file({"b": tensors["b"]}, shards / "model-2.safetensors")
+    save_file(tensors, shards / "consolidated.safetensors")
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors",
+                                                                                   "b": "model-2.safetensors"}}))
+    assert memory.folder_parameters(shards) == 17
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")  # a header length beyond the cap
+    assert memory.folder_parameters(tmp_path / "bad") == 0 == memory.folder_parameters(tmp_path / "none")
+
+
 def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything(tmp_path, capsys, monkeypatch):
     """group_size or lab.reference_samples of 10^8: torch's allocation error after the run's or lab's folder, the warm
     start and a traceback (the fifth hostile pass, 10.8); now one line naming the settings, nothing made. The
@@ -545,7 +595,8 @@ def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config error: train.prompts_per_step x train.group_size = " in err
     assert re.search(r"completions sampled at once need at least .* GB for their first token \(its logits, keys and "
-                     r"values\) beside .* of weights, and this machine's cpu has 24.0 GB in all: lower them", err)
+                     r"values\) beside .* of weights \(the policy's\), and this machine's cpu has 24.0 GB in all: "
+                     r"lower them", err)
     assert main(["lab", "base", *TINY_RUN, "lab.reference_samples=100000000", results]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lab.reference_samples x the evaluation minibatch's prompts = 200000000 " in err

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
-from harness.loop.build import RunSetup, build_learner, build_objective, references, setup_run
+from harness.loop.build import RunSetup, build_learner, build_objective, setup_run
 from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
@@ -53,6 +53,7 @@ from harness.run.config import check_this_machine, load_experiment, run_configs,
 from harness.run.errors import ConfigError
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
+from objectives import reads_reference_policy
 from objectives.advantages import loop_inputs
 
 
@@ -128,7 +129,7 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     count."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
     objective, estimator = build_objective(cfg)
-    if references(objective, estimator):  # before the model is built
+    if reads_reference_policy(objective, estimator):  # before the model is built
         raise ConfigError("the bench times a step without the reference policy (no KL term, no objective or estimator "
                           "that reads it): set objective.params.beta=0 and another objective (a2po reads it) or "
                           "objective.advantage (a2po samples it)")

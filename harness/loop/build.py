@@ -28,8 +28,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_diges
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.tasks import Problem, Task, get_task, problems_digest
-from objectives import Objective, estimator_name, get_advantage, get_objective
-from objectives.advantages import reference_samples
+from objectives import Objective, estimator_name, get_advantage, get_objective, reads_reference_policy
 
 
 @dataclass(frozen=True)
@@ -73,19 +72,13 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     if lora.rank and adapters:
         policy = with_adapters(policy, lora, seed=cfg.model.seed)
     reference = None
-    if references(objective, estimator) and (adapters or not lora.rank):
+    if reads_reference_policy(objective, estimator) and (adapters or not lora.rank):
         reference = policy if lora.rank else frozen_copy(policy)
     dtype = sampler_dtype(cfg)
     sampler = frozen_copy(policy, dtype) if dtype is not None else policy
     task_data = problems_digest(train_problems, task.eval_problems())
     return RunSetup(device, task, train_problems, policy, tokenizer, start_policy, task_data, start_weights, objective,
                     estimator, reference, sampler)
-
-
-def references(objective: Objective, estimator: Callable) -> bool:
-    """Whether a run of ``objective`` with ``estimator`` needs the reference policy: a KL term (beta > 0), an objective
-    that reads its log-probs (``needs_reference``: A*-PO), an estimator that samples it (``reference_samples``)."""
-    return objective.beta > 0 or objective.needs_reference or reference_samples(estimator) > 0
 
 
 def hook_routing(run: RunSetup, t: DictConfig) -> None:

@@ -72,6 +72,6 @@ def check_eval_memory(run: DictConfig) -> None:
         rows = per_call * t.pass_k
         what = (f"pass@k: train.pass_k={t.pass_k} completions for each of {per_call} problem{'s' * (per_call > 1)} "
                 "per call (train.eval_batch_size // train.pass_k, at least 1)")
-    problem = sampling_memory_problem(run, rows, what)
+    problem = sampling_memory_problem(run, rows, what, held=run.backend == "native")  # the policy evaluates
     if problem:
         raise ConfigError(f"evaluation: {problem}")
