@@ -614,8 +614,8 @@ class Objective:
 
     def after_update(self, metrics: dict[str, float], sequences: int) -> None:
         """Called once per rollout step, after its last optimizer step, with the step's update metrics (the
-        objective's averaged over all its micro-batches, weighted by valid tokens, the shares summed per optimizer
-        step; ``loss``, ``grad_norm``) and the
+        objective's averaged over all its micro-batches, weighted by valid tokens; the shares summed per optimizer
+        step and averaged over the optimizer steps, as ``loss`` and ``grad_norm``) and the
         number of sequences the step trained on (verl's adaptive KL controller moves here)."""
 
     def state_dict(self) -> dict:

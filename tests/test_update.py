@@ -63,6 +63,9 @@ def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, mon
     own = {"dapo": ["entropy_bonus"], "a2po": ["implicit_reward", "a2po_target", "a2po_residual"]}  # means over the
     for key in ["loss", "pg_loss", *own.get(objective, [])]:  # minibatch's sequences: shares of the whole, as pg_loss
         assert [row[key] for row in logged] == pytest.approx([logged[0][key]] * 3, rel=1e-5, abs=1e-7), key
+    if objective == "dapo":  # loss = pg_loss - coef x bonus, each a mean over the step's 2 optimizer steps
+        for row in logged:
+            assert row["loss"] == pytest.approx(row["pg_loss"] - 0.01 * row["entropy_bonus"], rel=1e-6, abs=1e-9)
     assert counts[:2] == [[8, 8], [4] * 4] and sum(counts[2]) == 16 and len(counts[2]) > 2
     if objective == "conspo":  # whole groups of 4: each over the budget, alone
         assert counts[2] == [4] * 4

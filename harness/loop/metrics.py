@@ -18,9 +18,9 @@ class MetricMeter:
     """Combines metrics over micro-batches and minibatches: *_min by min, *_max by max, the rest by a weighted
     mean (weights: tokens, or 1 per optimizer step). A micro-batch's share of its optimizer step's value (``shares``:
     :meth:`objectives.base.Objective.minibatch_shares`, e.g. ``pg_loss``) is not a mean over the micro-batch: with
-    ``step_tokens`` (the valid tokens of the micro-batch's whole optimizer step) it adds ``value x step_tokens``
-    with the micro-batch's own weight, so that the result is the optimizer steps' values (the sums of their
-    micro-batches' shares) averaged with their tokens as weights, whatever the micro-batching."""
+    ``step_tokens`` (the valid tokens of the micro-batch's whole optimizer step) it adds the value with weight
+    ``weight / step_tokens`` (the micro-batch's fraction of its step), so that the result is the mean over optimizer
+    steps of their values (the sums of their micro-batches' shares), as ``loss`` is, whatever the micro-batching."""
 
     def __init__(self, shares: frozenset[str] = MINIBATCH_SHARES):
         self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
@@ -32,9 +32,9 @@ class MetricMeter:
                 pick = min if key.endswith("_min") else max
                 self.extremes[key] = pick(self.extremes.get(key, value), value)
             elif math.isfinite(value):
-                share = step_tokens is not None and key in self.shares
-                self.sums[key] += value * (step_tokens if share else weight)
-                self.weights[key] += weight
+                fraction = weight / step_tokens if step_tokens and key in self.shares else None
+                self.sums[key] += value if fraction is not None else value * weight
+                self.weights[key] += weight if fraction is None else fraction
 
     def result(self) -> dict[str, float]:
         return {**{k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k]}, **self.extremes}
