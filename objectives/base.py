@@ -578,9 +578,10 @@ class Objective:
     def inert_hyperparameters(self) -> frozenset[str]:
         """The hyperparameters that change nothing at this objective's values, declared by the objective: the run id
         leaves them out and a resume may change them (harness/run/config.py ``unused_setting``). Here kl_estimator
-        without a KL term (beta 0: no reference forward, no term, no metric); an objective that reads one
-        otherwise says so by overriding this."""
-        return frozenset({"kl_estimator"}) if self.beta == 0 else frozenset()
+        without a KL term (beta 0: no reference forward, no term, no metric) and off_policy_mask_threshold without
+        the mask (off_policy_mask false); an objective that reads one otherwise says so by overriding this."""
+        inert = {"kl_estimator"} if self.beta == 0 else set()
+        return frozenset(inert | ({"off_policy_mask_threshold"} if not self.off_policy_mask else set()))
 
     def reference_kl_coef(self) -> float:
         """The coefficient of the KL to the reference in this loss: ``beta`` (an adaptive controller's current one)."""

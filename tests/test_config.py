@@ -182,6 +182,8 @@ def test_a_run_without_adapters_resumes_with_other_lora_settings_but_not_another
      r"the correction's thresholds change nothing at train.rollout_correction.mode=none"),
     ("objective.params.kl_estimator=k1", "objective.params.beta=0.01",
      r"objective grpo declares kl_estimator inert at these values"),
+    ("objective.params.off_policy_mask_threshold=0.7", "objective.params.off_policy_mask=true",
+     r"objective grpo declares off_policy_mask_threshold inert at these values"),
 ])
 def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, why, tmp_path):
     """A correction's thresholds at mode none and kl_estimator at beta 0 (grpo's own
@@ -196,7 +198,7 @@ def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, wh
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(run))
     check_resume(OmegaConf.merge(run, OmegaConf.from_dotlist([inert])), tmp_path)
     key, value = inert.split("=")
-    values = {"5": "[5,6]", "0.5": "[0.5,0.25]", "k1": "[k1,k2]"}[value]
+    values = {"5": "[5,6]", "0.5": "[0.5,0.25]", "k1": "[k1,k2]", "0.7": "[0.7,0.8]"}[value]
     with pytest.raises(ConfigError, match=rf"sweep.grid.{re.escape(key)}: .* make the same run \({why}\)"):
         run_configs(load_experiment("quickstart", ["sweep.grid.objective.name=[grpo]", f"sweep.grid.{key}={values}"]))
 
