@@ -226,6 +226,9 @@ def test_a_grid_over_an_objectives_own_value_and_its_default_is_refused_as_the_s
                        r"\(objective grpo's own is grpo\); list each value once$"):
         run_configs(load_experiment("quickstart", ["seed=0", "sweep.grid.objective.name=[grpo]",
                                                    "sweep.grid.objective.advantage=[null,grpo]"]))
+    with pytest.raises(ConfigError, match=r"null and grpo make the same run"):  # another estimator acting beside them
+        run_configs(load_experiment("quickstart", ["seed=0", "sweep.grid.objective.name=[grpo,gspo]",
+                                                   "sweep.grid.objective.advantage=[null,grpo,opo]"]))
 
 
 def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent():

@@ -600,7 +600,7 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po]) makes
     one run where it changes nothing, not a refusal."""
     first: dict[str, dict] = {}
-    acting = {key for key in grid if any(not (unused_setting(run, key) or at_own_value(run, key)) for run in runs)}
+    acting = {key for key in grid if any(not unused_setting(run, key) for run in runs)}
     kept = []
     for run, point in zip(runs, points, strict=True):
         other = first.setdefault(run_id(run), point)
@@ -608,8 +608,9 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
             kept.append(run)
             continue
         differing = [key for key in point if point[key] != other[key]]
-        if differing and all(key in acting and (unused_setting(run, key) or at_own_value(run, key))
-                             for key in differing):
+        acts_elsewhere = [(key in acting and unused_setting(run, key))
+                          or _two_estimators_elsewhere(runs, key, point, other) for key in differing]
+        if differing and all(acts_elsewhere):
             continue  # the same run as an earlier point: the setting changes nothing here, and acts elsewhere
         if not differing:
             key = next(k for k in grid if sum(v == point[k] for v in grid[k]) > 1)
@@ -626,6 +627,16 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
     return kept
+
+
+def _two_estimators_elsewhere(runs: list[DictConfig], key: str, point: dict, other: dict) -> bool:
+    """Whether two grid values of ``objective.advantage`` that make one run here (null and the objective's own
+    estimator: :func:`at_own_value`) are two estimators for another of the grid's objectives: null and grpo are for
+    a2po (its own: a2po), not for grpo or gspo."""
+    if key != "objective.advantage":
+        return False
+    return any(estimator_name(run.objective.name, point[key]) != estimator_name(run.objective.name, other[key])
+               for run in runs)
 
 
 def _sections_of_type(node, type_name: str, prefix: str = ""):
