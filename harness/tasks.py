@@ -143,6 +143,17 @@ def check_task(run: DictConfig) -> None:
     if error:  # the task's own message, prefixed with its name unless it starts with it
         named = error.startswith((f"task {run.task.name!r}", f"{run.task.name}:", f"{run.task.name} "))
         raise ConfigError(error if named else f"task {run.task.name!r}: {error}")
+    declared = _declared_train_size(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
+    if declared is not None:  # arith's, reasoning_gym's train_size (the problems they make); GSM8K's all: at the run
+        check_prompts_fit(run.train.prompts_per_step, declared, run.task.name)
+
+
+def check_prompts_fit(prompts_per_step: int, train_problems: int, task: str) -> None:
+    """A step (a sampling round) draws its prompts from the task's training problems without replacement: refuse
+    more prompts than problems (numpy's "Cannot take a larger sample than population" at the first rollout)."""
+    if prompts_per_step > train_problems:
+        raise ConfigError(f"train.prompts_per_step={prompts_per_step} is more than the {train_problems} training "
+                          f"problems of task {task!r}, and a step draws its prompts without replacement: lower it")
 
 
 @register_check("task_data", when="machine")
@@ -152,6 +163,14 @@ def check_task_data(run: DictConfig) -> None:
     problem = _task_data_problem(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
     if problem:
         raise ConfigError(problem)
+
+
+@functools.lru_cache(maxsize=64)
+def _declared_train_size(name: str, arguments: str, gsm8k_dir: str | None = None) -> int | None:
+    """How many training problems the task makes, as its arguments declare (``train_size``), without making them;
+    None where only its data says (GSM8K's whole split)."""
+    size = getattr(get_task(name, **json.loads(arguments)), "train_size", None)
+    return size if isinstance(size, int) else None
 
 
 def _task_arguments(run: DictConfig) -> str:

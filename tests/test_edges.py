@@ -921,9 +921,12 @@ def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_r
     assert capsys.readouterr().err.count("config.yaml is damaged") == 1
 
 
-def test_more_prompts_per_step_than_training_problems_is_one_line_before_the_warm_start(tmp_path, capsys, monkeypatch):
+def test_more_prompts_per_step_than_training_problems_is_one_line_before_anything(tmp_path, capsys, monkeypatch):
     """A step draws its prompts without replacement: more than the task has was a ValueError traceback from numpy
-    after the run had begun."""
+    after the run had begun; then a line as the run started, after its folder (a sweep: after every run's). Now one
+    line before any folder where the task's arguments say how many problems it makes (arith, reasoning_gym), and as
+    the run starts, before its warm start, where only its data says (GSM8K's whole split)."""
+    from harness import tasks
     from harness.loop import build
 
     def no_policy(*args, **kwargs):
@@ -931,8 +934,14 @@ def test_more_prompts_per_step_than_training_problems_is_one_line_before_the_war
 
     monkeypatch.setattr(build, "build_policy", no_policy)
     problems = len(build.build_task(tiny_run(tmp_path)).train_problems())
+    line = (f"config error: train.prompts_per_step={problems + 1} is more than the {problems} training problems of "
+            "task 'arith', and a step draws its prompts without replacement: lower it")
+    for command in ("train", "sweep"):
+        assert main([command, "quickstart", *QUICK, f"train.prompts_per_step={problems + 1}",
+                     f"results_dir={tmp_path / 'results'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [line] and not (tmp_path / "results").exists(), err
+    monkeypatch.setattr(tasks, "_declared_train_size", lambda *args: None)  # as GSM8K's whole split: the run says it
     assert main(["train", "quickstart", *QUICK, f"train.prompts_per_step={problems + 1}",
                  f"results_dir={tmp_path / 'results'}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"config error: train.prompts_per_step={problems + 1} is more than the {problems} training "
-                       "problems of task 'arith', and a step draws its prompts without replacement: lower it"), err
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line  # before the starting policy (no_policy)

@@ -27,7 +27,7 @@ from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_digest
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
-from harness.tasks import Problem, Task, get_task, problems_digest
+from harness.tasks import Problem, Task, check_prompts_fit, get_task, problems_digest
 from objectives import Objective, estimator_name, get_advantage, get_objective, reads_reference_policy
 
 
@@ -59,10 +59,7 @@ def setup_run(cfg: DictConfig, device: torch.device, progress: bool = False, ada
     then owns the KL reference too (the base with them disabled): no reference here."""
     task = build_task(cfg)
     train_problems = task.train_problems()
-    if cfg.train.prompts_per_step > len(train_problems):  # a step (a sampling round) draws them without replacement
-        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} is more than the "
-                          f"{len(train_problems)} training problems of task {cfg.task.name!r}, and a step draws its "
-                          "prompts without replacement: lower it")
+    check_prompts_fit(cfg.train.prompts_per_step, len(train_problems), cfg.task.name)  # GSM8K's: known once read
     # with the memory settings: the copies' too
     policy, tokenizer, start_policy = build_policy(cfg, task, device, progress)
     # the weights it starts from (the warm start's record has their digest), before the adapters
