@@ -222,13 +222,13 @@ def update(learner: Learner, plan: UpdatePlan, state: RunState) -> dict:
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = with_statistics(learner, plan, minibatch, state)  # P3O's statistics, when micro-batched
             loss, window = 0.0, MetricMeter(shares)  # the optimizer step's own metrics, for the objective's hook
+            step_tokens = minibatch.num_tokens.item()  # the micro-batches' shares (pg_loss) sum to the step's value
             for rows in plan.microbatches(minibatch):  # forward, objective, backward
                 part = microbatch_loss(learner, plan, minibatch, rows, state, with_entropy=epoch == 0)
                 if epoch == 0 and k == 0 and plan.behaviour == "sampler":
                     ro, forward = plan.batch.rollout, part.forward
                     mismatch.add(ro.sampler_logp[rows, :forward.width], forward.logp, forward.mask)
                 loss += part.loss
-                step_tokens = minibatch.num_tokens.item()  # the shares (pg_loss) sum to the optimizer step's
                 meter.add(part.metrics, part.tokens, step_tokens)
                 window.add(part.metrics, part.tokens, step_tokens)
                 volatility += [] if part.forward.volatility is None else [part.forward.volatility]
