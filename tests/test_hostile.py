@@ -600,6 +600,8 @@ def test_an_env_interpolation_is_recorded_as_its_typed_value_and_resumes(tmp_pat
 @pytest.mark.parametrize(("default", "other", "key", "values"), [
     ("objective.params.clip_low=0.2", "objective.params.clip_low=0.3", "objective.params.clip_low", ("0.2", "0.3")),
     ("objective.advantage=grpo", "objective.advantage=opo", "objective.advantage", ("grpo", "opo")),
+    ("objective.params.aggregation=''", "objective.params.aggregation=token_mean", "objective.params.aggregation",
+     ("seq_mean_token_mean", "token_mean")),  # "": the objective's own aggregation, grpo's seq_mean_token_mean
 ])
 def test_an_objective_default_given_explicitly_is_the_same_run(tmp_path, default, other, key, values):
     """A hyperparameter or the estimator written out at the objective's own value is the run without it: the same

@@ -233,6 +233,19 @@ def test_a_lab_with_other_settings_names_them(tmp_path):
         run_lab(load_experiment("base", [*base, "train.lr=1e-2", "lab.mover=gspo", "lab.batches=9"]))
 
 
+def test_a_labs_objective_settings_at_their_own_values_are_the_lab_without_them(tmp_path):
+    """lab.params.grpo.advantage=grpo (or clip_low=0.2, dr_grpo's advantage=mean_only) refused to add to the lab
+    made without them, as another lab, where a run with them is the run without them (a hostile pass)."""
+    from harness.apps.lab import comparable
+
+    base = [*TINY_RUN, f"results_dir={tmp_path}", "lab.objectives=[grpo,dr_grpo]"]
+    plain = comparable(lab_config(load_experiment("base", base)))
+    spelled = "lab.params={grpo: {advantage: grpo, clip_low: 0.2}, dr_grpo: {advantage: mean_only}}"
+    assert comparable(lab_config(load_experiment("base", [*base, spelled]))) == plain
+    other = comparable(lab_config(load_experiment("base", [*base, "lab.params={grpo: {clip_low: 0.3}}"])))
+    assert other != plain and other["lab"]["params"] == {"grpo": {"clip_low": 0.3}}
+
+
 def test_a_lab_policy_folder_without_weights_is_refused_before_anything_naming_lab_policy(tmp_path, capsys):
     """lab.policy a folder with config.json but no weights: a 40-line traceback after the lab's folder was made (the
     seventh hostile pass); now one line before anything, naming lab.policy as given."""

@@ -93,6 +93,25 @@ def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path)
     assert exp.runs.set_index("run_id").loc[other, "duplicate_of"] == kept
 
 
+def test_an_objective_setting_written_at_its_own_value_is_the_run_without_it(tmp_path):
+    """grpo with objective.advantage=grpo written out, and dapo with its own clip_high=0.28 written out, beside
+    runs that leave them out (null, absent): the same computations, the same run ids since the run-id rule, but three
+    cells in the report, in which grpo seed 0 was never compared with gspo seed 0 (a hostile pass). Now one cell;
+    another estimator or clip_high stays a cell of its own."""
+    exp_dir = tmp_path / "spelled"
+    entries = [fake_run(exp_dir, "grpo", 0, {"objective.advantage": "grpo"}),
+               fake_run(exp_dir, "grpo", 1, {"objective.advantage": None}), fake_run(exp_dir, "gspo", 0),
+               fake_run(exp_dir, "gspo", 1), fake_run(exp_dir, "dapo", 0, {"objective.params.clip_high": 0.28}),
+               fake_run(exp_dir, "dapo", 1), fake_run(exp_dir, "dapo", 2, {"objective.params.aggregation": ""})]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == [] and sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2, 2, 3]
+    assert exp.cells.objective_settings["objective.params.clip_high"]["dapo"] == "0.28"
+    entries.append(fake_run(exp_dir, "grpo", 2, {"objective.advantage": "opo"}))
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["objective.advantage"] and sorted(exp.runs["objective.advantage"].unique()) == [
+        "grpo", "opo"]
+
+
 def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):
     """A run that ran out of memory and was resumed with the memory settings on (its config.yaml records them): the
     same condition as its other seeds, not a cell of its own."""

@@ -63,6 +63,7 @@ from harness.policy.warm_start import WarmStartError, weights_digest
 from harness.run.atomic import atomic_write, failure_line, to_file
 from harness.run.config import (
     alias_undone,
+    beyond_own_values,
     check_this_machine,
     load_experiment,
     minibatch_size,
@@ -314,9 +315,13 @@ def check_lab_record(out: Path, file: str, recorded: str | None, current: dict, 
 
 
 def comparable(cfg: DictConfig) -> dict:
-    """The settings that must match for batches to be pooled: all but the number of batches."""
+    """The settings that must match for batches to be pooled: all but the number of batches, an objective's
+    ``lab.params`` less those at the objective's own value (``advantage: grpo`` for grpo is grpo's lab)."""
     values = OmegaConf.to_container(cfg, resolve=True)
     values["lab"].pop("batches")
+    params = {name: beyond_own_values(name, settings or {})
+              for name, settings in (values["lab"].get("params") or {}).items()}
+    values["lab"]["params"] = {name: settings for name, settings in params.items() if settings}
     return values
 
 

@@ -690,17 +690,56 @@ def objective_defaults(name) -> dict[str, object]:
             **{f"objective.params.{k}": v for k, v in cls.hyperparameters().items()}}
 
 
+def _stands_for(name, key: str, value):
+    """The value objective ``name``'s setting ``key`` takes when written ``value``: ``objective.advantage: null`` is
+    its own estimator, a hyperparameter at its field's default that stands for another (``aggregation: ""``, the
+    objective's own aggregation) is that one; anything else is itself."""
+    own = objective_defaults(name)
+    if key == "objective.advantage" and value is None:
+        return own.get(key)
+    cls = OBJECTIVES.get(name) if isinstance(name, str) and name in OBJECTIVES else None
+    field_default = next((f.default for f in dataclasses.fields(cls) if f"objective.params.{f.name}" == key), None) \
+        if cls is not None and key.startswith("objective.params.") else None
+    return own[key] if field_default is not None and _same_setting(value, field_default) else value
+
+
+def _same_setting(given, other) -> bool:
+    """Equal as a setting: equal and of the same kind (``True`` is not ``1``)."""
+    return given == other and isinstance(given, bool) == isinstance(other, bool)
+
+
+def _is_own(name, key: str, value) -> bool:
+    """Whether objective ``name``'s setting ``key`` (dotted) written ``value`` is the objective's own value
+    (:func:`objective_defaults`, :func:`_stands_for`: ``objective.advantage: null`` names its own estimator)."""
+    own = objective_defaults(name)
+    return key in own and _same_setting(_stands_for(name, key, value), own[key])
+
+
 def at_own_value(run: DictConfig, key: str) -> bool:
-    """Whether the setting ``key`` (dotted) of ``run`` is one of its objective's at the objective's own value
-    (:func:`objective_defaults`; ``objective.advantage: null`` names the objective's own estimator): the run is then
-    the one without it. Equal and of the same kind: ``True`` is not ``1``."""
-    own = objective_defaults(run.objective.name)
-    if key not in own:
-        return False
-    given = OmegaConf.select(run, key)
-    if key == "objective.advantage" and given is None:
-        return True
-    return given == own[key] and isinstance(given, bool) == isinstance(own[key], bool)
+    """Whether the setting ``key`` (dotted) of ``run`` is one of its objective's at the objective's own value: the
+    run is then the one without it."""
+    return _is_own(run.objective.name, key, OmegaConf.select(run, key))
+
+
+def beyond_own_values(name: str, settings: dict) -> dict:
+    """An objective's ``settings`` as the lab writes them (``lab.params.<name>``: ``advantage`` and its
+    hyperparameters by name) less those at objective ``name``'s own value: the same lab with them or without."""
+    dotted = {key: "objective.advantage" if key == "advantage" else f"objective.params.{key}" for key in settings}
+    return {key: value for key, value in settings.items() if not _is_own(name, dotted[key], value)}
+
+
+def own_values_written(flat: dict, keys=()) -> dict:
+    """``flat`` (a run's settings, dotted keys) with its objective's settings written as the values they stand for
+    (:func:`_stands_for`: ``objective.advantage`` null as the objective's estimator), and each of ``keys`` that is one
+    of the objective's settings and that ``flat`` leaves out as the objective's own value: two runs of one objective
+    compare equal exactly when they compute the same (a resume, the report's cells). An unregistered objective's
+    settings are returned as they are."""
+    name = flat.get("objective.name")
+    own = objective_defaults(name)
+    if not own:
+        return flat
+    written = {key: _stands_for(name, key, value) if key in own else value for key, value in flat.items()}
+    return {**written, **{key: own[key] for key in [*keys, "objective.advantage"] if key in own and key not in flat}}
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:

@@ -55,6 +55,7 @@ from harness.run.config import (
     NOT_RUN_SECTIONS,
     memory_settings,
     objective_defaults,
+    own_values_written,
     schema_defaults,
     unused_setting,
 )
@@ -199,11 +200,9 @@ def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     values are compared as numbers where one side holds a number and the other its text (a config.yaml that kept an
     interpolation such as ``${oc.env:LR}`` resolves to text)."""
     defaults = _flat(schema_defaults())
-    old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    # the objective's settings as the values they stand for (null: its own estimator; "" aggregation: its own)
+    old, new = (own_values_written(_flat(c)) for c in (saved, OmegaConf.to_container(cfg, resolve=True)))
     old_params, new_params = (objective_defaults(flat.get("objective.name")) for flat in (old, new))
-    for flat, own in ((old, old_params), (new, new_params)):  # null: the objective's own estimator
-        if flat.get("objective.advantage") is None and "objective.advantage" in own:
-            flat["objective.advantage"] = own["objective.advantage"]
     differences = {}
     for key in dict.fromkeys([*new, *old]):
         if key.split(".")[0] in IGNORED_ON_RESUME + NOT_RUN_SETTINGS:
