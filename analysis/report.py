@@ -42,6 +42,7 @@ from analysis.stats import (
     rate_interval,
 )
 from harness.run.atomic import TMP, WRITTEN, ForeignFileError, check_writable, write_into
+from harness.run.config import objective_defaults
 from harness.run.errors import ConfigError
 from harness.run.provenance import versions_lines
 
@@ -301,8 +302,10 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
     for axis in cells.axes:
         values = sorted({show(v) for v in exp.runs[axis]}, key=lambda v: (len(v), v))
         diffs.append(f"{axis}: swept axis (one cell per value): {', '.join(values)}")
-    for key, per_objective in cells.objective_settings.items():
-        diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in per_objective.items()))
+    for key, per_objective in cells.objective_settings.items():  # unset: the objective's own value, where it has one
+        shown = {o: f"{show(objective_defaults(o)[key])} (its own)" if v == "unset" and key in objective_defaults(o)
+                 else v for o, v in per_objective.items()}
+        diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in shown.items()))
     return lines, diffs
 
 

@@ -416,7 +416,7 @@ def test_report_lists_problems(report):
     assert "| grpo-s3-abcd1234 | grpo | 3 | stopped | 4/6 |" in md and "| running |" not in md
     assert "`grpo-s4-abcd1234` (grpo, seed 4): status pending; not started (no folder grpo-s4-abcd1234/)" in md
     assert "`kl_ref` is not reported by: gspo." in md
-    assert "objective.params.beta: per objective: grpo=0.01, gspo=0.0" in md
+    assert "objective.params.beta: per objective: grpo=0.01, gspo=0.0 (its own)" in md
     assert "differ in more than the objective" not in md  # beta is each objective's own hyperparameter
     assert "steps: 6" in md and "group size: 4" in md
     assert any("gspo-s3-abcd1234/metrics.jsonl: skipped truncated last line 4" in w for w in caught)

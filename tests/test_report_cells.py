@@ -105,11 +105,27 @@ def test_an_objective_setting_written_at_its_own_value_is_the_run_without_it(tmp
                fake_run(exp_dir, "dapo", 1), fake_run(exp_dir, "dapo", 2, {"objective.params.aggregation": ""})]
     exp, _ = load(fake_experiment(exp_dir, entries))
     assert exp.cells.axes == [] and sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2, 2, 3]
-    assert exp.cells.objective_settings["objective.params.clip_high"]["dapo"] == "0.28"
+    assert exp.cells.objective_settings == {}
     entries.append(fake_run(exp_dir, "grpo", 2, {"objective.advantage": "opo"}))
     exp, _ = load(fake_experiment(exp_dir, entries))
     assert exp.cells.axes == ["objective.advantage"] and sorted(exp.runs["objective.advantage"].unique()) == [
-        "grpo", "opo"]
+        "opo", "unset"]
+
+
+def test_a_hyperparameter_left_out_is_each_objectives_own_value_in_the_cells(tmp_path):
+    """quickstart's grpo and gspo at their own clip ranges beside gspo_clip_repro's grpo at clip_high 0.27: grpo and
+    gspo at their own values share a cell and are compared; grpo at 0.27 is a cell of its own. Filling each run's
+    left-out hyperparameter with its objective's default made a cell of every objective (a raw clip_high means
+    another thing for each), and no comparison was left (a hostile pass of the same session)."""
+    exp_dir = tmp_path / "mixed"
+    entries = [fake_run(exp_dir, objective, seed) for objective in ("grpo", "gspo") for seed in (0, 1)]
+    entries += [fake_run(exp_dir, "grpo", seed, {"objective.params.clip_high": 0.27}) for seed in (0, 1)]
+    entries += [fake_run(exp_dir, "gspo", 2, {"objective.params.clip_high": 4e-4})]  # gspo's own, written out
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["objective.params.clip_high"] and exp.cells.labels == [
+        "objective.params.clip_high=0.27", "objective.params.clip_high=unset"]
+    table = eval_table(exp.runs, exp.cells.axes).set_index(["objective", "objective.params.clip_high"])
+    assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 2
 
 
 def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):

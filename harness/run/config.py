@@ -728,18 +728,26 @@ def beyond_own_values(name: str, settings: dict) -> dict:
     return {key: value for key, value in settings.items() if not _is_own(name, dotted[key], value)}
 
 
-def own_values_written(flat: dict, keys=()) -> dict:
+def own_values_written(flat: dict) -> dict:
     """``flat`` (a run's settings, dotted keys) with its objective's settings written as the values they stand for
-    (:func:`_stands_for`: ``objective.advantage`` null as the objective's estimator), and each of ``keys`` that is one
-    of the objective's settings and that ``flat`` leaves out as the objective's own value: two runs of one objective
-    compare equal exactly when they compute the same (a resume, the report's cells). An unregistered objective's
-    settings are returned as they are."""
+    (:func:`_stands_for`: ``objective.advantage`` null, or left out, as the objective's estimator): two configs of one
+    objective compare equal exactly when they compute the same (a resume). An unregistered objective's settings are
+    returned as they are."""
     name = flat.get("objective.name")
     own = objective_defaults(name)
     if not own:
         return flat
     written = {key: _stands_for(name, key, value) if key in own else value for key, value in flat.items()}
-    return {**written, **{key: own[key] for key in [*keys, "objective.advantage"] if key in own and key not in flat}}
+    return {"objective.advantage": own["objective.advantage"], **written}
+
+
+def without_own_values(flat: dict) -> dict:
+    """``flat`` (a run's settings, dotted keys) less its objective's settings at the objective's own value
+    (:func:`_is_own`), as the run id leaves them out: a run that writes grpo's estimator out is the run that does not,
+    and a hyperparameter left out stands for each objective's own value, so that runs of several objectives at their
+    own values share a cell of the report (a hyperparameter's raw value means another thing for each objective)."""
+    name = flat.get("objective.name")
+    return {key: value for key, value in flat.items() if not _is_own(name, key, value)}
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:
