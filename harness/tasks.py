@@ -70,6 +70,12 @@ class Task:
         """A fixed held-out set, the same on every call and every run."""
         raise NotImplementedError
 
+    def known_train_size(self) -> int | None:
+        """How many training problems the task makes, known without making them (its ``train_size``), or None where
+        only making them tells (a config check refuses more prompts per step than this before anything starts)."""
+        size = getattr(self, "train_size", None)
+        return size if isinstance(size, int) else None
+
     def score(self, completion: str, problem: Problem) -> Score:
         raise NotImplementedError
 
@@ -143,9 +149,9 @@ def check_task(run: DictConfig) -> None:
     if error:  # the task's own message, prefixed with its name unless it starts with it
         named = error.startswith((f"task {run.task.name!r}", f"{run.task.name}:", f"{run.task.name} "))
         raise ConfigError(error if named else f"task {run.task.name!r}: {error}")
-    declared = _declared_train_size(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
-    if declared is not None:  # arith's, reasoning_gym's train_size (the problems they make); GSM8K's all: at the run
-        check_prompts_fit(run.train.prompts_per_step, declared, run.task.name)
+    known = _known_train_size(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
+    if known is not None:  # train_size, a local file's rows; the hub's GSM8K: as the run starts
+        check_prompts_fit(run.train.prompts_per_step, known, run.task.name)
 
 
 def check_prompts_fit(prompts_per_step: int, train_problems: int, task: str) -> None:
@@ -166,11 +172,9 @@ def check_task_data(run: DictConfig) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _declared_train_size(name: str, arguments: str, gsm8k_dir: str | None = None) -> int | None:
-    """How many training problems the task makes, as its arguments declare (``train_size``), without making them;
-    None where only its data says (GSM8K's whole split)."""
-    size = getattr(get_task(name, **json.loads(arguments)), "train_size", None)
-    return size if isinstance(size, int) else None
+def _known_train_size(name: str, arguments: str, gsm8k_dir: str | None = None) -> int | None:
+    """:meth:`Task.known_train_size` of the task with these arguments (``gsm8k_dir``: a cache key)."""
+    return get_task(name, **json.loads(arguments)).known_train_size()
 
 
 def _task_arguments(run: DictConfig) -> str:
@@ -310,6 +314,15 @@ class GSM8K(Task):
 
     def eval_problems(self) -> Sequence[Problem]:
         return self._split("test", self.eval_size)
+
+    def known_train_size(self) -> int | None:
+        """``train_size``, or a local folder's train.jsonl rows (its non-blank lines, counted, not parsed); None for
+        the hub's copy, whose size loading it tells."""
+        if self.data_dir is None:
+            return self.train_size
+        with (Path(self.data_dir).expanduser() / "train.jsonl").open("rb") as lines:
+            rows = sum(1 for line in lines if line.strip())
+        return rows if self.train_size is None else min(rows, self.train_size)
 
     def score(self, completion: str, problem: Problem) -> Score:
         marked = marker_answer(completion)

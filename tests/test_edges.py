@@ -941,7 +941,7 @@ def test_more_prompts_per_step_than_training_problems_is_one_line_before_anythin
                      f"results_dir={tmp_path / 'results'}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [line] and not (tmp_path / "results").exists(), err
-    monkeypatch.setattr(tasks, "_declared_train_size", lambda *args: None)  # as GSM8K's whole split: the run says it
+    monkeypatch.setattr(tasks, "_known_train_size", lambda *args: None)  # the hub.s GSM8K: the run says it
     assert main(["train", "quickstart", *QUICK, f"train.prompts_per_step={problems + 1}",
                  f"results_dir={tmp_path / 'results'}"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == line  # before the starting policy (no_policy)

@@ -196,3 +196,15 @@ def test_arith_rejects_bad_arguments():
         get_task("arith", operators="+/")
     with pytest.raises(ValueError, match="eval_size"):
         get_task("arith", digits=1, eval_size=150)
+
+
+def test_the_training_problems_a_task_makes_are_known_without_making_them(tmp_path, monkeypatch):
+    """The config check refuses more prompts per step than this before any folder: arith's and reasoning_gym's
+    train_size; a local GSM8K folder's rows, counted (a sweep on a 3-row folder made every run's folder, then each
+    run failed: a hostile pass), at most train_size; the hub's GSM8K: unknown until loaded."""
+    folder = write_gsm8k(tmp_path / "g", [json.dumps(GSM8K_ROW)] * 3 + [""])
+    assert get_task("gsm8k", data_dir=str(folder)).known_train_size() == 3
+    assert get_task("gsm8k", data_dir=str(folder), train_size=2).known_train_size() == 2
+    assert get_task("arith", train_size=50).known_train_size() == 50
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    assert get_task("gsm8k").known_train_size() is None
