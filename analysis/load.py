@@ -25,7 +25,7 @@ import pandas as pd
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
-from harness.run.config import without_own_values
+from harness.run.config import counted_settings
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, listed, read_run_config
@@ -560,9 +560,9 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     runs[numbers] = runs[numbers].astype(float)  # None -> NaN
     integers = ["seed", START_SEED, "total_steps"]
     runs[integers] = runs[integers].astype("Int64")  # <NA> when unknown
-    # each run's settings less its objective's at their own values, as the run id: runs that compute the same
-    # compare equal, and a setting left out is each objective's own (harness.run.config.without_own_values)
-    configs = {run["run_id"]: without_own_values(config) if config else config for run, _, config, _ in loaded}
+    # each run's settings less those that make no other run, as in its id: its objective's at their own values (a
+    # setting left out is each objective's own), those that change nothing here (harness.run.config.counted_settings)
+    configs = {run["run_id"]: counted_settings(config) if config else config for run, _, config, _ in loaded}
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
     with_code = {run["run_id"]: {**configs[run["run_id"]], CODE: run["code"] or UNKNOWN} if config else config

@@ -212,6 +212,9 @@ def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, wh
     # grpo's own estimator spelled out is grpo's run; for a2po (its own: a2po) it is another estimator
     (["sweep.grid.objective.name=[grpo,a2po]", "sweep.grid.objective.advantage=[null,grpo]"], 3),
     (["sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.objective.params.clip_low=[0.2,0.0003]"], 4),
+    # '' is each objective's own aggregation: dapo's token_mean, grpo's seq_mean_token_mean (it was written out as
+    # `key=`, null, and refused as "must be a string")
+    (["sweep.grid.objective.name=[grpo,dapo]", "sweep.grid.objective.params.aggregation=['',token_mean]"], 3),
 ])
 def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_does_not(grid, runs):
     """A threshold crossed with mode=[none, token_mask] (or kl_estimator with beta=[0, 0.1]) was refused as 'the same

@@ -240,7 +240,7 @@ def test_a_labs_objective_settings_at_their_own_values_are_the_lab_without_them(
 
     base = [*TINY_RUN, f"results_dir={tmp_path}", "lab.objectives=[grpo,dr_grpo]"]
     plain = comparable(lab_config(load_experiment("base", base)))
-    spelled = "lab.params={grpo: {advantage: grpo, clip_low: 0.2}, dr_grpo: {advantage: mean_only}}"
+    spelled = "lab.params={grpo: {advantage: grpo, clip_low: 0.2, kl_estimator: k1}, dr_grpo: {advantage: mean_only}}"
     assert comparable(lab_config(load_experiment("base", [*base, spelled]))) == plain
     other = comparable(lab_config(load_experiment("base", [*base, "lab.params={grpo: {clip_low: 0.3}}"])))
     assert other != plain and other["lab"]["params"] == {"grpo": {"clip_low": 0.3}}

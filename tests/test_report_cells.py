@@ -121,11 +121,12 @@ def test_a_hyperparameter_left_out_is_each_objectives_own_value_in_the_cells(tmp
     entries = [fake_run(exp_dir, objective, seed) for objective in ("grpo", "gspo") for seed in (0, 1)]
     entries += [fake_run(exp_dir, "grpo", seed, {"objective.params.clip_high": 0.27}) for seed in (0, 1)]
     entries += [fake_run(exp_dir, "gspo", 2, {"objective.params.clip_high": 4e-4})]  # gspo's own, written out
+    entries += [fake_run(exp_dir, "grpo", 3, {"objective.params.kl_estimator": "k1"})]  # inert at beta 0: its run id
     exp, _ = load(fake_experiment(exp_dir, entries))
     assert exp.cells.axes == ["objective.params.clip_high"] and exp.cells.labels == [
         "objective.params.clip_high=0.27", "objective.params.clip_high=unset"]
     table = eval_table(exp.runs, exp.cells.axes).set_index(["objective", "objective.params.clip_high"])
-    assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 2
+    assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 3
 
 
 def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):

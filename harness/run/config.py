@@ -28,8 +28,10 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -596,11 +598,10 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     run's config), values of a memory setting (not part of the run id: they change no number), of where results go
     (:data:`NOT_IN_RUN_ID`), of a setting that changes nothing in any of the grid's runs (:func:`unused_setting`),
     or an objective's own value and its default (``objective.advantage=[null, grpo]`` for grpo: :func:`at_own_value`).
-    A setting that acts in some of the grid's runs and not in others (``threshold`` crossed with
-    ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po]) makes
-    one run where it changes nothing, not a refusal."""
+    Two values that make two runs elsewhere in the grid (``threshold`` crossed with
+    ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po];
+    ``aggregation=['', token_mean]`` crossed with [grpo, dapo]) make one run where they are one, not a refusal."""
     first: dict[str, dict] = {}
-    acting = {key for key in grid if any(not unused_setting(run, key) for run in runs)}
     kept = []
     for run, point in zip(runs, points, strict=True):
         other = first.setdefault(run_id(run), point)
@@ -608,9 +609,7 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
             kept.append(run)
             continue
         differing = [key for key in point if point[key] != other[key]]
-        acts_elsewhere = [(key in acting and unused_setting(run, key))
-                          or _two_estimators_elsewhere(runs, key, point, other) for key in differing]
-        if differing and all(acts_elsewhere):
+        if differing and all(_two_runs_elsewhere(runs, key, point[key], other[key]) for key in differing):
             continue  # the same run as an earlier point: the setting changes nothing here, and acts elsewhere
         if not differing:
             key = next(k for k in grid if sum(v == point[k] for v in grid[k]) > 1)
@@ -629,14 +628,17 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     return kept
 
 
-def _two_estimators_elsewhere(runs: list[DictConfig], key: str, point: dict, other: dict) -> bool:
-    """Whether two grid values of ``objective.advantage`` that make one run here (null and the objective's own
-    estimator: :func:`at_own_value`) are two estimators for another of the grid's objectives: null and grpo are for
-    a2po (its own: a2po), not for grpo or gspo."""
-    if key != "objective.advantage":
-        return False
-    return any(estimator_name(run.objective.name, point[key]) != estimator_name(run.objective.name, other[key])
-               for run in runs)
+def _two_runs_elsewhere(runs: list[DictConfig], key: str, value, other) -> bool:
+    """Whether two values of the grid's ``key`` that make one run here make two runs for another of the grid's runs
+    (other ids with each written in): a threshold at mode none acts at token_mask; null and grpo, one estimator for
+    grpo, are two for a2po."""
+    for run in runs:
+        one, two = copy.deepcopy(run), copy.deepcopy(run)
+        OmegaConf.update(one, key, value, force_add=True)
+        OmegaConf.update(two, key, other, force_add=True)
+        if run_id(one) != run_id(two):
+            return True
+    return False
 
 
 def _sections_of_type(node, type_name: str, prefix: str = ""):
@@ -650,7 +652,10 @@ def _sections_of_type(node, type_name: str, prefix: str = ""):
 
 
 def _dot(value) -> str:
-    """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them)."""
+    """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them; the
+    empty string quoted: ``key=`` is null)."""
+    if value == "":
+        return "''"
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
@@ -679,27 +684,34 @@ def run_id(run: DictConfig) -> str:
     return f"{run.objective.name}-s{run.seed}-{digest}"
 
 
-def objective_defaults(name) -> dict[str, object]:
+def objective_defaults(name) -> Mapping[str, object]:
     """What objective ``name`` uses when a run does not say (``objective.advantage``: its default estimator;
     ``objective.params.<hyperparameter>``: its default): given explicitly at these values, a setting makes the same
-    run (the same run id, and a resume of the run without it). {} for an objective that is not registered."""
-    if not isinstance(name, str) or name not in OBJECTIVES:
-        return {}
+    run (the same run id, and a resume of the run without it). Empty for an objective that is not registered."""
+    return _objective_values(name)[0] if isinstance(name, str) else MappingProxyType({})
+
+
+@functools.cache
+def _objective_values(name: str) -> tuple[Mapping[str, object], Mapping[str, object]]:
+    """(objective_defaults, its hyperparameters' field defaults by dotted key), read-only, read once per name (a
+    registered objective's class does not change)."""
+    if name not in OBJECTIVES:
+        return MappingProxyType({}), MappingProxyType({})
     cls = OBJECTIVES.get(name)
-    return {"objective.advantage": cls.default_advantage,
-            **{f"objective.params.{k}": v for k, v in cls.hyperparameters().items()}}
+    own = {"objective.advantage": cls.default_advantage,
+           **{f"objective.params.{k}": v for k, v in cls.hyperparameters().items()}}
+    fields = {f"objective.params.{f.name}": f.default for f in dataclasses.fields(cls)}
+    return MappingProxyType(own), MappingProxyType(fields)
 
 
 def _stands_for(name, key: str, value):
     """The value objective ``name``'s setting ``key`` takes when written ``value``: ``objective.advantage: null`` is
     its own estimator, a hyperparameter at its field's default that stands for another (``aggregation: ""``, the
     objective's own aggregation) is that one; anything else is itself."""
-    own = objective_defaults(name)
+    own, fields = _objective_values(name) if isinstance(name, str) else ({}, {})
     if key == "objective.advantage" and value is None:
         return own.get(key)
-    cls = OBJECTIVES.get(name) if isinstance(name, str) and name in OBJECTIVES else None
-    field_default = next((f.default for f in dataclasses.fields(cls) if f"objective.params.{f.name}" == key), None) \
-        if cls is not None and key.startswith("objective.params.") else None
+    field_default = fields.get(key)
     return own[key] if field_default is not None and _same_setting(value, field_default) else value
 
 
@@ -725,7 +737,11 @@ def beyond_own_values(name: str, settings: dict) -> dict:
     """An objective's ``settings`` as the lab writes them (``lab.params.<name>``: ``advantage`` and its
     hyperparameters by name) less those at objective ``name``'s own value: the same lab with them or without."""
     dotted = {key: "objective.advantage" if key == "advantage" else f"objective.params.{key}" for key in settings}
-    return {key: value for key, value in settings.items() if not _is_own(name, dotted[key], value)}
+    try:  # and those it declares inert at these values (kl_estimator at beta 0)
+        inert = get_objective(name, **{k: v for k, v in settings.items() if k != "advantage"}).inert_hyperparameters()
+    except (KeyError, TypeError, ValueError):
+        inert = frozenset()
+    return {key: value for key, value in settings.items() if not _is_own(name, dotted[key], value) and key not in inert}
 
 
 def own_values_written(flat: dict) -> dict:
@@ -741,13 +757,26 @@ def own_values_written(flat: dict) -> dict:
     return {"objective.advantage": own["objective.advantage"], **written}
 
 
-def without_own_values(flat: dict) -> dict:
-    """``flat`` (a run's settings, dotted keys) less its objective's settings at the objective's own value
-    (:func:`_is_own`), as the run id leaves them out: a run that writes grpo's estimator out is the run that does not,
-    and a hyperparameter left out stands for each objective's own value, so that runs of several objectives at their
-    own values share a cell of the report (a hyperparameter's raw value means another thing for each objective)."""
+def counted_settings(flat: dict) -> dict:
+    """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
+    making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes
+    grpo's estimator out is the run that does not; a hyperparameter left out stands for each objective's own value,
+    whose raw value means another thing for each), and the settings that change nothing at its other values
+    (:func:`unused_setting`: kl_estimator at beta 0, LoRA's at rank 0). The report's cells pool runs on these."""
     name = flat.get("objective.name")
-    return {key: value for key, value in flat.items() if not _is_own(name, key, value)}
+    kept = {key: value for key, value in flat.items() if not _is_own(name, key, value)}
+    try:
+        tree: dict = {}
+        for key, value in flat.items():
+            *parents, leaf = key.split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        unused = unused_settings(OmegaConf.create(tree), list(kept))
+        return {key: value for key, value in kept.items() if key not in unused}
+    except Exception:  # noqa: BLE001 - a config.yaml of an older or odd shape: its settings as written
+        return kept
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:
@@ -756,16 +785,27 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
     adapters); the rollout correction's thresholds at mode none (its rules' bounds without rules are refused); an
     objective's hyperparameters that it declares inert at its values (``Objective.inert_hyperparameters``:
     kl_estimator at beta 0)."""
+    return unused_settings(run, [key]).get(key)
+
+
+def unused_settings(run: DictConfig, keys) -> dict[str, str]:
+    """:func:`unused_setting` for each of ``keys``, the run's values read once: {key: why} for those that change
+    nothing."""
     # a config written before a setting existed lacks it: its default then
     lora_rank, mode = (OmegaConf.select(run, k, default=d) for k, d in (("model.lora.rank", 0),
                                                                       ("train.rollout_correction.mode", "none")))
-    if key.startswith("model.lora.") and key != "model.lora.rank" and not lora_rank:
-        return "LoRA's settings change nothing at model.lora.rank=0 (no adapters)"
-    if key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") and mode == "none":
-        return "the correction's thresholds change nothing at train.rollout_correction.mode=none"
-    if key.startswith("objective.params.") and key.removeprefix("objective.params.") in _inert(run):
-        return f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at these values"
-    return None
+    inert = _inert(run) if any(key.startswith("objective.params.") for key in keys) else frozenset()
+    why = {}
+    for key in keys:
+        if key.startswith("model.lora.") and key != "model.lora.rank" and not lora_rank:
+            why[key] = "LoRA's settings change nothing at model.lora.rank=0 (no adapters)"
+        elif key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") \
+                and mode == "none":
+            why[key] = "the correction's thresholds change nothing at train.rollout_correction.mode=none"
+        elif key.startswith("objective.params.") and key.removeprefix("objective.params.") in inert:
+            why[key] = (f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at "
+                        "these values")
+    return why
 
 
 def _inert(run: DictConfig) -> frozenset[str]:
