@@ -71,8 +71,9 @@ class Task:
         raise NotImplementedError
 
     def known_train_size(self) -> int | None:
-        """How many training problems the task makes, known without making them (its ``train_size``), or None where
-        only making them tells (a config check refuses more prompts per step than this before anything starts)."""
+        """How many training problems the task makes, known from its arguments (its ``train_size``) without asking for
+        them, or None where only loading them tells (a config check refuses more prompts per step than this before
+        anything starts)."""
         size = getattr(self, "train_size", None)
         return size if isinstance(size, int) else None
 
