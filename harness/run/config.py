@@ -757,6 +757,18 @@ def own_values_written(flat: dict) -> dict:
     return {"objective.advantage": own["objective.advantage"], **written}
 
 
+def nested(dotted: dict) -> dict:
+    """A dict of dotted keys (``{"train.lr": 1e-4}``) as the nested dict a config.yaml holds."""
+    tree: dict = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
 def counted_settings(flat: dict) -> dict:
     """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes
@@ -766,14 +778,7 @@ def counted_settings(flat: dict) -> dict:
     name = flat.get("objective.name")
     kept = {key: value for key, value in flat.items() if not _is_own(name, key, value)}
     try:
-        tree: dict = {}
-        for key, value in flat.items():
-            *parents, leaf = key.split(".")
-            node = tree
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
-        unused = unused_settings(OmegaConf.create(tree), list(kept))
+        unused = unused_settings(OmegaConf.create(nested(flat)), list(kept))
         return {key: value for key, value in kept.items() if key not in unused}
     except Exception:  # noqa: BLE001 - a config.yaml of an older or odd shape: its settings as written
         return kept

@@ -9,16 +9,7 @@ from pathlib import Path
 
 import yaml
 
-
-def nested(dotted: dict) -> dict:
-    tree: dict = {}
-    for key, value in dotted.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
+from harness.run.config import nested
 
 
 def fake_run(exp: Path, objective: str, seed: int, settings: dict | None = None, *, steps: int = 6,
