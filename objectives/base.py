@@ -472,6 +472,9 @@ class Objective:
     # True if the objective keeps state of its own across updates (the lifecycle below: ``setup``, the hooks,
     # ``state_dict`` in every checkpoint): declared, and checked at registration against the hooks it implements
     stateful: ClassVar[bool] = False
+    # how many copies of the policy the objective keeps beside it (POPO: its moving target), which the memory floor
+    # counts with the policy's weights (harness/policy/memory.py)
+    policy_copies: ClassVar[int] = 0
     # the objective's own metrics that are, like its loss, a micro-batch's share of the minibatch's value (normalised
     # by the minibatch's counts): the trainers sum them per optimizer step (:meth:`minibatch_shares`)
     share_metrics: ClassVar[frozenset[str]] = frozenset()

@@ -178,6 +178,7 @@ class POPO(Objective):
     needs_whole_minibatch: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
     stateful: ClassVar[bool] = True
+    policy_copies: ClassVar[int] = 1  # the EMA target
     aggregations: ClassVar[tuple[str, ...]] = ("token_mean",)  # its own normalisers (module docstring)
 
     alpha: float = 0.1  # weight of the similarity loss L_sim (the authors' config: 0.1)

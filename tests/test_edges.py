@@ -539,6 +539,7 @@ def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_
     (["objective.params.beta=0.04"], 2, "the policy's, its reference copy's"),  # a KL term: a frozen reference
     (["objective.params.beta=0.04", "model.lora.rank=2"], 1, "the policy's"),  # the base, adapters off: no copy
     (["model.sampler_dtype=bfloat16"], 1.5, "the policy's, its bfloat16 sampler copy's"),
+    (["objective.name=popo"], 2, "the policy's, objective popo's copy's"),  # its moving target (policy_copies)
 ])
 def test_the_memory_floor_counts_the_frozen_copies_a_run_holds(monkeypatch, settings, copies, parts):
     """The policy's weights were counted once, whatever the run holds beside them: the reference policy's frozen copy

@@ -100,7 +100,8 @@ def folder_parameters(folder: Path) -> int:
 def held_weights(run: DictConfig, weights: int) -> tuple[int, str]:
     """The bytes of weights a native run holds while it samples (``weights``: the policy's, in ``model.dtype``) and
     what they are: the policy, its frozen reference copy when the run reads the reference policy (without LoRA: with
-    it the reference is the base with the adapters off, no copy), and its sampler copy in ``model.sampler_dtype``."""
+    it the reference is the base with the adapters off, no copy), its sampler copy in ``model.sampler_dtype``, and the
+    copies its objective keeps (``Objective.policy_copies``: POPO's moving target)."""
     params = OmegaConf.to_container(run.objective.params)
     objective = get_objective(run.objective.name, **params)
     estimator = ADVANTAGES.get(estimator_name(run.objective.name, run.objective.advantage))
@@ -111,6 +112,10 @@ def held_weights(run: DictConfig, weights: int) -> tuple[int, str]:
     if copy is not None:
         total += weights // DTYPES[run.model.dtype].itemsize * copy.itemsize
         parts.append(f"its {run.model.sampler_dtype} sampler copy's")
+    if objective.policy_copies:  # declared by the objective (POPO's moving target)
+        total += objective.policy_copies * weights
+        parts.append(f"objective {run.objective.name}'s " + ("copy's" if objective.policy_copies == 1
+                                                               else f"{objective.policy_copies} copies'"))
     return total, ", ".join(parts)
 
 
