@@ -129,6 +129,17 @@ def test_a_hyperparameter_left_out_is_each_objectives_own_value_in_the_cells(tmp
     assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 3
 
 
+def test_a_lora_rank_sweep_is_one_axis_whatever_the_adapters_settings(tmp_path):
+    """LoRA's settings change nothing at rank 0, but every config.yaml holds them: left out of the rank-0 runs, alpha,
+    dropout and the targets became axes beside the rank (the same cells, labels of four settings). Only an
+    objective's settings are left out where they change nothing."""
+    exp_dir = tmp_path / "lora"
+    lora = {"model.lora.alpha": 16, "model.lora.dropout": 0.0, "model.lora.target_modules": ["q_proj", "v_proj"]}
+    entries = [fake_run(exp_dir, "grpo", seed, {"model.lora.rank": rank, **lora}) for seed in (0, 1) for rank in (0, 8)]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["model.lora.rank"] and exp.cells.labels == ["model.lora.rank=0", "model.lora.rank=8"]
+
+
 def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp_path):
     """A run that ran out of memory and was resumed with the memory settings on (its config.yaml records them): the
     same condition as its other seeds, not a cell of its own."""

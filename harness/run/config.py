@@ -773,15 +773,17 @@ def counted_settings(flat: dict) -> dict:
     """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes
     grpo's estimator out is the run that does not; a hyperparameter left out stands for each objective's own value,
-    whose raw value means another thing for each), and the settings that change nothing at its other values
-    (:func:`unused_setting`: kl_estimator at beta 0, LoRA's at rank 0). The report's cells pool runs on these."""
+    whose raw value means another thing for each), and its hyperparameters that change nothing at its other values
+    (:func:`unused_setting`: kl_estimator at beta 0). Other settings stay as written, the ones that change nothing
+    too (LoRA's at rank 0, which every config.yaml holds: left out of some runs, they would be cells' axes beside the
+    rank). The report's cells pool runs on these."""
     name = flat.get("objective.name")
     kept = {key: value for key, value in flat.items() if not _is_own(name, key, value)}
     try:
-        unused = unused_settings(OmegaConf.create(nested(flat)), list(kept))
-        return {key: value for key, value in kept.items() if key not in unused}
+        inert = unused_settings(OmegaConf.create(nested(flat)), [k for k in kept if k.startswith("objective.")])
     except Exception:  # noqa: BLE001 - a config.yaml of an older or odd shape: its settings as written
         return kept
+    return {key: value for key, value in kept.items() if key not in inert}
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:
