@@ -25,10 +25,10 @@ import pandas as pd
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
-from harness.run.config import counted_settings
+from harness.run.config import counted_settings, flattened
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
-from harness.run.provenance import run_packages, run_threads, run_version
-from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, listed, read_run_config
+from harness.run.provenance import code_record, run_packages, run_threads, run_version
+from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
@@ -238,23 +238,28 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
         warn(f"{path}: step{'s' * (count > 1)} {steps_text(missing, count=count)} missing (steps done: {steps_done})")
 
 
-def flatten(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat = {}
-    for key, value in tree.items():
-        flat.update(flatten(value, f"{prefix}{key}."))
-    return {k.rstrip("."): v for k, v in flat.items()}
-
-
 def read_config(path: Path) -> dict:
     """config.yaml flattened to dotted keys; {} with one warning line naming the file when it is not a mapping of
     settings (not YAML, a tag such as ``!!python/object``, which OmegaConf's safe loader refuses, a list, ...)."""
     try:
-        return flatten(read_run_config(path, resolve=False) or {})
+        return flattened(read_run_config(path, resolve=False) or {})
     except DamagedConfigError as e:
         warn(f"{e}: ignored")
         return {}
+
+
+def cell_settings(config: dict, summary: dict, code: str | None) -> tuple[dict, str]:
+    """The run's settings as its cell compares them (harness.run.config.counted_settings: less its objective's
+    settings at their own values and those that change nothing), and by whose reading: ``recorded`` (the keys its
+    own code left out, summary.json's ``settings_left_out``), ``this code`` (a run of this checkout's code,
+    ``code``, that recorded none: one killed before its summary.json), ``as written`` (a run of other code that
+    recorded none: an objective's own values may have been others then, so nothing is left out)."""
+    recorded = summary.get("settings_left_out")
+    if isinstance(recorded, list) and all(isinstance(key, str) for key in recorded):
+        return counted_settings(config, recorded), "recorded"
+    if config and code == code_record()["version"]:
+        return counted_settings(config), "this code"
+    return config, "as written"
 
 
 def _first(*values):
@@ -385,7 +390,11 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
                 warn(f"{run_dir / name}: missing")
     summary = checked_summary((read_json(run_dir / "summary.json") if found["summary.json"] else None) or {},
                               run_dir / "summary.json")
-    config = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
+    raw = read_config(run_dir / "config.yaml") if found["config.yaml"] else {}
+    codes = code_of(summary)
+    if codes["code"] is None:  # no summary.json: the code config.yaml's first line names (a run killed early)
+        codes["code"] = config_code(run_dir / "config.yaml")
+    config, settings_read = cell_settings(raw, summary, codes["code"])
     total = _first(summary.get("total_steps"), config.get("train.steps"))
     total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
     read = (parse_metrics(run_dir / "metrics.jsonl", total) if found["metrics.jsonl"]
@@ -415,7 +424,11 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         "cpu_time_s": summary.get("cpu_time_s"),
         "rollout_tokens": summary.get("rollout_tokens"),
         "has_summary": bool(summary),
-        **code_of(summary),
+        "settings_read": settings_read,
+        # the objective's own values as its code set them (JSON; None: not recorded)
+        "objective_own": json.dumps(summary["objective_own"], sort_keys=True)
+        if isinstance(summary.get("objective_own"), dict) else None,
+        **codes,
         **start_policy(summary, run_dir / "summary.json"),
         **collapse_of(summary, read, run_dir / "summary.json"),
         # the last value of each scoring variant of the eval accuracy (eval_accuracy_strict, ..._flexible)
@@ -561,8 +574,16 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     integers = ["seed", START_SEED, "total_steps"]
     runs[integers] = runs[integers].astype("Int64")  # <NA> when unknown
     # each run's settings less those that make no other run, as in its id: its objective's at their own values (a
-    # setting left out is each objective's own), those that change nothing here (harness.run.config.counted_settings)
-    configs = {run["run_id"]: counted_settings(config) if config else config for run, _, config, _ in loaded}
+    # setting left out is each objective's own), those that change nothing here (load_run's cell_settings)
+    configs = {run["run_id"]: config for run, _, config, _ in loaded}
+    as_written = [run for run, _, config, _ in loaded
+                  if run["settings_read"] == "as written" and config and counted_settings(config) != config]
+    if as_written:
+        versions = sorted({str(run["code"] or UNKNOWN) for run in as_written})
+        warn(f"{len(as_written)} run{'s' * (len(as_written) > 1)} of other code ({listed(versions, 5)}) did not "
+             "record which of their settings were their objective's own values, which that code may have set "
+             "otherwise: their settings are compared as written (a default written out is another cell than one "
+             "left out); re-run them with this code to pool them so")
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
     with_code = {run["run_id"]: {**configs[run["run_id"]], CODE: run["code"] or UNKNOWN} if config else config

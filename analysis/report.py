@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import re
 import shutil
 import time
@@ -27,7 +28,7 @@ from scipy.stats import trim_mean
 from analysis import axes, paired, plots, scaling, timing, verdict
 from analysis.accuracy import estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.cells import CODE, START_SEED, Cells, show
+from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, show
 from analysis.combine import combined_dir, load_experiments, named
 from analysis.latex import write_tables
 from analysis.load import COLLAPSE_RULE, SCORING_PREFIX, AnalysisError, AnalysisWarning, Experiment
@@ -44,7 +45,7 @@ from analysis.stats import (
 from harness.run.atomic import TMP, WRITTEN, ForeignFileError, check_writable, write_into
 from harness.run.config import objective_defaults
 from harness.run.errors import ConfigError
-from harness.run.provenance import versions_lines
+from harness.run.provenance import code_record, versions_lines
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
                "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
@@ -303,10 +304,26 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
         values = sorted({show(v) for v in exp.runs[axis]}, key=lambda v: (len(v), v))
         diffs.append(f"{axis}: swept axis (one cell per value): {', '.join(values)}")
     for key, per_objective in cells.objective_settings.items():  # unset: the objective's own value, where it has one
-        shown = {o: f"{show(objective_defaults(o)[key])} (its own)" if v == "unset" and key in objective_defaults(o)
-                 else v for o, v in per_objective.items()}
+        shown = {o: own_value_text(exp, o, key) if v == "unset" and key in objective_defaults(o) else v
+                 for o, v in per_objective.items()}
         diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in shown.items()))
     return lines, diffs
+
+
+def own_value_text(exp: Experiment, objective: str, key: str) -> str:
+    """Objective ``objective``'s own value of setting ``key`` as its runs ran it: the value their code recorded
+    (summary.json's ``objective_own``), or this code's for runs of this code that recorded none; runs of other code
+    that recorded none say only that it was their code's own (which may differ from this code's)."""
+    runs = exp.runs[exp.runs["objective"] == objective]
+    texts = runs["objective_own"] if "objective_own" in runs else pd.Series(None, index=runs.index, dtype=object)
+    values = {show(json.loads(text).get(key, "unset")) for text in texts.dropna()}
+    if texts.isna().any():
+        if set(runs.loc[texts.isna(), "code"].fillna(UNKNOWN).astype(str)) != {code_record()["version"]}:
+            return "its own (not recorded by its runs' code)"
+        values.add(show(objective_defaults(objective)[key]))
+    if len(values) == 1:
+        return f"{next(iter(values))} (its own)"
+    return f"its own ({', '.join(sorted(values))}: by code version)"
 
 
 def sources_text(exp: Experiment) -> str:

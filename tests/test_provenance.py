@@ -19,7 +19,7 @@ from analysis.load import load_experiment as load_results
 from harness.apps import docs, stamp, sweep
 from harness.apps.cli import main
 from harness.run import provenance
-from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.config import load_experiment, objective_defaults, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, read_jsonl
 from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, unrasterized
@@ -80,6 +80,23 @@ def test_a_run_records_its_code_in_summary_json_and_config_yaml(code, tmp_path):
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert config.startswith(f"# code: {version} ")  # a comment: not a setting, not in the run id
     assert "code" not in yaml.safe_load(config)
+
+
+def test_a_run_records_what_its_code_leaves_out_of_its_cell_and_its_objectives_own_values(tmp_path):
+    """A later checkout may set an objective's defaults otherwise: the run says which of its settings its code read
+    as its objective's own (or as changing nothing) and what those own values were, so that a report of any later
+    code pools it by the values it ran with (analysis/load.py cell_settings)."""
+    run = tiny_run(tmp_path, "objective.name=gspo", "objective.advantage=grpo", "objective.params.beta=0.0",
+                   "objective.params.kl_estimator=k1", "objective.params.clip_high=0.01")
+    records = RunRecords(run, tmp_path / "run", None, None, "native")
+    records.summary("running")
+    records.close(failed=False)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["settings_left_out"] == ["objective.advantage", "objective.params.beta",
+                                            "objective.params.kl_estimator"]
+    own = objective_defaults("gspo")
+    assert summary["objective_own"] == dict(own) and own["objective.params.beta"] == 0.0
+    assert own["objective.params.clip_high"] != 0.01
 
 
 def started_by(run, run_dir, version: str, steps_done: int = 1):

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from analysis import build_report, load_experiment
-from analysis.report import eval_table, headline_display, md_table, status_lines
+from analysis.report import config_summary, eval_table, headline_display, md_table, status_lines
 from harness.run.locks import RUN_LOCK, lock_folder
-from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment, unrasterized
+from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, grid_experiment, unrasterized
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,6 +127,63 @@ def test_a_hyperparameter_left_out_is_each_objectives_own_value_in_the_cells(tmp
         "objective.params.clip_high=0.27", "objective.params.clip_high=unset"]
     table = eval_table(exp.runs, exp.cells.axes).set_index(["objective", "objective.params.clip_high"])
     assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 3
+
+
+def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_as_written(tmp_path):
+    """Runs of older code whose objective had another default: the report read their settings with this checkout's
+    own values, so within that version a run that wrote today's default out (gspo at beta 0.0, another value then)
+    and one that left out the default of then shared a cell. A run now records what its code left out
+    (summary.json's settings_left_out) and its objective's own values; runs of other code that recorded none are
+    compared as written (with a warning); a record is read as written by its code."""
+    old = code_segments("0ld0ld0")
+    exp_dir = tmp_path / "older"
+    entries = [fake_run(exp_dir, "gspo", 0, {"objective.params.beta": 0.0}, summary_extra=old),
+               fake_run(exp_dir, "gspo", 1, summary_extra=old), fake_run(exp_dir, "gspo", 2, summary_extra=old)]
+    for entry in entries:  # written before the records
+        path = exp_dir / entry["dir"] / "summary.json"
+        summary = json.loads(path.read_text())
+        for key in ("settings_left_out", "objective_own"):
+            summary.pop(key)
+        path.write_text(json.dumps(summary))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exp = load_experiment(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["objective.params.beta"]
+    assert sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [1, 2]
+    assert sorted(exp.runs["settings_read"]) == ["as written"] * 3
+    assert any("1 run of other code (0ld0ld0) did not record" in str(w.message) for w in caught)
+    # recorded: by its code's reading, whatever this code's own values (beta 0.05 was gspo's own then)
+    recorded = {"settings_left_out": ["objective.params.beta"], "objective_own": {"objective.params.beta": 0.05}}
+    entries = [fake_run(tmp_path / "kept", "gspo", 0, {"objective.params.beta": 0.05},
+                        summary_extra={**old, **recorded}),
+               fake_run(tmp_path / "kept", "gspo", 1, summary_extra={**old, **recorded}),
+               fake_run(tmp_path / "kept", "gspo", 2, {"objective.params.beta": 0.0},
+                        summary_extra={**old, "settings_left_out": []})]
+    exp = load_experiment(fake_experiment(tmp_path / "kept", entries))
+    table = eval_table(exp.runs, exp.cells.axes)
+    assert sorted(table["seeds"]) == [1, 2] and sorted(exp.runs["settings_read"]) == ["recorded"] * 3
+    lines, diffs = config_summary(exp)
+    assert "objective.params.beta: swept axis (one cell per value): 0.0, unset" in diffs
+
+
+def test_the_report_shows_an_objectives_own_value_as_its_runs_code_set_it(tmp_path):
+    """'(its own)' showed this checkout's default for runs of any code: a run of other code now shows the value its
+    code recorded, or says it was not recorded."""
+    exp_dir = tmp_path / "own"
+    old = code_segments("0ld0ld0")
+    entries = [fake_run(exp_dir, "grpo", 0, {"objective.params.beta": 0.01}, summary_extra=old),
+               fake_run(exp_dir, "gspo", 0, summary_extra={**old, "objective_own": {"objective.params.beta": 0.05}})]
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert "objective.params.beta: per objective: grpo=0.01, gspo=0.05 (its own)" in diffs
+    exp_dir = tmp_path / "unrecorded"
+    entries = [fake_run(exp_dir, "grpo", 0, {"objective.params.beta": 0.01}, summary_extra=old),
+               fake_run(exp_dir, "gspo", 0, summary_extra=old)]
+    path = exp_dir / entries[1]["dir"] / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.pop("objective_own")
+    path.write_text(json.dumps(summary))
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert "objective.params.beta: per objective: grpo=0.01, gspo=its own (not recorded by its runs' code)" in diffs
 
 
 def test_a_lora_rank_sweep_is_one_axis_whatever_the_adapters_settings(tmp_path):

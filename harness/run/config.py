@@ -769,14 +769,28 @@ def nested(dotted: dict) -> dict:
     return tree
 
 
-def counted_settings(flat: dict) -> dict:
+def flattened(tree, prefix: str = "") -> dict:
+    """A nested dict (a config.yaml's settings) as dotted keys (``{"train": {"lr": 1e-4}}`` -> ``{"train.lr":
+    1e-4}``; an empty section makes no key): :func:`nested`'s inverse."""
+    if not isinstance(tree, dict):
+        return {prefix.removesuffix("."): tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(flattened(value, f"{prefix}{key}."))
+    return flat
+
+
+def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
     """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes
     grpo's estimator out is the run that does not; a hyperparameter left out stands for each objective's own value,
     whose raw value means another thing for each), and its hyperparameters that change nothing at its other values
     (:func:`unused_setting`: kl_estimator at beta 0). Other settings stay as written, the ones that change nothing
     too (LoRA's at rank 0, which every config.yaml holds: left out of some runs, they would be cells' axes beside the
-    rank). The report's cells pool runs on these."""
+    rank). The report's cells pool runs on these. ``left_out``: the keys the run's own code judged so
+    (:func:`settings_left_out`, which summary.json records), read instead of this code's objectives' own values."""
+    if left_out is not None:
+        return {key: value for key, value in flat.items() if key not in set(left_out)}
     name = flat.get("objective.name")
     kept = {key: value for key, value in flat.items() if not _is_own(name, key, value)}
     try:
@@ -784,6 +798,14 @@ def counted_settings(flat: dict) -> dict:
     except Exception:  # noqa: BLE001 - a config.yaml of an older or odd shape: its settings as written
         return kept
     return {key: value for key, value in kept.items() if key not in inert}
+
+
+def settings_left_out(run: DictConfig) -> list[str]:
+    """The dotted keys of ``run``'s config.yaml that :func:`counted_settings` leaves out by this code's objectives:
+    what a run records (summary.json's ``settings_left_out``) so that a report read by later code, whose objectives'
+    own values may differ, pools it by the values it ran with."""
+    flat = flattened(OmegaConf.to_container(run, resolve=False))
+    return sorted(set(flat) - set(counted_settings(flat)))
 
 
 def unused_setting(run: DictConfig, key: str) -> str | None:

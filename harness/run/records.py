@@ -57,6 +57,7 @@ from harness.run.config import (
     objective_defaults,
     own_values_written,
     schema_defaults,
+    settings_left_out,
     unused_setting,
 )
 from harness.run.errors import ConfigError
@@ -333,6 +334,17 @@ def read_run_config(path: Path, resolve: bool = True) -> dict | None:
 
 
 RUN_FOLDER_BUSY = "run folder {run_dir} is being written by another process"
+CODE_LINE = "# code: "  # config.yaml's first line: the code version that wrote it, then a note in parentheses
+
+
+def config_code(path: Path) -> str | None:
+    """The code version config.yaml's first line names (a run's, written as it starts), None without one."""
+    try:
+        with path.open(errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    return first.removeprefix(CODE_LINE).split(" (", 1)[0].strip() or None if first.startswith(CODE_LINE) else None
 # the statuses of a run that has ended by itself: it ran every step, or the native loop stopped it for non-finite
 # updates (train.max_nonfinite_in_row in a row). A sweep does not start either again; any other status is resumed.
 ENDED = ("finished", "diverged")
@@ -371,6 +383,9 @@ class RunRecords:
         self.task_data: str | None = None
         self.start_weights: str | None = None
         self.segments = next_segments({}, None, code_record())  # the code of each start (harness/run/provenance.py)
+        # what the report's cell leaves out of the run's settings by this code's objectives' own values (recorded
+        # with those values, objective_own: later code may set others)
+        self.settings_left_out = settings_left_out(cfg)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
         if resume_step is not None:  # every process, so that all refuse other problems alike (check_begun_on)
@@ -395,8 +410,9 @@ class RunRecords:
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
                 self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
-            atomic_write(run_dir / "config.yaml", f"# code: {run_version({'segments': self.segments})} (summary.json's "
-                         f"segments: each start's commit, changes and packages)\n{OmegaConf.to_yaml(cfg)}")
+            atomic_write(run_dir / "config.yaml", f"{CODE_LINE}{run_version({'segments': self.segments})} "
+                         f"(summary.json's segments: each start's commit, changes and packages)\n"
+                         f"{OmegaConf.to_yaml(cfg)}")
             self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
             self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
             self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
@@ -458,6 +474,8 @@ class RunRecords:
                 "wall_time_s": self.wall_time_s(), "cpu_time_s": self.cpu_time_s(), "error": error,
                 "collapse": self.collapse(),
                 "code": self.segments[-1]["code"], "segments": self.segments,
+                "settings_left_out": self.settings_left_out,
+                "objective_own": dict(objective_defaults(self.cfg.objective.name)),
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
         if self.main:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.run.config import nested
+from harness.run.config import nested, objective_defaults, settings_left_out
 
 
 def fake_run(exp: Path, objective: str, seed: int, settings: dict | None = None, *, steps: int = 6,
@@ -52,9 +52,19 @@ def fake_run(exp: Path, objective: str, seed: int, settings: dict | None = None,
                 "total_steps": steps, "start_eval_accuracy": start, "final_eval_accuracy": evals[-1],
                 "best_eval_accuracy": max(evals), "wall_time_s": 10.0 + steps_done,
                 "rollout_tokens": 100 * steps_done, "start_policy": None, "missing_steps": [], "error": None,
-                **(summary_extra or {})}
+                **own_records(config), **(summary_extra or {})}
         (run_dir / "summary.json").write_text(json.dumps(data))
     return entry
+
+
+def own_records(config: dict) -> dict:
+    """summary.json's ``settings_left_out`` and ``objective_own`` as this code writes them (harness/run/records.py)
+    for a run of these settings (dotted keys)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(nested(config))
+    return {"settings_left_out": settings_left_out(cfg),
+            "objective_own": dict(objective_defaults(config["objective.name"]))}
 
 
 def fake_experiment(exp: Path, entries: list[dict], name: str | None = None) -> Path:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.run.provenance import code_record
+from harness.run.records import CODE_LINE
+from tests.helpers.fake_runs import code_segments, own_records
+
 STEPS = 6
 PROBLEMS = 100  # eval problems of eval_samples.jsonl: problem p is solved when p < accuracy x PROBLEMS (every seed)
 
@@ -28,6 +32,7 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
     run_dir = exp / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(
+        f"{CODE_LINE}{code_record()['version']} (as a run writes it)\n"
         f"name: {exp.name}\nseed: {seed}\nmodel:\n  name: tiny\ntask:\n  name: arith\nobjective:\n  name: {objective}\n"
         f"  params:\n    beta: {0.01 if kind == 'grpo' else 0.0}\ntrain:\n  steps: {STEPS}\n  group_size: 4\n"
         f"  prompts_per_step: 2\n  lr: 1.0e-05\n")
@@ -60,6 +65,8 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
             "total_steps": STEPS, "final_eval_accuracy": final if steps_done == STEPS else 0.13,
             "best_eval_accuracy": max(final, 0.13) if steps_done == STEPS else 0.13, "wall_time_s": 100.0 + seed,
             "rollout_tokens": steps_done * 100, "update_tokens": steps_done * 100, "error": None,
+            **own_records({"objective.name": objective, "objective.params.beta": 0.01 if kind == "grpo" else 0.0}),
+            **code_segments(code_record()["version"]),
             **({} if start_policy == "absent" else {"start_policy": start_policy})}))
     return {"run_id": run_id, "objective": objective, "seed": seed, "overrides": {}, "status": status, "dir": run_id}
 
