@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.config import check_this_machine, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 
 
@@ -467,3 +467,28 @@ def test_a_list_for_a_section_an_inherited_experiment_has_is_named_in_one_line(t
                        r"a list: give its keys as a mapping") as info:
         load_experiment(str(tmp_path / "x.yaml"))
     assert "\n" not in str(info.value)
+
+
+def test_a_sweep_refusing_some_of_its_runs_names_their_grid_values():
+    """A grid value refused for some runs (a negative learning rate; a model too large for this machine's memory)
+    named no grid point: with several values of several keys the user could not tell which run was refused. A
+    setting every run shares is refused as before, in its own words."""
+    with pytest.raises(ConfigError, match=r"^12 of the sweep's 24 runs at train\.lr=-1: train\.lr must be >= 0"):
+        run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[1e-4,-1]"]))
+    with pytest.raises(ConfigError, match=r"^train\.lr must be >= 0"):
+        run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[-1,-2]"]))
+    runs = run_configs(load_experiment("quickstart", ["sweep.grid.model.tiny.hidden_size=[128,262144]",
+                                                      "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo,gspo]"]))
+    with pytest.raises(ConfigError, match=r"^2 of the sweep's 4 runs at model\.tiny\.hidden_size=262144: model 'tiny' "
+                                          r"takes at least"):
+        check_this_machine(runs)
+    check_this_machine([runs[0]])
+    with pytest.raises(ConfigError, match=r"^model 'tiny' takes at least"):
+        check_this_machine([runs[1]])
+    # refused for two reasons: the first refused run's whole grid point, and the count
+    runs = run_configs(load_experiment("quickstart", ["sweep.grid.model.tiny.hidden_size=[128,262144]",
+                                                      "sweep.grid.train.group_size=[8,400000000]",
+                                                      "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]))
+    with pytest.raises(ConfigError, match=r"^the sweep's run at model\.tiny\.hidden_size=128, "
+                                          r"train\.group_size=400000000 \(3 of the sweep's 4 runs refused\): "):
+        check_this_machine(runs)

@@ -546,6 +546,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
     base = _merge(base)  # onto the schema once: each run merges only its grid point onto it
     runs, points, pins = [], [], {}  # pins: objective -> the (key, value) that pinned a grid point of it out
+    refused: list[tuple[dict, ConfigError]] = []  # (grid point, why): all of them, or those it names
     for point in itertools.product(*grid.values()):
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
@@ -557,9 +558,14 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         dotlist = {**own, **assignment}
         run = _merge(OmegaConf.from_dotlist([f"{k}={_dot(v)}" for k, v in dotlist.items()]), onto=base)
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
-        validate(run)
+        try:
+            validate(run)
+        except ConfigError as e:
+            refused.append((assignment, e))
+            continue
         runs.append(run)
         points.append((objective, assignment))
+    raise_refused(refused, len(runs))
     for name in per_objective:
         if name not in OBJECTIVES:
             raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
@@ -884,9 +890,37 @@ def validate(run: DictConfig) -> None:
 def check_this_machine(runs: list[DictConfig]) -> None:
     """What :func:`validate` leaves to the moment runs start on this machine, so that configs still expand anywhere
     (e.g. whether a hub model is cached or reachable). Called by ``train``, ``sweep`` and the lab before any folder
-    exists."""
+    exists. Of several runs, the refused one is named by its settings that differ between them."""
+    refused = []
     for run in runs:
-        run_checks(run, when="machine")
+        try:
+            run_checks(run, when="machine")
+        except ConfigError as e:
+            if len(runs) == 1:
+                raise
+            refused.append((run, e))
+    if refused:
+        flat = [flattened(OmegaConf.to_container(run, resolve=True)) for run in runs]
+        varying = sorted({key for one in flat for key in one if any(other.get(key) != one[key] for other in flat)})
+        points = {id(run): {key: one.get(key) for key in varying} for run, one in zip(runs, flat, strict=True)}
+        raise_refused([(points[id(run)], e) for run, e in refused], len(runs) - len(refused))
+
+
+def raise_refused(refused: list[tuple[dict, ConfigError]], accepted: int) -> None:
+    """The first of a sweep's refusals (``refused``: each run's grid point, dotted settings, and why): as raised
+    when every run is refused (a setting they share), else naming the grid values all refused runs share (the first
+    refused run's grid point where they share none) and how many of the sweep's runs are refused."""
+    if not refused:
+        return
+    point, error = refused[0]
+    if not accepted or not point:
+        raise error
+    one_reason = all(str(e) == str(error) for _, e in refused)
+    shared = {key: value for key, value in point.items() if all(other.get(key) == value for other, _ in refused)}
+    shown = ", ".join(f"{key}={_dot(value)}" for key, value in (shared if shared and one_reason else point).items())
+    runs = f"{len(refused)} of the sweep's {len(refused) + accepted} runs"
+    where = f"{runs} at {shown}" if shared and one_reason else f"the sweep's run at {shown} ({runs} refused)"
+    raise ConfigError(f"{where}: {error}") from None
 
 
 def _check_no_nan(value: Any, key: str = "") -> None:
