@@ -31,6 +31,7 @@ its own. Pure pandas: no report, no harness imports.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -87,9 +88,11 @@ def canon(value) -> str:
 
 
 def show(value) -> str:
+    """A setting's value as the report writes it; null for None, and for the NaN pandas holds a None as (a setting is
+    never NaN: the config check refuses it)."""
     if isinstance(value, str):
         return value
-    if value is None:
+    if value is None or isinstance(value, float) and math.isnan(value):
         return "null"
     return json.dumps(value, default=str) if isinstance(value, list | dict) else str(value)
 

@@ -31,6 +31,7 @@ from harness.run.provenance import code_record, run_packages, run_threads, run_v
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
+OBJECTIVE_SETTINGS = ("objective.advantage", "objective.params.")  # what a run's code may leave out of its cell
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
 SAMPLES = "eval_samples.jsonl"  # per evaluation and eval problem: its score (harness/loop/evaluation.py)
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
@@ -248,17 +249,22 @@ def read_config(path: Path) -> dict:
         return {}
 
 
-def cell_settings(config: dict, summary: dict, code: str | None) -> tuple[dict, str]:
+def cell_settings(config: dict, summary: dict, code: str | None, path: Path) -> tuple[dict, str]:
     """The run's settings as its cell compares them (harness.run.config.counted_settings: less its objective's
-    settings at their own values and those that change nothing), and by whose reading: ``recorded`` (the keys its
-    own code left out, summary.json's ``settings_left_out``), ``this code`` (a run of this checkout's code,
-    ``code``, that recorded none: one killed before its summary.json), ``as written`` (a run of other code that
-    recorded none: an objective's own values may have been others then, so nothing is left out)."""
-    recorded = summary.get("settings_left_out")
-    if isinstance(recorded, list) and all(isinstance(key, str) for key in recorded):
-        return counted_settings(config, recorded), "recorded"
+    settings at their own values and those that change nothing), and by whose reading: ``this code`` (a run of this
+    checkout's code, ``code``), ``recorded`` (a run of other code: the keys its code left out, summary.json's
+    ``settings_left_out``, at ``path``), ``as written`` (a run of other code that recorded none: an objective's own
+    values may have been others then, so nothing is left out). A record that names other than an objective's
+    settings is damaged: ignored, with a warning."""
     if config and code == code_record()["version"]:
         return counted_settings(config), "this code"
+    recorded = summary.get("settings_left_out")
+    if recorded is not None and not (isinstance(recorded, list) and all(
+            isinstance(key, str) and key.startswith(OBJECTIVE_SETTINGS) for key in recorded)):
+        warn(f"{path}: `settings_left_out` is not a list of objective settings ({OBJECTIVE_SETTINGS[0]}, "
+             f"{OBJECTIVE_SETTINGS[1]}...): ignored, the run's settings are compared as written")
+    elif recorded is not None:
+        return counted_settings(config, recorded), "recorded"
     return config, "as written"
 
 
@@ -394,7 +400,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     codes = code_of(summary)
     if codes["code"] is None:  # no summary.json: the code config.yaml's first line names (a run killed early)
         codes["code"] = config_code(run_dir / "config.yaml")
-    config, settings_read = cell_settings(raw, summary, codes["code"])
+    config, settings_read = cell_settings(raw, summary, codes["code"], run_dir / "summary.json")
     total = _first(summary.get("total_steps"), config.get("train.steps"))
     total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
     read = (parse_metrics(run_dir / "metrics.jsonl", total) if found["metrics.jsonl"]
@@ -559,6 +565,19 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
     return Folder(exp_dir, label, manifest or {}, loaded)
 
 
+def kept_apart_by_spelling(runs: list[tuple[dict, dict]]) -> list[dict]:
+    """Of runs read as written (``(run, settings)``), those that this code's reading would pool with another of
+    them in one cell: the runs the data warning counts (nothing to say where reading as written splits nothing)."""
+    def cell(run: dict, settings: dict) -> str:
+        return json.dumps([run["objective"], run["code"], {k: v for k, v in settings.items() if k != "seed"}],
+                          sort_keys=True, default=str)
+
+    spellings: dict[str, set[str]] = {}
+    for run, settings in runs:
+        spellings.setdefault(cell(run, counted_settings(settings)), set()).add(cell(run, settings))
+    return [run for run, settings in runs if len(spellings[cell(run, counted_settings(settings))]) > 1]
+
+
 def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str, dict]) -> Experiment:
     """The Experiment of the loaded runs (run ids distinct): the frames, the cells (analysis/cells.py)."""
     runs = pd.DataFrame([run for run, *_ in loaded])
@@ -576,14 +595,14 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     # each run's settings less those that make no other run, as in its id: its objective's at their own values (a
     # setting left out is each objective's own), those that change nothing here (load_run's cell_settings)
     configs = {run["run_id"]: config for run, _, config, _ in loaded}
-    as_written = [run for run, _, config, _ in loaded
-                  if run["settings_read"] == "as written" and config and counted_settings(config) != config]
-    if as_written:
-        versions = sorted({str(run["code"] or UNKNOWN) for run in as_written})
-        warn(f"{len(as_written)} run{'s' * (len(as_written) > 1)} of other code ({listed(versions, 5)}) did not "
-             "record which of their settings were their objective's own values, which that code may have set "
-             "otherwise: their settings are compared as written (a default written out is another cell than one "
-             "left out); re-run them with this code to pool them so")
+    apart = kept_apart_by_spelling([(run, config) for run, _, config, _ in loaded
+                                    if run["settings_read"] == "as written" and config])
+    if apart:
+        versions = sorted({str(run["code"] or UNKNOWN) for run in apart})
+        warn(f"{len(apart)} run{'s' * (len(apart) > 1)} of other code ({listed(versions, 5)}) did not record which "
+             "of their settings were their objective's own values, which that code may have set otherwise: they are "
+             "compared as written, so a setting written out at this code's default is another cell than one left "
+             "out (re-run them with this code to pool them)")
     samples = {run["run_id"]: scores for run, _, _, scores in loaded if scores is not None and len(scores)}
     # the code a run ran is one of its settings: runs of two code versions are never pooled (analysis/cells.py)
     with_code = {run["run_id"]: {**configs[run["run_id"]], CODE: run["code"] or UNKNOWN} if config else config

@@ -311,19 +311,19 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
 
 
 def own_value_text(exp: Experiment, objective: str, key: str) -> str:
-    """Objective ``objective``'s own value of setting ``key`` as its runs ran it: the value their code recorded
-    (summary.json's ``objective_own``), or this code's for runs of this code that recorded none; runs of other code
-    that recorded none say only that it was their code's own (which may differ from this code's)."""
+    """Objective ``objective``'s own value of setting ``key`` as its runs ran it: this code's for runs of this code,
+    the value their code recorded (summary.json's ``objective_own``) for the others; runs of other code that recorded
+    none say only that it was their code's own (which may differ from this code's)."""
     runs = exp.runs[exp.runs["objective"] == objective]
+    this = runs["code"].fillna(UNKNOWN).astype(str) == code_record()["version"]
     texts = runs["objective_own"] if "objective_own" in runs else pd.Series(None, index=runs.index, dtype=object)
-    values = {show(json.loads(text).get(key, "unset")) for text in texts.dropna()}
-    if texts.isna().any():
-        if set(runs.loc[texts.isna(), "code"].fillna(UNKNOWN).astype(str)) != {code_record()["version"]}:
-            return "its own (not recorded by its runs' code)"
-        values.add(show(objective_defaults(objective)[key]))
+    if texts[~this].isna().any():
+        return "its own (not recorded by its runs' code)"
+    values = {show(json.loads(text).get(key, "unset")) for text in texts[~this]}
+    values |= {show(objective_defaults(objective)[key])} if this.any() else set()
     if len(values) == 1:
         return f"{next(iter(values))} (its own)"
-    return f"its own ({', '.join(sorted(values))}: by code version)"
+    return f"its own ({', '.join(sorted(values))}: as its runs' code versions set it)"
 
 
 def sources_text(exp: Experiment) -> str:

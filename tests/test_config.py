@@ -473,7 +473,7 @@ def test_a_sweep_refusing_some_of_its_runs_names_their_grid_values():
     """A grid value refused for some runs (a negative learning rate; a model too large for this machine's memory)
     named no grid point: with several values of several keys the user could not tell which run was refused. A
     setting every run shares is refused as before, in its own words."""
-    with pytest.raises(ConfigError, match=r"^12 of the sweep's 24 runs at train\.lr=-1: train\.lr must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^12 of the sweep's 24 grid points at train\.lr=-1: train\.lr must be >= 0"):
         run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[1e-4,-1]"]))
     with pytest.raises(ConfigError, match=r"^train\.lr must be >= 0"):
         run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[-1,-2]"]))
@@ -491,4 +491,18 @@ def test_a_sweep_refusing_some_of_its_runs_names_their_grid_values():
                                                       "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]))
     with pytest.raises(ConfigError, match=r"^the sweep's run at model\.tiny\.hidden_size=128, "
                                           r"train\.group_size=400000000 \(3 of the sweep's 4 runs refused\): "):
+        check_this_machine(runs)
+
+
+def test_a_refusal_names_only_the_grid_values_that_tell_its_runs_apart():
+    """A hostile pass: a NaN grid value was left out of the named values (NaN != NaN), a key of one objective's
+    per_objective settings was named for another objective's runs that lack it (as null), and a grid key of one
+    value (seed=0) was named though every run shares it."""
+    with pytest.raises(ConfigError, match=r"^4 of the sweep's 8 grid points at train\.lr=nan: train\.lr is NaN"):
+        run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[.nan,5e-5]", "sweep.grid.seed=[0]"]))
+    runs = run_configs(load_experiment("quickstart", [
+        "sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.seed=[0,1]",
+        "sweep.per_objective={grpo: {objective.params.clip_high: 0.28}, gspo: {model.tiny.hidden_size: 10000000}}"]))
+    with pytest.raises(ConfigError, match=r"^2 of the sweep's 4 runs at model\.tiny\.hidden_size=10000000, "
+                                          r"objective\.name=gspo: model 'tiny' takes at least"):
         check_this_machine(runs)

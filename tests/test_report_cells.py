@@ -13,6 +13,7 @@ import pytest
 from analysis import build_report, load_experiment
 from analysis.report import config_summary, eval_table, headline_display, md_table, status_lines
 from harness.run.locks import RUN_LOCK, lock_folder
+from harness.run.provenance import code_record
 from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, grid_experiment, unrasterized
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,7 +152,12 @@ def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_a
     assert exp.cells.axes == ["objective.params.beta"]
     assert sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [1, 2]
     assert sorted(exp.runs["settings_read"]) == ["as written"] * 3
-    assert any("1 run of other code (0ld0ld0) did not record" in str(w.message) for w in caught)
+    assert any("3 runs of other code (0ld0ld0) did not record" in str(w.message) for w in caught)
+    shutil.rmtree(exp_dir / entries[0]["dir"])  # read as written, but nothing kept apart: nothing to say
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exp = load_experiment(fake_experiment(exp_dir, entries[1:]))
+    assert not any("did not record" in str(w.message) for w in caught) and len(exp.runs) == 2
     # recorded: by its code's reading, whatever this code's own values (beta 0.05 was gspo's own then)
     recorded = {"settings_left_out": ["objective.params.beta"], "objective_own": {"objective.params.beta": 0.05}}
     entries = [fake_run(tmp_path / "kept", "gspo", 0, {"objective.params.beta": 0.05},
@@ -164,6 +170,21 @@ def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_a
     assert sorted(table["seeds"]) == [1, 2] and sorted(exp.runs["settings_read"]) == ["recorded"] * 3
     lines, diffs = config_summary(exp)
     assert "objective.params.beta: swept axis (one cell per value): 0.0, unset" in diffs
+    # a record naming other than an objective's settings is damaged (a hostile pass left model.seed out, silently)
+    damaged = {**old, "settings_left_out": ["objective.params.beta", "model.seed"]}
+    entries = [fake_run(tmp_path / "damaged", "gspo", 0, {"objective.params.beta": 0.0, "model.seed": 2},
+                        summary_extra=damaged), fake_run(tmp_path / "damaged", "gspo", 1, summary_extra=old)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exp = load_experiment(fake_experiment(tmp_path / "damaged", entries))
+    assert any("`settings_left_out` is not a list of objective settings" in str(w.message) for w in caught)
+    assert sorted(exp.runs["settings_read"]) == ["as written", "recorded"] and exp.runs["model.seed"].notna().any()
+    # a run of this code is read by this code, whatever its record says (an edited summary.json)
+    this = {**code_segments(code_record()["version"]), "settings_left_out": [], "objective_own": {}}
+    entries = [fake_run(tmp_path / "this", "grpo", seed, {"objective.advantage": None} if seed else {},
+                        summary_extra=this) for seed in (0, 1)]
+    exp = load_experiment(fake_experiment(tmp_path / "this", entries))
+    assert exp.cells.axes == [] and sorted(exp.runs["settings_read"]) == ["this code"] * 2
 
 
 def test_the_report_shows_an_objectives_own_value_as_its_runs_code_set_it(tmp_path):
@@ -184,6 +205,17 @@ def test_the_report_shows_an_objectives_own_value_as_its_runs_code_set_it(tmp_pa
     path.write_text(json.dumps(summary))
     lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
     assert "objective.params.beta: per objective: grpo=0.01, gspo=its own (not recorded by its runs' code)" in diffs
+    # a null setting of runs read as written is shown as null, not as the NaN pandas holds it as
+    exp_dir = tmp_path / "null"
+    entries = [fake_run(exp_dir, "grpo", 0, {"objective.advantage": None}, summary_extra=old),
+               fake_run(exp_dir, "grpo", 1, summary_extra=old)]
+    for entry in entries:
+        path = exp_dir / entry["dir"] / "summary.json"
+        summary = json.loads(path.read_text())
+        summary.pop("settings_left_out")
+        path.write_text(json.dumps(summary))
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert "objective.advantage: swept axis (one cell per value): null, unset" in diffs
 
 
 def test_a_lora_rank_sweep_is_one_axis_whatever_the_adapters_settings(tmp_path):

@@ -560,12 +560,12 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         run = OmegaConf.masked_copy(run, [k for k in run if k not in NOT_RUN_SECTIONS])
         try:
             validate(run)
-        except ConfigError as e:
-            refused.append((assignment, e))
+        except ConfigError as e:  # named by the grid's keys of several values
+            refused.append(({k: v for k, v in assignment.items() if len(grid[k]) > 1}, e))
             continue
         runs.append(run)
         points.append((objective, assignment))
-    raise_refused(refused, len(runs))
+    raise_refused(refused, len(runs), "grid points")
     for name in per_objective:
         if name not in OBJECTIVES:
             raise ConfigError(f"sweep.per_objective: {OBJECTIVES.unknown_message(name)}")
@@ -901,25 +901,34 @@ def check_this_machine(runs: list[DictConfig]) -> None:
             refused.append((run, e))
     if refused:
         flat = [flattened(OmegaConf.to_container(run, resolve=True)) for run in runs]
-        varying = sorted({key for one in flat for key in one if any(other.get(key) != one[key] for other in flat)})
-        points = {id(run): {key: one.get(key) for key in varying} for run, one in zip(runs, flat, strict=True)}
-        raise_refused([(points[id(run)], e) for run, e in refused], len(runs) - len(refused))
+        varying = {key for one in flat for key in one
+                   if any(key not in other or not _same_value(other[key], one[key]) for other in flat)}
+        points = {id(run): {key: one[key] for key in sorted(varying) if key in one}  # the keys the run has
+                  for run, one in zip(runs, flat, strict=True)}
+        raise_refused([(points[id(run)], e) for run, e in refused], len(runs) - len(refused), "runs")
 
 
-def raise_refused(refused: list[tuple[dict, ConfigError]], accepted: int) -> None:
-    """The first of a sweep's refusals (``refused``: each run's grid point, dotted settings, and why): as raised
-    when every run is refused (a setting they share), else naming the grid values all refused runs share (the first
-    refused run's grid point where they share none) and how many of the sweep's runs are refused."""
+def _same_value(one, other) -> bool:
+    """Equal as a setting's value, NaN equal to NaN (a grid may list .nan, which the config check refuses)."""
+    return one == other or isinstance(one, float) and isinstance(other, float) and math.isnan(one) and math.isnan(other)
+
+
+def raise_refused(refused: list[tuple[dict, ConfigError]], accepted: int, what: str) -> None:
+    """The first of a sweep's refusals (``refused``: each refused run's grid point, the dotted settings that vary
+    between the sweep's ``what`` (runs, grid points), and why): as raised when every one is refused (a setting they
+    share), else naming the grid values all refused ones share (the first one's grid point where they share none, or
+    their reasons differ) and how many of the sweep's are refused."""
     if not refused:
         return
     point, error = refused[0]
     if not accepted or not point:
         raise error
     one_reason = all(str(e) == str(error) for _, e in refused)
-    shared = {key: value for key, value in point.items() if all(other.get(key) == value for other, _ in refused)}
+    shared = {key: value for key, value in point.items()
+              if all(key in other and _same_value(other[key], value) for other, _ in refused)}
     shown = ", ".join(f"{key}={_dot(value)}" for key, value in (shared if shared and one_reason else point).items())
-    runs = f"{len(refused)} of the sweep's {len(refused) + accepted} runs"
-    where = f"{runs} at {shown}" if shared and one_reason else f"the sweep's run at {shown} ({runs} refused)"
+    count = f"{len(refused)} of the sweep's {len(refused) + accepted} {what}"
+    where = f"{count} at {shown}" if shared and one_reason else f"the sweep's run at {shown} ({count} refused)"
     raise ConfigError(f"{where}: {error}") from None
 
 
