@@ -31,7 +31,8 @@ from harness.run.provenance import code_record, run_packages, run_threads, run_v
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
-OBJECTIVE_SETTINGS = ("objective.advantage", "objective.params.")  # what a run's code may leave out of its cell
+ADVANTAGE = "objective.advantage"
+OBJECTIVE_SETTINGS = (ADVANTAGE, "objective.params.")  # what a run's code may leave out of its cell
 SCORING_PREFIX = "eval_accuracy_"  # eval_accuracy_<scoring>: the same eval scored another way
 SAMPLES = "eval_samples.jsonl"  # per evaluation and eval problem: its score (harness/loop/evaluation.py)
 NULL_OK = ("eval_",)  # keys whose null can mean "not evaluated at this step" (no data warning)
@@ -254,8 +255,9 @@ def cell_settings(config: dict, summary: dict, code: str | None, path: Path) -> 
     settings at their own values and those that change nothing), and by whose reading: ``this code`` (a run of this
     checkout's code, ``code``), ``recorded`` (a run of other code: the keys its code left out, summary.json's
     ``settings_left_out``, at ``path``), ``as written`` (a run of other code that recorded none: an objective's own
-    values may have been others then, so nothing is left out). A record that names other than an objective's
-    settings is damaged: ignored, with a warning."""
+    values may have been others then, so only ``objective.advantage: null`` is left out, which names the objective's
+    own estimator in every version). A record that names other than an objective's settings is damaged: ignored,
+    with a warning."""
     if config and code == code_record()["version"]:
         return counted_settings(config), "this code"
     recorded = summary.get("settings_left_out")
@@ -265,7 +267,8 @@ def cell_settings(config: dict, summary: dict, code: str | None, path: Path) -> 
              f"{OBJECTIVE_SETTINGS[1]}...): ignored, the run's settings are compared as written")
     elif recorded is not None:
         return counted_settings(config, recorded), "recorded"
-    return config, "as written"
+    # objective.advantage null names the objective's own estimator in every version (every config.yaml holds it)
+    return {key: value for key, value in config.items() if not (key == ADVANTAGE and value is None)}, "as written"
 
 
 def _first(*values):
@@ -598,7 +601,7 @@ def assemble(name: str, exp_dir: Path, loaded: list[tuple], overrides: dict[str,
     apart = kept_apart_by_spelling([(run, config) for run, _, config, _ in loaded
                                     if run["settings_read"] == "as written" and config])
     if apart:
-        versions = sorted({str(run["code"] or UNKNOWN) for run in apart})
+        versions = sorted({str(run["code"] or "unknown") for run in apart})
         warn(f"{len(apart)} run{'s' * (len(apart) > 1)} of other code ({listed(versions, 5)}) did not record which "
              "of their settings were their objective's own values, which that code may have set otherwise: they are "
              "compared as written, so a setting written out at this code's default is another cell than one left "

@@ -154,6 +154,18 @@ def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_a
     assert sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [1, 2]
     assert sorted(exp.runs["settings_read"]) == ["as written"] * 3
     assert any("3 runs of other code (0ld0ld0) did not record" in str(w.message) for w in caught)
+    # objective.advantage null names the objective's own estimator in every version: no axis beside the code's
+    entries.append(fake_run(exp_dir, "gspo", 3, {"objective.advantage": None}, summary_extra=old))
+    path = exp_dir / entries[-1]["dir"] / "summary.json"
+    summary = json.loads(path.read_text())
+    for key in ("settings_left_out", "objective_own"):
+        summary.pop(key)
+    path.write_text(json.dumps(summary))
+    with pytest.warns(AnalysisWarning, match="4 runs of other code"):
+        exp = load_experiment(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["objective.params.beta"]
+    assert sorted(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [1, 3]
+    shutil.rmtree(exp_dir / entries.pop()["dir"])
     shutil.rmtree(exp_dir / entries[0]["dir"])  # read as written, but nothing kept apart: nothing to say
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -208,16 +220,15 @@ def test_the_report_shows_an_objectives_own_value_as_its_runs_code_set_it(tmp_pa
     assert "objective.params.beta: per objective: grpo=0.01, gspo=its own (not recorded by its runs' code)" in diffs
     # a null setting of runs read as written is shown as null, not as the NaN pandas holds it as
     exp_dir = tmp_path / "null"
-    entries = [fake_run(exp_dir, "grpo", 0, {"objective.advantage": None}, summary_extra=old),
+    entries = [fake_run(exp_dir, "grpo", 0, {"train.max_grad_norm": None}, summary_extra=old),
                fake_run(exp_dir, "grpo", 1, summary_extra=old)]
     for entry in entries:
         path = exp_dir / entry["dir"] / "summary.json"
         summary = json.loads(path.read_text())
         summary.pop("settings_left_out")
         path.write_text(json.dumps(summary))
-    with pytest.warns(AnalysisWarning, match="2 runs of other code"):  # kept apart by the spelling of null
-        lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
-    assert "objective.advantage: swept axis (one cell per value): null, unset" in diffs
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert "train.max_grad_norm: swept axis (one cell per value): null, unset" in diffs
 
 
 def test_a_lora_rank_sweep_is_one_axis_whatever_the_adapters_settings(tmp_path):
