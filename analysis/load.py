@@ -261,14 +261,20 @@ def cell_settings(config: dict, summary: dict, code: str | None, path: Path) -> 
     if config and code == code_record()["version"]:
         return counted_settings(config), "this code"
     recorded = summary.get("settings_left_out")
-    if recorded is not None and not (isinstance(recorded, list) and all(
-            isinstance(key, str) and key.startswith(OBJECTIVE_SETTINGS) for key in recorded)):
+    # objective.advantage null names the objective's own estimator in every version (every config.yaml holds it)
+    own_estimator = [ADVANTAGE] if config.get(ADVANTAGE, "") is None else []
+    if recorded is None:
+        return counted_settings(config, own_estimator), "as written"
+    if not (isinstance(recorded, list) and all(isinstance(key, str) and key.startswith(OBJECTIVE_SETTINGS)
+                                               for key in recorded)):
         warn(f"{path}: `settings_left_out` is not a list of objective settings ({OBJECTIVE_SETTINGS[0]}, "
              f"{OBJECTIVE_SETTINGS[1]}...): ignored, the run's settings are compared as written")
-    elif recorded is not None:
-        return counted_settings(config, recorded), "recorded"
-    # objective.advantage null names the objective's own estimator in every version (every config.yaml holds it)
-    return {key: value for key, value in config.items() if not (key == ADVANTAGE and value is None)}, "as written"
+    elif not isinstance(summary.get("objective_own"), dict):
+        warn(f"{path}: `settings_left_out` without its `objective_own` (an object): ignored, the run's settings are "
+             "compared as written")
+    else:
+        return counted_settings(config, [*recorded, *own_estimator]), "recorded"
+    return counted_settings(config, own_estimator), "as written"
 
 
 def _first(*values):

@@ -323,7 +323,7 @@ def own_value_text(exp: Experiment, objective: str, key: str) -> str:
     values |= {show(objective_defaults(objective)[key])} if this.any() else set()
     if len(values) == 1:
         return f"{next(iter(values))} (its own)"
-    return f"its own ({', '.join(sorted(values))}: as its runs' code versions set it)"
+    return f"its own ({', '.join(sorted(values))}: as its runs recorded it)"
 
 
 def sources_text(exp: Experiment) -> str:

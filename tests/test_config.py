@@ -506,3 +506,17 @@ def test_a_refusal_names_only_the_grid_values_that_tell_its_runs_apart():
     with pytest.raises(ConfigError, match=r"^2 of the sweep's 4 runs at model\.tiny\.hidden_size=10000000, "
                                           r"objective\.name=gspo: model 'tiny' takes at least"):
         check_this_machine(runs)
+
+
+def test_a_per_objective_setting_on_the_command_line_pins_the_grid_as_one_in_the_experiment_file():
+    """sweep.per_objective.gspo.train.lr=1e-4 on the command line became nested keys ({train: {lr: ...}}) that no
+    grid key matched: gspo ran at both of the grid's learning rates, silently (a hostile pass). And a pin written
+    as a mapping (sweep.per_objective.gspo={train.lr: 1e-4}) was read by another parser than the grid's 1e-4, so the
+    two did not match and the sweep was refused."""
+    grid = ["sweep.grid.train.lr=[1e-3,1e-4]", "sweep.grid.objective.name=[grpo,gspo]"]
+    for pin in ("sweep.per_objective.gspo.train.lr=1e-4", "sweep.per_objective.gspo={train.lr: 1e-4}"):
+        runs = run_configs(load_experiment("quickstart", [*grid, pin]))
+        assert sorted({(r.objective.name, r.train.lr) for r in runs}) == [("grpo", 1e-4), ("grpo", 1e-3),
+                                                                          ("gspo", 1e-4)]
+    runs = run_configs(load_experiment("quickstart", ["sweep.per_objective.gspo.objective.params.clip_high=0.001"]))
+    assert {r.objective.name: r.objective.params.get("clip_high") for r in runs}["gspo"] == 0.001

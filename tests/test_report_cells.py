@@ -183,6 +183,11 @@ def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_a
     assert sorted(table["seeds"]) == [1, 2] and sorted(exp.runs["settings_read"]) == ["recorded"] * 3
     lines, diffs = config_summary(exp)
     assert "objective.params.beta: swept axis (one cell per value): 0.0, unset" in diffs
+    # a record that leaves out no null estimator (an empty one) still reads null as the objective's own
+    entries = [fake_run(tmp_path / "null", "grpo", seed, {"objective.advantage": None} if seed else {},
+                        summary_extra={**old, "settings_left_out": []}) for seed in (0, 1)]
+    exp = load_experiment(fake_experiment(tmp_path / "null", entries))
+    assert exp.cells.axes == [] and sorted(exp.runs["settings_read"]) == ["recorded"] * 2
     # a record naming other than an objective's settings is damaged (a hostile pass left model.seed out, silently)
     damaged = {**old, "settings_left_out": ["objective.params.beta", "model.seed"]}
     entries = [fake_run(tmp_path / "damaged", "gspo", 0, {"objective.params.beta": 0.0, "model.seed": 2},
@@ -216,7 +221,8 @@ def test_the_report_shows_an_objectives_own_value_as_its_runs_code_set_it(tmp_pa
     summary = json.loads(path.read_text())
     summary.pop("objective_own")
     path.write_text(json.dumps(summary))
-    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    with pytest.warns(AnalysisWarning, match="`settings_left_out` without its `objective_own`"):
+        lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
     assert "objective.params.beta: per objective: grpo=0.01, gspo=its own (not recorded by its runs' code)" in diffs
     # a null setting of runs read as written is shown as null, not as the NaN pandas holds it as
     exp_dir = tmp_path / "null"

@@ -56,6 +56,7 @@ from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, ch
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
+PER_OBJECTIVE = "sweep.per_objective."  # prefix of a command-line per-objective setting
 NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, not in a run's config.yaml
 # settings that do not change a run (nor its id, nor a resume's check): where results go (results_dir; name, the
 # experiment's folder and the trackers' group) and where metrics are also sent; equal runs of two experiments share id
@@ -484,11 +485,17 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     layers = [experiment_layer(path)]
     overrides = translate_overrides(list(overrides or []), layers[0])  # TRL names (num_generations=8, ...) -> ours
     grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
-    overrides = [o for o in overrides if not o.startswith(GRID)]
+    pinned = [o for o in overrides if o.startswith(PER_OBJECTIVE) and "." in o.partition("=")[0][len(PER_OBJECTIVE) :]]
+    overrides = [o for o in overrides if not o.startswith(GRID) and o not in pinned]
     try:
         layers.append(OmegaConf.from_dotlist(overrides))
         # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
         layers.append({"sweep": {"grid": {k: yaml.safe_load(v) for k, v in grid_overrides.items()}}})
+        # sweep.per_objective.<objective>.<dotted key>=value likewise (as nested keys, no grid value saw the pin)
+        for override in pinned:
+            name, _, key = override.partition("=")[0][len(PER_OBJECTIVE) :].partition(".")
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={override.partition('=')[2]}"]))["value"]
+            layers.append({"sweep": {"per_objective": {name: {key: value}}}})
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # ValueError: e.g. over 4300 digits
         raise ConfigError(_bad_override(overrides, grid_overrides, e)) from None
     cfg = _merge(*layers)
@@ -551,7 +558,8 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         assignment = dict(zip(grid, point, strict=True))
         objective = assignment.get("objective.name", base.objective.name)
         own = per_objective.get(objective, {})
-        pinned = [(key, own[key]) for key, value in assignment.items() if key in own and own[key] != value]
+        pinned = [(key, own[key]) for key, value in assignment.items()
+                  if key in own and not _parsed_same(own[key], value)]
         if pinned:  # a per-objective value of a swept key pins that axis for the objective's runs
             pins.setdefault(objective, pinned[0])
             continue
@@ -912,6 +920,17 @@ def check_this_machine(runs: list[DictConfig]) -> None:
         points = {id(run): {key: one[key] for key in sorted(varying) if key in one}  # the keys the run has
                   for run, one in zip(runs, flat, strict=True)}
         raise_refused([(points[id(run)], e) for run, e in refused], len(runs) - len(refused), "runs")
+
+
+def _parsed_same(one, other) -> bool:
+    """Equal as settings whichever parser read them: YAML's reads a grid's ``1e-4`` as text, OmegaConf's a
+    command-line ``1e-4`` as a number (the schema makes both the number)."""
+    if _same_value(one, other):
+        return True
+    try:
+        return not isinstance(one, bool) and not isinstance(other, bool) and float(one) == float(other)
+    except (TypeError, ValueError):
+        return False
 
 
 def _same_value(one, other) -> bool:
