@@ -452,6 +452,23 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     }
     if found["metrics.jsonl"]:
         data_warnings(run_dir / "metrics.jsonl", read, run["status"], run["steps_done"], summary)
+    problems = _problems(run_dir, found, run, stopped, summary)
+    if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
+        run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
+    run["complete"] = not problems
+    # ended: a result to count: finished, or diverged (stopped by the loop for non-finite updates, records intact)
+    run["ended"] = run["complete"] or (run["status"] == "diverged" and bool(len(metrics)))
+    run["problem"] = "; ".join(problems)
+    if len(metrics):
+        metrics.insert(0, "run_id", run_id)
+        metrics.insert(1, "objective", run["objective"])
+        metrics.insert(2, "seed", run["seed"])
+    samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() else None
+    return run, metrics, config, samples
+
+
+def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, summary: dict) -> list[str]:
+    """What keeps a run from being complete, first its status (killed, failed, ...), in the report's words."""
     problems = []
     if not run_dir.is_dir():
         problems.append(f"not started (no folder {run_dir.name}/)")
@@ -468,18 +485,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
     if error:
         problems.append(f"error: {error}")
-    if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
-        run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
-    run["complete"] = not problems
-    # ended: a result to count: finished, or diverged (stopped by the loop for non-finite updates, records intact)
-    run["ended"] = run["complete"] or (run["status"] == "diverged" and bool(len(metrics)))
-    run["problem"] = "; ".join(problems)
-    if len(metrics):
-        metrics.insert(0, "run_id", run_id)
-        metrics.insert(1, "objective", run["objective"])
-        metrics.insert(2, "seed", run["seed"])
-    samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() else None
-    return run, metrics, config, samples
+    return problems
 
 
 def is_run_folder(folder: Path) -> bool:

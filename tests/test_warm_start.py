@@ -198,12 +198,22 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     monkeypatch.setattr("harness.policy.warm_start.RECIPE_SOURCE_HASH", "changed")
     assert key() != first
     monkeypatch.undo()
+    monkeypatch.setattr("harness.policy.warm_start.WARM_START_THREADS", 2)  # other threads round otherwise
+    assert key() != first
+    monkeypatch.undo()
 
     def edited_check(model, tokenizer, task, problems):
         return 0.5
 
-    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", edited_check)
-    assert harness.policy.warm_start._recipe_source_hash() != source_hash
+    def edited_cache(model, weights, missed, report):
+        return None
+
+    monkeypatch.setattr("harness.policy.warm_start._cached", edited_cache)  # the caching: not what trains
+    assert harness.policy.warm_start._recipe_source_hash() == source_hash
+    for trains in ("_check_accuracy", "_build"):
+        monkeypatch.setattr(f"harness.policy.warm_start.{trains}", edited_check)
+        assert harness.policy.warm_start._recipe_source_hash() != source_hash
+        monkeypatch.undo()
 
 
 def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):

@@ -182,49 +182,28 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     ``progress``: say on stderr whether the policy was loaded or is built and where it is cached, with a progress
     bar while it builds (:class:`WarmStartProgress`).
     """
-    target = recipe.target
-    if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
-        raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
-    checked = target is not None
-    settings = {
-        "max_steps": recipe.max_steps, "lr": recipe.lr, "batch_size": recipe.batch_size, "seed": recipe.seed,
-        "target": list(target) if checked else None,
-        "check_every": recipe.check_every if checked else None, "check_size": recipe.check_size if checked else None,
-    }
+    settings = _settings(recipe)
     version = {"recipe": WARM_START_RECIPE, "recipe_source_hash": RECIPE_SOURCE_HASH,
-               "matmul": resolve(WARM_START_MATMUL)}
+               "matmul": resolve(WARM_START_MATMUL), "torch_threads": WARM_START_THREADS}
     key = _warm_start_key(model, tokenizer, task, [settings, version, cache_key_extra])
     folder = cache_dir() / "warm_start"
-    weights, sidecar_path = folder / f"{key}.safetensors", folder / f"{key}.json"
-    missed = folder / f"{key}{MISSED_SUFFIX}"
+    weights = folder / f"{key}.safetensors"
     report = WarmStartProgress(recipe, weights, progress)
-    if weights.is_file() and sidecar_path.is_file():
-        load_safetensors(model, weights, device=str(model.device))
-        sidecar = json.loads(sidecar_path.read_text())
-        sidecar["weights_sha256"] = _checked_digest(model, sidecar, weights)
-        report.loaded(sidecar)
-        return model.eval(), sidecar
-    if missed.is_file():
-        record = json.loads(missed.read_text())
-        raise WarmStartError(f"{record['error']} (recorded in {missed} when this policy was built, "
-                             f"{record['built_at']}; remove that file to build it again)")
-
+    cached = _cached(model, weights, folder / f"{key}{MISSED_SUFFIX}", report)
+    if cached is not None:
+        return model.eval(), cached
     start = time.perf_counter()
-    report.building()
-    built = {"key": key, **version, **settings, "torch_threads": WARM_START_THREADS,
-             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-             "cpu": cpu(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    built = {"key": key, **version, **settings, "torch_version": torch.__version__,
+             "transformers_version": transformers.__version__, "cpu": cpu(),
+             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     try:
-        with fixed_threads(WARM_START_THREADS), cpu_matmul(WARM_START_MATMUL):
-            step, checks = _train(model, tokenizer, task, recipe, report)
+        step, checks = _build(model, tokenizer, task, recipe, report)
     except WarmStartError as e:  # recorded: the same recipe would train to the same miss
         record = {**built, "error": str(e), "wall_time_s": round(time.perf_counter() - start, 2),
                   "built_at": datetime.now(UTC).isoformat(timespec="seconds")}
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(missed, lambda name: Path(name).write_text(json.dumps(record, indent=1) + "\n"))
+        _write_json(folder / f"{key}{MISSED_SUFFIX}", record)
         raise
-    finally:
-        report.close()
     sidecar = {
         **built, "steps": step, "accuracy": checks.get(step), "checks": checks,
         "wall_time_s": round(time.perf_counter() - start, 2),
@@ -232,10 +211,52 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     }
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(weights, lambda name: save_safetensors(model, name))
-    _write_atomic(sidecar_path, lambda name: Path(name).write_text(json.dumps(sidecar, indent=1) + "\n"))
+    _write_json(weights.with_suffix(".json"), sidecar)
     log.info("warm start: %d steps in %.1f s, cached at %s", step, sidecar["wall_time_s"], weights)
     report.built(sidecar)
     return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
+
+
+def _settings(recipe: WarmStartRecipe) -> dict:
+    """The recipe's settings as the cache key and the sidecar hold them (the check's only with a target)."""
+    target = recipe.target
+    if target is not None and not 0.0 <= target[0] <= target[1] <= 1.0:
+        raise ValueError(f"warm start target must be (low, high) with 0 <= low <= high <= 1, got {target!r}")
+    checked = target is not None
+    return {
+        "max_steps": recipe.max_steps, "lr": recipe.lr, "batch_size": recipe.batch_size, "seed": recipe.seed,
+        "target": list(target) if checked else None,
+        "check_every": recipe.check_every if checked else None, "check_size": recipe.check_size if checked else None,
+    }
+
+
+def _cached(model, weights: Path, missed: Path, report: WarmStartProgress) -> dict | None:
+    """The sidecar of the cached policy ``weights``, loaded into ``model``; None when there is none to load; a
+    recorded miss (``missed``) raised again as the WarmStartError it was."""
+    sidecar_path = weights.with_suffix(".json")
+    if weights.is_file() and sidecar_path.is_file():
+        load_safetensors(model, weights, device=str(model.device))
+        sidecar = json.loads(sidecar_path.read_text())
+        sidecar["weights_sha256"] = _checked_digest(model, sidecar, weights)
+        report.loaded(sidecar)
+        return sidecar
+    if missed.is_file():
+        record = json.loads(missed.read_text())
+        raise WarmStartError(f"{record['error']} (recorded in {missed} when this policy was built, "
+                             f"{record['built_at']}; remove that file to build it again)")
+    return None
+
+
+def _build(model, tokenizer, task: Task, recipe: WarmStartRecipe,
+           report: WarmStartProgress) -> tuple[int, dict[int, float]]:
+    """:func:`_train` at the warm start's own thread count and kernel, whatever the caller's; the progress bar shown
+    while it trains and closed however it ends."""
+    report.building()
+    try:
+        with fixed_threads(WARM_START_THREADS), cpu_matmul(WARM_START_MATMUL):
+            return _train(model, tokenizer, task, recipe, report)
+    finally:
+        report.close()
 
 
 def weights_digest(model) -> str:
@@ -338,8 +359,9 @@ def _history(checks: dict[int, float]) -> str:
 
 
 def _recipe_source_hash() -> str:
-    """Hash of the source code of the functions that train the warm start."""
-    source = "".join(inspect.getsource(f) for f in (warm_start, _train, _supervised_batch, _check_accuracy))
+    """Hash of the source code of the functions that train the warm start (not of the caching around them: an edit
+    there leaves the cached policies as they are)."""
+    source = "".join(inspect.getsource(f) for f in (_build, _train, _supervised_batch, _check_accuracy))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
@@ -347,6 +369,10 @@ def _write_atomic(path: Path, write) -> None:
     """``write(temp_name)`` to a temporary file of this process's own beside ``path``, then renamed to ``path``
     (harness.run.atomic.atomic_write; other processes may write the same cache file meanwhile)."""
     atomic_write(path, write=lambda tmp: write(str(tmp)), shared=True)
+
+
+def _write_json(path: Path, record: dict) -> None:
+    _write_atomic(path, lambda name: Path(name).write_text(json.dumps(record, indent=1) + "\n"))
 
 
 def _supervised_batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
