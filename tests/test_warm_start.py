@@ -192,15 +192,14 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     first = key()
     assert key() == first and key(target=(0.0, 0.9)) != first
     source_hash = harness.policy.warm_start._recipe_source_hash()
-    monkeypatch.setattr("harness.policy.warm_start.WARM_START_RECIPE", harness.policy.warm_start.WARM_START_RECIPE + 1)
-    assert key() != first
-    monkeypatch.undo()
-    monkeypatch.setattr("harness.policy.warm_start.RECIPE_SOURCE_HASH", "changed")
-    assert key() != first
-    monkeypatch.undo()
-    monkeypatch.setattr("harness.policy.warm_start.WARM_START_THREADS", 2)  # other threads round otherwise
-    assert key() != first
-    monkeypatch.undo()
+    # each patch in a context of its own: monkeypatch.undo() would also undo rlvr_cache's RLVR_CACHE, and the builds
+    # after it would write into the user's own cache
+    for name, value in [("WARM_START_RECIPE", harness.policy.warm_start.WARM_START_RECIPE + 1),
+                        ("RECIPE_SOURCE_HASH", "changed"), ("WARM_START_THREADS", 2)]:  # other threads round otherwise
+        with monkeypatch.context() as patch:
+            patch.setattr(f"harness.policy.warm_start.{name}", value)
+            assert key() != first
+    assert len(list((rlvr_cache / "warm_start").glob("*.safetensors"))) == 5  # every policy built in this test's cache
 
     def edited_check(model, tokenizer, task, problems):
         return 0.5
@@ -208,12 +207,13 @@ def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     def edited_cache(model, weights, missed, report):
         return None
 
-    monkeypatch.setattr("harness.policy.warm_start._cached", edited_cache)  # the caching: not what trains
-    assert harness.policy.warm_start._recipe_source_hash() == source_hash
+    with monkeypatch.context() as patch:
+        patch.setattr("harness.policy.warm_start._cached", edited_cache)  # the caching: not what trains
+        assert harness.policy.warm_start._recipe_source_hash() == source_hash
     for trains in ("_check_accuracy", "_build"):
-        monkeypatch.setattr(f"harness.policy.warm_start.{trains}", edited_check)
-        assert harness.policy.warm_start._recipe_source_hash() != source_hash
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(f"harness.policy.warm_start.{trains}", edited_check)
+            assert harness.policy.warm_start._recipe_source_hash() != source_hash
 
 
 def test_warm_start_without_target_runs_exactly_max_steps(rlvr_cache):
