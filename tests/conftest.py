@@ -44,10 +44,12 @@ def fixed():
 
 
 @pytest.fixture
-def rlvr_cache(tmp_path, monkeypatch) -> Path:
-    """An empty ``RLVR_CACHE`` for this test."""
-    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def rlvr_cache(tmp_path) -> Path:
+    """An empty ``RLVR_CACHE`` for this test, set apart from the test's own ``monkeypatch``: its ``undo()`` leaves it
+    set (with the test's monkeypatch, a test that undid its patches built its later policies in the user's cache)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+        yield tmp_path / "cache"
 
 
 def pytest_collection_modifyitems(config, items):

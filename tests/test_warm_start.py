@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_model
 
 import harness.policy.warm_start
-from harness.policy.models import load_model
+from harness.policy.models import cache_dir, load_model
 from harness.policy.warm_start import WarmStartError, WarmStartRecipe, _check_accuracy, warm_start
 from harness.run.errors import ConfigError
 from harness.run.provenance import cpu, tensors_digest
@@ -268,3 +268,11 @@ def test_running_out_of_device_memory_while_loading_a_cached_policy_is_not_calle
     monkeypatch.setattr(harness.policy.warm_start, "load_model", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         harness.policy.warm_start.load_safetensors(torch.nn.Linear(1, 1), weights, "cpu")
+
+
+def test_the_private_cache_stays_set_when_a_test_undoes_its_own_patches(rlvr_cache, monkeypatch):
+    """rlvr_cache's RLVR_CACHE is not the test's monkeypatch's to undo: a test that called monkeypatch.undo() built its
+    later starting policies in the user's own cache."""
+    monkeypatch.setattr("harness.policy.warm_start.WARM_START_THREADS", 2)
+    monkeypatch.undo()
+    assert cache_dir() == rlvr_cache
