@@ -909,14 +909,10 @@ def check_this_machine(runs: list[DictConfig]) -> None:
             refused.append((run, e))
     if refused:
         flat = [flattened(OmegaConf.to_container(run, resolve=True)) for run in runs]
-        seen: dict[str, set[str]] = {}  # each key's values (NaN equal to NaN; absent as its own value), in one pass
-        for one in flat:
-            for key in one:
-                seen.setdefault(key, set())
-        for one in flat:
-            for key, values in seen.items():
-                values.add(json.dumps(one[key], sort_keys=True, default=str) if key in one else "<absent>")
-        varying = {key for key, values in seen.items() if len(values) > 1}
+        # the keys with more than one value among the runs (NaN equal to NaN; absent as a value of its own)
+        varying = {key for key in {key for one in flat for key in one}
+                   if len({json.dumps(one[key], sort_keys=True, default=str) if key in one else "<absent>"
+                           for one in flat}) > 1}
         points = {id(run): {key: one[key] for key in sorted(varying) if key in one}  # the keys the run has
                   for run, one in zip(runs, flat, strict=True)}
         raise_refused([(points[id(run)], e) for run, e in refused], len(runs) - len(refused), "runs")
