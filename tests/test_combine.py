@@ -16,7 +16,7 @@ from analysis.latex import escape, headline_tex, number, paired_tex
 from analysis.paired import per_cell
 from analysis.report import eval_table
 from analysis.verdict import cell_verdicts
-from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
+from tests.helpers.fake_runs import Shape, code_segments, fake_experiment, fake_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def write_samples(run_dir: Path, correct: list[int]) -> None:
     ({"final": 0.9}, "final_eval_accuracy 0.4 vs 0.9"),
     ({"rows": {2: {"entropy": 0.5}}}, "metrics differ from step 2 (`entropy`)"),
     ({"rows": {3: {"kl_ref": 0.01}}}, "metrics logged by one copy only: `kl_ref`"),
-    ({"status": "failed", "steps_done": 3}, "status finished vs failed"),
+    ({"status": "failed", "shape": Shape(steps_done=3)}, "status finished vs failed"),
     ({"summary_extra": code_segments("v2")}, "code unknown vs v2"),
     ({"samples": [1, 0, 0, 1]}, "per-problem eval scores (eval_samples.jsonl) differ"),
 ])

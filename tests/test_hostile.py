@@ -31,7 +31,7 @@ from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.records import MetricsLog, check_resume, load_checkpoint, settings_differences
-from tests.helpers.fake_runs import fake_experiment, fake_run
+from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
 from tests.helpers.tiny import TINY_RUN
 
 
@@ -440,7 +440,7 @@ def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_pa
     ('{"step": 2000000000}', "2000000000"), ('{"step": 1e400}', "inf"), ('{"step": 1.5}', "1.5"),
     ('{"step": -3}', "-3"), ('{"step": NaN}', "nan")])
 def test_a_step_that_is_no_step_of_the_run_is_one_warning_and_left_out(tmp_path, line, shown):
-    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, steps=6)])
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, shape=Shape(steps=6))])
     run_dir = next(p for p in exp.iterdir() if p.is_dir())
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(line + "\n" + line + "\n")
@@ -453,8 +453,8 @@ def test_a_step_that_is_no_step_of_the_run_is_one_warning_and_left_out(tmp_path,
 
 
 def test_a_huge_step_without_summary_or_config_builds_no_huge_set(tmp_path):
-    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, summary=False,
-                                                      write_config=False)])
+    bare = Shape(summary=False, write_config=False)
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, shape=bare)])
     run_dir = next(p for p in exp.iterdir() if p.is_dir())
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 2000000000}\n')
@@ -557,8 +557,8 @@ def test_a_symlink_loop_as_results_dir_is_one_line(tmp_path, capsys):
 
 def test_a_zoo_in_which_every_run_failed_has_a_leaderboard(tmp_path):
     exp = fake_experiment(tmp_path / "zoo", [fake_run(tmp_path / "zoo", objective, seed, status="failed",
-                                                      steps_done=1) for objective in ("grpo", "gspo")
-                                             for seed in (0, 1)])
+                                                      shape=Shape(steps_done=1))
+                                             for objective in ("grpo", "gspo") for seed in (0, 1)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         board = leaderboard(load_results(exp), 0.4)

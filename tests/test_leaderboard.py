@@ -9,7 +9,7 @@ import pytest
 
 from analysis.leaderboard import leaderboard, write_leaderboard
 from analysis.load import load_experiment
-from tests.helpers.fake_runs import fake_experiment, fake_run
+from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
 
 SEEDS = range(5)
 # final eval accuracy per (cell's lr, objective), plus 0.01 x seed
@@ -94,13 +94,14 @@ def test_a_run_that_diverged_before_an_evaluation_after_step_0_never_ranks_above
     ranks last, and one seed of three diverged that way ranks an objective below those whose runs all trained."""
     exp = tmp_path / "zoo"
     entries = []
+    from_04, diverged = Shape(start=0.4), Shape(start=0.4, steps_done=1)  # diverged: at step 1
     for lr in (1e-4, 3e-4):
         for seed in range(3):
-            entries.append(fake_run(exp, "grpo", seed, {"train.lr": lr}, start=0.4, final=0.30 + 0.01 * seed))
-            entries.append(fake_run(exp, "gspo", seed, {"train.lr": lr}, start=0.4, final=0.20 + 0.01 * seed))
-            entries.append(fake_run(exp, "ctpo", seed, {"train.lr": lr}, start=0.4, final=0.35, status="diverged"
-                                    if seed == 0 else "finished", steps_done=1 if seed == 0 else None))
-            entries.append(fake_run(exp, "cispo", seed, {"train.lr": lr}, start=0.4, status="diverged", steps_done=1))
+            entries.append(fake_run(exp, "grpo", seed, {"train.lr": lr}, final=0.30 + 0.01 * seed, shape=from_04))
+            entries.append(fake_run(exp, "gspo", seed, {"train.lr": lr}, final=0.20 + 0.01 * seed, shape=from_04))
+            entries.append(fake_run(exp, "ctpo", seed, {"train.lr": lr}, final=0.35, status="diverged"
+                                    if seed == 0 else "finished", shape=diverged if seed == 0 else from_04))
+            entries.append(fake_run(exp, "cispo", seed, {"train.lr": lr}, status="diverged", shape=diverged))
     board = leaderboard(load_experiment(fake_experiment(exp, entries)), target=0.5).set_index("objective")
     assert board.loc["cispo", "iqm"] == pytest.approx(0.4)  # scored on the starting policy
     assert board["mean_rank"].to_dict() == {"grpo": 1.0, "gspo": 2.0, "ctpo": 3.0, "cispo": 4.0}

@@ -22,7 +22,7 @@ from harness.run import provenance
 from harness.run.config import load_experiment, objective_defaults, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import RunRecords, read_jsonl
-from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, unrasterized
+from tests.helpers.fake_runs import Shape, code_segments, fake_experiment, fake_run, unrasterized
 from tests.helpers.tiny import TINY_RUN, tiny_run
 
 A, B = "a" * 40, "b" * 40  # two commits
@@ -132,7 +132,7 @@ def test_continuing_a_run_of_other_code_is_refused_in_one_line_unless_allowed_th
 
 def test_a_run_written_before_the_records_continues_with_a_warning(code, tmp_path, capsys):
     code(B)
-    fake_run(tmp_path, "grpo", 0, steps=6, steps_done=3, status="interrupted", run_id="old")
+    fake_run(tmp_path, "grpo", 0, status="interrupted", run_id="old", shape=Shape(steps=6, steps_done=3))
     provenance.check_code([tmp_path / "old"], allow=False, command="train")
     assert "written before runs recorded their code (version unknown)" in capsys.readouterr().err
     # its resume records the unknown code of the steps it keeps

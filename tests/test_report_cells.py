@@ -15,7 +15,7 @@ from analysis.load import AnalysisWarning
 from analysis.report import config_summary, eval_table, headline_display, md_table, status_lines
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.provenance import code_record
-from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run, grid_experiment, unrasterized
+from tests.helpers.fake_runs import Shape, code_segments, fake_experiment, fake_run, grid_experiment, unrasterized
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,9 +82,9 @@ def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path)
     """Three seed-0 grpo runs copied from different experiments: two differ only in the experiment's name (the same
     condition: duplicates, one counted), the third in its learning rate (another cell)."""
     exp_dir = tmp_path / "mixed"
-    entries = [fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, name="quickstart", final=0.5),
-               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, name="quickstart-compare", final=0.5),
-               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-3}, name="lr_sweep", final=0.5)]
+    entries = [fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, final=0.5, shape=Shape(name="quickstart")),
+               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-4}, final=0.5, shape=Shape(name="quickstart-compare")),
+               fake_run(exp_dir, "grpo", 0, {"train.lr": 1e-3}, final=0.5, shape=Shape(name="lr_sweep"))]
     exp, caught = load(fake_experiment(exp_dir, entries))
     table = eval_table(exp.runs, exp.cells.axes)
     assert list(table["seeds"]) == [1, 1] and exp.cells.axes == ["train.lr"]
@@ -260,8 +260,8 @@ def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp
 
 def test_duplicates_keep_the_ended_run(tmp_path):
     exp_dir = tmp_path / "dup"
-    finished = fake_run(exp_dir, "grpo", 0, name="b", final=0.6)
-    stopped = fake_run(exp_dir, "grpo", 0, name="a", status="running", steps_done=2)  # first by run id, not ended
+    finished = fake_run(exp_dir, "grpo", 0, final=0.6, shape=Shape(name="b"))
+    stopped = fake_run(exp_dir, "grpo", 0, status="running", shape=Shape(name="a", steps_done=2))  # first by id
     exp, _ = load(fake_experiment(exp_dir, [stopped, finished]))
     counted = exp.runs.set_index("run_id")["counted"]
     assert counted[finished["run_id"]] and not counted[stopped["run_id"]]
@@ -270,7 +270,7 @@ def test_duplicates_keep_the_ended_run(tmp_path):
 def test_a_run_without_any_settings_is_a_cell_of_its_own(tmp_path):
     exp_dir = tmp_path / "noconf"
     entries = [fake_run(exp_dir, "grpo", 0), fake_run(exp_dir, "grpo", 1, {"train.lr": 1e-3})]
-    lost = fake_run(exp_dir, "grpo", 2, write_config=False)
+    lost = fake_run(exp_dir, "grpo", 2, shape=Shape(write_config=False))
     lost.pop("overrides")
     exp, caught = load(fake_experiment(exp_dir, [*entries, lost]))
     assert exp.runs.set_index("run_id").loc[lost["run_id"], "cell"] == f"settings unknown ({lost['run_id']})"
@@ -287,7 +287,7 @@ def test_collapse_is_read_from_summary_when_present_else_detected(tmp_path):
     entries = [fake_run(exp_dir, "grpo", 0, rows=drop, final=0.05),  # old run: the rule finds the drop
                fake_run(exp_dir, "grpo", 1, summary_extra={"collapse": record}),  # the loop's record wins
                fake_run(exp_dir, "grpo", 2, rows=drop, final=0.05, summary_extra={"collapse": None}),  # none
-               fake_run(exp_dir, "grpo", 3, status="diverged", steps_done=4, rows={4: {"loss": None}}),
+               fake_run(exp_dir, "grpo", 3, status="diverged", rows={4: {"loss": None}}, shape=Shape(steps_done=4)),
                fake_run(exp_dir, "gspo", 0)]
     exp, _ = load(fake_experiment(exp_dir, entries))
     runs = exp.runs.set_index("seed")
@@ -311,8 +311,8 @@ def test_collapse_is_read_from_summary_when_present_else_detected(tmp_path):
 
 def test_a_killed_run_is_stopped_and_a_live_one_running(tmp_path):
     exp_dir = tmp_path / "live"
-    entries = [fake_run(exp_dir, "grpo", 0, status="running", steps_done=3),
-               fake_run(exp_dir, "grpo", 1, status="running", steps_done=2)]
+    entries = [fake_run(exp_dir, "grpo", 0, status="running", shape=Shape(steps_done=3)),
+               fake_run(exp_dir, "grpo", 1, status="running", shape=Shape(steps_done=2))]
     fake_experiment(exp_dir, entries)
     holder = lock_folder(exp_dir / entries[1]["dir"] / RUN_LOCK, "busy")  # a live trainer holds its run's lock
     try:
@@ -365,8 +365,9 @@ def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
 
     exp_dir = tmp_path / "failed"
     entries = [fake_run(exp_dir, "grpo", 0),
-               fake_run(exp_dir, "gspo", 0, {"threads": -1}, status="failed", steps_done=0,
-                        summary_extra={"error": "RuntimeError: set_num_threads expects a positive integer"})]
+               fake_run(exp_dir, "gspo", 0, {"threads": -1}, status="failed",
+                        summary_extra={"error": "RuntimeError: set_num_threads expects a positive integer"},
+                        shape=Shape(steps_done=0))]
     (exp_dir / entries[1]["dir"] / "metrics.jsonl").write_text("")
     exp, _ = load(fake_experiment(exp_dir, entries))
     assert len(exp.cells.labels) == 1  # threads changes no result: grpo and gspo share the cell
@@ -401,12 +402,13 @@ def write_state(exp_dir: Path, state: str) -> Path:
     entries = [fake_run(exp_dir, "grpo", s, final=0.4 + 0.1 * s) for s in range(2)]
     entries += [fake_run(exp_dir, "gspo", 0, final=0.5)]
     if state == "sweep still running":
-        entries.append(fake_run(exp_dir, "gspo", 1, status="running", steps_done=2))
-        entries.append(fake_run(exp_dir, "gspo", 2, status="pending", started=False))
+        entries.append(fake_run(exp_dir, "gspo", 1, status="running", shape=Shape(steps_done=2)))
+        entries.append(fake_run(exp_dir, "gspo", 2, status="pending", shape=Shape(started=False)))
     elif state == "all runs of an objective failed":
         shutil.rmtree(exp_dir / entries[2]["dir"])  # gspo's only runs are the failed ones (every folder is read)
-        entries = entries[:2] + [fake_run(exp_dir, "gspo", s, {"threads": -1}, status="failed", steps_done=0,
-                                          summary_extra={"error": "ValueError: boom"}) for s in range(2)]
+        entries = entries[:2] + [fake_run(exp_dir, "gspo", s, {"threads": -1}, status="failed",
+                                          summary_extra={"error": "ValueError: boom"}, shape=Shape(steps_done=0))
+                                 for s in range(2)]
     elif state == "summary.json deleted":
         (exp_dir / entries[2]["dir"] / "summary.json").unlink()
     elif state == "metrics.jsonl deleted":  # its summary.json says finished and is readable
@@ -414,7 +416,7 @@ def write_state(exp_dir: Path, state: str) -> Path:
     elif state == "summary.json unreadable":
         (exp_dir / entries[2]["dir"] / "summary.json").write_text('{"status": "fini')
     elif state == "only step 0":
-        entries.append(fake_run(exp_dir, "gspo", 1, status="running", steps_done=0))
+        entries.append(fake_run(exp_dir, "gspo", 1, status="running", shape=Shape(steps_done=0)))
     elif state == "empty metrics file":
         (exp_dir / entries[2]["dir"] / "metrics.jsonl").write_text("")
     return fake_experiment(exp_dir, entries)

@@ -146,12 +146,12 @@ def test_a_run_that_stopped_early_is_not_read_as_a_smaller_budget(tmp_path):
     steps sampled less in all, and still 2.00x per step."""
     from analysis.load import load_experiment
     from analysis.report import Numbers, budget_blocks, eval_table, write_numbers
-    from tests.helpers.fake_runs import fake_experiment, fake_run
+    from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
 
     exp = tmp_path / "quickstart"
     entries = [fake_run(exp, "grpo", seed, final=0.4) for seed in range(3)]
-    entries += [fake_run(exp, "a2po", seed, final=0.4, status="diverged", steps_done=1,
-                         summary_extra={"rollout_tokens": 200}) for seed in range(3)]
+    entries += [fake_run(exp, "a2po", seed, final=0.4, status="diverged",
+                         summary_extra={"rollout_tokens": 200}, shape=Shape(steps_done=1)) for seed in range(3)]
     loaded = load_experiment(fake_experiment(exp, entries))
     table = eval_table(loaded.runs)
     assert table.set_index("objective")["rollout_tokens"].to_dict() == {"grpo": 600, "a2po": 200}  # in all

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -12,41 +13,57 @@ import yaml
 from harness.run.config import nested, objective_defaults, settings_left_out
 
 
-def fake_run(exp: Path, objective: str, seed: int, settings: dict | None = None, *, steps: int = 6,
-             eval_every: int = 3, start: float = 0.2, final: float = 0.5, status: str = "finished",
-             steps_done: int | None = None, summary: bool = True, summary_extra: dict | None = None,
-             rows: dict[int, dict] | None = None, name: str | None = None, run_id: str | None = None,
-             write_config: bool = True, started: bool = True) -> dict:
+@dataclass(frozen=True)
+class Shape:
+    """How much of a fake run exists: ``steps`` planned, ``steps_done`` of them logged (default: all), eval accuracy
+    from ``start`` at step 0 (every 3 steps and at the last), the run's ``name`` (default: the folder's), and which
+    files are written (``started=False``: none, the manifest entry only)."""
+
+    steps: int = 6
+    steps_done: int | None = None
+    start: float = 0.2
+    name: str | None = None
+    summary: bool = True
+    write_config: bool = True
+    started: bool = True
+
+
+def fake_run(exp: Path, objective: str, seed: int, settings: dict | None = None, *, final: float = 0.5,
+             status: str = "finished", summary_extra: dict | None = None, rows: dict[int, dict] | None = None,
+             run_id: str | None = None, shape: Shape = Shape()) -> dict:
     """One run; returns its manifest entry. settings: dotted config keys (besides name, seed, objective.name,
-    train.steps); eval accuracy rises linearly from `start` (step 0) to `final` (step `steps`); rows: per step, keys
-    to set in that step's metrics (None is written as JSON null, as the harness writes NaN/inf)."""
+    train.steps); eval accuracy rises linearly from ``shape.start`` (step 0) to `final` (step ``shape.steps``);
+    rows: per step, keys to set in that step's metrics (None is written as JSON null, as the harness writes
+    NaN/inf); summary_extra: fields added to summary.json."""
     settings = dict(settings or {})
-    steps_done = steps if steps_done is None else steps_done
-    config = {"name": name or exp.name, "seed": seed, "objective.name": objective, "train.steps": steps,
+    steps = shape.steps
+    steps_done = steps if shape.steps_done is None else shape.steps_done
+    start = shape.start
+    config = {"name": shape.name or exp.name, "seed": seed, "objective.name": objective, "train.steps": steps,
               "model.name": "tiny", "task.name": "arith", "train.group_size": 4, "train.prompts_per_step": 2,
               **settings}
     digest = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
     run_id = run_id or f"{objective}-s{seed}-{digest}"
     entry = {"run_id": run_id, "objective": objective, "seed": seed, "overrides": settings, "status": status,
              "dir": run_id}
-    if not started:
+    if not shape.started:
         return entry
     run_dir = exp / run_id
     run_dir.mkdir(parents=True)
-    if write_config:
+    if shape.write_config:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(nested(config), sort_keys=True))
     metrics = [{"step": 0, "eval_accuracy": start, "eval_s": 1.0}]
     for step in range(1, steps_done + 1):
         row = {"step": step, "rollout_tokens": 100 * step, "reward_mean": 0.1 * step, "accuracy": 0.05 * step,
                "clip_frac": 0.01, "ratio_std": 0.01, "kl_behavior": -0.001 * step, "entropy": 0.8, "loss": 0.1,
                "pg_loss": 0.1, "grad_norm": 0.5, "nonfinite_skips": 0, "rollout_s": 1.0, "update_s": 1.0}
-        if step % eval_every == 0 or step == steps:
+        if step % 3 == 0 or step == steps:
             row["eval_accuracy"] = start + (final - start) * step / steps
             row["eval_s"] = 1.0
         row.update((rows or {}).get(step, {}))
         metrics.append(row)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
-    if summary:
+    if shape.summary:
         evals = [r["eval_accuracy"] for r in metrics if r.get("eval_accuracy") is not None]
         data = {"run_id": run_id, "objective": objective, "seed": seed, "status": status, "steps_done": steps_done,
                 "total_steps": steps, "start_eval_accuracy": start, "final_eval_accuracy": evals[-1],

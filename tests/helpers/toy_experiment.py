@@ -21,10 +21,11 @@ FINAL = {"grpo": {0: 0.40, 1: 0.50, 2: 0.75}, "gspo": {0: 0.55, 1: 0.60, 2: 0.80
 
 
 def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: int = STEPS,
-              status: str = "finished", summary: bool = True, truncate: bool = False, like: str | None = None,
-              start_policy="absent", scorings: bool = False) -> dict:
+              status: str = "finished", killed: bool = False, like: str | None = None, start_policy="absent",
+              scorings: bool = False) -> dict:
     """One run folder as the training loop writes it. eval every 3 steps; gspo reports no kl_ref (beta = 0);
     grpo reports holder_p, gspo its gate_* metrics, both clip_frac_low/high and bookkeeping keys (timings, lr...).
+    killed: no summary.json and a truncated last line of metrics.jsonl, as a kill -9 can leave a run;
     like: log the metrics of that objective (two objectives whose curves coincide); start_policy: summary.json's
     field ("absent": none, as older runs); scorings: eval_accuracy_strict / _flexible beside eval_accuracy."""
     run_id = f"{objective}-s{seed}-abcd1234"
@@ -57,9 +58,9 @@ def write_run(exp: Path, objective: str, seed: int, final: float, steps_done: in
                            eval_accuracy_flexible=row["eval_accuracy"] + 0.05)
         rows.append(row)
     text = "".join(json.dumps(r) + "\n" for r in rows)
-    (run_dir / "metrics.jsonl").write_text(text + ('{"step": 99, "reward_me' if truncate else ""))
+    (run_dir / "metrics.jsonl").write_text(text + ('{"step": 99, "reward_me' if killed else ""))
     (run_dir / "eval_samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_samples(rows)))
-    if summary:
+    if not killed:
         (run_dir / "summary.json").write_text(json.dumps({
             "run_id": run_id, "objective": objective, "seed": seed, "status": status, "steps_done": steps_done,
             "total_steps": STEPS, "final_eval_accuracy": final if steps_done == STEPS else 0.13,
@@ -92,7 +93,7 @@ def write_experiment(exp: Path, finals: dict = FINAL, extra: bool = True) -> Pat
     entries = [write_run(exp, o, s, f) for o, seeds in finals.items() for s, f in seeds.items()]
     if extra:
         entries.append(write_run(exp, "grpo", 3, 0.0, steps_done=4, status="running"))
-        entries.append(write_run(exp, "gspo", 3, 0.0, steps_done=2, status="running", summary=False, truncate=True))
+        entries.append(write_run(exp, "gspo", 3, 0.0, steps_done=2, status="running", killed=True))
         entries.append({"run_id": "grpo-s4-abcd1234", "objective": "grpo", "seed": 4, "overrides": {},
                         "status": "pending", "dir": "grpo-s4-abcd1234"})
     (exp / "manifest.json").write_text(json.dumps({"experiment": exp.name, "runs": entries}))
