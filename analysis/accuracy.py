@@ -33,7 +33,9 @@ SCORE = "correct"  # eval_samples.jsonl's score under the task's training scorin
 @dataclass(frozen=True)
 class Estimate:
     """A mean with its interval: n seeds; parts: the variance's independent parts (variance, degrees of freedom);
-    problems: whether the eval problems' spread is in it (else the interval is over seeds only)."""
+    problems: whether the eval problems' spread is in it (else the interval is over seeds only); top: the units of
+    the top level it resamples (starting policies where there are 2 or more, else seeds), which decide whether it
+    is indicative (analysis.stats.indicative)."""
 
     mean: float
     low: float
@@ -41,6 +43,7 @@ class Estimate:
     n: int
     parts: tuple = ()
     problems: bool = False
+    top: int = 0
 
     @property
     def p_value(self) -> float:
@@ -125,7 +128,8 @@ def interval_of(units: dict) -> Estimate:
         low, high = (np.nanmin(x), np.nanmax(x)) if n == 2 else (np.nan, np.nan)
     if not problems and high - low <= 1e-12:  # seeds alike (to round-off), how the problems vary unknown: none
         low = high = np.nan
-    return Estimate(float(mean), float(low), float(high), n, parts, problems)
+    policies = int(np.isfinite(x).any(axis=tuple(range(1, x.ndim))).sum())
+    return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else n)
 
 
 def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate:

@@ -33,7 +33,7 @@ import pandas as pd
 from analysis.accuracy import FINAL, Estimate, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
-from analysis.stats import num, t_bounds
+from analysis.stats import INDICATIVE_BELOW, indicative, num, t_bounds
 from analysis.verdict import ALPHA, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import check_one_version, runs_stamp
@@ -105,7 +105,7 @@ def verdicts(estimates: dict[str, Estimate], complete: dict[str, bool], planned:
     for o in objectives:
         e = estimates.get(o)
         row = {"objective": o, "verdict": "not tested", "difference": np.nan, "low": np.nan, "high": np.nan,
-               "p_value": np.nan, "holm_p": np.nan, "level": np.nan, "units": 0}
+               "p_value": np.nan, "holm_p": np.nan, "level": np.nan, "units": 0, "indicative": False}
         if o == baseline:
             row["verdict"] = "baseline"
         elif o in family and not complete.get(o):
@@ -115,7 +115,7 @@ def verdicts(estimates: dict[str, Estimate], complete: dict[str, bool], planned:
             confirmed = adjusted[o] < ALPHA
             row.update(verdict=("confirmed above" if e.mean > 0 else "confirmed below") if confirmed else
                        "not confirmed", difference=e.mean, low=float(low), high=float(high), p_value=e.p_value,
-                       holm_p=adjusted[o], level=1 - levels[o], units=e.n)
+                       holm_p=adjusted[o], level=1 - levels[o], units=e.n, indicative=indicative(e.top))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -152,7 +152,9 @@ def shown(table: pd.DataFrame, units: dict, plan: dict) -> pd.DataFrame:
     interval = [("" if pd.isna(d) else f"{num(d)} [{num(lo)}, {num(hi)}] at {lv:.2%}")
                 for d, lo, hi, lv in zip(table["difference"], table["low"], table["high"], table["level"],
                                          strict=True)]
-    return pd.DataFrame({"objective": table["objective"], "verdict": table["verdict"],
+    verdict = [f"{v}, indicative" if mark and v.startswith("confirmed") else v
+               for v, mark in zip(table["verdict"], table["indicative"], strict=True)]
+    return pd.DataFrame({"objective": table["objective"], "verdict": verdict,
                          f"− {baseline} [Holm-level CI]": interval,
                          "Holm p": [("" if pd.isna(p) else num(p)) for p in table["holm_p"]],
                          "replication": [replication(units.get(o, {})) if o in units else "" for o in
@@ -173,8 +175,13 @@ def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir:
               "simultaneous). Replication per comparison: "
               f"{len(plan['start_seeds'])} starting policies (model.seed {plan['start_seeds']}) x "
               f"{len(plan['seeds'])} seeds ({plan['seeds']}) x {len(plan['cells'])} cells "
-              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}), none of them the screen's; the "
-              f"difference is per (starting policy, seed) the mean over the cells, by eval problem. Model: {models}.")
+              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}); starting policies and seeds none of "
+              "the screen's, the cells and eval problems its own; the difference is per (starting policy, seed) the "
+              "mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite over "
+              "the starting policies' spread (theirs) and the eval problems' own (analysis/stats.py). "
+              f"\"Indicative\": from fewer than {INDICATIVE_BELOW} starting policies, where the interval's coverage "
+              "falls short of its level in some simulated case (tests/test_coverage.py): a confirmation from them "
+              f"says where to look, not a verdict. Model: {models}.")
     blocks = [("h1", "Objective leaderboard: the zoo, confirmed"), ("p", stamp), ("p", family),
               ("p", runs_stamp(counted.to_dict("records"))), ("table", shown(table, units, plan)),
               ("p", f"Plan: {confirm_dir / 'plan.md'} (written before the confirmation ran: {plan['rule']}). The "

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from scipy.stats import t as student_t
 
+from analysis.accuracy import interval_of
 from analysis.cells import START_SEED
 from analysis.confirmation import confirmation, holm_levels, write_confirmation
 from analysis.load import AnalysisWarning
+from analysis.stats import indicative
 from analysis.verdict import holm
 from tests.helpers.fake_runs import fake_experiment, fake_run
 
@@ -56,6 +58,12 @@ def test_verdicts_over_the_policies_with_holm(confirm):
     assert rows["verdict"].to_dict() == {"grpo": "baseline", "a_obj": "confirmed above", "b_obj": "not confirmed",
                                          "c_obj": "confirmed below", "d_obj": "not tested"}
     assert models == "tiny on arith" and len(units["a_obj"]) == 15
+    # 3 starting policies: fewer than the 5 from which the interval reaches its level in every simulated case
+    assert rows["indicative"].to_dict() == {"grpo": False, "a_obj": True, "b_obj": True, "c_obj": True, "d_obj": False}
+    assert interval_of(units["a_obj"]).top == 3
+    five = {(str(p), s): (str(p), 0.1 * p, None) for p in range(5) for s in range(2)}  # 5 policies x 2 seeds
+    assert interval_of(five).top == 5 and not indicative(interval_of(five).top)
+    assert interval_of({("", s): ("", 0.1 * s, None) for s in range(4)}).top == 4  # one policy: its seeds
     # b: the mean over the policies of their mean difference, t with 3 - 1 degrees of freedom, Holm over 3
     means = np.array(list(EFFECT["b_obj"].values()))
     se = means.std(ddof=1) / np.sqrt(3)
@@ -113,7 +121,8 @@ def test_the_leaderboard_states_family_correction_replication_and_model(confirm,
     text = path.read_text()
     for needle in ("Family: 3 comparisons with grpo", "Holm's step-down", "family-wise error rate 0.05",
                    "3 starting policies (model.seed [2, 3, 4]) x 5 seeds ([5, 6, 7, 8, 9]) x 2 cells",
-                   "Model: tiny on arith", "| a_obj | confirmed above |", "| d_obj | not tested |",
+                   "Model: tiny on arith", "| a_obj | confirmed above, indicative |", "| d_obj | not tested |",
+                   "\"Indicative\": from fewer than 5 starting policies",
                    "3 starting policies x 5 seeds", "stamp line"):
         assert needle in text, needle
     assert (tmp_path / "leaderboard.csv").exists() and (tmp_path / "leaderboard.html").exists()

@@ -113,3 +113,42 @@ def test_the_reported_interval_reaches_95_percent_wherever_it_is_not_marked_indi
 def test_the_former_percentile_bootstrap_over_3_seeds_falls_short(measured):
     former = {name: old for name, seeds, _, old in measured if seeds == 3}
     assert max(former.values()) < REACHED, former  # in every case, far from its level
+
+
+# The zoo's confirmation: a paired difference per (starting policy, seed, eval problem), tested at Holm's levels.
+# Gaussian random effects on the accuracy scale, the variance components (seed in policy, problem, policy x problem,
+# residual) of three comparisons of the zoo's confirmation (ANOVA estimates of code 43acf94's runs, negatives as 0),
+# the starting policies' own component varied: from 3 policies it is poorly determined.
+CONFIRMATION_CASES = {"popo's": (3.4e-4, 1.5e-3, 0.0, 0.076), "a2po's": (3.4e-3, 0.026, 0.026, 0.065),
+                      "adaptive_entropy's": (1.0e-3, 3.2e-3, 0.011, 0.057)}
+HOLM_LEVEL, CONFIRM_SIMULATIONS = 0.995, 20000  # the first level of a family of 10
+
+
+def confirmation_misses(rng, policies: int, seeds: int, components, policy_sd: float) -> float:
+    """The share of simulated confirmations (true difference 0) whose interval at HOLM_LEVEL misses 0."""
+    sd_seed, sd_problem, sd_cross, sd_residual = np.sqrt(components)
+    missed = 0
+    for _ in range(CONFIRM_SIMULATIONS // 2000):
+        n = 2000
+        x = (rng.normal(0, policy_sd, (policies, 1, 1, n)) + rng.normal(0, sd_seed, (policies, seeds, 1, n))
+             + rng.normal(0, sd_problem, (1, 1, 128, n)) + rng.normal(0, sd_cross, (policies, 1, 128, n))
+             + rng.normal(0, sd_residual, (policies, seeds, 128, n)))
+        low, high = t_bounds(*variance_parts(x, HIERARCHY), level=HOLM_LEVEL)
+        missed += int(((low > 0) | (high < 0)).sum())
+    return missed / CONFIRM_SIMULATIONS
+
+
+@pytest.mark.slow  # ~30 s of simulation: make test
+def test_the_confirmations_interval_reaches_holms_level_from_5_starting_policies():
+    """From 5 starting policies x 3 seeds (the zoo's 45 runs per comparison) the interval holds the truth at Holm's
+    first level within 4 Monte-Carlo standard errors in every case; degrees of freedom that counted the eval problems'
+    whole part (the seed x problem interaction too, which the policies' part already holds) missed up to twice as
+    often there. From 3 policies it falls short in some case: what "indicative" stands for."""
+    rng = np.random.default_rng(2027)
+    allowed = (1 - HOLM_LEVEL) + 4 * np.sqrt(HOLM_LEVEL * (1 - HOLM_LEVEL) / CONFIRM_SIMULATIONS)
+    five = {(name, sd): confirmation_misses(rng, 5, 3, c, sd) for name, c in CONFIRMATION_CASES.items()
+            for sd in (0.0, 0.03, 0.055)}
+    assert max(five.values()) <= allowed, five
+    three = {sd: confirmation_misses(rng, 3, 5, CONFIRMATION_CASES["a2po's"], sd) for sd in (0.055,)}
+    assert max(three.values()) > allowed, three
+    assert indicative(3) and not indicative(5)

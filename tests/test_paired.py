@@ -52,16 +52,29 @@ def test_probability_of_improvement_is_mann_whitney_with_ties_as_half():
 
 
 def test_the_variance_adds_the_seeds_and_the_eval_problems():
-    # 2 seeds x 4 problems, shared: seed means 0.5, 0.75; problem means 1, 0.5, 0.5, 0.5
+    """V = the seeds' part + the problems' part, as before; the degrees of freedom count the problems' part only for
+    the problems' own spread (their part less the seed x problem interaction, which the seeds' part already holds)."""
+    # 3 seeds x 4 problems, shared: problem 0 is easy for every seed, problem 3 hard (a problem main effect)
+    x = np.array([[[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 0]]], dtype=float)
+    mean, parts = variance_parts(x, HIERARCHY)
+    seed_means, problem_means = x[0].mean(1), x[0].mean(0)
+    seeds, problems = np.var(seed_means, ddof=1) / 3, np.var(problem_means, ddof=1) / 4
+    residual = x[0] - seed_means[:, None] - problem_means[None, :] + x.mean()
+    held = (residual ** 2).sum() / ((3 - 1) * (4 - 1) * 3 * 4)  # the interaction mean square over the 12 cells
+    assert 0 < held < problems
+    assert mean == pytest.approx(7 / 12)
+    assert [float(v) for v, _ in parts] == pytest.approx([seeds + held, problems - held])
+    assert [df for _, df in parts] == [2, 3]  # the seeds', the problems'
+    low, high = t_bounds(mean, parts)
+    v1, v2 = seeds + held, problems - held
+    df = (v1 + v2) ** 2 / (v1 ** 2 / 2 + v2 ** 2 / 3)  # Welch–Satterthwaite over the two
+    half = student_t.ppf(0.975, df) * np.sqrt(seeds + problems)  # the variance is the two parts', as before
+    assert (low, high) == pytest.approx((mean - half, mean + half))
+    # no problem main effect beyond the interaction: all of the problems' part goes with the seeds' degrees of freedom
     x = np.array([[[1, 0, 1, 0], [1, 1, 0, 1]]], dtype=float)
     mean, parts = variance_parts(x, HIERARCHY)
     seeds, problems = np.var([0.5, 0.75], ddof=1) / 2, np.var([1, 0.5, 0.5, 0.5], ddof=1) / 4
-    assert mean == pytest.approx(0.625)
-    assert [float(v) for v, _ in parts] == pytest.approx([seeds, problems]) and [df for _, df in parts] == [1, 3]
-    low, high = t_bounds(mean, parts)
-    df = (seeds + problems) ** 2 / (seeds ** 2 / 1 + problems ** 2 / 3)  # Welch–Satterthwaite
-    half = student_t.ppf(0.975, df) * np.sqrt(seeds + problems)
-    assert (low, high) == pytest.approx((0.625 - half, 0.625 + half))
+    assert [float(v) for v, _ in parts] == pytest.approx([seeds + problems, 0]) and [df for _, df in parts] == [1, 3]
     # one starting policy: conditioned on; two: its spread is the nested part (df 1), the seeds inside it
     two = np.array([[[1, 0], [1, 1]], [[0, 1], [np.nan, np.nan]]], dtype=float)  # the second policy: one seed
     mean, parts = variance_parts(two, (Level("start_policy"), Level("seed"), Level("problem", shared=True)))
