@@ -224,6 +224,7 @@ def test_with_zoo_screen_writes_the_screens_leaderboard_as_no_verdict(tmp_path, 
     assert stages == [stage] and "# Objective leaderboard: screen" in page
     assert ("The confirmation has not run" in page) == (stage == "screen")
     assert ("# confirmed" in page) == (stage == "both")
+    assert ("Written by code " in page and " from the runs in " in page) == (stage == "both")  # the analysis' code
 
 
 @pytest.mark.parametrize("variable, value, flag", [

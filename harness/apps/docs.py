@@ -233,9 +233,12 @@ def zoo_page(results_dir: Path, jobs: int, stage: str = "both") -> None:
         return
     parts = [(results_dir / "zoo" / name).read_text()
              for name in ("leaderboard.md", "confirm/plan.md", "screen/leaderboard.md")]
+    written = (f"Written by code {code_record()['version']} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from the runs "
+               f"in {results_dir / 'zoo'} (their own code is named under each leaderboard; runs that had ended were "
+               "read, not run again).")
     atomic_write(DOCS / "zoo.md", "Do not edit by hand: `make docs WITH_ZOO=1` writes this page (the zoo in two "
                  "stages, docs/replicates.md: the confirmed leaderboard, the plan written before the confirmation ran, "
-                 "the screen's leaderboard).\n\n" + parts[0] + "\n"
+                 f"the screen's leaderboard). {written}\n\n" + parts[0] + "\n"
                  + "\n".join(re.sub(r"^#", "##", part, flags=re.M) for part in parts[1:]))
 
 
