@@ -25,15 +25,15 @@ import pandas as pd
 
 from analysis.accuracy import NO_INTERVAL
 from analysis.cells import Cells
-from analysis.stats import INDICATIVE_BELOW, indicative, num
+from analysis.stats import INDICATIVE_BELOW, indicative, num, top_units
 from analysis.verdict import versus_baseline
 
 SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
             "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 MARKS = {r"\ddagger": "the range (min--max) of 2 seeds, not an interval",
          "*": "over seeds only (the runs lack per-problem scores)",
-         r"\dagger": f"fewer than {INDICATIVE_BELOW} seeds: indicative, the coverage falls short of 95\\% in "
-                     "simulations"}
+         r"\dagger": f"fewer than {INDICATIVE_BELOW} seeds (or starting policies): indicative, the coverage falls "
+                     "short of 95\\% in simulations"}
 INTERVAL = (r"95\% $t$-interval whose variance adds the spread between seeds and the spread between eval problems "
             r"(the eval set is a sample of the task's problems)")
 NONE = "---"
@@ -53,13 +53,13 @@ def number(value) -> str:
     return f"${mantissa}" + (rf"\times 10^{{{int(exponent)}}}" if exponent else "") + "$"
 
 
-def interval(low, high, n: int, problems: bool) -> tuple[str, list[str]]:
-    """An interval with its marks (report.interval's qualifiers), and the marks; --- where report.md says n/a (its
-    mark: NONE)."""
+def interval(low, high, n: int, problems: bool, top=None) -> tuple[str, list[str]]:
+    """An interval with its marks (report.interval's qualifiers: indicative by its top level's units ``top``), and
+    the marks; --- where report.md says n/a (its mark: NONE)."""
     if n < 2 or pd.isna(low):
         return NONE, [NONE]
     marks = ([r"\ddagger"] if n == 2 and not problems else []) + ([] if problems else ["*"])
-    marks += [r"\dagger"] if indicative(n) and r"\ddagger" not in marks else []
+    marks += [r"\dagger"] if indicative(top_units(n, top)) and r"\ddagger" not in marks else []
     bounds = f"[{number(low)[1:-1]}, {number(high)[1:-1]}]"
     return f"${bounds}" + (f"^{{{','.join(marks)}}}" if marks else "") + "$", marks
 
@@ -103,7 +103,8 @@ def headline_tex(table: pd.DataFrame, cells: Cells, name: str, source: str) -> s
     names, cell_values = cell_part(table, cells)
     rows, used = [], set()
     for values, row in zip(cell_values, table.itertuples(), strict=True):
-        text, marks = interval(row.final_ci_low, row.final_ci_high, int(row.final_n), bool(row.final_problems))
+        text, marks = interval(row.final_ci_low, row.final_ci_high, int(row.final_n), bool(row.final_problems),
+                               getattr(row, "final_top", None))
         used.update(marks)
         rows.append([*values, escape(row.objective), str(int(row.final_n)), number(row.final_mean), text])
     caption = (f"{escape(name)}: final held-out eval accuracy per objective{' and cell' * bool(names)}, the mean "
@@ -123,7 +124,8 @@ def paired_tex(pairs: pd.DataFrame, cells: Cells, baseline: str | None, name: st
     names, cell_values = cell_part(versus, cells)
     rows, used = [], set()
     for values, row in zip(cell_values, versus.itertuples(), strict=True):
-        text, marks = interval(row.difference_low, row.difference_high, int(row.n), bool(row.problems))
+        text, marks = interval(row.difference_low, row.difference_high, int(row.n), bool(row.problems),
+                               getattr(row, "top", None))
         used.update(marks)
         rows.append([*values, escape(row.a), str(int(row.n)), number(row.difference), text, number(row.holm),
                      f"{row.wins}/{row.losses}"])

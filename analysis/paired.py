@@ -40,7 +40,7 @@ from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL, t_boun
 from objectives import OBJECTIVES
 
 PERCENTILES = [50 * (1 - LEVEL), 50 * (1 + LEVEL)]
-PAIR_COLUMNS = ["cell_id", "cell", "a", "b", "n", "difference", "difference_low", "difference_high", "p_value",
+PAIR_COLUMNS = ["cell_id", "cell", "a", "b", "n", "top", "difference", "difference_low", "difference_high", "p_value",
                 "problems", "wins", "ties", "losses", "p_improvement", "p_low", "p_high"]
 
 
@@ -85,7 +85,7 @@ def compare(a: dict, b: dict) -> dict:
     d = accuracy_interval(pairs)
     seeds = sorted(pairs)
     x, y = np.array([a[s][1] for s in seeds]), np.array([b[s][1] for s in seeds])
-    row = {"n": d.n, "difference": d.mean, "difference_low": d.low, "difference_high": d.high,
+    row = {"n": d.n, "top": d.top, "difference": d.mean, "difference_low": d.low, "difference_high": d.high,
            "p_value": d.p_value, "problems": d.problems, "wins": int((x > y).sum()), "ties": int((x == y).sum()),
            "losses": int((x < y).sum()), "p_improvement": probability_of_improvement(x, y), "p_low": np.nan,
            "p_high": np.nan}

@@ -39,8 +39,10 @@ from analysis.stats import (
     IQM_MIN_SEEDS,
     coinciding,
     indicative,
+    indicative_units,
     num,
     rate_interval,
+    top_units,
 )
 from harness.run.atomic import TMP, WRITTEN, ForeignFileError, check_writable, write_into
 from harness.run.config import objective_defaults
@@ -104,7 +106,7 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
             values = done[column].astype(float)
             values = values[np.isfinite(values)]
             row.update({f"{kind}_mean": d.mean, f"{kind}_ci_low": d.low, f"{kind}_ci_high": d.high,
-                        f"{kind}_n": d.n, f"{kind}_problems": d.problems,
+                        f"{kind}_n": d.n, f"{kind}_top": d.top, f"{kind}_problems": d.problems,
                         f"{kind}_iqm": trim_mean(values, 0.25) if len(values) >= IQM_MIN_SEEDS else np.nan})
         known = done[done["collapse_source"].notna()]
         k, n = int(known["collapse_cause"].notna().sum()), len(known)
@@ -121,22 +123,24 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
     return pd.DataFrame(rows)
 
 
-def interval(low, high, n, problems: bool = False) -> str:
-    """An interval as the tables show it: its name, bounds, what it covers and whether it is indicative."""
+def interval(low, high, n, problems: bool = False, top=None) -> str:
+    """An interval as the tables show it: its name, bounds, what it covers and whether it is indicative (by its top
+    level's units ``top``: starting policies where fewer than the n seeds, else the seeds)."""
     if n < 2 or pd.isna(low):
         return "n/a"
     name = "range" if n == 2 and not problems else "95% CI"
     where = "" if problems else " (seeds only)"
-    return f"{name} [{num(low)}, {num(high)}]{where}" + (f", {n} seeds: indicative" if indicative(n) and
-                                                        name != "range" else "")
+    return f"{name} [{num(low)}, {num(high)}]{where}" + (f", {indicative_units(n, top)}: indicative"
+                                                        if indicative(top_units(n, top)) and name != "range" else "")
+
 
 
 def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True) -> dict:
     problems = table[f"{kind}_problems"] if f"{kind}_problems" in table else [False] * len(table)
     out = {f"{label} mean": table[f"{kind}_mean"].map(num),
-           f"{label} interval": [interval(lo, hi, n, p) for lo, hi, n, p in
+           f"{label} interval": [interval(lo, hi, n, p, top) for lo, hi, n, p, top in
                                  zip(table[f"{kind}_ci_low"], table[f"{kind}_ci_high"], table[f"{kind}_n"],
-                                     problems, strict=True)]}
+                                     problems, table.get(f"{kind}_top", table[f"{kind}_n"]), strict=True)]}
     if iqm:
         out[f"{label} IQM"] = table[f"{kind}_iqm"].map(num)
     return out
@@ -581,9 +585,9 @@ def paired_display(frame: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     return pd.DataFrame({
         **cell_columns(frame, cells), "A": frame["a"], "B": frame["b"], "paired seeds": frame["n"],
         "A − B (final acc)": frame["difference"].map(num),
-        "interval": [interval(lo, hi, n, p) for lo, hi, n, p in
+        "interval": [interval(lo, hi, n, p, top) for lo, hi, n, p, top in
                      zip(frame["difference_low"], frame["difference_high"], frame["n"], frame["problems"],
-                         strict=True)],
+                         frame.get("top", frame["n"]), strict=True)],
         "p (t-test)": frame["p_value"].map(num),
         "wins/ties/losses": [f"{w}/{t}/{lo}" for w, t, lo in zip(frame["wins"], frame["ties"], frame["losses"],
                                                                  strict=True)],

@@ -82,6 +82,16 @@ def indicative(n: int) -> bool:
     return 2 <= n < INDICATIVE_BELOW
 
 
+def top_units(n, top) -> int:
+    """The units of an interval's top level: ``top`` where known (a table of older code may lack it), else n."""
+    return int(n if top is None or pd.isna(top) or not top else top)
+
+def indicative_units(n, top) -> str:
+    """'3 seeds' or, where the top level is the starting policies, '3 starting policies'."""
+    units = top_units(n, top)
+    return f"{units} starting policies" if units < n else f"{n} seeds"
+
+
 def bootstrap_ci(values) -> tuple[float, float]:
     """The 95% percentile bootstrap of the mean (N_BOOT resamples, BOOT_SEED); NaNs below 2 values."""
     x = np.asarray(values, dtype=float)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.accuracy import NO_INTERVAL
-from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, num
+from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, indicative_units, num, top_units
 
 ALPHA = 1 - LEVEL
 
@@ -47,8 +47,11 @@ def interval_text(low, high) -> str:
     return "" if pd.isna(low) else f" [{num(low)}, {num(high)}]"
 
 
-def seeds_note(n: int) -> str:
-    return f"; {n} seeds: indicative (coverage short of 95% below {INDICATIVE_BELOW})" if indicative(n) else ""
+def seeds_note(n: int, top: int | None = None) -> str:
+    """The indicative mark of a cell's sentence, by its comparisons' fewest top-level units (report.top_units)."""
+    if not indicative(top_units(n, top)):
+        return ""
+    return f"; {indicative_units(n, top)}: indicative (coverage short of 95% below {INDICATIVE_BELOW})"
 
 
 def sentence(rows: pd.DataFrame, baseline: str) -> str:
@@ -58,7 +61,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     tested = rows[rows["holm"].notna()]  # without an interval, no p-value: not in Holm's family
     family = f" (Holm-corrected over {len(tested)} comparisons)" if len(tested) > 1 else ""
     differ = rows[rows["holm"] < ALPHA]
-    n = int(rows["n"].min())
+    n, top = int(rows["n"].min()), (rows["top"].min() if "top" in rows else None)
     if differ.empty:
         alone = tested[(tested["difference_low"] > 0) | (tested["difference_high"] < 0)]["a"].tolist()
         why = (": no paired interval" if tested.empty else ": every paired interval includes 0" if not alone else
@@ -67,7 +70,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
         untested = rows[rows["holm"].isna()]["a"].tolist()
         none = f"; none for {' and '.join(untested)}" if untested and not tested.empty else ""
         reason = f" ({NO_INTERVAL})" if untested else ""
-        return f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n)}"
+        return f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n, top)}"
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0
@@ -76,7 +79,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
                      f"{interval_text(row.difference_low, row.difference_high)}, {agree} of {row.n} seeds")
     others = len(rows) - len(differ)
     tail = f"; the other {others} do not differ from it" if others > 1 else "; the other does not" if others else ""
-    return "; ".join(parts) + tail + family + seeds_note(n)
+    return "; ".join(parts) + tail + family + seeds_note(n, top)
 
 
 def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.DataFrame:

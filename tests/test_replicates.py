@@ -66,6 +66,21 @@ def test_accuracy_interval_is_over_the_policies(three_policies):
     mean, low, high = policy_t_interval({p: [m + n for n in SEED_NOISE] for p, m in POLICY_MEAN.items()})
     assert e.n == 15 and e.mean == pytest.approx(mean) and (e.low, e.high) == pytest.approx((low, high))
     assert [df for _, df in e.parts] == [2.0]  # the policies' spread, 3 - 1 degrees of freedom
+    assert e.top == 3  # its top level: 3 starting policies, not the 15 (policy, seed) units
+
+
+def test_an_interval_over_3_starting_policies_is_indicative_whatever_its_seeds():
+    """15 runs from 3 starting policies: the report marks the interval by its 3 policies (it marked none by the 15
+    units); from 5 policies x 3 seeds, none; one policy: by its seeds, as before."""
+    from analysis.latex import interval as latex_interval
+    from analysis.report import interval
+    from analysis.verdict import seeds_note
+
+    assert interval(0.1, 0.3, 15, True, 3).endswith(", 3 starting policies: indicative")
+    assert "indicative" not in interval(0.1, 0.3, 15, True, 5)
+    assert interval(0.1, 0.3, 3, True).endswith(", 3 seeds: indicative")  # a table without the column: its seeds
+    assert "3 starting policies: indicative" in seeds_note(15, 3) and seeds_note(15, 5) == ""
+    assert r"\dagger" in latex_interval(0.1, 0.3, 15, True, 3)[1] and latex_interval(0.1, 0.3, 15, True, 5)[1] == []
 
 
 def test_iqm_bootstrap_resamples_the_policies(three_policies):
