@@ -67,8 +67,8 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours)
 	$(PY) -m harness claims --jobs $(JOBS) $(if $(WITH_LONG),--with-long)
 
-zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; docs/zoo_guide.md, docs/replicates.md)
-	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(OVERRIDES)
+zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; START_POLICIES=N: the confirmation's, 5 for verdicts that are not indicative; docs/zoo_guide.md, docs/replicates.md)
+	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(if $(START_POLICIES),--start-policies $(START_POLICIES)) $(OVERRIDES)
 
 comma := ,
 plots:  ## results/EXP/report/ from whatever runs exist (EXP=/abs/folder: that folder's; EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline)

@@ -169,16 +169,18 @@ def one_cell(monkeypatch, tmp_path):
 def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
     tmp_path, calls = one_cell
     overrides = [f"results_dir={tmp_path}", "train.steps=2"]
-    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False) == 0
+    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 3) == 0
     plan = json.loads((tmp_path / "zoo" / "confirm" / "plan.json").read_text())
     assert list(plan["objectives"]) == ["grpo", "popo"]  # the core within --objectives, and popo's difference
     assert calls == [("confirm", 2 * 3 * 5, True)]  # 2 objectives x 3 policies x 5 seeds in the one cell
     assert (tmp_path / "zoo" / "confirm" / "plan.md").is_file()
     written = (tmp_path / "zoo" / "confirm" / "plan.json").read_text()
-    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False) == 0  # resumed
+    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 3) == 0  # resumed
     assert (tmp_path / "zoo" / "confirm" / "plan.json").read_text() == written
     with pytest.raises(ConfigError, match="was made with other settings"):
-        zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False)
+        zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False, 3)
+    with pytest.raises(ConfigError, match="was made with other settings"):  # 5 starting policies: another plan
+        zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 5)
 
 
 def test_the_confirmation_is_planned_only_from_the_screen_its_settings_make(tmp_path, monkeypatch):
@@ -219,7 +221,7 @@ def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))
     with pytest.raises(ConfigError, match="run `make zoo STAGE=screen` first"):
-        zoo.confirm(3, 1, 0.4, [f"results_dir={tmp_path}"], False, ["grpo"], False)
+        zoo.confirm(3, 1, 0.4, [f"results_dir={tmp_path}"], False, ["grpo"], False, 3)
     assert not calls and not (tmp_path / "zoo" / "confirm").exists()
 
 
@@ -227,7 +229,7 @@ def test_no_plan_from_a_screen_that_did_not_end(one_cell):
                                         ("both", ["prepare", "screen", "confirm"])])
 def test_a_stage_runs_alone_or_both_in_order(stage, ran, monkeypatch, tmp_path):
     done = []
-    monkeypatch.setattr(zoo, "prepare_policies", lambda *a: done.append("prepare"))
+    monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: done.append("prepare"))
     monkeypatch.setattr(zoo, "swept", lambda cfg, *a: (done.append("screen"), ([], "stamp"))[1])
     monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
     monkeypatch.setattr(zoo, "confirm", lambda *a: done.append("confirm") or 0)
@@ -240,6 +242,12 @@ def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
     out = subprocess.run(["make", "-n", "--no-print-directory", "zoo", "STAGE=screen"], cwd=ROOT, capture_output=True,
                          text=True)
     assert "--stage screen" in out.stdout
+    out = subprocess.run(["make", "-n", "--no-print-directory", "zoo", "START_POLICIES=5"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert "--start-policies 5" in out.stdout
+    for bad in (1, len(zoo.START_CANDIDATES) + 1):
+        with pytest.raises(ConfigError, match="--start-policies must be 2 to"):
+            zoo.main(start_policies=bad, stage="screen")
     for override in ("seed=4", "model.seed=2", "objective.name=gspo", "sweep.grid.seed=[0]"):
         with pytest.raises(ConfigError, match="the zoo sets the objectives"):
             zoo.main(overrides=[override], stage="screen")
@@ -291,11 +299,11 @@ def test_both_stages_starting_policies_are_built_before_the_screen_side_by_side(
     overrides = [f"results_dir={tmp_path}", "model.warm_start_steps=3", "model.warm_start_target=null",
                  *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
     _, runs = zoo.zoo_runs(1, overrides, ["grpo"])
-    zoo.prepare_policies(runs, overrides, 2, progress=False)
+    zoo.confirm_start_seeds(overrides, 2, False, runs)
     seeds = [1, *zoo.START_CANDIDATES[: zoo.CONFIRM_START_POLICIES]]  # none misses: no band
     logs = {seed: (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log").read_text() for seed in seeds}
     assert all("starting policy: building it once" in log for log in logs.values())
     assert len(list((tmp_path / "cache" / "warm_start").glob("*.safetensors"))) == len(seeds)
-    zoo.prepare_policies(runs, overrides, 2, progress=False)  # again: each loaded from the cache
+    zoo.confirm_start_seeds(overrides, 2, False, runs)  # again: each loaded from the cache
     assert all("starting policy: loaded" in (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log"
                                              ).read_text() for seed in seeds)

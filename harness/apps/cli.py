@@ -210,7 +210,8 @@ def cmd_claims(args) -> int:
 def cmd_zoo(args) -> int:
     from harness.apps.zoo import main as zoo  # imported when used: the plotting stack (cmd_sweep's note)
 
-    given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target)) if v is not None}  # else zoo.py's
+    given = {k: v for k, v in (("seeds", args.seeds), ("target", args.target), ("start_policies", args.start_policies))
+             if v is not None}  # else zoo.py's
     if args.objectives is not None:  # name_list refused an empty list or name
         given["objectives"] = args.objectives
     return zoo(**given, jobs=args.jobs, overrides=args.overrides, progress=not args.no_progress,

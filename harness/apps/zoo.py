@@ -9,7 +9,7 @@ the leaderboard (docs/replicates.md explains the design).
                                the runs the plan names
         results/zoo/leaderboard.md, .html, .csv: per objective confirmed above / confirmed below / not confirmed /
                                not tested, with the family, its correction and the replication
-        results/zoo/prepare/   both stages: each starting policy's config and build log (``prepare_policies``)
+        results/zoo/prepare/   both stages: each starting policy's config and build log (``confirm_start_seeds``)
 
 The objectives are the registry's (``objectives.available_objectives()``), so an objective registered there is in the
 next zoo without a change here. The cells are CELLS: each shipped regime experiment (experiments/<name>.yaml, listed
@@ -213,9 +213,15 @@ def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, al
 
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,
          progress: bool = True, report: bool = True, objectives: list[str] | None = None,
-         allow_code_change: bool = False, stage: str = "both") -> int:
+         allow_code_change: bool = False, stage: str = "both", start_policies: int | None = None) -> int:
     """Run (or resume) the zoo's ``stage`` (screen, confirm or both), then write its leaderboards; 0 when every run
-    ended. ``objectives``: a subset (a smoke test); ``allow_code_change``: resume runs that other code began."""
+    ended. ``objectives``: a subset (a smoke test); ``allow_code_change``: resume runs that other code began;
+    ``start_policies``: the confirmation's (None: CONFIRM_START_POLICIES; from 5 its verdicts are not indicative:
+    docs/replicates.md)."""
+    start_policies = start_policies or CONFIRM_START_POLICIES
+    if not 2 <= start_policies <= len(START_CANDIDATES):
+        raise ConfigError(f"--start-policies must be 2 to {len(START_CANDIDATES)} (the candidates, model.seed "
+                          f"{', '.join(map(str, START_CANDIDATES))}), got {start_policies}")
     overrides = list(overrides or [])
     fixed = [o for o in overrides if o.partition("=")[0] in ("seed", "model.seed", "objective.name")
              or o.startswith("sweep.")]
@@ -230,7 +236,7 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         cfg, runs = zoo_runs(seeds, overrides, objectives)
         screen = Path(cfg.results_dir) / cfg.name
         if stage == "both" and not screen_ended(screen):
-            prepare_policies(runs, overrides, jobs, progress)
+            confirm_start_seeds(overrides, jobs, progress, runs, start_policies)  # both stages' (their docstring)
         print(f"zoo screen: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds "
               f"x {len(CELLS)} regime cells) into {screen}, {jobs} at a time", file=sys.stderr)
         entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
@@ -241,25 +247,23 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         print(f"{text}\nscreen leaderboard: {path}", file=sys.stderr)
         status = 0 if all(e["status"] in ENDED for e in entries) else 1
     if stage in ("confirm", "both") and status == 0:
-        status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change)
+        status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change, start_policies)
     return status
 
 
-def prepare_policies(screen_runs: list[DictConfig], overrides: list[str], jobs: int, progress: bool) -> None:
-    """Both stages' starting policies (the screen's and the confirmation's, which do not depend on the screen's
-    findings) built before the screen's first run (confirm_start_seeds, the screen's in its first round)."""
-    confirm_start_seeds(overrides, jobs, progress, screen_runs)
-
-
-def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_runs: list[DictConfig]) -> dict:
-    """The confirmation's starting policies (sweep.first_landing): the first CONFIRM_START_POLICIES of
-    START_CANDIDATES whose warm start lands in its band, the screen's built in the first round, ``jobs`` side by side;
-    their configs and build logs in results/zoo/prepare/."""
+def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_runs: list[DictConfig],
+                        wanted: int | None = None) -> dict:
+    """The confirmation's starting policies (sweep.first_landing): the first ``wanted`` (None: CONFIRM_START_POLICIES)
+    of START_CANDIDATES whose warm
+    start lands in its band, the screen's built in the first round, ``jobs`` side by side; their configs and build
+    logs in results/zoo/prepare/. Called before the screen's first run too, so that both stages' policies (the
+    confirmation's do not depend on the screen's findings) are built together."""
     def runs_for(seeds: list[int]) -> list[DictConfig]:
         return stage_runs("confirm", overrides, [BASELINE], [0], seeds)[1]
 
     folder = Path(load_experiment("quickstart", overrides).results_dir) / NAME / "prepare"
-    return first_landing(runs_for, START_CANDIDATES, CONFIRM_START_POLICIES, folder, jobs, progress, screen_runs)
+    return first_landing(runs_for, START_CANDIDATES, wanted or CONFIRM_START_POLICIES, folder, jobs, progress,
+                         screen_runs)
 
 
 def check_screen(runs, expected: list[DictConfig], objectives: list[str] | None, screen: Path) -> None:
@@ -278,12 +282,13 @@ def check_screen(runs, expected: list[DictConfig], objectives: list[str] | None,
 
 
 def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
-            objectives: list[str] | None, allow_code_change: bool) -> int:
+            objectives: list[str] | None, allow_code_change: bool, start_policies: int) -> int:
     """Stage 2: the plan (read, or made from the finished screen and written), its runs, the leaderboard."""
     cfg, screen_runs = zoo_runs(seeds, overrides, objectives)
     screen = Path(cfg.results_dir) / cfg.name
     folder = screen.parent / "confirm"
-    settings = {"overrides": overrides, "seeds": seeds, "objectives": objectives}
+    settings = {"overrides": overrides, "seeds": seeds, "objectives": objectives,
+                **({"start_policies": start_policies} if start_policies != CONFIRM_START_POLICIES else {})}
     plan = read_plan(folder, settings)
     if plan is None:
         if not screen_ended(screen):
@@ -295,7 +300,7 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         board = board[board["objective"].isin(objectives)] if objectives else board
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
-        starts = confirm_start_seeds(overrides, jobs, progress, screen_runs)
+        starts = confirm_start_seeds(overrides, jobs, progress, screen_runs, start_policies)
         plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts)
     cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"])
     if not (folder / "plan.json").is_file():  # written whole before any run of the confirmation starts

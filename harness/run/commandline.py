@@ -197,6 +197,9 @@ def add_zoo(sub) -> None:
                           "fresh starting policies and seeds; both (default): one, then the other (docs/replicates.md)")
     zoo.add_argument("--seeds", type=screen_seeds, help="the screen's seeds per objective and cell, at most "
                                                         f"{SCREEN_SEEDS_MAX} (default: harness/apps/zoo.py)")
+    zoo.add_argument("--start-policies", type=int_at_least(2),
+                     help="the confirmation's starting policies, 2 to the candidates' number (default 3: its verdicts "
+                          "then indicative; from 5 not: docs/replicates.md)")
     zoo.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes")
     zoo.add_argument("--target", type=accuracy, help="eval accuracy of the tokens-to-target column (default: zoo.py)")
     zoo.add_argument("--objectives", type=name_list,
