@@ -627,3 +627,36 @@ def test_the_crafted_file_runs_its_code_with_an_unsafe_loader(tmp_path):
         torch.load(path, weights_only=True)
     torch.load(path, weights_only=False)
     assert (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("damage", ["folder is a link", "train.log is a folder", "metrics.jsonl is a link"])
+def test_a_sweep_checks_every_runs_folder_before_it_writes_any(tmp_path, capsys, damage):
+    """A pending run's folder that is a link to the user's folder: the sweep wrote config.yaml through it (over the
+    user's file) and appended its refusal to the user's train.log before the run's own check refused the link; a
+    train.log that is a folder crashed the launcher. Now one line, before any run's folder is made or written."""
+    exp = tmp_path / "own.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
+    args = [*TINY_RUN, "train.steps=1", f"results_dir={tmp_path}/res"]
+    runs = run_configs(load_experiment(str(exp), args))
+    exp_dir = tmp_path / "res" / "own"
+    exp_dir.mkdir(parents=True)
+    bad = exp_dir / run_id(runs[1])
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "config.yaml").write_text("my notes\n")
+    if damage == "folder is a link":
+        bad.symlink_to(user)
+        culprit = bad
+    else:
+        bad.mkdir()
+        (bad / "config.yaml").write_text(OmegaConf.to_yaml(runs[1]))
+        culprit = bad / damage.split()[0]
+        if damage == "train.log is a folder":
+            culprit.mkdir()
+        else:
+            culprit.symlink_to(user / "config.yaml")
+    assert main(["sweep", str(exp), *args, "--no-progress", "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: {culprit} is a symbolic link" in err
+    assert (user / "config.yaml").read_text() == "my notes\n" and sorted(os.listdir(user)) == ["config.yaml"]
+    assert not (exp_dir / run_id(runs[0])).exists()  # nothing made for the good run either

@@ -41,6 +41,7 @@ from harness.run.provenance import ALLOW_FLAG, check_code, check_one_version, co
 from harness.run.records import (
     ENDED,
     DamagedConfigError,
+    check_run_folder,
     memory_changes,
     read_jsonl,
     read_run_config,
@@ -318,6 +319,8 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir, own=("manifest.json",))  # a manifest.json.tmp a full disk or a kill left
+    for run in runs:  # every run's folder checked before any is made or written (a link, a file in a file's place)
+        check_run_folder(exp_dir / run_id(run))
     entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
     earlier = earlier_manifest(manifest, exp_dir, {e["run_id"] for e in entries})

@@ -282,6 +282,8 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         say_memory_changes(run_dir, memory)
 
 
+# the files a run writes in its folder (each a regular file of its own: check_run_folder)
+RUN_FILES = ("config.yaml", "train.log", "metrics.jsonl", "summary.json", "eval_samples.jsonl", "traceback.txt")
 # what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary, and
 # the traceback of a run that failed before writing it (harness/apps/cli.py writes it beside the run)
 BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|traceback\.txt"
@@ -304,6 +306,11 @@ def check_run_folder(run_dir: Path) -> None:
     if special:
         raise ConfigError(f"{run_dir / special[0]} is not a regular file (a named pipe, a socket or a device): the run "
                           "reads and writes its files there; remove it, or give another --run-dir")
+    linked = sorted(name for name in RUN_FILES if (run_dir / name).is_symlink() or (run_dir / name).is_dir())
+    if linked:
+        raise ConfigError(f"{run_dir / linked[0]} is a symbolic link or a folder: a run's files are not followed "
+                          "through a link, nor written where a folder is; remove it (or move the run folder away), "
+                          "or give another --run-dir")
     if (run_dir / "config.yaml").exists():
         return
     foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
