@@ -660,3 +660,25 @@ def test_a_sweep_checks_every_runs_folder_before_it_writes_any(tmp_path, capsys,
     assert f"config error: {culprit} is a symbolic link" in err
     assert (user / "config.yaml").read_text() == "my notes\n" and sorted(os.listdir(user)) == ["config.yaml"]
     assert not (exp_dir / run_id(runs[0])).exists()  # nothing made for the good run either
+
+
+def test_a_stopped_runs_config_edited_after_it_began_is_refused_not_trained(tmp_path, capsys):
+    """A run stopped after its first step, then its config.yaml edited (another learning rate): the sweep resumed it
+    with the edited settings in its records (the report named them) while its folder's id is the sweep's. Now one
+    line before anything runs; once the run has ended, one warning that its records name other settings."""
+    exp = tmp_path / "own.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    args = [*TINY_RUN, "train.steps=1", f"results_dir={tmp_path}/res"]
+    (run,) = run_configs(load_experiment(str(exp), args))
+    run_dir = tmp_path / "res" / "own" / run_id(run)
+    run_dir.mkdir(parents=True)
+    edited = OmegaConf.merge(run, {"train": {"lr": 0.5}})
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(edited))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
+    assert main(["sweep", str(exp), *args, "--no-progress", "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    one_line(err, f"config error: {run_dir / 'config.yaml'} holds other settings than the run its folder is named for")
+    assert "train.lr" in err and not (run_dir / "metrics.jsonl").exists()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "finished"}))
+    assert main(["sweep", str(exp), *args, "--no-progress", "--jobs", "1"]) == 0
+    assert "the run has ended; its report reads them as written" in capsys.readouterr().err

@@ -43,6 +43,7 @@ from harness.run.records import (
     DamagedConfigError,
     check_run_folder,
     memory_changes,
+    other_settings,
     read_jsonl,
     read_run_config,
     run_status,
@@ -319,8 +320,9 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     exp_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(exp_dir / SWEEP_LOCK, f"another sweep is already running in {exp_dir}")
     remove_stale_temporaries(exp_dir, own=("manifest.json",))  # a manifest.json.tmp a full disk or a kill left
-    for run in runs:  # every run's folder checked before any is made or written (a link, a file in a file's place)
-        check_run_folder(exp_dir / run_id(run))
+    for run in runs:  # every run's folder checked before any is made or written
+        check_run_folder(exp_dir / run_id(run))  # a link, a folder in a file's place
+        check_saved_settings(run, exp_dir / run_id(run))
     entries = [run_entry(run, cfg, exp_dir) for run in runs]
     manifest = exp_dir / "manifest.json"
     earlier = earlier_manifest(manifest, exp_dir, {e["run_id"] for e in entries})
@@ -401,6 +403,28 @@ def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
     objectives = [o for o in old.get("objectives") or [] if isinstance(o, str)]
     baseline = old.get("baseline") if isinstance(old.get("baseline"), str) else None
     return {"runs": runs, "objectives": objectives, "baseline": baseline}
+
+
+def check_saved_settings(run: DictConfig, run_dir: Path) -> None:
+    """Refuse (ConfigError, one line) a run to continue whose folder's config.yaml holds other settings than those
+    its folder is named for (the run id is their hash): the run would train, and its records say, those written there
+    (an edit after the run began). An ended run is not run again: one warning that its records name other settings."""
+    try:
+        saved = read_run_config(run_dir / "config.yaml")
+    except DamagedConfigError:
+        return  # run_entry's warning names it
+    if not saved:
+        return
+    differences, _ = other_settings(saved, run)
+    if not differences:
+        return
+    named = ", ".join(list(differences.values())[:4]) + (", ..." if len(differences) > 4 else "")
+    what = f"{run_dir / 'config.yaml'} holds other settings than the run its folder is named for ({named})"
+    if run_status(run_dir) in ENDED:
+        tqdm.write(f"warning: {what}: the run has ended; its report reads them as written", file=sys.stderr)
+        return
+    raise ConfigError(f"{what}: continuing it would train (and record) those; restore them, or move {run_dir} away "
+                      "to run it anew")
 
 
 def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:

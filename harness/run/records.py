@@ -242,6 +242,17 @@ def _same(before, after) -> bool:
         return False
 
 
+def other_settings(saved: dict, cfg: DictConfig) -> tuple[dict, list[str]]:
+    """(the settings of ``cfg`` that a run's saved config.yaml holds otherwise: key -> what differs, the memory
+    settings among them, which change no number beyond round-off, left apart); settings that change nothing in
+    ``cfg``'s run are left out."""
+    differences = settings_differences(saved, cfg)
+    memory = [differences.pop(key) for key in memory_settings(cfg) if key in differences]
+    for key in [key for key in differences if unused_setting(cfg, key)]:  # they change nothing
+        differences.pop(key)
+    return differences, memory
+
+
 def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
                  ) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
@@ -268,11 +279,7 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         return
     if saved is None:
         return
-    differences = settings_differences(saved, cfg)
-    # the memory settings may change: the run continued under less memory is the same run
-    memory = [differences.pop(key) for key in memory_settings(cfg) if key in differences]
-    for key in [key for key in differences if unused_setting(cfg, key)]:  # they change nothing
-        differences.pop(key)
+    differences, memory = other_settings(saved, cfg)
     if differences:
         raise ConfigError(f"{run_dir} holds a run with other settings ({listed(list(differences.values()))}); "
                           "continuing it would mix two runs: "
