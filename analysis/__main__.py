@@ -5,6 +5,7 @@ import argparse
 import sys
 import warnings
 
+from harness.run.atomic import DiskFullError
 from harness.run.errors import one_line_for_a_broken_module
 
 with one_line_for_a_broken_module():  # a file of objectives/ that does not import: one line, not a traceback
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                                   args.paper, args.baseline, args.latex)
         except AnalysisError as e:
             error = e
+        except DiskFullError as e:  # the report is written whole or not at all: nothing half-written to remove
+            error = (f"disk full: could not write the report at {e.filename}; free some space there (or give --out "
+                     "elsewhere), then run the same command again")
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     if error:

@@ -170,6 +170,13 @@ def parse_metrics(path: Path, total: int | None = None) -> MetricsFile:
         if values.isna().sum() > df[col].isna().sum():
             warn(f"{path}: non-numeric values of {col!r} treated as missing")
         df[col] = values
+    for col in [c for c in df.columns if FRACTION.fullmatch(str(c))]:  # a share or an accuracy: in [0, 1]
+        outside = df[col].notna() & ~df[col].between(0.0, 1.0)
+        if outside.any():
+            steps = sorted(int(v) for v in df.loc[outside, "step"])
+            warn(f"{path}: `{col}` outside [0, 1] (a fraction) at step{'s' * (len(steps) > 1)} {steps_text(steps)}: "
+                 "treated as missing")
+            df.loc[outside, col] = float("nan")
     if df["step"].duplicated().any():
         warn(f"{path}: repeated steps, kept the last line of each")
         df = df.drop_duplicates("step", keep="last")
@@ -219,6 +226,10 @@ def missing_steps(steps_done: int, logged: set[int], listed: set[int], most: int
     gaps = list(itertools.islice((s for s in range(steps_done + 1) if s not in logged), most))
     beyond = sorted(s for s in listed - logged if not 0 <= s <= steps_done)
     return sorted(gaps + beyond)[:most], max(steps_done + 1 - inside, 0) + len(beyond)
+
+
+# metrics that are fractions (accuracies, shares of tokens or groups): a value outside [0, 1] is no measurement
+FRACTION = re.compile(r"(eval_)?accuracy(_\w+)?|clip_frac\w*|frac_\w+")
 
 
 def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
@@ -552,6 +563,9 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
         raise AnalysisError(f"results folder {exp_dir} {what}: give an experiment's results folder "
                             "(results/<experiment>, the one holding manifest.json)")
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
+    if isinstance(manifest, dict) and not isinstance(manifest.get("runs", []), list):
+        warn(f"{exp_dir / 'manifest.json'}: `runs` is {manifest['runs']!r}, not a list of runs: ignored")
+        manifest = {k: v for k, v in manifest.items() if k != "runs"}
     entries = manifest_entries(exp_dir, manifest)
     planned = {str(e.get("dir") or e.get("run_id")) for e in entries}
     linked = linked_run_folders(exp_dir)

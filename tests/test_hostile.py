@@ -682,3 +682,40 @@ def test_a_stopped_runs_config_edited_after_it_began_is_refused_not_trained(tmp_
     (run_dir / "summary.json").write_text(json.dumps({"status": "finished"}))
     assert main(["sweep", str(exp), *args, "--no-progress", "--jobs", "1"]) == 0
     assert "the run has ended; its report reads them as written" in capsys.readouterr().err
+
+
+def test_odd_manifests_metrics_and_grids_are_one_line_not_a_traceback(tmp_path, capsys):
+    """A manifest whose runs are a number crashed the report and a sweep resuming there; a fraction logged as 1e308
+    crashed a figure; a list in the objectives' place (make compare OBJECTIVES="[grpo]") and a list where the grid's
+    section goes (sweep.grid=[]) were TypeError tracebacks."""
+    from analysis.__main__ import main as analysis_main
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", s, rows={2: {"clip_frac": 1e308}})
+                                             for s in (0, 1)])
+    (exp / "manifest.json").write_text(json.dumps({"runs": 5, "objectives": 5}))
+    assert analysis_main([str(exp), "--formats", "png"]) == 0
+    err = capsys.readouterr().err
+    assert "`clip_frac` outside [0, 1] (a fraction) at step 2: treated as missing" in err and "Traceback" not in err
+    for bad in ("sweep.grid.objective.name=[[grpo]]", "sweep.grid=[]"):
+        assert main(["sweep", "quickstart", bad, f"results_dir={tmp_path}/res"]) == 2
+        one_line(capsys.readouterr().err, "config error: ")
+    assert not (tmp_path / "res").exists()
+    (tmp_path / "own.yaml").write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    (tmp_path / "res" / "own").mkdir(parents=True)
+    (tmp_path / "res" / "own" / "manifest.json").write_text(json.dumps({"runs": 5, "objectives": 5}))
+    assert main(["sweep", str(tmp_path / "own.yaml"), *TINY_RUN, "train.steps=1", f"results_dir={tmp_path}/res",
+                 "--no-progress", "--jobs", "1"]) == 0
+    assert json.loads((tmp_path / "res" / "own" / "manifest.json").read_text())["runs"][0]["status"] == "finished"
+
+
+def test_a_full_disk_under_the_report_is_one_line(tmp_path, capsys, monkeypatch):
+    """`python -m analysis` on a full disk ended in DiskFullError's traceback, worded for a training run."""
+    import analysis.__main__ as analysis_main
+    from harness.run.atomic import DiskFullError
+
+    def full(*args, **kwargs):
+        raise DiskFullError(tmp_path / "report" / "report.md")
+
+    monkeypatch.setattr(analysis_main, "build_report", full)
+    assert analysis_main.main([str(tmp_path)]) == 1
+    one_line(capsys.readouterr().err, f"error: disk full: could not write the report at {tmp_path / 'report'}")

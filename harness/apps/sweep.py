@@ -394,13 +394,14 @@ def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
         return {"runs": []}
     old = old if isinstance(old, dict) else {}
     runs = []
-    for entry in old.get("runs") or []:
+    for entry in old.get("runs") if isinstance(old.get("runs"), list) else []:
         folder = entry.get("dir") if isinstance(entry, dict) else None
         if (isinstance(folder, str) and Path(folder).name == folder and folder not in ("", ".", "..")
                 and entry.get("run_id") not in listed and (exp_dir / folder).is_dir()
                 and not (exp_dir / folder).is_symlink()):
             runs.append({**entry, "status": run_status(exp_dir / folder)})
-    objectives = [o for o in old.get("objectives") or [] if isinstance(o, str)]
+    objectives = [o for o in old.get("objectives") if isinstance(o, str)] if isinstance(old.get("objectives"),
+                                                                                       list) else []
     baseline = old.get("baseline") if isinstance(old.get("baseline"), str) else None
     return {"runs": runs, "objectives": objectives, "baseline": baseline}
 

@@ -337,6 +337,9 @@ def _merge(*configs, onto: DictConfig | None = None) -> DictConfig:
         return OmegaConf.merge(schema() if onto is None else onto, *configs)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
+    except TypeError as e:  # a list where a section goes (sweep.grid=[], train=[]): omegaconf cannot merge them
+        raise ConfigError(f"a list or value was given where a section of settings goes ({e}): give the section's keys, "
+                          "e.g. sweep.grid.seed=[0,1] or train.lr=1e-4, not sweep.grid=[] or train=[]") from None
 
 
 def _explain(e: OmegaConfBaseException) -> str:
@@ -549,6 +552,10 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
+    names = [v for v in grid.get("objective.name", []) if not isinstance(v, str)]
+    if names:  # a list or mapping in the objectives' place: e.g. OBJECTIVES="[grpo]" (make compare)
+        raise ConfigError(f"sweep.grid.objective.name holds {names[0]!r}, not an objective's name: give names, e.g. "
+                          "[grpo,gspo] (make compare OBJECTIVES=grpo,gspo)")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in NOT_RUN_SECTIONS])
     base.profile = None  # its values are applied; a run's config.yaml is complete without it
     base = _merge(base)  # onto the schema once: each run merges only its grid point onto it
