@@ -69,8 +69,11 @@ class Experiment:
 
 
 def regular(path: Path) -> bool:
-    """False, with a warning, for a named pipe, socket or device where a run writes a file: reading it would block
-    the report, or take what no run wrote."""
+    """False, with a warning, for a link, named pipe, socket or device where a run writes a file: reading it would
+    take what no run wrote there (another run's numbers), or block the report."""
+    if path.is_symlink():  # another run's file, or anything else: its numbers would be reported as this run's
+        warn(f"{path}: a symbolic link: not followed (a run's records are read from its own files only)")
+        return False
     if special_file(path):
         warn(f"{path}: not a regular file (a named pipe, a socket or a device): not read")
         return False
@@ -254,6 +257,8 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
 def read_config(path: Path) -> dict:
     """config.yaml flattened to dotted keys; {} with one warning line naming the file when it is not a mapping of
     settings (not YAML, a tag such as ``!!python/object``, which OmegaConf's safe loader refuses, a list, ...)."""
+    if not regular(path):
+        return {}
     try:
         return flattened(read_run_config(path, resolve=False) or {})
     except DamagedConfigError as e:
@@ -474,7 +479,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         metrics.insert(0, "run_id", run_id)
         metrics.insert(1, "objective", run["objective"])
         metrics.insert(2, "seed", run["seed"])
-    samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() else None
+    samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() and regular(run_dir / SAMPLES) else None
     return run, metrics, config, samples
 
 

@@ -13,6 +13,7 @@ import signal
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -719,3 +720,23 @@ def test_a_full_disk_under_the_report_is_one_line(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(analysis_main, "build_report", full)
     assert analysis_main.main([str(tmp_path)]) == 1
     one_line(capsys.readouterr().err, f"error: disk full: could not write the report at {tmp_path / 'report'}")
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "config.yaml", "eval_samples.jsonl"])
+def test_a_run_file_that_is_a_link_is_not_followed_by_the_report(tmp_path, name):
+    """seed 1's file a link to seed 0's: the report showed seed 0's numbers as seed 1's, silently (a linked run
+    folder was already refused)."""
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", s, final=0.3 + 0.2 * s)
+                                             for s in (0, 1)])
+    first, second = sorted(p for p in exp.iterdir() if p.is_dir())
+    (first / "eval_samples.jsonl").write_text("")
+    (second / name).unlink(missing_ok=True)
+    (second / name).symlink_to(first / name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = load_results(exp).runs.set_index("seed")
+    assert any(f"{second / name}: a symbolic link: not followed" in str(w.message) for w in caught)
+    if name == "summary.json":
+        assert pd.isna(runs.loc[1, "final_eval_accuracy"]) or runs.loc[1, "final_eval_accuracy"] != 0.3
+    if name == "metrics.jsonl":
+        assert runs.loc[1, "final_eval_accuracy"] == pytest.approx(0.5)  # its own summary's, not seed 0's 0.3
