@@ -663,6 +663,7 @@ def test_a_sweep_checks_every_runs_folder_before_it_writes_any(tmp_path, capsys,
     assert not (exp_dir / run_id(runs[0])).exists()  # nothing made for the good run either
 
 
+@pytest.mark.slow  # a tiny sweep runs (seconds): make test
 def test_a_stopped_runs_config_edited_after_it_began_is_refused_not_trained(tmp_path, capsys):
     """A run stopped after its first step, then its config.yaml edited (another learning rate): the sweep resumed it
     with the edited settings in its records (the report named them) while its folder's id is the sweep's. Now one
@@ -685,6 +686,7 @@ def test_a_stopped_runs_config_edited_after_it_began_is_refused_not_trained(tmp_
     assert "the run has ended; its report reads them as written" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a tiny sweep runs (seconds): make test
 def test_odd_manifests_metrics_and_grids_are_one_line_not_a_traceback(tmp_path, capsys):
     """A manifest whose runs are a number crashed the report and a sweep resuming there; a fraction logged as 1e308
     crashed a figure; a list in the objectives' place (make compare OBJECTIVES="[grpo]") and a list where the grid's
@@ -740,3 +742,13 @@ def test_a_run_file_that_is_a_link_is_not_followed_by_the_report(tmp_path, name)
         assert pd.isna(runs.loc[1, "final_eval_accuracy"]) or runs.loc[1, "final_eval_accuracy"] != 0.3
     if name == "metrics.jsonl":
         assert runs.loc[1, "final_eval_accuracy"] == pytest.approx(0.5)  # its own summary's, not seed 0's 0.3
+
+
+def test_a_setting_given_twice_on_the_command_line_is_refused(tmp_path, capsys):
+    """`make compare OBJECTIVES=grpo OVERRIDES="sweep.grid.objective.name=[gspo]"` trained gspo: the last of two values
+    of one key won silently."""
+    args = ["sweep", "quickstart", "sweep.grid.objective.name=[grpo]", f"results_dir={tmp_path}",
+            "sweep.grid.objective.name=[gspo]"]
+    assert main(args) == 2
+    one_line(capsys.readouterr().err, "config error: sweep.grid.objective.name is given twice on the command line")
+    assert not any(tmp_path.iterdir())

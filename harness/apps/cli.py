@@ -285,6 +285,13 @@ def installed_version(name: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    twice = repeated_key(getattr(args, "overrides", None) or [])
+    if twice:
+        given = ", ".join(o for o in args.overrides if o.partition("=")[0].strip() == twice)
+        print(f"config error: {twice} is given twice on the command line ({given}): the last would win silently; "
+              "give it once (make compare sets sweep.grid.objective.name and sweep.grid.seed from OBJECTIVES and "
+              "SEEDS)", file=sys.stderr)
+        return 2
     unmet = unmet_requirement()
     if unmet:
         print(f"error: {unmet}: run `make setup` (or `pip install -e .`) again", file=sys.stderr)
@@ -303,6 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(interrupted(args.command), file=sys.stderr)
         return 130
+
+
+def repeated_key(overrides: list[str]) -> str | None:
+    """The first key of the sweep's (``sweep.*``: what it compares) that two of the command line's key=value
+    overrides set (None: none). Elsewhere the later value wins, as the experiment file's layers do."""
+    seen = set()
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key in seen and key.startswith("sweep."):
+            return key
+        seen.add(key)
+    return None
 
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
