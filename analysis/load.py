@@ -399,15 +399,16 @@ def code_of(summary: dict) -> dict:
             "threads": "/".join(map(str, threads)) if threads else None}
 
 
-def log_error(path: Path) -> str | None:
-    """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json)."""
+def log_error(path: Path, last_line: bool = False) -> str | None:
+    """The error a run printed last in its train.log (a sweep's run whose failure came before its summary.json);
+    ``last_line``: only when it is the log's last line (the last attempt ended with it, not with a kill)."""
     if not regular(path):
         return None
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return None
-    last = next((line for line in reversed(lines) if line.startswith("error: ")), None)
+    last = next((line for line in reversed(lines[-1:] if last_line else lines) if line.startswith("error: ")), None)
     return last.removeprefix("error: ")[:300] if last else None
 
 
@@ -491,7 +492,11 @@ def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, s
     else:
         problems += [f"no {name}" for name in ("summary.json", "metrics.jsonl") if not found[name]]
     total = run["total_steps"]
-    if stopped:
+    resumed = log_error(run_dir / "train.log", last_line=True) if stopped else None  # a resume that failed
+    if resumed:
+        problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total}; its last attempt "
+                           f"to continue failed: {resumed}")
+    elif stopped:
         problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total} (killed; run the "
                            "same command to resume)")
     elif run["status"] != "finished":

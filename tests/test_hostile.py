@@ -752,3 +752,21 @@ def test_a_setting_given_twice_on_the_command_line_is_refused(tmp_path, capsys):
     assert main(args) == 2
     one_line(capsys.readouterr().err, "config error: sweep.grid.objective.name is given twice on the command line")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_stopped_run_whose_resume_failed_is_not_reported_as_killed(tmp_path):
+    """A stopped run's resume failed (an unreadable checkpoint): the report said "killed; run the same command to
+    resume", advice that fails again; now it names the failure its train.log ends with."""
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0, status="running",
+                                                      shape=Shape(steps_done=3))])
+    run_dir = next(p for p in exp.iterdir() if p.is_dir())
+    log = "native run on cpu ...\nerror: unreadable checkpoint checkpoints/last.pt: delete checkpoints to restart\n"
+    (run_dir / "train.log").write_text(log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        problem = load_results(exp).runs["problem"].iloc[0]
+    assert "its last attempt to continue failed: unreadable checkpoint" in problem and "killed" not in problem
+    (run_dir / "train.log").write_text(log + "native run on cpu ...\nstep 4/6\n")  # a later attempt, then a kill
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert "(killed; run the same command to resume)" in load_results(exp).runs["problem"].iloc[0]
