@@ -388,3 +388,18 @@ def test_more_jobs_than_runs_share_the_cores_among_the_runs(tmp_path, monkeypatc
     sweep.run_sweep(cfg, jobs=100, progress=False)
     assert [run.args[run.args.index("--threads") + 1] for run in fake_runs] == ["4", "4", "4"]
     assert [run.running_at_start for run in fake_runs] == [0, 1, 2]  # all three at once
+
+
+def test_a_run_killed_by_a_signal_is_said_so_not_by_its_logs_header(tmp_path, capsys):
+    """A run process killed with SIGKILL before it wrote a word: the sweep gave its train.log's last line (the run's
+    header, "native run on cpu ...") as the reason."""
+    from types import SimpleNamespace
+
+    from harness.apps.sweep import Child
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "running", "error": None}))
+    (tmp_path / "train.log").write_text("native run on cpu, float32, model tiny ... -> somewhere\n")
+    child = Child(tmp_path, SimpleNamespace(error=None), SimpleNamespace(close=lambda: None), code=-signal.SIGKILL)
+    assert child.ended("gspo-s0") == ("stopped", "killed by SIGKILL")
+    captured = capsys.readouterr()
+    assert "run gspo-s0 stopped (exit -9): killed by SIGKILL; log in" in captured.out + captured.err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -66,8 +67,18 @@ def stopped_error(run_dir: Path) -> str | None:
     return error or last_line(run_dir / "train.log")
 
 
+def signal_name(number: int) -> str:
+    """'SIGKILL' for 9; 'signal N' for a number no signal has."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def last_line(log: Path) -> str | None:
     """The last line of ``log`` that is not blank (a failed command's one-line error); None if it has none."""
+    if log.is_symlink():  # a link's target is not the run's log: never read (check_run_folder refuses it)
+        return None
     try:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
@@ -520,7 +531,8 @@ class Child:
         code = self.code
         if code and status not in ("failed", "interrupted"):  # it could not write its summary
             status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk
-            error = self.handle.error or error
+            killed = f"killed by {signal_name(-code)}" if code < 0 else None  # its log's last line is no reason
+            error = self.handle.error or killed or error
         elif code and self.handle.error:  # it wrote its status, then the launcher lost it
             error = f"{self.handle.error}; the run wrote {status} ({error or 'no error'})"
         if code:
