@@ -457,7 +457,8 @@ def check_default_folder(exp_dir: str | Path | list[str | Path], out: str | Path
     if out is None and len(dirs) > 1 and len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise AnalysisError(f"the folders share the name {', '.join(twice)}: the default report folder "
-                            f"({combined_dir(dirs) / 'report'}) would be any such pair's; give --out")
+                            f"({combined_dir(dirs) / 'report'}) would be any such pair's; give --out (make plots: "
+                            "OUT=folder)")
 
 
 def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None = None, smooth: int = 1,

@@ -279,6 +279,9 @@ def test_make_plots_passes_several_experiments_and_latex():
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
                            "EXP=/abs/x,b", "PY=python"], capture_output=True, text=True, check=True)
     assert made.stdout.split() == ["python", "-m", "analysis", "/abs/x", "results/b"]  # was results//abs/x
+    made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
+                           "EXP=a/x,b/x", "OUT=both", "PY=python"], capture_output=True, text=True, check=True)
+    assert made.stdout.split() == ["python", "-m", "analysis", "results/a/x", "results/b/x", "--out", '"both"']
 
 
 @pytest.mark.slow  # seconds of runs or reports: make test
@@ -289,7 +292,8 @@ def test_folders_of_one_name_need_their_own_report_folder(tmp_path, capsys):
     assert main([*map(str, folders), "--formats", "png"]) == 1
     err = capsys.readouterr().err
     assert err.endswith(f"error: the folders share the name x: the default report folder "
-                        f"({tmp_path / 'a' / 'x+x' / 'report'}) would be any such pair's; give --out\n"), err
+                        f"({tmp_path / 'a' / 'x+x' / 'report'}) would be any such pair's; give --out (make plots: "
+                        "OUT=folder)\n"), err
     assert not (tmp_path / "a" / "x+x").exists()
     assert main([*map(str, folders), "--formats", "png", "--out", str(tmp_path / "both")]) == 0
     assert (tmp_path / "both" / "report.md").is_file()
