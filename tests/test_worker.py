@@ -174,3 +174,29 @@ def test_the_throughput_bench_against_a_name_that_is_no_commit_is_one_config_err
     assert main(["bench", "--sweep-throughput", "--against", "no-such-commit-0000"]) == 2
     err = capsys.readouterr().err
     assert "--against no-such-commit-0000: not a commit of this checkout" in err and "sweep throughput" not in err
+
+
+def test_a_request_that_is_not_the_sweeps_protocol_is_one_line_and_the_worker_goes_on(tmp_path, capsys):
+    """`python -m harness worker` (listed in --help) raised a traceback on a line that is not JSON, a JSON list, a
+    request without its log, or a log in a folder that does not exist; each is now one line and status 2, and the
+    next request still runs."""
+    import io
+
+    from harness.apps.worker import serve
+
+    ran = []
+    good = json.dumps({"log": str(tmp_path / "run.log"), "args": ["list"]})
+    lines = ["not json\n", "[1, 2]\n", json.dumps({"args": []}) + "\n",
+             json.dumps({"log": str(tmp_path / "no" / "run.log"), "args": []}) + "\n", good + "\n"]
+    saved = os.dup(1)
+    out = os.open(tmp_path / "answers", os.O_WRONLY | os.O_CREAT)
+    os.dup2(out, 1)
+    try:
+        assert serve(io.StringIO("".join(lines)), lambda args: ran.append(args) or 0) == 0
+    finally:
+        os.dup2(saved, 1)
+        os.close(out)
+        os.close(saved)
+    assert (tmp_path / "answers").read_text().split() == ["2", "2", "2", "2", "0"] and ran == [["list"]]
+    err = capsys.readouterr().err
+    assert err.count("error: a worker request is one JSON object per line") == 4

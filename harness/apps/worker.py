@@ -59,9 +59,19 @@ def serve(requests: IO[str], main: Callable[[list[str]], int]) -> int:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     for line in requests:
-        request = json.loads(line)
-        with output_to(request["log"]):
-            status = main(request["args"])
+        try:
+            request = json.loads(line)
+            log, args = request["log"], request["args"]
+            if not (isinstance(log, str) and os.path.isdir(os.path.dirname(log) or ".") and isinstance(args, list)):
+                raise TypeError("a log in a folder that exists, and a list of arguments")
+        except (ValueError, TypeError, KeyError) as e:  # not the sweep's protocol: said in one line, not run
+            print(f"error: a worker request is one JSON object per line with 'log' and 'args' (the sweep sends them; "
+                  f"harness/apps/worker.py), got {line.strip()[:80]!r} ({type(e).__name__}: {e})", file=sys.stderr)
+            answers.write("2\n")
+            answers.flush()
+            continue
+        with output_to(log):
+            status = main(args)
         answers.write(f"{status}\n")
         answers.flush()
     return 0
