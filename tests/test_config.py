@@ -520,3 +520,14 @@ def test_a_per_objective_setting_on_the_command_line_pins_the_grid_as_one_in_the
                                                                           ("gspo", 1e-4)]
     runs = run_configs(load_experiment("quickstart", ["sweep.per_objective.gspo.objective.params.clip_high=0.001"]))
     assert {r.objective.name: r.objective.params.get("clip_high") for r in runs}["gspo"] == 0.001
+
+
+def test_a_large_grid_is_said_before_its_points_are_checked(monkeypatch, capsys):
+    """2000 seeds took a minute of checking in silence before anything printed (the twelfth hostile pass)."""
+    from harness.run import config
+
+    monkeypatch.setattr(config, "MANY_POINTS", 3)
+    run_configs(load_experiment("quickstart", ["sweep.grid.seed=[0,1]"]))  # 4 objectives x 2 seeds
+    assert capsys.readouterr().err == "checking the 8 points of the grid before any run starts (a few ms each)\n"
+    run_configs(load_experiment("quickstart", ["sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]))
+    assert capsys.readouterr().err == ""

@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -538,6 +539,9 @@ def _resolve(cfg: DictConfig) -> None:
                           "reads (e.g. the environment variable of ${oc.env:NAME})") from None
 
 
+MANY_POINTS = 500  # a grid larger than this is said before its points are checked (seconds)
+
+
 def run_configs(cfg: DictConfig) -> list[DictConfig]:
     """Expand the sweep into validated run configs (the sweep section removed). No grid = one run. Refused in one
     line: an objective of the grid that its per-objective settings leave without a run, and two grid points that
@@ -552,6 +556,9 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
     for key, values in grid.items():
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
+    points = math.prod(len(values) for values in grid.values())
+    if points > MANY_POINTS:  # ~15 ms each to merge and check, before anything prints: said first
+        print(f"checking the {points:,} points of the grid before any run starts (a few ms each)", file=sys.stderr)
     names = [v for v in grid.get("objective.name", []) if not isinstance(v, str)]
     if names:  # a list or mapping in the objectives' place: e.g. OBJECTIVES="[grpo]" (make compare)
         raise ConfigError(f"sweep.grid.objective.name holds {names[0]!r}, not an objective's name: give names, e.g. "
