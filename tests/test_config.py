@@ -531,3 +531,12 @@ def test_a_large_grid_is_said_before_its_points_are_checked(monkeypatch, capsys)
     assert capsys.readouterr().err == "checking the 8 points of the grid before any run starts (a few ms each)\n"
     run_configs(load_experiment("quickstart", ["sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]"]))
     assert capsys.readouterr().err == ""
+
+
+def test_an_empty_mapping_for_a_section_is_refused_not_merged_into_nothing():
+    """`sweep.grid={}` merged into quickstart's grid and ran all 12 runs (the twelfth hostile pass)."""
+    with pytest.raises(ConfigError, match=r"sweep.grid=\{\}: an empty mapping merges into sweep.grid and changes "
+                                          "nothing; .*one run of a sweep: give each grid key one value"):
+        load_experiment("quickstart", ["sweep.grid={}"])
+    with pytest.raises(ConfigError, match=r"train=\{\}: an empty mapping merges into train"):
+        load_experiment("quickstart", ["train={}"])

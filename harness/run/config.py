@@ -491,6 +491,12 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
     pinned = [o for o in overrides if o.startswith(PER_OBJECTIVE) and "." in o.partition("=")[0][len(PER_OBJECTIVE) :]]
     overrides = [o for o in overrides if not o.startswith(GRID) and o not in pinned]
+    empty = next((o for o in overrides if o.partition("=")[2].strip() == "{}"), None)
+    if empty:  # merged into the section, an empty mapping changes nothing (sweep.grid={} ran the whole grid)
+        key = empty.partition("=")[0]
+        one = "; one run of a sweep: give each grid key one value" if key == "sweep.grid" else ""
+        raise ConfigError(f"{empty}: an empty mapping merges into {key} and changes nothing; give its keys (e.g. "
+                          f"{key}.<key>=...){one}")
     try:
         layers.append(OmegaConf.from_dotlist(overrides))
         # sweep.grid.<dotted key>=[values]: the grid's keys are dotted paths themselves, not nested keys
