@@ -134,7 +134,6 @@ def interval(low, high, n, problems: bool = False, top=None) -> str:
                                                         if indicative(top_units(n, top)) and name != "range" else "")
 
 
-
 def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True) -> dict:
     problems = table[f"{kind}_problems"] if f"{kind}_problems" in table else [False] * len(table)
     out = {f"{label} mean": table[f"{kind}_mean"].map(num),

@@ -18,8 +18,8 @@ simulates runs from known distributions and counts how often the reported 95% in
   The interval is mean +- t_{df, 0.975} sqrt(V), df by Welch–Satterthwaite over the parts, where the crossed part
   counts with its own degrees of freedom only for the crossed units' own spread (its variance less the top level x
   crossed interaction, :func:`interaction`): the rest is noise the top level's part already holds, so it goes with
-  the top level's degrees of freedom (counted with the problems' as well, 3 starting policies passed for ~8 and the
-  interval missed up to twice its rate at Holm's levels in simulation: tests/test_coverage.py). A level with one unit
+  the top level's degrees of freedom (counted with the problems' as well, a few starting policies passed for many
+  more, and the interval missed its level at Holm's in simulation: tests/test_coverage.py). A level with one unit
   (one starting policy) is conditioned on: the interval is about that policy. Runs without per-problem scores fall
   back to ``describe``'s interval over seeds, and say so.
 
@@ -85,6 +85,7 @@ def indicative(n: int) -> bool:
 def top_units(n, top) -> int:
     """The units of an interval's top level: ``top`` where known (a table of older code may lack it), else n."""
     return int(n if top is None or pd.isna(top) or not top else top)
+
 
 def indicative_units(n, top) -> str:
     """'3 seeds' or, where the top level is the starting policies, '3 starting policies'."""

@@ -523,7 +523,7 @@ def test_a_per_objective_setting_on_the_command_line_pins_the_grid_as_one_in_the
 
 
 def test_a_large_grid_is_said_before_its_points_are_checked(monkeypatch, capsys):
-    """2000 seeds took a minute of checking in silence before anything printed (the twelfth hostile pass)."""
+    """A grid of thousands of seeds was checked in silence before anything printed (the twelfth hostile pass)."""
     from harness.run import config
 
     monkeypatch.setattr(config, "MANY_POINTS", 3)

@@ -141,9 +141,9 @@ def confirmation_misses(rng, policies: int, seeds: int, components, policy_sd: f
 @pytest.mark.slow  # ~30 s of simulation: make test
 def test_the_confirmations_interval_reaches_holms_level_from_5_starting_policies():
     """From 5 starting policies x 3 seeds (the zoo's 45 runs per comparison) the interval holds the truth at Holm's
-    first level within 4 Monte-Carlo standard errors in every case; degrees of freedom that counted the eval problems'
-    whole part (the seed x problem interaction too, which the policies' part already holds) missed up to twice as
-    often there. From 3 policies it falls short in some case: what "indicative" stands for."""
+    first level within 4 Monte-Carlo standard errors in every case, where degrees of freedom that counted the eval
+    problems' whole part (the policy x problem interaction too, which the policies' part already holds) did not.
+    From 3 policies it falls short in some case: what "indicative" stands for."""
     rng = np.random.default_rng(2027)
     allowed = (1 - HOLM_LEVEL) + 4 * np.sqrt(HOLM_LEVEL * (1 - HOLM_LEVEL) / CONFIRM_SIMULATIONS)
     five = {(name, sd): confirmation_misses(rng, 5, 3, c, sd) for name, c in CONFIRMATION_CASES.items()

@@ -411,8 +411,8 @@ def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
                 and entry.get("run_id") not in listed and (exp_dir / folder).is_dir()
                 and not (exp_dir / folder).is_symlink()):
             runs.append({**entry, "status": run_status(exp_dir / folder)})
-    objectives = [o for o in old.get("objectives") if isinstance(o, str)] if isinstance(old.get("objectives"),
-                                                                                       list) else []
+    objectives = old.get("objectives")
+    objectives = [o for o in objectives if isinstance(o, str)] if isinstance(objectives, list) else []
     baseline = old.get("baseline") if isinstance(old.get("baseline"), str) else None
     return {"runs": runs, "objectives": objectives, "baseline": baseline}
 

@@ -218,7 +218,7 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     ended. ``objectives``: a subset (a smoke test); ``allow_code_change``: resume runs that other code began;
     ``start_policies``: the confirmation's (None: CONFIRM_START_POLICIES; from 5 its verdicts are not indicative:
     docs/replicates.md)."""
-    start_policies = start_policies or CONFIRM_START_POLICIES
+    start_policies = CONFIRM_START_POLICIES if start_policies is None else start_policies
     if not 2 <= start_policies <= len(START_CANDIDATES):
         raise ConfigError(f"--start-policies must be 2 to {len(START_CANDIDATES)} (the candidates, model.seed "
                           f"{', '.join(map(str, START_CANDIDATES))}), got {start_policies}")

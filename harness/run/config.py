@@ -563,7 +563,7 @@ def run_configs(cfg: DictConfig) -> list[DictConfig]:
         if not isinstance(values, list):
             raise ConfigError(f"sweep.grid.{key} must be a list of values, got {values!r}")
     points = math.prod(len(values) for values in grid.values())
-    if points > MANY_POINTS:  # ~15 ms each to merge and check, before anything prints: said first
+    if points > MANY_POINTS:  # each merged and checked before anything prints: said first
         print(f"checking the {points:,} points of the grid before any run starts (a few ms each)", file=sys.stderr)
     names = [v for v in grid.get("objective.name", []) if not isinstance(v, str)]
     if names:  # a list or mapping in the objectives' place: e.g. OBJECTIVES="[grpo]" (make compare)
