@@ -538,5 +538,6 @@ def test_an_empty_mapping_for_a_section_is_refused_not_merged_into_nothing():
     with pytest.raises(ConfigError, match=r"sweep.grid=\{\}: an empty mapping merges into sweep.grid and changes "
                                           "nothing; .*one run of a sweep: give each grid key one value"):
         load_experiment("quickstart", ["sweep.grid={}"])
-    with pytest.raises(ConfigError, match=r"train=\{\}: an empty mapping merges into train"):
-        load_experiment("quickstart", ["train={}"])
+    with pytest.raises(ConfigError, match=r"sweep.per_objective=\{\}: an empty mapping merges into"):
+        load_experiment("quickstart", ["sweep.per_objective={}"])
+    assert load_experiment("quickstart", ["task.args={}"]).task.args == {}  # there {} replaces the task's arguments

@@ -483,6 +483,9 @@ def _parsed_layer(text: str) -> tuple[Any, DictConfig]:
     return top, OmegaConf.load(io.StringIO(text)) if isinstance(top, dict) else OmegaConf.create()
 
 
+SWEEP_MAPPINGS = ("sweep.grid", "sweep.per_objective")  # an override of {} merges into them and changes nothing
+
+
 def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig:
     """The schema's defaults < experiments/<name>.yaml (or a path) < overrides; validated against the schema."""
     path = experiment_path(name)
@@ -491,9 +494,10 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     grid_overrides = {o.partition("=")[0][len(GRID) :]: o.partition("=")[2] for o in overrides if o.startswith(GRID)}
     pinned = [o for o in overrides if o.startswith(PER_OBJECTIVE) and "." in o.partition("=")[0][len(PER_OBJECTIVE) :]]
     overrides = [o for o in overrides if not o.startswith(GRID) and o not in pinned]
-    empty = next((o for o in overrides if o.partition("=")[2].strip() == "{}"), None)
-    if empty:  # merged into the section, an empty mapping changes nothing (sweep.grid={} ran the whole grid)
-        key = empty.partition("=")[0]
+    empty = next((o for o in overrides if o.partition("=")[0].strip() in SWEEP_MAPPINGS
+                  and o.partition("=")[2].strip() == "{}"), None)
+    if empty:  # merged into the sweep's mapping, {} changes nothing (sweep.grid={} ran the whole grid)
+        key = empty.partition("=")[0].strip()
         one = "; one run of a sweep: give each grid key one value" if key == "sweep.grid" else ""
         raise ConfigError(f"{empty}: an empty mapping merges into {key} and changes nothing; give its keys (e.g. "
                           f"{key}.<key>=...){one}")
