@@ -597,6 +597,7 @@ def read_folder(exp_dir: Path, label: str) -> Folder:
             "harness lab` with the same settings, or `make lab`, writes it again)" if lab else
             f"it holds the experiment folder{'s' if len(inside) > 1 else ''} {listed(inside, 10)}: give "
             f"{exp_dir / inside[0]}" if inside else
+            f"it is a run's own folder: give its experiment's folder, {exp_dir.parent}" if is_run_folder(exp_dir) else
             "no manifest.json listing runs and no run folders (a folder with a summary.json or metrics.jsonl)"))
     loaded = [load_run(exp_dir, e) for e in entries]
     for run, *_ in loaded:

@@ -433,6 +433,12 @@ def test_an_override_that_does_not_parse_is_named_alone_in_one_line(override):
     assert str(e.value).startswith(f"bad override {shown!r}: ") and "\n" not in str(e.value), str(e.value)
 
 
+def test_two_overrides_that_parse_alone_but_clash_are_named_as_a_pair():
+    """`train=[] train.steps=6 ...` quoted the whole list of overrides as one (the twelfth hostile pass)."""
+    with pytest.raises(ConfigError, match=r"^bad override 'train=\[\] with train.steps=6': "):
+        load_experiment("quickstart", ["seed=0", "train=[]", "task.eval_size=8", "train.steps=6"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.lora.target_modules=q_proj",
      "model.lora.target_modules takes a list: give model.lora.target_modules=[a,b]"),

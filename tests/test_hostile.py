@@ -770,3 +770,13 @@ def test_a_stopped_run_whose_resume_failed_is_not_reported_as_killed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert "(killed; run the same command to resume)" in load_results(exp).runs["problem"].iloc[0]
+
+
+def test_a_runs_own_folder_given_as_the_experiment_names_its_parent(tmp_path):
+    """It said "no run folders (a folder with a summary.json or metrics.jsonl)" of a folder holding both."""
+    from analysis.load import AnalysisError
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0)])
+    run_dir = next(p for p in exp.iterdir() if p.is_dir())
+    with pytest.raises(AnalysisError, match=f"it is a run's own folder: give its experiment's folder, {exp}$"):
+        load_results(run_dir)

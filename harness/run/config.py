@@ -382,8 +382,17 @@ def _bad_override(overrides: list[str], grid: dict[str, str], error: Exception) 
         except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
             error = e
             break
-    else:
+    else:  # each parses alone: two of them clash (train=[] then train.steps=6), named as a pair
         override = " ".join(overrides)
+        for i in range(1, len(overrides) + 1):
+            try:
+                OmegaConf.from_dotlist(overrides[:i])
+            except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+                key = overrides[i - 1].partition("=")[0]
+                earlier = [o for o in overrides[: i - 1] if key.startswith(o.partition("=")[0] + ".")
+                           or o.partition("=")[0].startswith(key + ".")]
+                override, error = " with ".join([*earlier[-1:], overrides[i - 1]]), e
+                break
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     shown = override if len(override) <= 200 else f"{override[:100]}...{override[-20:]}"  # one readable line
     return f"bad override {shown!r}: {reason}. Use key=value with a YAML value, e.g. train.steps=20"
