@@ -307,3 +307,18 @@ def test_both_stages_starting_policies_are_built_before_the_screen_side_by_side(
     zoo.confirm_start_seeds(overrides, 2, False, runs)  # again: each loaded from the cache
     assert all("starting policy: loaded" in (tmp_path / "zoo" / "prepare" / f"model_seed_{seed}" / "train.log"
                                              ).read_text() for seed in seeds)
+
+
+def test_a_plan_made_with_other_settings_is_refused_before_the_screen_runs(monkeypatch, tmp_path):
+    """A zoo resumed with another --start-policies ran (or rewrote) its screen first, then refused in one 1,000-
+    character line dumping both settings; now refused first, naming only what differs."""
+    overrides = [f"results_dir={tmp_path}"]
+    folder = tmp_path / "zoo" / "confirm"
+    folder.mkdir(parents=True)
+    (folder / "plan.json").write_text(json.dumps({"settings": {"overrides": overrides, "seeds": 1,
+                                                               "objectives": ["grpo"]}}))
+    ran = []
+    monkeypatch.setattr(zoo, "swept", lambda *a: ran.append("screen") or ([], "stamp"))
+    with pytest.raises(ConfigError, match=r"was made with other settings \(start_policies None there, 5 now\): "):
+        zoo.main(1, 1, overrides=overrides, progress=False, report=False, objectives=["grpo"], start_policies=5)
+    assert ran == []

@@ -168,6 +168,13 @@ def plan_text(plan: dict, runs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plan_settings(overrides: list[str], seeds: int, objectives: list[str] | None, start_policies: int) -> dict:
+    """The settings a plan records and is read again under (the number of starting policies only where it is not
+    the default, so that a plan made before it was a setting is read as it was)."""
+    return {"overrides": overrides, "seeds": seeds, "objectives": objectives,
+            **({"start_policies": start_policies} if start_policies != CONFIRM_START_POLICIES else {})}
+
+
 def read_plan(folder: Path, settings: dict) -> dict | None:
     """The plan written in ``folder`` (None: none yet); ConfigError if it was made with other settings."""
     path = folder / "plan.json"
@@ -179,9 +186,12 @@ def read_plan(folder: Path, settings: dict) -> dict | None:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:  # json's decoding errors are ValueErrors
         raise ConfigError(f"{path}: unreadable ({e}); remove {folder} to plan the confirmation again") from None
-    if plan.get("settings") != settings:
-        raise ConfigError(f"{path} was made with other settings ({plan.get('settings')}, now {settings}): the "
-                          f"confirmation keeps its plan; remove {folder} to plan it again from the screen")
+    made = plan.get("settings") if isinstance(plan.get("settings"), dict) else {}
+    if made != settings:
+        keys = [k for k in sorted({*made, *settings}) if made.get(k) != settings.get(k)]
+        said = "; ".join(f"{k} {made.get(k)!r} there, {settings.get(k)!r} now" for k in keys)
+        raise ConfigError(f"{path} was made with other settings ({said[:300]}): the confirmation keeps its plan; "
+                          f"remove {folder} to plan it again from the screen")
     return plan
 
 
@@ -231,6 +241,9 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
                           "harness/apps/zoo.py START_CANDIDATES) itself")
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    if stage in ("confirm", "both"):  # a plan made with other settings: refused before the screen runs anything
+        read_plan(Path(load_experiment("quickstart", overrides).results_dir) / NAME / "confirm",
+                  plan_settings(overrides, seeds, objectives, start_policies))
     status = 0
     if stage in ("screen", "both"):
         cfg, runs = zoo_runs(seeds, overrides, objectives)
@@ -287,8 +300,7 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
     cfg, screen_runs = zoo_runs(seeds, overrides, objectives)
     screen = Path(cfg.results_dir) / cfg.name
     folder = screen.parent / "confirm"
-    settings = {"overrides": overrides, "seeds": seeds, "objectives": objectives,
-                **({"start_policies": start_policies} if start_policies != CONFIRM_START_POLICIES else {})}
+    settings = plan_settings(overrides, seeds, objectives, start_policies)
     plan = read_plan(folder, settings)
     if plan is None:
         if not screen_ended(screen):
