@@ -205,7 +205,8 @@ def test_a_probe_runs_once_per_settings_and_its_claim_is_checked(tmp_path, monke
 
 
 def policies_table(effect: dict[int, float], batches: int = 5) -> pd.DataFrame:
-    """A lab table of 3 starting policies x ``batches`` batches: b's metric 1, a's 1 + effect[policy] (+-0.001)."""
+    """A lab table of starting policies (effect's keys) x ``batches`` batches: b's metric 1, a's 1 + effect[policy]
+    (+-0.001)."""
     rows = []
     for policy, e in effect.items():
         for batch in range(batches):
@@ -217,21 +218,26 @@ def policies_table(effect: dict[int, float], batches: int = 5) -> pd.DataFrame:
 def test_a_claim_holds_only_under_the_confirmation_design():
     check = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b"}}
     claim = Claim(name="x", claim="a beats b", paper="p", experiment={"lab": "lab"}, checks=[check])
-    steady = policies_table({2: 0.5, 3: 0.52, 4: 0.48})
+    effects = {2: 0.5, 3: 0.52, 4: 0.48, 5: 0.49, 6: 0.51}
+    steady = policies_table(effects)
     assert ledger_rows([claim], {claim.key: {"lab": steady}})[0]["holds?"] == "holds"
-    row = ledger_rows([claim], {claim.key: {"lab": policies_table({2: 0.5, 3: 0.52, 4: 0.48}, batches=4)}})[0]
-    assert (row["holds?"], row["replication"]) == ("indicative", "3 starting policies x 4 batches")
+    row = ledger_rows([claim], {claim.key: {"lab": policies_table(effects, batches=4)}})[0]
+    assert (row["holds?"], row["replication"]) == ("indicative", "5 starting policies x 4 batches")
+    # 3 starting policies x 5 batches: an interval over 3 policies' means covers less than 95% (analysis/stats.py)
+    three = steady[steady[START_SEED] <= 4]
+    row = ledger_rows([claim], {claim.key: {"lab": three}})[0]
+    assert (row["holds?"], row["replication"]) == ("indicative", "3 starting policies x 5 batches")
     one = steady[steady[START_SEED] == 2]
     assert ledger_rows([claim], {claim.key: {"lab": one}})[0]["holds?"] == "indicative"
-    # every check must meet the design: one with 4 starting policies x 1 batch beside one with 3 x 5 is short of it
+    # every check must meet the design: one with 6 starting policies x 1 batch beside one with 5 x 5 is short of it
     # (the fewest policies of any check, and the fewest batches of any, are what the row states)
-    thin = policies_table({2: 0.5, 3: 0.52, 4: 0.48, 5: 0.5}, batches=1).rename(columns={"m": "m2"})
+    thin = policies_table({**effects, 7: 0.5}, batches=1).rename(columns={"m": "m2"})
     both = Claim(name="y", claim="a beats b twice", paper="p", experiment={"lab": "lab"},
                  checks=[check, {**check, "metric": "m2"}])
     table = pd.concat([steady, thin])
-    assert evaluate_check({**check, "metric": "m2"}, {"lab": table})[2] == (4, 1, "batches")
+    assert evaluate_check({**check, "metric": "m2"}, {"lab": table})[2] == (6, 1, "batches")
     row = ledger_rows([both], {both.key: {"lab": table}})[0]
-    assert (row["holds?"], row["replication"]) == ("indicative", "3 starting policies x 1 batches")
+    assert (row["holds?"], row["replication"]) == ("indicative", "5 starting policies x 1 batches")
 
 
 def test_a_difference_that_depends_on_the_starting_policy_does_not_hold():
@@ -351,9 +357,9 @@ def test_compare_changes_from_a_baseline_paired_by_seed():
 
 def test_a_probe_builds_its_own_models_and_takes_no_starting_policies():
     claim = load_claim(CLAIMS_DIR / "moe_expert_volatility.yaml")
-    assert claim.start_policies == 3 and claim.design == (0, None)  # its seeds are its own inits and warm starts
+    assert claim.start_policies == 5 and claim.design == (0, None)  # its seeds are its own inits and warm starts
     sweep = load_claim(CLAIMS_DIR / "gspo_stable_offpolicy.yaml")
-    assert sweep.design == (3, 5)
+    assert sweep.design == (5, 5)
 
 
 @pytest.mark.slow  # expands the claims' sweeps round by round: make test

@@ -35,7 +35,7 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
-Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 3: the first n
+Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 5: the first n
 values of START_CANDIDATES, harness/apps/zoo.py's, whose warm start lands in its band: ``start_seeds``; 1: the
 experiment's own model.seed) and, for a sweep, ``seeds`` seeds
 0 .. n-1 from each (optional; default CONFIRM_SEEDS with several starting policies, the experiment's own grid with
@@ -47,8 +47,9 @@ under one "starting policy", so a probe's claim is at most "indicative". A check
 (starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
 analysis/stats.py describe over the starting policies' means (over the units with one starting policy).
 
-Verdicts: "holds" only under the confirmation design (DESIGN: at least 3 starting policies x 5 seeds or batches per
-starting policy, in every check's selection) when every check holds; "indicative" when every check holds with less
+Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 starting policies x 5 seeds or batches per
+starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
+than 5 their coverage falls short of 95% in some simulated case, analysis/stats.py, as the zoo marks them) when every check holds; "indicative" when every check holds with less
 replication; "does not hold" (with the numbers); "no data" (a check found nothing to measure). Every row states its
 replication, its model and its correction: none across claims (each claim is its own question, from its own
 paper), and within a claim every check must hold, each at 95% (an intersection-union test, which needs no
@@ -79,7 +80,7 @@ from analysis.lab import build_lab_report, lab_version
 from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
-from analysis.stats import describe, num
+from analysis.stats import INDICATIVE_BELOW, describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
@@ -106,7 +107,8 @@ KINDS = ("lab", "sweep", "probe")
 PROBES = ("moe_update",)  # {probe: moe_update}: harness/apps/moe_probe.py's one-update routing change by depth
 DIRECTIONS = ("greater", "less", "equal", "equivalent")
 STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
-DESIGN = (3, 5)  # what "holds" needs: starting policies, and seeds (or batches) per starting policy
+DESIGN = (INDICATIVE_BELOW, 5)  # what "holds" needs: starting policies (the intervals' top level: below
+# INDICATIVE_BELOW their coverage falls short of 95%, analysis/stats.py), and seeds (or batches) per starting policy
 CORRECTION = ("none across claims; within the claim every check must hold, each at 95% (intersection-union test)")
 
 
