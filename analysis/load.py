@@ -25,7 +25,7 @@ import pandas as pd
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
-from harness.run.config import counted_settings, flattened
+from harness.run.config import counted_settings, flattened, settings_digest
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import code_record, run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
@@ -469,7 +469,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     }
     if found["metrics.jsonl"]:
         data_warnings(run_dir / "metrics.jsonl", read, run["status"], run["steps_done"], summary)
-    problems = _problems(run_dir, found, run, stopped, summary)
+    problems = _problems(run_dir, found, run, stopped, summary, raw)
     if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
         run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
     run["complete"] = not problems
@@ -484,8 +484,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     return run, metrics, config, samples
 
 
-def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, summary: dict) -> list[str]:
-    """What keeps a run from being complete, first its status (killed, failed, ...), in the report's words."""
+def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, summary: dict,
+              config: dict) -> list[str]:
+    """What keeps a run from being complete, first its status (killed, failed, ...), in the report's words;
+    ``config``: its config.yaml's settings as read (dotted keys)."""
     problems = []
     if not run_dir.is_dir():
         problems.append(f"not started (no folder {run_dir.name}/)")
@@ -506,6 +508,10 @@ def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, s
     error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
     if error:
         problems.append(f"error: {error}")
+    recorded = summary.get("settings_digest")
+    if config and isinstance(recorded, str) and settings_digest(config) != recorded:
+        problems.append("config.yaml edited after the run wrote it (its settings are not those summary.json's "
+                        "settings_digest records): not counted; restore the settings the run trained with")
     return problems
 
 

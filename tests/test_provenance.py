@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from analysis import plots
 from analysis.leaderboard import write_leaderboard
 from analysis.load import load_experiment as load_results
+from analysis.load import load_run
 from harness.apps import docs, stamp, sweep
 from harness.apps.cli import main
 from harness.run import provenance
@@ -312,3 +313,26 @@ def test_one_version_reads_a_missing_version_as_unknown():
     provenance.check_one_version(["aaa", "aaa"], Path("f"), "the runs")
     with pytest.raises(ConfigError, match=r"^the runs in f are of different code versions \(2 by aaa, 1 by unknown\)"):
         provenance.check_one_version(["aaa", None, "aaa"], Path("f"), "the runs")
+
+
+def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_by_the_report(tmp_path):
+    """The report read an ended run's settings from its config.yaml as written: an edit after the run (another lr)
+    moved it into another cell, silently. The run records its settings' digest; an edit is a problem, said, and the
+    run is not counted. Where results go and where metrics are sent (a later sweep's trackers) are not its settings."""
+    run = tiny_run(tmp_path, "train.lr=1.0e-4")
+    records = RunRecords(run, tmp_path / "run", None, None, "native")
+    records.summary("running")
+    records.close(failed=False)
+    path = tmp_path / "run" / "config.yaml"
+    written = path.read_text()
+    edited = "edited after the run wrote it"
+
+    def problem() -> str:
+        return load_run(tmp_path, {"run_id": "run", "dir": "run"})[0]["problem"]
+
+    assert edited not in problem()
+    path.write_text(written.replace("  project: rlvr-harness", "  project: elsewhere").replace(
+        "lr: 0.0001", "lr: 0.0001  # a note"))
+    assert "project: elsewhere" in path.read_text() and edited not in problem()
+    path.write_text(written.replace("lr: 0.0001", "lr: 0.0003"))
+    assert "lr: 0.0003" in path.read_text() and edited in problem()

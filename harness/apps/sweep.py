@@ -433,7 +433,8 @@ def check_saved_settings(run: DictConfig, run_dir: Path) -> None:
     named = ", ".join(list(differences.values())[:4]) + (", ..." if len(differences) > 4 else "")
     what = f"{run_dir / 'config.yaml'} holds other settings than the run its folder is named for ({named})"
     if run_status(run_dir) in ENDED:
-        tqdm.write(f"warning: {what}: the run has ended; its report reads them as written", file=sys.stderr)
+        tqdm.write(f"warning: {what}: the run has ended; its report leaves it out where the run recorded the digest "
+                   "of its settings (summary.json's settings_digest), else reads them as written", file=sys.stderr)
         return
     raise ConfigError(f"{what}: continuing it would train (and record) those; restore them, or move {run_dir} away "
                       "to run it anew")
@@ -458,7 +459,7 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
         saved = {} if keep else None
     if saved is None:
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(run))
-    elif saved and "logging" in run and not busy:
+    elif saved and "logging" in run and not busy and status not in ENDED:  # an ended run's are those it sent to
         logging = OmegaConf.to_container(run.logging)
         if saved.get("logging") != logging:
             atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml({**saved, "logging": logging}))

@@ -827,6 +827,16 @@ def flattened(tree, prefix: str = "") -> dict:
     return flat
 
 
+def settings_digest(flat: dict) -> str:
+    """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) less where its results go and where
+    metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep rewrites an ended run's trackers) and its memory settings
+    (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a run it continues): summary.json's ``settings_digest``, which
+    the report checks the config.yaml it reads against (an edit after the run wrote it)."""
+    kept = {key: value for key, value in flat.items()
+            if key.split(".")[0] not in NOT_IN_RUN_ID and key not in MEMORY_SETTINGS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
 def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
     """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes

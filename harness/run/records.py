@@ -53,10 +53,12 @@ from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import (
     NOT_IN_RUN_ID,
     NOT_RUN_SECTIONS,
+    flattened,
     memory_settings,
     objective_defaults,
     own_values_written,
     schema_defaults,
+    settings_digest,
     settings_left_out,
     unused_setting,
 )
@@ -401,6 +403,7 @@ class RunRecords:
         # with those values, objective_own: later code may set others)
         self.settings_left_out = settings_left_out(cfg)
         self.metrics = self.eval_samples = self.lock = self.trackers = None
+        self.settings_digest: str | None = None  # of the settings its config.yaml holds (config.py settings_digest)
         check_resume(cfg, run_dir, warn=False, main=main, probe_lock=False)  # the command checked and warned first
         if resume_step is not None:  # every process, so that all refuse other problems alike (check_begun_on)
             with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -424,9 +427,11 @@ class RunRecords:
                 self.elapsed_before = self.previous.get("wall_time_s") or 0.0
                 self.cpu_before = self.previous.get("cpu_time_s") or 0.0
             self.segments = next_segments(self.previous, resume_step, code_record())
+            settings = OmegaConf.to_yaml(cfg)
             atomic_write(run_dir / "config.yaml", f"{CODE_LINE}{run_version({'segments': self.segments})} "
-                         f"(summary.json's segments: each start's commit, changes and packages)\n"
-                         f"{OmegaConf.to_yaml(cfg)}")
+                         f"(summary.json's segments: each start's commit, changes and packages)\n{settings}")
+            # read back as the report reads the file: its digest names an edit made after this
+            self.settings_digest = settings_digest(flattened(OmegaConf.to_container(OmegaConf.create(settings))))
             self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step)
             self.eval_samples = MetricsLog(run_dir / "eval_samples.jsonl", resume_step)
             self.trackers = Trackers(cfg, run_dir, resume_step)  # logging.backends besides jsonl (tracking.py)
@@ -488,7 +493,7 @@ class RunRecords:
                 "wall_time_s": self.wall_time_s(), "cpu_time_s": self.cpu_time_s(), "error": error,
                 "collapse": self.collapse(),
                 "code": self.segments[-1]["code"], "segments": self.segments,
-                "settings_left_out": self.settings_left_out,
+                "settings_left_out": self.settings_left_out, "settings_digest": self.settings_digest,
                 "objective_own": dict(objective_defaults(self.cfg.objective.name)),
                 **{key: max(r[key] for r in self.rows if r.get(key) is not None)  # the run's peaks (metrics.py)
                    for key in PEAK_MEMORY if any(r.get(key) is not None for r in self.rows)}}
