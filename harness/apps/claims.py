@@ -50,12 +50,12 @@ analysis/stats.py describe over the starting policies' means (over the units wit
 Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 starting policies x 5 seeds or batches per
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
 than 5 their coverage falls short of 95% in some simulated case, analysis/stats.py, as the zoo marks them) when
-every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers); "no data" (a check found nothing to measure). Every row states its
-replication, its model and its correction: none across claims (each claim is its own question, from its own
-paper), and within a claim every check must hold, each at 95% (an intersection-union test, which needs no
-adjustment for the number of checks). An ``equivalent`` check's 95% interval inside the margin is two one-sided
-tests at 2.5% each. Experiments are resumable (labs per batch, sweeps per run), so `make claims` continues where it
-stopped.
+every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers);
+"no data" (a check found nothing to measure). Every row states its replication, its model and its correction: none
+across claims (each claim is its own question, from its own paper), and within a claim every check must hold, each
+at 95% (an intersection-union test, which needs no adjustment for the number of checks). An ``equivalent`` check's
+95% interval inside the margin is two one-sided tests at 2.5% each. Experiments are resumable (labs per batch,
+sweeps per run), so `make claims` continues where it stopped.
 """
 
 from __future__ import annotations
