@@ -399,10 +399,10 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: order.append(
         ("check", sorted({int(r.model.seed) for r in runs}))))
     monkeypatch.setattr(claims, "start_seeds", lambda key, jobs, progress, run: run and order.append(
-        ("build", key[1])) or ((2, 4, 5) if run else claims.START_CANDIDATES[: key[3]]))  # the others: not built
+        ("build", key[1])) or ((2, 3, 5, 6, 7) if run else claims.START_CANDIDATES[: key[3]]))  # the others: unbuilt
     monkeypatch.setattr(claims, "run_source", lambda *args, **kwargs: {})
     assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False, results_dir=str(tmp_path)) == 0
-    assert order == [("check", [2, 3, 4]), ("build", "offpolicy"), ("check", [2, 4, 5])]
+    assert order == [("check", [2, 3, 4, 5, 6]), ("build", "offpolicy"), ("check", [2, 3, 5, 6, 7])]
     assert "no data" in (tmp_path / "claims" / "ledger.md").read_text()
 
 
