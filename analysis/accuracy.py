@@ -33,9 +33,9 @@ SCORE = "correct"  # eval_samples.jsonl's score under the task's training scorin
 @dataclass(frozen=True)
 class Estimate:
     """A mean with its interval: n seeds; parts: the variance's independent parts (variance, degrees of freedom);
-    problems: whether the eval problems' spread is in it (else the interval is over seeds only); top: the units of
-    the top level it resamples (starting policies where there are 2 or more, else seeds), which decide whether it
-    is indicative (analysis.stats.indicative)."""
+    problems: whether the eval problems' spread is in it (else the interval is over seeds only); top: its starting
+    policies where there are 2 or more (the top level it resamples), else 0 (its top level is then its n seeds:
+    analysis.stats.top_units), which decide whether it is indicative (analysis.stats.indicative)."""
 
     mean: float
     low: float
@@ -129,7 +129,7 @@ def interval_of(units: dict) -> Estimate:
     if not problems and high - low <= 1e-12:  # seeds alike (to round-off), how the problems vary unknown: none
         low = high = np.nan
     policies = int(np.isfinite(x).any(axis=tuple(range(1, x.ndim))).sum())
-    return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else n)
+    return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else 0)
 
 
 def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate:

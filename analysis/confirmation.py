@@ -33,7 +33,7 @@ import pandas as pd
 from analysis.accuracy import FINAL, Estimate, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
-from analysis.stats import INDICATIVE_BELOW, indicative, num, t_bounds
+from analysis.stats import INDICATIVE_BELOW, indicative, num, t_bounds, top_units
 from analysis.verdict import ALPHA, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import check_one_version, runs_stamp
@@ -115,7 +115,7 @@ def verdicts(estimates: dict[str, Estimate], complete: dict[str, bool], planned:
             confirmed = adjusted[o] < ALPHA
             row.update(verdict=("confirmed above" if e.mean > 0 else "confirmed below") if confirmed else
                        "not confirmed", difference=e.mean, low=float(low), high=float(high), p_value=e.p_value,
-                       holm_p=adjusted[o], level=1 - levels[o], units=e.n, indicative=indicative(e.top))
+                       holm_p=adjusted[o], level=1 - levels[o], units=e.n, indicative=indicative(top_units(e.n, e.top)))
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -125,7 +125,7 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
 
 def interval(low, high, n, problems: bool = False, top=None) -> str:
     """An interval as the tables show it: its name, bounds, what it covers and whether it is indicative (by its top
-    level's units ``top``: starting policies where fewer than the n seeds, else the seeds)."""
+    level's units: its ``top`` starting policies where it has two or more, else its n seeds)."""
     if n < 2 or pd.isna(low):
         return "n/a"
     name = "range" if n == 2 and not problems else "95% CI"
@@ -139,7 +139,7 @@ def summary_columns(table: pd.DataFrame, kind: str, label: str, iqm: bool = True
     out = {f"{label} mean": table[f"{kind}_mean"].map(num),
            f"{label} interval": [interval(lo, hi, n, p, top) for lo, hi, n, p, top in
                                  zip(table[f"{kind}_ci_low"], table[f"{kind}_ci_high"], table[f"{kind}_n"],
-                                     problems, table.get(f"{kind}_top", table[f"{kind}_n"]), strict=True)]}
+                                     problems, table.get(f"{kind}_top", [None] * len(table)), strict=True)]}
     if iqm:
         out[f"{label} IQM"] = table[f"{kind}_iqm"].map(num)
     return out
@@ -587,7 +587,7 @@ def paired_display(frame: pd.DataFrame, cells: Cells) -> pd.DataFrame:
         "A − B (final acc)": frame["difference"].map(num),
         "interval": [interval(lo, hi, n, p, top) for lo, hi, n, p, top in
                      zip(frame["difference_low"], frame["difference_high"], frame["n"], frame["problems"],
-                         frame.get("top", frame["n"]), strict=True)],
+                         frame.get("top", [None] * len(frame)), strict=True)],
         "p (t-test)": frame["p_value"].map(num),
         "wins/ties/losses": [f"{w}/{t}/{lo}" for w, t, lo in zip(frame["wins"], frame["ties"], frame["losses"],
                                                                  strict=True)],

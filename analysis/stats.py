@@ -83,14 +83,15 @@ def indicative(n: int) -> bool:
 
 
 def top_units(n, top) -> int:
-    """The units of an interval's top level: ``top`` where known (a table of older code may lack it), else n."""
+    """The units of an interval's top level: its ``top`` starting policies where it has two or more, else its n
+    seeds (``top`` 0, or unknown: a table without the column)."""
     return int(n if top is None or pd.isna(top) or not top else top)
 
 
 def indicative_units(n, top) -> str:
-    """'3 seeds' or, where the top level is the starting policies, '3 starting policies'."""
-    units = top_units(n, top)
-    return f"{units} starting policies" if units < n else f"{n} seeds"
+    """'3 seeds' or, where the top level is the starting policies, '3 starting policies' (whatever their seeds: 3
+    policies of one seed each are 3 starting policies)."""
+    return f"{int(top)} starting policies" if top is not None and not pd.isna(top) and top else f"{n} seeds"
 
 
 def bootstrap_ci(values) -> tuple[float, float]:

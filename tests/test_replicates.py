@@ -8,7 +8,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from analysis import paired
-from analysis.accuracy import estimate
+from analysis.accuracy import estimate, interval_of
 from analysis.cells import START_SEED
 from analysis.load import load_experiment
 from analysis.stats import describe
@@ -80,6 +80,11 @@ def test_an_interval_over_3_starting_policies_is_indicative_whatever_its_seeds()
     assert "indicative" not in interval(0.1, 0.3, 15, True, 5)
     assert interval(0.1, 0.3, 3, True).endswith(", 3 seeds: indicative")  # a table without the column: its seeds
     assert "3 starting policies: indicative" in seeds_note(15, 3) and seeds_note(15, 5) == ""
+    # 3 starting policies of one seed each: the 3 units are starting policies (they were worded "3 seeds")
+    one_each = interval_of({(str(p), 0): (str(p), 0.1 * p, None) for p in range(3)})
+    assert (one_each.n, one_each.top) == (3, 3)
+    assert interval(0.1, 0.3, one_each.n, True, one_each.top).endswith(", 3 starting policies: indicative")
+    assert interval(0.1, 0.3, 3, True, 0).endswith(", 3 seeds: indicative")  # one policy: its 3 seeds
     assert r"\dagger" in latex_interval(0.1, 0.3, 15, True, 3)[1] and latex_interval(0.1, 0.3, 15, True, 5)[1] == []
 
 
