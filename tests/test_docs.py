@@ -59,7 +59,8 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert page.count("| indicative | 1 starting policy x 3 ") == 3
     assert {s[1] for s in sources} == {"moe_stability", "lab_moe", "moe_update"}
     assert all(s[2].startswith("results_dir=") and "docs" in s[2] for s in sources)  # the page's own runs
-    assert {s[1]: s[3] for s in sources} == {"moe_stability": (2, 3, 4, 5, 6), "lab_moe": (2, 3, 4, 5, 6), "moe_update": ()}
+    five = (2, 3, 4, 5, 6)
+    assert {s[1]: s[3] for s in sources} == {"moe_stability": five, "lab_moe": five, "moe_update": ()}
     assert len(landing) == 2 and all("docs" in str(folder) for folder in landing)  # built under the page's folder
 
 
