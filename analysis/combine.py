@@ -113,6 +113,8 @@ def difference(x: tuple, y: tuple) -> str | None:
                 + ", ".join(f"`{c}`" for c in columns if not equal.loc[i, c]) + ")")
     if (sx is None) != (sy is None) or sx is not None and not sx.equals(sy):
         return "per-problem eval scores (eval_samples.jsonl) differ"
+    if rx.get("problem") != ry.get("problem"):  # e.g. one copy's config.yaml edited after its run wrote it
+        return f"problems {rx.get('problem') or 'none'!r} vs {ry.get('problem') or 'none'!r}"
     return None
 
 

@@ -25,7 +25,7 @@ import pandas as pd
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
-from harness.run.config import counted_settings, flattened, settings_digest
+from harness.run.config import counted_settings, edited_after_written, flattened
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import code_record, run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
@@ -474,7 +474,8 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
     run["complete"] = not problems
     # ended: a result to count: finished, or diverged (stopped by the loop for non-finite updates, records intact)
-    run["ended"] = run["complete"] or (run["status"] == "diverged" and bool(len(metrics)))
+    run["ended"] = run["complete"] or (run["status"] == "diverged" and bool(len(metrics))
+                                       and not edited_after_written(raw, summary))
     run["problem"] = "; ".join(problems)
     if len(metrics):
         metrics.insert(0, "run_id", run_id)
@@ -508,8 +509,7 @@ def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, s
     error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
     if error:
         problems.append(f"error: {error}")
-    recorded = summary.get("settings_digest")
-    if config and isinstance(recorded, str) and settings_digest(config) != recorded:
+    if edited_after_written(config, summary):
         problems.append("config.yaml edited after the run wrote it (its settings are not those summary.json's "
                         "settings_digest records): not counted; restore the settings the run trained with")
     return problems

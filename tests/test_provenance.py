@@ -5,6 +5,7 @@ reported, the manifest's or not."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -16,13 +17,14 @@ from omegaconf import OmegaConf
 from analysis import plots
 from analysis.leaderboard import write_leaderboard
 from analysis.load import load_experiment as load_results
+from analysis.combine import load_experiments
 from analysis.load import load_run
 from harness.apps import docs, stamp, sweep
 from harness.apps.cli import main
 from harness.run import provenance
 from harness.run.config import load_experiment, objective_defaults, run_configs, run_id
 from harness.run.errors import ConfigError
-from harness.run.records import RunRecords, read_jsonl
+from harness.run.records import RunRecords, check_resume, read_jsonl
 from tests.helpers.fake_runs import Shape, code_segments, fake_experiment, fake_run, unrasterized
 from tests.helpers.tiny import TINY_RUN, tiny_run
 
@@ -315,24 +317,34 @@ def test_one_version_reads_a_missing_version_as_unknown():
         provenance.check_one_version(["aaa", None, "aaa"], Path("f"), "the runs")
 
 
-def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_by_the_report(tmp_path):
+def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_resumed_or_merged(tmp_path):
     """The report read an ended run's settings from its config.yaml as written: an edit after the run (another lr)
     moved it into another cell, silently. The run records its settings' digest; an edit is a problem, said, and the
-    run is not counted. Where results go and where metrics are sent (a later sweep's trackers) are not its settings."""
-    run = tiny_run(tmp_path, "train.lr=1.0e-4")
+    run is not counted, diverged or not; a resume is refused (it took the edited settings and a new digest); of two
+    copies of the run in two folders, the intact one is counted. Where results go and where metrics are sent (a
+    later sweep's trackers) are not its settings."""
+    run = tiny_run(tmp_path, "train.lr=1.0e-4", "train.steps=2")
     records = RunRecords(run, tmp_path / "run", None, None, "native")
-    records.summary("running")
+    for step, accuracy in ((0, 0.1), (1, None), (2, 0.9)):
+        records.log({"step": step, "loss": 0.5, **({"eval_accuracy": accuracy} if accuracy else {})})
+    records.end("diverged")
     records.close(failed=False)
     path = tmp_path / "run" / "config.yaml"
     written = path.read_text()
+    shutil.copytree(tmp_path / "run", tmp_path / "copy" / "run")
     edited = "edited after the run wrote it"
 
-    def problem() -> str:
-        return load_run(tmp_path, {"run_id": "run", "dir": "run"})[0]["problem"]
+    def loaded() -> dict:
+        return load_run(tmp_path, {"run_id": "run", "dir": "run"})[0]
 
-    assert edited not in problem()
+    assert edited not in loaded()["problem"] and loaded()["ended"]  # diverged: ended, counted
     path.write_text(written.replace("  project: rlvr-harness", "  project: elsewhere").replace(
         "lr: 0.0001", "lr: 0.0001  # a note"))
-    assert "project: elsewhere" in path.read_text() and edited not in problem()
+    assert "project: elsewhere" in path.read_text() and edited not in loaded()["problem"]
     path.write_text(written.replace("lr: 0.0001", "lr: 0.0003"))
-    assert "lr: 0.0003" in path.read_text() and edited in problem()
+    assert "lr: 0.0003" in path.read_text() and edited in loaded()["problem"] and not loaded()["ended"]
+    with pytest.raises(ConfigError, match=r"config.yaml was edited after the run wrote it .* restore the settings"):
+        check_resume(load_experiment(str(path), ["--run-dir"][:0]), tmp_path / "run")
+    both = load_experiments([tmp_path, tmp_path / "copy"])  # the copies differ: kept apart, the intact one counted
+    ended = both.runs[both.runs["ended"]]
+    assert len(both.runs) == 2 and len(ended) == 1 and ended["source"].iloc[0].endswith("copy")

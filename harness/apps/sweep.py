@@ -43,6 +43,7 @@ from harness.run.records import (
     ENDED,
     DamagedConfigError,
     check_run_folder,
+    edited_run,
     memory_changes,
     other_settings,
     read_jsonl,
@@ -433,8 +434,10 @@ def check_saved_settings(run: DictConfig, run_dir: Path) -> None:
     named = ", ".join(list(differences.values())[:4]) + (", ..." if len(differences) > 4 else "")
     what = f"{run_dir / 'config.yaml'} holds other settings than the run its folder is named for ({named})"
     if run_status(run_dir) in ENDED:
-        tqdm.write(f"warning: {what}: the run has ended; its report leaves it out where the run recorded the digest "
-                   "of its settings (summary.json's settings_digest), else reads them as written", file=sys.stderr)
+        why = ("they were edited after the run wrote them (summary.json's settings_digest), so its report leaves it "
+               "out" if edited_run(run_dir, saved) else "its report reads them as written (the run trained with them, "
+               "or recorded no digest of its settings)")
+        tqdm.write(f"warning: {what}: the run has ended; {why}", file=sys.stderr)
         return
     raise ConfigError(f"{what}: continuing it would train (and record) those; restore them, or move {run_dir} away "
                       "to run it anew")

@@ -837,6 +837,13 @@ def settings_digest(flat: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
+def edited_after_written(flat: dict, summary: dict) -> bool:
+    """Whether a run's config.yaml settings (``flat``, dotted keys) are not those the run wrote, by the digest its
+    summary.json records (:func:`settings_digest`; a run of older code recorded none: False)."""
+    recorded = summary.get("settings_digest") if isinstance(summary, dict) else None
+    return bool(flat) and isinstance(recorded, str) and settings_digest(flat) != recorded
+
+
 def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
     """``flat`` (a run's settings as its config.yaml holds them, dotted keys) less what the run id leaves out as
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes

@@ -53,6 +53,7 @@ from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import (
     NOT_IN_RUN_ID,
     NOT_RUN_SECTIONS,
+    edited_after_written,
     flattened,
     memory_settings,
     objective_defaults,
@@ -255,6 +256,15 @@ def other_settings(saved: dict, cfg: DictConfig) -> tuple[dict, list[str]]:
     return differences, memory
 
 
+def edited_run(run_dir: Path, saved: dict) -> bool:
+    """Whether ``saved`` (the settings of run_dir's config.yaml, as read) are not those the run wrote, by the digest
+    its summary.json records (config.py edited_after_written; no summary, or one that cannot be read: False)."""
+    summary = {}
+    with contextlib.suppress(OSError, ValueError):  # nothing recorded to check against
+        summary = json.loads((run_dir / "summary.json").read_text())
+    return edited_after_written(flattened(saved), summary)
+
+
 def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
                  ) -> None:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
@@ -281,6 +291,10 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         return
     if saved is None:
         return
+    if edited_run(run_dir, saved):
+        raise ConfigError(f"{saved_path} was edited after the run wrote it (its settings are not those summary.json's "
+                          "settings_digest records): continuing would mix two runs; restore the settings the run "
+                          f"trained with, or move {run_dir} away to run these anew")
     differences, memory = other_settings(saved, cfg)
     if differences:
         raise ConfigError(f"{run_dir} holds a run with other settings ({listed(list(differences.values()))}); "
