@@ -15,9 +15,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from analysis import plots
+from analysis.combine import load_experiments
 from analysis.leaderboard import write_leaderboard
 from analysis.load import load_experiment as load_results
-from analysis.combine import load_experiments
 from analysis.load import load_run
 from harness.apps import docs, stamp, sweep
 from harness.apps.cli import main
