@@ -61,9 +61,11 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     tested = rows[rows["holm"].notna()]  # without an interval, no p-value: not in Holm's family
     family = f" (Holm-corrected over {len(tested)} comparisons)" if len(tested) > 1 else ""
     differ = rows[rows["holm"] < ALPHA]
-    # the comparison of fewest top-level units decides the mark
+    # the comparison of fewest top-level units decides the mark, among those with an interval (2 seeds or more)
     tops = rows["top"] if "top" in rows else pd.Series([None] * len(rows), index=rows.index)
-    fewest = min(zip(rows["n"], tops, strict=True), key=lambda unit: top_units(*unit))
+    units = [unit for unit in zip(rows["n"], tops, strict=True) if unit[0] >= 2] or list(zip(rows["n"], tops,
+                                                                                                strict=True))
+    fewest = min(units, key=lambda unit: top_units(*unit))
     n, top = int(fewest[0]), fewest[1]
     if differ.empty:
         alone = tested[(tested["difference_low"] > 0) | (tested["difference_high"] < 0)]["a"].tolist()

@@ -44,6 +44,10 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
     mixed = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, np.nan, np.nan, 0, 1, 1, np.nan))
     assert verdict.sentence(mixed, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
                                                f"includes 0; none for gspo {why}")
+    # the mark is the intervals': 3 seeds beside a comparison of one seed (no interval) is indicative (it was not)
+    thin = rows(("ctpo", 0.02, -0.01, 0.04, 2, 1, 3, 0.1), ("gspo", -0.01, np.nan, np.nan, 0, 1, 1, np.nan))
+    assert verdict.sentence(thin, "grpo").endswith(f"none for gspo {why}; 3 seeds: indicative (coverage short of 95% "
+                                                   "below 5)")
     below = rows(("ctpo", -0.05, -0.07, -0.03, 0, 6, 6, 0.001), ("gspo", 0.01, -0.01, 0.03, 4, 2, 6, 0.3))
     assert verdict.sentence(below, "grpo") == ("ctpo ends below grpo by 0.0500 [-0.0700, -0.0300], 6 of 6 seeds; the "
                                                "other does not (Holm-corrected over 2 comparisons)")
