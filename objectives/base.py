@@ -443,7 +443,8 @@ class Objective:
     ``kl_estimator``, default k3: :func:`reference_kl`), added per token and aggregated with ``kl_aggregation``, and
     ``off_policy_mask`` / ``off_policy_mask_threshold`` (OPSM: :func:`off_policy_keep`, applied through the correction
     weight, so to the policy loss and not to the KL term). Numeric hyperparameters are checked before
-    :meth:`validate`: finite, >= 0 unless in ``signed``, > 0 if in ``positive``, < 1 if in ``below_one``.
+    :meth:`validate`: finite, >= 0 unless in ``signed``, > 0 if in ``positive``, < 1 if in ``below_one``, <= 1 if in
+    ``shares``.
     """
 
     name: ClassVar[str] = ""  # the registered name (set by register_objective)
@@ -458,6 +459,8 @@ class Objective:
     positive: ClassVar[frozenset[str]] = frozenset()  # numeric hyperparameters that must be > 0
     # lower clip widths eps of a ratio floor 1 - eps, which must stay > 0: eps < 1
     below_one: ClassVar[frozenset[str]] = frozenset()
+    # shares of the tokens (a fraction that selects a top k of them), which cannot exceed all of them: <= 1
+    shares: ClassVar[frozenset[str]] = frozenset()
     # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
     needs_whole_groups: ClassVar[bool] = False
     # True if the loss uses a statistic of the whole minibatch beyond its token / sequence counts and the objective
@@ -539,6 +542,8 @@ class Objective:
                 raise ValueError(f"{where} must be >= 0, got {value}")
             if value >= 1 and name in self.below_one:
                 raise ValueError(f"{where} must be < 1 (ratio floor 1 - {name} > 0), got {value}")
+            if value > 1 and name in self.shares:
+                raise ValueError(f"{where} must be <= 1 (a share of the valid tokens; 1 is all of them), got {value}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")

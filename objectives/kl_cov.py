@@ -49,6 +49,7 @@ class KLCov(Objective):
     default_aggregation = "token_mean"
     needs_whole_minibatch = True
     positive = frozenset({"kl_cov_ratio"})
+    shares = frozenset({"kl_cov_ratio"})
 
     def selected(self, batch: PolicyBatch) -> torch.Tensor:
         """Bool [B, T]: the k valid tokens of largest (A - mean A)(logp - mean logp)."""

@@ -584,7 +584,7 @@ def test_class_conventions_are_declared_and_checked():
         assert cls.default_aggregation in cls.aggregations and set(cls.aggregations) <= set(AGGREGATIONS), name
         assert cls.kl_aggregation in (None, *AGGREGATIONS), name
         assert get_objective(name).aggregation == cls.default_aggregation == cls.hyperparameters()["aggregation"]
-        assert cls.below_one | cls.positive | cls.signed <= set(cls.hyperparameters()), name
+        assert cls.below_one | cls.positive | cls.signed | cls.shares <= set(cls.hyperparameters()), name
     with pytest.raises(ValueError, match=r"objective 'bad': unknown aggregation 'token_sum'"):
         @register_objective("bad")
         class Bad(Objective):
@@ -604,6 +604,16 @@ def test_class_conventions_are_declared_and_checked():
         Floor(eps=0.0)
     with pytest.raises(ValueError, match=r"hyperparameter eps must be > 0, got -0\.1"):  # not ">= 0": 0 is refused too
         Floor(eps=-0.1)
+
+
+@pytest.mark.parametrize("name, key", [("kl_cov", "kl_cov_ratio"), ("clip_cov", "clip_cov_ratio")])
+def test_a_share_of_the_tokens_above_one_is_refused_before_a_run(name, key):
+    """kl_cov's top k of the valid tokens with a share above 1 asked torch.topk for more tokens than there are,
+    at the first update, after the run folder was made; clip_cov clamped it to every candidate without a word."""
+    assert getattr(get_objective(name, **{key: 1.0}), key) == 1.0  # all tokens: allowed
+    with pytest.raises(ValueError, match=rf"objective '{name}': hyperparameter {key} must be <= 1 \(a share of the "
+                                         r"valid tokens; 1 is all of them\), got 2\.0"):
+        get_objective(name, **{key: 2.0})
 
 
 # ----------------------------------------------------------------------------------------------------
