@@ -3,6 +3,7 @@ check a config goes through before anything starts (the schema's own and the com
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -393,15 +394,25 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
 
 @pytest.mark.parametrize("override, message", [
     ("train.lr=.nan", r"train.lr is NaN: give a number"),
-    ("train.lr=.inf", r"train.lr must be >= 0 and finite, got inf"),
+    ("train.lr=.inf", r"train.lr is inf: give a finite number"),
     ("objective.params.clip_low=.nan", r"objective.params.clip_low is NaN: give a number"),
     ("model.warm_start_lr=.nan", r"model.warm_start_lr is NaN"),
+    # infinity passed `> 0` and `>= 0`: a run that sampled uniformly and trained nothing, rewards of NaN read as the
+    # objective's collapse, LoRA weights scaled to inf (the thirteenth hostile pass)
+    ("train.temperature=.inf", r"^train.temperature is inf: give a finite number$"),
+    ("task.format_weight=.inf", r"^task.format_weight is inf: give a finite number$"),
+    ("task.overlong_penalty=.inf", r"^task.overlong_penalty is inf: give a finite number$"),
+    ("model.lora.alpha=.inf", r"^model.lora.alpha is inf: give a finite number$"),
 ])
 def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, message):
     """`train.lr=.nan` fails the range check before anything starts, not in torch's optimizer with a run folder and a
     traceback file (docs/hostile_pass.md, case 42)."""
     with pytest.raises(ConfigError, match=message):
         run_configs(load_experiment("quickstart", [override]))
+
+
+def test_an_infinite_gradient_norm_bound_means_no_clipping_and_is_taken():
+    assert run_configs(load_experiment("quickstart", ["train.max_grad_norm=.inf"]))[0].train.max_grad_norm == math.inf
 
 
 def test_a_missing_experiment_file_is_named_as_given(tmp_path):

@@ -300,7 +300,7 @@ def test_the_loop_says_when_its_correction_weighs_the_sampler():
 @pytest.mark.parametrize("override, message", [
     ("train.rollout_correction.mode=token", "train.rollout_correction.mode must be one of none, token_truncate"),
     ("train.rollout_correction.threshold=0.9", "threshold must be a finite number >= 1"),
-    ("train.rollout_correction.threshold=inf", "threshold must be a finite number >= 1"),
+    ("train.rollout_correction.threshold=inf", "train.rollout_correction.threshold is inf: give a finite number"),
     ("train.rollout_correction.threshold_lower=1.5", "threshold_lower must be in \\[0, 1\\]"),
     ("train.rollout_correction.threshold_lower=-1", "threshold_lower must be in \\[0, 1\\]"),
     ("train.rollout_correction.mode=token_mask train.rollout_correction.threshold=1", "empty or a single point"),

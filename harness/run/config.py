@@ -936,7 +936,7 @@ def memory_settings(run: DictConfig) -> tuple[str, ...]:
 def validate(run: DictConfig) -> None:
     """Every check of a run's settings, before anything starts: the schema's own here, then each component's
     (harness/run/checks.py). Raises ConfigError (one line naming the key and the fix)."""
-    _check_no_nan(OmegaConf.to_container(run, resolve=True))
+    _check_finite(OmegaConf.to_container(run, resolve=True))
     _check_objective(run)
     _check_train(run.train)
     _check_batching(run)
@@ -1003,14 +1003,20 @@ def raise_refused(refused: list[tuple[dict, ConfigError]], accepted: int, what: 
     raise ConfigError(f"{where}: {error}") from None
 
 
-def _check_no_nan(value: Any, key: str = "") -> None:
-    """No setting is NaN (`.nan` in YAML): every range check passes it (each comparison is false), so the run would
-    start and fail, or train on NaN, later."""
+INFINITY_MEANS = frozenset({"train.max_grad_norm"})  # settings whose .inf means "no bound": no clipping
+
+
+def _check_finite(value: Any, key: str = "") -> None:
+    """No setting is NaN or infinite (`.nan`, `.inf` in YAML) but those where infinity means something
+    (:data:`INFINITY_MEANS`): every range check passes NaN (each comparison is false) and a bound such as `> 0`
+    passes infinity, so the run would start and fail, train on NaN, or train nothing and read as a collapse, later."""
     if isinstance(value, float) and math.isnan(value):
         raise ConfigError(f"{key} is NaN: give a number")
+    if isinstance(value, float) and math.isinf(value) and key not in INFINITY_MEANS:
+        raise ConfigError(f"{key} is {value}: give a finite number")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for name, item in items:
-        _check_no_nan(item, f"{key}.{name}" if key else str(name))
+        _check_finite(item, f"{key}.{name}" if key else str(name))
 
 
 def _check_objective(run: DictConfig) -> None:
