@@ -386,6 +386,29 @@ def test_two_grid_points_that_make_the_same_run_are_refused_in_one_line(grid, me
     assert "\n" not in str(info.value)
 
 
+def test_train_old_logp_is_no_part_of_a_run_where_the_loop_recomputes_the_behaviour_log_probs():
+    """Under a rollout correction, trust-region rules or routing replay the loop recomputes the behaviour log-probs
+    whatever train.old_logp says: a grid over it made two runs of one computation, bit-equal, compared as two cells,
+    and replay with or without old_logp=recompute had two run ids (the thirteenth hostile pass)."""
+    with pytest.raises(ConfigError, match=r"^sweep.grid.train.old_logp: .*train.old_logp changes nothing where the "
+                       r"loop recomputes the behaviour log-probs \(a rollout correction, trust-region rules or "
+                       r"routing replay\)") as info:
+        run_configs(load_experiment("base", ["train.rollout_correction.mode=token_mask",
+                                             "sweep.grid.train.old_logp=[sampler,recompute]"]))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"train.old_logp changes nothing"):
+        run_configs(load_experiment("base", ["train.rollout_correction.rejection=[token_k3]",
+                                             "train.rollout_correction.rejection_threshold=[0.1]",
+                                             "sweep.grid.train.old_logp=[sampler,recompute]"]))
+    pinned = ["sweep.grid.objective.name=[grpo]", "train.routing_replay=r2", "sweep.grid.seed=[0]"]
+    ids = {run_id(run) for old in ("sampler", "recompute")
+           for run in run_configs(load_experiment("moe_stability", [*pinned, f"train.old_logp={old}"]))}
+    assert len(ids) == 1
+    plain = [run_id(run) for old in ("sampler", "recompute")  # without any of them it decides: two runs
+             for run in run_configs(load_experiment("base", [f"train.old_logp={old}"]))]
+    assert len(set(plain)) == 2
+
+
 def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     with pytest.raises(ConfigError, match=r"sweep.per_objective pins train.routing_replay=none for gspo") as info:
         run_configs(load_experiment("moe_stability", ["objective.name=gspo", "train.routing_replay=r2"]))

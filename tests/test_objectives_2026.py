@@ -465,7 +465,8 @@ def test_trust_region_rules_match_verl(rules, bounds):
 def test_trust_region_masking_weights_the_loss_and_is_checked_before_a_run(tmp_path):
     from omegaconf import OmegaConf
 
-    from harness.loop.behaviour import behaviour_logp, rollout_correction
+    from harness.loop.behaviour import rollout_correction
+    from harness.run.offpolicy import behaviour_logp
 
     old, sampler, mask = rejection_inputs()
     t = OmegaConf.create({"old_logp": "sampler", "routing_replay": "none", "rollout_correction": {

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 import objectives
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp, rollout_correction
+from harness.loop.behaviour import rollout_correction
 from harness.loop.build import frozen_copy
 from harness.loop.native import train, update
 from harness.loop.update import Learner, RunState, UpdatePlan
@@ -30,6 +30,7 @@ from harness.policy.models import build_prompt, load_model
 from harness.policy.sampler import generate
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
+from harness.run.offpolicy import behaviour_logp
 from harness.run.records import read_jsonl
 from harness.tasks import get_task
 from objectives import PolicyBatch, get_objective

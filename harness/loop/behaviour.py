@@ -4,7 +4,8 @@ Mixture-of-Experts policy's behaviour routing (what ``train.routing_replay`` for
 
     behaviour = behaviour_logprobs(policy, reference, ro, cfg, separate_sampler)   # the native loop's stage 3
 
-:func:`behaviour_logp`, :func:`correction_settings` and :func:`rollout_correction` are the TRL backend's too.
+:func:`rollout_correction` is the TRL backend's too; what the settings say (where the behaviour log-probs come from,
+the correction's and replay's settings) is read in harness/run/offpolicy.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.metrics import MismatchMeter
@@ -24,54 +25,21 @@ from harness.policy.lora import adapters_disabled
 from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
 from harness.run.config import microbatch_size
+from harness.run.offpolicy import (
+    behaviour_logp,
+    correction_on,
+    correction_settings,
+    lagged,
+    rejection_settings,
+    replay_mode,
+)
 from objectives import OBJECTIVES
 from objectives.rollout_correction import (
-    DEFAULT_THRESHOLD,
     correction_metrics,
     correction_weights,
     rejection_keep,
     rejection_metrics,
 )
-
-
-def correction_settings(t: DictConfig) -> tuple[str, float, float | None]:
-    """``train.rollout_correction``'s (mode, threshold, threshold_lower); mode 'none' when the config has none."""
-    rc = OmegaConf.select(t, "rollout_correction", default=None)
-    if rc is None:
-        return "none", DEFAULT_THRESHOLD, None
-    return rc.mode, rc.threshold, rc.threshold_lower
-
-
-def rejection_settings(t: DictConfig) -> tuple[list[str], list[float]]:
-    """``train.rollout_correction``'s trust-region rules and their bounds (empty when the config has none)."""
-    rc = OmegaConf.select(t, "rollout_correction", default=None)
-    rules = OmegaConf.select(rc, "rejection", default=None) if rc is not None else None
-    if not rules:
-        return [], []
-    return list(rules), [float(b) for b in rc.rejection_threshold]
-
-
-def correction_on(t: DictConfig) -> bool:
-    """Whether the loop weights the loss by a rollout correction: a mode other than none, or trust-region rules."""
-    return correction_settings(t)[0] != "none" or bool(rejection_settings(t)[0])
-
-
-def behaviour_logp(t: DictConfig) -> str:
-    """Where the behaviour (old) log-probs come from: 'recompute' (the trainer's, before the update) whenever a
-    rollout correction is on — it weights by the trainer's old policy over the sampler, verl's decoupled mode and
-    TRL's ``vllm_importance_sampling_correction`` recompute them too — or routing replay is (R2 records the routing
-    in that forward, R3 replays the sampler's there, as verl and slime do), else ``train.old_logp``."""
-    return "recompute" if correction_on(t) or replay_mode(t) != "none" else t.old_logp
-
-
-def replay_mode(t: DictConfig) -> str:
-    """``train.routing_replay`` ('none' when the config has none)."""
-    return OmegaConf.select(t, "routing_replay", default="none")
-
-
-def lagged(t: DictConfig) -> bool:
-    """Whether ``train.rollout_lag`` > 0 (0 when the config has none): the batch may be older than the policy."""
-    return OmegaConf.select(t, "rollout_lag", default=0) > 0
 
 
 def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.loop.behaviour import replay_mode, routing_recorded_at
+from harness.loop.behaviour import routing_recorded_at
 from harness.loop.update import Learner
 from harness.policy.device import DTYPES, sampler_dtype
 from harness.policy.forward import set_memory_settings
@@ -27,6 +27,7 @@ from harness.policy.sampler import check_decoder
 from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_digest
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
+from harness.run.offpolicy import replay_mode
 from harness.tasks import Problem, Task, check_prompts_fit, get_task, problems_digest
 from objectives import Objective, estimator_name, get_advantage, get_objective, reads_reference_policy
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from harness.loop.batch import Collected, TrainBatch
-from harness.loop.behaviour import Behaviour, behaviour_logprobs, lagged
+from harness.loop.behaviour import Behaviour, behaviour_logprobs
 from harness.loop.build import RunSetup, build_learner, hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, MismatchMeter, PhaseMemory, progress_fields
@@ -57,6 +57,7 @@ from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import merge_volatility
 from harness.policy.lora import export_merged, load_trained_state, trained_state
 from harness.policy.matmul import cpu_matmul
+from harness.run.offpolicy import lagged
 from harness.run.records import RunRecords, export_policy, learner_parts, load_checkpoint, save_checkpoint
 from harness.run.threads import run_threads
 from objectives.advantages import (

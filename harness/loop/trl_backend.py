@@ -67,7 +67,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import add_fused_lm_head
 
-from harness.loop.behaviour import behaviour_logp, correction_settings, rollout_correction
+from harness.loop.behaviour import rollout_correction
 from harness.loop.build import hook_routing, setup_run
 from harness.loop.evaluation import evaluate
 from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
@@ -82,6 +82,7 @@ from harness.policy.routing import Grid, full_layout, routing_of
 from harness.run.atomic import TMP, atomic_write
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.errors import ConfigError
+from harness.run.offpolicy import behaviour_logp, correction_settings
 from harness.run.records import RunRecords, no_save_progress_bar
 from harness.run.threads import run_threads
 from harness.tasks import Problem

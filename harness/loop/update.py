@@ -27,11 +27,11 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from harness.loop.batch import TrainBatch
-from harness.loop.behaviour import behaviour_logp, lagged, replay_mode
 from harness.policy.expert_volatility import Volatility, capture_metrics
 from harness.policy.forward import completion_forward
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
+from harness.run.offpolicy import behaviour_logp, lagged, replay_mode
 from harness.run.seeding import step_seed
 from objectives import OBJECTIVES, Objective, PolicyBatch
 from objectives.base import group_totals, sum_statistics

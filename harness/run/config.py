@@ -43,6 +43,7 @@ from omegaconf.errors import OmegaConfBaseException
 from harness.run.aliases import ALIASES, translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
+from harness.run.offpolicy import recompute_forced
 from objectives import ADVANTAGES, OBJECTIVES, estimator_name, get_objective
 from objectives.advantages import (
     needs_greedy_baseline,
@@ -877,7 +878,8 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
     a difference on resume, and a sweep over it is the same run. LoRA's settings but the rank at rank 0 (no
     adapters); the rollout correction's thresholds at mode none (its rules' bounds without rules are refused); an
     objective's hyperparameters that it declares inert at its values (``Objective.inert_hyperparameters``:
-    kl_estimator at beta 0)."""
+    kl_estimator at beta 0); ``train.old_logp`` where the loop recomputes the behaviour log-probs whatever it says
+    (harness/run/offpolicy.py ``recompute_forced``)."""
     return unused_settings(run, [key]).get(key)
 
 
@@ -895,6 +897,9 @@ def unused_settings(run: DictConfig, keys) -> dict[str, str]:
         elif key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") \
                 and mode == "none":
             why[key] = "the correction's thresholds change nothing at train.rollout_correction.mode=none"
+        elif key == "train.old_logp" and "train" in run and recompute_forced(run.train):
+            why[key] = ("train.old_logp changes nothing where the loop recomputes the behaviour log-probs (a rollout "
+                        "correction, trust-region rules or routing replay)")
         elif key.startswith("objective.params.") and key.removeprefix("objective.params.") in inert:
             why[key] = (f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at "
                         "these values")
