@@ -211,6 +211,26 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
                                             "lab.params={dapo: {clip_high: 0.9}}"]))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.rollout_lag=1"], r"train.rollout_lag=1 .*\(the lab's policy lag is lab.staleness\)"),
+    (["train.rollout_correction.mode=token_mask"], r"train.rollout_correction.mode=\"token_mask\" .*uncorrected"),
+    (["train.rollout_correction.rejection=[token_k3]", "train.rollout_correction.rejection_threshold=[0.1]"],
+     r"train.rollout_correction.rejection=\[\"token_k3\"\]"),
+    (["objective.name=cispo"], r"objective.name=\"cispo\" .*\(the lab measures lab.objectives"),
+    (["objective.params.clip_low=0.3"], r"objective.params.clip_low=0.3 .*lab.params.<name>.<key>"),
+    (["train.epochs=2"], r"train.epochs=2"), (["train.dynamic_sampling=true"], r"train.dynamic_sampling=true"),
+])
+def test_a_training_setting_the_lab_does_not_read_is_refused(tmp_path, overrides, message):
+    """The lab took these, wrote them to its config.yaml and measured bit-equal numbers without them: a reader
+    believed the lab measured under a lag or a correction (the thirteenth hostile pass)."""
+    with pytest.raises(ConfigError, match=rf"^lab: {message}") as info:
+        lab_config(load_experiment("lab", [*TINY_RUN, f"results_dir={tmp_path}", *overrides]))
+    assert "is a setting of training runs that the lab does not read" in str(info.value)
+    assert str(info.value).endswith("; leave it out") and "\n" not in str(info.value)
+    for experiment in ("lab", "lab_moe", "lab_smollm2"):  # the shipped labs set none of them
+        assert lab_config(load_experiment(experiment, [f"results_dir={tmp_path}"])).lab.staleness
+
+
 def test_a_lab_alias_undone_by_its_params_is_refused(tmp_path):
     """lab.params={luspo: {aggregation: token_mean}} measured gspo under luspo's name (train and sweep refuse the
     same: the seventh hostile pass)."""

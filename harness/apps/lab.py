@@ -68,6 +68,7 @@ from harness.run.config import (
     load_experiment,
     minibatch_size,
     rollout_size,
+    schema_defaults,
     validate,
 )
 from harness.run.errors import ConfigError
@@ -194,6 +195,43 @@ def validate_lab(cfg: DictConfig) -> None:
     if cfg.model.lora.rank:
         raise ConfigError("lab: the lab compares gradients of the whole policy; model.lora (adapters) is a training "
                           "setting: set model.lora.rank=0")
+    check_lab_reads_it(cfg)
+
+
+# settings of training runs that the lab does not read, and what the lab measures instead: given, they would be
+# written to the lab's config.yaml as if they had been measured under
+NOT_READ_BY_THE_LAB = {
+    "train.rollout_lag": "the lab's policy lag is lab.staleness",
+    "train.lag_mode": "the lab's policy lag is lab.staleness",
+    "train.in_flight_tokens": "the lab's policy lag is lab.staleness",
+    "train.rollout_correction": "the lab measures the objectives' own ratios and weights, uncorrected",
+    "train.epochs": "lab.staleness moves the policy on the batch's other minibatches",
+    "train.dynamic_sampling": "the lab measures every batch it samples",
+    "objective.name": "the lab measures lab.objectives, and lab.mover moves the policy",
+    "objective.params": "give an objective's settings as lab.params.<name>.<key>",
+    "objective.advantage": "give an objective's estimator as lab.params.<name>.advantage",
+}
+
+
+def check_lab_reads_it(cfg: DictConfig) -> None:
+    """Refuse a setting of :data:`NOT_READ_BY_THE_LAB` that differs from the schema's default, naming the first
+    differing key and what the lab measures instead."""
+    defaults = OmegaConf.create(schema_defaults())
+    for key, instead in NOT_READ_BY_THE_LAB.items():
+        given, default = (OmegaConf.select(c, key, default=None) for c in (cfg, defaults))
+        differs = _first_difference(key, *(OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+                                           for v in (given, default)))
+        if differs:
+            raise ConfigError(f"lab: {differs[0]}={json.dumps(differs[1])} is a setting of training runs that the lab "
+                              f"does not read ({instead}); leave it out")
+
+
+def _first_difference(key: str, value, default) -> tuple[str, object] | None:
+    """The first dotted key under ``key`` whose value differs from the default, with its value; None if none."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return next((d for k in sorted({*value, *default}, key=str)
+                     if (d := _first_difference(f"{key}.{k}", value.get(k), default.get(k)))), None)
+    return (key, value) if value != default else None
 
 
 def check_lab_routing(cfg: DictConfig) -> None:
