@@ -3,6 +3,7 @@ checks' verdicts on small tables whose answer is known by hand."""
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,46 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
         path.write_bytes(text)
         with pytest.raises(ConfigError, match="bad.yaml: not a claim"):
             load_claim(path)
+
+
+@pytest.mark.parametrize("experiment, checks, message", [
+    ("{lab: lab}", "[]", r"checks must be a non-empty list of checks, got \[\]"),  # was "indicative", nothing measured
+    ("{lab: lab}", "3", r"checks must be a non-empty list of checks, got 3"),  # a traceback
+    ("lab", "[{table: lab, metric: m, within: [0, 1]}]", r"experiment must name one lab"),  # a traceback
+    ("{lab: lab}", "[3]", r"each check is a mapping \(table, metric, ...\), got 3"),
+    ("{lab: lab}", "[{table: lab, metric: m, within: 5}]", r"within must be \[low, high\], .* got 5"),  # a traceback
+    ("{lab: lab}", "[{table: lab, metric: m, within: [1, 0]}]",
+     r"within must be .* low <= high, got \[1, 0\]"),  # "does not hold"
+    ("{lab: lab}", "[{table: lab, metric: m, within: [0, .inf]}]", r"within must be \[low, high\], two finite numbers"),
+    ("{lab: lab}", "[{table: lab, metric: m, within: [0, 1], objetive: grpo}]", r"a check has no field 'objetive'"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a}}]",
+     r"compare must be a mapping naming objective and than"),  # "no data" after the sweep
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: grpo}]", r"compare must be a mapping"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, factor: x}}]",
+     r"compare.factor must be a number > 0 \(y's multiplier\), got 'x'"),  # a numpy traceback
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, direction: equal, "
+     "tolerance: -1}}]", r"compare.tolerance must be a number >= 0 .*got -1"),  # "does not hold"
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, derection: less}}]",
+     r"compare has no field 'derection'"),  # "greater" checked, silently
+])
+def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, experiment, checks, message):
+    """Each ended in a traceback, a verdict or "no data" only after the claim's experiment had run, or (no checks)
+    in a claim marked indicative with nothing measured (the thirteenth hostile pass)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"claim: x\npaper: y\nexperiment: {experiment}\nchecks: {checks}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {message}") as info:
+        load_claim(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_check_that_cannot_be_evaluated_is_no_data_in_the_ledger_not_a_stop():
+    """A TypeError (a where that compares a number with text) stopped the ledger of every claim."""
+    from harness.apps.claims import checked
+
+    final = pd.DataFrame({"objective": ["a", "b"], "seed": [0, 0], "m": [1.0, 2.0], "cell": ["x", "x"]})
+    verdict, text, _ = checked({"table": "final", "metric": "m", "within": [0, 1], "where": "cell > 1"},
+                               {"final": final})
+    assert verdict == "no data" and "could not be evaluated" in text
 
 
 LAB = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2, 3, 3], "objective": ["a", "b"] * 4,

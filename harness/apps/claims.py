@@ -35,6 +35,9 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   that excludes every difference larger than the margin, not an interval that happens to include 0).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high].
+A claim file is checked when it is read, before any experiment runs (``check_problem``): a field neither list above
+names, no checks, bounds that are not two finite numbers in order, a non-positive factor or margin, a negative
+tolerance are refused in one line naming the file.
 Replication. A claim runs its experiment from ``start_policies`` starting policies (optional, default 5: the first n
 values of START_CANDIDATES, harness/apps/zoo.py's, whose warm start lands in its band: ``start_seeds``; 1: the
 experiment's own model.seed) and, for a sweep, ``seeds`` seeds
@@ -156,27 +159,67 @@ def load_claim(path: Path) -> Claim:
                           f"(the first that land of model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
     if claim.seeds is not None and not (isinstance(claim.seeds, int) and claim.seeds >= 1):
         raise ConfigError(f"{path}: seeds must be a whole number >= 1, got {claim.seeds!r}")
-    if sum(k in claim.experiment for k in KINDS) != 1:
+    if not isinstance(claim.experiment, dict) or sum(k in claim.experiment for k in KINDS) != 1:
         raise ConfigError(f"{path}: experiment must name one lab, one sweep or one probe, e.g. {{lab: lab}}")
     if "probe" in claim.experiment and claim.experiment["probe"] not in PROBES:
         raise ConfigError(f"{path}: no probe {claim.experiment['probe']!r}; probes: {', '.join(PROBES)}")
+    if not isinstance(claim.checks, list) or not claim.checks:  # none: every check held, vacuously
+        raise ConfigError(f"{path}: checks must be a non-empty list of checks, got {claim.checks!r}")
     for check in claim.checks:
-        if ("compare" in check) == ("within" in check) or "table" not in check or "metric" not in check:
-            raise ConfigError(f"{path}: each check needs table, metric and one of compare / within, got {check}")
-        if "compare" in check and check["compare"].get("direction", "greater") not in DIRECTIONS:
-            raise ConfigError(f"{path}: compare.direction must be one of {', '.join(DIRECTIONS)}")
-        if "compare" in check and (check["compare"].get("direction") == "equivalent") != ("margin" in check["compare"]):
-            raise ConfigError(f"{path}: compare.margin is the equivalence margin: give it with direction equivalent "
-                              "(only)")
-        margin = check.get("compare", {}).get("margin", 1.0)
-        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 < margin < float("inf"):
-            raise ConfigError(f"{path}: compare.margin must be a number > 0 (the equivalence margin), got {margin!r}")
-        if check["table"] not in TABLES[claim.source[0]]:
-            raise ConfigError(f"{path}: a {claim.source[0]} has no table {check['table']!r}; tables: "
-                              f"{', '.join(TABLES[claim.source[0]])}")
-        if check.get("statistic", "mean") not in STATISTICS:
-            raise ConfigError(f"{path}: statistic must be one of {', '.join(STATISTICS)}")
+        problem = check_problem(check, claim.source[0])
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
     return claim
+
+
+CHECK_KEYS = ("table", "metric", "where", "objective", "statistic", "within", "compare")
+COMPARE_KEYS = ("objective", "than", "where", "than_where", "baseline", "direction", "factor", "tolerance", "margin")
+
+
+def check_problem(check, kind: str) -> str | None:
+    """What is wrong with one check of a claim of experiment kind ``kind`` (its fields: the module docstring), or
+    None: found when the claim is read, before any experiment runs, not as a traceback or a verdict after it."""
+    if not isinstance(check, dict):
+        return f"each check is a mapping (table, metric, ...), got {check!r}"
+    if ("compare" in check) == ("within" in check) or "table" not in check or "metric" not in check:
+        return f"each check needs table, metric and one of compare / within, got {check}"
+    unknown = [k for k in check if k not in CHECK_KEYS]
+    if unknown:
+        return f"a check has no field {unknown[0]!r}; its fields: {', '.join(CHECK_KEYS)}"
+    if check["table"] not in TABLES[kind]:
+        return f"a {kind} has no table {check['table']!r}; tables: {', '.join(TABLES[kind])}"
+    if check.get("statistic", "mean") not in STATISTICS:
+        return f"statistic must be one of {', '.join(STATISTICS)}"
+    if "within" in check:
+        bounds = check["within"]
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_finite, bounds))
+                and bounds[0] <= bounds[1]):
+            return f"within must be [low, high], two finite numbers with low <= high, got {bounds!r}"
+        return None
+    return compare_problem(check["compare"])
+
+
+def compare_problem(spec) -> str | None:
+    """What is wrong with a check's ``compare``, or None."""
+    if not isinstance(spec, dict) or "objective" not in spec or "than" not in spec:
+        return f"compare must be a mapping naming objective and than, got {spec!r}"
+    unknown = [k for k in spec if k not in COMPARE_KEYS]
+    if unknown:
+        return f"compare has no field {unknown[0]!r}; its fields: {', '.join(COMPARE_KEYS)}"
+    if spec.get("direction", "greater") not in DIRECTIONS:
+        return f"compare.direction must be one of {', '.join(DIRECTIONS)}"
+    if (spec.get("direction") == "equivalent") != ("margin" in spec):
+        return "compare.margin is the equivalence margin: give it with direction equivalent (only)"
+    for key, zero, what in (("margin", False, "the equivalence margin"), ("factor", False, "y's multiplier"),
+                            ("tolerance", True, "the largest relative gap of equal")):
+        value = spec.get(key, 1.0)
+        if not (_finite(value) and (value >= 0 if zero else value > 0)):
+            return f"compare.{key} must be a number {'>= 0' if zero else '> 0'} ({what}), got {value!r}"
+    return None
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and np.isfinite(value)
 
 
 def load_claims(names: list[str] | None = None, with_long: bool = False) -> list[Claim]:
@@ -473,7 +516,7 @@ def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tup
         return "no data", f"{check['metric']}: the experiment has no results (`make claims` runs it)", None
     try:
         return evaluate_check(check, tables)
-    except (KeyError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
+    except (KeyError, TypeError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
         return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}", None
 
 
