@@ -615,6 +615,12 @@ class Objective:
         """Parameters the objective trains beside the policy's (the loop's optimizer: a group of their own)."""
         return []
 
+    def trained_parameter_count(self, hidden_size: int) -> int:
+        """How many parameters :meth:`trainable_parameters` will hold once :meth:`setup` has run on a policy of hidden
+        size ``hidden_size``, known before anything is built: the memory check counts them in float32 with their
+        gradients and AdamW's two moments (harness/policy/memory.py ``held_weights``). 0: none."""
+        return 0
+
     def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
         """Called after each optimizer step that updated the policy, with that step's metrics: the objective's (and
         the loop's ``entropy``) averaged over the step's micro-batches weighted by their valid tokens, the shares

@@ -225,6 +225,12 @@ class POPO(Objective):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self._built().predictor.parameters())
 
+    def trained_parameter_count(self, hidden_size: int) -> int:
+        """PredictorMLP's: each Linear's weights and bias and each LayerNorm's two vectors."""
+        dims = [hidden_size] + [self.predictor_hidden_dim] * (self.predictor_layers - 1)
+        inner = sum(a * b + b + 2 * b for a, b in zip(dims[:-1], dims[1:], strict=True))
+        return inner + self.predictor_hidden_dim * hidden_size + hidden_size
+
     def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
         ema_update(list(self._built().target.parameters()), list(policy.parameters()), self.tau)
 

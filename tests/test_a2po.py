@@ -238,7 +238,7 @@ def test_the_memory_floor_counts_the_references_completions_when_they_are_more(m
     from harness.policy import memory
     from tests.helpers.tiny import TINY_SPEC
 
-    weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    weights, per_token, _ = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
     weights *= 2  # the policy and its reference copy
     run = tiny_run(tmp_path, "objective.name=a2po", "train.group_size=1")  # 4 prompts: 4 rollout rows, 32 reference
     monkeypatch.setattr(memory, "device_memory", lambda device: weights + 32 * per_token)

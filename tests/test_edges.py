@@ -24,6 +24,8 @@ from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, lock_folder
 from harness.run.records import check_resume, read_jsonl, run_status
+from objectives import get_objective
+from objectives.popo import PredictorMLP
 from tests.helpers.disk import fill_disk_at, temporaries
 from tests.helpers.interrupt import stopped_before
 from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, tiny_run, without_timing
@@ -485,7 +487,7 @@ def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkey
     from tests.helpers.tiny import TINY_SPEC
 
     (run,) = run_configs(load_experiment("base", TINY_RUN))
-    weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    weights, per_token, _ = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
     assert per_token == 4 * (100 + 2 * 2 * 2 * 16) == 912
     assert weights == 4 * sum(p.numel() for p in models.skeleton("tiny", TINY_SPEC).parameters())
     floor = weights + 16 * per_token  # prompts_per_step 4 x group_size 4
@@ -533,8 +535,8 @@ def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_
     monkeypatch.setattr(models, "skeleton", lambda *a: pytest.fail("a folder's model was built"))
     assert memory.model_bytes(str(tmp_path / "zero"), "{}", "float32") is None
     assert memory.model_bytes(str(tmp_path / "text"), "{}", "float32") is None
-    assert memory.model_bytes(str(tmp_path / "plain"), "{}", "float32") == (0, 4 * (1000 + 3 * 2 * 2 * 16))
-    assert memory.model_bytes(str(tmp_path / "deep"), "{}", "float32") == (0, 4 * (1000 + 200000 * 2 * 2 * 16))
+    assert memory.model_bytes(str(tmp_path / "plain"), "{}", "float32")[:2] == (0, 4 * (1000 + 3 * 2 * 2 * 16))
+    assert memory.model_bytes(str(tmp_path / "deep"), "{}", "float32")[:2] == (0, 4 * (1000 + 200000 * 2 * 2 * 16))
 
 
 @pytest.mark.parametrize(("settings", "copies", "parts"), [
@@ -542,7 +544,9 @@ def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_
     (["objective.params.beta=0.04"], 2, "the policy's, its reference copy's"),  # a KL term: a frozen reference
     (["objective.params.beta=0.04", "model.lora.rank=2"], 1, "the policy's"),  # the base, adapters off: no copy
     (["model.sampler_dtype=bfloat16"], 1.5, "the policy's, its bfloat16 sampler copy's"),
-    (["objective.name=popo"], 2, "the policy's, objective popo's copy's"),  # its moving target (policy_copies)
+    (["objective.name=popo", "objective.params.predictor_hidden_dim=8"], 2,  # its moving target (policy_copies)
+     "the policy's, objective popo's copy's, objective popo's trained parameters with their gradients and AdamW "
+     "moments"),  # and its predictor, counted in the test below
 ])
 def test_the_memory_floor_counts_the_frozen_copies_a_run_holds(monkeypatch, settings, copies, parts):
     """The policy's weights were counted once, whatever the run holds beside them: the reference policy's frozen copy
@@ -551,14 +555,32 @@ def test_the_memory_floor_counts_the_frozen_copies_a_run_holds(monkeypatch, sett
     from tests.helpers.tiny import TINY_SPEC
 
     (run,) = run_configs(load_experiment("base", [*TINY_RUN, *settings]))
-    weights, per_token = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
-    held = int(weights * copies)
+    weights, per_token, hidden = memory.model_bytes("tiny", json.dumps(TINY_SPEC, sort_keys=True), "float32")
+    held = int(weights * copies) + (16 * sum(p.numel() for p in PredictorMLP(hidden, 8, 2).parameters())
+                                    if "objective.name=popo" in settings else 0)
     sampled = per_token // 2 if "model.sampler_dtype=bfloat16" in settings else per_token
-    assert memory.held_weights(run, weights) == (held, parts)
+    assert memory.held_weights(run, weights, hidden) == (held, parts)
     monkeypatch.setattr(memory, "device_memory", lambda device: held + 16 * sampled)
     memory.check_memory(run)
     monkeypatch.setattr(memory, "device_memory", lambda device: held + 16 * sampled - 1)
     with pytest.raises(ConfigError, match=rf"beside {memory.size(held)} of weights \({parts}\)"):
+        memory.check_memory(run)
+
+
+def test_an_objectives_trained_parameters_beyond_memory_are_refused_before_the_run(tmp_path):
+    """POPO's predictor was not in the memory floor: a width of 1e12 made the run folder, then failed in torch's
+    allocator (the thirteenth hostile pass). Its count is the built module's, at every depth."""
+    from harness.policy import memory
+
+    for width, layers in ((8, 2), (5, 4), (1, 3)):
+        objective = get_objective("popo", predictor_hidden_dim=width, predictor_layers=layers)
+        assert objective.trained_parameter_count(32) == sum(p.numel() for p in PredictorMLP(32, width, layers)
+                                                            .parameters())
+    assert get_objective("grpo").trained_parameter_count(32) == 0
+    (run,) = run_configs(load_experiment("base", [*TINY_RUN, "objective.name=popo",
+                                                  "objective.params.predictor_hidden_dim=1000000000000"]))
+    with pytest.raises(ConfigError, match=r"objective popo's trained parameters with their gradients and AdamW "
+                                          r"moments; .*, or settings that hold less beside it$"):
         memory.check_memory(run)
 
 

@@ -47,11 +47,11 @@ def device_memory(device: torch.device) -> int | None:
 
 
 @functools.lru_cache(maxsize=16)
-def model_bytes(name: str, tiny: str, dtype: str, stamp: tuple = ()) -> tuple[int, int] | None:
-    """(weights, one token) in bytes of model ``name`` (``tiny``: its model.tiny as JSON) in ``dtype``: a token's
-    logits over the vocabulary and its keys and values in every layer, read from its config (a local folder's
-    config.json, never a model built from it: a huge or odd one would take minutes or fail here); the weights are
-    counted for the tiny models (their skeleton) and for a folder from its safetensors headers
+def model_bytes(name: str, tiny: str, dtype: str, stamp: tuple = ()) -> tuple[int, int, int] | None:
+    """(weights, one token, hidden size) of model ``name`` (``tiny``: its model.tiny as JSON), the first two in bytes
+    in ``dtype``: a token's logits over the vocabulary and its keys and values in every layer, read from its config (a
+    local folder's config.json, never a model built from it: a huge or odd one would take minutes or fail here); the
+    weights are counted for the tiny models (their skeleton) and for a folder from its safetensors headers
     (:func:`folder_parameters`). None when the shape is not known
     before the model loads (a hub id) or its config cannot be read (loading it says why). ``stamp``: a folder's
     :func:`harness.policy.models.folder_stamp`, a cache key only."""
@@ -72,7 +72,7 @@ def model_bytes(name: str, tiny: str, dtype: str, stamp: tuple = ()) -> tuple[in
     except Exception:  # noqa: BLE001 - any config transformers cannot read or we cannot size: not checked here
         return None
     size = DTYPES[dtype].itemsize
-    return weights * size, max(per_token, 0) * size
+    return weights * size, max(per_token, 0) * size, int(config.hidden_size)
 
 
 def folder_parameters(folder: Path) -> int:
@@ -97,11 +97,13 @@ def folder_parameters(folder: Path) -> int:
     return total
 
 
-def held_weights(run: DictConfig, weights: int) -> tuple[int, str]:
+def held_weights(run: DictConfig, weights: int, hidden_size: int = 0) -> tuple[int, str]:
     """The bytes of weights a native run holds while it samples (``weights``: the policy's, in ``model.dtype``) and
     what they are: the policy, its frozen reference copy when the run reads the reference policy (without LoRA: with
-    it the reference is the base with the adapters off, no copy), its sampler copy in ``model.sampler_dtype``, and the
-    copies its objective keeps (``Objective.policy_copies``: POPO's moving target)."""
+    it the reference is the base with the adapters off, no copy), its sampler copy in ``model.sampler_dtype``, the
+    copies its objective keeps (``Objective.policy_copies``: POPO's moving target) and the parameters it trains
+    beside the policy (``Objective.trained_parameter_count`` at the policy's ``hidden_size``: POPO's predictor), in
+    float32 with their gradients and AdamW's two moments."""
     params = OmegaConf.to_container(run.objective.params)
     objective = get_objective(run.objective.name, **params)
     estimator = ADVANTAGES.get(estimator_name(run.objective.name, run.objective.advantage))
@@ -116,6 +118,10 @@ def held_weights(run: DictConfig, weights: int) -> tuple[int, str]:
         total += objective.policy_copies * weights
         parts.append(f"objective {run.objective.name}'s " + ("copy's" if objective.policy_copies == 1
                                                                else f"{objective.policy_copies} copies'"))
+    trained = objective.trained_parameter_count(hidden_size)
+    if trained:
+        total += trained * 4 * 4  # float32: the parameters, their gradients, AdamW's two moments
+        parts.append(f"objective {run.objective.name}'s trained parameters with their gradients and AdamW moments")
     return total, ", ".join(parts)
 
 
@@ -148,7 +154,7 @@ def sampling_memory_problem(run: DictConfig, rows: int, what: str, held: bool = 
         return None
     weights, per_token, parts = known[0], known[1], "the policy's"
     if held:
-        weights, parts = held_weights(run, weights)
+        weights, parts = held_weights(run, weights, known[2])
     if by_sampler and sampler_dtype(run) is not None:  # known[1] is in model.dtype
         per_token = per_token // DTYPES[run.model.dtype].itemsize * sampler_dtype(run).itemsize
     first_tokens = rows * per_token
@@ -158,7 +164,8 @@ def sampling_memory_problem(run: DictConfig, rows: int, what: str, held: bool = 
     if weights + per_token > total:  # not even one completion: the model itself, not the batch
         return (f"model {run.model.name!r} takes at least {size(weights + per_token)} for one completion's first "
                 f"token (weights: {parts}; logits, keys and values), and this machine's {device.type} has "
-                f"{size(total)} in all: choose a smaller model (or model.tiny's sizes)")
+                f"{size(total)} in all: choose a smaller model (or model.tiny's sizes)"
+                + ("" if parts == "the policy's" else ", or settings that hold less beside it"))
     return (f"{what} = {rows} completions sampled at once need at least {size(first_tokens)} for their first token "
             f"(its logits, keys and values){beside}, and this machine's {device.type} has {size(total)} in all: "
             "lower them")
