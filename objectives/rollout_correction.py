@@ -221,6 +221,10 @@ def check_rejection(rules: list[str], thresholds: list[float]) -> str | None:
     if unknown:
         return (f"train.rollout_correction.rejection: unknown rule {unknown[0]!r}; choose among "
                 f"{', '.join(REJECTION_RULES)}")
+    repeated = [r for i, r in enumerate(rules) if r in rules[:i]]
+    if repeated:  # the tokens within both bounds: the tighter rule alone, under another run id
+        return (f"train.rollout_correction.rejection lists {repeated[0]} more than once: a token must pass every rule, "
+                "so a repeated rule is its tightest bound alone; give each rule once")
     if rules and len(thresholds) not in (1, len(rules)):
         return (f"train.rollout_correction.rejection_threshold needs one bound for all rules or one per rule "
                 f"({len(rules)}), got {len(thresholds)}")

@@ -484,7 +484,10 @@ def test_trust_region_masking_weights_the_loss_and_is_checked_before_a_run(tmp_p
     assert truncated[0, 0] == math.exp(old[0, 0] - sampler[0, 0]) and (truncated[4] == 0).all()
     for rules, bounds, problem in [(["seq_max_k1"], [1.0], "unknown rule 'seq_max_k1'"),
                                    (["token_k3", "seq_sum_k3"], [1.0, 2.0, 3.0], "one bound for all rules"),
-                                   (["token_k3"], [0.0], "positive finite bounds")]:
+                                   (["token_k3"], [0.0], "positive finite bounds"),
+                                   # the tighter of the two alone, under a run id of its own (the thirteenth pass)
+                                   (["token_k3", "token_k3"], [0.1, 0.5], "lists token_k3 more than once: a token "
+                                    "must pass every rule, so a repeated rule is its tightest bound alone")]:
         with pytest.raises(ConfigError, match=problem):
             run_configs(load_experiment("base", [f"train.rollout_correction.rejection={rules}",
                                                  f"train.rollout_correction.rejection_threshold={bounds}",
