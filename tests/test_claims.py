@@ -80,6 +80,9 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
         load_claim(path)
     with pytest.raises(ConfigError, match=r"no claim 'nope', '' in .* \(name a claim by its file's name without "):
         load_claims(["nope", ""])  # an empty name quoted, not a blank
+    for typed in ("GSPO_clips_more", "gspo_clip_more"):  # another case, a letter short
+        with pytest.raises(ConfigError, match=rf"^no claim '{typed}' .*\. Did you mean gspo_clips_more\? Claims: "):
+            load_claims([typed])
     assert CLAIMS_DIR.is_dir()
     for text in (b"- a list\n", b"claim: \xff\n"):  # not a mapping; not UTF-8
         path.write_bytes(text)

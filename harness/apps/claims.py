@@ -64,6 +64,7 @@ sweeps per run), so `make claims` continues where it stopped.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import html
 import json
@@ -229,8 +230,11 @@ def load_claims(names: list[str] | None = None, with_long: bool = False) -> list
         known = {p.stem: p for p in paths}
         missing = [n for n in names if n not in known]
         if missing:
+            near = {n.lower(): n for n in known}.get(missing[0].lower()) or next(
+                iter(difflib.get_close_matches(missing[0], known, n=1)), None)
             raise ConfigError(f"no claim {', '.join(map(repr, missing))} in {CLAIMS_DIR} (name a claim by its file's "
-                              f"name without .yaml); claims: {', '.join(known)}")
+                              f"name without .yaml).{f' Did you mean {near}?' if near else ''} Claims: "
+                              f"{', '.join(known)}")
         return [load_claim(known[n]) for n in dict.fromkeys(names)]  # a name given twice: one row
     return [c for c in map(load_claim, paths) if with_long or not c.long]
 
