@@ -212,6 +212,13 @@ def read_samples(path: Path) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=None if rows else ["step", "problem", "answer", "correct"])
     if "answer" in frame:
         frame["answer"] = frame["answer"].astype(str)
+    for col in [c for c in frame.columns if str(c).startswith("correct")]:  # a problem's score: in [0, 1]
+        outside = pd.Series([col in row and not 0 <= row[col] <= 1 for row in rows], index=frame.index, dtype=bool)
+        if outside.any():  # NaN (not between 0 and 1) included: another writer's, not a score left unwritten
+            steps = sorted({int(v) for v in frame.loc[outside, "step"]})
+            warn(f"{path}: `{col}` outside [0, 1] (a problem's score) at step{'s' * (len(steps) > 1)} "
+                 f"{steps_text(steps)}: treated as missing")
+            frame.loc[outside, col] = float("nan")
     return frame.drop_duplicates(["step", "problem"], keep="last").reset_index(drop=True)
 
 

@@ -781,3 +781,21 @@ def test_a_runs_own_folder_given_as_the_experiment_names_its_parent(tmp_path):
     run_dir = next(p for p in exp.iterdir() if p.is_dir())
     with pytest.raises(AnalysisError, match=f"it is a run's own folder: give its experiment's folder, {exp}$"):
         load_results(run_dir)
+
+
+def test_a_problems_score_outside_0_1_is_a_data_warning_not_a_verdict(tmp_path):
+    """eval_samples.jsonl with `correct: 50.0` or NaN changed the interval and the verdict without a word (the
+    thirteenth hostile pass); a score the writer left out stays missing without a warning."""
+    from analysis.load import read_samples
+
+    path = tmp_path / "eval_samples.jsonl"
+    lines = [{"step": 5, "problem": 0, "answer": "1", "correct": 50.0}, {"step": 5, "problem": 1, "answer": "2",
+             "correct": 1.0}, {"step": 10, "problem": 0, "answer": "1", "correct": float("nan")},
+             {"step": 10, "problem": 1, "answer": "2", "correct": 0}, {"step": 15, "problem": 0, "answer": "1"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.warns(AnalysisWarning, match=r"`correct` outside \[0, 1\] \(a problem's score\) at steps 5, 10: "
+                                             r"treated as missing") as caught:
+        frame = read_samples(path)
+    assert len(caught) == 1
+    assert frame["correct"].tolist()[1::2] == [1.0, 0.0] and frame["correct"].isna().tolist() == [True, False, True,
+                                                                                                   False, True]
