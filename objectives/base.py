@@ -49,6 +49,7 @@ from objectives.registry import Registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum", "prompt_mean")
 RATIO_LEVELS = ("token", "sequence", "other")  # Objective.ratio_level
+SEED_BOUND = 2**32  # seeds are in [0, 2**32), numpy's and torch's: a run's and an objective's own (Objective.seeds)
 
 
 @functools.cache
@@ -444,7 +445,7 @@ class Objective:
     ``off_policy_mask`` / ``off_policy_mask_threshold`` (OPSM: :func:`off_policy_keep`, applied through the correction
     weight, so to the policy loss and not to the KL term). Numeric hyperparameters are checked before
     :meth:`validate`: finite, >= 0 unless in ``signed``, > 0 if in ``positive``, < 1 if in ``below_one``, <= 1 if in
-    ``shares``.
+    ``shares``, below 2**32 if in ``seeds``.
     """
 
     name: ClassVar[str] = ""  # the registered name (set by register_objective)
@@ -461,6 +462,9 @@ class Objective:
     below_one: ClassVar[frozenset[str]] = frozenset()
     # shares of the tokens (a fraction that selects a top k of them), which cannot exceed all of them: <= 1
     shares: ClassVar[frozenset[str]] = frozenset()
+    # integer seeds of the objective's own generators, in [0, 2**32) as a run's seeds (a generator seeded by seed *
+    # stride + step must stay within torch's 64-bit seed)
+    seeds: ClassVar[frozenset[str]] = frozenset()
     # True if the loss compares the samples of a group (micro-batches must then hold whole groups)
     needs_whole_groups: ClassVar[bool] = False
     # True if the loss uses a statistic of the whole minibatch beyond its token / sequence counts and the objective
@@ -549,6 +553,8 @@ class Objective:
                 raise TypeError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
             if value < 0 and name not in self.signed:
                 raise ValueError(f"{where} must be >= 0, got {value}")
+            if value >= SEED_BOUND and name in self.seeds:
+                raise ValueError(f"{where} must be a seed in [0, 2**32) (numpy's and torch's seeds), got {value}")
         elif kind is bool and not isinstance(value, bool):
             raise TypeError(f"{where} must be true or false, got {value!r}")
         elif kind is str and not isinstance(value, str):

@@ -73,6 +73,7 @@ class ClipCov(Objective):
     default_aggregation = "token_mean"
     needs_whole_minibatch = True
     positive = frozenset({"clip_cov_ratio"})
+    seeds = frozenset({"selection_seed"})
     shares = frozenset({"clip_cov_ratio"})
     signed = frozenset({"clip_cov_lb", "clip_cov_ub"})
 

@@ -195,6 +195,7 @@ class POPO(Objective):
 
     positive: ClassVar[frozenset[str]] = frozenset({"weight_temperature"})
     signed: ClassVar[frozenset[str]] = frozenset({"tau_r"})
+    seeds: ClassVar[frozenset[str]] = frozenset({"noise_seed"})
 
     def validate(self) -> None:
         if self.weight_mode not in WEIGHT_MODES:
@@ -226,10 +227,11 @@ class POPO(Objective):
         return list(self._built().predictor.parameters())
 
     def trained_parameter_count(self, hidden_size: int) -> int:
-        """PredictorMLP's: each Linear's weights and bias and each LayerNorm's two vectors."""
-        dims = [hidden_size] + [self.predictor_hidden_dim] * (self.predictor_layers - 1)
-        inner = sum(a * b + b + 2 * b for a, b in zip(dims[:-1], dims[1:], strict=True))
-        return inner + self.predictor_hidden_dim * hidden_size + hidden_size
+        """PredictorMLP's: each Linear's weights and bias and each LayerNorm's two vectors (in closed form: no list
+        of layers, however many)."""
+        width, inner_layers = self.predictor_hidden_dim, self.predictor_layers - 2  # width -> width, after the first
+        first = hidden_size * width + 3 * width
+        return first + inner_layers * (width * width + 3 * width) + width * hidden_size + hidden_size
 
     def after_optimizer_step(self, policy: torch.nn.Module, metrics: dict[str, float]) -> None:
         ema_update(list(self._built().target.parameters()), list(policy.parameters()), self.tau)

@@ -235,6 +235,18 @@ def check_rejection(rules: list[str], thresholds: list[float]) -> str | None:
     return None
 
 
+def canonical_rejection(rules: list[str], thresholds: list[float]) -> tuple[list[str], list[float]]:
+    """The trust-region rules in REJECTION_RULES' order with their bounds, one bound if all are equal: the same
+    computation in any order or spelling (a token must pass every rule), so the same run. Settings
+    :func:`check_rejection` refuses come back as given."""
+    if check_rejection(rules, thresholds) or not rules:
+        return rules, thresholds
+    bounds = [float(t) for t in (thresholds * len(rules) if len(thresholds) == 1 else thresholds)]
+    pairs = sorted(zip(rules, bounds, strict=True), key=lambda pair: REJECTION_RULES.index(pair[0]))
+    ordered = [bound for _, bound in pairs]
+    return [rule for rule, _ in pairs], ordered[:1] if len(set(ordered)) == 1 else ordered
+
+
 def rejection_keep(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, rules: list[str],
                    thresholds: list[float]) -> Tensor:
     """Bool [B, T]: the valid tokens every trust-region rule keeps (block comment above); detached."""

@@ -409,6 +409,31 @@ def test_train_old_logp_is_no_part_of_a_run_where_the_loop_recomputes_the_behavi
     assert len(set(plain)) == 2
 
 
+def test_trust_region_rules_in_any_order_or_with_one_bound_each_are_one_run(tmp_path):
+    """A token must pass every rule, so [token_k2, token_k3] and [token_k3, token_k2], and one bound for all rules
+    against the same bound per rule, are one computation: they had two run ids, two cells of one run (the fourteenth
+    hostile pass). A run begun with one spelling continues with the other."""
+    from harness.run.records import check_resume
+
+    base = ["train.rollout_correction.rejection_threshold=[2.0]"]
+    spellings = [[*base, "train.rollout_correction.rejection=[token_k2,token_k3]"],
+                 [*base, "train.rollout_correction.rejection=[token_k3,token_k2]"],
+                 ["train.rollout_correction.rejection=[token_k3,token_k2]",
+                  "train.rollout_correction.rejection_threshold=[2,2.0]"]]
+    runs = [run_configs(load_experiment("base", spelling))[0] for spelling in spellings]
+    assert len({run_id(run) for run in runs}) == 1
+    other = run_configs(load_experiment("base", ["train.rollout_correction.rejection=[token_k3,token_k2]",
+                                                 "train.rollout_correction.rejection_threshold=[2.0,3.0]"]))[0]
+    swapped = run_configs(load_experiment("base", ["train.rollout_correction.rejection=[token_k2,token_k3]",
+                                                   "train.rollout_correction.rejection_threshold=[3.0,2.0]"]))[0]
+    assert run_id(other) == run_id(swapped) != run_id(runs[0])  # each bound stays with its rule
+    with pytest.raises(ConfigError, match=r"same run"):
+        run_configs(load_experiment("base", [*base, "sweep.grid.train.rollout_correction.rejection="
+                                                    "[[token_k2,token_k3],[token_k3,token_k2]]"]))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(runs[0]))
+    check_resume(runs[2], tmp_path)  # the same settings: no refusal
+
+
 def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     with pytest.raises(ConfigError, match=r"sweep.per_objective pins train.routing_replay=none for gspo") as info:
         run_configs(load_experiment("moe_stability", ["objective.name=gspo", "train.routing_replay=r2"]))

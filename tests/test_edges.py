@@ -582,6 +582,12 @@ def test_an_objectives_trained_parameters_beyond_memory_are_refused_before_the_r
     with pytest.raises(ConfigError, match=r"objective popo's trained parameters with their gradients and AdamW "
                                           r"moments; .*, or settings that hold less beside it$"):
         memory.check_memory(run)
+    deep = get_objective("popo", predictor_hidden_dim=1, predictor_layers=10**12)  # a list per layer: MemoryError
+    assert deep.trained_parameter_count(32) == 32 * 1 + 3 + (10**12 - 2) * 4 + 1 * 32 + 32
+    (run,) = run_configs(load_experiment("base", [*TINY_RUN, "objective.name=popo",
+                                                  "objective.params.predictor_layers=1000000000000"]))
+    with pytest.raises(ConfigError, match=r"objective popo's trained parameters"):
+        memory.check_memory(run)
 
 
 def test_the_memory_floor_counts_a_folders_weights_from_its_safetensors_headers(tmp_path):

@@ -616,6 +616,16 @@ def test_a_share_of_the_tokens_above_one_is_refused_before_a_run(name, key):
         get_objective(name, **{key: 2.0})
 
 
+@pytest.mark.parametrize(("name", "key"), [("clip_cov", "selection_seed"), ("popo", "noise_seed")])
+def test_an_objectives_own_seed_beyond_torchs_is_refused_before_a_run(name, key):
+    """A seed of 1e14 made the run folder, then overflowed torch's 64-bit seed at the first update (seed * 1000003 +
+    step): an objective's own seeds are in [0, 2**32), as a run's are (Objective.seeds)."""
+    assert getattr(get_objective(name, **{key: 2**32 - 1}), key) == 2**32 - 1
+    torch.Generator().manual_seed((2**32 - 1) * 1_000_003 + 10**6)  # the largest seed, far into a run: torch's range
+    with pytest.raises(ValueError, match=rf"objective '{name}': hyperparameter {key} must be a seed in \[0, 2\*\*32\)"):
+        get_objective(name, **{key: 10**14})
+
+
 # ----------------------------------------------------------------------------------------------------
 # Adding an objective: a new module in objectives/ is all it takes
 # ----------------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ from objectives.advantages import (
     needs_sum_pi_squared,
     reference_samples,
 )
-from objectives.base import alias_of
-from objectives.rollout_correction import DEFAULT_THRESHOLD, check_rejection, check_settings
+from objectives.base import SEED_BOUND, alias_of
+from objectives.rollout_correction import DEFAULT_THRESHOLD, canonical_rejection, check_rejection, check_settings
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
@@ -716,11 +716,7 @@ def run_id(run: DictConfig) -> str:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
 
-    values = OmegaConf.to_container(run, resolve=True)
-    lora = values.get("model", {}).get("lora") or {}
-    if isinstance(lora.get("target_modules"), list):  # a set of layers: the same adapters in any order
-        lora["target_modules"] = sorted(lora["target_modules"], key=lambda name: (
-            LORA_TARGETS.index(name) if name in LORA_TARGETS else len(LORA_TARGETS), str(name)))
+    values = canonical_values(OmegaConf.to_container(run, resolve=True))
     content = changed(values, schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
@@ -730,6 +726,25 @@ def run_id(run: DictConfig) -> str:
             _drop(content, key.split("."))
     digest = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     return f"{run.objective.name}-s{run.seed}-{digest}"
+
+
+def canonical_values(values: dict) -> dict:
+    """A run's values with its sets in one order: LoRA's target layers (the same adapters in any order) and the
+    trust-region rules with their bounds (a token must pass every rule: :func:`canonical_rejection`)."""
+    def section(tree, *path) -> dict:
+        for name in path:
+            tree = tree.get(name) if isinstance(tree, dict) else None
+        return tree if isinstance(tree, dict) else {}
+
+    lora = section(values, "model", "lora")
+    if isinstance(lora.get("target_modules"), list):
+        lora["target_modules"] = sorted(lora["target_modules"], key=lambda name: (
+            LORA_TARGETS.index(name) if name in LORA_TARGETS else len(LORA_TARGETS), str(name)))
+    correction = section(values, "train", "rollout_correction")
+    if isinstance(correction.get("rejection"), list) and isinstance(correction.get("rejection_threshold"), list):
+        correction["rejection"], correction["rejection_threshold"] = canonical_rejection(
+            correction["rejection"], correction["rejection_threshold"])
+    return values
 
 
 def objective_defaults(name) -> Mapping[str, object]:
@@ -1199,7 +1214,7 @@ def _check_name(name) -> None:
 def _check_seeds(run: DictConfig) -> None:
     """Seeds numpy and torch accept; a thread count."""
     for key, value in (("seed", run.seed), ("model.seed", run.model.seed)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_BOUND:
             raise ConfigError(f"{key} must be an integer in [0, 2**32) (numpy's and torch's seeds), got {value!r}")
     if run.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0: the cores free when the run starts), got {run.threads}")

@@ -25,6 +25,7 @@ and leaves no temporary.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -53,6 +54,7 @@ from harness.run.collapse import CollapseRule, detect_collapse
 from harness.run.config import (
     NOT_IN_RUN_ID,
     NOT_RUN_SECTIONS,
+    canonical_values,
     edited_after_written,
     flattened,
     memory_settings,
@@ -205,7 +207,8 @@ def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     interpolation such as ``${oc.env:LR}`` resolves to text)."""
     defaults = _flat(schema_defaults())
     # the objective's settings as the values they stand for (null: its own estimator; "" aggregation: its own)
-    old, new = (own_values_written(_flat(c)) for c in (saved, OmegaConf.to_container(cfg, resolve=True)))
+    old, new = (own_values_written(_flat(canonical_values(copy.deepcopy(c))))
+                for c in (saved, OmegaConf.to_container(cfg, resolve=True)))  # sets in one order: the same run
     old_params, new_params = (objective_defaults(flat.get("objective.name")) for flat in (old, new))
     differences = {}
     for key in dict.fromkeys([*new, *old]):
