@@ -109,6 +109,18 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
      "tolerance: -1}}]", r"compare.tolerance must be a number >= 0 .*got -1"),  # "does not hold"
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, derection: less}}]",
      r"compare has no field 'derection'"),  # "greater" checked, silently
+    # the fourteenth hostile pass: a traceback on every claims call, or the experiment without its overrides
+    ("{lab: lab}", "[{table: lab, metric: m, within: [0, 1], statistic: [mean]}]",
+     r"a check's statistic is one text, got \['mean'\]"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], objective: [grpo]}]",
+     r"a check's objective is one text"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: [a], than: b}}]",
+     r"compare.objective is one text"),
+    ("{sweep: quickstart, overides: [train.steps=2]}", "[{table: final, metric: m, within: [0, 1]}]",
+     r"experiment has no field 'overides'; its fields: one of lab, sweep, probe, and overrides"),
+    ("{sweep: quickstart, overrides: train.steps=2}", "[{table: final, metric: m, within: [0, 1]}]",
+     r"experiment.overrides must be a list of key=value texts, got 'train.steps=2'"),
+    ("{sweep: 3}", "[{table: final, metric: m, within: [0, 1]}]", r"experiment.sweep must name one sweep \(text\)"),
 ])
 def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, experiment, checks, message):
     """Each ended in a traceback, a verdict or "no data" only after the claim's experiment had run, or (no checks)
@@ -118,6 +130,35 @@ def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, exp
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {message}") as info:
         load_claim(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("name: other", r"not a claim \(no field 'name'\); its fields: claim, paper, .* \(its name is the file's\)"),
+    ("seeds: true", r"seeds must be a whole number >= 1, got True"),  # one seed per policy, without a word
+    ("start_policies: true", r"start_policies must be a whole number"),
+    ("long: 'false'", r"long must be true or false, got 'false'"),  # truthy: left out of make claims
+])
+def test_a_claim_field_of_the_wrong_kind_is_refused_when_read(tmp_path, extra, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"claim: x\npaper: y\nexperiment: {{lab: lab}}\nchecks: [{{table: lab, metric: m, within: [0, 1]}}]"
+                    f"\n{extra}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {message}") as info:
+        load_claim(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_or_a_link_among_the_claims_is_refused_in_one_line_not_followed(tmp_path):
+    """A folder named x.yaml or a broken link in the claims folder ended every claims call in a traceback
+    (IsADirectoryError, FileNotFoundError); a link to a claim elsewhere is not followed either."""
+    good = tmp_path / "good.yaml"
+    good.write_text("claim: x\npaper: y\nexperiment: {lab: lab}\nchecks: [{table: lab, metric: m, within: [0, 1]}]\n")
+    assert load_claim(good).name == "good"
+    (tmp_path / "sub.yaml").mkdir()
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere.yaml")
+    (tmp_path / "link.yaml").symlink_to(good)
+    for name in ("sub", "gone", "link"):
+        with pytest.raises(ConfigError, match=rf"{name}.yaml: not a claim file \(a link or a folder, not followed\)"):
+            load_claim(tmp_path / f"{name}.yaml")
 
 
 def test_a_check_that_cannot_be_evaluated_is_no_data_in_the_ledger_not_a_stop():

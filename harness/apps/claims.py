@@ -149,28 +149,63 @@ class Claim:
 
 
 def load_claim(path: Path) -> Claim:
-    """A claim file, checked: one line naming the file and the problem."""
+    """A claim file, checked: one line naming the file and the problem (a link or a folder is no claim file: not
+    followed)."""
+    if path.is_symlink() or not path.is_file():
+        raise ConfigError(f"{path}: not a claim file (a link or a folder, not followed); a claim is a YAML file of its "
+                          f"own in {CLAIMS_DIR}: move it away or replace it with the file")
     try:
         data = yaml.safe_load(path.read_text())
-        claim = Claim(name=path.stem, **data)
-    except (yaml.YAMLError, TypeError, ValueError) as e:  # ValueError: not UTF-8
+    except (yaml.YAMLError, OSError, ValueError) as e:  # ValueError: not UTF-8
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
-    if not (isinstance(claim.start_policies, int) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
-        raise ConfigError(f"{path}: start_policies must be a whole number from 1 to {len(START_CANDIDATES)} "
-                          f"(the first that land of model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
-    if claim.seeds is not None and not (isinstance(claim.seeds, int) and claim.seeds >= 1):
-        raise ConfigError(f"{path}: seeds must be a whole number >= 1, got {claim.seeds!r}")
-    if not isinstance(claim.experiment, dict) or sum(k in claim.experiment for k in KINDS) != 1:
-        raise ConfigError(f"{path}: experiment must name one lab, one sweep or one probe, e.g. {{lab: lab}}")
-    if "probe" in claim.experiment and claim.experiment["probe"] not in PROBES:
-        raise ConfigError(f"{path}: no probe {claim.experiment['probe']!r}; probes: {', '.join(PROBES)}")
-    if not isinstance(claim.checks, list) or not claim.checks:  # none: every check held, vacuously
-        raise ConfigError(f"{path}: checks must be a non-empty list of checks, got {claim.checks!r}")
-    for check in claim.checks:
-        problem = check_problem(check, claim.source[0])
-        if problem:
-            raise ConfigError(f"{path}: {problem}")
+    fields = {f.name: f for f in dataclasses.fields(Claim) if f.name != "name"}  # its name is the file's
+    unknown = [k for k in data if k not in fields] if isinstance(data, dict) else []
+    missing = [k for k, f in fields.items() if isinstance(data, dict) and k not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if not isinstance(data, dict) or unknown or missing:
+        what = f"no field {unknown[0]!r}" if unknown else f"{missing[0]} missing" if missing else "not a mapping"
+        raise ConfigError(f"{path}: not a claim ({what}); its fields: {', '.join(fields)} (its name is the file's)")
+    claim = Claim(name=path.stem, **data)
+    problem = claim_problem(claim)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     return claim
+
+
+def claim_problem(claim: Claim) -> str | None:
+    """What is wrong with a claim's fields beyond its checks' (:func:`check_problem`), or None."""
+    if not (_whole(claim.start_policies) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
+        return (f"start_policies must be a whole number from 1 to {len(START_CANDIDATES)} (the first that land of "
+                f"model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
+    if claim.seeds is not None and not (_whole(claim.seeds) and claim.seeds >= 1):
+        return f"seeds must be a whole number >= 1, got {claim.seeds!r}"
+    if not isinstance(claim.long, bool):
+        return f"long must be true or false, got {claim.long!r}"
+    problem = experiment_problem(claim.experiment)
+    if problem:
+        return problem
+    if not isinstance(claim.checks, list) or not claim.checks:  # none: every check held, vacuously
+        return f"checks must be a non-empty list of checks, got {claim.checks!r}"
+    return next(filter(None, (check_problem(check, claim.source[0]) for check in claim.checks)), None)
+
+
+def experiment_problem(experiment) -> str | None:
+    """What is wrong with a claim's ``experiment`` (one of KINDS naming it, and ``overrides``: a list of
+    key=value), or None."""
+    if not isinstance(experiment, dict) or sum(k in experiment for k in KINDS) != 1:
+        return "experiment must name one lab, one sweep or one probe, e.g. {lab: lab}"
+    unknown = [k for k in experiment if k not in (*KINDS, "overrides")]
+    if unknown:  # a misspelt overrides: the experiment would run without them
+        return f"experiment has no field {unknown[0]!r}; its fields: one of {', '.join(KINDS)}, and overrides"
+    kind = next(k for k in KINDS if k in experiment)
+    if not isinstance(experiment[kind], str):
+        return f"experiment.{kind} must name one {kind} (text), got {experiment[kind]!r}"
+    if kind == "probe" and experiment[kind] not in PROBES:
+        return f"no probe {experiment[kind]!r}; probes: {', '.join(PROBES)}"
+    overrides = experiment.get("overrides", [])
+    if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)):
+        return f"experiment.overrides must be a list of key=value texts, got {overrides!r}"
+    return None
 
 
 CHECK_KEYS = ("table", "metric", "where", "objective", "statistic", "within", "compare")
@@ -187,6 +222,10 @@ def check_problem(check, kind: str) -> str | None:
     unknown = [k for k in check if k not in CHECK_KEYS]
     if unknown:
         return f"a check has no field {unknown[0]!r}; its fields: {', '.join(CHECK_KEYS)}"
+    wrong = [k for k in ("table", "metric", "where", "objective", "statistic") if k in check
+             and not isinstance(check[k], str)]
+    if wrong:
+        return f"a check's {wrong[0]} is one text, got {check[wrong[0]]!r}"
     if check["table"] not in TABLES[kind]:
         return f"a {kind} has no table {check['table']!r}; tables: {', '.join(TABLES[kind])}"
     if check.get("statistic", "mean") not in STATISTICS:
@@ -207,6 +246,10 @@ def compare_problem(spec) -> str | None:
     unknown = [k for k in spec if k not in COMPARE_KEYS]
     if unknown:
         return f"compare has no field {unknown[0]!r}; its fields: {', '.join(COMPARE_KEYS)}"
+    wrong = [k for k in ("objective", "than", "where", "than_where", "baseline", "direction") if k in spec
+             and not isinstance(spec[k], str)]
+    if wrong:
+        return f"compare.{wrong[0]} is one text, got {spec[wrong[0]]!r}"
     if spec.get("direction", "greater") not in DIRECTIONS:
         return f"compare.direction must be one of {', '.join(DIRECTIONS)}"
     if (spec.get("direction") == "equivalent") != ("margin" in spec):
@@ -217,6 +260,10 @@ def compare_problem(spec) -> str | None:
         if not (_finite(value) and (value >= 0 if zero else value > 0)):
             return f"compare.{key} must be a number {'>= 0' if zero else '> 0'} ({what}), got {value!r}"
     return None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite(value) -> bool:
