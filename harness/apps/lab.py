@@ -11,9 +11,10 @@ batch) as the loop seeds its steps):
    rollout keeps its sampler's log-probs as the behaviour log-probs (as the loop does with ``sampler_dtype``);
 2. split the fp32 rollout into ``train.num_minibatches`` minibatches as the loop does (groups whole); the first is
    the *evaluation minibatch*; **staleness axis**: take k = 1 .. max(``lab.staleness``) optimizer steps (AdamW,
-   ``train.lr``, constant) with the ``lab.mover`` objective on the other minibatches in turn, as the loop's
-   later minibatches see a policy moved by the earlier ones. The moves are the same for every objective, so
-   at each k all objectives are evaluated at the same policy theta_k on the same tokens;
+   ``train.lr`` after ``train.warmup_steps``' linear warm-up, as a run's) with the ``lab.mover`` objective on the
+   other minibatches in turn, as the loop's later minibatches see a policy moved by the earlier ones. The moves
+   are the same for every objective, so at each k all objectives are evaluated at the same policy theta_k on the
+   same tokens;
 3. at each axis point (theta_k with the fp32 behaviour; theta_0 with each mismatch sampler's rollout), one
    forward pass of the evaluation minibatch, then per objective its token weights c = dL/dlogp and its
    parameter gradient (one vector-Jacobian product; harness/apps/gradient_stats.py), its loss and metrics (clip
