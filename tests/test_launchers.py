@@ -89,7 +89,7 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
             runs = sorted(exp_dir.glob("gspo-*")) if exp_dir.is_dir() else []
             return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None  # eval + 2 steps
 
-        killed = wait_until(a_run_two_steps_in, timeout=240)
+        killed = wait_until(a_run_two_steps_in, timeout=240, process=os.getpid())
         assert killed is not None, "the Ray sweep made no progress"
         (train,) = processes_with(f"--run-dir {killed}")
         assert os.getpriority(os.PRIO_PROCESS, train) == os.nice(0)  # not Ray's nice 15, where a run beside any
@@ -178,7 +178,7 @@ def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_s
         runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
         return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 2 else None
 
-    run_dir = wait_until(a_run_one_step_in, timeout=240)
+    run_dir = wait_until(a_run_one_step_in, timeout=240, process=first)
     assert run_dir is not None, "the first sweep made no progress"
     (train,) = processes_with(f"--run-dir {run_dir}")
     os.kill(train, signal.SIGSTOP)

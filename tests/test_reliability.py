@@ -149,6 +149,17 @@ def test_soak_kills_and_resumes_without_loss(capsys, tmp_path, monkeypatch):
     assert not list((tmp_path / "tmp").iterdir())  # the sweeps' folder, gone
 
 
+def test_the_soak_takes_a_sweep_killed_before_its_first_write_and_not_a_lost_manifest(tmp_path):
+    """On a loaded machine the soak's kill came before the sweep wrote anything, and the soak failed on the missing
+    manifest (a CI run beside other work); a manifest lost after a run has begun is still a problem."""
+    from harness.apps.soak import check_files
+
+    assert check_files(tmp_path) == []
+    (tmp_path / "grpo-s0-1234abcd").mkdir()
+    (tmp_path / "grpo-s0-1234abcd" / "config.yaml").write_text("seed: 0\n")
+    assert [p.split(":")[0] for p in check_files(tmp_path)] == [str(tmp_path / "manifest.json")]
+
+
 def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
     """A shell's background job starts with SIGINT ignored; the CLI installs Python's handler itself, so Ctrl-C /
     kill -INT still stops it (the soak's SIGINT kills and users' `kill -INT` of a background sweep rely on it)."""

@@ -129,13 +129,13 @@ def test_killed_sweep_resumes_without_losing_or_repeating_steps(tmp_path, capsys
         runs = sorted(p for p in exp_dir.glob("grpo-*") if p.is_dir()) if exp_dir.exists() else []
         return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None  # eval + 2 steps
 
-    first = wait_until(first_run_has_two_steps, timeout=120)
+    first = wait_until(first_run_has_two_steps, timeout=120, process=sweep)
     assert first is not None, "the sweep made no progress"
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
     manifest = json.loads((exp_dir / "manifest.json").read_text())  # readable after the kill
     assert {r["objective"] for r in manifest["runs"]} == {"grpo", "gspo"}
-    assert wait_until(lambda: not processes_with(str(first)), timeout=30), "the run outlived the killed sweep"
+    assert wait_until(lambda: not processes_with(str(first)), timeout=120), "the run outlived the killed sweep"
     assert all("step" in r for r in read_jsonl(first / "metrics.jsonl"))
 
     # the resuming sweep, the reference and the rerun in this process: the kill above is the one about processes

@@ -152,11 +152,11 @@ def test_a_killed_two_process_run_resumes_exactly(runs, tmp_path):
     folder, env, _ = runs
     run_dir = tmp_path / "killed"
     proc = launch(run_dir, 2, env)
-    assert wait_until(lambda: trl_checkpoints(run_dir / "trl")[0], timeout=300), "no checkpoint written"
+    assert wait_until(lambda: trl_checkpoints(run_dir / "trl")[0], timeout=300, process=proc), "no checkpoint written"
     for pid in processes_with(str(run_dir)):  # the launcher and both processes (torch.distributed.run starts each
         os.kill(pid, signal.SIGKILL)  # in a session of its own), as a job scheduler kills a job
     proc.communicate()
-    assert wait_until(lambda: not processes_with(str(run_dir)), timeout=30)
+    assert wait_until(lambda: not processes_with(str(run_dir)), timeout=120)
     assert len(read_jsonl(run_dir / "metrics.jsonl")) < 4  # killed before its end
     err = finished(launch(run_dir, 2, env))
     assert re.search(r"resuming killed from step [12] \(checkpoint", err)

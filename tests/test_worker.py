@@ -87,7 +87,7 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
         runs = [p for p in folder.glob("grpo-*") if p.is_dir()] if folder.exists() else []
         return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None
 
-    run_dir = wait_until(two_steps, timeout=120)
+    run_dir = wait_until(two_steps, timeout=120, process=sweep)
     assert run_dir is not None, "the sweep made no progress"
     (worker,) = processes_with(f"harness worker {folder}")
     os.kill(worker, signal.SIGKILL)

@@ -81,9 +81,11 @@ def writing_checkpoint(exp_dir: Path) -> bool:
 
 
 def check_files(exp_dir: Path) -> list[str]:
-    """Problems with the files as a reader finds them at this moment (a torn last JSON line is allowed)."""
+    """Problems with the files as a reader finds them at this moment (a torn last JSON line is allowed; no manifest
+    where no run has begun: a sweep killed before its first write, as a loaded machine lets a kill come early)."""
     problems = []
-    for path in [exp_dir / "manifest.json", *exp_dir.glob("*/summary.json")]:
+    begun = any(exp_dir.glob("*/config.yaml")) or (exp_dir / "manifest.json").exists()
+    for path in [exp_dir / "manifest.json"] * begun + [*exp_dir.glob("*/summary.json")]:
         try:
             json.loads(path.read_text())
         except (OSError, ValueError) as e:  # not JSON, or not UTF-8
