@@ -348,3 +348,35 @@ def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_resumed_or_m
     both = load_experiments([tmp_path, tmp_path / "copy"])  # the copies differ: kept apart, the intact one counted
     ended = both.runs[both.runs["ended"]]
     assert len(both.runs) == 2 and len(ended) == 1 and ended["source"].iloc[0].endswith("copy")
+
+
+def test_a_resume_that_writes_the_same_rules_in_another_order_is_not_an_edit(tmp_path):
+    """Trust-region rules in another order are the same run, and its resume rewrites config.yaml in the new order:
+    killed before summary.json recorded the new digest, the next resume (and the report) called config.yaml edited.
+    The digest is of the settings with their sets in one order; a run of older code recorded the digest of its
+    settings as written, which still matches them; a real edit (another bound) is still one."""
+    from harness.run.config import _digest, flattened
+
+    rules = ["train.rollout_correction.rejection=[token_k3,token_k2]",
+             "train.rollout_correction.rejection_threshold=[2.0,3.0]"]
+    run = tiny_run(tmp_path, *rules, "train.steps=2")
+    records = RunRecords(run, tmp_path / "run", None, None, "native")
+    records.log({"step": 0, "loss": 0.5, "eval_accuracy": 0.1})
+    records.end("diverged")
+    records.close(failed=False)
+    path, summary_path = tmp_path / "run" / "config.yaml", tmp_path / "run" / "summary.json"
+    written = path.read_text()
+    swapped = written.replace("- token_k3\n    - token_k2", "- token_k2\n    - token_k3").replace(
+        "- 2.0\n    - 3.0", "- 3.0\n    - 2.0")
+    assert swapped != written
+    path.write_text(swapped)  # as the resume with [token_k2, token_k3] and [3.0, 2.0] writes it, then a kill
+    check_resume(run, tmp_path / "run")
+    assert "edited" not in load_run(tmp_path, {"run_id": "run", "dir": "run"})[0]["problem"]
+    summary = json.loads(summary_path.read_text())  # a run of older code: the digest of its settings as written
+    summary["settings_digest"] = _digest(flattened(yaml.safe_load(written.split("\n", 1)[1])))
+    summary_path.write_text(json.dumps(summary))
+    path.write_text(written)
+    check_resume(run, tmp_path / "run")
+    path.write_text(swapped.replace("- 3.0\n    - 2.0", "- 3.0\n    - 2.5"))  # another bound: an edit
+    with pytest.raises(ConfigError, match=r"config.yaml was edited after the run wrote it"):
+        check_resume(run, tmp_path / "run")

@@ -844,10 +844,16 @@ def flattened(tree, prefix: str = "") -> dict:
 
 
 def settings_digest(flat: dict) -> str:
-    """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) less where its results go and where
-    metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep rewrites an ended run's trackers) and its memory settings
-    (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a run it continues): summary.json's ``settings_digest``, which
-    the report checks the config.yaml it reads against (an edit after the run wrote it)."""
+    """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) with their sets in one order
+    (:func:`canonical_values`: a resume under the same rules in another order rewrites config.yaml in that order) less
+    where its results go and where metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep rewrites an ended run's
+    trackers) and its memory settings (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a run it continues):
+    summary.json's ``settings_digest``, which the report checks the config.yaml it reads against (an edit after the
+    run wrote it)."""
+    return _digest(flattened(canonical_values(nested(flat))))
+
+
+def _digest(flat: dict) -> str:
     kept = {key: value for key, value in flat.items()
             if key.split(".")[0] not in NOT_IN_RUN_ID and key not in MEMORY_SETTINGS}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=repr).encode()).hexdigest()[:16]
@@ -855,9 +861,10 @@ def settings_digest(flat: dict) -> str:
 
 def edited_after_written(flat: dict, summary: dict) -> bool:
     """Whether a run's config.yaml settings (``flat``, dotted keys) are not those the run wrote, by the digest its
-    summary.json records (:func:`settings_digest`; a run of older code recorded none: False)."""
+    summary.json records (:func:`settings_digest`; a run of older code recorded none: False, or the digest of the
+    settings as written, sets unordered: either matches)."""
     recorded = summary.get("settings_digest") if isinstance(summary, dict) else None
-    return bool(flat) and isinstance(recorded, str) and settings_digest(flat) != recorded
+    return bool(flat) and isinstance(recorded, str) and recorded not in (settings_digest(flat), _digest(flat))
 
 
 def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
