@@ -102,6 +102,32 @@ def test_weights_equal_the_hand_computation(mode, c, low):
         assert num(m["rollout_corr_masked_frac"], 3 / 5 if c == 1.1 else 0.0)
 
 
+@pytest.mark.parametrize("mode", CORRECTION_MODES[1:])
+def test_a_lower_bound_of_0_is_the_run_without_one_where_unset_means_none(mode):
+    """threshold_lower 0 bounds nothing where unset means no lower bound (the truncate modes, decoupled_ppo): the
+    same weights and metrics, so one run id, and a grid over [0, null] is refused as the same run (it made two run
+    ids, two cells of one computation); in the mask modes, whose unset bound is 1/C, 0 is another run. A token's
+    ratio and a sequence's product reach e^-40, below any positive bound."""
+    old = torch.tensor([*OLD, [-1.0, -1.0, -1.0]], dtype=DT)
+    sampler = old - torch.tensor([*DIFF, [-40.0, 0.3, 0.5]], dtype=DT)
+    mask = torch.tensor([*MASK, [1, 1, 1]]).bool()
+    same = mode != "token_mask" and mode != "sequence_mask"
+    pairs = [f(old, sampler, mask, mode, 2.0, low) for low in (None, 0.0) for f in (correction_weights,
+                                                                                     correction_metrics)]
+    assert torch.equal(pairs[0], pairs[2]) == same and (pairs[1] == pairs[3]) == same
+    fixed = ["objective.name=grpo", f"train.rollout_correction.mode={mode}"]
+    runs = [run_configs(load_experiment("base", [*fixed, *low]))[0] for low in (
+        [], ["train.rollout_correction.threshold_lower=0"], ["train.rollout_correction.threshold_lower=0.0"])]
+    assert (len({run_id(run) for run in runs}) == 1) == same
+    grid = [*fixed, "sweep.grid.train.rollout_correction.threshold_lower=[0,null]"]
+    if same:
+        with pytest.raises(ConfigError, match=rf"threshold_lower: .* make the same run \(threshold_lower 0 bounds "
+                                              rf"nothing at train.rollout_correction.mode={mode}"):
+            run_configs(load_experiment("base", grid))
+    else:
+        assert len(run_configs(load_experiment("base", grid))) == 2
+
+
 def test_metrics_by_hand():
     old = torch.tensor(OLD, dtype=DT)
     sampler = old - torch.tensor(DIFF, dtype=DT)

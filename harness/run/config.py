@@ -53,7 +53,14 @@ from objectives.advantages import (
     reference_samples,
 )
 from objectives.base import SEED_BOUND, alias_of
-from objectives.rollout_correction import DEFAULT_THRESHOLD, canonical_rejection, check_rejection, check_settings
+from objectives.rollout_correction import (
+    CORRECTION_MODES,
+    DEFAULT_THRESHOLD,
+    canonical_rejection,
+    check_rejection,
+    check_settings,
+    lower_threshold,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = REPO / "experiments"
@@ -141,7 +148,7 @@ class RolloutCorrectionConfig:
     mode: str = "none"
     threshold: float = DEFAULT_THRESHOLD  # the weights' upper bound C (truncate at C / mask above C); >= 1
     # mask weights below it (null: 1/C, two-sided as verl; 0: one-sided as TRL); truncate modes: a lower clamp (null:
-    # none, as verl and TRL)
+    # none, as verl and TRL; 0 is then the same run)
     threshold_lower: float | None = None
     # trust-region masking (verl's rollout_rs, arXiv 2512.23075): divergence rules between the trainer's old policy and
     # the sampler that drop a token or a whole sequence past their bound: token_k2, token_k3, seq_sum_k2, seq_sum_k3,
@@ -649,10 +656,10 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     Two values that make two runs elsewhere in the grid (``threshold`` crossed with
     ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po];
     ``aggregation=['', token_mean]`` crossed with [grpo, dapo]) make one run where they are one, not a refusal."""
-    first: dict[str, dict] = {}
+    first: dict[str, tuple[dict, DictConfig]] = {}
     kept = []
     for run, point in zip(runs, points, strict=True):
-        other = first.setdefault(run_id(run), point)
+        other, other_run = first.setdefault(run_id(run), (point, run))
         if other is point:
             kept.append(run)
             continue
@@ -668,9 +675,10 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
             raise ConfigError(f"sweep.grid.{key}: where results go and where metrics are sent are not part of a run, "
                               f"so its values make the same runs; run one sweep per value ({key}=...)")
         own = objective_defaults(run.objective.name)
+        unused = unused_setting(run, key) or unused_setting(other_run, key)  # either point may hold the inert value
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
-            else unused_setting(run, key) or (f"objective {run.objective.name}'s own is {_dot(own[key])}"
-                                              if key in own else "equal once parsed")
+            else unused or (f"objective {run.objective.name}'s own is {_dot(own[key])}"
+                            if key in own else "equal once parsed")
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
     return kept
@@ -905,6 +913,14 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
     return unused_settings(run, [key]).get(key)
 
 
+def _bounds_nothing(run: DictConfig, mode) -> bool:
+    """Whether ``run``'s threshold_lower is 0 in a mode whose lower bound unset is none: the same weights and
+    metrics as unset (objectives/rollout_correction.py :func:`lower_threshold`)."""
+    low = OmegaConf.select(run, "train.rollout_correction.threshold_lower", default=None)
+    return (not isinstance(low, bool) and isinstance(low, int | float) and low == 0 and mode in CORRECTION_MODES
+            and lower_threshold(mode, DEFAULT_THRESHOLD, None) is None)
+
+
 def unused_settings(run: DictConfig, keys) -> dict[str, str]:
     """:func:`unused_setting` for each of ``keys``, the run's values read once: {key: why} for those that change
     nothing."""
@@ -919,6 +935,9 @@ def unused_settings(run: DictConfig, keys) -> dict[str, str]:
         elif key in ("train.rollout_correction.threshold", "train.rollout_correction.threshold_lower") \
                 and mode == "none":
             why[key] = "the correction's thresholds change nothing at train.rollout_correction.mode=none"
+        elif key == "train.rollout_correction.threshold_lower" and _bounds_nothing(run, mode):
+            why[key] = (f"threshold_lower 0 bounds nothing at train.rollout_correction.mode={mode} (its weights are "
+                        ">= 0, and unset it has no lower bound)")
         elif key == "train.old_logp" and "train" in run and recompute_forced(run.train):
             why[key] = ("train.old_logp changes nothing where the loop recomputes the behaviour log-probs (a rollout "
                         "correction, trust-region rules or routing replay)")
