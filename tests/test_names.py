@@ -134,6 +134,13 @@ def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert "cispo is an objective: objective.name=cispo (python -m harness list)." in capsys.readouterr().err
     assert main(["explain", "model.lora"]) == 2  # a section: a did-you-mean of some of its keys (the seventh pass)
     assert ("model.lora is a section; its keys: model.lora.rank, model.lora.alpha, " in capsys.readouterr().err)
+    assert main(["explain", "model.tiny"]) == 0  # a dict: the keys each tiny model takes (it listed none)
+    out = capsys.readouterr().out
+    assert "its keys for model.name=tiny (model.tiny.<key>=<value>):\n    hidden_size = 128: residual width" in out
+    assert "    top_k = 2: experts each token activates" in out and "    norm_topk_prob = true: " in out
+    assert main(["explain", "model.tiny.top_k"]) == 2
+    assert "model.tiny is a dict: its keys for each model, their defaults and meanings: python -m harness explain " \
+        "model.tiny." in capsys.readouterr().err
     assert main(["explain", "x" * 5000]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 300 and "x" * 77 + "..." in err

@@ -30,7 +30,7 @@ from harness.apps.sweep import prepare_starting_policies, run_sweep
 from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
-from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
+from harness.policy.models import EMBEDDED_MODELS, TINY_MODEL_SPECS, prepare_embedded_model
 from harness.policy.sampler import SAMPLERS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
@@ -228,7 +228,7 @@ def cmd_explain(args) -> int:
         print(names.names_markdown() if args.key is None else names.generated(args.key), end="")
         return 0
     try:
-        print(names.explain(args.key))
+        print(names.explain(args.key, {"model.tiny": TINY_MODEL_SPECS}))
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2

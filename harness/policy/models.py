@@ -63,11 +63,11 @@ class ModelUnavailableError(OSError):
 class TinyModelSpec:
     """Shape of the tiny Llama (tied input/output embeddings); the init seed is ``load_model(seed=...)``."""
 
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
-    max_position: int = 512
+    hidden_size: int = 128  # residual width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # attention heads (key/value heads: as many)
+    intermediate_size: int = 512  # the SwiGLU MLP's width
+    max_position: int = 512  # longest prompt + completion
 
 
 TINY_MODEL_SPECS = {"tiny": TinyModelSpec, TINY_MOE: TinyMoeSpec}  # each tiny model's shape (model.tiny)

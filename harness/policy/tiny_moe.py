@@ -29,7 +29,8 @@ TINY_MOE = "tiny_moe"  # its model.name
 
 @dataclass(frozen=True)
 class TinyMoeSpec:
-    """Shape of the tiny MoE (``model.tiny_moe.*``; tied input/output embeddings); the init seed is separate."""
+    """Shape of the tiny MoE (``model.tiny.*`` at ``model.name=tiny_moe``; tied input/output embeddings); the init
+    seed is separate."""
 
     hidden_size: int = 128  # residual width (the tiny Llama's)
     num_layers: int = 4  # decoder layers, every one an MoE layer

@@ -20,6 +20,7 @@ import functools
 import inspect
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -412,8 +413,11 @@ def find(query: str) -> list[Name]:
     return [n for n in all_names() if pattern.search(n.trl) or pattern.search(n.verl)]
 
 
-def explain(query: str | None = None) -> str:
-    """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown."""
+def explain(query: str | None = None, shapes: Mapping[str, Mapping[str, type]] | None = None) -> str:
+    """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown.
+    ``shapes``: for a dict-valued key (``model.tiny``), the dataclass its keys fill for each value of its model
+    (harness/policy/models.py TINY_MODEL_SPECS), whose fields, defaults and comments the key's text lists."""
+    shapes = shapes or {}
     if query is None or not query.strip():
         lines = []
         for n in all_names():
@@ -428,9 +432,12 @@ def explain(query: str | None = None) -> str:
         close = close or difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
         close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
         inside = [key for key in keys if key.startswith(f"{query}.")]  # a section: its keys, not a did-you-mean
+        owner = next((key for key in shapes if query.startswith(f"{key}.")), None)
         hint = (f" {query} is an objective: objective.name={query} (python -m harness list)."
                 if query in OBJECTIVES.names() else
                 f" {query} is a section; its keys: {', '.join(inside)}." if inside else
+                f" {owner} is a dict: its keys for each model, their defaults and meanings: python -m harness explain "
+                f"{owner}." if owner else
                 f" Did you mean {', '.join(close)}?" if close else "")
         shown = repr(query if len(query) <= 80 else query[:77] + "...")
         raise KeyError(f"no config key, TRL or verl name {shown}.{hint} The whole table: python -m harness explain")
@@ -443,8 +450,20 @@ def explain(query: str | None = None) -> str:
         out.append(f"{n.key}: {n.meaning}")
         if n.key.startswith(PARAMS):
             out.append(f"  objectives: {', '.join(objectives_taking(n.key[len(PARAMS):])) or 'none'}")
+        out += shape_lines(shapes.get(n.key, {}), n.key)
         out += [f"  default: {default(n.key)}", f"  TRL GRPOConfig: {plain(n.trl)}", f"  verl: {plain(n.verl)}"]
     return "\n".join(out)
+
+
+def shape_lines(classes: Mapping[str, type], key: str) -> list[str]:
+    """For each model name, the keys ``key`` (a dict) takes: field = default, and its comment."""
+    out = []
+    for model, cls in classes.items():
+        comments = _field_comments(cls)
+        out.append(f"  its keys for model.name={model} ({key}.<key>=<value>):")
+        out += [f"    {f.name} = {shown(f.default)}" + (f": {comments[f.name]}" if f.name in comments else "")
+                for f in dataclasses.fields(cls)]
+    return out
 
 
 def cell(text: str) -> str:
