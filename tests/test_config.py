@@ -451,6 +451,12 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
     ("task.format_weight=.inf", r"^task.format_weight is inf: give a finite number$"),
     ("task.overlong_penalty=.inf", r"^task.overlong_penalty is inf: give a finite number$"),
     ("model.lora.alpha=.inf", r"^model.lora.alpha is inf: give a finite number$"),
+    # a grid's point was written back as `inf`, which YAML reads as text: "must be a number, got 'inf' (str)"
+    ("sweep.grid.objective.params.clip_low=[.inf,0.2]", r"grid points at objective.params.clip_low=.inf: "
+                                                        r"objective.params.clip_low is inf: give a finite number$"),
+    ("sweep.grid.objective.params.clip_low=[-.inf,0.2]", r"grid points at objective.params.clip_low=-.inf: "
+                                                         r"objective.params.clip_low is -inf: give a finite number$"),
+    ("sweep.grid.objective.params.clip_low=[.nan,0.2]", r"objective.params.clip_low is NaN: give a number$"),
 ])
 def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, message):
     """`train.lr=.nan` fails the range check before anything starts, not in torch's optimizer with a run folder and a

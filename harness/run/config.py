@@ -709,9 +709,12 @@ def _sections_of_type(node, type_name: str, prefix: str = ""):
 
 def _dot(value) -> str:
     """A value as a dotlist's right-hand side (None: null, not the string 'None'; booleans as YAML writes them; the
-    empty string quoted: ``key=`` is null)."""
+    empty string quoted: ``key=`` is null; infinities and NaN as YAML's ``.inf`` and ``.nan``: ``inf`` reads back as
+    text)."""
     if value == "":
         return "''"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ".inf" if value > 0 else "-.inf"
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
