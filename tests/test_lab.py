@@ -231,6 +231,20 @@ def test_a_training_setting_the_lab_does_not_read_is_refused(tmp_path, overrides
         assert lab_config(load_experiment(experiment, [f"results_dir={tmp_path}"])).lab.staleness
 
 
+@pytest.mark.parametrize("override", ["sweep.grid.train.lr=[1e-4,3e-4]", "+sweep.per_objective.gspo.train.lr=0.1",
+                                      "sweep.baseline=gspo"])
+def test_a_sweep_setting_given_to_the_lab_is_refused(tmp_path, override):
+    """The lab leaves the experiment's sweep aside (lab.yaml inherits quickstart's grid): a grid given on its command
+    line was dropped without a word, and the lab measured one learning rate."""
+    from harness.apps.lab import main as lab
+
+    key = override.split("=")[0].lstrip("+")
+    with pytest.raises(ConfigError, match=rf"^lab: {re.escape(key)} is a sweep's setting, which the lab leaves aside "
+                                          r"\(.*\); leave it out$"):
+        lab("lab", [*TINY_RUN, f"results_dir={tmp_path}", override])
+    assert not (tmp_path / "lab").exists()
+
+
 def test_a_lab_alias_undone_by_its_params_is_refused(tmp_path):
     """lab.params={luspo: {aggregation: token_mean}} measured gspo under luspo's name (train and sweep refuse the
     same: the seventh hostile pass)."""

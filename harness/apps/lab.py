@@ -545,7 +545,14 @@ class Lab:
 
 
 def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
-    """``python -m harness lab``: measure, then write the tables and the report."""
+    """``python -m harness lab``: measure, then write the tables and the report. A sweep's setting given on the command
+    line is refused (the lab leaves the experiment's sweep aside: its grid would be measured as nothing)."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "sweep" or key.startswith("sweep."):
+            raise ConfigError(f"lab: {key} is a sweep's setting, which the lab leaves aside (it measures every "
+                              "objective of lab.objectives at each lab.staleness on the same batches; an objective's "
+                              "settings: lab.params.<name>.<key>); leave it out")
     cfg = load_experiment(experiment, overrides)
     start = time.time()
     try:
