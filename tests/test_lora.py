@@ -222,6 +222,22 @@ def test_a_rank_above_a_layers_smaller_side_is_refused_before_the_run_folder(tmp
                                                   "model.lora.rank=32"]))[0])  # full rank: taken
 
 
+@pytest.mark.parametrize("targets, bound, said", [
+    ("[down_proj]", 16, "down_proj (4 experts of 32 x 16)"), ("[gate_proj,up_proj]", 32, "gate_up_proj (4 experts of "
+                                                                                         "32 x 32)")])
+def test_a_rank_above_an_experts_smaller_side_is_refused(targets, bound, said):
+    """peft adapts a Mixture of Experts' stacked experts each at the rank (B_e A_e per expert): the rank bound skipped
+    them, so a rank above an expert's smaller side was taken (the fourteenth hostile pass)."""
+    from harness.run.config import load_experiment, run_configs
+
+    shape = ["model.name=tiny_moe", "model.tiny={hidden_size: 32, num_heads: 2, num_layers: 1, num_experts: 4, "
+             "expert_intermediate_size: 16}", f"model.lora.target_modules={targets}"]
+    with pytest.raises(ConfigError, match=rf"^model.lora.rank={bound + 1} is above {bound}, the smaller side of "
+                                          rf"model.layers.0.mlp.experts.{re.escape(said)}, a layer it adapts"):
+        run_configs(load_experiment("base", [*shape, f"model.lora.rank={bound + 1}"]))
+    run_configs(load_experiment("base", [*shape, f"model.lora.rank={bound}"]))  # full rank: taken
+
+
 def test_a_mixture_of_experts_merged_export_is_the_adapted_policy(tmp_path):
     """peft's LoRA over tiny_moe's stacked expert weights is no linear layer: the merged export falls back to peft's
     merge of a copy, the policy untouched."""

@@ -85,16 +85,32 @@ def names(module: str, target: str) -> bool:
 
 @functools.cache
 def rank_bound(name: str, tiny: str, targets: tuple[str, ...]) -> tuple[int, str] | None:
-    """The smallest min(in_features, out_features) of the linear layers of model ``name`` that ``targets`` name, and
+    """The smallest min(in_features, out_features) of the layers of model ``name`` that ``targets`` name (its linear
+    layers, and an MoE's stacked experts, each expert's matrix adapted at the rank: peft's ``target_parameters``), and
     that layer's name and shape (on its skeleton, :func:`targets_refused`), or None where the modules are not known
-    before the model loads or no plain linear layer is named (an MoE's stacked experts)."""
+    before the model loads."""
     from harness.policy.models import skeleton
 
     model = skeleton(name, json.loads(tiny))
+    if model is None:
+        return None
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     named = [(min(m.in_features, m.out_features), f"{n} ({m.out_features} x {m.in_features})")
-             for n, m in (model.named_modules() if model is not None else ())
-             if isinstance(m, torch.nn.Linear) and any(names(n, t) for t in targets)]
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and any(names(n, t) for t in targets)]
+    adapted = meta_adapters(model, targets)
+    named += [(min(shapes[n][-2:]), f"{n} ({shapes[n][0]} experts of {shapes[n][1]} x {shapes[n][2]})")
+              for n in getattr(adapted, "targeted_parameter_names", None) or () if len(shapes.get(n, ())) == 3]
     return min(named) if named else None
+
+
+def meta_adapters(model, targets):
+    """peft's rank-1 adapters on ``model`` (a skeleton on the meta device) for ``targets``; raises peft's ValueError
+    where no name matches or a fused pair is named in part."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, LoraConfig(r=1, target_modules=list(targets), task_type="CAUSAL_LM"))
 
 
 @functools.cache
@@ -102,8 +118,6 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
     """Why ``targets`` do not all name linear layers of model ``name``'s blocks (peft's adapters on its skeleton on
     the meta device, before any run folder is made; not its embeddings or LM head), or None; None too for a model
     whose modules are not known before it loads (a hub id: the run checks them then, :func:`with_adapters`)."""
-    from peft import LoraConfig, get_peft_model
-
     from harness.policy.models import skeleton
 
     model = skeleton(name, json.loads(tiny))
@@ -116,9 +130,7 @@ def targets_refused(name: str, tiny: str, targets: tuple[str, ...]) -> str | Non
         return (f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} the model's embeddings or LM head, which "
                 "stay frozen (docs/lora.md, Limits)")
     try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            adapted = get_peft_model(model, LoraConfig(r=1, target_modules=list(targets), task_type="CAUSAL_LM"))
+        adapted = meta_adapters(model, targets)
     except ValueError as error:  # no name matched, or a fused pair named in part
         return peft_reason(error)
     # peft ignores a name that matches nothing when another one matches; on a Mixture of Experts it moves the
