@@ -88,6 +88,11 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
         path.write_bytes(text)
         with pytest.raises(ConfigError, match="bad.yaml: not a claim"):
             load_claim(path)
+    path.write_text("claim: x\npaper: [y,\nexperiment: {lab: lab}\n")  # the parser's error quotes the file, in lines
+    with pytest.raises(ConfigError, match=r"bad.yaml: not a claim: not valid YAML at line 4, column 1 \(expected ',' "
+                                          r"or '\]', but got '<stream end>'\); see harness/apps/claims.py") as info:
+        load_claim(path)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("experiment, checks, message", [

@@ -98,7 +98,7 @@ from harness.apps.sweep import (
 )
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
-from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id
+from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id, yaml_problem
 from harness.run.errors import ConfigError
 from harness.run.provenance import UNKNOWN, check_one_version, code_record, runs_stamp
 
@@ -156,7 +156,10 @@ def load_claim(path: Path) -> Claim:
                           f"own in {CLAIMS_DIR}: move it away or replace it with the file")
     try:
         data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, OSError, ValueError) as e:  # ValueError: not UTF-8
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not a claim: {yaml_problem(e)}; see harness/apps/claims.py for the fields") \
+            from None
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
         raise ConfigError(f"{path}: not a claim ({e}); see harness/apps/claims.py for the fields") from None
     fields = {f.name: f for f in dataclasses.fields(Claim) if f.name != "name"}  # its name is the file's
     unknown = [k for k in data if k not in fields] if isinstance(data, dict) else []

@@ -447,16 +447,20 @@ def experiment_description(path: Path) -> str:
     return " ".join(line for line in lines if line)
 
 
+def yaml_problem(error: Exception) -> str:
+    """A file's YAML error in one line: its position and problem (the parser's message spans lines, quotes the file)."""
+    where = getattr(error, "problem_mark", None)
+    line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    return f"not valid YAML{line} ({getattr(error, 'problem', None) or type(error).__name__})"
+
+
 def experiment_layer(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     """An experiment file's settings; ``inherit: <experiment>`` puts that experiment's settings underneath (its
     own ``inherit`` too), so experiments sharing a starting policy and a budget say so once."""
     try:
         top, layer = _parsed_layer(path.read_text(encoding="utf-8"))
     except Exception as e:  # yaml's ParserError / ScannerError: keep its first line and position
-        where = getattr(e, "problem_mark", None)
-        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"{path}: not valid YAML{line} ({getattr(e, 'problem', None) or type(e).__name__})") \
-            from None
+        raise ConfigError(f"{path}: {yaml_problem(e)}") from None
     if top is not None and not isinstance(top, dict):  # empty (or only comments, as base.yaml): the defaults
         kind = "a list" if isinstance(top, list) else f"the {type(top).__name__} {str(top)[:40]!r}"
         raise ConfigError(f"{path}: the top level must be a mapping of settings (e.g. `train:` then `  steps: 20`), "
