@@ -195,20 +195,28 @@ def read_samples(path: Path) -> pd.DataFrame:
     """eval_samples.jsonl's scores: one row per (step, problem) with the problem's reference answer and its scores
     (``correct``, ``correct_<scoring>``); the completions are not kept. A line cut short by a kill is dropped (that
     evaluation then lacks problems, and the report falls back on the run's own accuracy); a repeated (step, problem)
-    keeps its last line."""
-    rows = []
+    keeps its last line. Any other line that is not an evaluated problem (not JSON, or a step or problem that is not
+    an integer >= 0) is a data warning naming the first, and is left out."""
+    rows, odd, last = [], [], 0
     try:
         with path.open(errors="replace") as lines:
-            for line in lines:
+            for last, line in enumerate(lines, 1):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
+                    odd += [last] if line.strip() else []
                     continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("problem"), int):
+                if isinstance(row, dict) and all(_index(row.get(key)) for key in ("step", "problem")):
                     rows.append({k: v for k, v in row.items() if k in ("step", "problem", "answer")
                                  or k.startswith("correct") and isinstance(v, int | float)})
+                elif line.strip():
+                    odd.append(last)
     except OSError as e:
         warn(f"{path}: unreadable, ignored ({e})")
+    odd = [n for n in odd if n != last]  # the last line: cut short by a kill, or the writer's next
+    if odd:
+        warn(f"{path}: {len(odd)} line{'s' * (len(odd) > 1)} not an evaluated problem (not JSON, or a step or problem "
+             f"that is not an integer >= 0; the first: line {odd[0]}): left out")
     frame = pd.DataFrame(rows, columns=None if rows else ["step", "problem", "answer", "correct"])
     if "answer" in frame:
         frame["answer"] = frame["answer"].astype(str)
@@ -220,6 +228,11 @@ def read_samples(path: Path) -> pd.DataFrame:
                  f"{steps_text(steps)}: treated as missing")
             frame.loc[outside, col] = float("nan")
     return frame.drop_duplicates(["step", "problem"], keep="last").reset_index(drop=True)
+
+
+def _index(value) -> bool:
+    """Whether ``value`` is a step or problem index: an integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def steps_text(steps: list[int], most: int = 8, count: int | None = None) -> str:

@@ -783,6 +783,28 @@ def test_a_runs_own_folder_given_as_the_experiment_names_its_parent(tmp_path):
         load_results(run_dir)
 
 
+def test_an_eval_samples_line_that_is_no_evaluated_problem_is_a_data_warning(tmp_path):
+    """A step or problem of -1, "3", 2.5 or true, or a damaged line before the last, was dropped without a word (True
+    was even read as problem 1); the last line, which a kill may cut, and blank lines are left out silently."""
+    from analysis.load import read_samples
+
+    path = tmp_path / "eval_samples.jsonl"
+    good = [{"step": 0, "problem": p, "answer": "1", "correct": 1.0} for p in range(2)]
+    odd = [{"step": -1, "problem": 0}, {"step": "3", "problem": 0}, {"step": 0, "problem": 2.5},
+           {"step": 0, "problem": True}]
+    lines = [json.dumps(row) for row in (good[0], *odd)] + ["{not json", "", json.dumps(good[1]), '{"step": 0, "pro']
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.warns(AnalysisWarning, match=r"eval_samples.jsonl: 5 lines not an evaluated problem \(not JSON, or a "
+                                             r"step or problem that is not an integer >= 0; the first: line 2\): left "
+                                             r"out$") as caught:
+        frame = read_samples(path)
+    assert len(caught) == 1 and frame["problem"].tolist() == [0, 1]
+    path.write_text("\n".join(json.dumps(row) for row in good) + '\n{"step": 0, "pro')  # cut by a kill: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_samples(path)) == 2
+
+
 def test_a_problems_score_outside_0_1_is_a_data_warning_not_a_verdict(tmp_path):
     """eval_samples.jsonl with `correct: 50.0` or NaN changed the interval and the verdict without a word (the
     thirteenth hostile pass); a score the writer left out stays missing without a warning."""
