@@ -569,7 +569,7 @@ def test_a_refusal_names_only_the_grid_values_that_tell_its_runs_apart():
     """A hostile pass: a NaN grid value was left out of the named values (NaN != NaN), a key of one objective's
     per_objective settings was named for another objective's runs that lack it (as null), and a grid key of one
     value (seed=0) was named though every run shares it."""
-    with pytest.raises(ConfigError, match=r"^4 of the sweep's 8 grid points at train\.lr=nan: train\.lr is NaN"):
+    with pytest.raises(ConfigError, match=r"^4 of the sweep's 8 grid points at train\.lr=\.nan: train\.lr is NaN"):
         run_configs(load_experiment("quickstart", ["sweep.grid.train.lr=[.nan,5e-5]", "sweep.grid.seed=[0]"]))
     runs = run_configs(load_experiment("quickstart", [
         "sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.seed=[0,1]",
