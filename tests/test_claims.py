@@ -207,10 +207,44 @@ def test_compare_equal_and_within():
     equal = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b", "direction": "equal"}}
     assert evaluate_check(equal, {"lab": same})[0] == "holds"
     assert evaluate_check(equal, {"lab": LAB})[0] == "does not hold"
-    within = {"table": "lab", "metric": "m", "objective": "a", "within": [1.95, 2.05]}
-    verdict, measured, _ = evaluate_check(within, {"lab": LAB})
-    assert verdict == "holds" and "mean 2.00" in measured
-    assert evaluate_check({**within, "statistic": "max"}, {"lab": LAB})[0] == "does not hold"  # max 2.1
+    within = {"table": "lab", "metric": "m", "objective": "a", "within": [1.8, 2.2]}
+    verdict, measured, _ = evaluate_check(within, {"lab": LAB})  # a's mean 2.00, its interval [1.87, 2.13]
+    assert verdict == "holds" and "mean 2.00 [1.87, 2.13]" in measured
+    assert evaluate_check({**within, "statistic": "max"}, {"lab": LAB})[0] == "holds"  # max 2.1: no interval
+    assert evaluate_check({**within, "statistic": "max", "within": [1.95, 2.05]}, {"lab": LAB})[0] == "does not hold"
+    # the mean alone inside the band is no evidence: the interval decides, and one reaching out of it resolves nothing
+    assert evaluate_check({**within, "within": [1.95, 2.05]}, {"lab": LAB})[0] == "not resolved"
+    assert evaluate_check({**within, "within": [2.5, 3.0]}, {"lab": LAB})[0] == "does not hold"
+
+
+def _paired(differences: dict[int, list[float]]) -> pd.DataFrame:
+    """``final`` rows of objectives a and b, a - b = the given differences per starting policy (one per seed)."""
+    return pd.DataFrame([{"objective": o, START_SEED: p, "seed": s, "m": 0.3 + d * (o == "a")}
+                         for p, ds in differences.items() for s, d in enumerate(ds) for o in ("a", "b")])
+
+
+def test_a_compare_is_not_resolved_when_its_interval_reaches_both_sides_or_there_is_none():
+    """"does not hold" needs evidence against the claim (the interval wholly on the other side); an interval that
+    straddles the bound, or none (two seeds of one starting policy: their range is no 95% interval), is "not
+    resolved"."""
+    greater = {"table": "final", "metric": "m", "compare": {"objective": "a", "than": "b", "direction": "greater"}}
+    mixed = {p: [d, d] for p, d in zip(range(2, 7), (0.04, -0.03, 0.05, -0.02, 0.03), strict=True)}
+    verdict, measured, _ = evaluate_check(greater, {"final": _paired(mixed)})
+    assert verdict == "not resolved" and "margin 0.0140 [-0.0" in measured
+    below = {p: [-0.03, -0.02] for p in range(2, 7)}
+    assert evaluate_check(greater, {"final": _paired(below)})[0] == "does not hold"
+    verdict, measured, _ = evaluate_check(greater, {"final": _paired({2: [0.001, 0.5]})})
+    assert verdict == "not resolved" and "[n/a, n/a]" in measured
+    assert evaluate_check(greater, {"final": _paired({2: [0.2, 0.3, 0.25]})})[0] == "holds"
+
+
+def test_a_compare_states_the_estimate_its_interval_is_centred_on():
+    """With starting policies of unequal seeds the estimate is the mean of the policies' means (the interval's
+    centre), not the pooled mean of the units, which here lies outside the interval and has the other sign."""
+    greater = {"table": "final", "metric": "m", "compare": {"objective": "a", "than": "b", "direction": "greater"}}
+    unequal = {**{p: [1.0] for p in range(2, 6)}, 6: [-0.2 + 1e-3 * (s % 2) for s in range(100)]}
+    verdict, measured, _ = evaluate_check(greater, {"final": _paired(unequal)})
+    assert verdict == "holds" and "margin 0.760 [" in measured and "a 1.06, b 0.300" in measured
 
 
 def test_compare_equivalent_on_final_accuracies_paired_by_seed():
@@ -224,7 +258,7 @@ def test_compare_equivalent_on_final_accuracies_paired_by_seed():
     verdict, measured, _ = evaluate_check(check, {"final": final})
     assert verdict == "holds" and "a - b: 0.00333 [" in measured and "3 seeds" in measured  # +0.01, +0.02, -0.02
     assert evaluate_check({**check, "compare": {**check["compare"], "margin": 0.01}}, {"final": final})[0] == \
-        "does not hold"  # the interval reaches beyond +-0.01
+        "not resolved"  # the interval reaches beyond +-0.01 and inside it
     assert evaluate_check({**check, "where": "`train.lr` == 5e-4"}, {"final": final})[0] == "does not hold"  # -0.3
     both = {**check, "where": None, "compare": {"objective": "a", "than": "b", "direction": "less"}}
     verdict, measured, _ = evaluate_check(both, {"final": final})  # per seed, the two cells' mean: a < b by 0.148
@@ -239,7 +273,9 @@ def test_ledger_rows_and_files(tmp_path):
     assert rows[0]["holds?"] == "indicative"  # every check holds, from one starting policy x 3 batches
     assert (rows[0]["replication"], rows[0]["model"]) == ("1 starting policy x 3 batches", "tiny on arith")
     assert rows[0]["correction"].startswith("none across claims; within the claim every check must hold")
-    table.loc[1, "token_weight_long_over_short_wrong"] = 2.0  # dr_grpo's mean leaves [0.95, 1.05]
+    table.loc[1, "token_weight_long_over_short_wrong"] = 2.0  # dr_grpo's interval reaches out of [0.95, 1.05]
+    assert ledger_rows([claim], {claim.key: {"lab": table}})[0]["holds?"] == "not resolved"
+    table.loc[[1, 3, 5], "token_weight_long_over_short_wrong"] = [2.0, 2.1, 1.9]  # ... lies wholly out of it
     rows = ledger_rows([claim], {claim.key: {"lab": table}})
     assert rows[0]["holds?"] == "does not hold"
     claim.checks[0]["where"] = "no_such_column == 1"  # reported in the ledger, not a crash after the runs
@@ -260,11 +296,13 @@ def test_existing_results_only_start_nothing_and_missing_ones_are_no_data(tmp_pa
                                    run_id=own["grpo", 0]),
                           fake_run(exp, "gspo", 0, {"train.num_minibatches": 16, START_SEED: 1}, final=0.5,
                                    status="diverged", run_id=own["gspo", 0],
-                                   summary_extra={"collapse": {"step": 2, "cause": "non_finite_loss"}})])
+                                   summary_extra={"collapse": {"step": 2, "cause": "non_finite_loss"}}),
+                          fake_run(exp, "ctpo", 0, {"train.num_minibatches": 16, START_SEED: 1}, final=0.02,
+                                   status="stopped", run_id=own["ctpo", 0])])  # a run that did not end
     tables = run_source("sweep", "offpolicy", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
     final = tables["final"].set_index("objective")
     assert final.loc["gspo", "collapsed"] == 1.0 and final.loc["grpo", "collapsed"] == 0.0
-    assert set(tables["runs"]["objective"]) == {"grpo", "gspo"}
+    assert set(tables["runs"]["objective"]) == {"grpo", "gspo"}  # the runs ``final`` counts: the stopped one not
     assert list(exp.iterdir()) and not (exp / ".sweep.lock").exists()  # nothing was run
     missing = run_source("sweep", "step_size", (f"results_dir={tmp_path}",), jobs=1, progress=False, run=False)
     check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
@@ -330,14 +368,14 @@ def test_a_claim_holds_only_under_the_confirmation_design():
     assert (row["holds?"], row["replication"]) == ("indicative", "5 starting policies x 1 batches")
 
 
-def test_a_difference_that_depends_on_the_starting_policy_does_not_hold():
+def test_a_difference_that_depends_on_the_starting_policy_is_not_resolved():
     """+0.5, +0.02, +0.5 from three starting policies: every unit's difference is positive, and the 15 units pooled
     as batches of one policy would give a tight interval above 0; over the policies' means (2 degrees of freedom)
-    the interval reaches below 0."""
+    the interval reaches below 0 (and above it: neither the claim nor its negation is supported)."""
     check = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b"}}
     table = policies_table({2: 0.5, 3: 0.02, 4: 0.5})
     verdict, measured, units = evaluate_check(check, {"lab": table})
-    assert verdict == "does not hold" and units == (3, 5, "batches") and "3 starting policies x 5+ batches" in measured
+    assert verdict == "not resolved" and units == (3, 5, "batches") and "3 starting policies x 5+ batches" in measured
     pooled = table.drop(columns=START_SEED).assign(batch=lambda t: t.index // 2)
     assert evaluate_check(check, {"lab": pooled})[0] == "holds"
 

@@ -29,12 +29,16 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   ``where`` / ``than_where`` narrow x's / y's rows further, e.g. two cells of one objective; ``baseline``, a query
   of its own, makes x and y each one's change from its value on those rows, per unit: "degrades less with lag" is
   the change from lag 0 compared). ``greater`` holds if
-  mean(x) > factor * mean(y) and the 95% interval of mean(x - factor * y) (see Replication) lies above 0; ``less``
-  mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent`` holds if the
-  interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an interval
-  that excludes every difference larger than the margin, not an interval that happens to include 0).
+  the 95% interval of mean(x - factor * y) (see Replication) lies above 0 and does not hold if it lies at or below
+  0; ``less`` mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent``
+  holds if the interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an
+  interval that excludes every difference larger than the margin, not an interval that happens to include 0) and
+  does not hold if it lies wholly outside.
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
-  ``objective`` when given, lies in [low, high].
+  ``objective`` when given, lies in [low, high]: the mean's 95% interval inside [low, high] (holds) or wholly
+  outside (does not hold); the min or max observed, which has no interval, inside or not.
+A check whose interval reaches both sides of its bound, or that has none (one starting policy and fewer than 3
+units), is "not resolved": neither the claim nor its negation is supported.
 A claim file is checked when it is read, before any experiment runs (``check_problem``): a field neither list above
 names, no checks, bounds that are not two finite numbers in order, a non-positive factor or margin, a negative
 tolerance are refused in one line naming the file.
@@ -53,8 +57,9 @@ analysis/stats.py describe over the starting policies' means (over the units wit
 Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 starting policies x 5 seeds or batches per
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
 than 5 their coverage falls short of 95% in some simulated case, analysis/stats.py, as the zoo marks them) when
-every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers);
-"no data" (a check found nothing to measure). Every row states its replication, its model and its correction: none
+every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers)
+when a check does not; "not resolved" when none fails but one is not resolved; "no data" (a check found nothing to
+measure). Every row states its replication, its model and its correction: none
 across claims (each claim is its own question, from its own paper), and within a claim every check must hold, each
 at 95% (an intersection-union test, which needs no adjustment for the number of checks). An ``equivalent`` check's
 95% interval inside the margin is two one-sided tests at 2.5% each. Experiments are resumable (labs per batch,
@@ -84,7 +89,7 @@ from analysis.lab import build_lab_report, lab_version
 from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
-from analysis.stats import INDICATIVE_BELOW, describe, num
+from analysis.stats import CI_MIN_SEEDS, INDICATIVE_BELOW, describe, num
 from harness.apps.lab import lab_dir, run_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
@@ -114,6 +119,7 @@ STATISTICS = {"mean": np.mean, "min": np.min, "max": np.max}
 DESIGN = (INDICATIVE_BELOW, 5)  # what "holds" needs: starting policies (the intervals' top level: below
 # INDICATIVE_BELOW their coverage falls short of 95%, analysis/stats.py), and seeds (or batches) per starting policy
 CORRECTION = ("none across claims; within the claim every check must hold, each at 95% (intersection-union test)")
+NOT_RESOLVED = "not resolved"  # a check's 95% interval reaches both sides of its claimed bound, or there is none
 
 
 @dataclass
@@ -311,7 +317,7 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     runs = exp.runs[exp.runs["run_id"].isin({run_id(run) for run in run_configs(cfg)})]
     final = runs[runs["counted"] & runs["ended"]]
     check_one_version(final["code"].tolist(), exp.dir, "the runs a claim reads")
-    return {"runs": exp.metrics[exp.metrics["run_id"].isin(runs["run_id"])],
+    return {"runs": exp.metrics[exp.metrics["run_id"].isin(final["run_id"])],  # the runs ``final`` counts, only
             "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float), folder=str(exp.dir))}
 
 
@@ -496,10 +502,24 @@ def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
     return (len(per), int(per.min()) if len(per) else 0, name)
 
 
-def interval(values: pd.Series) -> tuple[float, float]:
-    """analysis.stats.describe's interval of unit values (over the starting policies' means with several)."""
+def interval(values: pd.Series) -> tuple[float, float, float]:
+    """(estimate, 95% interval) of the mean of unit values: analysis.stats.describe's, over the starting policies'
+    means with several (the estimate their mean, the interval's centre); with one, its t-interval over the units,
+    none (NaN) from fewer than CI_MIN_SEEDS units (describe's range of 2 is no 95% interval)."""
     d = describe(values.to_numpy(), values.index.get_level_values(0))
-    return d["ci_low"], d["ci_high"]
+    if d["policies"] < 2 and d["n"] < CI_MIN_SEEDS:
+        return d["mean"], np.nan, np.nan
+    return d["mean"], d["ci_low"], d["ci_high"]
+
+
+def verdict_of(lo: float, hi: float, low: float, high: float) -> str:
+    """A check's verdict from the 95% interval [lo, hi] of its quantity, claimed to lie in [low, high]: "holds" if
+    the interval lies inside, "does not hold" if it lies wholly outside, else (or with no interval) "not resolved"."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return NOT_RESOLVED
+    if low <= lo and hi <= high:
+        return "holds"
+    return "does not hold" if hi < low or lo > high else NOT_RESOLVED
 
 
 def narrowed(check: dict, where: str | None) -> dict:
@@ -519,12 +539,16 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
         if values.empty:
             return "no data", f"{metric}: nothing selected", None
         statistic = check.get("statistic", "mean")
-        value = float(STATISTICS[statistic](values.to_numpy()))
-        lo, hi = interval(values) if statistic == "mean" else (np.nan, np.nan)
+        if statistic == "mean":  # an estimate: its interval decides
+            value, lo, hi = interval(values)
+            verdict = verdict_of(lo, hi, low, high)
+        else:  # min or max: a statement about the units observed, no interval
+            value, lo, hi = float(STATISTICS[statistic](values.to_numpy())), np.nan, np.nan
+            verdict = "holds" if low <= value <= high else "does not hold"
         who = f"{check['objective']} " if check.get("objective") else ""
-        shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else ""
+        shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else " (no interval)" if statistic == "mean" else ""
         measured = f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}; expected in [{low}, {high}])"
-        return ("holds" if low <= value <= high else "does not hold"), measured, replication(values, check["table"])
+        return verdict, measured, replication(values, check["table"])
     spec = check["compare"]
     a, b = spec["objective"], spec["than"]
     x, y = unit_values(table, narrowed(check, spec.get("where")), a), \
@@ -541,26 +565,24 @@ def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, s
     x, y = x[common], y[common]
     units = replication(x, check["table"])
     over = f"{units[0]} starting policies x {units[1]}+ {units[2]}" if units[0] > 1 else f"{len(x)} {units[2]}"
-    numbers = f"{a} {num(x.mean())}, {b} {num(y.mean())} ({metric}, mean over {over})"
+    numbers = f"{a} {num(interval(x)[0])}, {b} {num(interval(y)[0])} ({metric}, mean over {over})"
     direction, factor = spec.get("direction", "greater"), spec.get("factor", 1.0)
     if direction == "equal":
         gap = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
         tolerance = spec.get("tolerance", 1e-6)
         return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}", units
     if direction == "equivalent":
-        lo, hi = interval(x - y)
+        value, lo, hi = interval(x - y)
         margin = spec["margin"]
-        holds = np.isfinite(lo) and -margin <= lo and hi <= margin
-        measured = (f"{numbers}; {a} - {b}: {num((x - y).mean())} [{num(lo)}, {num(hi)}], equivalence margin "
-                    f"+-{margin:g}")
-        return ("holds" if holds else "does not hold"), measured, units
+        measured = f"{numbers}; {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], equivalence margin +-{margin:g}"
+        return verdict_of(lo, hi, -margin, margin), measured, units
     sign = 1 if direction == "greater" else -1
-    difference = sign * (x - factor * y)
-    lo, hi = interval(difference)
-    holds = difference.mean() > 0 and (np.isfinite(lo) and lo > 0)
+    value, lo, hi = interval(sign * (x - factor * y))
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
-    return ("holds" if holds else "does not hold"), (f"{numbers}; {a} {relation} {b}: margin {num(difference.mean())}"
-                                                     f" [{num(lo)}, {num(hi)}]"), units
+    # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
+    verdict = NOT_RESOLVED if not np.isfinite(lo) else "holds" if lo > 0 else "does not hold" if hi <= 0 \
+        else NOT_RESOLVED
+    return verdict, f"{numbers}; {a} {relation} {b}: margin {num(value)} [{num(lo)}, {num(hi)}]", units
 
 
 def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tuple | None]:
@@ -605,8 +627,8 @@ def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None
                    [checked(c, tables_of[claim.key]) for c in claim.checks])
         verdicts = [v for v, _, _ in results]
         text, confirmed = design_text([u for _, _, u in results if u is not None])
-        verdict = ("no data" if "no data" in verdicts else "does not hold" if any(v != "holds" for v in verdicts)
-                   else "holds" if confirmed else "indicative")
+        verdict = next((v for v in ("no data", "does not hold", NOT_RESOLVED) if v in verdicts),
+                       "holds" if confirmed else "indicative")
         rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
                      "measured": "; ".join(m for _, m, _ in results), "holds?": verdict, "replication": text,
                      "model": model_of(claim), "correction": f"{CORRECTION}; {len(claim.checks)} check"
@@ -698,7 +720,8 @@ def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, 
     """The ledger's first sentence: how many claims hold, which ones this call ran and how long it took."""
     count = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
              f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
-             "holds with less)")
+             f"holds with less), {sum(r['holds?'] == 'does not hold' for r in rows)} do not hold, "
+             f"{sum(r['holds?'] == NOT_RESOLVED for r in rows)} not resolved")
     if not run:
         return (f"{count}, on the runs that existed (`python -m harness claims --existing`: no run was started; runs "
                 "not done are not counted).")
