@@ -148,6 +148,20 @@ def paired_units(a: dict, b: dict) -> dict:
     return out
 
 
+def across_cells(per_cell: list[dict]) -> dict:
+    """Units (key -> (policy, value, scores)) of several cells as one: the mean over the cells of each unit present
+    in all of them; its scores the mean of the cells' where every cell has them on the same problems, else None."""
+    keys = sorted(set.intersection(*(set(units) for units in per_cell))) if per_cell else []
+    out = {}
+    for key in keys:
+        parts = [units[key] for units in per_cell]
+        scores = [s for _, _, s in parts]
+        same = all(s is not None and s.index.equals(scores[0].index) for s in scores)
+        out[key] = (parts[0][0], float(np.mean([v for _, v, _ in parts])),
+                    sum(scores) / len(scores) if same else None)
+    return out
+
+
 def paired_estimate(runs: pd.DataFrame, samples: dict, a: str, b: str, column: str = FINAL) -> Estimate:
     """A − B of ``column`` in one cell, paired by seed and eval problem, with its interval."""
     return interval_of(paired_units(*(runs_scores(runs[runs["objective"] == o], samples, column) for o in (a, b))))

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.accuracy import FINAL, Estimate, interval_of, paired_units, runs_scores
+from analysis.accuracy import FINAL, Estimate, across_cells, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
 from analysis.stats import INDICATIVE_BELOW, indicative, num, t_bounds, top_units
@@ -39,20 +39,6 @@ from harness.run.atomic import atomic_write
 from harness.run.provenance import check_one_version, runs_stamp
 
 VERDICTS = ("confirmed above", "confirmed below", "not confirmed", "not tested", "incomplete", "baseline")
-
-
-def across_cells(per_cell: list[dict]) -> dict:
-    """Units (key -> (policy, value, scores)) of several cells as one: the mean over the cells of each unit present
-    in all of them; its scores the mean of the cells' where every cell has them on the same problems, else None."""
-    keys = sorted(set.intersection(*(set(units) for units in per_cell))) if per_cell else []
-    out = {}
-    for key in keys:
-        parts = [units[key] for units in per_cell]
-        scores = [s for _, _, s in parts]
-        same = all(s is not None and s.index.equals(scores[0].index) for s in scores)
-        out[key] = (parts[0][0], float(np.mean([v for _, v, _ in parts])),
-                    sum(scores) / len(scores) if same else None)
-    return out
 
 
 def cell_units(runs: pd.DataFrame, samples: dict, objective: str, cells: list[int]) -> list[dict]:

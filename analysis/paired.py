@@ -20,13 +20,17 @@ comparison is paired by seed and by eval problem:
 Pairs: each objective against the baseline first (A the objective, B the baseline: the sign answers "does it beat
 the baseline?"), then the other pairs; objectives in the registry's order (objectives.OBJECTIVES).
 
-Across cells (rliable's stratified design: cells kept, seeds resampled within each): the mean over cells of each
-cell's mean difference, its variance the sum of the cells' over the number of cells squared (degrees of freedom by
-Welch–Satterthwaite over every cell's parts), and the mean over cells of P(A > B) (rliable averages P(X > Y) over
-tasks: cells play the tasks' part) with a stratified hierarchical bootstrap. Per objective the IQM (``aggregate_iqm``:
-``scipy.stats.trim_mean(x, 0.25)`` of all runs of all cells pooled) and the mean over the cells every objective has a
-finished run in, the IQM's interval by the same stratified hierarchical bootstrap. Aggregate intervals need at least
-2 seeds in every cell and 3 in all; the IQM needs 5 runs in all (as the per-cell tables).
+Across cells: the cells of one sweep share their starting policies, seeds and eval problems (every cell's run of a
+seed starts from the same policy and rollout streams), so their estimates are not independent and their variances do
+not add. The unit is a (starting policy, seed) pair, taken where both objectives ended it in every cell: its
+difference (per eval problem where scored) is averaged over the cells, and the mean over the units, its interval and
+t-test are analysis/accuracy.py's, as in one cell (analysis/confirmation.py does the same). P(A > B) is the mean over
+cells of each cell's (rliable averages P(X > Y) over tasks: cells play the tasks' part), its interval by a
+hierarchical bootstrap that draws the same starting policies, seeds and eval problems in every cell (joint_draws).
+Per objective the IQM (``aggregate_iqm``: ``scipy.stats.trim_mean(x, 0.25)`` of the runs of all cells pooled) and
+the mean, over the cells every objective has a finished run in and the units it ended in all of them, the IQM's
+interval by the same joint bootstrap. Aggregate intervals need at least 3 units in all cells; the IQM needs 5 runs
+in all (as the per-cell tables).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.accuracy import FINAL, Estimate, paired_units, resampled_values, runs_scores
+from analysis.accuracy import FINAL, across_cells, paired_units, resampled_values, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
-from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL, t_bounds
+from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL
 from objectives import OBJECTIVES
 
 PERCENTILES = [50 * (1 - LEVEL), 50 * (1 + LEVEL)]
@@ -126,47 +130,44 @@ def per_cell(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = Non
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
 
-def combined(estimates: list[Estimate]) -> Estimate:
-    """The mean over cells of independent estimates, its variance the sum of theirs over the number squared; no
-    interval when a cell has none."""
-    k = len(estimates)
-    mean = float(np.mean([e.mean for e in estimates]))
-    parts = tuple((v / k ** 2, df) for e in estimates for v, df in e.parts)
-    bounded = parts and all(np.isfinite(e.low) for e in estimates)
-    low, high = t_bounds(mean, parts) if bounded else (np.nan, np.nan)
-    return Estimate(mean, float(low), float(high), sum(e.n for e in estimates), parts,
-                    all(e.problems for e in estimates))
+def common_units(strata: list[dict]) -> list[dict]:
+    """Each cell's units (key -> (policy, value, scores)) restricted to the keys every cell has, in one order."""
+    keys = sorted(set.intersection(*(set(units) for units in strata))) if strata else []
+    return [{key: units[key] for key in keys} for units in strata]
 
 
-def can_bootstrap(sizes: list[int]) -> bool:
-    return bool(sizes) and min(sizes) >= 2 and sum(sizes) >= CI_MIN_SEEDS
+def joint_draws(strata: list[dict]) -> list[np.ndarray]:
+    """resampled_values of each cell's units (common_units': the same keys in each), every cell drawn from a fresh
+    generator seeded alike, so that each resample draws the same starting policies, seeds and eval problems in every
+    cell: the cells share them, and a draw per cell would treat them as independent."""
+    return [resampled_values(units, rng=np.random.default_rng(BOOT_SEED)) for units in strata]
 
 
 def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None,
               baseline: str | None = None) -> pd.DataFrame:
-    """One row per (A, B) over the cells where both ended a seed: cells, n (seed pairs in all), the mean over cells of
-    the mean difference and of P(A > B), with their intervals, and the difference's t-test p-value (NaN when not
-    computable; see the module docstring)."""
+    """One row per (A, B) over the cells where both ended a seed: cells, n (the (starting policy, seed) units both
+    ended in every one of them), the mean difference and P(A > B) over the cells, with their intervals, and the
+    difference's t-test p-value (NaN when not computable; see the module docstring)."""
     rows = []
     cells = {c: {o: runs_scores(g, samples or {}, column) for o, g in group.groupby("objective")}
              for c, group in runs.groupby("cell_id", sort=True)}
     for a, b in objective_pairs(runs["objective"], baseline):
-        strata = [(s[a], s[b], sorted(set(s[a]) & set(s[b]))) for s in cells.values() if a in s and b in s]
-        strata = [(x, y, seeds) for x, y, seeds in strata if seeds]
+        strata = [(s[a], s[b]) for s in cells.values() if a in s and b in s and set(s[a]) & set(s[b])]
         if not strata:
             continue
-        sizes = [len(seeds) for _, _, seeds in strata]
-        d = combined([accuracy_interval(paired_units(x, y)) for x, y, _ in strata])
-        row = {"a": a, "b": b, "cells": len(strata), "n": sum(sizes), "difference": d.mean,
-               "difference_low": np.nan, "difference_high": np.nan, "p_value": np.nan,
-               "p_improvement": float(np.mean([probability_of_improvement([x[s][1] for s in seeds],
-                                                                          [y[s][1] for s in seeds])
-                                               for x, y, seeds in strata])), "p_low": np.nan, "p_high": np.nan}
-        if can_bootstrap(sizes):
-            rng = np.random.default_rng(BOOT_SEED)
-            drawn = [resampled_values(stacked(x, y, seeds), rng=rng) for x, y, seeds in strata]
+        units = across_cells([paired_units(x, y) for x, y in strata])  # each unit's difference, mean over cells
+        keys = list(units)
+        d = accuracy_interval(units)
+        row = {"a": a, "b": b, "cells": len(strata), "n": len(keys), "difference": d.mean,
+               "difference_low": d.low, "difference_high": d.high, "p_value": d.p_value, "p_improvement": np.nan,
+               "p_low": np.nan, "p_high": np.nan}
+        if keys:
+            row["p_improvement"] = float(np.mean([probability_of_improvement([x[k][1] for k in keys],
+                                                                             [y[k][1] for k in keys])
+                                                  for x, y in strata]))
+        if len(keys) >= CI_MIN_SEEDS:
+            drawn = joint_draws([stacked(x, y, keys) for x, y in strata])
             pois = np.mean([probability_of_improvement(v[..., 0], v[..., 1]) for v in drawn], axis=0)
-            row["difference_low"], row["difference_high"], row["p_value"] = d.low, d.high, d.p_value
             row["p_low"], row["p_high"] = np.percentile(pois, PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["a", "b", "cells", "n", "difference", "difference_low", "difference_high",
@@ -191,27 +192,26 @@ def trimmed_means(x: np.ndarray) -> np.ndarray:
 
 
 def iqm(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None) -> pd.DataFrame:
-    """Per objective over the shared cells: runs, IQM and mean of all their runs pooled, each with a stratified
-    hierarchical-bootstrap interval (IQM from IQM_MIN_SEEDS runs; intervals as in aggregate)."""
+    """Per objective over the shared cells and the (starting policy, seed) units it ended in every one of them:
+    runs, the IQM and mean of those runs pooled, each with its interval (the mean's over the units' means across
+    the cells, as aggregate's; the IQM's by a hierarchical bootstrap drawing the same units and eval problems in
+    every cell: joint_draws) (IQM from IQM_MIN_SEEDS runs; intervals from CI_MIN_SEEDS units)."""
     cells = shared_cells(runs, column)
     rows = []
     for objective in registry_order(runs.loc[runs["cell_id"].isin(cells), "objective"]):
         group = runs[(runs["objective"] == objective) & runs["cell_id"].isin(cells)]
-        strata = [runs_scores(g, samples or {}, column) for _, g in group.groupby("cell_id", sort=True)]
-        strata = [s for s in strata if s]
-        sizes = [len(s) for s in strata]
+        strata = common_units([runs_scores(g, samples or {}, column) for _, g in group.groupby("cell_id", sort=True)])
         pooled = np.array([value for s in strata for _, value, _ in s.values()])
         if not len(pooled):
             continue
-        mean = combined([accuracy_interval(s) for s in strata]) if len(strata) > 1 else accuracy_interval(strata[0])
+        mean = accuracy_interval(across_cells(strata))
         row = {"objective": objective, "cells": len(strata), "n": len(pooled),
                "iqm": trimmed_means(pooled[None])[0] if len(pooled) >= IQM_MIN_SEEDS else np.nan, "iqm_low": np.nan,
                "iqm_high": np.nan, "mean": pooled.mean(), "mean_low": np.nan, "mean_high": np.nan}
-        if can_bootstrap(sizes):
+        if len(strata[0]) >= CI_MIN_SEEDS:
             row["mean_low"], row["mean_high"] = mean.low, mean.high
             if len(pooled) >= IQM_MIN_SEEDS:
-                rng = np.random.default_rng(BOOT_SEED)
-                drawn = np.concatenate([resampled_values(s, rng=rng) for s in strata], axis=1)
+                drawn = np.concatenate(joint_draws(strata), axis=1)
                 row["iqm_low"], row["iqm_high"] = np.percentile(trimmed_means(drawn), PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["objective", "cells", "n", "iqm", "iqm_low", "iqm_high", "mean", "mean_low",

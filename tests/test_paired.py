@@ -182,21 +182,38 @@ def test_per_cell_pairs_by_seed_and_never_across_cells():
         paired.per_cell(runs.to_dict("records"))
 
 
-def test_aggregate_is_the_mean_over_cells_with_the_cells_variances_added():
-    values = {(0, "a"): [0.5, 0.6, 0.7], (0, "b"): [0.4, 0.6, 0.5], (1, "a"): [0.2, 0.1], (1, "b"): [0.3, 0.4]}
+def test_aggregate_averages_each_seed_over_the_cells_before_its_interval():
+    """The cells share their starting policy, seeds and eval problems: per seed the difference is averaged over the
+    cells, and the interval is over those seeds (the cells' variances added as if independent made it too narrow)."""
+    values = {(0, "a"): [0.5, 0.6, 0.7], (0, "b"): [0.4, 0.6, 0.5],
+              (1, "a"): [0.2, 0.1, 0.3], (1, "b"): [0.3, 0.4, 0.2]}
     row = paired.aggregate(frame(values)).iloc[0]
-    d0, d1 = np.array([0.1, 0.0, 0.2]), np.array([-0.1, -0.3])
-    assert (row["cells"], row["n"]) == (2, 5)
-    assert row["difference"] == pytest.approx((d0.mean() + d1.mean()) / 2)
-    v0, v1 = d0.var(ddof=1) / 3 / 4, d1.var(ddof=1) / 2 / 4
-    df = (v0 + v1) ** 2 / (v0 ** 2 / 2 + v1 ** 2 / 1)
-    half = student_t.ppf(0.975, df) * np.sqrt(v0 + v1)
-    assert (row["difference_low"], row["difference_high"]) == pytest.approx(
-        (row["difference"] - half, row["difference"] + half))
+    units = (np.array([0.1, 0.0, 0.2]) + np.array([-0.1, -0.3, 0.1])) / 2  # per seed, the mean over the two cells
+    assert (row["cells"], row["n"]) == (2, 3) and row["difference"] == pytest.approx(units.mean())
+    half = student_t.ppf(0.975, 2) * units.std(ddof=1) / np.sqrt(3)
+    assert (row["difference_low"], row["difference_high"]) == pytest.approx((units.mean() - half, units.mean() + half))
     p0 = paired.probability_of_improvement([0.5, 0.6, 0.7], [0.4, 0.6, 0.5])
-    assert row["p_improvement"] == pytest.approx((p0 + 0.0) / 2)
+    p1 = paired.probability_of_improvement([0.2, 0.1, 0.3], [0.3, 0.4, 0.2])
+    assert row["p_improvement"] == pytest.approx((p0 + p1) / 2)
     single = paired.aggregate(frame({**values, (2, "a"): [0.5], (2, "b"): [0.4]})).iloc[0]
-    assert single["cells"] == 3 and np.isnan(single["difference_low"])  # a one-seed cell: no interval
+    assert (single["cells"], single["n"]) == (3, 1) and np.isnan(single["difference_low"])  # seed 0 alone in all
+
+
+def test_copies_of_a_cell_add_no_information_to_the_aggregate():
+    """Three cells whose runs are one cell's, copied: the aggregate is that cell's comparison, its interval, p-value
+    and P(A > B) interval included, with per-problem scores (the bootstrap draws the same seeds and problems in
+    every cell)."""
+    runs, samples = scored({(o, s): list((np.arange(12) * (s + 2 + (o == "a"))) % 5 < 2 + (o == "a"))
+                            for o in ("a", "b") for s in range(5)})
+    one = paired.aggregate(runs, samples=samples).iloc[0]
+    copies = pd.concat([runs.assign(cell_id=c, cell=f"c{c}") for c in range(3)])
+    three = paired.aggregate(copies, samples=samples).iloc[0]
+    assert (three["cells"], three["n"]) == (3, 5) and np.isfinite(one["difference_low"])
+    for column in ("difference", "difference_low", "difference_high", "p_value", "p_improvement", "p_low", "p_high"):
+        assert three[column] == pytest.approx(one[column]), column
+    iqm_one, iqm_three = paired.iqm(runs, samples=samples).iloc[0], paired.iqm(copies, samples=samples).iloc[0]
+    for column in ("mean_low", "mean_high", "iqm_low", "iqm_high"):
+        assert iqm_three[column] == pytest.approx(iqm_one[column]), column
 
 
 def test_iqm_over_shared_cells():
@@ -206,16 +223,16 @@ def test_iqm_over_shared_cells():
     grpo = table.loc["grpo"]
     assert (grpo["cells"], grpo["n"]) == (2, 6)  # cell 2 has no gspo run: left out for every objective
     assert grpo["iqm"] == pytest.approx(0.35)  # middle of 0.1 0.2 0.3 0.4 0.5 0.9: 0.2 0.3 0.4 0.5
-    rng = np.random.default_rng(BOOT_SEED)  # per cell: its one starting policy drawn, then its 3 seeds within it
-
-    def seeds_drawn() -> np.ndarray:
-        rng.random((N_BOOT, 1))
-        return np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)
-
+    rng = np.random.default_rng(BOOT_SEED)  # its one starting policy drawn, then 3 of its seeds: the same in each cell
+    rng.random((N_BOOT, 1))
+    seeds = np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)
     a, b = np.array([0.1, 0.2, 0.3]), np.array([0.4, 0.5, 0.9])
-    resampled = np.concatenate([a[seeds_drawn()], b[seeds_drawn()]], axis=1)
+    resampled = np.concatenate([a[seeds], b[seeds]], axis=1)
     assert (grpo["iqm_low"], grpo["iqm_high"]) == pytest.approx(
         tuple(np.percentile(scipy.stats.trim_mean(resampled, 0.25, axis=1), [2.5, 97.5])))
+    units = (a + b) / 2  # the mean's interval: over the seeds' means across the cells
+    half = student_t.ppf(0.975, 2) * units.std(ddof=1) / np.sqrt(3)
+    assert (grpo["mean_low"], grpo["mean_high"]) == pytest.approx((units.mean() - half, units.mean() + half))
     assert table.loc["gspo", "iqm"] == 0.5 and table.loc["gspo", "iqm_low"] == 0.5
     few = paired.iqm(frame({(0, "grpo"): [0.1, 0.2]})).iloc[0]
     assert few["n"] == 2 and np.isnan(few["iqm"]) and few["mean"] == pytest.approx(0.15)
