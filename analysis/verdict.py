@@ -68,8 +68,11 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     fewest = min(units, key=lambda unit: top_units(*unit))
     n, top = int(fewest[0]), fewest[1]
     if differ.empty:
-        alone = tested[(tested["difference_low"] > 0) | (tested["difference_high"] < 0)]["a"].tolist()
-        why = (": no paired interval" if tested.empty else ": every paired interval includes 0" if not alone else
+        alone = tested[tested["p_value"] < ALPHA]["a"].tolist()  # the t-test: describe's range of 2 seeds is no test
+        ranges = ((tested["difference_low"] > 0) | (tested["difference_high"] < 0)).any()
+        why = (": no paired interval" if tested.empty else
+               ": every paired interval includes 0" if not alone and not ranges else
+               ": no paired t-test excludes 0 at 95% (the range of 2 seeds is not a 95% interval)" if not alone else
                f": {' and '.join(alone)}'s interval{'s' * (len(alone) > 1)} alone exclude{'s' * (len(alone) == 1)} 0, "
                "not after the correction")
         untested = rows[rows["holm"].isna()]["a"].tolist()

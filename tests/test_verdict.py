@@ -36,6 +36,12 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
     neither = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, -0.03, 0.01, 1, 4, 5, 0.4))
     assert verdict.sentence(neither, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
                                                  "includes 0 (Holm-corrected over 2 comparisons)")
+    # 2 seeds without per-problem scores: the interval shown is their range, which excludes 0 here, but the t-test
+    # (df 1) does not: no objective is said to exclude 0, and the range is not called a 95% interval
+    two_seeds = rows(("gspo", 0.055, 0.01, 0.10, 2, 0, 2, 0.437))
+    assert verdict.sentence(two_seeds, "grpo").startswith(
+        "no objective differs from grpo at this budget: no paired t-test excludes 0 at 95% (the range of 2 seeds is "
+        "not a 95% interval)")
     # no interval (one paired seed), hence no p-value: said so, and not counted in Holm's family
     why = "(fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores)"
     single = rows(("ctpo", 0.01, np.nan, np.nan, 1, 0, 1, np.nan), ("gspo", -0.02, np.nan, np.nan, 0, 1, 1, np.nan))
