@@ -721,7 +721,8 @@ def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, 
     count = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
              f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
              f"holds with less), {sum(r['holds?'] == 'does not hold' for r in rows)} do not hold, "
-             f"{sum(r['holds?'] == NOT_RESOLVED for r in rows)} not resolved")
+             f"{sum(r['holds?'] == NOT_RESOLVED for r in rows)} not resolved, "
+             f"{sum(r['holds?'] == 'no data' for r in rows)} no data")
     if not run:
         return (f"{count}, on the runs that existed (`python -m harness claims --existing`: no run was started; runs "
                 "not done are not counted).")
