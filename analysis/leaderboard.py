@@ -10,12 +10,13 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
   the mean of their ranks, pandas' ``rank(method="average")``), averaged over the cells; an objective with runs that
   diverged before any evaluation after step 0 (scored on the starting policy, not on a trained one) ranks below
   those with fewer such runs, whatever its accuracy;
-- IQM of final eval accuracy with its stratified hierarchical-bootstrap 95% interval (seeds and eval problems):
-  analysis.paired.iqm (rliable's conventions);
+- IQM of final eval accuracy with its hierarchical-bootstrap 95% interval (seeds and eval problems, the same drawn
+  in every cell): analysis.paired.iqm (rliable's conventions);
 - vs the baseline objective (``baseline``, grpo by default): the mean over cells of the paired difference of final
-  accuracy (by seed and eval problem) with its t-interval, and P(this > baseline) with its stratified bootstrap
-  interval: analysis.paired.aggregate; the difference's p-value Holm-adjusted over the family of every objective's
-  comparison with the baseline (analysis.verdict.holm), the intervals unadjusted;
+  accuracy (by seed and eval problem; each unit's difference averaged over the cells first) with its t-interval, and
+  P(this > baseline) with the IQM's bootstrap interval: analysis.paired.aggregate; the difference's p-value
+  Holm-adjusted over the family of every objective's comparison with the baseline (analysis.verdict.holm), the
+  intervals unadjusted;
 - collapse rate: runs whose collapse record (harness/run/collapse.py, read by analysis/load.py) names a cause, of the
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
@@ -214,9 +215,10 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str,
             "their mean rank; runs that diverged before any evaluation after step 0 are scored on the starting "
             "policy, so an objective with more of them ranks lower whatever its accuracy), averaged over the cells. "
             f"IQM: of every run's final accuracy pooled over the cells, "
-            f"{LEVEL:.0%} stratified bootstrap (seeds and eval problems resampled within cells; analysis/paired.py). "
-            f"vs {baseline}: mean over cells of the paired difference of final accuracy (by seed and eval problem; "
-            "t-interval whose variance adds the cells', analysis/accuracy.py), and the probability of improvement "
+            f"{LEVEL:.0%} hierarchical bootstrap (the same seeds and eval problems drawn in every cell: they share "
+            f"them; analysis/paired.py). vs {baseline}: mean over cells of the paired difference of final accuracy "
+            "(by seed and eval problem; each seed's difference averaged over the cells, then the t-interval over the "
+            "seeds, analysis/accuracy.py), and the probability of improvement "
             "P(objective > baseline), same bootstrap as the IQM. Each interval is unadjusted, at 95% for one "
             f"comparison: {family_sentence(board, baseline)} "
             "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "

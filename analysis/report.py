@@ -601,12 +601,12 @@ def ci_text(low, high) -> str:
 
 
 def aggregate_display(frame: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({"A": frame["a"], "B": frame["b"], "cells": frame["cells"], "seed pairs": frame["n"],
+    return pd.DataFrame({"A": frame["a"], "B": frame["b"], "cells": frame["cells"], "units in every cell": frame["n"],
                          "mean over cells of A − B": frame["difference"].map(num),
-                         "95% CI (stratified)": [ci_text(lo, hi) for lo, hi in
+                         "95% CI": [ci_text(lo, hi) for lo, hi in
                                                  zip(frame["difference_low"], frame["difference_high"], strict=True)],
                          "P(A > B)": frame["p_improvement"].map(num),
-                         "P 95% CI (stratified)": [ci_text(lo, hi) for lo, hi in
+                         "P 95% CI": [ci_text(lo, hi) for lo, hi in
                                                    zip(frame["p_low"], frame["p_high"], strict=True)]})
 
 
@@ -863,15 +863,16 @@ def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_war
                     "analysis/paired.py (rliable's conventions, arXiv 2108.13264, computed with numpy/scipy)."),
               ("table", paired_display(pairs, cells)) if len(pairs) else
               ("p", "No pair of objectives has a seed both ended in the same cell: nothing to compare."),
-              ("p", "Aggregated over cells: the mean over cells of each cell's mean difference (its variance the "
-                    "cells' summed over the number of cells squared, t-interval) and of its P(A > B) (rliable's "
-                    "stratified bootstrap: seeds and eval problems resampled within each cell; 2000 resamples); "
-                    "needs 2+ seeds in every cell and 3 in all."),
+              ("p", "Aggregated over cells (which share their starting policy, seeds and eval problems, so are not "
+                    "independent): per (starting policy, seed) unit ended in every cell, its difference averaged over "
+                    "the cells, the t-interval over those units (and eval problems) as in one cell; the mean over "
+                    "cells of P(A > B), its bootstrap drawing the same units and eval problems in every cell (2000 "
+                    "resamples); needs 3 such units."),
               ("table", aggregate_display(aggregated)) if len(aggregated) else ("p", "Nothing to aggregate."),
               ("p", "Per objective over the cells every objective ended a run in: IQM (rliable's aggregate_iqm: "
-                    f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs; 95% stratified hierarchical "
-                    "bootstrap) and the mean over cells of final eval accuracy (t-interval as the aggregated "
-                    "differences)."),
+                    f"trimmed mean of all runs pooled, from {IQM_MIN_SEEDS} runs; 95% hierarchical bootstrap drawing "
+                    "the same units in every cell) and the mean over cells of final eval accuracy (t-interval as the "
+                    "aggregated differences), over the units ended in every one of those cells."),
               ("table", iqm_display(iqms)) if len(iqms) else ("p", "No objective has an ended run."),
               ("h2", "Compute-performance fit"),
               ("p", scaling.SUMMARY + " Per cell. Numbers only where the fit meets its conditions; otherwise the "
