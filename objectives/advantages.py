@@ -23,6 +23,7 @@ AdvantageEstimator = Callable[..., Tensor]  # (rewards [B], group_ids [B], lengt
 ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 STD_EPS = 1e-6
+TRL_STD_EPS = 1e-4  # TRL's std + 1e-4: its batch scaling (batch_std) and both of gdpo's normalisations
 
 
 def group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,12 +76,14 @@ def rloo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = 
 
 @ADVANTAGES.register("batch_std")
 def batch_std_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
-    """A_i = (R_i - mean_g) / (std_batch + 1e-6): group-centred, scaled by the unbiased std of the whole
-    batch's rewards (TRL ``scale_rewards="batch"``)."""
+    """A_i = (R_i - mean_g) / (std_batch + 1e-4): group-centred, scaled by the unbiased std of the whole
+    batch's rewards (TRL ``scale_rewards="batch"``, huggingface/trl v1.16.0 trl/trainer/grpo_trainer.py
+    ``_generate_and_score_completions``, with TRL's 1e-4, not the 1e-6 of the verl-derived group estimators: the two
+    differ where the batch std is near 1e-4, e.g. rewards that differ only by small shaping terms)."""
     mean, _, size = group_stats(rewards, group_ids)
     r = rewards.to(torch.float64)
     std = r.std() if r.numel() > 1 else r.new_zeros(())
-    return _singletons_to_zero((r - mean) / (std + STD_EPS), size, rewards)
+    return _singletons_to_zero((r - mean) / (std + TRL_STD_EPS), size, rewards)
 
 
 @ADVANTAGES.register("grpo_passk")
@@ -347,7 +350,6 @@ def remax_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None =
 
 remax_advantage.loop_inputs = (GREEDY_BASELINE_INPUT,)
 
-GDPO_EPS = 1e-4  # TRL's std + 1e-4, in both normalisations
 
 
 @ADVANTAGES.register("gdpo")
@@ -373,11 +375,11 @@ def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = 
     for k in range(components.shape[1]):
         mean, std, size = group_stats(components[:, k], group_ids)
         r_k = components[:, k].to(torch.float64)
-        parts.append(torch.where(size > 1, (r_k - mean) / (std + GDPO_EPS), torch.zeros_like(r_k)))
+        parts.append(torch.where(size > 1, (r_k - mean) / (std + TRL_STD_EPS), torch.zeros_like(r_k)))
     total = sum(float(w) * a for w, a in zip(weights.tolist(), parts, strict=True))
     if total.numel() < 2:
         return _in_dtype_of(torch.zeros_like(total), rewards)
-    return _in_dtype_of((total - total.mean()) / (total.std() + GDPO_EPS), rewards)
+    return _in_dtype_of((total - total.mean()) / (total.std() + TRL_STD_EPS), rewards)
 
 
 gdpo_advantage.loop_inputs = (REWARD_COMPONENTS_INPUT,)

@@ -47,8 +47,11 @@ def test_batch_std():
     mean = sum(REWARDS.tolist()) / 7
     std = math.sqrt(sum((r - mean) ** 2 for r in REWARDS.tolist()) / 6)  # unbiased, whole batch
     centred = [2 / 3, -1 / 3, -1 / 3, 1 / 6, -1 / 3, 1 / 6]
-    expected = [c / (std + 1e-6) for c in centred] + [0.0]
+    expected = [c / (std + 1e-4) for c in centred] + [0.0]  # TRL's epsilon
     close(get_advantage("batch_std")(REWARDS, GROUPS), expected, tol=1e-6)
+    tiny = torch.tensor([0.0, -1e-4, 0.0, -2e-4], dtype=torch.float64)  # a batch std near TRL's 1e-4
+    shaped = (tiny - torch.tensor([-5e-5, -5e-5, -1e-4, -1e-4], dtype=torch.float64)) / (tiny.std() + 1e-4)
+    close(get_advantage("batch_std")(tiny, torch.tensor([0, 0, 1, 1])), shaped.tolist(), tol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["grpo", "mean_only", "rloo", "batch_std"])

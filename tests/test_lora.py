@@ -80,6 +80,30 @@ def test_only_the_adapters_get_gradients_and_the_optimizer(tmp_path):
     assert trained == {id(named[n]) for n in adapters}
 
 
+def test_the_no_grad_forwards_that_stand_for_the_policy_draw_no_dropout(tmp_path):
+    """With LoRA dropout the update trains the policy in train mode; the recomputed old (proximal) log-probs, the
+    rollout corrections' and R2's input, are the policy's own: the same forward twice gives the same log-probs, those
+    of the policy in eval mode, and the policy's mode is left as it was (they were one dropout draw each, from the
+    second step on)."""
+    from harness.loop.behaviour import no_grad_logprobs
+
+    cfg = tiny_run(tmp_path, *LORA, *SHAPED, "model.lora.dropout=0.5", "train.old_logp=recompute")
+    torch.manual_seed(cfg.seed)
+    run = setup_run(cfg, CPU)
+    for layer in lora_layers(run.policy).values():  # adapters that act (B = 0 would hide the dropout)
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    ro = first_batch(run, cfg).rollout
+    run.policy.train()  # as the update leaves it
+    first, second = (no_grad_logprobs(run.policy, ro, cfg.train)[0] for _ in range(2))
+    assert run.policy.training and torch.equal(first, second)
+    run.policy.eval()
+    assert torch.equal(first, no_grad_logprobs(run.policy, ro, cfg.train)[0])
+    run.policy.train()
+    with torch.no_grad():  # the same rows in train mode: dropout draws, so the test can see it
+        args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, cfg.train.temperature)
+        assert not torch.equal(completion_logprobs(run.policy, *args)[0], completion_logprobs(run.policy, *args)[0])
+
+
 def test_with_b_zero_the_first_steps_logprobs_are_the_base_models(tmp_path):
     """The adapted policy starts as its base, bit for bit: the trainer's log-probs, the sampler's (merged weights,
     W + 0), and the reference's (the same policy, adapters disabled; no second copy of the weights)."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from harness.loop.metrics import MismatchMeter
 from harness.policy.expert_volatility import expert_volatility
-from harness.policy.forward import SUM_PI_SQUARED, completion_logprobs
+from harness.policy.forward import SUM_PI_SQUARED, completion_logprobs, evaluating
 from harness.policy.lora import adapters_disabled
 from harness.policy.routing import Grid, RoutingRecord, routing_of, select_record_rows
 from harness.policy.sampler import Rollout
@@ -139,18 +139,19 @@ def no_grad_logprobs(model, ro: Rollout, t: DictConfig, record: bool = False, re
     chunk, rows = microbatch_size(t), len(ro.texts)
     grid = Grid(chunk, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1], ro.prompt_ids.shape[1])
     parts, squares, records = [], [], []
-    for i in range(0, rows, chunk):
-        part = torch.arange(i, min(i + chunk, rows))
-        with (routing_of(model).capture(dataclasses.replace(grid, rows=len(part)),
-                                        replay=None if replay is None else replay.select(part))
-              if record or replay is not None else nullcontext()) as capture:
-            logp, square = completion_logprobs(model, ro.prompt_ids[part], ro.prompt_mask[part],
-                                               ro.completion_ids[part], ro.completion_mask[part], t.temperature,
-                                               with_entropy=SUM_PI_SQUARED if sum_pi_squared else False,
-                                               padding_free=t.padding_free)
-        parts.append(logp)
-        squares += [square] if sum_pi_squared else []
-        records += [] if capture is None else [capture.record]
+    with evaluating(model):  # the policy's log-probs, not one draw of its (LoRA) dropout
+        for i in range(0, rows, chunk):
+            part = torch.arange(i, min(i + chunk, rows))
+            with (routing_of(model).capture(dataclasses.replace(grid, rows=len(part)),
+                                            replay=None if replay is None else replay.select(part))
+                  if record or replay is not None else nullcontext()) as capture:
+                logp, square = completion_logprobs(model, ro.prompt_ids[part], ro.prompt_mask[part],
+                                                   ro.completion_ids[part], ro.completion_mask[part], t.temperature,
+                                                   with_entropy=SUM_PI_SQUARED if sum_pi_squared else False,
+                                                   padding_free=t.padding_free)
+            parts.append(logp)
+            squares += [square] if sum_pi_squared else []
+            records += [] if capture is None else [capture.record]
     joined = select_record_rows(records, [(k, j) for k, r in enumerate(records) for j in range(r.grid.rows)]) \
         if records else None
     return torch.cat(parts), joined, torch.cat(squares) if sum_pi_squared else None

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from harness.loop.batch import TrainBatch
 from harness.policy.expert_volatility import Volatility, capture_metrics
-from harness.policy.forward import completion_forward
+from harness.policy.forward import completion_forward, evaluating
 from harness.policy.routing import routing_of
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.offpolicy import behaviour_logp, lagged, replay_mode
@@ -267,15 +267,18 @@ def policy_batch(plan: UpdatePlan, minibatch: Minibatch, forward: RowsForward, s
 
 @torch.no_grad()
 def with_statistics(learner: Learner, plan: UpdatePlan, minibatch: Minibatch, state: RunState) -> Minibatch:
-    """``minibatch`` with the objective's ``minibatch_statistics`` summed over its micro-batches, from a no-grad
-    forward of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same
-    log-probs). Unchanged when the objective has no such hook or the minibatch is one micro-batch (it then computes
-    them from its batch): the extra forward is paid only by objectives that need it (P3O's ESS)."""
+    """``minibatch`` with the objective's ``minibatch_statistics`` summed over its micro-batches, from a no-grad forward
+    of the current policy (the first of two passes; the same rows and widths as the loss pass, so the same log-probs;
+    in eval mode: under LoRA dropout the policy's own, where the loss pass draws its dropout). Unchanged when the
+    objective has no such hook or the minibatch is one micro-batch (it then computes them from its batch): the extra
+    forward is paid only by objectives that need it (P3O's ESS)."""
     chunks = plan.microbatches(minibatch)
     if len(chunks) < 2 or not learner.objective.uses_minibatch_statistics():
         return minibatch
-    parts = [learner.objective.minibatch_statistics(policy_batch(
-        plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state)) for rows in chunks]
+    with evaluating(learner.policy):  # the policy's statistics, not one draw of its (LoRA) dropout
+        parts = [learner.objective.minibatch_statistics(policy_batch(
+            plan, minibatch, forward_rows(learner.policy, plan, rows, phase="stats_forward_s"), state))
+            for rows in chunks]
     return dataclasses.replace(minibatch, stats=sum_statistics(parts))
 
 

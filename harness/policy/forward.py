@@ -252,6 +252,19 @@ def completion_hidden(model, prompt_ids: Tensor, prompt_mask: Tensor, completion
     return body.norm(hidden)
 
 
+@contextmanager
+def evaluating(model):
+    """``model`` in eval mode inside (dropout off: LoRA's ``model.lora.dropout``), its mode restored afterwards. The
+    no-grad forwards that stand for a policy (the sampler's, the recomputed old or proximal log-probs, a statistics
+    pass) are of the policy itself, not of one dropout draw; only the update's forwards train."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def checkpointing(model) -> bool:
     """Whether this forward of ``model`` recomputes its layers' activations in the backward pass (transformers'
     activation checkpointing is on, the model trains, and gradients are recorded)."""

@@ -20,6 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from harness.policy.architecture import positions, written_out_unsupported
 from harness.policy.decode import DECODERS, build_decoder, held_bytes
+from harness.policy.forward import evaluating
 from harness.policy.models import build_prompt
 from harness.policy.routing import Grid, RoutingRecord, routing_of, routing_unsupported, select_record_rows
 from harness.run.checks import register_check
@@ -320,9 +321,7 @@ def generate_ids(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, **se
     how = Sampling(**settings)
     if how.sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {how.sampler!r}")
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         if how.sampler == "hf":
             if not how.stop_at_eos:
                 raise ValueError("stop_at_eos=False needs the native sampler")
@@ -334,8 +333,6 @@ def generate_ids(model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, **se
                 # no autograd bookkeeping per op; what is returned is copied by the ops below
                 completion_ids, sampler_logp = _generate_native(model, prompt_ids, prompt_mask, how,
                                                                 tokenizer.eos_token_id)
-    finally:
-        model.train(was_training)
     ro = rollout_of(tokenizer, prompt_ids.repeat_interleave(how.group_size, dim=0),
                     prompt_mask.repeat_interleave(how.group_size, dim=0), completion_ids, sampler_logp)
     if how.record_routing:  # the grid's [prompt | max_new_tokens] cut to the completions' width, -1 off the real tokens
