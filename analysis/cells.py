@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from harness.run.config import memory_keys
+
 START_SEED = "model.seed"  # the starting policy's replicate: a run column (analysis/load.py), not a cell's setting
-NOT_SETTINGS = frozenset({"seed", START_SEED, "name", "results_dir", "threads", "profile", "objective.name",
-                          "train.lm_head_chunk", "train.activation_checkpointing", "train.eval_batch_size"})
+NOT_SETTINGS = frozenset({"seed", START_SEED, "name", "results_dir", "threads", "profile", "objective.name"})
+# and the memory settings that change no number of the run (harness/run/config.py memory_keys, as its run id)
 NOT_SETTING_PREFIXES = ("logging.", "profiles.", "sweep.", "lab.")
 UNKNOWN = "?"  # an axis value that no file states
 CODE = "code"  # the setting that holds a run's code version
@@ -79,7 +81,9 @@ def short_names(axes: list[str]) -> dict[str, str]:
 
 
 def settings(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in NOT_SETTINGS and not k.startswith(NOT_SETTING_PREFIXES)}
+    memory = memory_keys(config.get("train.pass_k"))  # eval_batch_size counts under pass@k
+    return {k: v for k, v in config.items()
+            if k not in NOT_SETTINGS and k not in memory and not k.startswith(NOT_SETTING_PREFIXES)}
 
 
 def canon(value) -> str:
@@ -116,6 +120,7 @@ def run_settings(runs: pd.DataFrame, configs: dict[str, dict], overrides: dict[s
         values = {canon(s.get(key, "unset")) for s in known.values()}
         if len(values) == 1:
             shared[key] = next(iter(known.values())).get(key, "unset")
+    own_code = runs.set_index("run_id")[CODE].to_dict() if CODE in runs else {}
     out, notes = {}, []
     for run_id in runs["run_id"]:
         if run_id in known:
@@ -123,6 +128,8 @@ def run_settings(runs: pd.DataFrame, configs: dict[str, dict], overrides: dict[s
         elif isinstance(overrides.get(run_id), dict):
             grid = settings(overrides[run_id])
             out[run_id] = {k: grid.get(k, shared.get(k, UNKNOWN)) for k in keys | set(grid)}
+            if CODE in keys:  # its own code version (its summary's), never the one the others share
+                out[run_id][CODE] = own if isinstance(own := own_code.get(run_id), str) and own else UNKNOWN
             if known:
                 notes.append(f"{run_id}: no readable config.yaml; its settings are manifest.json's grid point and the "
                              "values all other runs share")

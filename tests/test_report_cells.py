@@ -258,6 +258,44 @@ def test_a_seed_resumed_under_other_memory_settings_stays_a_seed_of_its_cell(tmp
     assert exp.cells.axes == [] and list(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2]
 
 
+def test_under_pass_at_k_the_eval_batch_size_is_a_setting_of_the_cell(tmp_path):
+    """With train.pass_k the eval batch size decides which random numbers each problem's samples draw (the run id
+    keeps it then): two runs that differ in it are two cells, not seeds of one."""
+    exp_dir = tmp_path / "passk"
+    entries = [fake_run(exp_dir, "grpo", s, {"train.pass_k": 4, "train.eval_batch_size": size})
+               for s, size in ((0, 8), (1, 64))]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == ["train.eval_batch_size"] and exp.runs["cell_id"].nunique() == 2
+
+
+def test_a_set_written_in_another_order_is_one_setting_of_one_cell(tmp_path):
+    """LoRA's target layers and the trust-region rules are sets (the run id orders them): two seeds that wrote one
+    set in two orders are seeds of one cell, not two cells of one seed each."""
+    exp_dir = tmp_path / "sets"
+    lora = {"model.lora.rank": 8}
+    entries = [fake_run(exp_dir, "grpo", 0, {**lora, "model.lora.target_modules": ["q_proj", "v_proj"],
+                                             "train.rollout_correction.rejection": ["token_k2", "seq_max_k2"],
+                                             "train.rollout_correction.rejection_threshold": [2.0, 3.0]}),
+               fake_run(exp_dir, "grpo", 1, {**lora, "model.lora.target_modules": ["v_proj", "q_proj"],
+                                             "train.rollout_correction.rejection": ["seq_max_k2", "token_k2"],
+                                             "train.rollout_correction.rejection_threshold": [3.0, 2.0]})]
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    assert exp.cells.axes == [] and list(eval_table(exp.runs, exp.cells.axes)["seeds"]) == [2]
+
+
+def test_a_run_without_its_config_keeps_its_own_code_version(tmp_path):
+    """Its settings come from the manifest's grid point and the values the other runs share, but its code version is
+    its own (its summary's): runs of two versions are never seeds of one cell."""
+    exp_dir = tmp_path / "noconf_code"
+    here = code_record()["version"]
+    entries = [fake_run(exp_dir, "grpo", s, {"train.lr": 1e-5}, summary_extra=code_segments(here)) for s in (0, 1)]
+    entries.append(fake_run(exp_dir, "grpo", 2, {"train.lr": 1e-5}, summary_extra=code_segments("deadbee")))
+    (exp_dir / entries[2]["run_id"] / "config.yaml").unlink()
+    exp, _ = load(fake_experiment(exp_dir, entries))
+    cells = exp.runs.set_index("run_id")["cell_id"]
+    assert cells[entries[2]["run_id"]] != cells[entries[0]["run_id"]] == cells[entries[1]["run_id"]]
+
+
 def test_duplicates_keep_the_ended_run(tmp_path):
     exp_dir = tmp_path / "dup"
     finished = fake_run(exp_dir, "grpo", 0, final=0.6, shape=Shape(name="b"))

@@ -887,10 +887,12 @@ def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
     making no other run: its objective's settings at the objective's own value (:func:`_is_own`: a run that writes
     grpo's estimator out is the run that does not; a hyperparameter left out stands for each objective's own value,
     whose raw value means another thing for each), and its hyperparameters that change nothing at its other values
-    (:func:`unused_setting`: kl_estimator at beta 0). Other settings stay as written, the ones that change nothing
+    (:func:`unused_setting`: kl_estimator at beta 0), with its sets in one order (:func:`canonical_values`: LoRA's
+    targets, the trust-region rules). Other settings stay as written, the ones that change nothing
     too (LoRA's at rank 0, which every config.yaml holds: left out of some runs, they would be cells' axes beside the
     rank). The report's cells pool runs on these. ``left_out``: the keys the run's own code judged so
     (:func:`settings_left_out`, which summary.json records), read instead of this code's objectives' own values."""
+    flat = flattened(canonical_values(nested(flat)))  # a set's members in one order: one setting, one cell
     if left_out is not None:
         return {key: value for key, value in flat.items() if key not in set(left_out)}
     name = flat.get("objective.name")
@@ -980,10 +982,16 @@ def _drop(tree: dict, path: list[str]) -> None:
 
 
 def memory_settings(run: DictConfig) -> tuple[str, ...]:
-    """The :data:`MEMORY_SETTINGS` that change no number of ``run``: ``train.eval_batch_size`` only without pass@k
-    (with ``train.pass_k`` it decides which random numbers each problem's samples draw: the sampler draws one per
-    row of each call)."""
-    return tuple(key for key in MEMORY_SETTINGS if key != "train.eval_batch_size" or not run.train.pass_k)
+    """The :data:`MEMORY_SETTINGS` that change no number of ``run``: :func:`memory_keys` of its ``train.pass_k``."""
+    return memory_keys(run.train.pass_k)
+
+
+def memory_keys(pass_k) -> tuple[str, ...]:
+    """The :data:`MEMORY_SETTINGS` that change no number of a run with this ``train.pass_k``:
+    ``train.eval_batch_size`` only without pass@k (with it, it decides which random numbers each problem's samples
+    draw: the sampler draws one per row of each call). The run id and the report's cells (analysis/cells.py) both
+    leave out these."""
+    return tuple(key for key in MEMORY_SETTINGS if key != "train.eval_batch_size" or not pass_k)
 
 
 def validate(run: DictConfig) -> None:
