@@ -148,13 +148,19 @@ def paired_units(a: dict, b: dict) -> dict:
     return out
 
 
+def common_units(strata: list[dict]) -> list[dict]:
+    """Each cell's units (key -> (policy, value, scores)) restricted to the keys every cell has, in one order."""
+    keys = sorted(set.intersection(*(set(units) for units in strata))) if strata else []
+    return [{key: units[key] for key in keys} for units in strata]
+
+
 def across_cells(per_cell: list[dict]) -> dict:
     """Units (key -> (policy, value, scores)) of several cells as one: the mean over the cells of each unit present
     in all of them; its scores the mean of the cells' where every cell has them on the same problems, else None."""
-    keys = sorted(set.intersection(*(set(units) for units in per_cell))) if per_cell else []
+    common = common_units(per_cell)
     out = {}
-    for key in keys:
-        parts = [units[key] for units in per_cell]
+    for key in common[0] if common else []:
+        parts = [units[key] for units in common]
         scores = [s for _, _, s in parts]
         same = all(s is not None and s.index.equals(scores[0].index) for s in scores)
         out[key] = (parts[0][0], float(np.mean([v for _, v, _ in parts])),

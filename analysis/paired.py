@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.accuracy import FINAL, across_cells, paired_units, resampled_values, runs_scores
+from analysis.accuracy import FINAL, across_cells, common_units, paired_units, resampled_values, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
 from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL
 from objectives import OBJECTIVES
@@ -128,12 +128,6 @@ def per_cell(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = Non
             if set(scores[a]) & set(scores[b]):
                 rows.append({"cell_id": cell_id, "cell": cell, "a": a, "b": b, **compare(scores[a], scores[b])})
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
-
-
-def common_units(strata: list[dict]) -> list[dict]:
-    """Each cell's units (key -> (policy, value, scores)) restricted to the keys every cell has, in one order."""
-    keys = sorted(set.intersection(*(set(units) for units in strata))) if strata else []
-    return [{key: units[key] for key in keys} for units in strata]
 
 
 def joint_draws(strata: list[dict]) -> list[np.ndarray]:

@@ -69,9 +69,9 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
     n, top = int(fewest[0]), fewest[1]
     if differ.empty:
         alone = tested[tested["p_value"] < ALPHA]["a"].tolist()  # the t-test: describe's range of 2 seeds is no test
-        ranges = ((tested["difference_low"] > 0) | (tested["difference_high"] < 0)).any()
+        shown_excludes = ((tested["difference_low"] > 0) | (tested["difference_high"] < 0)).any()  # a range
         why = (": no paired interval" if tested.empty else
-               ": every paired interval includes 0" if not alone and not ranges else
+               ": every paired interval includes 0" if not alone and not shown_excludes else
                ": no paired t-test excludes 0 at 95% (the range of 2 seeds is not a 95% interval)" if not alone else
                f": {' and '.join(alone)}'s interval{'s' * (len(alone) > 1)} alone exclude{'s' * (len(alone) == 1)} 0, "
                "not after the correction")
