@@ -740,6 +740,13 @@ class Objective:
             params["aggregation"] = cls.default_aggregation
         return params
 
+    @classmethod
+    def hyperparameter_kinds(cls) -> dict[str, type]:
+        """Each hyperparameter's declared kind (float, int, bool or str: :data:`HYPERPARAMETER_KINDS`), as its field
+        is annotated. A float hyperparameter given as an integer is that float (``__post_init__`` converts it)."""
+        hints = _type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
 
 # What an objective may need of the trainer that runs it beyond log-probs and advantages (``Objective.needs``); each
 # trainer declares the ones it provides (harness/loop/backends.py BACKENDS, the gradient lab) and

@@ -10,8 +10,21 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness.run.config import check_this_machine, load_experiment, run_configs, run_id
+from harness.run.config import (
+    _digest,
+    _ordered_sets,
+    check_this_machine,
+    counted_settings,
+    edited_after_written,
+    flattened,
+    load_experiment,
+    nested,
+    run_configs,
+    run_id,
+    settings_digest,
+)
 from harness.run.errors import ConfigError
+from harness.run.records import settings_differences
 
 
 @pytest.mark.parametrize("override, message", [
@@ -384,6 +397,36 @@ def test_two_grid_points_that_make_the_same_run_are_refused_in_one_line(grid, me
     with pytest.raises(ConfigError, match=message) as info:
         run_configs(load_experiment("base", [grid]))
     assert "\n" not in str(info.value)
+
+
+def test_a_float_hyperparameter_written_as_an_integer_is_that_float_in_the_run_id_the_cells_and_a_resume():
+    """``objective.params.beta=1`` computes what ``=1.0`` computes (the objective converts it): one run id, one cell,
+    a resume of the one by the other, one grid point; an integer hyperparameter and another value stay apart."""
+    def run(*overrides):
+        (only,) = run_configs(load_experiment("base", list(overrides)))
+        return only
+
+    one, other = (run(f"objective.params.beta={v}", "objective.params.clip_high=1") for v in ("1", "1.0"))
+    assert run_id(one) == run_id(other) != run_id(run("objective.params.beta=2", "objective.params.clip_high=1"))
+    flat_one, flat_other = (flattened(OmegaConf.to_container(c)) for c in (one, other))
+    assert flat_one["objective.params.beta"] == 1 and isinstance(flat_one["objective.params.beta"], int)
+    assert counted_settings(flat_one) == counted_settings(flat_other)
+    assert settings_digest(flat_one) == settings_digest(flat_other)
+    assert settings_differences(OmegaConf.to_container(one), other) == {}
+    with pytest.raises(ConfigError, match=r"^sweep.grid.objective.params.beta lists 1.0 more than once"):
+        run_configs(load_experiment("base", ["sweep.grid.objective.params.beta=[1,1.0]"]))
+    horizon = {"objective.name": "adaptive_kl", "objective.params.kl_horizon": 5}
+    assert counted_settings(horizon) == horizon  # an integer hyperparameter stays an integer
+
+
+def test_a_run_that_recorded_the_digest_of_its_integer_spelling_is_not_called_edited():
+    """Older code digested ``beta: 1`` as written (sets ordered): that digest still matches its config.yaml."""
+    flat = {"objective.name": "grpo", "objective.params.beta": 1, "train.lr": 1e-4,
+            "model.lora.target_modules": ["v_proj", "q_proj"]}
+    older = _digest(flattened(_ordered_sets(nested(dict(flat)))))
+    assert older != settings_digest(flat)
+    assert not edited_after_written(flat, {"settings_digest": older})
+    assert edited_after_written({**flat, "train.lr": 2e-4}, {"settings_digest": older})
 
 
 def test_train_old_logp_is_no_part_of_a_run_where_the_loop_recomputes_the_behaviour_log_probs():

@@ -743,19 +743,34 @@ def run_id(run: DictConfig) -> str:
     return f"{run.objective.name}-s{run.seed}-{digest}"
 
 
+def _section(tree, *path) -> dict:
+    """The section of a nested dict at ``path`` (itself, not a copy), or an empty dict where there is none."""
+    for name in path:
+        tree = tree.get(name) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else {}
+
+
 def canonical_values(values: dict) -> dict:
+    """A run's values (nested, changed in place) written one way for what computes the same: its float
+    hyperparameters given as integers as those floats (``objective.params.beta: 1`` is ``1.0``: the objective
+    converts it) and its sets in one order (:func:`_ordered_sets`)."""
+    objective = _section(values, "objective")
+    name, params = objective.get("name"), _section(objective, "params")
+    kinds = OBJECTIVES.get(name).hyperparameter_kinds() if isinstance(name, str) and name in OBJECTIVES else {}
+    for key, value in params.items():
+        if kinds.get(key) is float and isinstance(value, int) and not isinstance(value, bool):
+            params[key] = float(value)
+    return _ordered_sets(values)
+
+
+def _ordered_sets(values: dict) -> dict:
     """A run's values with its sets in one order: LoRA's target layers (the same adapters in any order) and the
     trust-region rules with their bounds (a token must pass every rule: :func:`canonical_rejection`)."""
-    def section(tree, *path) -> dict:
-        for name in path:
-            tree = tree.get(name) if isinstance(tree, dict) else None
-        return tree if isinstance(tree, dict) else {}
-
-    lora = section(values, "model", "lora")
+    lora = _section(values, "model", "lora")
     if isinstance(lora.get("target_modules"), list):
         lora["target_modules"] = sorted(lora["target_modules"], key=lambda name: (
             LORA_TARGETS.index(name) if name in LORA_TARGETS else len(LORA_TARGETS), str(name)))
-    correction = section(values, "train", "rollout_correction")
+    correction = _section(values, "train", "rollout_correction")
     if isinstance(correction.get("rejection"), list) and isinstance(correction.get("rejection_threshold"), list):
         correction["rejection"], correction["rejection_threshold"] = canonical_rejection(
             correction["rejection"], correction["rejection_threshold"])
@@ -859,8 +874,9 @@ def flattened(tree, prefix: str = "") -> dict:
 
 
 def settings_digest(flat: dict) -> str:
-    """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) with their sets in one order
-    (:func:`canonical_values`: a resume under the same rules in another order rewrites config.yaml in that order) less
+    """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) written one way
+    (:func:`canonical_values`: a resume under the same rules in another order, or ``beta: 1.0`` for ``1``, rewrites
+    config.yaml so) less
     where its results go and where metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep rewrites an ended run's
     trackers) and its memory settings (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a run it continues):
     summary.json's ``settings_digest``, which the report checks the config.yaml it reads against (an edit after the
@@ -877,9 +893,10 @@ def _digest(flat: dict) -> str:
 def edited_after_written(flat: dict, summary: dict) -> bool:
     """Whether a run's config.yaml settings (``flat``, dotted keys) are not those the run wrote, by the digest its
     summary.json records (:func:`settings_digest`; a run of older code recorded none: False, or the digest of the
-    settings as written, sets unordered: either matches)."""
+    settings as written, or with only their sets ordered: any of them matches)."""
     recorded = summary.get("settings_digest") if isinstance(summary, dict) else None
-    return bool(flat) and isinstance(recorded, str) and recorded not in (settings_digest(flat), _digest(flat))
+    return bool(flat) and isinstance(recorded, str) and recorded not in (
+        settings_digest(flat), _digest(flattened(_ordered_sets(nested(flat)))), _digest(flat))
 
 
 def counted_settings(flat: dict, left_out: list[str] | None = None) -> dict:
