@@ -25,7 +25,7 @@ import pandas as pd
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
-from harness.run.config import counted_settings, edited_after_written, flattened
+from harness.run.config import counted_settings, draws_from_model_seed, edited_after_written, flattened
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
 from harness.run.provenance import code_record, run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
@@ -464,8 +464,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         "objective": str(_first(entry.get("objective"), summary.get("objective"), config.get("objective.name"),
                                 "unknown")),
         "seed": _first(entry.get("seed"), summary.get("seed"), config.get("seed")),
-        # the starting policy's replicate (harness/run/config.py model.seed): the level above the seeds
-        START_SEED: _first(config.get(START_SEED), (entry.get("overrides") or {}).get(START_SEED)),
+        # the starting policy's replicate (harness/run/config.py model.seed): the level above the seeds; none where
+        # nothing is drawn from it (a pretrained model without a warm start or adapters: one starting policy)
+        START_SEED: _first(config.get(START_SEED), (entry.get("overrides") or {}).get(START_SEED))
+        if draws_from_model_seed(config) else None,
         "status": "stopped" if stopped else status,
         "steps_done": int(_first(summary.get("steps_done"), metrics["step"].max() if len(metrics) else None, 0)),
         "total_steps": _first(summary.get("total_steps"), config.get("train.steps")),

@@ -13,6 +13,8 @@ from analysis.cells import START_SEED
 from analysis.load import load_experiment
 from analysis.stats import describe
 from harness.apps.sweep import check_start_seeds
+from harness.run.config import load_experiment as load_config
+from harness.run.config import run_configs, run_id
 from harness.run.errors import ConfigError
 from tests.helpers.fake_runs import fake_experiment, fake_run
 from tests.helpers.tiny import tiny_run
@@ -112,8 +114,36 @@ def test_model_seed_swept_where_it_changes_nothing_is_refused(tmp_path):
     for run in hub:
         run.model.name = "HuggingFaceTB/SmolLM2-135M-Instruct"
     with pytest.raises(ConfigError, match="model.seed takes several values, but model HuggingFaceTB/SmolLM2-135M-"
-                                          "Instruct has no warm start"):
+                                          "Instruct has no warm start or adapters"):
         check_start_seeds(hub)
     for run in hub:
-        run.model.warm_start_steps = 10
+        run.model.lora.rank = 4
+    check_start_seeds(hub)  # LoRA's initial A is drawn from model.seed: other starting policies
+    for run in hub:
+        run.model.lora.rank, run.model.warm_start_steps = 0, 10
     check_start_seeds(hub)  # another warm start per value: other starting policies
+
+
+def test_model_seed_of_a_pretrained_model_without_warm_start_or_adapters_is_one_starting_policy(tmp_path):
+    """It draws nothing: two values are one run id (a grid over them is refused as the same run), and runs that
+    wrote two values are read as one starting policy, seeds of it (a duplicate counted once), not two replicates."""
+    hub = ["model.name=smollm2-135m-instruct"]
+    one, two = (run_configs(load_config("base", [*hub, f"model.seed={s}"]))[0] for s in (0, 1))
+    assert run_id(one) == run_id(two)
+    with pytest.raises(ConfigError, match=r"^sweep.grid.model.seed: 0 and 1 make the same run \(model.seed changes "
+                                          r"nothing for a pretrained model without a warm start or LoRA adapters"):
+        run_configs(load_config("base", [*hub, "sweep.grid.model.seed=[0,1]"]))
+    for drawn in (["model.lora.rank=4"], ["model.warm_start_steps=5"], []):
+        extra = drawn or ["model.name=tiny"]
+        ids = {run_id(run) for run in run_configs(load_config("base", [*hub, *extra, "sweep.grid.model.seed=[0,1]"]))}
+        assert len(ids) == 2, extra
+    exp = tmp_path / "pretrained"
+    entries = [fake_run(exp, "grpo", 0, {"model.name": "smollm2-135m-instruct", START_SEED: s}, final=0.3)
+               for s in (0, 1)]
+    entries += [fake_run(exp, "grpo", 1, {"model.name": "smollm2-135m-instruct", START_SEED: 1}, final=0.4)]
+    loaded = load_experiment(fake_experiment(exp, entries))
+    assert loaded.runs[START_SEED].isna().all() and loaded.runs["counted"].sum() == 2
+    assert any(line.startswith("duplicate runs: grpo, seed 0") for line in loaded.cells.duplicates)
+    tiny = tmp_path / "tiny"
+    kept = load_experiment(fake_experiment(tiny, [fake_run(tiny, "grpo", 0, {START_SEED: s}) for s in (0, 1)]))
+    assert sorted(kept.runs[START_SEED]) == [0, 1] and kept.runs["counted"].all()

@@ -31,11 +31,10 @@ from harness.apps.launchers import Job, Launcher, LocalLauncher, RunHandle, adop
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
-from harness.policy.models import TINY_MODELS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, check_writable, remove_stale_temporaries
-from harness.run.config import check_this_machine, memory_settings, run_configs, run_id
+from harness.run.config import check_this_machine, memory_settings, run_configs, run_id, unused_setting
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
 from harness.run.provenance import ALLOW_FLAG, check_code, check_one_version, code_record, ended_version
@@ -296,16 +295,16 @@ def check_baseline(baseline: str | None, runs: list[DictConfig], exp_dir: Path) 
 
 def check_start_seeds(runs: list[DictConfig]) -> None:
     """Refuse (ConfigError) a sweep whose runs differ in model.seed where it changes nothing: a hub model without a
-    warm start starts every run from the same pretrained policy, so its model.seed values are not starting policies
-    (the analysis would count them as replicates, analysis/cells.py START_SEED)."""
+    warm start or adapters starts every run from the same pretrained policy, so its model.seed values are not
+    starting policies (harness/run/config.py ``unused_setting``; one grid's such points are one run id, refused as the
+    same run: this says it of runs given together, the zoo's)."""
     if len({run.model.seed for run in runs}) < 2:
         return
-    same = sorted({run.model.name for run in runs if run.model.name not in TINY_MODELS and not
-                   run.model.warm_start_steps})
+    same = sorted({run.model.name for run in runs if unused_setting(run, "model.seed")})
     if same:
-        raise ConfigError(f"model.seed takes several values, but model {same[0]} has no warm start "
-                          "(model.warm_start_steps=0): each value is the same pretrained starting policy, not another "
-                          "one; sweep model.seed with a warm start or a tiny model")
+        raise ConfigError(f"model.seed takes several values, but model {same[0]} has no warm start or adapters "
+                          "(model.warm_start_steps=0, model.lora.rank=0): each value is the same pretrained starting "
+                          "policy, not another one; sweep model.seed with a warm start, LoRA adapters or a tiny model")
 
 
 def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, command: str) -> None:

@@ -39,9 +39,10 @@ from transformers import (
 )
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from harness.policy.tiny_moe import TINY_MOE, TinyMoeSpec, build_tiny_moe
+from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
 from harness.run.atomic import atomic_write, nearest_existing
 from harness.run.checks import register_check
+from harness.run.config import TINY_MODELS, TINY_MOE
 from harness.run.errors import ConfigError
 from harness.run.hub import hub_problem
 
@@ -49,8 +50,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_MODELS = ("tiny", TINY_MOE, EMBEDDED_NAME)  # model.name values that need nothing from the hub
-TINY_MODELS = ("tiny", TINY_MOE)  # built here at random (model.tiny: their shape), not loaded
+EMBEDDED_MODELS = (*TINY_MODELS, EMBEDDED_NAME)  # model.name values that need nothing from the hub
 CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 

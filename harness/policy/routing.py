@@ -87,8 +87,8 @@ from torch import Tensor
 
 from harness.policy.lora import adapted
 from harness.policy.models import EMBEDDED_MODELS
-from harness.policy.tiny_moe import TINY_MOE
 from harness.run.checks import register_check
+from harness.run.config import TINY_MOE
 from harness.run.errors import ConfigError
 
 REPLAY_MODES = ("none", "r2", "r3")  # train.routing_replay

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-TINY_MOE = "tiny_moe"  # its model.name
-
 
 @dataclass(frozen=True)
 class TinyMoeSpec:

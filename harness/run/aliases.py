@@ -154,8 +154,8 @@ ALIASES: dict[str, Alias] = {a.trl: a for a in (
           _loss_type, sets_objective=True),
     Alias("importance_sampling_level", "objective.name", "sequence: objective.name=gspo; token refused (choose "
           "objective.name)", _importance_sampling_level, sets_objective=True),
-    Alias("scale_rewards", "objective.advantage", "group: grpo, batch: batch_std, none: mean_only (ours add 1e-6 "
-          "to the std, TRL 1e-4)", _scale_rewards),
+    Alias("scale_rewards", "objective.advantage", "group: grpo, batch: batch_std, none: mean_only (grpo adds 1e-6 "
+          "to the std as verl, TRL 1e-4; batch_std 1e-4 as TRL)", _scale_rewards),
     Alias("entropy_coef", "objective.params.entropy_coef", "same (a static coefficient; TRL's "
           "use_adaptive_entropy has no equivalent)"),
     Alias("top_entropy_quantile", "objective.params.top_entropy_quantile", "same"),

@@ -93,6 +93,12 @@ class LoraSettings:
     export_merged: bool = False  # also write the base with the adapters merged in to final/merged/ (transformers')
 
 
+TINY_MOE = "tiny_moe"  # model.name of the char-level Qwen3-MoE (harness/policy/tiny_moe.py)
+TINY_MODELS = ("tiny", TINY_MOE)  # built at random from model.seed (model.tiny: their shape), not loaded
+# the settings that decide whether model.seed draws anything (draws_from_model_seed), with the schema's defaults
+MODEL_SEED_DRAWN_BY = {"model.name": "tiny", "model.warm_start_steps": 0, "model.lora.rank": 0}
+
+
 @dataclass
 class ModelConfig:
     # tiny (the char-level Llama), tiny_moe (a char-level Qwen3-MoE), smollm2-135m-instruct (embedded), a hub id or a
@@ -102,8 +108,9 @@ class ModelConfig:
     tiny: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # trainer precision: float32, bfloat16, float16 (weights and compute)
     sampler_dtype: str | None = None  # sample with a copy in this precision (train-inference mismatch); null = policy
-    # the starting policy: the tiny model's init and the warm start's batch order (its cache key); several values
-    # (sweep.grid.model.seed) are starting-policy replicates, the level above the seeds (analysis/cells.py)
+    # the starting policy: the tiny model's init, the warm start's batch order (its cache key) and LoRA's initial A;
+    # several values (sweep.grid.model.seed) are starting-policy replicates, the level above the seeds
+    # (analysis/cells.py); a pretrained model without a warm start or adapters has one (model.seed changes nothing)
     seed: int = 0
     warm_start_steps: int = 0  # supervised steps on the task's solutions before RL (cached); with a target: the cap
     # [low, high]: stop at the first check whose held-out greedy accuracy is in the band (an error if the cap is hit
@@ -935,7 +942,8 @@ def unused_setting(run: DictConfig, key: str) -> str | None:
     adapters); the rollout correction's thresholds at mode none (its rules' bounds without rules are refused); an
     objective's hyperparameters that it declares inert at its values (``Objective.inert_hyperparameters``:
     kl_estimator at beta 0); ``train.old_logp`` where the loop recomputes the behaviour log-probs whatever it says
-    (harness/run/offpolicy.py ``recompute_forced``)."""
+    (harness/run/offpolicy.py ``recompute_forced``); ``model.seed`` where nothing is drawn from it
+    (:func:`draws_from_model_seed`: a pretrained model without a warm start or adapters)."""
     return unused_settings(run, [key]).get(key)
 
 
@@ -967,10 +975,22 @@ def unused_settings(run: DictConfig, keys) -> dict[str, str]:
         elif key == "train.old_logp" and "train" in run and recompute_forced(run.train):
             why[key] = ("train.old_logp changes nothing where the loop recomputes the behaviour log-probs (a rollout "
                         "correction, trust-region rules or routing replay)")
+        elif key == "model.seed" and not draws_from_model_seed(
+                {k: OmegaConf.select(run, k, default=d) for k, d in MODEL_SEED_DRAWN_BY.items()}):
+            why[key] = ("model.seed changes nothing for a pretrained model without a warm start or LoRA adapters, "
+                        "whose one starting policy it is; model.warm_start_steps or model.lora.rank > 0 make others")
         elif key.startswith("objective.params.") and key.removeprefix("objective.params.") in inert:
             why[key] = (f"objective {run.objective.name} declares {key.removeprefix('objective.params.')} inert at "
                         "these values")
     return why
+
+
+def draws_from_model_seed(values: Mapping) -> bool:
+    """Whether a run draws its starting policy from model.seed: a tiny model's init, a warm start's batch order,
+    LoRA's initial A (harness/loop/build.py). ``values``: the run's settings by dotted key, those of
+    :data:`MODEL_SEED_DRAWN_BY` read (one left out: the schema's default)."""
+    name, warm_start_steps, lora_rank = (values.get(key, default) for key, default in MODEL_SEED_DRAWN_BY.items())
+    return name in TINY_MODELS or bool(warm_start_steps) or bool(lora_rank)
 
 
 def _inert(run: DictConfig) -> frozenset[str]:

@@ -117,7 +117,8 @@ NAMES: tuple[Name, ...] = (
     Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
          meaning="SAPO's gate temperature for A <= 0"),
     Name("objective.advantage",
-         "`scale_rewards` (group: grpo, batch: batch_std, none: mean_only; TRL's std + 1e-4, ours + 1e-6)",
+         "`scale_rewards` (group: grpo, batch: batch_std, none: mean_only; TRL's std + 1e-4, ours + 1e-6 but "
+         "batch_std's + 1e-4)",
          "`algorithm.adv_estimator` (+ `norm_adv_by_std_in_grpo`)"),
     Name("train.steps", "`max_steps` = steps x num_minibatches x epochs", "`trainer.total_training_steps`"),
     Name("train.prompts_per_step", "`generation_batch_size` = prompts_per_step x group_size",
