@@ -681,7 +681,7 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
     listed twice (``seed=[0,0]``), two spellings of one value (``1e-4`` and ``0.0001``, equal once parsed into the
     run's config), values of a memory setting (not part of the run id: they change no number), of where results go
     (:data:`NOT_IN_RUN_ID`), of a setting that changes nothing in any of the grid's runs (:func:`unused_setting`),
-    or an objective's own value and its default (``objective.advantage=[null, grpo]`` for grpo: :func:`at_own_value`).
+    or an objective's own value and its default (``objective.advantage=[null, grpo]`` for grpo: :func:`_is_own`).
     Two values that make two runs elsewhere in the grid (``threshold`` crossed with
     ``rollout_correction.mode=[none, token_mask]``; that estimator crossed with objective.name=[grpo, a2po];
     ``aggregation=['', token_mean]`` crossed with [grpo, dapo]) make one run where they are one, not a refusal."""
@@ -847,12 +847,6 @@ def _is_own(name, key: str, value) -> bool:
     return key in own and _same_setting(_stands_for(name, key, value), own[key])
 
 
-def at_own_value(run: DictConfig, key: str) -> bool:
-    """Whether the setting ``key`` (dotted) of ``run`` is one of its objective's at the objective's own value: the
-    run is then the one without it."""
-    return _is_own(run.objective.name, key, OmegaConf.select(run, key))
-
-
 def beyond_own_values(name: str, settings: dict) -> dict:
     """An objective's ``settings`` as the lab writes them (``lab.params.<name>``: ``advantage`` and its
     hyperparameters by name) less those at objective ``name``'s own value: the same lab with them or without."""
@@ -903,11 +897,10 @@ def flattened(tree, prefix: str = "") -> dict:
 def settings_digest(flat: dict) -> str:
     """The digest of a run's settings (``flat``: its config.yaml's, dotted keys) written one way
     (:func:`canonical_values`: a resume under the same rules in another order, or ``beta: 1.0`` for ``1``, rewrites
-    config.yaml so) less
-    where its results go and where metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep rewrites an ended run's
-    trackers) and its memory settings (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a run it continues):
-    summary.json's ``settings_digest``, which the report checks the config.yaml it reads against (an edit after the
-    run wrote it)."""
+    config.yaml so) less where its results go and where metrics are sent (:data:`NOT_IN_RUN_ID`: a later sweep
+    rewrites an ended run's trackers) and its memory settings (:data:`MEMORY_SETTINGS`: a sweep rewrites them for a
+    run it continues): summary.json's ``settings_digest``, which the report checks the config.yaml it reads against
+    (an edit after the run wrote it)."""
     return _digest(flattened(canonical_values(nested(flat))))
 
 
