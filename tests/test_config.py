@@ -419,6 +419,25 @@ def test_a_float_hyperparameter_written_as_an_integer_is_that_float_in_the_run_i
     assert counted_settings(horizon) == horizon  # an integer hyperparameter stays an integer
 
 
+def test_the_runs_of_a_sweep_share_no_node_and_keep_the_schemas_types():
+    """run_configs copies the merged base once per run and moves the run's sections out of it: a change to one run
+    reaches no other run, nor a later expansion of the same config; each section keeps its schema type (a misspelt
+    key is refused, a value of the wrong type too)."""
+    cfg = load_experiment("base", ["sweep.grid.seed=[0,1]"])
+    first, second = run_configs(cfg)
+    first.train.lr, first.objective.params.beta = 0.5, 0.25
+    first.model.lora.target_modules.append("lm_head")
+    again = run_configs(cfg)[1]
+    for run in (second, again):
+        assert run.train.lr != 0.5 and "beta" not in run.objective.params
+        assert "lm_head" not in run.model.lora.target_modules
+    assert OmegaConf.get_type(second.train).__name__ == "TrainConfig" and "sweep" not in second
+    with pytest.raises(Exception, match="lrr"):
+        second.train.lrr = 1.0
+    with pytest.raises(Exception, match="steps"):
+        second.train.steps = "many"
+
+
 def test_a_run_that_recorded_the_digest_of_its_integer_spelling_is_not_called_edited():
     """Older code digested ``beta: 1`` as written (sets ordered): that digest still matches its config.yaml."""
     flat = {"objective.name": "grpo", "objective.params.beta": 1, "train.lr": 1e-4,
