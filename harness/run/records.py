@@ -168,16 +168,6 @@ IGNORED_ON_RESUME = NOT_IN_RUN_ID  # settings that do not change a run
 NOT_RUN_SETTINGS = (*NOT_RUN_SECTIONS, "profile")  # not part of a run's config.yaml
 
 
-def _flat(value, prefix: str = "") -> dict:
-    """A nested config as {dotted key: value} (empty mappings dropped: they hold nothing)."""
-    if not isinstance(value, dict):
-        return {prefix.rstrip("."): value}
-    out = {}
-    for key, item in value.items():
-        out.update(_flat(item, f"{prefix}{key}.") if isinstance(item, dict) else {f"{prefix}{key}": item})
-    return out
-
-
 def _shown(value) -> str:
     return "(unset)" if value is _UNSET else "null" if value is None else str(value)
 
@@ -193,7 +183,7 @@ def listed(items: list[str], most: int = 6) -> str:
 def plain_differences(old: dict, new: dict) -> list[str]:
     """``key old -> new`` for every dotted key whose value differs between the nested ``old`` and ``new`` (a key on one
     side only shows as ``(unset)`` on the other); no default or resume rule applies (:func:`settings_differences`)."""
-    before, after = _flat(old), _flat(new)
+    before, after = flattened(old), flattened(new)
     return [f"{key} {_shown(before.get(key, _UNSET))} -> {_shown(after.get(key, _UNSET))}"
             for key in dict.fromkeys([*before, *after]) if before.get(key, _UNSET) != after.get(key, _UNSET)]
 
@@ -205,9 +195,9 @@ def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     objective's own estimator (given explicitly, either is the same run: :func:`harness.run.config.objective_defaults`);
     values are compared as numbers where one side holds a number and the other its text (a config.yaml that kept an
     interpolation such as ``${oc.env:LR}`` resolves to text)."""
-    defaults = _flat(schema_defaults())
+    defaults = flattened(schema_defaults())
     # the objective's settings as the values they stand for (null: its own estimator; "" aggregation: its own)
-    old, new = (own_values_written(_flat(canonical_values(copy.deepcopy(c))))
+    old, new = (own_values_written(flattened(canonical_values(copy.deepcopy(c))))
                 for c in (saved, OmegaConf.to_container(cfg, resolve=True)))  # sets in one order: the same run
     old_params, new_params = (objective_defaults(flat.get("objective.name")) for flat in (old, new))
     differences = {}
