@@ -534,9 +534,10 @@ class Objective:
 
     def _checked(self, name: str, value, kind):
         where = f"objective {self.name!r}: hyperparameter {name}"
+        if not of_kind(value, kind):
+            raise TypeError(f"{where} must be {KIND_WORDS[kind]}, got {value!r}"
+                            + ("" if kind in (bool, str) else f" ({type(value).__name__})"))
         if kind is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{where} must be finite, got {value}")
@@ -549,16 +550,10 @@ class Objective:
             if value > 1 and name in self.shares:
                 raise ValueError(f"{where} must be <= 1 (a share of the valid tokens; 1 is all of them), got {value}")
         elif kind is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
             if value < 0 and name not in self.signed:
                 raise ValueError(f"{where} must be >= 0, got {value}")
             if value >= SEED_BOUND and name in self.seeds:
                 raise ValueError(f"{where} must be a seed in [0, 2**32) (numpy's and torch's seeds), got {value}")
-        elif kind is bool and not isinstance(value, bool):
-            raise TypeError(f"{where} must be true or false, got {value!r}")
-        elif kind is str and not isinstance(value, str):
-            raise TypeError(f"{where} must be a string, got {value!r}")
         return value
 
     def validate(self) -> None:
@@ -701,11 +696,7 @@ class Objective:
     def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
         n_valid = batch.mask.sum().clamp(min=1)
         batch, entropy_keep, masking = self.token_masks(batch)
-        loss, metrics = self.policy_loss(batch)
-        if not isinstance(loss, Tensor) or loss.dim() != 0:
-            raise ValueError(f"objective {self.name!r}: policy_loss returned a loss of shape "
-                             f"{list(getattr(loss, 'shape', []))} ({type(loss).__name__}); reduce it to one number "
-                             "with aggregate or sequence_aggregate")
+        loss, metrics = self._checked_output(self.policy_loss(batch))
         metrics = {**metrics, **masking}
         metrics["pg_loss"] = loss.item()
         entropy_coef = self.entropy_bonus_coef()
@@ -732,6 +723,23 @@ class Objective:
             loss = loss + self.reference_kl_coef() * term
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
+
+    def _checked_output(self, output) -> tuple[Tensor, dict[str, float]]:
+        """:meth:`policy_loss`'s output when it is (a 0-dim loss tensor, a dict of metrics that are numbers); else one
+        line naming what is wrong and the fix, at the first loss rather than where the metrics are written."""
+        if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
+            raise TypeError(f"objective {self.name!r}: policy_loss must return (loss, metrics), a 0-dim tensor and a "
+                            f"dict of floats; it returned {type(output).__name__}")
+        loss, metrics = output
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise ValueError(f"objective {self.name!r}: policy_loss returned a loss of shape "
+                             f"{list(getattr(loss, 'shape', []))} ({type(loss).__name__}); reduce it to one number "
+                             "with aggregate or sequence_aggregate")
+        for key, value in metrics.items():
+            if not isinstance(value, int | float):
+                raise TypeError(f"objective {self.name!r}: metric {key!r} is a {type(value).__name__}, not a number: "
+                                "report a float (a tensor's .item())")
+        return loss, metrics
 
     @classmethod
     def hyperparameters(cls) -> dict[str, object]:
@@ -784,6 +792,7 @@ def check_lifecycle_declared(name: str, cls: type[Objective]) -> None:
 
 
 HYPERPARAMETER_KINDS = (float, int, bool, str)  # what a hyperparameter field may be (anything else: a ClassVar)
+KIND_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}  # each kind, in a message
 
 
 def check_declared(name: str, cls) -> None:
@@ -811,7 +820,37 @@ def as_dataclass(name: str, cls: type[Objective]) -> type[Objective]:
             raise TypeError(f"objective {name!r}: hyperparameter {field.name} is annotated {shown}; a "
                             "hyperparameter is a float, int, bool or str (anything else: a ClassVar, or an attribute "
                             "set in __post_init__ or setup)")
+        if not of_kind(field.default, kind):
+            raise TypeError(f"objective {name!r}: hyperparameter {field.name}'s default {field.default!r} is not "
+                            f"{KIND_WORDS[kind]}, as its annotation {kind.__name__} says: give a default of that kind")
     return cls
+
+
+def of_kind(value, kind: type) -> bool:
+    """Whether ``value`` is a hyperparameter value of ``kind`` (:data:`HYPERPARAMETER_KINDS`): a float takes an
+    integer (it is converted), no number takes a bool."""
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_plain_attributes(name: str, cls: type[Objective]) -> None:
+    """Refuse a number or string set on the class without an annotation, unless it overrides one of the base's
+    ClassVars (``default_aggregation = "token_mean"``): dataclass leaves such an attribute out of the hyperparameters
+    (``scale = 1.0``), or keeps an inherited hyperparameter's old default under it (``clip_high = 0.28``), silently."""
+    own = cls.__dict__.get("__annotations__", {})
+    hints = typing.get_type_hints(cls)
+    for attr, value in vars(cls).items():
+        if attr.startswith("_") or attr.isupper() or attr in own or not isinstance(value, int | float | str):
+            continue
+        if typing.get_origin(hints.get(attr)) is ClassVar:
+            continue
+        inherited = " (the inherited hyperparameter keeps its default)" if attr in hints else ""
+        raise TypeError(f"objective {name!r}: {attr} = {value!r} has no annotation, so it is no hyperparameter"
+                        f"{inherited}: write {attr}: {type(value).__name__} = {value!r}, or ClassVar[...] for a "
+                        "constant")
 
 
 def register_objective(name: str):
@@ -837,6 +876,7 @@ def register_objective(name: str):
         if cls.policy_loss is Objective.policy_loss:
             raise TypeError(f"objective {name!r}: {cls.__qualname__} defines no policy_loss(self, batch) -> (loss, "
                             "metrics)")
+        check_plain_attributes(name, cls)
         cls.name = name
         return register(as_dataclass(name, cls))
 

@@ -30,6 +30,7 @@ from objectives import (
     register_objective,
 )
 from objectives.base import AGGREGATIONS, sum_statistics
+from objectives.grpo import GRPO
 from tests.helpers.objectives import (
     ADV,
     DT,
@@ -466,10 +467,13 @@ def test_every_objective_reports_the_common_metrics_and_has_a_docstring(name):
     out, _ = run(name, group_batch())
     for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
                 "ratio_std", "pg_loss", "kl_behavior"):
+        assert key in out.metrics, f"{name}: its metrics lack {key}: report clip_metrics(...) and ratio_metrics(...)"
         assert isinstance(out.metrics[key], float) and math.isfinite(out.metrics[key]), key
     cls = objectives.OBJECTIVES.get(name)
     module = sys.modules[cls.__module__]
-    assert re.search(r"arXiv \d{4}\.\d{4,5}", module.__doc__), f"{name}: module docstring must cite the paper"
+    assert re.search(r"arXiv \d{4}\.\d{4,5}", module.__doc__ or ""), (
+        f"{name}: its module's docstring must cite the paper (arXiv id), with the formula and the reference "
+        "implementation (README.md, Adding an objective)")
     assert cls.default_advantage in objectives.available_advantages()
     assert get_objective(name).hyperparameters() == cls.hyperparameters()
 
@@ -653,6 +657,13 @@ def declared_wrong(case: str):
     elif case == "list":
         register_objective("wrong")(type("Listed", (Loss,), {"__annotations__": {"clips": "list"}, "clips": None,
                                                              "__module__": __name__}))
+    elif case == "default of another kind":
+        register_objective("wrong")(type("Halves", (Loss,), {"__annotations__": {"steps": "int"}, "steps": 0.5,
+                                                             "__module__": __name__}))
+    elif case == "no annotation":
+        register_objective("wrong")(type("Bare", (Loss,), {"scale": 1.0, "__module__": __name__}))
+    elif case == "inherited without annotation":
+        register_objective("wrong")(type("Wider", (GRPO,), {"clip_high": 0.28, "__module__": __name__}))
 
 
 @pytest.mark.parametrize("case, said", [
@@ -664,7 +675,15 @@ def declared_wrong(case: str):
                    "hyperparameter a default"),
     ("list", "objective 'wrong': hyperparameter clips is annotated list; a hyperparameter is a float, int, bool or "
              "str"),
-], ids=["name", "not_an_objective", "no_policy_loss", "no_default", "list"])
+    ("default of another kind", r"objective 'wrong': hyperparameter steps's default 0.5 is not an integer, as its "
+                                r"annotation int says"),
+    ("no annotation", r"objective 'wrong': scale = 1.0 has no annotation, so it is no hyperparameter: write "
+                      r"scale: float = 1.0, or ClassVar\[...\] for a constant$"),
+    ("inherited without annotation", r"objective 'wrong': clip_high = 0.28 has no annotation, so it is no "
+                                     r"hyperparameter \(the inherited hyperparameter keeps its default\): write "
+                                     r"clip_high: float = 0.28"),
+], ids=["name", "not_an_objective", "no_policy_loss", "no_default", "list", "default_kind", "no_annotation",
+        "inherited_no_annotation"])
 def test_a_class_declared_wrong_is_refused_when_it_registers_in_one_line(case, said):
     """What a new objective file can get wrong is one line when it registers (so its import names the file and line:
     objectives/registry.py), not an AttributeError or a silent acceptance later; nothing is registered."""
@@ -687,6 +706,27 @@ def test_a_loss_that_is_not_one_number_is_named():
                                          r"\(Tensor\); reduce it to one number with aggregate or sequence_aggregate"):
         dataclasses.dataclass(PerToken)()(batch)
     assert Loss()(batch).loss.dim() == 0
+
+@pytest.mark.parametrize("output, said", [
+    ("loss", r"^objective 'outputs': policy_loss must return \(loss, metrics\), a 0-dim tensor and a dict of floats; "
+             r"it returned Tensor$"),
+    ("tensor metric", r"^objective 'outputs': metric 'mine' is a Tensor, not a number: report a float \(a tensor's "
+                      r"\.item\(\)\)$"),
+])
+def test_a_loss_without_its_metrics_or_with_a_tensor_metric_is_named(output, said):
+    """policy_loss returns (loss, metrics of floats): a bare loss, or a metric left a tensor, is one line at the first
+    loss, not "iteration over a 0-d tensor" there or "not JSON serializable" when the step's metrics are written."""
+    class Outputs(Loss):
+        def policy_loss(self, batch):
+            loss = -(batch.logp * batch.token_advantages).sum() / batch.mask.sum()
+            return loss if output == "loss" else (loss, {"mine": loss.detach()})
+
+    Outputs.name = "outputs"
+    batch = PolicyBatch(logp=torch.zeros(2, 3, dtype=DT, requires_grad=True), old_logp=torch.zeros(2, 3, dtype=DT),
+                        mask=torch.ones(2, 3, dtype=DT), advantages=torch.tensor([1.0, -1.0], dtype=DT))
+    with pytest.raises(TypeError, match=said):
+        dataclasses.dataclass(Outputs)()(batch)
+
 
 def example_source() -> str:
     """The README's worked example (so the documented code is the tested one); its absence is a failure."""

@@ -317,19 +317,21 @@ def own_hyperparameters(name: str) -> dict[str, object]:
 
 def first_sentence(text: str) -> str:
     """Up to the first full stop that ends a sentence, one followed by a space or the end (not the dots of
-    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "et al.", "Dr.")."""
-    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\bal)(?<!\bDr)"
-                      r"[.!?](?=\s|$)", text)
+    "2507.18071" or of the abbreviations "e.g.", "i.e.", "vs.", "cf.", "Fig.", "Sec.", "Eq.", "eq.", "et al.",
+    "Dr.")."""
+    match = re.search(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)(?<!\bFig)(?<!\bSec)(?<!\bEq)(?<!\beq)(?<!\bal)"
+                      r"(?<!\bDr)[.!?](?=\s|$)", text)
     return text[: match.end()] if match else text
 
 
 def objective_paper(name: str) -> str:
     """Objective ``name``'s source in a few words, from the first paragraph of its module's docstring: the name
-    before its " — " and the arXiv ids it cites, or (none cited) its first sentence."""
+    before its " — " (else its first sentence) and the arXiv ids the paragraph cites that it does not show."""
     doc = inspect.getdoc(sys.modules[OBJECTIVES.get(name).__module__]) or ""
     head = " ".join(doc.split("\n\n")[0].split())
-    ids = list(dict.fromkeys(re.findall(r"arXiv (\d{4}\.\d{4,5})", head)))
-    return f"{head.split(' — ')[0]}, arXiv {', '.join(ids)}" if ids else first_sentence(head)
+    shown = head.split(" — ")[0] if " — " in head else first_sentence(head)
+    ids = [i for i in dict.fromkeys(re.findall(r"arXiv (\d{4}\.\d{4,5})", head)) if i not in shown]
+    return f"{shown}, arXiv {', '.join(ids)}" if ids else shown
 
 
 def objectives_taking(param: str) -> list[str]:
