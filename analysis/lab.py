@@ -289,7 +289,7 @@ def build_lab_report(folder: str | Path) -> Path:
         atomic_write(folder / f"{name}.csv", table.to_csv(index=False))
     try:
         write_into(folder / "report", lambda tmp: write_lab_report(folder, batches, found, tmp),
-                   earlier=("report.md", "# Gradient lab: "))
+                   earlier=("report.md", "# Gradient lab: "), entries=("report.html",))
     except ForeignFileError as e:
         raise LabError(str(e)) from None
     return folder / "report" / "report.md"

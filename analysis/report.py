@@ -15,8 +15,6 @@ import base64
 import html
 import json
 import re
-import shutil
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +42,14 @@ from analysis.stats import (
     rate_interval,
     top_units,
 )
-from harness.run.atomic import TMP, WRITTEN, ForeignFileError, check_writable, write_into
+from harness.run.atomic import (
+    TMP,
+    WRITTEN,
+    ForeignFileError,
+    check_writable,
+    remove_dead_writers_temporaries,
+    write_into,
+)
 from harness.run.config import objective_defaults
 from harness.run.errors import ConfigError
 from harness.run.provenance import code_record, versions_lines
@@ -57,7 +62,6 @@ FIGURES = {"curves_step": "Accuracy and reward against training step",
            "stability": "Stability diagnostics against training step",
            "clip_fraction": "Clip fraction: this run (measured) vs the GSPO paper (reported)",
            "final_eval": "Final eval accuracy per objective"}
-STALE_S = 3600  # a temporary report folder older than this was left by a killed analysis
 IDENTITY_COLUMNS = {"run_id", "objective", "seed", START_SEED, "cell", "cell_id", "counted"}  # the run's naming columns
 ENDED = "ended (finished, or diverged: stopped by the loop for non-finite updates, scored by its last eval)"
 
@@ -490,13 +494,13 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
         check_writable(out_dir, "report folder", "choose another --out")
     except ConfigError as e:
         raise AnalysisError(str(e)) from None
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
+    # a folder of one's own is not written into; a killed write may have left only its list's temporary there
+    held = [p for p in out_dir.iterdir() if p.name != WRITTEN + TMP] if out_dir.is_dir() else []
+    if held and not any((out_dir / n).exists() for n in ("report.md", WRITTEN)):
         raise AnalysisError(f"{out_dir} is not empty and holds no report.md: refusing to write into it; choose another "
                             "--out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.*{TMP}"):  # a killed writer's (another may be writing now)
-        if time.time() - stale.stat().st_mtime > STALE_S:
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_dead_writers_temporaries(out_dir)  # a killed analysis's (another may be writing now: its writer lives)
 
     def write(tmp: Path) -> None:
         tmp.mkdir()
@@ -504,7 +508,7 @@ def build_report(exp_dir: str | Path | list[str | Path], out: str | Path | None 
             write_report(exp, tmp, smooth, formats, paper, data_warnings, baseline, latex)
 
     try:
-        write_into(out_dir, write, earlier=("report.md", "# Report: "))
+        write_into(out_dir, write, earlier=("report.md", "# Report: "), entries=("report.html",))
     except ForeignFileError as e:
         raise AnalysisError(str(e)) from None
     return out_dir / "report.md"

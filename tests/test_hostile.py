@@ -26,7 +26,7 @@ from harness.apps.cli import main
 from harness.apps.launchers import make_launcher, open_log
 from harness.apps.sweep import run_entry
 from harness.loop.trl_limits import trl_extra_args, world_size
-from harness.run.atomic import ForeignFileError, remove_stale_temporaries, write_into
+from harness.run.atomic import ForeignFileError, remove_dead_writers_temporaries, remove_stale_temporaries, write_into
 from harness.run.commandline import build_parser
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -321,6 +321,73 @@ def test_a_report_written_while_a_sweep_starts_on_the_folder_is_not_swept_away(t
 # a process id no process can have (above Linux's largest pid_max, 2**22): a dead writer's, whatever else runs (the
 # id of a process that has just ended could be given to a new one)
 NO_PROCESS = 2**31 - 2
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_write", "over_a_report"])
+def test_a_report_killed_while_its_files_move_in_has_no_report_md_beside_another_writes_files(tmp_path, monkeypatch,
+                                                                                             first):
+    """Wherever the kill comes in write_into's renames, a report.md (or report.html) in the folder stands beside the
+    files of its own write only (the entries go first and come back last); the next run writes the whole report."""
+    old = {"report.md": "old", "report.html": "old", "a.png": "old", "gone.csv": "old"}
+    new = {"report.md": "new", "report.html": "new", "a.png": "new", "b.png": "new", "sub/c.csv": "new"}
+    real, moves = os.replace, 0
+    for kill_at in range(1, len(new) + 2):
+        out = tmp_path / f"{first}{kill_at}" / "report"
+        out.parent.mkdir()
+        if not first:
+            write_into(out, writer(old), earlier=EARLIER, entries=("report.html",))
+
+        def replace(src, dst, *, kill_at=kill_at):
+            nonlocal moves
+            if Path(src).parent.name.endswith(".tmp") or Path(src).parent.parent.name.endswith(".tmp"):
+                moves += 1
+                if moves == kill_at:
+                    raise KeyboardInterrupt  # a kill between two renames
+            return real(src, dst)
+
+        moves = 0
+        monkeypatch.setattr(os, "replace", replace)
+        with contextlib.suppress(KeyboardInterrupt):
+            write_into(out, writer(new), earlier=EARLIER, entries=("report.html",))
+        monkeypatch.setattr(os, "replace", real)
+        held = {name: text for name, text in files(out).items() if name != ".written"}
+        if "report.md" in held:
+            assert held == new, (kill_at, held)
+        if "report.html" in held:
+            assert {n: held[n] for n in held if n != "report.md"} == {n: new[n] for n in new if n != "report.md"}
+        write_into(out, writer(new), earlier=EARLIER, entries=("report.html",))  # run again: the whole report
+        assert {n: t for n, t in files(out).items() if n != ".written"} == new
+
+
+def test_only_a_dead_writers_temporaries_of_the_report_folder_are_removed_beside_it(tmp_path):
+    """A killed analysis leaves ``.report.<pid>.tmp``; the next one removes it when its process is dead, and nothing
+    else beside the folder, however old (a folder of one's own named ``.report.backup.tmp`` was removed)."""
+    dead, swapped = tmp_path / f".report.{NO_PROCESS}.tmp", tmp_path / f".report.{NO_PROCESS}.old.tmp"
+    live, mine, other = (tmp_path / f".report.{os.getpid()}.tmp", tmp_path / ".report.backup.tmp",
+                         tmp_path / f".reports.{NO_PROCESS}.tmp")
+    for path in (dead, swapped, live, mine, other):
+        path.mkdir()
+        os.utime(path, (0, 0))  # as old as can be
+    (mine / "notes.txt").write_text("precious")
+    assert remove_dead_writers_temporaries(tmp_path / "report") == sorted([dead, swapped])
+    assert live.is_dir() and other.is_dir() and (mine / "notes.txt").read_text() == "precious"
+
+
+@pytest.mark.slow  # the report's figures
+def test_a_report_folder_a_kill_left_with_only_its_lists_temporary_is_written(tmp_path):
+    """A kill between making the report folder and renaming its list in left only ``.written.tmp`` there: the
+    analysis refused that folder ever after ("not empty and holds no report.md"), and so did the sweep."""
+    from analysis.report import build_report
+
+    exp = fake_experiment(tmp_path / "exp", [fake_run(tmp_path / "exp", "grpo", 0)])
+    out = tmp_path / "exp" / "report"
+    out.mkdir()
+    (out / ".written.tmp").write_text("report.md\n")
+    assert build_report(exp, formats=("png",)).is_file()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="is not empty and holds no report.md"):
+        build_report(exp, tmp_path / "mine", formats=("png",))
 
 
 def test_a_live_writers_temporary_is_kept_and_a_dead_ones_removed(tmp_path):

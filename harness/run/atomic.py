@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import re
 import shutil
@@ -273,7 +274,8 @@ def _begins(path: Path, heading: str) -> bool:
         return False
 
 
-def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[str, str]) -> list[Path]:
+def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[str, str],
+               entries: tuple[str, ...] = ()) -> list[Path]:
     """Write the files ``write(tmp)`` makes in a temporary folder into ``folder`` one by one, each renamed into place
     (a reader sees each file old or new, never a part); the files of the previous write that this one no longer makes
     are removed; returns the files written. Any other file in ``folder`` (a draft beside a report) is never touched:
@@ -282,7 +284,10 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[st
     beginning "# Report: " (a folder of one's own holding a report.md of one's own is not a report folder). A file
     of the same name that the harness did
     not write is refused (:class:`ForeignFileError`, before anything in ``folder`` changes). The list is written
-    first with the old and the new files, so a kill halfway leaves every file of the harness listed."""
+    first with the old and the new files, so a kill halfway leaves every file of the harness listed. The entry files
+    (``entries``, the files a reader opens: report.html, and ``earlier[0]``, report.md, last) are removed first and
+    renamed in last, after the old files this write no longer makes are gone: wherever a kill comes, an entry file in
+    ``folder`` stands beside the files of its own write only (a killed write leaves report.md out: run it again)."""
     folder = Path(folder)
     if folder.is_symlink():  # a link put there (to a folder of one's own): never written through
         raise ForeignFileError(f"{folder} is a link (to {os.readlink(folder)}), which the harness did not make: it "
@@ -299,12 +304,15 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[st
                                    "harness did not write: refusing to replace it; move it, or choose another folder")
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(listed, "".join(f"{name}\n" for name in sorted(ours | set(made))))
-        for name in made:  # os.replace puts the file in place of a link of that name, never through it
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / name, folder / name)
-        for name in sorted(ours - set(made)):
-            with contextlib.suppress(OSError):
-                (folder / name).unlink()
+        opened = [Path(name) for name in (*entries, earlier[0])]  # report.md last: its presence says the rest is in
+        for name in [*(opened[::-1]), *sorted(ours - set(made))]:  # the entries first, then the old files
+            if name in ours:
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
+        rank = {name: i + 1 for i, name in enumerate(opened)}
+        for name in sorted(made, key=lambda name: rank.get(name, 0)):  # the entries last; os.replace puts each file
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)  # in place of a link of its name, never
+            os.replace(tmp / name, folder / name)  # through it
         atomic_write(listed, "".join(f"{name}\n" for name in made))
     finally:
         _remove(tmp)
@@ -329,6 +337,18 @@ def remove_stale_temporaries(*folders: Path, own: tuple[str, ...] | None = None)
                    and not _writer_alive(p))
     for path in stale:
         _remove(path)
+    return stale
+
+
+def remove_dead_writers_temporaries(path: Path) -> list[Path]:
+    """Remove the temporaries of ``path`` that :func:`write_temporary` (``shared``) names by a process,
+    ``.<name>.<pid>.tmp`` and a swap's ``.<name>.<pid>.old.tmp``, whose process is dead (a killed writer's; a live
+    one's is its work in progress); returns them. Nothing else beside ``path`` is touched, however it is named."""
+    own = re.compile(rf"\.{re.escape(path.name)}\.\d+(?:\.old)?{re.escape(TMP)}")
+    stale = sorted(p for p in path.parent.glob(f".{glob.escape(path.name)}.*{TMP}")
+                   if own.fullmatch(p.name) and not _writer_alive(p))
+    for found in stale:
+        _remove(found)
     return stale
 
 
