@@ -21,7 +21,7 @@ Assumptions (not fixed by the paper's text):
 - the margin is subtracted from the positive's logit (it asks s_i > s_j + m); it starts at margin_start
   and moves to margin_end on ``schedule``: "linear" (default), "cosine" (half-cosine) or "constant"
   (margin_start throughout), with progress = min(1, step / total_steps). Defaults margin 0 -> 0.1
-  nats/token, temperature T = 0.1 (score gaps between rollouts are ~0.1 nats/token, so T = 0.1 keeps the
+  nats/token, temperature T = 0.1 (our reading: T of the order of the score gaps between rollouts keeps the
   softmax weights score-sensitive; the gradient scale is ~1/T);
 - every positive contributes one InfoNCE term against all negatives of its group (other positives are
   not in its denominator); terms are summed and divided by the minibatch's number of sequences (global

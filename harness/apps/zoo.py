@@ -55,7 +55,7 @@ from objectives import available_objectives
 # says what was explored, what each regime showed and how the budget is computed.
 CELLS: dict[str, dict[str, list]] = {
     "offpolicy": {"train.num_minibatches": [16]},  # 16 optimizer steps per rollout batch (quickstart: 4)
-    "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (at 10x every core objective collapses)
+    "step_size": {"train.lr": [1.5e-4]},  # 3x quickstart's learning rate (docs/results_explorations.md: larger ones)
     # every batch sampled 16 policy versions back, each objective on the stale behaviour log-probs (no correction)
     "async_staleness": {"train.rollout_lag": [16], "train.rollout_correction": [{"mode": "none"}]},
 }
