@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,7 +158,7 @@ def one_cell(monkeypatch, tmp_path):
 
     def swept(cfg, runs, *args):
         calls.append((cfg.name, len(runs), (tmp_path / "zoo" / "confirm" / "plan.json").is_file()))
-        return [], "stamp"
+        return [], "stamp", SimpleNamespace(kept=False)
 
     monkeypatch.setattr(zoo, "swept", swept)
     monkeypatch.setattr(zoo, "write_confirmation", lambda *args: tmp_path / "leaderboard.md")
@@ -230,7 +231,7 @@ def test_no_plan_from_a_screen_that_did_not_end(one_cell):
 def test_a_stage_runs_alone_or_both_in_order(stage, ran, monkeypatch, tmp_path):
     done = []
     monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: done.append("prepare"))
-    monkeypatch.setattr(zoo, "swept", lambda cfg, *a: (done.append("screen"), ([], "stamp"))[1])
+    monkeypatch.setattr(zoo, "swept", lambda cfg, *a: (done.append("screen"), ([], "stamp", None))[1])
     monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
     monkeypatch.setattr(zoo, "confirm", lambda *a: done.append("confirm") or 0)
     assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}"], progress=False, report=False, objectives=["grpo"],
@@ -269,15 +270,15 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cell
         return [{"status": "finished"}] * len(runs)
 
     monkeypatch.setattr(zoo, "run_sweep", run_sweep)
-    _, first = zoo.swept(cfg, runs, 2, False, False)
+    _, first, _ = zoo.swept(cfg, runs, 2, False, False)
     assert "run or resumed in 10.0 min" in first and "had ended before" not in first
-    _, again = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
+    _, again, _ = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
     assert again.startswith(first) and "run or resumed in 10.0 min" in again
     assert "found every run ended" in again and "found every run ended" not in first
     (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
-    _, resumed = zoo.swept(cfg, runs, 2, False, False)
+    _, resumed, _ = zoo.swept(cfg, runs, 2, False, False)
     assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed
-    _, fewer = zoo.swept(cfg, runs[1:], 2, False, False)  # other runs than the stamp's (a subset): not its stamp
+    _, fewer, _ = zoo.swept(cfg, runs[1:], 2, False, False)  # other runs than the stamp's (a subset): not its stamp
     assert "found every run ended" not in fewer and "in 0.0 min" in fewer
 
 
@@ -318,7 +319,48 @@ def test_a_plan_made_with_other_settings_is_refused_before_the_screen_runs(monke
     (folder / "plan.json").write_text(json.dumps({"settings": {"overrides": overrides, "seeds": 1,
                                                                "objectives": ["grpo"]}}))
     ran = []
-    monkeypatch.setattr(zoo, "swept", lambda *a: ran.append("screen") or ([], "stamp"))
+    monkeypatch.setattr(zoo, "swept", lambda *a: ran.append("screen") or ([], "stamp", None))
     with pytest.raises(ConfigError, match=r"was made with other settings \(start_policies None there, 5 now\): "):
         zoo.main(1, 1, overrides=overrides, progress=False, report=False, objectives=["grpo"], start_policies=5)
     assert ran == []
+
+
+def test_the_whole_zoo_is_timed_from_its_command_start_and_kept_only_for_its_own_runs(monkeypatch, tmp_path):
+    """`make zoo` of both stages from a results folder without them states its whole time, the starting policies it
+    built (sidecars written since it began) and its load; a command that finds every run ended repeats those figures
+    as that command's; a resumed zoo, or other runs, states none."""
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "warm_start"
+    cache.mkdir(parents=True)
+    began = (datetime(2026, 1, 2, 3, 4, 5, 600000, tzinfo=UTC), 100.0, 0.5)
+    for name, at in (("old.json", "2026-01-02T03:04:04+00:00"), ("a.json", "2026-01-02T03:04:05+00:00"),
+                     ("b.missed.json", "2026-01-02T05:00:00+00:00")):
+        (cache / name).write_text(json.dumps({"built_at": at}))
+    (cache / "c.json").write_text("[1, 2]")  # not a sidecar: not counted
+    monkeypatch.setattr(zoo, "time", SimpleNamespace(perf_counter=lambda: 100.0 + 87 * 60))
+    monkeypatch.setattr(zoo, "os", SimpleNamespace(getloadavg=lambda: (2.25, 0, 0)))
+    monkeypatch.setattr(zoo, "machine", lambda jobs: f"a CPU, {jobs} runs at a time")
+    ran = zoo.whole_stamp(tmp_path, ["r2", "r1"], began, False, 2)
+    assert ran == ("`make zoo`, both stages from a results folder without them, in one command: 87.0 min, the 2 "
+                   "starting-policy builds it made into the cache included (1 of them missed their band, passed over; "
+                   "the policies the cache held were loaded) (1-minute load average 0.50 before, 2.25 after). "
+                   "Machine: a CPU, 2 runs at a time.")
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, True, 1) == ran + (
+        " These are the figures of the command that ran them all; this one found every run ended.")
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, False, 1) == ""  # resumed: no whole time
+    assert zoo.whole_stamp(tmp_path, ["r1"], None, True, 1) == ""  # other runs than the figures'
+    (tmp_path / zoo.WHOLE).write_text("{not json")
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, True, 1) == ""
+
+
+def test_only_a_zoo_of_both_stages_begun_without_its_screen_is_timed_whole(monkeypatch, tmp_path):
+    given = []
+    monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: None)
+    monkeypatch.setattr(zoo, "swept", lambda cfg, *a: ([], "stamp", None))
+    monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
+    monkeypatch.setattr(zoo, "confirm", lambda *a: given.append(a[-1]) or 0)
+    for stage in ("both", "confirm", "both"):
+        assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}"], progress=False, report=False,
+                        objectives=["grpo"], stage=stage) == 0
+        (tmp_path / "zoo" / "screen").mkdir(parents=True, exist_ok=True)  # the screen's folder, as its sweep makes it
+    assert isinstance(given[0], tuple) and given[1:] == [None, None]

@@ -30,7 +30,10 @@ family of comparisons with the baseline).
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,8 +45,9 @@ from analysis.load import load_experiment as load_results
 from analysis.report import build_report
 from analysis.stats import LEVEL, num
 from analysis.verdict import ALPHA
-from harness.apps.stamp import SweepTime, timed_sweep
+from harness.apps.stamp import SweepTime, machine, timed_sweep
 from harness.apps.sweep import check_runs_one_version, first_landing, run_sweep
+from harness.policy.warm_start import builds_since
 from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
@@ -71,6 +75,7 @@ BASELINE = "grpo"
 CONFIRM_START_POLICIES = 3
 START_CANDIDATES = (2, 3, 4, 5, 6, 7, 8, 9)
 CONFIRM_SEEDS = 5  # the confirmation's seeds per starting policy and cell, after the screen's
+WHOLE = "whole_time.json"  # in results/zoo: the time of the one command that ran both stages (whole_stamp)
 
 
 def core_objectives() -> list[str]:
@@ -212,13 +217,57 @@ def stamp(stage: str, entries: list[dict], timing: SweepTime) -> str:
             f"{timing.machine}.{timing.note()}")
 
 
-def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool) -> tuple[list, str]:
-    """The stage's sweep (run or resumed) and its stamp, timed by timed_sweep: found ended, a stage is stamped with
-    the time of the command that ran it, not the seconds of finding its runs ended."""
+def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool,
+          allow: bool) -> tuple[list, str, SweepTime]:
+    """The stage's sweep (run or resumed), its stamp and its timing, timed by timed_sweep: found ended, a stage is
+    stamped with the time of the command that ran it, not the seconds of finding its runs ended."""
     entries, timing = timed_sweep(Path(cfg.results_dir) / cfg.name, [run_id(run) for run in runs], jobs, lambda:
                                   run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow,
                                             command="zoo"))
-    return entries, stamp(cfg.name, entries, timing)
+    return entries, stamp(cfg.name, entries, timing), timing
+
+
+def began_from_nothing(screen: Path) -> tuple[datetime, float, float] | None:
+    """When (the time, perf_counter, the 1-minute load average) a zoo of both stages began from a results folder
+    without its screen; None where the screen's folder exists (a resumed zoo has no whole time)."""
+    return None if screen.exists() else (datetime.now(UTC), time.perf_counter(), os.getloadavg()[0])
+
+
+def whole_stamp(zoo_dir: Path, ids: list[str], began: tuple[datetime, float, float] | None, found_ended: bool,
+                jobs: int) -> str:
+    """The sentence on the whole zoo after its confirmation ended: ``began`` (began_from_nothing): this command ran
+    both stages and built the starting policies the cache lacked, timed from its start, kept in ``zoo_dir``/WHOLE with
+    the runs' ``ids``; else, where this command found every confirmation run ended (``found_ended``), the figures kept
+    there by the command that ran exactly these runs; else none."""
+    if began is None:
+        kept = read_whole(zoo_dir / WHOLE, ids) if found_ended else None
+        return "" if kept is None else whole_sentence(kept, kept=True)
+    at, start, load = began
+    built, missed = builds_since(at)
+    record = {"runs": sorted(ids), **asdict(SweepTime(time.perf_counter() - start, load, os.getloadavg()[0],
+                                                      machine(jobs))), "built": built, "missed": missed}
+    atomic_write(zoo_dir / WHOLE, json.dumps(record))
+    return whole_sentence(record)
+
+
+def read_whole(path: Path, ids: list[str]) -> dict | None:
+    """The whole zoo's figures kept at ``path`` by the command that ran exactly the runs ``ids`` (None: none)."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):  # none kept, or not JSON
+        return None
+    return kept if isinstance(kept, dict) and kept.get("runs") == sorted(ids) else None
+
+
+def whole_sentence(record: dict, kept: bool = False) -> str:
+    """The whole zoo's time, the starting policies it built and its load, as the leaderboard states them."""
+    whose = (" These are the figures of the command that ran them all; this one found every run ended." if kept
+             else "")
+    return (f"`make zoo`, both stages from a results folder without them, in one command: {record['wall_s'] / 60:.1f}"
+            f" min, the {record['built']} starting-policy builds it made into the cache included ({record['missed']}"
+            f" of them missed their band, passed over; the policies the cache held were loaded) (1-minute load "
+            f"average {record['load_before']:.2f} before, {record['load_after']:.2f} after). Machine: "
+            f"{record['machine']}.{whose}")
 
 
 def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: list[str] | None = None,
@@ -244,15 +293,16 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     if stage in ("confirm", "both"):  # a plan made with other settings: refused before the screen runs anything
         read_plan(Path(load_experiment("quickstart", overrides).results_dir) / NAME / "confirm",
                   plan_settings(overrides, seeds, objectives, start_policies))
-    status = 0
+    status, began = 0, None
     if stage in ("screen", "both"):
         cfg, runs = zoo_runs(seeds, overrides, objectives)
         screen = Path(cfg.results_dir) / cfg.name
+        began = began_from_nothing(screen) if stage == "both" else None
         if stage == "both" and not screen_ended(screen):
             confirm_start_seeds(overrides, jobs, progress, runs, start_policies)  # both stages' (their docstring)
         print(f"zoo screen: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds "
               f"x {len(CELLS)} regime cells) into {screen}, {jobs} at a time", file=sys.stderr)
-        entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
+        entries, text, _ = swept(cfg, runs, jobs, progress, allow_code_change)
         path = write_leaderboard(screen, screen, f"{text} Target accuracy for tokens-to-target: {target:g}.", target,
                                  BASELINE)
         if report:
@@ -260,7 +310,8 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         print(f"{text}\nscreen leaderboard: {path}", file=sys.stderr)
         status = 0 if all(e["status"] in ENDED for e in entries) else 1
     if stage in ("confirm", "both") and status == 0:
-        status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change, start_policies)
+        status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change, start_policies,
+                         began)
     return status
 
 
@@ -295,8 +346,10 @@ def check_screen(runs, expected: list[DictConfig], objectives: list[str] | None,
 
 
 def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress: bool,
-            objectives: list[str] | None, allow_code_change: bool, start_policies: int) -> int:
-    """Stage 2: the plan (read, or made from the finished screen and written), its runs, the leaderboard."""
+            objectives: list[str] | None, allow_code_change: bool, start_policies: int,
+            began: tuple[datetime, float, float] | None = None) -> int:
+    """Stage 2: the plan (read, or made from the finished screen and written), its runs, the leaderboard (with the
+    whole zoo's time where ``began``: whole_stamp)."""
     cfg, screen_runs = zoo_runs(seeds, overrides, objectives)
     screen = Path(cfg.results_dir) / cfg.name
     folder = screen.parent / "confirm"
@@ -323,7 +376,10 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
     check_runs_one_version(cfg, runs, "the confirmation's runs")  # its verdicts pair runs across objectives
-    entries, text = swept(cfg, runs, jobs, progress, allow_code_change)
+    entries, text, timing = swept(cfg, runs, jobs, progress, allow_code_change)
+    if all(e["status"] in ENDED for e in entries):
+        ids = [run_id(run) for run in [*screen_runs, *runs]]
+        text = f"{text} {whole_stamp(screen.parent, ids, began, timing.kept, jobs)}".rstrip()
     path = write_confirmation(screen, folder, plan, screen.parent, text)
     print(f"{text}\nleaderboard: {path}", file=sys.stderr)
     return 0 if all(e["status"] in ENDED for e in entries) else 1

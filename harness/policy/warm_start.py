@@ -217,6 +217,22 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
     return model, json.loads(json.dumps(sidecar))  # as a cache hit returns it (string step keys)
 
 
+def builds_since(when: datetime) -> tuple[int, int]:
+    """How many starting policies were built into the cache from ``when`` on (their sidecars' ``built_at``, to the
+    second), and how many of those builds missed their band (``<key>.missed.json``)."""
+    built = missed = 0
+    for path in (cache_dir() / "warm_start").glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            at = datetime.fromisoformat(record["built_at"])
+        except (OSError, ValueError, TypeError, KeyError):  # another file, or one being written
+            continue
+        if at >= when.replace(microsecond=0):
+            built += 1
+            missed += path.name.endswith(MISSED_SUFFIX)
+    return built, missed
+
+
 def _settings(recipe: WarmStartRecipe) -> dict:
     """The recipe's settings as the cache key and the sidecar hold them (the check's only with a target)."""
     target = recipe.target
