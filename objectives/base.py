@@ -696,7 +696,7 @@ class Objective:
     def __call__(self, batch: PolicyBatch) -> ObjectiveOutput:
         n_valid = batch.mask.sum().clamp(min=1)
         batch, entropy_keep, masking = self.token_masks(batch)
-        loss, metrics = self._checked_output(self.policy_loss(batch))
+        loss, metrics = self._checked_output(self._policy_loss_named(batch))
         metrics = {**metrics, **masking}
         metrics["pg_loss"] = loss.item()
         entropy_coef = self.entropy_bonus_coef()
@@ -723,6 +723,20 @@ class Objective:
             loss = loss + self.reference_kl_coef() * term
             metrics["kl_ref"] = (masked(kl, batch.mask).sum() / n_valid).item()
         return ObjectiveOutput(loss=loss, metrics=metrics)
+
+    def _policy_loss_named(self, batch: PolicyBatch):
+        """:meth:`policy_loss` on ``batch``; where it meets None and the batch lacks an input the loop passes only to
+        an objective that declares it (UNDECLARED_INPUTS), one line naming the declaration with Python's error."""
+        try:
+            return self.policy_loss(batch)
+        except (TypeError, AttributeError) as e:
+            absent = [f"{' or '.join(f'batch.{f}' for f in fields)}, {declaration} = True"
+                      for declaration, fields in UNDECLARED_INPUTS.items()
+                      if not getattr(self, declaration) and any(getattr(batch, f) is None for f in fields)]
+            if "NoneType" not in str(e) or not absent:
+                raise
+            raise TypeError(f"objective {self.name!r}: policy_loss met None ({e}); if it reads {'; if '.join(absent)}"
+                            " on its class (the loop passes these only to an objective that declares them)") from e
 
     def _checked_output(self, output) -> tuple[Tensor, dict[str, float]]:
         """:meth:`policy_loss`'s output when it is (a 0-dim loss tensor, a dict of metrics that are numbers); else one
@@ -764,6 +778,8 @@ NEEDS = {
     "hidden_states": "reads the policy's hidden states",
     "reference": "reads the reference policy's log-probs whatever its beta",
 }
+# The declarations of an objective's class -> PolicyBatch's inputs the loop fills only for one that declares it
+UNDECLARED_INPUTS = {"needs_reference": ("ref_logp",), "needs_hidden_states": ("hidden", "hidden_of")}
 LIFECYCLE_HOOKS = ("setup", "trainable_parameters", "after_optimizer_step", "after_update", "state_dict",
                    "load_state_dict")
 

@@ -728,6 +728,34 @@ def test_a_loss_without_its_metrics_or_with_a_tensor_metric_is_named(output, sai
         dataclasses.dataclass(Outputs)()(batch)
 
 
+@pytest.mark.parametrize("reads, declared, said", [
+    ("ref", {}, r"met None \(unsupported operand.*if it reads batch.ref_logp, needs_reference = True; if "
+                r"batch.hidden or batch.hidden_of, needs_hidden_states = True on its class \(the loop passes"),
+    ("hidden", {"needs_reference": True}, r"met None \('NoneType' object has no attribute 'sum'\); if it reads "
+                                          r"batch.hidden or batch.hidden_of, needs_hidden_states = True on its class"),
+    # both declared, left None by a caller that did not pass them: Python's own error
+    ("ref", {"needs_reference": True, "needs_hidden_states": True}, r"^unsupported operand"),
+    ("other", {}, r"^mine$"),  # a TypeError that is not about None: as it was raised
+])
+def test_an_input_read_without_its_declaration_names_the_declaration(reads, declared, said):
+    """The loop passes batch.ref_logp and batch.hidden only to an objective that declares it; one that reads either
+    undeclared met Python's NoneType error at its first loss, which did not say what to declare."""
+    class Reads(Loss):
+        def policy_loss(self, batch):
+            if reads == "other":
+                raise TypeError("mine")
+            extra = (batch.ref_logp - batch.logp).sum() if reads == "ref" else batch.hidden.sum()
+            return -(batch.logp * batch.token_advantages).sum() + 0 * extra, {}
+
+    Reads.name = "reads"
+    for key, value in declared.items():
+        setattr(Reads, key, value)
+    batch = PolicyBatch(logp=torch.zeros(2, 3, dtype=DT, requires_grad=True), old_logp=torch.zeros(2, 3, dtype=DT),
+                        mask=torch.ones(2, 3, dtype=DT), advantages=torch.tensor([1.0, -1.0], dtype=DT))
+    with pytest.raises(TypeError, match=said):
+        dataclasses.dataclass(Reads)()(batch)
+
+
 def example_source() -> str:
     """The README's worked example (so the documented code is the tested one); its absence is a failure."""
     section = (REPO / "README.md").read_text().partition("## Adding an objective")[2]
