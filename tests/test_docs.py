@@ -6,6 +6,7 @@ import itertools
 import json
 import shutil
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,33 @@ from harness.run import names
 from harness.run.config import load_experiment, run_configs, run_id
 from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
 from tests.helpers.processes import ROOT
+
+
+def test_a_page_says_which_starting_policies_its_command_built_into_the_cache(tmp_path, monkeypatch):
+    """A page said only the cache's path, not whether its runs' starting policies were built by the command (its wall
+    times include the builds) or loaded: now the builds this command made by the time the page is written, from the
+    cache's sidecars, and none where it built none."""
+    monkeypatch.setattr(docs, "DOCS", tmp_path)
+    monkeypatch.setattr(names, "DOCS", {})
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "warm_start"
+    built.mkdir(parents=True)
+    (built / "old.json").write_text(json.dumps({"built_at": "2020-01-01T00:00:00+00:00"}))  # before the command
+
+    def document(name, results_dir, jobs):  # the sweep builds a starting policy, and one misses its band
+        for key in ("new.json", "miss.missed.json"):
+            (built / key).write_text(json.dumps({"built_at": datetime.now(UTC).isoformat(timespec="seconds")}))
+        return f"## {name}\n"
+
+    monkeypatch.setattr(docs, "document", document)
+    assert docs.main(with_gsm8k=True, skip_main=True, jobs=1) == 0
+    assert (f"Cache: {tmp_path / 'cache'}; this command built 2 starting policies into it (1 of them missed their "
+            "band); any other a run used was loaded from it.\n") in (tmp_path / "results_gsm8k.md").read_text()
+    for key in ("new.json", "miss.missed.json"):  # built by an earlier command (not within this one's second)
+        (built / key).write_text(json.dumps({"built_at": "2020-01-01T00:00:00+00:00"}))
+    monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: f"## {name}\n")
+    assert docs.main(with_gsm8k=True, skip_main=True, jobs=1) == 0
+    assert "this command built no starting policy into it.\n" in (tmp_path / "results_gsm8k.md").read_text()
 
 
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
