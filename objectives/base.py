@@ -725,18 +725,19 @@ class Objective:
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
     def _policy_loss_named(self, batch: PolicyBatch):
-        """:meth:`policy_loss` on ``batch``; where it meets None and the batch lacks an input the loop passes only to
-        an objective that declares it (UNDECLARED_INPUTS), one line naming the declaration with Python's error."""
+        """:meth:`policy_loss` on ``batch``; where it raises an error about None while the batch lacks an input the
+        loop passes only to an objective that declares it (UNDECLARED_INPUTS), the error (its type and traceback
+        unchanged) carries a note naming the declaration: Python's NoneType message alone does not say it."""
         try:
             return self.policy_loss(batch)
         except (TypeError, AttributeError) as e:
-            absent = [f"{' or '.join(f'batch.{f}' for f in fields)}, {declaration} = True"
+            absent = [f"{' or '.join(f'batch.{f}' for f in fields)}, declare {declaration} = True"
                       for declaration, fields in UNDECLARED_INPUTS.items()
                       if not getattr(self, declaration) and any(getattr(batch, f) is None for f in fields)]
-            if "NoneType" not in str(e) or not absent:
-                raise
-            raise TypeError(f"objective {self.name!r}: policy_loss met None ({e}); if it reads {'; if '.join(absent)}"
-                            " on its class (the loop passes these only to an objective that declares them)") from e
+            if "NoneType" in str(e) and absent:
+                e.add_note(f"objective {self.name!r}: if policy_loss reads {'; if it reads '.join(absent)} on its "
+                           "class (the loop passes these only to an objective that declares them)")
+            raise
 
     def _checked_output(self, output) -> tuple[Tensor, dict[str, float]]:
         """:meth:`policy_loss`'s output when it is (a 0-dim loss tensor, a dict of metrics that are numbers); else one

@@ -20,31 +20,37 @@ from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
 from tests.helpers.processes import ROOT
 
 
-def test_a_page_says_which_starting_policies_its_command_built_into_the_cache(tmp_path, monkeypatch):
+def test_a_page_says_which_starting_policies_its_runs_built_into_the_cache(tmp_path, monkeypatch):
     """A page said only the cache's path, not whether its runs' starting policies were built by the command (its wall
-    times include the builds) or loaded: now the builds this command made by the time the page is written, from the
-    cache's sidecars, and none where it built none."""
+    times include the builds) or loaded: now the builds made since its own runs began, from the cache's sidecars (not
+    those an earlier page of the same command made), and none where they built none."""
     monkeypatch.setattr(docs, "DOCS", tmp_path)
     monkeypatch.setattr(names, "DOCS", {})
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     built = tmp_path / "cache" / "warm_start"
     built.mkdir(parents=True)
     (built / "old.json").write_text(json.dumps({"built_at": "2020-01-01T00:00:00+00:00"}))  # before the command
+    clock = iter(datetime(2026, 1, 1, 0, 0, second, tzinfo=UTC) for second in (0, 1, 30))  # began, each page's start
 
-    def document(name, results_dir, jobs):  # the sweep builds a starting policy, and one misses its band
-        for key in ("new.json", "miss.missed.json"):
-            (built / key).write_text(json.dumps({"built_at": datetime.now(UTC).isoformat(timespec="seconds")}))
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return next(clock)
+
+    def document(name, results_dir, jobs):  # gsm8k's sweep builds a starting policy and one misses its band
+        if name == "gsm8k_ablation":
+            for key in ("new.json", "miss.missed.json"):
+                (built / key).write_text(json.dumps({"built_at": "2026-01-01T00:00:10+00:00"}))
         return f"## {name}\n"
 
+    monkeypatch.setattr(docs, "datetime", Clock)
     monkeypatch.setattr(docs, "document", document)
-    assert docs.main(with_gsm8k=True, skip_main=True, jobs=1) == 0
-    assert (f"Cache: {tmp_path / 'cache'}; this command built 2 starting policies into it (1 of them missed their "
+    monkeypatch.setattr(docs, "claims_section", lambda *a: "")
+    assert docs.main(with_gsm8k=True, with_moe=True, skip_main=True, jobs=1) == 0
+    assert (f"Cache: {tmp_path / 'cache'}; this page's runs built 2 starting policies into it (1 of them missed their "
             "band); any other a run used was loaded from it.\n") in (tmp_path / "results_gsm8k.md").read_text()
-    for key in ("new.json", "miss.missed.json"):  # built by an earlier command (not within this one's second)
-        (built / key).write_text(json.dumps({"built_at": "2020-01-01T00:00:00+00:00"}))
-    monkeypatch.setattr(docs, "document", lambda name, results_dir, jobs: f"## {name}\n")
-    assert docs.main(with_gsm8k=True, skip_main=True, jobs=1) == 0
-    assert "this command built no starting policy into it.\n" in (tmp_path / "results_gsm8k.md").read_text()
+    moe = (tmp_path / "results_moe.md").read_text()  # built by the page before: not this page's runs'
+    assert "this page's runs built no starting policy into it.\n" in moe and "2026-01-01 00:00 UTC" in moe
 
 
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):

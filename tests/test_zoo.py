@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -328,39 +329,69 @@ def test_a_plan_made_with_other_settings_is_refused_before_the_screen_runs(monke
 def test_the_whole_zoo_is_timed_from_its_command_start_and_kept_only_for_its_own_runs(monkeypatch, tmp_path):
     """`make zoo` of both stages from a results folder without them states its whole time, the starting policies it
     built (sidecars written since it began) and its load; a command that finds every run ended repeats those figures
-    as that command's; a resumed zoo, or other runs, states none."""
+    as that command's; a resumed zoo (a confirmation with runs ended before), other runs, or a damaged record state
+    none, and a resumed confirmation leaves the kept record as it was."""
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     cache = tmp_path / "cache" / "warm_start"
     cache.mkdir(parents=True)
     began = (datetime(2026, 1, 2, 3, 4, 5, 600000, tzinfo=UTC), 100.0, 0.5)
     for name, at in (("old.json", "2026-01-02T03:04:04+00:00"), ("a.json", "2026-01-02T03:04:05+00:00"),
-                     ("b.missed.json", "2026-01-02T05:00:00+00:00")):
-        (cache / name).write_text(json.dumps({"built_at": at}))
+                     ("b.missed.json", "2026-01-02T05:00:00+00:00"), ("naive.json", "2026-01-02T05:00:00")):
+        (cache / name).write_text(json.dumps({"built_at": at}))  # a time without its zone: not a sidecar
     (cache / "c.json").write_text("[1, 2]")  # not a sidecar: not counted
     monkeypatch.setattr(zoo, "time", SimpleNamespace(perf_counter=lambda: 100.0 + 87 * 60))
     monkeypatch.setattr(zoo, "os", SimpleNamespace(getloadavg=lambda: (2.25, 0, 0)))
     monkeypatch.setattr(zoo, "machine", lambda jobs: f"a CPU, {jobs} runs at a time")
-    ran = zoo.whole_stamp(tmp_path, ["r2", "r1"], began, False, 2)
-    assert ran == ("`make zoo`, both stages from a results folder without them, in one command: 87.0 min, the 2 "
-                   "starting-policy builds it made into the cache included (1 of them missed their band, passed over; "
-                   "the policies the cache held were loaded) (1-minute load average 0.50 before, 2.25 after). "
-                   "Machine: a CPU, 2 runs at a time.")
-    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, True, 1) == ran + (
+    ran, resumed, found = (SimpleNamespace(before=b, kept=k) for b, k in ((0, False), (1, False), (2, True)))
+    text = zoo.whole_stamp(tmp_path, ["r2", "r1"], began, ran, 2)
+    assert text == ("`make zoo`, both stages from a results folder without them, in one command: 87.0 min, the 2 "
+                    "starting-policy builds it made into the cache included (1 of them missed their band, passed over; "
+                    "the policies the cache held were loaded) (1-minute load average 0.50 before, 2.25 after). "
+                    "Machine: a CPU, 2 runs at a time.")
+    kept = (tmp_path / zoo.WHOLE).read_text()
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, found, 1) == text + (
         " These are the figures of the command that ran them all; this one found every run ended.")
-    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, False, 1) == ""  # resumed: no whole time
-    assert zoo.whole_stamp(tmp_path, ["r1"], None, True, 1) == ""  # other runs than the figures'
-    (tmp_path / zoo.WHOLE).write_text("{not json")
-    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, True, 1) == ""
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, resumed, 1) == ""  # resumed: no whole time
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], began, resumed, 1) == ""  # the confirmation resumed
+    assert (tmp_path / zoo.WHOLE).read_text() == kept  # ... and the record kept as it was
+    assert zoo.whole_stamp(tmp_path, ["r1"], None, found, 1) == ""  # other runs than the figures'
+    for damaged in ("{not json", json.dumps({"runs": ["r1", "r2"]}), json.dumps({**json.loads(kept), "wall_s": "5"})):
+        (tmp_path / zoo.WHOLE).write_text(damaged)
+        assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, found, 1) == ""
 
 
-def test_only_a_zoo_of_both_stages_begun_without_its_screen_is_timed_whole(monkeypatch, tmp_path):
+def test_a_stage_that_runs_any_run_removes_the_kept_whole_time(two_cells, monkeypatch, tmp_path):
+    """A whole time names the command that ran both stages; a later command that runs any run of a stage again (the
+    screen removed and run alone, then the confirmation found ended) must not leave it to be repeated."""
+    cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
+    folder = tmp_path / "zoo" / "screen"
+
+    def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
+        for run in runs:
+            (folder / run_id(run)).mkdir(parents=True, exist_ok=True)
+            (folder / run_id(run) / "summary.json").write_text(json.dumps({"status": "finished"}))
+        return [{"status": "finished"}] * len(runs)
+
+    monkeypatch.setattr(zoo, "run_sweep", run_sweep)
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / zoo.WHOLE).write_text("{}")
+    zoo.swept(cfg, runs, 2, False, False)  # ran the stage's runs
+    assert not (tmp_path / "zoo" / zoo.WHOLE).exists()
+    (tmp_path / "zoo" / zoo.WHOLE).write_text("{}")
+    zoo.swept(cfg, runs, 2, False, False)  # found every run ended: the record stays
+    assert (tmp_path / "zoo" / zoo.WHOLE).exists()
+
+
+def test_only_a_zoo_of_both_stages_begun_without_its_folders_is_timed_whole(monkeypatch, tmp_path):
     given = []
     monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: None)
     monkeypatch.setattr(zoo, "swept", lambda cfg, *a: ([], "stamp", None))
     monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: tmp_path / "screen.md")
     monkeypatch.setattr(zoo, "confirm", lambda *a: given.append(a[-1]) or 0)
-    for stage in ("both", "confirm", "both"):
+    for stage, made in (("both", "screen"), ("confirm", None), ("both", None), ("both", "confirm")):
+        shutil.rmtree(tmp_path / "zoo", ignore_errors=True)
+        if made:
+            (tmp_path / "zoo" / made).mkdir(parents=True)  # a stage's folder, as its sweep makes it
         assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}"], progress=False, report=False,
                         objectives=["grpo"], stage=stage) == 0
-        (tmp_path / "zoo" / "screen").mkdir(parents=True, exist_ok=True)  # the screen's folder, as its sweep makes it
-    assert isinstance(given[0], tuple) and given[1:] == [None, None]
+    assert given[0] is None and given[1] is None and isinstance(given[2], tuple) and given[3] is None

@@ -224,23 +224,29 @@ def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool,
     entries, timing = timed_sweep(Path(cfg.results_dir) / cfg.name, [run_id(run) for run in runs], jobs, lambda:
                                   run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow,
                                             command="zoo"))
+    if timing.before < len(runs):  # this command ran some of the stage: a kept whole time is no longer its runs'
+        (Path(cfg.results_dir) / WHOLE).unlink(missing_ok=True)
     return entries, stamp(cfg.name, entries, timing), timing
 
 
 def began_from_nothing(screen: Path) -> tuple[datetime, float, float] | None:
     """When (the time, perf_counter, the 1-minute load average) a zoo of both stages began from a results folder
-    without its screen; None where the screen's folder exists (a resumed zoo has no whole time)."""
-    return None if screen.exists() else (datetime.now(UTC), time.perf_counter(), os.getloadavg()[0])
+    without its screen's and its confirmation's folders; None where either exists (a resumed zoo has no whole time)."""
+    if screen.exists() or (screen.parent / "confirm").exists():
+        return None
+    return datetime.now(UTC), time.perf_counter(), os.getloadavg()[0]
 
 
-def whole_stamp(zoo_dir: Path, ids: list[str], began: tuple[datetime, float, float] | None, found_ended: bool,
+def whole_stamp(zoo_dir: Path, ids: list[str], began: tuple[datetime, float, float] | None, timing: SweepTime,
                 jobs: int) -> str:
-    """The sentence on the whole zoo after its confirmation ended: ``began`` (began_from_nothing): this command ran
-    both stages and built the starting policies the cache lacked, timed from its start, kept in ``zoo_dir``/WHOLE with
-    the runs' ``ids``; else, where this command found every confirmation run ended (``found_ended``), the figures kept
-    there by the command that ran exactly these runs; else none."""
-    if began is None:
-        kept = read_whole(zoo_dir / WHOLE, ids) if found_ended else None
+    """The sentence on the whole zoo after its confirmation ended (``timing``: the confirmation sweep's): ``began``
+    (began_from_nothing) and none of the confirmation's runs ended before it: this command ran both stages and built
+    the starting policies the cache lacked, timed from its start, kept in ``zoo_dir``/WHOLE with the runs' ``ids``;
+    else, where this command found every confirmation run ended (``timing.kept``), the figures kept there by the
+    command that ran exactly these runs (removed by ``swept`` when a later command ran any run of a stage); else
+    none."""
+    if began is None or timing.before:
+        kept = read_whole(zoo_dir / WHOLE, ids) if timing.kept else None
         return "" if kept is None else whole_sentence(kept, kept=True)
     at, start, load = began
     built, missed = builds_since(at)
@@ -256,7 +262,10 @@ def read_whole(path: Path, ids: list[str]) -> dict | None:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):  # none kept, or not JSON
         return None
-    return kept if isinstance(kept, dict) and kept.get("runs") == sorted(ids) else None
+    numbers = ("wall_s", "load_before", "load_after", "built", "missed")
+    whole = (isinstance(kept, dict) and kept.get("runs") == sorted(ids) and isinstance(kept.get("machine"), str)
+             and all(isinstance(kept.get(key), int | float) for key in numbers))
+    return kept if whole else None  # a damaged record: no whole time
 
 
 def whole_sentence(record: dict, kept: bool = False) -> str:
@@ -379,7 +388,7 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
     entries, text, timing = swept(cfg, runs, jobs, progress, allow_code_change)
     if all(e["status"] in ENDED for e in entries):
         ids = [run_id(run) for run in [*screen_runs, *runs]]
-        text = f"{text} {whole_stamp(screen.parent, ids, began, timing.kept, jobs)}".rstrip()
+        text = f"{text} {whole_stamp(screen.parent, ids, began, timing, jobs)}".rstrip()
     path = write_confirmation(screen, folder, plan, screen.parent, text)
     print(f"{text}\nleaderboard: {path}", file=sys.stderr)
     return 0 if all(e["status"] in ENDED for e in entries) else 1

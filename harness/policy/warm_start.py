@@ -218,18 +218,18 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task:
 
 
 def builds_since(when: datetime) -> tuple[int, int]:
-    """How many starting policies were built into the cache from ``when`` on (their sidecars' ``built_at``, to the
-    second), and how many of those builds missed their band (``<key>.missed.json``)."""
+    """How many starting policies were built into the cache from ``when`` on, by any process that shares the cache
+    (their sidecars' ``built_at``, to the second: a build that ended in ``when``'s second counts), and how many of
+    those builds missed their band (``<key>.missed.json``). A file without a time with its zone is not a sidecar."""
     built = missed = 0
     for path in (cache_dir() / "warm_start").glob("*.json"):
         try:
-            record = json.loads(path.read_text())
-            at = datetime.fromisoformat(record["built_at"])
+            at = datetime.fromisoformat(json.loads(path.read_text())["built_at"])
+            new = at >= when.replace(microsecond=0)  # TypeError: a time without its zone
         except (OSError, ValueError, TypeError, KeyError):  # another file, or one being written
             continue
-        if at >= when.replace(microsecond=0):
-            built += 1
-            missed += path.name.endswith(MISSED_SUFFIX)
+        built += new
+        missed += new and path.name.endswith(MISSED_SUFFIX)
     return built, missed
 
 
