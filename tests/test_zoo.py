@@ -256,6 +256,17 @@ def test_make_zoo_passes_the_stage_and_the_zoo_sets_its_own_seeds():
 
 
 
+def ending_every_run(folder: Path):
+    """A stand-in for run_sweep that ends every run in ``folder`` (or finds it ended)."""
+    def run_sweep(cfg, runs, **kwargs):
+        for run in runs:
+            (folder / run_id(run)).mkdir(parents=True, exist_ok=True)
+            (folder / run_id(run) / "summary.json").write_text(json.dumps({"status": "finished"}))
+        return [{"status": "finished"}] * len(runs)
+
+    return run_sweep
+
+
 def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cells, monkeypatch, tmp_path):
     """A zoo command run again after a stage ended (the confirmation after the screen, `make docs WITH_ZOO=1` after
     `STAGE=screen`) must not stamp the stage with the seconds it took to find its runs ended."""
@@ -264,13 +275,7 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cell
     clock = iter([0.0, 600.0, 1000.0, 1001.0, 2000.0, 2002.0, 3000.0, 3001.0])
     monkeypatch.setattr(stamp, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # the timing's clock
 
-    def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
-        for run in runs:
-            (folder / run_id(run)).mkdir(parents=True, exist_ok=True)
-            (folder / run_id(run) / "summary.json").write_text(json.dumps({"status": "finished"}))
-        return [{"status": "finished"}] * len(runs)
-
-    monkeypatch.setattr(zoo, "run_sweep", run_sweep)
+    monkeypatch.setattr(zoo, "run_sweep", ending_every_run(folder))
     _, first, _ = zoo.swept(cfg, runs, 2, False, False)
     assert "run or resumed in 10.0 min" in first and "had ended before" not in first
     _, again, _ = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
@@ -366,13 +371,7 @@ def test_a_stage_that_runs_any_run_removes_the_kept_whole_time(two_cells, monkey
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
     folder = tmp_path / "zoo" / "screen"
 
-    def run_sweep(cfg, runs, **kwargs):  # ends every run (or finds it ended)
-        for run in runs:
-            (folder / run_id(run)).mkdir(parents=True, exist_ok=True)
-            (folder / run_id(run) / "summary.json").write_text(json.dumps({"status": "finished"}))
-        return [{"status": "finished"}] * len(runs)
-
-    monkeypatch.setattr(zoo, "run_sweep", run_sweep)
+    monkeypatch.setattr(zoo, "run_sweep", ending_every_run(folder))
     (tmp_path / "zoo").mkdir()
     (tmp_path / "zoo" / zoo.WHOLE).write_text("{}")
     zoo.swept(cfg, runs, 2, False, False)  # ran the stage's runs
