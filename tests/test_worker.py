@@ -72,16 +72,12 @@ def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path, capsys):
-    """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
-    resumed run equals one never interrupted."""
-    exp = tmp_path / "one.yaml"
-    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
-    args = [str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", f"results_dir={tmp_path}/res", "--no-progress",
-            "--no-report"]
+def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | None:
+    """Start the sweep of ``args`` (its one run in a worker process), SIGKILL the worker once the run has logged two
+    steps, and return the run's folder and the sweep's exit status; None where the run had ended before the kill
+    landed (the poll and the process scan take a moment, in which a tiny run may finish: nothing to resume)."""
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    folder = tmp_path / "res" / "one"
 
     def two_steps() -> Path | None:
         runs = [p for p in folder.glob("grpo-*") if p.is_dir()] if folder.exists() else []
@@ -89,9 +85,29 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
 
     run_dir = wait_until(two_steps, timeout=120, process=sweep)
     assert run_dir is not None, "the sweep made no progress"
-    (worker,) = processes_with(f"harness worker {folder}")
-    os.kill(worker, signal.SIGKILL)
-    assert sweep.wait(timeout=120) == 1  # the run did not end: the sweep says so
+    for worker in processes_with(f"harness worker {folder}"):
+        os.kill(worker, signal.SIGKILL)
+    status = sweep.wait(timeout=120)
+    summary = run_dir / "summary.json"
+    ended = summary.is_file() and json.loads(summary.read_text())["status"] == "finished"
+    return None if ended else (run_dir, status)
+
+
+def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path, capsys):
+    """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
+    resumed run equals one never interrupted. Where the run ended before the kill landed (a tiny run on a loaded
+    machine), the sweep runs again into a fresh folder: read from the run's record, not assumed from a clock."""
+    exp = tmp_path / "one.yaml"
+    exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
+    for attempt in range(5):
+        args = [str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", f"results_dir={tmp_path}/res{attempt}",
+                "--no-progress", "--no-report"]
+        folder = tmp_path / f"res{attempt}" / "one"
+        if (killed := kill_a_worker_mid_run(args, folder)) is not None:
+            break
+    assert killed is not None, "each of 5 sweeps ended its run before the kill landed"
+    run_dir, status = killed
+    assert status == 1  # the run did not end: the sweep says so
     assert json.loads((folder / "manifest.json").read_text())["runs"][0]["status"] == "stopped"
     # the resuming sweep (its run in a worker process it starts) and the reference in this process
     assert main(["sweep", *args]) == 0, capsys.readouterr().err
