@@ -5,6 +5,7 @@ line before any folder exists."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from harness.apps.launchers import AdoptedHandle, init_local_ray
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
-from harness.run.records import read_jsonl
+from harness.run.records import read_jsonl, run_status
 from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
@@ -171,23 +172,20 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
 
 
-@pytest.mark.slow  # two sweeps through submitit's local executor
-def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_submitting_another(tmp_path, capsys,
-                                                                                                 monkeypatch):
-    """The sweep's parent dies while its SLURM job runs on (submitit's local executor: the job outlives it, as on a
-    cluster). Run again, the sweep submitted a second job for the run, whose `train` stopped on the run's lock, was
-    reported failed and left the manifest `failed` after the first job finished. Now it follows the first job: one
-    job, every step once, the manifest `finished`. The job's run is frozen (SIGSTOP) while the second sweep starts,
-    so that it is still running then, whatever the load."""
-    pytest.importorskip("submitit")
-    exp = tmp_path / "follow.yaml"
+def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | None:
+    """Start a one-run sweep into ``folder`` through submitit's local executor, freeze (SIGSTOP) its run's `train`
+    once it has logged a step, then SIGKILL the sweep's parent (its job lives on, as on a cluster). Returns the
+    sweep's overrides, the run's folder and the frozen process; None where the run had ended before the freeze landed
+    (the poll and the process scan take a moment, in which a tiny run may finish: nothing is left running to follow),
+    after letting that job end."""
+    exp = folder / "follow.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
     overrides = [*TINY_RUN, "train.steps=12", "model.warm_start_steps=0", "model.warm_start_target=null",
-                 f"results_dir={tmp_path}", "launcher.cluster=local"]
+                 f"results_dir={folder}", "launcher.cluster=local"]
     first = subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(exp), *overrides, "--launcher", "slurm",
                               "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
-    exp_dir = tmp_path / "follow"
+    exp_dir = folder / "follow"
 
     def a_run_one_step_in():
         runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
@@ -195,15 +193,57 @@ def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_s
 
     run_dir = wait_until(a_run_one_step_in, timeout=240, process=first)
     assert run_dir is not None, "the first sweep made no progress"
-    (train,) = processes_with(f"--run-dir {run_dir}")
-    os.kill(train, signal.SIGSTOP)
+    found = processes_with(f"--run-dir {run_dir}")
+    if found:
+        (train,) = found
+        os.kill(train, signal.SIGSTOP)
+        stopped = wait_until(lambda: process_state(train) in ("T", None), timeout=60)  # None: it had exited
+        assert stopped, "the run's process did not stop"
+    first.kill()  # the sweep's parent, SIGKILL; its job lives on
+    first.wait()
+    if found and process_state(train) == "T" and run_status(run_dir) == "running":  # frozen before its end
+        return overrides, run_dir, train
+    if found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(train, signal.SIGCONT)
+    assert wait_until(lambda: not processes_with(f"--run-dir {run_dir}"), timeout=240), "the ended run lives on"
+    return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives process ``pid`` (T: stopped); None once it has exited (or is a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state
+
+
+@pytest.mark.slow  # two sweeps through submitit's local executor
+def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_submitting_another(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The sweep's parent dies while its SLURM job runs on (submitit's local executor: the job outlives it, as on a
+    cluster). Run again, the sweep submitted a second job for the run, whose `train` stopped on the run's lock, was
+    reported failed and left the manifest `failed` after the first job finished. Now it follows the first job: one
+    job, every step once, the manifest `finished`. The job's run is frozen (SIGSTOP) while the second sweep starts,
+    so that it is still running then, whatever the load; where the run had ended before the freeze landed, it is
+    tried again in a fresh folder."""
+    pytest.importorskip("submitit")
+    for attempt in range(5):
+        folder = tmp_path / f"try{attempt}"
+        folder.mkdir()
+        frozen = freeze_a_slurm_run_mid_sweep(folder)
+        if frozen is not None:
+            break
+    else:
+        pytest.fail("in 5 tries, the run ended each time before it could be frozen")
+    overrides, run_dir, train = frozen
+    exp_dir = run_dir.parent
     adopted, real_poll, outcome = threading.Event(), AdoptedHandle.poll, {}
     monkeypatch.setattr(AdoptedHandle, "poll", lambda self: adopted.set() or real_poll(self))
     try:
-        first.kill()  # the sweep's parent, SIGKILL; its job lives on
-        first.wait()
         sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(
-            load_experiment(str(exp), overrides), progress=False, launcher="slurm")))
+            load_experiment(str(folder / "follow.yaml"), overrides), progress=False, launcher="slurm")))
         sweep.start()
         assert adopted.wait(timeout=240), "the second sweep did not follow the running job"
     finally:
