@@ -71,7 +71,6 @@ def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path,
         assert summary["status"] == "finished" and len(summary["segments"]) == 1 and summary["code"]["version"]
 
 
-@pytest.mark.slow
 def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | None:
     """Start the sweep of ``args`` (its one run in a worker process), SIGKILL the worker once the run has logged two
     steps, and return the run's folder and the sweep's exit status; None where the run had ended before the kill
@@ -93,6 +92,7 @@ def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | N
     return None if ended else (run_dir, status)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_path, capsys):
     """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
     resumed run equals one never interrupted. Where the run ended before the kill landed (a tiny run on a loaded
