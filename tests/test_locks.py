@@ -1,9 +1,11 @@
 """Folder locks tell a live writer from a dead one (harness/run/locks.py)."""
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -37,3 +39,18 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
         assert not is_held(path)  # the kernel dropped the dead process's lock
     finally:
         proc.kill()
+
+
+def test_a_writer_is_not_refused_by_a_readers_probe_of_its_lock(tmp_path):
+    """is_held probes with a shared lock for a moment; a run that started in that moment was refused as "being written
+    by another process". Now the writer tries again for PROBE_GRACE_S; a writer that holds the lock is still refused."""
+    path = tmp_path / ".run.lock"
+    path.touch()
+    with open(path, "rb") as probe:  # a reader's probe, held 0.2 s (a probe on a loaded machine)
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        threading.Timer(0.2, fcntl.flock, (probe, fcntl.LOCK_UN)).start()
+        handle = lock_folder(path, "busy")
+    assert is_held(path)
+    with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
+        lock_folder(path, "busy")
+    handle.close()

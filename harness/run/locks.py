@@ -9,12 +9,14 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 from harness.run.errors import ConfigError
 
 RUN_LOCK = ".run.lock"  # in a run folder, held by the process that trains it
 SWEEP_LOCK = ".sweep.lock"  # in results/<exp>/, held by the sweep that runs it
+PROBE_GRACE_S = 1.0  # how long a writer tries again before calling a folder busy (a probe is a moment)
 
 
 class FolderBusyError(RuntimeError):
@@ -22,9 +24,10 @@ class FolderBusyError(RuntimeError):
 
 
 def lock_folder(path: Path, busy: str):
-    """An exclusive lock held while the returned file stays open; raises FolderBusyError(``busy``) if another
-    process holds it, and ConfigError if ``path`` is a symbolic link or not a plain file (never followed: in a
-    shared results folder a link would let anyone make the next writer truncate or create a file of theirs)."""
+    """An exclusive lock held while the returned file stays open; raises FolderBusyError(``busy``) if another process
+    holds it for :data:`PROBE_GRACE_S` (a reader's :func:`is_held` holds it shared for a moment: a run that starts then
+    is not refused), and ConfigError if ``path`` is a symbolic link or not a plain file (never followed: in a shared
+    results folder a link would let anyone make the next writer truncate or create a file of theirs)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -35,12 +38,16 @@ def lock_folder(path: Path, busy: str):
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         handle.close()
         raise ConfigError(_not_a_lock(path))
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise FolderBusyError(f"{busy}; wait for it or stop it") from None
-    return handle
+    deadline = time.monotonic() + PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                raise FolderBusyError(f"{busy}; wait for it or stop it") from None
+            time.sleep(0.01)
 
 
 def check_lock_file(path: Path) -> None:
