@@ -127,6 +127,46 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
     assert json.loads((tmp_path / "out" / "soak.json").read_text())["sweeps_kept_in"] == str(kept)
 
 
+def test_a_soaks_first_kill_comes_at_once_where_every_run_is_past_step_0(tmp_path, monkeypatch):
+    """The step-0 window lasts ~0.1 s a run. Where the soak missed it in every run (its process off the core a
+    moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first (in ~15 s), no kill
+    landed and the soak failed: now the kill comes at once, logged as random. A fake clock and a fake sweep."""
+    import random
+
+    from harness.apps import soak
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(soak.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(soak.time, "sleep", lambda s: clock.update(now=clock["now"] + s))
+
+    class Sweep:  # ends on its own 15 s in, unless killed first
+        pid, returncode = 4242, None
+
+        def poll(self):
+            if self.returncode is None and clock["now"] >= 15:
+                self.returncode = 0
+            return self.returncode
+
+        def wait(self):
+            return self.poll()
+
+        def kill(self):
+            self.returncode = -9
+
+    exp_dir = tmp_path / "soak"
+    for run in ("grpo-s0-aa", "gspo-s0-bb"):  # both past step 0: two metrics lines, a checkpoint
+        (exp_dir / run / "checkpoints").mkdir(parents=True)
+        (exp_dir / run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    sent = []
+    monkeypatch.setattr(soak, "harness", lambda *args, **kwargs: Sweep())
+    monkeypatch.setattr(soak, "run_processes", lambda folder: [])
+    monkeypatch.setattr(soak, "check_files", lambda folder: [])
+    monkeypatch.setattr(soak.os, "kill", lambda pid, sig: sent.append(pid))
+    log = []
+    assert soak.kill_round(random.Random(0), ["sweep", "x"], exp_dir, log, kills=1) == []
+    assert sent == [4242] and [entry["moment"] for entry in log] == ["random"] and clock["now"] < 1
+
+
 @pytest.mark.slow
 def test_soak_kills_and_resumes_without_loss(capsys, tmp_path, monkeypatch):
     """The soak's command in this process (its sweeps are processes it starts and kills), on shorter runs, one at a

@@ -3,16 +3,15 @@
     python -m harness soak [--kills 20] [--seed 0] [--steps 30] [--jobs 2] [--out results/soak]
 
 A tiny two-objective sweep (``steps`` steps each) is started again and again; each time it is killed with SIGKILL,
-SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window
-(after the starting policy's evaluation line, before the first checkpoint; a sweep's first kill aims there) or
-while a checkpoint is being written. A kill counts once its signal is sent; a sweep that ends on its own before the
-kills planned is followed by a new one in a folder of its own, so that every kill planned lands. After ``kills``
-kills each sweep runs to the end. Then every run must be
-finished, every file must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval
-records must equal those of the same run trained without interruption (trained here, in the soak's own process, after
-the sweep). Writes ``soak.json`` into ``--out`` (default results/soak) and prints one line. The sweeps run in a
-temporary folder of the soak's own, removed when the soak passes and kept (named in that line) when it finds a
-problem.
+SIGTERM or SIGINT, aimed at the sweep process or at one of its runs, at a random moment, in the step-0 window (after the
+starting policy's evaluation line, before the first checkpoint; a sweep's first kill aims there, or comes at once where
+every run is past it already, logged as random) or while a checkpoint is being written. A kill counts once its signal is
+sent; a sweep that ends on its own before the kills planned is followed by a new one in a folder of its own, so that
+every kill planned lands. After ``kills`` kills each sweep runs to the end. Then every run must be finished, every file
+must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval records must equal those
+of the same run trained without interruption (trained here, in the soak's own process, after the sweep). Writes
+``soak.json`` into ``--out`` (default results/soak) and prints one line. The sweeps run in a temporary folder of the
+soak's own, removed when the soak passes and kept (named in that line) when it finds a problem.
 """
 
 from __future__ import annotations
@@ -76,6 +75,13 @@ def in_step0_window(exp_dir: Path) -> bool:
                for run in exp_dir.glob("*-s*-*"))
 
 
+def past_step0(exp_dir: Path) -> bool:
+    """Whether every run folder begun is past step 0's window (a second metrics line, or a checkpoint)."""
+    runs = list(exp_dir.glob("*-s*-*"))
+    return bool(runs) and all(len(read_jsonl(run / "metrics.jsonl")) > 1 or (run / "checkpoints").exists()
+                              for run in runs)
+
+
 def writing_checkpoint(exp_dir: Path) -> bool:
     return any(exp_dir.glob("*/checkpoints/last.pt.tmp"))
 
@@ -122,8 +128,8 @@ def kill_round(rng: random.Random, args: list[str], exp_dir: Path, log: list[dic
     while len(log) < kills:
         sweep = harness(*args)
         moment = "step0" if not (exp_dir / "manifest.json").exists() else rng.choice(["random", "random", "checkpoint"])
-        if moment == "step0":
-            hit = wait_for(lambda: in_step0_window(exp_dir), 30)
+        if moment == "step0":  # a window of ~0.1 s per run: once every run is past it, the kill comes at once
+            hit = wait_for(lambda: in_step0_window(exp_dir) or past_step0(exp_dir), 30) and in_step0_window(exp_dir)
         elif moment == "checkpoint":
             hit = wait_for(lambda: writing_checkpoint(exp_dir), 30)
         else:
