@@ -90,10 +90,11 @@ def kill_a_ray_run_mid_sweep(cfg, exp_dir: Path) -> tuple[Path, str] | None:
     found = processes_with(f"--run-dir {killed}")
     if found:
         (train,) = found
-        assert os.getpriority(os.PRIO_PROCESS, train) == os.nice(0)  # not Ray's nice 15, where a run beside any
-        # other work gets a sliver of a core
-        worker = int(Path(f"/proc/{train}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
-        os.kill(worker, signal.SIGKILL)  # the Ray worker running the task; the run dies with it
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # it ended since the scan: see its record
+            assert os.getpriority(os.PRIO_PROCESS, train) == os.nice(0)  # not Ray's nice 15, where a run beside
+            # any other work gets a sliver of a core
+            worker = int(Path(f"/proc/{train}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+            os.kill(worker, signal.SIGKILL)  # the Ray worker running the task; the run dies with it
     sweep.join(timeout=240)
     assert not sweep.is_alive()
     written = json.loads((killed / "summary.json").read_text())
@@ -160,6 +161,21 @@ def test_a_run_whose_worker_died_gets_the_status_its_own_record_calls_for(tmp_pa
     assert f"run gspo-s0 {status}: {error}; log in" in line and "exit -9" not in line
 
 
+@pytest.mark.parametrize("written", ["finished", "diverged"])
+def test_a_run_that_wrote_its_end_before_its_process_was_lost_keeps_it(tmp_path, capsys, written):
+    """A run whose summary says it ended, whose process (or worker) then died before it answered: the sweep called it
+    stopped and "not finished", and exited 1. Its own record stands, and the loss is said."""
+    from types import SimpleNamespace
+
+    from harness.apps.sweep import Child
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": written, "error": None}))
+    child = Child(tmp_path, SimpleNamespace(error=None), SimpleNamespace(close=lambda: None), code=-signal.SIGKILL)
+    assert child.ended("gspo-s0") == (written, None)
+    captured = capsys.readouterr()
+    assert f"run gspo-s0 {written}; its process was lost after it wrote so (exit -9)" in captured.out + captured.err
+
+
 @pytest.mark.slow
 def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_sweep, tmp_path):
     pytest.importorskip("submitit")
@@ -172,6 +188,9 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
 
 
+FOLLOWED_STEPS = 40  # seconds of a tiny run: one frozen one step in is rarely past its end (else tried again)
+
+
 def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | None:
     """Start a one-run sweep into ``folder`` through submitit's local executor, freeze (SIGSTOP) its run's `train`
     once it has logged a step, then SIGKILL the sweep's parent (its job lives on, as on a cluster). Returns the
@@ -180,7 +199,7 @@ def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | 
     after letting that job end."""
     exp = folder / "follow.yaml"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
-    overrides = [*TINY_RUN, "train.steps=12", "model.warm_start_steps=0", "model.warm_start_target=null",
+    overrides = [*TINY_RUN, f"train.steps={FOLLOWED_STEPS}", "model.warm_start_steps=0", "model.warm_start_target=null",
                  f"results_dir={folder}", "launcher.cluster=local"]
     first = subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(exp), *overrides, "--launcher", "slurm",
                               "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -196,7 +215,8 @@ def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | 
     found = processes_with(f"--run-dir {run_dir}")
     if found:
         (train,) = found
-        os.kill(train, signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):  # it ended since the scan: process_state says so below
+            os.kill(train, signal.SIGSTOP)
         stopped = wait_until(lambda: process_state(train) in ("T", None), timeout=60)  # None: it had exited
         assert stopped, "the run's process did not stop"
     first.kill()  # the sweep's parent, SIGKILL; its job lives on
@@ -252,7 +272,7 @@ def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_s
     assert not sweep.is_alive() and [e["status"] for e in outcome["entries"]] == ["finished"]
     assert "is still running (job " in capsys.readouterr().out
     assert [r["status"] for r in json.loads((exp_dir / "manifest.json").read_text())["runs"]] == ["finished"]
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(13))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(FOLLOWED_STEPS + 1))
     assert len([p for p in (exp_dir / ".submitit").iterdir() if p.name.isdigit()]) == 1  # no second job
     assert "being written by another process" not in (run_dir / "train.log").read_text()
 

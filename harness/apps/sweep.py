@@ -532,13 +532,17 @@ class Child:
         process group) reached it first and it wrote so: both resumable; the launcher's reason is said in both."""
         status, error = run_status(self.run_dir), stopped_error(self.run_dir)
         code = self.code
-        if code and status not in ("failed", "interrupted"):  # it could not write its summary
+        if code and status in ENDED:  # it wrote its end, then its process was lost (a worker killed before it
+            # answered): the run's own record stands
+            tqdm.write(f"run {rid} {status}; its process was lost after it wrote so "
+                       f"({self.handle.error or f'exit {code}'})")
+        elif code and status not in ("failed", "interrupted"):  # it could not write its summary
             status = "stopped" if code < 0 else "failed"  # killed by a signal (a lost worker) / e.g. a full disk
             killed = f"killed by {signal_name(-code)}" if code < 0 else None  # its log's last line is no reason
             error = self.handle.error or killed or error
         elif code and self.handle.error:  # it wrote its status, then the launcher lost it
             error = f"{self.handle.error}; the run wrote {status} ({error or 'no error'})"
-        if code:
+        if code and status not in ENDED:
             how = "" if self.handle.error else f" (exit {code})"  # a lost process's code is the launcher's stand-in
             tqdm.write(f"run {rid} {status}{how}: {error or 'no summary'}; log in {self.run_dir / 'train.log'}")
         self.bar.close()
