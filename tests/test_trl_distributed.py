@@ -9,6 +9,7 @@ draw the same completions) and a log of every file each process writes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -154,7 +155,8 @@ def killed_after_a_checkpoint(run_dir: Path, env: dict) -> bool:
     proc = launch(run_dir, 2, env)
     assert wait_until(lambda: trl_checkpoints(run_dir / "trl")[0], timeout=300, process=proc), "no checkpoint written"
     for pid in processes_with(str(run_dir)):  # the launcher and both processes (torch.distributed.run starts each
-        os.kill(pid, signal.SIGKILL)  # in a session of its own), as a job scheduler kills a job
+        with contextlib.suppress(ProcessLookupError):  # in a session of its own), as a job scheduler kills a job; one
+            os.kill(pid, signal.SIGKILL)  # that ended since the scan: the run's record says so below
     proc.communicate()
     assert wait_until(lambda: not processes_with(str(run_dir)), timeout=120)
     summary = run_dir / "summary.json"

@@ -3,6 +3,7 @@ process of its own trains, bit for bit, with its own train.log, lock, summary an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -85,7 +86,8 @@ def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | N
     run_dir = wait_until(two_steps, timeout=120, process=sweep)
     assert run_dir is not None, "the sweep made no progress"
     for worker in processes_with(f"harness worker {folder}"):
-        os.kill(worker, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it ended since the scan: the run's record says so below
+            os.kill(worker, signal.SIGKILL)
     status = sweep.wait(timeout=120)
     summary = run_dir / "summary.json"
     ended = summary.is_file() and json.loads(summary.read_text())["status"] == "finished"
