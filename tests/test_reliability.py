@@ -132,12 +132,13 @@ def test_a_soaks_first_kill_comes_at_once_where_every_run_is_past_step_0(tmp_pat
     moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first (in ~15 s), no kill
     landed and the soak failed: now the kill comes at once, logged as random. A fake clock and a fake sweep."""
     import random
+    from types import SimpleNamespace
 
     from harness.apps import soak
 
-    clock = {"now": 0.0}
-    monkeypatch.setattr(soak.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(soak.time, "sleep", lambda s: clock.update(now=clock["now"] + s))
+    clock = {"now": 0.0}  # the soak's own clock (its module's `time`), not the time module of everything else
+    monkeypatch.setattr(soak, "time", SimpleNamespace(monotonic=lambda: clock["now"],
+                                                      sleep=lambda s: clock.update(now=clock["now"] + s)))
 
     class Sweep:  # ends on its own 15 s in, unless killed first
         pid, returncode = 4242, None
