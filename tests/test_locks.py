@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -41,16 +40,24 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
         proc.kill()
 
 
-def test_a_writer_is_not_refused_by_a_readers_probe_of_its_lock(tmp_path):
+def test_a_writer_is_not_refused_by_a_readers_probe_of_its_lock(tmp_path, monkeypatch):
     """is_held probes with a shared lock for a moment; a run that started in that moment was refused as "being written
-    by another process". Now the writer tries again for PROBE_GRACE_S; a writer that holds the lock is still refused."""
+    by another process". Now the writer tries again for PROBE_GRACE_S; a writer that holds the lock is still refused.
+    The probe ends when the writer first waits (no clock: the same whatever the load)."""
+    from types import SimpleNamespace
+
+    from harness.run import locks
+
     path = tmp_path / ".run.lock"
     path.touch()
-    with open(path, "rb") as probe:  # a reader's probe, held 0.2 s (a probe on a loaded machine)
+    with open(path, "rb") as probe:  # a reader's probe, still held when the writer first tries
         fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        threading.Timer(0.2, fcntl.flock, (probe, fcntl.LOCK_UN)).start()
+        waits = []
+        monkeypatch.setattr(locks, "time", raising=False, value=SimpleNamespace(  # the module's clock alone
+            monotonic=time.monotonic, sleep=lambda s: waits.append(s) or fcntl.flock(probe, fcntl.LOCK_UN)))
         handle = lock_folder(path, "busy")
-    assert is_held(path)
+    assert waits and is_held(path)
+    monkeypatch.undo()
     with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
         lock_folder(path, "busy")
     handle.close()
