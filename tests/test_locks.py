@@ -61,3 +61,33 @@ def test_a_writer_is_not_refused_by_a_readers_probe_of_its_lock(tmp_path, monkey
     with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
         lock_folder(path, "busy")
     handle.close()
+
+
+def test_a_folder_a_writer_holds_is_refused_at_once_and_one_readers_hold_only_after_the_grace(tmp_path, monkeypatch):
+    """A writer's exclusive hold is told from readers' shared probes: refused without waiting (the writer was waited on
+    for PROBE_GRACE_S, as if it were a probe). Readers holding it longer than the grace still get the folder refused.
+    The module's clock is a counter: the same whatever the load."""
+    from types import SimpleNamespace
+
+    from harness.run import locks
+
+    path = tmp_path / ".run.lock"
+    waits = []
+
+    def clock():  # each reading a quarter of the grace later than the one before
+        now = iter(range(1000))
+        return SimpleNamespace(monotonic=lambda: next(now) * locks.PROBE_GRACE_S / 4, sleep=waits.append)
+
+    monkeypatch.setattr(locks, "time", clock(), raising=False)
+    writer = lock_folder(path, "busy")
+    with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
+        lock_folder(path, "busy")
+    assert waits == []  # no wait for a writer
+    writer.close()
+    with open(path, "rb") as reader:  # a reader that holds on past the grace
+        fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        monkeypatch.setattr(locks, "time", clock(), raising=False)
+        with pytest.raises(FolderBusyError, match="busy; wait for it or stop it"):
+            lock_folder(path, "busy")
+    assert len(waits) == 3  # tried again at a quarter, a half and three quarters of the grace, then refused
+    assert not is_held(path)  # nothing left held

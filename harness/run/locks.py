@@ -24,10 +24,11 @@ class FolderBusyError(RuntimeError):
 
 
 def lock_folder(path: Path, busy: str):
-    """An exclusive lock held while the returned file stays open; raises FolderBusyError(``busy``) if another process
-    holds it for :data:`PROBE_GRACE_S` (a reader's :func:`is_held` holds it shared for a moment: a run that starts then
-    is not refused), and ConfigError if ``path`` is a symbolic link or not a plain file (never followed: in a shared
-    results folder a link would let anyone make the next writer truncate or create a file of theirs)."""
+    """An exclusive lock held while the returned file stays open. Raises FolderBusyError(``busy``) at once if another
+    process holds it exclusively (a writer), and only after :data:`PROBE_GRACE_S` if readers hold it shared that long
+    (a reader's :func:`is_held` holds it for a moment: a run that starts then is not refused); ConfigError if ``path``
+    is a symbolic link or not a plain file (never followed: in a shared results folder a link would let anyone make
+    the next writer truncate or create a file of theirs)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -44,10 +45,21 @@ def lock_folder(path: Path, busy: str):
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return handle
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if not _only_readers(handle) or time.monotonic() >= deadline:
                 handle.close()
                 raise FolderBusyError(f"{busy}; wait for it or stop it") from None
             time.sleep(0.01)
+
+
+def _only_readers(handle) -> bool:
+    """Whether the lock that refused ``handle`` an exclusive hold is held shared (readers' probes, a moment each), not
+    exclusively (a writer): a shared hold is granted only where no writer holds it, and is released at once."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    return True
 
 
 def check_lock_file(path: Path) -> None:
