@@ -45,15 +45,15 @@ def lock_folder(path: Path, busy: str):
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return handle
         except BlockingIOError:
-            if not _only_readers(handle) or time.monotonic() >= deadline:
+            if not _no_writer(handle) or time.monotonic() >= deadline:
                 handle.close()
                 raise FolderBusyError(f"{busy}; wait for it or stop it") from None
             time.sleep(0.01)
 
 
-def _only_readers(handle) -> bool:
-    """Whether the lock that refused ``handle`` an exclusive hold is held shared (readers' probes, a moment each), not
-    exclusively (a writer): a shared hold is granted only where no writer holds it, and is released at once."""
+def _no_writer(handle) -> bool:
+    """Whether no process holds the lock of ``handle`` exclusively (a writer): a non-blocking shared hold, granted
+    only then and released at once. A writer refused while this holds is waiting on readers' probes, a moment each."""
     try:
         fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,11 +91,4 @@ def is_held(path: Path) -> bool:
             return False
         raise
     with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
+        return stat.S_ISREG(os.fstat(fd).st_mode) and not _no_writer(handle)
