@@ -188,7 +188,7 @@ def test_the_slurm_launcher_runs_the_sweep_with_submitits_local_executor(local_s
     assert len(jobs) == 3  # the starting policy's preparation, then one job per run
 
 
-FOLLOWED_STEPS = 40  # seconds of a tiny run: one frozen one step in is rarely past its end (else tried again)
+FOLLOWED_STEPS = 40  # the followed run's steps: frozen one step in, it is rarely past its end (else tried again)
 
 
 def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | None:
