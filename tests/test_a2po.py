@@ -143,6 +143,7 @@ def test_the_a2po_objective_is_checked_and_declares_the_reference():
     assert "reference" in BACKENDS["native"].provides and "reference" not in BACKENDS["trl"].provides
 
 
+@pytest.mark.slow
 def test_where_a2po_cannot_run_it_is_refused_before_anything(tmp_path):
     with pytest.raises(ConfigError, match="^backend trl: objective 'a2po' reads the reference policy's log-probs"):
         run_configs(load_experiment("base", ["objective.name=a2po", "backend=trl", f"results_dir={tmp_path}"]))
@@ -155,6 +156,7 @@ def test_where_a2po_cannot_run_it_is_refused_before_anything(tmp_path):
         validate_lab(load_experiment("lab", ["lab.objectives=[grpo]", "lab.params={grpo: {advantage: a2po}}"]))
 
 
+@pytest.mark.slow
 def test_the_reference_rewards_are_the_rewards_of_the_references_own_completions(tmp_path, monkeypatch):
     # a reward that tells completions apart (the untrained tiny model's are all wrong)
     monkeypatch.setattr(Arith, "score", lambda self, completion, problem: Score(len(set(completion)) / 8, 0.0))
@@ -199,6 +201,7 @@ def test_an_a2po_run_trains_against_its_reference_and_resumes_exactly(tmp_path, 
     assert rows[-1]["implicit_reward"] != 0.0  # the policy left its reference
 
 
+@pytest.mark.slow
 def test_a_lora_policys_reference_completions_are_its_bases(tmp_path, monkeypatch):
     """With LoRA the reference is the policy with its adapters off: its completions (and so V*) must be the base
     model's, not the adapted policy's (the native decoder merges adapters into its matmuls unless they are off)."""

@@ -139,6 +139,7 @@ def test_a_band_stays_inside_its_metrics_range():
     plt.close(made.fig)
 
 
+@pytest.mark.slow
 def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
     """The constrained layout runs at the first format's save; the others keep its panel positions."""
     from matplotlib.layout_engine import ConstrainedLayoutEngine
@@ -249,6 +250,7 @@ def test_coinciding_objectives_and_intervals(tmp_path):
 @pytest.mark.parametrize("policy, line", [
     ("absent", "not recorded (all runs: summary.json has no `start_policy`, runs written before the field)."),
     (None, "no warm start: the runs start from the base model (all runs).")])
+@pytest.mark.slow
 def test_headline_without_start_policy(tmp_path, policy, line):
     runs = load_experiment(write_objectives(tmp_path / "objs", policy)).runs
     assert report_module.start_policy_lines(runs) == [line]
@@ -264,6 +266,7 @@ def test_headline_with_mixed_start_policies(tmp_path):
         "no warm start: the runs start from the base model (grpo (1 run))."]
 
 
+@pytest.mark.slow
 def test_one_key_built_on_two_cpus_is_two_starting_policies(tmp_path):
     """The cache key names what a starting policy is built from; built apart on two CPUs it can differ. Runs that
     recorded other weights under one key are two starting policies: two lines, and never pooled as one."""
@@ -316,6 +319,7 @@ def test_runs_without_a_warm_start_from_other_weights_are_two_starting_policies(
         "no warm start: the runs start from the base model, weights `eeeeffff` (grpo (1 run))."]
 
 
+@pytest.mark.slow
 def test_a_manifest_listing_a_run_twice_or_a_folder_elsewhere_reads_each_run_once(tmp_path):
     """manifest.json edited by hand: a run listed twice was two rows, each the other's duplicate, so counted zero
     times (the verdict changed); a ``dir`` of ``../..`` or an absolute path was read as a run of this experiment (the
@@ -453,6 +457,7 @@ def test_deterministic_output(tmp_path, report):
     assert md.read_text().replace(str(exp), "X") == report[0].read_text().replace(str(first.parent), "X")
 
 
+@pytest.mark.slow
 def test_run_without_metrics(tmp_path):
     exp = write_experiment(tmp_path / "toy", {"grpo": {0: 0.5}}, extra=False)
     (exp / "grpo-s0-abcd1234" / "metrics.jsonl").write_text("")

@@ -266,6 +266,7 @@ def test_bad_async_settings_are_one_line(tmp_path, override, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_the_trl_backend_refuses_lag_and_decoupled_ppo_in_one_line(tmp_path):
     for override, message in ((LAG2, "train.rollout_lag is not supported"),
                               (["train.rollout_correction.mode=decoupled_ppo"], "no TRL counterpart")):

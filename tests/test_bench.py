@@ -127,6 +127,7 @@ TINY_BENCH = ["model.name=tiny", "task.name=arith", "model.warm_start_steps=0", 
               "threads=1", *(f"model.tiny.{k}={v}" for k, v in TINY_SPEC.items())]
 
 
+@pytest.mark.slow
 def test_scale_runs_one_fresh_process_per_point_and_keeps_a_killed_one(tmp_path, monkeypatch, capsys):
     """`bench --scale`'s grid, table and files, with each point's process stubbed (one point killed, as the kernel's
     out-of-memory killer would), and a grid the configuration cannot take refused before any point runs."""

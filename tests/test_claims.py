@@ -30,6 +30,7 @@ from harness.run.errors import ConfigError
 from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
 
 
+@pytest.mark.slow
 def test_shipped_claims_parse_and_their_experiments_exist():
     claims = load_claims()
     assert {c.name for c in claims} >= {"gspo_clips_more", "gspo_token_equals_gspo", "ctpo_prefix_ratio_variance",
@@ -437,6 +438,7 @@ def test_a_claims_sweep_runs_of_two_code_versions_are_refused(tmp_path):
         run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
 
 
+@pytest.mark.slow
 def test_a_claims_sweep_continued_under_other_code_is_refused_before_it_runs(tmp_path):
     """Before any run: a claim's design whose ended runs other code made, with runs left to do (under this code), is
     refused in one line (the read would refuse it after the runs); ended runs of one version with nothing left, or
@@ -745,6 +747,7 @@ def test_the_ledger_names_each_labs_code_and_labs_of_two_codes_are_not_pooled(tm
         check_one_code(folders)
 
 
+@pytest.mark.slow
 def test_a_check_on_an_objective_the_sweep_does_not_run_or_a_bad_margin_is_refused_before_the_sweep(tmp_path):
     """A check naming an objective outside its sweep's grid, or an equivalence margin <= 0, gave "no data" or a claim
     that can never hold, after the whole sweep (docs/claims_ledger.md says how long a2po_one_sample's takes)."""

@@ -63,6 +63,7 @@ def test_a_run_held_by_two_folders_is_read_once_and_said_so(tmp_path):
     assert exp.name == "a+b" and exp.dir == tmp_path / "results" / "a+b" and exp.sources == [a, b]
 
 
+@pytest.mark.slow
 def test_one_folder_is_load_experiment_with_its_source(tmp_path):
     a, _ = two_folders(tmp_path)
     exp, _ = load(a)
@@ -89,6 +90,7 @@ def write_samples(run_dir: Path, correct: list[int]) -> None:
     ({"summary_extra": code_segments("v2")}, "code unknown vs v2"),
     ({"samples": [1, 0, 0, 1]}, "per-problem eval scores (eval_samples.jsonl) differ"),
 ])
+@pytest.mark.slow
 def test_copies_with_different_records_are_kept_apart_in_one_warning(tmp_path, copy, said):
     samples = copy.pop("samples", None)
     a, b = two_folders(tmp_path, **copy)
@@ -116,6 +118,7 @@ def test_copies_with_different_records_are_kept_apart_in_one_warning(tmp_path, c
 # ---------------------------------------------------------------------------------------------- cells
 
 
+@pytest.mark.slow
 def test_runs_of_other_settings_or_code_are_other_cells_never_pooled(tmp_path):
     """a: grpo and gspo at lr 1e-4; b: the same objectives at lr 1e-3 (the same seeds: other runs, other ids);
     c: grpo at lr 1e-4 run by other code. Three cells, never six seeds of one."""
@@ -179,6 +182,7 @@ def test_escape_every_latex_special():
     assert number(-0.0125) == "$-0.0125$" and number(1.234e-5) == r"$1.23\times 10^{-5}$" and number(None) == "---"
 
 
+@pytest.mark.slow
 def test_headline_tex_holds_each_objective_and_cell_with_its_interval(tmp_path):
     """Two cells (lr 1e-4 with 5 seeds, lr 1e-3 with 2) of grpo and dr_grpo: the report's means and intervals,
     the marks the report's qualifiers become, the axis value on a cell's first row, a rule between cells."""
@@ -204,6 +208,7 @@ def test_headline_tex_holds_each_objective_and_cell_with_its_interval(tmp_path):
     assert r"$\ddagger$: the range (min--max) of 2 seeds" in tex and r"$\dagger$" not in tex and "---" not in tex
 
 
+@pytest.mark.slow
 def test_paired_tex_holds_the_verdicts_differences_holm_p_and_seeds_won_lost(tmp_path):
     """grpo, dr_grpo and gspo with per-problem scores: each objective against grpo, the same numbers the verdict
     ranks (its Holm-adjusted p), the seeds won and lost."""

@@ -87,6 +87,7 @@ def test_a_mistake_is_named_by_the_commands_own_parser(args, said, unsaid, capsy
     assert unsaid is None or unsaid not in error
 
 
+@pytest.mark.slow
 def test_the_module_entry_point_parses_then_runs_the_command(capsys):
     """``harness.__main__.main(argv)``: what ``python -m harness`` runs and what a launcher's script imports (the
     TRL backend's two-process test does)."""

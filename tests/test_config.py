@@ -48,6 +48,7 @@ from harness.run.records import settings_differences
     (["objective.name=clip_cov", "train.max_tokens_per_micro_batch=512"], "needs statistics of the whole minibatch"),
     (["backend=trl", "train.lm_head_chunk=256"], "are the native backend's"),
 ])
+@pytest.mark.slow
 def test_bad_configs_stop_with_a_clear_error(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
         run_configs(load_experiment("quickstart", override))
@@ -67,12 +68,14 @@ def test_misplaced_keys_get_a_hint(override, message):
         load_experiment("quickstart", [override])
 
 
+@pytest.mark.slow
 def test_grid_overrides_take_the_dotted_form_a_researcher_types():
     cfg = load_experiment("quickstart", ["sweep.grid.objective.name=[grpo,cispo]", "sweep.grid.seed=[0, 1, 2]"])
     assert [(r.objective.name, r.seed) for r in run_configs(cfg)] == [
         (o, s) for o in ("grpo", "cispo") for s in (0, 1, 2)]
 
 
+@pytest.mark.slow
 def test_sweep_expands_grid_with_per_objective_overrides():
     cfg = load_experiment("quickstart", ["sweep.per_objective.gspo={objective.params.clip_high: 0.001}"])
     runs = run_configs(cfg)
@@ -84,6 +87,7 @@ def test_sweep_expands_grid_with_per_objective_overrides():
     assert ids == [run_id(r) for r in run_configs(cfg)]  # stable
 
 
+@pytest.mark.slow
 def test_a_per_objective_value_of_a_swept_key_pins_that_axis_for_the_objective():
     cfg = load_experiment("quickstart", ["sweep.grid.objective.name=[grpo,gspo]", "sweep.grid.seed=[0]",
                                          "sweep.grid.train.epochs=[1,2]",
@@ -140,6 +144,7 @@ def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():
         load_experiment("gsm8k_ablation", ["profile=tpu"])
 
 
+@pytest.mark.slow
 def test_the_low_memory_profile_changes_only_the_memory_settings_and_so_keeps_the_run_ids():
     """A run that ran out of memory, swept again with profile=low_memory, is the same run (the memory settings change
     no number beyond round-off: tests/test_edges.py): the same id, so the sweep resumes it."""
@@ -163,6 +168,7 @@ def test_the_run_id_leaves_out_the_memory_settings_but_eval_batch_size_with_pass
     assert run_id(OmegaConf.merge(run, {"train": {"micro_batch_size": 16}})) != run_id(run)
 
 
+@pytest.mark.slow
 def test_the_run_id_leaves_out_the_settings_of_adapters_a_run_does_not_have():
     """At model.lora.rank=0 (no adapters) alpha, dropout and the target modules change nothing: the same run, the
     same id (they made another run folder of the same run); with adapters each is part of the run."""
@@ -199,6 +205,7 @@ def test_a_run_without_adapters_resumes_with_other_lora_settings_but_not_another
     ("objective.params.off_policy_mask_threshold=0.7", "objective.params.off_policy_mask=true",
      r"objective grpo declares off_policy_mask_threshold inert at these values"),
 ])
+@pytest.mark.slow
 def test_settings_that_change_nothing_are_left_out_of_the_run_id(inert, live, why, tmp_path):
     """A correction's thresholds at mode none and kl_estimator at beta 0 (grpo's own
     declaration) made another run id for the same run, as LoRA's settings at rank 0 did: now the same id, a resume
@@ -238,6 +245,7 @@ def test_a_setting_that_acts_in_some_of_the_grids_runs_makes_one_run_where_it_do
     assert len(made) == runs and len({run_id(run) for run in made}) == runs
 
 
+@pytest.mark.slow
 def test_a_grid_over_an_objectives_own_value_and_its_default_is_refused_as_the_same_run():
     with pytest.raises(ConfigError, match=r"^sweep.grid.objective.advantage: null and grpo make the same run "
                        r"\(objective grpo's own is grpo\); list each value once$"):
@@ -248,6 +256,7 @@ def test_a_grid_over_an_objectives_own_value_and_its_default_is_refused_as_the_s
                                                    "sweep.grid.objective.advantage=[null,grpo,opo]"]))
 
 
+@pytest.mark.slow
 def test_an_alias_whose_defining_setting_is_undone_is_refused_naming_its_parent():
     """luspo is gspo with aggregation=seq_mean_token_sum; luspo with aggregation=token_mean was accepted and ran gspo
     under luspo's name (the sixth hostile pass): a sweep would compare gspo with itself under two names."""
@@ -283,6 +292,7 @@ def test_where_results_go_is_not_an_objectives_own_setting():
             run_configs(load_experiment("quickstart", [f"sweep.per_objective={{gspo: {{{key}: x}}}}"]))
 
 
+@pytest.mark.slow
 def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     quick, trl = (run_configs(load_experiment(name))[0] for name in ("quickstart", "trl_quickstart"))
     assert trl.backend == "trl" and trl.train.save_every == 5
@@ -313,11 +323,13 @@ def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     ("train.decoder=flash", "train.decoder must be one of auto, shared_prefix, per_row, cache"),
     ("train.compile_sampler=true train.decoder=shared_prefix", "compiles the native sampler's per-row or cache"),
 ])
+@pytest.mark.slow
 def test_settings_that_would_fail_or_train_nothing_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         run_configs(load_experiment("quickstart", override.split()))
 
 
+@pytest.mark.slow
 def test_replacing_the_task_replaces_its_arguments():
     (run,) = run_configs(load_experiment("quickstart", ["task.name=gsm8k", "seed=0", "objective.name=grpo"]))
     assert run.task.args == {}
@@ -332,6 +344,7 @@ def test_replacing_the_task_replaces_its_arguments():
     assert run.task.args == {"num_operands": 2, "digits": 3, "operators": "+-"}
 
 
+@pytest.mark.slow
 def test_a_misspelt_generator_of_another_task_is_named_not_the_experiments_arguments():
     with pytest.raises(ConfigError) as error:
         run_configs(load_experiment("quickstart", ["task.name=reasoning_gym", "task.args.dataset=chain_summ"]))
@@ -368,6 +381,7 @@ def test_an_empty_experiment_file_is_the_defaults_as_base_yaml_is(tmp_path):
     assert cfg.train.steps == load_experiment("base").train.steps and cfg.name == "empty"
 
 
+@pytest.mark.slow
 def test_a_command_line_value_that_leaves_an_objective_without_runs_is_refused_naming_it():
     """moe_stability pins train.routing_replay=none for gspo, gspo_token and ctpo; train.routing_replay=r2 on the
     command line pins the grid's axis to r2: 3 of 18 runs would remain, the three objectives dropped silently."""
@@ -448,6 +462,7 @@ def test_a_run_that_recorded_the_digest_of_its_integer_spelling_is_not_called_ed
     assert edited_after_written({**flat, "train.lr": 2e-4}, {"settings_digest": older})
 
 
+@pytest.mark.slow
 def test_train_old_logp_is_no_part_of_a_run_where_the_loop_recomputes_the_behaviour_log_probs():
     """Under a rollout correction, trust-region rules or routing replay the loop recomputes the behaviour log-probs
     whatever train.old_logp says: a grid over it made two runs of one computation, bit-equal, compared as two cells,
@@ -471,6 +486,7 @@ def test_train_old_logp_is_no_part_of_a_run_where_the_loop_recomputes_the_behavi
     assert len(set(plain)) == 2
 
 
+@pytest.mark.slow
 def test_trust_region_rules_in_any_order_or_with_one_bound_each_are_one_run(tmp_path):
     """A token must pass every rule, so [token_k2, token_k3] and [token_k3, token_k2], and one bound for all rules
     against the same bound per rule, are one computation: they had two run ids, two cells of one run (the fourteenth
@@ -520,6 +536,7 @@ def test_a_grid_the_per_objective_pins_leave_empty_says_so():
                                                          r"objective.params.clip_low is -inf: give a finite number$"),
     ("sweep.grid.objective.params.clip_low=[.nan,0.2]", r"objective.params.clip_low is NaN: give a number$"),
 ])
+@pytest.mark.slow
 def test_a_nan_or_infinite_setting_is_refused_before_the_run_starts(override, message):
     """`train.lr=.nan` fails the range check before anything starts, not in torch's optimizer with a run folder and a
     traceback file (docs/hostile_pass.md, case 42)."""
@@ -602,6 +619,7 @@ def test_a_list_for_a_section_an_inherited_experiment_has_is_named_in_one_line(t
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_sweep_refusing_some_of_its_runs_names_their_grid_values():
     """A grid value refused for some runs (a negative learning rate; a model too large for this machine's memory)
     named no grid point: with several values of several keys the user could not tell which run was refused. A
@@ -641,6 +659,7 @@ def test_a_refusal_names_only_the_grid_values_that_tell_its_runs_apart():
         check_this_machine(runs)
 
 
+@pytest.mark.slow
 def test_a_per_objective_setting_on_the_command_line_pins_the_grid_as_one_in_the_experiment_file():
     """sweep.per_objective.gspo.train.lr=1e-4 on the command line became nested keys ({train: {lr: ...}}) that no
     grid key matched: gspo ran at both of the grid's learning rates, silently (a hostile pass). And a pin written

@@ -102,6 +102,7 @@ def measured():
              else np.nan) for name, seeds, x, truth in cases()]
 
 
+@pytest.mark.slow
 def test_the_reported_interval_reaches_95_percent_wherever_it_is_not_marked_indicative(measured):
     short = [f"{name}, {seeds} seeds: {coverage:.3f}" for name, seeds, coverage, _ in measured
              if coverage < REACHED and not indicative(seeds)]
@@ -110,6 +111,7 @@ def test_the_reported_interval_reaches_95_percent_wherever_it_is_not_marked_indi
     assert {seeds for _, seeds, _, _ in measured} == {3, 5, 10}
 
 
+@pytest.mark.slow
 def test_the_former_percentile_bootstrap_over_3_seeds_falls_short(measured):
     former = {name: old for name, seeds, _, old in measured if seeds == 3}
     assert max(former.values()) < REACHED, former  # in every case, far from its level

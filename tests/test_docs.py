@@ -53,6 +53,7 @@ def test_a_page_says_which_starting_policies_its_runs_built_into_the_cache(tmp_p
     assert "this page's runs built no starting policy into it.\n" in moe and "2026-01-01 00:00 UTC" in moe
 
 
+@pytest.mark.slow
 def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path, monkeypatch):
     monkeypatch.setattr(docs, "DOCS", tmp_path)
     monkeypatch.setattr(names, "DOCS", {})  # the generated tables: tests/test_names.py
@@ -98,6 +99,7 @@ def test_with_moe_and_skip_main_write_only_the_moe_page_with_its_claims(tmp_path
     assert len(landing) == 2 and all("docs" in str(folder) for folder in landing)  # built under the page's folder
 
 
+@pytest.mark.slow
 def test_the_mechanics_and_time_tables_are_per_cell_never_pooled(tmp_path):
     """Two values of a swept key are two rows per objective, each with its own seeds (not one row of 6 'seeds')."""
     exp = grid_experiment(tmp_path / "moe", {"train.routing_replay": ["none", "r2"]}, objectives=("grpo",),

@@ -35,6 +35,7 @@ def reference(hooks, monkeypatch):
     return hooks
 
 
+@pytest.mark.slow
 def test_the_reference_has_every_objective_estimator_key_task_experiment_and_command(reference):
     from harness.apps.cli import COMMANDS
     from harness.run import names
@@ -55,6 +56,7 @@ def test_the_reference_has_every_objective_estimator_key_task_experiment_and_com
     assert "| `make docs-site` |" in pages["reference/cli.md"]
 
 
+@pytest.mark.slow
 def test_an_objective_page_carries_its_docstring_defaults_meanings_and_trl_verl_names(reference):
     page = reference.pages()["reference/objectives/ctpo.md"]
     assert "**CTPO — cumulative-token importance sampling (arXiv 2605.07331);" in page  # the title sentence
@@ -133,6 +135,7 @@ def test_the_site_builds_strictly_offline(tmp_path):
         assert set(external) <= {"https://squidfunk.github.io/mkdocs-material/"}, (page, external)  # footer link only
 
 
+@pytest.mark.slow
 def test_the_python_api_page_runs_as_written(tmp_path, monkeypatch):
     """docs/python_api.md's code blocks, in order, on a fake results/quickstart (2 objectives x 2 seeds) and
     results/step_size (the same at quickstart's learning rate, the same run ids, and at a larger one)."""

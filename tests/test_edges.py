@@ -62,6 +62,7 @@ def stopped_run(tmp_path):
 @pytest.mark.parametrize("override, shown", [
     ("objective.name=gspo", "objective.name grpo -> gspo"), ("train.lr=0.01", "train.lr 0.001 -> 0.01"),
     ("objective.params.clip_low=0.3", "objective.params.clip_low 0.2 -> 0.3")])  # an unset one: its default
+@pytest.mark.slow
 def test_resuming_with_other_settings_is_refused_in_one_line_and_touches_nothing(stopped_run, override, shown,
                                                                                    capsys):
     run, run_dir = stopped_run
@@ -548,6 +549,7 @@ def test_the_memory_floor_reads_a_folders_config_without_building_the_model(tmp_
      "the policy's, objective popo's copy's, objective popo's trained parameters with their gradients and AdamW "
      "moments"),  # and its predictor, counted in the test below
 ])
+@pytest.mark.slow
 def test_the_memory_floor_counts_the_frozen_copies_a_run_holds(monkeypatch, settings, copies, parts):
     """The policy's weights were counted once, whatever the run holds beside them: the reference policy's frozen copy
     (a KL term, a2po), the sampler's copy in another precision (whose keys and values are in its precision too)."""
@@ -642,6 +644,7 @@ def test_a_rollout_or_a_lab_beyond_memory_is_refused_in_one_line_before_anything
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_so_on_a_line_of_its_own(tmp_path, capsys, monkeypatch):
     """Ctrl-C during a run: its line was written after the progress bar, on the bar's own line (the sixth hostile
     pass); the bar is closed (cleared) first, however the loop ends."""
@@ -689,6 +692,7 @@ def test_a_local_model_folder_transformers_cannot_read_is_refused_before_anythin
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_anything(tmp_path, capsys):
     """A folder holding config.json alone, or config and weights without the tokenizer's files: the run failed in
     transformers (its file-not-found error; a 6-line tokenizer message) after the run's folder was made (the seventh
@@ -722,6 +726,7 @@ def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_a
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_completions_that_fill_the_models_positions_are_refused(tmp_path, capsys):
     """train.max_new_tokens at or past a model's position limit left no room for the prompt: a RoPE model sampled
     past what it was built for without a word (the sixth hostile pass). The tiny models' limit is model.tiny's, a
@@ -794,6 +799,7 @@ def gsm8k_hub(monkeypatch, tmp_path):
     tasks._task_data_problem.cache_clear()
 
 
+@pytest.mark.slow
 def test_gsm8k_from_an_unreachable_hub_is_refused_once_in_seconds_before_anything_starts(tmp_path, capsys, gsm8k_hub,
                                                                                        monkeypatch):
     """Without GSM8K_DIR the hub's copy is asked for in one short request (the datasets library retried for ~30 s
@@ -847,6 +853,7 @@ def hub_check(monkeypatch):
     models.hub_model_problem.cache_clear()
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_is_asked_once_with_a_short_timeout_before_anything_starts(tmp_path, capsys, hub_check):
     from harness.run.hub import HUB_TIMEOUT_S
 
@@ -953,6 +960,7 @@ def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_r
     assert capsys.readouterr().err.count("config.yaml is damaged") == 1
 
 
+@pytest.mark.slow
 def test_more_prompts_per_step_than_training_problems_is_one_line_before_anything(tmp_path, capsys, monkeypatch):
     """A step draws its prompts without replacement: more than the task has was a ValueError traceback from numpy
     after the run had begun; then a line as the run started, after its folder (a sweep: after every run's). Now one

@@ -12,6 +12,7 @@ from harness.loop.evaluation import evaluate
 from tests.helpers.tiny import tiny_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pass_k", [0, 2])
 def test_the_evaluation_decodes_eval_batch_size_problems_per_call_with_the_same_results(tmp_path, monkeypatch,
                                                                                          pass_k):

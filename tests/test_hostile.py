@@ -623,6 +623,7 @@ def test_a_symlink_loop_as_results_dir_is_one_line(tmp_path, capsys):
         assert f"{tmp_path / 'a'}: Too many levels of symbolic links" in err
 
 
+@pytest.mark.slow
 def test_a_zoo_in_which_every_run_failed_has_a_leaderboard(tmp_path):
     exp = fake_experiment(tmp_path / "zoo", [fake_run(tmp_path / "zoo", objective, seed, status="failed",
                                                       shape=Shape(steps_done=1))

@@ -188,6 +188,7 @@ def test_no_position_with_two_sequences_leaves_the_growth_table_empty_and_the_fi
     assert positions_figure(pd.DataFrame([]), "lab") is None
 
 
+@pytest.mark.slow
 def test_lab_settings_are_checked_before_anything_runs(tmp_path):
     base = [*TINY_RUN, f"results_dir={tmp_path}"]
     for override, key in (("lab.staleness=[1,2]", "lab.staleness"), ("lab.mismatch=[fp8]", "lab.mismatch"),
@@ -220,6 +221,7 @@ def test_lab_settings_are_checked_before_anything_runs(tmp_path):
     (["objective.params.clip_low=0.3"], r"objective.params.clip_low=0.3 .*lab.params.<name>.<key>"),
     (["train.epochs=2"], r"train.epochs=2"), (["train.dynamic_sampling=true"], r"train.dynamic_sampling=true"),
 ])
+@pytest.mark.slow
 def test_a_training_setting_the_lab_does_not_read_is_refused(tmp_path, overrides, message):
     """The lab took these, wrote them to its config.yaml and measured bit-equal numbers without them: a reader
     believed the lab measured under a lag or a correction (the thirteenth hostile pass)."""

@@ -285,6 +285,7 @@ def test_a_rerun_sweep_follows_a_slurm_job_still_running_to_its_end_instead_of_s
     pytest.param("ray", "launcher.gpus_per_run=1", "launcher.gpus_per_run=1, but no node of the Ray cluster has "
                  "more than 0 GPUs", marks=pytest.mark.slow),  # starts a local Ray cluster
 ])
+@pytest.mark.slow
 def test_launcher_errors_stop_the_sweep_before_any_folder_exists(tmp_path, monkeypatch, launcher, override,
                                                                   message):
     pytest.importorskip(launcher if launcher == "ray" else "submitit")
@@ -345,6 +346,7 @@ def test_the_ray_session_a_sweep_starts_lasts_until_the_process_exits(tmp_path, 
         assert (ray.inits, ray.shutdowns) == (1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, extra", [("ray", "ray"), ("submitit", "slurm")])
 def test_a_missing_extra_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, module, extra):
     monkeypatch.setitem(__import__("sys").modules, module, None)  # import fails as if not installed
@@ -427,6 +429,7 @@ def test_the_local_launcher_gives_each_concurrent_run_its_own_gpu(tmp_path, monk
     assert fake_runs[-1].env is None  # no GPU: the sweep's environment, untouched
 
 
+@pytest.mark.slow
 def test_a_local_sweep_runs_one_run_per_gpu_at_once_by_default(tmp_path, monkeypatch, fake_runs):
     from harness.apps import sweep
 

@@ -46,12 +46,14 @@ def house_imports() -> dict[str, set[str]]:
     return graph
 
 
+@pytest.mark.slow
 def test_every_import_points_down_the_layers():
     upward = [f"{source} -> {target}" for source, targets in house_imports().items() for target in targets
               if layer(target) > layer(source) and not target.startswith(source + ".")]  # a package's face
     assert upward == []
 
 
+@pytest.mark.slow
 def test_no_import_circle():
     graph = house_imports()
     for package_face in [m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").exists()]:
@@ -74,6 +76,7 @@ def test_no_import_circle():
             visit(module)
 
 
+@pytest.mark.slow
 def test_the_config_layer_imports_nothing_above_it():
     graph = house_imports()
     assert {t for t in graph["harness.run.config"] if not t.startswith(("harness.run.", "objectives"))} == set()

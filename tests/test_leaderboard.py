@@ -34,6 +34,7 @@ def zoo(tmp_path_factory):
     return fake_experiment(exp, entries)
 
 
+@pytest.mark.slow
 def test_rank_iqm_paired_collapse_tokens_and_mechanics_by_hand(zoo):
     board = leaderboard(load_experiment(zoo), target=0.47).set_index("objective")
     # ranks: lr 1e-4: ctpo 1, gspo 2, grpo 3; lr 3e-4: grpo 1, ctpo 2, gspo 3
@@ -78,6 +79,7 @@ def test_the_board_says_what_each_objective_sampled_against_the_baseline(tmp_pat
     assert shown["a2po"] == "202 (1.98x)" and shown["grpo"] == "102 (1.00x)"
 
 
+@pytest.mark.slow
 def test_written_files_name_the_stamp_cells_and_every_objective(zoo, tmp_path):
     path = write_leaderboard(zoo, tmp_path / "out", "commit abc on a test machine", target=0.47)
     text = path.read_text()
@@ -88,6 +90,7 @@ def test_written_files_name_the_stamp_cells_and_every_objective(zoo, tmp_path):
     assert "<table" in (tmp_path / "out" / "leaderboard.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_that_diverged_before_an_evaluation_after_step_0_never_ranks_above_one_that_trained(tmp_path):
     """A stress regime in which every trained objective ends below the starting policy (0.4): an objective whose runs
     all diverged at step 1 (their final accuracy is the step-0 evaluation's, 0.4) tied for the best mean rank; it now
@@ -111,6 +114,7 @@ NOISE = (-0.01, 0.0, 0.01, -0.005, 0.005)  # per seed, added to each objective's
 EFFECT = {"a_obj": 0.05, "b_obj": 0.012, "c_obj": 0.0}
 
 
+@pytest.mark.slow
 def test_the_differences_to_the_baseline_are_holm_adjusted_over_the_family(tmp_path):
     """Three comparisons with grpo: a (t = 14) survives Holm, b (p 0.027 unadjusted, its interval excluding 0) does
     not (Holm: 2 x 0.027), c is noise; the adjusted p is Holm's of the paired t-tests' p-values."""
@@ -138,6 +142,7 @@ def test_the_differences_to_the_baseline_are_holm_adjusted_over_the_family(tmp_p
     assert "Holm p vs grpo" in text
 
 
+@pytest.mark.slow
 def test_objectives_run_by_different_code_are_said_to_be_on_the_board(tmp_path):
     """A zoo screen continued after a commit: an objective whose every run the new code made is compared with a
     baseline the old code ran, and the board says so (its differences include the change between the versions)."""

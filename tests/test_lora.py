@@ -141,6 +141,7 @@ def test_the_reference_is_the_base_with_the_adapters_disabled(tmp_path):
     assert not torch.allclose(behaviour.old_logp, base_logp)  # the recomputed policy is the adapted one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["grpo", "gspo"])
 def test_a_lora_runs_objective_math_equals_a_full_runs_on_the_same_logprobs(tmp_path, objective):
     """On the same batch the LoRA run's loss and metrics are the full run's exactly (its log-probs are the base's at
@@ -262,6 +263,7 @@ def test_a_rank_above_an_experts_smaller_side_is_refused(targets, bound, said):
     run_configs(load_experiment("base", [*shape, f"model.lora.rank={bound}"]))  # full rank: taken
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_merged_export_is_the_adapted_policy(tmp_path):
     """peft's LoRA over tiny_moe's stacked expert weights is no linear layer: the merged export falls back to peft's
     merge of a copy, the policy untouched."""

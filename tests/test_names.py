@@ -19,6 +19,7 @@ from objectives import OBJECTIVES
 from tests.helpers.tiny import tiny_run
 
 
+@pytest.mark.slow
 def test_every_schema_key_has_one_row_and_every_row_is_a_key():
     keys = names.schema_keys()
     rows = [n.key for n in names.NAMES]
@@ -47,6 +48,7 @@ def test_trl_names_are_grpo_config_fields():
     assert not set(names.ALIASES) & top_level  # an alias never shadows one of our own keys
 
 
+@pytest.mark.slow
 def test_trl_named_overrides_become_ours_with_a_note(tmp_path, capsys):
     run = tiny_run(tmp_path, "num_generations=2", "max_completion_length=12", "epsilon=0.3", "beta=0.04",
                    "learning_rate=3e-4", "per_device_train_batch_size=4", "num_iterations=2")
@@ -202,6 +204,7 @@ def test_the_readme_objectives_table_lists_every_objective_and_estimator():
     assert all(f"`{name}`" in table.split("Advantage estimators")[1] for name in available_advantages())
 
 
+@pytest.mark.slow
 def test_explain_knows_every_objective_hyperparameter(capsys):
     hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
     for param in sorted(hyperparameters):

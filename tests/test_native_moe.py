@@ -60,6 +60,7 @@ def experts_calls(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return seen
 
 
+@pytest.mark.slow
 def test_update_forwards_force_the_behaviour_routing_and_the_routers_learn(tmp_path, monkeypatch):
     cfg, run, batch, _ = moe_step(tmp_path, "r2")
     assert padding_free_unsupported(run.policy, batch.rollout.prompt_mask, batch.rollout.completion_mask)
@@ -82,6 +83,7 @@ def test_update_forwards_force_the_behaviour_routing_and_the_routers_learn(tmp_p
         assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
 
 
+@pytest.mark.slow
 def test_replay_with_unchanged_weights_equals_no_replay_bit_for_bit(tmp_path):
     cfg, run, batch, _ = moe_step(tmp_path, "r2")
     start = {name: p.detach().clone() for name, p in run.policy.state_dict().items()}
@@ -107,6 +109,7 @@ def test_r3_sampler_record_equals_the_trainers_teacher_forced_routing(tmp_path):
     assert behaviour.metrics["recompute_expert_changed_frac"] == 0.0
 
 
+@pytest.mark.slow
 def test_microbatched_update_replays_as_the_whole_minibatch(tmp_path):
     cfg, run, batch, _ = moe_step(tmp_path, "r2")
     perturb_routers(run.policy)  # replay now overrides routing: the micro-batches must force the same experts

@@ -199,6 +199,7 @@ def test_aggregate_averages_each_seed_over_the_cells_before_its_interval():
     assert (single["cells"], single["n"]) == (3, 1) and np.isnan(single["difference_low"])  # seed 0 alone in all
 
 
+@pytest.mark.slow
 def test_copies_of_a_cell_add_no_information_to_the_aggregate():
     """Three cells whose runs are one cell's, copied: the aggregate is that cell's comparison, its interval, p-value
     and P(A > B) interval included, with per-problem scores (the bootstrap draws the same seeds and problems in

@@ -182,6 +182,7 @@ class Launcher:
         return Handle()
 
 
+@pytest.mark.slow
 def test_the_sweep_refuses_before_starting_any_run_and_passes_the_flag_to_its_runs(code, tmp_path, monkeypatch):
     cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=exp", "sweep.grid.seed=[0,1,2]"])
     runs = run_configs(cfg)
@@ -317,6 +318,7 @@ def test_one_version_reads_a_missing_version_as_unknown():
         provenance.check_one_version(["aaa", None, "aaa"], Path("f"), "the runs")
 
 
+@pytest.mark.slow
 def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_resumed_or_merged(tmp_path):
     """The report read an ended run's settings from its config.yaml as written: an edit after the run (another lr)
     moved it into another cell, silently. The run records its settings' digest; an edit is a problem, said, and the
@@ -350,6 +352,7 @@ def test_a_config_yaml_edited_after_its_run_wrote_it_is_not_counted_resumed_or_m
     assert len(both.runs) == 2 and len(ended) == 1 and ended["source"].iloc[0].endswith("copy")
 
 
+@pytest.mark.slow
 def test_a_resume_that_writes_the_same_rules_in_another_order_is_not_an_edit(tmp_path):
     """Trust-region rules in another order are the same run, and its resume rewrites config.yaml in the new order:
     killed before summary.json recorded the new digest, the next resume (and the report) called config.yaml edited.

@@ -99,6 +99,7 @@ def test_a_finished_runs_cut_short_last_line_is_warned_about_naming_the_file_and
     assert summary["status"] == "finished" and summary["missing_steps"] == [3]
 
 
+@pytest.mark.slow
 def test_summary_carries_the_collapse_record_of_the_rows_so_far_across_a_resume(tmp_path):
     """summary.json's `collapse` is the rule of harness/run/collapse.py on the logged rows, written at every step:
     null until the streak is confirmed, then the onset and cause (with the rule), kept through a resume."""
@@ -150,6 +151,7 @@ def test_a_run_is_not_resumed_on_other_task_data(tmp_path, monkeypatch):
     assert summary["status"] == "finished" and summary["task_data"] == recorded
 
 
+@pytest.mark.slow
 def test_a_run_is_not_resumed_from_other_starting_weights(tmp_path):
     """A model folder whose weights were replaced keeps its model.name, so its runs keep their ids: a run stopped and
     resumed after the swap went on from other starting weights (its KL reference among them), and its report pooled

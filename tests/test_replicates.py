@@ -41,6 +41,7 @@ def policy_t_interval(values_by_policy: dict) -> tuple[float, float, float]:
     return means.mean(), means.mean() - half, means.mean() + half
 
 
+@pytest.mark.slow
 def test_starting_policies_are_one_cell_and_their_seeds_no_duplicates(three_policies):
     exp = load_experiment(three_policies)
     assert exp.cells.axes == [] and exp.runs["cell_id"].nunique() == 1  # model.seed is no axis
@@ -61,6 +62,7 @@ def test_describe_takes_the_policies_means_not_the_pooled_runs():
     assert describe(values, [1] * 9) == pooled  # one policy: conditioned on, as before
 
 
+@pytest.mark.slow
 def test_accuracy_interval_is_over_the_policies(three_policies):
     exp = load_experiment(three_policies)
     grpo = exp.runs[exp.runs["objective"] == "grpo"]
@@ -90,6 +92,7 @@ def test_an_interval_over_3_starting_policies_is_indicative_whatever_its_seeds()
     assert r"\dagger" in latex_interval(0.1, 0.3, 15, True, 3)[1] and latex_interval(0.1, 0.3, 15, True, 5)[1] == []
 
 
+@pytest.mark.slow
 def test_iqm_bootstrap_resamples_the_policies(three_policies):
     """The IQM's hierarchical bootstrap draws starting policies first: its interval spans most of the policies'
     spread (0.3 .. 0.7), where a bootstrap of 15 pooled seeds would stay near 0.5."""
@@ -98,6 +101,7 @@ def test_iqm_bootstrap_resamples_the_policies(three_policies):
     assert row["iqm_low"] < 0.4 and row["iqm_high"] > 0.6
 
 
+@pytest.mark.slow
 def test_a_paired_difference_keeps_each_policy_with_its_seeds(three_policies):
     """gspo - grpo is +0.02 in every (policy, seed) unit: pairing by (policy, seed) finds it exactly; pairing by seed
     alone would pair policy 1's runs with policy 3's."""
@@ -124,6 +128,7 @@ def test_model_seed_swept_where_it_changes_nothing_is_refused(tmp_path):
     check_start_seeds(hub)  # another warm start per value: other starting policies
 
 
+@pytest.mark.slow
 def test_model_seed_of_a_pretrained_model_without_warm_start_or_adapters_is_one_starting_policy(tmp_path):
     """It draws nothing: two values are one run id (a grid over them is refused as the same run), and runs that
     wrote two values are read as one starting policy, seeds of it (a duplicate counted once), not two replicates."""

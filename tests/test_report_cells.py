@@ -50,6 +50,7 @@ def test_a_grid_over_minibatches_with_one_seed_is_two_cells_not_two_seeds(tmp_pa
     assert "range" not in shown and "| 1 | grpo |" in shown and "| 2 | grpo |" in shown
 
 
+@pytest.mark.slow
 def test_shipped_mismatch_stability_has_one_cell_per_correction_mode(tmp_path):
     """The shipped sweep's grid and per-objective settings (read from its YAML): its three rollout-correction modes
     are cells; TBPO's train.old_logp (sweep.per_objective) is a setting of the objective, not a cell."""
@@ -95,6 +96,7 @@ def test_seed_zero_runs_of_different_experiments_are_never_three_seeds(tmp_path)
     assert exp.runs.set_index("run_id").loc[other, "duplicate_of"] == kept
 
 
+@pytest.mark.slow
 def test_an_objective_setting_written_at_its_own_value_is_the_run_without_it(tmp_path):
     """grpo with objective.advantage=grpo written out, and dapo with its own clip_high=0.28 written out, beside
     runs that leave them out (null, absent): the same computations, the same run ids since the run-id rule, but three
@@ -131,6 +133,7 @@ def test_a_hyperparameter_left_out_is_each_objectives_own_value_in_the_cells(tmp
     assert table.loc[("gspo", "unset"), "seeds"] == 3 and table.loc[("grpo", "unset"), "seeds"] == 3
 
 
+@pytest.mark.slow
 def test_runs_of_other_code_are_pooled_by_the_own_values_that_code_recorded_or_as_written(tmp_path):
     """Runs of older code whose objective had another default: the report read their settings with this checkout's
     own values, so within that version a run that wrote today's default out (gspo at beta 0.0, another value then)
@@ -562,6 +565,7 @@ def test_the_axis_figures_draw_the_start_beside_the_end_accuracy():
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_the_axis_figures_bars_stay_inside_0_and_1():
     """A final accuracy whose t-interval over 3 seeds reaches below 0 (and a best one above 1): its bar stops at 0
     (and at 1), as the curves' bands do; the tables keep the whole interval."""

@@ -102,6 +102,7 @@ def test_weights_equal_the_hand_computation(mode, c, low):
         assert num(m["rollout_corr_masked_frac"], 3 / 5 if c == 1.1 else 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", CORRECTION_MODES[1:])
 def test_a_lower_bound_of_0_is_the_run_without_one_where_unset_means_none(mode):
     """threshold_lower 0 bounds nothing where unset means no lower bound (the truncate modes, decoupled_ppo): the
@@ -438,6 +439,7 @@ def trl_reference_ratio(old, sampling, mask, mode, clip_min, clip_max):
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold_lower", [None, 0.0, 0.8])
 @pytest.mark.parametrize("mode", MODES)
 def test_trl_options_compute_exactly_our_weights(tmp_path, bf16_logprobs, mode, threshold_lower):

@@ -189,6 +189,7 @@ def test_a_second_comparison_adds_to_the_first_and_runs_no_run_again(tmp_path, c
     assert "verdict:\n" in second.out and f"report: {exp_dir / 'report' / 'report.html'}" in second.out
 
 
+@pytest.mark.slow
 def test_a_baseline_no_run_is_is_refused_before_the_sweep_starts(tmp_path):
     """`make compare OBJECTIVES=grpo,gspo BASELINE=cispo`: refused in one line before any folder or run (it was found
     by the report, after every run had trained); a baseline an earlier sweep's run in the folder is, is taken."""

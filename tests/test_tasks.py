@@ -55,6 +55,7 @@ def test_a_task_declared_wrong_is_refused_when_it_registers(name, cls, said):
     assert name not in available_tasks()
 
 
+@pytest.mark.slow
 def test_gsm8k_loads_local_copy_from_env(gsm8k_dir, monkeypatch):
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     task = get_task("gsm8k", eval_size=16)

@@ -75,6 +75,7 @@ def test_torch_threads_are_set_in_one_place():
     assert calls == ["harness/run/threads.py"]
 
 
+@pytest.mark.slow
 def test_bench_step_prints_one_steps_seconds_and_threads(capsys, machine):
     from harness.apps.bench import step_main
 
@@ -97,6 +98,7 @@ def test_the_tiny_runs_metrics_do_not_depend_on_the_thread_count(tmp_path):
     assert rows[1] == rows[2] and len(rows[1]) == 3
 
 
+@pytest.mark.slow
 def test_more_threads_than_cores_are_refused_before_the_run_folder_exists(machine, tmp_path, capsys):
     """threads=N or --threads N above the cores this process may use: one line and status 2 before anything is
     written (torch would start N OpenMP threads: a huge N ended the run in a traceback or a segfault after its

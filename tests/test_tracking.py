@@ -64,6 +64,7 @@ def test_tensorboard_event_files_hold_the_metrics_jsonl_values(tmp_path):
     assert hparams and b"train.group_size" in b"".join(hparams.values())
 
 
+@pytest.mark.slow
 def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     run = tiny_run(tmp_path, "logging.backends=[jsonl,tensorboard]")
@@ -91,6 +92,7 @@ def test_new_settings_at_their_defaults_keep_run_ids(tmp_path):
     assert run_id(tiny_run(tmp_path, "train.export_every=2")) != plain  # a different run: it writes exports
 
 
+@pytest.mark.slow
 def test_logging_backends_are_checked_before_any_run(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"unknown backend 'tensorbord'. Did you mean 'tensorboard'\?"):
         tiny_run(tmp_path, "logging.backends=[jsonl,tensorbord]")

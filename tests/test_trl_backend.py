@@ -123,6 +123,7 @@ TRL_BUILTINS = [
 @pytest.mark.parametrize("objective, params, options", TRL_BUILTINS,
                          ids=[f"{o}{'-kl' if p.get('beta') else ''}{'-entropy' if 'entropy_coef' in p else ''}"
                               for o, p, _ in TRL_BUILTINS])
+@pytest.mark.slow
 def test_registry_objective_equals_trl_builtin_loss(fixed, tmp_path, objective, params, options):
     run = run_config(tmp_path, f"objective.name={objective}", *(f"objective.params.{k}={v}" for k, v in
                                                                   params.items()))
@@ -284,6 +285,7 @@ def test_loss_forward_measures_routing_as_the_native_update(tmp_path):
         assert logged[key] == pytest.approx(native.routing_metrics[key], rel=1e-6), key
 
 
+@pytest.mark.slow
 def test_moe_loss_with_activation_checkpointing_is_the_loss_without(tmp_path):
     """backend=trl, tiny_moe, train.activation_checkpointing: TRL's Trainer enables it with the harness's checkpoint
     arguments (grpo_config), so each layer's recompute in backward forces the routing its forward took, although

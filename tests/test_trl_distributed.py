@@ -193,6 +193,7 @@ def documented_launches() -> list[str]:
     return commands
 
 
+@pytest.mark.slow
 def test_the_documented_launch_commands_pass_accelerates_validation_and_ours(monkeypatch):
     """No GPU here: each documented multi-GPU command goes through accelerate's own argument parsing and config
     checks (the launcher it would start is recorded instead of run), and its harness part through the harness's

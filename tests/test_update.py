@@ -33,6 +33,7 @@ from tests.helpers.tiny import tiny_run
 @pytest.mark.parametrize("objective, extra", [("dapo", ("objective.params.entropy_coef=0.01",)), ("p3o", ()),
                                               ("conspo", ()), ("a2po", ()),
                                               ("grpo", ("objective.params.aggregation=prompt_mean",))])
+@pytest.mark.slow
 def test_micro_batches_give_the_minibatch_update(tmp_path, objective, extra, monkeypatch):
     passes, real = [], harness.loop.native.with_statistics
 
@@ -192,6 +193,7 @@ def test_timings_report_only_the_phases_that_ran():
     assert list(timings.metrics()) == ["update_backward_s"] and timings.metrics()["update_backward_s"] >= 0
 
 
+@pytest.mark.slow
 def test_no_gradient_is_held_after_the_update(tmp_path, monkeypatch):
     """The last optimizer step's gradients are dropped: the rollout and evaluation that follow do not hold them."""
     held, real = [], harness.loop.native.evaluate

@@ -151,6 +151,7 @@ def test_the_report_says_when_the_objectives_sampled_different_rollout_budgets()
     assert budget_blocks(numbers({"grpo": 100.0, "a2po": 200.0}, baseline=None), False) == []
 
 
+@pytest.mark.slow
 def test_a_run_that_stopped_early_is_not_read_as_a_smaller_budget(tmp_path):
     """Budgets are compared per step: an objective that samples twice the tokens a step but diverged after 1 of 6
     steps sampled less in all, and still 2.00x per step."""

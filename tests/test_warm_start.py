@@ -122,6 +122,7 @@ def test_warm_start_reaches_the_band_and_builds_the_same_weights_with_1_and_2_th
     assert all(torch.equal(weights1[k], weights2[k]) for k in weights1)
 
 
+@pytest.mark.slow
 def test_the_warm_start_says_what_it_builds_with_a_bar_and_builds_the_same_weights(rlvr_cache, capsys):
     """progress=True: a line naming the cache and the band, a bar of steps against the cap with the last check and
     an ETA, then on a cache hit "loaded <path>"; the steps, checks and every weight bit as without the bar."""
@@ -181,6 +182,7 @@ def test_warm_start_errors_outside_the_band(rlvr_cache, monkeypatch):
     assert [p.suffixes for p in (rlvr_cache / "warm_start").glob("*")] == [[".missed", ".json"]]  # no policy
 
 
+@pytest.mark.slow
 def test_warm_start_key_covers_recipe_and_target(rlvr_cache, monkeypatch):
     task = _easy_task()
     settings = {**BAND, "max_steps": 1, "check_every": 1, "check_size": 8, "target": (0.0, 1.0)}

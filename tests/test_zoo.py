@@ -185,6 +185,7 @@ def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
         zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 5)
 
 
+@pytest.mark.slow
 def test_the_confirmation_is_planned_only_from_the_screen_its_settings_make(tmp_path, monkeypatch):
     """A screen of other --seeds, --objectives or overrides (the runs of its folder that ended) is refused in one line,
     not planned from and recorded as the screen of these settings; runs of objectives not compared do not count."""
@@ -381,6 +382,7 @@ def test_a_stage_that_runs_any_run_removes_the_kept_whole_time(two_cells, monkey
     assert (tmp_path / "zoo" / zoo.WHOLE).exists()
 
 
+@pytest.mark.slow
 def test_only_a_zoo_of_both_stages_begun_without_its_folders_is_timed_whole(monkeypatch, tmp_path):
     given = []
     monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: None)
