@@ -35,7 +35,6 @@ def reference(hooks, monkeypatch):
     return hooks
 
 
-@pytest.mark.slow
 def test_the_reference_has_every_objective_estimator_key_task_experiment_and_command(reference):
     from harness.apps.cli import COMMANDS
     from harness.run import names
@@ -56,7 +55,6 @@ def test_the_reference_has_every_objective_estimator_key_task_experiment_and_com
     assert "| `make docs-site` |" in pages["reference/cli.md"]
 
 
-@pytest.mark.slow
 def test_an_objective_page_carries_its_docstring_defaults_meanings_and_trl_verl_names(reference):
     page = reference.pages()["reference/objectives/ctpo.md"]
     assert "**CTPO — cumulative-token importance sampling (arXiv 2605.07331);" in page  # the title sentence

@@ -19,7 +19,6 @@ from objectives import OBJECTIVES
 from tests.helpers.tiny import tiny_run
 
 
-@pytest.mark.slow
 def test_every_schema_key_has_one_row_and_every_row_is_a_key():
     keys = names.schema_keys()
     rows = [n.key for n in names.NAMES]
@@ -204,7 +203,6 @@ def test_the_readme_objectives_table_lists_every_objective_and_estimator():
     assert all(f"`{name}`" in table.split("Advantage estimators")[1] for name in available_advantages())
 
 
-@pytest.mark.slow
 def test_explain_knows_every_objective_hyperparameter(capsys):
     hyperparameters = {p for o in OBJECTIVES.names() for p in OBJECTIVES.get(o).hyperparameters()}
     for param in sorted(hyperparameters):
