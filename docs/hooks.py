@@ -25,7 +25,8 @@ import yaml
 
 from harness.run import names
 from harness.run.commandline import build_parser
-from harness.run.config import REPO, experiment_description, experiment_paths
+from harness.run.config import experiment_description
+from harness.run.experiments import REPO, experiment_paths
 from harness.run.names import first_sentence
 from harness.tasks import TASKS, reasoning_gym_datasets
 from objectives import ADVANTAGES, OBJECTIVES, Objective

@@ -35,6 +35,11 @@ def test_help_imports_neither_torch_nor_transformers(args):
     (["zoo", "--objectives", "grpo,,gspo"], "an empty name"),
     (["sweep", "quickstart", "--launcher", "k8s"], "invalid choice: 'k8s'"),
     (["zoo", "--seeds", "10000"], "--seeds: must be at most 100"),  # it planned for minutes without a word
+    # a mistyped experiment (it was said after the seconds of the imports)
+    (["train", "quickstar"], "config error: no experiment 'quickstar' (looked for "),
+    (["sweep", "quickstart.yaml", "seed=1"], "config error: no experiment file quickstart.yaml (not there). Did you "),
+    (["lab", "a/b"], "config error: no experiment 'a/b': give an experiment's name ("),
+    (["prepare", "nowhere/config.yaml"], "config error: no experiment file nowhere/config.yaml (not there). Give"),
 ])
 def test_a_mistyped_option_is_one_line_before_torch_is_imported(args, message):
     done, imported = harness_importing(*args)

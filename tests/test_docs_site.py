@@ -38,7 +38,7 @@ def reference(hooks, monkeypatch):
 def test_the_reference_has_every_objective_estimator_key_task_experiment_and_command(reference):
     from harness.apps.cli import COMMANDS
     from harness.run import names
-    from harness.run.config import experiment_paths
+    from harness.run.experiments import experiment_paths
     from harness.tasks import TASKS
     from objectives import ADVANTAGES, OBJECTIVES
 

@@ -67,7 +67,7 @@ def test_set_up_and_test_are_exactly_what_ci_runs():
 
 def test_every_make_target_and_experiment_the_readme_names_exists():
     """`make X` in the README's shell blocks and prose is a Makefile target; `EXP=name` an experiment file."""
-    from harness.run.config import EXPERIMENTS_DIR
+    from harness.run.experiments import EXPERIMENTS_DIR
 
     text = README.read_text()
     commands = shell_commands(text) + inline_make_commands(text)

@@ -81,7 +81,8 @@ def test_cli_reports_config_errors_without_traceback(capsys):
 
 def test_list_names_the_shared_hyperparameters_once_marks_aliases_and_ends_descriptions(capsys, monkeypatch):
     from harness.apps import cli as cli_module
-    from harness.run.config import experiment_description, experiment_paths
+    from harness.run.config import experiment_description
+    from harness.run.experiments import experiment_paths
 
     monkeypatch.setattr(cli_module, "reasoning_gym_datasets", lambda: ["chain_sum"])  # its import takes seconds
     assert cli_module.main(["list"]) == 0

@@ -103,8 +103,9 @@ from harness.apps.sweep import (
 )
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
-from harness.run.config import EXPERIMENTS_DIR, load_experiment, run_configs, run_id, yaml_problem
+from harness.run.config import load_experiment, run_configs, run_id, yaml_problem
 from harness.run.errors import ConfigError
+from harness.run.experiments import EXPERIMENTS_DIR
 from harness.run.provenance import UNKNOWN, check_one_version, code_record, runs_stamp
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"

@@ -40,12 +40,12 @@ from harness.run.commandline import parse
 from harness.run.config import (
     check_this_machine,
     experiment_description,
-    experiment_paths,
     load_experiment,
     run_configs,
     run_id,
 )
-from harness.run.errors import ConfigError, interrupted
+from harness.run.errors import MAIN_PROCESS, ConfigError, interrupted, say_config_error
+from harness.run.experiments import experiment_paths
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
 from harness.run.provenance import check_code
@@ -55,8 +55,6 @@ from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
 from objectives import OBJECTIVES, Objective, available_advantages
 from objectives.base import alias_of
-
-MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
 
 
 def _terminate(signum, frame):
@@ -334,9 +332,7 @@ def failure_status(e: Exception) -> int | None:
     full disk, MISSED_BAND (3): a warm start that missed its band, 0: the reader of stdout has gone); None for any
     other (its traceback is raised)."""
     if isinstance(e, ConfigError):
-        if MAIN_PROCESS:  # every process of a distributed launch finds the same
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return say_config_error(e)
     if isinstance(e, FolderBusyError):
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,10 @@ take (harness/__main__.py parses first; harness/apps/cli.py runs the command). N
 from __future__ import annotations
 
 import argparse
+import sys
 
+from harness.run.errors import ConfigError, say_config_error
+from harness.run.experiments import experiment_path
 from harness.run.provenance import ALLOW_FLAG
 
 DESCRIPTION = ("Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,"
@@ -29,6 +32,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         given_without_mode(parser.commands["bench"], args)
+    if getattr(args, "experiment", None):  # train, sweep, lab, prepare: a mistyped experiment before the imports
+        try:
+            experiment_path(args.experiment)
+        except ConfigError as e:
+            sys.exit(say_config_error(e))
     return args
 
 

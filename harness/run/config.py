@@ -44,6 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 from harness.run.aliases import ALIASES, translate_overrides
 from harness.run.checks import run_checks
 from harness.run.errors import ConfigError
+from harness.run.experiments import experiment_path
 from harness.run.offpolicy import recompute_forced
 from objectives import ADVANTAGES, OBJECTIVES, estimator_name, get_objective
 from objectives.advantages import (
@@ -63,8 +64,6 @@ from objectives.rollout_correction import (
     lower_threshold,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-EXPERIMENTS_DIR = REPO / "experiments"
 GRID = "sweep.grid."  # prefix of a command-line grid override
 PER_OBJECTIVE = "sweep.per_objective."  # prefix of a command-line per-objective setting
 NOT_RUN_SECTIONS = ("sweep", "profiles", "lab", "launcher")  # an experiment's, not in a run's config.yaml
@@ -424,32 +423,6 @@ def _bad_override(overrides: list[str], grid: dict[str, str], error: Exception) 
 
 def _hyperparameter_names() -> set[str]:
     return {k for name in OBJECTIVES.names() for k in OBJECTIVES.get(name).hyperparameters()}
-
-
-def experiment_path(name: str) -> Path:
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml"):  # a file's path: there or not, never experiments/<path>.yaml
-        if not path.is_file():
-            named = "/" not in name and (EXPERIMENTS_DIR / name).is_file()  # `train quickstart.yaml`
-            hint = f" Did you mean the experiment {path.stem!r} ({EXPERIMENTS_DIR / name})?" if named else ""
-            raise ConfigError(f"no experiment file {name} ({'a folder' if path.is_dir() else 'not there'}).{hint} "
-                              f"Give an existing YAML file or an experiment's name (`python -m harness list`)")
-        return path
-    known = [p.stem for p in experiment_paths()]
-    if "/" in name:  # a path, not a name: never experiments/<path>.yaml
-        raise ConfigError(f"no experiment {name!r}: give an experiment's name ({', '.join(known)}) or the path of a "
-                          "file ending in .yaml")
-    path = EXPERIMENTS_DIR / f"{name}.yaml"
-    if not path.exists():
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"no experiment {name!r} (looked for {path}).{hint} Experiments: {', '.join(known)}.")
-    return path
-
-
-def experiment_paths() -> list[Path]:
-    """experiments/<name>.yaml of every experiment (base.yaml, the shared layer, is none), by name."""
-    return sorted(p for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem != "base")
 
 
 def experiment_description(path: Path) -> str:

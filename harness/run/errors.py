@@ -3,8 +3,11 @@ one line an entry point says for a file of objectives/ that does not import."""
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
+
+MAIN_PROCESS = os.environ.get("RANK", "0") == "0"  # not a secondary process of `accelerate launch` / torchrun
 
 # what a command interrupted by Ctrl-C keeps, for its one line (:func:`interrupted`); other commands keep nothing
 KEPT = {"train": "finished steps are kept", "sweep": "finished runs and steps are kept",
@@ -23,6 +26,14 @@ def interrupted(command: str | None) -> str:
 
 class ConfigError(ValueError):
     """A configuration problem, stated with the key at fault and how to fix it."""
+
+
+def say_config_error(error: ConfigError) -> int:
+    """``config error: ...`` on stderr, once per launch (every process of a distributed one finds the same); the exit
+    status of a bad setting, 2."""
+    if MAIN_PROCESS:
+        print(f"config error: {error}", file=sys.stderr)
+    return 2
 
 
 @contextmanager

@@ -27,7 +27,8 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from harness.run.aliases import ALIASES
-from harness.run.config import REPO, RunConfig, schema
+from harness.run.config import RunConfig, schema
+from harness.run.experiments import REPO
 from objectives import OBJECTIVES, available_advantages
 from objectives.base import SHARED_HYPERPARAMETERS, Objective, alias_of
 
