@@ -4,16 +4,15 @@
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
-from harness.run.atomic import DiskFullError
+from analysis.folders import folder_problem
 from harness.run.errors import one_line_for_a_broken_module
-
-with one_line_for_a_broken_module():  # a file of objectives/ that does not import: one line, not a traceback
-    from analysis.load import AnalysisError
-    from analysis.report import build_report
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The arguments and the folders' existence are checked before the imports of the report (pandas, matplotlib,
+    torch: seconds), so `-h` and a mistyped folder answer at once."""
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     parser.add_argument("results", nargs="+", help="the experiment's results folder, e.g. results/<experiment>; "
                         "several: one report over all their runs, a run held by two folders counted once "
@@ -34,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
+    if problem := next(filter(None, map(folder_problem, map(Path, args.results))), None):
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    with one_line_for_a_broken_module():  # a file of objectives/ that does not import: one line, not a traceback
+        from analysis.load import AnalysisError
+        from analysis.report import build_report
+        from harness.run.atomic import DiskFullError
     report, error = None, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
+from analysis.folders import folder_problem
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
 from harness.run.config import counted_settings, draws_from_model_seed, edited_after_written, flattened
@@ -596,10 +597,8 @@ def linked_run_folders(exp_dir: Path) -> set[str]:
 
 def read_folder(exp_dir: Path, label: str) -> Folder:
     """Every run of the folder: manifest.json's, then the run folders it does not list (named in one warning)."""
-    if not exp_dir.is_dir():
-        what = "is not a folder" if exp_dir.exists() or exp_dir.is_symlink() else "does not exist"
-        raise AnalysisError(f"results folder {exp_dir} {what}: give an experiment's results folder "
-                            "(results/<experiment>, the one holding manifest.json)")
+    if problem := folder_problem(exp_dir):
+        raise AnalysisError(problem)
     manifest = read_json(exp_dir / "manifest.json") if (exp_dir / "manifest.json").exists() else None
     if isinstance(manifest, dict) and not isinstance(manifest.get("runs", []), list):
         warn(f"{exp_dir / 'manifest.json'}: `runs` is {manifest['runs']!r}, not a list of runs: ignored")

@@ -488,11 +488,14 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     write_experiment(tmp_path / "results" / "toy", {"grpo": {0: 0.5}}, extra=False)  # a results_dir given: named
     with pytest.raises(AnalysisError, match=rf"it holds the experiment folder toy: give {tmp_path / 'results/toy'}$"):
         load_experiment(tmp_path / "results")
-    proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "nope")], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 1 and proc.stderr.strip() == (
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "analysis", str(tmp_path / "nope")],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 1 and said == [
         f"error: results folder {tmp_path / 'nope'} does not exist: give an experiment's results folder "
-        "(results/<experiment>, the one holding manifest.json)")
+        "(results/<experiment>, the one holding manifest.json)"]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    assert not imported & {"pandas", "matplotlib", "torch"}, imported  # said before the seconds of the imports
     (tmp_path / "report.md").write_text("")  # a file given for the folder: named as such, not as missing
     with pytest.raises(AnalysisError, match=r"report\.md is not a folder: give an experiment's results folder"):
         load_experiment(tmp_path / "report.md")

@@ -783,12 +783,13 @@ def test_odd_manifests_metrics_and_grids_are_one_line_not_a_traceback(tmp_path, 
 def test_a_full_disk_under_the_report_is_one_line(tmp_path, capsys, monkeypatch):
     """`python -m analysis` on a full disk ended in DiskFullError's traceback, worded for a training run."""
     import analysis.__main__ as analysis_main
+    import analysis.report
     from harness.run.atomic import DiskFullError
 
     def full(*args, **kwargs):
         raise DiskFullError(tmp_path / "report" / "report.md")
 
-    monkeypatch.setattr(analysis_main, "build_report", full)
+    monkeypatch.setattr(analysis.report, "build_report", full)
     assert analysis_main.main([str(tmp_path)]) == 1
     one_line(capsys.readouterr().err, f"error: disk full: could not write the report at {tmp_path / 'report'}")
 
