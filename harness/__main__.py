@@ -1,10 +1,10 @@
 """``python -m harness {train,sweep,lab,claims,list,explain,bench,prepare,docs,soak} ...``: the arguments are parsed
-first (harness/run/commandline.py, without torch: ``-h`` and a mistyped option answer at once), then the command
-runs (harness/apps/cli.py, which imports every component)."""
+first (harness/run/commandline.py, without torch: ``-h``, a mistyped option and a mistyped experiment answer at
+once), then the command runs (harness/apps/cli.py, which imports every component)."""
 
 import sys
 
-from harness.run.commandline import parse
+from harness.run.commandline import mistyped_experiment, parse
 from harness.run.errors import interrupted, one_line_for_a_broken_module
 
 
@@ -12,8 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     """The command of ``argv`` (default: the process's arguments); its exit status."""
     command = None
     try:
-        command = parse(argv).command  # -h, or a mistake in the arguments: answered here, in one line, before the
-        with one_line_for_a_broken_module():  # imports below
+        args = parse(argv)  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
+        command = args.command
+        if (refused := mistyped_experiment(args)) is not None:
+            return refused
+        with one_line_for_a_broken_module():
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs
         print(interrupted(command), file=sys.stderr)

@@ -8,7 +8,6 @@ take (harness/__main__.py parses first; harness/apps/cli.py runs the command). N
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness.run.errors import ConfigError, say_config_error
 from harness.run.experiments import experiment_path
@@ -32,12 +31,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         given_without_mode(parser.commands["bench"], args)
-    if getattr(args, "experiment", None):  # train, sweep, lab, prepare: a mistyped experiment before the imports
+    return args
+
+
+def mistyped_experiment(args: argparse.Namespace) -> int | None:
+    """train, sweep, lab, prepare: an experiment that is not there, said in one line before the imports (what
+    load_experiment would say after them); its exit status, 2, or None. The process's entry point asks
+    (harness/__main__.py), so that a worker running a command in its own process gets the command's status."""
+    if getattr(args, "experiment", None):
         try:
             experiment_path(args.experiment)
         except ConfigError as e:
-            sys.exit(say_config_error(e))
-    return args
+            return say_config_error(e)
+    return None
 
 
 # bench's modes, each its own measurement (its --step and --full-length are --busy's and --scale's children's)
