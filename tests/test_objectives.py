@@ -849,11 +849,12 @@ def test_a_broken_module_ends_an_entry_point_in_its_one_line(capsys):
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch
-@pytest.mark.parametrize("command", [["harness", "list"], ["analysis", "results/none"]])
+@pytest.mark.parametrize("command", [["harness", "list"], ["analysis", "."]])
 def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path, command):
     """`python -m harness` and `python -m analysis` (whose package import the report's imports of the objectives
     once came before its entry point) with a copy of objectives/ holding a file that registers a name again: one
-    line naming the file, its line and both classes, status 2, no traceback."""
+    line naming the file, its line and both classes, status 2, no traceback. (analysis is given a folder that
+    exists: a missing one is said before the report's imports.)"""
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "my_grpo.py").write_text("from objectives import register_objective\nfrom objectives.grpo import "
