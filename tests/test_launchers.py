@@ -25,8 +25,9 @@ from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, without_timing
 
 # Two objectives on a tiny model with a short warm start (so that rewards vary and grpo and gspo runs differ:
-# a launcher that mixed runs up would show), 6 steps (room to kill a run mid-way).
-SETTINGS = [*TINY_RUN, "threads=1", "train.steps=6", "train.max_new_tokens=16", "train.micro_batch_size=0",
+# a launcher that mixed runs up would show), STEPS steps (room to kill a run mid-way: two steps in, the rest ahead).
+STEPS = 10
+SETTINGS = [*TINY_RUN, "threads=1", f"train.steps={STEPS}", "train.max_new_tokens=16", "train.micro_batch_size=0",
             "task.args.digits=1", "task.format_weight=0.5", "model.warm_start_steps=100", "model.warm_start_lr=1e-2",
             "model.warm_start_batch_size=32", "model.warm_start_target=null"]
 EXPERIMENT = "sweep:\n  grid:\n    objective.name: [grpo, gspo]\n"
@@ -81,19 +82,22 @@ def kill_a_ray_run_mid_sweep(cfg, exp_dir: Path) -> tuple[Path, str] | None:
     sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(cfg, progress=False, launcher="ray")))
     sweep.start()
 
-    def a_run_two_steps_in():
+    def a_run_and_its_process():  # the gspo run's folder and its `train` process (None once the run has finished)
         runs = sorted(exp_dir.glob("gspo-*")) if exp_dir.is_dir() else []
-        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None  # eval + 2 steps
+        found = processes_with(f"--run-dir {runs[0]}") if runs else []
+        return (runs[0], found[0]) if found else (runs[0], None) if runs and run_status(runs[0]) == "finished" else None
 
-    killed = wait_until(a_run_two_steps_in, timeout=240, process=os.getpid())
-    assert killed is not None, "the Ray sweep made no progress"
-    found = processes_with(f"--run-dir {killed}")
-    if found:
-        (train,) = found
+    started = wait_until(a_run_and_its_process, timeout=240, process=os.getpid())
+    assert started is not None, "the Ray sweep made no progress"
+    killed, train = started
+    if train is not None:
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # it ended since the scan: see its record
             assert os.getpriority(os.PRIO_PROCESS, train) == os.nice(0)  # not Ray's nice 15, where a run beside
             # any other work gets a sliver of a core
             worker = int(Path(f"/proc/{train}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+            # polled often: the kill lands within a poll of the run's second step, most of its STEPS still ahead
+            assert wait_until(lambda: len(read_jsonl(killed / "metrics.jsonl")) >= 3, timeout=240,  # eval + 2 steps
+                              process=os.getpid(), poll=0.02), "the Ray run made no progress"
             os.kill(worker, signal.SIGKILL)  # the Ray worker running the task; the run dies with it
     sweep.join(timeout=240)
     assert not sweep.is_alive()
@@ -136,7 +140,7 @@ def test_a_local_ray_cluster_runs_the_sweep_and_a_killed_worker_leaves_it_resuma
     result = metrics(exp_dir)
     assert list(result) == list(reference)  # the same run ids, in the same order
     for run_id, rows in result.items():
-        assert [r["step"] for r in rows] == list(range(7)), run_id  # every step once
+        assert [r["step"] for r in rows] == list(range(STEPS + 1)), run_id  # every step once
         assert rows == reference[run_id], run_id  # the local launcher's metrics, the killed run's too
 
 

@@ -153,7 +153,8 @@ def killed_after_a_checkpoint(run_dir: Path, env: dict) -> bool:
     """Launch the two-process run into ``run_dir`` and SIGKILL all of it once its first checkpoint is written; False
     where the run had ended before the kill landed (the poll and the process scan take a moment: nothing to resume)."""
     proc = launch(run_dir, 2, env)
-    assert wait_until(lambda: trl_checkpoints(run_dir / "trl")[0], timeout=300, process=proc), "no checkpoint written"
+    assert wait_until(lambda: trl_checkpoints(run_dir / "trl")[0], timeout=300, process=proc,
+                      poll=0.05), "no checkpoint written"  # polled often: the kill lands a poll after the checkpoint
     for pid in processes_with(str(run_dir)):  # the launcher and both processes (torch.distributed.run starts each
         with contextlib.suppress(ProcessLookupError):  # in a session of its own), as a job scheduler kills a job; one
             os.kill(pid, signal.SIGKILL)  # that ended since the scan: the run's record says so below

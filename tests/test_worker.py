@@ -20,6 +20,8 @@ from harness.run.records import read_jsonl
 from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
 
+KILLED_STEPS = 30  # the killed run's steps: killed two steps in, its last 28 are the room the kill has to land in
+
 
 def test_the_soak_finds_a_sweeps_workers_as_its_runs(tmp_path):
     """`make soak` kills runs it finds by their command line: a worker's names the results folder, not a run's."""
@@ -75,17 +77,23 @@ def test_a_run_in_a_worker_after_another_is_the_run_of_its_own_process(tmp_path,
 def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | None:
     """Start the sweep of ``args`` (its one run in a worker process), SIGKILL the worker once the run has logged two
     steps, and return the run's folder and the sweep's exit status; None where the run had ended before the kill
-    landed (the poll and the process scan take a moment, in which a tiny run may finish: nothing to resume)."""
+    landed. The worker is found before the run's first step and the steps are polled often, so the kill lands within
+    a poll of the second step, with most of the run's KILLED_STEPS still ahead of it."""
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def two_steps() -> Path | None:
+    def run_and_worker() -> tuple[Path, list[int]] | None:
         runs = [p for p in folder.glob("grpo-*") if p.is_dir()] if folder.exists() else []
-        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 3 else None
+        workers = processes_with(f"harness worker {folder}") if runs else []
+        return (runs[0], workers) if workers else None
 
-    run_dir = wait_until(two_steps, timeout=120, process=sweep)
-    assert run_dir is not None, "the sweep made no progress"
-    for worker in processes_with(f"harness worker {folder}"):
+    found = wait_until(run_and_worker, timeout=120, process=sweep)
+    assert found is not None, "the sweep started no run"
+    run_dir, workers = found
+    two_steps = wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, timeout=120, process=sweep,
+                           poll=0.02)
+    assert two_steps, "the run made no progress"
+    for worker in workers:
         with contextlib.suppress(ProcessLookupError):  # it ended since the scan: the run's record says so below
             os.kill(worker, signal.SIGKILL)
     status = sweep.wait(timeout=120)
@@ -99,10 +107,10 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     """SIGKILL of the worker (as `make soak` aims at a run): its run says stopped, the next sweep resumes it, and the
     resumed run equals one never interrupted. Where the run ended before the kill landed (a tiny run on a loaded
     machine), the sweep runs again into a fresh folder: read from the run's record, not assumed from a clock."""
-    exp = tmp_path / "one.yaml"
+    exp, steps = tmp_path / "one.yaml", f"train.steps={KILLED_STEPS}"
     exp.write_text("sweep:\n  grid:\n    objective.name: [grpo]\n")
     for attempt in range(5):
-        args = [str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", f"results_dir={tmp_path}/res{attempt}",
+        args = [str(exp), *TINY_RUN, VARIED_REWARD, steps, f"results_dir={tmp_path}/res{attempt}",
                 "--no-progress", "--no-report"]
         folder = tmp_path / f"res{attempt}" / "one"
         if (killed := kill_a_worker_mid_run(args, folder)) is not None:
@@ -114,7 +122,7 @@ def test_a_worker_killed_mid_run_leaves_it_stopped_and_the_sweep_resumes_it(tmp_
     # the resuming sweep (its run in a worker process it starts) and the reference in this process
     assert main(["sweep", *args]) == 0, capsys.readouterr().err
     ref = tmp_path / "ref"
-    assert main(["train", str(exp), *TINY_RUN, VARIED_REWARD, "train.steps=6", "--run-dir", str(ref),
+    assert main(["train", str(exp), *TINY_RUN, VARIED_REWARD, steps, "--run-dir", str(ref),
                  "--no-progress"]) == 0
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref / "metrics.jsonl"))
 

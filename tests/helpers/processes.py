@@ -18,8 +18,10 @@ def cli(*args, **kw):
 WALL_CAP = 1800.0  # seconds: the longest a wait on a process's progress lasts, however loaded the machine
 
 
-def wait_until(condition, timeout: float, process: subprocess.Popen | int | None = None):
-    """Polls ``condition`` until it returns something truthy (returned) or ``timeout`` seconds pass (None).
+def wait_until(condition, timeout: float, process: subprocess.Popen | int | None = None, poll: float | None = None):
+    """Polls ``condition`` every ``poll`` seconds (default: 0.05, or 0.5 with ``process``, whose tree each poll reads
+    from /proc) until it returns something truthy (returned) or ``timeout`` seconds pass (None). A kill that must land
+    within a run's few steps polls often: a tiny run's steps take a fraction of the default 0.5 s.
 
     With ``process`` (a Popen, or a pid whose process outlives the wait) the seconds are the CPU seconds its
     process tree spends from now, not the clock's: on a loaded machine (CI beside other work) the wait stretches
@@ -38,7 +40,7 @@ def wait_until(condition, timeout: float, process: subprocess.Popen | int | None
             return value
         if isinstance(process, subprocess.Popen) and process.poll() is not None:
             return condition() or None
-        time.sleep(0.05 if pid is None else 0.5)
+        time.sleep(poll if poll is not None else 0.05 if pid is None else 0.5)
     return None
 
 
