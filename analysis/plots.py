@@ -477,11 +477,13 @@ def scaling_figure(fits: list[ObjectiveFit], look: dict[str, Style], title: str,
 def save(fig, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:
     """At the figure's own size (no tight bounding box: paper widths stay exact). The constrained layout is computed
     once, by the first format's save, and kept for the others (each save would redo it, for a shift of the panels as
-    small as the renderers' differences in text metrics)."""
+    small as the renderers' differences in text metrics); the figure then has no layout engine, not even the
+    placeholder of ``"none"``, for which matplotlib would draw it once more before each print, to lay out nothing."""
     paths = []
     for fmt in formats:
         paths.append(out_dir / f"{stem}.{fmt}")
         fig.savefig(paths[-1], dpi=200, metadata=SAVE_METADATA[fmt])
-        fig.set_layout_engine("none")
+        with plt.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+            fig.set_layout_engine(None)  # None: whatever layout those rc settings would ask for, none
     plt.close(fig)
     return paths

@@ -141,11 +141,15 @@ def test_a_band_stays_inside_its_metrics_range():
 
 @pytest.mark.slow
 def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
-    """The constrained layout runs at the first format's save; the others keep its panel positions."""
+    """The constrained layout runs at the first format's save; the others keep its panel positions, and are drawn
+    once each: matplotlib draws a figure that has a layout engine, even a placeholder, once more before it prints it
+    (for the layout), which after the first format lays out nothing."""
+    from matplotlib.figure import Figure
     from matplotlib.layout_engine import ConstrainedLayoutEngine
-    runs = []
-    execute = ConstrainedLayoutEngine.execute
+    runs, draws = [], []
+    execute, draw = ConstrainedLayoutEngine.execute, Figure.draw
     monkeypatch.setattr(ConstrainedLayoutEngine, "execute", lambda self, fig: runs.append(1) or execute(self, fig))
+    monkeypatch.setattr(Figure, "draw", lambda self, renderer: draws.append(1) or draw(self, renderer))
     fig, axes = plt.subplots(1, 2, figsize=(6, 3), layout="constrained")
     axes[0].set(xlabel="step", ylabel="eval accuracy", title="a")
     real_savefig = fig.savefig
@@ -156,7 +160,7 @@ def test_a_figure_is_laid_out_once_for_all_its_formats(tmp_path, monkeypatch):
     monkeypatch.setattr(fig, "savefig", savefig)
     paths = plots.save(fig, tmp_path, "f", ["png", "pdf", "svg"])
     assert [p.name for p in paths] == ["f.png", "f.pdf", "f.svg"] and all(p.stat().st_size > 1000 for p in paths)
-    assert len(runs) == 1
+    assert len(runs) == 1 and len(draws) == 4  # the first format's layout draw, then one draw per format
     assert positions[0] == positions[1] == positions[2]
 
 
