@@ -1,6 +1,7 @@
 """``python -m harness {train,sweep,lab,claims,list,explain,bench,prepare,docs,soak} ...``: the arguments are parsed
 first (harness/run/commandline.py, without torch: ``-h``, a mistyped option and a mistyped experiment answer at
-once), then the command runs (harness/apps/cli.py, which imports every component)."""
+once; a mistyped setting after the schema's imports, torch and the objectives), then the command runs
+(harness/apps/cli.py, which imports every component)."""
 
 import sys
 
@@ -14,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
         command = args.command
-        if (refused := mistyped_experiment(args)) is not None:
-            return refused
-        with one_line_for_a_broken_module():
+        with one_line_for_a_broken_module():  # an objective's file that does not import: one line
+            if (refused := mistyped_experiment(args)) is not None:  # before the model's and the runs' imports
+                return refused
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs
         print(interrupted(command), file=sys.stderr)

@@ -48,6 +48,21 @@ def test_a_mistyped_option_is_one_line_before_torch_is_imported(args, message):
     assert "torch" not in imported
 
 
+@pytest.mark.parametrize("args, message", [
+    (["train", "quickstart", "train.stpes=5"], "config error: unknown config key 'train.stpes'. Did you mean 'train."),
+    (["sweep", "quickstart", "--jobs", "1", "train.steps=abc"], "config error: invalid config value at 'train.steps'"),
+    (["lab", "lab", "lab.batchez=2"], "config error: unknown config key 'lab.batchez'. Did you mean 'lab.batches'?"),
+    (["prepare", "quickstart", "model.nmae=x"], "config error: unknown config key 'model.nmae'. Did you mean "),
+])
+def test_a_mistyped_setting_is_one_line_before_the_models_libraries_are_imported(args, message):
+    """It was said after every component's imports (transformers, the loop, the tasks); the settings need only the
+    schema's (torch and the objectives)."""
+    done, imported = harness_importing(*args)
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), errors
+    assert not imported & {"transformers", "trl", "datasets", "reasoning_gym", "pandas", "matplotlib"}, imported
+
+
 def test_the_parser_module_imports_no_torch():
     code = "import sys, harness.run.commandline; print(sorted({'torch', 'omegaconf', 'objectives'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout

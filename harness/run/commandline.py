@@ -35,12 +35,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mistyped_experiment(args: argparse.Namespace) -> int | None:
-    """train, sweep, lab, prepare: an experiment that is not there, said in one line before the imports (what
-    load_experiment would say after them); its exit status, 2, or None. The process's entry point asks
+    """train, sweep, lab, prepare: an experiment that is not there (said before any import), or settings that
+    load_experiment refuses, in the file or on the command line (a mistyped key, a value of the wrong type: said after
+    the imports that reading them needs, torch and the objectives, not the model's and the runs' libraries), in the
+    one line the command would say after all its imports; its exit status, 2, or None. The process's entry point asks
     (harness/__main__.py), so that a worker running a command in its own process gets the command's status."""
     if getattr(args, "experiment", None):
         try:
             experiment_path(args.experiment)
+            from harness.run.config import load_experiment  # the schema: torch and the objectives' hyperparameters
+
+            load_experiment(args.experiment, args.overrides)
         except ConfigError as e:
             return say_config_error(e)
     return None
