@@ -48,6 +48,7 @@ def test_a_mistyped_option_is_one_line_before_torch_is_imported(args, message):
     assert "torch" not in imported
 
 
+@pytest.mark.slow  # each a process that imports torch and the objectives
 @pytest.mark.parametrize("args, message", [
     (["train", "quickstart", "train.stpes=5"], "config error: unknown config key 'train.stpes'. Did you mean 'train."),
     (["sweep", "quickstart", "--jobs", "1", "train.steps=abc"], "config error: invalid config value at 'train.steps'"),
