@@ -74,6 +74,15 @@ def local_sweep(tmp_path_factory):
             os.environ["RLVR_CACHE"] = previous
 
 
+def run_and_its_process(exp_dir: Path, objective: str) -> tuple[Path, int | None] | None:
+    """The folder of ``objective``'s run in ``exp_dir`` and its live `train` process, found before the run's first
+    step (so that a kill or a freeze waits only on the run's steps, polled often); the process is None where the run
+    has already finished; None until the folder and the process are there."""
+    runs = sorted(exp_dir.glob(f"{objective}-*")) if exp_dir.is_dir() else []
+    found = processes_with(f"--run-dir {runs[0]}") if runs else []
+    return (runs[0], found[0]) if found else (runs[0], None) if runs and run_status(runs[0]) == "finished" else None
+
+
 def kill_a_ray_run_mid_sweep(cfg, exp_dir: Path) -> tuple[Path, str] | None:
     """Run ``cfg``'s sweep on the Ray cluster, SIGKILL the Ray worker of its gspo run once that run has logged two
     steps, and return the run's folder and the status its own record calls for; None where the run had ended before
@@ -82,12 +91,7 @@ def kill_a_ray_run_mid_sweep(cfg, exp_dir: Path) -> tuple[Path, str] | None:
     sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(cfg, progress=False, launcher="ray")))
     sweep.start()
 
-    def a_run_and_its_process():  # the gspo run's folder and its `train` process (None once the run has finished)
-        runs = sorted(exp_dir.glob("gspo-*")) if exp_dir.is_dir() else []
-        found = processes_with(f"--run-dir {runs[0]}") if runs else []
-        return (runs[0], found[0]) if found else (runs[0], None) if runs and run_status(runs[0]) == "finished" else None
-
-    started = wait_until(a_run_and_its_process, timeout=240, process=os.getpid())
+    started = wait_until(lambda: run_and_its_process(exp_dir, "gspo"), timeout=240, process=os.getpid())
     assert started is not None, "the Ray sweep made no progress"
     killed, train = started
     if train is not None:
@@ -210,24 +214,22 @@ def freeze_a_slurm_run_mid_sweep(folder: Path) -> tuple[list[str], Path, int] | 
                              start_new_session=True)
     exp_dir = folder / "follow"
 
-    def a_run_one_step_in():
-        runs = sorted(exp_dir.glob("grpo-*")) if exp_dir.is_dir() else []
-        return runs[0] if runs and len(read_jsonl(runs[0] / "metrics.jsonl")) >= 2 else None
-
-    run_dir = wait_until(a_run_one_step_in, timeout=240, process=first)
-    assert run_dir is not None, "the first sweep made no progress"
-    found = processes_with(f"--run-dir {run_dir}")
-    if found:
-        (train,) = found
-        with contextlib.suppress(ProcessLookupError):  # it ended since the scan: process_state says so below
+    started = wait_until(lambda: run_and_its_process(exp_dir, "grpo"), timeout=240, process=first)
+    assert started is not None, "the first sweep made no progress"
+    run_dir, train = started
+    if train is not None:
+        # polled often: the freeze lands within a poll of the run's first step, most of its FOLLOWED_STEPS ahead
+        assert wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2 or process_state(train) is None,
+                          timeout=240, process=first, poll=0.02), "the run made no progress"
+        with contextlib.suppress(ProcessLookupError):  # it ended since: process_state says so below
             os.kill(train, signal.SIGSTOP)
         stopped = wait_until(lambda: process_state(train) in ("T", None), timeout=60)  # None: it had exited
         assert stopped, "the run's process did not stop"
     first.kill()  # the sweep's parent, SIGKILL; its job lives on
     first.wait()
-    if found and process_state(train) == "T" and run_status(run_dir) == "running":  # frozen before its end
+    if train is not None and process_state(train) == "T" and run_status(run_dir) == "running":  # frozen in time
         return overrides, run_dir, train
-    if found:
+    if train is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(train, signal.SIGCONT)
     assert wait_until(lambda: not processes_with(f"--run-dir {run_dir}"), timeout=240), "the ended run lives on"
