@@ -5,7 +5,7 @@ once; a mistyped setting after the schema's imports, torch and the objectives), 
 
 import sys
 
-from harness.run.commandline import mistyped_experiment, parse
+from harness.run.commandline import parse, refused_experiment
 from harness.run.errors import interrupted, one_line_for_a_broken_module
 
 
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv)  # -h, or a mistake in the arguments: answered here, in one line, before the imports below
         command = args.command
         with one_line_for_a_broken_module():  # an objective's file that does not import: one line
-            if (refused := mistyped_experiment(args)) is not None:  # before the model's and the runs' imports
+            if (refused := refused_experiment(args)) is not None:  # before the model's and the runs' imports
                 return refused
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs

@@ -34,7 +34,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def mistyped_experiment(args: argparse.Namespace) -> int | None:
+def refused_experiment(args: argparse.Namespace) -> int | None:
     """train, sweep, lab, prepare: an experiment that is not there (said before any import), or settings that
     load_experiment refuses, in the file or on the command line (a mistyped key, a value of the wrong type: said after
     the imports that reading them needs, torch and the objectives, not the model's and the runs' libraries), in the
