@@ -16,7 +16,7 @@ import pytest
 from harness.apps.cli import main
 from harness.apps.worker import output_to
 from harness.run.locks import RUN_LOCK, is_held
-from harness.run.records import read_jsonl
+from harness.run.records import read_jsonl, run_status
 from tests.helpers.processes import ROOT, cli, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
 
@@ -82,10 +82,10 @@ def kill_a_worker_mid_run(args: list[str], folder: Path) -> tuple[Path, int] | N
     sweep = subprocess.Popen([sys.executable, "-m", "harness", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def run_and_worker() -> tuple[Path, list[int]] | None:
+    def run_and_worker() -> tuple[Path, list[int]] | None:  # no workers: the run finished before they were found
         runs = [p for p in folder.glob("grpo-*") if p.is_dir()] if folder.exists() else []
         workers = processes_with(f"harness worker {folder}") if runs else []
-        return (runs[0], workers) if workers else None
+        return (runs[0], workers) if workers or runs and run_status(runs[0]) == "finished" else None
 
     found = wait_until(run_and_worker, timeout=120, process=sweep)
     assert found is not None, "the sweep started no run"
