@@ -159,17 +159,17 @@ def variance_parts(x, levels) -> tuple[np.ndarray, list[tuple[np.ndarray, np.nda
     x = np.asarray(x, dtype=float)
     k = len(levels)
     nested = [i for i, level in enumerate(levels) if not level.shared]
-    counts = {i: int(np.isfinite(unit_means(x, i, k)).any(axis=tuple(range(1, x.ndim - k + 1))).sum())
-              for i in range(k)}
+    means = [unit_means(x, i, k) for i in range(k)]  # each level's, once
+    counts = [int(np.isfinite(m).any(axis=tuple(range(1, x.ndim - k + 1))).sum()) for m in means]
     top = next((i for i in nested if counts[i] >= 2), None)
     if top is None:
         mean = np.nanmean(x, axis=tuple(range(k))) if x.size else np.nan
         return mean, [(np.full_like(mean, np.nan), np.full_like(mean, np.nan))]
-    mean, variance, df = spread(unit_means(x, top, k))
+    mean, variance, df = spread(means[top])
     parts = [(variance, df)]
     for i, level in enumerate(levels):
         if level.shared and counts[i] >= 2:
-            whole, shared_df = spread(unit_means(x, i, k))[1:]
+            whole, shared_df = spread(means[i])[1:]
             own = np.maximum(whole - interaction(x, top, i, k), 0.0)  # the shared units' own spread
             parts = [(parts[0][0] + whole - own, parts[0][1]), *parts[1:], (own, shared_df)]
     return mean, parts
