@@ -140,7 +140,7 @@ def confirmation_misses(rng, policies: int, seeds: int, components, policy_sd: f
     return missed / CONFIRM_SIMULATIONS
 
 
-@pytest.mark.slow  # ~30 s of simulation: make test
+@pytest.mark.slow  # the largest simulation here: make test
 def test_the_confirmations_interval_reaches_holms_level_from_5_starting_policies():
     """From 5 starting policies x 3 seeds (the zoo's 45 runs per comparison) the interval holds the truth at Holm's
     first level within 4 Monte-Carlo standard errors in every case, where degrees of freedom that counted the eval

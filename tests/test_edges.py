@@ -802,7 +802,7 @@ def gsm8k_hub(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_gsm8k_from_an_unreachable_hub_is_refused_once_in_seconds_before_anything_starts(tmp_path, capsys, gsm8k_hub,
                                                                                        monkeypatch):
-    """Without GSM8K_DIR the hub's copy is asked for in one short request (the datasets library retried for ~30 s
+    """Without GSM8K_DIR the hub's copy is asked for in one short request (the datasets library retried for long
     after the run folder was made; the fifth hostile pass, 10.9); a cached copy is not asked for."""
     import datasets.config
     import huggingface_hub

@@ -128,8 +128,8 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
 
 
 def test_a_soaks_first_kill_comes_at_once_where_every_run_is_past_step_0(tmp_path, monkeypatch):
-    """The step-0 window lasts ~0.1 s a run. Where the soak missed it in every run (its process off the core a
-    moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first (in ~15 s), no kill
+    """The step-0 window is brief in each run. Where the soak missed it in every run (its process off the core a
+    moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first, no kill
     landed and the soak failed: now the kill comes at once, logged as random. A fake clock and a fake sweep."""
     import random
     from types import SimpleNamespace

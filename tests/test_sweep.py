@@ -424,7 +424,7 @@ def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_af
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(here, built, strict=True))
 
 
-@pytest.mark.slow  # two tiny warm starts in processes of their own, twice (~20 s)
+@pytest.mark.slow  # two tiny warm starts in processes of their own, twice
 def test_starting_policies_that_miss_their_band_are_passed_over_recorded_and_not_built_again(tmp_path, monkeypatch):
     """first_landing through real `python -m harness prepare` processes: a warm start that misses its band exits
     MISSED_BAND, which passes the value over (too few landing: WarmStartError naming each miss); the miss is recorded

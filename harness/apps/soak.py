@@ -128,7 +128,7 @@ def kill_round(rng: random.Random, args: list[str], exp_dir: Path, log: list[dic
     while len(log) < kills:
         sweep = harness(*args)
         moment = "step0" if not (exp_dir / "manifest.json").exists() else rng.choice(["random", "random", "checkpoint"])
-        if moment == "step0":  # a window of ~0.1 s per run: once every run is past it, the kill comes at once
+        if moment == "step0":  # a brief window in each run: once every run is past it, the kill comes at once
             hit = wait_for(lambda: in_step0_window(exp_dir) or past_step0(exp_dir), 30) and in_step0_window(exp_dir)
         elif moment == "checkpoint":
             hit = wait_for(lambda: writing_checkpoint(exp_dir), 30)
