@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         with one_line_for_a_broken_module():  # an objective's file that does not import: one line
             if (refused := refused_experiment(args)) is not None:  # before the model's and the runs' imports
                 return refused
+            if command == "explain":  # the schema's names: no model's library
+                from harness.run.names import explain_command
+
+                return explain_command(args)
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs
         print(interrupted(command), file=sys.stderr)

@@ -3,6 +3,7 @@ answer without the seconds of the imports; what the parser accepts is what the c
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from harness.run.commandline import parse
 
 ROOT = Path(__file__).resolve().parent.parent
+MODEL_LIBRARIES = {"transformers", "trl", "datasets", "reasoning_gym", "pandas", "matplotlib", "peft"}
 
 
 def harness_importing(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
@@ -61,7 +63,38 @@ def test_a_mistyped_setting_is_one_line_before_the_models_libraries_are_imported
     done, imported = harness_importing(*args)
     errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), errors
-    assert not imported & {"transformers", "trl", "datasets", "reasoning_gym", "pandas", "matplotlib"}, imported
+    assert not imported & MODEL_LIBRARIES, imported
+
+
+
+@pytest.mark.slow  # each a process that imports torch and the objectives
+@pytest.mark.parametrize("args, status, said", [
+    (["explain", "train.group_size"], 0, "train.group_size: completions per prompt"),
+    (["explain", "model.tiny"], 0, "    num_experts = 8: routed experts per layer"),  # the shapes' fields
+    (["explain", "group_sise"], 2, "error: no config key, TRL or verl name 'group_sise'. Did you mean train.group_"),
+    (["explain", "--markdown", "bogus"], 2, "error: no generated table 'bogus'; the tables: names, aliases, "),
+])
+def test_explain_answers_before_the_models_libraries_are_imported(args, status, said):
+    """`make explain KEY=...` imported every component (transformers, the loop, the tasks) to print a key's text,
+    which needs the schema and the objectives only; `--markdown` of an unknown table was a KeyError's traceback."""
+    done, imported = harness_importing(*args)
+    printed = [line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("import time:")]
+    assert done.returncode == status and any(line.startswith(said) for line in printed), printed
+    assert status == 0 or len(printed) == 1, printed  # an unknown key or table: one line
+    assert not imported & MODEL_LIBRARIES, imported
+
+
+@pytest.mark.slow  # a process that imports torch and the objectives
+def test_explain_into_a_pipe_whose_reader_has_gone_ends_quietly():
+    """`python -m harness explain | head`: the reader gone before the table is written is status 0, no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness", "explain"], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 def test_the_parser_module_imports_no_torch():

@@ -8,7 +8,8 @@ import torch
 from transformers import Qwen3MoeForCausalLM
 
 from harness.policy.routing import find_routers
-from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.policy.tiny_moe import build_tiny_moe
+from harness.run.shapes import TinyMoeSpec
 from tests.helpers.tiny_moe import TINY_MOE_SPEC, padded_batch, tiny_moe
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import functools
 import importlib.metadata
-import os
 import signal
 import sys
 import textwrap
@@ -30,7 +29,7 @@ from harness.apps.sweep import prepare_starting_policies, run_sweep
 from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
-from harness.policy.models import EMBEDDED_MODELS, TINY_MODEL_SPECS, prepare_embedded_model
+from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
 from harness.policy.sampler import SAMPLERS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
@@ -44,7 +43,7 @@ from harness.run.config import (
     run_configs,
     run_id,
 )
-from harness.run.errors import MAIN_PROCESS, ConfigError, interrupted, say_config_error
+from harness.run.errors import MAIN_PROCESS, ConfigError, interrupted, reader_gone, say_config_error
 from harness.run.experiments import experiment_paths
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
@@ -216,23 +215,6 @@ def cmd_zoo(args) -> int:
                report=not args.no_report, allow_code_change=args.allow_code_change, stage=args.stage)
 
 
-def cmd_explain(args) -> int:
-    if args.write:
-        changed = names.write_docs()
-        print(f"rewrote the generated tables in {', '.join(map(str, changed))}" if changed else
-              "the generated tables are up to date", file=sys.stderr)
-        return 0
-    if args.markdown:
-        print(names.names_markdown() if args.key is None else names.generated(args.key), end="")
-        return 0
-    try:
-        print(names.explain(args.key, {"model.tiny": TINY_MODEL_SPECS}))
-    except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def cmd_worker(args) -> int:
     return serve(sys.stdin, main)
 
@@ -323,7 +305,7 @@ def repeated_key(overrides: list[str]) -> str | None:
 
 
 COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare": cmd_prepare, "bench": cmd_bench,
-            "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": cmd_explain,
+            "docs": cmd_docs, "soak": cmd_soak, "lab": cmd_lab, "claims": cmd_claims, "explain": names.explain_command,
             "zoo": cmd_zoo, "worker": cmd_worker, "gpu-check": cmd_gpu_check}
 
 
@@ -339,9 +321,8 @@ def failure_status(e: Exception) -> int | None:
     if isinstance(e, WarmStartError):  # `sweep`, `prepare`: the starting policy, before any run (a run's: cmd_train)
         print(f"error: {e}", file=sys.stderr)
         return MISSED_BAND
-    if isinstance(e, BrokenPipeError):  # `python -m harness explain | head`: the reader has gone
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    if isinstance(e, BrokenPipeError):  # `python -m harness list | head`: the reader has gone
+        return reader_gone()
     if isinstance(e, PermissionError):
         print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
         return 2

@@ -38,8 +38,9 @@ from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, char_tokenizer
 from harness.policy.routing import Grid, Routing, RoutingRecord, full_layout
 from harness.policy.sampler import Rollout, generate
-from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.policy.tiny_moe import build_tiny_moe
 from harness.policy.warm_start import WarmStartRecipe, warm_start
+from harness.run.shapes import TinyMoeSpec
 from harness.run.threads import run_threads
 from harness.tasks import Task, get_task
 

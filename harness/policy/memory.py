@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.policy.device import DTYPES, resolve_device, sampler_dtype
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
+from harness.run.shapes import TINY_MODEL_SPECS
 from objectives import ADVANTAGES, estimator_name, get_objective, reads_reference_policy
 from objectives.advantages import reference_samples
 
@@ -129,7 +130,7 @@ def tiny_shape(name: str, tiny: dict) -> tuple[object, int, int]:
     """(config, weights, layers) of tiny model ``name`` of shape ``tiny``, from the skeletons of one and two of its
     layers (every layer of both tiny models is the same, so the weights are the one-layer model's plus a layer's
     for each further one): a skeleton of ``num_layers`` layers would take minutes for a deep one."""
-    from harness.policy.models import TINY_MODEL_SPECS, skeleton
+    from harness.policy.models import skeleton
 
     layers = tiny.get("num_layers", TINY_MODEL_SPECS[name].num_layers)
     one, two = (skeleton(name, {**tiny, "num_layers": n}) for n in (1, 2))

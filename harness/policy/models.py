@@ -18,7 +18,6 @@ import functools
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import huggingface_hub
@@ -39,12 +38,13 @@ from transformers import (
 )
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.policy.tiny_moe import build_tiny_moe
 from harness.run.atomic import atomic_write, nearest_existing
 from harness.run.checks import register_check
 from harness.run.config import TINY_MODELS, TINY_MOE
 from harness.run.errors import ConfigError
 from harness.run.hub import hub_problem
+from harness.run.shapes import TINY_MODEL_SPECS, TinyModelSpec, TinyMoeSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,6 @@ class ModelUnavailableError(OSError):
     """A hub model that cannot be reached or found; the message says what to do instead."""
 
 
-@dataclass
-class TinyModelSpec:
-    """Shape of the tiny Llama (tied input/output embeddings); the init seed is ``load_model(seed=...)``."""
-
-    hidden_size: int = 128  # residual width
-    num_layers: int = 4  # decoder layers
-    num_heads: int = 4  # attention heads (key/value heads: as many)
-    intermediate_size: int = 512  # the SwiGLU MLP's width
-    max_position: int = 512  # longest prompt + completion
-
-
-TINY_MODEL_SPECS = {"tiny": TinyModelSpec, TINY_MOE: TinyMoeSpec}  # each tiny model's shape (model.tiny)
 PREFIX_TOKENS = 8  # tokens a tokenizer may add that cover no byte of the text (a SentencePiece prefix marker)
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)  # a folder's, any one
 
@@ -90,10 +78,10 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM in eval mode and its tokenizer (with a pad token and ``padding_side="left"``).
 
-    ``"tiny"``: a randomly initialised :class:`TinyModelSpec` Llama (``tiny`` overrides its fields; same
-    ``seed``, same weights) with :func:`char_tokenizer`; ``"tiny_moe"``: the same for the Mixture-of-Experts
-    :class:`harness.policy.tiny_moe.TinyMoeSpec` (a Qwen3-MoE). ``"smollm2-135m-instruct"``: the embedded model
-    (:func:`prepare_embedded_model`). Anything else: a hub id or local folder in the hub layout for
+    ``"tiny"``: a randomly initialised Llama of :class:`harness.run.shapes.TinyModelSpec`'s shape (``tiny``
+    overrides its fields; same ``seed``, same weights) with :func:`char_tokenizer`; ``"tiny_moe"``: the same for the
+    Mixture-of-Experts :class:`harness.run.shapes.TinyMoeSpec` (a Qwen3-MoE). ``"smollm2-135m-instruct"``: the
+    embedded model (:func:`prepare_embedded_model`). Anything else: a hub id or local folder in the hub layout for
     ``AutoModelForCausalLM`` / ``AutoTokenizer`` (its chat template is what :func:`build_prompt` uses; the
     ``generation_config`` fields that reshape sampling are unset, :func:`plain_sampling`).
     ``seed`` only matters for the tiny models.
@@ -288,8 +276,8 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
 @register_check("model")
 def check_model(run: DictConfig) -> None:
     """``model.name`` is an embedded model, a folder or a hub id; ``model.tiny`` (only for the tiny models) names
-    :class:`TinyModelSpec` fields with sizes >= 1 and whole attention heads (tiny), or valid
-    :class:`harness.policy.tiny_moe.TinyMoeSpec` fields (tiny_moe)."""
+    :class:`harness.run.shapes.TinyModelSpec` fields with sizes >= 1 and whole attention heads (tiny), or valid
+    :class:`harness.run.shapes.TinyMoeSpec` fields (tiny_moe)."""
     m = run.model
     if m.name not in EMBEDDED_MODELS and not os.path.isdir(m.name) and "/" not in m.name:
         raise ConfigError(f"model.name {m.name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "

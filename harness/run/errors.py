@@ -28,6 +28,13 @@ class ConfigError(ValueError):
     """A configuration problem, stated with the key at fault and how to fix it."""
 
 
+def reader_gone() -> int:
+    """After a BrokenPipeError on stdout (``python -m harness explain | head``: the reader has gone): stdout goes to
+    /dev/null, so that the interpreter's flush at exit does not raise it again; the exit status, 0."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
 def say_config_error(error: ConfigError) -> int:
     """``config error: ...`` on stderr, once per launch (every process of a distributed one finds the same); the exit
     status of a bad setting, 2."""

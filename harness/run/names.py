@@ -28,7 +28,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from harness.run.aliases import ALIASES
 from harness.run.config import RunConfig, schema
+from harness.run.errors import reader_gone
 from harness.run.experiments import REPO
+from harness.run.shapes import TINY_MODEL_SPECS
 from objectives import OBJECTIVES, available_advantages
 from objectives.base import SHARED_HYPERPARAMETERS, Objective, alias_of
 
@@ -417,11 +419,14 @@ def find(query: str) -> list[Name]:
     return [n for n in all_names() if pattern.search(n.trl) or pattern.search(n.verl)]
 
 
-def explain(query: str | None = None, shapes: Mapping[str, Mapping[str, type]] | None = None) -> str:
-    """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown.
-    ``shapes``: for a dict-valued key (``model.tiny``), the dataclass its keys fill for each value of its model
-    (harness/policy/models.py TINY_MODEL_SPECS), whose fields, defaults and comments the key's text lists."""
-    shapes = shapes or {}
+SHAPES = {"model.tiny": TINY_MODEL_SPECS}  # a dict-valued key -> for each model, the dataclass its keys fill
+
+
+def explain(query: str | None = None) -> str:
+    """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown. A
+    dict-valued key (:data:`SHAPES`) lists the fields, defaults and comments of the dataclass its keys fill for each
+    model."""
+    shapes = SHAPES
     if query is None or not query.strip():
         lines = []
         for n in all_names():
@@ -470,6 +475,29 @@ def shape_lines(classes: Mapping[str, type], key: str) -> list[str]:
     return out
 
 
+def explain_command(args) -> int:
+    """``python -m harness explain [KEY] [--markdown] [--write]``: the key's text (or the whole table, or a generated
+    table's Markdown) on stdout, status 0; ``--write``: the generated tables rewritten; an unknown key: one line on
+    stderr, status 2. It needs the schema and the objectives only, so the entry point answers it before the models'
+    libraries are imported (harness/__main__.py)."""
+    if args.write:
+        changed = write_docs()
+        print(f"rewrote the generated tables in {', '.join(map(str, changed))}" if changed else
+              "the generated tables are up to date", file=sys.stderr)
+        return 0
+    try:
+        if args.markdown:
+            print(names_markdown() if args.key is None else generated(args.key), end="")
+        else:
+            print(explain(args.key))
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `python -m harness explain | head`
+        return reader_gone()
+    return 0
+
+
 def cell(text: str) -> str:
     """A Markdown table cell: pipes escaped, and <...> outside code spans as entities (not HTML tags)."""
     parts = re.split(r"(`[^`]*`)", text.replace("|", "\\|"))
@@ -508,7 +536,14 @@ def objectives_markdown() -> str:
     return "\n".join(lines) + f"\n\nAdvantage estimators (`objective.advantage`): {estimators}.\n"
 
 
+GENERATED = ("names", "aliases", "objectives")  # the generated tables (explain --markdown KEY)
+
+
 def generated(kind: str) -> str:
+    """The Markdown of generated table ``kind``; KeyError (naming the tables) for another."""
+    if kind not in GENERATED:
+        raise KeyError(f"no generated table {kind!r}; the tables: {', '.join(GENERATED)} (python -m harness explain "
+                       "--markdown KIND)")
     return {"names": names_markdown, "aliases": aliases_markdown, "objectives": objectives_markdown}[kind]()
 
 

@@ -23,8 +23,9 @@ from harness.policy.routing import (
     tail_layout,
 )
 from harness.policy.sampler import Rollout
-from harness.policy.tiny_moe import TinyMoeSpec, build_tiny_moe
+from harness.policy.tiny_moe import build_tiny_moe
 from harness.run.config import load_experiment, run_configs
+from harness.run.shapes import TinyMoeSpec
 from tests.helpers.tiny import TINY_RUN
 
 TINY_MOE_SPEC = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2, expert_intermediate_size=16)
