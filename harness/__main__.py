@@ -1,7 +1,8 @@
 """``python -m harness {train,sweep,lab,claims,list,explain,bench,prepare,docs,soak} ...``: the arguments are parsed
 first (harness/run/commandline.py, without torch: ``-h``, a mistyped option and a mistyped experiment answer at
 once; a mistyped setting after the schema's imports, torch and the objectives), then the command runs
-(harness/apps/cli.py, which imports every component)."""
+(harness/apps/cli.py, which imports every component; ``explain``, which reads only the schema's names, runs from here
+after those imports: harness/run/names.py)."""
 
 import sys
 
