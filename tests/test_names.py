@@ -145,6 +145,9 @@ def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert main(["explain", "x" * 5000]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 300 and "x" * 77 + "..." in err
+    assert main(["explain", "--markdown", "bogus"]) == 2  # a KeyError's traceback
+    assert capsys.readouterr().err == ("error: no generated table 'bogus'; the tables: names, aliases, objectives "
+                                       "(python -m harness explain --markdown KIND)\n")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
