@@ -190,6 +190,11 @@ def test_the_generator_writes_each_doc_table_between_its_markers(tmp_path, monke
     assert all(names.section(c.read_text(), k) == names.generated(k) for c, kinds in copies.items() for k in kinds)
     out = capsys.readouterr().out
     assert all(str(c) in out for c in copies)
+    copy = next(iter(copies))
+    gone = tmp_path / "gone" / copy.name
+    monkeypatch.setattr(names, "DOCS", {copy: copies[copy], gone: copies[copy]})
+    assert main(["explain", "--write"]) == 2  # a file it cannot write: one line, not a traceback
+    assert capsys.readouterr().err == f"error: cannot write {gone} (No such file or directory)\n"
 
 
 def test_the_readme_objectives_table_lists_every_objective_and_estimator():

@@ -481,7 +481,11 @@ def explain_command(args) -> int:
     stderr, status 2. It needs the schema and the objectives only, so the entry point answers it before the models'
     libraries are imported (harness/__main__.py)."""
     if args.write:
-        changed = write_docs()
+        try:
+            changed = write_docs()
+        except OSError as e:  # e.g. a read-only checkout
+            print(f"error: cannot write {e.filename} ({e.strerror})", file=sys.stderr)
+            return 2
         print(f"rewrote the generated tables in {', '.join(map(str, changed))}" if changed else
               "the generated tables are up to date", file=sys.stderr)
         return 0
