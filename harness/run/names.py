@@ -426,7 +426,6 @@ def explain(query: str | None = None) -> str:
     """Console text: one key in full (``query``), or the whole table. Raises KeyError (with a hint) if unknown. A
     dict-valued key (:data:`SHAPES`) lists the fields, defaults and comments of the dataclass its keys fill for each
     model."""
-    shapes = SHAPES
     if query is None or not query.strip():
         lines = []
         for n in all_names():
@@ -441,7 +440,7 @@ def explain(query: str | None = None) -> str:
         close = close or difflib.get_close_matches(query, [*keys, *ALIASES], n=3, cutoff=0.6)
         close = close or [leaves[c] for c in difflib.get_close_matches(query, leaves, n=3, cutoff=0.6)]
         inside = [key for key in keys if key.startswith(f"{query}.")]  # a section: its keys, not a did-you-mean
-        owner = next((key for key in shapes if query.startswith(f"{key}.")), None)
+        owner = next((key for key in SHAPES if query.startswith(f"{key}.")), None)
         hint = (f" {query} is an objective: objective.name={query} (python -m harness list)."
                 if query in OBJECTIVES.names() else
                 f" {query} is a section; its keys: {', '.join(inside)}." if inside else
@@ -459,7 +458,7 @@ def explain(query: str | None = None) -> str:
         out.append(f"{n.key}: {n.meaning}")
         if n.key.startswith(PARAMS):
             out.append(f"  objectives: {', '.join(objectives_taking(n.key[len(PARAMS):])) or 'none'}")
-        out += shape_lines(shapes.get(n.key, {}), n.key)
+        out += shape_lines(SHAPES.get(n.key, {}), n.key)
         out += [f"  default: {default(n.key)}", f"  TRL GRPOConfig: {plain(n.trl)}", f"  verl: {plain(n.verl)}"]
     return "\n".join(out)
 
