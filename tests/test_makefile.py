@@ -1,0 +1,59 @@
+"""The Makefile's settings: each target declares the NAME=value settings its recipe reads (``settings.TARGET``), and a
+name given on the command line that no target of the command reads is one line before anything runs."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAKEFILE = (ROOT / "Makefile").read_text()
+EVERY_TARGET = {"PY", "GSM8K_DIR"}  # read by every target's command (the interpreter; the local GSM8K, exported)
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def make(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def recipes() -> dict[str, str]:
+    """Each target's recipe lines (the tab-indented lines after ``target:  ## help``)."""
+    blocks = re.findall(r"^([a-z-]+):  ## .*\n((?:\t.*\n)*)", MAKEFILE, re.M)
+    return {target: recipe for target, recipe in blocks}
+
+
+def names_read(text: str) -> set[str]:
+    """The upper-case variables a piece of the Makefile reads, through the variables it derives (SWEEP_JOBS)."""
+    derived = dict(re.findall(r"^([A-Z_]+)\s*=\s*(.*)$", MAKEFILE, re.M))
+    found = set(re.findall(r"\$\((?:origin )?([A-Z][A-Z0-9_]*)\)", text))
+    for name in found & derived.keys():
+        found = (found - {name}) | names_read(derived[name])
+    return {name for name in found if not name.startswith("MAKE")}
+
+
+def test_each_target_declares_exactly_the_settings_its_recipe_reads():
+    declared = {target: set(names.split()) for target, names in
+                re.findall(r"^settings\.([a-z-]+) := (.*)$", MAKEFILE, re.M)}
+    for target, recipe in recipes().items():
+        assert names_read(recipe) - EVERY_TARGET == declared.get(target, set()), target
+
+
+def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_runs():
+    done = make("claims", "CLAIM=gspo_clips_more")  # CLAIMS= misspelt: make alone would run every claim (hours)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
+    assert "CLAIM is not read by this target" in done.stderr and "CLAIMS EXISTING JOBS WITH_LONG" in done.stderr
+    done = make("setup", "test", "exp=quickstart", "SEED=1")
+    assert done.returncode == 2 and "SEED exp are not read by these targets" in done.stderr
+    assert "TESTED TORCH PY GSM8K_DIR" in done.stderr
+    for given in (["sweep", "EXP=quickstart", "JOBS=1"], ["setup", "test", "TORCH=torch"], ["test", "PY=python3"]):
+        assert make(*given).returncode == 0, given
+    assert "No rule to make target" in make("bogus", "X=1").stderr  # an unknown target is make's own line
+
+
+def test_make_claims_runs_the_named_claims_or_none():
+    done = make("claims", "CLAIMS=gspo_clips_more,p3o_matches_tuned_baseline", "EXISTING=1")
+    assert done.stdout.split()[1:] == ["-m", "harness", "claims", "gspo_clips_more", "p3o_matches_tuned_baseline",
+                                       "--jobs", "2", "--existing"], done.stdout
