@@ -177,6 +177,16 @@ def test_a_check_that_cannot_be_evaluated_is_no_data_in_the_ledger_not_a_stop():
     assert verdict == "no data" and "could not be evaluated" in text
 
 
+def test_a_misspelt_metric_is_named_with_the_nearest_one_and_how_to_check_again_without_running():
+    """A metric no row has (a typo found only after the experiment ran) was a pandas KeyError in the ledger."""
+    from harness.apps.claims import checked
+
+    final = pd.DataFrame({"objective": ["a", "b"], "seed": [0, 0], "clip_frac": [0.1, 0.2]})
+    verdict, text, _ = checked({"table": "final", "metric": "clip_fracc", "within": [0, 1]}, {"final": final})
+    assert verdict == "no data" and "clip_fracc: no final row of the experiment has this metric" in text
+    assert "(nearest: clip_frac)" in text and "--existing" in text and "KeyError" not in text
+
+
 LAB = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2, 3, 3], "objective": ["a", "b"] * 4,
                     "staleness": [1] * 8, "m": [2.0, 1.0, 2.1, 1.0, 1.9, 1.0, 2.0, 1.0]})
 

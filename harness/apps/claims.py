@@ -591,6 +591,12 @@ def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tup
     ledger as such instead of stopping it after the experiments have run."""
     if check["table"] not in tables:
         return "no data", f"{check['metric']}: the experiment has no results (`make claims` runs it)", None
+    metric, columns = check["metric"], tables[check["table"]].columns
+    if metric not in columns:  # a misspelt name: said as such, not as a pandas KeyError, after the runs it waited for
+        close = difflib.get_close_matches(metric, [c for c in columns if not str(c).startswith("_")], n=1)
+        return "no data", (f"{metric}: no {check['table']} row of the experiment has this metric"
+                           f"{f' (nearest: {close[0]})' if close else ''}; its runs are kept: correct the claim file "
+                           "and check it on them (`python -m harness claims NAME --existing` starts no run)"), None
     try:
         return evaluate_check(check, tables)
     except (KeyError, TypeError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
