@@ -10,6 +10,8 @@ LAUNCHER  ?= local
 SEEDS     ?= 3
 OVERRIDES ?=
 comma     := ,
+# a switch (WITH_LONG=1, PAPER=1, ...) is on unless empty or 0 / false / no / off: WITH_LONG=0 asks for it off
+on         = $(filter-out 0 false no off False No Off FALSE NO OFF,$(strip $(1)))
 # The machines here have no hub access: use the local GSM8K copy beside the checkout when there is one.
 export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 
@@ -18,7 +20,7 @@ export GSM8K_DIR ?= $(abspath $(wildcard ../shared/data/gsm8k))
 SWEEP_JOBS = $(if $(filter command line environment,$(origin JOBS)),--jobs $(JOBS),$(if $(filter local,$(LAUNCHER)),--cpu-jobs $(JOBS)))
 
 .DEFAULT_GOAL := help
-TARGETS := help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
+override TARGETS := help setup test test-fast lint sweep compare train lab claims zoo plots bench gpu-check list explain docs docs-site soak clean-results
 .PHONY: $(TARGETS)
 
 # settings.TARGET: the NAME=value settings TARGET reads from the command line (beside PY and GSM8K_DIR, which every
@@ -76,7 +78,7 @@ lab:  ## the gradient lab: make lab [EXP=lab] [OVERRIDES="lab.batches=4"] -> res
 
 settings.claims := CLAIMS EXISTING WITH_LONG JOBS
 claims:  ## the paper-claims ledger (experiments/claims/*.yaml) -> results/claims/ledger.md and .html; WITH_LONG=1 adds the SmolLM2 claims (hours); CLAIMS=name,name: run those claims' experiments, the rest checked on the runs there are; EXISTING=1: start no run
-	$(PY) -m harness claims $(subst $(comma), ,$(CLAIMS)) --jobs $(JOBS) $(if $(WITH_LONG),--with-long) $(if $(EXISTING),--existing)
+	$(PY) -m harness claims $(subst $(comma), ,$(CLAIMS)) --jobs $(JOBS) $(if $(call on,$(WITH_LONG)),--with-long) $(if $(call on,$(EXISTING)),--existing)
 
 settings.zoo := STAGE SEEDS START_POLICIES OVERRIDES JOBS
 zoo:  ## every registered objective through the stress regimes on the tiny model, screened then confirmed -> results/zoo/leaderboard.md (STAGE=screen|confirm: one stage; SEEDS=N: the screen's seeds; START_POLICIES=N: the confirmation's, 5 for verdicts that are not indicative; docs/zoo_guide.md, docs/replicates.md)
@@ -84,11 +86,11 @@ zoo:  ## every registered objective through the stress regimes on the tiny model
 
 settings.plots := EXP PAPER LATEX BASELINE OUT
 plots:  ## results/EXP/report/ from whatever runs exist (EXP=/abs/folder: that folder's; EXP=a,b: one report over both, in results/a+b/report/; PAPER=1: column-width PDF figures for a paper; LATEX=1: booktabs tables; BASELINE=name: the verdict's baseline; OUT=folder: where the report goes)
-	$(PY) -m analysis $(foreach e,$(subst $(comma), ,$(EXP)),$(if $(filter /%,$(e)),$(e),results/$(e))) $(if $(PAPER),--paper) $(if $(LATEX),--latex) $(if $(BASELINE),--baseline $(BASELINE)) $(if $(OUT),--out "$(OUT)")
+	$(PY) -m analysis $(foreach e,$(subst $(comma), ,$(EXP)),$(if $(filter /%,$(e)),$(e),results/$(e))) $(if $(call on,$(PAPER)),--paper) $(if $(call on,$(LATEX)),--latex) $(if $(BASELINE),--baseline $(BASELINE)) $(if $(OUT),--out "$(OUT)")
 
 settings.bench := OVERRIDES REPEATS MATMULS PROFILE MEMORY BUSY SCALE ROWS TOKENS LORA THROUGHPUT JOBS AGAINST
 bench:  ## one full GSM8K step with the embedded SmolLM2, native vs TRL: tokens/s, FLOP/s vs peak (REPEATS=N: medians; MATMULS=1: decode matmul shapes; PROFILE=1: operator profile; MEMORY=1: peak memory of one rollout and one update; BUSY=1: thread settings beside a busy process; SCALE=1: peak memory and step time over sequences x new tokens, ROWS=32,64 TOKENS=128,256; LORA=1: a step with LoRA adapters beside full fine-tuning, time and peak memory; THROUGHPUT=1: quickstart's sweep's runs per CPU-hour, a process per run vs worker processes, JOBS at once, AGAINST=REV: and REV's, a process per run)
-	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(MATMULS),--matmuls) $(if $(PROFILE),--profile) $(if $(MEMORY),--memory) $(if $(BUSY),--busy) $(if $(SCALE),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(LORA),--lora) $(if $(THROUGHPUT),--sweep-throughput --jobs $(JOBS) $(if $(AGAINST),--against $(AGAINST)))
+	$(PY) -m harness bench $(OVERRIDES) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(call on,$(MATMULS)),--matmuls) $(if $(call on,$(PROFILE)),--profile) $(if $(call on,$(MEMORY)),--memory) $(if $(call on,$(BUSY)),--busy) $(if $(call on,$(SCALE)),--scale) $(if $(ROWS),--rows $(ROWS)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(call on,$(LORA)),--lora) $(if $(call on,$(THROUGHPUT)),--sweep-throughput --jobs $(JOBS) $(if $(AGAINST),--against $(AGAINST)))
 
 settings.gpu-check := DEVICE
 gpu-check:  ## the GPU path in minutes (tiny model; Qwen2.5-0.5B-shaped random weights: native bf16 with and without LoRA, TRL): tokens/s, peak memory -> results/bench/gpu_check.jsonl; DEVICE=cpu: a dry run at tiny shapes
@@ -103,7 +105,7 @@ explain:  ## make explain KEY=train.group_size (or a TRL / verl name): meaning, 
 
 settings.docs := WITH_GSM8K WITH_ZOO WITH_MOE WITH_SMOLLM2 SKIP_MAIN JOBS
 docs:  ## re-run what the README quotes and rewrite docs/ (figures, results.md); WITH_GSM8K=1 adds gsm8k_ablation, WITH_ZOO=1 the zoo (docs/zoo.md; WITH_ZOO=screen: its first stage alone), WITH_MOE=1 moe_stability (docs/results_moe.md), WITH_SMOLLM2=1 smollm2_rl and smollm2_transfer (docs/results_smollm2.md; WITH_SMOLLM2=rl: smollm2_rl alone); SKIP_MAIN=1: only those
-	$(PY) -m harness docs $(if $(WITH_GSM8K),--with-gsm8k) $(if $(WITH_ZOO),--with-zoo $(if $(filter screen,$(WITH_ZOO)),screen,both)) $(if $(WITH_MOE),--with-moe) $(if $(WITH_SMOLLM2),--with-smollm2 $(if $(filter rl,$(WITH_SMOLLM2)),rl,both)) $(if $(SKIP_MAIN),--skip-main) --jobs $(JOBS)
+	$(PY) -m harness docs $(if $(call on,$(WITH_GSM8K)),--with-gsm8k) $(if $(call on,$(WITH_ZOO)),--with-zoo $(if $(filter screen,$(WITH_ZOO)),screen,both)) $(if $(call on,$(WITH_MOE)),--with-moe) $(if $(call on,$(WITH_SMOLLM2)),--with-smollm2 $(if $(filter rl,$(WITH_SMOLLM2)),rl,both)) $(if $(call on,$(SKIP_MAIN)),--skip-main) --jobs $(JOBS)
 
 docs-site:  ## this documentation site, with reference pages written from the code, into site/ (offline: open site/index.html; search: python3 -m http.server -d site)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
@@ -115,14 +117,25 @@ soak:  ## kill sweeps and runs at random moments (KILLS=20), resume, check nothi
 clean-results:  ## delete results/ (every run, report and benchmark)
 	rm -rf results
 
-# a setting given on the command line that none of the command's targets reads (CLAIM=x for CLAIMS=x, exp= for EXP=):
-# one line naming it and the settings there are, before anything runs (make would ignore it: hours of the wrong work)
-made_goals := $(or $(MAKECMDGOALS),help)
-given      := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
-read       := $(strip $(sort $(foreach g,$(made_goals),$(settings.$(g)))) PY GSM8K_DIR)
-unread     := $(sort $(filter-out $(read),$(given)))
-ifneq ($(unread),)
-ifeq ($(filter-out $(TARGETS),$(made_goals)),)
+# What the command line gives, checked before anything runs, each in one line (make alone would go on: hours of the
+# wrong work): a goal that is no target (make would run the goals before it first); a setting none of the command's
+# targets reads (CLAIM=x for CLAIMS=x, exp= for EXP=); a '$' in a setting, which make expands (OVERRIDES='x=${a}'
+# would pass x=; $$ passes a $ on to the shell); EXP, JOBS or LAUNCHER given empty. Only in the make the user ran (a
+# make that runs this one passes its own command line's settings on); `override`: no setting given changes these.
+ifeq ($(MAKELEVEL),0)
+override made_goals := $(or $(MAKECMDGOALS),help)
+override given      := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
+override read       := $(strip $(sort $(foreach g,$(made_goals),$(settings.$(g)))) PY GSM8K_DIR)
+override unread     := $(sort $(filter-out $(read),$(given)))
+override dollar     := $(strip $(foreach v,$(given),$(if $(findstring $$,$(subst $$$$,,$(value $(v)))),$(v))))
+override empty      := $(strip $(foreach v,EXP JOBS LAUNCHER,$(if $(filter $(v),$(given)),$(if $(strip $($(v))),,$(v)))))
+ifneq ($(filter-out $(TARGETS),$(made_goals)),)
+$(error make $(made_goals): no target $(filter-out $(TARGETS),$(made_goals)) here; `make help` lists them)
+else ifneq ($(unread),)
 $(error make $(made_goals): $(unread) $(if $(word 2,$(unread)),are,is) not read by $(if $(word 2,$(made_goals)),these targets,this target) (its settings: $(read); `make help` says what each does))
+else ifneq ($(dollar),)
+$(error make $(made_goals): $(dollar) holds a $$, which make expands (and the shell after it) before the command sees it: run the command itself (make -n $(made_goals) shows it), the setting in single quotes)
+else ifneq ($(empty),)
+$(error make $(made_goals): $(empty)= is empty: give it a value, or leave it out for its default)
 endif
 endif

@@ -1,6 +1,7 @@
 """The Makefile's settings: each target declares the NAME=value settings its recipe reads (``settings.TARGET``), and a
 name given on the command line that no target of the command reads is one line before anything runs."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,8 +16,13 @@ EVERY_TARGET = {"PY", "GSM8K_DIR"}  # read by every target's command (the interp
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
-def make(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+# a make run by `make test` passes its level and flags on to the makes the tests start, which then check nothing
+ALONE = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+
+
+def make(*args, env=ALONE) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
 
 
 def recipes() -> dict[str, str]:
@@ -50,7 +56,31 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
     assert "TESTED TORCH PY GSM8K_DIR" in done.stderr
     for given in (["sweep", "EXP=quickstart", "JOBS=1"], ["setup", "test", "TORCH=torch"], ["test", "PY=python3"]):
         assert make(*given).returncode == 0, given
-    assert "No rule to make target" in make("bogus", "X=1").stderr  # an unknown target is make's own line
+    for given in (["bogus", "X=1"], ["list", "bogus"]):  # `make list bogus` ran list, then said "No rule"
+        done = make(*given)
+        assert done.returncode == 2 and done.stdout == "" and "no target bogus here" in done.stderr, done
+    assert make("list", "CI=true", env={**ALONE, "MAKELEVEL": "1"}).returncode == 0  # a make that runs this one
+
+
+@pytest.mark.parametrize("given, named", [("OVERRIDES=train.lr=${oc.env:LR}", "OVERRIDES holds a $"),
+                                          ("EXP=", "EXP= is empty"), ("JOBS=", "JOBS= is empty")])
+def test_a_dollar_or_an_empty_value_is_one_line_before_anything_runs(given, named):
+    """make expanded '${oc.env:LR}' to nothing and ran train.lr= ; JOBS= reached argparse as '--jobs' alone."""
+    done = make("sweep", given)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
+    assert named in done.stderr
+    assert make("train", "OVERRIDES=name=my$$run").stdout.split()[-1] == "name=my$run"  # $$: a $ for the shell
+
+
+@pytest.mark.parametrize("off", ["0", "false", "no", "off", ""])
+def test_a_switch_given_as_0_or_false_is_off(off):
+    """WITH_LONG=0 ran the hours of SmolLM2 claims: any value but an empty one turned a switch on."""
+    done = make("claims", f"WITH_LONG={off}", f"EXISTING={off}")
+    assert done.returncode == 0 and "--with-long" not in done.stdout and "--existing" not in done.stdout
+    done = make("docs", f"WITH_ZOO={off}", f"SKIP_MAIN={off}", f"WITH_SMOLLM2={off}")
+    assert "--with-zoo" not in done.stdout and "--skip-main" not in done.stdout and "--with-smollm2" not in done.stdout
+    assert "--with-long" in make("claims", "WITH_LONG=1").stdout
+    assert "--with-zoo screen" in make("docs", "WITH_ZOO=screen").stdout
 
 
 def test_make_claims_runs_the_named_claims_or_none():
