@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from harness.run.config import (
@@ -693,3 +694,15 @@ def test_an_empty_mapping_for_a_section_is_refused_not_merged_into_nothing():
     with pytest.raises(ConfigError, match=r"sweep.per_objective=\{\}: an empty mapping merges into"):
         load_experiment("quickstart", ["sweep.per_objective={}"])
     assert load_experiment("quickstart", ["task.args={}"]).task.args == {}  # there {} replaces the task's arguments
+
+
+@pytest.mark.parametrize("swept, pinned", [("sweep.grid.objective.name=[grpo,gspo]", "objective.name=cispo"),
+                                           ("sweep.grid.seed=[0,1]", "seed=7")])
+def test_a_key_one_command_line_both_sweeps_and_pins_is_refused(swept, pinned):
+    """make compare OBJECTIVES=grpo,gspo OVERRIDES=objective.name=cispo ran cispo alone: the pin took the grid the
+    same command line gave (a hostile pass). A pin of an experiment file's axis still pins it."""
+    key = pinned.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key} is given twice on the command line: .* sweeps it and {pinned} "
+                                          "pins it; give one"):
+        load_experiment("quickstart", [swept, pinned])
+    assert list(load_experiment("quickstart", [pinned]).sweep.grid[key]) == [yaml.safe_load(pinned.partition("=")[2])]

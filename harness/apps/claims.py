@@ -672,7 +672,8 @@ def check_claims(claims: list[Claim], starts: dict, running: set, allow_code_cha
         if claim.source[0] == "probe":
             probe_settings(claim.source[2])
             continue
-        cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], claim.design[1])
+        seeds = claim.design[1] if claim.source[0] == "sweep" else None  # a lab's seeds are no grid (its own seed=)
+        cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], seeds)
         if claim.key in running and claim.source[0] == "sweep":
             runs = run_configs(cfg)
             check_runs_code(cfg, runs, allow_code_change, "claims")

@@ -537,6 +537,11 @@ def load_experiment(name: str, overrides: list[str] | None = None) -> DictConfig
     elif keys.get("task.args", "").replace(" ", "") == "{}":
         cfg.task.args = {}
     _resolve(cfg)
+    both = [key for key in keys if key in grid_overrides]  # one command line that sweeps a key and pins it
+    if both:
+        raise ConfigError(f"{both[0]} is given twice on the command line: {GRID}{both[0]}={grid_overrides[both[0]]} "
+                          f"sweeps it and {both[0]}={keys[both[0]]} pins it; give one (make compare's OBJECTIVES and "
+                          f"SEEDS are {GRID}objective.name and {GRID}seed)")
     for override in overrides:  # a command-line value of a swept key pins that axis of the grid
         key, _, _ = override.partition("=")
         if key in cfg.sweep.grid:
