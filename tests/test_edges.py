@@ -455,6 +455,43 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_before_anything_is_made(t
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command", [["train", "quickstart"], ["sweep", "quickstart"], ["prepare"]])
+def test_a_cache_folder_that_cannot_be_written_is_refused_before_anything_when_it_lacks_what_the_run_builds(
+        tmp_path, capsys, monkeypatch, command):
+    """An existing RLVR_CACHE the user cannot write (read-only; root's permissions pass os.access, so the probe is a
+    write, failed here as a read-only folder fails it): prepare dequantized the embedded model for seconds first, a
+    sweep made its run folders, and the message said to choose a writable results_dir. A read-only cache that holds
+    what the run needs still serves."""
+    import tempfile
+
+    from harness.policy.models import check_cache
+    from harness.run.config import load_experiment as experiment
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    made = tempfile.mkdtemp
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == cache:
+            raise PermissionError(1, "Operation not permitted", str(dir))
+        return made(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    monkeypatch.setenv("RLVR_CACHE", str(cache))
+    warm = ["model.warm_start_steps=5", "model.warm_start_target=null", f"results_dir={tmp_path / 'results'}"]
+    assert main([*command, *(QUICK + warm if command != ["prepare"] else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"config error: cannot make cache folder {cache}: "), err
+    assert err.endswith("make it writable, or set RLVR_CACHE to a folder you can write\n"), err
+    assert not (tmp_path / "results").exists() and not any(cache.iterdir())
+    (cache / "warm_start").mkdir()  # the starting policies' folder: the policy may be there (looked up when it runs)
+    check_cache(experiment("quickstart", warm))
+    from harness.apps.cli import failure_status  # a write that fails there later names the cache, not results_dir
+
+    assert failure_status(PermissionError(1, "Operation not permitted", str(cache / "warm_start" / "x.json"))) == 2
+    assert f"the cache folder {cache} is not writable: make it writable, or set RLVR_CACHE" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_a_results_folder_under_a_file_is_refused_in_one_line_before_anything_is_printed(tmp_path, capsys, command):
     """Refused before the run starts, not after its header with 'NotADirectoryError ... (no traceback file: ...)'

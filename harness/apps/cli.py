@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import functools
 import importlib.metadata
+import os
 import signal
 import sys
 import textwrap
@@ -29,7 +30,7 @@ from harness.apps.sweep import prepare_starting_policies, run_sweep
 from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
-from harness.policy.models import EMBEDDED_MODELS, prepare_embedded_model
+from harness.policy.models import EMBEDDED_MODELS, cache_dir, prepare_embedded_model
 from harness.policy.sampler import SAMPLERS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
@@ -309,6 +310,13 @@ COMMANDS = {"train": cmd_train, "sweep": cmd_sweep, "list": cmd_list, "prepare":
             "zoo": cmd_zoo, "worker": cmd_worker, "gpu-check": cmd_gpu_check}
 
 
+def writable_advice(path) -> str:
+    """What to do about a file the harness could not write: the cache's (RLVR_CACHE) or a results folder's."""
+    if path is not None and Path(os.path.abspath(path)).is_relative_to(cache_dir().absolute()):
+        return f"the cache folder {cache_dir()} is not writable: make it writable, or set RLVR_CACHE to another folder"
+    return "choose a writable results_dir=..."
+
+
 def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
     full disk, MISSED_BAND (3): a warm start that missed its band, 0: the reader of stdout has gone); None for any
@@ -324,14 +332,14 @@ def failure_status(e: Exception) -> int | None:
     if isinstance(e, BrokenPipeError):  # `python -m harness list | head`: the reader has gone
         return reader_gone()
     if isinstance(e, PermissionError):
-        print(f"error: cannot write {e.filename} ({e.strerror}); choose a writable results_dir=...", file=sys.stderr)
+        print(f"error: cannot write {e.filename} ({e.strerror}); {writable_advice(e.filename)}", file=sys.stderr)
         return 2
     if isinstance(e, OSError) and e.errno == errno.ELOOP:  # a link where the harness writes (it never follows one)
         print(f"error: {e.filename} is a symbolic link (or a loop of them), which the harness does not write through; "
               "remove it and run again", file=sys.stderr)
         return 2
     if isinstance(e, OSError) and e.errno == errno.EROFS:
-        print(f"error: {e.filename} is on a read-only file system; choose a writable results_dir=...", file=sys.stderr)
+        print(f"error: {e.filename} is on a read-only file system; {writable_advice(e.filename)}", file=sys.stderr)
         return 2
     full = disk_full_error(e)  # a sweep's manifest, a lab's batch, a cache file, ...
     if full is None:

