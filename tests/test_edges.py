@@ -730,7 +730,8 @@ def test_a_local_model_folder_transformers_cannot_read_is_refused_before_anythin
 
 
 @pytest.mark.slow
-def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_anything(tmp_path, capsys):
+def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_anything(tmp_path, capsys,
+                                                                                       monkeypatch):
     """A folder holding config.json alone, or config and weights without the tokenizer's files: the run failed in
     transformers (its file-not-found error; a 6-line tokenizer message) after the run's folder was made (the seventh
     hostile pass). A whole folder passes the check."""
@@ -755,11 +756,37 @@ def test_a_local_model_folder_without_weights_or_a_tokenizer_is_refused_before_a
     with pytest.raises(ConfigError, match=r"takes at least 4,000.0 GB for one completion.s first token"):
         check_this_machine(run_configs(load_experiment("quickstart", [*QUICK, f"model.name={whole}"])))
     (whole / "config.json").write_text(json.dumps(config))
-    for folder, reason in ((config_only, f"{config_only} holds no weights (model.safetensors, "),
-                           (no_tokenizer, "its tokenizer cannot be built (")):
+    # weights as a pickle (torch.save, as pytorch_model.bin), a model.safetensors cut short, or one that is a pickle:
+    # transformers unpickled the first (weights_only) and the others failed after the run's folder was made
+    pickled, cut, not_safetensors = (tmp_path / name for name in ("pickled", "cut", "not_safetensors"))
+    for folder in (pickled, cut, not_safetensors):
+        shutil.copytree(whole, folder)
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:-100])
+    torch.save({"not": "weights"}, not_safetensors / "model.safetensors")
+    for folder, reason in ((config_only, f"{config_only} holds no weights (model.safetensors or "),
+                           (no_tokenizer, "its tokenizer cannot be built ("),
+                           (pickled, f"{pickled} holds its weights as pytorch_model.bin, a pickle, which the harness "
+                                     "does not load"),
+                           (cut, "its weights file model.safetensors cannot be read (Error while deserializing header: "
+                                 "incomplete metadata"),
+                           (not_safetensors, "its weights file model.safetensors cannot be read (")):
         assert main(["train", "quickstart", *QUICK, f"model.name={folder}", f"results_dir={tmp_path / 'results'}"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"config error: model.name {str(folder)!r}: {reason}") and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+    # the embedded model's cached copy cut short (a disk that filled): prepare said "cached", a run failed in
+    # safetensors after its folder was made
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(cut, tmp_path / "cache" / models.EMBEDDED_NAME)
+    for command in (["prepare"], ["train", "quickstart", *QUICK, f"model.name={models.EMBEDDED_NAME}",
+                                  f"results_dir={tmp_path / 'results'}"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: the embedded model's cached copy in {tmp_path / 'cache'}"), err
+        assert err.endswith("remove that folder and run `python -m harness prepare` (make setup does) to build it "
+                            "again\n") and err.count("\n") == 1, err
     assert not (tmp_path / "results").exists()
 
 

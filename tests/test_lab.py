@@ -293,7 +293,7 @@ def test_a_lab_policy_folder_without_weights_is_refused_before_anything_naming_l
     assert main(["lab", "base", *TINY_RUN, f"lab.policy={tmp_path / 'policy'}", f"results_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"config error: lab.policy {str(tmp_path / 'policy')!r}: {tmp_path / 'policy'} holds no "
-                          "weights (model.safetensors, ") and err.count("\n") == 1, err
+                          "weights (model.safetensors or ") and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
 
 

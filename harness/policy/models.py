@@ -24,6 +24,7 @@ import huggingface_hub
 import torch
 from huggingface_hub.errors import HFValidationError
 from omegaconf import DictConfig
+from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
@@ -60,7 +61,6 @@ class ModelUnavailableError(OSError):
 
 
 PREFIX_TOKENS = 8  # tokens a tokenizer may add that cover no byte of the text (a SentencePiece prefix marker)
-WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)  # a folder's, any one
 
 
 def cache_dir() -> Path:
@@ -97,7 +97,7 @@ def load_model(
             raise ValueError(f"model.tiny settings only apply to the tiny models, not {name!r}")
         path = prepare_embedded_model() if name == EMBEDDED_NAME else name
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)  # no pickle
             tokenizer = AutoTokenizer.from_pretrained(path)
         except OSError as error:
             if Path(str(path)).is_dir():
@@ -238,6 +238,9 @@ def prepare_embedded_model() -> Path:
     """
     target = cache_dir() / EMBEDDED_NAME
     if (target / "config.json").is_file():
+        problem = embedded_problem(target)
+        if problem:
+            raise ConfigError(problem)
         return target
     check_cache_folder()  # before the build, not after it
     check_writable(cache_dir(), "cache folder", "the embedded model is built there: make it writable, or set "
@@ -264,6 +267,13 @@ def prepare_embedded_model() -> Path:
 
     atomic_write(target, write=write, shared=True)  # shared: another process may be building it too
     return target
+
+
+def embedded_problem(folder: Path) -> str | None:
+    """Why the embedded model's cached copy cannot be loaded (its weights damaged or cut short), with the fix; None."""
+    problem = weights_problem(folder)
+    return (f"the embedded model's cached copy in {folder}: {problem}; remove that folder and run `python -m harness "
+            "prepare` (make setup does) to build it again") if problem else None
 
 
 def build_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
@@ -366,7 +376,12 @@ def check_local_model(run: DictConfig) -> None:
                                f"max_position_embeddings in {folder / 'config.json'}")
     if problem:
         raise ConfigError(problem)
-    problem = None if name == EMBEDDED_NAME else folder_files_problem(str(folder), folder_stamp(folder))  # ours: whole
+    if name == EMBEDDED_NAME:  # ours: its tokenizer whole; its weights cut short by a disk that filled, or damaged
+        problem = embedded_problem(folder)
+        if problem:
+            raise ConfigError(problem)
+        return
+    problem = folder_files_problem(str(folder), folder_stamp(folder))
     if problem:
         raise ConfigError(f"model.name {name!r}: {problem}; {fix}")
 
@@ -386,13 +401,34 @@ def folder_files_problem(folder: str, stamp: tuple = ()) -> str | None:
     """Why a model folder's weights or tokenizer cannot be loaded (no weights file transformers looks for; a
     tokenizer transformers cannot build from the folder's files), or None. The tokenizer is built here (a fraction
     of a second): its files come in several layouts, and only transformers knows which it takes."""
-    if not any((Path(folder) / name).is_file() for name in WEIGHT_FILES):
-        return f"{folder} holds no weights ({', '.join(WEIGHT_FILES)})"
+    problem = weights_problem(Path(folder))
+    if problem:
+        return problem
     try:
         AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - missing or damaged files: transformers' reason
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"its tokenizer cannot be built ({reason})"
+    return None
+
+
+def weights_problem(folder: Path) -> str | None:
+    """Why a model folder's weights are not safetensors the harness can read, or None: none there; only pickled
+    weights (``pytorch_model.bin``, which it never loads: unpickling a file can run its code); a ``.safetensors``
+    file that is damaged or cut short (its header and size, read without the tensors)."""
+    files = sorted(folder.glob("*.safetensors"))
+    pickled = [name for name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) if (folder / name).is_file()]
+    if not files:
+        return (f"{folder} holds its weights as {pickled[0]}, a pickle, which the harness does not load (unpickling "
+                "a file can run its code): save them as safetensors (save_pretrained's default)" if pickled else
+                f"{folder} holds no weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} and its shards)")
+    for path in files:
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 - not safetensors, cut short, unreadable: safetensors' reason
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return f"its weights file {path.name} cannot be read ({reason}): damaged, or a copy cut short"
     return None
 
 
