@@ -1,19 +1,19 @@
 """CLI: python -m analysis results/<experiment> [results/<other> ...] [--out DIR] [--smooth N] [--formats png,pdf]
 [--paper] [--baseline NAME] [--latex]"""
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
 
 from analysis.folders import folder_problem
+from harness.run.commandline import OneLineParser
 from harness.run.errors import one_line_for_a_broken_module
 
 
 def main(argv: list[str] | None = None) -> int:
     """The arguments and the folders' existence are checked before the imports of the report (pandas, matplotlib,
     torch: seconds), so `-h` and a mistyped folder answer at once."""
-    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
+    parser = OneLineParser(prog="python -m analysis", description=__doc__)
     parser.add_argument("results", nargs="+", help="the experiment's results folder, e.g. results/<experiment>; "
                         "several: one report over all their runs, a run held by two folders counted once "
                         "(analysis/combine.py)")
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
+    if args.out is not None and not args.out.strip():  # "" was the default folder, without a word
+        parser.error("--out is empty: give a folder, or leave --out out for <results>/report")
     if problem := next(filter(None, map(folder_problem, map(Path, args.results))), None):
         print(f"error: {problem}", file=sys.stderr)
         return 1

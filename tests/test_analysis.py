@@ -552,3 +552,11 @@ def test_a_lagged_runs_staleness_metrics_are_panels_of_the_stability_figure():
     synchronous = plots.stability_figure(metrics.drop(columns=["lag_mean", "mismatch_ess"]),
                                          plots.styles(metrics["objective"]), 1, "t", paper=False)
     assert "Policy lag" not in {ax.get_title() for ax in synchronous.fig.axes}
+
+
+def test_an_empty_out_is_one_line_not_the_default_folder(capsys):
+    """--out "" wrote the report into the default folder without a word (the twenty-second hostile pass); argparse's
+    own errors here are one line, as the harness's are."""
+    assert pytest.raises(SystemExit, main, ["results/none", "--out", ""]).value.code == 2
+    assert capsys.readouterr().err == ('error: python -m analysis: --out is empty: give a folder, or leave --out out '
+                                       'for <results>/report (`python -m analysis -h` lists the options)\n')

@@ -295,6 +295,10 @@ def test_a_lab_policy_folder_without_weights_is_refused_before_anything_naming_l
     assert err.startswith(f"config error: lab.policy {str(tmp_path / 'policy')!r}: {tmp_path / 'policy'} holds no "
                           "weights (model.safetensors or ") and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
+    config = tmp_path / "policy" / "config.json"  # the folder's config.json given: "no config.json" before
+    assert main(["lab", "base", *TINY_RUN, f"lab.policy={config}", f"results_dir={tmp_path / 'r'}"]) == 2
+    assert capsys.readouterr().err == (f"config error: lab.policy {str(config)!r} is a file: give the saved policy "
+                                       f"folder that holds it ({tmp_path / 'policy'})\n")
 
 
 def test_a_lab_folder_that_measured_nothing_is_taken_over(tmp_path, monkeypatch):

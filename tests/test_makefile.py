@@ -63,7 +63,8 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
 
 
 @pytest.mark.parametrize("given, named", [("OVERRIDES=train.lr=${oc.env:LR}", "OVERRIDES holds a $"),
-                                          ("EXP=", "EXP= is empty"), ("JOBS=", "JOBS= is empty")])
+                                          ("EXP=", "EXP= is empty"), ("EXP=,", "EXP= is empty"),
+                                          ("JOBS=", "JOBS= is empty")])
 def test_a_dollar_or_an_empty_value_is_one_line_before_anything_runs(given, named):
     """make expanded '${oc.env:LR}' to nothing and ran train.lr= ; JOBS= reached argparse as '--jobs' alone."""
     done = make("sweep", given)

@@ -190,6 +190,9 @@ def validate_lab(cfg: DictConfig) -> None:
     if lab.sketch_dim < 0 or lab.mismatch_temperature <= 0:
         raise ConfigError(f"need lab.sketch_dim >= 0 and lab.mismatch_temperature > 0, got {lab.sketch_dim} and "
                           f"{lab.mismatch_temperature}")
+    if lab.policy is not None and Path(lab.policy).is_file():
+        raise ConfigError(f"lab.policy {lab.policy!r} is a file: give the saved policy folder that holds it "
+                          f"({Path(lab.policy).parent})")
     if lab.policy is not None and not (Path(lab.policy) / "config.json").exists():
         raise ConfigError(f"lab.policy {lab.policy!r} is not a saved policy folder (no config.json): give a run's "
                           "final/ folder (a LoRA run's: final/merged/, model.lora.export_merged)")
