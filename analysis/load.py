@@ -437,7 +437,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     run_dir = exp_dir / str(entry.get("dir") or entry.get("run_id"))
     run_id = str(entry.get("run_id") or run_dir.name)
     found = {name: (run_dir / name).exists() for name in RUN_FILES}
-    if run_dir.is_dir():
+    if run_dir.is_dir() and entry.get("status") != "pending":  # a run not started yet has not written them
         for name, exists in found.items():
             if not exists:
                 warn(f"{run_dir / name}: missing")

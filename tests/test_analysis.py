@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -445,6 +446,13 @@ def test_truncated_line_skipped_with_warning(tmp_path):
             "full disk)") in messages
     assert f"{metrics.with_name('summary.json')}: missing" in messages
     assert list(loaded.metrics.loc[loaded.metrics["run_id"] == "gspo-s3-abcd1234", "step"]) == [0, 1, 2]
+    # a pending run whose folder the sweep has made (its config.yaml written; it has not started): nothing "missing"
+    (exp / "grpo-s4-abcd1234").mkdir()
+    shutil.copy(exp / "gspo-s3-abcd1234" / "config.yaml", exp / "grpo-s4-abcd1234")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_experiment(exp)
+    assert not [w for w in caught if "grpo-s4-abcd1234" in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.slow
