@@ -226,3 +226,49 @@ def test_a_request_that_is_not_the_sweeps_protocol_is_one_line_and_the_worker_go
     assert (tmp_path / "answers").read_text().split() == ["2", "2", "2", "2", "0"] and ran == [["list"]]
     err = capsys.readouterr().err
     assert err.count("error: a worker request is one JSON object per line") == 4
+
+
+def test_a_run_stopped_by_ctrl_c_ends_its_worker(tmp_path):
+    """Ctrl-C reaches a sweep's process group, its workers' runs too: a run that returned 130 sent its worker back to
+    reading requests, and the SIGTERM the sweep then sent it could be lost (raised in a finalizer), so the sweep
+    waited on it for ever (the twenty-third hostile pass). The worker now ends with the run."""
+    import io
+
+    from harness.apps.worker import serve
+
+    ran = []
+    lines = [json.dumps({"log": str(tmp_path / "run.log"), "args": [str(i)]}) + "\n" for i in range(2)]
+    saved = os.dup(1)
+    out = os.open(tmp_path / "answers", os.O_WRONLY | os.O_CREAT)
+    os.dup2(out, 1)
+    try:
+        assert serve(io.StringIO("".join(lines)), lambda args: ran.append(args) or 130) == 130
+    finally:
+        os.dup2(saved, 1)
+        os.close(out)
+        os.close(saved)
+    assert (tmp_path / "answers").read_text().split() == ["130"] and ran == [["0"]]
+
+
+def test_stopping_a_worker_that_lost_its_sigterm_kills_it_and_does_not_hang(monkeypatch):
+    """WorkerHandle.stop waited for ever on a worker that survived its SIGTERM. It closes the worker's requests,
+    sends SIGTERM and, after the grace, SIGKILL. The stand-in ignores SIGTERM and its closed stdin, so only the
+    SIGKILL ends it, whatever the grace; the test's wait bounds a hang, not a duration."""
+    import threading
+
+    from harness.apps import launchers
+
+    monkeypatch.setattr(launchers, "STOP_GRACE_S", 0.1)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc.stdout.readline()  # its SIGTERM handler is set
+    worker = launchers.Worker.__new__(launchers.Worker)
+    worker.proc, worker.busy = proc, True
+    stopping = threading.Thread(target=launchers.WorkerHandle(worker).stop, daemon=True)
+    try:
+        stopping.start()
+        stopping.join(timeout=120)
+        assert not stopping.is_alive() and proc.returncode == -signal.SIGKILL and not worker.busy
+    finally:
+        proc.kill()
+        proc.wait()

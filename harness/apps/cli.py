@@ -44,7 +44,7 @@ from harness.run.config import (
     run_configs,
     run_id,
 )
-from harness.run.errors import MAIN_PROCESS, ConfigError, interrupted, reader_gone, say_config_error
+from harness.run.errors import INTERRUPTED, MAIN_PROCESS, ConfigError, interrupted, reader_gone, say_config_error
 from harness.run.experiments import experiment_paths
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except KeyboardInterrupt:
         print(interrupted(args.command), file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 def repeated_key(overrides: list[str]) -> str | None:

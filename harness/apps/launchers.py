@@ -195,9 +195,23 @@ class LocalHandle:
         return code
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
+        end_process(self.proc)
         self.logfile.close()
+
+
+STOP_GRACE_S = 30.0  # seconds a stopped run's process has to write "interrupted" and end before it is killed
+
+
+def end_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL when the process has not ended within :data:`STOP_GRACE_S`: one whose SIGTERM was lost
+    (raised while Python ran a finalizer, where it ignores exceptions) hung the sweep that stopped it, Ctrl-C and
+    all. A run killed so is stopped, resumable from its last checkpoint."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class Worker:
@@ -248,9 +262,13 @@ class WorkerHandle:
         return self.code
 
     def stop(self) -> None:
-        """SIGTERM: the run writes "interrupted" and the worker ends with it."""
-        self.worker.proc.terminate()
-        self.worker.proc.wait()
+        """Its requests closed (a worker between runs ends), then SIGTERM: the run writes "interrupted" and the worker
+        ends with it (:func:`end_process`)."""
+        try:
+            self.worker.proc.stdin.close()
+        except OSError:  # it died: the pipe is broken
+            pass
+        end_process(self.worker.proc)
         self.worker.busy = False
 
 

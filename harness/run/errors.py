@@ -15,6 +15,9 @@ KEPT = {"train": "finished steps are kept", "sweep": "finished runs and steps ar
         "lab": "measured batches are kept"}
 
 
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (the shell's 128 + SIGINT)
+
+
 def interrupted(command: str | None) -> str:
     """The one line Ctrl-C of ``command`` (None: before it was known) prints."""
     if command is None:  # before the arguments were read: nothing has started
