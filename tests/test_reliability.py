@@ -210,3 +210,18 @@ def test_the_cli_stops_on_sigint_even_when_started_with_sigint_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_soak_out_that_is_a_file_or_empty_is_one_line_before_the_soak(tmp_path, capsys, monkeypatch):
+    """soak --out <a file> ran the whole soak (about a minute), then a FileExistsError traceback writing soak.json,
+    its temporary folder left behind; --out "" was the default folder (the twenty-third hostile pass)."""
+    from harness.apps import soak
+    from harness.apps.cli import main
+
+    monkeypatch.setattr(soak, "kill_round", lambda *args: pytest.fail("the soak started"))
+    (tmp_path / "file").write_text("")
+    for out, said in ((tmp_path / "file", f"cannot make soak folder {tmp_path / 'file'}: {tmp_path / 'file'} is a "
+                                          "file, not a folder; give --out a folder you can write"),
+                      ("", "soak --out is empty: give a folder, or leave --out out for results/soak")):
+        assert main(["soak", "--kills", "1", "--steps", "3", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"config error: {said}\n"

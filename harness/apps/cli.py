@@ -35,7 +35,7 @@ from harness.policy.sampler import SAMPLERS
 from harness.policy.warm_start import MISSED_BAND, WarmStartError
 from harness.run import names
 from harness.run.allocator import keep_freed_memory
-from harness.run.atomic import disk_full_error, failure_line
+from harness.run.atomic import check_writable, disk_full_error, failure_line
 from harness.run.commandline import parse
 from harness.run.config import (
     check_this_machine,
@@ -227,7 +227,11 @@ def cmd_gpu_check(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    where = {"out": Path(args.out)} if args.out else {}
+    if args.out is not None:  # checked before the soak's minutes, not when it writes soak.json at their end
+        if not args.out.strip():
+            raise ConfigError("soak --out is empty: give a folder, or leave --out out for results/soak")
+        check_writable(Path(args.out), "soak folder", "give --out a folder you can write")
+    where = {"out": Path(args.out)} if args.out is not None else {}
     return soak(main, kills=args.kills, seed=args.seed, steps=args.steps, jobs=args.jobs, **where)
 
 
