@@ -220,6 +220,21 @@ def test_an_unreadable_plan_is_one_line_naming_it(tmp_path, text):
         zoo.read_plan(tmp_path, {})
 
 
+def test_a_plan_is_read_under_the_same_settings_in_another_order(tmp_path):
+    """--objectives gspo,grpo, or the overrides swapped, make the same runs: the plan made under grpo,gspo was refused,
+    with the advice to remove the confirmation's folder, its finished runs included (the twenty-third hostile pass)."""
+    made = zoo.plan_settings(["train.steps=17", "train.eval_every=17"], 3, ["grpo", "gspo"], 3)
+    (tmp_path / "plan.json").write_text(json.dumps({"settings": made, "objectives": ["grpo", "gspo"]}))
+    for overrides, objectives in ((["train.eval_every=17", "train.steps=17"], ["gspo", "grpo"]),
+                                  (["train.steps=5", "train.eval_every=17", "train.steps=17"], ["grpo", "gspo"])):
+        assert zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3))["objectives"] == ["grpo", "gspo"]
+    for overrides, objectives in ((["train.steps=18", "train.eval_every=17"], ["grpo", "gspo"]),
+                                  (["train.steps=17", "train.eval_every=17"], ["grpo", "gspo", "cispo"]),
+                                  (["train.steps=17"], ["grpo", "gspo"])):
+        with pytest.raises(ConfigError, match="was made with other settings"):
+            zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3))
+
+
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))

@@ -180,6 +180,17 @@ def plan_settings(overrides: list[str], seeds: int, objectives: list[str] | None
             **({"start_policies": start_policies} if start_policies != CONFIRM_START_POLICIES else {})}
 
 
+def acting(settings: dict) -> dict:
+    """Plan settings as they act on the runs: the overrides as the mapping they set (a key's later value wins), the
+    objectives as a set (sorted). Given in another order they make the same runs, which a plan compared literally
+    refused, with the advice to remove the confirmation's folder and its finished runs."""
+    overrides, objectives = settings.get("overrides"), settings.get("objectives")
+    return {**settings,
+            **({"overrides": dict(str(o).partition("=")[::2] for o in overrides)} if isinstance(overrides, list)
+               else {}),
+            **({"objectives": sorted(map(str, objectives))} if isinstance(objectives, list) else {})}
+
+
 def read_plan(folder: Path, settings: dict) -> dict | None:
     """The plan written in ``folder`` (None: none yet); ConfigError if it was made with other settings."""
     path = folder / "plan.json"
@@ -191,7 +202,8 @@ def read_plan(folder: Path, settings: dict) -> dict | None:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:  # json's decoding errors are ValueErrors
         raise ConfigError(f"{path}: unreadable ({e}); remove {folder} to plan the confirmation again") from None
-    made = plan.get("settings") if isinstance(plan.get("settings"), dict) else {}
+    made = acting(plan.get("settings") if isinstance(plan.get("settings"), dict) else {})
+    settings = acting(settings)
     if made != settings:
         keys = [k for k in sorted({*made, *settings}) if made.get(k) != settings.get(k)]
         said = "; ".join(f"{k} {made.get(k)!r} there, {settings.get(k)!r} now" for k in keys)
