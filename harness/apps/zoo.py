@@ -309,6 +309,12 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         raise ConfigError(f"{fixed[0]}: the zoo sets the objectives (--objectives), the seeds (--seeds) and the "
                           "starting policies (the screen: the regimes' own model.seed; the confirmation: "
                           "harness/apps/zoo.py START_CANDIDATES) itself")
+    axes = {key: experiment for experiment, cell in CELLS.items() for key in cell}
+    its_own = [o for o in overrides if o.partition("=")[0] in axes or o.partition("=")[0] == "name"]
+    if its_own:  # the regimes' own grids would refuse it as a key given twice, a name of the user's was dropped
+        key = its_own[0].partition("=")[0]
+        why = f"an axis of its {axes[key]} regime: harness/apps/zoo.py CELLS" if key in axes else "each stage's folder"
+        raise ConfigError(f"{its_own[0]}: the zoo sets {key} itself ({why}); leave it out")
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
     if stage in ("confirm", "both"):  # a plan made with other settings: refused before the screen runs anything
