@@ -121,6 +121,8 @@ def test_overrides_may_follow_the_options():
                                 "out", None),
     (["bench", "--jobs", "3"], "--jobs is read by --sweep-throughput only", None),
     (["bench", "--scale", "--memory"], "--scale and --memory are separate measurements: give one per command", None),
+    (["bench", "--repeats", "3", "--profile"], "--repeats is read by the step's measurement only (no mode): leave "
+                                               "--repeats or --profile out", None),  # it was ignored, silently
 ])
 def test_a_mistake_is_named_by_the_commands_own_parser(args, said, unsaid, capsys):
     """An optional list of overrides is not called required; an extra argument is the command's (its `-h` lists
@@ -174,3 +176,15 @@ def test_ctrl_c_says_what_the_command_keeps(monkeypatch, capsys, command, kept):
     err = capsys.readouterr().err
     assert err == (f"interrupted: run the same command again to resume {kept}\n" if kept else
                    "interrupted: it does not resume; run it again\n")
+
+
+def test_version_says_the_package_and_the_code(capsys):
+    """--version said 'the following arguments are required: command' (the twenty-third hostile pass)."""
+    from harness.run.provenance import code_record
+
+    for flag in ("--version", "-V"):
+        with pytest.raises(SystemExit) as stop:
+            parse([flag])
+        assert stop.value.code == 0
+        assert capsys.readouterr().out == f"python -m harness {code_record()['packages']['rlvr-objectives-harness']} " \
+                                          f"(code {code_record()['version']})\n"

@@ -11,7 +11,7 @@ import argparse
 
 from harness.run.errors import ConfigError, say_config_error
 from harness.run.experiments import experiment_path
-from harness.run.provenance import ALLOW_FLAG
+from harness.run.provenance import ALLOW_FLAG, DISTRIBUTION, code_record
 
 DESCRIPTION = ("Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,"
                "soak} ...; see README.md and docs/ (make docs-site).")
@@ -65,6 +65,11 @@ def given_without_mode(parser: argparse.ArgumentParser, args: argparse.Namespace
     if len(modes) > 1:  # one ran, the others were dropped without a word
         parser.error(f"{' and '.join('--' + m.replace('_', '-') for m in modes)} are separate measurements: give one "
                      "per command")
+    if modes and getattr(args, "repeats", None) is not None:  # read by the default measurement alone: ignored
+        parser.error(f"--repeats is read by the step's measurement only (no mode): leave --repeats or "
+                     f"--{modes[0].replace('_', '-')} out")
+    if getattr(args, "repeats", 0) is None:
+        args.repeats = 1
     for option, (mode, default) in BENCH_MODE_OPTIONS.items():
         if getattr(args, option) is not None and not getattr(args, mode):
             parser.error(f"--{option.replace('_', '-')} is read by --{mode.replace('_', '-')} only: add "
@@ -149,9 +154,23 @@ ALLOW_HELP = ("continue runs that other code (another commit or other changes) b
               "each start's code (refused otherwise)")
 
 
+class Version(argparse.Action):
+    """``--version``: the package's version and the code's (its commit; +diff-<hash> with changes), as a run
+    records them; read when asked (git), not for every command."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="the package's version and the code's (its commit)")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        record = code_record()
+        print(f"{parser.prog} {record['packages'].get(DISTRIBUTION)} (code {record['version']})")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command, its arguments and their help."""
     parser = OneLineParser(prog="python -m harness", description=DESCRIPTION)
+    parser.add_argument("--version", "-V", action=Version)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_run_commands, add_lab_and_claims, add_zoo, add_tools, add_bench):
         add(sub)
@@ -272,8 +291,9 @@ def add_bench(sub) -> None:
     """bench and its measurements."""
     bench = sub.add_parser("bench", help="time one full step with the embedded SmolLM2 (docs/benchmark.md)")
     bench.add_argument("overrides", nargs="*", default=[])
-    bench.add_argument("--repeats", type=positive_int, default=1,
-                       help="measure N times from the same weights and seed; print the medians and the ratios' range")
+    bench.add_argument("--repeats", type=positive_int,
+                       help="measure N times from the same weights and seed; print the medians and the ratios' range "
+                            "(the step's measurement only, without a mode; default 1)")
     bench.add_argument("--busy", action="store_true",
                        help="one native step per thread setting, on this machine as it is and beside a busy process "
                             "(oversubscription; docs/threads.md)")
