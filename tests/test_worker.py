@@ -202,6 +202,20 @@ def test_the_throughput_bench_against_a_name_that_is_no_commit_is_one_config_err
     assert "--against no-such-commit-0000: not a commit of this checkout" in err and "sweep throughput" not in err
 
 
+@contextlib.contextmanager
+def answers_in(path: Path):
+    """This process's stdout (file descriptor 1, where a worker answers) into ``path`` inside the block."""
+    saved = os.dup(1)
+    out = os.open(path, os.O_WRONLY | os.O_CREAT)
+    os.dup2(out, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(out)
+        os.close(saved)
+
+
 def test_a_request_that_is_not_the_sweeps_protocol_is_one_line_and_the_worker_goes_on(tmp_path, capsys):
     """`python -m harness worker` (listed in --help) raised a traceback on a line that is not JSON, a JSON list, a
     request without its log, or a log in a folder that does not exist; each is now one line and status 2, and the
@@ -214,15 +228,8 @@ def test_a_request_that_is_not_the_sweeps_protocol_is_one_line_and_the_worker_go
     good = json.dumps({"log": str(tmp_path / "run.log"), "args": ["list"]})
     lines = ["not json\n", "[1, 2]\n", json.dumps({"args": []}) + "\n",
              json.dumps({"log": str(tmp_path / "no" / "run.log"), "args": []}) + "\n", good + "\n"]
-    saved = os.dup(1)
-    out = os.open(tmp_path / "answers", os.O_WRONLY | os.O_CREAT)
-    os.dup2(out, 1)
-    try:
+    with answers_in(tmp_path / "answers"):
         assert serve(io.StringIO("".join(lines)), lambda args: ran.append(args) or 0) == 0
-    finally:
-        os.dup2(saved, 1)
-        os.close(out)
-        os.close(saved)
     assert (tmp_path / "answers").read_text().split() == ["2", "2", "2", "2", "0"] and ran == [["list"]]
     err = capsys.readouterr().err
     assert err.count("error: a worker request is one JSON object per line") == 4
@@ -238,15 +245,8 @@ def test_a_run_stopped_by_ctrl_c_ends_its_worker(tmp_path):
 
     ran = []
     lines = [json.dumps({"log": str(tmp_path / "run.log"), "args": [str(i)]}) + "\n" for i in range(2)]
-    saved = os.dup(1)
-    out = os.open(tmp_path / "answers", os.O_WRONLY | os.O_CREAT)
-    os.dup2(out, 1)
-    try:
+    with answers_in(tmp_path / "answers"):
         assert serve(io.StringIO("".join(lines)), lambda args: ran.append(args) or 130) == 130
-    finally:
-        os.dup2(saved, 1)
-        os.close(out)
-        os.close(saved)
     assert (tmp_path / "answers").read_text().split() == ["130"] and ran == [["0"]]
 
 
