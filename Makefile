@@ -128,7 +128,7 @@ override given      := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(or
 override read       := $(strip $(sort $(foreach g,$(made_goals),$(settings.$(g)))) PY GSM8K_DIR)
 override unread     := $(sort $(filter-out $(read),$(given)))
 override dollar     := $(strip $(foreach v,$(given),$(if $(findstring $$,$(subst $$$$,,$(value $(v)))),$(v))))
-override empty      := $(strip $(foreach v,EXP JOBS LAUNCHER,$(if $(filter $(v),$(given)),$(if $(strip $(subst $(comma), ,$($(v)))),,$(v)))))
+override empty      := $(strip $(foreach v,EXP JOBS LAUNCHER,$(if $(filter $(v),$(given)),$(if $(strip $(subst $(comma), ,$(value $(v)))),,$(v)))))
 ifneq ($(filter-out $(TARGETS),$(made_goals)),)
 $(error make $(made_goals): no target $(filter-out $(TARGETS),$(made_goals)) here; `make help` lists them)
 else ifneq ($(unread),)
