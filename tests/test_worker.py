@@ -235,23 +235,10 @@ def test_a_request_that_is_not_the_sweeps_protocol_is_one_line_and_the_worker_go
     assert err.count("error: a worker request is one JSON object per line") == 4
 
 
-def test_a_run_stopped_by_ctrl_c_ends_its_worker(tmp_path):
-    """Ctrl-C reaches a sweep's process group, its workers' runs too: a run that returned 130 sent its worker back to
-    reading requests, and the SIGTERM the sweep then sent it could be lost (raised in a finalizer), so the sweep
-    waited on it for ever (the twenty-third hostile pass). The worker now ends with the run."""
-    import io
-
-    from harness.apps.worker import serve
-
-    ran = []
-    lines = [json.dumps({"log": str(tmp_path / "run.log"), "args": [str(i)]}) + "\n" for i in range(2)]
-    with answers_in(tmp_path / "answers"):
-        assert serve(io.StringIO("".join(lines)), lambda args: ran.append(args) or 130) == 130
-    assert (tmp_path / "answers").read_text().split() == ["130"] and ran == [["0"]]
-
-
 def test_stopping_a_worker_that_lost_its_sigterm_kills_it_and_does_not_hang(monkeypatch):
-    """WorkerHandle.stop waited for ever on a worker that survived its SIGTERM. It closes the worker's requests,
+    """Ctrl-C reaches a sweep's process group, its workers' runs too: a worker whose run returned 130 went back to
+    reading requests, the sweep's SIGTERM to it could be lost (raised in a finalizer), and WorkerHandle.stop waited
+    for ever (the twenty-third hostile pass). It closes the worker's requests (an idle worker ends at their end),
     sends SIGTERM and, after the grace, SIGKILL. The stand-in ignores SIGTERM and its closed stdin, so only the
     SIGKILL ends it, whatever the grace; the test's wait bounds a hang, not a duration."""
     import threading

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
-from harness.run.errors import INTERRUPTED
-
 
 @contextmanager
 def output_to(log: str):
@@ -76,6 +74,4 @@ def serve(requests: IO[str], main: Callable[[list[str]], int]) -> int:
             status = main(args)
         answers.write(f"{status}\n")
         answers.flush()
-        if status == INTERRUPTED:  # Ctrl-C reached the run (the sweep's process group): the worker ends with it
-            return status
     return 0
