@@ -127,6 +127,41 @@ def test_a_soak_kill_counts_only_once_its_signal_is_sent_and_a_sweep_that_ends_f
     assert json.loads((tmp_path / "out" / "soak.json").read_text())["sweeps_kept_in"] == str(kept)
 
 
+@pytest.mark.slow  # starts processes
+def test_a_soak_stopped_by_ctrl_c_stops_its_sweeps_and_removes_its_folder(tmp_path, monkeypatch):
+    """Each of the soak's sweeps runs in a session of its own, out of a Ctrl-C's reach: a soak stopped by one left its
+    sweep running and its temporary folder behind. Now both go; a process of the user's that names the folder (a
+    ``tail -f``, here one that is not ``python -m harness``) is left alone."""
+    import tempfile
+
+    from harness.apps import soak
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the soak's mkdtemp makes its folder
+    (tmp_path / "tmp").mkdir()
+    started = []
+
+    def interrupted_round(rng, args, exp_dir, log, kills):  # a sweep of the soak's own started, then Ctrl-C
+        work = exp_dir.parent.parent
+        sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
+        started.append(subprocess.Popen([*sleep, "-m", "harness", "sweep", str(work / "soak.yaml")],
+                                        start_new_session=True))
+        started.append(subprocess.Popen([*sleep, str(work)]))  # the user's
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(soak, "kill_round", interrupted_round)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            soak.main(main, kills=2, out=tmp_path / "out")
+        sweep, users = started
+        assert sweep.wait(timeout=60) == -signal.SIGKILL  # a bound on a hang only: it is killed at once
+        assert users.poll() is None and list((tmp_path / "tmp").iterdir()) == []
+        assert not (tmp_path / "out").exists()
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
 def test_a_soaks_first_kill_comes_at_once_where_every_run_is_past_step_0(tmp_path, monkeypatch):
     """The step-0 window is brief in each run. Where the soak missed it in every run (its process off the core a
     moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first, no kill

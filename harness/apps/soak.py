@@ -11,11 +11,14 @@ every kill planned lands. After ``kills`` kills each sweep runs to the end. Then
 must parse, metrics.jsonl must hold steps 0..steps once each, and every run's metrics and eval records must equal those
 of the same run trained without interruption (trained here, in the soak's own process, after the sweep). Writes
 ``soak.json`` into ``--out`` (default results/soak) and prints one line. The sweeps run in a temporary folder of the
-soak's own, removed when the soak passes and kept (named in that line) when it finds a problem.
+soak's own, removed when the soak passes and kept (named in that line) when it finds a problem. A soak stopped
+by Ctrl-C or SIGTERM stops its sweeps (each in a session of its own, out of the Ctrl-C's reach) and removes the
+folder; it does not resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -45,20 +48,38 @@ def harness(*args: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL, start_new_session=True, **kwargs)
 
 
-def run_processes(exp_dir: Path) -> list[int]:
-    """Pids of the runs a sweep of ``exp_dir`` has started: ``train`` processes (their command line names their run
-    folder) and the workers that train its runs one after another (theirs names the results folder:
-    harness/apps/worker.py)."""
+def processes_naming(folder: Path, kinds: tuple[str, ...] = ()) -> list[int]:
+    """Pids of the harness's processes (``python -m harness ...``) whose command line names ``folder`` (and one of
+    ``kinds``, the harness's commands, where given); a process of the user's that names it (``tail -f``) is none."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if (" train " in command or " worker " in command) and str(exp_dir) in command:
+            if (" -m harness " in command and str(folder) in command
+                    and (not kinds or any(f" {kind} " in command for kind in kinds))):
                 pids.append(int(entry.name))
     return pids
+
+
+def run_processes(exp_dir: Path) -> list[int]:
+    """Pids of the runs a sweep of ``exp_dir`` has started: ``train`` processes (their command line names their run
+    folder) and the workers that train its runs one after another (theirs names the results folder:
+    harness/apps/worker.py)."""
+    return processes_naming(exp_dir, ("train", "worker"))
+
+
+def stop_processes_in(work: Path) -> None:
+    """SIGKILL every process of the soak's own folder ``work`` (its sweeps, their workers and runs: each command line
+    names a folder in it), until none is left; each sweep runs in a session of its own, so a Ctrl-C to the soak does
+    not reach them."""
+    while pids := processes_naming(work):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not set(pids) & set(processes_naming(work)), 5)
 
 
 def wait_for(condition, timeout: float) -> bool:
@@ -177,8 +198,21 @@ def main(cli: Callable[[list[str]], int], kills: int = 20, seed: int = 0, steps:
          out: Path = ROOT / "results" / "soak") -> int:
     """The soak (module docstring); ``cli``: the CLI's ``main``, which trains the uninterrupted runs; ``out``: the
     folder of soak.json."""
-    rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
+    try:
+        return soak_in(work, cli, kills, seed, steps, jobs, out)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM: nothing concluded, nothing worth keeping
+        stop_processes_in(work)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        stop_processes_in(work)  # whatever ended the soak: none of its sweeps outlives it
+
+
+def soak_in(work: Path, cli: Callable[[list[str]], int], kills: int, seed: int, steps: int, jobs: int,
+            out: Path) -> int:
+    """:func:`main`'s soak, its sweeps in the folder ``work``."""
+    rng = random.Random(seed)
     experiment = work / "soak.yaml"
     experiment.write_text("sweep:\n  grid:\n    objective.name: [grpo, gspo]\n")
     log, problems, started, rounds = [], [], time.time(), []
