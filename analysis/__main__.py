@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--smooth must be >= 1")
     if args.out is not None and not args.out.strip():  # "" was the default folder, without a word
         parser.error("--out is empty: give a folder, or leave --out out for <results>/report")
+    if not all(folder.strip() for folder in args.results):  # "" was the current folder
+        parser.error("results folder '' is empty: give an experiment's results folder (results/<experiment>, the one "
+                     "holding manifest.json)")
     if problem := next(filter(None, map(folder_problem, map(Path, args.results))), None):
         print(f"error: {problem}", file=sys.stderr)
         return 1

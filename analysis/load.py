@@ -687,6 +687,9 @@ def load_experiment(exp_dir: str | Path) -> Experiment:
     if not isinstance(exp_dir, str | Path):  # a list went six frames deep into pathlib
         raise TypeError(f"load_experiment takes one results folder (a str or Path), got {type(exp_dir).__name__}; "
                         "several: load_experiments([...])")
+    if not str(exp_dir).strip():  # Path("") is the current folder, read without a word
+        raise AnalysisError(f"results folder {str(exp_dir)!r} is empty: give an experiment's results folder "
+                            "(results/<experiment>, the one holding manifest.json)")
     exp_dir = Path(exp_dir)
     folder = read_folder(exp_dir, exp_dir.name)
     exp = assemble(str(folder.manifest.get("experiment") or exp_dir.name), exp_dir, folder.loaded,

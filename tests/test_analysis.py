@@ -487,6 +487,10 @@ def test_missing_or_empty_results_dir(tmp_path, capsys):
     with pytest.raises(TypeError, match=r"^load_experiment takes one results folder \(a str or Path\), got list; "
                        r"several: load_experiments"):  # pathlib's TypeError six frames deep
         load_experiment([tmp_path / "nope"])
+    with pytest.raises(AnalysisError, match=r"^results folder '' is empty: give an experiment's results folder"):
+        load_experiment("")  # it read the current folder
+    assert pytest.raises(SystemExit, main, [""]).value.code == 2  # the command's parser: one line
+    assert "error: python -m analysis: results folder '' is empty" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="no runs in"):
         load_experiment(tmp_path / "empty")
