@@ -1,6 +1,7 @@
 """`make bench`: the repeats' summary by hand, and one tiny run of the whole benchmark (native and TRL)."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -177,6 +178,32 @@ def test_bad_settings_of_the_bench_are_a_config_error_like_every_command(capsys)
     assert cli_main(["bench", "model.name=bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: model.name 'bogus' is neither") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("mode", ["--busy", "--lora"])
+def test_bench_busy_and_lora_refuse_bad_settings_before_their_first_process(mode, tmp_path, monkeypatch, capsys):
+    """Their children each check the settings, so a mistake was the first child's last line, 13 to 16 s in; now the
+    mode itself says it, in one line, before a child starts (a bad key; a cache this machine cannot use)."""
+    from harness.apps import bench
+
+    started = []
+
+    def watched(real):  # the bench's children are `python -m harness bench --step` and its busy `python -c`
+        def start(command, *args, **kwargs):
+            if command[0] == sys.executable:
+                started.append(command)
+            return real(command, *args, **kwargs)
+        return start
+
+    monkeypatch.setattr(bench.subprocess, "run", watched(bench.subprocess.run))
+    monkeypatch.setattr(bench.subprocess, "Popen", watched(bench.subprocess.Popen))
+    assert cli_main(["bench", mode, *TINY_BENCH, "train.bogus=1"]) == 2
+    assert capsys.readouterr().err.startswith("config error: unknown config key 'train.bogus'")
+    monkeypatch.setenv("RLVR_CACHE", "relative/cache")  # a check of this machine's, not of the settings
+    assert cli_main(["bench", mode, "task.name=arith"]) == 2  # bench.yaml's SmolLM2: the embedded model's cache
+    err = capsys.readouterr().err
+    assert err.startswith("config error: RLVR_CACHE='relative/cache' is a relative path") and err.count("\n") == 1
+    assert started == []
 
 
 @pytest.mark.slow  # two processes: make test

@@ -123,17 +123,25 @@ def matmuls_main(overrides: list[str]) -> int:
     return 0
 
 
+def checked_bench(overrides: list[str]) -> DictConfig:
+    """experiments/bench.yaml with ``overrides``, checked as a run is (its settings, then this machine: a hub model or
+    dataset that cannot be had, an unusable cache) and as the bench's step needs (no reference policy): a ConfigError
+    in one line before anything is built or any process of the bench starts."""
+    (cfg,) = run_configs(load_experiment("bench", overrides))
+    if reads_reference_policy(*build_objective(cfg)):
+        raise ConfigError("the bench times a step without the reference policy (no KL term, no objective or estimator "
+                          "that reads it): set objective.params.beta=0 and another objective (a2po reads it) or "
+                          "objective.advantage (a2po samples it)")
+    check_this_machine([cfg])
+    return cfg
+
+
 def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
     """experiments/bench.yaml with ``overrides``: its config, its torch threads set and seeded, what the run is made
     of (harness/loop/build.py), the first ``prompts_per_step`` train problems (the timed steps' prompts), the thread
     count."""
-    (cfg,) = run_configs(load_experiment("bench", overrides))
+    cfg = checked_bench(overrides)
     objective, estimator = build_objective(cfg)
-    if reads_reference_policy(objective, estimator):  # before the model is built
-        raise ConfigError("the bench times a step without the reference policy (no KL term, no objective or estimator "
-                          "that reads it): set objective.params.beta=0 and another objective (a2po reads it) or "
-                          "objective.advantage (a2po samples it)")
-    check_this_machine([cfg])  # a hub model or dataset that cannot be had, an unusable cache: before anything
     threads = run_threads(cfg.threads)
     setup = setup_run(cfg, resolve_device(cfg.device))
     # seeded after the model is loaded: building the embedded model's cache in this process (a fresh RLVR_CACHE)
@@ -275,8 +283,8 @@ def lora_main(overrides: list[str], out: Path | None = None) -> int:
     rank = cfg.model.lora.rank or LORA_RANK
     sides = [("full fine-tuning", [*overrides, "model.lora.rank=0", "model.lora.export_merged=false"]),
              (f"LoRA rank {rank}", [*overrides, f"model.lora.rank={rank}"])]
-    for _, side in sides:  # both sides' settings checked (one line) before either runs
-        run_configs(load_experiment("bench", side))
+    for _, side in sides:  # both sides checked (one line) before either runs
+        checked_bench(side)
     points = []
     for name, side in sides:
         load = os.getloadavg()[0]
@@ -387,6 +395,7 @@ def busy_main(overrides: list[str]) -> int:
     per thread setting — all cores (torch's default), threads=0 (the free cores: harness/run/threads.py), one thread,
     all cores with a passive OpenMP wait — first on the machine as it is, then beside one busy process. Prints a
     table and writes results/bench/busy.json; the load before each half is printed: other load skews both."""
+    checked_bench(overrides)  # one line before the first child, not its last line 13 s in
     all_cores = threads_cores()
     settings = [("all cores (torch's default)", all_cores, {}), ("threads=0 (the free cores)", 0, {}),
                 ("threads=1", 1, {}), ("all cores, OMP_WAIT_POLICY=PASSIVE", all_cores, {"OMP_WAIT_POLICY": "PASSIVE"})]
