@@ -1015,6 +1015,23 @@ def test_a_damaged_config_yaml_is_named_in_a_warning_when_the_run_continues(stop
     assert err.count("\n") == 1 and err.startswith(f"warning: {run_dir / 'config.yaml'} is damaged"), err
 
 
+@pytest.mark.parametrize("text", ["notes: [\n", "- my list\n", "a: !!python/object/apply:os.getpid []\n"])
+def test_a_users_config_yaml_that_is_no_runs_is_never_written_over(tmp_path, capsys, text):
+    """`train --run-dir` at a folder of the user's holding a config.yaml that is not a run's settings (a note, another
+    tool's file): a damaged run config is rewritten as the run continues, so the user's file was written over. Now,
+    when nothing else there is a run's (no code line, no metrics or summary), it is refused and left as it is."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"is damaged .*; nothing in .* is a run's .*give a new or empty --run-dir"):
+        check_resume(tiny_run(tmp_path), folder)
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "--run-dir", str(folder),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"config error: {folder / 'config.yaml'} is damaged"), err
+    assert (folder / "config.yaml").read_text() == text and sorted(p.name for p in folder.iterdir()) == ["config.yaml"]
+
+
 @pytest.mark.slow  # a run resumed: make test
 def test_the_damaged_config_warning_is_said_once_by_a_resuming_command(stopped_run, tmp_path, capsys):
     run, run_dir = stopped_run

@@ -278,6 +278,10 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
     try:
         saved = read_run_config(saved_path)
     except DamagedConfigError as e:
+        if main and config_code(saved_path) is None and not any((run_dir / name).exists() for name in RUN_RECORDS):
+            raise ConfigError(f"{e}; nothing in {run_dir} is a run's (a run's config.yaml names its code on its first "
+                              "line, and a run that began writes metrics.jsonl): a run there would write over that "
+                              "file; give a new or empty --run-dir") from None
         if warn:
             print(f"warning: {e}: these settings cannot be checked against the run's; the run continues with them and "
                   "config.yaml is written anew", file=sys.stderr)
@@ -300,6 +304,8 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
 
 # the files a run writes in its folder (each a regular file of its own: check_run_folder)
 RUN_FILES = ("config.yaml", "train.log", "metrics.jsonl", "summary.json", "eval_samples.jsonl", "traceback.txt")
+# what only a run that began writes there
+RUN_RECORDS = ("metrics.jsonl", "summary.json", "eval_samples.jsonl", "checkpoints")
 # what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary, and
 # the traceback of a run that failed before writing it (harness/apps/cli.py writes it beside the run)
 BEFORE_CONFIG = re.compile(rf"{re.escape(RUN_LOCK)}|train\.log|traceback\.txt"
