@@ -27,7 +27,8 @@ def test_the_soak_finds_a_sweeps_workers_as_its_runs(tmp_path):
     """`make soak` kills runs it finds by their command line: a worker's names the results folder, not a run's."""
     from harness.apps.soak import run_processes
 
-    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "worker", str(tmp_path)])
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "harness", "worker",
+                                 str(tmp_path)])  # as `python -m harness worker <results folder>` reads
     try:  # waited for: /proc may show the command line a moment after Popen returns (seen once)
         assert wait_until(lambda: stand_in.pid in run_processes(tmp_path), timeout=60)
         assert stand_in.pid not in run_processes(tmp_path / "other")
