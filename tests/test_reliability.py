@@ -162,6 +162,19 @@ def test_a_soak_stopped_by_ctrl_c_stops_its_sweeps_and_removes_its_folder(tmp_pa
             process.wait()
 
 
+def test_stopping_the_soaks_processes_gives_up_on_one_it_may_not_kill(tmp_path, monkeypatch):
+    """A harness process naming the soak's folder that this user may not kill (PermissionError) held the soak's
+    stop in a loop for ever; it is tried STOP_ROUNDS times."""
+    from harness.apps import soak
+
+    tries = []
+    monkeypatch.setattr(soak, "processes_naming", lambda folder, kinds=(): [1])
+    monkeypatch.setattr(soak.os, "kill", lambda pid, sig: tries.append(pid) or (_ for _ in ()).throw(PermissionError))
+    monkeypatch.setattr(soak, "wait_for", lambda condition, timeout: False)
+    soak.stop_processes_in(tmp_path)
+    assert tries == [1] * soak.STOP_ROUNDS
+
+
 def test_a_soaks_first_kill_comes_at_once_where_every_run_is_past_step_0(tmp_path, monkeypatch):
     """The step-0 window is brief in each run. Where the soak missed it in every run (its process off the core a
     moment), it waited 30 s for a window that had passed, the tiny sweep ended on its own first, no kill

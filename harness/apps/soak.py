@@ -41,6 +41,7 @@ SETTINGS = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "train.max_new_tokens=8", "train.num_minibatches=2", "train.eval_every=5", "threads=1", "train.lr=1e-3",
             "task.overlong_buffer=6"]
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+STOP_ROUNDS = 3  # stop_processes_in: rounds of SIGKILL (a sweep may start a run as its siblings die)
 
 
 def harness(*args: str, **kwargs) -> subprocess.Popen:
@@ -73,9 +74,11 @@ def run_processes(exp_dir: Path) -> list[int]:
 
 def stop_processes_in(work: Path) -> None:
     """SIGKILL every process of the soak's own folder ``work`` (its sweeps, their workers and runs: each command line
-    names a folder in it), until none is left; each sweep runs in a session of its own, so a Ctrl-C to the soak does
-    not reach them."""
-    while pids := processes_naming(work):
+    names a folder in it), in at most STOP_ROUNDS rounds (a process this user may not kill does not hold the soak
+    for ever); each sweep runs in a session of its own, so a Ctrl-C to the soak does not reach them."""
+    for _ in range(STOP_ROUNDS):
+        if not (pids := processes_naming(work)):
+            return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
