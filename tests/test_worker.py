@@ -181,7 +181,7 @@ def test_the_throughput_bench_compares_runs_without_their_timings(tmp_path):
 def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_the_worktree(tmp_path):
     """``--against HEAD``: the sweep runs in a worktree of the last commit, a process per run; the side names that
     commit, its CPU time and exit, and the worktree is gone after."""
-    from harness.apps.throughput import against
+    from harness.apps.throughput import checkout, passes_of
 
     def worktrees() -> str:
         return subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
@@ -189,12 +189,41 @@ def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_
     before = worktrees()
     overrides = ["sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "train.steps=1", "task.eval_size=8",
                  "model.warm_start_steps=0", "model.warm_start_target=null"]
-    side = against("HEAD", tmp_path, overrides, 1, 1)
+    with checkout("HEAD", tmp_path, overrides) as (worktree, commit, prepared):
+        (side,) = passes_of([(f"{commit}, a process per run", worktree, 1, "rev")], 1, tmp_path, overrides, 1, 1)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert side["commit"] == head.strip() and side["side"] == f"{head.strip()}, a process per run"
+    assert commit == head.strip() and side["side"] == f"{head.strip()}, a process per run" and prepared == 0
     assert side["exit"] == 0 and side["runs_per_process"] == 1 and side["cpu_s"] > 0
-    assert len(list((tmp_path / "rev" / "quickstart").glob("grpo-s0-*/summary.json"))) == 1
+    assert len(list((tmp_path / "rev_0" / "quickstart").glob("grpo-s0-*/summary.json"))) == 1
     assert worktrees() == before
+
+
+def test_the_throughput_benchs_passes_alternate_their_order_and_sum_each_sides_times(tmp_path, monkeypatch):
+    """``--passes 3``: REV's side, a process per run, workers; then the reverse; then the first order again, each
+    into fresh folders; a side's CPU and wall times are summed over its passes, its runs per CPU-hour over all of
+    them, and a side that failed in any pass has failed (a drift of the machine's speed in time falls on every side
+    alike, rather than on the side measured last)."""
+    from harness.apps import throughput
+
+    calls, cpu = [], {"rev": 30.0, "1": 20.0, "0": 10.0}
+
+    def measured(label, root, per_process, folder, overrides, jobs, runs):
+        calls.append(folder.name)
+        key = folder.name.split("_")[0]
+        exit_code = 1 if folder.name == "0_1" else 0
+        return {"side": label, "runs_per_process": per_process, "exit": exit_code, "cpu_s": cpu[key] + len(calls),
+                "wall_s": 1.0}
+
+    monkeypatch.setattr(throughput, "measured", measured)
+    sides = [("REV, a process per run", tmp_path, 1, "rev"), ("a process per run", tmp_path, 1, "1"),
+             ("workers", tmp_path, 0, "0")]
+    summed = throughput.passes_of(sides, 3, tmp_path, [], 2, 12)
+    assert calls == ["rev_0", "1_0", "0_0", "0_1", "1_1", "rev_1", "rev_2", "1_2", "0_2"]
+    rev, process, workers = summed
+    assert rev["cpu_s"] == 3 * 30.0 + 1 + 6 + 7 and process["cpu_s"] == 3 * 20.0 + 2 + 5 + 8
+    assert workers["cpu_s"] == 3 * 10.0 + 3 + 4 + 9 and workers["wall_s"] == 3.0 and workers["passes"] == 3
+    assert workers["runs_per_cpu_hour"] == round(3 * 12 * 3600 / workers["cpu_s"], 1)
+    assert (rev["exit"], process["exit"], workers["exit"]) == (0, 0, 1)
 
 
 def test_the_throughput_bench_against_a_name_that_is_no_commit_is_one_config_error_before_anything_runs(capsys):

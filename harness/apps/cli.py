@@ -164,7 +164,7 @@ def cmd_bench(args) -> int:
         if args.sweep_throughput:
             from harness.apps.throughput import main as throughput
 
-            return throughput(args.overrides, jobs=args.jobs, rev=args.against)
+            return throughput(args.overrides, jobs=args.jobs, rev=args.against, passes=args.passes)
         if args.busy:
             return busy_main(args.overrides)
         if args.step:

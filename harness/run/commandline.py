@@ -55,7 +55,8 @@ def refused_experiment(args: argparse.Namespace) -> int | None:
 BENCH_MODES = ("busy", "scale", "lora", "matmuls", "profile", "memory", "sweep_throughput")
 # bench's options that only one of its modes reads: option -> (the mode's flag, its default)
 BENCH_MODE_OPTIONS = {"rows": ("scale", SCALE_ROWS), "tokens": ("scale", SCALE_TOKENS),
-                      "jobs": ("sweep_throughput", 2), "against": ("sweep_throughput", None)}
+                      "jobs": ("sweep_throughput", 2), "against": ("sweep_throughput", None),
+                      "passes": ("sweep_throughput", 1)}
 
 
 def given_without_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -321,6 +322,10 @@ def add_bench(sub) -> None:
     bench.add_argument("--against", metavar="REV", default=None,
                        help="--sweep-throughput: also the sweep at commit REV, a process per run, and this code's "
                             "runs per CPU-hour over REV's")
+    bench.add_argument("--passes", type=positive_int, default=None,
+                       help="--sweep-throughput: measure every side N times, each pass in the reverse order of the "
+                            "one before, and sum each side's CPU time (2: a drift of this machine's speed that is "
+                            "linear in time falls on every side alike; default 1)")
     bench.add_argument("--memory", action="store_true",
                        help="only the peak memory of one native rollout and one update after a warm-up, what the "
                             "model's size implies, and the update's operators by the memory they allocate")
