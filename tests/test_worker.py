@@ -201,8 +201,8 @@ def test_the_throughput_bench_against_a_commit_runs_its_sweep_there_and_removes_
 def test_the_throughput_benchs_passes_alternate_their_order_and_sum_each_sides_times(tmp_path, monkeypatch):
     """``--passes 3``: REV's side, a process per run, workers; then the reverse; then the first order again, each
     into fresh folders; a side's CPU and wall times are summed over its passes, its runs per CPU-hour over all of
-    them, and a side that failed in any pass has failed (a drift of the machine's speed in time falls on every side
-    alike, rather than on the side measured last)."""
+    them, and a side that failed in any pass has failed, with that pass's status (a kill's is negative). A drift of
+    the machine's speed in time then falls on every side alike, rather than on the side measured last."""
     from harness.apps import throughput
 
     calls, cpu = [], {"rev": 30.0, "1": 20.0, "0": 10.0}
@@ -210,7 +210,7 @@ def test_the_throughput_benchs_passes_alternate_their_order_and_sum_each_sides_t
     def measured(label, root, per_process, folder, overrides, jobs, runs):
         calls.append(folder.name)
         key = folder.name.split("_")[0]
-        exit_code = 1 if folder.name == "0_1" else 0
+        exit_code = -9 if folder.name == "0_1" else 0  # killed in its second pass
         return {"side": label, "runs_per_process": per_process, "exit": exit_code, "cpu_s": cpu[key] + len(calls),
                 "wall_s": 1.0}
 
@@ -223,7 +223,7 @@ def test_the_throughput_benchs_passes_alternate_their_order_and_sum_each_sides_t
     assert rev["cpu_s"] == 3 * 30.0 + 1 + 6 + 7 and process["cpu_s"] == 3 * 20.0 + 2 + 5 + 8
     assert workers["cpu_s"] == 3 * 10.0 + 3 + 4 + 9 and workers["wall_s"] == 3.0 and workers["passes"] == 3
     assert workers["runs_per_cpu_hour"] == round(3 * 12 * 3600 / workers["cpu_s"], 1)
-    assert (rev["exit"], process["exit"], workers["exit"]) == (0, 0, 1)
+    assert (rev["exit"], process["exit"], workers["exit"]) == (0, 0, -9)
 
 
 def test_the_throughput_bench_against_a_name_that_is_no_commit_is_one_config_error_before_anything_runs(capsys):

@@ -107,8 +107,9 @@ def passes_of(sides: list[tuple], passes: int, tmp: Path, overrides: list[str], 
     summed = []
     for label, _, per_process, key in sides:
         cpu, wall = sum(m["cpu_s"] for m in totals[key]), sum(m["wall_s"] for m in totals[key])
-        summed.append({"side": label, "runs_per_process": per_process, "exit": max(m["exit"] for m in totals[key]),
-                       "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "passes": passes,
+        failed = next((m["exit"] for m in totals[key] if m["exit"]), 0)  # the first pass's that failed (< 0: killed)
+        summed.append({"side": label, "runs_per_process": per_process, "exit": failed, "cpu_s": round(cpu, 1),
+                       "wall_s": round(wall, 1), "passes": passes,
                        "runs_per_cpu_hour": round(passes * runs * 3600 / cpu, 1)})
     return summed
 
