@@ -1,6 +1,7 @@
 """`make bench`: the repeats' summary by hand, and one tiny run of the whole benchmark (native and TRL)."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -11,6 +12,8 @@ from harness.apps.bench import (
     bench_run,
     decode_matmuls,
     main,
+    matmul_flops,
+    matmul_totals,
     median_of,
     memory_main,
     profile_main,
@@ -62,6 +65,60 @@ def test_decode_matmul_shapes_of_a_model():
     assert all(value > 0 for value in row.values())
 
 
+def test_the_matmul_flops_of_each_operator_from_its_shapes():
+    assert matmul_flops("mkldnn::_linear_pointwise", [[3, 5, 16], [24, 16], [], [], [], []]) == 2 * 15 * 16 * 24
+    assert matmul_flops("mkldnn::_linear_pointwise", [[15, 16], [15, 24], [24, 16], [], []]) == 2 * 15 * 16 * 24
+    assert matmul_flops("aten::mm", [[15, 16], [16, 24]]) == 2 * 15 * 16 * 24
+    assert matmul_flops("aten::addmm", [[24], [15, 16], [16, 24], [], []]) == 2 * 15 * 16 * 24
+    assert matmul_flops("aten::bmm", [[4, 2, 8], [4, 8, 3]]) == 2 * 4 * 2 * 8 * 3
+    assert matmul_flops("aten::baddbmm", [[4, 2, 3], [4, 2, 8], [4, 8, 3], [], []]) == 2 * 4 * 2 * 8 * 3
+    assert matmul_flops("aten::mul", [[15, 16], [15, 16]]) is None
+
+
+def test_a_profiles_matmul_flops_are_those_of_the_calls_made():
+    from torch.profiler import profile
+
+    from harness.policy.matmul import cpu_matmul, linear, linear_add, onednn_applies
+
+    x, w = torch.randn(64, 16), torch.randn(24, 16)
+    with profile(record_shapes=True) as prof:
+        linear(x[:15].view(3, 5, 16), w)  # torch's kernel: aten::mm
+        linear(x[:15], w, torch.randn(24))  # aten::addmm
+        torch.bmm(torch.randn(4, 2, 8), torch.randn(4, 8, 3))
+        torch.baddbmm(torch.randn(4, 2, 3), torch.randn(4, 2, 8), torch.randn(4, 8, 3))
+        torch.mul(x, x)
+    by_name, total = matmul_totals(prof)
+    assert {name: flops for name, (flops, _) in by_name.items()} == {
+        "aten::mm": 2 * 15 * 16 * 24, "aten::addmm": 2 * 15 * 16 * 24, "aten::bmm": 2 * 4 * 2 * 8 * 3,
+        "aten::baddbmm": 2 * 4 * 2 * 8 * 3}
+    assert 0 < sum(seconds for _, seconds in by_name.values()) < total  # aten::mul's time is not a matmul's
+    with cpu_matmul("onednn"):
+        if onednn_applies(x, w):  # x86
+            with profile(record_shapes=True) as prof:
+                linear(x, w)
+                linear_add(torch.randn(64, 24), x, w)  # (X, other, W): its FLOPs are X's and W's
+            assert matmul_totals(prof)[0]["mkldnn::_linear_pointwise"][0] == 2 * 2 * 64 * 16 * 24
+
+
+def test_the_bench_samples_and_updates_on_the_runs_kernel_and_trl_on_torchs(monkeypatch):
+    from omegaconf import OmegaConf
+
+    import harness.apps.bench as bench
+    from harness.policy import matmul
+
+    kernels = []
+    monkeypatch.setattr(bench, "sample_problems", lambda *a, **k: kernels.append(("rollout", matmul._scope[-1])))
+    monkeypatch.setattr(bench, "update", lambda *a, **k: kernels.append(("update", matmul._scope[-1])))
+    monkeypatch.setattr(bench, "train_batch", lambda *a, **k: None)
+    monkeypatch.setattr(bench.UpdatePlan, "of", classmethod(lambda cls, *a, **k: None))
+    cfg = OmegaConf.create({"train": {"cpu_matmul": "onednn", "num_minibatches": 1, "epochs": 1}})
+    bench.native_rollout(None, None, [], cfg)
+    setup = type("Setup", (), {"task": None, "estimator": None})()
+    bench.bench_update(None, setup, None, [], cfg, 1)
+    assert kernels == [("rollout", "onednn"), ("update", "onednn")]  # as harness/loop/native.py runs them
+    assert matmul._scope[-1] == "torch"  # outside: TRL's step keeps torch's kernel
+
+
 @pytest.mark.slow  # a whole run (or several): make test
 def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
@@ -77,6 +134,9 @@ def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     for table in (rollout, update):  # the header and five operator rows, each with Self CPU % and CPU total %
         assert sum(line.count("%") == 2 for line in table.splitlines()) == 1 + 5
         assert "aten::" in table
+        operator = r"[a-z_:]+ [0-9.]+ GFLOP in [0-9.]+ s \([0-9.]+ GFLOP/s\); "
+        assert re.search(rf"\nmatmuls: ({operator})+[0-9]+% of [0-9.]+ s self CPU time\n", table)
+    assert re.search(r"\na 2048 x 2048 float32 matmul here: [0-9.]+ GFLOP/s \(torch's kernel, 1 thread\)\n", update)
 
 
 @pytest.mark.slow  # a whole run: make test

@@ -25,6 +25,7 @@ import copy
 import functools
 import gzip
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,6 +44,7 @@ from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
+from harness.policy.matmul import cpu_matmul
 from harness.policy.models import load_model
 from harness.policy.sampler import Rollout, decoder_memory, sample_problems
 from harness.run.allocator import ENV as ALLOCATOR_ENV
@@ -66,6 +68,47 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> f
         a @ b
         reps += 1
     return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+MATMUL_OPERATORS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_flops(name: str, shapes: list[list[int]]) -> int | None:
+    """2 x the multiply-adds of one call of a matmul operator (:data:`MATMUL_OPERATORS`) from its input shapes
+    (``torch.profiler``'s ``record_shapes``); None for any other operator. oneDNN's linear is (X [..., K], W [N, K],
+    bias, ...), or (X, other, W, ...) in its form that adds ``other`` (harness/policy/matmul.py ``linear_add``)."""
+    if name == "mkldnn::_linear_pointwise":
+        weight = shapes[2] if len(shapes) > 2 and len(shapes[2]) == 2 else shapes[1]
+        return 2 * math.prod(shapes[0][:-1]) * weight[0] * weight[1]
+    if name not in MATMUL_OPERATORS:
+        return None
+    a, b = shapes[1:3] if name in ("aten::addmm", "aten::baddbmm") else shapes[:2]  # those two: (C, A, B, beta, alpha)
+    return 2 * math.prod(a) * b[-1]  # [M, K] x [K, N], or batched: [B, M, K] x [B, K, N]
+
+
+def matmul_totals(prof) -> tuple[dict[str, tuple[float, float]], float]:
+    """Of a profile taken with ``record_shapes``: each matmul operator's (FLOPs, self CPU seconds) by name, and every
+    operator's self CPU seconds."""
+    by_name, total = {}, 0.0
+    for event in prof.events():
+        total += event.self_cpu_time_total / 1e6
+        work = matmul_flops(event.name, event.input_shapes)
+        if work is not None:
+            flops, seconds = by_name.get(event.name, (0, 0.0))
+            by_name[event.name] = flops + work, seconds + event.self_cpu_time_total / 1e6
+    return by_name, total
+
+
+def matmul_share(prof) -> str:
+    """:func:`matmul_totals` as one line: each matmul operator's FLOPs, self CPU time and rate, and their share of
+    every operator's time: how far a phase is from the arithmetic its matmuls cannot skip (a linear layer's
+    operator near a large matmul's rate is bound by its arithmetic; attention's batched matrix-vector products by
+    memory)."""
+    by_name, total = matmul_totals(prof)
+    parts = [f"{name} {flops / 1e9:.2f} GFLOP in {seconds:.3f} s ({flops / 1e9 / max(seconds, 1e-9):.1f} GFLOP/s)"
+             for name, (flops, seconds) in sorted(by_name.items(), key=lambda item: -item[1][1])]
+    share = sum(seconds for _, seconds in by_name.values()) / max(total, 1e-9)
+    return f"matmuls: {'; '.join(parts) or 'none'}; {share:.0%} of {total:.3f} s self CPU time"
 
 
 def decode_matmuls(model, rows=(1024, 64, 32, 8), rounds: int = 10) -> list[dict]:
@@ -157,20 +200,28 @@ def bench_run(overrides: list[str]) -> tuple[DictConfig, RunSetup, list, int]:
 def profile_main(overrides: list[str], rows: int = 15) -> int:
     """``bench --profile``: after one untimed step (:func:`warm_up`), ``torch.profiler``'s operators of one native
     rollout and one native update of the bench configuration, by self CPU time (the ``rows`` largest): where the
-    time of each goes, with the op counts that tell per-op cost from compute."""
+    time of each goes, with the op counts that tell per-op cost from compute. On a CPU each phase's matmuls too
+    (:func:`matmul_share`: their FLOPs, share of the time and rate), beside the rate of a large square matmul
+    (:func:`matmul_peak`): a phase whose matmuls run near that rate and take most of its time is bound by its
+    arithmetic, one whose other operators take most of it by their number."""
     from torch.profiler import profile
 
     cfg, setup, problems, _ = bench_run(overrides)
     learner = build_learner(setup.policy, setup.objective, cfg.train)
     warm_up(learner, setup, problems, cfg)
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
-    with profile() as rollout_profile:
-        ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
-    with profile() as update_profile:
+    with profile(record_shapes=True) as rollout_profile:  # shapes: the matmuls' FLOPs
+        ro = native_rollout(setup.policy, setup.tokenizer, problems, cfg)
+    with profile(record_shapes=True) as update_profile:
         bench_update(learner, setup, ro, problems, cfg, 1)
     for name, result in (("rollout", rollout_profile), ("update", update_profile)):
         print(f"one {name} ({int(ro.completion_mask.sum())} completion tokens)")
         print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        if setup.device.type == "cpu":  # on a GPU the self CPU time is the kernels' launch, not their work
+            print(matmul_share(result))
+    if setup.device.type == "cpu":
+        print(f"a 2048 x 2048 float32 matmul here: {matmul_peak(torch.float32, seconds=1.0) / 1e9:.1f} GFLOP/s "
+              f"(torch's kernel, {torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})")
     return 0
 
 
@@ -188,7 +239,7 @@ def memory_main(overrides: list[str], rows: int = 12) -> int:
     print(f"{cfg.model.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} before")
     memory, clocks = PhaseMemory(setup.device), [(time.perf_counter(), time.process_time())]
     memory.start("rollout")
-    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train)
+    ro = native_rollout(setup.policy, setup.tokenizer, problems, cfg)
     memory.start("update")
     clocks.append((time.perf_counter(), time.process_time()))
     # the profiler's bookkeeping (shapes and stacks, which its memory timeline needs) slows the update and holds
@@ -252,7 +303,7 @@ def step_main(overrides: list[str], full_length: bool = False) -> int:
     warm_up(learner, setup, problems, cfg, **sampling)
     memory.start("rollout")
     start, cpu_start = time.perf_counter(), time.process_time()
-    ro = sample_problems(setup.policy, setup.tokenizer, problems, cfg.train, **sampling)
+    ro = native_rollout(setup.policy, setup.tokenizer, problems, cfg, **sampling)
     rollout_s = time.perf_counter() - start
     memory.start("update")
     bench_update(learner, setup, ro, problems, cfg, 1)
@@ -507,7 +558,7 @@ def measure(cfg: DictConfig, setup: RunSetup, problems: list) -> dict:
     memory = PhaseMemory(device)
     memory.start("rollout")
     start, cpu_start = time.perf_counter(), time.process_time()
-    ro = sample_problems(policy, setup.tokenizer, problems, t)
+    ro = native_rollout(policy, setup.tokenizer, problems, cfg)
     sync(device)
     rollout_s = time.perf_counter() - start
     tokens = int(ro.completion_mask.sum())
@@ -579,7 +630,15 @@ def bench_update(learner: Learner, setup: RunSetup, ro: Rollout, problems: list,
     """The native update of ``ro`` (scored by :func:`train_batch`) as rollout step ``step``."""
     batch = train_batch(ro, setup.task, problems, setup.estimator, cfg)
     state = RunState(total_optimizer_steps=updates_per_step(cfg.train))
-    return update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+    with cpu_matmul(cfg.train.cpu_matmul):  # the run's kernel (harness/loop/native.py), as its rollouts
+        return update(learner, UpdatePlan.of(batch, cfg, step, timings), state)
+
+
+def native_rollout(policy, tokenizer, problems: list, cfg: DictConfig, **sampling) -> Rollout:
+    """The sampler's rollout of ``problems`` on the kernel of ``train.cpu_matmul``, as a run samples
+    (harness/loop/native.py); TRL's side keeps torch's."""
+    with cpu_matmul(cfg.train.cpu_matmul):
+        return sample_problems(policy, tokenizer, problems, cfg.train, **sampling)
 
 
 def train_batch(ro: Rollout, task, problems, estimator, cfg) -> TrainBatch:
@@ -599,7 +658,7 @@ def warm_up(learner: Learner, setup: RunSetup, problems: list, cfg: DictConfig, 
     AdamW's moments, so the state is saved and put back). Returns the seconds of its rollout and of the step."""
     saved = copy.deepcopy(learner.policy.state_dict())
     start = time.perf_counter()
-    ro = sample_problems(learner.policy, setup.tokenizer, problems, cfg.train, **sampling)
+    ro = native_rollout(learner.policy, setup.tokenizer, problems, cfg, **sampling)
     rollout_s = time.perf_counter() - start
     bench_update(learner, setup, ro, problems, cfg, 0)
     step_s = time.perf_counter() - start
