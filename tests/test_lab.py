@@ -501,3 +501,20 @@ def test_the_staleness_bands_stay_inside_each_measures_range():
     assert drawn["frac_tokens_with_grad"][1] == 1.0 and drawn["cos_reference"][0] == -1.0
     assert summary(lab)["frac_tokens_with_grad_high"].iloc[0] > 1  # the interval itself passes 1
     assert drawn["snr"][0] == -0.5
+
+
+def test_the_lab_measures_on_the_kernel_of_train_cpu_matmul(tmp_path, monkeypatch):
+    """A lab's forwards and backwards run the linear layers' kernel a run of its settings runs (harness/loop/native.py:
+    ``train.cpu_matmul``), not torch's whatever the setting."""
+    from harness.apps.lab import Lab
+    from harness.policy import matmul
+
+    scopes = []
+    monkeypatch.setattr(Lab, "measure_batch", lambda self, b, bar: scopes.append(matmul._scope[-1]) or {})
+    (tmp_path / "batches").mkdir()
+    lab = Lab.__new__(Lab)
+    lab.cfg, lab.points = OmegaConf.create({"name": "kernel"}), []
+    for kernel in ("onednn", "torch"):
+        lab.t = OmegaConf.create({"cpu_matmul": kernel})
+        lab.measure([0], tmp_path, progress=False)
+    assert scopes == ["onednn", "torch"] and matmul._scope[-1] == "torch"

@@ -57,6 +57,7 @@ from harness.loop.build import build_learner, frozen_copy, setup_run
 from harness.loop.update import Minibatch, RunState, UpdatePlan, microbatch_loss, minibatch_order, optimizer_step
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.forward import completion_logprobs
+from harness.policy.matmul import cpu_matmul
 from harness.policy.memory import sampling_memory_problem
 from harness.policy.routing import Routing, RoutingRecord, config_is_moe, routing_of
 from harness.policy.sampler import Rollout, sample_problems
@@ -395,7 +396,8 @@ class Lab:
                    leave=False)
         for b in batches:
             start = time.time()
-            result = self.measure_batch(b, bar)
+            with cpu_matmul(self.t.cpu_matmul):  # the linear layers' kernel of a run (harness/loop/native.py)
+                result = self.measure_batch(b, bar)
             result["seconds"] = time.time() - start
             atomic_write(batch_path(out, b), write=to_file(lambda f, result=result: torch.save(result, f)))
         bar.close()

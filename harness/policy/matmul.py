@@ -14,8 +14,10 @@ allows, which oneDNN (dispatching by instruction set) does not (``make bench MAT
 docs/benchmark.md). On CPUs other than x86, torch's kernel runs under either setting. A few rows pay oneDNN's larger
 fixed cost per call, so inputs of fewer than :data:`ONEDNN_MIN_ROWS` rows keep torch's kernel (the shape decides,
 never a timing: the same run takes the same kernels on every machine of one CPU kind). Outside a scope, and for
-every other dtype or device, torch's kernel runs. The warm start (harness/policy/warm_start.py) runs in a scope of
-its own (``WARM_START_MATMUL``), so a starting policy does not depend on the run's setting.
+every other dtype or device, torch's kernel runs. A run's loop (harness/loop/native.py, the TRL backend's), the
+gradient lab's measurements and the bench's native side run in a scope of ``train.cpu_matmul``; the warm start
+(harness/policy/warm_start.py) in one of its own (``WARM_START_MATMUL``), so a starting policy does not depend on the
+run's setting.
 
 ``auto``: oneDNN on AMD processors with AVX512 (where MKL takes its narrower path), torch's kernel elsewhere: on
 AVX2-only AMD processors both take the same width and whole runs were faster on MKL's, and on Intel processors MKL
