@@ -13,6 +13,7 @@ from harness.apps.bench import (
     decode_matmuls,
     main,
     matmul_flops,
+    matmul_peak,
     matmul_totals,
     median_of,
     memory_main,
@@ -119,6 +120,19 @@ def test_the_bench_samples_and_updates_on_the_runs_kernel_and_trl_on_torchs(monk
     assert matmul._scope[-1] == "torch"  # outside: TRL's step keeps torch's kernel
 
 
+def test_the_matmul_peak_runs_on_the_kernel_named():
+    from torch.profiler import profile
+
+    from harness.policy.matmul import _AVAILABLE
+
+    for kernel, operator in ((None, "aten::mm"), ("torch", "aten::mm"), ("onednn", "mkldnn::_linear_pointwise")):
+        if kernel == "onednn" and not _AVAILABLE:  # not an x86 CPU: torch's kernel under either setting
+            continue
+        with profile() as prof:
+            assert matmul_peak(torch.float32, size=64, seconds=0.01, kernel=kernel) > 0
+        assert operator in {event.name for event in prof.events()}
+
+
 @pytest.mark.slow  # a whole run (or several): make test
 def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
@@ -136,7 +150,9 @@ def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
         assert "aten::" in table
         operator = r"[a-z_:]+ [0-9.]+ GFLOP in [0-9.]+ s \([0-9.]+ GFLOP/s\); "
         assert re.search(rf"\nmatmuls: ({operator})+[0-9]+% of [0-9.]+ s self CPU time\n", table)
-    assert re.search(r"\na 2048 x 2048 float32 matmul here: [0-9.]+ GFLOP/s \(torch's kernel, 1 thread\)\n", update)
+    kernel = r"(torch|onednn)'s kernel [0-9.]+ GFLOP/s"  # torch's, and the run's where it is another
+    assert re.search(rf"\na 2048 x 2048 float32 matmul here, 1 thread: torch's kernel [0-9.]+ GFLOP/s(, {kernel})? "
+                     r"\(the run's: (torch|onednn)'s\)\n", update)
 
 
 @pytest.mark.slow  # a whole run: make test

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
-from harness.policy.matmul import cpu_matmul
+from harness.policy.matmul import cpu_matmul, linear, resolve
 from harness.policy.models import load_model
 from harness.policy.sampler import Rollout, decoder_memory, sample_problems
 from harness.run.allocator import ENV as ALLOCATOR_ENV
@@ -59,14 +60,18 @@ from objectives import reads_reference_policy
 from objectives.advantages import loop_inputs
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
-    """Sustained FLOP/s of a square matmul in ``dtype`` on the CPU, with torch's current thread count."""
+def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0, kernel: str | None = None) -> float:
+    """Sustained FLOP/s of a square matmul in ``dtype`` on the CPU, with torch's current thread count: ``a @ b``, or
+    with ``kernel`` (a ``train.cpu_matmul`` value) a linear layer's ``a b^T`` on that kernel
+    (harness/policy/matmul.py)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        reps += 1
+    with nullcontext() if kernel is None else cpu_matmul(kernel):
+        multiply = (lambda: a @ b) if kernel is None else functools.partial(linear, a, b)
+        multiply()
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            multiply()
+            reps += 1
     return 2 * size**3 * reps / (time.perf_counter() - start)
 
 
@@ -219,9 +224,13 @@ def profile_main(overrides: list[str], rows: int = 15) -> int:
         print(result.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
         if setup.device.type == "cpu":  # on a GPU the self CPU time is the kernels' launch, not their work
             print(matmul_share(result))
-    if setup.device.type == "cpu":
-        print(f"a 2048 x 2048 float32 matmul here: {matmul_peak(torch.float32, seconds=1.0) / 1e9:.1f} GFLOP/s "
-              f"(torch's kernel, {torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})")
+    if setup.device.type == "cpu":  # the run's kernel beside torch's (train.cpu_matmul: where they differ)
+        kernels = dict.fromkeys(("torch", resolve(cfg.train.cpu_matmul)))
+        rates = [f"{kernel}'s kernel {matmul_peak(torch.float32, seconds=1.0, kernel=kernel) / 1e9:.1f} GFLOP/s"
+                 for kernel in kernels]
+        threads = torch.get_num_threads()
+        print(f"a 2048 x 2048 float32 matmul here, {threads} thread{'s' * (threads > 1)}: {', '.join(rates)} (the "
+              f"run's: {resolve(cfg.train.cpu_matmul)}'s)")
     return 0
 
 
