@@ -133,6 +133,24 @@ def test_the_matmul_peak_runs_on_the_kernel_named():
         assert operator in {event.name for event in prof.events()}
 
 
+def test_a_steps_peak_is_the_faster_of_torchs_kernel_and_the_runs(monkeypatch):
+    from omegaconf import OmegaConf
+
+    import harness.apps.bench as bench
+
+    calls = []
+    rates = {None: 90.0, "onednn": 108.0}
+    monkeypatch.setattr(bench, "matmul_peak", lambda dtype, kernel=None: calls.append((dtype, kernel)) or rates[kernel])
+
+    def peak(dtype: str, kernel: str) -> float:
+        return bench.machine_peak(OmegaConf.create({"model": {"dtype": dtype}, "train": {"cpu_matmul": kernel}}))
+
+    assert peak("float32", "onednn") == 108.0 and calls == [(torch.float32, None), (torch.float32, "onednn")]
+    calls.clear()
+    assert peak("float32", "torch") == 90.0 and peak("bfloat16", "onednn") == 90.0  # oneDNN's path: float32 only
+    assert calls == [(torch.float32, None), (torch.bfloat16, None)]
+
+
 @pytest.mark.slow  # a whole run (or several): make test
 def test_profile_prints_the_operators_of_one_rollout_and_one_update(capsys):
     overrides = ["model.name=tiny", "task.name=arith", "train.max_new_tokens=8", "train.prompts_per_step=2",
