@@ -114,7 +114,8 @@ def leaderboard(exp: Experiment, target: float, baseline: str = "grpo") -> pd.Da
     """The leaderboard's numbers, one row per objective, best mean rank first (see the module docstring)."""
     runs, cells = shared_runs(exp)
     ranks = mean_ranks(exp, cells)
-    iqms = paired.iqm(exp.runs, ACCURACY, exp.samples).set_index("objective")
+    # NaN for an objective with runs in every shared cell but no (starting policy, seed) unit ended in all of them
+    iqms = paired.iqm(exp.runs, ACCURACY, exp.samples).set_index("objective").reindex(runs["objective"].unique())
     versus = paired.aggregate(exp.runs[exp.runs["cell_id"].isin(cells)], ACCURACY, exp.samples, baseline)
     tokens = tokens_to_target(exp.metrics, runs, target)
     means = {key: run_means(exp.metrics, runs, key) for key in MECHANICS}

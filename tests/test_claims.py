@@ -506,7 +506,7 @@ def test_a_probe_builds_its_own_models_and_takes_no_starting_policies():
 def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path, monkeypatch):
     """A claim's starting policies are sweep.first_landing's (a candidate whose warm start misses its band on this
     CPU is passed over), built before any experiment runs; `--existing` reads the ones a former call found and
-    builds nothing; a lab on a policy of its own has no warm start to miss."""
+    builds nothing; a lab on a saved policy is one starting policy: several are refused, not copied."""
     from harness.apps import claims
 
     asked = []
@@ -526,7 +526,9 @@ def test_a_claims_starting_policies_are_the_first_candidates_that_land(tmp_path,
     assert claims.start_seeds(key, 2, False, run=False) == (2, 4, 5) and len(asked) == 1  # read, not built
     assert claims.start_seeds(("sweep", "offpolicy", key[2], 0, None), 2, False, run=True) == ()  # its own policy
     own = ("lab", "lab", (f"results_dir={tmp_path}", "lab.policy=smollm2-135m-instruct"), 3, None)
-    assert claims.start_seeds(own, 2, False, run=True) == (2, 3, 4) and len(asked) == 1
+    with pytest.raises(ConfigError, match=r"sets lab.policy: one saved starting policy.*set start_policies: 1"):
+        claims.start_seeds(own, 2, False, run=False)
+    assert claims.start_seeds((*own[:3], 0, None), 2, False, run=True) == () and len(asked) == 1
 
 
 @pytest.mark.slow  # every run config of offpolicy's grid, twice (seconds): make test

@@ -159,3 +159,21 @@ def test_objectives_run_by_different_code_are_said_to_be_on_the_board(tmp_path):
     fake_experiment(one, [fake_run(one, o, s, {"train.lr": 1e-4}, final=0.4, summary_extra=code_segments("aaa"))
                           for o in ("grpo", "a_obj") for s in SEEDS])
     assert "different code" not in write_leaderboard(one, tmp_path / "out1", "stamp", target=0.47).read_text()
+
+
+def test_an_objective_with_no_seed_ended_in_every_cell_is_listed_not_a_crash(tmp_path):
+    """x_obj ended seeds 1 and 2 at one learning rate and seed 0 at the other: runs in every shared cell but no
+    (starting policy, seed) unit common to them, so no pooled IQM; the board lists it without numbers (a KeyError
+    before)."""
+    exp = tmp_path / "zoo"
+    entries = []
+    for lr, ended in ((1e-4, {1, 2}), (3e-4, {0})):
+        for seed in range(3):
+            entries.append(fake_run(exp, "grpo", seed, {"train.lr": lr}, final=0.4 + 0.01 * seed))
+            entries.append(fake_run(exp, "x_obj", seed, {"train.lr": lr}, final=0.45,
+                                    status="finished" if seed in ended else "failed"))
+    board = leaderboard(load_experiment(fake_experiment(exp, entries)), target=0.5).set_index("objective")
+    assert board.loc["x_obj", "runs"] == 3 and np.isnan(board.loc["x_obj", "iqm"])
+    assert np.isnan(board.loc["x_obj", "vs_baseline"]) and board.loc["grpo", "iqm"] == pytest.approx(0.41)
+    text = write_leaderboard(exp, tmp_path / "out", "stamp", target=0.5).read_text()
+    assert "x_obj" in text

@@ -327,14 +327,17 @@ def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, 
     ``n`` of START_CANDIDATES whose warm start lands in its band (sweep.first_landing: built or loaded before any
     experiment runs, ``jobs`` side by side, their build logs in <results_dir>/prepare/<experiment>_<overrides' hash>/).
     Without ``run`` (start nothing): those a former call found (its start_policies.json there), else the first ``n``
-    candidates. A lab on a policy of its own (lab.policy) has no warm start to miss."""
+    candidates. A lab on a saved policy (lab.policy) is one starting policy whatever model.seed (no init, warm start
+    or adapters to vary): several are refused (ConfigError), as copies of one would make a zero-width interval."""
     kind, name, overrides, wanted, _ = key
     if not wanted:
         return ()
     cfg = sweep_config(name, overrides, (), None)
     folder = Path(cfg.results_dir) / "prepare" / f"{name}_{overrides_tag(overrides)}"
     if kind == "lab" and OmegaConf.select(cfg, "lab.policy") is not None:
-        return START_CANDIDATES[:wanted]
+        raise ConfigError(f"a claim's lab {name} (overrides {list(overrides)}) sets lab.policy: one saved starting "
+                          f"policy, which model.seed does not change, so {wanted} starting policies would be {wanted} "
+                          "copies of it; set start_policies: 1 in the claims that run it")
     if not run:
         try:
             return tuple(json.loads((folder / START_POLICIES).read_text())["landed"][:wanted])
