@@ -148,6 +148,16 @@ def shown(table: pd.DataFrame, units: dict, plan: dict) -> pd.DataFrame:
                          "why (the plan)": [why.get(o, "") for o in table["objective"]]})
 
 
+def eval_problems(plan: dict) -> str:
+    """The confirmation's eval problems in words: its own set (task.eval_set), or, in a plan made before the
+    confirmation had one, the screen's."""
+    if "eval_set" not in plan:
+        return ("the screen's (a plan made before the confirmation had eval problems of its own: the luck on those "
+                "problems that selected an objective is scored again)")
+    return (f"task.eval_set {plan['eval_set']}, none of them the screen's (set {plan['screen']['eval_set']}) or a "
+            "train problem: the luck on the screen's problems that selected an objective is not scored again")
+
+
 def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir: Path, stamp: str) -> Path:
     """leaderboard.csv, .md and .html of the confirmation into ``out_dir`` (each written whole, then renamed into
     place); returns the .md's path."""
@@ -162,7 +172,7 @@ def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir:
               f"{len(plan['start_seeds'])} starting policies (model.seed {plan['start_seeds']}) x "
               f"{len(plan['seeds'])} seeds ({plan['seeds']}) x {len(plan['cells'])} cells "
               f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}); starting policies and seeds none of "
-              "the screen's, the cells and eval problems its own; the difference is per (starting policy, seed) the "
+              f"the screen's; eval problems {eval_problems(plan)}; the difference is per (starting policy, seed) the "
               "mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite over "
               "the starting policies' spread (theirs) and the eval problems' own (analysis/stats.py). "
               f"\"Indicative\": from fewer than {INDICATIVE_BELOW} starting policies, where the interval's coverage "

@@ -146,6 +146,9 @@ def check_task(run: DictConfig) -> None:
         TASKS.get(run.task.name)
     except KeyError as e:
         raise ConfigError(str(e)) from None
+    if run.task.eval_set and "eval_set" not in {f.name for f in dataclasses.fields(TASKS.get(run.task.name))}:
+        raise ConfigError(f"task.eval_set={run.task.eval_set}: task {run.task.name!r} has one held-out set (no "
+                          "eval_set argument); leave task.eval_set at 0")
     error = _task_error(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
     if error:  # the task's own message, prefixed with its name unless it starts with it
         named = error.startswith((f"task {run.task.name!r}", f"{run.task.name}:", f"{run.task.name} "))
@@ -178,12 +181,20 @@ def _known_train_size(name: str, arguments: str, gsm8k_dir: str | None = None) -
     return get_task(name, **json.loads(arguments)).known_train_size()
 
 
-def _task_arguments(run: DictConfig) -> str:
-    """The task's keyword arguments of ``run`` as sorted JSON (a cache key)."""
+def task_arguments(run: DictConfig) -> dict:
+    """The task's keyword arguments of ``run``: task.args, eval_size, and data_dir and eval_set where set (a task
+    without an eval_set argument is built at its default)."""
     arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
     if run.task.data_dir:
         arguments["data_dir"] = run.task.data_dir
-    return json.dumps(arguments, sort_keys=True)
+    if run.task.eval_set:
+        arguments["eval_set"] = run.task.eval_set
+    return arguments
+
+
+def _task_arguments(run: DictConfig) -> str:
+    """:func:`task_arguments` as sorted JSON (a cache key)."""
+    return json.dumps(task_arguments(run), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -265,7 +276,7 @@ class GSM8K(Task):
     and ``answer``) given by ``data_dir`` or else the ``GSM8K_DIR`` environment variable. Local files are
     checked line by line first, so bad data stops with an error naming the file and line.
     Train problems are the first ``train_size`` of the train split (None: all); eval problems are the first
-    ``eval_size`` of the test split.
+    ``eval_size`` of the test split (``eval_set`` k: the k-th ``eval_size`` after them).
 
     Scoring (``scoring``, default ``strict``; :meth:`eval_scores` reports both). An answer is extracted, every
     ``,`` and ``$`` and then one trailing ``.`` are removed, and the rest must equal ``Problem.answer`` as a
@@ -291,6 +302,7 @@ class GSM8K(Task):
     train_size: int | None = None
     eval_size: int = 64
     scoring: str = "strict"
+    eval_set: int = 0
     _splits: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -309,12 +321,13 @@ class GSM8K(Task):
         if self.train_size is not None:
             _require_int("train_size", self.train_size, 1)
         _require_int("eval_size", self.eval_size, 1)
+        _require_int("eval_set", self.eval_set, 0)
 
     def train_problems(self) -> Sequence[Problem]:
         return self._split("train", self.train_size)
 
     def eval_problems(self) -> Sequence[Problem]:
-        return self._split("test", self.eval_size)
+        return self._split("test", (self.eval_set + 1) * self.eval_size)[self.eval_set * self.eval_size:]
 
     def known_train_size(self) -> int | None:
         """``train_size``, or a local folder's train.jsonl rows (its non-blank lines, counted, not parsed); None for
@@ -348,7 +361,8 @@ class GSM8K(Task):
             self._splits[split] = [_gsm8k_problem(row) for row in self._rows(split)]
         problems = self._splits[split]
         if size is not None and size > len(problems):
-            raise ValueError(f"gsm8k: asked for {size} {split} problems, the split has {len(problems)}")
+            sets = f" (eval_set {self.eval_set} of eval_size {self.eval_size})" if split == "test" else ""
+            raise ValueError(f"gsm8k: asked for {size} {split} problems{sets}, the split has {len(problems)}")
         return problems[:size]
 
     def _rows(self, split: str):
@@ -424,7 +438,9 @@ class Arith(Task):
     Operands are uniform in [0, 10**digits); operators are drawn from ``operators`` ("+", "-", "*"; usual
     precedence). Problems are a deterministic function of ``seed``: eval problems are distinct and come from
     their own random stream, train problems from another stream with every eval problem left out
-    (train problems may repeat). The verifier is an exact match of the integer after the last ``####``.
+    (train problems may repeat). ``eval_set`` k >= 1: the eval stream goes on past the first ``eval_size``, and the
+    k-th next ``eval_size`` distinct problems that are neither train problems nor in an earlier set are the eval set
+    (the train problems stay those of set 0). The verifier is an exact match of the integer after the last ``####``.
     """
 
     num_operands: int = 2
@@ -433,6 +449,7 @@ class Arith(Task):
     seed: int = 0
     train_size: int = 10000
     eval_size: int = 128
+    eval_set: int = 0
     _train: list = field(default_factory=list, init=False, repr=False)
     _eval: list = field(default_factory=list, init=False, repr=False)
 
@@ -441,6 +458,7 @@ class Arith(Task):
         _require_int("digits", self.digits, 1)
         _require_int("train_size", self.train_size, 1)
         _require_int("eval_size", self.eval_size, 1)
+        _require_int("eval_set", self.eval_set, 0)
         if not self.operators or set(self.operators) - set("+-*"):
             raise ValueError(f"operators must be a non-empty string of '+', '-', '*', got {self.operators!r}")
         operators = sorted(set(self.operators))
@@ -448,7 +466,7 @@ class Arith(Task):
         if self.eval_size > space // 2:
             raise ValueError(f"eval_size={self.eval_size} is over half of the {space} possible problems")
         eval_problems, train_problems = _arith_problems(self.num_operands, self.digits, tuple(operators), self.seed,
-                                                        self.train_size, self.eval_size)
+                                                        self.train_size, self.eval_size, self.eval_set)
         self._eval, self._train = list(eval_problems), list(train_problems)
 
     def train_problems(self) -> Sequence[Problem]:
@@ -466,8 +484,8 @@ class Arith(Task):
 
 @functools.lru_cache(maxsize=8)  # a worker process's runs (harness/apps/worker.py) build the same problems once
 def _arith_problems(num_operands: int, digits: int, operators: tuple[str, ...], seed: int, train_size: int,
-                    eval_size: int) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
-    """:class:`Arith`'s eval and train problems (its docstring), immutable."""
+                    eval_size: int, eval_set: int = 0) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
+    """:class:`Arith`'s eval set ``eval_set`` and train problems (its docstring), immutable."""
     eval_rng, train_rng = random.Random(f"arith-eval-{seed}"), random.Random(f"arith-train-{seed}")
 
     def sample(rng: random.Random) -> Problem:
@@ -489,6 +507,18 @@ def _arith_problems(num_operands: int, digits: int, operators: tuple[str, ...], 
         problem = sample(train_rng)
         if problem.question not in seen:
             train_problems.append(problem)
+    seen.update(problem.question for problem in train_problems)
+    for k in range(1, eval_set + 1):  # the later sets: neither a train problem nor in an earlier set
+        eval_problems, draws = [], 0
+        while len(eval_problems) < eval_size:
+            problem, draws = sample(eval_rng), draws + 1
+            if draws > 100 * eval_size:
+                raise ValueError(f"eval_set={eval_set}: set {k} found {len(eval_problems)} of its {eval_size} "
+                                 f"problems outside the train problems and the earlier sets in {draws - 1} draws; "
+                                 "lower eval_size or eval_set, or raise digits")
+            if problem.question not in seen:
+                seen.add(problem.question)
+                eval_problems.append(problem)
     return tuple(eval_problems), tuple(train_problems)
 
 

@@ -313,6 +313,10 @@ def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("train.lr=-1", "train.lr must be >= 0"),
     ("task.eval_size=0", "eval_size must be an integer >= 1"),
+    ("task.eval_set=-1", "eval_set must be an integer >= 0"),
+    ("task.name=reasoning_gym task.args={} task.eval_set=1",
+     r"^task.eval_set=1: task 'reasoning_gym' has one held-out set \(no eval_set argument\); leave "
+     r"task.eval_set at 0$"),
     ("task.args.digit=3", "has no argument digit"),
     ("model.tiny.hidden=8", "model.tiny has no field hidden"),
     ("model.tiny.num_heads=3", "a multiple of num_heads"),

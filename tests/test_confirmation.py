@@ -126,3 +126,7 @@ def test_the_leaderboard_states_family_correction_replication_and_model(confirm,
                    "3 starting policies x 5 seeds", "stamp line"):
         assert needle in text, needle
     assert (tmp_path / "leaderboard.csv").exists() and (tmp_path / "leaderboard.html").exists()
+    assert "eval problems the screen's (a plan made before the confirmation had eval problems of its own" in text
+    fresh = {**PLAN, "eval_set": 1, "screen": {"start_seeds": [1], "seeds": [0, 1, 2], "eval_set": 0}}
+    text = write_confirmation(tmp_path / "screen", confirm, fresh, tmp_path, "stamp line").read_text()
+    assert "eval problems task.eval_set 1, none of them the screen's (set 0) or a train problem" in text

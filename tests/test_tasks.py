@@ -166,6 +166,54 @@ def test_arith_is_deterministic_and_eval_is_disjoint():
     assert min(operands) == 0 and max(operands) == 99
 
 
+def test_a_later_eval_set_is_new_problems_and_leaves_the_train_problems_and_the_first_set_as_they_were():
+    """task.eval_set k: problems that no other set and no train problem holds (the zoo's confirmation evaluates on
+    set 1, which the screen's selection never saw); set 0 is the default's, the train problems and the warm start's
+    cache key are every set's."""
+    from harness.policy.warm_start import _warm_start_key
+    from harness.tasks import _arith_problems
+
+    sets = [get_task("arith", eval_size=128, eval_set=k) for k in range(3)]
+    default = get_task("arith", eval_size=128)
+    assert sets[0].eval_problems() == default.eval_problems()
+    assert all(s.train_problems() == default.train_problems() for s in sets)
+    questions = [{p.question for p in s.eval_problems()} for s in sets]
+    train = {p.question for p in default.train_problems()}
+    assert [len(q) for q in questions] == [128] * 3
+    assert not (questions[0] & questions[1] or questions[0] & questions[2] or questions[1] & questions[2])
+    assert not (questions[1] | questions[2]) & train
+    assert get_task("arith", eval_size=128, eval_set=2).eval_problems() == sets[2].eval_problems()  # deterministic
+    _arith_problems.cache_clear()  # built again, not read from the cache: the same problems
+    assert get_task("arith", eval_size=128, eval_set=1).eval_problems() == sets[1].eval_problems()
+
+    class Stub:  # the key reads the config, vocabulary and weights: the same policy for any eval set
+        config = type("C", (), {"to_dict": staticmethod(dict)})()
+        dtype = "float32"
+
+        @staticmethod
+        def state_dict():
+            return {}
+
+    tokenizer = type("T", (), {"get_vocab": staticmethod(dict), "chat_template": None})()
+    assert len({_warm_start_key(Stub, tokenizer, s, []) for s in sets}) == 1
+    assert _warm_start_key(Stub, tokenizer, get_task("arith", eval_size=64), []) != _warm_start_key(
+        Stub, tokenizer, sets[1], [])  # eval_size is: set 0 leaves its problems out of the train problems
+    with pytest.raises(ValueError, match=r"eval_set=1: set 1 found \d+ of its 8 problems outside the train"):
+        get_task("arith", digits=1, eval_size=8, eval_set=1)  # 10000 draws of 200 problems leave none
+    with pytest.raises(ValueError, match="eval_set must be"):
+        get_task("arith", eval_set=-1)
+
+
+def test_a_later_gsm8k_eval_set_is_the_next_rows_of_the_test_split(tmp_path):
+    rows = [json.dumps({"question": f"q{i}?", "answer": f"#### {i}"}) for i in range(5)]
+    folder = write_gsm8k(tmp_path / "d", [json.dumps(GSM8K_ROW)], rows)
+    first, second = (get_task("gsm8k", data_dir=str(folder), eval_size=2, eval_set=k) for k in (0, 1))
+    assert [p.answer for p in first.eval_problems()] == ["0", "1"]
+    assert [p.answer for p in second.eval_problems()] == ["2", "3"]
+    with pytest.raises(ValueError, match=r"asked for 6 test problems \(eval_set 2 of eval_size 2\), the split has 5"):
+        get_task("gsm8k", data_dir=str(folder), eval_size=2, eval_set=2).eval_problems()
+
+
 def test_arith_problem_text_and_precedence():
     problem = get_task("arith", eval_size=1).eval_problems()[0]
     expression = problem.question.removeprefix("What is ").removesuffix('? Answer after "####".')

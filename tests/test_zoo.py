@@ -84,8 +84,11 @@ def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_a
     assert len(plan["seeds"]) >= 5 and not set(plan["seeds"]) & {0, 1, 2}  # seeds the screen never used
     assert plan["correction"] == {"method": "holm", "alpha": 0.05, "size": 5,
                                   "family": [f"{o} - grpo" for o in plan["objectives"] if o != "grpo"]}
-    assert plan["cells"] == zoo.CELLS and plan["screen"] == {"start_seeds": [1], "seeds": [0, 1, 2]}
+    assert plan["cells"] == zoo.CELLS and plan["screen"] == {"start_seeds": [1], "seeds": [0, 1, 2], "eval_set": 0}
+    assert plan["eval_set"] == 1  # eval problems the screen never saw
+    assert zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []}, starts, 2)["eval_set"] == 3
     text = zoo.plan_text(plan, 300)
+    assert "Eval problems: task.eval_set 1, none of them the screen's (set 0) or a train problem" in text
     assert "Holm's step-down over the family of 5 comparisons" in text and "- cispo: screen:" in text
     assert "(model.seed [2, 4, 5])" in text and "model.seed 3 was passed over: warm start reached max_steps" in text
 
@@ -158,7 +161,8 @@ def one_cell(monkeypatch, tmp_path):
     calls = []
 
     def swept(cfg, runs, *args):
-        calls.append((cfg.name, len(runs), (tmp_path / "zoo" / "confirm" / "plan.json").is_file()))
+        calls.append((cfg.name, len(runs), (tmp_path / "zoo" / "confirm" / "plan.json").is_file(),
+                      sorted({int(run.task.eval_set) for run in runs})))
         return [], "stamp", SimpleNamespace(kept=False)
 
     monkeypatch.setattr(zoo, "swept", swept)
@@ -174,11 +178,16 @@ def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
     assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 3) == 0
     plan = json.loads((tmp_path / "zoo" / "confirm" / "plan.json").read_text())
     assert list(plan["objectives"]) == ["grpo", "popo"]  # the core within --objectives, and popo's difference
-    assert calls == [("confirm", 2 * 3 * 5, True)]  # 2 objectives x 3 policies x 5 seeds in the one cell
+    assert calls == [("confirm", 2 * 3 * 5, True, [1])]  # 2 objectives x 3 policies x 5 seeds in the one cell, on
+    # the eval set after the screen's
     assert (tmp_path / "zoo" / "confirm" / "plan.md").is_file()
     written = (tmp_path / "zoo" / "confirm" / "plan.json").read_text()
     assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 3) == 0  # resumed
-    assert (tmp_path / "zoo" / "confirm" / "plan.json").read_text() == written
+    assert (tmp_path / "zoo" / "confirm" / "plan.json").read_text() == written and calls[-1][3] == [1]
+    old = {k: v for k, v in json.loads(written).items() if k != "eval_set"}  # a plan from before eval sets
+    (tmp_path / "zoo" / "confirm" / "plan.json").write_text(json.dumps(old))
+    assert zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 3) == 0
+    assert calls[-1][3] == [0]  # resumed on the screen's problems, as its runs began
     with pytest.raises(ConfigError, match="was made with other settings"):
         zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False, 3)
     with pytest.raises(ConfigError, match="was made with other settings"):  # 5 starting policies: another plan

@@ -21,7 +21,9 @@ The confirmation is decided from the screen alone and written down before it run
 objectives whose screen interval of the paired difference to BASELINE (mean over the cells) excluded 0, and the core
 objectives (quickstart's: `make sweep`'s four), each with the baseline, on CONFIRM_START_POLICIES starting policies
 (the first of START_CANDIDATES whose warm start lands in its band; none of them the screen's) x CONFIRM_SEEDS fresh
-seeds (after the screen's) per cell. A plan once written is kept:
+seeds (after the screen's) per cell, evaluated on fresh eval problems (task.eval_set: the screen's + 1, none of them
+the screen's or a train problem, so the selection's luck on the screen's problems is not scored again). A plan once
+written is kept:
 the confirmation resumes under it, and settings other than those it was made with are refused (remove the
 confirm folder to plan again). The verdicts: analysis/leaderboard.py ``write_confirmation`` (Holm over the plan's
 family of comparisons with the baseline).
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from analysis.confirmation import write_confirmation
+from analysis.confirmation import eval_problems, write_confirmation
 from analysis.leaderboard import leaderboard, write_leaderboard
 from analysis.load import load_experiment as load_results
 from analysis.report import build_report
@@ -84,14 +86,16 @@ def core_objectives() -> list[str]:
 
 
 def stage_runs(stage: str, overrides: list[str], objectives: list[str], seeds: list[int],
-               start_seeds: list[int] | None = None) -> tuple[DictConfig, list[DictConfig]]:
+               start_seeds: list[int] | None = None, eval_set: int | None = None
+               ) -> tuple[DictConfig, list[DictConfig]]:
     """A stage's folder config (results/zoo/<stage>/; its grid names every swept key, for the manifest) and its runs:
     every cell of CELLS x ``objectives`` x ``start_seeds`` (model.seed; None: the regimes' own) x ``seeds``, each run
-    once (by run id)."""
+    once (by run id), on task.eval_set ``eval_set`` (None: the overrides')."""
     root = Path(load_experiment("quickstart", overrides).results_dir) / NAME
     where = [f"results_dir={root}", f"name={stage}"]
     common = [*overrides, *where, f"sweep.grid.objective.name=[{','.join(objectives)}]",
-              f"sweep.grid.seed=[{','.join(map(str, seeds))}]"]
+              f"sweep.grid.seed=[{','.join(map(str, seeds))}]",
+              *([f"task.eval_set={eval_set}"] if eval_set is not None else [])]
     if start_seeds is not None:
         common.append(f"sweep.grid.model.seed=[{','.join(map(str, start_seeds))}]")
     runs: dict[str, DictConfig] = {}
@@ -124,11 +128,11 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
 
 
 def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[int], core: list[str],
-                      settings: dict, starts: dict) -> dict:
+                      settings: dict, starts: dict, screen_eval_set: int = 0) -> dict:
     """The confirmation's plan from the screen's leaderboard (analysis.leaderboard.leaderboard's frame, its
     vs_baseline interval the screen's difference to BASELINE over the cells): which objectives and why, which
-    starting policies (``starts``: confirm_start_seeds') and seeds (none of the screen's), the family of comparisons
-    and its correction."""
+    starting policies (``starts``: confirm_start_seeds'), seeds (none of the screen's) and eval problems (the set
+    after the screen's ``screen_eval_set``), the family of comparisons and its correction."""
     reasons = {}
     for row in board.itertuples():
         interval = f"{num(row.vs_baseline)} [{num(row.vs_baseline_low)}, {num(row.vs_baseline_high)}]"
@@ -148,7 +152,8 @@ def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[i
             "objectives": {o: chosen[o] for o in order},
             "not_tested": {o: why for o, (excludes, why) in reasons.items() if o not in chosen},
             "cells": CELLS, "start_seeds": starts["landed"], "start_seeds_missed": starts["missed"], "seeds": seeds,
-            "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds},
+            "eval_set": screen_eval_set + 1,
+            "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds, "eval_set": screen_eval_set},
             "correction": {"method": "holm", "alpha": round(ALPHA, 6), "family": [f"{o} - {BASELINE}" for o in family],
                            "size": len(family)},
             "settings": settings}
@@ -163,6 +168,7 @@ def plan_text(plan: dict, runs: int) -> str:
              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}) from {len(plan['start_seeds'])} starting "
              f"policies (model.seed {plan['start_seeds']}) x {len(plan['seeds'])} seeds ({plan['seeds']}): {runs} "
              "runs.\n",
+             f"Eval problems: {eval_problems(plan)}.\n",
              *[f"Starting policy model.seed {seed} was passed over: {error}\n"
                for seed, error in plan.get("start_seeds_missed", {}).items()],
              f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparison"
@@ -393,8 +399,10 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
         starts = confirm_start_seeds(overrides, jobs, progress, screen_runs, start_policies)
-        plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts)
-    cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"])
+        plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts,
+                                 int(screen_runs[0].task.eval_set))
+    cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"],
+                           plan.get("eval_set"))  # a plan from before eval sets: the screen's problems, as it ran
     if not (folder / "plan.json").is_file():  # written whole before any run of the confirmation starts
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / "plan.md", plan_text(plan, len(runs)))

@@ -28,7 +28,7 @@ from harness.policy.warm_start import WarmStartRecipe, warm_start, weights_diges
 from harness.run.allocator import release_freed_memory
 from harness.run.errors import ConfigError
 from harness.run.offpolicy import replay_mode
-from harness.tasks import Problem, Task, check_prompts_fit, get_task, problems_digest
+from harness.tasks import Problem, Task, check_prompts_fit, get_task, problems_digest, task_arguments
 from objectives import Objective, estimator_name, get_advantage, get_objective, reads_reference_policy
 
 
@@ -107,8 +107,7 @@ def build_learner(policy, objective: Objective, t: DictConfig) -> Learner:
 
 
 def build_task(cfg: DictConfig) -> Task:
-    data_dir = {"data_dir": cfg.task.data_dir} if cfg.task.data_dir else {}
-    return get_task(cfg.task.name, eval_size=cfg.task.eval_size, **data_dir, **OmegaConf.to_container(cfg.task.args))
+    return get_task(cfg.task.name, **task_arguments(cfg))
 
 
 def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bool = False):

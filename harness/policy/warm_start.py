@@ -418,7 +418,7 @@ def _warm_start_key(model, tokenizer, task: Task, settings: list) -> str:
         sorted(tokenizer.get_vocab().items()),
         tokenizer.chat_template,
         task.name,
-        task.config(),
+        {k: v for k, v in task.config().items() if k != "eval_set"},  # which held-out set: not what it trains on
     ]
     digest.update(json.dumps(content + settings, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():

@@ -127,6 +127,10 @@ class TaskConfig:
     name: str = "arith"  # arith, gsm8k, reasoning_gym (`make list`)
     data_dir: str | None = None  # local GSM8K folder (train.jsonl, test.jsonl); else $GSM8K_DIR, else the hub
     eval_size: int = 128  # held-out problems of each evaluation (greedy)
+    # which held-out set of eval_size problems: 0 the task's own; k >= 1 the k-th after it, disjoint from it, from the
+    # other sets and from the train problems, which it leaves as they are (arith, gsm8k; the zoo's confirmation: the
+    # screen's + 1, problems its selection never saw)
+    eval_set: int = 0
     format_weight: float = 0.0  # reward = correct + format_weight x format (+ the overlong penalty)
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens; 0 = off
     overlong_penalty: float = 1.0  # the overlong penalty reached at max_new_tokens

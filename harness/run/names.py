@@ -80,6 +80,7 @@ NAMES: tuple[Name, ...] = (
          "`data.train_files` + `custom_reward_function.path`"),
     Name("task.data_dir", "—", "`data.train_files`, `data.val_files`"),
     Name("task.eval_size", "—", "`data.val_max_samples`"),
+    Name("task.eval_set"),
     Name("task.format_weight", "`reward_weights` = [1, format_weight]"),
     Name("task.overlong_buffer", "—", "`reward_model.overlong_buffer.len` (DAPO recipe)"),
     Name("task.overlong_penalty", "—", "`reward_model.overlong_buffer.penalty_factor`"),
