@@ -25,7 +25,7 @@ seeds (after the screen's) per cell, evaluated on fresh eval problems (task.eval
 the screen's or a train problem, so the selection's luck on the screen's problems is not scored again). A plan once
 written is kept:
 the confirmation resumes under it, and settings other than those it was made with are refused (remove the
-confirm folder to plan again). The verdicts: analysis/leaderboard.py ``write_confirmation`` (Holm over the plan's
+confirm folder to plan again). The verdicts: analysis/confirmation.py ``write_confirmation`` (Holm over the plan's
 family of comparisons with the baseline).
 """
 
