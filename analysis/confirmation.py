@@ -154,6 +154,9 @@ def eval_problems(plan: dict) -> str:
     if "eval_set" not in plan:
         return ("the screen's (a plan made before the confirmation had eval problems of its own: the luck on those "
                 "problems that selected an objective is scored again)")
+    if plan["eval_set"] is None:
+        return ("the screen's (the task has one held-out set, no task.eval_set: the luck on those problems that "
+                "selected an objective is scored again)")
     return (f"task.eval_set {plan['eval_set']}, none of them the screen's (set {plan['screen']['eval_set']}) or a "
             "train problem: the luck on the screen's problems that selected an objective is not scored again")
 

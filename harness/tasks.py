@@ -146,7 +146,11 @@ def check_task(run: DictConfig) -> None:
         TASKS.get(run.task.name)
     except KeyError as e:
         raise ConfigError(str(e)) from None
-    if run.task.eval_set and "eval_set" not in {f.name for f in dataclasses.fields(TASKS.get(run.task.name))}:
+    reserved = sorted(set(OWN_KEYS) & set(run.task.args))
+    if reserved:  # task_arguments would let one spelling win silently over the other
+        raise ConfigError(f"task.args.{reserved[0]}: give it as task.{reserved[0]}, not among the task's own arguments "
+                          "(task.args)")
+    if run.task.eval_set and not has_eval_sets(run.task.name):
         raise ConfigError(f"task.eval_set={run.task.eval_set}: task {run.task.name!r} has one held-out set (no "
                           "eval_set argument); leave task.eval_set at 0")
     error = _task_error(run.task.name, _task_arguments(run), os.environ.get("GSM8K_DIR"))
@@ -181,9 +185,17 @@ def _known_train_size(name: str, arguments: str, gsm8k_dir: str | None = None) -
     return get_task(name, **json.loads(arguments)).known_train_size()
 
 
+OWN_KEYS = ("eval_size", "eval_set", "data_dir")  # task.<key>, passed to the task by task_arguments
+
+
+def has_eval_sets(name: str) -> bool:
+    """Whether the registered task ``name`` takes ``eval_set`` (held-out sets after its own: task.eval_set)."""
+    return "eval_set" in {f.name for f in dataclasses.fields(TASKS.get(name))}
+
+
 def task_arguments(run: DictConfig) -> dict:
     """The task's keyword arguments of ``run``: task.args, eval_size, and data_dir and eval_set where set (a task
-    without an eval_set argument is built at its default)."""
+    without an eval_set argument is built at its default; OWN_KEYS inside task.args are refused by check_task)."""
     arguments = {"eval_size": run.task.eval_size, **OmegaConf.to_container(run.task.args)}
     if run.task.data_dir:
         arguments["data_dir"] = run.task.data_dir
@@ -462,7 +474,7 @@ class Arith(Task):
         if not self.operators or set(self.operators) - set("+-*"):
             raise ValueError(f"operators must be a non-empty string of '+', '-', '*', got {self.operators!r}")
         operators = sorted(set(self.operators))
-        space = 10 ** (self.digits * self.num_operands) * len(operators) ** (self.num_operands - 1)
+        space = _arith_space(self.num_operands, self.digits, tuple(operators))
         if self.eval_size > space // 2:
             raise ValueError(f"eval_size={self.eval_size} is over half of the {space} possible problems")
         eval_problems, train_problems = _arith_problems(self.num_operands, self.digits, tuple(operators), self.seed,
@@ -480,6 +492,11 @@ class Arith(Task):
         well_formed = predicted is not None and re.fullmatch(r"-?[0-9]+", predicted) is not None
         return Score(correct=float(well_formed and predicted == problem.answer), format=float(well_formed))
 
+
+
+def _arith_space(num_operands: int, digits: int, operators: tuple[str, ...]) -> int:
+    """How many distinct problems :class:`Arith` can draw."""
+    return 10 ** (digits * num_operands) * len(operators) ** (num_operands - 1)
 
 
 @functools.lru_cache(maxsize=8)  # a worker process's runs (harness/apps/worker.py) build the same problems once
@@ -508,14 +525,16 @@ def _arith_problems(num_operands: int, digits: int, operators: tuple[str, ...], 
         if problem.question not in seen:
             train_problems.append(problem)
     seen.update(problem.question for problem in train_problems)
+    space = _arith_space(num_operands, digits, operators)
     for k in range(1, eval_set + 1):  # the later sets: neither a train problem nor in an earlier set
         eval_problems, draws = [], 0
         while len(eval_problems) < eval_size:
             problem, draws = sample(eval_rng), draws + 1
-            if draws > 100 * eval_size:
+            if draws > 20 * space:  # a problem left free is drawn long before (each draw finds it with p 1/space)
                 raise ValueError(f"eval_set={eval_set}: set {k} found {len(eval_problems)} of its {eval_size} "
-                                 f"problems outside the train problems and the earlier sets in {draws - 1} draws; "
-                                 "lower eval_size or eval_set, or raise digits")
+                                 f"problems: the train problems and the earlier sets hold nearly all {space} there "
+                                 "are; lower train_size, eval_size or eval_set, or widen the problems (digits, "
+                                 "num_operands, operators)")
             if problem.question not in seen:
                 seen.add(problem.question)
                 eval_problems.append(problem)

@@ -314,6 +314,8 @@ def test_inherit_puts_an_experiment_underneath_and_refuses_cycles(tmp_path):
     ("train.lr=-1", "train.lr must be >= 0"),
     ("task.eval_size=0", "eval_size must be an integer >= 1"),
     ("task.eval_set=-1", "eval_set must be an integer >= 0"),
+    ("task.args.eval_set=1", r"^task.args.eval_set: give it as task.eval_set, not among the task's own arguments"),
+    ("task.args.eval_size=8", r"^task.args.eval_size: give it as task.eval_size, not among"),
     ("task.name=reasoning_gym task.args={} task.eval_set=1",
      r"^task.eval_set=1: task 'reasoning_gym' has one held-out set \(no eval_set argument\); leave "
      r"task.eval_set at 0$"),

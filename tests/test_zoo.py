@@ -87,6 +87,8 @@ def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_a
     assert plan["cells"] == zoo.CELLS and plan["screen"] == {"start_seeds": [1], "seeds": [0, 1, 2], "eval_set": 0}
     assert plan["eval_set"] == 1  # eval problems the screen never saw
     assert zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []}, starts, 2)["eval_set"] == 3
+    one_set = zoo.plan_confirmation(BOARD, [0, 1, 2], [1], CORE, {"overrides": []}, starts, None)
+    assert one_set["eval_set"] is None and "the task has one held-out set" in zoo.plan_text(one_set, 300)
     text = zoo.plan_text(plan, 300)
     assert "Eval problems: task.eval_set 1, none of them the screen's (set 0) or a train problem" in text
     assert "Holm's step-down over the family of 5 comparisons" in text and "- cispo: screen:" in text
@@ -192,6 +194,15 @@ def test_the_plan_is_written_before_the_confirmation_runs_and_kept(one_cell):
         zoo.confirm(3, 1, 0.4, [*overrides, "train.lr=1e-4"], False, ["grpo", "popo", "cispo"], False, 3)
     with pytest.raises(ConfigError, match="was made with other settings"):  # 5 starting policies: another plan
         zoo.confirm(3, 1, 0.4, overrides, False, ["grpo", "popo", "cispo"], False, 5)
+
+
+@pytest.mark.slow  # a confirmation planned (seconds): make test
+def test_a_confirmation_on_a_task_with_one_held_out_set_is_scored_on_the_screens(one_cell, monkeypatch):
+    tmp_path, calls = one_cell
+    monkeypatch.setattr(zoo, "has_eval_sets", lambda name: False)  # as reasoning_gym or a task of the user's
+    assert zoo.confirm(3, 1, 0.4, [f"results_dir={tmp_path}", "train.steps=2"], False, ["grpo", "popo"], False, 3) == 0
+    assert json.loads((tmp_path / "zoo" / "confirm" / "plan.json").read_text())["eval_set"] is None
+    assert calls == [("confirm", 2 * 3 * 5, True, [0])]
 
 
 @pytest.mark.slow

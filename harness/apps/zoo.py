@@ -54,6 +54,7 @@ from harness.run.atomic import atomic_write
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import ENDED
+from harness.tasks import has_eval_sets
 from objectives import available_objectives
 
 # regime experiment -> the values of its axis the zoo runs (the experiment's own values for keys not listed): the
@@ -128,11 +129,12 @@ def zoo_runs(seeds: int, overrides: list[str], objectives: list[str] | None = No
 
 
 def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[int], core: list[str],
-                      settings: dict, starts: dict, screen_eval_set: int = 0) -> dict:
+                      settings: dict, starts: dict, screen_eval_set: int | None = 0) -> dict:
     """The confirmation's plan from the screen's leaderboard (analysis.leaderboard.leaderboard's frame, its
     vs_baseline interval the screen's difference to BASELINE over the cells): which objectives and why, which
     starting policies (``starts``: confirm_start_seeds'), seeds (none of the screen's) and eval problems (the set
-    after the screen's ``screen_eval_set``), the family of comparisons and its correction."""
+    after the screen's ``screen_eval_set``; None: a task with one held-out set, the screen's), the family of
+    comparisons and its correction."""
     reasons = {}
     for row in board.itertuples():
         interval = f"{num(row.vs_baseline)} [{num(row.vs_baseline_low)}, {num(row.vs_baseline_high)}]"
@@ -152,7 +154,7 @@ def plan_confirmation(board, screen_seeds: list[int], screen_start_seeds: list[i
             "objectives": {o: chosen[o] for o in order},
             "not_tested": {o: why for o, (excludes, why) in reasons.items() if o not in chosen},
             "cells": CELLS, "start_seeds": starts["landed"], "start_seeds_missed": starts["missed"], "seeds": seeds,
-            "eval_set": screen_eval_set + 1,
+            "eval_set": None if screen_eval_set is None else screen_eval_set + 1,
             "screen": {"start_seeds": screen_start_seeds, "seeds": screen_seeds, "eval_set": screen_eval_set},
             "correction": {"method": "holm", "alpha": round(ALPHA, 6), "family": [f"{o} - {BASELINE}" for o in family],
                            "size": len(family)},
@@ -399,10 +401,12 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
         starts = confirm_start_seeds(overrides, jobs, progress, screen_runs, start_policies)
+        task = screen_runs[0].task
         plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts,
-                                 int(screen_runs[0].task.eval_set))
+                                 int(task.eval_set) if has_eval_sets(task.name) else None)
     cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"],
-                           plan.get("eval_set"))  # a plan from before eval sets: the screen's problems, as it ran
+                           plan.get("eval_set"))  # None (a plan from before eval sets, a task without them): the
+    # screen's problems
     if not (folder / "plan.json").is_file():  # written whole before any run of the confirmation starts
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
