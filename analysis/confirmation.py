@@ -148,7 +148,7 @@ def shown(table: pd.DataFrame, units: dict, plan: dict) -> pd.DataFrame:
                          "why (the plan)": [why.get(o, "") for o in table["objective"]]})
 
 
-def eval_problems(plan: dict) -> str:
+def which_eval_problems(plan: dict) -> str:
     """The confirmation's eval problems in words: its own set (task.eval_set), or, in a plan made before the
     confirmation had one, the screen's."""
     if "eval_set" not in plan:
@@ -175,8 +175,8 @@ def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir:
               f"{len(plan['start_seeds'])} starting policies (model.seed {plan['start_seeds']}) x "
               f"{len(plan['seeds'])} seeds ({plan['seeds']}) x {len(plan['cells'])} cells "
               f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}); starting policies and seeds none of "
-              f"the screen's; eval problems {eval_problems(plan)}; the difference is per (starting policy, seed) the "
-              "mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite over "
+              f"the screen's; eval problems {which_eval_problems(plan)}; the difference is per (starting policy, "
+              "seed) the mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite over "
               "the starting policies' spread (theirs) and the eval problems' own (analysis/stats.py). "
               f"\"Indicative\": from fewer than {INDICATIVE_BELOW} starting policies, where the interval's coverage "
               "falls short of its level in some simulated case (tests/test_coverage.py): a confirmation from them "

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from analysis.confirmation import eval_problems, write_confirmation
+from analysis.confirmation import which_eval_problems, write_confirmation
 from analysis.leaderboard import leaderboard, write_leaderboard
 from analysis.load import load_experiment as load_results
 from analysis.report import build_report
@@ -170,7 +170,7 @@ def plan_text(plan: dict, runs: int) -> str:
              f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}) from {len(plan['start_seeds'])} starting "
              f"policies (model.seed {plan['start_seeds']}) x {len(plan['seeds'])} seeds ({plan['seeds']}): {runs} "
              "runs.\n",
-             f"Eval problems: {eval_problems(plan)}.\n",
+             f"Eval problems: {which_eval_problems(plan)}.\n",
              *[f"Starting policy model.seed {seed} was passed over: {error}\n"
                for seed, error in plan.get("start_seeds_missed", {}).items()],
              f"Correction: Holm's step-down over the family of {plan['correction']['size']} comparison"
