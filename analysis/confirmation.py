@@ -176,8 +176,8 @@ def write_confirmation(screen_dir: Path, confirm_dir: Path, plan: dict, out_dir:
               f"{len(plan['seeds'])} seeds ({plan['seeds']}) x {len(plan['cells'])} cells "
               f"({'; '.join(f'{e}: {a}' for e, a in plan['cells'].items())}); starting policies and seeds none of "
               f"the screen's; eval problems {which_eval_problems(plan)}; the difference is per (starting policy, "
-              "seed) the mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite over "
-              "the starting policies' spread (theirs) and the eval problems' own (analysis/stats.py). "
+              "seed) the mean over the cells, by eval problem. Each interval's degrees of freedom: Welch–Satterthwaite "
+              "over the starting policies' spread (theirs) and the eval problems' own (analysis/stats.py). "
               f"\"Indicative\": from fewer than {INDICATIVE_BELOW} starting policies, where the interval's coverage "
               "falls short of its level in some simulated case (tests/test_coverage.py): a confirmation from them "
               f"says where to look, not a verdict. Model: {models}.")
