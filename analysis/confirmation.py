@@ -33,7 +33,7 @@ import pandas as pd
 from analysis.accuracy import FINAL, Estimate, across_cells, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
-from analysis.stats import INDICATIVE_BELOW, indicative, num, t_bounds, top_units
+from analysis.stats import INDICATIVE_BELOW, indicative, num, p_text, t_bounds, top_units
 from analysis.verdict import ALPHA, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import check_one_version, runs_stamp
@@ -142,7 +142,7 @@ def shown(table: pd.DataFrame, units: dict, plan: dict) -> pd.DataFrame:
                for v, mark in zip(table["verdict"], table["indicative"], strict=True)]
     return pd.DataFrame({"objective": table["objective"], "verdict": verdict,
                          f"− {baseline} [Holm-level CI]": interval,
-                         "Holm p": [("" if pd.isna(p) else num(p)) for p in table["holm_p"]],
+                         "Holm p": [("" if pd.isna(p) else p_text(p)) for p in table["holm_p"]],
                          "replication": [replication(units.get(o, {})) if o in units else "" for o in
                                          table["objective"]],
                          "why (the plan)": [why.get(o, "") for o in table["objective"]]})

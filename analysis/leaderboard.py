@@ -39,7 +39,7 @@ from analysis import paired
 from analysis.cells import CODE
 from analysis.load import Experiment, load_experiment
 from analysis.report import eval_table, render_html, render_md
-from analysis.stats import LEVEL, num, rate_interval
+from analysis.stats import LEVEL, num, p_text, rate_interval
 from analysis.verdict import code_note, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import runs_stamp
@@ -176,7 +176,7 @@ def display(board: pd.DataFrame, baseline: str) -> pd.DataFrame:
                                                                   strict=True)],
         f"vs {baseline} [95% CI]": [bracket(*v) for v in zip(board["vs_baseline"], board["vs_baseline_low"],
                                                              board["vs_baseline_high"], strict=True)],
-        f"Holm p vs {baseline}": board["vs_baseline_holm"].map(lambda p: "" if pd.isna(p) else num(p)),
+        f"Holm p vs {baseline}": board["vs_baseline_holm"].map(lambda p: "" if pd.isna(p) else p_text(p)),
         f"P(> {baseline}) [95% CI]": [bracket(*v) for v in zip(board["p_baseline"], board["p_baseline_low"],
                                                                 board["p_baseline_high"], strict=True)],
         "collapsed [Wilson 95%]": [f"{k:.0f}/{n:.0f} " + bracket(r, lo, hi) if n > 0 else "n/a" for k, n, r, lo, hi in

@@ -39,6 +39,7 @@ from analysis.stats import (
     indicative,
     indicative_units,
     num,
+    p_text,
     rate_interval,
     top_units,
 )
@@ -592,7 +593,7 @@ def paired_display(frame: pd.DataFrame, cells: Cells) -> pd.DataFrame:
         "interval": [interval(lo, hi, n, p, top) for lo, hi, n, p, top in
                      zip(frame["difference_low"], frame["difference_high"], frame["n"], frame["problems"],
                          frame.get("top", [None] * len(frame)), strict=True)],
-        "p (t-test)": frame["p_value"].map(num),
+        "p (t-test)": frame["p_value"].map(p_text),
         "wins/ties/losses": [f"{w}/{t}/{lo}" for w, t, lo in zip(frame["wins"], frame["ties"], frame["losses"],
                                                                  strict=True)],
         "P(A > B)": frame["p_improvement"].map(num),

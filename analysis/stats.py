@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from decimal import ROUND_FLOOR, Decimal
 
 import numpy as np
 import pandas as pd
@@ -70,6 +71,18 @@ def num(value) -> str:
     if value is None or pd.isna(value):
         return "n/a"
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:#.3g}".rstrip(".")
+
+
+def p_text(p) -> str:
+    """A p-value to 3 significant digits rounded down, so the text falls on the same side of every threshold of that
+    precision as the value does: 0.04996 reads 0.0499, not num's 0.0500, beside a verdict made at p < 0.05."""
+    if p is None or pd.isna(p):
+        return "n/a"
+    if p <= 0:
+        return "0"
+    exact = Decimal(repr(float(p)))
+    floor = exact.quantize(Decimal(1).scaleb(exact.adjusted() - 2), rounding=ROUND_FLOOR)
+    return f"{float(floor):#.3g}".rstrip(".")
 
 
 def interval_name(n: int) -> str:

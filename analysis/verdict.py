@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.accuracy import NO_INTERVAL
-from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, indicative_units, num, top_units
+from analysis.stats import INDICATIVE_BELOW, LEVEL, indicative, indicative_units, num, p_text, top_units
 
 ALPHA = 1 - LEVEL
 
@@ -107,7 +107,7 @@ def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.Data
                                                                                     r["difference_high"]))
                           for o in objectives],
         "seeds above/paired": [against(o, lambda r: f"{r['wins']}/{r['n']}") for o in objectives],
-        "Holm p": [against(o, lambda r: num(r["holm"])) for o in objectives]})
+        "Holm p": [against(o, lambda r: p_text(r["holm"])) for o in objectives]})
 
 
 def versus_baseline(pairs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from matplotlib import pyplot as plt
 
-from analysis import plots, verdict
+from analysis import plots, stats, verdict
 
 
 def test_holm_by_hand():
@@ -72,6 +72,20 @@ def test_each_cell_ranks_its_objectives_and_says_when_the_baseline_is_missing():
     assert first.sentence == "ctpo ends above grpo by 0.100 [0.0500, 0.150], 5 of 5 seeds"
     assert second.sentence == "no verdict: the baseline grpo has no ended run here"
     assert verdict.lines([first, second])[1] == "cell `lr=3e-4`: no verdict: the baseline grpo has no ended run here."
+
+
+def test_a_p_value_just_below_the_level_does_not_read_as_the_level():
+    # 0.04996 < 0.05 counts; to 3 significant digits it would round to 0.0500 beside "ends above": rounded down
+    table = pd.DataFrame({"cell_id": [0, 0], "objective": ["grpo", "ctpo"], "final_mean": [0.3, 0.4],
+                          "final_ci_low": [0.2, 0.3], "final_ci_high": [0.4, 0.5], "final_n": [5, 5]})
+    pairs = pd.DataFrame({"cell_id": [0], "a": ["ctpo"], "b": ["grpo"], "n": [5], "difference": [0.1],
+                          "difference_low": [0.001], "difference_high": [0.2], "wins": [4], "losses": [1],
+                          "p_value": [0.04996]})
+    (cell,) = verdict.cell_verdicts(table, pairs, ["lr=1e-4"], "grpo")
+    assert cell.sentence.startswith("ctpo ends above grpo")
+    assert cell.table.iloc[0]["Holm p"] == "0.0499"
+    assert [stats.p_text(p) for p in (0.05, 0.05004, 1.0, 0.00094, np.nan)] == ["0.0500", "0.0500", "1.00",
+                                                                                "0.000940", "n/a"]
 
 
 def test_an_objective_looks_the_same_in_every_report():
