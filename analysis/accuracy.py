@@ -137,14 +137,14 @@ def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate
     return interval_of(runs_scores(runs, samples, column))
 
 
-def paired_units(a: dict, b: dict) -> dict:
-    """key -> (policy, A's value - B's, A's scores - B's) over the (policy, seed) keys both have; the scores'
-    difference only where both runs scored the same problems."""
+def paired_units(a: dict, b: dict, factor: float = 1.0) -> dict:
+    """key -> (policy, A's value - factor x B's, A's scores - factor x B's) over the (policy, seed) keys both have;
+    the scores' difference only where both runs scored the same problems."""
     out = {}
     for seed in sorted(set(a) & set(b)):
         (policy, x, sx), (_, y, sy) = a[seed], b[seed]
         same = sx is not None and sy is not None and sx.index.equals(sy.index)
-        out[seed] = (policy, x - y, sx - sy if same else None)
+        out[seed] = (policy, x - factor * y, sx - factor * sy if same else None)
     return out
 
 

@@ -12,8 +12,10 @@ import pytest
 
 import harness.apps.claims
 from analysis.cells import START_SEED
+from analysis.stats import num
 from harness.apps.claims import (
     CLAIMS_DIR,
+    SCORES,
     Claim,
     checked,
     evaluate_check,
@@ -276,6 +278,63 @@ def test_compare_equivalent_on_final_accuracies_paired_by_seed():
     assert verdict == "holds" and "a 0.300, b 0.448" in measured
 
 
+def _scored(problems: dict[str, list[float]], lags=(0,)) -> dict:
+    """A sweep's ``final`` table and SCORES: objectives x lags (one cell each) x starting policies 1, 2 x seeds 0-2,
+    each run scoring 4 eval problems at its last evaluation (step 20) as ``problems`` gives (objective -> the scores,
+    the lag added to each), plus, per seed, one shared problem's score that moves every run of the seed alike."""
+    rows, scores = [], {}
+    for o, base in problems.items():
+        for lag in lags:
+            for policy in (1, 2):
+                for seed in range(3):
+                    got = [v - 0.1 * lag for v in base] + [seed / 2]
+                    rid = f"{o}-{lag}-{policy}-{seed}"
+                    rows.append({"run_id": rid, "objective": o, "seed": seed, START_SEED: policy, "lag": lag,
+                                 "cell_id": lag, "counted": True, "ended": True,
+                                 "final_eval_accuracy": sum(got) / len(got)})
+                    scores[rid] = pd.DataFrame({"step": 20, "problem": range(5), "answer": "7", "correct": got})
+    return {"final": pd.DataFrame(rows), SCORES: scores}
+
+
+def test_an_accuracy_check_counts_the_eval_problems():
+    """A claim's eval accuracy is a sample of eval problems too: a beats b by 0.2 in every run, all on problem 0 of 5
+    (1 against 0). Over the runs alone that is a zero-width interval, "holds"; over the problems as well (their
+    mean differences 1, 0, 0, 0, 0: variance 0.2 / 5, 4 degrees of freedom) it is 0.2 +- 2.776 x 0.2, not resolved;
+    runs without their per-problem scores are checked over the runs, and the ledger says which."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})
+    check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
+    verdict, measured, units = evaluate_check(check, tables)
+    half = 2.7764451 * 0.2
+    assert verdict == "not resolved" and units == (2, 3, "seeds")
+    assert f"margin 0.200 [{num(0.2 - half)}, {num(0.2 + half)}]" in measured
+    assert "its interval counts the eval problems too" in measured
+    verdict, measured, _ = evaluate_check(check, {"final": tables["final"]})  # no per-problem scores
+    assert verdict == "holds" and "margin 0.200 [0.200, 0.200]" in measured
+    equivalent = {**check, "compare": {**check["compare"], "direction": "equivalent", "margin": 0.9}}
+    assert evaluate_check(equivalent, tables)[0] == "holds"  # [-0.355, 0.755] inside +-0.9
+    del tables[SCORES]["b-0-2-1"]  # one run without its scores: over the runs, whose equal differences give no
+    verdict, measured, _ = evaluate_check(check, tables)  # interval then (analysis/accuracy.py), not a zero width
+    assert verdict == "not resolved" and "margin 0.200 [n/a, n/a]" in measured
+    assert "does not count the eval problems (no per-problem scores)" in measured
+    within = {"table": "final", "metric": "final_eval_accuracy", "objective": "b", "within": [0.0, 1.0]}
+    verdict, measured, _ = evaluate_check(within, _scored({"b": [0.0, 0.5, 0.5, 0.0]}))
+    assert verdict == "not resolved" and "(n=6; its interval counts the eval problems too;" in measured
+
+
+def test_an_accuracy_checks_baseline_and_factor_go_problem_by_problem():
+    """``baseline`` and ``factor`` on per-problem scores: a loses 0.1 per lag on four problems, b too, so the change
+    of a minus the change of b is 0 on every problem and run; factor 0.5 takes half of b's scores."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.9, 0.5, 0.5, 0.1]}, lags=(0, 1))
+    check = {"table": "final", "metric": "final_eval_accuracy", "where": "lag == 1",
+             "compare": {"objective": "a", "than": "b", "baseline": "lag == 0"}}
+    verdict, measured, _ = evaluate_check(check, tables)
+    assert verdict == "does not hold" and "margin 0.00 [0.00, 0.00]" in measured
+    assert "a minus [lag == 0] -0.0800, b minus [lag == 0] -0.0800" in measured
+    double = {**check, "where": "lag == 0", "compare": {"objective": "a", "than": "b", "factor": 0.5}}
+    verdict, measured, _ = evaluate_check(double, tables)  # a - 0.5 b per problem: 0.55, 0.25, 0.25, -0.05, seed/4
+    assert "margin 0.250 [-0.0134, 0.513]" in measured and verdict == "not resolved"
+
+
 def test_ledger_rows_and_files(tmp_path):
     claim = load_claim(CLAIMS_DIR / "dr_grpo_length_bias.yaml")
     table = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2], "objective": ["grpo", "dr_grpo"] * 3, "axis": ["staleness"] * 6,
@@ -416,10 +475,15 @@ def test_a_replicated_sweep_reads_only_its_own_design(tmp_path):
     entries += [fake_run(exp, o, seed, {"train.num_minibatches": 1, START_SEED: policy}, final=0.9)
                 for o in ("grpo", "gspo") for policy in (2, 3) for seed in (0, 1)]
     fake_experiment(exp, entries)
+    for entry in entries:  # every run's per-problem scores at its last evaluation
+        (exp / entry["run_id"] / "eval_samples.jsonl").write_text("".join(
+            json.dumps({"step": 20, "problem": p, "answer": "1", "correct": int(p < 2)}) + "\n" for p in range(5)))
     tables = run_source("sweep", "offpolicy", overrides, (2, 3), 2, jobs=1, progress=False, run=False)
     assert len(tables["final"]) == 8 and set(tables["final"][START_SEED]) == {2, 3}
     assert set(tables["final"]["final_eval_accuracy"].round(6)) == {0.4}  # none of the other setting's runs
-    assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"]) == set(ids.values())
+    assert set(tables["runs"]["run_id"]) == set(tables["final"]["run_id"]) == set(ids.values()) == set(tables[SCORES])
+    check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "gspo", "than": "grpo"}}
+    assert "its interval counts the eval problems too" in evaluate_check(check, tables)[1]
 
 
 @pytest.mark.slow  # seconds of runs or reports: make test

@@ -52,7 +52,12 @@ in a process of its own, that many at a time). A probe builds a model of
 its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores both fields: its seeds are its units
 under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
 (starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
-analysis/stats.py describe over the starting policies' means (over the units with one starting policy).
+analysis/stats.py describe over the starting policies' means (over the units with one starting policy), except an
+eval accuracy's (``final_eval_accuracy``, ``best_eval_accuracy``, ``start_eval_accuracy`` of a sweep's ``final``):
+the runs of a cell score the same eval problems, a sample of the task's, so its interval is analysis/accuracy.py's
+over starting policies, seeds and eval problems, paired run by run and problem by problem (a comparison's
+``baseline`` and ``factor`` too), and the ledger says "its interval counts the eval problems too"; where a run lacks
+its per-problem scores it is over the runs only, and says so.
 
 Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 starting policies x 5 seeds or batches per
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
@@ -84,6 +89,7 @@ import pandas as pd
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from analysis.accuracy import BEST, FINAL, START, across_cells, interval_of, paired_units, runs_scores
 from analysis.cells import START_SEED
 from analysis.lab import build_lab_report, lab_version
 from analysis.load import AnalysisError
@@ -110,6 +116,7 @@ from harness.run.provenance import UNKNOWN, check_one_version, code_record, runs
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 CLAIMS_RUNS = "claims"  # <results_dir>/claims/: the ledger, and the sweeps run from the claims' own starting policies
+SCORES = "eval_scores"  # beside a sweep's tables: run_id -> its per-problem eval scores (analysis/load.py's samples)
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
 TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final"),  # each experiment kind's
           "probe": ("probe",)}
@@ -319,7 +326,8 @@ def run_source(kind: str, name: str, overrides: tuple[str, ...], start_seeds: tu
     final = runs[runs["counted"] & runs["ended"]]
     check_one_version(final["code"].tolist(), exp.dir, "the runs a claim reads")
     return {"runs": exp.metrics[exp.metrics["run_id"].isin(final["run_id"])],  # the runs ``final`` counts, only
-            "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float), folder=str(exp.dir))}
+            "final": final.assign(collapsed=final["collapse_cause"].notna().astype(float), folder=str(exp.dir)),
+            SCORES: {rid: exp.samples[rid] for rid in final["run_id"] if rid in exp.samples}}
 
 
 def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, ...]:
@@ -499,6 +507,44 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
     return values.groupby(["_policy", "_unit"])[check["metric"]].mean()
 
 
+def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scores: dict | None) -> dict | None:
+    """An eval accuracy of a sweep's ``final`` table, per (starting policy, seed) with each run's per-problem scores
+    (analysis.accuracy's units: the mean over the selected cells of the units every one of them has), so that its
+    interval counts the eval problems as a sample (module docstring); None for another metric or table, or without
+    the sweep's ``scores`` (unit_values then)."""
+    metric = check["metric"]
+    if scores is None or check["table"] != "final" or not (metric in (START, FINAL, BEST) or
+                                                             metric.startswith(FINAL + "_")):
+        return None
+    rows = table.query(check["where"]) if check.get("where") else table
+    if objective is not None:
+        rows = rows[rows["objective"] == objective]
+    return across_cells([runs_scores(cell, scores, metric) for _, cell in rows.groupby("cell_id")])
+
+
+def selected(table: pd.DataFrame, check: dict, objective: str | None, scores: dict | None) -> pd.Series | dict:
+    """The check's units: accuracy_units' where it applies, else unit_values'."""
+    units = accuracy_units(table, check, objective, scores)
+    return unit_values(table, check, objective) if units is None else units
+
+
+def as_series(values: pd.Series | dict) -> pd.Series:
+    """Units as unit_values' Series (index: starting policy, unit), from accuracy units their runs' values."""
+    if isinstance(values, pd.Series):
+        return values
+    index = pd.MultiIndex.from_tuples(list(values), names=["_policy", "_unit"]) if values else None
+    return pd.Series([value for _, value, _ in values.values()], index=index, dtype=float)
+
+
+def minus(x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0, sign: int = 1) -> pd.Series | dict:
+    """sign x (x - factor x y) per unit, over the units both have (accuracy units: per run and eval problem)."""
+    if isinstance(x, dict):
+        return {key: (policy, sign * value, None if scores is None else sign * scores)
+                for key, (policy, value, scores) in paired_units(x, y, factor).items()}
+    common = x.index.intersection(y.index)
+    return sign * (x[common] - factor * y[common])
+
+
 def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
     """(starting policies, the fewest units of one of them, the units' name) of unit_values' result."""
     per = values.groupby(level=0).size()
@@ -506,14 +552,30 @@ def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
     return (len(per), int(per.min()) if len(per) else 0, name)
 
 
-def interval(values: pd.Series) -> tuple[float, float, float]:
+def interval(values: pd.Series | dict) -> tuple[float, float, float]:
     """(estimate, 95% interval) of the mean of unit values: analysis.stats.describe's, over the starting policies'
     means with several (the estimate their mean, the interval's centre); with one, its t-interval over the units,
-    none (NaN) from fewer than CI_MIN_SEEDS units (describe's range of 2 is no 95% interval)."""
+    none (NaN) from fewer than CI_MIN_SEEDS units (describe's range of 2 is no 95% interval). Accuracy units take
+    analysis.accuracy.interval_of's, by starting policy, seed and eval problem (over the first two where a run lacks
+    its per-problem scores)."""
+    if isinstance(values, dict):
+        e = interval_of(values)
+        policies = len({policy for policy, _, _ in values.values()})
+        few = policies < 2 and e.n < CI_MIN_SEEDS
+        return e.mean, np.nan if few else e.low, np.nan if few else e.high
     d = describe(values.to_numpy(), values.index.get_level_values(0))
     if d["policies"] < 2 and d["n"] < CI_MIN_SEEDS:
         return d["mean"], np.nan, np.nan
     return d["mean"], d["ci_low"], d["ci_high"]
+
+
+def resolution(values: pd.Series | dict) -> str:
+    """Whether the interval of accuracy units counts the eval problems as a sample (they are resolved by problem),
+    said as a clause of the measured text; "" for unit_values'."""
+    if not isinstance(values, dict) or not values:
+        return ""
+    return ("; its interval counts the eval problems too" if interval_of(values).problems else
+            "; its interval does not count the eval problems (no per-problem scores)")
 
 
 def verdict_of(lo: float, hi: float, low: float, high: float) -> str:
@@ -532,61 +594,72 @@ def narrowed(check: dict, where: str | None) -> dict:
     return {**check, "where": " and ".join(f"({w})" for w in both)} if both else check
 
 
-def evaluate_check(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tuple | None]:
+def evaluate_within(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
+    """evaluate_check's ``within`` check."""
+    table, metric, (low, high) = tables[check["table"]], check["metric"], check["within"]
+    statistic = check.get("statistic", "mean")
+    values = selected(table, check, check.get("objective"), tables.get(SCORES)) if statistic == "mean" else \
+        unit_values(table, check, check.get("objective"))
+    if not len(values):
+        return "no data", f"{metric}: nothing selected", None
+    if statistic == "mean":  # an estimate: its interval decides
+        value, lo, hi = interval(values)
+        verdict = verdict_of(lo, hi, low, high)
+    else:  # min or max: a statement about the units observed, no interval
+        value, lo, hi = float(STATISTICS[statistic](values.to_numpy())), np.nan, np.nan
+        verdict = "holds" if low <= value <= high else "does not hold"
+    who = f"{check['objective']} " if check.get("objective") else ""
+    shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else " (no interval)" if statistic == "mean" else ""
+    measured = (f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}{resolution(values)}; expected in "
+                f"[{low}, {high}])")
+    return verdict, measured, replication(as_series(values), check["table"])
+
+
+def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     """(verdict, what was measured, replication: starting policies, the fewest units per policy, their name) of one
-    check."""
-    table = tables[check["table"]]
-    metric = check["metric"]
+    check (``tables``: the experiment's, by name, and a sweep's SCORES)."""
     if "within" in check:
-        low, high = check["within"]
-        values = unit_values(table, check, check.get("objective"))
-        if values.empty:
-            return "no data", f"{metric}: nothing selected", None
-        statistic = check.get("statistic", "mean")
-        if statistic == "mean":  # an estimate: its interval decides
-            value, lo, hi = interval(values)
-            verdict = verdict_of(lo, hi, low, high)
-        else:  # min or max: a statement about the units observed, no interval
-            value, lo, hi = float(STATISTICS[statistic](values.to_numpy())), np.nan, np.nan
-            verdict = "holds" if low <= value <= high else "does not hold"
-        who = f"{check['objective']} " if check.get("objective") else ""
-        shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else " (no interval)" if statistic == "mean" else ""
-        measured = f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}; expected in [{low}, {high}])"
-        return verdict, measured, replication(values, check["table"])
-    spec = check["compare"]
+        return evaluate_within(check, tables)
+    table, metric, scores, spec = tables[check["table"]], check["metric"], tables.get(SCORES), check["compare"]
+    if spec.get("direction") == "equal":  # the units' own values, compared unit by unit
+        scores = None
     a, b = spec["objective"], spec["than"]
-    x, y = unit_values(table, narrowed(check, spec.get("where")), a), \
-        unit_values(table, narrowed(check, spec.get("than_where")), b)
+    x, y = selected(table, narrowed(check, spec.get("where")), a, scores), \
+        selected(table, narrowed(check, spec.get("than_where")), b, scores)
     if spec.get("baseline"):  # each side's change from its own baseline rows, per unit
-        x = (x - unit_values(table, {**check, "where": spec["baseline"]}, a)).dropna()
-        y = (y - unit_values(table, {**check, "where": spec["baseline"]}, b)).dropna()
+        x = minus(x, selected(table, {**check, "where": spec["baseline"]}, a, scores))
+        y = minus(y, selected(table, {**check, "where": spec["baseline"]}, b, scores))
     a, b = (f"{name} [{spec[key]}]" if spec.get(key) else name for name, key in ((a, "where"), (b, "than_where")))
     if spec.get("baseline"):
         a, b = (f"{name} minus [{spec['baseline']}]" for name in (a, b))
-    common = x.index.intersection(y.index)
+    common = as_series(x).index.intersection(as_series(y).index)
     if not len(common):
         return "no data", f"{metric}: nothing selected for {a} and {b}", None
-    x, y = x[common], y[common]
-    units = replication(x, check["table"])
+    x, y = ({k: v[k] for k in common} if isinstance(v, dict) else v[common] for v in (x, y))
+    units = replication(as_series(x), check["table"])
     over = f"{units[0]} starting policies x {units[1]}+ {units[2]}" if units[0] > 1 else f"{len(x)} {units[2]}"
-    numbers = f"{a} {num(interval(x)[0])}, {b} {num(interval(y)[0])} ({metric}, mean over {over})"
+    numbers = f"{a} {num(interval(x)[0])}, {b} {num(interval(y)[0])} ({metric}, mean over {over}"
     direction, factor = spec.get("direction", "greater"), spec.get("factor", 1.0)
     if direction == "equal":
         gap = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
         tolerance = spec.get("tolerance", 1e-6)
-        return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}; max relative gap {gap:.1e}", units
+        return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}); max relative gap {gap:.1e}", units
     if direction == "equivalent":
-        value, lo, hi = interval(x - y)
+        difference = minus(x, y)
+        value, lo, hi = interval(difference)
         margin = spec["margin"]
-        measured = f"{numbers}; {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], equivalence margin +-{margin:g}"
+        measured = (f"{numbers}{resolution(difference)}); {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], "
+                    f"equivalence margin +-{margin:g}")
         return verdict_of(lo, hi, -margin, margin), measured, units
     sign = 1 if direction == "greater" else -1
-    value, lo, hi = interval(sign * (x - factor * y))
+    difference = minus(x, y, factor, sign)
+    value, lo, hi = interval(difference)
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
     # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
     verdict = NOT_RESOLVED if not np.isfinite(lo) else "holds" if lo > 0 else "does not hold" if hi <= 0 \
         else NOT_RESOLVED
-    return verdict, f"{numbers}; {a} {relation} {b}: margin {num(value)} [{num(lo)}, {num(hi)}]", units
+    return verdict, (f"{numbers}{resolution(difference)}); {a} {relation} {b}: margin {num(value)} "
+                     f"[{num(lo)}, {num(hi)}]"), units
 
 
 def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tuple | None]:
