@@ -77,10 +77,28 @@ def run_scores(samples: pd.DataFrame | None, column: str, value: float) -> pd.Se
     if by_step.empty:
         return None
     step = {"start": 0, "final": by_step.index.max(), "best": by_step.idxmax()}[which]
-    part = samples[samples["step"] == step].dropna(subset=[score])
-    if part.empty or not np.isclose(part[score].mean(), value, rtol=0, atol=1e-9):
+    part = scores_at(samples, step, score)
+    if part.empty or not np.isclose(part.mean(), value, rtol=0, atol=1e-9):
         return None
+    return part
+
+
+def scores_at(samples: pd.DataFrame, step: int, score: str = SCORE) -> pd.Series:
+    """The per-problem scores of the evaluation at ``step`` (index: problem, answer; empty without one)."""
+    part = samples[samples["step"] == step].dropna(subset=[score])
     return part.set_index(["problem", "answer"])[score].astype(float).sort_index()
+
+
+def steps_scores(samples: pd.DataFrame | None, steps, value: float) -> pd.Series | None:
+    """The run's per-problem scores averaged over its evaluations at ``steps``, whose eval accuracies average to
+    ``value``; None where one of them lacks its scores, scored other problems, or they do not average to ``value``."""
+    if samples is None or SCORE not in samples or not np.isfinite(value):
+        return None
+    parts = [scores_at(samples, step) for step in steps]
+    if not parts or any(part.empty or not part.index.equals(parts[0].index) for part in parts):
+        return None
+    mean = sum(parts) / len(parts)
+    return mean if np.isclose(mean.mean(), value, rtol=0, atol=1e-9) else None
 
 
 def runs_scores(runs: pd.DataFrame, samples: dict, column: str) -> dict:

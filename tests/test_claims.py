@@ -335,6 +335,35 @@ def test_an_accuracy_checks_baseline_and_factor_go_problem_by_problem():
     assert "margin 0.250 [-0.0134, 0.513]" in measured and verdict == "not resolved"
 
 
+def test_an_accuracy_check_on_the_runs_evaluations_counts_the_eval_problems():
+    """``eval_accuracy`` of the ``runs`` table (one row per run and step): each run's mean over the selected
+    evaluations, its per-problem scores averaged over them. a beats b by 0.2 at steps 15 and 20 (problem 0 of 5),
+    ties at step 0 and logs no evaluation at step 16: over steps >= 15 the first test's interval; a run whose step-20
+    scores are missing is over the runs."""
+    rows, scores = [], {}
+    for o, first in (("a", 1.0), ("b", 0.0)):
+        for policy in (1, 2):
+            for seed in range(3):
+                rid, shared = f"{o}-{policy}-{seed}", seed / 2
+                got = {0: [0.0, 0.5, 0.5, 0.0, shared], 15: [first, 0.5, 0.5, 0.0, shared],
+                       20: [first, 0.5, 0.5, 0.0, shared]}
+                rows += [{"run_id": rid, "objective": o, "seed": seed, START_SEED: policy, "cell_id": 0, "step": step,
+                          "eval_accuracy": sum(got[step]) / 5 if step in got else float("nan")}
+                         for step in (0, 15, 16, 20)]
+                scores[rid] = pd.concat(pd.DataFrame({"step": step, "problem": range(5), "answer": "7",
+                                                      "correct": values}) for step, values in got.items())
+    tables = {"runs": pd.DataFrame(rows), SCORES: scores}
+    check = {"table": "runs", "metric": "eval_accuracy", "where": "step >= 15",
+             "compare": {"objective": "a", "than": "b"}}
+    verdict, measured, units = evaluate_check(check, tables)
+    half = 2.7764451 * 0.2
+    assert verdict == "not resolved" and units == (2, 3, "seeds")
+    assert f"margin 0.200 [{num(0.2 - half)}, {num(0.2 + half)}]" in measured
+    assert "its interval counts the eval problems too" in measured
+    scores["a-1-0"] = scores["a-1-0"][scores["a-1-0"]["step"] != 20]
+    assert "does not count the eval problems" in evaluate_check(check, tables)[1]
+
+
 def test_ledger_rows_and_files(tmp_path):
     claim = load_claim(CLAIMS_DIR / "dr_grpo_length_bias.yaml")
     table = pd.DataFrame({"batch": [0, 0, 1, 1, 2, 2], "objective": ["grpo", "dr_grpo"] * 3, "axis": ["staleness"] * 6,

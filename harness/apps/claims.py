@@ -53,8 +53,9 @@ its own per seed (init and warm start: harness/apps/moe_probe.py) and ignores bo
 under one "starting policy", so a probe's claim is at most "indicative". A check's unit is then a
 (starting policy, batch / seed) pair, paired across objectives, and every interval is the t-interval of
 analysis/stats.py describe over the starting policies' means (over the units with one starting policy), except an
-eval accuracy's (``final_eval_accuracy``, ``best_eval_accuracy``, ``start_eval_accuracy`` of a sweep's ``final``):
-the runs of a cell score the same eval problems, a sample of the task's, so its interval is analysis/accuracy.py's
+eval accuracy's (``final_eval_accuracy``, ``best_eval_accuracy``, ``start_eval_accuracy`` of a sweep's ``final``;
+``eval_accuracy`` of its ``runs``, each run's mean over the selected evaluations): the runs of a cell score the same
+eval problems, a sample of the task's, so its interval is analysis/accuracy.py's
 over starting policies, seeds and eval problems, paired run by run and problem by problem (a comparison's
 ``baseline`` and ``factor`` too), and the ledger says "its interval counts the eval problems too"; where a run lacks
 its per-problem scores it is over the runs only, and says so.
@@ -89,7 +90,16 @@ import pandas as pd
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.accuracy import BEST, FINAL, START, across_cells, interval_of, paired_units, runs_scores
+from analysis.accuracy import (
+    BEST,
+    FINAL,
+    START,
+    across_cells,
+    interval_of,
+    paired_units,
+    runs_scores,
+    steps_scores,
+)
 from analysis.cells import START_SEED
 from analysis.lab import build_lab_report, lab_version
 from analysis.load import AnalysisError
@@ -116,6 +126,7 @@ from harness.run.provenance import UNKNOWN, check_one_version, code_record, runs
 
 CLAIMS_DIR = EXPERIMENTS_DIR / "claims"
 CLAIMS_RUNS = "claims"  # <results_dir>/claims/: the ledger, and the sweeps run from the claims' own starting policies
+EVALUATIONS = "eval_accuracy"  # the runs table's accuracy of each evaluation (a step's row; NaN between them)
 SCORES = "eval_scores"  # beside a sweep's tables: run_id -> its per-problem eval scores (analysis/load.py's samples)
 UNITS = {"lab": "batch", "pairwise": "batch", "runs": "seed", "final": "seed", "probe": "seed"}
 TABLES = {"lab": ("lab", "pairwise", "snr", "sqrt_growth"), "sweep": ("runs", "final"),  # each experiment kind's
@@ -512,14 +523,27 @@ def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scor
     (analysis.accuracy's units: the mean over the selected cells of the units every one of them has), so that its
     interval counts the eval problems as a sample (module docstring); None for another metric or table, or without
     the sweep's ``scores`` (unit_values then)."""
-    metric = check["metric"]
-    if scores is None or check["table"] != "final" or not (metric in (START, FINAL, BEST) or
-                                                             metric.startswith(FINAL + "_")):
+    metric, kind = check["metric"], check["table"]
+    final = kind == "final" and (metric in (START, FINAL, BEST) or metric.startswith(FINAL + "_"))
+    if scores is None or not (final or kind == "runs" and metric == EVALUATIONS):
         return None
     rows = table.query(check["where"]) if check.get("where") else table
     if objective is not None:
         rows = rows[rows["objective"] == objective]
-    return across_cells([runs_scores(cell, scores, metric) for _, cell in rows.groupby("cell_id")])
+    if final:
+        return across_cells([runs_scores(cell, scores, metric) for _, cell in rows.groupby("cell_id")])
+    return across_cells([evaluations_units(cell, scores) for _, cell in rows.groupby("cell_id")])
+
+
+def evaluations_units(rows: pd.DataFrame, scores: dict) -> dict:
+    """A cell's runs of the ``runs`` table, each its mean eval accuracy over the selected evaluations with its
+    per-problem scores averaged over them (analysis.accuracy.steps_scores), as (starting policy, seed) units."""
+    units = {}
+    for rid, run in rows.dropna(subset=[EVALUATIONS]).groupby("run_id"):
+        policy = "" if START_SEED not in run or pd.isna(run[START_SEED].iloc[0]) else str(run[START_SEED].iloc[0])
+        value = float(run[EVALUATIONS].mean())
+        units[policy, run["seed"].iloc[0]] = (policy, value, steps_scores(scores.get(rid), run["step"], value))
+    return units
 
 
 def selected(table: pd.DataFrame, check: dict, objective: str | None, scores: dict | None) -> pd.Series | dict:
