@@ -449,29 +449,72 @@ def test_starting_policies_that_miss_their_band_are_passed_over_recorded_and_not
     assert len(list((tmp_path / "cache" / "warm_start").glob("*.missed.json"))) == 2
 
 
-def test_first_landing_fills_idle_processes_with_the_next_candidates_and_takes_them_in_order(tmp_path, monkeypatch):
-    """Rounds of whole batches: 3 wanted beside the screen's policy (2 at once) is one round of 3 candidates; after
-    one miss, a round of 2 (the second a spare). The first ``wanted`` that land are taken in candidate order: a spare
-    that landed is not taken, nor is its miss recorded."""
+def test_first_landing_offers_every_candidate_in_order_and_takes_the_first_that_land(tmp_path, monkeypatch):
+    """The screen's policy and every candidate go to the processes in order (those not needed are stopped or never
+    begun: _decided); the first ``wanted`` that land are taken in candidate order: a spare that landed is not taken,
+    nor is a later miss recorded."""
     from harness.apps import sweep
+    from harness.policy.warm_start import WarmStartError
 
-    rounds, misses = [], {4, 5}
+    offered, misses = [], {4, 5}
 
     def prepare(runs, folder, at_once, progress, decided):
-        rounds.append(sorted(runs))
+        offered.append(list(runs))
         return {seed: f"{seed} missed" for seed in runs if seed in misses}
 
     monkeypatch.setattr(sweep, "_prepare_seeds", prepare)
     first = [OmegaConf.create({"model": {"seed": 1}})]
     found = sweep.first_landing(lambda seeds: [OmegaConf.create({"model": {"seed": s}}) for s in seeds],
                                 (2, 3, 4, 5, 6, 7, 8), 3, tmp_path, 2, False, first)
-    assert rounds == [[1, 2, 3, 4], [5, 6]] and found == {"landed": [2, 3, 6], "missed": {4: "4 missed", 5: "5 missed"}}
-    rounds.clear()
-    misses = {4}
+    assert offered == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert found == {"landed": [2, 3, 6], "missed": {4: "4 missed", 5: "5 missed"}}
+    misses = {4, 8}
     found = sweep.first_landing(lambda seeds: [OmegaConf.create({"model": {"seed": s}}) for s in seeds],
                                 (2, 3, 4, 5, 6, 7, 8), 3, tmp_path, 2, False, first)
-    assert rounds == [[1, 2, 3, 4], [5, 6]] and found == {"landed": [2, 3, 5], "missed": {4: "4 missed"}}
+    assert found == {"landed": [2, 3, 5], "missed": {4: "4 missed"}}
     assert json.loads((tmp_path / "start_policies.json").read_text())["landed"] == [2, 3, 5]
+    with pytest.raises(WarmStartError, match=r"only 2 of model.seed \[2, 3, 4\] reached .* \(3 wanted\): 4: 4 missed"):
+        sweep.first_landing(lambda seeds: [OmegaConf.create({"model": {"seed": s}}) for s in seeds], (2, 3, 4), 3,
+                            tmp_path, 2, False)
+
+
+def test_the_builds_still_needed_run_side_by_side_when_the_others_are_cached(tmp_path, monkeypatch):
+    """5 wanted of model.seed 2-8 at 2 at once, where 2, 3 and 6 are cached (loaded at once) and 4 and 5 recorded
+    misses (read at once): 7 and 8, both needed, build side by side, not one after the other (rounds sized by the
+    policies still wanted built 7 alone, then 8)."""
+    from harness.apps import sweep
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    together = []
+
+    class Runner(_Runner):
+        def start(self, args, log, name):
+            handle = super().start(args, log, name)
+            if any(f"model_seed_{s}/" in args[1] for s in (7, 8)):  # a build: ends after many polls
+                polls, active = [], self.active
+
+                def poll():
+                    polls.append(1)
+                    together.append(set(active))
+                    if len(polls) < 20:
+                        return None
+                    active.discard(name)
+                    return 0
+                handle.poll = poll
+            return handle
+
+    runner = Runner({str(tmp_path / f"model_seed_{s}" / "config.yaml"): sweep.MISSED_BAND for s in (4, 5)})
+    monkeypatch.setattr(sweep, "LocalLauncher", lambda: runner)
+    monkeypatch.setattr(sweep, "stopped_error", lambda where: "missed its band")
+    settings = ["sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]", "model.warm_start_steps=5"]
+
+    def runs_for(seeds):
+        grid = f"sweep.grid.model.seed=[{','.join(map(str, seeds))}]"
+        return run_configs(load_experiment("quickstart", [*settings, grid]))
+
+    found = sweep.first_landing(runs_for, (2, 3, 4, 5, 6, 7, 8, 9), 5, tmp_path, 2, False)
+    assert found == {"landed": [2, 3, 6, 7, 8], "missed": {4: "missed its band", 5: "missed its band"}}
+    assert {"prepare-model_seed_7", "prepare-model_seed_8"} in together
 
 
 @pytest.mark.parametrize("done, decided", [
@@ -482,10 +525,10 @@ def test_first_landing_fills_idle_processes_with_the_next_candidates_and_takes_t
     ({1: True, 2: False, 3: True, 4: True}, True),
     ({1: True, 3: True, 4: True, 5: True}, False),  # 2, the first candidate, still building
 ])
-def test_a_round_of_starting_policies_is_decided_once_the_first_wanted_in_order_have_landed(done, decided):
+def test_the_starting_policies_are_decided_once_the_first_wanted_in_order_have_landed(done, decided):
     from harness.apps import sweep
 
-    assert sweep._decided(done, first=[1], round_=[2, 3, 4, 5], still=2) is decided
+    assert sweep._decided(done, first=[1], candidates=[2, 3, 4, 5], still=2) is decided
 
 
 def test_spare_builds_are_stopped_once_the_policies_wanted_have_landed(tmp_path, monkeypatch):

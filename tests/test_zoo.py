@@ -96,37 +96,43 @@ def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_a
 
 
 def _building(monkeypatch, misses=()):
-    """Stands in for the processes that build starting policies: records each round's model.seed values; those in
-    ``misses`` miss their band (their log's last line, as `python -m harness prepare` writes it)."""
-    rounds = []
+    """Stands in for the processes that build starting policies, one after another in the order offered until
+    ``enough`` says so: records the model.seed values built, per call; those in ``misses`` miss their band (their
+    log's last line, as `python -m harness prepare` writes it)."""
+    calls = []
 
     def prepare_through(pending, runner, progress, at_once, missed_ok=False, enough=None):
         assert missed_ok and at_once == 2
-        rounds.append([int(run.model.seed) for run, _ in pending])
+        built, done = [], {}
+        calls.append(built)
         for run, folder in pending:
             assert (folder / "config.yaml").is_file() and folder.name == f"model_seed_{run.model.seed}"
+            built.append(int(run.model.seed))
             if run.model.seed in misses:
                 (folder / "train.log").write_text(f"building\nerror: warm start of {run.model.seed} missed\n")
-        return [folder for run, folder in pending if run.model.seed in misses]
+            done[folder] = run.model.seed not in misses
+            if enough is not None and enough(done):
+                break
+        return [folder for folder, landed in done.items() if not landed]
 
     monkeypatch.setattr(sweep, "prepare_through", prepare_through)
-    return rounds
+    return calls
 
 
 @pytest.mark.slow  # expands the zoo's stages round by round: make test
-@pytest.mark.parametrize("misses, rounds, landed", [((), [[1, 2, 3, 4]], [2, 3, 4]),
-                                                    ((3,), [[1, 2, 3, 4], [5, 6]], [2, 4, 5]),
-                                                    ((2, 5), [[1, 2, 3, 4], [5, 6]], [3, 4, 6])])
-def test_the_confirmation_takes_the_first_starting_policies_that_land_in_their_band(misses, rounds, landed,
+@pytest.mark.parametrize("misses, built, landed", [((), [1, 2, 3, 4], [2, 3, 4]),
+                                                   ((3,), [1, 2, 3, 4, 5], [2, 4, 5]),
+                                                   ((2, 5), [1, 2, 3, 4, 5, 6], [3, 4, 6])])
+def test_the_confirmation_takes_the_first_starting_policies_that_land_in_their_band(misses, built, landed,
                                                                                     monkeypatch, tmp_path):
     """A starting policy whose warm start misses its band on this CPU is passed over, in order, for the next
-    candidate (rounds of as many as are still wanted, filled up to whole batches of the 2 jobs: the spare beside the
-    one still wanted is built at once), and its error is kept for the plan."""
-    built = _building(monkeypatch, misses)
+    candidate (the screen's and every candidate offered in order, in one call: the builds stop once enough have
+    landed), and its error is kept for the plan."""
+    calls = _building(monkeypatch, misses)
     overrides = [f"results_dir={tmp_path}"]
     _, screen_runs = zoo.zoo_runs(1, overrides, ["grpo"])
     starts = zoo.confirm_start_seeds(overrides, 2, False, screen_runs)
-    assert built == rounds and starts["landed"] == landed
+    assert calls == [built] and starts["landed"] == landed
     assert starts["missed"] == {seed: f"warm start of {seed} missed" for seed in misses}
     record = json.loads((tmp_path / "zoo" / "prepare" / sweep.START_POLICIES).read_text())
     assert record["landed"] == landed and record["missed"] == {str(s): e for s, e in starts["missed"].items()}

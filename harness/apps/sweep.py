@@ -136,7 +136,8 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
     at_once = min(at_once, len(first))  # no more at once than policies to build: each its share of the cores
     threads = runner.threads(at_once)  # once: the jobs started here would count as other load
     if progress:
-        tqdm.write(f"preparing {len(first)} starting polic{'y' if len(first) == 1 else 'ies'} through --launcher "
+        tqdm.write(f"preparing {'up to ' if enough else ''}{len(first)} starting polic"
+                   f"{'y' if len(first) == 1 else 'ies'}{', until enough land,' if enough else ''} through --launcher "
                    f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log: "
                    f"{', '.join(str(d) for d in first.values())})")
 
@@ -169,47 +170,45 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     warm start lands in its band, built or loaded, as ``{"landed": [...], "missed": {model.seed: its error}}`` (also
     written to ``folder``/start_policies.json). A recipe's starting policy is one that lands in its band; a value
     that misses it (another CPU rounds the warm start otherwise) is passed over, in order, never stretched to fit.
-    ``runs_for(seeds)``: run configs, the first of each model.seed naming its policy. Built in rounds of as many as are
-    still wanted (``first``'s policies, which must land, in the first round), rounded up to whole batches of
-    ``at_once`` (the next candidates fill the processes a round would leave idle: if one misses, its successor is
-    built already), ``at_once`` side by side, each a process of its own through prepare_through, into the cache every
-    run loads them from; a cached policy is loaded and a recorded miss read (harness/policy/warm_start.py), neither
-    built again. The candidates are taken in order whatever the round built: a later one that landed beside an
-    earlier one is not taken before it. Each policy's config and build log: ``folder``/model_seed_<N>/.
-    WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
+    ``runs_for(seeds)``: run configs, the first of each model.seed naming its policy. ``first``'s policies (which
+    must land) and then the candidates in order go to ``at_once`` processes side by side, each through
+    prepare_through into the cache every run loads them from, a process taking the next candidate as soon as it is
+    free: a cached policy is loaded and a recorded miss read (harness/policy/warm_start.py) in seconds, so the builds
+    still needed run side by side, and a process that would be idle builds the next candidate as a spare (if one
+    before it misses, its successor is under way). Once ``first`` has ended and the first ``wanted`` candidates in
+    order have landed, every candidate before them ended, the spares still building are stopped and the rest not
+    begun (_decided): a later one that landed beside an earlier one is not taken before it. Each policy's config and
+    build log: ``folder``/model_seed_<N>/. WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
     extra = _first_of_each(first)
     left = [seed for seed in candidates if seed not in extra]
     landed, missed = [], {}
-    while len(landed) < wanted:
-        size = -(-(wanted - len(landed) + len(extra)) // at_once) * at_once - len(extra)  # whole batches of at_once
-        round_, left = left[:size], left[size:]
-        if not round_:
-            raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
-                                 f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
-        decided = functools.partial(_decided, first=list(extra), round_=round_, still=wanted - len(landed))
-        errors = _prepare_seeds({**extra, **_first_of_each(runs_for(round_))}, folder, at_once, progress, decided)
+    if wanted > 0:
+        decided = functools.partial(_decided, first=list(extra), candidates=left, still=wanted)
+        errors = _prepare_seeds({**extra, **_first_of_each(runs_for(left))}, folder, at_once, progress, decided)
         if failed := [f"model.seed {seed}: {errors[seed]}" for seed in extra if seed in errors]:
             raise WarmStartError(f"a starting policy that must land missed its band, {'; '.join(failed)}")
-        extra = {}
-        for seed in round_:
+        for seed in left:  # in order; once enough have landed, the rest (spares, or never begun) are not taken
             if len(landed) == wanted:
-                break  # the round's later candidates: built, not taken
+                break
             if seed in errors:
                 missed[seed] = errors[seed]
             else:
                 landed.append(seed)
+    if len(landed) < wanted:
+        raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
+                             f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
     found = {"candidates": list(candidates), "landed": landed, "missed": missed}
     atomic_write(folder / START_POLICIES, json.dumps(found, indent=1) + "\n")
     return {"landed": landed, "missed": missed}
 
 
-def _decided(done: dict[int, bool], first: list[int], round_: list[int], still: int) -> bool:
-    """Whether the builds ended so far (``done``: model.seed -> landed) decide a round of first_landing: every one
-    of ``first`` has ended, and ``still`` of ``round_`` have landed with every candidate before them ended (the
+def _decided(done: dict[int, bool], first: list[int], candidates: list[int], still: int) -> bool:
+    """Whether the builds ended so far (``done``: model.seed -> landed) decide first_landing: every one of ``first``
+    has ended, and ``still`` of ``candidates`` have landed with every candidate before them ended (the
     candidates are taken in order, so a later one still building could not be taken)."""
     if any(seed not in done for seed in first):
         return False
-    for seed in round_:
+    for seed in candidates:
         if seed not in done:
             return False
         still -= done[seed]

@@ -354,7 +354,7 @@ def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_
                         wanted: int | None = None) -> dict:
     """The confirmation's starting policies (sweep.first_landing): the first ``wanted`` (None: CONFIRM_START_POLICIES)
     of START_CANDIDATES whose warm
-    start lands in its band, the screen's built in the first round, ``jobs`` side by side; their configs and build
+    start lands in its band, the screen's offered first, ``jobs`` side by side; their configs and build
     logs in results/zoo/prepare/. Called before the screen's first run too, so that both stages' policies (the
     confirmation's do not depend on the screen's findings) are built together."""
     def runs_for(seeds: list[int]) -> list[DictConfig]:
