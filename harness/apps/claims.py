@@ -519,10 +519,10 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
 
 
 def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scores: dict | None) -> dict | None:
-    """An eval accuracy of a sweep's ``final`` table, per (starting policy, seed) with each run's per-problem scores
-    (analysis.accuracy's units: the mean over the selected cells of the units every one of them has), so that its
-    interval counts the eval problems as a sample (module docstring); None for another metric or table, or without
-    the sweep's ``scores`` (unit_values then)."""
+    """An eval accuracy of a sweep's ``final`` table (or ``eval_accuracy`` of its ``runs``: evaluations_units), per
+    (starting policy, seed) with each run's per-problem scores (analysis.accuracy's units: the mean over the selected
+    cells of the units every one of them has), so that its interval counts the eval problems as a sample (module
+    docstring); None for another metric or table, or without the sweep's ``scores`` (unit_values then)."""
     metric, kind = check["metric"], check["table"]
     final = kind == "final" and (metric in (START, FINAL, BEST) or metric.startswith(FINAL + "_"))
     if scores is None or not (final or kind == "runs" and metric == EVALUATIONS):
