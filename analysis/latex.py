@@ -8,7 +8,8 @@ written beside report.md:
   the Holm-adjusted p-value over the cell's comparisons to the baseline (analysis/verdict.py) and the seeds won and
   lost of those both ended (the rest tied).
 
-Numbers to 3 significant digits (analysis.stats.num, as report.md shows them), in math mode (a true minus sign).
+Numbers to 3 significant digits (analysis.stats.num, as report.md shows them; a Holm p rounded down,
+analysis.stats.p_text), in math mode (a true minus sign).
 An interval carries report.md's qualifiers as marks, explained in the caption (:data:`MARKS`; --- where there is
 none, and why). Each file is a ``table`` environment with caption and label that needs ``\usepackage{booktabs}``;
 every text taken from the data (objective names, settings, the experiment's name) is escaped (:func:`escape`). With
@@ -25,7 +26,7 @@ import pandas as pd
 
 from analysis.accuracy import NO_INTERVAL
 from analysis.cells import Cells
-from analysis.stats import INDICATIVE_BELOW, indicative, num, top_units
+from analysis.stats import INDICATIVE_BELOW, indicative, num, p_text, top_units
 from analysis.verdict import versus_baseline
 
 SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
@@ -44,9 +45,10 @@ def escape(text) -> str:
     return "".join(SPECIALS.get(c, c) for c in " ".join(str(text).splitlines()))
 
 
-def number(value) -> str:
-    """A number in math mode, 3 significant digits (1.23e-05 as $1.23\\times 10^{-5}$); --- when missing."""
-    text = num(value)
+def number(value, text_of=num) -> str:
+    """A number in math mode, 3 significant digits (1.23e-05 as $1.23\\times 10^{-5}$; ``text_of``: p_text for a
+    p-value, rounded down); --- when missing."""
+    text = text_of(value)
     if text == "n/a":
         return NONE
     mantissa, _, exponent = text.replace(",", "{,}").partition("e")
@@ -127,7 +129,7 @@ def paired_tex(pairs: pd.DataFrame, cells: Cells, baseline: str | None, name: st
         text, marks = interval(row.difference_low, row.difference_high, int(row.n), bool(row.problems),
                                getattr(row, "top", None))
         used.update(marks)
-        rows.append([*values, escape(row.a), str(int(row.n)), number(row.difference), text, number(row.holm),
+        rows.append([*values, escape(row.a), str(int(row.n)), number(row.difference), text, number(row.holm, p_text),
                      f"{row.wins}/{row.losses}"])
     base = escape(baseline)
     caption = (f"{escape(name)}: each objective against {base}{', per cell' * bool(names)}. Difference: the "
