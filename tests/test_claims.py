@@ -316,6 +316,13 @@ def test_an_accuracy_check_counts_the_eval_problems():
     verdict, measured, _ = evaluate_check(check, tables)  # interval then (analysis/accuracy.py), not a zero width
     assert verdict == "not resolved" and "margin 0.200 [n/a, n/a]" in measured
     assert "does not count the eval problems (no per-problem scores)" in measured
+    two = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})  # 2 policies x seed 0, b's on other problems
+    two["final"] = two["final"][two["final"]["seed"] == 0].copy()
+    two["final"].loc[two["final"]["run_id"] == "a-0-2-0", "final_eval_accuracy"] = 0.3  # a +0.2 and +0.1 over b
+    two[SCORES] = {k: v.assign(problem=v["problem"] + 1) if k.startswith("b") else v for k, v in two[SCORES].items()}
+    two[SCORES]["a-0-2-0"] = two[SCORES]["a-0-2-0"].assign(correct=[1.0, 0.0, 0.5, 0.0, 0.0])
+    verdict, measured, _ = evaluate_check(check, two)  # over 2 runs only: their range [0.1, 0.2] is no 95% interval
+    assert verdict == "not resolved" and "margin 0.150 [n/a, n/a]" in measured
     within = {"table": "final", "metric": "final_eval_accuracy", "objective": "b", "within": [0.0, 1.0]}
     verdict, measured, _ = evaluate_check(within, _scored({"b": [0.0, 0.5, 0.5, 0.0]}))
     assert verdict == "not resolved" and "(n=6; its interval counts the eval problems too;" in measured

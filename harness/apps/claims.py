@@ -581,11 +581,11 @@ def interval(values: pd.Series | dict) -> tuple[float, float, float]:
     means with several (the estimate their mean, the interval's centre); with one, its t-interval over the units,
     none (NaN) from fewer than CI_MIN_SEEDS units (describe's range of 2 is no 95% interval). Accuracy units take
     analysis.accuracy.interval_of's, by starting policy, seed and eval problem (over the first two where a run lacks
-    its per-problem scores)."""
+    its per-problem scores; then none from fewer than CI_MIN_SEEDS units, where interval_of gives the range)."""
     if isinstance(values, dict):
         e = interval_of(values)
         policies = len({policy for policy, _, _ in values.values()})
-        few = policies < 2 and e.n < CI_MIN_SEEDS
+        few = e.n < CI_MIN_SEEDS and (policies < 2 or not e.problems)  # interval_of's range of 2 runs: no 95%
         return e.mean, np.nan if few else e.low, np.nan if few else e.high
     d = describe(values.to_numpy(), values.index.get_level_values(0))
     if d["policies"] < 2 and d["n"] < CI_MIN_SEEDS:
