@@ -563,3 +563,5 @@ def test_spare_builds_are_stopped_once_the_policies_wanted_have_landed(tmp_path,
     assert found == {"landed": [2, 3, 4], "missed": {}}
     assert [Path(c).parent.name for c in runner.stopped] == ["model_seed_5"]
     assert len(next(iter(slow.values()))) < 50
+    assert (tmp_path / "model_seed_5" / "config.yaml").is_file()  # begun as a spare, stopped
+    assert not (tmp_path / "model_seed_6").exists()  # never begun: no folder

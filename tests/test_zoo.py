@@ -101,12 +101,13 @@ def _building(monkeypatch, misses=()):
     log's last line, as `python -m harness prepare` writes it)."""
     calls = []
 
-    def prepare_through(pending, runner, progress, at_once, missed_ok=False, enough=None):
-        assert missed_ok and at_once == 2
+    def prepare_through(pending, runner, progress, at_once, missed_ok=False, enough=None, write_config=False):
+        assert missed_ok and at_once == 2 and write_config
         built, done = [], {}
         calls.append(built)
         for run, folder in pending:
-            assert (folder / "config.yaml").is_file() and folder.name == f"model_seed_{run.model.seed}"
+            assert folder.name == f"model_seed_{run.model.seed}"
+            sweep._write_config(run, folder)
             built.append(int(run.model.seed))
             if run.model.seed in misses:
                 (folder / "train.log").write_text(f"building\nerror: warm start of {run.model.seed} missed\n")

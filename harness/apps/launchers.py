@@ -126,6 +126,7 @@ class Job:
     args: list[str]
     log: Path
     name: str
+    begin: Callable[[], None] | None = None  # called just before it is started (not when adopted): what it reads
 
 
 def run_each(jobs: list[Job], runner: Launcher, at_once: int,
@@ -138,7 +139,12 @@ def run_each(jobs: list[Job], runner: Launcher, at_once: int,
         while waiting or active:
             while waiting and len(active) < at_once:
                 job = waiting.pop(0)
-                active[job.key] = (job, runner.adopt(job.name) or runner.start(job.args, job.log, job.name))
+                handle = runner.adopt(job.name)
+                if handle is None:
+                    if job.begin is not None:
+                        job.begin()
+                    handle = runner.start(job.args, job.log, job.name)
+                active[job.key] = (job, handle)
             done = [(job, code, handle) for job, handle in active.values() if (code := handle.poll()) is not None]
             stop = False
             for job, code, handle in done:

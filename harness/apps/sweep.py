@@ -117,7 +117,8 @@ def _policy_key(run: DictConfig) -> str:
 
 
 def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, progress: bool, at_once: int,
-                    missed_ok: bool = False, enough: Callable[[dict[Path, bool]], bool] | None = None) -> list[Path]:
+                    missed_ok: bool = False, enough: Callable[[dict[Path, bool]], bool] | None = None,
+                    write_config: bool = False) -> list[Path]:
     """Build each distinct warm-started starting policy once through ``runner`` (``python -m harness prepare
     <run config>``, logged in that run's train.log), ``at_once`` of them at a time, and wait for all of them before
     the runs start, so that every run of the sweep loads the same cached policy ($RLVR_CACHE on a shared file system)
@@ -126,11 +127,13 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
     that fails stops the others and raises; with ``missed_ok`` one whose warm start missed its band (exit
     MISSED_BAND) does not, and the folders of those that missed are returned. ``enough``: called with the builds
     ended so far ({folder: landed}); once it says True, the builds still running are stopped (a warm start is cached
-    whole or not at all) and those not begun are not: the caller takes none of them."""
+    whole or not at all) and those not begun are not: the caller takes none of them. ``write_config``: each run's
+    folder and config.yaml are written as its build begins (a sweep's runs have theirs already), so one never begun
+    leaves no folder."""
     first, missed, done = {}, [], {}
     for run, run_dir in pending:
         if run.model.warm_start_steps:
-            first.setdefault(_policy_key(run), run_dir)
+            first.setdefault(_policy_key(run), (run, run_dir))
     if not first:
         return missed
     at_once = min(at_once, len(first))  # no more at once than policies to build: each its share of the cores
@@ -139,7 +142,7 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         tqdm.write(f"preparing {'up to ' if enough else ''}{len(first)} starting polic"
                    f"{'y' if len(first) == 1 else 'ies'}{', until enough land,' if enough else ''} through --launcher "
                    f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log: "
-                   f"{', '.join(str(d) for d in first.values())})")
+                   f"{', '.join(str(d) for _, d in first.values())})")
 
     told = []  # the spares' line, said once
 
@@ -159,9 +162,15 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         return True
 
     run_each([Job(run_dir, ["prepare", str(run_dir / "config.yaml"), "--threads", str(threads)],
-                  run_dir / "train.log", f"prepare-{run_dir.name}") for run_dir in first.values()],
-             runner, at_once, ended)
+                  run_dir / "train.log", f"prepare-{run_dir.name}",
+                  functools.partial(_write_config, run, run_dir) if write_config else None)
+              for run, run_dir in first.values()], runner, at_once, ended)
     return missed
+
+
+def _write_config(run: DictConfig, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / "config.yaml", OmegaConf.to_yaml(run))
 
 
 def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates: Sequence[int], wanted: int,
@@ -178,7 +187,8 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     before it misses, its successor is under way). Once ``first`` has ended and the first ``wanted`` candidates in
     order have landed, every candidate before them ended, the spares still building are stopped and the rest not
     begun (_decided): a later one that landed beside an earlier one is not taken before it. Each policy's config and
-    build log: ``folder``/model_seed_<N>/. WarmStartError if one of ``first`` misses or fewer than ``wanted`` land."""
+    build log: ``folder``/model_seed_<N>/, written as its build begins. WarmStartError if one of ``first`` misses or
+    fewer than ``wanted`` land."""
     extra = _first_of_each(first)
     left = [seed for seed in candidates if seed not in extra]
     landed, missed = [], {}
@@ -230,15 +240,11 @@ def _prepare_seeds(runs: dict[int, DictConfig], folder: Path, at_once: int, prog
     """Build (or load) each ``model.seed -> run``'s starting policy through prepare_through, ``at_once`` side by side,
     logged in ``folder``/model_seed_<N>/, until ``decided`` by those ended (model.seed -> landed); the errors of those
     whose warm start missed its band."""
-    pending = {}
-    for seed, run in runs.items():
-        where = folder / f"model_seed_{seed}"
-        where.mkdir(parents=True, exist_ok=True)
-        atomic_write(where / "config.yaml", OmegaConf.to_yaml(run))
-        pending[where] = seed
+    pending = {folder / f"model_seed_{seed}": seed for seed in runs}
     missed = prepare_through([(run, where) for where, run in zip(pending, runs.values(), strict=True)],
                              LocalLauncher(), progress, at_once, missed_ok=True,
-                             enough=lambda done: decided({pending[where]: landed for where, landed in done.items()}))
+                             enough=lambda done: decided({pending[where]: landed for where, landed in done.items()}),
+                             write_config=True)
     return {pending[where]: (stopped_error(where) or "missed its band").removeprefix("error: ") for where in missed}
 
 
