@@ -524,7 +524,8 @@ def _arith_problems(num_operands: int, digits: int, operators: tuple[str, ...], 
         problem = sample(train_rng)
         if problem.question not in seen:
             train_problems.append(problem)
-    seen.update(problem.question for problem in train_problems)
+    if eval_set:  # the later sets leave the train problems out too
+        seen.update(problem.question for problem in train_problems)
     space = _arith_space(num_operands, digits, operators)
     for k in range(1, eval_set + 1):  # the later sets: neither a train problem nor in an earlier set
         eval_problems, draws = [], 0
