@@ -141,7 +141,8 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
     if progress:
         tqdm.write(f"preparing {'up to ' if enough else ''}{len(first)} starting polic"
                    f"{'y' if len(first) == 1 else 'ies'}{', until enough land,' if enough else ''} through --launcher "
-                   f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log: "
+                   f"{runner.name}, {at_once} at a time (each logged in its run folder's train.log"
+                   f"{', the folder written as its build begins' if write_config else ''}: "
                    f"{', '.join(str(d) for _, d in first.values())})")
 
     told = []  # the spares' line, said once
