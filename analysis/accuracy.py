@@ -84,7 +84,10 @@ def run_scores(samples: pd.DataFrame | None, column: str, value: float) -> pd.Se
 
 
 def scores_at(samples: pd.DataFrame, step: int, score: str = SCORE) -> pd.Series:
-    """The per-problem scores of the evaluation at ``step`` (index: problem, answer; empty without one)."""
+    """The per-problem scores of the evaluation at ``step`` (index: problem, answer; empty without one, or where the
+    samples do not name their problems and answers)."""
+    if not {"problem", "answer"} <= set(samples.columns):
+        return pd.Series(dtype=float)
     part = samples[samples["step"] == step].dropna(subset=[score])
     return part.set_index(["problem", "answer"])[score].astype(float).sort_index()
 

@@ -315,7 +315,7 @@ def test_an_accuracy_check_counts_the_eval_problems():
     del tables[SCORES]["b-0-2-1"]  # one run without its scores: over the runs, whose equal differences give no
     verdict, measured, _ = evaluate_check(check, tables)  # interval then (analysis/accuracy.py), not a zero width
     assert verdict == "not resolved" and "margin 0.200 [n/a, n/a]" in measured
-    assert "does not count the eval problems (no per-problem scores)" in measured
+    assert "does not count the eval problems (no per-problem scores for some run)" in measured
     two = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})  # 2 policies x seed 0, b's on other problems
     two["final"] = two["final"][two["final"]["seed"] == 0].copy()
     two["final"].loc[two["final"]["run_id"] == "a-0-2-0", "final_eval_accuracy"] = 0.3  # a +0.2 and +0.1 over b
@@ -882,3 +882,55 @@ def test_a_check_on_an_objective_the_sweep_does_not_run_or_a_bad_margin_is_refus
                                                                               "than": "gspo"}}])
     with pytest.raises(ConfigError, match="check's than 'gspo' is not an objective its sweep runs"):
         check_claims([other], {other.key: ()}, {other.key}, allow_code_change=False)  # as the command runs it
+
+
+def test_an_accuracy_check_of_no_objective_averages_the_objectives_of_a_unit():
+    """A ``within`` check that names no objective takes, per (starting policy, seed), the mean over the objectives
+    (and cells) selected, as over the runs alone: a's runs and b's of one key are not one replacing the other. a's
+    mean is 0.5 and b's 0.3 (the shared problem adds seed / 2 to both), so their mean is 0.4 either way."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})
+    within = {"table": "final", "metric": "final_eval_accuracy", "within": [0.0, 1.0]}
+    with_scores, runs_only = (evaluate_check(within, t)[1] for t in (tables, {"final": tables["final"]}))
+    assert "final_eval_accuracy mean 0.400 [" in with_scores and "counts the eval problems too" in with_scores
+    assert "final_eval_accuracy mean 0.400 [" in runs_only
+
+
+def test_an_accuracy_check_over_two_cells_takes_each_unit_s_mean_over_them():
+    """a's runs in two cells, the second 0.1 lower on each of 4 of its 5 problems: 0.5 and 0.42, mean 0.46 per unit
+    (the first cell alone would say 0.5)."""
+    within = {"table": "final", "metric": "final_eval_accuracy", "objective": "a", "within": [0.0, 1.0]}
+    verdict, measured, _ = evaluate_check(within, _scored({"a": [1.0, 0.5, 0.5, 0.0]}, lags=(0, 1)))
+    assert "a final_eval_accuracy mean 0.460 [" in measured and "counts the eval problems too" in measured
+
+
+def test_an_accuracy_check_that_b_is_less_than_a_has_the_margin_of_a_over_b():
+    """"b < a" by 0.2 per run: the margin +0.2, with the interval of "a > b" (0.2 +- t(4) x 0.2), not its mirror."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})
+    less = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "b", "than": "a",
+                                                                          "direction": "less"}}
+    verdict, measured, _ = evaluate_check(less, tables)
+    half = 2.7764451 * 0.2
+    assert verdict == "not resolved" and f"b < a: margin 0.200 [{num(0.2 - half)}, {num(0.2 + half)}]" in measured
+
+
+def test_an_accuracy_check_of_one_starting_policy_and_two_seeds_has_no_interval_even_with_scores():
+    """Two seeds of one starting policy: no 95% interval over their spread, scores or not (the claims' rule)."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})
+    tables["final"] = tables["final"][(tables["final"][START_SEED] == 1) & (tables["final"]["seed"] < 2)]
+    check = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
+    verdict, measured, _ = evaluate_check(check, tables)
+    assert verdict == "not resolved" and "margin 0.200 [n/a, n/a]" in measured
+
+
+def test_a_best_accuracy_s_row_says_its_interval_leans_upward_and_unnamed_problems_fall_back():
+    """The best evaluation is chosen on the problems its interval then resamples: the row says it is optimistic.
+    Samples that do not name their answers cannot be paired by problem: over the runs, said, not an error."""
+    tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.0, 0.5, 0.5, 0.0]})
+    tables["final"]["best_eval_accuracy"] = tables["final"]["final_eval_accuracy"]
+    best = {"table": "final", "metric": "best_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
+    verdict, measured, _ = evaluate_check(best, tables)
+    assert "counts the eval problems too, each run's best evaluation, chosen on them, taken as given: optimistic" \
+        in measured
+    tables[SCORES] = {k: v.drop(columns="answer") for k, v in tables[SCORES].items()}
+    verdict, measured, _ = evaluate_check(best, tables)
+    assert "does not count the eval problems (no per-problem scores for some run)" in measured

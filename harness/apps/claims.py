@@ -58,7 +58,8 @@ eval accuracy's (``final_eval_accuracy``, ``best_eval_accuracy``, ``start_eval_a
 eval problems, a sample of the task's, so its interval is analysis/accuracy.py's
 over starting policies, seeds and eval problems, paired run by run and problem by problem (a comparison's
 ``baseline`` and ``factor`` too), and the ledger says "its interval counts the eval problems too"; where a run lacks
-its per-problem scores it is over the runs only, and says so.
+its per-problem scores it is over the runs only, and says so. A ``best_eval_accuracy``'s scores are each run's best
+evaluation's, chosen on the same problems and taken as given, so its interval leans upward (said in its row).
 
 Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 starting policies x 5 seeds or batches per
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
@@ -521,8 +522,9 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
 def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scores: dict | None) -> dict | None:
     """An eval accuracy of a sweep's ``final`` table (or ``eval_accuracy`` of its ``runs``: evaluations_units), per
     (starting policy, seed) with each run's per-problem scores (analysis.accuracy's units: the mean over the selected
-    cells of the units every one of them has), so that its interval counts the eval problems as a sample (module
-    docstring); None for another metric or table, or without the sweep's ``scores`` (unit_values then)."""
+    cells, and objectives where ``objective`` is None, of the units every one of them has), so that its interval
+    counts the eval problems as a sample (module docstring); None for another metric or table, or without the
+    sweep's ``scores`` (unit_values then)."""
     metric, kind = check["metric"], check["table"]
     final = kind == "final" and (metric in (START, FINAL, BEST) or metric.startswith(FINAL + "_"))
     if scores is None or not (final or kind == "runs" and metric == EVALUATIONS):
@@ -530,9 +532,10 @@ def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scor
     rows = table.query(check["where"]) if check.get("where") else table
     if objective is not None:
         rows = rows[rows["objective"] == objective]
+    groups = rows.groupby(["cell_id", "objective"])  # a check of no objective: the mean over them, as unit_values'
     if final:
-        return across_cells([runs_scores(cell, scores, metric) for _, cell in rows.groupby("cell_id")])
-    return across_cells([evaluations_units(cell, scores) for _, cell in rows.groupby("cell_id")])
+        return across_cells([runs_scores(group, scores, metric) for _, group in groups])
+    return across_cells([evaluations_units(group, scores) for _, group in groups])
 
 
 def evaluations_units(rows: pd.DataFrame, scores: dict) -> dict:
@@ -593,13 +596,19 @@ def interval(values: pd.Series | dict) -> tuple[float, float, float]:
     return d["mean"], d["ci_low"], d["ci_high"]
 
 
-def resolution(values: pd.Series | dict) -> str:
+def resolution(values: pd.Series | dict, metric: str) -> str:
     """Whether the interval of accuracy units counts the eval problems as a sample (they are resolved by problem),
-    said as a clause of the measured text; "" for unit_values'."""
+    and if not why, said as a clause of the measured text; "" for unit_values'. A best eval accuracy's scores are
+    those of each run's best evaluation, chosen on the same problems: its interval takes that choice as given, so it
+    leans upward, and says so."""
     if not isinstance(values, dict) or not values:
         return ""
-    return ("; its interval counts the eval problems too" if interval_of(values).problems else
-            "; its interval does not count the eval problems (no per-problem scores)")
+    if interval_of(values).problems:
+        return "; its interval counts the eval problems too" + (
+            ", each run's best evaluation, chosen on them, taken as given: optimistic" if metric == BEST else "")
+    why = ("no per-problem scores for some run" if any(s is None for _, _, s in values.values())
+           else "the runs' per-problem scores are not on the same eval problems")
+    return f"; its interval does not count the eval problems ({why})"
 
 
 def verdict_of(lo: float, hi: float, low: float, high: float) -> str:
@@ -634,8 +643,8 @@ def evaluate_within(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
         verdict = "holds" if low <= value <= high else "does not hold"
     who = f"{check['objective']} " if check.get("objective") else ""
     shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else " (no interval)" if statistic == "mean" else ""
-    measured = (f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}{resolution(values)}; expected in "
-                f"[{low}, {high}])")
+    measured = (f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}{resolution(values, metric)}; "
+                f"expected in [{low}, {high}])")
     return verdict, measured, replication(as_series(values), check["table"])
 
 
@@ -672,7 +681,7 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
         difference = minus(x, y)
         value, lo, hi = interval(difference)
         margin = spec["margin"]
-        measured = (f"{numbers}{resolution(difference)}); {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], "
+        measured = (f"{numbers}{resolution(difference, metric)}); {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], "
                     f"equivalence margin +-{margin:g}")
         return verdict_of(lo, hi, -margin, margin), measured, units
     sign = 1 if direction == "greater" else -1
@@ -682,7 +691,7 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
     verdict = NOT_RESOLVED if not np.isfinite(lo) else "holds" if lo > 0 else "does not hold" if hi <= 0 \
         else NOT_RESOLVED
-    return verdict, (f"{numbers}{resolution(difference)}); {a} {relation} {b}: margin {num(value)} "
+    return verdict, (f"{numbers}{resolution(difference, metric)}); {a} {relation} {b}: margin {num(value)} "
                      f"[{num(lo)}, {num(hi)}]"), units
 
 
