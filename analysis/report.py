@@ -850,8 +850,9 @@ def results_blocks(exp: Experiment, numbers: Numbers, parts: CellParts, data_war
     blocks = [("h2", "Eval accuracy per objective" + (" and cell" if multi else "")),
               ("p", f"Greedy held-out accuracy at the last step (final) and the best over evaluations (best), over "
                     f"the runs that {ENDED}. Mean over seeds; interval: {ACCURACY_INTERVALS}. IQM: mean of the middle "
-                    f"50% of seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Wall time and "
-                    "rollout tokens: mean per ended run."
+                    f"50% of seeds (scipy.stats.trim_mean(x, 0.25)), shown with {IQM_MIN_SEEDS}+ seeds. Best: each "
+                    "run's best evaluation, chosen on the eval problems its interval resamples and taken as given, so "
+                    "the best's mean and interval lean upward. Wall time and rollout tokens: mean per ended run."
                     + (" The same final evaluation scored other ways: "
                        + ", ".join(f"{k} scoring (`{SCORING_PREFIX}{k}`)" for k in scorings)
                        + "; final and best use the task's default scoring (`eval_accuracy`)." if scorings else "")),

@@ -504,6 +504,7 @@ def test_two_axis_sweep_report(tmp_path):
     # order: headline, then the figures (axes first), then the tables
     first_figure, first_table = text.index("!["), text.index("## Eval accuracy per objective and cell")
     assert text.index("## Start and end accuracy") < text.index("## Figures") < first_figure < first_table
+    assert "taken as given, so the best's mean and interval lean upward" in text  # a max over evaluations
     assert text.index("(axis_1.png)") < text.index("(curves_step_c1.png)")
     assert text.index("## Paired comparisons") > first_table and text.index("## Runs\n") > text.index("## Collapse")
     assert "- cell 1: `train.epochs=1, train.rollout_correction.mode=none` — grpo (3 seeds), gspo (3 seeds)" in text
