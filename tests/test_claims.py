@@ -17,6 +17,7 @@ from harness.apps.claims import (
     CLAIMS_DIR,
     SCORES,
     Claim,
+    check_claims,
     checked,
     evaluate_check,
     ledger_rows,
@@ -24,9 +25,13 @@ from harness.apps.claims import (
     load_claims,
     model_of,
     probe_settings,
+    recorded_starts,
     run_source,
+    selection,
     write_ledger,
 )
+from harness.apps.sweep import START_POLICIES, check_prepare_folder, first_landing
+from harness.apps.zoo import START_CANDIDATES
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from tests.helpers.fake_runs import code_segments, fake_experiment, fake_run
@@ -129,6 +134,23 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     ("{sweep: quickstart, overrides: train.steps=2}", "[{table: final, metric: m, within: [0, 1]}]",
      r"experiment.overrides must be a list of key=value texts, got 'train.steps=2'"),
     ("{sweep: 3}", "[{table: final, metric: m, within: [0, 1]}]", r"experiment.sweep must name one sweep \(text\)"),
+    # the fifteenth hostile pass: a where ran code (pandas' @ reads the module's own names), or failed after the runs
+    ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], where: \"@pd.io.common.os.system('true') "
+     "== 0\"}]", r"where \"@pd.io.common.os.system\('true'\) == 0\" does not parse"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], where: \"objective.__class__ == 1\"}]",
+     r"where 'objective.__class__ == 1': objective.__class__ is not allowed"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, baseline: \"len(seed) > "
+     "0\"}}]", r"compare.where 'len\(seed\) > 0': len\(seed\) is not allowed"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], where: \"seed >=\"}]",
+     r"where 'seed >=' does not parse"),
+    ("{probe: moe_update, overrides: [depths]}", "[{table: probe, metric: m, within: [0, 1]}]",
+     r"probe moe_update's override 'depths' is not key=value"),
+    ("{probe: moe_update, overrides: ['depths=[2,']}", "[{table: probe, metric: m, within: [0, 1]}]",
+     r"probe moe_update's override 'depths=\[2,': not valid YAML"),
+    ("{probe: moe_update, overrides: [prompts=0]}", "[{table: probe, metric: m, within: [0, 1]}]",
+     r"probe moe_update: prompts must be a whole number >= 1, got 0"),
+    ("{probe: moe_update, overrides: ['depths=[]']}", "[{table: probe, metric: m, within: [0, 1]}]",
+     r"probe moe_update: depths must be a non-empty list of whole numbers >= 1"),
 ])
 def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, experiment, checks, message):
     """Each ended in a traceback, a verdict or "no data" only after the claim's experiment had run, or (no checks)
@@ -142,7 +164,13 @@ def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, exp
 
 @pytest.mark.parametrize("extra, message", [
     ("name: other", r"not a claim \(no field 'name'\); its fields: claim, paper, .* \(its name is the file's\)"),
-    ("seeds: true", r"seeds must be a whole number >= 1, got True"),  # one seed per policy, without a word
+    ("seeds: true", r"seeds must be a whole number from 1 to 100 \(per starting policy\), got True"),
+    ("seeds: 100000", r"seeds must be a whole number from 1 to 100"),  # 500,000 runs planned without a word
+    ("seeds: 3", r"seeds is a sweep's \(seeds per starting policy\): a lab runs once per starting policy"),  # ignored
+    ("notes: 5", r"notes must be a list of texts"),  # a TypeError after the experiments
+    ("notes: hello world", r"notes must be a list of texts"),  # the ledger spelt it h e l l o
+    ("reported: [1]", r"reported must be one text"),
+    ("checks: []", r"not a claim: not valid YAML at line 5, column 1 \(the key 'checks' is given twice\)"),
     ("start_policies: true", r"start_policies must be a whole number"),
     ("long: 'false'", r"long must be true or false, got 'false'"),  # truthy: left out of make claims
 ])
@@ -651,9 +679,9 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
 @pytest.mark.slow  # every run config of offpolicy's grid (seconds): make test
 def test_claims_check_first_the_runs_of_the_starting_policies_a_former_call_found(tmp_path, monkeypatch):
     """Before anything is built, the runs checked are those of the starting policies a former call found (its
-    start_policies.json: 2, 3 and 6 where 4 and 5 missed their band on this CPU), not the first candidates': a claims
-    call after a commit, whose runs one code version had all ended, was refused as pairing that version's runs with
-    runs of model.seed 4 that would never run (seen on the asynchronous claims)."""
+    start_policies.json: 2, 3, 6, 7 and 8 where 4 and 5 missed their band on this CPU), not the first candidates':
+    a claims call after a commit, whose runs one code version had all ended, was refused as pairing that version's
+    runs with runs of model.seed 4 that would never run (seen on the asynchronous claims)."""
     import hashlib
 
     from harness.apps import claims
@@ -664,15 +692,16 @@ def test_claims_check_first_the_runs_of_the_starting_policies_a_former_call_foun
     hashed = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]  # as start_seeds names its folder
     folder = tmp_path / "results" / "prepare" / f"{name}_{hashed}"
     folder.mkdir(parents=True)
-    (folder / claims.START_POLICIES).write_text(json.dumps({"landed": [2, 3, 6], "missed": {"4": "low", "5": "low"}}))
+    (folder / claims.START_POLICIES).write_text(json.dumps({"landed": [2, 3, 6, 7, 8],
+                                                             "missed": {"4": "low", "5": "low"}}))
     checked = []
     monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: None)
     monkeypatch.setattr(claims, "check_runs_one_version", lambda cfg, runs, what: checked.append(
         sorted({int(r.model.seed) for r in runs})))
-    monkeypatch.setattr(claims, "first_landing", lambda *args: {"landed": [2, 3, 6]})
+    monkeypatch.setattr(claims, "first_landing", lambda *args: {"landed": [2, 3, 6, 7, 8]})
     monkeypatch.setattr(claims, "run_source", lambda *args, **kwargs: {})
     assert claims.main(["gspo_stable_offpolicy"], jobs=1, progress=False) == 0
-    assert checked == [[2, 3, 6]]
+    assert checked == [[2, 3, 6, 7, 8]]
 
 
 @pytest.mark.slow  # two shipped claims checked by main (seconds): make test
@@ -934,3 +963,74 @@ def test_a_best_accuracy_s_row_says_its_interval_leans_upward_and_unnamed_proble
     tables[SCORES] = {k: v.drop(columns="answer") for k, v in tables[SCORES].items()}
     verdict, measured, _ = evaluate_check(best, tables)
     assert "does not count the eval problems (no per-problem scores for some run)" in measured
+
+
+def test_a_where_selects_rows_and_runs_no_code(tmp_path):
+    """selection() refuses what where_problem refuses even when a check was not read from a file, and evaluates
+    the string tests a shipped claim uses (point.str.startswith) with nothing of the module in reach."""
+    table = pd.DataFrame({"point": ["temperature 1", "0"], "train.lr": [1e-4, 2e-4]})
+    assert list(selection(table, "point.str.startswith('temperature')").index) == [0]
+    assert list(selection(table, "`train.lr` == 2e-4").index) == [1]
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match="does not parse"):
+        selection(table, f"@pd.io.common.os.system('touch {marker}') == 0")
+    with pytest.raises(ValueError, match="is not allowed"):
+        selection(table, f"point.str.startswith('x').__class__.__init__.__globals__ == '{marker}'")
+    assert not marker.exists()
+
+
+def test_a_lab_claim_naming_an_objective_its_lab_does_not_run_is_refused_before_the_lab(monkeypatch):
+    """A typo in a lab claim's objective was found only after the lab had run ("no data")."""
+    claim = Claim(name="c", claim="x", paper="y", experiment={"lab": "lab_moe"},
+                  checks=[{"table": "lab", "metric": "m", "compare": {"objective": "gspoo", "than": "grpo"}}])
+    with pytest.raises(ConfigError, match=r"claim c: a check's objective 'gspoo' is not an objective its lab runs "
+                                          r"\(ctpo, grpo, gspo, gspo_token\); did you mean gspo\?"):
+        check_claims([claim], {claim.key: (2,)}, set(), False)
+
+
+@pytest.mark.parametrize("record, message", [
+    ('{"landed": [-1, 2], "missed": {}}', "is not a record of the starting policies found"),
+    ('{"landed": [2, 2], "missed": {}}', "is not a record of the starting policies found"),
+    ('{"landed": [2], "missed": {"2": "x"}}', "is not a record of the starting policies found"),
+    ("not json", "is not a record of the starting policies found"),
+    (None, "is a link or not a file"),  # a folder in its place: an IsADirectoryError when written
+])
+def test_a_start_policies_record_it_did_not_write_is_named_before_anything(tmp_path, record, message):
+    """An edited start_policies.json was read as it stood: [] selected the experiment's own folder (other runs, a
+    verdict changed without a word), -1 a config error that named neither the file nor the claim."""
+    path = tmp_path / "prepare" / "quickstart_x" / START_POLICIES
+    path.parent.mkdir(parents=True)
+    path.mkdir() if record is None else path.write_text(record)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} {message}"):
+        check_prepare_folder(path.parent, START_CANDIDATES)
+        recorded_starts(path, 2)
+
+
+def test_a_start_policies_record_with_fewer_than_wanted_goes_on_past_its_misses(tmp_path):
+    """A record of fewer policies than a claim now asks for: those, then the next candidates not recorded as missed
+    (an emptied list read the experiment's own folder)."""
+    path = tmp_path / START_POLICIES
+    path.write_text('{"candidates": [2, 3, 4, 5], "landed": [2], "missed": {"3": "missed its band"}}')
+    assert recorded_starts(path, 3) == (2, 4, 5)
+    path.write_text('{"landed": [], "missed": {}}')
+    assert recorded_starts(path, 2) == START_CANDIDATES[:2]
+    assert recorded_starts(tmp_path / "none.json", 2) == START_CANDIDATES[:2]
+
+
+def test_a_linked_starting_policy_folder_is_refused_before_any_build(tmp_path):
+    """A model_seed_<N> build folder that is a link to a folder of the user's: its config.yaml was replaced through
+    the link (and a build's log appended to the user's train.log)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("mine\n")
+    folder = tmp_path / "prepare" / "quickstart_x"
+    folder.mkdir(parents=True)
+    (folder / "model_seed_2").symlink_to(mine)
+    with pytest.raises(ConfigError, match=r"model_seed_2 is a symbolic link"):
+        first_landing(lambda seeds: [], (2, 3), 1, folder, 1, False)
+    (folder / "model_seed_2").unlink()
+    folder.rmdir()
+    folder.symlink_to(mine)
+    with pytest.raises(ConfigError, match=r"quickstart_x is a symbolic link"):
+        first_landing(lambda seeds: [], (2, 3), 1, folder, 1, False)
+    assert (mine / "config.yaml").read_text() == "mine\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]

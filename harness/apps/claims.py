@@ -75,11 +75,13 @@ sweeps per run), so `make claims` continues where it stopped.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import hashlib
 import html
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -107,11 +109,12 @@ from analysis.load import AnalysisError
 from analysis.load import load_experiment as load_results
 from analysis.report import md_table
 from analysis.stats import CI_MIN_SEEDS, INDICATIVE_BELOW, describe, num
-from harness.apps.lab import lab_dir, run_lab
+from harness.apps.lab import lab_dir, lab_objectives, run_lab, validate_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
 from harness.apps.sweep import (
     START_POLICIES,
+    check_prepare_folder,
     check_runs_code,
     check_runs_one_version,
     first_landing,
@@ -120,6 +123,7 @@ from harness.apps.sweep import (
 )
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
+from harness.run.commandline import SCREEN_SEEDS_MAX
 from harness.run.config import load_experiment, run_configs, run_id, yaml_problem
 from harness.run.errors import ConfigError
 from harness.run.experiments import EXPERIMENTS_DIR
@@ -140,6 +144,12 @@ DESIGN = (INDICATIVE_BELOW, 5)  # what "holds" needs: starting policies (the int
 # INDICATIVE_BELOW their coverage falls short of 95%, analysis/stats.py), and seeds (or batches) per starting policy
 CORRECTION = ("none across claims; within the claim every check must hold, each at 95% (intersection-union test)")
 NOT_RESOLVED = "not resolved"  # a check's 95% interval reaches both sides of its claimed bound, or there is none
+# what a selection (``where``, pandas' query syntax) may hold: columns, values, comparisons and arithmetic, no more
+WHERE_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd, ast.Compare,
+               ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.BitAnd,
+               ast.BitOr, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Mod, ast.Name, ast.Load, ast.Constant, ast.List,
+               ast.Tuple)
+STRING_TESTS = ("startswith", "endswith", "contains")  # column.str.<test>(values): the string tests a where may use
 
 
 @dataclass
@@ -181,7 +191,7 @@ def load_claim(path: Path) -> Claim:
         raise ConfigError(f"{path}: not a claim file (a link or a folder, not followed); a claim is a YAML file of its "
                           f"own in {CLAIMS_DIR}: move it away or replace it with the file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not a claim: {yaml_problem(e)}; see harness/apps/claims.py for the fields") \
             from None
@@ -201,18 +211,43 @@ def load_claim(path: Path) -> Claim:
     return claim
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error (safe_load keeps the last and
+    drops the first without a word; experiment files, read by OmegaConf, refuse it too)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode) -> dict:
+    keys = [loader.construct_object(key, deep=True) for key, _ in node.value]
+    twice = next((i for i, key in enumerate(keys) if key in keys[:i]), None)
+    if twice is not None:
+        raise yaml.constructor.ConstructorError(None, None, f"the key {keys[twice]!r} is given twice",
+                                                node.value[twice][0].start_mark)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def claim_problem(claim: Claim) -> str | None:
     """What is wrong with a claim's fields beyond its checks' (:func:`check_problem`), or None."""
     if not (_whole(claim.start_policies) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
         return (f"start_policies must be a whole number from 1 to {len(START_CANDIDATES)} (the first that land of "
                 f"model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
-    if claim.seeds is not None and not (_whole(claim.seeds) and claim.seeds >= 1):
-        return f"seeds must be a whole number >= 1, got {claim.seeds!r}"
+    if claim.seeds is not None and not (_whole(claim.seeds) and 1 <= claim.seeds <= SCREEN_SEEDS_MAX):
+        return f"seeds must be a whole number from 1 to {SCREEN_SEEDS_MAX} (per starting policy), got {claim.seeds!r}"
     if not isinstance(claim.long, bool):
         return f"long must be true or false, got {claim.long!r}"
+    wrong = [k for k in ("claim", "paper", "reported") if not isinstance(getattr(claim, k), str)]
+    if wrong:
+        return f"{wrong[0]} must be one text, got {getattr(claim, wrong[0])!r}"
+    if not (isinstance(claim.notes, list) and all(isinstance(note, str) for note in claim.notes)):
+        return f"notes must be a list of texts (- one note a line), got {claim.notes!r}"
     problem = experiment_problem(claim.experiment)
     if problem:
         return problem
+    if claim.seeds is not None and claim.source[0] != "sweep":  # it would be ignored without a word
+        return (f"seeds is a sweep's (seeds per starting policy): a lab runs once per starting policy and a probe "
+                f"takes its seeds in its overrides; remove seeds: {claim.seeds}")
     if not isinstance(claim.checks, list) or not claim.checks:  # none: every check held, vacuously
         return f"checks must be a non-empty list of checks, got {claim.checks!r}"
     return next(filter(None, (check_problem(check, claim.source[0]) for check in claim.checks)), None)
@@ -234,6 +269,11 @@ def experiment_problem(experiment) -> str | None:
     overrides = experiment.get("overrides", [])
     if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)):
         return f"experiment.overrides must be a list of key=value texts, got {overrides!r}"
+    if kind == "probe":
+        try:
+            probe_settings(tuple(overrides))
+        except ConfigError as e:
+            return str(e)
     return None
 
 
@@ -257,6 +297,8 @@ def check_problem(check, kind: str) -> str | None:
         return f"a check's {wrong[0]} is one text, got {check[wrong[0]]!r}"
     if check["table"] not in TABLES[kind]:
         return f"a {kind} has no table {check['table']!r}; tables: {', '.join(TABLES[kind])}"
+    if check.get("where") and (problem := where_problem(check["where"])):
+        return problem
     if check.get("statistic", "mean") not in STATISTICS:
         return f"statistic must be one of {', '.join(STATISTICS)}"
     if "within" in check:
@@ -281,6 +323,10 @@ def compare_problem(spec) -> str | None:
         return f"compare.{wrong[0]} is one text, got {spec[wrong[0]]!r}"
     if spec.get("direction", "greater") not in DIRECTIONS:
         return f"compare.direction must be one of {', '.join(DIRECTIONS)}"
+    problem = next(filter(None, (where_problem(spec[k]) for k in ("where", "than_where", "baseline") if spec.get(k))),
+                   None)
+    if problem:
+        return f"compare.{problem}"
     if (spec.get("direction") == "equivalent") != ("margin" in spec):
         return "compare.margin is the equivalence margin: give it with direction equivalent (only)"
     for key, zero, what in (("margin", False, "the equivalence margin"), ("factor", False, "y's multiplier"),
@@ -289,6 +335,53 @@ def compare_problem(spec) -> str | None:
         if not (_finite(value) and (value >= 0 if zero else value > 0)):
             return f"compare.{key} must be a number {'>= 0' if zero else '> 0'} ({what}), got {value!r}"
     return None
+
+
+def where_problem(where: str) -> str | None:
+    """What is wrong with a selection (pandas' query syntax, run on the claim's tables: :func:`selection`), or None.
+    It may compare columns (a name, or a name with dots in backticks) with values, test a text column
+    (``column.str.startswith('x')``: STRING_TESTS) and combine them (and, or, not, & |, arithmetic), and nothing
+    else: no ``@`` (which reads a variable of the harness's own code), no other call or attribute, so that a claim
+    file selects rows and runs no code."""
+    try:
+        tree = ast.parse(re.sub(r"`[^`]*`", "column", where), mode="eval")
+    except SyntaxError as e:
+        return f"where {where!r} does not parse ({e.msg}): write a selection such as \"`train.lr` == 1e-4\""
+    bad = _disallowed(tree)
+    if bad is None:
+        return None
+    what = ast.unparse(bad) if isinstance(bad, ast.expr) else f"the operator {type(bad).__name__}"
+    return (f"where {where!r}: {what} is not allowed; a where compares columns with values (==, !=, <, in, and, or, "
+            "not, arithmetic, column.str.startswith('x')), e.g. \"step >= 15 and objective == 'grpo'\": no @, no other "
+            "call or attribute")
+
+
+def _disallowed(node: ast.AST) -> ast.AST | None:
+    """The first node of a parsed selection that where_problem does not allow (None: every one is allowed)."""
+    if _string_test(node):
+        return None
+    if not isinstance(node, WHERE_NODES):
+        return node
+    return next(filter(None, map(_disallowed, ast.iter_child_nodes(node))), None)
+
+
+def _string_test(node: ast.AST) -> bool:
+    """Whether ``node`` is ``column.str.<one of STRING_TESTS>(values)``, e.g. point.str.startswith('temperature')."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STRING_TESTS
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "str"
+            and isinstance(node.func.value.value, ast.Name)
+            and all(isinstance(v, ast.Constant) for v in [*node.args, *(k.value for k in node.keywords)]))
+
+
+def selection(table: pd.DataFrame, where: str | None) -> pd.DataFrame:
+    """``table``'s rows that ``where`` selects (all without one), checked by where_problem first (ValueError) and
+    evaluated with no variable of this module in reach."""
+    if not where:
+        return table
+    problem = where_problem(where)
+    if problem:
+        raise ValueError(problem)
+    return table.query(where, local_dict={}, global_dict={})
 
 
 def _whole(value) -> bool:
@@ -358,16 +451,37 @@ def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, 
         raise ConfigError(f"a claim's lab {name} (overrides {list(overrides)}) sets lab.policy: one saved starting "
                           f"policy, which model.seed does not change, so {wanted} starting policies would be {wanted} "
                           "copies of it; set start_policies: 1 in the claims that run it")
+    check_prepare_folder(folder, START_CANDIDATES)
     if not run:
-        try:
-            return tuple(json.loads((folder / START_POLICIES).read_text())["landed"][:wanted])
-        except (OSError, ValueError, KeyError, TypeError):
-            return START_CANDIDATES[:wanted]
+        return recorded_starts(folder / START_POLICIES, wanted)
 
     def runs_for(seeds: list[int]) -> list[DictConfig]:
         return run_configs(sweep_config(name, overrides, tuple(seeds), 1))
 
     return tuple(first_landing(runs_for, START_CANDIDATES, wanted, folder, jobs, progress)["landed"])
+
+
+def recorded_starts(path: Path, wanted: int) -> tuple[int, ...]:
+    """The first ``wanted`` starting policies a former first_landing found (``path``: its START_POLICIES), then, if it
+    found fewer (a claim that asks for more since), the next candidates it did not record as missed; without the
+    file, the first ``wanted`` candidates. A file first_landing did not write (not JSON, or landed not distinct
+    candidates apart from those missed) is a ConfigError naming it: read as it stands it would select other runs,
+    or none, without a word."""
+    if not path.exists():
+        return START_CANDIDATES[:wanted]
+    try:
+        found = json.loads(path.read_text())
+        landed, missed = found["landed"], found["missed"]
+        ok = (isinstance(landed, list) and isinstance(missed, dict) and len(set(landed)) == len(landed)
+              and all(_whole(s) and s in START_CANDIDATES and str(s) not in missed for s in landed))
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{path} is not a record of the starting policies found (a list 'landed' of distinct "
+                          f"model.seed values of {list(START_CANDIDATES)}, and 'missed'): remove it and they are "
+                          "decided again (the cached ones loaded in seconds)")
+    more = [s for s in START_CANDIDATES if s not in landed and str(s) not in missed]
+    return tuple([*landed, *more][:wanted])
 
 
 def sweep_config(name: str, overrides: tuple[str, ...], start_seeds: tuple[int, ...], seeds: int | None
@@ -480,13 +594,26 @@ def labs_apart(name: str, overrides: tuple[str, ...], cfgs: list[DictConfig], jo
 def probe_settings(overrides: tuple[str, ...]) -> tuple[dict, Path]:
     """A probe's ``key=value`` overrides (YAML values; ``results_dir`` where its table is kept): the UpdateProbe
     fields, checked, and the results folder."""
-    settings = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
+    settings = {}
+    for override in overrides:
+        key, is_set, value = override.partition("=")
+        try:
+            settings[key.strip()] = yaml.safe_load(value) if is_set else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"probe moe_update's override {override!r}: {yaml_problem(e)}") from None
+        if not is_set or not key.strip():
+            raise ConfigError(f"probe moe_update's override {override!r} is not key=value, e.g. depths=[2, 4]")
     results_dir = Path(settings.pop("results_dir", "results"))
     fields = {f.name for f in dataclasses.fields(UpdateProbe)}
     if set(settings) - fields:
         raise ConfigError(f"probe moe_update has no setting {', '.join(sorted(set(settings) - fields))}; settings: "
                           f"{', '.join(sorted(fields))}")
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}, results_dir
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+    try:
+        UpdateProbe(**settings)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"probe moe_update: {e}") from None
+    return settings, results_dir
 
 
 def run_probe(overrides: tuple[str, ...], run: bool) -> dict[str, pd.DataFrame]:
@@ -509,7 +636,7 @@ def unit_values(table: pd.DataFrame, check: dict, objective: str | None) -> pd.S
     """The check's metric averaged per unit over the selected rows (of ``objective`` if given): indexed by (starting
     policy, batch / seed), the policy "" in a table without START_SEED; a table without units (such as
     ``sqrt_growth``) has one unit per selected row."""
-    rows = table.query(check["where"]) if check.get("where") else table
+    rows = selection(table, check.get("where"))
     if objective is not None:
         rows = rows[rows["objective"] == objective]
     unit = UNITS.get(check["table"])
@@ -529,7 +656,7 @@ def accuracy_units(table: pd.DataFrame, check: dict, objective: str | None, scor
     final = kind == "final" and (metric in (START, FINAL, BEST) or metric.startswith(FINAL + "_"))
     if scores is None or not (final or kind == "runs" and metric == EVALUATIONS):
         return None
-    rows = table.query(check["where"]) if check.get("where") else table
+    rows = selection(table, check.get("where"))
     if objective is not None:
         rows = rows[rows["objective"] == objective]
     groups = rows.groupby(["cell_id", "objective"])  # a check of no objective: the mean over them, as unit_values'
@@ -783,6 +910,10 @@ def check_claims(claims: list[Claim], starts: dict, running: set, allow_code_cha
             continue
         seeds = claim.design[1] if claim.source[0] == "sweep" else None  # a lab's seeds are no grid (its own seed=)
         cfg = sweep_config(claim.source[1], claim.source[2], starts[claim.key], seeds)
+        if claim.source[0] == "lab":  # before the lab: a check it could never read
+            validate_lab(cfg)
+            for same in (c for c in claims if c.key == claim.key):
+                check_compared_objectives(same, set(lab_objectives(cfg)))
         if claim.key in running and claim.source[0] == "sweep":
             runs = run_configs(cfg)
             check_runs_code(cfg, runs, allow_code_change, "claims")
@@ -792,14 +923,16 @@ def check_claims(claims: list[Claim], starts: dict, running: set, allow_code_cha
 
 
 def check_compared_objectives(claim: Claim, ran: set[str]) -> None:
-    """A sweep claim's checks compare objectives its sweep runs (ConfigError naming the claim, the check's key and
-    the sweep's objectives): a name it does not run would give "no data" only after the sweep."""
+    """A claim's checks compare objectives its sweep or lab runs (ConfigError naming the claim, the check's key and
+    the experiment's objectives): a name it does not run would give "no data" only after the experiment."""
     for check in claim.checks:
         names = {key: check.get("compare", {}).get(key) for key in ("objective", "than")}
         for key, name in [*names.items(), ("objective", check.get("objective"))]:
             if name is not None and name not in ran:
-                raise ConfigError(f"claim {claim.name}: a check's {key} {name!r} is not an objective its sweep runs "
-                                  f"({', '.join(sorted(ran))}): fix the claim file")
+                near = next(iter(difflib.get_close_matches(name, ran, n=1)), None)
+                raise ConfigError(f"claim {claim.name}: a check's {key} {name!r} is not an objective its "
+                                  f"{claim.source[0]} runs ({', '.join(sorted(ran))})"
+                                  f"{f'; did you mean {near}?' if near else ''}: fix the claim file")
 
 
 def ledger_claims(asked: list[Claim], names: list[str] | None, with_long: bool) -> list[Claim]:

@@ -59,6 +59,32 @@ class UpdateProbe:
     max_new_tokens: int = 24
     spec: dict = field(default_factory=dict)  # other TinyMoeSpec fields (hidden_size, num_experts, top_k, ...)
 
+    def __post_init__(self):
+        """Each setting in its range (ValueError naming it), so that a probe that cannot run fails before its warm
+        starts, not after."""
+        for name, low in (("depths", 1), ("seeds", 0)):
+            values = getattr(self, name)
+            if not (isinstance(values, tuple) and values and all(_whole(v, low) for v in values)):
+                raise ValueError(f"{name} must be a non-empty list of whole numbers >= {low}, got {values!r}")
+        if not (isinstance(self.lrs, tuple) and self.lrs and all(map(_positive, self.lrs))):
+            raise ValueError(f"lrs must be a non-empty list of positive numbers, got {self.lrs!r}")
+        if not _positive(self.sft_lr):
+            raise ValueError(f"sft_lr must be a positive number, got {self.sft_lr!r}")
+        for name, low in (("sft_steps", 0), ("prompts", 1), ("group_size", 2), ("max_new_tokens", 1)):
+            if not _whole(getattr(self, name), low):
+                raise ValueError(f"{name} must be a whole number >= {low}, got {getattr(self, name)!r}")
+        if not isinstance(self.spec, dict):
+            raise ValueError(f"spec must be a mapping of TinyMoeSpec fields, got {self.spec!r}")
+        TinyMoeSpec(**{**self.spec, "num_layers": self.depths[0]})  # its own fields' checks
+
+
+def _whole(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
+
 
 def teacher_forced_record(model, routing: Routing, ro: Rollout) -> RoutingRecord:
     """The routing of the rollout's real tokens in one no-grad forward over [prompt | completion]."""

@@ -192,6 +192,7 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     fewer than ``wanted`` land."""
     extra = _first_of_each(first)
     left = [seed for seed in candidates if seed not in extra]
+    check_prepare_folder(folder, [*extra, *left])
     landed, missed = [], {}
     if wanted > 0:
         decided = functools.partial(_decided, first=list(extra), candidates=left, still=wanted)
@@ -211,6 +212,21 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
     found = {"candidates": list(candidates), "landed": landed, "missed": missed}
     atomic_write(folder / START_POLICIES, json.dumps(found, indent=1) + "\n")
     return {"landed": landed, "missed": missed}
+
+
+def check_prepare_folder(folder: Path, seeds: Sequence[int]) -> None:
+    """Refuse (ConfigError, one line, before any build) what first_landing would write through or over: ``folder``
+    a link, its START_POLICIES a link or not a file, a model_seed_<N> folder of ``seeds`` that is a link or holds what
+    no build wrote (check_run_folder)."""
+    if folder.is_symlink():
+        raise ConfigError(f"{folder} is a symbolic link: the starting policies' build logs are not written through "
+                          "one; remove the link, or choose another results_dir")
+    record = folder / START_POLICIES
+    if record.is_symlink() or (record.exists() and not record.is_file()):
+        raise ConfigError(f"{record} is a link or not a file: the starting policies found are written there; remove "
+                          "it (they are decided again, the cached ones loaded in seconds)")
+    for seed in seeds:
+        check_run_folder(folder / f"model_seed_{seed}")
 
 
 def _decided(done: dict[int, bool], first: list[int], candidates: list[int], still: int) -> bool:
