@@ -1034,3 +1034,23 @@ def test_a_linked_starting_policy_folder_is_refused_before_any_build(tmp_path):
     with pytest.raises(ConfigError, match=r"quickstart_x is a symbolic link"):
         first_landing(lambda seeds: [], (2, 3), 1, folder, 1, False)
     assert (mine / "config.yaml").read_text() == "mine\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
+
+
+def test_every_shipped_claim_s_starting_policies_can_be_built(tmp_path, monkeypatch):
+    """start_seeds makes the run configs first_landing builds each claim's starting policies from: dr_grpo's lab
+    claim pins seed=1 in its overrides, and the configs' seed grid of one seed made every `make claims` call stop
+    with "seed is given twice" before anything ran."""
+    from harness.apps import claims
+
+    monkeypatch.chdir(tmp_path)
+    built = {}
+
+    def first_landing(runs_for, candidates, wanted, folder, jobs, progress):
+        built[folder.name] = {int(run.model.seed) for run in runs_for(list(candidates[:wanted]))}
+        return {"landed": list(candidates[:wanted])}
+
+    monkeypatch.setattr(claims, "first_landing", first_landing)
+    shipped = [c for c in load_claims(None, with_long=True) if c.design[0]]
+    for claim in shipped:
+        assert claims.start_seeds(claim.key, 1, False, run=True) == START_CANDIDATES[:claim.design[0]], claim.name
+    assert len(built) >= 5 and all(seeds == set(START_CANDIDATES[:5]) for seeds in built.values())

@@ -455,8 +455,8 @@ def start_seeds(key: tuple, jobs: int, progress: bool, run: bool) -> tuple[int, 
     if not run:
         return recorded_starts(folder / START_POLICIES, wanted)
 
-    def runs_for(seeds: list[int]) -> list[DictConfig]:
-        return run_configs(sweep_config(name, overrides, tuple(seeds), 1))
+    def runs_for(seeds: list[int]) -> list[DictConfig]:  # a sweep's first seed names each policy; a lab has one
+        return run_configs(sweep_config(name, overrides, tuple(seeds), 1 if kind == "sweep" else None))
 
     return tuple(first_landing(runs_for, START_CANDIDATES, wanted, folder, jobs, progress)["landed"])
 
