@@ -120,15 +120,19 @@ clean-results:  ## delete results/ (every run, report and benchmark)
 # What the command line gives, checked before anything runs, each in one line (make alone would go on: hours of the
 # wrong work): a goal that is no target (make would run the goals before it first); a setting none of the command's
 # targets reads (CLAIM=x for CLAIMS=x, exp= for EXP=); a '$' in a setting, which make expands (OVERRIDES='x=${a}'
-# would pass x=; $$ passes a $ on to the shell); EXP, JOBS or LAUNCHER given empty. Only in the make the user ran (a
-# make that runs this one passes its own command line's settings on); `override`: no setting given changes these.
+# would pass x=; $$ passes a $ on to the shell); a setting with a value (not a switch, nor TESTED=, documented as the
+# newest) given empty: CLAIMS= would run every claim, STAGE= both stages, OUT= the default folder. Only in the make
+# the user ran (a make that runs this one passes its own command line's settings on); `override`: no setting given
+# changes these.
 ifeq ($(MAKELEVEL),0)
 override made_goals := $(or $(MAKECMDGOALS),help)
 override given      := $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))
 override read       := $(strip $(sort $(foreach g,$(made_goals),$(settings.$(g)))) PY GSM8K_DIR)
 override unread     := $(sort $(filter-out $(read),$(given)))
 override dollar     := $(strip $(foreach v,$(given),$(if $(findstring $$,$(subst $$$$,,$(value $(v)))),$(v))))
-override empty      := $(strip $(foreach v,EXP JOBS LAUNCHER,$(if $(filter $(v),$(given)),$(if $(strip $(subst $(comma), ,$(value $(v)))),,$(v)))))
+override valued     := EXP JOBS LAUNCHER CLAIMS STAGE SEEDS START_POLICIES OBJECTIVES BASELINE OUT REPEATS ROWS TOKENS \
+                       AGAINST PASSES DEVICE KEY KILLS TORCH
+override empty      := $(strip $(foreach v,$(valued),$(if $(filter $(v),$(given)),$(if $(strip $(subst $(comma), ,$(value $(v)))),,$(v)))))
 ifneq ($(filter-out $(TARGETS),$(made_goals)),)
 $(error make $(made_goals): no target $(filter-out $(TARGETS),$(made_goals)) here; `make help` lists them)
 else ifneq ($(unread),)

@@ -62,12 +62,17 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
     assert make("list", "CI=true", env={**ALONE, "MAKELEVEL": "1"}).returncode == 0  # a make that runs this one
 
 
-@pytest.mark.parametrize("given, named", [("OVERRIDES=train.lr=${oc.env:LR}", "OVERRIDES holds a $"),
-                                          ("EXP=", "EXP= is empty"), ("EXP=,", "EXP= is empty"),
-                                          ("JOBS=", "JOBS= is empty")])
-def test_a_dollar_or_an_empty_value_is_one_line_before_anything_runs(given, named):
-    """make expanded '${oc.env:LR}' to nothing and ran train.lr= ; JOBS= reached argparse as '--jobs' alone."""
-    done = make("sweep", given)
+@pytest.mark.parametrize("target, given, named", [
+    ("sweep", "OVERRIDES=train.lr=${oc.env:LR}", "OVERRIDES holds a $"), ("sweep", "EXP=", "EXP= is empty"),
+    ("sweep", "EXP=,", "EXP= is empty"), ("sweep", "JOBS=", "JOBS= is empty"),
+    ("claims", "CLAIMS=", "CLAIMS= is empty"),  # ran every claim (hours)
+    ("zoo", "STAGE=", "STAGE= is empty"), ("zoo", "START_POLICIES=", "START_POLICIES= is empty"),  # the defaults
+    ("plots", "OUT=", "OUT= is empty"),  # the default folder, where `--out ""` is refused
+])
+def test_a_dollar_or_an_empty_value_is_one_line_before_anything_runs(target, given, named):
+    """make expanded '${oc.env:LR}' to nothing and ran train.lr= ; JOBS= reached argparse as '--jobs' alone; an
+    empty CLAIMS, STAGE or OUT ran the default (every claim, both stages), unlike its command's own option."""
+    done = make(target, given)
     assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
     assert named in done.stderr
     assert make("train", "OVERRIDES=name=my$$run").stdout.split()[-1] == "name=my$run"  # $$: a $ for the shell
