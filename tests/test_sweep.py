@@ -565,3 +565,19 @@ def test_spare_builds_are_stopped_once_the_policies_wanted_have_landed(tmp_path,
     assert len(next(iter(slow.values()))) < 50
     assert (tmp_path / "model_seed_5" / "config.yaml").is_file()  # begun as a spare, stopped
     assert not (tmp_path / "model_seed_6").exists()  # never begun: no folder
+
+
+def test_starting_policies_without_a_warm_start_are_recorded_in_a_folder_no_build_made(tmp_path):
+    """With model.warm_start_steps=0 nothing is built, so no build wrote the folder: start_policies.json's write
+    raised FileNotFoundError (the zoo's confirmation with a hostile pass's quick settings)."""
+    from harness.apps import sweep
+
+    def runs_for(seeds):
+        grid = f"sweep.grid.model.seed=[{','.join(map(str, seeds))}]"
+        return run_configs(load_experiment("quickstart", ["sweep.grid.objective.name=[grpo]", "sweep.grid.seed=[0]",
+                                                          "model.warm_start_steps=0", "model.warm_start_target=null",
+                                                          grid]))
+
+    found = sweep.first_landing(runs_for, (2, 3, 4), 2, tmp_path / "prepare", 2, False)
+    assert found == {"landed": [2, 3], "missed": {}}
+    assert json.loads((tmp_path / "prepare" / sweep.START_POLICIES).read_text())["landed"] == [2, 3]

@@ -210,6 +210,7 @@ def first_landing(runs_for: Callable[[list[int]], list[DictConfig]], candidates:
         raise WarmStartError(f"only {len(landed)} of model.seed {list(candidates)} reached their warm start's "
                              f"band ({wanted} wanted): {'; '.join(f'{s}: {e}' for s, e in missed.items())}")
     found = {"candidates": list(candidates), "landed": landed, "missed": missed}
+    folder.mkdir(parents=True, exist_ok=True)  # no build may have begun (none warm-started): no folder written yet
     atomic_write(folder / START_POLICIES, json.dumps(found, indent=1) + "\n")
     return {"landed": landed, "missed": missed}
 
