@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from datetime import UTC, datetime
@@ -68,6 +69,16 @@ BOARD = pd.DataFrame({"objective": ["grpo", "popo", "holder", "cispo", "gspo", "
                       "vs_baseline": [np.nan, 0.03, -0.05, 0.01, -0.01, 0.02],
                       "vs_baseline_low": [np.nan, 0.004, -0.07, -0.02, -0.04, np.nan],
                       "vs_baseline_high": [np.nan, 0.05, -0.03, 0.03, 0.01, np.nan]})
+
+
+SCREEN = {"start_seeds": [1], "seeds": [0, 1, 2], "eval_set": 0}  # screen_design's record of the screen BOARD is
+
+
+def a_plan(settings: dict) -> dict:
+    """A plan as plan_confirmation writes it from BOARD and the screen SCREEN, read back from its JSON."""
+    plan = zoo.plan_confirmation(BOARD, SCREEN["seeds"], SCREEN["start_seeds"], CORE, settings,
+                                 {"landed": [2, 4, 5], "missed": {3: "warm start missed"}}, SCREEN["eval_set"])
+    return json.loads(json.dumps(plan))
 
 
 def test_the_plan_takes_the_screens_differences_and_the_core_on_fresh_policies_and_seeds():
@@ -244,22 +255,115 @@ def test_an_unreadable_plan_is_one_line_naming_it(tmp_path, text):
     """A plan.json that is not a JSON object (damaged, or another file's): one line, not a traceback."""
     (tmp_path / "plan.json").write_text(text, errors="surrogateescape")
     with pytest.raises(ConfigError, match=rf"^{tmp_path / 'plan.json'}: unreadable \(.*\); remove {tmp_path} to plan"):
-        zoo.read_plan(tmp_path, {})
+        zoo.read_plan(tmp_path, {}, SCREEN)
 
 
 def test_a_plan_is_read_under_the_same_settings_in_another_order(tmp_path):
     """--objectives gspo,grpo, or the overrides swapped, make the same runs: the plan made under grpo,gspo was refused,
     with the advice to remove the confirmation's folder, its finished runs included (the twenty-third hostile pass)."""
     made = zoo.plan_settings(["train.steps=17", "train.eval_every=17"], 3, ["grpo", "gspo"], 3)
-    (tmp_path / "plan.json").write_text(json.dumps({"settings": made, "objectives": ["grpo", "gspo"]}))
+    plan = a_plan(made)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     for overrides, objectives in ((["train.eval_every=17", "train.steps=17"], ["gspo", "grpo"]),
                                   (["train.steps=5", "train.eval_every=17", "train.steps=17"], ["grpo", "gspo"])):
-        assert zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3))["objectives"] == ["grpo", "gspo"]
+        assert zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3), SCREEN) == plan
     for overrides, objectives in ((["train.steps=18", "train.eval_every=17"], ["grpo", "gspo"]),
                                   (["train.steps=17", "train.eval_every=17"], ["grpo", "gspo", "cispo"]),
                                   (["train.steps=17"], ["grpo", "gspo"])):
         with pytest.raises(ConfigError, match="was made with other settings"):
-            zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3))
+            zoo.read_plan(tmp_path, zoo.plan_settings(overrides, 3, objectives, 3), SCREEN)
+
+
+def refused_plan(folder: Path) -> str:
+    """The start and the end of read_plan's one line for a plan it will not run (a pattern around the problem)."""
+    return (rf"^{re.escape(str(folder / 'plan.json'))}: (?P<problem>[^\n]*); the confirmation runs only the plan "
+            rf"written from its screen, not a damaged or edited one: remove {re.escape(str(folder))} to plan the "
+            "confirmation again from the screen$")
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda plan: {"settings": plan["settings"]}, "'objectives' is missing, not a JSON object of objective names"),
+    (lambda plan: {**plan, "objectives": ["grpoo"]}, "'objectives' is [\"grpoo\"], not a JSON object"),
+    (lambda plan: {**plan, "objectives": {"grpo": "the baseline", "grpoo": "core"}},
+     "'objectives' names 'grpoo', not a registered objective"),
+    (lambda plan: {**plan, "baseline": "gspo"}, "'baseline' is \"gspo\": the zoo's is 'grpo'"),
+    (lambda plan: {k: v for k, v in plan.items() if k != "not_tested"}, "'not_tested' is not a JSON object"),
+    (lambda plan: {**plan, "start_seeds": "2,3"}, "'start_seeds' is \"2,3\", not a list of distinct whole numbers"),
+    (lambda plan: {**plan, "seeds": [3, 3, 4]}, "'seeds' is [3, 3, 4], not a list of distinct whole numbers"),
+    (lambda plan: {**plan, "seeds": [[3], 4]}, "'seeds' is [[3], 4], not a list"),
+    (lambda plan: {**plan, "seeds": [3, True]}, "'seeds' is [3, true], not a list"),
+    (lambda plan: {**plan, "cells": {}}, "'cells' is {}, not the zoo's regime cells"),
+    (lambda plan: {**plan, "correction": {**plan["correction"], "size": 1}}, "'correction' is not Holm's over the 5"),
+    (lambda plan: {k: v for k, v in plan.items() if k != "written"}, "'rule' or 'written' is not a text"),
+    (lambda plan: {**plan, "eval_set": "1"}, "'eval_set' is \"1\", not a whole number other than the screen's (0)"),
+])
+def test_a_damaged_plan_is_refused_in_one_line_naming_it(edit, problem, tmp_path):
+    """A plan.json whose settings match but that lacks a key the confirmation reads, or holds one of another type,
+    was a KeyError's traceback (or a value blamed on "your settings"): one line naming plan.json, the key and how to
+    plan again, as for an unreadable plan."""
+    settings = zoo.plan_settings([], 3, None, 3)
+    (tmp_path / "plan.json").write_text(json.dumps(edit(a_plan(settings))))
+    with pytest.raises(ConfigError) as e:
+        zoo.read_plan(tmp_path, settings, SCREEN)
+    assert re.match(refused_plan(tmp_path), str(e.value))["problem"].startswith(problem), str(e.value)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    ({"start_seeds": [1], "seeds": [0]}, "'start_seeds' [1] holds the screen's starting policies (model.seed) [1]: the "
+                                         "confirmation's are none of the screen's"),
+    ({"seeds": [2, 3]}, "'seeds' [2, 3] holds the screen's seeds [2]: the confirmation's are none of the screen's"),
+    ({"eval_set": 0}, "'eval_set' is 0, not a whole number other than the screen's (0): the confirmation's eval "
+                      "problems are none of the screen's"),
+    ({"eval_set": None}, "'eval_set' is null, not a whole number other than the screen's (0): the confirmation's "
+                         "eval problems are none of the screen's"),
+    ({"start_seeds": [1], "screen": {"start_seeds": [9], "seeds": [0, 1, 2], "eval_set": 0}},
+     "'screen' is {\"start_seeds\": [9], \"seeds\": [0, 1, 2], \"eval_set\": 0}, not the screen these settings make "
+     "({\"start_seeds\": [1], \"seeds\": [0, 1, 2], \"eval_set\": 0})"),
+])
+def test_a_plan_on_the_screens_policies_seeds_or_problems_is_refused(edit, problem, tmp_path):
+    """An edited plan.json naming the screen's own starting policy and seed ran the confirmation on the screen's
+    data: the design promises starting policies, seeds and eval problems none of the screen's. Its record of the
+    screen is checked against the screen these settings make, so it cannot be edited to hide one."""
+    settings = zoo.plan_settings([], 3, None, 3)
+    (tmp_path / "plan.json").write_text(json.dumps({**a_plan(settings), **edit}))
+    with pytest.raises(ConfigError) as e:
+        zoo.read_plan(tmp_path, settings, SCREEN)
+    assert re.match(refused_plan(tmp_path), str(e.value))["problem"] == problem, str(e.value)
+
+
+def test_a_plan_from_before_eval_sets_or_on_a_task_with_one_held_out_set_is_read(tmp_path):
+    """Refusing the screen's eval problems leaves the plans that honestly use them: one made before the confirmation
+    had eval problems of its own (no eval_set; its text says so), one on a task with a single held-out set."""
+    settings = zoo.plan_settings([], 3, None, 3)
+    old = {k: v for k, v in a_plan(settings).items() if k != "eval_set"}
+    old["screen"] = {k: v for k, v in old["screen"].items() if k != "eval_set"}
+    (tmp_path / "plan.json").write_text(json.dumps(old))
+    assert zoo.read_plan(tmp_path, settings, SCREEN) == old
+    one_set = {**a_plan(settings), "eval_set": None, "screen": {**SCREEN, "eval_set": None}}
+    (tmp_path / "plan.json").write_text(json.dumps(one_set))
+    assert zoo.read_plan(tmp_path, settings, {**SCREEN, "eval_set": None}) == one_set
+
+
+def test_a_damaged_or_edited_plan_stops_zoo_confirm_in_one_line(monkeypatch, tmp_path, capsys):
+    """`zoo --stage confirm` with a plan.json of the matching settings and no other key: a KeyError's traceback; with
+    the screen's starting policy and seed: the confirmation ran on them. Now one line, status 2, nothing run."""
+    monkeypatch.setattr(zoo, "swept", lambda *a: pytest.fail("the confirmation ran"))
+    overrides = [f"results_dir={tmp_path}"]
+    folder = tmp_path / "zoo" / "confirm"
+    folder.mkdir(parents=True)
+    settings = zoo.plan_settings(overrides, 1, ["grpo"], zoo.CONFIRM_START_POLICIES)
+    screen = {"start_seeds": [1], "seeds": [0], "eval_set": 0}  # the screen of these settings (the regimes' model.seed)
+    plan = json.loads(json.dumps(zoo.plan_confirmation(BOARD[BOARD["objective"] == "grpo"], screen["seeds"],
+                                                       screen["start_seeds"], ["grpo"], settings,
+                                                       {"landed": [2, 3, 4], "missed": {}}, screen["eval_set"])))
+    for damaged, problem in (({"settings": settings}, "'objectives' is missing"),
+                             ({**plan, "start_seeds": screen["start_seeds"], "seeds": screen["seeds"]},
+                              "'start_seeds' [1] holds the screen's starting policies")):
+        (folder / "plan.json").write_text(json.dumps(damaged))
+        assert cli_main(["zoo", "--stage", "confirm", "--objectives", "grpo", "--seeds", "1", *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.match(refused_plan(folder), err.removeprefix("config error: ").strip()), err
+        assert problem in err
 
 
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):

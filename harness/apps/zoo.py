@@ -23,10 +23,11 @@ objectives (quickstart's: `make sweep`'s four), each with the baseline, on CONFI
 (the first of START_CANDIDATES whose warm start lands in its band; none of them the screen's) x CONFIRM_SEEDS fresh
 seeds (after the screen's) per cell, evaluated on fresh eval problems (task.eval_set: the screen's + 1, none of them
 the screen's or a train problem, so the selection's luck on the screen's problems is not scored again). A plan once
-written is kept:
-the confirmation resumes under it, and settings other than those it was made with are refused (remove the
-confirm folder to plan again). The verdicts: analysis/confirmation.py ``write_confirmation`` (Holm over the plan's
-family of comparisons with the baseline).
+written is kept: the confirmation resumes under it, and settings other than those it was made with are refused
+(remove the confirm folder to plan again), as is a plan.json damaged or edited (``read_plan``: a key the
+confirmation reads missing or of another type, or starting policies, seeds or eval problems of the screen's). The
+verdicts: analysis/confirmation.py ``write_confirmation`` (Holm over the plan's family of comparisons with the
+baseline).
 """
 
 from __future__ import annotations
@@ -199,8 +200,11 @@ def acting(settings: dict) -> dict:
             **({"objectives": sorted(map(str, objectives))} if isinstance(objectives, list) else {})}
 
 
-def read_plan(folder: Path, settings: dict) -> dict | None:
-    """The plan written in ``folder`` (None: none yet); ConfigError if it was made with other settings."""
+def read_plan(folder: Path, settings: dict, screen: dict) -> dict | None:
+    """The plan written in ``folder`` (None: none yet); ConfigError if it was made with other settings, or if it is
+    not one the confirmation can run as the zoo's design (plan_problem; ``screen``: screen_design's of the screen
+    these settings make). A damaged or edited plan is refused like an unreadable one, not obeyed: runs made under it
+    would be in the folder's manifest, read with the confirmation's own."""
     path = folder / "plan.json"
     if not path.is_file():
         return None
@@ -217,7 +221,97 @@ def read_plan(folder: Path, settings: dict) -> dict | None:
         said = "; ".join(f"{k} {made.get(k)!r} there, {settings.get(k)!r} now" for k in keys)
         raise ConfigError(f"{path} was made with other settings ({said[:300]}): the confirmation keeps its plan; "
                           f"remove {folder} to plan it again from the screen")
+    problem = plan_problem(plan, screen)
+    if problem:
+        raise ConfigError(f"{path}: {problem[:300]}; the confirmation runs only the plan written from its screen, not "
+                          f"a damaged or edited one: remove {folder} to plan the confirmation again from the screen")
     return plan
+
+
+def whole_numbers(value) -> bool:
+    """Whether ``value`` is a non-empty list of distinct whole numbers from 0 (not true or false)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+            and len(set(value)) == len(value))
+
+
+def given(plan: dict, key: str) -> str:
+    """``plan``'s value of ``key`` as the file spells it (its first 100 characters), or "missing"."""
+    return json.dumps(plan[key])[:100] if key in plan else "missing"
+
+
+def reasons(value) -> bool:
+    """Whether ``value`` is a JSON object of texts to texts (an objective's name to why)."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def plan_problem(plan: dict, screen: dict) -> str | None:
+    """What makes ``plan`` (plan.json's object, its settings those of this command) one the confirmation cannot run
+    as the zoo's design, in words naming the key; None when there is nothing. Every key the confirmation and its
+    texts read, of the type plan_confirmation writes: registered objectives with BASELINE among them, Holm's
+    correction over their comparisons, the zoo's CELLS, lists of distinct whole numbers, and starting policies, seeds
+    and eval problems none of the screen's (screen_problem)."""
+    objectives = plan.get("objectives")
+    if not reasons(objectives) or not objectives:
+        return f"'objectives' is {given(plan, 'objectives')}, not a JSON object of objective names to why each is " \
+               "tested"
+    unknown = [o for o in objectives if o not in available_objectives()]
+    if unknown:
+        return f"'objectives' names {unknown[0]!r}, not a registered objective (python -m harness list)"
+    if plan.get("baseline") != BASELINE or BASELINE not in objectives:
+        return f"'baseline' is {given(plan, 'baseline')}: the zoo's is {BASELINE!r}, among the objectives"
+    if not reasons(plan.get("not_tested")) or set(plan["not_tested"]) & set(objectives):
+        return "'not_tested' is not a JSON object of the objectives left out (none tested) to why each is not"
+    for key in ("start_seeds", "seeds"):
+        if not whole_numbers(plan.get(key)):
+            return f"'{key}' is {given(plan, key)}, not a list of distinct whole numbers"
+    if not reasons(plan.get("start_seeds_missed", {})):
+        return "'start_seeds_missed' is not a JSON object of the starting policies passed over to why"
+    if not all(isinstance(plan.get(key), str) for key in ("rule", "written")):
+        return "'rule' or 'written' is not a text"
+    if plan.get("cells") != CELLS:
+        return f"'cells' is {given(plan, 'cells')}, not the zoo's regime cells (harness/apps/zoo.py CELLS)"
+    family = [f"{o} - {BASELINE}" for o in objectives if o != BASELINE]
+    correction = plan.get("correction")
+    if not (isinstance(correction, dict) and correction.get("method") == "holm" and correction.get("family") == family
+            and correction.get("size") == len(family) and isinstance(correction.get("alpha"), float | int)
+            and round(correction["alpha"], 6) == round(ALPHA, 6)):
+        return f"'correction' is not Holm's over the {len(family)} comparisons of its objectives with {BASELINE} " \
+               f"at {round(ALPHA, 6):g}"
+    return screen_problem(plan, screen)
+
+
+def screen_problem(plan: dict, screen: dict) -> str | None:
+    """What in ``plan`` contradicts the design's promise to the screen (``screen``: screen_design's): its record of
+    the screen is another's, or its starting policies, seeds or eval problems (a plan with ``eval_set``: one made
+    since the confirmation had its own) are the screen's; None when nothing does."""
+    keys = ["start_seeds", "seeds", *(["eval_set"] if "eval_set" in plan else [])]
+    recorded = plan.get("screen")
+    if not isinstance(recorded, dict) or any(recorded.get(key) != screen[key] for key in keys):
+        return (f"'screen' is {given(plan, 'screen')}, not the screen these settings make "
+                f"({json.dumps({key: screen[key] for key in keys})})")
+    for key, what in (("start_seeds", "starting policies (model.seed)"), ("seeds", "seeds")):
+        shared = sorted(set(plan[key]) & set(screen[key]))
+        if shared:
+            return (f"'{key}' {plan[key]} holds the screen's {what} {shared}: the confirmation's are none of the "
+                    "screen's")
+    if "eval_set" not in plan or plan["eval_set"] is None and screen["eval_set"] is None:
+        return None
+    if screen["eval_set"] is None:  # a task with one held-out set: no other to evaluate on
+        return f"'eval_set' is {given(plan, 'eval_set')}: the task has one held-out set, null"
+    if not whole_numbers([plan["eval_set"]]) or plan["eval_set"] == screen["eval_set"]:
+        return (f"'eval_set' is {given(plan, 'eval_set')}, not a whole number other than the screen's "
+                f"({screen['eval_set']}): the confirmation's eval problems are none of the screen's")
+    return None
+
+
+def screen_design(screen_runs: list[DictConfig]) -> dict:
+    """The screen's starting policies (model.seed), seeds and eval problems (task.eval_set; None: a task with one
+    held-out set), as a plan records them (its ``screen``)."""
+    task = screen_runs[0].task
+    return {"start_seeds": sorted({int(run.model.seed) for run in screen_runs}),
+            "seeds": sorted({int(run.seed) for run in screen_runs}),
+            "eval_set": int(task.eval_set) if has_eval_sets(task.name) else None}
 
 
 def screen_ended(folder: Path) -> bool:
@@ -325,12 +419,12 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         raise ConfigError(f"{its_own[0]}: the zoo sets {key} itself ({why}); leave it out")
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
-    if stage in ("confirm", "both"):  # a plan made with other settings: refused before the screen runs anything
-        read_plan(Path(load_experiment("quickstart", overrides).results_dir) / NAME / "confirm",
-                  plan_settings(overrides, seeds, objectives, start_policies))
+    root = Path(load_experiment("quickstart", overrides).results_dir) / NAME
+    cfg, runs = zoo_runs(seeds, overrides, objectives)
+    if stage in ("confirm", "both"):  # a plan that cannot be run here: refused before the screen runs anything
+        read_plan(root / "confirm", plan_settings(overrides, seeds, objectives, start_policies), screen_design(runs))
     status, began = 0, None
     if stage in ("screen", "both"):
-        cfg, runs = zoo_runs(seeds, overrides, objectives)
         screen = Path(cfg.results_dir) / cfg.name
         began = began_from_nothing(screen) if stage == "both" else None
         if stage == "both" and not screen_ended(screen):
@@ -389,7 +483,8 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
     screen = Path(cfg.results_dir) / cfg.name
     folder = screen.parent / "confirm"
     settings = plan_settings(overrides, seeds, objectives, start_policies)
-    plan = read_plan(folder, settings)
+    design = screen_design(screen_runs)
+    plan = read_plan(folder, settings, design)
     if plan is None:
         if not screen_ended(screen):
             raise ConfigError(f"the confirmation is planned from a finished screen, and {screen} has runs that did "
@@ -398,12 +493,10 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         check_screen(results.runs, screen_runs, objectives, screen)
         board = leaderboard(results, target, BASELINE)
         board = board[board["objective"].isin(objectives)] if objectives else board
-        start = sorted({int(r.model.seed) for r in screen_runs})
         core = [o for o in core_objectives() if objectives is None or o in objectives]
         starts = confirm_start_seeds(overrides, jobs, progress, screen_runs, start_policies)
-        task = screen_runs[0].task
-        plan = plan_confirmation(board, list(range(seeds)), start, core, settings, starts,
-                                 int(task.eval_set) if has_eval_sets(task.name) else None)
+        plan = plan_confirmation(board, design["seeds"], design["start_seeds"], core, settings, starts,
+                                 design["eval_set"])
     cfg, runs = stage_runs("confirm", overrides, list(plan["objectives"]), plan["seeds"], plan["start_seeds"],
                            plan.get("eval_set"))  # None (a plan from before eval sets, a task without them): the
     # screen's problems
