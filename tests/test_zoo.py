@@ -366,6 +366,26 @@ def test_a_damaged_or_edited_plan_stops_zoo_confirm_in_one_line(monkeypatch, tmp
         assert problem in err
 
 
+@pytest.mark.slow  # two confirmations planned (seconds): make test
+def test_a_removed_plan_md_is_written_again_from_plan_json_before_the_runs(one_cell, monkeypatch, capsys):
+    """A plan.md removed after the plan was written was never written again: the confirmation ran, and the terminal
+    and the leaderboard named the missing file as the plan written before it ran. Now its text is written again from
+    plan.json (the text written before the runs, byte for byte), before any run, and said in one line."""
+    tmp_path, calls = one_cell
+    args = (3, 1, 0.4, [f"results_dir={tmp_path}", "train.steps=2"], False, ["grpo", "popo"], False, 3)
+    assert zoo.confirm(*args) == 0
+    md = tmp_path / "zoo" / "confirm" / "plan.md"
+    written = md.read_text()
+    md.unlink()
+    capsys.readouterr()
+    swept = zoo.swept
+    monkeypatch.setattr(zoo, "swept", lambda *a: (calls.append(md.is_file()), swept(*a))[1])
+    assert zoo.confirm(*args) == 0
+    assert md.read_text() == written and calls[-2] is True  # there before the sweep
+    err = capsys.readouterr().err
+    assert f"zoo confirmation: {md} was missing; written again from {md.with_name('plan.json')} (the plan made " in err
+
+
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))

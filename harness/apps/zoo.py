@@ -25,9 +25,9 @@ seeds (after the screen's) per cell, evaluated on fresh eval problems (task.eval
 the screen's or a train problem, so the selection's luck on the screen's problems is not scored again). A plan once
 written is kept: the confirmation resumes under it, and settings other than those it was made with are refused
 (remove the confirm folder to plan again), as is a plan.json damaged or edited (``read_plan``: a key the
-confirmation reads missing or of another type, or starting policies, seeds or eval problems of the screen's). The
-verdicts: analysis/confirmation.py ``write_confirmation`` (Holm over the plan's family of comparisons with the
-baseline).
+confirmation reads missing or of another type, or starting policies, seeds or eval problems of the screen's); a
+plan.md removed is written again from plan.json. The verdicts: analysis/confirmation.py ``write_confirmation`` (Holm
+over the plan's family of comparisons with the baseline).
 """
 
 from __future__ import annotations
@@ -504,6 +504,10 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
         atomic_write(folder / "plan.json", json.dumps(plan, indent=1) + "\n")
+    elif not (folder / "plan.md").is_file():  # removed since: its text again, from the plan it was written from
+        atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
+        print(f"zoo confirmation: {folder / 'plan.md'} was missing; written again from {folder / 'plan.json'} (the "
+              f"plan made {plan['written']}, before the confirmation's runs)", file=sys.stderr)
     print(f"zoo confirmation: {len(runs)} runs ({len(plan['objectives'])} objectives x {len(plan['start_seeds'])} "
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
