@@ -386,6 +386,31 @@ def test_a_removed_plan_md_is_written_again_from_plan_json_before_the_runs(one_c
     assert f"zoo confirmation: {md} was missing; written again from {md.with_name('plan.json')} (the plan made " in err
 
 
+@pytest.mark.parametrize("linked", ["zoo", "zoo/screen", "zoo/confirm", "zoo/prepare"])
+def test_a_linked_zoo_folder_is_refused_before_anything_is_written(linked, monkeypatch, tmp_path):
+    """results/zoo (or a stage's folder in it) a link to a folder of the user's holding their own leaderboard.md: the
+    screen wrote its runs there and the confirmation replaced that leaderboard.md through the link. Now one line
+    before anything starts, as a linked report folder is refused (harness/run/atomic.py write_into)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "leaderboard.md").write_text("my own\n")
+    link = tmp_path / "results" / linked
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(mine)
+    done = []
+    monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *a: done.append("prepare"))
+    monkeypatch.setattr(zoo, "swept", lambda *a: done.append("screen") or ([], "stamp", None))
+    monkeypatch.setattr(zoo, "write_leaderboard", lambda *a: done.append("screen leaderboard"))
+    monkeypatch.setattr(zoo, "confirm", lambda *a: done.append("confirm") or 0)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(link))} is a symbolic link \(to {re.escape(str(mine))}\), "
+                                          r"which the harness did not make: the zoo does not write .* through links; "
+                                          r"remove the link, or give another results_dir=\.\.\.$"):
+        zoo.main(1, 1, overrides=[f"results_dir={tmp_path / 'results'}"], progress=False, report=False,
+                 objectives=["grpo"])
+    assert done == [] and [p.name for p in mine.iterdir()] == ["leaderboard.md"]
+    assert (mine / "leaderboard.md").read_text() == "my own\n"
+
+
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))

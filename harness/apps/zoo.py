@@ -26,8 +26,9 @@ the screen's or a train problem, so the selection's luck on the screen's problem
 written is kept: the confirmation resumes under it, and settings other than those it was made with are refused
 (remove the confirm folder to plan again), as is a plan.json damaged or edited (``read_plan``: a key the
 confirmation reads missing or of another type, or starting policies, seeds or eval problems of the screen's); a
-plan.md removed is written again from plan.json. The verdicts: analysis/confirmation.py ``write_confirmation`` (Holm
-over the plan's family of comparisons with the baseline).
+plan.md removed is written again from plan.json. The zoo's folder, or a stage's in it, that is a symbolic link is
+refused before anything starts (``check_unlinked``). The verdicts: analysis/confirmation.py ``write_confirmation``
+(Holm over the plan's family of comparisons with the baseline).
 """
 
 from __future__ import annotations
@@ -420,6 +421,7 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
     if stage not in STAGES:
         raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, got {stage!r}")
     root = Path(load_experiment("quickstart", overrides).results_dir) / NAME
+    check_unlinked(root)
     cfg, runs = zoo_runs(seeds, overrides, objectives)
     if stage in ("confirm", "both"):  # a plan that cannot be run here: refused before the screen runs anything
         read_plan(root / "confirm", plan_settings(overrides, seeds, objectives, start_policies), screen_design(runs))
@@ -442,6 +444,19 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
         status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change, start_policies,
                          began)
     return status
+
+
+def check_unlinked(root: Path) -> None:
+    """Refuse (ConfigError, one line, before anything starts) a zoo folder (``root``: results/zoo) or a folder of a
+    stage in it that is a symbolic link. The zoo writes its leaderboards, plan and runs there by name, each replacing
+    the file of that name: through a link, the files of the folder it points to (harness/run/atomic.py write_into
+    refuses a linked report folder likewise; a sweep follows a linked experiment folder, which holds its runs and
+    manifest, its report written by write_into)."""
+    for folder in (root, *(root / stage for stage in ("screen", "confirm", "prepare"))):
+        if folder.is_symlink():
+            raise ConfigError(f"{folder} is a symbolic link (to {os.readlink(folder)}), which the harness did not "
+                              "make: the zoo does not write its runs, plan and leaderboards through links; remove the "
+                              "link, or give another results_dir=...")
 
 
 def confirm_start_seeds(overrides: list[str], jobs: int, progress: bool, screen_runs: list[DictConfig],
