@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                 return explain_command(args)
             from harness.apps.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C in the seconds of the imports: the line the command says once it runs
-        print(interrupted(command), file=sys.stderr)
+        if (line := interrupted(command)) is not None:
+            print(line, file=sys.stderr)
         return 130
     return run(argv)
 

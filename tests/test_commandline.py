@@ -161,20 +161,22 @@ def test_ctrl_c_during_the_imports_is_the_commands_one_line(monkeypatch, capsys)
 
 @pytest.mark.parametrize(("command", "kept"), [
     ("train", "(finished steps are kept)"), ("sweep", "(finished runs and steps are kept)"),
-    ("lab", "(measured batches are kept)"), ("bench", None), ("explain", None)])
+    ("lab", "(measured batches are kept)"), ("bench", None), ("explain", None), ("worker", "")])
 def test_ctrl_c_says_what_the_command_keeps(monkeypatch, capsys, command, kept):
     """Ctrl-C of a bench (which writes its table at its end) or of explain said 'finished steps are kept' as a
-    run's did (the fifth hostile pass); each command now says what it keeps."""
+    run's did (the fifth hostile pass); each command now says what it keeps. A sweep's worker says nothing: Ctrl-C
+    reaches it with its sweep, which says the line (an idle worker's "it does not resume" contradicted it)."""
     from harness.apps import cli
 
     def interrupted(args):
         raise KeyboardInterrupt
 
     monkeypatch.setitem(cli.COMMANDS, command, interrupted)
-    args = {"train": ["quickstart"], "sweep": ["quickstart"], "lab": ["lab"], "bench": [], "explain": ["train.lr"]}
+    args = {"train": ["quickstart"], "sweep": ["quickstart"], "lab": ["lab"], "bench": [], "explain": ["train.lr"],
+            "worker": ["results"]}
     assert cli.main([command, *args[command]]) == 130
     err = capsys.readouterr().err
-    assert err == (f"interrupted: run the same command again to resume {kept}\n" if kept else
+    assert err == ("" if kept == "" else f"interrupted: run the same command again to resume {kept}\n" if kept else
                    "interrupted: it does not resume; run it again\n")
 
 

@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return status
     except KeyboardInterrupt:
-        print(interrupted(args.command), file=sys.stderr)
+        if (line := interrupted(args.command)) is not None:
+            print(line, file=sys.stderr)
         return INTERRUPTED
 
 

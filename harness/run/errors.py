@@ -16,12 +16,17 @@ KEPT = {"train": "finished steps are kept", "sweep": "finished runs and steps ar
 
 
 INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (the shell's 128 + SIGINT)
+# commands that only a sweep starts, in its process group: Ctrl-C reaches them with their sweep, which says the line
+QUIET = ("worker",)
 
 
-def interrupted(command: str | None) -> str:
-    """The one line Ctrl-C of ``command`` (None: before it was known) prints."""
+def interrupted(command: str | None) -> str | None:
+    """The one line Ctrl-C of ``command`` (None: before it was known) prints; None for a sweep's own process (QUIET):
+    a worker idle between runs said "it does not resume" beside its sweep's "run the same command again to resume"."""
     if command is None:  # before the arguments were read: nothing has started
         return "interrupted: run the command again"
+    if command in QUIET:
+        return None
     if command in KEPT:
         return f"interrupted: run the same command again to resume ({KEPT[command]})"
     return "interrupted: it does not resume; run it again"
