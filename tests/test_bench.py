@@ -257,6 +257,15 @@ def test_scale_runs_one_fresh_process_per_point_and_keeps_a_killed_one(tmp_path,
         scale_main([*TINY_BENCH, "train.num_minibatches=3"], rows=(8,), tokens=(4,))
     assert len(calls) == 4  # no point ran for either
 
+    def refused(argv):  # a setting only the point's model refuses, as it loads (its positions)
+        return subprocess.CompletedProcess(argv, 2, "", "loading\nconfig error: train.max_new_tokens=9 leaves no "
+                                                        "position for the prompt\n")
+
+    monkeypatch.setattr("harness.apps.bench.scale_point", refused)  # was status 1, 'error: RuntimeError: ...'
+    with pytest.raises(ConfigError, match=r"^bench --scale at 8 rows x 9 tokens: train.max_new_tokens=9 leaves no"):
+        scale_main([*TINY_BENCH, f"results_dir={tmp_path / 'refused'}"], rows=(8,), tokens=(9,))
+    assert not (tmp_path / "refused").exists()  # and an empty results/bench/ was left behind
+
 
 @pytest.mark.slow  # a process: make test
 def test_scale_measures_full_length_points_in_fresh_processes(tmp_path):

@@ -406,19 +406,22 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
     for _, _, point in grid:  # every point's settings checked (one line) before any point runs
         run_configs(load_experiment("bench", point))
     points, folder = [], out or Path(cfg.results_dir) / "bench"
-    folder.mkdir(parents=True, exist_ok=True)
     for r, t, point in grid:
         load = os.getloadavg()[0]
         child = scale_point(point)
         if child.returncode > 0:
             lines = child.stderr.strip().splitlines()
-            raise RuntimeError(f"bench --scale at {r} rows x {t} tokens: {lines[-1] if lines else 'failed'}")
+            said = f"bench --scale at {r} rows x {t} tokens: {lines[-1] if lines else 'failed'}"
+            if child.returncode == 2:  # a setting its model refuses (its positions: read as it loads): one line
+                raise ConfigError(said.replace(": config error: ", ": ", 1))
+            raise RuntimeError(said)
         step = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else  # else a signal:
                 {"killed": f"signal {-child.returncode}"})  # SIGKILL is the kernel's out-of-memory killer's
         points.append({"rows": r, "max_new_tokens": t, "load_before": load, "load_after": os.getloadavg()[0], **step})
         print(f"{r} rows x {t} tokens: " + (step.get("killed") or f"step {step['step_s']:.1f} s, peak "
                                              f"{step['peak_mem_process_mb']:.0f} MiB"), file=sys.stderr)
         table = scale_table(cfg, overrides, points)  # written after every point: a kill keeps what was measured
+        folder.mkdir(parents=True, exist_ok=True)  # not before a point has run: a refused one leaves no folder
         atomic_write(folder / "scale.json", json.dumps(points, indent=2))
         atomic_write(folder / "scale.md", table + "\n")
     print(table)
