@@ -134,7 +134,7 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     ("{sweep: quickstart, overrides: train.steps=2}", "[{table: final, metric: m, within: [0, 1]}]",
      r"experiment.overrides must be a list of key=value texts, got 'train.steps=2'"),
     ("{sweep: 3}", "[{table: final, metric: m, within: [0, 1]}]", r"experiment.sweep must name one sweep \(text\)"),
-    # the fifteenth hostile pass: a where ran code (pandas' @ reads the module's own names), or failed after the runs
+    # the twenty-fourth hostile pass: a where ran code (pandas' @ read the module's names), or failed after the runs
     ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], where: \"@pd.io.common.os.system('true') "
      "== 0\"}]", r"where \"@pd.io.common.os.system\('true'\) == 0\" does not parse"),
     ("{sweep: quickstart}", "[{table: final, metric: m, within: [0, 1], where: \"objective.__class__ == 1\"}]",
