@@ -151,6 +151,8 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
      r"probe moe_update: prompts must be a whole number >= 1, got 0"),
     ("{probe: moe_update, overrides: ['depths=[]']}", "[{table: probe, metric: m, within: [0, 1]}]",
      r"probe moe_update: depths must be a non-empty list of whole numbers >= 1"),
+    ("{probe: moe_update, overrides: ['spec={top_k: 9}']}", "[{table: probe, metric: m, within: [0, 1]}]",
+     r"probe moe_update: tiny_moe.top_k must be an integer in \[1, num_experts=8\]"),
 ])
 def test_a_malformed_claim_check_is_refused_when_the_claim_is_read(tmp_path, experiment, checks, message):
     """Each ended in a traceback, a verdict or "no data" only after the claim's experiment had run, or (no checks)
@@ -1036,6 +1038,7 @@ def test_a_linked_starting_policy_folder_is_refused_before_any_build(tmp_path):
     assert (mine / "config.yaml").read_text() == "mine\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
 
 
+@pytest.mark.slow  # every shipped claim's experiment loaded (seconds): make test
 def test_every_shipped_claim_s_starting_policies_can_be_built(tmp_path, monkeypatch):
     """start_seeds makes the run configs first_landing builds each claim's starting policies from: dr_grpo's lab
     claim pins seed=1 in its overrides, and the configs' seed grid of one seed made every `make claims` call stop

@@ -123,7 +123,6 @@ from harness.apps.sweep import (
 )
 from harness.apps.zoo import CONFIRM_SEEDS, START_CANDIDATES
 from harness.run.atomic import atomic_write
-from harness.run.commandline import SCREEN_SEEDS_MAX
 from harness.run.config import load_experiment, run_configs, run_id, yaml_problem
 from harness.run.errors import ConfigError
 from harness.run.experiments import EXPERIMENTS_DIR
@@ -149,6 +148,7 @@ WHERE_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not
                ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.BitAnd,
                ast.BitOr, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Mod, ast.Name, ast.Load, ast.Constant, ast.List,
                ast.Tuple)
+SEEDS_MAX = 100  # a claim's seeds per starting policy, at most (x its policies x cells: already hours of runs)
 STRING_TESTS = ("startswith", "endswith", "contains")  # column.str.<test>(values): the string tests a where may use
 
 
@@ -233,8 +233,8 @@ def claim_problem(claim: Claim) -> str | None:
     if not (_whole(claim.start_policies) and 1 <= claim.start_policies <= len(START_CANDIDATES)):
         return (f"start_policies must be a whole number from 1 to {len(START_CANDIDATES)} (the first that land of "
                 f"model.seed {list(START_CANDIDATES)}), got {claim.start_policies!r}")
-    if claim.seeds is not None and not (_whole(claim.seeds) and 1 <= claim.seeds <= SCREEN_SEEDS_MAX):
-        return f"seeds must be a whole number from 1 to {SCREEN_SEEDS_MAX} (per starting policy), got {claim.seeds!r}"
+    if claim.seeds is not None and not (_whole(claim.seeds) and 1 <= claim.seeds <= SEEDS_MAX):
+        return f"seeds must be a whole number from 1 to {SEEDS_MAX} (per starting policy), got {claim.seeds!r}"
     if not isinstance(claim.long, bool):
         return f"long must be true or false, got {claim.long!r}"
     wrong = [k for k in ("claim", "paper", "reported") if not isinstance(getattr(claim, k), str)]

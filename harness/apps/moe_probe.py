@@ -75,7 +75,7 @@ class UpdateProbe:
                 raise ValueError(f"{name} must be a whole number >= {low}, got {getattr(self, name)!r}")
         if not isinstance(self.spec, dict):
             raise ValueError(f"spec must be a mapping of TinyMoeSpec fields, got {self.spec!r}")
-        TinyMoeSpec(**{**self.spec, "num_layers": self.depths[0]})  # its own fields' checks
+        TinyMoeSpec(**{**self.spec, "num_layers": self.depths[0]}).check()  # its own fields' checks
 
 
 def _whole(value, low: int) -> bool:
