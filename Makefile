@@ -121,7 +121,8 @@ clean-results:  ## delete results/ (every run, report and benchmark)
 # wrong work): a goal that is no target (make would run the goals before it first); a setting none of the command's
 # targets reads (CLAIM=x for CLAIMS=x, exp= for EXP=); a '$' in a setting, which make expands (OVERRIDES='x=${a}'
 # would pass x=; $$ passes a $ on to the shell); a setting with a value (not a switch, nor TESTED=, documented as the
-# newest) given empty: CLAIMS= would run every claim, STAGE= both stages, OUT= the default folder. Only in the make
+# newest) given empty: CLAIMS= would run every claim, STAGE= both stages, OUT= the default folder; a setting of one
+# value given with a space (EXP="a b": make plots read two experiments). Only in the make
 # the user ran (a make that runs this one passes its own command line's settings on); `override`: no setting given
 # changes these.
 ifeq ($(MAKELEVEL),0)
@@ -133,6 +134,8 @@ override dollar     := $(strip $(foreach v,$(given),$(if $(findstring $$,$(subst
 override valued     := EXP JOBS LAUNCHER CLAIMS STAGE SEEDS START_POLICIES OBJECTIVES BASELINE OUT REPEATS ROWS TOKENS \
                        AGAINST PASSES DEVICE KEY KILLS TORCH
 override empty      := $(strip $(foreach v,$(valued),$(if $(filter $(v),$(given)),$(if $(strip $(subst $(comma), ,$(value $(v)))),,$(v)))))
+override one_word   := EXP JOBS LAUNCHER STAGE SEEDS START_POLICIES BASELINE REPEATS AGAINST PASSES DEVICE KEY KILLS TORCH
+override spaced     := $(strip $(foreach v,$(one_word),$(if $(filter $(v),$(given)),$(if $(word 2,$(value $(v))),$(v)))))
 ifneq ($(filter-out $(TARGETS),$(made_goals)),)
 $(error make $(made_goals): no target $(filter-out $(TARGETS),$(made_goals)) here; `make help` lists them)
 else ifneq ($(unread),)
@@ -141,5 +144,7 @@ else ifneq ($(dollar),)
 $(error make $(made_goals): $(dollar) holds a $$, which make expands (and the shell after it) before the command sees it: run the command itself (make -n $(made_goals) shows it), the setting in single quotes)
 else ifneq ($(empty),)
 $(error make $(made_goals): $(empty)= is empty: give it a value, or leave it out for its default)
+else ifneq ($(spaced),)
+$(error make $(made_goals): $(foreach v,$(spaced),$(v)='$(value $(v))') holds a space, which make would pass on as several arguments: give one value$(if $(filter EXP,$(spaced)), (EXP=a$(comma)b: one report over both for make plots; a folder whose name has a space: python -m analysis 'its path')))
 endif
 endif

@@ -68,14 +68,18 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
     ("claims", "CLAIMS=", "CLAIMS= is empty"),  # ran every claim (hours)
     ("zoo", "STAGE=", "STAGE= is empty"), ("zoo", "START_POLICIES=", "START_POLICIES= is empty"),  # the defaults
     ("plots", "OUT=", "OUT= is empty"),  # the default folder, where `--out ""` is refused
+    ("plots", "EXP=quickstart epochs", "EXP='quickstart epochs' holds a space"),  # a report over both, unasked
+    ("sweep", "JOBS=2 3", "JOBS='2 3' holds a space"),
 ])
 def test_a_dollar_or_an_empty_value_is_one_line_before_anything_runs(target, given, named):
     """make expanded '${oc.env:LR}' to nothing and ran train.lr= ; JOBS= reached argparse as '--jobs' alone; an
-    empty CLAIMS, STAGE or OUT ran the default (every claim, both stages), unlike its command's own option."""
+    empty CLAIMS, STAGE or OUT ran the default (every claim, both stages), unlike its command's own option; EXP="a b"
+    made make plots read two experiments (make splits a value at its spaces)."""
     done = make(target, given)
     assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done
     assert named in done.stderr
     assert make("train", "OVERRIDES=name=my$$run").stdout.split()[-1] == "name=my$run"  # $$: a $ for the shell
+    assert make("plots", "OUT=/tmp/my report").stdout.split('--out ')[-1].strip() == '"/tmp/my report"'  # quoted
 
 
 @pytest.mark.parametrize("off", ["0", "false", "no", "off", ""])
