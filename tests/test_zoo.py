@@ -411,6 +411,27 @@ def test_a_linked_zoo_folder_is_refused_before_anything_is_written(linked, monke
     assert (mine / "leaderboard.md").read_text() == "my own\n"
 
 
+@pytest.mark.slow  # two confirmations planned (seconds): make test
+def test_an_edited_plan_md_is_said_before_the_runs_and_kept(one_cell, capsys):
+    """An edited plan.md was named as the plan by the terminal and the leaderboard without a word, while plan.json
+    ran: an objective struck out there was still run and compared. Now one line says so before any run, and the
+    user's text is left as it is."""
+    tmp_path, calls = one_cell
+    args = (3, 1, 0.4, [f"results_dir={tmp_path}", "train.steps=2"], False, ["grpo", "popo"], False, 3)
+    assert zoo.confirm(*args) == 0
+    md = tmp_path / "zoo" / "confirm" / "plan.md"
+    edited = md.read_text().replace("- popo:", "- (struck out) popo:")
+    md.write_text(edited)
+    capsys.readouterr()
+    assert zoo.confirm(*args) == 0
+    err = capsys.readouterr().err
+    assert f"zoo confirmation: {md} is not the text of the plan {md.with_name('plan.json')} holds" in err
+    assert err.index("is not the text of the plan") < err.index("zoo confirmation: 30 runs")  # before the runs
+    assert md.read_text() == edited and calls[-1][1] == 2 * 3 * 5  # kept; popo still run, as plan.json says
+    md.unlink()
+    assert zoo.confirm(*args) == 0 and "is not the text" not in capsys.readouterr().err  # written again: the plan's
+
+
 def test_no_plan_from_a_screen_that_did_not_end(one_cell):
     tmp_path, calls = one_cell
     (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": [{"status": "failed"}]}))

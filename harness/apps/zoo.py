@@ -26,9 +26,10 @@ the screen's or a train problem, so the selection's luck on the screen's problem
 written is kept: the confirmation resumes under it, and settings other than those it was made with are refused
 (remove the confirm folder to plan again), as is a plan.json damaged or edited (``read_plan``: a key the
 confirmation reads missing or of another type, or starting policies, seeds or eval problems of the screen's); a
-plan.md removed is written again from plan.json. The zoo's folder, or a stage's in it, that is a symbolic link is
-refused before anything starts (``check_unlinked``). The verdicts: analysis/confirmation.py ``write_confirmation``
-(Holm over the plan's family of comparisons with the baseline).
+plan.md removed is written again from plan.json, one edited is said to change nothing (plan.json is what runs).
+The zoo's folder, or a stage's in it, that is a symbolic link is refused before anything starts
+(``check_unlinked``). The verdicts: analysis/confirmation.py ``write_confirmation`` (Holm over the plan's family of
+comparisons with the baseline).
 """
 
 from __future__ import annotations
@@ -181,6 +182,21 @@ def plan_text(plan: dict, runs: int) -> str:
              *[f"- {o}: {why}" for o, why in plan["objectives"].items()], "\n## Not tested\n",
              *[f"- {o}: {why}" for o, why in plan["not_tested"].items()]]
     return "\n".join(lines) + "\n"
+
+
+def check_plan_md(folder: Path, text: str, written: str) -> None:
+    """plan.md beside a kept plan.json: written again from it when removed; when its text is not the plan's, said
+    (an edit there changes nothing the confirmation does, while the leaderboard names the file as its plan) and left
+    as it is (the text of older code differs too, and its plan is run as it was). Each in one line."""
+    md = folder / "plan.md"
+    if not md.is_file():  # removed since: its text again, from the plan it was written from
+        atomic_write(md, text)
+        print(f"zoo confirmation: {md} was missing; written again from {folder / 'plan.json'} (the plan made "
+              f"{written}, before the confirmation's runs)", file=sys.stderr)
+    elif md.read_text(errors="replace") != text:
+        print(f"zoo confirmation: {md} is not the text of the plan {folder / 'plan.json'} holds, which is what runs "
+              "(edited, or written by other code): an edit there changes no run; remove it to have it written again "
+              "from plan.json, or the confirm folder to plan again", file=sys.stderr)
 
 
 def plan_settings(overrides: list[str], seeds: int, objectives: list[str] | None, start_policies: int) -> dict:
@@ -519,10 +535,8 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
         atomic_write(folder / "plan.json", json.dumps(plan, indent=1) + "\n")
-    elif not (folder / "plan.md").is_file():  # removed since: its text again, from the plan it was written from
-        atomic_write(folder / "plan.md", plan_text(plan, len(runs)))
-        print(f"zoo confirmation: {folder / 'plan.md'} was missing; written again from {folder / 'plan.json'} (the "
-              f"plan made {plan['written']}, before the confirmation's runs)", file=sys.stderr)
+    else:
+        check_plan_md(folder, plan_text(plan, len(runs)), plan["written"])
     print(f"zoo confirmation: {len(runs)} runs ({len(plan['objectives'])} objectives x {len(plan['start_seeds'])} "
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
