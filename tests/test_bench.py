@@ -265,6 +265,11 @@ def test_scale_runs_one_fresh_process_per_point_and_keeps_a_killed_one(tmp_path,
     with pytest.raises(ConfigError, match=r"^bench --scale at 8 rows x 9 tokens: train.max_new_tokens=9 leaves no"):
         scale_main([*TINY_BENCH, f"results_dir={tmp_path / 'refused'}"], rows=(8,), tokens=(9,))
     assert not (tmp_path / "refused").exists()  # and an empty results/bench/ was left behind
+    calls.clear()
+    monkeypatch.setattr("harness.apps.bench.scale_point", child)
+    with pytest.raises(ConfigError, match=r"longest prompt \(\d+ tokens\) and train.max_new_tokens=500 need"):
+        scale_main([*TINY_BENCH, f"results_dir={tmp_path / 'late'}"], rows=(8,), tokens=(4, 500))  # 512 positions
+    assert calls == [] and not (tmp_path / "late").exists()  # the 4-token point ran first, then the 500 one failed
 
 
 @pytest.mark.slow  # a process: make test

@@ -37,22 +37,29 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
 
 from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
-from harness.loop.build import RunSetup, build_learner, build_objective, setup_run
+from harness.loop.build import RunSetup, build_learner, build_objective, build_task, setup_run
 from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
 from harness.policy.device import DTYPES, resolve_device
 from harness.policy.matmul import cpu_matmul, linear, resolve
-from harness.policy.models import load_model
+from harness.policy.models import (
+    char_tokenizer,
+    check_prompt_positions,
+    load_model,
+    model_folder,
+    skeleton,
+)
 from harness.policy.sampler import Rollout, decoder_memory, sample_problems
 from harness.run.allocator import ENV as ALLOCATOR_ENV
 from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write
 from harness.run.commandline import SCALE_ROWS, SCALE_TOKENS
-from harness.run.config import check_this_machine, load_experiment, run_configs, updates_per_step
+from harness.run.config import TINY_MODELS, check_this_machine, load_experiment, run_configs, updates_per_step
 from harness.run.errors import ConfigError
 from harness.run.threads import cores as threads_cores
 from harness.run.threads import run_threads
@@ -396,7 +403,9 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
     = tokens``, every row sampling all ``tokens`` (EOS never drawn: what fits at the worst case), its step timed
     after an untimed one; ``train.num_minibatches`` stays the configuration's, so a minibatch holds rows /
     num_minibatches sequences. Prints a Markdown table, stamped with the commit, the machine and the load before and
-    after each point, and writes it with the figures to ``<results_dir>/bench/scale.md`` and ``scale.json``."""
+    after each point, and writes it with the figures to ``<results_dir>/bench/scale.md`` and ``scale.json``. Every
+    point's settings, and the room for the task's prompts beside the longest completions, are checked before any point
+    runs (one line)."""
     (cfg,) = run_configs(load_experiment("bench", overrides))
     group = cfg.train.group_size
     if bad := [r for r in rows if r % group]:
@@ -405,6 +414,7 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
             for r in rows for t in tokens]
     for _, _, point in grid:  # every point's settings checked (one line) before any point runs
         run_configs(load_experiment("bench", point))
+    check_prompt_room(checked_bench(max(grid, key=lambda g: g[1])[2]))  # the longest completions: the prompts too
     points, folder = [], out or Path(cfg.results_dir) / "bench"
     for r, t, point in grid:
         load = os.getloadavg()[0]
@@ -412,7 +422,7 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
         if child.returncode > 0:
             lines = child.stderr.strip().splitlines()
             said = f"bench --scale at {r} rows x {t} tokens: {lines[-1] if lines else 'failed'}"
-            if child.returncode == 2:  # a setting its model refuses (its positions: read as it loads): one line
+            if child.returncode == 2:  # a setting its model refuses as it loads (a hub model's positions)
                 raise ConfigError(said.replace(": config error: ", ": ", 1))
             raise RuntimeError(said)
         step = (json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else  # else a signal:
@@ -426,6 +436,19 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
         atomic_write(folder / "scale.md", table + "\n")
     print(table)
     return 0
+
+
+def check_prompt_room(cfg: DictConfig) -> None:
+    """ConfigError when the task's longest prompt and ``cfg``'s completions need more positions than its model takes
+    (``check_prompt_positions``, which a run calls as its model loads), read from the model's config and tokenizer
+    without its weights; nothing for a hub id, whose config is read when a point loads it."""
+    tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.name in TINY_MODELS else None
+    model = skeleton(cfg.model.name, tiny)
+    if model is None:
+        return
+    tokenizer = char_tokenizer() if tiny is not None else AutoTokenizer.from_pretrained(model_folder(cfg.model.name))
+    task = build_task(cfg)
+    check_prompt_positions(cfg, model, tokenizer, [p.question for p in [*task.train_problems(), *task.eval_problems()]])
 
 
 def scale_point(overrides: list[str]) -> subprocess.CompletedProcess:
