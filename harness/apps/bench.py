@@ -41,7 +41,7 @@ from transformers import AutoTokenizer
 
 from harness.apps.stamp import commit, machine
 from harness.loop.batch import TrainBatch
-from harness.loop.build import RunSetup, build_learner, build_objective, build_task, setup_run
+from harness.loop.build import RunSetup, build_learner, build_objective, build_task, check_task_positions, setup_run
 from harness.loop.metrics import PhaseMemory, peak_memory_mb
 from harness.loop.native import update
 from harness.loop.update import Learner, RunState, Timings, UpdatePlan
@@ -49,7 +49,6 @@ from harness.policy.device import DTYPES, resolve_device
 from harness.policy.matmul import cpu_matmul, linear, resolve
 from harness.policy.models import (
     char_tokenizer,
-    check_prompt_positions,
     load_model,
     model_folder,
     skeleton,
@@ -440,15 +439,14 @@ def scale_main(overrides: list[str], rows: tuple[int, ...] = SCALE_ROWS, tokens:
 
 def check_prompt_room(cfg: DictConfig) -> None:
     """ConfigError when the task's longest prompt and ``cfg``'s completions need more positions than its model takes
-    (``check_prompt_positions``, which a run calls as its model loads), read from the model's config and tokenizer
+    (``check_task_positions``, which a run calls as its model loads), read from the model's config and tokenizer
     without its weights; nothing for a hub id, whose config is read when a point loads it."""
     tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.name in TINY_MODELS else None
     model = skeleton(cfg.model.name, tiny)
     if model is None:
         return
     tokenizer = char_tokenizer() if tiny is not None else AutoTokenizer.from_pretrained(model_folder(cfg.model.name))
-    task = build_task(cfg)
-    check_prompt_positions(cfg, model, tokenizer, [p.question for p in [*task.train_problems(), *task.eval_problems()]])
+    check_task_positions(cfg, model, tokenizer, build_task(cfg))
 
 
 def scale_point(overrides: list[str]) -> subprocess.CompletedProcess:

@@ -110,6 +110,12 @@ def build_task(cfg: DictConfig) -> Task:
     return get_task(cfg.task.name, **task_arguments(cfg))
 
 
+def check_task_positions(cfg: DictConfig, model, tokenizer, task: Task) -> None:
+    """ConfigError when the task's longest prompt (train or eval) and the longest completion need more positions than
+    ``model`` takes (its config's; ``model`` may be a skeleton without weights)."""
+    check_prompt_positions(cfg, model, tokenizer, [p.question for p in [*task.train_problems(), *task.eval_problems()]])
+
+
 def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bool = False):
     """The starting policy, its tokenizer and the warm start's record (its cache sidecar: key, steps, accuracy on
     the check set, ...; None without a warm start). Every run of a sweep gets the same starting policy. ``progress``:
@@ -118,8 +124,7 @@ def build_policy(cfg: DictConfig, task: Task, device: torch.device, progress: bo
     tiny = OmegaConf.to_container(m.tiny) if m.name in TINY_MODELS else None
     model, tokenizer = load_model(m.name, tiny=tiny, device=device, dtype=DTYPES[m.dtype], seed=m.seed)
     check_decoder(model, cfg)
-    # the longest prompt and completion fit the model's positions, before a warm start
-    check_prompt_positions(cfg, model, tokenizer, [p.question for p in [*task.train_problems(), *task.eval_problems()]])
+    check_task_positions(cfg, model, tokenizer, task)  # before a warm start
     # before the warm start, which then recomputes activations too when asked (bit-equal gradients, so the same cached
     # policy: tests/test_warm_start.py); the trainer's forward reads them from the model
     set_memory_settings(model, cfg.train.lm_head_chunk, cfg.train.activation_checkpointing)
