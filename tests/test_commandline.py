@@ -190,3 +190,12 @@ def test_version_says_the_package_and_the_code(capsys):
         assert stop.value.code == 0
         assert capsys.readouterr().out == f"python -m harness {code_record()['packages']['rlvr-objectives-harness']} " \
                                           f"(code {code_record()['version']})\n"
+
+
+def test_the_help_line_names_every_command_a_user_runs():
+    """`python -m harness -h`'s first line lists the commands (the site's command-line reference shows it too): it
+    left out `explain`. `worker` is the sweep's own process, not a user's command."""
+    from harness.run.commandline import DESCRIPTION, build_parser
+
+    listed = DESCRIPTION.split("{")[1].split("}")[0].split(",")
+    assert sorted(listed) == sorted(set(build_parser().commands) - {"worker"})

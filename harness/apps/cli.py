@@ -1,5 +1,5 @@
-"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,soak} ...; see
-README.md and docs/ (make docs-site). The commands and their arguments: harness/run/commandline.py (parsed there
+"""Command line: python -m harness {train,sweep,lab,claims,zoo,list,explain,bench,gpu-check,prepare,docs,soak} ...;
+see README.md and docs/ (make docs-site). The commands and their arguments: harness/run/commandline.py (parsed there
 before this module's imports); what each command does: here."""
 
 from __future__ import annotations

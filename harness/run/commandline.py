@@ -13,8 +13,8 @@ from harness.run.errors import ConfigError, say_config_error
 from harness.run.experiments import experiment_path
 from harness.run.provenance import ALLOW_FLAG, DISTRIBUTION, code_record
 
-DESCRIPTION = ("Command line: python -m harness {train,sweep,lab,claims,zoo,list,bench,gpu-check,prepare,docs,"
-               "soak} ...; see README.md and docs/ (make docs-site).")
+DESCRIPTION = ("Command line: python -m harness {train,sweep,lab,claims,zoo,list,explain,bench,gpu-check,prepare,"
+               "docs,soak} ...; see README.md and docs/ (make docs-site).")
 LAUNCHERS = ("local", "ray", "slurm")  # --launcher: where a sweep's runs execute (harness/apps/launchers.py)
 SCALE_ROWS = (32, 64, 128)  # `bench --scale`'s default grid: sequences per rollout step (prompts x group size) ...
 SCALE_TOKENS = (128, 256, 512)  # ... and new tokens per sequence
