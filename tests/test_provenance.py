@@ -119,6 +119,8 @@ def test_continuing_a_run_of_other_code_is_refused_in_one_line_unless_allowed_th
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("config error: ")
+    assert main([*args, "train.lm_head_chunk=5"]) == 2  # a memory setting changed too: not said to be recorded
+    assert capsys.readouterr().err == err  # (it said config.yaml records the new ones, then refused)
     assert f"was run by code aaaaaaa and this is code {current}: continuing would mix two code versions" in err
     assert "give train --allow-code-change to continue" in err
     assert (tmp_path / "run" / "summary.json").read_text() == before  # nothing touched

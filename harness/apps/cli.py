@@ -49,7 +49,7 @@ from harness.run.experiments import experiment_paths
 from harness.run.locks import FolderBusyError
 from harness.run.names import first_sentence
 from harness.run.provenance import check_code
-from harness.run.records import ENDED, check_resume
+from harness.run.records import ENDED, check_resume, say_memory_changes
 from harness.run.threads import check_count as check_thread_count
 from harness.run.threads import prefer as prefer_threads
 from harness.tasks import available_tasks, reasoning_gym_datasets
@@ -72,9 +72,11 @@ def cmd_train(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(run.results_dir) / run.name / run_id(run)
     # another run's folder, or one another process is writing: refused before anything is printed or touched
     # (the folder is probed by the main process only: `accelerate launch`'s others write nothing of the run)
-    check_resume(run, run_dir, main=MAIN_PROCESS)
+    memory = check_resume(run, run_dir, main=MAIN_PROCESS)
     if MAIN_PROCESS:  # a run begun by other code: refused unless --allow-code-change (harness/run/provenance.py)
         check_code([run_dir], args.allow_code_change, "train")
+        if memory:  # said once every check has passed: a refused resume writes nothing
+            say_memory_changes(run_dir, memory)
     device = resolve_device(run.device)
     say = print if MAIN_PROCESS else lambda *a, **k: None  # `accelerate launch`: once, not once per process
     lora = f" (LoRA rank {run.model.lora.rank})" if run.model.lora.rank else ""

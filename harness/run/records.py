@@ -259,15 +259,17 @@ def edited_run(run_dir: Path, saved: dict) -> bool:
 
 
 def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool = True, probe_lock: bool = True
-                 ) -> None:
+                 ) -> list[str]:
     """Refuse (ConfigError, one line, before anything is touched) a folder that cannot be written, and to continue
     the run in ``run_dir`` with settings other than those in its config.yaml: its steps would mix two runs (but for
-    the memory settings, which change no number: named in one line when ``warn``); and a folder another process is
+    the memory settings, which change no number: returned); and a folder another process is
     writing (FolderBusyError, the message :class:`RunRecords`' lock gives, so a second writer is refused before it
     prints anything; the lock itself is still taken when the run starts; ``probe_lock`` False: not probed, for the
     run's own records, which take it next). ``main`` False (the other processes of
     `accelerate launch`, which write nothing of the run and may find the main one holding the lock): the settings
-    are compared, the folder is neither probed for writing nor for its lock."""
+    are compared, the folder is neither probed for writing nor for its lock. ``warn``: a damaged config.yaml is said.
+    Returns the memory settings' changes (``key old -> new``), for the caller to say (:func:`say_memory_changes`) once
+    its own checks have passed."""
     if main:
         check_run_folder(run_dir)
         check_writable(run_dir)
@@ -285,9 +287,9 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         if warn:
             print(f"warning: {e}: these settings cannot be checked against the run's; the run continues with them and "
                   "config.yaml is written anew", file=sys.stderr)
-        return
+        return []
     if saved is None:
-        return
+        return []
     if edited_run(run_dir, saved):
         raise ConfigError(f"{saved_path} was edited after the run wrote it (its settings are not those summary.json's "
                           "settings_digest records): continuing would mix two runs; restore the settings the run "
@@ -298,8 +300,7 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
                           "continuing it would mix two runs: "
                           f"give a fresh --run-dir (or none) for these settings, or resume that run with its own: "
                           f"python -m harness train {saved_path} --run-dir {run_dir}")
-    if warn and memory:
-        say_memory_changes(run_dir, memory)
+    return memory
 
 
 # the files a run writes in its folder (each a regular file of its own: check_run_folder)
