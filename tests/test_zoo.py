@@ -495,23 +495,38 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cell
     monkeypatch.setattr(stamp, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # the timing's clock
 
     monkeypatch.setattr(zoo, "run_sweep", ending_every_run(folder))
-    _, first, _ = zoo.swept(cfg, runs, 2, False, False)
+    _, first, _ = zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")
     assert "run or resumed in 10.0 min" in first and "had ended before" not in first
-    _, again, _ = zoo.swept(cfg, runs, 2, False, False)  # every run ended: the first command's stamp
+    _, again, _ = zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")  # every run ended: the first
+    # command's stamp
     assert again.startswith(first) and "run or resumed in 10.0 min" in again
     assert "found every run ended" in again and "found every run ended" not in first
     (folder / run_id(runs[0]) / "summary.json").unlink()  # one run left to do: resumed, said so
-    _, resumed, _ = zoo.swept(cfg, runs, 2, False, False)
+    _, resumed, _ = zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")
     assert "in 0.0 min" in resumed and f"{len(runs) - 1} of them had ended before" in resumed
-    _, fewer, _ = zoo.swept(cfg, runs[1:], 2, False, False)  # other runs than the stamp's (a subset): not its stamp
+    # other runs than the stamp's (a subset): not its stamp
+    _, fewer, _ = zoo.swept(cfg, runs[1:], 2, False, False, "`make zoo STAGE=screen`")
     assert "found every run ended" not in fewer and "in 0.0 min" in fewer
+
+
+def test_a_stamp_names_the_command_that_ran_with_its_options():
+    """Every stage's stamp said `make zoo STAGE=screen` (or `make zoo`) whatever ran: other seeds, objectives,
+    starting policies, target or overrides. Settings that change no run (results_dir, name, logging) are left out."""
+    defaults = ("screen", zoo.SEEDS, None, ["results_dir=/tmp/x"], zoo.CONFIRM_START_POLICIES, zoo.TARGET)
+    assert zoo.zoo_command(*defaults) == "`make zoo STAGE=screen`"
+    assert zoo.zoo_command("both", *defaults[1:]) == "`make zoo`"
+    assert zoo.zoo_command("screen", 2, ["grpo", "gspo"], ["train.steps=17", "results_dir=/tmp/x", "name=z"], 4,
+                           0.5) == ("`python -m harness zoo --stage screen --seeds 2 --objectives grpo,gspo "
+                                    "--start-policies 4 --target 0.5 train.steps=17`")
+    assert zoo.zoo_command("both", 2, None, [], zoo.CONFIRM_START_POLICIES, zoo.TARGET) == \
+        "`python -m harness zoo --seeds 2`"
 
 
 def test_a_stage_that_did_not_end_keeps_no_stamp(two_cells, monkeypatch, tmp_path):
     cfg, runs = zoo.zoo_runs(1, [f"results_dir={tmp_path}", "train.steps=2"], ["grpo"])
     monkeypatch.setattr(zoo, "run_sweep", lambda cfg, runs, **kwargs: [{"status": "failed"}] * len(runs))
     (tmp_path / "zoo" / "screen").mkdir(parents=True)
-    zoo.swept(cfg, runs, 2, False, False)
+    zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")
     assert not (tmp_path / "zoo" / "screen" / stamp.KEPT).exists()  # its stamp would not be the whole stage's
 
 
@@ -567,6 +582,9 @@ def test_the_whole_zoo_is_timed_from_its_command_start_and_kept_only_for_its_own
     monkeypatch.setattr(zoo, "os", SimpleNamespace(getloadavg=lambda: (2.25, 0, 0)))
     monkeypatch.setattr(zoo, "machine", lambda jobs: f"a CPU, {jobs} runs at a time")
     ran, resumed, found = (SimpleNamespace(before=b, kept=k) for b, k in ((0, False), (1, False), (2, True)))
+    other = zoo.whole_stamp(tmp_path, ["r2", "r1"], began, ran, 2, "`python -m harness zoo --seeds 2`")
+    assert other.startswith("`python -m harness zoo --seeds 2`, both stages from a results folder without them")
+    assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, found, 1).startswith(other)  # kept with its figures
     text = zoo.whole_stamp(tmp_path, ["r2", "r1"], began, ran, 2)
     assert text == ("`make zoo`, both stages from a results folder without them, in one command: 87.0 min, the 2 "
                     "starting-policy builds it made into the cache included (1 of them missed their band, passed over; "
@@ -579,7 +597,8 @@ def test_the_whole_zoo_is_timed_from_its_command_start_and_kept_only_for_its_own
     assert zoo.whole_stamp(tmp_path, ["r1", "r2"], began, resumed, 1) == ""  # the confirmation resumed
     assert (tmp_path / zoo.WHOLE).read_text() == kept  # ... and the record kept as it was
     assert zoo.whole_stamp(tmp_path, ["r1"], None, found, 1) == ""  # other runs than the figures'
-    for damaged in ("{not json", json.dumps({"runs": ["r1", "r2"]}), json.dumps({**json.loads(kept), "wall_s": "5"})):
+    for damaged in ("{not json", json.dumps({"runs": ["r1", "r2"]}), json.dumps({**json.loads(kept), "wall_s": "5"}),
+                    json.dumps({**json.loads(kept), "command": 5})):
         (tmp_path / zoo.WHOLE).write_text(damaged)
         assert zoo.whole_stamp(tmp_path, ["r1", "r2"], None, found, 1) == ""
 
@@ -593,10 +612,10 @@ def test_a_stage_that_runs_any_run_removes_the_kept_whole_time(two_cells, monkey
     monkeypatch.setattr(zoo, "run_sweep", ending_every_run(folder))
     (tmp_path / "zoo").mkdir()
     (tmp_path / "zoo" / zoo.WHOLE).write_text("{}")
-    zoo.swept(cfg, runs, 2, False, False)  # ran the stage's runs
+    zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")  # ran the stage's runs
     assert not (tmp_path / "zoo" / zoo.WHOLE).exists()
     (tmp_path / "zoo" / zoo.WHOLE).write_text("{}")
-    zoo.swept(cfg, runs, 2, False, False)  # found every run ended: the record stays
+    zoo.swept(cfg, runs, 2, False, False, "`make zoo STAGE=screen`")  # found every run ended: the record stays
     assert (tmp_path / "zoo" / zoo.WHOLE).exists()
 
 

@@ -54,7 +54,7 @@ from harness.apps.stamp import SweepTime, machine, timed_sweep
 from harness.apps.sweep import check_runs_one_version, first_landing, run_sweep
 from harness.policy.warm_start import builds_since
 from harness.run.atomic import atomic_write
-from harness.run.config import load_experiment, run_configs, run_id
+from harness.run.config import NOT_IN_RUN_ID, load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.records import ENDED
 from harness.tasks import has_eval_sets
@@ -340,24 +340,40 @@ def screen_ended(folder: Path) -> bool:
     return bool(runs) and all(r.get("status") in ENDED for r in runs)
 
 
-def stamp(stage: str, entries: list[dict], timing: SweepTime) -> str:
+def zoo_command(stage: str, seeds: int, objectives: list[str] | None, overrides: list[str],
+                start_policies: int, target: float) -> str:
+    """The command a stamp names: ``make zoo STAGE=<stage>`` (``make zoo`` for both) where every option is its
+    default, else ``python -m harness zoo`` with the options given otherwise and the overrides that change the runs
+    (results_dir, name and logging change none): a stamp named make zoo's defaults whatever ran."""
+    options = [*([f"--seeds {seeds}"] if seeds != SEEDS else []),
+               *([f"--objectives {','.join(objectives)}"] if objectives else []),
+               *([f"--start-policies {start_policies}"] if start_policies != CONFIRM_START_POLICIES else []),
+               *([f"--target {target:g}"] if target != TARGET else []),
+               *(o for o in overrides if o.partition("=")[0] not in NOT_IN_RUN_ID)]
+    if not options:
+        return "`make zoo`" if stage == "both" else f"`make zoo STAGE={stage}`"
+    return f"`python -m harness zoo{'' if stage == 'both' else f' --stage {stage}'} {' '.join(options)}`"
+
+
+def stamp(command: str, entries: list[dict], timing: SweepTime) -> str:
+    """A stage's sentence on its leaderboard: ``command`` (zoo_command), its runs, its time, the machine."""
     ended = sum(e["status"] in ENDED for e in entries)
-    return (f"`make zoo STAGE={stage}`: {ended}/{len(entries)} runs ended "
+    return (f"{command}: {ended}/{len(entries)} runs ended "
             f"({sum(e['status'] == 'diverged' for e in entries)} diverged), run or resumed in {timing.wall_s / 60:.1f} "
             f"min (1-minute load average {timing.load_before:.2f} before, {timing.load_after:.2f} after). Machine: "
             f"{timing.machine}.{timing.note()}")
 
 
-def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool,
-          allow: bool) -> tuple[list, str, SweepTime]:
-    """The stage's sweep (run or resumed), its stamp and its timing, timed by timed_sweep: found ended, a stage is
-    stamped with the time of the command that ran it, not the seconds of finding its runs ended."""
+def swept(cfg: DictConfig, runs: list[DictConfig], jobs: int, progress: bool, allow: bool,
+          command: str) -> tuple[list, str, SweepTime]:
+    """The stage's sweep (run or resumed), its stamp (naming ``command``) and its timing, timed by timed_sweep: found
+    ended, a stage is stamped with the time of the command that ran it, not the seconds of finding its runs ended."""
     entries, timing = timed_sweep(Path(cfg.results_dir) / cfg.name, [run_id(run) for run in runs], jobs, lambda:
                                   run_sweep(cfg, jobs=jobs, progress=progress, runs=runs, allow_code_change=allow,
                                             command="zoo"))
     if timing.before < len(runs):  # this command ran some of the stage: a kept whole time is no longer its runs'
         (Path(cfg.results_dir) / WHOLE).unlink(missing_ok=True)
-    return entries, stamp(cfg.name, entries, timing), timing
+    return entries, stamp(command, entries, timing), timing
 
 
 def began_from_nothing(screen: Path) -> tuple[datetime, float, float] | None:
@@ -369,20 +385,21 @@ def began_from_nothing(screen: Path) -> tuple[datetime, float, float] | None:
 
 
 def whole_stamp(zoo_dir: Path, ids: list[str], began: tuple[datetime, float, float] | None, timing: SweepTime,
-                jobs: int) -> str:
+                jobs: int, command: str = "`make zoo`") -> str:
     """The sentence on the whole zoo after its confirmation ended (``timing``: the confirmation sweep's): ``began``
     (began_from_nothing) and none of the confirmation's runs ended before it: this command ran both stages and built
     the starting policies the cache lacked, timed from its start, kept in ``zoo_dir``/WHOLE with the runs' ``ids``;
     else, where this command found every confirmation run ended (``timing.kept``), the figures kept there by the
     command that ran exactly these runs (removed by ``swept`` when a later command ran any run of a stage); else
-    none."""
+    none. ``command``: the command that ran both stages (zoo_command), kept with the figures."""
     if began is None or timing.before:
         kept = read_whole(zoo_dir / WHOLE, ids) if timing.kept else None
         return "" if kept is None else whole_sentence(kept, kept=True)
     at, start, load = began
     built, missed = builds_since(at)
     record = {"runs": sorted(ids), **asdict(SweepTime(time.perf_counter() - start, load, os.getloadavg()[0],
-                                                      machine(jobs))), "built": built, "missed": missed}
+                                                      machine(jobs))), "built": built, "missed": missed,
+              "command": command}
     atomic_write(zoo_dir / WHOLE, json.dumps(record))
     return whole_sentence(record)
 
@@ -395,6 +412,7 @@ def read_whole(path: Path, ids: list[str]) -> dict | None:
         return None
     numbers = ("wall_s", "load_before", "load_after", "built", "missed")
     whole = (isinstance(kept, dict) and kept.get("runs") == sorted(ids) and isinstance(kept.get("machine"), str)
+             and isinstance(kept.get("command", ""), str)  # none: kept by code before it was recorded
              and all(isinstance(kept.get(key), int | float) for key in numbers))
     return kept if whole else None  # a damaged record: no whole time
 
@@ -403,7 +421,8 @@ def whole_sentence(record: dict, kept: bool = False) -> str:
     """The whole zoo's time, the starting policies it built and its load, as the leaderboard states them."""
     whose = (" These are the figures of the command that ran them all; this one found every run ended." if kept
              else "")
-    return (f"`make zoo`, both stages from a results folder without them, in one command: {record['wall_s'] / 60:.1f}"
+    return (f"{record.get('command', '`make zoo`')}, both stages from a results folder without them, in one command: "
+            f"{record['wall_s'] / 60:.1f}"
             f" min, the {record['built']} starting-policy builds it made into the cache included ({record['missed']}"
             f" of them missed their band, passed over; the policies the cache held were loaded) (1-minute load "
             f"average {record['load_before']:.2f} before, {record['load_after']:.2f} after). Machine: "
@@ -449,7 +468,8 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
             confirm_start_seeds(overrides, jobs, progress, runs, start_policies)  # both stages' (their docstring)
         print(f"zoo screen: {len(runs)} runs ({len(objectives or available_objectives())} objectives x {seeds} seeds "
               f"x {len(CELLS)} regime cells) into {screen}, {jobs} at a time", file=sys.stderr)
-        entries, text, _ = swept(cfg, runs, jobs, progress, allow_code_change)
+        entries, text, _ = swept(cfg, runs, jobs, progress, allow_code_change,
+                                 zoo_command("screen", seeds, objectives, overrides, start_policies, target))
         path = write_leaderboard(screen, screen, f"{text} Target accuracy for tokens-to-target: {target:g}.", target,
                                  BASELINE)
         if report:
@@ -541,10 +561,12 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
     check_runs_one_version(cfg, runs, "the confirmation's runs")  # its verdicts pair runs across objectives
-    entries, text, timing = swept(cfg, runs, jobs, progress, allow_code_change)
+    entries, text, timing = swept(cfg, runs, jobs, progress, allow_code_change,
+                                  zoo_command("confirm", seeds, objectives, overrides, start_policies, target))
     if all(e["status"] in ENDED for e in entries):
         ids = [run_id(run) for run in [*screen_runs, *runs]]
-        text = f"{text} {whole_stamp(screen.parent, ids, began, timing, jobs)}".rstrip()
+        both = zoo_command("both", seeds, objectives, overrides, start_policies, target)
+        text = f"{text} {whole_stamp(screen.parent, ids, began, timing, jobs, both)}".rstrip()
     path = write_confirmation(screen, folder, plan, screen.parent, text)
     print(f"{text}\nleaderboard: {path}", file=sys.stderr)
     return 0 if all(e["status"] in ENDED for e in entries) else 1
