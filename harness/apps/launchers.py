@@ -389,9 +389,11 @@ def init_local_ray(ray, **options) -> None:
     """Start a local Ray cluster for this process (``options``: ray.init's, e.g. ``num_cpus``) whose workers, and so
     the runs they start, keep this process's priority. Ray's own default starts its workers at nice 15 (its
     ``worker_niceness``), below every other process on the machine: beside any other work a run would get a sliver of
-    a core and a sweep would crawl. A cluster the sweep joins (``launcher.address``) keeps its operator's setting."""
+    a core and a sweep would crawl. Ray applies ``worker_niceness`` as an increment (``nice(2)``) to the priority its
+    workers inherit from this process through the raylet: 0 keeps it (this process's own nice value would add it
+    again, nice 10 -> 19). A cluster the sweep joins (``launcher.address``) keeps its operator's setting."""
     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-             _system_config={"worker_niceness": os.nice(0)}, **options)
+             _system_config={"worker_niceness": 0}, **options)
 
 
 class RayHandle:
