@@ -343,6 +343,13 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def save_table(out_dir: Path, name: str, numbers: pd.DataFrame, shown: pd.DataFrame | None = None) -> None:
+    """``name``.csv (``numbers``) and ``name``.md (``shown``, the table as the report shows it, else the numbers):
+    every table of the report in both formats."""
+    numbers.to_csv(out_dir / f"{name}.csv", index=False)
+    (out_dir / f"{name}.md").write_text(md_table(numbers if shown is None else shown) + "\n")
+
+
 def md_table(df: pd.DataFrame) -> str:
     cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(map(cell, df.columns)) + " |", "|" + "---|" * len(df.columns)]
@@ -671,24 +678,21 @@ def write_numbers(exp: Experiment, out_dir: Path, baseline: str | None = None) -
     the --baseline given, else manifest.json's, else paired.default_baseline)."""
     runs, cells = exp.runs, exp.cells
     table = eval_table(runs, cells.axes, exp.samples)
-    table.to_csv(out_dir / "eval_accuracy.csv", index=False)
-    runs.to_csv(out_dir / "runs.csv", index=False)
-    (out_dir / "eval_accuracy.md").write_text(md_table(eval_display(table, runs, cells)) + "\n")
-    (out_dir / "runs.md").write_text(md_table(runs_display(runs, cells)) + "\n")
+    save_table(out_dir, "eval_accuracy", table, eval_display(table, runs, cells))
+    save_table(out_dir, "runs", runs, runs_display(runs, cells))
     headline = headline_display(table, cells)
-    (out_dir / "headline.md").write_text(md_table(headline) + "\n")
+    save_table(out_dir, "headline", headline)
     collapse = collapse_display(table, cells)
-    (out_dir / "collapse.md").write_text(md_table(collapse) + "\n")
+    save_table(out_dir, "collapse", collapse)
     ended = runs.loc[runs["counted"] & runs["ended"], "objective"]
     baseline = baseline or exp.baseline or paired.default_baseline(ended, exp.objectives)
     present = baseline if baseline in set(runs["objective"]) else None  # a sweep's baseline that never ran: no pairs
     pairs = paired.per_cell(runs, samples=exp.samples, baseline=present)  # against it (as before), not an error
     aggregated = paired.aggregate(runs, samples=exp.samples, baseline=baseline)
     iqms = paired.iqm(runs, samples=exp.samples)
-    pairs.to_csv(out_dir / "paired.csv", index=False)
-    aggregated.to_csv(out_dir / "paired_aggregate.csv", index=False)
-    iqms.to_csv(out_dir / "iqm.csv", index=False)
-    (out_dir / "paired.md").write_text(md_table(paired_display(pairs, cells)) + "\n")
+    save_table(out_dir, "paired", pairs, paired_display(pairs, cells))
+    save_table(out_dir, "paired_aggregate", aggregated)
+    save_table(out_dir, "iqm", iqms)
     verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline, cells.objective_settings.get(CODE))
     numbers = Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
     budgets = [text for _, text in budget_blocks(numbers, len(cells.labels) > 1)]  # the terminal says it too
@@ -718,8 +722,8 @@ def write_cells(exp: Experiment, out_dir: Path, smooth: int, formats: list[str],
                                      "stability and clip-fraction figures are left out."))
         cell_blocks += figure_blocks(made, out_dir, formats) + [("p", line) for line in left_out]
     fit_table = pd.concat(fit_tables, ignore_index=True) if fit_tables else pd.DataFrame()
-    (pd.concat(fit_numbers, ignore_index=True) if fit_numbers else pd.DataFrame()).to_csv(
-        out_dir / "scaling_fit.csv", index=False)
+    save_table(out_dir, "scaling_fit", pd.concat(fit_numbers, ignore_index=True) if fit_numbers else pd.DataFrame(),
+               fit_table)
     times = pd.concat([t for t in time_tables if len(t)], ignore_index=True) if any(len(t) for t in time_tables) \
         else pd.DataFrame()
     return CellParts(fit_table, times, cell_blocks, coincide)

@@ -480,6 +480,8 @@ def test_the_report_is_written_whatever_the_folder_holds(tmp_path, monkeypatch, 
             holder.close()
     assert STATES[state] in text, state
     assert (out / "report.html").exists() and (out / "eval_accuracy.csv").exists()
+    tables = {p.stem: {q.suffix for q in out.glob(f"{p.stem}.*")} for p in out.glob("*.csv")}
+    assert len(tables) == 8 and all(kinds == {".csv", ".md"} for kinds in tables.values()), tables  # README's words
     headline = text[text.index("## Start and end accuracy"):text.index("## Figures")]
     assert "| grpo |" in headline
 
