@@ -67,7 +67,7 @@ class ClipCov(Objective):
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
-    selection_seed: int = 0
+    selection_seed: int = 0  # seeds the draw of the chosen (clipped) tokens: selection_seed * 1000003 + the step
 
     default_advantage = "grpo"
     default_aggregation = "token_mean"

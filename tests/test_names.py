@@ -253,3 +253,14 @@ def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkey
             names.names_markdown()
     finally:
         names.all_names.cache_clear()
+
+
+def test_no_hyperparameter_meaning_breaks_off_mid_sentence():
+    """A meaning taken from an objective's docstring was its first line naming the hyperparameter: a wrapped line
+    broke off mid-sentence (selection_seed's '... reproducible and resumable and the', tbpo's clip_high '... c = 1 +
+    clip_high,'). Now the sentence's following lines come with it; every objective's every hyperparameter is read."""
+    cut = re.compile(r"(,|\b(the|and|or|a|an|of|to|by|with|is|as|at|in|on|for|its|their))$")
+    for name in OBJECTIVES.names():
+        for param in names.own_hyperparameters(name):
+            for text in (names.hyperparameter_meaning(param), names.objective_param_meaning(name, param)):
+                assert not any(cut.search(part.strip()) for part in text.split("; ")), (name, param, text)

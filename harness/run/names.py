@@ -238,21 +238,29 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def _docstring_line(cls, param: str) -> str | None:
-    """The first line of the objective's module docstring that names ``param`` (````param```` preferred)."""
+    """The first line of the objective's module docstring that names ``param`` (````param```` preferred), with the
+    lines that continue its sentence (up to one ending in '.', ';' or ':', or the paragraph's end; at most 3 more): a
+    wrapped line alone broke off mid-sentence."""
     doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
     lines = [" ".join(line.split()) for line in doc.splitlines()]
-    quoted = [line for line in lines if f"``{param}``" in line]
-    named = quoted or [line for line in lines if re.search(rf"\b{re.escape(param)}\b", line)]
-    return named[0].lstrip("-* ") if named else None
+    quoted = [i for i, line in enumerate(lines) if f"``{param}``" in line]
+    named = quoted or [i for i, line in enumerate(lines) if re.search(rf"\b{re.escape(param)}\b", line)]
+    if not named:
+        return None
+    end = named[0]
+    while end < min(named[0] + 3, len(lines) - 1) and not lines[end].endswith((".", ";", ":")) and lines[end + 1] \
+            and not lines[end + 1].startswith(("-", "*")):
+        end += 1
+    return " ".join(lines[named[0]: end + 1]).lstrip("-* ")
 
 
 # one line per hyperparameter without a NAMES row, for the objectives named (others with the same name get their
 # own field comment or docstring line); a new objective needs no entry here: comment its fields (the README's way)
 MEANINGS: dict[str, tuple[tuple[str, ...], str]] = {
-    "cap_log_ratio": (("gspo", "gspo_token"), "cap the log sequence ratio at log_ratio_cap (verl's numerical-safety "
-                      "cap); off = the paper's formula"),
-    "log_ratio_cap": (("gspo", "gspo_token"), "the cap on the log sequence ratio with cap_log_ratio (a capped "
-                      "sequence keeps its loss value and loses its gradient)"),
+    "cap_log_ratio": (("gspo", "gspo_token", "luspo"), "cap the log sequence ratio at log_ratio_cap (verl's "
+                      "numerical-safety cap); off = the paper's formula"),
+    "log_ratio_cap": (("gspo", "gspo_token", "luspo"), "the cap on the log sequence ratio with cap_log_ratio (a "
+                      "capped sequence keeps its loss value and loses its gradient)"),
     "ratio_mode": (("ctpo", "ctpo_clip"), "token t's cumulative ratio: cumprod (the product of its prefix's ratios) "
                    "or geomean (their geometric mean)"),
     "la_power": (("ctpo",), "length-adaptive window: the log-ratio clip bounds scale with n_t^la_power (n_t = valid "
