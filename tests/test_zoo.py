@@ -512,7 +512,8 @@ def test_a_stage_found_ended_keeps_the_stamp_of_the_command_that_ran_it(two_cell
 def test_a_stamp_names_the_command_that_ran_with_its_options():
     """Every stage's stamp said `make zoo STAGE=screen` (or `make zoo`) whatever ran: other seeds, objectives,
     starting policies, target or overrides. Settings that change no run (results_dir, name, logging) are left out."""
-    defaults = ("screen", zoo.SEEDS, None, ["results_dir=/tmp/x"], zoo.CONFIRM_START_POLICIES, zoo.TARGET)
+    unread = ["results_dir=/tmp/x", "logging.wandb.project=p"]  # change no run
+    defaults = ("screen", zoo.SEEDS, None, unread, zoo.CONFIRM_START_POLICIES, zoo.TARGET)
     assert zoo.zoo_command(*defaults) == "`make zoo STAGE=screen`"
     assert zoo.zoo_command("both", *defaults[1:]) == "`make zoo`"
     assert zoo.zoo_command("screen", 2, ["grpo", "gspo"], ["train.steps=17", "results_dir=/tmp/x", "name=z"], 4,

@@ -349,7 +349,7 @@ def zoo_command(stage: str, seeds: int, objectives: list[str] | None, overrides:
                *([f"--objectives {','.join(objectives)}"] if objectives else []),
                *([f"--start-policies {start_policies}"] if start_policies != CONFIRM_START_POLICIES else []),
                *([f"--target {target:g}"] if target != TARGET else []),
-               *(o for o in overrides if o.partition("=")[0] not in NOT_IN_RUN_ID)]
+               *(o for o in overrides if o.partition("=")[0].split(".")[0] not in NOT_IN_RUN_ID)]
     if not options:
         return "`make zoo`" if stage == "both" else f"`make zoo STAGE={stage}`"
     return f"`python -m harness zoo{'' if stage == 'both' else f' --stage {stage}'} {' '.join(options)}`"
