@@ -14,17 +14,19 @@ from harness.loop.batch import TrainBatch
 from harness.loop.native import train
 from harness.loop.update import (
     Learner,
+    RowsForward,
     RunState,
     Timings,
     UpdatePlan,
     microbatch_loss,
     minibatches,
+    policy_batch,
     timed,
     token_budget_chunks,
 )
 from harness.policy.sampler import Rollout
 from harness.run.records import read_jsonl
-from objectives import Objective, ObjectiveOutput, get_objective
+from objectives import OBJECTIVES, Objective, ObjectiveOutput, get_objective
 from tests.helpers.tiny import tiny_run
 
 
@@ -96,6 +98,40 @@ def test_a_plan_splits_by_rows_or_by_its_token_budget():
     assert [c.tolist() for c in groups.microbatches(minibatch)] == [minibatch.rows[:4].tolist(),
                                                                     minibatch.rows[4:].tolist()]
     assert plan.micro_batch_unit == 1 and toy_plan(batch, objective="conspo").micro_batch_unit == 4
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])  # a per-token loss, a per-sequence loss
+@pytest.mark.parametrize("split", [{"micro_batch_size": 4}, {"max_tokens_per_micro_batch": 17}])
+def test_the_loops_micro_batches_sum_to_the_minibatch_in_every_aggregation(objective, split):
+    """The loop's own minibatches, splits and objective inputs (``minibatches``, ``UpdatePlan.microbatches``,
+    ``policy_batch``), not a test's copy of them: each split's losses sum to the whole minibatch's loss and gradient,
+    in every aggregation, with a KL term and correction weights, where minibatches of 6 rows split groups of 4
+    (prompt_mean then counts each group's rows in the minibatch)."""
+    batch = toy_batch(24)
+    g = torch.Generator().manual_seed(3)
+    batch.old_logp = batch.old_logp.double()
+    batch.ref_logp = batch.old_logp - torch.rand(batch.old_logp.shape, generator=g, dtype=torch.float64)
+    batch.correction = torch.rand(batch.old_logp.shape, generator=g, dtype=torch.float64) * 2
+    train = {**TOY_TRAIN, "prompts_per_step": 6, "num_minibatches": 4, **split}
+    plan = UpdatePlan.of(batch, OmegaConf.create({"seed": 0, "objective": {"name": objective}, "train": train}), 3)
+    current = (batch.old_logp + 0.3 * torch.randn(batch.old_logp.shape, generator=g, dtype=torch.float64))
+    current.requires_grad_()
+    mask, seen = batch.rollout.completion_mask, set()
+    for mode in OBJECTIVES.get(objective).aggregations:
+        learner_objective = get_objective(objective, aggregation=mode, beta=0.04)
+        for minibatch in minibatches(plan, torch.Generator().manual_seed(0)):
+            sums = []
+            for chunks in ([minibatch.rows], plan.microbatches(minibatch)):
+                total = 0.0
+                for rows in chunks:
+                    width = int(mask[rows].sum(-1).max())
+                    forward = RowsForward(rows, current[rows, :width], None, mask[rows, :width], width)
+                    total = total + learner_objective(policy_batch(plan, minibatch, forward, RunState())).loss
+                sums.append((total, *torch.autograd.grad(total, current)))
+                seen.add(len(chunks))
+            assert sums[1][0].item() == pytest.approx(sums[0][0].item(), rel=1e-12, abs=1e-12), mode
+            torch.testing.assert_close(sums[1][1], sums[0][1], rtol=1e-12, atol=1e-12)
+    assert max(seen) > 1
 
 
 def test_a_skipped_non_finite_update_takes_no_value_of_the_schedule():
