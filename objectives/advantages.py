@@ -288,7 +288,10 @@ def optimal_token_baseline_advantage(rewards: Tensor, group_ids: Tensor, lengths
     ``calculate_sum_pi_squared``). A group of one gets 0 here (verl: G_t, no baseline), like every group-centred
     estimator; equal rewards give B_t = R exactly (verl: R up to the 1e-8), so 0, except in a zero tail, where
     A_t = R as verl's (a group of equal nonzero rewards pushes its unique longest response's tail).
-    ``handle_zero_tail=False`` is verl's option (and its default before 8acd940f1); the loop uses the default."""
+    ``handle_zero_tail=False`` is verl's option (and its default before 8acd940f1); the loop uses the default.
+    Under a rollout correction's masking rules a rejected token's weight is 0 in ``correction``, so it adds nothing
+    to its row's W_t, but the row keeps its place in the group's baseline at that position (``mask`` is whole, as in
+    every aggregation here); verl removes the token from the response mask, so there its row leaves the baseline."""
     if old_logp is None or sum_pi_squared is None or mask is None:
         raise ValueError("advantage estimator 'optimal_token_baseline' needs old_logp, sum_pi_squared and mask "
                          "[B, T] from the old policy's forward (keywords)")
@@ -366,7 +369,9 @@ def gdpo_advantage(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = 
     ``components`` [B, K] and ``weights`` [K] are the task's (correctness weight 1, format ``task.format_weight``,
     DAPO's overlong penalty weight 1: harness/loop/batch.py ``reward_components``; ``rewards`` is their weighted
     sum and unused). TRL's 1e-4 is kept (our group-centred estimators use 1e-6). A group of one: a_ik = 0 (TRL's
-    num_generations = 1 too), then the batch normalisation; a batch of one sample gets 0."""
+    num_generations = 1 too), then the batch normalisation; a batch of one sample gets 0. verl's
+    ``compute_gdpo_outcome_advantage`` differs (eps 1e-6, then a whitening over tokens, where a longer response
+    weighs more in the batch's mean and std); TRL's per-sample form is the one here."""
     del lengths
     if components is None or weights is None:
         raise ValueError("advantage estimator 'gdpo' needs components [B, K] and weights [K] (keywords): the "

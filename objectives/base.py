@@ -295,6 +295,8 @@ def ppo_clipped_loss(
     ``clip_ratio_c`` (> 1; verl's dual clip, Ye et al. arXiv 1912.09729): where A < 0, l_t = min(l_t, -c A_t),
     so a token with r > c keeps the loss -c A and loses its gradient; reported as ``clip_frac_dual`` (A < 0 and
     r > c; disjoint from the other two) and added to ``clip_frac``.
+    The log-ratio is not clamped (TRL's GRPO); verl's ``compute_policy_loss_vanilla`` and OpenRLHF clamp it to
+    [-20, 20] first, which differs only where a ratio passes e^20 (there verl's clipped side carries no gradient).
     """
     ratio = torch.exp(batch.log_ratio() if log_ratio is None else log_ratio)
     adv = batch.token_advantages
