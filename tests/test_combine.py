@@ -17,6 +17,7 @@ from analysis.paired import per_cell
 from analysis.report import eval_table
 from analysis.verdict import cell_verdicts
 from tests.helpers.fake_runs import Shape, code_segments, fake_experiment, fake_run
+from tests.helpers.processes import MAKE_ALONE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -279,13 +280,16 @@ def test_the_cli_writes_one_report_of_two_folders_with_latex(tmp_path, capsys):
 @pytest.mark.slow
 def test_make_plots_passes_several_experiments_and_latex():
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
-                           "EXP=a,b", "PAPER=1", "LATEX=1", "PY=python"], capture_output=True, text=True, check=True)
+                           "EXP=a,b", "PAPER=1", "LATEX=1", "PY=python"], capture_output=True, text=True, check=True,
+                          env=MAKE_ALONE)
     assert made.stdout.split() == ["python", "-m", "analysis", "results/a", "results/b", "--paper", "--latex"]
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
-                           "EXP=/abs/x,b", "PY=python"], capture_output=True, text=True, check=True)
+                           "EXP=/abs/x,b", "PY=python"], capture_output=True, text=True, check=True,
+                          env=MAKE_ALONE)
     assert made.stdout.split() == ["python", "-m", "analysis", "/abs/x", "results/b"]  # was results//abs/x
     made = subprocess.run(["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), "plots",
-                           "EXP=a/x,b/x", "OUT=both", "PY=python"], capture_output=True, text=True, check=True)
+                           "EXP=a/x,b/x", "OUT=both", "PY=python"], capture_output=True, text=True, check=True,
+                          env=MAKE_ALONE)
     assert made.stdout.split() == ["python", "-m", "analysis", "results/a/x", "results/b/x", "--out", '"both"']
 
 

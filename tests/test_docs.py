@@ -17,7 +17,7 @@ from harness.apps import claims, docs, stamp
 from harness.run import names
 from harness.run.config import load_experiment, run_configs, run_id
 from tests.helpers.fake_runs import fake_experiment, fake_run, grid_experiment
-from tests.helpers.processes import ROOT
+from tests.helpers.processes import MAKE_ALONE, ROOT
 
 
 def test_a_page_says_which_starting_policies_its_runs_built_into_the_cache(tmp_path, monkeypatch):
@@ -268,5 +268,6 @@ def test_with_zoo_screen_writes_the_screens_leaderboard_as_no_verdict(tmp_path, 
     ("WITH_ZOO", "1", "--with-zoo both"), ("WITH_ZOO", "screen", "--with-zoo screen"),
     ("WITH_SMOLLM2", "1", "--with-smollm2 both"), ("WITH_SMOLLM2", "rl", "--with-smollm2 rl")])
 def test_make_docs_passes_the_zoos_and_smollm2s_stage(variable, value, flag):
-    done = subprocess.run(["make", "-n", "docs", f"{variable}={value}"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(["make", "-n", "docs", f"{variable}={value}"], cwd=ROOT, capture_output=True, text=True,
+                          env=MAKE_ALONE)
     assert done.returncode == 0 and flag in done.stdout

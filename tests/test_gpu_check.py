@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness.apps import cli, gpu_check
+from tests.helpers.processes import MAKE_ALONE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,8 @@ def test_the_gpu_command_without_cuda_says_how_to_dry_run(tmp_path, monkeypatch,
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_gpu_check_passes_the_device():
-    done = subprocess.run(["make", "-n", "gpu-check", "DEVICE=cpu"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(["make", "-n", "gpu-check", "DEVICE=cpu"], cwd=ROOT, capture_output=True, text=True,
+                          env=MAKE_ALONE)
     assert done.returncode == 0 and "-m harness gpu-check --device cpu" in done.stdout
 
 

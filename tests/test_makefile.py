@@ -1,13 +1,14 @@
 """The Makefile's settings: each target declares the NAME=value settings its recipe reads (``settings.TARGET``), and a
 name given on the command line that no target of the command reads is one line before anything runs."""
 
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.processes import MAKE_ALONE
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -16,11 +17,8 @@ EVERY_TARGET = {"PY", "GSM8K_DIR"}  # read by every target's command (the interp
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
-# a make run by `make test` passes its level and flags on to the makes the tests start, which then check nothing
-ALONE = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
 
-
-def make(*args, env=ALONE) -> subprocess.CompletedProcess:
+def make(*args, env=MAKE_ALONE) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True,
                           env=env)
 
@@ -59,7 +57,7 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
     for given in (["bogus", "X=1"], ["list", "bogus"]):  # `make list bogus` ran list, then said "No rule"
         done = make(*given)
         assert done.returncode == 2 and done.stdout == "" and "no target bogus here" in done.stderr, done
-    assert make("list", "CI=true", env={**ALONE, "MAKELEVEL": "1"}).returncode == 0  # a make that runs this one
+    assert make("list", "CI=true", env={**MAKE_ALONE, "MAKELEVEL": "1"}).returncode == 0  # a make that runs this one
 
 
 @pytest.mark.parametrize("target, given, named", [

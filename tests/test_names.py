@@ -16,6 +16,7 @@ from harness.run import names
 from harness.run.config import RunConfig, load_experiment, run_configs
 from harness.run.errors import ConfigError
 from objectives import OBJECTIVES
+from tests.helpers.processes import MAKE_ALONE
 from tests.helpers.tiny import tiny_run
 
 
@@ -153,7 +154,7 @@ def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_explain_passes_the_key():
     done = subprocess.run(["make", "-n", "explain", "KEY=num_generations", f"PY={sys.executable}"], cwd=names.REPO,
-                          capture_output=True, text=True)  # PY: a copy of the checkout may have no .venv
+                          capture_output=True, text=True, env=MAKE_ALONE)  # PY: a copy may have no .venv
     assert done.returncode == 0 and "-m harness explain num_generations" in done.stdout
 
 

@@ -17,6 +17,7 @@ import yaml
 from markdown.extensions.toc import slugify
 
 from harness.tasks import TASKS, get_task
+from tests.helpers.processes import MAKE_ALONE
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -130,7 +131,7 @@ def test_every_readme_command_dry_runs_in_order(tmp_path):
         words = shlex.split(command)
         if words[0] == "make":  # PY given: the dry run does not need this checkout's .venv
             done = subprocess.run(["make", "-n", *words[1:], f"PY={sys.executable}"], cwd=ROOT,
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=MAKE_ALONE)
             assert done.returncode == 0, f"{command}: {done.stderr.strip()}"
             recipe = done.stdout.replace("\\\n", " ").splitlines()  # continuation lines joined
             harness = [shlex.split(line) for line in recipe if " -m harness " in line]

@@ -21,7 +21,7 @@ from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
 from harness.run.records import read_jsonl
-from tests.helpers.processes import processes_with, wait_until
+from tests.helpers.processes import MAKE_ALONE, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,19 +39,21 @@ def test_make_prints_help_by_default_and_compare_sweeps_the_given_objectives():
     assert "sweep.grid.seed=[0,1,2]" in out.stdout  # 3 seeds by default
     assert "sweep quickstart " in out.stdout and " name=" not in out.stdout  # into results/quickstart/, its runs kept
     assert "sweep.baseline=cispo" in out.stdout
-    out = subprocess.run(["make", "--no-print-directory", "compare"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(["make", "--no-print-directory", "compare"], cwd=ROOT, capture_output=True, text=True,
+                         env=MAKE_ALONE)
     assert out.returncode != 0 and "give OBJECTIVES=" in out.stderr
 
 
 def make(*args, cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), *args], cwd=cwd,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=MAKE_ALONE)
 
 
 @pytest.mark.parametrize("seeds", ["0", "x", "", "-1", "30000"])  # 30000: over the shell's longest argument
 def test_make_compare_names_seeds_when_it_is_not_a_count(seeds):
     out = make("compare", "OBJECTIVES=grpo", f"SEEDS={seeds}")
-    assert out.returncode == 2 and f"SEEDS={seeds}: give the number of seeds" in out.stderr
+    said = "SEEDS= is empty: give it a value" if not seeds else f"SEEDS={seeds}: give the number of seeds"
+    assert out.returncode == 2 and said in out.stderr
     assert "sweep.grid" not in out.stderr + out.stdout and len(out.stderr.splitlines()) == 1
 
 

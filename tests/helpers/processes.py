@@ -11,6 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# the environment of a make the user runs: a make run by `make test` passes its level and flags on to the makes the
+# tests start, which would then check nothing of their command line (the Makefile checks only at level 0)
+MAKE_ALONE = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+
+
 def cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, capture_output=True, text=True, **kw)
 
