@@ -187,8 +187,9 @@ def trimmed_means(x: np.ndarray) -> np.ndarray:
 
 def iqm(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None) -> pd.DataFrame:
     """Per objective over the shared cells and the (starting policy, seed) units it ended in every one of them:
-    runs, the IQM and mean of those runs pooled, each with its interval (the mean's over the units' means across
-    the cells, as aggregate's; the IQM's by a hierarchical bootstrap drawing the same units and eval problems in
+    runs, the IQM of those runs pooled and the mean of the units' means across the cells (as aggregate's: the mean
+    of the starting policies' means where there are several, as the headline's), each with its interval (the mean's
+    over those units; the IQM's by a hierarchical bootstrap drawing the same units and eval problems in
     every cell: joint_draws) (IQM from IQM_MIN_SEEDS runs; intervals from CI_MIN_SEEDS units)."""
     cells = shared_cells(runs, column)
     rows = []
@@ -201,7 +202,7 @@ def iqm(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None) ->
         mean = accuracy_interval(across_cells(strata))
         row = {"objective": objective, "cells": len(strata), "n": len(pooled),
                "iqm": trimmed_means(pooled[None])[0] if len(pooled) >= IQM_MIN_SEEDS else np.nan, "iqm_low": np.nan,
-               "iqm_high": np.nan, "mean": pooled.mean(), "mean_low": np.nan, "mean_high": np.nan}
+               "iqm_high": np.nan, "mean": mean.mean, "mean_low": np.nan, "mean_high": np.nan}
         if len(strata[0]) >= CI_MIN_SEEDS:
             row["mean_low"], row["mean_high"] = mean.low, mean.high
             if len(pooled) >= IQM_MIN_SEEDS:

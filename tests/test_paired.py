@@ -253,3 +253,14 @@ def test_the_counted_draw_of_problems_is_the_generic_resample_in_distribution():
     assert fast.shape == generic.shape == (20000, 3)
     for statistic in (np.mean, np.std, lambda v: np.mean(v.max(axis=1))):
         assert statistic(fast) == pytest.approx(statistic(generic), rel=0.03)
+
+
+def test_iqm_tables_mean_is_the_one_its_interval_is_about():
+    """With several starting policies of unequal seeds, the mean of the per-objective table is the policies' mean
+    (the headline's, the centre of its interval), not the mean of the runs pooled."""
+    runs = frame({(0, "grpo"): [0.1, 0.2, 0.9, 0.5]}).assign(**{"model.seed": [1, 1, 2, 2]})
+    runs.loc[3, "ended"] = False  # policy 2 lost a seed: 2 seeds of policy 1, 1 of policy 2
+    row = paired.iqm(runs).iloc[0]
+    policies_mean = ((0.1 + 0.2) / 2 + 0.9) / 2
+    assert row["mean"] == pytest.approx(policies_mean) == pytest.approx(estimate(runs, {}).mean)
+    assert (row["mean_low"] + row["mean_high"]) / 2 == pytest.approx(policies_mean)
