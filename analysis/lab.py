@@ -31,7 +31,7 @@ import torch
 
 from analysis import plots
 from analysis.report import render_html, render_md
-from analysis.stats import BOOT_SEED, INTERVALS, LEVEL, N_BOOT, describe, num
+from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, LEVEL, N_BOOT, describe, num
 from harness.run.atomic import ForeignFileError, atomic_write, write_into
 from harness.run.records import load_tensors, unreadable_reason
 
@@ -149,7 +149,8 @@ def summary(lab: pd.DataFrame) -> pd.DataFrame:
         for column in SUMMARY:
             if column in group:
                 d = describe(group[column])
-                row.update({column: d["mean"], f"{column}_low": d["ci_low"], f"{column}_high": d["ci_high"]})
+                row.update({column: d["mean"], f"{column}_low": d["ci_low"], f"{column}_high": d["ci_high"],
+                            f"{column}_n": d["n"]})
         out.append(row)
     return pd.DataFrame(out)
 
@@ -245,14 +246,25 @@ def sqrt_growth(positions: pd.DataFrame) -> pd.DataFrame:
 
 
 def display(summary_: pd.DataFrame, snr: pd.DataFrame, axis: str) -> pd.DataFrame:
-    """The report's table of one axis: mean [interval] over batches."""
-    data = summary_[summary_["axis"] == axis].merge(snr, on=["objective", "axis", "point"], how="left")
-    cell = lambda r, c: (f"{num(r[c])} [{num(r[c + '_low'])}, {num(r[c + '_high'])}]"  # noqa: E731
+    """The report's table of one axis: mean [interval] over batches (:data:`TABLE_NOTE`), with the number of batches
+    where a measure is defined on fewer than all (a cosine of a zero gradient is not)."""
+    data = summary_[summary_["axis"] == axis].merge(snr, on=["objective", "axis", "point"], how="left",
+                                                    suffixes=("", "_snr"))
+    fewer = lambda r, c: (f" ({int(r[c + '_n'])} of {int(r['batches'])} batches)"  # noqa: E731
+                          if c + "_n" in r and pd.notna(r[c + "_n"]) and r[c + "_n"] < r["batches"] else "")
+    cell = lambda r, c: (f"{num(r[c])} [{num(r[c + '_low'])}, {num(r[c + '_high'])}]{fewer(r, c)}"  # noqa: E731
                          if c in r and pd.notna(r[c]) else "n/a")
     columns = ("cos_reference", "snr", "cos_fresh", "frac_tokens_with_grad", "ess_token_frac", "clip_frac")
     return pd.DataFrame([{"objective": r["objective"], axis: r["point"], **{c: cell(r, c) for c in columns}}
                          for _, r in data.iterrows()])
 
+
+TABLE_NOTE = (f"Each cell: the mean over the batches [its {LEVEL:.0%} Student-t interval over them from "
+              f"{CI_MIN_SEEDS} batches, the range (min–max) with 2, none with 1], over the batches where the measure "
+              "is defined (a cosine of a zero gradient is not: the cell then says on how many); snr: the estimate from "
+              f"every batch's gradient [its {LEVEL:.0%} percentile bootstrap over batches, {N_BOOT} resamples, from 3 "
+              "batches]. Intervals are shown whole (a cosine's or a fraction's may reach beyond its range) and "
+              "unadjusted for the number of cells; summary.csv and snr.csv hold them.")
 
 CODE_FILE = "code.json"  # a lab's folder: the code record (harness/run/provenance.py) of what measured its batches
 POLICY_FILE = "policy.json"  # a lab's folder: the digest of the policy whose gradients its batches measured
@@ -307,8 +319,7 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
     seconds = sum(m["seconds"] for m in batches)
     figures = [("staleness", staleness_figure(found["summary"], found["snr"], look, f"{name}: against staleness"),
                 f"Mean over {len(batches)} batches per objective; "
-                + (f"band: {INTERVALS.replace('seeds', 'batches')}, {plots.BANDS}; SNR band: percentile bootstrap "
-                   "over batches"
+                + (f"band: the tables' intervals, {plots.BANDS}"
                    if len(look) <= MAX_BANDS else f"intervals (not drawn for more than {MAX_BANDS} objectives): "
                    "the tables above and summary.csv / snr.csv") + ". SNR on a symlog axis."),
                ("mismatch", mismatch_figure(found["summary"], look, f"{name}: behaviour from another sampler"),
@@ -325,6 +336,7 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
                        else ", on a policy whose weights were not recorded (a lab from before labs recorded them)")
                     + ". Tables: lab.csv (one row per objective x point x batch), summary.csv, snr.csv, pairwise.csv, "
                     "positions.csv, sqrt_growth.csv."),
+              ("p", TABLE_NOTE),
               ("h2", "Staleness axis"), ("table", display(found["summary"], found["snr"], "staleness")),
               ("h2", "Mismatch axis"), ("table", display(found["summary"], found["snr"], "mismatch")),
               *([("h2", "Routing axis (MoE: the largest staleness with the behaviour routing forced; replay off is "

@@ -518,3 +518,29 @@ def test_the_lab_measures_on_the_kernel_of_train_cpu_matmul(tmp_path, monkeypatc
         lab.t = OmegaConf.create({"cpu_matmul": kernel})
         lab.measure([0], tmp_path, progress=False)
     assert scopes == ["onednn", "torch"] and matmul._scope[-1] == "torch"
+
+
+def fake_lab(folder, gradients):
+    """A lab folder of one objective (grpo) at staleness 0, one batch per gradient (a zero one: no cosine)."""
+    (folder / "batches").mkdir(parents=True)
+    for b, g in enumerate(gradients):
+        g = torch.tensor(g, dtype=torch.float32)
+        torch.save({"rows": [{"batch": b, "objective": "grpo", "axis": "staleness", "point": "0", "staleness": 0,
+                              "sampler": "float32", "loss": 0.1 * b, "grad_norm": float(g.norm()),
+                              "frac_tokens_with_grad": 0.5 + 0.1 * b}],
+                    "positions": [], "sketches": {"staleness=0": {"grpo": g}},
+                    "references": {"staleness=0": torch.tensor([1.0, 0.5])}, "eval_prompts": 2,
+                    "sketch_exact": True, "sketch_dim": 2, "parameters": 2, "seconds": 1.0},
+                   folder / "batches" / f"batch_{b:03d}.pt")
+
+
+def test_the_lab_report_says_what_its_intervals_are_and_over_how_many_batches(tmp_path):
+    """The tables' [low, high] were described nowhere on the page with more than 6 objectives (the default lab), and a
+    cosine left undefined in some batches (a zero gradient) was averaged over fewer batches than the page said."""
+    fake_lab(tmp_path / "l", [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    text = build_lab_report(tmp_path / "l").read_text()
+    assert "Student-t interval over them from 3 batches, the range (min–max) with 2" in text
+    assert "percentile bootstrap over batches" in text
+    row = next(line for line in text.splitlines() if line.startswith("| grpo | 0 |"))
+    assert "(2 of 3 batches)" in row.split("|")[3]  # cos_reference: batch 1's gradient is 0
+    assert "of 3 batches" not in row.split("|")[6]  # frac_tokens_with_grad: every batch
