@@ -54,8 +54,24 @@ def seeds_note(n: int, top: int | None = None) -> str:
     return f"; {indicative_units(n, top)}: indicative (coverage short of 95% below {INDICATIVE_BELOW})"
 
 
+def seeds_only(problems, low) -> str:
+    """The tables' mark of an interval over seeds only (``problems`` False), beside one that is shown (``low``)."""
+    return " (seeds only)" if not pd.isna(low) and not bool(problems) else ""
+
+
+def seeds_only_note(rows: pd.DataFrame) -> str:
+    """What a cell's sentence says of its tested comparisons whose interval is over seeds only (``problems`` False: a
+    run lacks per-problem scores), which leaves out the eval set's noise, as the tables mark "(seeds only)"."""
+    if "problems" not in rows:
+        return ""
+    thin = rows[rows["holm"].notna() & ~rows["problems"].fillna(False).astype(bool)]["a"].tolist()
+    return (f"; over seeds only for {' and '.join(thin)} (a run lacks per-problem scores, eval_samples.jsonl: the "
+            "interval leaves out the eval set's noise)" if thin else "")
+
+
 def sentence(rows: pd.DataFrame, baseline: str) -> str:
-    """The cell's sentence from its comparisons to the baseline (a, n, difference, bounds, wins, losses, holm)."""
+    """The cell's sentence from its comparisons to the baseline (a, n, difference, bounds, wins, losses, holm; with
+    ``problems``, whether each interval holds the eval problems' spread)."""
     if rows.empty:
         return f"nothing to compare: no objective shares an ended seed with {baseline} here"
     tested = rows[rows["holm"].notna()]  # without an interval, no p-value: not in Holm's family
@@ -78,7 +94,8 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
         untested = rows[rows["holm"].isna()]["a"].tolist()
         none = f"; none for {' and '.join(untested)}" if untested and not tested.empty else ""
         reason = f" ({NO_INTERVAL})" if untested else ""
-        return f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n, top)}"
+        return (f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n, top)}"
+                f"{seeds_only_note(rows)}")
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0
@@ -87,7 +104,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
                      f"{interval_text(row.difference_low, row.difference_high)}, {agree} of {row.n} seeds")
     others = len(rows) - len(differ)
     tail = f"; the other {others} do not differ from it" if others > 1 else "; the other does not" if others else ""
-    return "; ".join(parts) + tail + family + seeds_note(n, top)
+    return "; ".join(parts) + tail + family + seeds_note(n, top) + seeds_only_note(rows)
 
 
 def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.DataFrame:
@@ -101,10 +118,12 @@ def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.Data
     objectives = list(group["objective"])
     return pd.DataFrame({
         "objective": [o + (" (baseline)" if o == baseline else "") for o in objectives],
-        "final accuracy": [f"{num(m)}{interval_text(lo, hi)}" for m, lo, hi in
-                           zip(group["final_mean"], group["final_ci_low"], group["final_ci_high"], strict=True)],
+        "final accuracy": [f"{num(m)}{interval_text(lo, hi)}{seeds_only(p, lo)}" for m, lo, hi, p in
+                           zip(group["final_mean"], group["final_ci_low"], group["final_ci_high"],
+                               group.get("final_problems", pd.Series(True, index=group.index)), strict=True)],
         f"− {baseline}": [against(o, lambda r: num(r["difference"]) + interval_text(r["difference_low"],
-                                                                                    r["difference_high"]))
+                                                                                    r["difference_high"])
+                                  + seeds_only(r.get("problems", True), r["difference_low"]))
                           for o in objectives],
         "seeds above/paired": [against(o, lambda r: f"{r['wins']}/{r['n']}") for o in objectives],
         "Holm p": [against(o, lambda r: p_text(r["holm"])) for o in objectives]})

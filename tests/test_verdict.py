@@ -186,3 +186,19 @@ def test_a_run_that_stopped_early_is_not_read_as_a_smaller_budget(tmp_path):
     (tmp_path / "out").mkdir()
     write_numbers(loaded, tmp_path / "out")  # the terminal's verdict (verdict.txt) says it too
     assert (tmp_path / "out" / "verdict.txt").read_text().splitlines()[-1] == block[1]
+
+
+def test_a_verdict_over_seeds_only_says_so():
+    """One run without its eval_samples.jsonl turns its objective's comparison into an interval over seeds only,
+    which leaves out the eval set's noise (narrower: here it excluded 0 where the full one did not); the tables said
+    "(seeds only)", the verdict's sentence and ranking did not."""
+    thin = rows(("gspo", 0.013, 0.0018, 0.024, 3, 0, 3, 0.038)).assign(problems=[False])
+    said = verdict.sentence(thin, "grpo")
+    assert said.startswith("gspo ends above grpo by 0.0130") and "; over seeds only for gspo (a run lacks" in said
+    full = rows(("gspo", 0.013, -0.02, 0.046, 3, 0, 3, 0.3)).assign(problems=[True])
+    assert "seeds only" not in verdict.sentence(full, "grpo")
+    group = pd.DataFrame({"objective": ["gspo", "grpo"], "final_mean": [0.38, 0.37], "final_ci_low": [0.35, 0.29],
+                          "final_ci_high": [0.42, 0.45], "final_problems": [False, True]})
+    table = verdict.ranking(group, thin.assign(b="grpo"), "grpo")
+    assert table.iloc[0, 1].endswith("(seeds only)") and table.iloc[0, 2].endswith("(seeds only)")
+    assert "seeds only" not in table.iloc[1, 1]
