@@ -94,8 +94,9 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
         untested = rows[rows["holm"].isna()]["a"].tolist()
         none = f"; none for {' and '.join(untested)}" if untested and not tested.empty else ""
         reason = f" ({NO_INTERVAL})" if untested else ""
-        return (f"no objective differs from {baseline} at this budget{why}{none}{reason}{family}{seeds_note(n, top)}"
-                f"{seeds_only_note(rows)}")
+        said = (f"cannot tell whether any objective differs from {baseline} at this budget" if tested.empty else
+                f"no objective differs from {baseline} at this budget")  # no test made: no finding of no difference
+        return f"{said}{why}{none}{reason}{family}{seeds_note(n, top)}{seeds_only_note(rows)}"
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0

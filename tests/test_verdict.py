@@ -46,7 +46,7 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
     why = "(fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores)"
     single = rows(("ctpo", 0.01, np.nan, np.nan, 1, 0, 1, np.nan), ("gspo", -0.02, np.nan, np.nan, 0, 1, 1, np.nan))
     said = verdict.sentence(single, "grpo")
-    assert said == f"no objective differs from grpo at this budget: no paired interval {why}"
+    assert said == f"cannot tell whether any objective differs from grpo at this budget: no paired interval {why}"
     mixed = rows(("ctpo", 0.02, -0.01, 0.04, 4, 1, 5, 0.1), ("gspo", -0.01, np.nan, np.nan, 0, 1, 1, np.nan))
     assert verdict.sentence(mixed, "grpo") == ("no objective differs from grpo at this budget: every paired interval "
                                                f"includes 0; none for gspo {why}")
