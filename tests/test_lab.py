@@ -544,3 +544,17 @@ def test_the_lab_report_says_what_its_intervals_are_and_over_how_many_batches(tm
     row = next(line for line in text.splitlines() if line.startswith("| grpo | 0 |"))
     assert "(2 of 3 batches)" in row.split("|")[3]  # cos_reference: batch 1's gradient is 0
     assert "of 3 batches" not in row.split("|")[6]  # frac_tokens_with_grad: every batch
+
+
+def test_a_lab_of_single_sample_groups_is_checked_on_the_estimators_it_runs(tmp_path):
+    """train.group_size=1 was checked against objective.name's estimator (grpo's), which the lab does not run: a lab
+    whose every objective took a group-free estimator was refused, told to set objective.advantage, which the lab
+    refuses; a measured objective's own group-centred estimator was not checked."""
+    base = [*TINY_RUN, f"results_dir={tmp_path}", "train.group_size=1", "train.prompts_per_step=8",
+            "train.num_minibatches=2", "lab.staleness=[0,1]"]
+    free = "lab.params.grpo.advantage=reinforce_plus_plus"
+    assert lab_config(load_experiment("base", [*base, "lab.objectives=[grpo]", free])).train.group_size == 1
+    with pytest.raises(ConfigError, match=r"estimator 'grpo' makes every advantage 0 .*, or "
+                                          r"lab.params.gspo.advantage one of reinforce_plus_plus, ") as info:
+        lab_config(load_experiment("base", [*base, "lab.objectives=[gspo]", free]))
+    assert "remax" not in str(info.value)  # the lab cannot run it (a greedy baseline): not suggested

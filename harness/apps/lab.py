@@ -66,6 +66,7 @@ from harness.run.atomic import atomic_write, failure_line, to_file
 from harness.run.config import (
     alias_undone,
     beyond_own_values,
+    check_single_sample_groups,
     check_this_machine,
     load_experiment,
     minibatch_size,
@@ -160,6 +161,11 @@ def validate_lab(cfg: DictConfig) -> None:
         raise ConfigError(f"lab.params.{unused[0]}: the lab runs no {unused[0]} (lab.objectives: "
                           f"{', '.join(lab.objectives)}; lab.mover: {lab.mover}); add it to lab.objectives or drop "
                           "its params")
+    if t.group_size == 1:  # each measured objective's estimator and the mover's (the run's objective: the mover)
+        for name in dict.fromkeys([*lab_objectives(cfg), lab.mover]):
+            given = (OmegaConf.to_container(lab.params).get(name) or {}).get("advantage")
+            check_single_sample_groups(estimator_name(name, given), f"lab.params.{name}.advantage",
+                                       lambda estimator: not loop_inputs(get_advantage(estimator)))
     loop_only = [(n, estimator) for n, (_, estimator) in {**lab_objectives(cfg),
                                                           lab.mover: lab_objective(cfg, lab.mover)}.items()
                  if loop_inputs(estimator)]
@@ -267,6 +273,8 @@ def lab_config(cfg: DictConfig) -> DictConfig:
         cfg.model.warm_start_steps, cfg.model.warm_start_target = 0, None
     validate_lab(cfg)
     run = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("sweep", "profiles", "lab")])
+    run.objective.name = cfg.lab.mover  # what trains in the lab (its moves), with the estimator lab.params gives it
+    run.objective.advantage = (OmegaConf.to_container(cfg.lab.params).get(cfg.lab.mover) or {}).get("advantage")
     validate(run)
     return cfg
 

@@ -1129,7 +1129,7 @@ def _check_objective(run: DictConfig) -> None:
     _check_alias_kept(run)
     estimator = estimator_name(run.objective.name, run.objective.advantage)
     if run.train.group_size == 1:
-        _check_single_sample_groups(estimator)
+        check_single_sample_groups(estimator)
     if needs_sum_pi_squared(ADVANTAGES.get(estimator)) and OBJECTIVES.get(run.objective.name).needs_sequence_advantages:
         raise ConfigError(f"advantage estimator {estimator!r} gives one advantage per token and objective "
                           f"{run.objective.name!r} needs one per sequence: use a token-level objective or another "
@@ -1203,13 +1203,16 @@ def alias_undone(name: str, params: dict, advantage: str | None, where: str = "o
             "its values)")
 
 
-def _check_single_sample_groups(estimator: str) -> None:
-    """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing."""
-    working = [name for name in ADVANTAGES.names() if _learns_from_single_samples(name)]
+def check_single_sample_groups(estimator: str, key: str = "objective.advantage", usable=None) -> None:
+    """With one sample per group, a group-centred estimator gives every advantage 0: the run would learn nothing.
+    ``key``: the setting that chooses the estimator, named in the error (the lab's: lab.params.<name>.advantage);
+    ``usable``: which estimators the error may suggest (the lab's: those it can run), else every one."""
+    working = [name for name in ADVANTAGES.names()
+               if _learns_from_single_samples(name) and (usable is None or usable(name))]
     if estimator not in working:
         raise ConfigError(f"train.group_size=1 with advantage estimator {estimator!r} makes every advantage 0 (it "
                           f"centres rewards within a group): use train.group_size >= 2"
-                          + (f", or objective.advantage one of {', '.join(working)}" if working else ""))
+                          + (f", or {key} one of {', '.join(working)}" if working else ""))
 
 
 def _learns_from_single_samples(name: str) -> bool:
