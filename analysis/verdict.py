@@ -61,12 +61,13 @@ def seeds_only(problems, low) -> str:
 
 def seeds_only_note(rows: pd.DataFrame) -> str:
     """What a cell's sentence says of its tested comparisons whose interval is over seeds only (``problems`` False: a
-    run lacks per-problem scores), which leaves out the eval set's noise, as the tables mark "(seeds only)"."""
+    run's per-problem scores are missing or do not give its value, analysis/accuracy.py run_scores), which leaves
+    out the eval set's noise, as the tables mark "(seeds only)"."""
     if "problems" not in rows:
         return ""
     thin = rows[rows["holm"].notna() & ~rows["problems"].fillna(False).astype(bool)]["a"].tolist()
-    return (f"; over seeds only for {' and '.join(thin)} (a run lacks per-problem scores, eval_samples.jsonl: the "
-            "interval leaves out the eval set's noise)" if thin else "")
+    return (f"; over seeds only for {' and '.join(thin)} (a run's per-problem scores, eval_samples.jsonl, are missing "
+            "or do not give its accuracy: the interval leaves out the eval set's noise)" if thin else "")
 
 
 def sentence(rows: pd.DataFrame, baseline: str) -> str:
