@@ -263,8 +263,9 @@ TABLE_NOTE = (f"Each cell: the mean over the batches [its {LEVEL:.0%} Student-t 
               f"{CI_MIN_SEEDS} batches, the range (min–max) with 2, none with 1], over the batches where the measure "
               "is defined (a cosine of a zero gradient is not: the cell then says on how many); snr: the estimate from "
               f"every batch's gradient [its {LEVEL:.0%} percentile bootstrap over batches, {N_BOOT} resamples, from 3 "
-              "batches]. Intervals are shown whole (a cosine's or a fraction's may reach beyond its range) and "
-              "unadjusted for the number of cells; summary.csv and snr.csv hold them.")
+              "batches, resamples that give none (one distinct batch, no noise) left out; its coverage is not "
+              "measured: indicative]. Intervals are shown whole (a cosine's or a fraction's may reach beyond its "
+              "range) and unadjusted for the number of cells; summary.csv and snr.csv hold them.")
 
 CODE_FILE = "code.json"  # a lab's folder: the code record (harness/run/provenance.py) of what measured its batches
 POLICY_FILE = "policy.json"  # a lab's folder: the digest of the policy whose gradients its batches measured
