@@ -205,10 +205,13 @@ def start_line(table: pd.DataFrame) -> str | None:
         return None
     done = table[table["start_n"] > 0]
     row = done.sort_values("start_n", ascending=False).iloc[0]  # one with an interval, if any
+    several = "start_top" in done and bool((done["start_top"].fillna(0) >= 2).any())  # starting policies
+    why = ("its starting policies score alike here" if several else
+           "with one starting policy and greedy evaluation every run scores each problem alike, and the interval is "
+           "the eval set's sampling")
     return (f"Every objective starts at {num(row['start_mean'])} at step 0 "
             f"({interval(row['start_ci_low'], row['start_ci_high'], int(row['start_n']), row['start_problems'])}; "
-            "with one starting policy and greedy evaluation every run scores each problem alike, and the interval "
-            "is the eval set's sampling): the start's columns are left out of the table.")
+            f"{why}): the start's columns are left out of the table.")
 
 
 def collapse_display(table: pd.DataFrame, cells: Cells) -> pd.DataFrame:

@@ -203,3 +203,15 @@ def test_a_verdict_over_seeds_only_says_so():
     table = verdict.ranking(group, thin.assign(b="grpo"), "grpo")
     assert table.iloc[0, 1].endswith("(seeds only)") and table.iloc[0, 2].endswith("(seeds only)")
     assert "seeds only" not in table.iloc[1, 1]
+
+
+def test_the_one_start_line_says_one_starting_policy_only_where_there_is_one():
+    """Rows that start alike from several starting policies (every policy at 0 on a hard task) were said to start
+    'with one starting policy'."""
+    from analysis.report import start_line
+    table = pd.DataFrame({"objective": ["grpo", "gspo"], "start_n": [3, 3], "start_mean": [0.0, 0.0],
+                          "start_ci_low": [np.nan] * 2, "start_ci_high": [np.nan] * 2, "start_problems": [True] * 2,
+                          "start_top": [0, 0]})
+    assert "with one starting policy" in start_line(table)
+    several = start_line(table.assign(start_top=[3, 3]))
+    assert "one starting policy" not in several and "its starting policies score alike here" in several
