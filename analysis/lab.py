@@ -267,6 +267,17 @@ TABLE_NOTE = (f"Each cell: the mean over the batches [its {LEVEL:.0%} Student-t 
               "measured: indicative]. Intervals are shown whole (a cosine's or a fraction's may reach beyond its "
               "range) and unadjusted for the number of cells; summary.csv and snr.csv hold them.")
 
+def skipped_note(batches: list[dict]) -> str | None:
+    """The report's warning when the mover skipped steps (``mover_skipped``: a non-finite loss or gradient, the loop's
+    rule): a staleness point k of such a batch is fewer than k applied steps."""
+    skipped = {m.get("batch", i): m["mover_skipped"] for i, m in enumerate(batches) if m.get("mover_skipped")}
+    if not skipped:
+        return None
+    steps = "; ".join(f"batch {b}: step {', '.join(map(str, k))}" for b, k in skipped.items())
+    return (f"Warning: the mover skipped steps with a non-finite loss or gradient ({steps}), so in those batches a "
+            "staleness point k holds fewer than k applied steps (each skipped step leaves the policy as it was).")
+
+
 CODE_FILE = "code.json"  # a lab's folder: the code record (harness/run/provenance.py) of what measured its batches
 POLICY_FILE = "policy.json"  # a lab's folder: the digest of the policy whose gradients its batches measured
 
@@ -337,6 +348,7 @@ def write_lab_report(folder: Path, batches: list[dict], found: dict, tmp: Path) 
                        else ", on a policy whose weights were not recorded (a lab from before labs recorded them)")
                     + ". Tables: lab.csv (one row per objective x point x batch), summary.csv, snr.csv, pairwise.csv, "
                     "positions.csv, sqrt_growth.csv."),
+              *([("p", skipped_note(batches))] if skipped_note(batches) else []),
               ("p", TABLE_NOTE),
               ("h2", "Staleness axis"), ("table", display(found["summary"], found["snr"], "staleness")),
               ("h2", "Mismatch axis"), ("table", display(found["summary"], found["snr"], "mismatch")),

@@ -558,3 +558,30 @@ def test_a_lab_of_single_sample_groups_is_checked_on_the_estimators_it_runs(tmp_
                                           r"lab.params.gspo.advantage one of reinforce_plus_plus, ") as info:
         lab_config(load_experiment("base", [*base, "lab.objectives=[gspo]", free]))
     assert "remax" not in str(info.value)  # the lab cannot run it (a greedy baseline): not suggested
+
+
+def test_a_mover_step_skipped_as_non_finite_is_recorded_and_said_by_the_report(tmp_path, monkeypatch):
+    """The mover's steps went through the loop's rule (a non-finite loss or gradient: no step) and the lab said
+    nothing: staleness k then held fewer than k applied steps."""
+    import harness.apps.lab as lab_app
+
+    real, calls = lab_app.optimizer_step, []
+
+    def second_is_nonfinite(learner, loss, max_grad_norm, state, metrics):
+        calls.append(1)
+        return real(learner, math.nan if len(calls) == 2 else loss, max_grad_norm, state, metrics)
+
+    monkeypatch.setattr("harness.apps.lab.Lab.rewards", parity_rewards)
+    monkeypatch.setattr(lab_app, "optimizer_step", second_is_nonfinite)
+    cfg = load_experiment("base", [*TINY_RUN, f"results_dir={tmp_path}", "name=l", "lab.objectives=[grpo]",
+                                   "lab.staleness=[0,2]", "lab.mismatch=[]", "lab.reference_samples=2",
+                                   "lab.batches=2"])
+    folder = run_lab(cfg, progress=False)
+    assert torch.load(folder / "batches" / "batch_000.pt", weights_only=True)["mover_skipped"] == [2]
+    text = build_lab_report(folder).read_text()
+    assert "the mover skipped steps with a non-finite loss or gradient (batch 0: step 2)" in text
+
+
+def test_a_lab_report_says_nothing_of_skipped_steps_when_there_were_none(tmp_path):
+    fake_lab(tmp_path / "l", [[1.0, 0.0], [0.0, 1.0]])
+    assert "skipped" not in build_lab_report(tmp_path / "l").read_text()

@@ -425,13 +425,15 @@ class Lab:
         scores = [self.task.score(text, problems[i // group_size]) for i, text in enumerate(ro.texts)]
         return rewards_of(scores, ro.completion_mask.sum(-1), self.cfg)
 
-    def moved_policies(self, ro: Rollout, rewards, group_ids, order, per_minibatch: int) -> dict[int, dict]:
+    def moved_policies(self, ro: Rollout, rewards, group_ids, order,
+                       per_minibatch: int) -> tuple[dict[int, dict], list[int]]:
         """theta_k (state dicts) for every k of lab.staleness: k AdamW steps of the mover objective on
-        minibatches 1, 2, ..., M-1, 1, 2, ... of ``order`` (minibatch 0 is the evaluation minibatch)."""
+        minibatches 1, 2, ..., M-1, 1, 2, ... of ``order`` (minibatch 0 is the evaluation minibatch); and the steps
+        k that the loop's rule skipped (a non-finite loss or gradient: theta_k is then theta_{k-1})."""
         t, staleness = self.t, sorted(self.cfg.lab.staleness)
-        states = {0: self.policy.state_dict()}
+        states, skipped = {0: self.policy.state_dict()}, []
         if staleness[-1] == 0:
-            return states
+            return states, skipped
         learner = build_learner(copy.deepcopy(self.policy).requires_grad_(True).train(), self.mover, t)
         batch = TrainBatch(ro, rewards, self.mover_estimator(rewards, group_ids, ro.completion_mask.sum(-1)),
                            group_ids, ro.sampler_logp)
@@ -444,10 +446,13 @@ class Lab:
             learner.optimizer.zero_grad(set_to_none=True)
             minibatch = Minibatch(rows, ro.completion_mask[rows].sum().clamp(min=1))
             part = microbatch_loss(learner, plan, minibatch, rows, state)
+            skips = state.nonfinite_skips
             optimizer_step(learner, part.loss, t.max_grad_norm, state, part.metrics)
+            if state.nonfinite_skips > skips:
+                skipped.append(k)
             if k in staleness:
                 states[k] = {name: value.detach().clone() for name, value in learner.policy.state_dict().items()}
-        return states
+        return states, skipped
 
     def reference_gradient(self, model, problems, b: int, k: int) -> torch.Tensor:
         """Sketch of the REINFORCE (leave-one-out) gradient of ``reference_samples`` on-policy completions of
@@ -532,7 +537,8 @@ class Lab:
         rollouts = {"float32": self.sample(problems, b, "float32")}
         rollouts.update({s: self.sample(problems, b, s) for s in cfg.lab.mismatch})
         rewards = {s: self.rewards(ro, problems, t.group_size) for s, ro in rollouts.items()}
-        states = self.moved_policies(rollouts["float32"], rewards["float32"], group_ids, order, per_minibatch)
+        states, skipped = self.moved_policies(rollouts["float32"], rewards["float32"], group_ids, order,
+                                              per_minibatch)
         records = self.behaviour_routing(rollouts["float32"])
         model = copy.deepcopy(self.policy)
         if records:
@@ -554,7 +560,7 @@ class Lab:
         return {"rows": table, "positions": positions, "sketches": sketches,
                 "references": {f"staleness={k}": v for k, v in references.items()},
                 "eval_prompts": len(eval_problems), "sketch_exact": self.sketch.exact, "sketch_dim": self.sketch.dim,
-                "parameters": self.sketch.numel}
+                "parameters": self.sketch.numel, "batch": b, "mover_skipped": skipped}
 
 
 def main(experiment: str, overrides: list[str], progress: bool = True) -> int:
