@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.accuracy import FINAL, run_scores
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, assign_cells
 from analysis.folders import folder_problem
 from harness.run.atomic import special_file
@@ -505,7 +506,18 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
         metrics.insert(1, "objective", run["objective"])
         metrics.insert(2, "seed", run["seed"])
     samples = read_samples(run_dir / SAMPLES) if (run_dir / SAMPLES).is_file() and regular(run_dir / SAMPLES) else None
+    if run["ended"]:
+        unscored(run_dir, samples, run["final_eval_accuracy"])
     return run, metrics, config, samples
+
+
+def unscored(run_dir: Path, samples: pd.DataFrame | None, final) -> None:
+    """A data warning naming an ended run whose per-problem scores do not give its final eval accuracy (missing, cut
+    short, or not its own: analysis/accuracy.py run_scores): its comparisons' intervals are then over seeds only."""
+    if final is None or not math.isfinite(float(final)) or run_scores(samples, FINAL, float(final)) is not None:
+        return
+    why = f"no {SAMPLES}" if samples is None else f"its {SAMPLES} does not give its final eval accuracy {final:.4g}"
+    warn(f"{run_dir}: {why}: the intervals of its comparisons are over seeds only (the eval set's noise left out)")
 
 
 def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, summary: dict,

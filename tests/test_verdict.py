@@ -1,5 +1,7 @@
 """analysis/verdict.py: Holm's correction by hand, the sentences, the ranking; and the figures' fixed looks."""
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -215,3 +217,22 @@ def test_the_one_start_line_says_one_starting_policy_only_where_there_is_one():
     assert "with one starting policy" in start_line(table)
     several = start_line(table.assign(start_top=[3, 3]))
     assert "one starting policy" not in several and "its starting policies score alike here" in several
+
+
+def test_a_run_whose_scores_do_not_give_its_accuracy_is_a_data_warning_naming_it(tmp_path):
+    """The verdict said "over seeds only for gspo" and no data warning named the run that lacked its scores."""
+    from analysis.load import AnalysisWarning, unscored
+
+    samples = pd.DataFrame({"step": [0, 0, 5, 5], "problem": [0, 1, 0, 1], "answer": ["1", "2", "1", "2"],
+                            "correct": [0.0, 0.0, 1.0, 0.0]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unscored(tmp_path / "run-a", samples, 0.5)  # the final evaluation's scores give 0.5
+        unscored(tmp_path / "run-b", None, None)  # no evaluation: nothing to give
+        unscored(tmp_path / "run-c", None, 0.5)
+        unscored(tmp_path / "run-d", samples, 0.75)
+    said = [str(w.message) for w in caught if issubclass(w.category, AnalysisWarning)]
+    assert said == [f"{tmp_path / 'run-c'}: no eval_samples.jsonl: the intervals of its comparisons are over seeds "
+                    "only (the eval set's noise left out)",
+                    f"{tmp_path / 'run-d'}: its eval_samples.jsonl does not give its final eval accuracy 0.75: the "
+                    "intervals of its comparisons are over seeds only (the eval set's noise left out)"]
