@@ -489,7 +489,7 @@ def busy_main(overrides: list[str]) -> int:
     per thread setting — all cores (torch's default), threads=0 (the free cores: harness/run/threads.py), one thread,
     all cores with a passive OpenMP wait — first on the machine as it is, then beside one busy process. Prints a
     table and writes results/bench/busy.json; the load before each half is printed: other load skews both."""
-    checked_bench(overrides)  # one line before the first child, not its last line 13 s in
+    checked_bench(overrides)  # one line before the first child, not the last line of a child after its start-up
     all_cores = threads_cores()
     settings = [("all cores (torch's default)", all_cores, {}), ("threads=0 (the free cores)", 0, {}),
                 ("threads=1", 1, {}), ("all cores, OMP_WAIT_POLICY=PASSIVE", all_cores, {"OMP_WAIT_POLICY": "PASSIVE"})]
