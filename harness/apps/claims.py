@@ -81,6 +81,7 @@ import difflib
 import hashlib
 import html
 import json
+import os
 import re
 import sys
 import time
@@ -112,6 +113,7 @@ from analysis.stats import CI_MIN_SEEDS, INDICATIVE_BELOW, describe, num
 from harness.apps.lab import lab_dir, lab_objectives, run_lab, validate_lab
 from harness.apps.launchers import Job, LocalLauncher, run_each
 from harness.apps.moe_probe import UpdateProbe, probe_task, volatility_by_depth
+from harness.apps.stamp import machine
 from harness.apps.sweep import (
     START_POLICIES,
     check_prepare_folder,
@@ -966,8 +968,10 @@ def read_tables(claims: list[Claim], starts: dict, running: set, jobs: int, prog
     return tables_of, unread
 
 
-def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, run: bool, seconds: float) -> str:
-    """The ledger's first sentence: how many claims hold, which ones this call ran and how long it took."""
+def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, run: bool, seconds: float,
+                 where: str = "") -> str:
+    """The ledger's first sentence: how many claims hold, which ones this call ran, how long it took and ``where``
+    (the machine, harness/apps/stamp.py's, and the load around the call)."""
     count = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
              f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
              f"holds with less), {sum(r['holds?'] == 'does not hold' for r in rows)} do not hold, "
@@ -977,10 +981,11 @@ def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, 
         return (f"{count}, on the runs that existed (`python -m harness claims --existing`: no run was started; runs "
                 "not done are not counted).")
     if not names:
-        return f"{count}; experiments run or resumed in {seconds:.0f} s by `make claims` (wall time of this call)."
+        return (f"{count}; experiments run or resumed in {seconds:.0f} s by `make claims` (wall time of this call"
+                f"{where}).")
     others = len(rows) - len(asked)
     return (f"{count}; the named claims' experiments run or resumed in {seconds:.0f} s by `python -m harness claims "
-            f"{' '.join(c.name for c in asked)}` (wall time of this call)"
+            f"{' '.join(c.name for c in asked)}` (wall time of this call{where})"
             + (f"; the other {others} claims checked on the runs that existed (runs not done are not counted)."
                if others else "."))
 
@@ -1001,7 +1006,7 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     # the starting policies a former call found (its start_policies.json), else the first candidates (none missed)
     likely = {c.key: start_seeds(c.key, jobs, progress, run=False) for c in claims}
     check_claims(claims, likely, running, allow_code_change)  # before anything is built or run
-    start = time.time()
+    start, load_before = time.time(), os.getloadavg()[0]
     starts = {key: start_seeds(key, jobs, progress, key in running) for key in likely}
     if starts != likely:  # a candidate missed its band: the runs of its replacement too
         check_claims(claims, starts, running, allow_code_change)
@@ -1010,7 +1015,8 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
     checked_on = list({(r["folder"], r["run_id"]): r for tables in tables_of.values() if "final" in tables
                        for r in tables["final"].to_dict("records")}.values())  # a run two claims read: counted once
     # (a run id names a run within its folder: two experiments' runs can share one)
-    stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start)} {runs_stamp(checked_on)}"
+    where = f" on {machine(jobs)}; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start, where)} {runs_stamp(checked_on)}"
     stamp += labs_stamp(tables_of)
     path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
     verdicts = {r["name"]: r["holds?"] for r in rows}

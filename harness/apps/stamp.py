@@ -39,7 +39,8 @@ def machine(jobs: int) -> str:
     name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
     cores = os.cpu_count() or 1
-    return (f"{name} ({cpu()}; {torch.backends.cpu.get_cpu_capability()}), {cores} cores, {jobs} runs at a time; "
+    return (f"{name} ({cpu()}; {torch.backends.cpu.get_cpu_capability()}), {cores} cores, "
+            f"{jobs} run{'s' * (jobs != 1)} at a time; "
             f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()} "
             "here")
 
