@@ -43,3 +43,15 @@ def test_the_evaluation_decodes_eval_batch_size_problems_per_call_with_the_same_
     if pass_k:  # sampled: other calls draw other completions (so with pass@k eval_batch_size is part of the run id:
         # harness/run/config.py memory_settings), only that it is measured
         assert 0 <= row3["eval_pass_at_2"] <= 1 and sampled_texts[0] != sampled_texts[1]
+
+
+def test_pass_at_k_leaves_torch_random_stream_as_it_found_it(tmp_path):
+    """pass@k samples from its own seeded stream; the global one, which TRL's generation draws the next rollout
+    from, is left as it was, so a TRL run with train.pass_k trains as the same run without it."""
+    run = tiny_run(tmp_path, "train.pass_k=2", "task.eval_size=4")
+    setup = setup_run(run, torch.device("cpu"))
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    first = evaluate(setup.policy, setup.tokenizer, setup.task, run, step=0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert evaluate(setup.policy, setup.tokenizer, setup.task, run, step=0) == first  # pass@k still seeded by step

@@ -41,6 +41,16 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
            **{f"eval_accuracy_{name}": float(np.mean(values)) for name, values in by_scoring.items()}}
     k = cfg.train.pass_k
     if k:
+        row[f"eval_pass_at_{k}"] = pass_at_k(policy, tokenizer, task, problems, cfg, step, max_new)
+    return row, records
+
+
+def pass_at_k(policy, tokenizer, task, problems, cfg: DictConfig, step: int, max_new: int) -> float:
+    """The share of ``problems`` solved by one of ``train.pass_k`` sampled completions, drawn from a stream of the
+    run's seed and ``step`` inside a fork of torch's random state: the training's own draws (TRL samples from torch's
+    global stream) are those of a run without pass@k."""
+    k, device = cfg.train.pass_k, policy.device
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         torch.manual_seed(step_seed(cfg.seed, step, stream=7))
         per_call = problems_per_call(cfg.train, sampled=True)
         solved = []
@@ -49,8 +59,7 @@ def evaluate(policy, tokenizer, task, cfg: DictConfig, step: int) -> tuple[dict,
             out = sample_problems(policy, tokenizer, chunk, cfg.train, group_size=k, max_new_tokens=max_new)
             hits = [task.score(t, chunk[j // k]).correct for j, t in enumerate(out.texts)]
             solved += [max(hits[j * k : (j + 1) * k]) for j in range(len(chunk))]
-        row[f"eval_pass_at_{k}"] = float(np.mean(solved))
-    return row, records
+    return float(np.mean(solved))
 
 
 def problems_per_call(train: DictConfig, sampled: bool) -> int:
