@@ -278,3 +278,19 @@ def test_the_private_cache_stays_set_when_a_test_undoes_its_own_patches(rlvr_cac
     monkeypatch.setattr("harness.policy.warm_start.WARM_START_THREADS", 2)
     monkeypatch.undo()
     assert cache_dir() == rlvr_cache
+
+
+def test_a_warm_start_whose_loss_is_not_finite_stops_at_that_step(rlvr_cache):
+    """Weights that are no longer finite (float16 without loss scaling, too large an lr) stay so: the build stops at
+    the first such loss in one line, recorded as a miss, instead of training on to the cap."""
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    recipe = WarmStartRecipe(**{**BAND, "max_steps": 40, "check_every": 20})
+    with pytest.raises(WarmStartError, match=r"the loss is nan at step 1: .* use float32 or bfloat16") as error:
+        warm_start(model, tokenizer, _easy_task(), recipe)
+    assert len(forwards) == 1 and "\n" not in str(error.value)
+    (record,) = (rlvr_cache / "warm_start").glob("*")
+    assert record.name.endswith(".missed.json")

@@ -93,11 +93,13 @@ class WarmStartProgress:
     """What the warm start says on stderr when asked (``progress``): where its policy is cached and whether it was
     loaded or is built, and while it builds a bar of its steps against the cap with the last check's accuracy beside
     the target band and an ETA (to the cap: it stops at the first check inside the band). Reads the loss and the
-    checks, never a random stream nor the thread count: the weights are the same with or without it."""
+    checks, never a random stream nor the thread count: the weights are the same with or without it. A loss that is
+    not finite stops the build there (:class:`WarmStartError`), shown or not: the weights it came from are not
+    finite either, and every later step up to the cap would be the same."""
 
     def __init__(self, recipe: WarmStartRecipe, weights: Path, enabled: bool):
         self.recipe, self.weights, self.enabled = recipe, weights, enabled
-        self.bar, self.postfix = None, {}
+        self.bar, self.postfix, self.steps = None, {}, 0
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -123,6 +125,12 @@ class WarmStartProgress:
             self.bar.set_postfix(self.postfix)  # drawn now, not at the first refresh (a fast step may skip it)
 
     def step(self, loss: torch.Tensor) -> None:
+        self.steps += 1
+        if not torch.isfinite(loss.detach()).all():
+            raise WarmStartError(
+                f"warm start: the loss is {loss.item()} at step {self.steps}: the weights are no longer finite, and "
+                f"no later step can make them so; with model.dtype=float16 (no loss scaling) use float32 or bfloat16, "
+                f"else a lower model.warm_start_lr (now {self.recipe.lr:g})")
         if self.enabled:
             self.postfix["loss"] = f"{loss.item():.3f}"
             self.bar.set_postfix(self.postfix, refresh=False)
