@@ -55,8 +55,9 @@ from harness.run.config import objective_defaults
 from harness.run.errors import ConfigError
 from harness.run.provenance import code_record, versions_lines
 
-CONFIG_KEYS = {"experiment": "name", "model": "model.name", "task": "task.name", "steps": "train.steps",
-               "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
+CONFIG_KEYS = {"experiment": "name", "model": "model.name", "precision": "model.dtype",
+               "LoRA rank (0: full fine-tuning)": "model.lora.rank", "backend": "backend", "task": "task.name",
+               "steps": "train.steps", "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
 # the fixed figures of a cell; besides them, metrics_<prefix> draws the other per-step metrics of one name prefix
 FIGURES = {"curves_step": "Accuracy and reward against training step",
            "curves_tokens": "Accuracy and reward against rollout tokens",

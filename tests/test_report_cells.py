@@ -595,3 +595,13 @@ def test_the_axis_figures_bars_stay_inside_0_and_1():
     assert ends[1].max() == 1.0 and ends[1].min() == pytest.approx(0.4)  # best: 1.05 drawn as 1
     assert "drawn inside [0, 1]" in made.caption
     plt.close(made.fig)
+
+
+def test_the_configuration_says_the_adapters_backend_and_precision_the_runs_shared(tmp_path):
+    """A folder of LoRA runs through TRL in bfloat16 was reported as "model: tiny" and nothing more: read as full
+    fine-tuning on the native loop in float32."""
+    exp_dir = tmp_path / "lora"
+    shared = {"model.lora.rank": 16, "backend": "trl", "model.dtype": "bfloat16"}
+    entries = [fake_run(exp_dir, "grpo", seed, shared) for seed in (0, 1)]
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert {"LoRA rank (0: full fine-tuning): 16", "backend: trl", "precision: bfloat16"} <= set(lines) and not diffs
