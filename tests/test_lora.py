@@ -393,6 +393,33 @@ def test_a_killed_trl_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path
     assert not (final / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # a TRL run: make test
+def test_trls_sampler_and_no_grad_forwards_draw_no_dropout(tmp_path, monkeypatch):
+    """Trainer leaves the policy in train mode: under LoRA dropout TRL generated with a dropout draw of the policy
+    and its old-policy log-probs were another (natively the sampler and the recomputed log-probs are the policy's
+    own). Now only the loss forwards train."""
+    from trl import GRPOTrainer
+
+    from harness.loop.trl_backend import train_trl
+    from tests.helpers.trl import run_config
+
+    modes = []
+
+    def spy(name, real):
+        def call(self, *args, **kwargs):  # the policy's mode as TRL's own method sees it
+            generate = name == "generate"  # TRL's generation turns gradients off inside
+            model = self.model if generate else args[0]
+            modes.append((name, None if generate else torch.is_grad_enabled(), model.training))
+            return real(self, *args, **kwargs)
+        return call
+
+    for name, method in (("generate", "_generate_single_turn"), ("logp", "_get_per_token_logps_and_entropies")):
+        monkeypatch.setattr(GRPOTrainer, method, spy(name, getattr(GRPOTrainer, method)))
+    run = run_config(tmp_path, *LORA, "model.lora.dropout=0.5", "train.steps=1", "train.num_minibatches=2")
+    train_trl(run, tmp_path / "run", progress=False)
+    assert {("generate", None, False), ("logp", False, False), ("logp", True, True)} == set(modes)
+
+
 @pytest.mark.slow  # the embedded SmolLM2, three short runs: make test
 def test_a_smollm2_lora_run_resumes_exactly_and_exports_its_adapters(tmp_path):
     from peft import PeftConfig

@@ -74,7 +74,7 @@ from harness.loop.metrics import MetricMeter, PhaseMemory, progress_fields
 from harness.loop.trl_limits import trl_extra_args, trl_unsupported, world_size
 from harness.policy.device import resolve_device
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
-from harness.policy.forward import CHECKPOINT_KWARGS
+from harness.policy.forward import CHECKPOINT_KWARGS, evaluating
 from harness.policy.lora import PEFT_PATTERN_NOTE, adapted, export_merged, lora_settings
 from harness.policy.matmul import cpu_matmul
 from harness.policy.models import build_prompt
@@ -227,6 +227,12 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
             else:
                 self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
 
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's generation, by the policy in eval mode (Trainer leaves it in train mode): the policy's samples, not
+        those of one draw of its (LoRA) dropout, as the native sampler's (harness/policy/sampler.py)."""
+        with evaluating(self.model):
+            return super()._generate_single_turn(*args, **kwargs)
+
     def _calculate_rewards(self, *args, **kwargs):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)  # gathered over processes
         return self._rewards_per_func
@@ -271,7 +277,13 @@ class RegistryGRPOTrainer(TimedGRPOTrainer):
                                            **kwargs):
         """TRL's, and in TRL's old-policy pass of an MoE policy (the first no-grad forward of the policy while
         generating; TRL skips it with one optimizer step per generation batch) also the routing of its tokens
-        (``behaviour_record``), chunk by chunk (``batch_size``) as TRL runs it."""
+        (``behaviour_record``), chunk by chunk (``batch_size``) as TRL runs it. A no-grad forward (the old policy's,
+        the reference's, a statistics pass) runs the model in eval mode, as the native loop's: the policy's log-probs,
+        not one draw of its (LoRA) dropout; only the loss forward trains."""
+        if not torch.is_grad_enabled() and model.training:
+            with evaluating(model):
+                return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                               batch_size, **kwargs)
         if not (self.recording and model is self.model and not torch.is_grad_enabled()):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)
