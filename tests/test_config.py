@@ -48,6 +48,7 @@ from harness.run.records import settings_differences
     (["train.max_tokens_per_micro_batch=512", "train.micro_batch_size=4"], "not both"),
     (["objective.name=clip_cov", "train.max_tokens_per_micro_batch=512"], "needs statistics of the whole minibatch"),
     (["backend=trl", "train.lm_head_chunk=256"], "are the native backend's"),
+    (["backend=trl", "train.keep_checkpoints=true"], "train.keep_checkpoints is the native backend's"),
 ])
 @pytest.mark.slow
 def test_bad_configs_stop_with_a_clear_error(override, message):

@@ -59,6 +59,10 @@ def trl_unsupported(run: DictConfig) -> str | None:
         return ("backend trl: train.lm_head_chunk and train.max_tokens_per_micro_batch are the native backend's "
                 "(TRL computes its own log-probs, in train.micro_batch_size rows); set them to 0, or use "
                 "backend=native")
+    if t.keep_checkpoints:
+        return ("backend trl: train.keep_checkpoints is the native backend's (TRL keeps one checkpoint, "
+                "<run>/trl/checkpoint-N, with its optimizer's state, running or ended); leave it false, or use "
+                "backend=native")
     if run.task.overlong_buffer:
         return ("backend trl: task.overlong_buffer is not supported (pass a length-penalty reward function to TRL "
                 "yourself); use backend=native")
