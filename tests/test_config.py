@@ -49,6 +49,7 @@ from harness.run.records import settings_differences
     (["objective.name=clip_cov", "train.max_tokens_per_micro_batch=512"], "needs statistics of the whole minibatch"),
     (["backend=trl", "train.lm_head_chunk=256"], "are the native backend's"),
     (["backend=trl", "train.keep_checkpoints=true"], "train.keep_checkpoints is the native backend's"),
+    (["backend=trl", "train.padding_free=false"], "train.padding_free is the native trainer's forward"),
 ])
 @pytest.mark.slow
 def test_bad_configs_stop_with_a_clear_error(override, message):

@@ -59,6 +59,9 @@ def trl_unsupported(run: DictConfig) -> str | None:
         return ("backend trl: train.lm_head_chunk and train.max_tokens_per_micro_batch are the native backend's "
                 "(TRL computes its own log-probs, in train.micro_batch_size rows); set them to 0, or use "
                 "backend=native")
+    if not t.padding_free:
+        return ("backend trl: train.padding_free is the native trainer's forward (TRL computes its own log-probs, on "
+                "the padded batch); leave it true, or use backend=native")
     if t.keep_checkpoints:
         return ("backend trl: train.keep_checkpoints is the native backend's (TRL keeps one checkpoint, "
                 "<run>/trl/checkpoint-N, with its optimizer's state, running or ended); leave it false, or use "
