@@ -259,7 +259,8 @@ FRACTION = re.compile(r"(eval_)?accuracy(_\w+)?|clip_frac\w*|frac_\w+")
 
 def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, summary: dict) -> None:
     """Warnings about what a run's metrics lost: a truncated last line of a finished run, null (non-finite when
-    written) values where a number belongs, steps missing from the file."""
+    written) values where a number belongs, steps missing from the file, a finished run's last evaluation (read as
+    its final one where its summary has none) before its last step."""
     if read.truncated_step is not None and status in ENDED:
         step = read.truncated_step if read.truncated_step >= 0 else "?"
         warn(f"{path}: the run is {status} but its last line is truncated: step {step} lost (its metrics are not in "
@@ -274,6 +275,10 @@ def data_warnings(path: Path, read: MetricsFile, status: str, steps_done: int, s
     missing, count = missing_steps(steps_done if logged else -1, known, listed)
     if count:
         warn(f"{path}: step{'s' * (count > 1)} {steps_text(missing, count=count)} missing (steps done: {steps_done})")
+    evals = read.frame["step"][read.frame["eval_accuracy"].notna()] if "eval_accuracy" in read.frame else []
+    if status == "finished" and summary.get("final_eval_accuracy") is None and len(evals) and max(evals) < steps_done:
+        warn(f"{path}: the run finished at step {steps_done}, its last evaluation is step {int(max(evals))}'s (a run "
+             "evaluates at its last step): its final eval accuracy is that earlier one")
 
 
 def read_config(path: Path) -> dict:

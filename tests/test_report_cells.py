@@ -399,6 +399,26 @@ def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
     assert f"{gap}: step 3 missing (steps done: 6)" in caught
 
 
+def test_a_finished_run_whose_last_evaluation_is_lost_is_a_data_warning(tmp_path):
+    """A finished run whose last step's evaluation is gone from its metrics and its summary was reported with an
+    earlier evaluation's accuracy (its step 0's, where it was the only one) as its final one, without a word."""
+    exp_dir = tmp_path / "lost"
+    entries = [fake_run(exp_dir, "grpo", seed) for seed in range(2)]
+    fake_experiment(exp_dir, entries)
+    run = exp_dir / entries[0]["dir"]
+    summary = json.loads((run / "summary.json").read_text())
+    del summary["final_eval_accuracy"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "eval_accuracy"} if
+                                                          row["step"] == 6 else row) + "\n" for row in lines))
+    _, caught = load(exp_dir)
+    last = max(row["step"] for row in lines[:-1] if "eval_accuracy" in row)
+    assert (f"{run / 'metrics.jsonl'}: the run finished at step 6, its last evaluation is step {last}'s (a run "
+            "evaluates at its last step): its final eval accuracy is that earlier one") in caught
+    assert not any("its last evaluation is" in w and entries[1]["dir"] in w for w in caught)
+
+
 def test_an_objective_whose_runs_all_failed_is_named_not_a_crash(tmp_path):
     """As `sweep quickstart ... sweep.per_objective={gspo: {threads: -1}}` left it: gspo failed before its first
     step (KeyError 'rollout_tokens' in the compute-performance fit before)."""
