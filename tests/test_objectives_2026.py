@@ -225,6 +225,39 @@ def test_fipo_branches_are_reached():
     assert not torch.allclose(future_kl(d, valid, gamma, 10.0)[2, :2], future_kl(d, valid, gamma, 1e9)[2, :2])
 
 
+def test_fipo_weight_cap_and_log_ratio_clamp_match_the_authors():
+    """influence_clip = 0: the authors cap exp(F) at 10 and clamp d to [-20, 20] before the future KL. Row 0 (A < 0,
+    d = 2 per token, r = e^2 below c and the safety threshold) drives exp(F) past 10 with the gradient flowing; row 1
+    has a log-ratio of -25 that enters the future KL of the tokens before it as -20; row 2 a +25 (A > 0, out of the
+    future KL, clamped to r = e^20)."""
+    old = [[-3.0, -3.0, -3.0, -3.0], [-30.0, -2.0, -2.0, -30.0], [-1.0, -28.0, -1.0, -2.0]]
+    d = [[2.0, 2.0, 2.0, 2.0], [0.5, 0.4, 0.3, -25.0], [0.2, 25.0, -0.3, 0.1]]
+    batch = make_batch(old, d, [[1, 1, 1, 1]] * 3, [-1.0, 0.7, 0.9])
+    obj = get_objective("fipo", influence_clip=0.0, decay_rate=2.0)
+    out = obj(batch)
+    weight, raw = obj.influence_weights(batch.log_ratio().clamp(-20, 20), batch)
+    assert (raw[0, :3] > 10).all() and (weight[0, :3] == 10).all() and raw[1, 0] < 1  # both branches reached
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref, final = authors_fipo(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high,
+                              obj.clip_ratio_c, obj.decay_rate, obj.influence_clip, obj.influence_clip_high_only,
+                              obj.safety_threshold)
+    assert final.all()
+    assert num(out.loss, ref, 1e-12)
+    grad = grad_of(out.loss, batch)
+    assert_close(grad, grad_of(ref, batch), tol=1e-12)
+    assert (grad[0] != 0).all()
+
+
+def test_fipo_defaults_are_the_32b_scripts():
+    """The defaults the docstring cites: the official 32B script's settings (listed beside the vendored function and
+    in ms-swift's FIPO docs: delta / clip_ratio_c 10), not the function's own fallbacks (decay 128, safety 4, c 3)."""
+    assert {k: v for k, v in get_objective("fipo").hyperparameters().items() if k not in
+            {"beta", "kl_estimator", "off_policy_mask", "off_policy_mask_threshold", "entropy_coef",
+             "top_entropy_quantile"}} == {
+        "clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 10.0, "decay_rate": 32.0, "influence_clip": 0.2,
+        "influence_clip_high_only": True, "safety_threshold": 10.0, "aggregation": "token_mean"}
+
+
 def test_fipo_future_kl_by_hand():
     """Three tokens, gamma = 2^(-1/1) = 0.5: F_0 = d_0 + 0.5 d_1 + 0.25 d_2, F_1 = d_1 + 0.5 d_2, F_2 = d_2; a token
     with r > c leaves the sum."""
