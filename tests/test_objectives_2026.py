@@ -77,6 +77,7 @@ def test_dro_matches_verl(mode, beta):
 def test_dro_needs_a_positive_beta():
     with pytest.raises(ValueError, match="dro_beta must be > 0"):
         get_objective("dro", dro_beta=0.0)
+    assert get_objective("dro").dro_beta == 0.05  # the value of verl's own test of this loss (the docstring's default)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -379,6 +380,22 @@ def test_adaptive_entropy_follows_trls_controller_step_by_step():
     at_target = get_objective("adaptive_entropy", entropy_coef=0.1, entropy_target=0.25)
     at_target.after_optimizer_step(torch.nn.Linear(1, 1), {"entropy_kept_mean": 0.25})
     assert at_target.entropy_bonus_coef() == at_target.coefficient > 0.1  # and the bonus acts (<=)
+
+
+def test_adaptive_entropy_defaults_are_trls():
+    """The controller's defaults are the installed TRL GRPOConfig's (entropy_target, its bounds and step, the starting
+    coefficient) and its policy loss TRL's default clip (epsilon 0.2, epsilon_high = epsilon) with token-mean
+    aggregation (TRL's default loss_type dapo)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    ours = get_objective("adaptive_entropy").hyperparameters()
+    for name in ("entropy_target", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_coef"):
+        assert ours[name] == trl[name], name
+    assert ours["clip_low"] == ours["clip_high"] == trl["epsilon"] and trl["epsilon_high"] is None
+    assert ours["aggregation"] == "token_mean" and trl["loss_type"] == "dapo"
 
 
 def test_adaptive_entropy_starts_without_a_bonus_and_its_state_round_trips():
