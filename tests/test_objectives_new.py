@@ -358,7 +358,8 @@ def trl_vespo_loss(logp, old, adv, mask, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_
     return ((-weight * adv * logp) * m).sum() / m.sum().clamp(min=1.0)
 
 
-@pytest.mark.parametrize("hp", [{}, {"k_pos": 1.5, "lambda_pos": 0.5, "k_neg": 0.1, "lambda_neg": 2.0}])
+@pytest.mark.parametrize("hp", [{}, {"k_pos": 1.5, "lambda_pos": 0.5, "k_neg": 0.1, "lambda_neg": 2.0},
+                                {"k_pos": 0.5, "lambda_pos": 0.0, "k_neg": 0.5, "lambda_neg": 0.0}])  # TRL's 1e-4 floor
 def test_vespo_matches_trl(hp):
     g = torch.Generator().manual_seed(8)
     b, t = 10, 6
@@ -366,6 +367,7 @@ def test_vespo_matches_trl(hp):
     logp = old + 0.3 * torch.randn(b, t, generator=g, dtype=DT)
     logp[0] = old[0] + 5.0  # log w = 30 -> clamped at 20: phi underflows to 0
     logp[1] = old[1] - 5.0  # log w = -30 -> clamped at log 1e-8
+    logp[4, :2] = old[4, :2] + torch.tensor([25.0, -24.5], dtype=DT)  # each token clamped to +-20 before the sum
     mask = torch.arange(t)[None, :] < torch.randint(2, t + 1, (b, 1), generator=g)
     logp[~mask], old[~mask] = 40.0, -40.0
     adv = torch.randn(b, generator=g, dtype=DT)
