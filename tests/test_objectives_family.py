@@ -78,7 +78,8 @@ def feynrl_p3o(logp, old, adv, mask):
     ratio = torch.exp(logratio)
     valid = ratio[mask_bool]
     sum_w, sum_w2, total = valid.sum().double().item(), valid.pow(2).sum().double().item(), float(valid.numel())
-    ess = (sum_w**2) / (sum_w2 + 1e-8) / total
+    finite = math.isfinite(sum_w) and math.isfinite(sum_w2)
+    ess = (sum_w**2) / (sum_w2 + 1e-8) / total if total >= 0.5 and finite else 1.0  # calculate_ess's guard
     kl = (logp - old) + torch.exp(torch.clamp(old - logp, min=-10.0, max=10.0)) - 1
     kl = torch.where(mask_bool, kl, torch.zeros_like(kl))
     rho = torch.clamp(ratio, min=0, max=ess)
@@ -101,6 +102,20 @@ def test_p3o_matches_feynrl_on_a_whole_minibatch(scale):
         n = batch.mask.sum().item()
         assert num(ess, n / (n + 1e-8), 1e-14)
         assert_close(grad, -ess * adv * batch.mask / n, tol=1e-12)
+
+
+def test_p3o_an_infinite_ratio_falls_back_to_an_ess_of_one_as_feynrl():
+    """A ratio that overflows (d = 800 in float64) makes sum r infinite: FeynRL's calculate_ess returns 1.0 (weights
+    min(r, 1), no behaviour KL) instead of a NaN loss."""
+    batch = random_batch(seed=11, scale=0.5, b=8, t=6)
+    with torch.no_grad():
+        batch.logp[0, 0] = batch.old_logp[0, 0] + 800.0
+    out = get_objective("p3o")(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref, ess = feynrl_p3o(batch.logp, batch.old_logp, adv, batch.mask)
+    assert batch.mask[0, 0] and ess == out.metrics["ess_batch"] == 1.0
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
 
 
 def test_p3o_micro_batches_with_the_minibatch_statistics_match_feynrl_on_the_whole():
