@@ -235,6 +235,10 @@ def test_objective_state_ema_zero_positives_and_errors():
     out = popo(pb)
     grads = torch.autograd.grad(out.loss, [pb.logp, pb.entropy], allow_unused=True)
     assert out.loss.item() == 0.0 and all(g is None or (g == 0).all() for g in grads)
+    # ... connected to the policy and the predictor (the authors' 0 * logp.sum() + 0 * predicted.sum()): both get zero
+    # gradients, not none, so the optimizer still steps them (AdamW's momentum and weight decay) as the authors'
+    grads = torch.autograd.grad(popo(pb).loss, [pb.logp, *popo.predictor.parameters()], allow_unused=True)
+    assert all(g is not None and (g == 0).all() for g in grads)
     with pytest.raises(ValueError, match="popo.*weight_mode"):
         get_objective("popo", weight_mode="rank")
     with pytest.raises(ValueError, match="is not meaningful"):
@@ -242,6 +246,16 @@ def test_objective_state_ema_zero_positives_and_errors():
     assert get_objective("popo").entropy_need() == "gradient"
     assert get_objective("popo").needs() == {"state", "hidden_states"}
     assert get_objective("popo", beta_entropy=0.0).entropy_need() == ""
+
+
+def test_defaults_are_the_authors_config():
+    """configs/popo/default.yaml at the docstring's commit (weight temperature and length normalisation: the
+    defaults of compute_popo_weights, which the trainer does not override)."""
+    ours = get_objective("popo").hyperparameters()
+    authors = {"alpha": 0.1, "beta_entropy": 0.01, "tau": 0.995, "tau_r": 0.0, "predictor_hidden_dim": 1024,
+               "predictor_layers": 2, "feature_noise_std": 0.02, "weight_mode": "softmax", "weight_temperature": 1.0,
+               "length_normalize": False, "beta": 0.0}
+    assert {k: ours[k] for k in authors} == authors
 
 
 def test_correction_weights_of_one_change_nothing_and_zero_removes_a_sequence():
@@ -256,8 +270,10 @@ def test_correction_weights_of_one_change_nothing_and_zero_removes_a_sequence():
     (ones_grad,) = torch.autograd.grad(ones.loss, pb.logp)
     assert ones.loss.item() == plain.loss.item() and torch.equal(ones_grad, plain_grad)
     pb.correction[0] = 0.0  # a positive sequence masked by the rollout correction
-    (grad,) = torch.autograd.grad(popo(pb).loss, pb.logp)
+    (grad, hidden_grad) = torch.autograd.grad(popo(pb).loss, [pb.logp, pb.hidden])
     assert (grad[0] == 0).all() and (plain_grad[0] != 0).any()
+    (plain_hidden_grad,) = torch.autograd.grad(plain.loss, pb.hidden)
+    assert (hidden_grad[0] == 0).all() and (plain_hidden_grad[0] != 0).any()  # its similarity term goes too
 
 
 @pytest.mark.slow
