@@ -208,6 +208,18 @@ def test_fipo_matches_the_authors(hp, drop):
     assert m["clip_frac_low"] > 0 and m["clip_frac_high"] > 0 and m["clip_frac_dual"] > 0
 
 
+def test_fipo_drops_a_sequence_under_a_rollout_correction_too():
+    """The drop multiplies the rollout-correction weight: with a constant weight of 0.5 the loss and gradient are half
+    the uncorrected ones, the dropped sequence still out."""
+    batch = fipo_batch(True)
+    plain = get_objective("fipo")(batch)
+    batch.correction = torch.full_like(batch.logp, 0.5)
+    corrected = get_objective("fipo")(batch)
+    assert corrected.metrics["fipo_dropped_frac"] > 0
+    assert num(corrected.loss, 0.5 * plain.loss, 1e-12)
+    assert_close(grad_of(corrected.loss, batch), 0.5 * grad_of(plain.loss, batch), tol=1e-12)
+
+
 def test_fipo_branches_are_reached():
     """The batch above reaches each influence-weight branch: both clip bounds of exp(F), the safety clamp, the
     exclusion of r > c from the future KL (the weights differ without it)."""
@@ -396,6 +408,22 @@ def test_adaptive_entropy_defaults_are_trls():
         assert ours[name] == trl[name], name
     assert ours["clip_low"] == ours["clip_high"] == trl["epsilon"] and trl["epsilon_high"] is None
     assert ours["aggregation"] == "token_mean" and trl["loss_type"] == "dapo"
+
+
+def test_adaptive_entropy_with_top_entropy_masking_measures_the_kept_tokens_as_trl():
+    """With top_entropy_quantile < 1 TRL's controller measures the mean entropy over mask * entropy_mask
+    (get_high_entropy_mask: entropy >= the (1 - q) quantile of the valid tokens' entropies), as its bonus acts on."""
+    batch = group_batch(seed=3)
+    batch.entropy = torch.rand(batch.logp.shape, generator=torch.Generator().manual_seed(3), dtype=DT)
+    ours = get_objective("adaptive_entropy", entropy_coef=0.01, top_entropy_quantile=0.4)
+    out = ours(batch)
+    valid = batch.entropy[batch.mask]
+    kept = (batch.entropy * batch.mask >= torch.quantile(valid, 0.6)) & batch.mask
+    world = ((batch.entropy * kept).sum() / kept.sum()).item()
+    assert 0 < kept.sum() < batch.mask.sum() and not num(world, valid.mean())
+    assert num(out.metrics["entropy_kept_mean"], world, 1e-12)
+    ours.after_optimizer_step(torch.nn.Linear(1, 1), out.metrics)
+    assert num(ours.last_entropy, world, 1e-12)
 
 
 def test_adaptive_entropy_starts_without_a_bonus_and_its_state_round_trips():
