@@ -261,6 +261,23 @@ def test_fipo_weight_cap_and_log_ratio_clamp_match_the_authors():
     assert (grad[0] != 0).all()
 
 
+def test_fipo_safety_clamp_acts_on_the_clipped_weight():
+    """The authors clamp the already clipped weight to [0.8, 1] for A < 0 and r > safety_thresh: with high-only
+    clipping (weight >= 1) such a token's weight is 1 even where exp(F) < 0.8 (row 0, token 0: r = 5, F < 0)."""
+    batch = make_batch([[-3.0, -1.0, -1.0], [-2.0, -2.0, -2.0]], [[L(5.0), -2.0, -2.0], [0.1, -0.1, 0.2]],
+                       [[1, 1, 1]] * 2, [-1.0, 0.6])
+    obj = get_objective("fipo", safety_threshold=3.0, decay_rate=2.0)
+    weight, raw = obj.influence_weights(batch.log_ratio().clamp(-20, 20), batch)
+    assert raw[0, 0] < 0.8 and weight[0, 0] == 1.0
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref, _ = authors_fipo(batch.logp, batch.old_logp, adv, batch.mask, obj.clip_low, obj.clip_high,
+                          obj.clip_ratio_c, obj.decay_rate, obj.influence_clip, obj.influence_clip_high_only,
+                          obj.safety_threshold)
+    out = obj(batch)
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
+
+
 def test_fipo_defaults_are_the_32b_scripts():
     """The defaults the docstring cites: the official 32B script's settings (listed beside the vendored function and
     in ms-swift's FIPO docs: delta / clip_ratio_c 10), not the function's own fallbacks (decay 128, safety 4, c 3)."""
