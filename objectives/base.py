@@ -687,7 +687,9 @@ class Objective:
         """H = sum_t(H_t m_t) / N: the mean entropy over the tokens m the policy loss keeps (TRL 1.16's entropy bonus:
         a token mean whatever the aggregation; verl aggregates it with ``loss_agg_mode``, the same for token-mean).
         N is the minibatch's token count (micro-batches sum to the minibatch's mean), or with top-entropy masking
-        (whole minibatches only) the kept tokens; OPSM and rollout-correction weights do not enter (as in TRL)."""
+        (whole minibatches only) the kept tokens; OPSM and rollout-correction weights do not enter (as in TRL). Over
+        micro-batches of different token counts TRL averages each micro-batch's mean (its own comment says so);
+        this is the token mean of the whole minibatch, TRL's with one micro-batch."""
         if batch.entropy is None:
             raise ValueError(f"objective {self.name!r} adds an entropy bonus (entropy_coef={self.entropy_coef}, or an "
                              "adaptive coefficient) but the batch has no entropy")

@@ -31,7 +31,8 @@ Our choices, where the loop differs from the authors' verl trainer:
 - the future KL runs over the whole completion (the authors' chunked matrix product over the response, equal up to
   summation order, tested in float64).
 ms-swift's port differs from the authors': its ``delta`` caps the ratio at c for both signs of A instead of the dual
-clip and it drops no sequence (its influence weight is the same; not implemented).
+clip and it drops no sequence; its influence weight is the same, except that with ``fipo_clip_range`` 0 it leaves
+exp(F) uncapped where the authors' (and ours) cap it at 10 (ms-swift's port is not implemented).
 Metrics: PPO's clip fractions (``clip_frac_dual``: A < 0 and r > c, included in ``clip_frac``), ``fipo_weight_mean``
 (w over valid tokens), ``fipo_weight_raw_mean`` (exp(F) before clipping), ``fipo_dropped_frac`` (the dropped
 sequences' share of valid tokens), ratio metrics over r.
