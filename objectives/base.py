@@ -204,7 +204,8 @@ def aggregate(per_token: Tensor, batch: PolicyBatch, mode: str, correct: bool = 
     N_tokens / N_seqs / N_p and P are the minibatch's global counts when given, else this batch's (a minibatch that
     splits a group holds part of it: N_p counts the tokens of the rows it holds). With
     ``PolicyBatch.correction`` (and ``correct``; the KL to the reference passes False) l is first multiplied by
-    the rollout-correction weight w: l * w * mask, the counts unchanged.
+    the rollout-correction weight w: l * w * mask, the counts unchanged. N_seqs counts every row, one whose mask is
+    all zero too (verl's sequence means leave such rows out of their count by default).
     """
     if correct and batch.correction is not None:
         per_token = per_token * batch.correction
