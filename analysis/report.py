@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from scipy.stats import trim_mean
 
 from analysis import axes, paired, plots, scaling, timing, verdict
@@ -51,13 +53,15 @@ from harness.run.atomic import (
     remove_dead_writers_temporaries,
     write_into,
 )
-from harness.run.config import objective_defaults
+from harness.run.config import nested, objective_defaults
 from harness.run.errors import ConfigError
+from harness.run.offpolicy import behaviour_logp
 from harness.run.provenance import code_record, versions_lines
 
 CONFIG_KEYS = {"experiment": "name", "model": "model.name", "precision": "model.dtype",
                "LoRA rank (0: full fine-tuning)": "model.lora.rank", "backend": "backend", "task": "task.name",
-               "steps": "train.steps", "group size": "train.group_size", "prompts per step": "train.prompts_per_step"}
+               "steps": "train.steps", "group size": "train.group_size", "prompts per step": "train.prompts_per_step",
+               "rollout correction": "train.rollout_correction.mode", "routing replay": "train.routing_replay"}
 # the fixed figures of a cell; besides them, metrics_<prefix> draws the other per-step metrics of one name prefix
 FIGURES = {"curves_step": "Accuracy and reward against training step",
            "curves_tokens": "Accuracy and reward against rollout tokens",
@@ -307,6 +311,9 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
         below = key in cells.axes or key in cells.objective_settings  # else not a setting (the experiment's name)
         lines.append(f"{label}: " + (values[0] if len(values) == 1 else "differs between runs (below)" if below
                                      else ", ".join(values)))
+    for label, text in DERIVED_CONFIG.items() if configs else ():
+        values = sorted({text(c) for c in configs.values()}, key=lambda v: (len(v), v))  # 4 before 16
+        lines.append(f"{label}: " + (values[0] if len(values) == 1 else "differs between runs: " + "; ".join(values)))
     lines.append("objectives: " + ", ".join(f"{o} ({plural(k, 'run')})" for o, k in counts.items()))
     lines.append("seeds: " + ", ".join(str(s) for s in sorted(exp.runs["seed"].dropna().unique())))
     if len(configs) < len(exp.runs):
@@ -320,6 +327,33 @@ def config_summary(exp: Experiment) -> tuple[list[str], list[str]]:
                  for o, v in per_objective.items()}
         diffs.append(f"{key}: per objective: " + ", ".join(f"{o}={v}" for o, v in shown.items()))
     return lines, diffs
+
+
+def lag_text(config: dict) -> str:
+    """A run's policy lag as it ran (its config.yaml's dotted keys): 0 (synchronous), or k with the lag's shape."""
+    lag = config.get("train.rollout_lag", "unset")
+    if lag in ("unset", 0):
+        return str(lag)
+    tokens = config.get("train.in_flight_tokens") or 0
+    shape = "mixed ages" if config.get("train.lag_mode") == "mixed" else "fixed"
+    return f"{lag} ({shape}" + (f", in flight every {tokens} tokens)" if tokens else ")")
+
+
+def old_logp_text(config: dict) -> str:
+    """Where a run's old log-probs came from (its config.yaml's dotted keys): ``train.old_logp``, or recompute where a
+    rollout correction or routing replay recomputes them whatever it says (harness/run/offpolicy.py)."""
+    train = nested(config).get("train", {})
+    if "old_logp" not in train:
+        return "unset"
+    try:
+        source = behaviour_logp(OmegaConf.create(train))
+    except OmegaConfBaseException:  # a config.yaml of other code, without the keys this code reads: as written
+        return f"{train['old_logp']} (as written)"
+    return source + (" (the behaviour policy's)" if source == "sampler" else " (the proximal policy's, recomputed)")
+
+
+# configuration lines read from each run's settings together: label -> the text of one run's
+DERIVED_CONFIG = {"policy lag (train.rollout_lag)": lag_text, "old log-probs": old_logp_text}
 
 
 def own_value_text(exp: Experiment, objective: str, key: str) -> str:

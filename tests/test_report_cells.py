@@ -625,3 +625,25 @@ def test_the_configuration_says_the_adapters_backend_and_precision_the_runs_shar
     entries = [fake_run(exp_dir, "grpo", seed, shared) for seed in (0, 1)]
     lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
     assert {"LoRA rank (0: full fine-tuning): 16", "backend: trl", "precision: bfloat16"} <= set(lines) and not diffs
+
+
+def test_the_configuration_says_the_lag_correction_replay_and_old_logprobs_the_runs_ran(tmp_path):
+    """A folder of runs at train.rollout_lag=4 under decoupled PPO was reported as the synchronous quickstart: nothing
+    named the lag, the correction, or that the old log-probs were recomputed although config.yaml says
+    old_logp: sampler (a correction recomputes them whatever it says)."""
+    exp_dir = tmp_path / "async"
+    shared = {"train.rollout_lag": 4, "train.lag_mode": "mixed", "train.in_flight_tokens": 0,
+              "train.old_logp": "sampler", "train.rollout_correction.mode": "decoupled_ppo",
+              "train.rollout_correction.threshold": 5.0, "train.rollout_correction.threshold_lower": None,
+              "train.routing_replay": "none"}
+    entries = [fake_run(exp_dir, "grpo", seed, shared) for seed in (0, 1)]
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert {"policy lag (train.rollout_lag): 4 (mixed ages)", "rollout correction: decoupled_ppo",
+            "routing replay: none", "old log-probs: recompute (the proximal policy's, recomputed)"} <= set(lines)
+    assert not diffs
+    exp_dir = tmp_path / "in_flight"
+    shared = {**shared, "train.lag_mode": "fixed", "train.in_flight_tokens": 3, "train.rollout_correction.mode": "none"}
+    entries = [fake_run(exp_dir, "grpo", 0, shared), fake_run(exp_dir, "grpo", 1, {**shared, "train.rollout_lag": 0})]
+    lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
+    assert "policy lag (train.rollout_lag): differs between runs: 0; 4 (fixed, in flight every 3 tokens)" in lines
+    assert "old log-probs: sampler (the behaviour policy's)" in lines
