@@ -205,3 +205,20 @@ def test_r3_records_a_sampler_copy_in_another_precision(tmp_path):
     assert bool(batch.routing.valid.any())
     assert 0.0 <= behaviour.metrics["recompute_expert_changed_frac"] <= 1.0
     assert behaviour.metrics["recompute_routed_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_an_in_flight_moe_run_logs_its_routing_metrics_at_every_step_or_none(tmp_path):
+    """Without replay and on the behaviour log-probs, an in-flight run's batches are sampled by several versions and
+    record no sampler routing: expert volatility, load entropy and aux loss were logged at step 1 (its batch sampled
+    whole) and missing from every later step, so a report's mean over steps was step 1's alone. None is logged; with
+    recomputed old log-probs (the proximal's routing) every step logs them."""
+    from harness.run.records import read_jsonl
+
+    in_flight = (*SIGNAL, "train.steps=3", "train.rollout_lag=1", "train.in_flight_tokens=3")
+    for extra, logged in (((), False), (("train.old_logp=recompute",), True)):
+        run = tiny_moe_run(tmp_path, *in_flight, *extra)
+        folder = tmp_path / f"run{len(extra)}"
+        train(run, folder, progress=False)
+        rows = read_jsonl(folder / "metrics.jsonl")[1:]
+        assert [("expert_changed_frac" in r) == ("router_aux_loss" in r) == logged for r in rows] == [True] * 3

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness.loop.metrics import MismatchMeter
@@ -46,14 +46,16 @@ def routing_recorded_at(t: DictConfig, moe: bool) -> str | None:
     """Where an MoE run records the behaviour routing (what replay forces, what expert volatility compares the
     update's routing with): 'sampler' (R3; without replay when the behaviour log-probs are the native sampler's),
     'recompute' (R2; without replay when the behaviour log-probs are recomputed), None (a dense model, or no replay
-    with a sampler whose routing cannot be recorded: then no volatility)."""
+    with a sampler whose routing cannot be recorded: then no volatility; so in flight, where a batch's completions
+    are continued by several versions, lest only the batches sampled whole log it)."""
     if not moe:
         return None
     if replay_mode(t) == "r3":
         return "sampler"
     if behaviour_logp(t) == "recompute":
         return "recompute"
-    return "sampler" if t.sampler == "native" and not t.compile_sampler else None
+    in_flight = OmegaConf.select(t, "in_flight_tokens", default=0)
+    return "sampler" if t.sampler == "native" and not t.compile_sampler and not in_flight else None
 
 
 def rollout_correction(t: DictConfig, old_logp: Tensor, sampler_logp: Tensor | None, mask: Tensor,
