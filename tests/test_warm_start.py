@@ -122,6 +122,20 @@ def test_warm_start_reaches_the_band_and_builds_the_same_weights_with_1_and_2_th
     assert all(torch.equal(weights1[k], weights2[k]) for k in weights1)
 
 
+def test_a_build_without_progress_still_says_it_builds_and_where(rlvr_cache, capsys):
+    """--no-progress turned off the bars and the news too: a build of minutes printed nothing."""
+    recipe = WarmStartRecipe(**{**BAND, "max_steps": 3, "check_every": 5, "check_size": 8, "target": None})
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    _, sidecar = warm_start(model, tokenizer, _easy_task(), recipe, progress=False)
+    err = capsys.readouterr().err
+    weights = rlvr_cache / "warm_start" / f"{sidecar['key']}.safetensors"
+    assert f"starting policy: building it once (supervised warm start, 3 steps); cached at {weights}" in err
+    assert "starting policy: built in " in err and "warm start:" not in err and "loss=" not in err  # no bar
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    warm_start(model, tokenizer, _easy_task(), recipe, progress=False)
+    assert capsys.readouterr().err == ""  # a cache hit: nothing to say without progress
+
+
 @pytest.mark.slow
 def test_the_warm_start_says_what_it_builds_with_a_bar_and_builds_the_same_weights(rlvr_cache, capsys):
     """progress=True: a line naming the cache and the band, a bar of steps against the cap with the last check and

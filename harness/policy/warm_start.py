@@ -90,9 +90,10 @@ class WarmStartRecipe:
 
 
 class WarmStartProgress:
-    """What the warm start says on stderr when asked (``progress``): where its policy is cached and whether it was
-    loaded or is built, and while it builds a bar of its steps against the cap with the last check's accuracy beside
-    the target band and an ETA (to the cap: it stops at the first check inside the band). Reads the loss and the
+    """What the warm start says on stderr: that it builds its policy and where it is cached, then that it built it,
+    whatever ``progress``; when asked (``progress``) also where a loaded one came from, and while it builds a bar of
+    its steps against the cap with the last check's accuracy beside the target band and an ETA (to the cap: it stops
+    at the first check inside the band). Reads the loss and the
     checks, never a random stream nor the thread count: the weights are the same with or without it. A loss that is
     not finite stops the build there (:class:`WarmStartError`), shown or not: the weights it came from are not
     finite either, and every later step up to the cap would be the same."""
@@ -101,8 +102,10 @@ class WarmStartProgress:
         self.recipe, self.weights, self.enabled = recipe, weights, enabled
         self.bar, self.postfix, self.steps = None, {}, 0
 
-    def say(self, text: str) -> None:
-        if self.enabled:
+    def say(self, text: str, always: bool = False) -> None:
+        """``text`` on stderr when progress is shown, or ``always`` (a build's start and end: minutes of silence
+        otherwise under --no-progress, which turns off the bars, not the news)."""
+        if self.enabled or always:
             tqdm.write(text, file=sys.stderr)
 
     def loaded(self, sidecar: dict) -> None:
@@ -110,14 +113,14 @@ class WarmStartProgress:
 
     def built(self, sidecar: dict) -> None:
         self.say(f"starting policy: built in {sidecar['wall_time_s']:.0f} s ({_reached(sidecar)}), cached at "
-                 f"{self.weights}")
+                 f"{self.weights}", always=True)
 
     def building(self) -> None:
         r = self.recipe
         until = (f"up to {r.max_steps} steps, stopping at the first check (every {r.check_every}) of held-out "
                  f"accuracy in {_band(r.target)}" if r.target is not None else f"{r.max_steps} steps")
         self.say(f"starting policy: building it once (supervised warm start, {until}); cached at {self.weights} "
-                 "for every later run")
+                 "for every later run", always=True)
         self.bar = tqdm(total=r.max_steps, desc="warm start", unit="step", file=sys.stderr, disable=not self.enabled,
                         dynamic_ncols=True)
         self.postfix = {"loss": "", **({"check": "none yet", "band": _band(r.target)} if r.target is not None else {})}
