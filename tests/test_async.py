@@ -252,6 +252,7 @@ LAG2 = ["train.rollout_lag=2", "train.steps=3"]  # a lag below the steps (tiny_r
     (["objective.name=ctpo", "train.rollout_correction.mode=decoupled_ppo"], "a prefix product"),
     (["objective.name=popo", "train.rollout_correction.mode=decoupled_ppo"], "none: a likelihood"),
     (["train.lag_mode=mixed"], "set train.rollout_lag >= 1"),
+    (["train.lag_mode=mixed", "backend=trl"], "leave it out (TRL's GRPOTrainer runs no lag), or use backend=native"),
     ([*LAG2, "train.in_flight_tokens=8"], "tokens: it needs a value below train.max_new_tokens=8"),
     ([*LAG2, "train.in_flight_tokens=4", "train.lag_mode=mixed"], "it needs train.lag_mode=fixed (a mixed lag"),
     ([*LAG2, "train.lag_mode=mixed", "train.dynamic_sampling=true"], "train.dynamic_sampling"),

@@ -77,7 +77,9 @@ def check_rollout_lag(run: DictConfig) -> None:
     parts = "train.lag_mode=mixed" if t.lag_mode == "mixed" else "train.in_flight_tokens" if t.in_flight_tokens \
         else None
     if parts and t.rollout_lag < 1:
-        raise ConfigError(f"{parts} spreads a batch over the versions of a lag: set train.rollout_lag >= 1")
+        fix = ("leave it out (TRL's GRPOTrainer runs no lag), or use backend=native with train.rollout_lag >= 1"
+               if run.backend == "trl" else "set train.rollout_lag >= 1")
+        raise ConfigError(f"{parts} spreads a batch over the versions of a lag: {fix}")
     if t.in_flight_tokens and (t.lag_mode == "mixed" or t.in_flight_tokens >= t.max_new_tokens):
         need = ("train.lag_mode=fixed (a mixed lag already spreads a batch over versions)" if t.lag_mode == "mixed"
                 else f"a value below train.max_new_tokens={t.max_new_tokens}")
