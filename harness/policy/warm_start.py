@@ -93,10 +93,10 @@ class WarmStartProgress:
     """What the warm start says on stderr: that it builds its policy and where it is cached, then that it built it,
     whatever ``progress``; when asked (``progress``) also where a loaded one came from, and while it builds a bar of
     its steps against the cap with the last check's accuracy beside the target band and an ETA (to the cap: it stops
-    at the first check inside the band). Reads the loss and the
-    checks, never a random stream nor the thread count: the weights are the same with or without it. A loss that is
-    not finite stops the build there (:class:`WarmStartError`), shown or not: the weights it came from are not
-    finite either, and every later step up to the cap would be the same."""
+    at the first check inside the band). Reads the loss and the checks, never a random stream nor the thread count:
+    the weights are the same with or without it. A loss that is not finite stops the build there
+    (:class:`WarmStartError`), shown or not: the weights it came from are not finite either, and every later step up
+    to the cap would be the same."""
 
     def __init__(self, recipe: WarmStartRecipe, weights: Path, enabled: bool):
         self.recipe, self.weights, self.enabled = recipe, weights, enabled
