@@ -176,7 +176,7 @@ def test_the_run_id_leaves_out_the_settings_of_adapters_a_run_does_not_have():
     """At model.lora.rank=0 (no adapters) alpha, dropout and the target modules change nothing: the same run, the
     same id (they made another run folder of the same run); with adapters each is part of the run."""
     (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
-    inert = ["model.lora.alpha=8", "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]"]
+    inert = ["model.lora.alpha=6", "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]"]
     assert all(run_id(OmegaConf.merge(run, OmegaConf.from_dotlist([o]))) == run_id(run) for o in inert)
     adapted = OmegaConf.merge(run, {"model": {"lora": {"rank": 4}}})
     assert run_id(adapted) != run_id(run)
@@ -193,9 +193,9 @@ def test_a_run_without_adapters_resumes_with_other_lora_settings_but_not_another
 
     (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0"]))
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(run))
-    check_resume(OmegaConf.merge(run, {"model": {"lora": {"alpha": 8.0}}}), tmp_path)
-    with pytest.raises(ConfigError, match=r"other settings \(model.lora.rank 0 -> 4, model.lora.alpha null -> 8"):
-        check_resume(OmegaConf.merge(run, {"model": {"lora": {"rank": 4, "alpha": 8.0}}}), tmp_path)
+    check_resume(OmegaConf.merge(run, {"model": {"lora": {"alpha": 6.0}}}), tmp_path)
+    with pytest.raises(ConfigError, match=r"other settings \(model.lora.rank 0 -> 4, model.lora.alpha null -> 6"):
+        check_resume(OmegaConf.merge(run, {"model": {"lora": {"rank": 4, "alpha": 6.0}}}), tmp_path)
 
 
 @pytest.mark.parametrize(("inert", "live", "why"), [
@@ -714,3 +714,21 @@ def test_a_key_one_command_line_both_sweeps_and_pins_is_refused(swept, pinned):
                                           "pins it; give one"):
         load_experiment("quickstart", [swept, pinned])
     assert list(load_experiment("quickstart", [pinned]).sweep.grid[key]) == [yaml.safe_load(pinned.partition("=")[2])]
+
+
+def test_lora_alpha_at_twice_the_rank_is_the_run_of_alpha_null(tmp_path):
+    """alpha null stands for 2 x rank (harness/policy/lora.py): written out, it is the same run (one id, one folder, a
+    resume of either with the other), and a grid over both is refused as one run; another alpha is another run."""
+    from harness.run.records import check_resume
+
+    (run,) = run_configs(load_experiment("quickstart", ["objective.name=grpo", "seed=0", "model.lora.rank=8"]))
+    written = OmegaConf.merge(run, {"model": {"lora": {"alpha": 16}}})
+    assert run_id(written) == run_id(run) == run_id(OmegaConf.merge(run, {"model": {"lora": {"alpha": 16.0}}}))
+    assert run_id(OmegaConf.merge(run, {"model": {"lora": {"alpha": 8}}})) != run_id(run)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    check_resume(written, tmp_path)
+    with pytest.raises(ConfigError, match=r"model.lora.alpha null -> 32"):
+        check_resume(OmegaConf.merge(run, {"model": {"lora": {"alpha": 32}}}), tmp_path)
+    with pytest.raises(ConfigError, match=r"sweep.grid.model.lora.alpha: null and 16 make the same run \(null stands "
+                       r"for 2 x model.lora.rank\)"):
+        run_configs(load_experiment("base", ["model.lora.rank=8", "sweep.grid.model.lora.alpha=[null,16]"]))

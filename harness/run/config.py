@@ -688,8 +688,9 @@ def _distinct(runs: list[DictConfig], points: list[dict], grid: dict[str, list])
         own = objective_defaults(run.objective.name)
         unused = unused_setting(run, key) or unused_setting(other_run, key)  # either point may hold the inert value
         why = "a memory setting changes no number, so it is not part of the run id" if key in MEMORY_SETTINGS \
-            else unused or (f"objective {run.objective.name}'s own is {_dot(own[key])}"
-                            if key in own else "equal once parsed")
+            else unused or (f"objective {run.objective.name}'s own is {_dot(own[key])}" if key in own
+                            else "null stands for 2 x model.lora.rank" if key == "model.lora.alpha"
+                            else "equal once parsed")
         raise ConfigError(f"sweep.grid.{key}: {_dot(other[key])} and {_dot(point[key])} make the same run ({why}); "
                           "list each value once")
     return kept
@@ -738,7 +739,7 @@ def run_id(run: DictConfig) -> str:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
 
-    values = canonical_values(OmegaConf.to_container(run, resolve=True))
+    values = scale_written_once(canonical_values(OmegaConf.to_container(run, resolve=True)))
     content = changed(values, schema_defaults())
     for key in NOT_IN_RUN_ID:  # where results go and where metrics are tracked do not change the run
         content.pop(key, None)
@@ -783,6 +784,19 @@ def _ordered_sets(values: dict) -> dict:
     if isinstance(correction.get("rejection"), list) and isinstance(correction.get("rejection_threshold"), list):
         correction["rejection"], correction["rejection_threshold"] = canonical_rejection(
             correction["rejection"], correction["rejection_threshold"])
+    return values
+
+
+def scale_written_once(values: dict) -> dict:
+    """A run's values (nested, changed in place) with LoRA's ``alpha`` at ``2 x rank`` written as null, the value it
+    stands for (harness/policy/lora.py): one run, one id, one folder, whichever way it was written. Only the run id
+    and the resume check read it so; the report's cells keep ``alpha`` as written, since at rank 0 (no adapters) it
+    is free and a rank sweep's runs write one ``alpha`` for every rank."""
+    lora = _section(values, "model", "lora")
+    rank, alpha = lora.get("rank"), lora.get("alpha")
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (rank, alpha)) and rank >= 1 \
+            and alpha == 2 * rank:
+        lora["alpha"] = None
     return values
 
 

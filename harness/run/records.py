@@ -60,6 +60,7 @@ from harness.run.config import (
     memory_settings,
     objective_defaults,
     own_values_written,
+    scale_written_once,
     schema_defaults,
     settings_digest,
     settings_left_out,
@@ -197,7 +198,7 @@ def settings_differences(saved: dict, cfg: DictConfig) -> dict[str, str]:
     interpolation such as ``${oc.env:LR}`` resolves to text)."""
     defaults = flattened(schema_defaults())
     # the objective's settings as the values they stand for (null: its own estimator; "" aggregation: its own)
-    old, new = (own_values_written(flattened(canonical_values(copy.deepcopy(c))))
+    old, new = (own_values_written(flattened(scale_written_once(canonical_values(copy.deepcopy(c)))))
                 for c in (saved, OmegaConf.to_container(cfg, resolve=True)))  # sets in one order: the same run
     old_params, new_params = (objective_defaults(flat.get("objective.name")) for flat in (old, new))
     differences = {}
