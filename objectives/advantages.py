@@ -11,6 +11,7 @@ for every group-centred estimator; REINFORCE++ and REINFORCE++-baseline (made fo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -429,7 +430,34 @@ a2po_advantage.reference_samples = A2PO_VALUE_SAMPLES
 
 
 def get_advantage(name: str) -> AdvantageEstimator:
-    return ADVANTAGES.get(name)
+    """The estimator registered as ``name``, its output checked at every call (:func:`checked_advantages`); its
+    declarations (``loop_inputs``, ``nonnegative_rewards``) read as on the function itself."""
+    estimator = ADVANTAGES.get(name)
+
+    @functools.wraps(estimator)  # copies the function's attributes, its declarations
+    def checked_estimator(rewards: Tensor, group_ids: Tensor, lengths: Tensor | None = None, **inputs) -> Tensor:
+        return checked_advantages(name, estimator(rewards, group_ids, lengths, **inputs), rewards)
+
+    return checked_estimator
+
+
+def checked_advantages(name: str, advantages, rewards: Tensor) -> Tensor:
+    """``advantages`` when they are a tensor of one finite value per completion ([B]) or per token ([B, T]); else a
+    ValueError naming the estimator and what is wrong, in one line (a NaN would otherwise stop the run as a diverged
+    loss, a wrong length fail deep in the update)."""
+    where = f"advantage estimator {name!r} returned"
+    fix = "an estimator returns a finite tensor [B] (or [B, T]) for the B completions it is given"
+    if not isinstance(advantages, Tensor):
+        raise ValueError(f"{where} a {type(advantages).__name__}, not a tensor: {fix}")
+    if advantages.dim() not in (1, 2):
+        raise ValueError(f"{where} advantages of shape {list(advantages.shape)}: {fix}")
+    if len(advantages) != len(rewards):
+        raise ValueError(f"{where} {len(advantages)} advantages for {len(rewards)} completions: {fix}")
+    bad = ~torch.isfinite(advantages).reshape(len(advantages), -1).all(-1)
+    if bool(bad.any()):
+        raise ValueError(f"{where} non-finite advantages ({int(bad.sum())} of {len(bad)} rows, NaN or inf) for "
+                         f"rewards {rewards.tolist()[:8]}{' ...' if len(rewards) > 8 else ''}: {fix}")
+    return advantages
 
 
 def available_advantages() -> list[str]:

@@ -75,3 +75,29 @@ def test_non_contiguous_group_ids_and_integer_rewards():
 def test_unknown_estimator():
     with pytest.raises(UnknownNameError, match="Did you mean 'rloo'"):
         get_advantage("rlooo")
+
+
+@pytest.mark.parametrize("output, said", [
+    (lambda r: torch.full_like(r, float("nan")), r"non-finite advantages \(7 of 7 rows, NaN or inf\)"),
+    (lambda r: r[:-1], r"6 advantages for 7 completions"),
+    (lambda r: r[:, None, None], r"advantages of shape \[7, 1, 1\]"),
+    (lambda r: r.tolist(), r"a list, not a tensor"),
+])
+def test_a_broken_estimator_is_named_in_one_line(monkeypatch, output, said):
+    """A new estimator file whose function returns NaN, too few rows, a wrong shape or no tensor is named in one line
+    when the loop calls it, instead of a non-finite loss blamed on the learning rate or an IndexError deep in the
+    update."""
+    from objectives.advantages import ADVANTAGES
+
+    monkeypatch.setitem(ADVANTAGES._items, "broken_test", lambda rewards, group_ids, lengths=None: output(rewards))
+    with pytest.raises(ValueError, match=rf"advantage estimator 'broken_test' returned {said}"):
+        get_advantage("broken_test")(REWARDS, GROUPS, torch.full((7,), 3))
+
+
+def test_a_checked_estimator_keeps_its_declarations():
+    """The loop reads an estimator's declarations (loop_inputs, nonnegative_rewards) on what get_advantage returns."""
+    from objectives.advantages import loop_inputs, needs_nonnegative_rewards
+
+    assert loop_inputs(get_advantage("remax")) == loop_inputs(get_advantage("remax").__wrapped__) != ()
+    assert needs_nonnegative_rewards(get_advantage("maxrl"))
+    assert get_advantage("grpo").__name__ == "grpo_advantage"
