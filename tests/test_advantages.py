@@ -101,3 +101,29 @@ def test_a_checked_estimator_keeps_its_declarations():
     assert loop_inputs(get_advantage("remax")) == loop_inputs(get_advantage("remax").__wrapped__) != ()
     assert needs_nonnegative_rewards(get_advantage("maxrl"))
     assert get_advantage("grpo").__name__ == "grpo_advantage"
+
+
+def test_the_documented_estimator_example_registers_and_runs(monkeypatch):
+    """docs/objectives.md's "Adding an advantage estimator" block, as a new file of objectives/ would run it: the
+    estimator and its objective register, get_advantage runs it checked, and the objective names it as its default."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    from objectives import OBJECTIVES
+    from objectives.advantages import ADVANTAGES
+
+    text = (Path(__file__).parents[1] / "docs" / "objectives.md").read_text()
+    section = text.partition("## Adding an advantage estimator")[2]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block, "docs/objectives.md lost its section on adding an advantage estimator"
+    monkeypatch.setattr(ADVANTAGES, "_items", dict(ADVANTAGES._items))
+    monkeypatch.setattr(OBJECTIVES, "_items", dict(OBJECTIVES._items))
+    module = types.ModuleType("objectives.documented_estimator")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(block.group(1), "docs/objectives.md", "exec"), module.__dict__)
+    name = re.search(r'@ADVANTAGES.register\("(\w+)"\)', block.group(1)).group(1)
+    close(get_advantage(name)(REWARDS, GROUPS), [1.0, 0.0, 0.0, 0.0, -0.5, 0.0, 0.0])
+    objective = next(cls for cls in OBJECTIVES._items.values() if cls.__module__ == module.__name__)
+    assert objective.default_advantage == name and re.search(r"arXiv \d{4}\.\d{4,5}", module.__doc__)
