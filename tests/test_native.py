@@ -218,7 +218,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow  # an end-to-end run in this process: make test
-def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tmp_path, monkeypatch):
+def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tmp_path, monkeypatch, capsys):
     real = get_objective("grpo")
 
     def nan_objective(batch):
@@ -237,6 +237,8 @@ def test_nonfinite_updates_are_skipped_then_the_run_diverges_with_its_records(tm
     assert summary["collapse"]["step"] == 1 and summary["collapse"]["cause"] == "non_finite_loss"
     assert summary["collapse"]["detail"]["key"] == "nonfinite_skips"  # the NaN loss itself is not logged
     assert not (tmp_path / "nan" / "final").exists()  # a diverged policy is not exported
+    # no update was ever applied: the learning rate is not what the line blames
+    assert "no update was applied yet, so the learning rate is not the cause" in capsys.readouterr().err
     # run again, it resumes from step 1's checkpoint (the diverging step saved none) and diverges the same way,
     # nothing written twice
     again = train(run, tmp_path / "nan", progress=False)

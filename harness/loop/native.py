@@ -118,9 +118,7 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
                 bar.set_postfix(progress_fields(row, records.rows))
                 if state.nonfinite_in_row >= t.max_nonfinite_in_row:  # diverged: the records so far stay as they are
                     status = "diverged"
-                    tqdm.write(f"diverged: {state.nonfinite_in_row} updates in a row had a non-finite loss or gradient "
-                               f"(step {step}); the run stops here (a lower train.lr, or check the objective's inputs)",
-                               file=sys.stderr)
+                    tqdm.write(diverged_message(state, step), file=sys.stderr)
                     break
                 if t.export_every and step % t.export_every == 0:  # before the checkpoint: a kill between redoes both
                     export_policy(run.policy, run.tokenizer, run_dir / "exports" / f"step_{step}")
@@ -135,6 +133,17 @@ def train(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             if cfg.model.lora.export_merged:
                 export_merged(run.policy, run.tokenizer, run_dir / "final" / "merged")
     return records.end(status)  # summary.json; the checkpoints no run reads again removed (records.py)
+
+
+def diverged_message(state: RunState, step: int) -> str:
+    """The line a diverged run ends with: what diverged, and where to look (not the learning rate when no update
+    was ever applied: the loss or gradient is then not finite at the starting policy)."""
+    where = ("no update was applied yet, so the learning rate is not the cause: the objective's loss or gradient is "
+             "not finite at the starting policy; check the objective and its inputs") \
+        if state.optimizer_steps == state.nonfinite_skips \
+        else "a lower train.lr, or check the objective's inputs"
+    return (f"diverged: {state.nonfinite_in_row} updates in a row had a non-finite loss or gradient (step {step}); "
+            f"the run stops here ({where})")
 
 
 def train_step(run: RunSetup, learner: Learner, cfg: DictConfig, step: int, state: RunState,
