@@ -234,9 +234,10 @@ def canonical_number(text: str) -> str | None:
         return None
     if not value.is_finite():
         return None
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
+    if value.is_zero():  # "-0", "0.00"
+        return "0"
+    digits = format(value, "f")  # not int(): str() of an int refuses over 4300 digits, which a model can write
+    return digits.rstrip("0").rstrip(".") if "." in digits else digits
 
 
 def marker_answer(completion: str) -> str | None:

@@ -115,6 +115,20 @@ def test_gsm8k_scorings(completion, answer, strict, flexible, has_format):
         "strict": strict, "flexible": flexible}
 
 
+def test_a_number_of_thousands_of_digits_is_scored_not_raised():
+    """A degenerate completion's answer past Python's 4300-digit limit on int-to-text: its format was read through
+    int(), whose str() raised ValueError in the reward and ended the training run."""
+    from harness.tasks import canonical_number
+
+    long = "9" * 5000
+    assert canonical_number(long) == long and canonical_number(f"-{long}.00") == f"-{long}"
+    assert canonical_number(f"{long}.50") == f"{long}.5"
+    problem = Problem(question="q", answer=long, solution="")
+    for scoring in ("strict", "flexible"):
+        assert get_task("gsm8k", scoring=scoring).score(f"#### {long}", problem) == Score(1.0, 1.0)
+        assert get_task("gsm8k", scoring=scoring).score(f"#### 1{long}", problem) == Score(0.0, 1.0)
+
+
 def test_gsm8k_unknown_scoring_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown scoring 'lenient'; choose one of strict, flexible"):
         get_task("gsm8k", scoring="lenient")
