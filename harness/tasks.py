@@ -24,7 +24,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,6 +38,7 @@ from objectives.registry import Registry
 TASKS: Registry[type[Task]] = Registry("task")
 
 _MARKER = re.compile(r"####\s*([-$]*[0-9][0-9.,]*)")
+_PLAIN_NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)")  # canonical_number's numbers, "1e999999999" not one
 
 
 @dataclass(frozen=True)
@@ -226,14 +227,13 @@ def _task_data_problem(name: str, arguments: str, gsm8k_dir: str | None = None) 
 
 
 def canonical_number(text: str) -> str | None:
-    """``"$1,080."`` -> ``"1080"``, ``"18.00"`` -> ``"18"``, ``"0.50"`` -> ``"0.5"``; None if not a number."""
-    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
+    """``"$1,080."`` -> ``"1080"``, ``"18.00"`` -> ``"18"``, ``"0.50"`` -> ``"0.5"``; None if not a number: after
+    every ``,`` and ``$``, surrounding spaces and trailing ``.`` dropped, ASCII digits with at most one ``.`` and
+    an optional leading ``-`` (no exponent, ``+``, ``_`` or other scripts' digits, which Decimal would take)."""
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".").strip()
+    if not _PLAIN_NUMBER.fullmatch(text):
         return None
-    if not value.is_finite():
-        return None
+    value = Decimal(text)
     if value.is_zero():  # "-0", "0.00"
         return "0"
     digits = format(value, "f")  # not int(): str() of an int refuses over 4300 digits, which a model can write

@@ -123,6 +123,10 @@ def test_a_number_of_thousands_of_digits_is_scored_not_raised():
     long = "9" * 5000
     assert canonical_number(long) == long and canonical_number(f"-{long}.00") == f"-{long}"
     assert canonical_number(f"{long}.50") == f"{long}.5"
+    # Decimal's other spellings are not numbers here ("1e999999999" was taken for a billion-digit answer)
+    assert [canonical_number(text) for text in ("1e3", "1E+3", "1_000", "+5", "\u0661\u0662", "Infinity", "NaN")] == [
+        None] * 7
+    assert [canonical_number(text) for text in (" $1,080 . ", "-0.0", ".5", "-007.50")] == ["1080", "0", "0.5", "-7.5"]
     problem = Problem(question="q", answer=long, solution="")
     for scoring in ("strict", "flexible"):
         assert get_task("gsm8k", scoring=scoring).score(f"#### {long}", problem) == Score(1.0, 1.0)
@@ -149,6 +153,7 @@ def test_single_scoring_tasks_have_no_eval_scores():
         ([json.dumps(GSM8K_ROW), "", json.dumps({"question": "q"})], r"train\.jsonl, line 3: missing .*'answer'"),
         ([json.dumps({"answer": "#### 1"})], r"line 1: missing string field 'question'"),
         ([json.dumps({"question": "q", "answer": "it is 4"})], r"line 1: the answer does not end with '#### <number>'"),
+        ([json.dumps({"question": "q", "answer": "#### 1e999999999"})], r"line 1: the answer does not end with"),
     ],
 )
 def test_gsm8k_bad_data_names_file_and_line(tmp_path, lines, message):
