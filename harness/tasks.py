@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -567,6 +568,16 @@ def reasoning_gym_datasets() -> list[str]:
     return sorted(DATASETS)
 
 
+def _raised_by_signal_handler(error: BaseException) -> bool:
+    """Whether ``error`` was raised by a Python signal handler (its innermost frame is one) rather than by the code
+    the signal interrupted."""
+    trace = error.__traceback__
+    while trace is not None and trace.tb_next is not None:
+        trace = trace.tb_next
+    handlers = {getattr(signal.getsignal(number), "__code__", None) for number in signal.valid_signals()}
+    return trace is not None and trace.tb_frame.f_code in handlers
+
+
 def text_after_marker(completion: str) -> str | None:
     """The text after the last ``####``, stripped; None without a marker or with nothing after it."""
     _, marker, tail = completion.rpartition("####")
@@ -597,7 +608,11 @@ class ReasoningGym(Task):
     metadata included) and is correct when that returns ``>= threshold`` (default 1.0: several scorers give
     partial credit, e.g. the library's default gives ``len(answer)/len(guess)`` when the answer is a substring
     of the guess). No marker or nothing after it: not correct (the scorer is not called) and ``format`` 0; a
-    scorer that raises on a malformed answer gives 0. ``format`` is 1 when ``####`` is followed by some text.
+    scorer that raises on a malformed answer gives 0, SystemExit included (string_insertion's, spiral_matrix's,
+    binary_matrix's and n_queens' ``eval()`` the answer, so ``#### exit()`` raises it; countdown's and puzzle24's
+    parse it with sympy). That ``eval()`` is the library's and runs the model's text in this process: an answer that
+    never ends (``9**9**9**9``) or calls ``os._exit`` is not caught. ``format`` is 1 when ``####`` is followed by
+    some text.
     """
 
     dataset: str = "chain_sum"
@@ -672,6 +687,10 @@ class ReasoningGym(Task):
         try:
             value = float(self._scorer(answer, entry))
         except Exception:  # noqa: BLE001 - a library scorer choking on a malformed answer: no credit
+            value = 0.0
+        except SystemExit as error:  # some scorers eval() the answer: a completion's "exit()" must not end the run
+            if _raised_by_signal_handler(error):  # SIGTERM's (harness/apps/cli.py) still does
+                raise
             value = 0.0
         return Score(correct=float(value >= self.threshold), format=1.0)
 

@@ -94,3 +94,35 @@ def test_hand_built_problem_is_scored_by_its_answer():
     problem = Problem(question="What is 2+2?", answer="4", solution="#### 4")
     assert task.score("#### 4", problem) == Score(1.0, 1.0)
     assert task.score("#### 5", problem) == Score(0.0, 1.0)
+
+
+def test_a_completion_that_exits_through_the_librarys_eval_scores_zero_and_a_signal_still_stops_the_run(monkeypatch):
+    """string_insertion's (and spiral_matrix's, n_queens') score_answer eval()s a wrong answer: "#### exit()" raised
+    SystemExit out of the reward and ended the training run. A SystemExit that a signal handler raises in the scorer
+    (SIGTERM's, harness/apps/cli.py) still goes through."""
+    import os
+    import signal
+    import time
+
+    task = get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2)
+    problem = task.eval_problems()[0]
+    assert task.score(f"#### {problem.answer}", problem) == Score(1.0, 1.0)
+    for completion in ("#### exit()", "#### quit(0)", "#### __import__('sys').exit(3)"):
+        assert task.score(completion, problem) == Score(0.0, 1.0), completion
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def scorer(self, answer, entry):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)  # the handler runs here, in the main thread
+        return 1.0
+
+    monkeypatch.setattr(DATASETS["string_insertion"][0], "score_answer", scorer)
+    before = signal.signal(signal.SIGUSR1, terminate)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2).score("#### x", problem)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert stopped.value.code == 128 + signal.SIGUSR1
