@@ -242,7 +242,8 @@ def canonical_number(text: str) -> str | None:
 
 
 def marker_answer(completion: str) -> str | None:
-    """The number after the last ``####`` with a trailing ``.`` removed (raw text), or None."""
+    """The number after the last ``####`` that has one (whitespace, ``$`` and ``-`` between them allowed; a later
+    ``####`` without a number is passed over), trailing ``.`` removed (raw text, ``,`` kept), or None."""
     matches = _MARKER.findall(completion)
     return matches[-1].rstrip(".") if matches else None
 
@@ -295,6 +296,10 @@ class GSM8K(Task):
     Scoring (``scoring``, default ``strict``; :meth:`eval_scores` reports both). An answer is extracted, every
     ``,`` and ``$`` and then one trailing ``.`` are removed, and the rest must equal ``Problem.answer`` as a
     string (GSM8K's integer answers without commas: "18.00" != "18"), as both references compare strings.
+    ``Problem.answer`` is the text after the row's last ``####``, :func:`canonical_number` (``1,080`` -> ``1080``):
+    on every row of openai/gsm8k the same string as verl's preprocessing (``examples/data_preprocess/gsm8k.py``,
+    commas removed) and lm-eval's normalised reference. Only ASCII ``-`` is a minus sign (``−3`` is not ``-3``;
+    flexible reads its ``3``, as lm-eval does).
 
     - ``strict`` (the training reward; verl's GSM8K reward): the last match of ``#### (-?[0-9.,]+)``, exactly
       one space after the marker; no match, no credit. So ``####18`` and ``#### $18`` earn nothing (the
@@ -308,7 +313,10 @@ class GSM8K(Task):
       too ("18..." -> "18.." fails). verl's ``flexible`` (a different regex, no ``$`` or ``.`` handling) is
       not what this follows.
 
-    ``format`` is 1 when ``####`` is followed by a number (spaces and ``$`` allowed), whatever the scoring.
+    ``format`` is 1 when :func:`marker_answer` finds a number that :func:`canonical_number` reads (whitespace,
+    newlines included, and ``$`` allowed after the marker; ``#### 1,2`` counts, ``#### 1.2.3`` does not), whatever
+    the scoring; a digit comes first, so ``#### .5`` is not formatted and ``#### ,18`` is strict-correct (as in
+    verl) but not formatted; ``####\\n18`` is formatted but not strict-correct.
     math_verify is not used: GSM8K answers are plain numbers and both references compare strings.
     """
 
@@ -454,7 +462,10 @@ class Arith(Task):
     their own random stream, train problems from another stream with every eval problem left out
     (train problems may repeat). ``eval_set`` k >= 1: the eval stream goes on past the first ``eval_size``, and the
     k-th next ``eval_size`` distinct problems that are neither train problems nor in an earlier set are the eval set
-    (the train problems stay those of set 0). The verifier is an exact match of the integer after the last ``####``.
+    (the train problems stay those of set 0). The verifier is an exact string match of :func:`marker_answer`'s
+    number (the last ``####`` followed by one) with the answer; ``format`` is 1 when that number is an integer
+    (``-?[0-9]+``), so ``#### 82.0``, ``#### 1,082`` and ``#### $82`` are neither correct nor formatted, and
+    ``#### 082`` is formatted but not correct.
     """
 
     num_operands: int = 2

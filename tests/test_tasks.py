@@ -102,6 +102,16 @@ GSM8K_CASES = [
     ("", "18", 0, 0, 0),
     ("#### eighteen", "18", 0, 0, 0),
     ("#### 1.2.3", "18", 0, 0, 0),
+    ("#### 1000", "1000", 1, 1, 1),  # the gold "1,000" is "1000"; "#### 1,000" is above
+    ("#### 3.0", "3", 0, 0, 1),
+    ("#### .5", "0.5", 0, 0, 0),  # ".5" != "0.5" (a gold answer's canonical form); format wants a digit first
+    ("#### \u22123", "-3", 0, 0, 0),  # a unicode minus is no minus: no marker match, and flexible reads "3"
+    ("#### \u22123", "3", 0, 1, 0),
+    ("####\n18", "18", 0, 1, 1),  # a newline is whitespace to format, not the one space strict needs
+    ("#### ,18", "18", 1, 1, 0),  # strict captures ",18" (as verl does); format wants a digit first
+    ("#### 18 #### eighteen", "18", 1, 1, 1),  # a marker without a number does not hide the earlier one
+    ("#### 18" + " and then" * 100, "18", 1, 1, 1),  # verl searches the last 300 characters only; here, all
+    ("The numbers 3, 4 and 18", "18", 0, 1, 0),  # several numbers: flexible takes the last
 ]
 
 
@@ -251,6 +261,15 @@ def test_arith_problem_text_and_precedence():
         ("#### 82.", (1, 1)),
         ("#### 81 #### 82", (1, 1)),
         ("#### 82 #### 81", (0, 1)),
+        ("#### 82 #### eighty-one", (1, 1)),  # the last "####" followed by a number counts
+        ("#### 82...", (1, 1)),
+        ("#### 82, since 37+45=82", (0, 0)),  # "82," is not an integer
+        ("#### 082", (0, 1)),  # an integer, not the answer's string
+        ("#### 1,082", (0, 0)),
+        ("#### $82", (0, 0)),
+        ("####\n 82", (1, 1)),
+        ("#### \u221282", (0, 0)),
+        ("", (0, 0)),
         ("#### 82.0", (0, 0)),
         ("#### 1,2", (0, 0)),
         ("37+45=82", (0, 0)),
