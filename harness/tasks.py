@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -34,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.run.checks import register_check
 from harness.run.errors import ConfigError
 from harness.run.hub import hub_problem
+from harness.run.isolated import IsolatedCall, method_of
 from objectives.registry import Registry
 
 TASKS: Registry[type[Task]] = Registry("task")
@@ -589,6 +591,19 @@ def _raised_by_signal_handler(error: BaseException) -> bool:
     return trace is not None and trace.tb_frame.f_code in handlers
 
 
+_ISOLATED_SCORERS: dict[tuple, IsolatedCall] = {}  # one scoring process per generator config and time limit
+
+
+def isolated_scorer(generator_cls, config, timeout_s: float) -> IsolatedCall:
+    """``generator_cls(config=config).score_answer`` in a process of its own, each answer within ``timeout_s``
+    (harness/run/isolated.py), shared by the tasks of this process with the same generator config."""
+    key = (generator_cls.__module__, generator_cls.__qualname__, repr(config), timeout_s)
+    if key not in _ISOLATED_SCORERS:
+        _ISOLATED_SCORERS[key] = IsolatedCall(
+            functools.partial(method_of, generator_cls, "score_answer", config=config), timeout_s)
+    return _ISOLATED_SCORERS[key]
+
+
 def text_after_marker(completion: str) -> str | None:
     """The text after the last ``####``, stripped; None without a marker or with nothing after it."""
     _, marker, tail = completion.rpartition("####")
@@ -619,11 +634,19 @@ class ReasoningGym(Task):
     metadata included) and is correct when that returns ``>= threshold`` (default 1.0: several scorers give
     partial credit, e.g. the library's default gives ``len(answer)/len(guess)`` when the answer is a substring
     of the guess). No marker or nothing after it: not correct (the scorer is not called) and ``format`` 0; a
-    scorer that raises on a malformed answer gives 0, SystemExit included (string_insertion's, spiral_matrix's,
-    binary_matrix's and n_queens' ``eval()`` the answer, so ``#### exit()`` raises it; countdown's and puzzle24's
-    parse it with sympy). That ``eval()`` is the library's and runs the model's text in this process: an answer that
-    never ends (``9**9**9**9``) or calls ``os._exit`` is not caught. ``format`` is 1 when ``####`` is followed by
-    some text.
+    scorer that raises on a malformed answer gives 0, SystemExit included. ``format`` is 1 when ``####`` is
+    followed by some text.
+
+    Several of the library's scorers run the model's text: string_insertion's, spiral_matrix's, binary_matrix's and
+    n_queens' ``eval()`` a wrong answer (``#### exit()`` raises SystemExit, ``#### __import__('os')._exit(0)``
+    ends the process), countdown's and the integration and polynomial generators' parse it with sympy, which
+    evaluates it (``#### 9**9**9`` never returns). So the scorer runs in a process of its own
+    (harness/run/isolated.py), started once per process and generator config, each answer within
+    ``score_timeout_s`` seconds (a round trip through a pipe per answer): an answer that runs past it or ends
+    that process scores 0, said on stderr, and the next answer gets a new process. A legitimately slow scorer on a
+    slow machine could cross the limit too: the line names it. ``score_timeout_s=0`` scores in this process
+    (SystemExit still caught, the rest not). This bounds time and crashes; what such text does to files is not
+    contained.
     """
 
     dataset: str = "chain_sum"
@@ -632,6 +655,7 @@ class ReasoningGym(Task):
     train_size: int = 10000
     eval_size: int = 128
     threshold: float = 1.0
+    score_timeout_s: float = 10.0  # seconds one answer's scoring may take, in a process of its own (0: in this one)
     _train: list = field(default_factory=list, init=False, repr=False)
     _eval: list = field(default_factory=list, init=False, repr=False)
     _entries: dict = field(default_factory=dict, init=False, repr=False)  # prompt -> the library's item
@@ -652,6 +676,10 @@ class ReasoningGym(Task):
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
                 or not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must be a number in (0, 1], got {self.threshold!r}")
+        if isinstance(self.score_timeout_s, bool) or not isinstance(self.score_timeout_s, int | float) \
+                or not 0 <= self.score_timeout_s < math.inf:
+            raise ValueError(f"score_timeout_s must be a number of seconds >= 0 (0: score in this process), got "
+                             f"{self.score_timeout_s!r}")
         if not isinstance(self.params, dict):
             raise ValueError(f"params must be a mapping of {self.dataset}'s arguments, got {self.params!r}")
         self._generator_config(size=1)  # unknown or invalid generator arguments stop here
@@ -695,15 +723,36 @@ class ReasoningGym(Task):
         entry = self._entries.get(problem.question)
         if entry is None:  # not one of this task's problems (built by hand): the answer is all there is
             entry = {"question": problem.question, "answer": problem.answer, "metadata": {}}
+        value = self._scored(answer, entry) if self.score_timeout_s else self._scored_here(answer, entry)
+        return Score(correct=float(value >= self.threshold), format=1.0)
+
+    def _scored_here(self, answer: str, entry: dict) -> float:
+        """The library's score of ``answer``, in this process; 0 where the scorer raises."""
         try:
-            value = float(self._scorer(answer, entry))
+            return float(self._scorer(answer, entry))
         except Exception:  # noqa: BLE001 - a library scorer choking on a malformed answer: no credit
-            value = 0.0
+            return 0.0
         except SystemExit as error:  # some scorers eval() the answer: a completion's "exit()" must not end the run
             if _raised_by_signal_handler(error):  # SIGTERM's (harness/apps/cli.py) still does
                 raise
-            value = 0.0
-        return Score(correct=float(value >= self.threshold), format=1.0)
+            return 0.0
+
+    def _scored(self, answer: str, entry: dict) -> float:
+        """The library's score of ``answer`` in the scorer's own process (:class:`IsolatedCall`); 0 where it raises,
+        runs past ``score_timeout_s`` or ends its process (both said on stderr)."""
+        outcome = self._scorer(answer, entry)
+        if outcome.kind == "value":
+            try:
+                return float(outcome.detail)
+            except (TypeError, ValueError):
+                return 0.0
+        if outcome.kind != "raised":
+            print(f"reasoning_gym {self.dataset}: scoring the answer {answer[:60]!r}"
+                  f"{'...' if len(answer) > 60 else ''} {'took ' if outcome.kind == 'timed out' else 'ended its '}"
+                  f"{outcome.detail if outcome.kind == 'timed out' else 'process, ' + str(outcome.detail)}; it "
+                  "scores 0 (the scorer runs in a process of its own: task.args.score_timeout_s)",
+                  file=sys.stderr, flush=True)
+        return 0.0
 
     def _generate(self) -> None:
         if self._eval:
@@ -714,8 +763,10 @@ class ReasoningGym(Task):
         print(f"reasoning_gym {self.dataset}: generating {self.eval_size} eval and {self.train_size} training "
               "problems (once per process)", file=sys.stderr, flush=True)
         draws = 4 * (self.eval_size + self.train_size)
-        generator = DATASETS[self.dataset][0](config=self._generator_config(size=draws))
-        self._scorer = generator.score_answer
+        config = self._generator_config(size=draws)
+        generator = DATASETS[self.dataset][0](config=config)
+        self._scorer = generator.score_answer if not self.score_timeout_s else isolated_scorer(
+            DATASETS[self.dataset][0], config, self.score_timeout_s)
         entries: dict[str, dict] = {}
         index = 0
         while len(entries) < self.eval_size and index < draws:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 pytest.importorskip("reasoning_gym")
@@ -50,7 +58,7 @@ def test_scoring_calls_the_library_score_answer(monkeypatch):
 
     monkeypatch.setattr(DATASETS["chain_sum"][0], "score_answer", fake)  # the library's class, not ours
     for threshold, correct in ((1.0, 0.0), (0.5, 1.0)):  # partial credit: correct only at or above threshold
-        patched = small(threshold=threshold)
+        patched = small(threshold=threshold, score_timeout_s=0)  # in this process, where the patch is
         problem = patched.eval_problems()[0]
         assert patched.score("#### whatever", problem) == Score(correct, 1.0)
     assert calls == [("ChainSumDataset", "whatever", problem.answer, True)] * 2
@@ -98,13 +106,9 @@ def test_hand_built_problem_is_scored_by_its_answer():
 
 def test_a_completion_that_exits_through_the_librarys_eval_scores_zero_and_a_signal_still_stops_the_run(monkeypatch):
     """string_insertion's (and spiral_matrix's, n_queens') score_answer eval()s a wrong answer: "#### exit()" raised
-    SystemExit out of the reward and ended the training run. A SystemExit that a signal handler raises in the scorer
-    (SIGTERM's, harness/apps/cli.py) still goes through."""
-    import os
-    import signal
-    import time
-
-    task = get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2)
+    SystemExit out of the reward and ended the training run (scored in this process: ``score_timeout_s=0``). A
+    SystemExit that a signal handler raises in the scorer (SIGTERM's, harness/apps/cli.py) still goes through."""
+    task = get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2, score_timeout_s=0)
     problem = task.eval_problems()[0]
     assert task.score(f"#### {problem.answer}", problem) == Score(1.0, 1.0)
     for completion in ("#### exit()", "#### quit(0)", "#### __import__('sys').exit(3)"):
@@ -122,7 +126,58 @@ def test_a_completion_that_exits_through_the_librarys_eval_scores_zero_and_a_sig
     before = signal.signal(signal.SIGUSR1, terminate)
     try:
         with pytest.raises(SystemExit) as stopped:
-            get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2).score("#### x", problem)
+            get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2,
+                     score_timeout_s=0).score("#### x", problem)
     finally:
         signal.signal(signal.SIGUSR1, before)
     assert stopped.value.code == 128 + signal.SIGUSR1
+
+
+def test_an_answer_that_ends_the_scorers_process_scores_zero_and_the_run_goes_on(capsys):
+    """string_insertion's scorer eval()s the answer: "os._exit" ended the training process. The library's scorer
+    runs in a process of its own (harness/run/isolated.py): such an answer scores 0, is said on stderr, and the next
+    answer is scored by a new process."""
+    task = get_task("reasoning_gym", dataset="string_insertion", train_size=4, eval_size=2)
+    problem = task.eval_problems()[0]
+    for completion in ("#### exit()", "#### __import__('os')._exit(3)", "#### print('x')"):
+        assert task.score(completion, problem) == Score(0.0, 1.0), completion
+    assert "ended its process, exit code 3; it scores 0" in capsys.readouterr().err
+    assert task.score(f"#### {problem.answer}", problem) == Score(1.0, 1.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the scorer's process ends with its parent on Linux")
+def test_an_answer_that_never_ends_scores_zero_and_its_process_ends_with_the_training_process(tmp_path):
+    """countdown's scorer sympy-parses the answer: "#### 9**9**9" never returned, and the training run hung in its
+    reward. It scores 0 after ``score_timeout_s`` (said on stderr), the next answer is scored by a new process, and a
+    training process killed (SIGKILL) while its scorer is deep in such an answer takes that process with it."""
+    script = tmp_path / "hang.py"
+    script.write_text("from harness.tasks import get_task\n"
+                      "task = get_task('reasoning_gym', dataset='countdown', train_size=4, eval_size=2, "
+                      "score_timeout_s=1)\nproblem = task.eval_problems()[0]\n"
+                      "print(task.score('#### 9**9**9', problem), task.score('#### ' + problem.answer, problem))\n"
+                      "task.score_timeout_s = task._scorer.timeout_s = 10**6\n"
+                      "print(task._scorer._process.pid, flush=True)\ntask.score('#### 9**9**9', problem)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              bufsize=0, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+    def next_line() -> str:  # a bound for a hung scorer (for ever), not a timing: each line comes in seconds
+        assert select.select([parent.stdout], [], [], 600)[0], "the script hung in its scorer"
+        return parent.stdout.readline().decode()
+
+    try:
+        scores = next_line()
+        assert scores == "Score(correct=0.0, format=1.0) Score(correct=1.0, format=1.0)\n", scores
+        child = int(next_line())
+    finally:
+        parent.kill()
+        err = parent.communicate(timeout=60)[1].decode()
+    assert "scoring the answer '9**9**9' took over 1 s; it scores 0" in err
+    for _ in range(6000):  # the kernel's signal to the child: waited for, not timed
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{child}/stat") as stat:
+            if stat.read().split()[2] != "Z":  # alive (a zombie has ended, not yet reaped)
+                time.sleep(0.01)
+                continue
+        break
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the scoring process outlived the process that started it")
