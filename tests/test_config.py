@@ -135,8 +135,11 @@ def test_the_sweeps_baseline_is_a_registered_objective():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CUDA device on a machine without one")
 def test_cuda_without_a_cuda_torch_is_a_config_error_saying_how_to_install_one():
+    """Where the run would execute (check_this_machine's node checks); the config itself expands on any machine (a
+    cluster sweep's login node)."""
+    runs = run_configs(load_experiment("quickstart", ["device=cuda"]))
     with pytest.raises(ConfigError, match="device=cuda, but .*(make setup TORCH=torch|CUDA_VISIBLE_DEVICES)"):
-        run_configs(load_experiment("gsm8k_ablation", ["profile=gpu"]))
+        check_this_machine(runs[:1])
 
 
 def test_profile_selects_gpu_scale_settings_and_command_line_still_wins():

@@ -487,3 +487,31 @@ def test_a_run_killed_by_a_signal_is_said_so_not_by_its_logs_header(tmp_path, ca
     assert child.ended("gspo-s0") == ("stopped", "killed by SIGKILL")
     captured = capsys.readouterr()
     assert "run gspo-s0 stopped (exit -9): killed by SIGKILL; log in" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_a_cluster_sweep_leaves_the_gpu_check_to_the_runs_node(tmp_path, monkeypatch, capsys, device):
+    """A GPU sweep submitted from a login node without a GPU (docs/cluster.md: profile=gpu, device=cuda) was refused
+    there ("device=cuda, but this torch is a CPU-only build"), though its runs execute on the cluster's GPU nodes. The
+    device and its memory are now checked where the run executes: the sweep goes on to its launcher's own checks
+    (here: no sbatch), while `train` on this machine still refuses the device."""
+    import torch
+
+    from harness.apps.cli import main
+    from harness.run.config import check_this_machine, run_configs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a login node without a GPU, whatever this is
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr("shutil.which", lambda name: None)  # and without sbatch: the launcher's check is reached
+    (tmp_path / "launch.yaml").write_text(EXPERIMENT)
+    settings = [*SETTINGS, f"device={device}", f"results_dir={tmp_path / 'results'}"]
+    runs = run_configs(load_experiment(str(tmp_path / "launch.yaml"), settings))
+    check_this_machine(runs, node=False)
+    with pytest.raises(ConfigError, match=f"device={device}, but "):
+        check_this_machine(runs)
+    assert main(["sweep", str(tmp_path / "launch.yaml"), *settings, "launcher.gpus_per_run=1", "--launcher", "slurm",
+                 "launcher.cluster=slurm"]) == 2
+    assert capsys.readouterr().err.startswith("config error: --launcher slurm: no `sbatch` on this machine")
+    assert main(["train", str(tmp_path / "launch.yaml"), *settings]) == 2
+    assert f"config error: device={device}, but " in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()

@@ -284,7 +284,7 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     another sweep holds the folder."""
     runs = run_configs(cfg) if runs is None else runs
     check_start_seeds(runs)
-    check_this_machine(runs)
+    check_this_machine(runs, node=launcher == "local")  # on a cluster each run checks its node's devices
     if launcher == "local":  # the runs start on this machine (on a cluster each run checks its node's cores)
         for run in runs:
             check_thread_count(run.threads, "threads")

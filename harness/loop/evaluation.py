@@ -68,7 +68,7 @@ def problems_per_call(train: DictConfig, sampled: bool) -> int:
     return max(1, train.eval_batch_size // train.pass_k) if sampled else train.eval_batch_size
 
 
-@register_check("eval_memory", when="machine")
+@register_check("eval_memory", when="node")
 def check_eval_memory(run: DictConfig) -> None:
     """When runs start here: the evaluation's completions sampled at once (its greedy calls', or pass@k's when more)
     fit in the device's memory (harness/policy/memory.py's floor). Both backends: TRL's every process evaluates the

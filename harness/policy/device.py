@@ -32,7 +32,8 @@ def sampler_dtype(cfg: DictConfig) -> torch.dtype | None:
 
 @register_check("device")
 def check_device(run: DictConfig) -> None:
-    """The precisions are known; the device is auto, cpu, or a CUDA (or Apple MPS) device this torch can use here."""
+    """The precisions are known; the device is auto, cpu, cuda, cuda:N or mps (whether this machine has it:
+    :func:`check_device_here`, where the run executes)."""
     for key in ("dtype", "sampler_dtype"):
         if run.model[key] is not None and run.model[key] not in DTYPES:
             raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, got {run.model[key]!r}")
@@ -43,6 +44,18 @@ def check_device(run: DictConfig) -> None:
         where = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if where.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device}: the harness runs on cpu, cuda or mps; use device=auto, cpu or cuda:N")
+
+
+@register_check("device_here", when="node")
+def check_device_here(run: DictConfig) -> None:
+    """The run's device is one this torch can use on this machine (a sweep on a cluster leaves it to the run's
+    node: the machine it is started from may have none)."""
+    device = run.device
+    if device == "auto":
+        return
+    where = torch.device(device)
     if where.type == "cuda" and not torch.cuda.is_available():
         hint = ("this torch is a CPU-only build: install a CUDA one with `make setup TORCH=torch`"
                 if torch.version.cuda is None else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
@@ -53,5 +66,3 @@ def check_device(run: DictConfig) -> None:
     if where.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device={device}, but torch has no MPS (Apple GPU) device here; use device=cpu or "
                           "device=auto")
-    if where.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"device={device}: the harness runs on cpu, cuda or mps; use device=auto, cpu or cuda:N")

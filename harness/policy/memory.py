@@ -178,7 +178,7 @@ def size(nbytes: int) -> str:
             else f"{nbytes / 1e3:,.1f} kB")
 
 
-@register_check("memory", when="machine")
+@register_check("memory", when="node")
 def check_memory(run: DictConfig) -> None:
     """When runs start here: a rollout's completions (or, if more, the reference's completions an estimator samples
     per step) fit in the device's memory (:func:`sampling_memory_problem`).

@@ -7,6 +7,7 @@ without importing anything above it.
 
     run_checks(run)                                # harness.run.config.validate, after the schema's own checks
     run_checks(run, when="machine")                # harness.run.config.check_this_machine: when runs start here
+    run_checks(run, when="node")                   # and on the machine that executes them (its devices, memory)
 
 :data:`EXPECTED` names every check and the module that registers it. A check that is not registered when a config is
 validated is a programming error, raised as such (the process never imported the component), never skipped:
@@ -31,15 +32,19 @@ EXPECTED: dict[str, dict[str, str]] = {
                "routing_replay": "harness.policy.routing", "rollout_lag": "harness.loop.pipeline",
                "tracking": "harness.run.tracking", "backend": "harness.loop.backends"},
     "machine": {"hub_model": "harness.policy.models", "local_model": "harness.policy.models",
-                "task_data": "harness.tasks", "cache": "harness.policy.models",
-                "memory": "harness.policy.memory", "eval_memory": "harness.loop.evaluation"},
+                "task_data": "harness.tasks", "cache": "harness.policy.models"},
+    # the hardware of the machine a run executes on: a sweep on a cluster leaves these to the run's node, where its
+    # `train` checks them (the machine it is started from, a login node, may have no GPU, or other memory)
+    "node": {"device_here": "harness.policy.device", "memory": "harness.policy.memory",
+             "eval_memory": "harness.loop.evaluation"},
 }
 _CHECKS: dict[str, dict[str, Check]] = {when: {} for when in EXPECTED}
 
 
 def register_check(name: str, when: str = "config") -> Callable[[Check], Check]:
     """Decorator: ``check(run)`` runs at every validation (``when="config"``: wherever a config is expanded) or when
-    runs are about to start on this machine (``"machine"``: e.g. whether a hub model can be reached)."""
+    runs are about to start on this machine (``"machine"``: e.g. whether a hub model can be reached) or on the machine
+    that executes them (``"node"``: its devices and their memory)."""
     if when not in EXPECTED or name not in EXPECTED[when]:
         raise ValueError(f"unknown config check {name!r} ({when}): add it to harness.run.checks.EXPECTED")
 

@@ -1052,14 +1052,18 @@ def validate(run: DictConfig) -> None:
     run_checks(run)
 
 
-def check_this_machine(runs: list[DictConfig]) -> None:
+def check_this_machine(runs: list[DictConfig], node: bool = True) -> None:
     """What :func:`validate` leaves to the moment runs start on this machine, so that configs still expand anywhere
     (e.g. whether a hub model is cached or reachable). Called by ``train``, ``sweep`` and the lab before any folder
-    exists. Of several runs, the refused one is named by its settings that differ between them."""
+    exists. ``node``: the runs also execute here, so its devices and their memory are checked (a sweep on a cluster
+    leaves those to each run's node). Of several runs, the refused one is named by its settings that differ between
+    them."""
     refused = []
     for run in runs:
         try:
             run_checks(run, when="machine")
+            if node:
+                run_checks(run, when="node")
         except ConfigError as e:
             if len(runs) == 1:
                 raise
