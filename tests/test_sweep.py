@@ -400,6 +400,33 @@ def test_starting_policies_are_prepared_side_by_side_each_once_and_a_failure_sto
     assert failing.stopped == [firsts[2], firsts[4]]  # the others, still running when it failed
 
 
+def test_a_starting_policy_that_fails_on_the_launcher_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A sweep through ray or slurm builds its starting policy as a job; one that failed there (a node without the
+    GPU of device=cuda, its cache unreachable, ...) ended the sweep in a RuntimeError traceback. Now one line with the
+    job's own error and its log, exit 1, no run started."""
+    from harness.apps import sweep
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    failing = _Runner()
+    failing.check, failing.close = lambda: None, lambda: None
+    failing.codes = type("Every", (), {"get": lambda self, key, default: 2})()  # every job: exit 2
+
+    def start(args, log, name):
+        log.write_text("config error: device=cuda, but no CUDA device is visible (check CUDA_VISIBLE_DEVICES)\n")
+        return _Runner.start(failing, args, log, name)
+
+    failing.start = start
+    monkeypatch.setattr(sweep, "make_launcher", lambda name, settings, exp_dir: failing)
+    assert main(["sweep", "quickstart", "sweep.grid.seed=[0]", "sweep.grid.objective.name=[grpo]",
+                 "model.warm_start_steps=5", f"results_dir={tmp_path}", "--launcher", "slurm", "--no-progress",
+                 "--no-report"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        "error: preparing the starting policy failed (exit 2): config error: device=cuda, but no CUDA device is "
+        f"visible (check CUDA_VISIBLE_DEVICES); log in {next(tmp_path.glob('quickstart/grpo-*'))}/train.log"]
+    assert failing.started == [str(p) for p in tmp_path.glob("quickstart/grpo-*/config.yaml")]
+
+
 @pytest.mark.slow
 def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path,
                                                                                                     monkeypatch):

@@ -26,7 +26,7 @@ from harness.apps.bench import (
 )
 from harness.apps.bench import main as bench
 from harness.apps.soak import main as soak
-from harness.apps.sweep import prepare_starting_policies, run_sweep
+from harness.apps.sweep import PreparationError, prepare_starting_policies, run_sweep
 from harness.apps.worker import serve
 from harness.loop.backends import BACKENDS
 from harness.policy.device import resolve_device
@@ -326,8 +326,8 @@ def writable_advice(path) -> str:
 
 def failure_status(e: Exception) -> int | None:
     """A failure the user can fix, said in one line on stderr: the exit status (2: the settings or the place, 1: a
-    full disk, MISSED_BAND (3): a warm start that missed its band, 0: the reader of stdout has gone); None for any
-    other (its traceback is raised)."""
+    full disk or a starting policy's build that failed in its own process (a launcher's job), MISSED_BAND (3): a warm
+    start that missed its band, 0: the reader of stdout has gone); None for any other (its traceback is raised)."""
     if isinstance(e, ConfigError):
         return say_config_error(e)
     if isinstance(e, FolderBusyError):
@@ -336,6 +336,9 @@ def failure_status(e: Exception) -> int | None:
     if isinstance(e, WarmStartError):  # `sweep`, `prepare`: the starting policy, before any run (a run's: cmd_train)
         print(f"error: {e}", file=sys.stderr)
         return MISSED_BAND
+    if isinstance(e, PreparationError):  # its own line is in its log, named here
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if isinstance(e, BrokenPipeError):  # `python -m harness list | head`: the reader has gone
         return reader_gone()
     if isinstance(e, PermissionError):

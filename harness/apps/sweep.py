@@ -57,6 +57,11 @@ from harness.run.threads import run_threads
 START_POLICIES = "start_policies.json"  # first_landing's record, in the folder of its policies' build logs
 
 
+class PreparationError(RuntimeError):
+    """A starting policy's build through a launcher failed (its process's own error and its log): said in one line
+    (harness/apps/cli.py), before any run started."""
+
+
 def stopped_error(run_dir: Path) -> str | None:
     """A stopped run's error: summary.json's, else the last line of its train.log (e.g. a full disk's, when the
     summary could not be written)."""
@@ -151,7 +156,7 @@ def prepare_through(pending: list[tuple[DictConfig, Path]], runner: Launcher, pr
         if code == MISSED_BAND and missed_ok:
             missed.append(job.key)
         elif code:
-            raise RuntimeError(f"preparing the starting policy failed (exit {code}): "
+            raise PreparationError(f"preparing the starting policy failed (exit {code}): "
                                f"{handle.error or stopped_error(job.key) or 'no output'}; log in {job.log}")
         done[job.key] = code == 0
         if enough is None or not enough(done):
