@@ -509,9 +509,71 @@ def test_a_cluster_sweep_leaves_the_gpu_check_to_the_runs_node(tmp_path, monkeyp
     check_this_machine(runs, node=False)
     with pytest.raises(ConfigError, match=f"device={device}, but "):
         check_this_machine(runs)
-    assert main(["sweep", str(tmp_path / "launch.yaml"), *settings, "launcher.gpus_per_run=1", "--launcher", "slurm",
+    assert main(["sweep", str(tmp_path / "launch.yaml"), *settings, "launcher.gpus_per_run=4", "--launcher", "slurm",
                  "launcher.cluster=slurm"]) == 2
     assert capsys.readouterr().err.startswith("config error: --launcher slurm: no `sbatch` on this machine")
     assert main(["train", str(tmp_path / "launch.yaml"), *settings]) == 2
     assert f"config error: device={device}, but " in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("launcher, overrides, message", [
+    ("slurm", ["device=cuda"], r"device=cuda, but launcher.gpus_per_run=0: each run's job \(--launcher slurm\) sees "
+     "only the GPUs it asks for, as cuda:0 and on; set launcher.gpus_per_run=1"),
+    ("ray", ["device=cuda:1", "launcher.gpus_per_run=1"], "device=cuda:1, but launcher.gpus_per_run=1: .*set "
+     r"device=cuda \(the job's first GPU\), or launcher.gpus_per_run=2")])
+def test_a_cluster_run_on_a_gpu_its_job_does_not_ask_for_is_refused_before_anything_is_submitted(
+        tmp_path, monkeypatch, launcher, overrides, message):
+    """device=cuda with launcher.gpus_per_run=0 (its default) was submitted: every SLURM job was allocated no GPU,
+    and every Ray task (Ray 2.60 leaves a task that asks for none every GPU of its node) put its run on cuda:0 of its
+    node, GPUs that Ray had reserved for nobody or for other tasks. Now one line before any folder or job."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the machine the sweep starts from: no GPU
+    monkeypatch.setitem(sys.modules, launcher if launcher == "ray" else "submitit", None)  # nothing would start
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(experiment(tmp_path, tmp_path / "results", *overrides), progress=False, launcher=launcher)
+    assert not (tmp_path / "results").exists()
+
+
+class RecordingTask:
+    """What the Ray launcher submits: the options and arguments of each task."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def options(self, **options):
+        self.submitted.append({"options": options})
+        return self
+
+    def remote(self, *args):
+        self.submitted[-1]["args"] = args
+        return "ref"
+
+
+@pytest.mark.parametrize("gpus, env", [(0, {"CUDA_VISIBLE_DEVICES": ""}), (1, {})])
+def test_a_cluster_run_sees_the_gpus_its_job_asked_for_and_no_others(tmp_path, monkeypatch, gpus, env):
+    """With launcher.gpus_per_run=0 a Ray task's run saw every GPU of its node (Ray 2.60 sets no CUDA_VISIBLE_DEVICES
+    for a task that asks for none), as did a SLURM job's on a node that does not fence its devices: device=auto put
+    each run on cuda:0, beside the runs that reserved it. Its process is now given no GPU; with GPUs, the ones Ray
+    or SLURM set."""
+    from harness.apps.launchers import SlurmLauncher, make_launcher
+
+    ray = FakeRay()
+    task = RecordingTask()
+    ray.remote = lambda function: task
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    settings = experiment(tmp_path, tmp_path / "results", f"launcher.gpus_per_run={gpus}").launcher
+    runner = make_launcher("ray", settings, tmp_path)
+    ray.nodes = lambda: [{"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}}]
+    runner.check()
+    runner.start(["train"], tmp_path / "train.log", "run")
+    assert task.submitted[0]["options"]["num_gpus"] == gpus and task.submitted[0]["args"][3] == env
+    submitted = []
+    slurm = SlurmLauncher(settings, tmp_path / ".submitit")
+    (tmp_path / ".submitit").mkdir()
+    slurm.executor = type("Executor", (), {"update_parameters": lambda self, **kw: None,
+                                           "submit": lambda self, *args: submitted.append(args) or
+                                           type("Job", (), {"job_id": "7"})()})()
+    slurm.start(["train"], tmp_path / "train.log", "run")
+    assert submitted[0][4] == env

@@ -462,7 +462,7 @@ class RayLauncher:
         task = self.task.options(
             name=name, num_cpus=self.settings.cpus_per_run, num_gpus=self.settings.gpus_per_run, max_retries=0,
             runtime_env={"env_vars": forwarded_env()})
-        return RayHandle(self.ray, task.remote(args, str(log), str(ROOT), {}))
+        return RayHandle(self.ray, task.remote(args, str(log), str(ROOT), gpu_env(self.settings)))
 
     def adopt(self, name: str) -> None:
         return None  # its tasks end with the driver (the sweep) that submitted them
@@ -544,7 +544,7 @@ class SlurmLauncher:
 
     def start(self, args: list[str], log: Path, name: str) -> SlurmHandle:
         self.executor.update_parameters(name=name)
-        job = self.executor.submit(run_harness, args, str(log), str(ROOT), {})
+        job = self.executor.submit(run_harness, args, str(log), str(ROOT), gpu_env(self.settings))
         atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id}\n")  # for a sweep run again
         return SlurmHandle(job)
 
@@ -595,6 +595,29 @@ def check_script_values(values: dict) -> None:
                 name = key if key.startswith("the ") else f"launcher {key.removeprefix('slurm_')}"
                 raise ConfigError(f"{name} holds a line break or another control character ({text[:60]!r}), which "
                                   "would become a line of the SLURM script: give it without one")
+
+
+def gpu_env(settings: DictConfig) -> dict[str, str]:
+    """What a cluster's run process is given beside its environment: with ``launcher.gpus_per_run`` 0, no GPU. Ray
+    leaves a task that asks for none every GPU of its node (reserved by other tasks or not), and a SLURM node that does
+    not fence its devices shows them to a job that was allocated none: device=auto would put the run on cuda:0."""
+    return {} if settings.gpus_per_run else {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def check_run_gpus(runs: list[DictConfig], settings: DictConfig, name: str) -> None:
+    """Refuse (ConfigError, one line, before anything is submitted) runs on a cluster whose ``device`` names a GPU
+    that their job would not have: ``launcher.gpus_per_run`` GPUs are all a Ray task or a SLURM job sees
+    (:func:`gpu_env` hides them all where it asks for none), so device=cuda with none, or cuda:N beyond them, fails on
+    every node."""
+    for run in runs:
+        if not str(run.device).startswith("cuda"):
+            continue
+        index = int(run.device.partition(":")[2] or 0)
+        if index >= settings.gpus_per_run:
+            fix = ("launcher.gpus_per_run=1 (or device=auto / cpu to run on the nodes' CPUs)" if index == 0 else
+                   f"device=cuda (the job's first GPU), or launcher.gpus_per_run={index + 1}")
+            raise ConfigError(f"device={run.device}, but launcher.gpus_per_run={settings.gpus_per_run}: each run's "
+                              f"job (--launcher {name}) sees only the GPUs it asks for, as cuda:0 and on; set {fix}")
 
 
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:

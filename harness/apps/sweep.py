@@ -27,7 +27,16 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from harness.apps.launchers import Job, Launcher, LocalLauncher, RunHandle, adopt_lock_holder, make_launcher, run_each
+from harness.apps.launchers import (
+    Job,
+    Launcher,
+    LocalLauncher,
+    RunHandle,
+    adopt_lock_holder,
+    check_run_gpus,
+    make_launcher,
+    run_each,
+)
 from harness.loop.build import build_policy, build_task
 from harness.loop.metrics import progress_fields
 from harness.policy.device import resolve_device
@@ -298,6 +307,8 @@ def run_sweep(cfg: DictConfig, jobs: int | None = None, progress: bool = True, l
     check_runs_code(cfg, runs, allow_code_change, command)
     check_baseline(cfg.sweep.baseline, runs, exp_dir)
     check_lock_file(exp_dir / SWEEP_LOCK)
+    if launcher != "local":
+        check_run_gpus(runs, cfg.launcher, launcher)
     runner = make_launcher(launcher, cfg.launcher, exp_dir)
     runner.check()
     try:
