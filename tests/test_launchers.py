@@ -577,3 +577,24 @@ def test_a_cluster_run_sees_the_gpus_its_job_asked_for_and_no_others(tmp_path, m
                                            type("Job", (), {"job_id": "7"})()})()
     slurm.start(["train"], tmp_path / "train.log", "run")
     assert submitted[0][4] == env
+
+
+def test_an_empty_ray_address_starts_a_local_cluster_even_where_ray_address_is_set(tmp_path, monkeypatch):
+    """launcher.address empty (docs/cluster.md: the sweep starts a local Ray cluster) with RAY_ADDRESS set, as on a
+    Ray cluster's nodes (or after a `ray start` on this machine): ray.init() without an address joined that cluster
+    and refused the local cluster's settings, a ValueError traceback ("When connecting to an existing cluster,
+    _system_config must not be provided"). The init now asks for a new local cluster, whatever the environment: Ray's
+    own reading of its address says so."""
+    real = pytest.importorskip("ray")
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from harness.apps.launchers import make_launcher
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    ray = FakeRay()
+    ray.init = lambda **options: setattr(ray, "options", options) or setattr(ray, "inits", ray.inits + 1)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    make_launcher("ray", experiment(tmp_path, tmp_path / "results").launcher, tmp_path).check()
+    assert ray.options["_system_config"] == {"worker_niceness": 0}
+    assert canonicalize_bootstrap_address(ray.options.get("address")) is None  # None: Ray starts a new cluster
+    assert real.is_initialized() is False

@@ -391,8 +391,10 @@ def init_local_ray(ray, **options) -> None:
     ``worker_niceness``), below every other process on the machine: beside any other work a run would get a sliver of
     a core and a sweep would crawl. Ray applies ``worker_niceness`` as an increment (``nice(2)``) to the priority its
     workers inherit from this process through the raylet: 0 keeps it (this process's own nice value would add it
-    again, nice 10 -> 19). A cluster the sweep joins (``launcher.address``) keeps its operator's setting."""
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+    again, nice 10 -> 19). A cluster the sweep joins (``launcher.address``) keeps its operator's setting. Always a new
+    cluster (address "local"): without an address Ray joins the one ``RAY_ADDRESS`` names or a ``ray start`` cluster of
+    this machine, and refuses this call's settings there."""
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
              _system_config={"worker_niceness": 0}, **options)
 
 
