@@ -427,6 +427,35 @@ def test_a_starting_policy_that_fails_on_the_launcher_is_one_line_not_a_tracebac
     assert failing.started == [str(p) for p in tmp_path.glob("quickstart/grpo-*/config.yaml")]
 
 
+def test_a_sweep_continued_after_a_commit_says_its_runs_will_not_be_pooled_with_those_that_ended(tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """A sweep extended (another seed) or resumed under other code than its ended runs: the report keeps each code
+    version's runs apart, which the sweep said nothing of (the verdict came out per version, after every run). Now one
+    note before any run starts, naming the other versions; none where every ended run is this code's."""
+    from harness.apps import sweep
+    from harness.run.provenance import code_record
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    cfg = load_experiment("quickstart", [*TINY_RUN, "model.warm_start_steps=0", "model.warm_start_target=null",
+                                         f"results_dir={tmp_path}", "sweep.grid.objective.name=[grpo]",
+                                         "sweep.grid.seed=[0,1]"])
+    ended = tmp_path / "quickstart" / sweep.run_id(run_configs(cfg)[0])
+    ended.mkdir(parents=True)
+    (ended / "config.yaml").write_text(OmegaConf.to_yaml(run_configs(cfg)[0]))
+    for version, said in (("0ld0000", True), (code_record()["version"], False)):
+        (ended / "summary.json").write_text(json.dumps({"status": "finished", "segments": [
+            {"from_step": 0, "code": {"version": version}}]}))
+        monkeypatch.setattr(sweep, "make_launcher", lambda name, settings, exp_dir: _Runner())
+        monkeypatch.setattr(_Runner, "check", lambda self: None, raising=False)
+        monkeypatch.setattr(_Runner, "close", lambda self: None, raising=False)
+        sweep.run_sweep(cfg, progress=False, launcher="ray")  # the stand-in: no run process
+        err = capsys.readouterr().err
+        assert ("note: runs that ended in " in err) is said, err
+        if said:
+            assert (f"are of other code (1 by 0ld0000) than the 1 this sweep runs ({code_record()['version']}): the "
+                    "report keeps each version's runs apart") in err
+
+
 @pytest.mark.slow
 def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path,
                                                                                                     monkeypatch):

@@ -46,7 +46,14 @@ from harness.run.atomic import atomic_write, check_writable, remove_stale_tempor
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id, unused_setting
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
-from harness.run.provenance import ALLOW_FLAG, check_code, check_one_version, code_record, ended_version
+from harness.run.provenance import (
+    ALLOW_FLAG,
+    check_code,
+    check_one_version,
+    code_record,
+    ended_version,
+    version_counts,
+)
 from harness.run.records import (
     ENDED,
     DamagedConfigError,
@@ -353,6 +360,22 @@ def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, comman
     check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in ENDED], allow, command)
 
 
+def say_other_versions(exp_dir: Path, entries: list[dict]) -> None:
+    """One note when runs that ended in the folder (``entries``: the manifest's, this sweep's and those earlier sweeps
+    left) are of other code than the runs this sweep starts: the report keeps each version's runs apart (never pooled
+    as seeds of one condition), which a sweep continued after a commit would otherwise learn only from its report."""
+    todo = sum(e["status"] not in ENDED for e in entries)
+    current = code_record()["version"]
+    ended = version_counts([ended_version(exp_dir / e["dir"]) for e in entries if e["status"] in ENDED])
+    others = {version: n for version, n in ended.items() if version != current}
+    if todo and others:
+        shown = ", ".join(f"{n} by {version}" for version, n in sorted(others.items()))
+        tqdm.write(f"note: runs that ended in {exp_dir} are of other code ({shown}) than the {todo} this sweep runs "
+                   f"({current}): the report keeps each version's runs apart, never pooled as seeds of one condition "
+                   "(check that version out to extend its runs, or give another name=... for a fresh folder)",
+                   file=sys.stderr)
+
+
 def check_runs_one_version(cfg: DictConfig, runs: list[DictConfig], what: str) -> None:
     """Before runs are added to a design whose verdicts pair its runs (a claim's, the zoo's confirmation): refuse
     (harness/run/provenance.py check_one_version) when its ended runs and those still to run (under this code) are of
@@ -384,6 +407,7 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
                                      "runs": earlier["runs"] + entries})
 
     save_manifest()
+    say_other_versions(exp_dir, earlier["runs"] + entries)
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]

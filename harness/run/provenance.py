@@ -250,15 +250,21 @@ def ended_version(run_dir: Path) -> str | None:
     return run_version(summary) if isinstance(summary, dict) else None
 
 
+def version_counts(versions: list[str | None]) -> dict[str, int]:
+    """How many of ``versions`` (one per run; None, or a table's NaN: unknown) each code version made."""
+    counts: dict[str, int] = {}
+    for version in versions:
+        known = version if isinstance(version, str) and version else UNKNOWN
+        counts[known] = counts.get(known, 0) + 1
+    return counts
+
+
 def check_one_version(versions: list[str | None], folder: Path, what: str) -> None:
     """Refuse (ConfigError, one line) runs of ``folder`` made, or to be made, by more than one code version
     (``versions``: one per run, None for unknown), for a command whose verdicts pair runs with each other (the claims,
     the zoo's confirmation): a sweep keeps the runs that ended, so one continued after a commit would pair the old
     code's runs with the new code's. ``what``: the runs, as the line names them."""
-    counts: dict[str, int] = {}
-    for version in versions:  # None, or a table's NaN: unknown
-        known = version if isinstance(version, str) and version else UNKNOWN
-        counts[known] = counts.get(known, 0) + 1
+    counts = version_counts(versions)
     if len(counts) > 1:
         current = code_record()["version"]
         shown = ", ".join(f"{n} by {v}{' (this code)' if v == current else ''}" for v, n in sorted(counts.items()))
