@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -598,3 +599,35 @@ def test_an_empty_ray_address_starts_a_local_cluster_even_where_ray_address_is_s
     assert ray.options["_system_config"] == {"worker_niceness": 0}
     assert canonicalize_bootstrap_address(ray.options.get("address")) is None  # None: Ray starts a new cluster
     assert real.is_initialized() is False
+
+
+def fake_slurm_commands(folder: Path, commands: dict[str, str]) -> str:
+    """``commands``: name -> shell script body, made executable in ``folder``; the PATH that finds them first."""
+    folder.mkdir()
+    for name, body in commands.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize("commands, message", [
+    ({"sbatch": "echo 'sbatch: error: invalid partition specified: gpux' >&2; exit 1", "srun": "exit 0"},
+     r"config error: sbatch refused the job prepare-grpo-s0-\w+: sbatch: error: invalid partition specified: gpux; "
+     r"check launcher.partition, time_min, gpus_per_run, cpus_per_run, mem_gb and slurm_args, or, for a limit on the "
+     r"jobs one may queue, give --jobs N \(make: JOBS=N\)"),
+    ({"sbatch": "exit 1"}, r'config error: --launcher slurm: Could not detect "srun", are you indeed on a slurm '
+     r"cluster\? \(submitit starts each job with srun\): submit from a SLURM login node")])
+def test_a_slurm_refusal_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys, commands, message):
+    """sbatch refusing a job (a partition, account, QOS or time limit it does not accept; a cap on queued jobs) ended
+    the sweep in submitit's FailedJobError traceback, with sbatch's lines printed once more before it; a login node
+    with sbatch but no srun in submitit's RuntimeError traceback. Each is now one line, exit 2, before any run."""
+    pytest.importorskip("submitit")
+    from harness.apps.cli import main
+
+    monkeypatch.setenv("PATH", fake_slurm_commands(tmp_path / "bin", commands))
+    (tmp_path / "launch.yaml").write_text(EXPERIMENT)
+    assert main(["sweep", str(tmp_path / "launch.yaml"), *SETTINGS, f"results_dir={tmp_path / 'results'}",
+                 "launcher.partition=gpux", "--launcher", "slurm", "--no-progress", "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.match(message, err), err
+    assert not list((tmp_path / "results").glob("launch/*/metrics.jsonl"))

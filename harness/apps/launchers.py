@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import io
 import json
 import logging
 import os
@@ -533,7 +534,12 @@ class SlurmLauncher:
                       **({"slurm_partition": s.partition} if s.partition else {}),
                       **({"mem_gb": s.mem_gb} if s.mem_gb else {}), **extra}
         check_script_values({"the results folder": str(self.folder), **parameters})
-        self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=s.cluster)
+        try:
+            self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=s.cluster)
+        except RuntimeError as e:  # submitit's own refusal: sbatch without srun
+            raise ConfigError(f"--launcher slurm: {str(e).strip()} (submitit starts each job with srun): submit from a "
+                              "SLURM login node, or launcher.cluster=local to try the path here with submitit's local "
+                              "executor") from None
         try:
             self.executor.update_parameters(**parameters)
         except (NameError, ValueError, TypeError) as e:  # submitit's words for an option it does not know
@@ -545,8 +551,17 @@ class SlurmLauncher:
         return self.settings.cpus_per_run
 
     def start(self, args: list[str], log: Path, name: str) -> SlurmHandle:
+        from submitit.core.utils import FailedJobError
+
         self.executor.update_parameters(name=name)
-        job = self.executor.submit(run_harness, args, str(log), str(ROOT), gpu_env(self.settings))
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal too: said once below
+                job = self.executor.submit(run_harness, args, str(log), str(ROOT), gpu_env(self.settings))
+        except FailedJobError as e:  # sbatch's refusal, on its stderr
+            reason = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or "no reason given"
+            raise ConfigError(f"sbatch refused the job {name}: {reason}; check launcher.partition, time_min, "
+                              "gpus_per_run, cpus_per_run, mem_gb and slurm_args, or, for a limit on the jobs one may "
+                              "queue, give --jobs N (make: JOBS=N)") from None
         atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id}\n")  # for a sweep run again
         return SlurmHandle(job)
 
