@@ -29,7 +29,6 @@ only when their launcher is chosen.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import io
 import json
@@ -52,6 +51,7 @@ from tqdm import tqdm
 from harness.run.atomic import atomic_write
 from harness.run.commandline import LAUNCHERS
 from harness.run.errors import ConfigError
+from harness.run.isolated import die_with_parent
 from harness.run.locks import RUN_LOCK, is_held
 from harness.run.threads import free_threads
 
@@ -59,13 +59,6 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working dire
 FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
 STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
 JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id of the job submitted as <name>
-
-
-def die_with_parent() -> None:
-    try:  # Linux: the child gets SIGKILL when the process that started it dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 def forwarded_env() -> dict[str, str]:

@@ -48,7 +48,6 @@ def serve() -> None:
     parent closes its end. Standard output becomes standard error, so what the function prints stays out of the
     answers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends this child
-    _ended_with_parent()
     calls, answers = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
     function = calls.recv()()
@@ -65,14 +64,13 @@ def serve() -> None:
         answers.send(outcome)
 
 
-def _ended_with_parent() -> None:
-    """Linux: this process is killed when its parent ends, even deep in a call that never returns (a parent killed
-    with SIGKILL closes no pipe in time to stop it); elsewhere it ends at its next read of the closed pipe."""
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent ended before the line above
-        os._exit(0)
+def die_with_parent() -> None:
+    """A child's ``preexec_fn``: on Linux it gets SIGKILL when the process that started it dies, even deep in a call
+    that never returns (a parent killed with SIGKILL closes no pipe in time to stop it); elsewhere nothing."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 class IsolatedCall:
@@ -102,7 +100,8 @@ class IsolatedCall:
         paths = [path or os.getcwd() for path in sys.path]  # the imports this process resolves, the same there
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from harness.run.isolated import serve; serve()"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+            preexec_fn=die_with_parent)
         self._calls = Connection(os.dup(self._process.stdin.fileno()), readable=False)
         self._connection = Connection(os.dup(self._process.stdout.fileno()), writable=False)
         self._process.stdin.close()
