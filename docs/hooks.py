@@ -8,6 +8,8 @@ command appears without an edit here:
     reference/config.md              every config key: meaning, default, TRL and verl names (``explain``'s table)
     reference/tasks.md, experiments.md, cli.md
 
+and fills the generated tables of the pages that hold them (docs/trl.md's) from the code (:func:`on_page_markdown`).
+
 :func:`pages` returns them as ``{path under docs/: Markdown}`` (nothing is written into docs/); mkdocs calls
 :func:`on_files`. Tests load this file by its path (tests/test_docs_site.py).
 """
@@ -326,6 +328,14 @@ def on_files(files, config):
                    and not f.src_uri.startswith(REFERENCE + "/"))
     config.nav = [*config.nav, {"Reference": navigation()}, *([{"More": extra}] if extra else [])]
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """A page with tables generated from the code (harness/run/names.py DOCS: docs/trl.md's) shows them as the code
+    makes them now, not as they were last committed."""
+    kinds = {path.name: kinds for path, kinds in names.DOCS.items() if path.parent == names.REPO / "docs"}
+    return names.fill(markdown, kinds[page.file.src_uri], page.file.src_uri) if page.file.src_uri in kinds \
+        else markdown
 
 
 def _nav_paths(nav) -> list[str]:

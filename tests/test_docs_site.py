@@ -105,7 +105,25 @@ def test_a_docstring_becomes_markdown_that_shows_it_as_written(reference):
         "here.\n\nThe end.\n")
 
 
-def test_the_site_config_fails_on_a_broken_link_and_fetches_nothing():
+def test_the_site_shows_the_generated_tables_as_the_code_makes_them(hooks):
+    """docs/trl.md's committed tables can lag the code (`explain --write` rewrites them; no test compares them): the
+    site fills them from the code at build time (its TRL page showed meanings the code had since mended)."""
+    from types import SimpleNamespace
+
+    from harness.run import names
+
+    text = (REPO / "docs" / "trl.md").read_text()
+    for kind in names.DOCS[REPO / "docs" / "trl.md"]:
+        text = text.replace(names.section(text, kind), "a stale row\n")
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="trl.md"))
+    shown = hooks.on_page_markdown(text, page, None, None)
+    assert "a stale row" not in shown
+    assert all(names.section(shown, kind) == names.generated(kind) for kind in ("names", "aliases"))
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="loop.md"))
+    assert hooks.on_page_markdown("a stale row\n", other, None, None) == "a stale row\n"
+
+
+
     """mkdocs.yml: a link to a missing page or anchor is a warning, which `--strict` (make docs-site, the slow test
     below) turns into a failed build; no web fonts and no plugin that loads a script from the network."""
     from mkdocs.config import load_config

@@ -572,18 +572,26 @@ def section(text: str, kind: str) -> str | None:
     return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
+def fill(text: str, kinds: tuple[str, ...], path: Path | str) -> str:
+    """``text`` with each generated block of ``kinds`` (between its markers) holding the table the code makes now;
+    RuntimeError naming ``path`` if a block's markers are gone."""
+    for kind in kinds:
+        if section(text, kind) is None:
+            raise RuntimeError(f"{path}: no {' ... '.join(markers(kind))} block to write the {kind} table into")
+        start, end = markers(kind)
+        text = text.split(start, 1)[0] + start + "\n" + generated(kind) + end + text.split(end, 1)[1]
+    return text
+
+
 def write_docs(files: dict[Path, tuple[str, ...]] | None = None) -> list[Path]:
     """Rewrite the generated tables in ``files`` (file -> kinds; default :data:`DOCS`), each between its markers;
     returns the files changed. `make docs` and `python -m harness explain --markdown --write` call it: the committed
-    tables are as fresh as the last of those (a new objective changes them; no test compares them)."""
+    tables are as fresh as the last of those (a new objective changes them; no test compares them). The site
+    (`make docs-site`, docs/hooks.py) fills them from the code whatever the committed copy holds."""
     changed = []
     for path, kinds in (DOCS if files is None else files).items():
         text = original = path.read_text()
-        for kind in kinds:
-            if section(text, kind) is None:
-                raise RuntimeError(f"{path}: no {' ... '.join(markers(kind))} block to write the {kind} table into")
-            start, end = markers(kind)
-            text = text.split(start, 1)[0] + start + "\n" + generated(kind) + end + text.split(end, 1)[1]
+        text = fill(text, kinds, path)
         if text != original:
             path.write_text(text)
             changed.append(path)
