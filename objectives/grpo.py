@@ -12,7 +12,9 @@ Options (off by default; every objective also takes ``aggregation``, see objecti
 - ``dual_clip`` / ``clip_ratio_c`` (default 3): verl's dual clip (``clip_ratio_c``; Ye et al., arXiv 1912.09729),
   for A < 0 only: l_t = min(l_t, -clip_ratio_c A), so a token of a bad response whose ratio exceeds c keeps
   the bounded loss -c A and loses its gradient. ``clip_frac_dual`` (A < 0 and r > c) is reported (0 when
-  off) and included in ``clip_frac``. Neither the paper nor TRL has it; verl's ``vanilla`` loss always does.
+  off) and included in ``clip_frac``. The paper has none; verl's ``vanilla`` loss always does; TRL 1.16's ``delta``
+  (two-sided GRPO, INTELLECT-2: the ratio capped at delta before the min) is the same loss and gradient for
+  delta >= 1 + clip_high, as TRL recommends (tests/test_objectives.py).
 
 Alias ``bnpo`` (TRL 1.16's ``loss_type="bnpo"``, ``trl/trainer/grpo_trainer.py`` ``_compute_loss``, the installed
 wheel): this objective with ``aggregation=token_mean`` by default, i.e. GRPO's 0.2 / 0.2 clip normalised by the valid

@@ -127,6 +127,16 @@ def test_explain_prints_meaning_default_trl_and_verl(capsys):
     assert "Did you mean train.group_size?" in capsys.readouterr().err
 
 
+def test_explain_knows_trls_delta_as_the_dual_clip(capsys):
+    """TRL's ``delta`` (two-sided GRPO) is our dual clip: `explain delta` finds clip_ratio_c and dual_clip (it found
+    no key, and both rows said TRL had none)."""
+    assert main(["explain", "delta"]) == 0
+    out = capsys.readouterr().out
+    assert "objective.params.clip_ratio_c" in out and "objective.params.dual_clip" in out
+    rows = names.by_key()
+    assert all("`delta`" in rows[f"objective.params.{key}"].trl for key in ("clip_ratio_c", "dual_clip"))
+
+
 def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert main(["explain", ""]) == 0 and "train.steps = " in capsys.readouterr().out  # the whole table
     assert main(["explain", "TRAIN.STEPS"]) == 2 and "Did you mean train.steps?" in capsys.readouterr().err

@@ -345,6 +345,32 @@ def test_cispo_weight_carries_no_gradient():
     assert num(out.metrics["clip_frac_high"], high.sum().item() / n.item())
 
 
+def trl_two_sided_dapo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, delta):
+    """TRL 1.16's clipped loss with ``delta`` set (two-sided GRPO, INTELLECT-2; trl/trainer/grpo_trainer.py
+    ``_compute_loss``, loss_type dapo: the token mean), written out from the installed wheel."""
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
+    coef_1 = torch.clamp(coef_1, max=delta)
+    per_token = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
+    return (per_token * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("delta", [1.2, 1.5, 2.0])
+def test_trls_delta_is_the_dual_clip_with_clip_ratio_c_delta(delta):
+    """TRL's ``delta`` (for delta >= 1 + epsilon_high, as TRL recommends) is grpo's dual clip with clip_ratio_c =
+    delta: loss and gradient, with ratios on both sides of every bound (what `explain delta` says)."""
+    batch = random_batch(seed=3, scale=0.6, b=24, t=8)
+    out, grad = run("dapo", batch, clip_low=0.2, clip_high=0.2, dual_clip=True, clip_ratio_c=delta)
+    ratio = torch.exp(batch.logp - batch.old_logp)
+    assert ((ratio > delta) & (batch.token_advantages < 0) & batch.mask).any()
+    logp = batch.logp.detach().clone().requires_grad_(True)
+    expected = trl_two_sided_dapo_loss(logp, batch.old_logp, batch.advantages, batch.mask, 0.2, 0.2, delta)
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    assert num(out.loss, expected, 1e-12)
+    assert_close(grad, expected_grad, tol=1e-12)
+    assert out.metrics["clip_frac_dual"] > 0
+
+
 # ----------------------------------------------------------------------------------------------------
 # Clipping removes exactly the gradients it counts
 # ----------------------------------------------------------------------------------------------------

@@ -98,10 +98,12 @@ NAMES: tuple[Name, ...] = (
     Name("objective.params.aggregation", "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)",
          meaning="token_mean, seq_mean_token_mean, seq_mean_token_sum_norm, seq_mean_token_sum or prompt_mean "
                  "(SkyRL's: the token mean per prompt, then the mean over prompts)"),
-    Name("objective.params.dual_clip", "—", "— (verl's vanilla loss always applies it)", meaning="grpo, dapo, "
+    Name("objective.params.dual_clip", "`delta` set (not None; grpo, dapo, dr_grpo)",
+         "— (verl's vanilla loss always applies it)", meaning="grpo, dapo, "
          "dr_grpo: true = the dual clip for A < 0 (bound clip_ratio_c); ctpo: its width in log space (threshold "
          "exp(dual_clip n_t^la_power))"),
-    Name("objective.params.clip_ratio_c", "—", f"`{A}clip_ratio_c`", meaning="the dual clip's bound c"),
+    Name("objective.params.clip_ratio_c", "`delta` (two-sided GRPO; the same loss where delta >= 1 + epsilon_high)",
+         f"`{A}clip_ratio_c`", meaning="the dual clip's bound c"),
     Name("objective.params.kl_estimator", "— (TRL's KL is k3)", f"`{A}kl_loss_type`"),
     Name("objective.params.off_policy_mask", "`off_policy_mask_threshold` set (not None)", "—"),
     Name("objective.params.off_policy_mask_threshold", "`off_policy_mask_threshold`", "—"),
