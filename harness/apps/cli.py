@@ -125,17 +125,18 @@ def cmd_list(args) -> int:
     print("objectives (objective.name; hyperparameters objective.params.*):")
     print(textwrap.fill(f"every objective also takes: aggregation (its default below), {shared}", 116,
                         initial_indent="  ", subsequent_indent="    "))
+    width = max(12, *map(len, OBJECTIVES.names()))  # the columns line up under the longest name
     for name in OBJECTIVES.names():
         alias = alias_of(name)
         if alias is not None:
             changed = ", ".join(f"{k}={v}" for k, v in alias[1].items())
-            print(f"  {name:12s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
+            print(f"  {name:{width}s} alias of {alias[0]}" + (f" with {changed}" if changed else ""))
             continue
         cls = OBJECTIVES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in names.own_hyperparameters(name).items())
-        line = (f"  {name:12s} advantage={cls.default_advantage:10s} "
+        line = (f"  {name:{width}s} advantage={cls.default_advantage:10s} "
                 f"aggregation={cls.hyperparameters()['aggregation']:24s} {params}")
-        print(textwrap.fill(line, 116, subsequent_indent=" " * 15))
+        print(textwrap.fill(line, 116, subsequent_indent=" " * (width + 3)))
     print("advantages (objective.advantage): " + ", ".join(available_advantages()))
     print("tasks (task.name):                " + ", ".join(available_tasks()))
     generators = reasoning_gym_datasets()
