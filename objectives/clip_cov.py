@@ -64,9 +64,9 @@ def token_covariance(batch: PolicyBatch) -> torch.Tensor:
 class ClipCov(Objective):
     clip_low: float = 1.0
     clip_high: float = 1.0
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_ratio: float = 2e-4  # the tokens drawn from the candidates: this fraction of the valid ones, at least 1
+    clip_cov_lb: float = 1.0  # a candidate's covariance cov_t must exceed this (and lie below clip_cov_ub)
+    clip_cov_ub: float = 5.0  # a candidate's covariance cov_t must lie below this (and above clip_cov_lb)
     selection_seed: int = 0  # seeds the draw of the chosen (clipped) tokens: selection_seed * 1000003 + the step
 
     default_advantage = "grpo"

@@ -80,9 +80,9 @@ class DPPO(Objective):
 
     clip_low: float = 0.15
     clip_high: float = 0.15
-    ratio_cap: float = 10000.0
-    kl_coef: float = 0.0
-    surrogate: str = "logp"
+    ratio_cap: float = 10000.0  # surrogate logp: the importance weight is truncated at this (verl's clip_ratio_c)
+    kl_coef: float = 0.0  # coefficient of the squared log-ratio KL term (logp - old_logp)^2; 0 = off
+    surrogate: str = "logp"  # logp: verl's -A sg(min(r, ratio_cap)) logp; ratio: prime-rl's -A r
 
     default_advantage = "grpo"
     default_aggregation = "seq_mean_token_sum_norm"

@@ -42,8 +42,8 @@ from objectives.base import (
 
 @register_objective("kl_cov")
 class KLCov(Objective):
-    kl_cov_ratio: float = 2e-4
-    kl_coef: float = 1.0
+    kl_cov_ratio: float = 2e-4  # fraction of the minibatch's valid tokens of largest covariance that get the penalty
+    kl_coef: float = 1.0  # coefficient of the penalty |logp - old_logp| on those tokens
 
     default_advantage = "grpo"
     default_aggregation = "token_mean"

@@ -79,7 +79,7 @@ def second_moment_keep(m2: torch.Tensor, valid: torch.Tensor, threshold: float) 
 
 @register_objective("m2po")
 class M2PO(Objective):
-    m2_threshold: float = 0.04
+    m2_threshold: float = 0.04  # drop the tokens of largest squared log-ratio until the rest's mean is below this
 
     default_advantage = "grpo"
     default_aggregation = "token_mean"

@@ -62,10 +62,10 @@ class VESPO(Objective):
     ratio_level = "other"
     ratio_note = "a Gamma-shaped weight of the sequence's product ratio"
 
-    k_pos: float = 2.0
-    lambda_pos: float = 3.0
-    k_neg: float = 3.0
-    lambda_neg: float = 2.0
+    k_pos: float = 2.0  # Gamma shape k of the sequence weight for A >= 0 (the weight peaks at w = k / lambda)
+    lambda_pos: float = 3.0  # Gamma rate lambda of the sequence weight for A >= 0 (floored at 1e-4)
+    k_neg: float = 3.0  # Gamma shape k of the sequence weight for A < 0
+    lambda_neg: float = 2.0  # Gamma rate lambda of the sequence weight for A < 0 (floored at 1e-4)
 
     default_advantage = "grpo"
     default_aggregation = "token_mean"
