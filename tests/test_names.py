@@ -137,6 +137,25 @@ def test_explain_knows_trls_delta_as_the_dual_clip(capsys):
     assert all("`delta`" in rows[f"objective.params.{key}"].trl for key in ("clip_ratio_c", "dual_clip"))
 
 
+def test_trls_vespo_names_and_kl_correction_are_ours(capsys):
+    """TRL's vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg are vespo's k_pos, ...: `explain` finds them and a TRL
+    override is rewritten (they were unknown names); TRL's use_bias_correction_kl (default true: the k3 times the
+    ratio) is named on beta's row, whose KL is TRL's with it false."""
+    from harness.run.aliases import translate_overrides
+
+    for trl, ours in (("vespo_k_pos", "k_pos"), ("vespo_lambda_pos", "lambda_pos"), ("vespo_k_neg", "k_neg"),
+                      ("vespo_lambda_neg", "lambda_neg")):
+        assert main(["explain", trl]) == 0 and f"objective.params.{ours}: " in capsys.readouterr().out
+        assert translate_overrides(["objective.name=vespo", f"{trl}=1.5"]) == \
+            ["objective.name=vespo", f"objective.params.{ours}=1.5"]
+        with pytest.raises(ConfigError, match=f"objective.params.{ours}, which objective grpo does not have"):
+            translate_overrides(["objective.name=grpo", f"{trl}=1.5"])
+    capsys.readouterr()
+    assert main(["explain", "use_bias_correction_kl"]) == 0
+    assert "objective.params.beta: " in capsys.readouterr().out
+    assert "`use_bias_correction_kl` false" in names.by_key()["objective.params.beta"].trl
+
+
 def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert main(["explain", ""]) == 0 and "train.steps = " in capsys.readouterr().out  # the whole table
     assert main(["explain", "TRAIN.STEPS"]) == 2 and "Did you mean train.steps?" in capsys.readouterr().err

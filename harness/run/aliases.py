@@ -88,9 +88,10 @@ def _scale_rewards(value: str, objectives: list[str], given: set[str]) -> list[s
     return [f"objective.advantage={estimator}"]
 
 
-def _sapo_temperature(param: str) -> Callable[[str, list[str], set[str]], list[str]]:
+def _own_param(param: str, trl: str) -> Callable[[str, list[str], set[str]], list[str]]:
+    """TRL's ``trl`` is objective.params.``param`` of the objectives that have it (sapo's, vespo's)."""
     def convert(value: str, objectives: list[str], given: set[str]) -> list[str]:
-        _needs(param, f"sapo_temperature_{param[4:]}", objectives)
+        _needs(param, trl, objectives)
         return [f"objective.params.{param}={value}"]
 
     return convert
@@ -142,7 +143,8 @@ ALIASES: dict[str, Alias] = {a.trl: a for a in (
     Alias("warmup_steps", "train.warmup_steps", "same (optimizer steps)"),
     Alias("weight_decay", "train.weight_decay", "same"),
     Alias("max_grad_norm", "train.max_grad_norm", "same"),
-    Alias("beta", "objective.params.beta", "same (the k3 KL to the reference)"),
+    Alias("beta", "objective.params.beta", "same coefficient; the k3 KL to the reference, not times the ratio (TRL's "
+          "use_bias_correction_kl=false; its default true multiplies it by the ratio)"),
     Alias("epsilon", "objective.params.clip_low", "clip_low and clip_high (TRL's epsilon_high defaults to epsilon; "
           "an epsilon_high given as well wins); refused for cispo and objectives without clip_low", _epsilon),
     Alias("epsilon_high", "objective.params.clip_high", "same; cispo: clip_high = epsilon_high - 1 (TRL's cispo caps "
@@ -161,8 +163,11 @@ ALIASES: dict[str, Alias] = {a.trl: a for a in (
     Alias("top_entropy_quantile", "objective.params.top_entropy_quantile", "same"),
     Alias("off_policy_mask_threshold", "objective.params.off_policy_mask_threshold", "a number: "
           "objective.params.off_policy_mask=true with this threshold; null: off_policy_mask=false", _off_policy_mask),
-    Alias("sapo_temperature_pos", "objective.params.tau_pos", "same (sapo)", _sapo_temperature("tau_pos")),
-    Alias("sapo_temperature_neg", "objective.params.tau_neg", "same (sapo)", _sapo_temperature("tau_neg")),
+    *(Alias(trl, f"objective.params.{param}", f"same ({objective})", _own_param(param, trl))
+      for trl, param, objective in (
+        ("sapo_temperature_pos", "tau_pos", "sapo"), ("sapo_temperature_neg", "tau_neg", "sapo"),
+        ("vespo_k_pos", "k_pos", "vespo"), ("vespo_lambda_pos", "lambda_pos", "vespo"),
+        ("vespo_k_neg", "k_neg", "vespo"), ("vespo_lambda_neg", "lambda_neg", "vespo"))),
     Alias("report_to", "logging.backends", "[jsonl, the named trackers]; none: [jsonl]", _report_to),
     Alias("bf16", "model.dtype", "true: bfloat16, false: float32", _flag("model.dtype=bfloat16",
                                                                           "model.dtype=float32")),

@@ -92,7 +92,8 @@ NAMES: tuple[Name, ...] = (
          meaning="ε_low of the ratio clip (its meaning per objective: docs/objectives.md)"),
     Name("objective.params.clip_high", "`epsilon_high` (cispo: `epsilon_high` = 1 + clip_high)",
          f"`{A}clip_ratio_high`", meaning="ε_high of the ratio clip"),
-    Name("objective.params.beta", "`beta` (backend trl: a frozen copy of the starting policy as `ref_model`)",
+    Name("objective.params.beta", "`beta` with `use_bias_correction_kl` false (TRL's default true multiplies the k3 by "
+         "the ratio); backend trl: a frozen copy of the starting policy as `ref_model`",
          f"`{A}kl_loss_coef` (`use_kl_loss=true`, `kl_loss_type=low_var_kl`)",
          meaning="weight of the k3 KL to the reference policy; 0 = no reference"),
     Name("objective.params.aggregation", "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)",
@@ -122,6 +123,10 @@ NAMES: tuple[Name, ...] = (
          meaning="SAPO's gate temperature for A > 0"),
     Name("objective.params.tau_neg", "`sapo_temperature_neg`", f"`{A}tau_neg`",
          meaning="SAPO's gate temperature for A <= 0"),
+    Name("objective.params.k_pos", "`vespo_k_pos`"),
+    Name("objective.params.lambda_pos", "`vespo_lambda_pos`"),
+    Name("objective.params.k_neg", "`vespo_k_neg`"),
+    Name("objective.params.lambda_neg", "`vespo_lambda_neg`"),
     Name("objective.advantage",
          "`scale_rewards` (group: grpo, batch: batch_std, none: mean_only; TRL's std + 1e-4, ours + 1e-6 but "
          "batch_std's + 1e-4)",
