@@ -156,6 +156,19 @@ def test_trls_vespo_names_and_kl_correction_are_ours(capsys):
     assert "`use_bias_correction_kl` false" in names.by_key()["objective.params.beta"].trl
 
 
+def test_explain_finds_a_name_the_table_writes_with_its_value(capsys):
+    """A TRL or verl name written with a value in a row (`use_kl_loss=true` on beta's, TRL's
+    `vllm_importance_sampling_correction=false`, `lr_scheduler_type=constant_with_warmup`) is found like one written
+    alone: `explain use_kl_loss` said "no config key, TRL or verl name"."""
+    for name, key in (("use_kl_loss", "objective.params.beta"), ("actor_rollout_ref.actor.use_kl_loss",
+                                                                  "objective.params.beta"),
+                      ("vllm_importance_sampling_correction", "train.rollout_correction.mode"),
+                      ("lr_scheduler_type", "train.warmup_steps")):
+        assert main(["explain", name]) == 0, name
+        assert f"{key}: " in capsys.readouterr().out, name
+    assert main(["explain", "use_kl"]) == 2  # a prefix of a name is no name
+
+
 def test_explain_answers_odd_names_with_the_table_or_a_hint(capsys):
     assert main(["explain", ""]) == 0 and "train.steps = " in capsys.readouterr().out  # the whole table
     assert main(["explain", "TRAIN.STEPS"]) == 2 and "Did you mean train.steps?" in capsys.readouterr().err

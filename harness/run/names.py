@@ -94,7 +94,7 @@ NAMES: tuple[Name, ...] = (
          f"`{A}clip_ratio_high`", meaning="ε_high of the ratio clip"),
     Name("objective.params.beta", "`beta` with `use_bias_correction_kl` false (TRL's default true multiplies the k3 by "
          "the ratio); backend trl: a frozen copy of the starting policy as `ref_model`",
-         f"`{A}kl_loss_coef` (`use_kl_loss=true`, `kl_loss_type=low_var_kl`)",
+         f"`{A}kl_loss_coef` (`{A}use_kl_loss=true`, `{A}kl_loss_type=low_var_kl`)",
          meaning="weight of the k3 KL to the reference policy; 0 = no reference"),
     Name("objective.params.aggregation", "`loss_type` dapo / grpo / dr_grpo", f"`{A}loss_agg_mode` (token-mean, ...)",
          meaning="token_mean, seq_mean_token_mean, seq_mean_token_sum_norm, seq_mean_token_sum or prompt_mean "
@@ -431,7 +431,7 @@ def find(query: str) -> list[Name]:
     rows += [n for n in all_names() if n.key.rsplit(".", 1)[-1] == query and n not in rows]
     if rows:
         return rows
-    pattern = re.compile(rf"`([\w.]*\.)?{re.escape(query)}`")
+    pattern = re.compile(rf"`([\w.]*\.)?{re.escape(query)}(`|=[^`]*`)")  # alone or with a value: `use_kl_loss=true`
     return [n for n in all_names() if pattern.search(n.trl) or pattern.search(n.verl)]
 
 
