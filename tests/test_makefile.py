@@ -51,7 +51,7 @@ def test_a_setting_no_target_of_the_command_reads_is_one_line_before_anything_ru
     assert "CLAIM is not read by this target" in done.stderr and "CLAIMS EXISTING JOBS WITH_LONG" in done.stderr
     done = make("setup", "test", "exp=quickstart", "SEED=1")
     assert done.returncode == 2 and "SEED exp are not read by these targets" in done.stderr
-    assert "TESTED TORCH PY GSM8K_DIR" in done.stderr
+    assert "TESTED TORCH TORCH_INDEX PY GSM8K_DIR" in done.stderr
     for given in (["sweep", "EXP=quickstart", "JOBS=1"], ["setup", "test", "TORCH=torch"], ["test", "PY=python3"]):
         assert make(*given).returncode == 0, given
     for given in (["bogus", "X=1"], ["list", "bogus"]):  # `make list bogus` ran list, then said "No rule"
