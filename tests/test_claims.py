@@ -260,6 +260,30 @@ def test_compare_equal_and_within():
     assert evaluate_check({**within, "within": [2.5, 3.0]}, {"lab": LAB})[0] == "does not hold"
 
 
+
+def test_a_within_leaves_open_a_side_the_claim_does_not_bound():
+    """A fraction every unit of which is at least 0.92 (four starting policies at 1.0): its t-interval reaches past
+    1, so with the closed band [0.9, 1.0] the shipped CTPO claim was "not resolved"; with the side open each check
+    holds. An accuracy that collapsed to ~0 is "at most 0.18" though its interval reaches below 0."""
+    claim = load_claim(CLAIMS_DIR / "ctpo_prefix_ratio_variance.yaml")
+    rows = [{START_SEED: p, "axis": axis, "point": point, "cumulative_sd_slope": 0.5 + 0.01 * (p - 4),
+             "frac_positions_ordered": frac}
+            for p, frac in zip(range(2, 7), (1.0, 1.0, 1.0, 1.0, 0.92), strict=True)
+            for axis, point in (*(("staleness", k) for k in ("1", "2", "4", "8")), ("mismatch", "temperature=1.3"))]
+    row = ledger_rows([claim], {claim.key: {"sqrt_growth": pd.DataFrame(rows)}})[0]
+    # every check holds ("indicative": sqrt_growth has one row per axis point and starting policy)
+    assert row["holds?"] == "indicative" and "frac_positions_ordered mean 0.984 [0.940, 1.03]" in row["measured"]
+    assert "expected >= 0.9" in row["measured"]
+    low = pd.DataFrame({"objective": "a", START_SEED: [p for p in range(2, 7) for _ in range(5)], "batch": 0,
+                        "m": [0.05] + [0.0] * 24})
+    verdict, measured, _ = evaluate_check({"table": "lab", "metric": "m", "within": [None, 0.18]}, {"lab": low})
+    assert verdict == "holds" and "[-0.0" in measured and "expected <= 0.18" in measured
+    assert evaluate_check({"table": "lab", "metric": "m", "within": [0.0, 0.18]}, {"lab": low})[0] == "not resolved"
+    for bounds in ([None, None], [None, float("inf")]):  # an open side is null, and one side at least is a bound
+        assert "null for a side the claim leaves open" in harness.apps.claims.check_problem(
+            {"table": "lab", "metric": "m", "within": bounds}, "lab")
+
+
 def _paired(differences: dict[int, list[float]]) -> pd.DataFrame:
     """``final`` rows of objectives a and b, a - b = the given differences per starting policy (one per seed)."""
     return pd.DataFrame([{"objective": o, START_SEED: p, "seed": s, "m": 0.3 + d * (o == "a")}

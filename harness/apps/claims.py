@@ -36,7 +36,10 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   does not hold if it lies wholly outside.
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high]: the mean's 95% interval inside [low, high] (holds) or wholly
-  outside (does not hold); the min or max observed, which has no interval, inside or not.
+  outside (does not hold); the min or max observed, which has no interval, inside or not. ``null`` for a side the
+  claim leaves open (``[0.9, null]``: at least 0.9), where the quantity's own limit is no bound of the claim (a
+  fraction's 1, an accuracy's 0): a t-interval reaches past such a limit, and a closed bound there would leave a
+  claim that every unit meets "not resolved".
 A check whose interval reaches both sides of its bound, or that has none (one starting policy and fewer than 3
 units), is "not resolved": neither the claim nor its negation is supported.
 A claim file is checked when it is read, before any experiment runs (``check_problem``): a field neither list above
@@ -305,9 +308,10 @@ def check_problem(check, kind: str) -> str | None:
         return f"statistic must be one of {', '.join(STATISTICS)}"
     if "within" in check:
         bounds = check["within"]
-        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_finite, bounds))
-                and bounds[0] <= bounds[1]):
-            return f"within must be [low, high], two finite numbers with low <= high, got {bounds!r}"
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(b is None or _finite(b) for b in bounds)
+                and bounds != [None, None] and (None in bounds or bounds[0] <= bounds[1])):
+            return (f"within must be [low, high], two finite numbers with low <= high, got {bounds!r} (null for a "
+                    "side the claim leaves open, e.g. [0.9, null])")
         return None
     return compare_problem(check["compare"])
 
@@ -759,6 +763,8 @@ def narrowed(check: dict, where: str | None) -> dict:
 def evaluate_within(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     """evaluate_check's ``within`` check."""
     table, metric, (low, high) = tables[check["table"]], check["metric"], check["within"]
+    expected = f"in [{low}, {high}]" if None not in (low, high) else f">= {low}" if high is None else f"<= {high}"
+    low, high = -np.inf if low is None else low, np.inf if high is None else high  # an open side
     statistic = check.get("statistic", "mean")
     values = selected(table, check, check.get("objective"), tables.get(SCORES)) if statistic == "mean" else \
         unit_values(table, check, check.get("objective"))
@@ -773,7 +779,7 @@ def evaluate_within(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     who = f"{check['objective']} " if check.get("objective") else ""
     shown = f" [{num(lo)}, {num(hi)}]" if np.isfinite(lo) else " (no interval)" if statistic == "mean" else ""
     measured = (f"{who}{metric} {statistic} {num(value)}{shown} (n={len(values)}{resolution(values, metric)}; "
-                f"expected in [{low}, {high}])")
+                f"expected {expected})")
     return verdict, measured, replication(as_series(values), check["table"])
 
 
