@@ -443,6 +443,14 @@ def test_ledger_rows_and_files(tmp_path):
     path = write_ledger(rows, tmp_path, "stamp")
     text = path.read_text()
     assert "does not hold" in text and "Dr. GRPO" in text and (tmp_path / "ledger.html").exists()
+    # the ledger a reader opens states each row's correction, as its replication and model (it was in ledger.csv
+    # only): none across claims; "holds" needs both checks, "does not hold" follows from either (unadjusted)
+    correction = ("none across claims; within the claim every check must hold, each at 95% (intersection-union "
+                  "test); 2 checks; 'does not hold' rests on any one of them (each one-sided at 2.5%, unadjusted: "
+                  "up to 5% for a true claim)")
+    assert rows[0]["correction"] == correction
+    assert "| holds? | replication | model | correction |" in text and f"| {correction} |" in text
+    assert "<th>correction</th>" in (tmp_path / "ledger.html").read_text()
 
 
 @pytest.mark.slow  # every shipped claim read (seconds): make test

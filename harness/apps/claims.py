@@ -70,10 +70,12 @@ than 5 their coverage falls short of 95% in some simulated case, analysis/stats.
 every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers)
 when a check does not; "not resolved" when none fails but one is not resolved; "no data" (a check found nothing to
 measure). Every row states its replication, its model and its correction: none
-across claims (each claim is its own question, from its own paper), and within a claim every check must hold, each
-at 95% (an intersection-union test, which needs no adjustment for the number of checks). An ``equivalent`` check's
-95% interval inside the margin is two one-sided tests at 2.5% each. Experiments are resumable (labs per batch,
-sweeps per run), so `make claims` continues where it stopped.
+across claims (each claim is its own question, from its own paper; each verdict is at 95%, so a ledger of many
+claims can hold a wrong verdict by chance), and within a claim every check must hold, each at 95% (an
+intersection-union test, which needs no adjustment for the number of checks), while "does not hold" follows from
+any one check (a union: up to k x 2.5% for a true claim of k checks, unadjusted, said in its row). An
+``equivalent`` check's 95% interval inside the margin is two one-sided tests at 2.5% each. Experiments are resumable
+(labs per batch, sweeps per run), so `make claims` continues where it stopped.
 """
 
 from __future__ import annotations
@@ -868,6 +870,18 @@ def design_text(units: list[tuple]) -> tuple[str, bool]:
             all(p >= DESIGN[0] and n >= DESIGN[1] for p, n, _ in units))
 
 
+def correction_text(checks: int) -> str:
+    """A row's correction: none across claims; within the claim, "holds" needs every check (no adjustment), while
+    "does not hold" follows from any one check whose interval lies wholly on the other side of its bound, each such
+    test one-sided at 2.5%, so that a claim of ``checks`` true checks is said not to hold up to ``checks`` x 2.5% of
+    the time (a union of tests, not adjusted: said so)."""
+    text = f"{CORRECTION}; {checks} check{'s' * (checks > 1)}"
+    if checks > 1:
+        text += (f"; 'does not hold' rests on any one of them (each one-sided at 2.5%, unadjusted: up to "
+                 f"{2.5 * checks:g}% for a true claim)")
+    return text
+
+
 def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None) -> list[dict]:
     """One row per claim from its experiment's tables (``tables_of`` by Claim.key); a key in ``unread`` (why its runs
     could not be read) gives "no data" with that reason."""
@@ -882,8 +896,7 @@ def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None
                        "holds" if confirmed else "indicative")
         rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
                      "measured": "; ".join(m for _, m, _ in results), "holds?": verdict, "replication": text,
-                     "model": model_of(claim), "correction": f"{CORRECTION}; {len(claim.checks)} check"
-                                                             f"{'s' * (len(claim.checks) > 1)}",
+                     "model": model_of(claim), "correction": correction_text(len(claim.checks)),
                      "experiment": f"{claim.source[0]} {claim.source[1]}", "name": claim.name,
                      "notes": " ".join(claim.notes)})
     return rows
@@ -893,7 +906,7 @@ def write_ledger(rows: list[dict], out: Path, stamp: str) -> Path:
     """ledger.csv, ledger.md and ledger.html, each written whole then renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
-    shown = frame[["claim", "paper", "reported", "measured", "holds?", "replication", "model"]]
+    shown = frame[["claim", "paper", "reported", "measured", "holds?", "replication", "model", "correction"]]
     notes = [f"- {r['name']}: {r['notes']}" for r in rows if r["notes"]]
     stamp = stamp + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
     files = {"ledger.csv": frame.to_csv(index=False),
