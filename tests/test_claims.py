@@ -437,7 +437,7 @@ def test_ledger_rows_and_files(tmp_path):
     assert ledger_rows([claim], {claim.key: {"lab": table}})[0]["holds?"] == "not resolved"
     table.loc[[1, 3, 5], "token_weight_long_over_short_wrong"] = [2.0, 2.1, 1.9]  # ... lies wholly out of it
     rows = ledger_rows([claim], {claim.key: {"lab": table}})
-    assert rows[0]["holds?"] == "does not hold"
+    assert rows[0]["holds?"] == "does not hold (indicative)"  # from one starting policy x 3 batches, as "indicative"
     claim.checks[0]["where"] = "no_such_column == 1"  # reported in the ledger, not a crash after the runs
     assert ledger_rows([claim], {claim.key: {"lab": table}})[0]["holds?"] == "no data"
     path = write_ledger(rows, tmp_path, "stamp")
@@ -535,6 +535,30 @@ def test_a_claim_holds_only_under_the_confirmation_design():
     row = ledger_rows([both], {both.key: {"lab": table}})[0]
     assert (row["holds?"], row["replication"]) == ("indicative", "5 starting policies x 1 batches")
 
+
+
+def test_a_claim_does_not_hold_without_indicative_only_under_the_confirmation_design(tmp_path):
+    """The coverage that makes a claim held from fewer than 5 starting policies "indicative" is that of the same
+    interval lying wholly on the other side: a claim refuted from fewer (a probe's 1 x 3 seeds, 3 starting policies)
+    is "does not hold (indicative)", from 5 x 5 "does not hold"; the ledger's count says how many are indicative."""
+    check = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b"}}
+    claim = Claim(name="x", claim="a beats b", paper="p", experiment={"lab": "lab"}, checks=[check])
+    below = policies_table({2: -0.5, 3: -0.52, 4: -0.48, 5: -0.49, 6: -0.51})
+    assert ledger_rows([claim], {claim.key: {"lab": below}})[0]["holds?"] == "does not hold"
+    row = ledger_rows([claim], {claim.key: {"lab": below[below[START_SEED] <= 4]}})[0]
+    assert (row["holds?"], row["replication"]) == ("does not hold (indicative)", "3 starting policies x 5 batches")
+    # one check refuted under the design and one short of it: the claim does not hold
+    thin = policies_table({2: -0.5, 3: -0.5}).rename(columns={"m": "m2"})
+    both = Claim(name="y", claim="a beats b twice", paper="p", experiment={"lab": "lab"},
+                 checks=[check, {**check, "metric": "m2"}])
+    assert ledger_rows([both], {both.key: {"lab": pd.concat([below, thin])}})[0]["holds?"] == "does not hold"
+    probe = load_claim(CLAIMS_DIR / "moe_expert_volatility.yaml")  # its seeds are its units: 1 "policy" x 3 seeds
+    table = pd.DataFrame([{"layers": d, "seed": k, "objective": "grpo", "expert_changed_frac": 0.01 + 0.001 * k}
+                          for d in (2, 8) for k in range(3)])
+    rows = ledger_rows([probe, claim], {probe.key: {"probe": table}, claim.key: {"lab": below}})
+    assert [r["holds?"] for r in rows] == ["does not hold (indicative)", "does not hold"]
+    stamp = harness.apps.claims.ledger_stamp(rows, [], None, run=False, seconds=0.0)
+    assert "2 do not hold (1 of them indicative), 0 not resolved" in stamp
 
 def test_a_difference_that_depends_on_the_starting_policy_is_not_resolved():
     """+0.5, +0.02, +0.5 from three starting policies: every unit's difference is positive, and the 15 units pooled

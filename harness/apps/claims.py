@@ -68,14 +68,16 @@ Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 startin
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
 than 5 their coverage falls short of 95% in some simulated case, analysis/stats.py, as the zoo marks them) when
 every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers)
-when a check does not; "not resolved" when none fails but one is not resolved; "no data" (a check found nothing to
-measure). Every row states its replication, its model and its correction: none
-across claims (each claim is its own question, from its own paper; each verdict is at 95%, so a ledger of many
-claims can hold a wrong verdict by chance), and within a claim every check must hold, each at 95% (an
-intersection-union test, which needs no adjustment for the number of checks), while "does not hold" follows from
-any one check (a union: up to k x 2.5% for a true claim of k checks, unadjusted, said in its row). An
-``equivalent`` check's 95% interval inside the margin is two one-sided tests at 2.5% each. Experiments are resumable
-(labs per batch, sweeps per run), so `make claims` continues where it stopped.
+when a check does not, under DESIGN ("does not hold (indicative)" when every check that does not hold has less
+replication: its interval falls short of 95% as that of a claim that holds would, and a probe's claim is at most
+indicative either way); "not resolved" when none fails but one is not resolved; "no data" (a check found nothing to
+measure). Every row states its replication, its model and its correction: none across claims (each claim is its
+own question, from its own paper; each verdict is at 95%, so a ledger of many claims can hold a wrong verdict by
+chance), and within a claim every check must hold, each at 95% (an intersection-union test, which needs no
+adjustment for the number of checks), while "does not hold" follows from any one check (a union: up to k x 2.5% for
+a true claim of k checks, unadjusted, said in its row). An ``equivalent`` check's 95% interval inside the margin is
+two one-sided tests at 2.5% each. Experiments are resumable (labs per batch, sweeps per run), so `make claims`
+continues where it stopped.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ DESIGN = (INDICATIVE_BELOW, 5)  # what "holds" needs: starting policies (the int
 # INDICATIVE_BELOW their coverage falls short of 95%, analysis/stats.py), and seeds (or batches) per starting policy
 CORRECTION = ("none across claims; within the claim every check must hold, each at 95% (intersection-union test)")
 NOT_RESOLVED = "not resolved"  # a check's 95% interval reaches both sides of its claimed bound, or there is none
+REFUTED_INDICATIVE = "does not hold (indicative)"  # no check that does not hold meets DESIGN (module docstring)
 # what a selection (``where``, pandas' query syntax) may hold: columns, values, comparisons and arithmetic, no more
 WHERE_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd, ast.Compare,
                ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.BitAnd,
@@ -866,8 +869,12 @@ def design_text(units: list[tuple]) -> tuple[str, bool]:
         return "none", False
     policies = min(p for p, _, _ in units)
     _, per, name = min(units, key=lambda u: u[1])
-    return (f"{policies} starting polic{'y' if policies == 1 else 'ies'} x {per} {name}",
-            all(p >= DESIGN[0] and n >= DESIGN[1] for p, n, _ in units))
+    return (f"{policies} starting polic{'y' if policies == 1 else 'ies'} x {per} {name}", all(map(meets_design, units)))
+
+
+def meets_design(units: tuple | None) -> bool:
+    """Whether a check's replication (starting policies, the fewest units per policy, their name) meets DESIGN."""
+    return units is not None and units[0] >= DESIGN[0] and units[1] >= DESIGN[1]
 
 
 def correction_text(checks: int) -> str:
@@ -894,6 +901,8 @@ def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None
         text, confirmed = design_text([u for _, _, u in results if u is not None])
         verdict = next((v for v in ("no data", "does not hold", NOT_RESOLVED) if v in verdicts),
                        "holds" if confirmed else "indicative")
+        if verdict == "does not hold" and not any(meets_design(u) for v, _, u in results if v == verdict):
+            verdict = REFUTED_INDICATIVE  # the intervals that refute it fall short of 95% as those of a claim held
         rows.append({"claim": claim.claim, "paper": claim.paper, "reported": claim.reported,
                      "measured": "; ".join(m for _, m, _ in results), "holds?": verdict, "replication": text,
                      "model": model_of(claim), "correction": correction_text(len(claim.checks)),
@@ -993,7 +1002,8 @@ def ledger_stamp(rows: list[dict], asked: list[Claim], names: list[str] | None, 
     (the machine, harness/apps/stamp.py's, and the load around the call)."""
     count = (f"{len(rows)} claims, {sum(r['holds?'] == 'holds' for r in rows)} hold under the confirmation design "
              f"(>= {DESIGN[0]} starting policies x >= {DESIGN[1]} seeds or batches each; 'indicative': every check "
-             f"holds with less), {sum(r['holds?'] == 'does not hold' for r in rows)} do not hold, "
+             f"holds with less), {sum(r['holds?'] in ('does not hold', REFUTED_INDICATIVE) for r in rows)} do not "
+             f"hold ({sum(r['holds?'] == REFUTED_INDICATIVE for r in rows)} of them indicative), "
              f"{sum(r['holds?'] == NOT_RESOLVED for r in rows)} not resolved, "
              f"{sum(r['holds?'] == 'no data' for r in rows)} no data")
     if not run:
