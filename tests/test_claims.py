@@ -560,6 +560,20 @@ def test_a_claim_does_not_hold_without_indicative_only_under_the_confirmation_de
     stamp = harness.apps.claims.ledger_stamp(rows, [], None, run=False, seconds=0.0)
     assert "2 do not hold (1 of them indicative), 0 not resolved" in stamp
 
+
+def test_m2po_s_claim_needs_grpo_to_degrade_at_the_stress_lag():
+    """"M2PO trains stably at a high staleness where GRPO does not": M2PO above GRPO at lag 16 and no M2PO collapse
+    held the claim though GRPO ended higher at lag 16 than at lag 0; GRPO's own drop is a check of it too."""
+    claim = load_claim(CLAIMS_DIR / "m2po_stable_at_high_staleness.yaml")
+    level = {("grpo", 0): 0.30, ("grpo", 16): 0.35, ("m2po", 0): 0.45, ("m2po", 16): 0.45}
+    final = pd.DataFrame([{"objective": o, "train.rollout_lag": lag, START_SEED: p, "seed": s, "collapsed": 0.0,
+                           "final_eval_accuracy": level[o, lag] + 0.002 * ((p + s) % 3)}
+                          for (o, lag) in level for p in range(2, 7) for s in range(5)])
+    row = ledger_rows([claim], {claim.key: {"final": final}})[0]
+    assert row["holds?"] == "does not hold" and "grpo [`train.rollout_lag` == 16] < grpo" in row["measured"]
+    final.loc[(final["objective"] == "grpo") & (final["train.rollout_lag"] == 16), "final_eval_accuracy"] -= 0.1
+    assert ledger_rows([claim], {claim.key: {"final": final}})[0]["holds?"] == "holds"
+
 def test_a_difference_that_depends_on_the_starting_policy_is_not_resolved():
     """+0.5, +0.02, +0.5 from three starting policies: every unit's difference is positive, and the 15 units pooled
     as batches of one policy would give a tight interval above 0; over the policies' means (2 degrees of freedom)
