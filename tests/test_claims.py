@@ -118,6 +118,8 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: grpo}]", r"compare must be a mapping"),
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, factor: x}}]",
      r"compare.factor must be a number > 0 \(y's multiplier\), got 'x'"),  # a numpy traceback
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, scale: ln}}]",
+     r"compare.scale must be one of linear, log, got 'ln'"),
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, direction: equal, "
      "tolerance: -1}}]", r"compare.tolerance must be a number >= 0 .*got -1"),  # "does not hold"
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, derection: less}}]",
@@ -573,6 +575,31 @@ def test_m2po_s_claim_needs_grpo_to_degrade_at_the_stress_lag():
     assert row["holds?"] == "does not hold" and "grpo [`train.rollout_lag` == 16] < grpo" in row["measured"]
     final.loc[(final["objective"] == "grpo") & (final["train.rollout_lag"] == 16), "final_eval_accuracy"] -= 0.1
     assert ledger_rows([claim], {claim.key: {"final": final}})[0]["holds?"] == "holds"
+
+
+def test_the_moe_ratio_spread_claim_compares_what_the_routing_adds_to_each_ratio_s_spread():
+    """GSPO's sequence ratio spreads less than GRPO's tokens whatever the routing: its level against GRPO's under R2
+    held "the sequence ratio absorbs the routing changes" though the live routing inflated GSPO's spread by 1.6,
+    more than GRPO's 1.5. The check compares each one's spread with the live routing relative to its own under R2
+    (log scale): that does not hold; GSPO's 1.05 against GRPO's 1.5 holds."""
+    claim = load_claim(CLAIMS_DIR / "moe_ratio_spread.yaml")
+
+    def lab(gspo_inflation: float) -> pd.DataFrame:
+        rows = []
+        for p in range(2, 7):
+            for batch in range(5):
+                noise = 1 + 0.01 * ((p + batch) % 3)
+                for o, r2, up in (("grpo", 0.3, 1.5), ("gspo", 0.06, gspo_inflation)):
+                    rows += [{START_SEED: p, "batch": batch, "objective": o, "axis": axis, "point": point,
+                              "staleness": 8, "ratio_std": r2 * noise * (up if axis == "staleness" else 1)}
+                             for axis, point in (("staleness", "8"), ("routing", "r2"), ("routing", "r3"))]
+        return pd.DataFrame(rows)
+
+    row = ledger_rows([claim], {claim.key: {"lab": lab(1.6)}})[0]
+    assert row["holds?"] == "does not hold" and "log ratio_std" in row["measured"]
+    assert ledger_rows([claim], {claim.key: {"lab": lab(1.05)}})[0]["holds?"] == "holds"
+    negative = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b", "scale": "log"}}
+    assert "needs a positive metric" in checked(negative, {"lab": LAB.assign(m=LAB["m"] - 2)})[1]
 
 def test_a_difference_that_depends_on_the_starting_policy_is_not_resolved():
     """+0.5, +0.02, +0.5 from three starting policies: every unit's difference is positive, and the 15 units pooled

@@ -33,7 +33,9 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   0; ``less`` mirrors it; ``equal`` holds if max |x - y| <= tolerance * max(|y|, tiny) over units; ``equivalent``
   holds if the interval of mean(x - y) lies inside [-margin, margin] (an equivalence test: "matches" needs an
   interval that excludes every difference larger than the margin, not an interval that happens to include 0) and
-  does not hold if it lies wholly outside.
+  does not hold if it lies wholly outside. ``scale: log`` compares the logs of the per-unit means (with a
+  ``baseline``, each side's log ratio to its baseline: a relative change, for two quantities of different sizes; a
+  positive metric, over the units only, not the eval problems).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high]: the mean's 95% interval inside [low, high] (holds) or wholly
   outside (does not hold); the min or max observed, which has no interval, inside or not. ``null`` for a side the
@@ -288,7 +290,9 @@ def experiment_problem(experiment) -> str | None:
 
 
 CHECK_KEYS = ("table", "metric", "where", "objective", "statistic", "within", "compare")
-COMPARE_KEYS = ("objective", "than", "where", "than_where", "baseline", "direction", "factor", "tolerance", "margin")
+COMPARE_KEYS = ("objective", "than", "where", "than_where", "baseline", "direction", "factor", "tolerance", "margin",
+                "scale")
+SCALES = ("linear", "log")  # compare.scale: log compares the logs of per-unit means (a baseline: their log ratio)
 
 
 def check_problem(check, kind: str) -> str | None:
@@ -334,6 +338,8 @@ def compare_problem(spec) -> str | None:
         return f"compare.{wrong[0]} is one text, got {spec[wrong[0]]!r}"
     if spec.get("direction", "greater") not in DIRECTIONS:
         return f"compare.direction must be one of {', '.join(DIRECTIONS)}"
+    if spec.get("scale", "linear") not in SCALES:
+        return f"compare.scale must be one of {', '.join(SCALES)}, got {spec['scale']!r}"
     problem = next(filter(None, (where_problem(spec[k]) for k in ("where", "than_where", "baseline") if spec.get(k))),
                    None)
     if problem:
@@ -701,6 +707,17 @@ def as_series(values: pd.Series | dict) -> pd.Series:
     return pd.Series([value for _, value, _ in values.values()], index=index, dtype=float)
 
 
+def scaled(values: pd.Series | dict, log: bool) -> pd.Series | dict:
+    """Units on a compare's scale: as they are, or (``log``) the logs of their values, which must be positive (a
+    ValueError: the check cannot be evaluated)."""
+    if not log:
+        return values
+    values = as_series(values)
+    if (values <= 0).any():
+        raise ValueError("compare.scale log needs a positive metric: some unit's value is <= 0")
+    return np.log(values)
+
+
 def minus(x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0, sign: int = 1) -> pd.Series | dict:
     """sign x (x - factor x y) per unit, over the units both have (accuracy units: per run and eval problem)."""
     if isinstance(x, dict):
@@ -797,11 +814,15 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     if spec.get("direction") == "equal":  # the units' own values, compared unit by unit
         scores = None
     a, b = spec["objective"], spec["than"]
-    x, y = selected(table, narrowed(check, spec.get("where")), a, scores), \
-        selected(table, narrowed(check, spec.get("than_where")), b, scores)
-    if spec.get("baseline"):  # each side's change from its own baseline rows, per unit
-        x = minus(x, selected(table, {**check, "where": spec["baseline"]}, a, scores))
-        y = minus(y, selected(table, {**check, "where": spec["baseline"]}, b, scores))
+    log = spec.get("scale") == "log"
+
+    def side(where: str | None, objective: str) -> pd.Series | dict:  # the units of one side, on the check's scale
+        return scaled(selected(table, {**check, "where": where}, objective, None if log else scores), log)
+
+    x, y = (side(narrowed(check, spec.get(key)).get("where"), name) for key, name in (("where", a), ("than_where", b)))
+    if spec.get("baseline"):  # each side's change from its own baseline rows, per unit (on a log scale, their ratio)
+        x, y = minus(x, side(spec["baseline"], a)), minus(y, side(spec["baseline"], b))
+    metric = f"log {metric}" if log else metric
     a, b = (f"{name} [{spec[key]}]" if spec.get(key) else name for name, key in ((a, "where"), (b, "than_where")))
     if spec.get("baseline"):
         a, b = (f"{name} minus [{spec['baseline']}]" for name in (a, b))
