@@ -764,6 +764,7 @@ def test_claims_check_their_runs_before_building_policies_and_again_for_a_replac
     misses), and checks again the runs of a candidate that replaced one that missed its band."""
     from harness.apps import claims
 
+    monkeypatch.chdir(tmp_path)  # the experiments' results_dir ("results") here, not the checkout's own runs
     order = []
     monkeypatch.setattr(claims, "check_runs_code", lambda cfg, runs, allow, command: order.append(
         ("check", sorted({int(r.model.seed) for r in runs}))))
