@@ -211,6 +211,19 @@ def test_a_check_that_cannot_be_evaluated_is_no_data_in_the_ledger_not_a_stop():
     assert verdict == "no data" and "could not be evaluated" in text
 
 
+
+def test_a_where_on_a_swept_key_the_runs_there_do_not_vary_yet_says_so():
+    """A swept key is a column only where the folder's runs take two values of it: `--existing` on a claim's sweep
+    that has run only its num_minibatches=16 cell said "UndefinedVariableError: name
+    'BACKTICK_QUOTED_STRING_train_DOT_num_minibatches' is not defined"."""
+    final = pd.DataFrame({"objective": ["a", "b"], "seed": [0, 0], "m": [1.0, 2.0]})
+    check = {"table": "final", "metric": "m", "where": "`train.num_minibatches` == 16",
+             "compare": {"objective": "a", "than": "b"}}
+    verdict, text, _ = checked(check, {"final": final})
+    assert verdict == "no data" and "no column 'train.num_minibatches' in the final table" in text
+    assert "a swept key is a column only where the runs there take two values of it" in text
+    assert "BACKTICK" not in text
+
 def test_a_misspelt_metric_is_named_with_the_nearest_one_and_how_to_check_again_without_running():
     """A metric no row has (a typo found only after the experiment ran) was a pandas KeyError in the ledger."""
     from harness.apps.claims import checked

@@ -869,7 +869,12 @@ def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tup
                            "and check it on them (`python -m harness claims NAME --existing` starts no run)"), None
     try:
         return evaluate_check(check, tables)
-    except (KeyError, TypeError, ValueError, SyntaxError, pd.errors.UndefinedVariableError) as e:
+    except pd.errors.UndefinedVariableError as e:  # pandas names a backticked column BACKTICK_QUOTED_STRING_a_DOT_b
+        name = re.sub(r"^BACKTICK_QUOTED_STRING_(.*)$", r"\1", str(e).split("'")[1] if "'" in str(e) else str(e))
+        return "no data", (f"{metric}: no column {name.replace('_DOT_', '.')!r} in the {check['table']} table for a "
+                           f"where of {check}: a swept key is a column only where the runs there take two values of "
+                           "it (those that exist may all have one so far)"), None
+    except (KeyError, TypeError, ValueError, SyntaxError) as e:
         return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}", None
 
 
