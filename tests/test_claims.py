@@ -299,6 +299,29 @@ def test_a_within_leaves_open_a_side_the_claim_does_not_bound():
             {"table": "lab", "metric": "m", "within": bounds}, "lab")
 
 
+
+def test_a_difference_of_float_round_off_on_every_unit_is_no_difference():
+    """Two quantities equal but for their last bits (R3 and R2 of the fp32 MoE lab) differ by ulps of one sign on
+    every unit: the zero-width interval of those differences held "r3 > r2" under the confirmation design (margin
+    3.55e-16 [3.55e-16, 3.55e-16]). Within round-off on every unit they are equal: not greater; a real difference
+    of 0.1% still holds."""
+    def table(relative: float) -> pd.DataFrame:
+        rows = []
+        for p in range(2, 7):
+            for batch in range(5):
+                v = 0.3 + 0.01 * ((p * 7 + batch) % 5)
+                rows += [{START_SEED: p, "batch": batch, "objective": "a", "point": "r3", "m": v * (1 + relative)},
+                         {START_SEED: p, "batch": batch, "objective": "a", "point": "r2", "m": v}]
+        return pd.DataFrame(rows)
+
+    check = {"table": "lab", "metric": "m",
+             "compare": {"objective": "a", "than": "a", "where": "point == 'r3'", "than_where": "point == 'r2'"}}
+    verdict, measured, _ = evaluate_check(check, {"lab": table(1e-15)})
+    assert verdict == "does not hold" and "margin 0.00 [0.00, 0.00]" in measured
+    assert evaluate_check(check, {"lab": table(1e-3)})[0] == "holds"
+    equivalent = {**check, "compare": {**check["compare"], "direction": "equivalent", "margin": 1e-18}}
+    assert evaluate_check(equivalent, {"lab": table(1e-15)})[0] == "holds"
+
 def _paired(differences: dict[int, list[float]]) -> pd.DataFrame:
     """``final`` rows of objectives a and b, a - b = the given differences per starting policy (one per seed)."""
     return pd.DataFrame([{"objective": o, START_SEED: p, "seed": s, "m": 0.3 + d * (o == "a")}

@@ -160,6 +160,7 @@ WHERE_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not
                ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.BitAnd,
                ast.BitOr, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Mod, ast.Name, ast.Load, ast.Constant, ast.List,
                ast.Tuple)
+ROUNDOFF = 1e-6  # relative: differences of a compare's every unit within it are float32 round-off, not an effect
 SEEDS_MAX = 100  # a claim's seeds per starting policy, at most (x its policies x cells: already hours of runs)
 STRING_TESTS = ("startswith", "endswith", "contains")  # column.str.<test>(values): the string tests a where may use
 
@@ -727,6 +728,18 @@ def minus(x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0, sign: i
     return sign * (x[common] - factor * y[common])
 
 
+def beyond_roundoff(difference: pd.Series | dict, x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0
+                    ) -> pd.Series | dict:
+    """A compare's per-unit differences, all set to 0 where every one of them is float32 round-off (within ROUNDOFF
+    of the larger side): two quantities equal but for their last bits (R3 and R2 in fp32) differ by a few ulps of one
+    sign on every unit, whose zero-width interval would hold a strict inequality. Accuracy units (analysis/accuracy.py
+    already gives seeds alike no interval) are returned as they are."""
+    if isinstance(difference, dict) or not len(difference):
+        return difference
+    scale = max(float(np.abs(x).max()), float(np.abs(factor * y).max()))
+    return difference * 0.0 if bool((difference.abs() <= ROUNDOFF * scale).all()) else difference
+
+
 def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
     """(starting policies, the fewest units of one of them, the units' name) of unit_values' result."""
     per = values.groupby(level=0).size()
@@ -839,14 +852,14 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
         tolerance = spec.get("tolerance", 1e-6)
         return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}); max relative gap {gap:.1e}", units
     if direction == "equivalent":
-        difference = minus(x, y)
+        difference = beyond_roundoff(minus(x, y), x, y)
         value, lo, hi = interval(difference)
         margin = spec["margin"]
         measured = (f"{numbers}{resolution(difference, metric)}); {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], "
                     f"equivalence margin +-{margin:g}")
         return verdict_of(lo, hi, -margin, margin), measured, units
     sign = 1 if direction == "greater" else -1
-    difference = minus(x, y, factor, sign)
+    difference = beyond_roundoff(minus(x, y, factor, sign), x, y, factor)
     value, lo, hi = interval(difference)
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
     # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
