@@ -901,6 +901,10 @@ def test_naming_claims_runs_theirs_and_the_ledger_keeps_a_row_for_every_other_cl
             and "by `python -m harness claims gspo_clips_more` (wall time of this call on " in text
             and " cores, 1 run at a time; torch " in text and "; 1-minute load average " in text
             and f" after); the other {n - 1} claims checked on the runs that existed" in text)
+    # the code that checked them, beside the runs' own: a check changed by later code changes a verdict
+    from harness.run.provenance import code_record
+
+    assert f"Verdicts checked by code `{code_record()['version']}`." in text
     assert "\ngspo_clips_more: no data\n" in capsys.readouterr().err
     assert claims.main(None, jobs=1, progress=False, results_dir=str(tmp_path), run=False) == 0  # --existing: rows
     with pytest.raises(ConfigError, match="different code versions"):

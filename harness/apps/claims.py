@@ -1084,7 +1084,8 @@ def main(names: list[str] | None = None, jobs: int = 2, progress: bool = True, r
                        for r in tables["final"].to_dict("records")}.values())  # a run two claims read: counted once
     # (a run id names a run within its folder: two experiments' runs can share one)
     where = f" on {machine(jobs)}; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
-    stamp = f"{ledger_stamp(rows, asked, names, run, time.time() - start, where)} {runs_stamp(checked_on)}"
+    stamp = (f"{ledger_stamp(rows, asked, names, run, time.time() - start, where)} Verdicts checked by code "
+             f"`{code_record()['version']}`. {runs_stamp(checked_on)}")
     stamp += labs_stamp(tables_of)
     path = write_ledger(rows, Path(results_dir) / CLAIMS_RUNS, stamp)
     verdicts = {r["name"]: r["holds?"] for r in rows}
