@@ -279,11 +279,15 @@ def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkey
         # a knob documented above its line
         knob_b: int = 3
         la_power: float = 2.0  # this objective's own la_power
+        clip_ratio_c: float = 2.0  # this objective's own bound, a name with a hand-written row
 
         def policy_loss(self, batch):
             return aggregate(-batch.logp * batch.token_advantages, batch, self.aggregation), {}
 
     try:
+        assert main(["explain", "objective.params.clip_ratio_c"]) == 0  # the row's meaning hid the field's comment
+        out = capsys.readouterr().out
+        assert "the dual clip's bound c" in out and "edge_knobs: this objective's own bound" in out, out
         assert main(["explain", "knob_a"]) == 0
         out = capsys.readouterr().out
         assert "objective.params.knob_a: how hard the test turns its knob" in out and "objectives: edge_knobs" in out
@@ -294,6 +298,29 @@ def test_a_new_objectives_hyperparameters_are_explained_from_their_fields(monkey
         assert "ctpo: length-adaptive window" in out and "edge_knobs: this objective's own la_power" in out
         assert "| `objective.params.knob_a` | how hard the test turns its knob | edge_knobs 0.5 |" in \
             names.names_markdown()
+    finally:
+        names.all_names.cache_clear()
+
+
+def test_a_shared_hyperparameter_is_explained_per_objective_where_its_meaning_differs(monkeypatch, capsys):
+    """A hand-written row's meaning was shown alone: clip_ratio_c "the dual clip's bound c" for tbpo too (whose 0 is
+    1 + clip_high), clip_low "ε_low of the ratio clip" for ipo (a mask threshold). An objective's field comment that
+    says otherwise is shown with its name; a comment every objective inherits (beta's, aggregation's) is not."""
+    for key, own in [("objective.params.clip_ratio_c", "tbpo: 0: c = 1 + clip_high"),
+                     ("clip_low", "ipo: mask tokens whose probability fell"),
+                     ("beta", "adaptive_kl: the initial coefficient of the KL")]:
+        assert main(["explain", key]) == 0
+        out = capsys.readouterr().out
+        assert own in out, out
+    assert main(["explain", "aggregation"]) == 0
+    assert "reduction of the per-token" not in capsys.readouterr().out
+    # a hyperparameter one objective has, with a hand-written row: its field's comment, not the row's line
+    monkeypatch.setattr(names, "NAMES", (*names.NAMES, names.Name(names.PARAMS + "band_low", meaning="hand-written")))
+    names.all_names.cache_clear()
+    try:
+        assert main(["explain", "band_low"]) == 0
+        out = capsys.readouterr().out
+        assert "objective.params.band_low: lower edge of the trust band" in out and "hand-written" not in out, out
     finally:
         names.all_names.cache_clear()
 

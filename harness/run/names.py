@@ -313,12 +313,35 @@ def objective_param_meaning(name: str, param: str) -> str:
 
 
 def _own_meaning(name: str, param: str) -> str | None:
-    cls = OBJECTIVES.get(name)
-    field = next(f for f in dataclasses.fields(cls) if f.name == param)
-    text = field.metadata.get("help") or _field_comments(cls).get(param)
+    text = _field_help(OBJECTIVES.get(name), param)
     if text is None and name in MEANINGS.get(param, ((), ""))[0]:
         text = MEANINGS[param][1]
     return text
+
+
+def _field_help(cls, param: str) -> str | None:
+    """The ``help`` metadata or the comment of ``cls``'s field ``param`` (None if it has neither, or no such field)."""
+    field = next((f for f in dataclasses.fields(cls) if f.name == param), None)
+    return field and (field.metadata.get("help") or _field_comments(cls).get(param))
+
+
+def written_meaning(param: str, common: str) -> str:
+    """A hand-written row's meaning ``common`` of ``objective.params.<param>``, followed by the meaning of each
+    objective whose field says otherwise (its ``help`` or comment, not the one every objective inherits): tbpo's
+    ``clip_ratio_c`` 0 is not the dual clip's bound, a new objective's comment is its field's help. Where every
+    objective taking it says its own, those alone (the hand-written line then describes none of them)."""
+    inherited = _field_help(Objective, param)
+    taking = objectives_taking(param)
+    meanings: dict[str, list[str]] = {}
+    for name in taking:
+        text = _own_meaning(name, param)
+        if text and text != inherited:
+            meanings.setdefault(text, []).append(name)
+    every = bool(taking) and sum(map(len, meanings.values())) == len(taking)
+    if every and len(meanings) == 1:
+        return next(iter(meanings))
+    own = [f"{', '.join(objectives)}: {text}" for text, objectives in meanings.items()]
+    return "; ".join(own if every else [common, *own])
 
 
 def _docstring_meaning(name: str, param: str) -> str:
@@ -361,15 +384,25 @@ def objectives_taking(param: str) -> list[str]:
 def all_names() -> tuple[Name, ...]:
     """:data:`NAMES` plus a row for every objective hyperparameter the registry knows (generated: a new objective's
     hyperparameters appear here, in ``explain`` and in docs/trl.md without an edit of this file); a hand-written
-    row (with TRL / verl names) wins over the generated one; without a meaning of its own it takes the field's."""
+    row (with TRL / verl names) wins over the generated one; without a meaning of its own it takes the field's, and
+    an objective whose field's comment says otherwise is shown with its own (:func:`_with_meaning`)."""
     params = dict.fromkeys(p for name in OBJECTIVES.names() for p in OBJECTIVES.get(name).hyperparameters())
     written = {n.key for n in NAMES}
     generated = [Name(PARAMS + p, meaning=hyperparameter_meaning(p)) for p in params if PARAMS + p not in written]
     meanings = schema_meanings()
-    rows = [n if n.meaning else dataclasses.replace(n, meaning=meanings[n.key] if n.key in meanings else
-                                                    hyperparameter_meaning(n.key.removeprefix(PARAMS))) for n in NAMES]
+    rows = [_with_meaning(n, meanings) for n in NAMES]
     last = max(i for i, n in enumerate(rows) if n.key.startswith(PARAMS))
     return (*rows[: last + 1], *generated, *rows[last + 1 :])
+
+
+def _with_meaning(row: Name, meanings: dict[str, str]) -> Name:
+    """A hand-written row with its meaning: an objective hyperparameter's with each objective's own where it differs
+    (:func:`written_meaning`); a row without one takes its schema field's comment or the objectives' fields'."""
+    param = row.key.removeprefix(PARAMS)
+    if row.meaning:
+        return dataclasses.replace(row, meaning=written_meaning(param, row.meaning)) if row.key.startswith(PARAMS) \
+            else row
+    return dataclasses.replace(row, meaning=meanings[row.key] if row.key in meanings else hyperparameter_meaning(param))
 
 
 def by_key() -> dict[str, Name]:
