@@ -601,6 +601,28 @@ def test_an_empty_ray_address_starts_a_local_cluster_even_where_ray_address_is_s
     assert real.is_initialized() is False
 
 
+def test_settings_the_chosen_launcher_does_not_read_are_named_in_one_note(tmp_path, capsys):
+    """--launcher ray with launcher.partition, time_min, mem_gb, slurm_args set (SLURM's) ignored them without a word,
+    as --launcher slurm did launcher.address: one note now names them before anything starts (not an error: an
+    experiment file may carry both launchers' settings); settings at their defaults are not named."""
+    from harness.apps.launchers import make_launcher
+
+    slurm = ["launcher.partition=gpu", "launcher.time_min=60", "launcher.mem_gb=8", "launcher.slurm_args.qos=high"]
+    make_launcher("ray", experiment(tmp_path, tmp_path / "results", *slurm, "launcher.address=auto").launcher,
+                  tmp_path)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --launcher ray does not read launcher.partition, launcher.time_min, launcher.mem_gb, "
+        "launcher.slurm_args (another launcher's settings: ignored here; docs/cluster.md)"]
+    make_launcher("slurm", experiment(tmp_path, tmp_path / "results", *slurm, "launcher.address=auto").launcher,
+                  tmp_path)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --launcher slurm does not read launcher.address (another launcher's settings: ignored here; "
+        "docs/cluster.md)"]
+    for name in ("local", "ray", "slurm"):
+        make_launcher(name, experiment(tmp_path, tmp_path / "results").launcher, tmp_path)
+    assert capsys.readouterr().err == ""
+
+
 def fake_slurm_commands(folder: Path, commands: dict[str, str]) -> str:
     """``commands``: name -> shell script body, made executable in ``folder``; the PATH that finds them first."""
     folder.mkdir()

@@ -29,6 +29,7 @@ only when their launcher is chosen.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -50,6 +51,7 @@ from tqdm import tqdm
 
 from harness.run.atomic import atomic_write
 from harness.run.commandline import LAUNCHERS
+from harness.run.config import LauncherConfig
 from harness.run.errors import ConfigError
 from harness.run.isolated import die_with_parent
 from harness.run.locks import RUN_LOCK, is_held
@@ -630,8 +632,28 @@ def check_run_gpus(runs: list[DictConfig], settings: DictConfig, name: str) -> N
                               f"job (--launcher {name}) sees only the GPUs it asks for, as cuda:0 and on; set {fix}")
 
 
+# the launcher.* settings each launcher reads (the others are another launcher's)
+READS = {"local": ("runs_per_process",), "ray": ("cpus_per_run", "gpus_per_run", "address"),
+         "slurm": ("cpus_per_run", "gpus_per_run", "cluster", "partition", "time_min", "mem_gb", "slurm_args")}
+
+
+def say_unread_settings(name: str, settings: DictConfig) -> None:
+    """One note on stderr naming the ``launcher.*`` settings given (not at their defaults) that launcher ``name`` does
+    not read: a SLURM partition under --launcher ray was ignored without a word. Not an error: an experiment file may
+    carry the settings of several launchers."""
+    defaults = dataclasses.asdict(LauncherConfig())
+    unread = [f"launcher.{key}" for key, value in OmegaConf.to_container(settings).items()
+              if key not in READS[name] and value != defaults.get(key, value)]
+    if unread:
+        print(f"note: --launcher {name} does not read {', '.join(unread)} (another launcher's settings: ignored "
+              "here; docs/cluster.md)", file=sys.stderr)
+
+
 def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
-    """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place)."""
+    """The launcher ``name`` with the experiment's ``launcher`` settings (checked here: the one place; those it does
+    not read, named in a note)."""
+    if name in READS:
+        say_unread_settings(name, settings)
     if name == "local":
         if settings.runs_per_process < 0:
             raise ConfigError(f"launcher.runs_per_process must be >= 0 (0: no limit), got {settings.runs_per_process}")
