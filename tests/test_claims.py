@@ -599,6 +599,23 @@ def test_a_claim_does_not_hold_without_indicative_only_under_the_confirmation_de
     assert "2 do not hold (1 of them indicative), 0 not resolved" in stamp
 
 
+def test_a_refutation_is_not_hidden_by_another_check_without_data():
+    """A claim one check of which clearly does not hold while another found nothing to measure read "no data": the
+    union rule ("does not hold" follows from any one check) gives "does not hold", marked indicative by the refuting
+    check's own replication; without a refutation, "no data" still wins over "holds" and "not resolved"."""
+    check = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b"}}
+    missing = {**check, "metric": "no_such_metric"}  # "no data": the table has no such column
+    claim = Claim(name="x", claim="a beats b", paper="p", experiment={"lab": "lab"}, checks=[missing, check])
+    below = policies_table({2: -0.5, 3: -0.52, 4: -0.48, 5: -0.49, 6: -0.51})
+    row = ledger_rows([claim], {claim.key: {"lab": below}})[0]
+    assert row["holds?"] == "does not hold" and "no_such_metric: no lab row" in row["measured"]
+    assert row["replication"] == "5 starting policies x 5 batches"
+    row = ledger_rows([claim], {claim.key: {"lab": below[below[START_SEED] <= 4]}})[0]
+    assert row["holds?"] == "does not hold (indicative)"  # refuted from 3 starting policies: as "indicative"
+    for effects in ({2: 0.5, 3: 0.52, 4: 0.48, 5: 0.49, 6: 0.51}, {2: 0.5, 3: -0.5, 4: 0.0}):  # holds, not resolved
+        assert ledger_rows([claim], {claim.key: {"lab": policies_table(effects)}})[0]["holds?"] == "no data"
+
+
 def test_m2po_s_claim_needs_grpo_to_degrade_at_the_stress_lag():
     """"M2PO trains stably at a high staleness where GRPO does not": M2PO above GRPO at lag 16 and no M2PO collapse
     held the claim though GRPO ended higher at lag 16 than at lag 0; GRPO's own drop is a check of it too."""

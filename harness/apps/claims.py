@@ -70,14 +70,15 @@ Verdicts: "holds" only under the confirmation design (DESIGN: at least 5 startin
 starting policy, in every check's selection: the intervals are over the starting policies' means, and from fewer
 than 5 their coverage falls short of 95% in some simulated case, analysis/stats.py, as the zoo marks them) when
 every check holds; "indicative" when every check holds with less replication; "does not hold" (with the numbers)
-when a check does not, under DESIGN ("does not hold (indicative)" when every check that does not hold has less
-replication: its interval falls short of 95% as that of a claim that holds would, and a probe's claim is at most
-indicative either way); "not resolved" when none fails but one is not resolved; "no data" (a check found nothing to
-measure). Every row states its replication, its model and its correction: none across claims (each claim is its
-own question, from its own paper; each verdict is at 95%, so a ledger of many claims can hold a wrong verdict by
-chance), and within a claim every check must hold, each at 95% (an intersection-union test, which needs no
-adjustment for the number of checks), while "does not hold" follows from any one check (a union: up to k x 2.5% for
-a true claim of k checks, unadjusted, said in its row). An ``equivalent`` check's 95% interval inside the margin is
+when a check does not, under DESIGN, whatever the others found ("no data" of another does not hide it; "does not
+hold (indicative)" when every check that does not hold has less replication: its interval falls short of 95% as
+that of a claim that holds would, and a probe's claim is at most indicative either way); "no data" when none fails
+and a check found nothing to measure; "not resolved" when none fails, each has data and one is not resolved. Every
+row states its replication, its model and its correction: none across claims (each claim is its own question, from
+its own paper; each verdict is at 95%, so a ledger of many claims can hold a wrong verdict by chance), and within
+a claim every check must hold, each at 95% (an intersection-union test, which needs no adjustment for the number of
+checks), while "does not hold" follows from any one check (a union: up to k x 2.5% for a true claim of k checks,
+unadjusted, said in its row). An ``equivalent`` check's 95% interval inside the margin is
 two one-sided tests at 2.5% each. Experiments are resumable (labs per batch, sweeps per run), so `make claims`
 continues where it stopped.
 """
@@ -938,7 +939,8 @@ def ledger_rows(claims: list[Claim], tables_of: dict, unread: dict | None = None
                    [checked(c, tables_of[claim.key]) for c in claim.checks])
         verdicts = [v for v, _, _ in results]
         text, confirmed = design_text([u for _, _, u in results if u is not None])
-        verdict = next((v for v in ("no data", "does not hold", NOT_RESOLVED) if v in verdicts),
+        # a refutation by any one check suffices (the union rule), whatever another found nothing to measure
+        verdict = next((v for v in ("does not hold", "no data", NOT_RESOLVED) if v in verdicts),
                        "holds" if confirmed else "indicative")
         if verdict == "does not hold" and not any(meets_design(u) for v, _, u in results if v == verdict):
             verdict = REFUTED_INDICATIVE  # the intervals that refute it fall short of 95% as those of a claim held
