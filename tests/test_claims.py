@@ -322,6 +322,22 @@ def test_a_difference_of_float_round_off_on_every_unit_is_no_difference():
     equivalent = {**check, "compare": {**check["compare"], "direction": "equivalent", "margin": 1e-18}}
     assert evaluate_check(equivalent, {"lab": table(1e-15)})[0] == "holds"
 
+
+def test_round_off_is_judged_unit_by_unit_not_against_the_largest_unit():
+    """x exceeds y by 1.0 on every one of 25 units of about 1, and one unit is about 1e7 (a heavy-tailed spread): the
+    round-off rule measured every unit's difference against the largest unit's size, so 1.0 read as round-off of 1e7
+    and "x > y" did not hold (margin 0.00). Each unit's difference is round-off only against its own sides."""
+    rows = []
+    for p in range(2, 7):
+        for batch in range(5):
+            level = 1e7 if (p, batch) == (2, 0) else 1.0
+            rows += [{START_SEED: p, "batch": batch, "objective": "a", "point": "x", "m": level + 1.0},
+                     {START_SEED: p, "batch": batch, "objective": "a", "point": "y", "m": level}]
+    check = {"table": "lab", "metric": "m",
+             "compare": {"objective": "a", "than": "a", "where": "point == 'x'", "than_where": "point == 'y'"}}
+    verdict, measured, _ = evaluate_check(check, {"lab": pd.DataFrame(rows)})
+    assert verdict == "holds" and "margin 1.00 [1.00, 1.00]" in measured
+
 def _paired(differences: dict[int, list[float]]) -> pd.DataFrame:
     """``final`` rows of objectives a and b, a - b = the given differences per starting policy (one per seed)."""
     return pd.DataFrame([{"objective": o, START_SEED: p, "seed": s, "m": 0.3 + d * (o == "a")}

@@ -732,12 +732,15 @@ def minus(x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0, sign: i
 def beyond_roundoff(difference: pd.Series | dict, x: pd.Series | dict, y: pd.Series | dict, factor: float = 1.0
                     ) -> pd.Series | dict:
     """A compare's per-unit differences, all set to 0 where every one of them is float32 round-off (within ROUNDOFF
-    of the larger side): two quantities equal but for their last bits (R3 and R2 in fp32) differ by a few ulps of one
-    sign on every unit, whose zero-width interval would hold a strict inequality. Accuracy units (analysis/accuracy.py
-    already gives seeds alike no interval) are returned as they are."""
+    of the larger side of its own unit): two quantities equal but for their last bits (R3 and R2 in fp32) differ by a
+    few ulps of one sign on every unit, whose zero-width interval would hold a strict inequality. Each unit against
+    its own sides, not the largest of all units: one unit far larger than the rest would make every other unit's
+    real difference look like round-off. Accuracy units (analysis/accuracy.py already gives seeds alike no interval)
+    are returned as they are."""
     if isinstance(difference, dict) or not len(difference):
         return difference
-    scale = max(float(np.abs(x).max()), float(np.abs(factor * y).max()))
+    index = difference.index
+    scale = np.maximum(np.abs(x[index]), np.abs(factor * y[index]))
     return difference * 0.0 if bool((difference.abs() <= ROUNDOFF * scale).all()) else difference
 
 
