@@ -670,6 +670,19 @@ def test_the_moe_ratio_spread_claim_compares_what_the_routing_adds_to_each_ratio
     negative = {"table": "lab", "metric": "m", "compare": {"objective": "a", "than": "b", "scale": "log"}}
     assert "needs a positive metric" in checked(negative, {"lab": LAB.assign(m=LAB["m"] - 2)})[1]
 
+
+def test_a_factor_on_a_log_scale_multiplies_y_not_its_log():
+    """a is 1.5 x b on every unit: "a > 2 x b" does not hold, and does not on a log scale either, where the check
+    read log a - 2 log b (b near 1: log b near 0) and held it; "a > 1.2 x b" holds on both scales."""
+    rows = [{START_SEED: p, "batch": batch, "objective": o, "m": (1.5 if o == "a" else 1.0) * (1 + 0.01 * (p % 3))}
+            for p in range(2, 7) for batch in range(5) for o in ("a", "b")]
+    lab = pd.DataFrame(rows)
+    for scale in ("linear", "log"):
+        for factor, verdict in ((2, "does not hold"), (1.2, "holds")):
+            check = {"table": "lab", "metric": "m",
+                     "compare": {"objective": "a", "than": "b", "factor": factor, "scale": scale}}
+            assert evaluate_check(check, {"lab": lab})[0] == verdict, (scale, factor)
+
 def test_a_difference_that_depends_on_the_starting_policy_is_not_resolved():
     """+0.5, +0.02, +0.5 from three starting policies: every unit's difference is positive, and the 15 units pooled
     as batches of one policy would give a tight interval above 0; over the policies' means (2 degrees of freedom)

@@ -35,7 +35,8 @@ a sweep's comparison is paired by seed, as analysis/paired.py's (runs of one see
   interval that excludes every difference larger than the margin, not an interval that happens to include 0) and
   does not hold if it lies wholly outside. ``scale: log`` compares the logs of the per-unit means (with a
   ``baseline``, each side's log ratio to its baseline: a relative change, for two quantities of different sizes; a
-  positive metric, over the units only, not the eval problems).
+  positive metric, over the units only, not the eval problems; a ``factor`` f then compares log x - log y with
+  log f).
 - ``within: [low, high]``: the ``statistic`` (mean by default, or min, max) over units of the metric, for
   ``objective`` when given, lies in [low, high]: the mean's 95% interval inside [low, high] (holds) or wholly
   outside (does not hold); the min or max observed, which has no interval, inside or not. ``null`` for a side the
@@ -863,7 +864,9 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
                     f"equivalence margin +-{margin:g}")
         return verdict_of(lo, hi, -margin, margin), measured, units
     sign = 1 if direction == "greater" else -1
-    difference = beyond_roundoff(minus(x, y, factor, sign), x, y, factor)
+    # on a log scale "x > factor y" is log x - log y > log factor, not log x > factor log y
+    shifted, multiplier = (x - np.log(factor), 1.0) if log else (x, factor)
+    difference = beyond_roundoff(minus(shifted, y, multiplier, sign), shifted, y, multiplier)
     value, lo, hi = interval(difference)
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
     # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
