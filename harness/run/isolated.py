@@ -93,6 +93,9 @@ class IsolatedCall:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(5)
             outcome = Outcome("ended", f"exit code {self._process.returncode}")
+        except BaseException:  # interrupted while the child works (Ctrl-C): its answer would be the next call's
+            self.close()
+            raise
         self.close()
         return outcome
 

@@ -1,0 +1,48 @@
+"""harness/run/isolated.py: a function called in a child process of its own, each call under a time limit."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+
+import pytest
+
+from harness.run.isolated import IsolatedCall, Outcome
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="a timer signal interrupts the call")
+def test_a_call_interrupted_while_its_child_works_leaves_no_answer_for_the_next_call():
+    """Ctrl-C (a KeyboardInterrupt caught by the caller: a worker's run returns 130 and the worker goes on, a
+    notebook) while the child worked left its answer in the pipe: the next call read the interrupted call's answer,
+    and every later call the one before its own."""
+    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=60)
+    assert call("1 + 1") == Outcome("value", 2)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            call("__import__('time').sleep(3) or 'interrupted'")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    try:
+        assert call("'second'") == Outcome("value", "second")
+        assert call("'third'") == Outcome("value", "third")
+    finally:
+        call.close()
+
+
+def test_a_call_past_its_limit_or_that_ends_its_child_is_said_and_the_next_call_gets_a_new_child():
+    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=1)
+    try:
+        assert call("__import__('time').sleep(30)") == Outcome("timed out", "over 1 s")
+        assert call("__import__('os')._exit(3)") == Outcome("ended", "exit code 3")
+        assert call("exit()").kind == "raised"  # SystemExit in the child is an answer, not its end
+        assert call(f"{sys.maxsize} + 1") == Outcome("value", sys.maxsize + 1)
+    finally:
+        call.close()
