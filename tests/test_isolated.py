@@ -46,3 +46,13 @@ def test_a_call_past_its_limit_or_that_ends_its_child_is_said_and_the_next_call_
         assert call(f"{sys.maxsize} + 1") == Outcome("value", sys.maxsize + 1)
     finally:
         call.close()
+
+
+def test_a_builder_that_does_not_pickle_is_raised_at_every_call_and_leaves_no_child():
+    """The builder was sent outside the start's clean-up: its TypeError left the child started, waiting for a builder
+    for as long as the caller lived, and the next call sent that child its arguments as the builder ("ended")."""
+    call = IsolatedCall(functools.partial(getattr, sys, "exit"), timeout_s=5)  # a module does not pickle
+    for _ in range(2):
+        with pytest.raises(TypeError, match="pickle"):
+            call(0)
+        assert call._process is None

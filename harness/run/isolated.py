@@ -109,8 +109,8 @@ class IsolatedCall:
         self._connection = Connection(os.dup(self._process.stdout.fileno()), writable=False)
         self._process.stdin.close()
         self._process.stdout.close()
-        self._calls.send(self.build)
         try:
+            self._calls.send(self.build)  # a builder that does not pickle raises here: the child is ended too
             try:
                 ready = self._connection.poll(START_TIMEOUT_S) and self._connection.recv() == "ready"
             except (EOFError, OSError):  # the child ended while it built its function
