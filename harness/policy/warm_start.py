@@ -58,6 +58,9 @@ class WarmStartError(ValueError):
 
 
 MISSED_BAND = 3  # the exit status of a command whose warm start missed its band (harness/apps/cli.py)
+# task arguments the warm-started weights do not depend on, left out of the cache key (a cached policy keeps its key
+# when a task gains one): which held-out set, how long a reasoning-gym answer's scoring may take
+NOT_IN_KEY = ("eval_set", "score_timeout_s")
 
 
 @register_check("warm_start")
@@ -429,7 +432,7 @@ def _warm_start_key(model, tokenizer, task: Task, settings: list) -> str:
         sorted(tokenizer.get_vocab().items()),
         tokenizer.chat_template,
         task.name,
-        {k: v for k, v in task.config().items() if k != "eval_set"},  # which held-out set: not what it trains on
+        {k: v for k, v in task.config().items() if k not in NOT_IN_KEY},
     ]
     digest.update(json.dumps(content + settings, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
