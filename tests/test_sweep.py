@@ -461,6 +461,32 @@ def test_a_sweep_continued_after_a_commit_says_its_runs_will_not_be_pooled_with_
                     "report keeps each version's runs apart") in err
 
 
+def test_the_other_code_note_counts_the_runs_this_sweep_runs_not_an_earlier_sweeps_unfinished_ones(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """An earlier sweep's run that did not end, and that this sweep's grid does not hold, was counted among "the N this
+    sweep runs": a sweep whose every run had ended said it would run one (the note is for runs it starts)."""
+    from harness.apps import sweep
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    cfg = load_experiment("quickstart", [*TINY_RUN, "model.warm_start_steps=0", "model.warm_start_target=null",
+                                         f"results_dir={tmp_path}", "sweep.grid.objective.name=[grpo]",
+                                         "sweep.grid.seed=[0]"])
+    exp_dir = tmp_path / "quickstart"
+    ended = exp_dir / sweep.run_id(run_configs(cfg)[0])
+    ended.mkdir(parents=True)
+    (ended / "config.yaml").write_text(OmegaConf.to_yaml(run_configs(cfg)[0]))
+    (ended / "summary.json").write_text(json.dumps({"status": "finished", "segments": [
+        {"from_step": 0, "code": {"version": "0ld0000"}}]}))
+    (exp_dir / "grpo-s7-00000000").mkdir()  # an earlier sweep's run, begun and never ended
+    (exp_dir / "manifest.json").write_text(json.dumps({"runs": [
+        {"run_id": "grpo-s7-00000000", "dir": "grpo-s7-00000000", "status": "running"}]}))
+    monkeypatch.setattr(sweep, "make_launcher", lambda name, settings, exp_dir: _Runner())
+    monkeypatch.setattr(_Runner, "check", lambda self: None, raising=False)
+    monkeypatch.setattr(_Runner, "close", lambda self: None, raising=False)
+    sweep.run_sweep(cfg, progress=False, launcher="ray")  # the stand-in: no run process
+    assert "note: runs that ended in " not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_local_sweep_over_starting_policies_builds_them_in_processes_as_one_after_another_would(tmp_path,
                                                                                                     monkeypatch):

@@ -360,11 +360,11 @@ def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, comman
     check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in ENDED], allow, command)
 
 
-def say_other_versions(exp_dir: Path, entries: list[dict]) -> None:
+def say_other_versions(exp_dir: Path, entries: list[dict], todo: int) -> None:
     """One note when runs that ended in the folder (``entries``: the manifest's, this sweep's and those earlier sweeps
-    left) are of other code than the runs this sweep starts: the report keeps each version's runs apart (never pooled
-    as seeds of one condition), which a sweep continued after a commit would otherwise learn only from its report."""
-    todo = sum(e["status"] not in ENDED for e in entries)
+    left) are of other code than the ``todo`` runs this sweep starts or resumes: the report keeps each version's runs
+    apart (never pooled as seeds of one condition), which a sweep continued after a commit would otherwise learn only
+    from its report."""
     current = code_record()["version"]
     ended = version_counts([ended_version(exp_dir / e["dir"]) for e in entries if e["status"] in ENDED])
     others = {version: n for version, n in ended.items() if version != current}
@@ -407,8 +407,8 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
                                      "runs": earlier["runs"] + entries})
 
     save_manifest()
-    say_other_versions(exp_dir, earlier["runs"] + entries)
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
+    say_other_versions(exp_dir, earlier["runs"] + entries, len(todo))
     steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
     pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
     jobs = max(1, min(jobs, len(todo)))  # --jobs 100 for 4 runs: 4 at once, each its share of the cores, not 1/100
