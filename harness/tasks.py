@@ -639,8 +639,8 @@ class ReasoningGym(Task):
 
     Several of the library's scorers run the model's text: string_insertion's, spiral_matrix's, binary_matrix's and
     n_queens' ``eval()`` a wrong answer (``#### exit()`` raises SystemExit, ``#### __import__('os')._exit(0)``
-    ends the process), countdown's and the integration and polynomial generators' parse it with sympy, which
-    evaluates it (``#### 9**9**9`` never returns). So the scorer runs in a process of its own
+    ends the process), countdown's, puzzle24's and the integration and polynomial generators' parse it with sympy,
+    which evaluates it (``#### 9**9**9`` never returns). So the scorer runs in a process of its own
     (harness/run/isolated.py), started once per process and generator config, each answer within
     ``score_timeout_s`` seconds (a round trip through a pipe per answer): an answer that runs past it or ends
     that process scores 0, said on stderr, and the next answer gets a new process. A legitimately slow scorer on a

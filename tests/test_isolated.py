@@ -56,3 +56,24 @@ def test_a_builder_that_does_not_pickle_is_raised_at_every_call_and_leaves_no_ch
         with pytest.raises(TypeError, match="pickle"):
             call(0)
         assert call._process is None
+
+
+def test_a_child_writes_where_this_process_stderr_goes_now(tmp_path):
+    """A worker process trains runs one after another, each with stderr on its own train.log: the child, started under
+    the first run, went on writing into that run's log during the next ones. A child is started again once stderr
+    goes to another file."""
+    import os
+
+    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=60)
+    saved = os.dup(2)
+    try:
+        for name in ("first.log", "second.log"):
+            fd = os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+            assert call(f"__import__('sys').stderr.write('{name}\\n') and None") == Outcome("value", None)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        call.close()
+    assert [(tmp_path / name).read_text() for name in ("first.log", "second.log")] == ["first.log\n", "second.log\n"]

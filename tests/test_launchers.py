@@ -578,6 +578,12 @@ def test_a_cluster_run_sees_the_gpus_its_job_asked_for_and_no_others(tmp_path, m
                                            type("Job", (), {"job_id": "7"})()})()
     slurm.start(["train"], tmp_path / "train.log", "run")
     assert submitted[0][4] == env
+    # a GPU asked of SLURM through slurm_args (gres) is the job's too: not hidden
+    from omegaconf import OmegaConf
+
+    from harness.apps.launchers import gpu_env
+
+    assert gpu_env(OmegaConf.create({"gpus_per_run": 0, "slurm_args": {"gres": "gpu:1"}})) == {}
 
 
 def test_an_empty_ray_address_starts_a_local_cluster_even_where_ray_address_is_set(tmp_path, monkeypatch):

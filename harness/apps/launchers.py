@@ -49,6 +49,7 @@ from typing import Protocol
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from harness.run import isolated
 from harness.run.atomic import atomic_write
 from harness.run.commandline import LAUNCHERS
 from harness.run.config import LauncherConfig
@@ -430,8 +431,8 @@ class RayLauncher:
         except ImportError:
             raise ConfigError('--launcher ray needs Ray: pip install -e ".[ray]"') from None
         self.ray = ray
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # a worker runs run_harness without
-        # importing the harness (and torch) itself: only the run's own process does
+        for module in (sys.modules[__name__], isolated):  # a worker runs run_harness (and its die_with_parent)
+            ray.cloudpickle.register_pickle_by_value(module)  # without importing the harness (and torch) itself
         self.task = ray.remote(run_harness)
         address = self.settings.address
         if not ray.is_initialized():
@@ -518,7 +519,8 @@ class SlurmLauncher:
             raise ConfigError('--launcher slurm needs submitit: pip install -e ".[slurm]"') from None
         import cloudpickle  # submitit's
 
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])  # a job runs run_harness without importing torch
+        for module in (sys.modules[__name__], isolated):  # a job runs run_harness without importing torch
+            cloudpickle.register_pickle_by_value(module)
         if s.cluster not in ("slurm", "local"):
             raise ConfigError(f"launcher.cluster must be slurm or local, got {s.cluster!r}")
         if s.cluster == "slurm" and shutil.which("sbatch") is None:
@@ -609,11 +611,16 @@ def check_script_values(values: dict) -> None:
                                   "would become a line of the SLURM script: give it without one")
 
 
+GPU_SBATCH_OPTIONS = ("gres", "gpus", "gpus_per_node", "gpus_per_task", "tres_per_node", "tres_per_task")  # slurm_args
+
+
 def gpu_env(settings: DictConfig) -> dict[str, str]:
-    """What a cluster's run process is given beside its environment: with ``launcher.gpus_per_run`` 0, no GPU. Ray
-    leaves a task that asks for none every GPU of its node (reserved by other tasks or not), and a SLURM node that does
-    not fence its devices shows them to a job that was allocated none: device=auto would put the run on cuda:0."""
-    return {} if settings.gpus_per_run else {"CUDA_VISIBLE_DEVICES": ""}
+    """What a cluster's run process is given beside its environment: with ``launcher.gpus_per_run`` 0 (and no GPU
+    asked of SLURM through ``slurm_args``: GPU_SBATCH_OPTIONS), no GPU. Ray leaves a task that asks for none every GPU
+    of its node (reserved by other tasks or not), and a SLURM node that does not fence its devices shows them to a job
+    that was allocated none: device=auto would put the run on cuda:0."""
+    asked = settings.gpus_per_run or any(key in GPU_SBATCH_OPTIONS for key in settings.get("slurm_args") or {})
+    return {} if asked else {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def check_run_gpus(runs: list[DictConfig], settings: DictConfig, name: str) -> None:

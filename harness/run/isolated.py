@@ -73,15 +73,27 @@ def die_with_parent() -> None:
         pass
 
 
+def _stderr_identity() -> tuple[int, int] | None:
+    """The file behind this process's standard error (device, inode), which a child started now writes to."""
+    try:
+        info = os.fstat(2)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 class IsolatedCall:
     """``build()``'s function, called in a child process (started at the first call, again after one was killed or
-    ended), each call within ``timeout_s`` seconds."""
+    ended, or once this process's standard error goes to another file, as a worker's next run's log: the child's
+    lines go where this process's go), each call within ``timeout_s`` seconds."""
 
     def __init__(self, build: Callable[[], Callable], timeout_s: float):
         self.build, self.timeout_s = build, timeout_s
-        self._process = self._connection = self._calls = None
+        self._process = self._connection = self._calls = self._stderr = None
 
     def __call__(self, *args) -> Outcome:
+        if self._process is not None and self._stderr != _stderr_identity():  # e.g. a worker's next run's log
+            self.close()  # the child writes where this process's stderr went when it started: start one for here
         if self._process is None:
             self._start()
         try:
@@ -100,6 +112,7 @@ class IsolatedCall:
         return outcome
 
     def _start(self) -> None:
+        self._stderr = _stderr_identity()
         paths = [path or os.getcwd() for path in sys.path]  # the imports this process resolves, the same there
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from harness.run.isolated import serve; serve()"], stdin=subprocess.PIPE,
