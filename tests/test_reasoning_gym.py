@@ -187,18 +187,8 @@ def test_the_scoring_time_limit_leaves_the_warm_start_cache_key_as_it_was():
     """score_timeout_s (a task argument since the scorer runs in a process of its own) entered the warm start's cache
     key: every reasoning-gym starting policy cached before it was built again, and the key changed with the limit.
     The key is that of the code before the argument, whatever the limit."""
-    from harness.policy.warm_start import _warm_start_key
+    from tests.helpers.tiny import empty_policy_key
 
-    class Stub:  # the key reads the config, vocabulary and weights (tests/test_tasks.py's eval-set test)
-        config = type("C", (), {"to_dict": staticmethod(dict)})()
-        dtype = "float32"
-
-        @staticmethod
-        def state_dict():
-            return {}
-
-    tokenizer = type("T", (), {"get_vocab": staticmethod(dict), "chat_template": None})()
-    keys = {_warm_start_key(Stub, tokenizer, get_task("reasoning_gym", dataset="chain_sum", train_size=4, eval_size=2,
-                                                      **limit), [])
+    keys = {empty_policy_key(get_task("reasoning_gym", dataset="chain_sum", train_size=4, eval_size=2, **limit))
             for limit in ({}, {"score_timeout_s": 0}, {"score_timeout_s": 30})}
     assert keys == {"e71d663e7885a543"}  # the key of code ade77f9, before score_timeout_s

@@ -199,8 +199,8 @@ def test_a_later_eval_set_is_new_problems_and_leaves_the_train_problems_and_the_
     """task.eval_set k: problems that no other set and no train problem holds (the zoo's confirmation evaluates on
     set 1, which the screen's selection never saw); set 0 is the default's, the train problems and the warm start's
     cache key are every set's."""
-    from harness.policy.warm_start import _warm_start_key
     from harness.tasks import _arith_problems
+    from tests.helpers.tiny import empty_policy_key
 
     sets = [get_task("arith", eval_size=128, eval_set=k) for k in range(3)]
     default = get_task("arith", eval_size=128)
@@ -215,19 +215,10 @@ def test_a_later_eval_set_is_new_problems_and_leaves_the_train_problems_and_the_
     _arith_problems.cache_clear()  # built again, not read from the cache: the same problems
     assert get_task("arith", eval_size=128, eval_set=1).eval_problems() == sets[1].eval_problems()
 
-    class Stub:  # the key reads the config, vocabulary and weights: the same policy for any eval set
-        config = type("C", (), {"to_dict": staticmethod(dict)})()
-        dtype = "float32"
-
-        @staticmethod
-        def state_dict():
-            return {}
-
-    tokenizer = type("T", (), {"get_vocab": staticmethod(dict), "chat_template": None})()
     # the key of code before eval sets (d21d60c): cached starting policies keep theirs
-    assert {_warm_start_key(Stub, tokenizer, s, []) for s in sets} == {"6165dd6cdb54d87d"}
-    assert _warm_start_key(Stub, tokenizer, get_task("arith", eval_size=64), []) != _warm_start_key(
-        Stub, tokenizer, sets[1], [])  # eval_size is: set 0 leaves its problems out of the train problems
+    assert {empty_policy_key(s) for s in sets} == {"6165dd6cdb54d87d"}  # the same policy for any eval set
+    assert empty_policy_key(get_task("arith", eval_size=64)) != empty_policy_key(
+        sets[1])  # eval_size is: set 0 leaves its problems out of the train problems
     with pytest.raises(ValueError, match=r"eval_set=1: set 1 found \d+ of its 8 problems: the train problems and the "
                        r"earlier sets hold nearly all 200 there are; lower train_size"):
         get_task("arith", digits=1, eval_size=8, eval_set=1)  # 10000 draws of 200 problems leave none

@@ -28,3 +28,20 @@ def tiny_run(tmp_path, *overrides):
 
 def without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
+
+
+def empty_policy_key(task) -> str:
+    """The warm start's cache key (harness/policy/warm_start.py) of ``task`` for an empty policy (no config, weights or
+    vocabulary): what a task's own settings put into a starting policy's key, and what they leave out."""
+    from harness.policy.warm_start import _warm_start_key
+
+    class Stub:
+        config = type("C", (), {"to_dict": staticmethod(dict)})()
+        dtype = "float32"
+
+        @staticmethod
+        def state_dict():
+            return {}
+
+    tokenizer = type("T", (), {"get_vocab": staticmethod(dict), "chat_template": None})()
+    return _warm_start_key(Stub, tokenizer, task, [])
