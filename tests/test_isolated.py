@@ -37,6 +37,7 @@ def test_a_call_interrupted_while_its_child_works_leaves_no_answer_for_the_next_
         call.close()
 
 
+@pytest.mark.slow  # a call run to its 1-second limit, children started again (seconds): make test
 def test_a_call_past_its_limit_or_that_ends_its_child_is_said_and_the_next_call_gets_a_new_child():
     call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=1)
     try:

@@ -133,6 +133,7 @@ def test_a_completion_that_exits_through_the_librarys_eval_scores_zero_and_a_sig
     assert stopped.value.code == 128 + signal.SIGUSR1
 
 
+@pytest.mark.slow  # scoring processes started and ended (seconds): make test
 def test_an_answer_that_ends_the_scorers_process_scores_zero_and_the_run_goes_on(capsys):
     """string_insertion's scorer eval()s the answer: "os._exit" ended the training process. The library's scorer
     runs in a process of its own (harness/run/isolated.py): such an answer scores 0, is said on stderr, and the next
@@ -145,6 +146,7 @@ def test_an_answer_that_ends_the_scorers_process_scores_zero_and_the_run_goes_on
     assert task.score(f"#### {problem.answer}", problem) == Score(1.0, 1.0)
 
 
+@pytest.mark.slow  # a script that starts a scorer, times it out and is killed (seconds): make test
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the scorer's process ends with its parent on Linux")
 def test_an_answer_that_never_ends_scores_zero_and_its_process_ends_with_the_training_process(tmp_path):
     """countdown's scorer sympy-parses the answer: "#### 9**9**9" never returned, and the training run hung in its
