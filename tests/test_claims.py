@@ -223,6 +223,11 @@ def test_a_where_on_a_swept_key_the_runs_there_do_not_vary_yet_says_so():
     assert verdict == "no data" and "no column 'train.num_minibatches' in the final table" in text
     assert "a swept key is a column only where the runs there take two values of it" in text
     assert "BACKTICK" not in text
+    # a typo in a where is no swept key: the table's columns, not that explanation
+    verdict, text, _ = checked({**check, "where": "poin == 16"}, {"final": final})
+    assert verdict == "no data" and "no column 'poin' in the final table" in text
+    assert "its columns: objective, seed, m" in text and "swept key" not in text
+
 
 def test_a_misspelt_metric_is_named_with_the_nearest_one_and_how_to_check_again_without_running():
     """A metric no row has (a typo found only after the experiment ran) was a pandas KeyError in the ledger."""

@@ -891,9 +891,12 @@ def checked(check: dict, tables: dict[str, pd.DataFrame]) -> tuple[str, str, tup
         return evaluate_check(check, tables)
     except pd.errors.UndefinedVariableError as e:  # pandas names a backticked column BACKTICK_QUOTED_STRING_a_DOT_b
         name = re.sub(r"^BACKTICK_QUOTED_STRING_(.*)$", r"\1", str(e).split("'")[1] if "'" in str(e) else str(e))
-        return "no data", (f"{metric}: no column {name.replace('_DOT_', '.')!r} in the {check['table']} table for a "
-                           f"where of {check}: a swept key is a column only where the runs there take two values of "
-                           "it (those that exist may all have one so far)"), None
+        name = name.replace("_DOT_", ".")
+        why = ("a swept key is a column only where the runs there take two values of it (those that exist may all "
+               "have one so far)") if "." in name else \
+            f"its columns: {', '.join(map(str, tables[check['table']].columns))}"
+        return "no data", f"{metric}: no column {name!r} in the {check['table']} table for a where of {check}: {why}", \
+            None
     except (KeyError, TypeError, ValueError, SyntaxError) as e:
         return "no data", f"check {check} could not be evaluated: {type(e).__name__}: {e}", None
 
