@@ -645,7 +645,7 @@ class ReasoningGym(Task):
     ``score_timeout_s`` seconds (a round trip through a pipe per answer): an answer that runs past it or ends
     that process scores 0, said on stderr, and the next answer gets a new process. A legitimately slow scorer on a
     slow machine could cross the limit too: the line names it. ``score_timeout_s=0`` scores in this process
-    (SystemExit still caught, the rest not). This bounds time and crashes; what such text does to files is not
+    (SystemExit still caught, the rest not). This bounds time, memory and crashes; what such text does to files is not
     contained.
     """
 

@@ -78,3 +78,19 @@ def test_a_child_writes_where_this_process_stderr_goes_now(tmp_path):
         os.close(saved)
         call.close()
     assert [(tmp_path / name).read_text() for name in ("first.log", "second.log")] == ["first.log\n", "second.log\n"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA bounds mappings on Linux")
+def test_a_call_that_asks_for_more_memory_than_the_childs_limit_raises_there():
+    """An answer that asks for a huge allocation ran in the child with the machine's memory as its only bound (a
+    MemoryError now, within MEMORY_LIMIT; the allocation below is never touched, so it costs no memory without the
+    limit either)."""
+    from harness.run.isolated import MEMORY_LIMIT
+
+    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=60)
+    try:
+        outcome = call(f"len(bytearray({2 * MEMORY_LIMIT}))")
+        assert outcome.kind == "raised" and outcome.detail.startswith("MemoryError"), outcome
+        assert call("1 + 1") == Outcome("value", 2)  # the same child goes on
+    finally:
+        call.close()

@@ -2,8 +2,9 @@
 and may never return or may end its process (reasoning-gym's scorers ``eval()`` or sympy-parse a completion's answer:
 ``9**9**9`` never ends, ``os._exit(0)`` ends the process). The training process only waits, so a call that runs past
 its limit is abandoned (the child killed, a new one started at the next call), and one that ends its child is
-reported, both as an :class:`Outcome` the caller turns into a score. What the code does to files it can reach is not
-contained: this is a time and crash boundary, not a sandbox.
+reported, both as an :class:`Outcome` the caller turns into a score; on Linux a child holds at most MEMORY_LIMIT
+bytes of data, so an answer that asks for more raises MemoryError there instead of taking the machine's memory. What
+the code does to files it can reach is not contained: this is a time, memory and crash boundary, not a sandbox.
 
     call = IsolatedCall(functools.partial(method_of, SomeClass, "score", config=config), timeout_s=10.0)
     outcome = call(answer, entry)       # Outcome("value", 1.0) | ("raised", "ZeroDivisionError: ...") |
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
+MEMORY_LIMIT = 4 * 2**30  # bytes of data a child may hold (RLIMIT_DATA, Linux): past it, a MemoryError in the call
 START_TIMEOUT_S = 600  # a child's start (an interpreter and the imports its function needs), however loaded the machine
 
 
@@ -48,6 +50,10 @@ def serve() -> None:
     parent closes its end. Standard output becomes standard error, so what the function prints stays out of the
     answers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends this child
+    with contextlib.suppress(ImportError, ValueError, OSError, AttributeError):  # no such limit on this platform
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_LIMIT, MEMORY_LIMIT))  # an answer that asks for more
     calls, answers = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
     function = calls.recv()()
