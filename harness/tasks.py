@@ -591,17 +591,22 @@ def _raised_by_signal_handler(error: BaseException) -> bool:
     return trace is not None and trace.tb_frame.f_code in handlers
 
 
-_ISOLATED_SCORERS: dict[tuple, IsolatedCall] = {}  # one scoring process per generator config and time limit
+SCORING_PROCESSES_KEPT = 2  # scoring processes a process keeps (each ~ an interpreter with the library imported)
+_ISOLATED_SCORERS: dict[tuple, IsolatedCall] = {}  # by generator config and time limit, the last used last
 
 
 def isolated_scorer(generator_cls, config, timeout_s: float) -> IsolatedCall:
     """``generator_cls(config=config).score_answer`` in a process of its own, each answer within ``timeout_s``
-    (harness/run/isolated.py), shared by the tasks of this process with the same generator config."""
+    (harness/run/isolated.py), shared by the tasks of this process with the same generator config; the processes of
+    all but the SCORING_PROCESSES_KEPT configs used last are ended (a worker training runs of many datasets, a test
+    suite), and started again when their config is used again."""
     key = (generator_cls.__module__, generator_cls.__qualname__, repr(config), timeout_s)
-    if key not in _ISOLATED_SCORERS:
-        _ISOLATED_SCORERS[key] = IsolatedCall(
-            functools.partial(method_of, generator_cls, "score_answer", config=config), timeout_s)
-    return _ISOLATED_SCORERS[key]
+    scorer = _ISOLATED_SCORERS.pop(key, None) or IsolatedCall(
+        functools.partial(method_of, generator_cls, "score_answer", config=config), timeout_s)
+    _ISOLATED_SCORERS[key] = scorer
+    while len(_ISOLATED_SCORERS) > SCORING_PROCESSES_KEPT:
+        _ISOLATED_SCORERS.pop(next(iter(_ISOLATED_SCORERS))).close()
+    return scorer
 
 
 def text_after_marker(completion: str) -> str | None:
@@ -659,7 +664,8 @@ class ReasoningGym(Task):
     _train: list = field(default_factory=list, init=False, repr=False)
     _eval: list = field(default_factory=list, init=False, repr=False)
     _entries: dict = field(default_factory=dict, init=False, repr=False)  # prompt -> the library's item
-    _scorer: Callable | None = field(default=None, init=False, repr=False)  # the generator's score_answer
+    # the generator's score_answer (score_timeout_s 0), or what gives its process (isolated_scorer)
+    _scorer: Callable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         import difflib
@@ -740,7 +746,7 @@ class ReasoningGym(Task):
     def _scored(self, answer: str, entry: dict) -> float:
         """The library's score of ``answer`` in the scorer's own process (:class:`IsolatedCall`); 0 where it raises,
         runs past ``score_timeout_s`` or ends its process (both said on stderr)."""
-        outcome = self._scorer(answer, entry)
+        outcome = self._scorer()(answer, entry)  # isolated_scorer's, looked up at each call
         if outcome.kind == "value":
             try:
                 return float(outcome.detail)
@@ -765,8 +771,8 @@ class ReasoningGym(Task):
         draws = 4 * (self.eval_size + self.train_size)
         config = self._generator_config(size=draws)
         generator = DATASETS[self.dataset][0](config=config)
-        self._scorer = generator.score_answer if not self.score_timeout_s else isolated_scorer(
-            DATASETS[self.dataset][0], config, self.score_timeout_s)
+        self._scorer = generator.score_answer if not self.score_timeout_s else functools.partial(
+            isolated_scorer, DATASETS[self.dataset][0], config, self.score_timeout_s)
         entries: dict[str, dict] = {}
         index = 0
         while len(entries) < self.eval_size and index < draws:

@@ -157,8 +157,9 @@ def test_an_answer_that_never_ends_scores_zero_and_its_process_ends_with_the_tra
                       "task = get_task('reasoning_gym', dataset='countdown', train_size=4, eval_size=2, "
                       "score_timeout_s=1)\nproblem = task.eval_problems()[0]\n"
                       "print(task.score('#### 9**9**9', problem), task.score('#### ' + problem.answer, problem))\n"
-                      "task.score_timeout_s = task._scorer.timeout_s = 10**6\n"
-                      "print(task._scorer._process.pid, flush=True)\ntask.score('#### 9**9**9', problem)\n")
+                      "slow = get_task('reasoning_gym', dataset='countdown', train_size=4, eval_size=2, "
+                      "score_timeout_s=10**6)\nslow.score('#### 1', problem)\n"
+                      "print(slow._scorer()._process.pid, flush=True)\nslow.score('#### 9**9**9', problem)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               bufsize=0, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
@@ -194,3 +195,19 @@ def test_the_scoring_time_limit_leaves_the_warm_start_cache_key_as_it_was():
     keys = {empty_policy_key(get_task("reasoning_gym", dataset="chain_sum", train_size=4, eval_size=2, **limit))
             for limit in ({}, {"score_timeout_s": 0}, {"score_timeout_s": 30})}
     assert keys == {"e71d663e7885a543"}  # the key of code ade77f9, before score_timeout_s
+
+
+def test_a_process_keeps_the_scoring_processes_of_the_configs_it_used_last():
+    """Every generator config had a scoring process for as long as the process lived: a worker training runs of many
+    datasets, or a script scoring all of them (106 children, ~100 MB each), kept them all. The last
+    SCORING_PROCESSES_KEPT stay; an ended one starts again when its config is used again."""
+    from harness import tasks
+
+    names = ["chain_sum", "basic_arithmetic", "leg_counting"]
+    made = {name: get_task("reasoning_gym", dataset=name, train_size=2, eval_size=2) for name in names}
+    for name in [*names, names[0]]:
+        task = made[name]
+        problem = task.eval_problems()[0]
+        assert task.score(problem.solution, problem) == Score(1.0, 1.0), name
+    running = [s for s in tasks._ISOLATED_SCORERS.values() if s._process is not None]
+    assert len(tasks._ISOLATED_SCORERS) == len(running) == tasks.SCORING_PROCESSES_KEPT == 2
