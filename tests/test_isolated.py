@@ -16,7 +16,7 @@ def test_a_call_interrupted_while_its_child_works_leaves_no_answer_for_the_next_
     """Ctrl-C (a KeyboardInterrupt caught by the caller: a worker's run returns 130 and the worker goes on, a
     notebook) while the child worked left its answer in the pipe: the next call read the interrupted call's answer,
     and every later call the one before its own."""
-    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=60)
+    call = IsolatedCall(functools.partial(eval, "eval"), timeout_s=10)
     assert call("1 + 1") == Outcome("value", 2)
 
     def interrupt(signum, frame):
@@ -26,7 +26,7 @@ def test_a_call_interrupted_while_its_child_works_leaves_no_answer_for_the_next_
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         with pytest.raises(KeyboardInterrupt):
-            call("__import__('time').sleep(3) or 'interrupted'")
+            call("__import__('time').sleep(600) or 'interrupted'")  # no answer before the interrupt, whatever the load
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)

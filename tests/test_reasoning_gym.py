@@ -150,15 +150,18 @@ def test_an_answer_that_ends_the_scorers_process_scores_zero_and_the_run_goes_on
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the scorer's process ends with its parent on Linux")
 def test_an_answer_that_never_ends_scores_zero_and_its_process_ends_with_the_training_process(tmp_path):
     """countdown's scorer sympy-parses the answer: "#### 9**9**9" never returned, and the training run hung in its
-    reward. It scores 0 after ``score_timeout_s`` (said on stderr), the next answer is scored by a new process, and a
-    training process killed (SIGKILL) while its scorer is deep in such an answer takes that process with it."""
+    reward. It scores 0 after ``score_timeout_s`` (said on stderr; the next answer gets a new process:
+    tests/test_isolated.py), and a training process killed (SIGKILL) while its scorer is deep in such an answer takes
+    that process with it."""
     script = tmp_path / "hang.py"
+    # the 1-second limit only ever meets an answer that never ends; the right answer is scored without one (a
+    # loaded machine may take more than a second over anything), so nothing here depends on the machine's speed
     script.write_text("from harness.tasks import get_task\n"
                       "task = get_task('reasoning_gym', dataset='countdown', train_size=4, eval_size=2, "
                       "score_timeout_s=1)\nproblem = task.eval_problems()[0]\n"
-                      "print(task.score('#### 9**9**9', problem), task.score('#### ' + problem.answer, problem))\n"
                       "slow = get_task('reasoning_gym', dataset='countdown', train_size=4, eval_size=2, "
-                      "score_timeout_s=10**6)\nslow.score('#### 1', problem)\n"
+                      "score_timeout_s=10**6)\n"
+                      "print(task.score('#### 9**9**9', problem), slow.score('#### ' + problem.answer, problem))\n"
                       "print(slow._scorer()._process.pid, flush=True)\nslow.score('#### 9**9**9', problem)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               bufsize=0, env={**os.environ, "PYTHONPATH": os.getcwd()})
