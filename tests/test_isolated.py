@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from harness.run import isolated
 from harness.run.isolated import IsolatedCall, Outcome
 
 
@@ -94,3 +99,56 @@ def test_a_call_that_asks_for_more_memory_than_the_childs_limit_raises_there():
         assert call("1 + 1") == Outcome("value", 2)  # the same child goes on
     finally:
         call.close()
+
+
+def test_the_childs_death_signal_is_resolved_in_the_parent_and_only_called_in_the_child(monkeypatch):
+    """``preexec_fn`` runs in the child between fork and exec, where opening libc (``dlopen``) can wait for ever on a
+    lock that another thread of the parent held at the fork: it must only call what the parent resolved."""
+    opened, called = [], []
+
+    class FakeLibc:
+        def __init__(self, name, use_errno=False):
+            opened.append(name)
+            self.prctl = lambda *args: called.append(args)
+
+    monkeypatch.setattr(isolated.ctypes, "CDLL", FakeLibc)
+    preexec = isolated.die_with_parent()
+    assert opened == ["libc.so.6"] and called == []
+    monkeypatch.setattr(isolated.ctypes, "CDLL", None)  # nothing left to open in the child
+    preexec()
+    assert called == [(1, signal.SIGKILL)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_child_dies_when_its_parent_is_killed(tmp_path):
+    """A parent killed with SIGKILL closes no pipe in time: its child, deep in a call that never returns, must go."""
+    script = ("import functools, os, sys\n"
+              "from harness.run.isolated import IsolatedCall\n"
+              "call = IsolatedCall(functools.partial(eval, 'eval'), timeout_s=3600)\n"
+              f"call(\"open({str(tmp_path / 'pid')!r}, 'w').write(str(__import__('os').getpid())) "
+              "and __import__('time').sleep(3600)\")\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(isolated.__file__).parents[2])
+    pid_file = tmp_path / "pid"
+    for _ in range(6000):  # the child has written its pid (a few seconds; the bound is far above any load)
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+
+    def gone() -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{child}/status").read_text()
+        except FileNotFoundError:
+            return True
+
+    try:
+        for _ in range(3000):  # the signal is sent at the parent's death; the bound only ends a failing test
+            if gone():
+                break
+            time.sleep(0.1)
+        assert gone(), "the child outlived its killed parent"
+    finally:
+        if not gone():
+            os.kill(child, signal.SIGKILL)

@@ -80,7 +80,7 @@ def run_harness(args: list[str], log: str, cwd: str, env: dict[str, str]) -> int
     task or a SLURM job executes. Cancelled (KeyboardInterrupt, SIGTERM), it stops the child with SIGTERM first."""
     with open_log(log) as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=cwd, env={**os.environ, **env}, preexec_fn=die_with_parent)
+                                cwd=cwd, env={**os.environ, **env}, preexec_fn=die_with_parent())
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # scancel, a SLURM time limit
         try:
             return proc.wait()
@@ -223,7 +223,7 @@ class Worker:
 
     def __init__(self, folder: Path):
         self.proc = subprocess.Popen([sys.executable, "-m", "harness", "worker", str(folder)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, preexec_fn=die_with_parent)
+                                     stdout=subprocess.PIPE, preexec_fn=die_with_parent())
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.runs, self.busy, self.answer = 0, False, b""
 
@@ -342,7 +342,7 @@ class LocalLauncher:
         gpu = self.next_gpu() if self.gpus else None
         logfile = open_log(log)
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=logfile, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent,
+                                preexec_fn=die_with_parent(),
                                 env=None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
         if gpu is not None:
             self.on_gpu.append((gpu, proc))

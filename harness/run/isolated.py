@@ -70,13 +70,16 @@ def serve() -> None:
         answers.send(outcome)
 
 
-def die_with_parent() -> None:
-    """A child's ``preexec_fn``: on Linux it gets SIGKILL when the process that started it dies, even deep in a call
-    that never returns (a parent killed with SIGKILL closes no pipe in time to stop it); elsewhere nothing."""
+def die_with_parent() -> Callable[[], None] | None:
+    """A child's ``preexec_fn``, made here in the parent: on Linux the child gets SIGKILL when the process that
+    started it dies, even deep in a call that never returns (a parent killed with SIGKILL closes no pipe in time to
+    stop it); elsewhere None. libc is opened before the fork, so the child between fork and exec only calls it (a
+    ``dlopen`` there could wait for ever on a lock another thread of the parent held at the fork)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
 def _stderr_identity() -> tuple[int, int] | None:
@@ -123,7 +126,7 @@ class IsolatedCall:
         self._process = subprocess.Popen(
             [sys.executable, "-c", "from harness.run.isolated import serve; serve()"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
-            preexec_fn=die_with_parent)
+            preexec_fn=die_with_parent())
         self._calls = Connection(os.dup(self._process.stdin.fileno()), readable=False)
         self._connection = Connection(os.dup(self._process.stdout.fileno()), writable=False)
         self._process.stdin.close()
