@@ -124,6 +124,13 @@ def test_bad_claim_files_are_refused_with_the_file_named(tmp_path):
      "tolerance: -1}}]", r"compare.tolerance must be a number >= 0 .*got -1"),  # "does not hold"
     ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, derection: less}}]",
      r"compare has no field 'derection'"),  # "greater" checked, silently
+    # fields the direction does not read: each changed no verdict, silently
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, tolerance: 0.1}}]",
+     r"compare.tolerance is read by direction equal only, not by greater: remove it"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, direction: equivalent, "
+     "margin: 0.1, factor: 2}}]", r"compare.factor is read by direction greater or less only, not by equivalent"),
+    ("{sweep: quickstart}", "[{table: final, metric: m, compare: {objective: a, than: b, direction: equal, "
+     "scale: log}}]", r"compare.scale log does not go with direction equal"),
     # the fourteenth hostile pass: a traceback on every claims call, or the experiment without its overrides
     ("{lab: lab}", "[{table: lab, metric: m, within: [0, 1], statistic: [mean]}]",
      r"a check's statistic is one text, got \['mean'\]"),

@@ -296,6 +296,7 @@ CHECK_KEYS = ("table", "metric", "where", "objective", "statistic", "within", "c
 COMPARE_KEYS = ("objective", "than", "where", "than_where", "baseline", "direction", "factor", "tolerance", "margin",
                 "scale")
 SCALES = ("linear", "log")  # compare.scale: log compares the logs of per-unit means (a baseline: their log ratio)
+READ_BY = (("factor", ("greater", "less")), ("tolerance", ("equal",)))  # the fields only some directions read
 
 
 def check_problem(check, kind: str) -> str | None:
@@ -349,6 +350,13 @@ def compare_problem(spec) -> str | None:
         return f"compare.{problem}"
     if (spec.get("direction") == "equivalent") != ("margin" in spec):
         return "compare.margin is the equivalence margin: give it with direction equivalent (only)"
+    direction = spec.get("direction", "greater")
+    for key, directions in READ_BY:  # a field the direction does not read would change no verdict, silently
+        if key in spec and direction not in directions:
+            return f"compare.{key} is read by direction {' or '.join(directions)} only, not by {direction}: remove it"
+    if direction == "equal" and spec.get("scale", "linear") != "linear":
+        return ("compare.scale log does not go with direction equal, which compares the units' own values: "
+                "remove it")
     for key, zero, what in (("margin", False, "the equivalence margin"), ("factor", False, "y's multiplier"),
                             ("tolerance", True, "the largest relative gap of equal")):
         value = spec.get(key, 1.0)

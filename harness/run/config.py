@@ -734,7 +734,8 @@ def run_id(run: DictConfig) -> str:
     """Readable and stable: <objective>-s<seed>-<hash of the run's values that differ from the schema defaults and
     from the objective's own (:func:`objective_defaults`)>. Hashing only the differences keeps ids (and so
     resumability) when a new setting is added at its default, and gives a setting written out at its default the
-    run's own id."""
+    run's own id. A task's own arguments (``task.args``, which no schema holds) count as written: a task's default
+    written out (``score_timeout_s: 10``) makes another run id."""
     def changed(values: dict, defaults: dict) -> dict:
         return {k: changed(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
                 for k, v in values.items() if k not in defaults or v != defaults[k]}
