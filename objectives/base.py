@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -881,6 +882,10 @@ def register_objective(name: str):
     register = OBJECTIVES.register(name)  # refuses a name a config could not give
 
     def decorator(cls):
+        if not (getattr(sys.modules.get(cls.__module__), "__doc__", None) or "").strip():
+            raise TypeError(f"objective {name!r}: {cls.__module__} has no module docstring; write its formula, its "
+                            "paper (arXiv id) and its reference implementation (repo, path, commit) there "
+                            "(README.md, Adding an objective)")
         check_declared(name, cls)
         legacy = cls.__dict__.get("aggregation")
         if isinstance(legacy, str) and "aggregation" not in cls.__dict__.get("__annotations__", {}):

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -688,6 +689,12 @@ def declared_wrong(case: str):
                                                              "__module__": __name__}))
     elif case == "no annotation":
         register_objective("wrong")(type("Bare", (Loss,), {"scale": 1.0, "__module__": __name__}))
+    elif case == "no docstring":  # a module without one: no formula, no paper, no reference
+        sys.modules["undocumented"] = types.ModuleType("undocumented")
+        try:
+            register_objective("wrong")(type("Silent", (Loss,), {"__module__": "undocumented"}))
+        finally:
+            del sys.modules["undocumented"]
     elif case == "inherited without annotation":
         register_objective("wrong")(type("Wider", (GRPO,), {"clip_high": 0.28, "__module__": __name__}))
 
@@ -708,8 +715,10 @@ def declared_wrong(case: str):
     ("inherited without annotation", r"objective 'wrong': clip_high = 0.28 has no annotation, so it is no "
                                      r"hyperparameter \(the inherited hyperparameter keeps its default\): write "
                                      r"clip_high: float = 0.28"),
+    ("no docstring", r"objective 'wrong': undocumented has no module docstring; write its formula, its paper "
+                     r"\(arXiv id\) and its reference implementation \(repo, path, commit\) there"),
 ], ids=["name", "not_an_objective", "no_policy_loss", "no_default", "list", "default_kind", "no_annotation",
-        "inherited_no_annotation"])
+        "inherited_no_annotation", "no_docstring"])
 def test_a_class_declared_wrong_is_refused_when_it_registers_in_one_line(case, said):
     """What a new objective file can get wrong is one line when it registers (so its import names the file and line:
     objectives/registry.py), not an AttributeError or a silent acceptance later; nothing is registered."""
