@@ -882,10 +882,11 @@ def register_objective(name: str):
     register = OBJECTIVES.register(name)  # refuses a name a config could not give
 
     def decorator(cls):
-        if not (getattr(sys.modules.get(cls.__module__), "__doc__", None) or "").strip():
-            raise TypeError(f"objective {name!r}: {cls.__module__} has no module docstring; write its formula, its "
-                            "paper (arXiv id) and its reference implementation (repo, path, commit) there "
-                            "(README.md, Adding an objective)")
+        documented = (getattr(sys.modules.get(cls.__module__), "__doc__", None), cls.__dict__.get("__doc__"))
+        if not any(isinstance(doc, str) and doc.strip() for doc in documented):  # the site's page shows the module's
+            raise TypeError(f"objective {name!r}: neither {cls.__module__} nor {cls.__qualname__} has a docstring; "
+                            "write its formula, its paper (arXiv id) and its reference implementation (repo, path, "
+                            "commit) in its module's (README.md, Adding an objective)")
         check_declared(name, cls)
         legacy = cls.__dict__.get("aggregation")
         if isinstance(legacy, str) and "aggregation" not in cls.__dict__.get("__annotations__", {}):

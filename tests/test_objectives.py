@@ -715,8 +715,8 @@ def declared_wrong(case: str):
     ("inherited without annotation", r"objective 'wrong': clip_high = 0.28 has no annotation, so it is no "
                                      r"hyperparameter \(the inherited hyperparameter keeps its default\): write "
                                      r"clip_high: float = 0.28"),
-    ("no docstring", r"objective 'wrong': undocumented has no module docstring; write its formula, its paper "
-                     r"\(arXiv id\) and its reference implementation \(repo, path, commit\) there"),
+    ("no docstring", r"objective 'wrong': neither undocumented nor Silent has a docstring; write its formula, its "
+                     r"paper \(arXiv id\) and its reference implementation \(repo, path, commit\) in its module's"),
 ], ids=["name", "not_an_objective", "no_policy_loss", "no_default", "list", "default_kind", "no_annotation",
         "inherited_no_annotation", "no_docstring"])
 def test_a_class_declared_wrong_is_refused_when_it_registers_in_one_line(case, said):
