@@ -28,7 +28,7 @@ from analysis.folders import folder_problem
 from harness.run.atomic import special_file
 from harness.run.collapse import detect_collapse
 from harness.run.config import counted_settings, draws_from_model_seed, edited_after_written, flattened
-from harness.run.locks import RUN_LOCK, SWEEP_LOCK, is_held
+from harness.run.locks import RUN_LOCK, SWEEP_LOCK, Writer, is_held, stale_elsewhere, writer_elsewhere
 from harness.run.provenance import code_record, run_packages, run_threads, run_version
 from harness.run.records import COLLAPSE_RULE, ENDED, DamagedConfigError, config_code, listed, read_run_config
 
@@ -464,7 +464,10 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     status = _first(summary.get("status"), entry.get("status"), "unknown")
     # a run that says "running" but whose folder lock nobody holds was killed (the kernel drops a dead holder's lock),
     # unless it has not written its summary yet while its sweep, alive, is starting it
-    stopped = (status == "running" and run_dir.is_dir() and not is_held(run_dir / RUN_LOCK)
+    # (or whose lock records a writer on another host with a fresh heartbeat: running there, harness/run/locks.py)
+    elsewhere = writer_elsewhere(run_dir / RUN_LOCK) if status in ("running", "pending") else None
+    status = "running" if elsewhere is not None else status
+    stopped = (status == "running" and elsewhere is None and run_dir.is_dir() and not is_held(run_dir / RUN_LOCK)
                and (found["summary.json"] or not is_held(exp_dir / SWEEP_LOCK)))
     run = {
         "run_id": run_id,
@@ -498,7 +501,7 @@ def load_run(exp_dir: Path, entry: dict) -> tuple[dict, pd.DataFrame, dict, pd.D
     }
     if found["metrics.jsonl"]:
         data_warnings(run_dir / "metrics.jsonl", read, run["status"], run["steps_done"], summary)
-    problems = _problems(run_dir, found, run, stopped, summary, raw)
+    problems = _problems(run_dir, found, run, stopped, summary, raw, elsewhere)
     if run["status"] == "diverged" and run["collapse_cause"] is None:  # the loop stopped it: non-finite updates
         run.update(collapse_step=run["steps_done"], collapse_cause="non_finite_loss", collapse_source="status diverged")
     run["complete"] = not problems
@@ -526,9 +529,10 @@ def unscored(run_dir: Path, samples: pd.DataFrame | None, final) -> None:
 
 
 def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, summary: dict,
-              config: dict) -> list[str]:
+              config: dict, elsewhere: Writer | None = None) -> list[str]:
     """What keeps a run from being complete, first its status (killed, failed, ...), in the report's words;
-    ``config``: its config.yaml's settings as read (dotted keys)."""
+    ``config``: its config.yaml's settings as read (dotted keys); ``elsewhere``: the writer on another host its lock
+    records with a fresh heartbeat (a folder copied mid-run)."""
     problems = []
     if not run_dir.is_dir():
         problems.append(f"not started (no folder {run_dir.name}/)")
@@ -539,12 +543,19 @@ def _problems(run_dir: Path, found: dict[str, bool], run: dict, stopped: bool, s
     if resumed:
         problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total}; its last attempt "
                            f"to continue failed: {resumed}")
+    elif stopped and (stale := stale_elsewhere(run_dir / RUN_LOCK)) is not None:
+        problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total} (its lock names "
+                           f"a writer {stale.said()}: stopped there, or this folder is a copy that old; run the same "
+                           "command to resume)")
     elif stopped:
         problems.insert(0, f"stopped at step {run['steps_done']}/{'?' if total is None else total} (killed; run the "
                            "same command to resume)")
+    elif elsewhere is not None:
+        problems.insert(0, f"running {elsewhere.said()}, at step {run['steps_done']}/{'?' if total is None else total}"
+                           " then (a copy of its folder: copy it again for more)")
     elif run["status"] != "finished":
         problems.insert(0, f"status {run['status']}")
-    if not stopped and total is not None and run["steps_done"] < total:
+    if not stopped and elsewhere is None and total is not None and run["steps_done"] < total:
         problems.append(f"{run['steps_done']}/{total} steps")
     error = summary.get("error") or (log_error(run_dir / "train.log") if run["status"] == "failed" else None)
     if error:

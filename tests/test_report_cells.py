@@ -377,6 +377,32 @@ def test_a_killed_run_is_stopped_and_a_live_one_running(tmp_path):
     assert list(exp.runs["status"]) == ["stopped", "running"]
 
 
+def test_a_run_copied_while_it_runs_on_another_host_is_reported_running_there(tmp_path, monkeypatch):
+    """A results folder copied from a cluster mid-sweep: its running run's lock is held by nobody here, and the
+    report called it stopped (killed: run the same command to resume). Its lock's record of a writer on another
+    host with a fresh heartbeat (times injected) makes it running there; once the heartbeat is STALE_S old it is
+    stopped, the report naming the host and that a copy that old looks the same."""
+    from harness.run import locks
+
+    exp_dir = tmp_path / "copied"
+    entries = [fake_run(exp_dir, "grpo", 0, status="running", shape=Shape(steps_done=3))]
+    fake_experiment(exp_dir, entries)
+    (exp_dir / entries[0]["dir"] / RUN_LOCK).write_text(
+        json.dumps({"host": "node17", "pid": 4242, "beat": 1_000_000.0}) + "\n")
+    monkeypatch.setattr(locks, "clock", lambda: 1_000_000.0 + 60, raising=False)
+    exp, _ = load(exp_dir)
+    run = exp.runs.iloc[0]
+    assert run["status"] == "running"
+    assert run["problem"].startswith("running on host node17 (pid 4242; its last heartbeat at 1970-01-12 13:46:40 "
+                                     "UTC, 60 s ago), at step 3/6 then (a copy of its folder")
+    monkeypatch.setattr(locks, "clock", lambda: 1_000_000.0 + 3 * 3600, raising=False)
+    exp, _ = load(exp_dir)
+    run = exp.runs.iloc[0]
+    assert run["status"] == "stopped" and run["problem"].startswith(
+        "stopped at step 3/6 (its lock names a writer on host node17 (pid 4242; its last heartbeat at 1970-01-12 "
+        "13:46:40 UTC, 3.0 h ago): stopped there, or this folder is a copy that old; run the same command to resume)")
+
+
 def test_data_warnings_name_the_run_the_key_and_the_steps(tmp_path):
     exp_dir = tmp_path / "warn"
     entries = [fake_run(exp_dir, "grpo", 0, rows={2: {"loss": None, "grad_norm": None}, 4: {"loss": None}}),

@@ -20,7 +20,7 @@ from harness.apps.launchers import LocalLauncher
 from harness.apps.sweep import Child, run_entry
 from harness.run.config import load_experiment, run_configs
 from harness.run.errors import ConfigError
-from harness.run.locks import RUN_LOCK, is_held, lock_folder
+from harness.run.locks import RUN_LOCK, FolderBusyError, is_held, lock_folder
 from harness.run.records import read_jsonl
 from tests.helpers.processes import MAKE_ALONE, processes_with, wait_until
 from tests.helpers.tiny import TINY_RUN, VARIED_REWARD, without_timing
@@ -284,6 +284,49 @@ def test_a_run_whose_lock_another_process_holds_is_followed_to_its_end_not_start
     holder.close()
     assert not child.poll() and child.ended("grpo-s0-abc") == ("finished", None)
     child.stop()  # someone else's process: nothing to stop
+
+
+def test_a_run_copied_mid_run_from_another_host_is_running_there_not_stopped_nor_started_again(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """results/<exp>/ copied (rsync) from a cluster while its run goes on: no process holds the run's lock here, so
+    the run was called stopped and a sweep here resumed it, a second writer of the run in a copy that the next rsync
+    mixes with the cluster's files. Its lock now records its writer's host and heartbeat: while that is fresh (times
+    injected) the run is running there, the sweep says so in one line and starts nothing, and `train` on it is
+    refused; once the heartbeat is STALE_S old it is stopped, and a sweep takes it over, saying so."""
+    from harness.run import locks
+    from harness.run.records import check_resume, run_status
+    from tests.helpers.tiny import tiny_run
+
+    class NoStart(LocalLauncher):
+        def start(self, *args):
+            pytest.fail("a second writer was started for a run running on another host")
+
+    run, run_dir = tiny_run(tmp_path), tmp_path / "grpo-s0-abc"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "running", "steps_done": 3}))
+    (run_dir / RUN_LOCK).write_text(json.dumps({"host": "node17", "pid": 4242, "beat": 1_000_000.0}) + "\n")
+    monkeypatch.setattr(locks, "clock", lambda: 1_000_000.0 + 90, raising=False)
+    assert run_status(run_dir) == "running"
+    assert Child.start(NoStart(), run_dir, threads=1, progress=False, position=1, steps=3,
+                       allow_code_change=False) is None
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and said.startswith("run grpo-s0-abc is running on host node17 (pid 4242; its last "
+                                                    "heartbeat at ") and "90 s ago): not started here" in said
+    with pytest.raises(FolderBusyError, match="being written by another process on host node17"):
+        check_resume(run, run_dir)
+    monkeypatch.setattr(locks, "clock", lambda: 1_000_000.0 + locks.STALE_S, raising=False)
+    assert run_status(run_dir) == "stopped"
+    started = []
+
+    class Start(LocalLauncher):
+        def start(self, *args):
+            started.append(args)
+            return None
+
+    Child.start(Start(), run_dir, threads=1, progress=False, position=1, steps=3, allow_code_change=False)
+    assert len(started) == 1 and capsys.readouterr().out.startswith(
+        "taking over grpo-s0-abc: its lock names a writer on host node17 (pid 4242;")
 
 
 @pytest.mark.slow  # a full garbage collection of the test process's heap: make test

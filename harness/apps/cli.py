@@ -106,10 +106,13 @@ def cmd_sweep(args) -> int:
     entries = run_sweep(cfg, jobs=args.jobs, progress=not args.no_progress, launcher=args.launcher,
                         allow_code_change=args.allow_code_change, cpu_jobs=args.cpu_jobs)
     failed = [e["run_id"] for e in entries if e["status"] not in ENDED]  # diverged: an outcome, not a failure
+    running = [e["run_id"] for e in entries if e["status"] == "running"]  # left to a writer on another host
+    unfinished = [rid for rid in failed if rid not in running]
     finished = sum(e["status"] == "finished" for e in entries)
     print(f"{finished}/{len(entries)} runs finished" + (f", {len(entries) - finished - len(failed)} diverged"
                                                          if finished + len(failed) < len(entries) else "") +
-          (f"; not finished: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+          (f"; still running on another host: {', '.join(running)}" if running else "") +
+          (f"; not finished: {', '.join(unfinished)}" if unfinished else ""), file=sys.stderr)
     report_status = 0
     if not args.no_report:  # the report of whatever exists, in the sweep's own results folder
         # imported when a report is written: the plotting stack takes seconds, which every run of a sweep (a

@@ -45,7 +45,17 @@ from harness.run.allocator import release_freed_memory
 from harness.run.atomic import atomic_write, check_writable, remove_stale_temporaries
 from harness.run.config import check_this_machine, memory_settings, run_configs, run_id, unused_setting
 from harness.run.errors import ConfigError
-from harness.run.locks import RUN_LOCK, SWEEP_LOCK, check_lock_file, is_held, lock_folder
+from harness.run.locks import (
+    RUN_LOCK,
+    STALE_S,
+    SWEEP_LOCK,
+    check_lock_file,
+    is_held,
+    lock_folder,
+    stale_elsewhere,
+    taken_over,
+    writer_elsewhere,
+)
 from harness.run.provenance import (
     ALLOW_FLAG,
     check_code,
@@ -355,9 +365,11 @@ def check_start_seeds(runs: list[DictConfig]) -> None:
 
 def check_runs_code(cfg: DictConfig, runs: list[DictConfig], allow: bool, command: str) -> None:
     """Refuse (ConfigError, one line) to resume any of the sweep's runs that other code began, unless ``allow``
-    (harness/run/provenance.py check_code): every run folder to resume is checked before any run starts."""
+    (harness/run/provenance.py check_code): every run folder to resume is checked before any run starts (not one
+    still running, here or on another host: it is followed or left to its writer, not continued)."""
     exp_dir = Path(cfg.results_dir) / cfg.name
-    check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in ENDED], allow, command)
+    check_code([d for d in (exp_dir / run_id(run) for run in runs) if run_status(d) not in (*ENDED, "running")],
+               allow, command)
 
 
 def say_other_versions(exp_dir: Path, entries: list[dict], todo: int) -> None:
@@ -425,9 +437,13 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
         while todo or active:
             while todo and len(active) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
-                active[entry["run_id"]] = Child.start(runner, exp_dir / entry["dir"], threads, progress,
-                                                      1 + len(active), steps_of[entry["run_id"]], allow_code_change)
+                child = Child.start(runner, exp_dir / entry["dir"], threads, progress, 1 + len(active),
+                                    steps_of[entry["run_id"]], allow_code_change)
                 entry["status"] = "running"
+                if child is None:  # running on another host: left to it
+                    sweep_bar.update(1)
+                else:
+                    active[entry["run_id"]] = child
                 save_manifest()
             time.sleep(1.0)
             for rid, child in list(active.items()):  # progress bars; the runs that ended
@@ -512,7 +528,8 @@ def run_entry(run: DictConfig, cfg: DictConfig, exp_dir: Path) -> dict:
     rid = run_id(run)
     run_dir = exp_dir / rid
     run_dir.mkdir(exist_ok=True)
-    status, busy = run_status(run_dir), is_held(run_dir / RUN_LOCK)
+    status = run_status(run_dir)
+    busy = is_held(run_dir / RUN_LOCK) or writer_elsewhere(run_dir / RUN_LOCK) is not None
     try:
         saved = read_run_config(run_dir / "config.yaml")
     except DamagedConfigError as e:
@@ -563,14 +580,26 @@ class Child:
 
     @classmethod
     def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int, steps: int,
-              allow_code_change: bool) -> Child:
+              allow_code_change: bool) -> Child | None:
         """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
-        for and followed to its end, else a new one through ``runner``."""
+        for and followed to its end, else a new one through ``runner``; None, said in one line, for a run whose lock
+        records a writer on another host with a fresh heartbeat (harness/run/locks.py): its progress is that host's,
+        which this folder (a copy, or a file system whose locks do not reach across hosts) does not show, and a
+        process here would be its second writer. A stale one is taken over, said in one line."""
         handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
+        lock = run_dir / RUN_LOCK
+        if handle is None and (elsewhere := writer_elsewhere(lock)) is not None:
+            tqdm.write(f"run {run_dir.name} is running {elsewhere.said()}: not started here (a second writer of "
+                       "the run); this folder shows its progress as of that heartbeat (copy it again for more), and "
+                       f"a later sweep takes it over once the heartbeat is {STALE_S / 60:g} min old, or at once "
+                       f"if {lock} is removed")
+            return None
         if handle is not None:
             tqdm.write(f"run {run_dir.name} is still running ({handle.what}): following it to its end instead of "
                        "starting it again")
         else:
+            if (stale := stale_elsewhere(lock)) is not None:
+                tqdm.write(taken_over(run_dir.name, stale))
             handle = runner.start(["train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), "--threads",
                                    str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
                                   run_dir / "train.log", run_dir.name)

@@ -9,7 +9,9 @@
                                    failed run, the code it runs (``code``) and each start's code and threads
                                    (``segments``: harness/run/provenance.py); written atomically.
                                    "running" is only true while a process holds <run_dir>/.run.lock: read the
-                                   status with run_status(), which says "stopped" for a killed run
+                                   status with run_status(), which says "stopped" for a killed run (and
+                                   "running" for one whose lock records a fresh heartbeat of another host:
+                                   harness/run/locks.py)
     <run_dir>/checkpoints/         the native loop's last two checkpoints (last.pt, previous.pt); once the run has
                                    ended, last.pt alone, without the optimizer's state (RunRecords.end, learner_parts)
     <run_dir>/final/               the trained policy in transformers' format (save_pretrained), at the end
@@ -67,7 +69,16 @@ from harness.run.config import (
     unused_setting,
 )
 from harness.run.errors import ConfigError
-from harness.run.locks import RUN_LOCK, FolderBusyError, check_lock_file, is_held, lock_folder
+from harness.run.locks import (
+    RUN_LOCK,
+    TAKE_OVER,
+    FolderBusyError,
+    check_lock_file,
+    is_held,
+    lock_folder,
+    taken_over,
+    writer_elsewhere,
+)
 from harness.run.provenance import code_record, next_segments, run_version
 from harness.run.tracking import Trackers
 
@@ -277,6 +288,9 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
         check_lock_file(run_dir / RUN_LOCK)
     if main and probe_lock and is_held(run_dir / RUN_LOCK):
         raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)}; wait for it or stop it")
+    if main and probe_lock and (elsewhere := writer_elsewhere(run_dir / RUN_LOCK)) is not None:
+        raise FolderBusyError(f"{RUN_FOLDER_BUSY.format(run_dir=run_dir)} {elsewhere.said()}; "
+                              f"{TAKE_OVER.format(lock=run_dir / RUN_LOCK)}")
     saved_path = run_dir / "config.yaml"
     try:
         saved = read_run_config(saved_path)
@@ -382,14 +396,20 @@ ENDED = ("finished", "diverged")
 COLLAPSE_RULE = CollapseRule()  # the rule of summary.json's `collapse` record (and of the report, for older runs)
 
 
-def run_status(run_dir: Path) -> str:
+def run_status(run_dir: Path, now: float | None = None) -> str:
     """A run's status as summary.json says (pending without one), except that a run whose summary says running
-    while no process holds its lock is ``stopped`` (killed, even by SIGKILL, or refused: resumable)."""
+    while no process holds its lock is ``stopped`` (killed, even by SIGKILL, or refused: resumable), unless its lock
+    records a writer on another host whose heartbeat is fresh at ``now`` (harness/run/locks.py writer_elsewhere: a
+    folder copied from a cluster mid-run), which is still ``running`` there."""
     try:
         status = json.loads((run_dir / "summary.json").read_text())["status"]
     except (OSError, ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
-        return "pending"
-    return "stopped" if status == "running" and not is_held(run_dir / RUN_LOCK) else status
+        status = None  # pending, unless begun elsewhere (its summary not written yet)
+    if status is not None and (status != "running" or is_held(run_dir / RUN_LOCK)):
+        return status
+    if writer_elsewhere(run_dir / RUN_LOCK, now) is not None:
+        return "running"
+    return "pending" if status is None else "stopped"
 
 
 class RunRecords:
@@ -427,8 +447,10 @@ class RunRecords:
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = lock_folder(run_dir / RUN_LOCK, RUN_FOLDER_BUSY.format(run_dir=run_dir))
+        self.lock = lock_folder(run_dir / RUN_LOCK, RUN_FOLDER_BUSY.format(run_dir=run_dir), heartbeat=True)
         try:
+            if self.lock.took_over is not None:
+                print(taken_over(run_dir.name, self.lock.took_over), file=sys.stderr)
             remove_stale_temporaries(run_dir, run_dir / "checkpoints", run_dir / "exports")
             if resume_step is not None:
                 print(f"resuming {run_dir.name} from step {resume_step} (checkpoint {checkpoint})", file=sys.stderr)
