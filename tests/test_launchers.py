@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from harness.apps.launchers import AdoptedHandle, init_local_ray
 from harness.apps.sweep import run_sweep
@@ -659,3 +660,52 @@ def test_a_slurm_refusal_is_one_line_not_a_traceback(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.match(message, err), err
     assert not list((tmp_path / "results").glob("launch/*/metrics.jsonl"))
+
+
+def test_a_sweep_under_another_launcher_follows_the_slurm_jobs_a_dead_sweep_left_queued(tmp_path, monkeypatch):
+    """A --launcher slurm sweep whose process died while its jobs were queued (fake sbatch / sacct: the job stays
+    PENDING until the test runs it), then the sweep run again with --launcher local: it trained the queued job's run
+    here without a word, and when the job started later it trained (or re-exported) the run a second time. Now the
+    sweep names the queued runs and the scancel command in one line, follows the job (taking none of its --jobs: the
+    other run trains here meanwhile) and starts nothing for it; the job trains it once; stopping is not needed."""
+    pytest.importorskip("submitit")
+    from harness.apps.launchers import make_launcher
+    from harness.run.config import run_configs, run_id
+
+    queue, cancelled = tmp_path / "queue", tmp_path / "cancelled"
+    queue.touch()
+    monkeypatch.setenv("PATH", fake_slurm_commands(tmp_path / "bin", {
+        "sbatch": f'id=$((1000 + $(wc -l < {queue}))); echo "$id PENDING" >> {queue}; echo "Submitted batch job $id"',
+        "sacct": f'echo "JobID|State|NodeList"; while read id state; do echo "$id|$state|"; done < {queue}',
+        "scancel": f'echo "$@" >> {cancelled}', "srun": "exit 0"}))
+    cfg = experiment(tmp_path, tmp_path / "results", "model.warm_start_steps=0", "train.steps=2",
+                     "launcher.cluster=slurm")
+    exp_dir = tmp_path / "results" / "launch"
+    grpo, gspo = (exp_dir / run_id(run) for run in run_configs(cfg))
+    earlier = make_launcher("slurm", cfg.launcher, exp_dir)  # the earlier sweep: it submitted grpo's job, then died
+    earlier.check()
+    grpo.mkdir(parents=True)
+    (grpo / "config.yaml").write_text(OmegaConf.to_yaml(run_configs(cfg)[0]))
+    job_args = ["train", str(grpo / "config.yaml"), "--run-dir", str(grpo), "--threads", "1", "--no-progress"]
+    earlier.start(job_args, grpo / "train.log", grpo.name)
+    outcome, said = {}, []
+    monkeypatch.setattr("harness.apps.sweep.tqdm.write", lambda line, file=None: said.append(line))
+    sweep = threading.Thread(target=lambda: outcome.update(entries=run_sweep(cfg, jobs=1, progress=False)))
+    sweep.start()
+    try:
+        assert wait_until(lambda: run_status(gspo) == "finished", timeout=240), "the local run did not finish"
+        assert not (grpo / "metrics.jsonl").exists()  # not trained here while its job is queued
+        subprocess.run([sys.executable, "-m", "harness", *job_args], cwd=ROOT, check=True,  # the job starts
+                       capture_output=True)
+    finally:
+        queue.write_text("1000 COMPLETED\n")
+    sweep.join(timeout=240)
+    assert not sweep.is_alive() and [e["status"] for e in outcome["entries"]] == ["finished", "finished"]
+    notes = [line for line in said if line.startswith("note: 1 run(s) belong to SLURM jobs")]
+    assert notes == [f"note: 1 run(s) belong to SLURM jobs an earlier sweep submitted that are still queued or running "
+                     f"({grpo.name}: job 1000): this sweep (--launcher local) follows them to their end instead of "
+                     "training them a second time; to run them here instead, stop it, cancel them (scancel 1000) and "
+                     "run it again"]
+    assert [r["step"] for r in read_jsonl(grpo / "metrics.jsonl")] == [0, 1, 2]
+    assert len(json.loads((grpo / "summary.json").read_text())["segments"]) == 1  # one start: trained once
+    assert not cancelled.exists()

@@ -61,7 +61,8 @@ from harness.run.threads import free_threads
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: a job's working directory, so ``-m harness`` imports it
 FORWARDED_ENV = ("PYTHONPATH", "GSM8K_DIR", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")  # and every RLVR_*
 STOP_WAIT_S = 60  # how long stop() waits for a run to write "interrupted" before killing it
-JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id of the job submitted as <name>
+JOB_RECORD = "{name}.job"  # beside a SLURM launcher's job folders: the id (and cluster) of the job submitted as <name>
+JOB_FOLDER = ".submitit"  # in results/<exp>/: the SLURM launcher's job folders and records
 
 
 def forwarded_env() -> dict[str, str]:
@@ -162,8 +163,8 @@ class AdoptedHandle:
     summary.json says how it ended); ``stop()`` calls ``cancel`` (an earlier sweep's job, now this sweep's) and
     waits, or leaves the process alone (None: someone else's). ``what`` names it for the terminal."""
 
-    def __init__(self, alive, what: str, cancel=None):
-        self.alive, self.what, self.cancel, self.error = alive, what, cancel, None
+    def __init__(self, alive, what: str, cancel=None, job: str | None = None):
+        self.alive, self.what, self.cancel, self.error, self.job = alive, what, cancel, None, job
 
     def poll(self) -> int | None:
         return None if self.alive() else 0
@@ -559,28 +560,42 @@ class SlurmLauncher:
             raise ConfigError(f"sbatch refused the job {name}: {reason}; check launcher.partition, time_min, "
                               "gpus_per_run, cpus_per_run, mem_gb and slurm_args, or, for a limit on the jobs one may "
                               "queue, give --jobs N (make: JOBS=N)") from None
-        atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id}\n")  # for a sweep run again
+        # for a sweep run again, whatever its launcher
+        atomic_write(self.folder / JOB_RECORD.format(name=name), f"{job.job_id} {self.settings.cluster}\n")
         return SlurmHandle(job)
 
     def adopt(self, name: str) -> AdoptedHandle | None:
         """The job an earlier sweep submitted as ``name`` while it is queued or running (its sweep may have died; the
         job lives on), to wait for instead of submitting a second one; None when there is none."""
-        try:
-            job_id = (self.folder / JOB_RECORD.format(name=name)).read_text().strip()
-        except OSError:
-            return None
-        if self.settings.cluster == "local":  # submitit's local executor: the job id is its controller's pid
-            alive = functools.partial(_local_job_alive, job_id, str(self.folder))
-            cancel = functools.partial(_signal_local_job, job_id, str(self.folder))
-        else:
-            import submitit
-
-            job = submitit.SlurmJob(folder=self.folder / "%j", job_id=job_id)
-            alive, cancel = (lambda: not job.done()), functools.partial(job.cancel, check=False)
-        return AdoptedHandle(alive, f"job {job_id}, submitted by an earlier sweep", cancel) if alive() else None
+        return earlier_job(self.folder, name, self.settings.cluster)
 
     def close(self) -> None:
         pass
+
+
+def earlier_job(folder: Path, name: str, cluster: str) -> AdoptedHandle | None:
+    """The SLURM job an earlier sweep (``--launcher slurm``) submitted as ``name``, recorded in ``folder`` (the results
+    folder's .submitit/), while it is queued or running: it will run its command whatever launcher a later sweep uses,
+    so that sweep follows it (cancel: scancel) rather than race it. None when there is no record, the job has ended,
+    or its state cannot be asked here (no ``sacct`` on this machine, or no submitit: e.g. a copy of the folder away
+    from the cluster). ``cluster``: the record's own when it names one (older records do not), else this one."""
+    try:
+        job_id, *kind = (folder / JOB_RECORD.format(name=name)).read_text().split()
+    except (OSError, ValueError):  # ValueError: an empty record
+        return None
+    if (kind[0] if kind else cluster) == "local":  # submitit's local executor: the job id is its controller's pid
+        alive = functools.partial(_local_job_alive, job_id, str(folder))
+        cancel = functools.partial(_signal_local_job, job_id, str(folder))
+    else:
+        if shutil.which("sacct") is None:
+            return None
+        try:
+            import submitit  # optional extra: the sweep that submitted the job had it
+        except ImportError:
+            return None
+        job = submitit.SlurmJob(folder=folder / "%j", job_id=job_id)
+        alive, cancel = (lambda: not job.done()), functools.partial(job.cancel, check=False)
+    return AdoptedHandle(alive, f"job {job_id}, submitted by an earlier sweep", cancel, job_id) if alive() else None
 
 
 def _local_job_alive(job_id: str, folder: str) -> bool:
@@ -674,5 +689,5 @@ def make_launcher(name: str, settings: DictConfig, exp_dir: Path) -> Launcher:
     if name == "ray":
         return RayLauncher(settings)
     if name == "slurm":
-        return SlurmLauncher(settings, exp_dir / ".submitit")
+        return SlurmLauncher(settings, exp_dir / JOB_FOLDER)
     raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {name!r}")

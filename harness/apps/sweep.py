@@ -28,12 +28,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from harness.apps.launchers import (
+    JOB_FOLDER,
+    AdoptedHandle,
     Job,
     Launcher,
     LocalLauncher,
     RunHandle,
     adopt_lock_holder,
     check_run_gpus,
+    earlier_job,
     make_launcher,
     run_each,
 )
@@ -421,9 +424,11 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     save_manifest()
     todo = [e for e in entries if e["status"] not in ENDED]  # a diverged run would diverge again
     say_other_versions(exp_dir, earlier["runs"] + entries, len(todo))
+    queued = queued_elsewhere(todo, exp_dir, runner, cfg.launcher.cluster)  # first in todo
     steps_of = {e["run_id"]: run.train.steps for run, e in zip(runs, entries, strict=True)}
-    pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True) if e in todo]
-    jobs = max(1, min(jobs, len(todo)))  # --jobs 100 for 4 runs: 4 at once, each its share of the cores, not 1/100
+    pending = [(run, exp_dir / e["dir"]) for run, e in zip(runs, entries, strict=True)
+               if e in todo and e["run_id"] not in queued]
+    jobs = max(1, min(jobs, len(todo) - len(queued)))  # --jobs 100 for 4 runs: 4 at once, each its share of the cores
     if runner.name == "local" and (jobs < 2 or distinct_policies([run for run, _ in pending]) < 2):
         prepare_starting_policies([run for run, _ in pending], progress)
     else:  # several side by side, each a process; on a cluster as jobs (the runs' nodes may not be this one)
@@ -435,10 +440,10 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
     done = False
     try:
         while todo or active:
-            while todo and len(active) < jobs:  # start runs up to `jobs` at once
+            while todo and sum(child.slot for child in active.values()) < jobs:  # start runs up to `jobs` at once
                 entry = todo.pop(0)
                 child = Child.start(runner, exp_dir / entry["dir"], threads, progress, 1 + len(active),
-                                    steps_of[entry["run_id"]], allow_code_change)
+                                    steps_of[entry["run_id"]], allow_code_change, queued.get(entry["run_id"]))
                 entry["status"] = "running"
                 if child is None:  # running on another host: left to it
                     sweep_bar.update(1)
@@ -472,6 +477,29 @@ def _sweep(cfg: DictConfig, runs: list[DictConfig], exp_dir: Path, runner: Launc
             sweep_bar.close()
             lock.close()
     return entries
+
+
+def queued_elsewhere(todo: list[dict], exp_dir: Path, runner: Launcher, cluster: str) -> dict[str, AdoptedHandle]:
+    """The runs of ``todo`` whose SLURM job an earlier sweep (``--launcher slurm``, its process since dead) submitted
+    and that is still queued or running, when this sweep's launcher is another (the SLURM launcher follows its own):
+    each job will train its run whatever this sweep does, so the sweep follows it to its end (it takes none of its
+    ``jobs``; stopping the sweep leaves the job alone) rather than train the run a second time; said in one line naming
+    the runs and the scancel command that frees them. Those runs are moved to the front of ``todo``."""
+    if runner.name == "slurm":
+        return {}
+    queued = {e["run_id"]: handle for e in todo
+              if (handle := earlier_job(exp_dir / JOB_FOLDER, e["dir"], cluster)) is not None}
+    if not queued:
+        return {}
+    for handle in queued.values():
+        handle.cancel = None  # another launcher's job: left queued when this sweep stops (the next one follows it)
+    todo.sort(key=lambda e: e["run_id"] not in queued)
+    tqdm.write(f"note: {len(queued)} run(s) belong to SLURM jobs an earlier sweep submitted that are still queued or "
+               f"running ({', '.join(f'{rid}: job {h.job}' for rid, h in queued.items())}): this sweep (--launcher "
+               f"{runner.name}) follows them to their end instead of training them a second time; to run them here "
+               f"instead, stop it, cancel them (scancel {' '.join(h.job for h in queued.values())}) and run it again",
+               file=sys.stderr)
+    return queued
 
 
 def earlier_manifest(manifest: Path, exp_dir: Path, listed: set[str]) -> dict:
@@ -577,16 +605,18 @@ class Child:
     handle: RunHandle
     bar: tqdm
     code: int | None = None
+    slot: bool = True  # whether it takes one of the sweep's `jobs` (not a SLURM job of an earlier sweep it follows)
 
     @classmethod
     def start(cls, runner: Launcher, run_dir: Path, threads: int, progress: bool, position: int, steps: int,
-              allow_code_change: bool) -> Child | None:
+              allow_code_change: bool, queued: RunHandle | None = None) -> Child | None:
         """The run's process: the one still running it (an earlier sweep's job, or whoever holds its lock), waited
         for and followed to its end, else a new one through ``runner``; None, said in one line, for a run whose lock
         records a writer on another host with a fresh heartbeat (harness/run/locks.py): its progress is that host's,
         which this folder (a copy, or a file system whose locks do not reach across hosts) does not show, and a
-        process here would be its second writer. A stale one is taken over, said in one line."""
-        handle = runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
+        process here would be its second writer. A stale one is taken over, said in one line. ``queued``: the run's
+        SLURM job an earlier sweep submitted (queued_elsewhere), followed without taking one of the sweep's jobs."""
+        handle = queued or runner.adopt(run_dir.name) or adopt_lock_holder(run_dir)
         lock = run_dir / RUN_LOCK
         if handle is None and (elsewhere := writer_elsewhere(lock)) is not None:
             tqdm.write(f"run {run_dir.name} is running {elsewhere.said()}: not started here (a second writer of "
@@ -604,7 +634,7 @@ class Child:
                                    str(threads), "--no-progress", *([ALLOW_FLAG] if allow_code_change else [])],
                                   run_dir / "train.log", run_dir.name)
         bar = tqdm(total=steps, desc=run_dir.name, unit="step", leave=False, disable=not progress, position=position)
-        return cls(run_dir, handle, bar)
+        return cls(run_dir, handle, bar, slot=queued is None)
 
     def poll(self) -> bool:
         """Refresh the progress bar from metrics.jsonl; whether the process is still running."""
