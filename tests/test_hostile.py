@@ -164,6 +164,43 @@ def test_a_run_folder_holding_a_named_pipe_or_that_is_a_link_is_refused_before_t
     assert not any((tmp_path / "elsewhere").iterdir())
 
 
+@pytest.mark.parametrize("name", ["checkpoints", "exports", "final", "trl", "tensorboard", "wandb",
+                                  "checkpoints/last.pt", "exports/step_1", "trl/checkpoint-7"])
+def test_a_link_among_a_runs_folders_is_refused_before_anything_is_read_written_or_removed(tmp_path, capsys, name):
+    """A run's checkpoints/ (exports/, trl/, ...) a link to a folder of the user's: the run removed the *.tmp there as
+    a killed write's leftover and wrote its checkpoints there, previous.pt over the user's; exports/step_N replaced
+    the user's folder of that name; TRL's backend removed a checkpoint-N folder there as a torn checkpoint; a linked
+    last.pt was resumed from. Each refused in one line, the folder it points to untouched."""
+    (run,) = runs_of(tmp_path)
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    for path in (victim / "draft.tmp", victim / "previous.pt", victim / "step_1" / "notes.txt",
+                 victim / "checkpoint-7" / "notes.txt"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("the user's")
+    (run_dir / name).parent.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))  # a run begun: anything else may be in its folder
+    (run_dir / name).symlink_to(victim / "previous.pt" if name.endswith(".pt") else victim)
+    before = files(victim)
+    assert main(["train", "base", *TINY_RUN, f"results_dir={tmp_path}", "--run-dir", str(run_dir)]) == 2
+    one_line(capsys.readouterr().err, f"config error: {run_dir / name} is a symbolic link (to {victim}")
+    assert files(victim) == before and sorted(os.listdir(victim)) == sorted(["draft.tmp", "previous.pt",
+                                                                                   "step_1", "checkpoint-7"])
+
+
+def test_a_linked_checkpoint_is_not_resumed_from(tmp_path):
+    """The Python API's train() reads the checkpoint before its records check the folder: never through a link."""
+    crafted(tmp_path / "other" / "checkpoints" / "last.pt", tmp_path / "ran")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "other" / "checkpoints")
+    with pytest.raises(RuntimeError, match="checkpoints is a symbolic link: a run does not resume"):
+        load_checkpoint(tmp_path / "run", torch.device("cpu"))
+    (tmp_path / "run" / "checkpoints").unlink()
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "last.pt").symlink_to(tmp_path / "other" / "checkpoints" / "last.pt")
+    with pytest.raises(RuntimeError, match=r"last.pt \(a symbolic link: not followed\)"):
+        load_checkpoint(tmp_path / "run", torch.device("cpu"))
+
+
 def test_a_run_log_that_is_a_link_is_not_appended_through(tmp_path):
     (tmp_path / "victim.txt").write_text("precious")
     (tmp_path / "train.log").symlink_to(tmp_path / "victim.txt")

@@ -231,9 +231,9 @@ def test_an_ended_trl_run_keeps_its_newest_checkpoint_and_no_link_is_followed(tm
             (run_dir / "trl" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     outside.write_bytes(b"a user's file")
     (run_dir / "checkpoints").mkdir()
-    (run_dir / "checkpoints" / "previous.pt").symlink_to(outside)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))  # the run's, written first
-    holder = RunRecords(run, run_dir, None, None, "trl")
+    holder = RunRecords(run, run_dir, None, None, "trl")  # a link there now would be refused (check_run_folder)
+    (run_dir / "checkpoints" / "previous.pt").symlink_to(outside)  # one put there while the run runs
     holder.end("finished")
     holder.close(failed=False)
     assert sorted(p.name for p in (run_dir / "trl").iterdir()) == ["checkpoint-12"]

@@ -320,6 +320,9 @@ def check_resume(cfg: DictConfig, run_dir: Path, warn: bool = True, main: bool =
 
 # the files a run writes in its folder (each a regular file of its own: check_run_folder)
 RUN_FILES = ("config.yaml", "train.log", "metrics.jsonl", "summary.json", "eval_samples.jsonl", "traceback.txt")
+# the folders a run writes, reads back and removes files in (checkpoints, exports, TRL's output, trackers): none of
+# them, nor anything in the first four, may be a link (check_run_folder); wandb keeps a link of its own inside its own
+RUN_FOLDERS = ("checkpoints", "exports", "final", "trl", "tensorboard", "wandb")
 # what only a run that began writes there
 RUN_RECORDS = ("metrics.jsonl", "summary.json", "eval_samples.jsonl", "checkpoints")
 # what a run's folder may hold before its config.yaml: the lock, the launcher's log, config.yaml's temporary, and
@@ -349,12 +352,28 @@ def check_run_folder(run_dir: Path) -> None:
         raise ConfigError(f"{run_dir / linked[0]} is a symbolic link or a folder: a run's files are not followed "
                           "through a link, nor written where a folder is; remove it (or move the run folder away), "
                           "or give another --run-dir")
+    linked = links_in_run_folders(run_dir)
+    if linked:
+        raise ConfigError(f"{linked[0]} is a symbolic link (to {os.readlink(linked[0])}): a run does not write, read "
+                          "back or remove its checkpoints, exports or logs through a link; remove it (or move the run "
+                          "folder away), or give another --run-dir")
     if (run_dir / "config.yaml").exists():
         return
     foreign = sorted(p.name for p in run_dir.iterdir() if not BEFORE_CONFIG.fullmatch(p.name))
     if foreign:
         raise ConfigError(f"{run_dir} holds {listed(foreign, 4)} but no run (no config.yaml): a run there would write "
                           "over or remove what it holds; give a new or empty --run-dir")
+
+
+def links_in_run_folders(run_dir: Path) -> list[Path]:
+    """The folders of :data:`RUN_FOLDERS` in ``run_dir`` that are symbolic links, then every link inside those the
+    harness alone writes in (all but wandb's), found without following any."""
+    found = [run_dir / name for name in RUN_FOLDERS if (run_dir / name).is_symlink()]
+    for name in RUN_FOLDERS:
+        if name != "wandb" and (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
+            for root, folders, files in os.walk(run_dir / name):  # a linked folder is listed, never entered
+                found += sorted(Path(root, entry) for entry in (*folders, *files) if Path(root, entry).is_symlink())
+    return found
 
 
 class DamagedConfigError(ValueError):
@@ -664,9 +683,15 @@ def load_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None, P
     """The newest readable checkpoint (last.pt, else previous.pt with a warning) and its path, or (None, None) when
     there is none. Raises RuntimeError naming the file and the fix when none of them can be read."""
     folder = run_dir / "checkpoints"
+    if folder.is_symlink():
+        raise RuntimeError(f"{folder} is a symbolic link: a run does not resume from checkpoints through one; remove "
+                           "it to restart this run from step 0")
     errors = []
     for name in ("last.pt", "previous.pt"):
         path = folder / name
+        if path.is_symlink():  # another run's checkpoint, or anything else: never resumed from
+            errors.append(f"{path} (a symbolic link: not followed)")
+            continue
         if not path.exists():
             continue
         try:
