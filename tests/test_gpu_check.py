@@ -39,6 +39,18 @@ def test_a_spent_budget_skips_the_checks_left_and_the_line_says_so(tmp_path, mon
     assert name == "tiny fp32, native" and "device=cpu" in overrides and limit_s <= gpu_check.DRY_BUDGET_S
 
 
+def test_a_linked_record_is_refused_before_any_check_and_never_appended_through(tmp_path, monkeypatch, capsys):
+    """results/bench/gpu_check.jsonl a link to a file of someone's: the line was appended to that file."""
+    monkeypatch.setattr(gpu_check, "run_check", lambda *args: pytest.fail("a check ran"))
+    (tmp_path / "theirs.jsonl").write_text("their line\n")
+    (tmp_path / "gpu_check.jsonl").symlink_to(tmp_path / "theirs.jsonl")
+    assert gpu_check.main(device="cpu", out=tmp_path) == 2
+    assert capsys.readouterr().err == (f"gpu-check: {tmp_path / 'gpu_check.jsonl'} is a symbolic link or not a file: "
+                                       "its line is never appended through a link; remove it, or run from another "
+                                       "folder\n")
+    assert (tmp_path / "theirs.jsonl").read_text() == "their line\n"
+
+
 def test_the_gpu_command_without_cuda_says_how_to_dry_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert gpu_check.main(device="cuda", out=tmp_path) == 2

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from harness.apps.launchers import open_log
 from harness.apps.stamp import commit
 from harness.policy.models import char_tokenizer
 from harness.run.records import no_save_progress_bar, read_jsonl
@@ -44,6 +45,7 @@ QWEN_DRY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num
             "rms_norm_eps": 1e-6}
 # (prompts, group, new tokens, minibatches) of each step; the seconds all checks may take together (a check that
 # would start with less than MIN_CHECK_S left is skipped: the command ends within its budget even if one hangs)
+RECORD = "gpu_check.jsonl"  # in results/bench/ (or ``out``): one JSON line per call, appended
 GPU_SIZES, DRY_SIZES = (8, 8, 256, 2), (2, 4, 8, 2)
 GPU_BUDGET_S, DRY_BUDGET_S, MIN_CHECK_S = 450, 1800, 20
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "omegaconf", "datasets")
@@ -138,6 +140,11 @@ def main(device: str = "cuda", out: Path | None = None) -> int:
         print("gpu-check: no CUDA device here; `make gpu-check DEVICE=cpu` runs the same checks at tiny shapes",
               file=sys.stderr)
         return 2
+    record_path = (out or Path("results") / "bench") / RECORD
+    if record_path.is_symlink() or record_path.exists() and not record_path.is_file():
+        print(f"gpu-check: {record_path} is a symbolic link or not a file: its line is never appended through a "
+              "link; remove it, or run from another folder", file=sys.stderr)
+        return 2
     sizes, budget_s, shape = (DRY_SIZES, DRY_BUDGET_S, QWEN_DRY) if dry else (GPU_SIZES, GPU_BUDGET_S, QWEN_05B)
     start, results = time.perf_counter(), []
     print(f"gpu-check on {device_name(device)}{' (dry run: tiny shapes)' if dry else ''}: qwen2 = {shape}",
@@ -157,12 +164,11 @@ def main(device: str = "cuda", out: Path | None = None) -> int:
     record = {"commit": commit(), "device": device_name(device), "dry_run": dry, "versions": versions(),
               "qwen2_shape": shape, "checks": results, "wall_s": time.perf_counter() - start,
               "sizes": dict(zip(("prompts", "group_size", "max_new_tokens", "num_minibatches"), sizes, strict=True))}
-    folder = out or Path("results") / "bench"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "gpu_check.jsonl", "a") as f:
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    with open_log(record_path) as f:  # never through a link (one put there meanwhile: OSError ELOOP)
         f.write(json.dumps(record) + "\n")
     print(f"{record['device']}{' (dry run)' if dry else ''}, commit {record['commit']}, {record['wall_s']:.0f} s -> "
-          f"{folder / 'gpu_check.jsonl'}")
+          f"{record_path}")
     return 1 if any("error" in r for r in results) else 0
 
 
