@@ -529,6 +529,22 @@ def test_bytes_that_are_not_utf8_in_a_results_folder_are_damage_not_a_traceback(
         assert str(damaged) in said, damaged
 
 
+@pytest.mark.parametrize("name", ["lab", "lab/tiny", "lab/tiny/batches", "lab/tiny/batches/batch_000.pt"])
+def test_a_linked_lab_folder_is_refused_before_anything_is_written_or_read(tmp_path, capsys, name):
+    """results/lab/<name> a link to a folder of the user's: the lab wrote its config.yaml, code.json, batches, tables
+    and report there, removing nothing but replacing files of those names; a linked batch was read as measured."""
+    victim, linked = tmp_path / "victim", tmp_path / "r" / name
+    victim.mkdir()
+    (victim / "lab.csv").write_text("the user's")
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(victim / "lab.csv" if name.endswith(".pt") else victim)
+    overrides = [*TINY_RUN, f"results_dir={tmp_path / 'r'}", "name=tiny", "lab.objectives=[grpo]", "lab.batches=2",
+                 "lab.staleness=[0]", "lab.mismatch=[]", "lab.reference_samples=2", "--no-progress"]
+    assert main(["lab", "base", *overrides]) == 2
+    one_line(capsys.readouterr().err, f"config error: {linked} is a symbolic link (to {victim}")
+    assert os.listdir(victim) == ["lab.csv"] and (victim / "lab.csv").read_text() == "the user's"
+
+
 def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_path):
     from harness.apps.lab import lab_dir, run_lab
 

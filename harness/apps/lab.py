@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -300,6 +301,7 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         raise ConfigError(problem)
     check_thread_count(cfg.threads, "threads")
     out = lab_dir(cfg)
+    check_lab_folder(out)
     (out / "batches").mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out / ".lab.lock", f"another lab is already running in {out}")
     try:
@@ -323,6 +325,20 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
     finally:
         lock.close()
     return out
+
+
+def check_lab_folder(out: Path) -> None:
+    """Refuse (ConfigError, one line, before anything is written) a lab folder (``out``: results_dir/lab/<name>), the
+    folder above it, its batches/ or a batch in it that is a symbolic link: the lab writes its settings, code record,
+    batches, tables and a failure's traceback there by name, and reads its batches back as its own measurements."""
+    batches = out / "batches"
+    linked = [path for path in (out.parent, out, batches) if path.is_symlink()]
+    if not linked and batches.is_dir():
+        linked = sorted(path for path in batches.iterdir() if path.is_symlink())
+    if linked:
+        raise ConfigError(f"{linked[0]} is a symbolic link (to {os.readlink(linked[0])}): the lab does not write or "
+                          "read its measurements through a link; remove it, or choose another name=... or "
+                          "results_dir=...")
 
 
 def check_lab_code(out: Path) -> None:
