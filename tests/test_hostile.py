@@ -326,6 +326,22 @@ def test_a_crafted_list_of_written_files_removes_nothing_outside_the_folder(tmp_
     assert (tmp_path / "victim.txt").read_text() == "precious"
 
 
+def test_a_crafted_list_of_written_files_removes_nothing_through_a_link_in_the_folder(tmp_path):
+    """A link in a report folder and a .written line naming a file under it (both put in a shared results folder):
+    the next report (`python -m analysis <exp>`) removed the file the link leads to, as an old file of its own."""
+    out, victim = tmp_path / "report", tmp_path / "victim"
+    out.mkdir()
+    victim.mkdir()
+    (victim / "important.txt").write_text("precious")
+    (out / "evil").symlink_to(victim)
+    (out / ".written").write_text("report.md\nevil/important.txt\n")
+    write_into(out, writer({"report.md": "1"}), earlier=EARLIER)
+    assert files(victim) == {"important.txt": "precious"}
+    with pytest.raises(ForeignFileError, match="evil/new.txt"):  # nor is a new file written through it
+        write_into(out, writer({"evil/new.txt": "1"}), earlier=EARLIER)
+    assert files(victim) == {"important.txt": "precious"}
+
+
 @pytest.mark.slow  # the report's figures
 def test_the_report_keeps_a_draft_beside_it(tmp_path):
     from analysis.report import build_report

@@ -297,7 +297,8 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[st
         made = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
         listed = folder / WRITTEN
         ours = _listed(listed) if listed.is_file() else set(made) if _begins(folder / earlier[0], earlier[1]) else set()
-        foreign = [name for name in made if os.path.lexists(folder / name) and name not in ours]
+        foreign = [name for name in made if os.path.lexists(folder / name) and name not in ours
+                   or _through_link(folder, name)]
         if foreign:
             raise ForeignFileError(f"{folder} holds {', '.join(map(str, foreign[:3]))}"
                                    f"{f' and {len(foreign) - 3} more' if len(foreign) > 3 else ''}, which the "
@@ -320,9 +321,16 @@ def write_into(folder: Path, write: Callable[[Path], None], *, earlier: tuple[st
 
 
 def _listed(path: Path) -> set[Path]:
-    """The files a :data:`WRITTEN` list names, inside its folder only (no absolute path, no '..')."""
+    """The files a :data:`WRITTEN` list names, inside its folder only (no absolute path, no '..', none under a link
+    in it: another folder's file, which a later write would remove)."""
     names = {Path(line) for line in path.read_text(errors="replace").splitlines() if line.strip()}
-    return {name for name in names if not name.is_absolute() and ".." not in name.parts}
+    return {name for name in names if not name.is_absolute() and ".." not in name.parts
+            and not _through_link(path.parent, name)}
+
+
+def _through_link(folder: Path, name: Path) -> bool:
+    """Whether a folder on the way from ``folder`` to its file ``name`` (a relative path) is a symbolic link."""
+    return any((folder / Path(*name.parts[:depth])).is_symlink() for depth in range(1, len(name.parts)))
 
 
 def remove_stale_temporaries(*folders: Path, own: tuple[str, ...] | None = None) -> list[Path]:
