@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from harness.apps.launchers import AdoptedHandle, init_local_ray
+from harness.apps.launchers import AdoptedHandle, SlurmHandle, SlurmLauncher, init_local_ray
 from harness.apps.sweep import run_sweep
 from harness.run.config import load_experiment
 from harness.run.errors import ConfigError
@@ -709,3 +711,57 @@ def test_a_sweep_under_another_launcher_follows_the_slurm_jobs_a_dead_sweep_left
     assert [r["step"] for r in read_jsonl(grpo / "metrics.jsonl")] == [0, 1, 2]
     assert len(json.loads((grpo / "summary.json").read_text())["segments"]) == 1  # one start: trained once
     assert not cancelled.exists()
+
+
+class Touches:
+    """A pickle that creates a file when unpickled: what a job's result put in place of submitit's would hold."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_the_slurm_job_folders_are_this_users_alone_and_a_linked_or_foreign_one_is_refused(tmp_path, monkeypatch):
+    """results/<exp>/.submitit holds the pickled call each job unpickles and each job's pickled result, which the
+    sweep unpickles: a result pickle put there ran its code in the sweep process (`sweep --launcher slurm`). The
+    folder is made 0700 (an earlier sweep's is closed); a link there, or another user's folder, is refused."""
+    pytest.importorskip("submitit")
+    settings = experiment(tmp_path, tmp_path / "results", "launcher.cluster=local").launcher
+    folder = tmp_path / ".submitit"
+    SlurmLauncher(settings, folder).check()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o755)
+    SlurmLauncher(settings, folder).check()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.rmdir()
+    (tmp_path / "theirs").mkdir()
+    folder.symlink_to(tmp_path / "theirs")
+    with pytest.raises(ConfigError, match=rf"^--launcher slurm: {folder} is a symbolic link \(to {tmp_path}/theirs\): "
+                                          "its jobs and the sweep unpickle the files there"):
+        SlurmLauncher(settings, folder).check()
+    assert not list((tmp_path / "theirs").iterdir())
+    folder.unlink()
+    folder.mkdir()
+    monkeypatch.setattr(os, "getuid", lambda: folder.stat().st_uid + 1)
+    with pytest.raises(ConfigError, match=rf"^--launcher slurm: {folder} belongs to another user"):
+        SlurmLauncher(settings, folder).check()
+
+
+def test_a_slurm_result_in_job_folders_open_to_others_is_not_unpickled(tmp_path):
+    from types import SimpleNamespace
+
+    result = tmp_path / ".submitit" / "7" / "7_0_result.pkl"
+    result.parent.mkdir(parents=True)
+    result.write_bytes(pickle.dumps(Touches(tmp_path / "ran")))
+    job = SimpleNamespace(job_id="7", done=lambda: True, paths=SimpleNamespace(result_pickle=result),
+                          result=lambda: pickle.loads(result.read_bytes()))
+    (tmp_path / ".submitit").chmod(0o777)  # open to others: what is in it may be anyone's
+    handle = SlurmHandle(job)
+    assert handle.poll() == 1 and not (tmp_path / "ran").exists()
+    assert handle.error == (f"SLURM job 7: {tmp_path / '.submitit'} is open to other users (mode 777); its result is "
+                            "not read (unpickling it runs code)")
+    (tmp_path / ".submitit").chmod(0o700)
+    handle.poll()  # this user's alone: read as submitit reads it
+    assert (tmp_path / "ran").exists()

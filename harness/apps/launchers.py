@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -487,6 +488,10 @@ class SlurmHandle:
             return None
         from submitit.core.utils import FailedJobError, UncompletedJobError
 
+        problem = private_folder_problem(Path(self.job.paths.result_pickle).parent.parent)
+        if problem:  # its result is a pickle: what another user put there would run in this process
+            self.error = f"SLURM job {self.job.job_id}: {problem}; its result is not read (unpickling it runs code)"
+            return 1
         try:
             return self.job.result()
         except UncompletedJobError as e:  # cancelled, timed out, node failure: the run is resumable
@@ -532,6 +537,7 @@ class SlurmLauncher:
                       **({"slurm_partition": s.partition} if s.partition else {}),
                       **({"mem_gb": s.mem_gb} if s.mem_gb else {}), **extra}
         check_script_values({"the results folder": str(self.folder), **parameters})
+        make_private(self.folder)
         try:
             self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=s.cluster)
         except RuntimeError as e:  # submitit's own refusal: sbatch without srun
@@ -596,6 +602,36 @@ def earlier_job(folder: Path, name: str, cluster: str) -> AdoptedHandle | None:
         job = submitit.SlurmJob(folder=folder / "%j", job_id=job_id)
         alive, cancel = (lambda: not job.done()), functools.partial(job.cancel, check=False)
     return AdoptedHandle(alive, f"job {job_id}, submitted by an earlier sweep", cancel, job_id) if alive() else None
+
+
+def private_folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` (a SLURM launcher's job folders) is not this user's alone: a link, another user's, or open to
+    others. Each job unpickles the call the sweep put there, and the sweep each job's result: a file someone else
+    put there would run its code. None when it is this user's alone."""
+    try:
+        found = folder.lstat()
+    except OSError as e:
+        return f"{folder} cannot be read ({e.strerror or e})"
+    if stat.S_ISLNK(found.st_mode):
+        return f"{folder} is a symbolic link (to {os.readlink(folder)})"
+    if found.st_uid != os.getuid():
+        return f"{folder} belongs to another user (uid {found.st_uid})"
+    if found.st_mode & 0o077:
+        return f"{folder} is open to other users (mode {stat.S_IMODE(found.st_mode):o})"
+    return None
+
+
+def make_private(folder: Path) -> None:
+    """Make the job folders ``folder`` (mode 0700; one of this user's from an earlier sweep is closed to others);
+    refuse (ConfigError, one line, before any job is submitted) one that is a link or another user's."""
+    if not folder.is_symlink():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.stat().st_uid == os.getuid():
+            os.chmod(folder, 0o700)
+    problem = private_folder_problem(folder)
+    if problem:
+        raise ConfigError(f"--launcher slurm: {problem}: its jobs and the sweep unpickle the files there, which runs "
+                          "any code a file put there holds; remove it, or give another results_dir")
 
 
 def _local_job_alive(job_id: str, folder: str) -> bool:
