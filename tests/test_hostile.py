@@ -84,6 +84,23 @@ def test_a_crafted_last_checkpoint_falls_back_on_the_previous_one(tmp_path, caps
     one_line(capsys.readouterr().err, f"warning: unreadable checkpoint {folder / 'last.pt'} (it holds Python objects")
 
 
+@pytest.mark.slow  # two TRL runs
+def test_a_crafted_trl_checkpoint_runs_no_code_and_is_refused_in_one_line(tmp_path, capsys):
+    """TRL's resume loads rng_state.pth with weights_only=True: nothing ran, but the command printed torch's
+    multi-line message, which advises loading the file with weights_only=False."""
+    command = ["train", "base", *TINY_RUN, "backend=trl", f"results_dir={tmp_path}", "--no-progress"]
+    assert main(command) == 0
+    (checkpoint,) = tmp_path.glob("base/*/trl/checkpoint-*")
+    crafted(checkpoint / "rng_state.pth", tmp_path / "ran")
+    capsys.readouterr()
+    assert main(command) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "ran").exists() and "weights_only=False" not in err
+    assert err.startswith(f"error: RuntimeError: unreadable checkpoint {checkpoint} (it holds Python objects besides "
+                          "tensors, numbers and strings: not a file the harness wrote, and not loaded, since that "
+                          "would run code from it): delete it to restart this run from an earlier checkpoint or step 0")
+
+
 def test_a_crafted_lab_batch_runs_no_code_and_is_named(tmp_path):
     crafted(tmp_path / "batches" / "batch_000.pt", tmp_path / "ran")
     with pytest.raises(LabError, match=r"unreadable lab batch .*batch_000\.pt \(it holds Python objects"):

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -83,7 +84,7 @@ from harness.run.atomic import TMP, atomic_write
 from harness.run.config import microbatch_size, minibatch_size, updates_per_step
 from harness.run.errors import ConfigError
 from harness.run.offpolicy import behaviour_logp, correction_settings
-from harness.run.records import RunRecords, no_save_progress_bar
+from harness.run.records import RunRecords, no_save_progress_bar, unreadable_reason
 from harness.run.threads import run_threads
 from harness.tasks import Problem
 from objectives import PolicyBatch
@@ -622,7 +623,11 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             trainer.add_callback(ProgressLine(records))
         # a "Writing model shards" bar per checkpoint; the linear layers on train.cpu_matmul's kernel
         with no_save_progress_bar(), cpu_matmul(cfg.train.cpu_matmul):
-            trainer.train(resume_from_checkpoint=checkpoint)
+            try:
+                trainer.train(resume_from_checkpoint=checkpoint)
+            except pickle.UnpicklingError as e:  # torch's words would invite loading it with code execution allowed
+                raise RuntimeError(f"unreadable checkpoint {checkpoint} ({unreadable_reason(e)}): delete it to "
+                                   "restart this run from an earlier checkpoint or step 0") from None
         save_model(trainer, run_dir / "final", records.main)  # a LoRA policy: its adapters
         if lora.export_merged and records.main:
             policy = trainer.accelerator.unwrap_model(trainer.model)
