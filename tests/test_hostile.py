@@ -31,7 +31,7 @@ from harness.run.commandline import build_parser
 from harness.run.config import load_experiment, run_configs, run_id
 from harness.run.errors import ConfigError
 from harness.run.locks import RUN_LOCK, is_held, lock_folder
-from harness.run.records import MetricsLog, check_resume, load_checkpoint, settings_differences
+from harness.run.records import MetricsLog, RunRecords, check_resume, load_checkpoint, settings_differences
 from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
 from tests.helpers.tiny import TINY_RUN
 
@@ -216,6 +216,20 @@ def test_a_linked_checkpoint_is_not_resumed_from(tmp_path):
     (tmp_path / "run" / "checkpoints" / "last.pt").symlink_to(tmp_path / "other" / "checkpoints" / "last.pt")
     with pytest.raises(RuntimeError, match=r"last.pt \(a symbolic link: not followed\)"):
         load_checkpoint(tmp_path / "run", torch.device("cpu"))
+
+
+def test_a_runs_folder_keeps_a_tmp_file_of_the_users_and_sweeps_its_own(tmp_path):
+    """Every *.tmp in a begun run's folder was removed as a killed write's leftover when the run started again
+    (`train` of a finished or stopped run): a notes.tmp or a scratch.tmp/ folder of the user's with them."""
+    (run,) = runs_of(tmp_path)
+    run_dir = tmp_path / "run"
+    (run_dir / "scratch.tmp").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run))  # a run begun
+    for name in ("notes.tmp", "scratch.tmp/a", "summary.json.tmp", "final.tmp"):
+        (run_dir / name).write_text("x")
+    RunRecords(run, run_dir, None, None, "native").close(failed=False)
+    assert (run_dir / "notes.tmp").read_text() == "x" and (run_dir / "scratch.tmp" / "a").read_text() == "x"
+    assert not (run_dir / "summary.json.tmp").exists() and not (run_dir / "final.tmp").exists()
 
 
 def test_a_run_log_that_is_a_link_is_not_appended_through(tmp_path):

@@ -470,7 +470,9 @@ class RunRecords:
         try:
             if self.lock.took_over is not None:
                 print(taken_over(run_dir.name, self.lock.took_over), file=sys.stderr)
-            remove_stale_temporaries(run_dir, run_dir / "checkpoints", run_dir / "exports")
+            # a killed write's leftovers: in the run's folder, of its own files only (a *.tmp of the user's stays)
+            remove_stale_temporaries(run_dir, own=(*RUN_FILES, "final"))
+            remove_stale_temporaries(run_dir / "checkpoints", run_dir / "exports")
             if resume_step is not None:
                 print(f"resuming {run_dir.name} from step {resume_step} (checkpoint {checkpoint})", file=sys.stderr)
             elif (run_dir / "metrics.jsonl").exists():
