@@ -592,6 +592,20 @@ def test_a_linked_lab_folder_is_refused_before_anything_is_written_or_read(tmp_p
     assert os.listdir(victim) == ["lab.csv"] and (victim / "lab.csv").read_text() == "the user's"
 
 
+def test_a_lab_folder_holding_another_commands_config_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """results/lab/<name>/config.yaml of something else (a run's, a user's): a KeyError traceback (written into
+    that folder), after the lab had taken the folder's lock."""
+    folder = tmp_path / "r" / "lab" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("seed: 3\n")
+    overrides = [*TINY_RUN, f"results_dir={tmp_path / 'r'}", "name=tiny", "lab.objectives=[grpo]", "lab.batches=2",
+                 "lab.staleness=[0]", "lab.mismatch=[]", "lab.reference_samples=2", "--no-progress"]
+    assert main(["lab", "base", *overrides]) == 2
+    one_line(capsys.readouterr().err, f"config error: {folder / 'config.yaml'} is not a lab's settings (it has no lab "
+                                      f"section): {folder} is not a lab's folder")
+    assert (folder / "config.yaml").read_text() == "seed: 3\n" and not (folder / "traceback.txt").exists()
+
+
 def test_a_tagged_lab_config_is_refused_in_one_line_and_never_constructed(tmp_path):
     from harness.apps.lab import lab_dir, run_lab
 

@@ -310,6 +310,9 @@ def run_lab(cfg: DictConfig, progress: bool = True) -> Path:
         except DamagedConfigError as e:  # its batches cannot be checked against these settings
             raise ConfigError(f"{e}: the lab's batches there cannot be checked against these settings; delete "
                               f"{out} or choose another name=...") from None
+        if saved is not None and not isinstance(saved.get("lab"), dict):  # e.g. a run's: never overwritten
+            raise ConfigError(f"{out / 'config.yaml'} is not a lab's settings (it has no lab section): {out} is not "
+                              "a lab's folder; choose another name=... or results_dir=...")
         differences = [] if saved is None else plain_differences(comparable(OmegaConf.create(saved)), comparable(cfg))
         if differences and any((out / "batches").glob("batch_*.pt")):  # one that measured nothing (a start that
             # failed) has nothing to keep: these settings take its folder over
