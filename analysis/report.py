@@ -280,6 +280,23 @@ def collapse_text(run) -> str:
     return "no" if isinstance(run.collapse_source, str) else "n/a"
 
 
+def counted_text(run) -> str:
+    """Whether the numbers count a run (counted and ended), and if not why: a duplicate, its seed unknown, another
+    starting policy's weights (analysis/cells.py), its status (failed, stopped, running), or records that are
+    incomplete or edited (a finished run a data warning names)."""
+    if run.counted and run.ended:
+        return "yes"
+    if run.duplicate_of:
+        return f"no: duplicate of {run.duplicate_of}"
+    if pd.isna(run.seed):
+        return "no: seed unknown"
+    if not run.counted:
+        return "no: another starting policy's weights under its model.seed (see Data warnings)"
+    if run.status in ("finished", "diverged"):
+        return "no: its records are incomplete or edited (see Data warnings)"
+    return f"no: {run.status}"
+
+
 def runs_display(runs: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame:
     runs = cell_identity(runs)
     cells = cells or Cells()
@@ -293,8 +310,7 @@ def runs_display(runs: pd.DataFrame, cells: Cells | None = None) -> pd.DataFrame
         "steps": runs["steps_done"].astype(str) + "/" + runs["total_steps"].astype("string").fillna("?"),
         "last eval acc": runs["final_eval_accuracy"].map(num), "best eval acc": runs["best_eval_accuracy"].map(num),
         "collapse": [collapse_text(r) for r in runs.itertuples()],
-        "counted": ["yes" if c else (f"no: duplicate of {d}" if d else "no: seed unknown")
-                    for c, d in zip(runs["counted"], runs["duplicate_of"], strict=True)],
+        "counted": [counted_text(r) for r in runs.itertuples()],
         "wall time (s)": runs["wall_time_s"].map(num)})
     return pd.DataFrame(out)
 

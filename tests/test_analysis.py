@@ -572,3 +572,33 @@ def test_an_empty_out_is_one_line_not_the_default_folder(capsys):
     assert pytest.raises(SystemExit, main, ["results/none", "--out", ""]).value.code == 2
     assert capsys.readouterr().err == ('error: python -m analysis: --out is empty: give a folder, or leave --out out '
                                        'for <results>/report (`python -m analysis -h` lists the options)\n')
+
+
+def test_the_runs_table_says_no_for_every_run_left_out_of_the_numbers(tmp_path):
+    """The runs table's `counted` column said "yes" of a run that failed midway (or whose config.yaml was edited)
+    though no number counts it, and "no: seed unknown" of a run left out as another starting policy's weights."""
+    from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
+
+    exp = tmp_path / "quickstart"
+    entries = [fake_run(exp, "grpo", s, final=0.4) for s in range(3)]
+    entries += [fake_run(exp, "gspo", 0, final=0.4), fake_run(exp, "gspo", 2, final=0.4),
+                fake_run(exp, "gspo", 1, status="failed", shape=Shape(steps_done=2),
+                         summary_extra={"error": "RuntimeError: boom"})]
+    summary = exp / entries[3]["dir"] / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "settings_digest": "0" * 16}))  # as if edited
+    start = {"key": "k1", "weights_sha256": "aaaabbbbcccc"}
+    for entry in entries[:2]:
+        path = exp / entry["dir"] / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "start_policy": start}))
+    path = exp / entries[2]["dir"] / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "start_policy": {**start, "weights_sha256": "ffff"}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AnalysisWarning)
+        loaded = load_experiment(fake_experiment(exp, entries))
+    shown = report_module.runs_display(loaded.runs).set_index("run_id")["counted"]
+    used = loaded.runs.set_index("run_id")
+    used = used["counted"] & used["ended"]
+    assert [shown[r] == "yes" for r in shown.index] == list(used[shown.index])  # "yes" exactly where it is counted
+    assert shown[entries[5]["run_id"]] == "no: failed"
+    assert shown[entries[3]["run_id"]].startswith("no: its records are incomplete or edited")
+    assert shown[entries[2]["run_id"]].startswith("no: another starting policy's weights")
