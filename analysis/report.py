@@ -128,9 +128,21 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
                    wall_time_s=done["wall_time_s"].mean(), rollout_tokens=done["rollout_tokens"].mean(),
                    rollout_tokens_per_step=(done["rollout_tokens"].astype(float)
                                             / done["steps_done"].astype(float).where(done["steps_done"] > 0)).mean(),
-                   unfinished_runs=len(counted) - len(done), duplicates=int((group["duplicate_of"] != "").sum()))
+                   unfinished_runs=len(counted) - len(done), not_ended=not_ended(counted),
+                   duplicates=int((group["duplicate_of"] != "").sum()))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def not_ended(counted: pd.DataFrame) -> str:
+    """How many of an objective's counted runs (of a cell) did not end, by status, of how many: "1 failed of 3 runs"
+    ("" when every one ended). A finished run that does not count has incomplete or edited records."""
+    left = counted.loc[~counted["ended"], "status"].replace({"finished": "with incomplete records",
+                                                           "diverged": "with incomplete records"})
+    if left.empty:
+        return ""
+    states = ", ".join(f"{k} {s}" for s, k in left.value_counts().sort_index().items())
+    return f"{states} of {plural(len(counted), 'run')}"
 
 
 def interval(low, high, n, problems: bool = False, top=None) -> str:

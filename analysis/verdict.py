@@ -164,8 +164,8 @@ def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], b
     between objectives and not within one (else the cells keep versions apart): :func:`code_note`."""
     out = []
     against = versus_baseline(pairs, baseline)
-    for cell_id, group in table.groupby("cell_id", sort=True):
-        group = group[group["final_n"] > 0].sort_values("final_mean", ascending=False, kind="stable")
+    for cell_id, cell in table.groupby("cell_id", sort=True):
+        group = cell[cell["final_n"] > 0].sort_values("final_mean", ascending=False, kind="stable")
         if group.empty:
             continue
         versus = against[against["cell_id"] == cell_id]
@@ -174,8 +174,18 @@ def cell_verdicts(table: pd.DataFrame, pairs: pd.DataFrame, labels: list[str], b
         else:
             note = code_note([baseline, *versus["a"]], codes or {})
             text = sentence(versus, baseline) + (f" ({note})" if note else "")
-        out.append(CellVerdict(labels[cell_id], ranking(group, versus, baseline), text))
+        out.append(CellVerdict(labels[cell_id], ranking(group, versus, baseline), text + left_out(cell)))
     return out
+
+
+def left_out(cell: pd.DataFrame) -> str:
+    """What the cell's sentence adds of the runs its numbers leave out because they did not end (``not_ended`` of
+    report.eval_table): a comparison over the seeds that survived a failure the objective may cause is biased, so the
+    reader is told which and how many."""
+    if "not_ended" not in cell:
+        return ""
+    shown = [f"{row.objective} {row.not_ended}" for row in cell.itertuples() if row.not_ended]
+    return f"; not counted, as they did not end: {'; '.join(shown)}" if shown else ""
 
 
 def lines(verdicts: list[CellVerdict]) -> list[str]:

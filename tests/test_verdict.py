@@ -236,3 +236,29 @@ def test_a_run_whose_scores_do_not_give_its_accuracy_is_a_data_warning_naming_it
                     "only (the eval set's noise left out)",
                     f"{tmp_path / 'run-d'}: its eval_samples.jsonl does not give its final eval accuracy 0.75: the "
                     "intervals of its comparisons are over seeds only (the eval set's noise left out)"]
+
+
+def test_the_verdict_names_the_runs_it_leaves_out_because_they_did_not_end(tmp_path):
+    """A run that failed midway is left out of every number: the comparison is over the seeds that survived, and an
+    objective whose failures come from the objective looks better than it is. The report's headline listed it, but
+    the verdict (verdict.txt, the terminal of `make compare`) said only "2 seeds", nothing of the third."""
+    from analysis.load import load_experiment
+    from analysis.report import write_numbers
+    from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
+
+    exp = tmp_path / "quickstart"
+    entries = [fake_run(exp, o, s, final=0.4 + 0.01 * s) for o in ("grpo", "gspo") for s in range(2)]
+    entries += [fake_run(exp, "grpo", 2, final=0.42),
+                fake_run(exp, "gspo", 2, status="failed", shape=Shape(steps_done=2)),
+                fake_run(exp, "ctpo", 0, status="failed", shape=Shape(steps_done=1))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load_experiment(fake_experiment(exp, entries))
+    (tmp_path / "out").mkdir()
+    write_numbers(loaded, tmp_path / "out")
+    said = (tmp_path / "out" / "verdict.txt").read_text()
+    assert "not counted, as they did not end: ctpo 1 failed of 1 run; gspo 1 failed of 3 runs" in said, said
+    entries = [fake_run(tmp_path / "clean", o, s, final=0.4 + 0.01 * s) for o in ("grpo", "gspo") for s in range(3)]
+    (tmp_path / "out2").mkdir()
+    write_numbers(load_experiment(fake_experiment(tmp_path / "clean", entries)), tmp_path / "out2")
+    assert "not counted" not in (tmp_path / "out2" / "verdict.txt").read_text()
