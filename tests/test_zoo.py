@@ -634,3 +634,21 @@ def test_only_a_zoo_of_both_stages_begun_without_its_folders_is_timed_whole(monk
         assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}"], progress=False, report=False,
                         objectives=["grpo"], stage=stage) == 0
     assert given[0] is None and given[1] is None and isinstance(given[2], tuple) and given[3] is None
+
+
+@pytest.mark.slow  # a confirmation planned (seconds): make test
+def test_an_objective_whose_screen_runs_all_failed_is_named_and_can_be_left_out(one_cell):
+    """A screen in which every run of one objective failed: the confirmation was refused for every --objectives,
+    also one that leaves that objective out, with "run `make zoo STAGE=screen` first", which runs the same failures
+    again (or, with that --objectives, not at all): no way out but deleting folders, and no run named."""
+    tmp_path, calls = one_cell
+    runs = [{"run_id": "grpo-s0-aaaa", "objective": "grpo", "status": "finished"},
+            *({"run_id": f"holder-s{s}-bbbb", "objective": "holder", "status": "failed"} for s in range(3))]
+    (tmp_path / "zoo" / "screen" / "manifest.json").write_text(json.dumps({"runs": runs}))
+    args = (3, 1, 0.4, [f"results_dir={tmp_path}"], False)
+    with pytest.raises(ConfigError, match=r"3 of its runs did not end \(holder-s0-bbbb: failed, ...\); run `make zoo "
+                                          r"STAGE=screen` first to resume them, or leave out their objectives "
+                                          r"\(holder\)"):
+        zoo.confirm(*args, ["grpo", "holder"], False, 3)
+    assert not calls
+    assert zoo.confirm(*args, ["grpo", "popo"], False, 3) == 0 and calls  # holder is not compared: planned without it

@@ -331,13 +331,35 @@ def screen_design(screen_runs: list[DictConfig]) -> dict:
             "eval_set": int(task.eval_set) if has_eval_sets(task.name) else None}
 
 
-def screen_ended(folder: Path) -> bool:
-    """Whether every run of the screen's last sweep ended (its manifest.json)."""
+def screen_ended(folder: Path, objectives: list[str] | None = None) -> bool:
+    """Whether every run of the screen's last sweep ended (its manifest.json), of ``objectives`` (None: every one)."""
+    return screen_not_ended(folder, objectives) == []
+
+
+def screen_not_ended(folder: Path, objectives: list[str] | None = None) -> list[dict] | None:
+    """The manifest entries of the screen's runs of ``objectives`` (None: every one) that did not end; None when its
+    manifest.json cannot be read or lists none of them. A run of an objective left out of --objectives (one whose
+    runs all failed) is not one the plan is made from; an entry that names no objective is counted."""
     try:
         runs = json.loads((folder / "manifest.json").read_text())["runs"]
-    except (OSError, ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
-        return False
-    return bool(runs) and all(r.get("status") in ENDED for r in runs)
+        mine = [r for r in runs if objectives is None or r.get("objective", objectives[0]) in objectives]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return [r for r in mine if r.get("status") not in ENDED] if mine else None
+
+
+def not_ended_text(screen: Path, left: list[dict] | None) -> str:
+    """Why the confirmation is not planned from ``screen``: no run of it can be read, or the runs that did not end."""
+    if not left:
+        return (f"the confirmation is planned from a finished screen, and {screen} has no run of these objectives "
+                "that can be read: run `make zoo STAGE=screen` first")
+    first = left[0]
+    owners = ", ".join(dict.fromkeys(str(r["objective"]) for r in left if r.get("objective")))
+    leave = (f", or leave out their objectives ({owners}) with --objectives, the zoo's others then planned without "
+             f"them (each run's error: its summary.json and train.log under {screen})" if owners else "")
+    return (f"the confirmation is planned from a finished screen, and {len(left)} of its runs did not end "
+            f"({first.get('run_id', 'a run')}: {first.get('status', 'no status')}{', ...' if len(left) > 1 else ''})"
+            f"; run `make zoo STAGE=screen` first to resume them{leave}")
 
 
 def zoo_command(stage: str, seeds: int, objectives: list[str] | None, overrides: list[str],
@@ -537,9 +559,8 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
     design = screen_design(screen_runs)
     plan = read_plan(folder, settings, design)
     if plan is None:
-        if not screen_ended(screen):
-            raise ConfigError(f"the confirmation is planned from a finished screen, and {screen} has runs that did "
-                              "not end (or none): run `make zoo STAGE=screen` first")
+        if (left := screen_not_ended(screen, objectives)) != []:
+            raise ConfigError(not_ended_text(screen, left))
         results = load_results(screen)
         check_screen(results.runs, screen_runs, objectives, screen)
         board = leaderboard(results, target, BASELINE)
