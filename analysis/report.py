@@ -761,8 +761,10 @@ def write_numbers(exp: Experiment, out_dir: Path, baseline: str | None = None) -
     save_table(out_dir, "iqm", iqms)
     verdicts = verdict.cell_verdicts(table, pairs, cells.labels, baseline, cells.objective_settings.get(CODE))
     numbers = Numbers(table, headline, collapse, pairs, aggregated, iqms, baseline, verdicts)
-    budgets = [text for _, text in budget_blocks(numbers, len(cells.labels) > 1)]  # the terminal says it too
-    (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in [*verdict.lines(verdicts), *budgets]))
+    notes = [*beyond_objective_blocks(cells, code=False),  # the terminal says these too
+             *budget_blocks(numbers, len(cells.labels) > 1, own_steps(cells))]
+    notes = [text for _, text in notes]
+    (out_dir / "verdict.txt").write_text("".join(line + "\n" for line in [*verdict.lines(verdicts), *notes]))
     return numbers
 
 
@@ -802,7 +804,7 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     unfinished = unfinished_lines(runs)
     start = start_line(table)
     blocks = [("h1", f"Report: {name}"), *verdict_blocks(numbers, multi), *beyond_objective_blocks(cells),
-              *budget_blocks(numbers, multi),
+              *budget_blocks(numbers, multi, own_steps(cells)),
               ("p", f"Source: {sources_text(exp)}. {plural(len(runs), 'run')} listed, {int(runs['ended'].sum())} "
                     f"ended, {len(unfinished)} not finished. Every number is per objective and cell (a cell: one "
                     "combination of the settings that differ between runs of an objective; runs that differ in a "
@@ -824,10 +826,12 @@ def intro_blocks(exp: Experiment, numbers: Numbers, data_warnings: list[str]) ->
     return blocks
 
 
-def beyond_objective_blocks(cells) -> list[tuple]:
+def beyond_objective_blocks(cells, code: bool = True) -> list[tuple]:
     """Under the verdict: the settings other than their own hyperparameters in which the objectives of a cell differ
-    (a sweep's ``per_objective``, runs of several experiments in one folder), which a difference may come from."""
-    settings = {key: values for key, values in cells.objective_settings.items() if not key.startswith("objective.")}
+    (a sweep's ``per_objective``, runs of several experiments in one folder), which a difference may come from.
+    ``code`` False: the code version left out (the verdict's sentence says it: verdict.code_note)."""
+    settings = {key: values for key, values in cells.objective_settings.items()
+                if not key.startswith("objective.") and (code or key != CODE)}
     if not settings:
         return []
     return [("p", "The objectives compared differ in more than the objective: "
@@ -839,7 +843,12 @@ def beyond_objective_blocks(cells) -> list[tuple]:
 BUDGET_TOLERANCE = 0.1  # budget_blocks: a rollout budget per step this far (relative) from the baseline's is said
 
 
-def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
+def own_steps(cells) -> bool:
+    """Whether the objectives compared in a cell ran different numbers of steps (train.steps set per objective)."""
+    return "train.steps" in cells.objective_settings
+
+
+def budget_blocks(numbers: Numbers, multi: bool, steps_differ: bool = False) -> list[tuple]:
     """Under the verdict: the objectives whose ended runs sampled a rollout budget per step (rollout tokens over steps
     done, the mean over runs) more than ``BUDGET_TOLERANCE`` away from the baseline's in their cell (an estimator's
     extra completions, e.g. A*-PO's reference samples or ReMax's greedy ones, dynamic sampling's refills, longer
@@ -863,8 +872,10 @@ def budget_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
     return [("p", f"Rollout budgets differ: these objectives sampled more or fewer rollout tokens per step than "
                   f"{numbers.baseline} (rollout tokens over steps done, mean over ended runs; more than "
                   f"{BUDGET_TOLERANCE:.0%} apart): "
-                  + "; ".join(parts) + ". The verdict compares final accuracies at equal steps; the figure against "
-                  "rollout tokens (`curves_tokens`) compares the objectives at equal sampling.")]
+                  + "; ".join(parts) + ". The verdict compares final accuracies at "
+                  + ("each objective's own train.steps (above)" if steps_differ else "equal steps")
+                  + "; the figure against rollout tokens (`curves_tokens`) compares the objectives at equal "
+                  "sampling.")]
 
 
 def verdict_blocks(numbers: Numbers, multi: bool) -> list[tuple]:

@@ -262,3 +262,23 @@ def test_the_verdict_names_the_runs_it_leaves_out_because_they_did_not_end(tmp_p
     (tmp_path / "out2").mkdir()
     write_numbers(load_experiment(fake_experiment(tmp_path / "clean", entries)), tmp_path / "out2")
     assert "not counted" not in (tmp_path / "out2" / "verdict.txt").read_text()
+
+
+def test_the_terminal_verdict_says_when_the_objectives_differ_in_more_than_the_objective(tmp_path):
+    """`make compare OBJECTIVES=myobj OVERRIDES=train.steps=8` into a folder whose grpo ran 6 steps: one cell (the
+    setting differs only between objectives), and the report said under its verdict that the objectives differ in
+    train.steps, but verdict.txt (what the terminal prints) did not, and its budget line said the verdict compares
+    "at equal steps"."""
+    from analysis.load import load_experiment
+    from analysis.report import write_numbers
+    from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
+
+    exp = tmp_path / "quickstart"
+    entries = [fake_run(exp, "grpo", s, final=0.4 + 0.01 * s) for s in range(3)]
+    entries += [fake_run(exp, "gspo", s, final=0.5 + 0.01 * s, shape=Shape(steps=8),
+                         summary_extra={"rollout_tokens": 1600 * 8}) for s in range(3)]
+    (tmp_path / "out").mkdir()
+    write_numbers(load_experiment(fake_experiment(exp, entries)), tmp_path / "out")
+    said = (tmp_path / "out" / "verdict.txt").read_text()
+    assert "The objectives compared differ in more than the objective: train.steps (grpo=6, gspo=8)" in said, said
+    assert "at equal steps" not in said and "at each objective's own train.steps" in said, said
