@@ -13,6 +13,8 @@ of several evaluations is not resampled, so it is optimistic). A run whose per-p
 missing, or do not average to the run's own accuracy (summary.json's), is not resolved by problem: the group then
 falls back on the runs' own accuracies with analysis.stats.describe's interval over seeds (``problems`` False), and
 on none where the seeds agree exactly (whether the problems vary is then unknown: never a zero-width interval).
+Scores alike on every problem in every run (a collapse to 0 everywhere) take ``unvaried_bounds``, not a zero-width
+t-interval.
 """
 
 from __future__ import annotations
@@ -24,10 +26,21 @@ import pandas as pd
 from scipy.stats import t as student_t
 
 from analysis.cells import START_SEED
-from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, HIERARCHY, N_BOOT, resample, satterthwaite, t_bounds, variance_parts
+from analysis.stats import (
+    BOOT_SEED,
+    CI_MIN_SEEDS,
+    HIERARCHY,
+    LEVEL,
+    N_BOOT,
+    resample,
+    satterthwaite,
+    t_bounds,
+    variance_parts,
+)
 
 START, FINAL, BEST = "start_eval_accuracy", "final_eval_accuracy", "best_eval_accuracy"
 SCORE = "correct"  # eval_samples.jsonl's score under the task's training scoring (eval_accuracy)
+ACCURACY_RANGE, DIFFERENCE_RANGE = (0.0, 1.0), (-1.0, 1.0)  # an eval accuracy's, and two accuracies' difference's
 
 
 @dataclass(frozen=True)
@@ -52,8 +65,8 @@ class Estimate:
         variance, df = satterthwaite(self.parts) if self.parts else (np.nan, np.nan)
         if not np.isfinite(self.low) or not np.isfinite(variance) or not df > 0:
             return np.nan
-        if variance == 0:
-            return 1.0 if self.mean == 0 else 0.0
+        if variance == 0:  # values alike: the interval is unvaried_bounds' (or none): 0 inside it or not
+            return 1.0 if self.low <= 0 <= self.high else 0.0
         return float(2 * student_t.sf(abs(self.mean) / np.sqrt(variance), df))
 
 
@@ -134,9 +147,22 @@ def dense(units: dict) -> tuple[np.ndarray, tuple, bool]:
 NO_INTERVAL = "fewer than 2 seeds, or seeds that agree exactly and lack per-problem scores"  # when interval_of has none
 
 
-def interval_of(units: dict) -> Estimate:
+def unvaried_bounds(value: float, problems: int, bounds: tuple[float, float], level: float = LEVEL
+                    ) -> tuple[float, float]:
+    """The interval of a mean whose every (unit, eval problem) value is ``value``: none of the ``problems`` differed,
+    so by Clopper-Pearson's bound a share q = 1 - ((1 - level) / 2)^(1 / problems) of the task's problems may (at
+    level: ~3.7 / problems), each at most to an end of the quantity's range ``bounds``. A t-interval would have zero
+    width, as if the problems not drawn could not differ; the seeds, alike too, add nothing that can be measured."""
+    q = 1 - ((1 - level) / 2) ** (1 / problems)
+    low, high = bounds
+    return value - q * (value - low), value + q * (high - value)
+
+
+def interval_of(units: dict, bounds: tuple[float, float] | None = None) -> Estimate:
     """The mean of the units' values with its interval: by seed and problem when resolved (from 2 seeds), else over
-    seeds (describe's convention: the range with 2)."""
+    seeds (describe's convention: the range with 2). ``bounds``: the quantity's range (ACCURACY_RANGE,
+    DIFFERENCE_RANGE), for values resolved by problem that are all alike (unvaried_bounds); None: such values' interval
+    has zero width."""
     if not units:
         return NONE
     x, levels, problems = dense(units)
@@ -149,13 +175,15 @@ def interval_of(units: dict) -> Estimate:
         low, high = (np.nanmin(x), np.nanmax(x)) if n == 2 else (np.nan, np.nan)
     if not problems and high - low <= 1e-12:  # seeds alike (to round-off), how the problems vary unknown: none
         low = high = np.nan
+    if problems and bounds is not None and parts and sum(v for v, _ in parts) == 0:
+        low, high = unvaried_bounds(float(mean), x.shape[2], bounds)
     policies = int(np.isfinite(x).any(axis=tuple(range(1, x.ndim))).sum())
     return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else 0)
 
 
 def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate:
     """One objective's ``column`` over its counted, ended runs (one cell): mean over seeds with its interval."""
-    return interval_of(runs_scores(runs, samples, column))
+    return interval_of(runs_scores(runs, samples, column), ACCURACY_RANGE)
 
 
 def paired_units(a: dict, b: dict, factor: float = 1.0) -> dict:
@@ -191,7 +219,8 @@ def across_cells(per_cell: list[dict]) -> dict:
 
 def paired_estimate(runs: pd.DataFrame, samples: dict, a: str, b: str, column: str = FINAL) -> Estimate:
     """A − B of ``column`` in one cell, paired by seed and eval problem, with its interval."""
-    return interval_of(paired_units(*(runs_scores(runs[runs["objective"] == o], samples, column) for o in (a, b))))
+    return interval_of(paired_units(*(runs_scores(runs[runs["objective"] == o], samples, column) for o in (a, b))),
+                       DIFFERENCE_RANGE)
 
 
 def resampled_values(units: dict, n_boot: int = N_BOOT, rng=None) -> np.ndarray:

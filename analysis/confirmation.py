@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.accuracy import FINAL, Estimate, across_cells, interval_of, paired_units, runs_scores
+from analysis.accuracy import DIFFERENCE_RANGE, FINAL, Estimate, across_cells, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
 from analysis.stats import INDICATIVE_BELOW, indicative, num, p_text, t_bounds, top_units
@@ -125,7 +125,7 @@ def confirmation(confirm_dir: Path, plan: dict) -> tuple[pd.DataFrame, dict, pd.
     complete = {o: planned_complete(runs, o, expected) and planned_complete(runs, baseline, expected)
                 for o in planned}
     units = {o: difference(runs, exp.samples, o, baseline, cells) for o in planned if o != baseline}
-    estimates = {o: interval_of(u) for o, u in units.items()}
+    estimates = {o: interval_of(u, DIFFERENCE_RANGE) for o, u in units.items()}
     objectives = planned + list(plan["not_tested"])
     models = sorted({f"{c.get('model.name')} on {c.get('task.name')}" for c in exp.configs.values() if c})
     return verdicts(estimates, complete, planned, objectives, baseline), units, runs, ", ".join(models)

@@ -38,7 +38,16 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.accuracy import FINAL, across_cells, common_units, paired_units, resampled_values, runs_scores
+from analysis.accuracy import (
+    ACCURACY_RANGE,
+    DIFFERENCE_RANGE,
+    FINAL,
+    across_cells,
+    common_units,
+    paired_units,
+    resampled_values,
+    runs_scores,
+)
 from analysis.accuracy import interval_of as accuracy_interval
 from analysis.stats import BOOT_SEED, CI_MIN_SEEDS, IQM_MIN_SEEDS, LEVEL
 from objectives import OBJECTIVES
@@ -86,7 +95,7 @@ def objective_pairs(objectives, baseline: str | None = None) -> list[tuple[str, 
 def compare(a: dict, b: dict) -> dict:
     """Paired statistics of two objectives' runs in one cell (analysis.accuracy.runs_scores of each)."""
     pairs = paired_units(a, b)
-    d = accuracy_interval(pairs)
+    d = accuracy_interval(pairs, DIFFERENCE_RANGE)
     seeds = sorted(pairs)
     x, y = np.array([a[s][1] for s in seeds]), np.array([b[s][1] for s in seeds])
     row = {"n": d.n, "top": d.top, "difference": d.mean, "difference_low": d.low, "difference_high": d.high,
@@ -151,7 +160,7 @@ def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = No
             continue
         units = across_cells([paired_units(x, y) for x, y in strata])  # each unit's difference, mean over cells
         keys = list(units)
-        d = accuracy_interval(units)
+        d = accuracy_interval(units, DIFFERENCE_RANGE)
         row = {"a": a, "b": b, "cells": len(strata), "n": len(keys), "difference": d.mean,
                "difference_low": d.low, "difference_high": d.high, "p_value": d.p_value, "p_improvement": np.nan,
                "p_low": np.nan, "p_high": np.nan}
@@ -199,7 +208,7 @@ def iqm(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = None) ->
         pooled = np.array([value for s in strata for _, value, _ in s.values()])
         if not len(pooled):
             continue
-        mean = accuracy_interval(across_cells(strata))
+        mean = accuracy_interval(across_cells(strata), ACCURACY_RANGE)
         row = {"objective": objective, "cells": len(strata), "n": len(pooled),
                "iqm": trimmed_means(pooled[None])[0] if len(pooled) >= IQM_MIN_SEEDS else np.nan, "iqm_low": np.nan,
                "iqm_high": np.nan, "mean": mean.mean, "mean_low": np.nan, "mean_high": np.nan}

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from scipy.stats import trim_mean
 
 from analysis import axes, paired, plots, scaling, timing, verdict
-from analysis.accuracy import estimate, runs_scores
+from analysis.accuracy import ACCURACY_RANGE, estimate, runs_scores
 from analysis.accuracy import interval_of as accuracy_interval
 from analysis.cells import CODE, START_SEED, UNKNOWN, Cells, show
 from analysis.combine import combined_dir, load_experiments, named
@@ -112,7 +112,7 @@ def eval_table(runs: pd.DataFrame, axes_keys: list[str] | tuple = (), samples: d
         row = {"cell_id": cell_id, "cell": first["cell"], **{a: first[a] for a in axes_keys}, "objective": objective,
                "seeds": len(done)}
         for kind, column in accuracies(runs).items():
-            d = accuracy_interval(runs_scores(group, samples or {}, column))
+            d = accuracy_interval(runs_scores(group, samples or {}, column), ACCURACY_RANGE)
             values = done[column].astype(float)
             values = values[np.isfinite(values)]
             row.update({f"{kind}_mean": d.mean, f"{kind}_ci_low": d.low, f"{kind}_ci_high": d.high,

@@ -98,7 +98,8 @@ def test_three_seeds_that_agree_do_not_give_a_zero_width_interval():
     assert not unscored.problems and unscored.mean == pytest.approx(2 / 128) and np.isnan(unscored.low)
     assert np.isnan(unscored.p_value)  # no interval, no test: the verdict does not count it
     start = estimate(runs[runs["objective"] == "grpo"], samples, "start_eval_accuracy")
-    assert start.problems and start.mean == 0 and start.low == start.high == 0  # constant: it does not vary
+    # 0 on each of 128 problems: the task's other problems may not be 0 (test below), not a zero-width interval
+    assert start.problems and start.mean == start.low == 0 and start.high == pytest.approx(1 - 0.025 ** (1 / 128))
 
 
 def test_scores_that_do_not_match_the_runs_accuracy_are_not_used():
@@ -264,3 +265,24 @@ def test_iqm_tables_mean_is_the_one_its_interval_is_about():
     policies_mean = ((0.1 + 0.2) / 2 + 0.9) / 2
     assert row["mean"] == pytest.approx(policies_mean) == pytest.approx(estimate(runs, {}).mean)
     assert (row["mean_low"] + row["mean_high"]) / 2 == pytest.approx(policies_mean)
+
+
+def test_scores_alike_on_every_problem_and_seed_give_no_zero_width_interval():
+    """An objective that collapsed to 0 on every eval problem in every seed read `0.00 [0.00, 0.00]`, and two
+    objectives that scored every problem alike in every seed `0.00 [0.00, 0.00]`: a t-interval of values that did
+    not vary in the sample, as if the task's other problems could not differ. The bound is Clopper-Pearson's for
+    none of the n problems differing (a share q = 1 - 0.025^(1/n) may), inside the quantity's range."""
+    n = 32
+    q = 1 - 0.025 ** (1 / n)
+    base = [1.0] * 10 + [0.0] * 22
+    runs, samples = scored({**{("grpo", s): base for s in range(3)}, **{("gspo", s): [0.0] * n for s in range(3)},
+                            **{("ctpo", s): base for s in range(3)}})
+    dead = estimate(runs[runs["objective"] == "gspo"], samples)
+    assert dead.mean == 0 and (dead.low, dead.high) == pytest.approx((0.0, q)) and dead.problems
+    same = paired_estimate(runs, samples, "ctpo", "grpo")
+    assert same.mean == 0 and (same.low, same.high) == pytest.approx((-q, q)) and same.p_value == 1.0
+    runs, samples = scored({**{("grpo", s): [0.0] * n for s in range(3)}, **{("gspo", s): [1.0] * n for s in range(3)}})
+    apart = paired_estimate(runs, samples, "gspo", "grpo")
+    assert apart.mean == 1 and (apart.low, apart.high) == pytest.approx((1 - 2 * q, 1.0)) and apart.p_value < 0.05
+    full = estimate(runs[runs["objective"] == "gspo"], samples)
+    assert (full.low, full.high) == pytest.approx((1 - q, 1.0))

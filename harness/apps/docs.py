@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
-from analysis.accuracy import FINAL, START, interval_of, paired_units, runs_scores
+from analysis.accuracy import DIFFERENCE_RANGE, FINAL, START, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment as load_results
 from analysis.report import build_report, ci_text, md_table
 from analysis.stats import num
@@ -118,7 +118,7 @@ def gain_table(exp_dir: Path) -> str:
     rows = []
     for (cell, objective), group in exp.runs.groupby(["cell", "objective"], sort=True):
         end, start = (runs_scores(group, exp.samples, column) for column in (FINAL, START))
-        gain = interval_of(paired_units(end, start))
+        gain = interval_of(paired_units(end, start), DIFFERENCE_RANGE)
         if not gain.n:
             continue
         rows.append({"cell": cell, "objective": objective, "seeds": gain.n,
