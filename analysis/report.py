@@ -223,11 +223,12 @@ def start_line(table: pd.DataFrame) -> str | None:
     done = table[table["start_n"] > 0]
     row = done.sort_values("start_n", ascending=False).iloc[0]  # one with an interval, if any
     several = "start_top" in done and bool((done["start_top"].fillna(0) >= 2).any())  # starting policies
-    why = ("its starting policies score alike here" if several else
+    why = ("every objective's runs start from the same starting policies" if several else
            "with one starting policy and greedy evaluation every run scores each problem alike, and the interval is "
            "the eval set's sampling")
-    return (f"Every objective starts at {num(row['start_mean'])} at step 0 "
-            f"({interval(row['start_ci_low'], row['start_ci_high'], int(row['start_n']), row['start_problems'])}; "
+    shown = interval(row["start_ci_low"], row["start_ci_high"], int(row["start_n"]), row["start_problems"],
+                     row.get("start_top"))
+    return (f"Every objective starts at {num(row['start_mean'])} at step 0 ({shown}; "
             f"{why}): the start's columns are left out of the table.")
 
 

@@ -216,7 +216,11 @@ def test_the_one_start_line_says_one_starting_policy_only_where_there_is_one():
                           "start_top": [0, 0]})
     assert "with one starting policy" in start_line(table)
     several = start_line(table.assign(start_top=[3, 3]))
-    assert "one starting policy" not in several and "its starting policies score alike here" in several
+    assert "one starting policy" not in several and "from the same starting policies" in several
+    # an interval over 2 starting policies (of 1 and 3 seeds) was marked "4 seeds: indicative", and said of
+    # policies that score problems otherwise that they "score alike"
+    two = start_line(table.assign(start_top=[2, 2], start_n=[4, 4], start_ci_low=[0.2] * 2, start_ci_high=[0.6] * 2))
+    assert "2 starting policies: indicative" in two and "4 seeds" not in two and "score alike here" not in two
 
 
 def test_a_run_whose_scores_do_not_give_its_accuracy_is_a_data_warning_naming_it(tmp_path):
