@@ -38,7 +38,7 @@ import pandas as pd
 from analysis import paired
 from analysis.cells import CODE
 from analysis.load import Experiment, load_experiment
-from analysis.report import eval_table, render_html, render_md
+from analysis.report import eval_table, not_ended, render_html, render_md
 from analysis.stats import LEVEL, num, p_text, rate_interval
 from analysis.verdict import code_note, holm
 from harness.run.atomic import atomic_write
@@ -243,9 +243,14 @@ def write_leaderboard(exp_dir: Path, out_dir: Path, stamp: str, target: float, b
     ranked, cells = shared_runs(exp)
     codes = exp.cells.objective_settings.get(CODE, {})  # each objective's version, where it differs between them
     note = code_note([baseline, *(board["objective"] if len(board) else [])], codes)
+    counted = exp.runs[exp.runs["counted"]]
+    left = [f"{o} {text}" for o, group in counted.groupby("objective", sort=True) if (text := not_ended(group))]
     blocks = [("h1", f"Objective leaderboard: {exp.name}"), ("p", stamp),
               ("p", runs_stamp(ranked.to_dict("records"))), *([("p", f"Objectives {note}.")] if note else []),
               ("table", shown),
+              *([("p", f"Not counted, as they did not end: {'; '.join(left)}. A run that failed is in no number of "
+                       "the board: an objective whose failures come from the objective ranks on its runs that "
+                       "survived.")] if left else []),
               *[("p", text) for text in explanation(exp, cells, target, baseline, board)]]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "leaderboard.csv", board.to_csv(index=False))

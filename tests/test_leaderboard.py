@@ -177,3 +177,20 @@ def test_an_objective_with_no_seed_ended_in_every_cell_is_listed_not_a_crash(tmp
     assert np.isnan(board.loc["x_obj", "vs_baseline"]) and board.loc["grpo", "iqm"] == pytest.approx(0.41)
     text = write_leaderboard(exp, tmp_path / "out", "stamp", target=0.5).read_text()
     assert "x_obj" in text
+
+
+def test_the_board_names_the_runs_that_did_not_end(tmp_path):
+    """A zoo screen where every run of one objective failed showed it as a row of n/a with "runs 0", and one whose
+    runs failed in part as fewer runs: the board (what the zoo prints) never said that runs had failed and were
+    left out, a bias towards the runs that survived."""
+    exp = tmp_path / "zoo"
+    entries = []
+    for seed in range(3):
+        entries.append(fake_run(exp, "grpo", seed, final=0.4 + 0.01 * seed))
+        entries.append(fake_run(exp, "gspo", seed, final=0.4, status="failed", shape=Shape(steps_done=2)))
+        entries.append(fake_run(exp, "ctpo", seed, final=0.45, status="failed" if seed == 2 else "finished"))
+    text = write_leaderboard(fake_experiment(exp, entries), tmp_path / "out", "stamp", target=0.5).read_text()
+    assert "Not counted, as they did not end: ctpo 1 failed of 3 runs; gspo 3 failed of 3 runs." in text, text
+    clean = [fake_run(tmp_path / "c", o, s, final=0.4) for o in ("grpo", "gspo") for s in range(3)]
+    assert "did not end" not in write_leaderboard(fake_experiment(tmp_path / "c", clean), tmp_path / "o2", "stamp",
+                                                  target=0.5).read_text()
