@@ -234,6 +234,20 @@ def mark_mixed_policies(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     return runs, lines
 
 
+def results_differ(group: pd.DataFrame) -> str:
+    """What a duplicates line adds when the copies' final eval accuracies differ (the first row is the one counted):
+    the choice is by records, so the reader sees the result left out."""
+    if "final_eval_accuracy" not in group:
+        return ""
+    finals = group["final_eval_accuracy"].astype(float)
+    if finals.fillna(-1).max() - finals.fillna(-1).min() <= 1e-12:
+        return ""
+    shown = ", ".join(f"`{r}` {'n/a' if math.isnan(f) else f'{f:#.3g}'}"
+                      for r, f in zip(group["run_id"], finals, strict=True))
+    return (f"; their final eval accuracies differ ({shown}): the one counted is chosen by its records (ended, "
+            "complete, steps done), then by name, never by its result")
+
+
 def mark_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[str]]:
     """``counted`` and ``duplicate_of`` (see the module docstring); lines naming the duplicates and the runs whose
     seed is unknown."""
@@ -255,7 +269,7 @@ def mark_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[s
         policy = "" if pd.isna(start) else f"starting policy {START_SEED}={start}, "
         lines.append(f"duplicate runs: {objective}, {policy}seed {seed}, cell `{cell}`: "
                      f"{', '.join(f'`{r}`' for r in others)} {'has' if len(others) == 1 else 'have'} the same settings "
-                     f"and seed as `{keep}`; only `{keep}` is counted (a seed counts once)")
+                     f"and seed as `{keep}`; only `{keep}` is counted (a seed counts once){results_differ(ranked)}")
     unseeded = [f"{r}: seed unknown (no manifest entry, summary.json or config.yaml states it): not counted"
                 for r in runs.loc[runs["seed"].isna(), "run_id"]]
     return runs, lines, unseeded

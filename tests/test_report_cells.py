@@ -673,3 +673,22 @@ def test_the_configuration_says_the_lag_correction_replay_and_old_logprobs_the_r
     lines, diffs = config_summary(load_experiment(fake_experiment(exp_dir, entries)))
     assert "policy lag (train.rollout_lag): differs between runs: 0; 4 (fixed, in flight every 3 tokens)" in lines
     assert "old log-probs: sampler (the behaviour policy's)" in lines
+
+
+def test_duplicates_whose_results_differ_say_so(tmp_path):
+    """Two copies of one run (same settings, seed and code) whose final accuracies differ (a rerun on other
+    hardware, a copy edited): one is counted, by its records and then by name, and the warning said only "has the
+    same settings and seed", so the reader could not tell that the result left out was another one."""
+    exp_dir = tmp_path / "dup"
+    entries = [fake_run(exp_dir, "grpo", 0, final=0.5, shape=Shape(name="quickstart")),
+               fake_run(exp_dir, "grpo", 0, final=0.9, shape=Shape(name="quickstart-again"))]
+    exp, caught = load(fake_experiment(exp_dir, entries))
+    (line,) = [w for w in caught if w.startswith("duplicate runs")]
+    kept, other = sorted(r["run_id"] for r in entries)
+    finals = {r["run_id"]: f for r, f in zip(entries, ("0.500", "0.900"), strict=True)}
+    assert (f"their final eval accuracies differ (`{kept}` {finals[kept]}, `{other}` {finals[other]}): the one "
+            "counted is chosen by its records (ended, complete, steps done), then by name, never by its result") in line
+    same = [fake_run(tmp_path / "same", "grpo", 0, final=0.5, shape=Shape(name=n)) for n in ("a", "b")]
+    exp, caught = load(fake_experiment(tmp_path / "same", same))
+    (line,) = [w for w in caught if w.startswith("duplicate runs")]
+    assert "differ" not in line
