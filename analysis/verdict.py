@@ -61,13 +61,15 @@ def seeds_only(problems, low) -> str:
 
 def seeds_only_note(rows: pd.DataFrame) -> str:
     """What a cell's sentence says of its tested comparisons whose interval is over seeds only (``problems`` False: a
-    run's per-problem scores are missing or do not give its value, analysis/accuracy.py run_scores), which leaves
+    run's per-problem scores are missing, do not give its value (analysis/accuracy.py run_scores) or are on other
+    problems than its pair's), which leaves
     out the eval set's noise, as the tables mark "(seeds only)"."""
     if "problems" not in rows:
         return ""
     thin = rows[rows["holm"].notna() & ~rows["problems"].fillna(False).astype(bool)]["a"].tolist()
-    return (f"; over seeds only for {' and '.join(thin)} (a run's per-problem scores, eval_samples.jsonl, are missing "
-            "or do not give its accuracy: the interval leaves out the eval set's noise)" if thin else "")
+    return (f"; over seeds only for {' and '.join(thin)} (a run's per-problem scores, eval_samples.jsonl, are "
+            "missing, do not give its accuracy, or are not on the same eval problems as the runs it is paired with: "
+            "the interval leaves out the eval set's noise)" if thin else "")
 
 
 def sentence(rows: pd.DataFrame, baseline: str) -> str:

@@ -286,3 +286,13 @@ def test_the_terminal_verdict_says_when_the_objectives_differ_in_more_than_the_o
     said = (tmp_path / "out" / "verdict.txt").read_text()
     assert "The objectives compared differ in more than the objective: train.steps (grpo=6, gspo=8)" in said, said
     assert "at equal steps" not in said and "at each objective's own train.steps" in said, said
+
+
+def test_over_seeds_only_gives_every_reason_an_interval_can_be_so():
+    """gspo evaluated on 16 problems and grpo on 32 (task.eval_size set for gspo alone): both runs' scores exist and
+    give their accuracies, but not on the same problems, so the pair's interval is over seeds only; the sentence
+    gave as the reason that the scores "are missing or do not give its accuracy", neither of which was so."""
+    thin = rows(("gspo", 0.013, 0.0018, 0.024, 3, 0, 3, 0.038)).assign(problems=[False])
+    said = verdict.sentence(thin, "grpo")
+    assert "are missing, do not give its accuracy, or are not on the same eval problems as the runs it is paired " \
+           "with" in said, said
