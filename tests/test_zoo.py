@@ -652,3 +652,17 @@ def test_an_objective_whose_screen_runs_all_failed_is_named_and_can_be_left_out(
         zoo.confirm(*args, ["grpo", "holder"], False, 3)
     assert not calls
     assert zoo.confirm(*args, ["grpo", "popo"], False, 3) == 0 and calls  # holder is not compared: planned without it
+
+
+@pytest.mark.slow  # a confirmation planned (seconds): make test
+def test_a_plan_that_tests_nothing_runs_nothing(one_cell, capsys):
+    """`python -m harness zoo --objectives grpo,cispo` where cispo's screen interval includes 0 and no core objective
+    but grpo is among --objectives: the plan's family is empty (Holm over 0 comparisons), and the confirmation
+    still ran grpo's 15 runs per cell (45 for the zoo's three), from which nothing can be confirmed."""
+    tmp_path, calls = one_cell
+    assert zoo.confirm(3, 1, 0.4, [f"results_dir={tmp_path}"], False, ["grpo", "cispo"], False, 3) == 0
+    plan = json.loads((tmp_path / "zoo" / "confirm" / "plan.json").read_text())
+    assert plan["correction"]["size"] == 0 and not calls  # the plan is written, as the record of why; no run
+    err = capsys.readouterr().err
+    assert "the plan tests no objective against grpo (cispo: screen: 0.0100 [-0.0200, 0.0300] vs grpo, includes 0)" \
+           in err and "no run started" in err, err

@@ -578,6 +578,11 @@ def confirm(seeds: int, jobs: int, target: float, overrides: list[str], progress
         atomic_write(folder / "plan.json", json.dumps(plan, indent=1) + "\n")
     else:
         check_plan_md(folder, plan_text(plan, len(runs)), plan["written"])
+    if not plan["correction"]["size"]:  # Holm over no comparison: the baseline's runs alone confirm nothing
+        why = "; ".join(f"{o}: {reason}" for o, reason in plan["not_tested"].items()) or "no other objective"
+        print(f"zoo confirmation: the plan tests no objective against {plan['baseline']} ({why}), so there is nothing "
+              f"to confirm: no run started (plan: {folder / 'plan.md'})", file=sys.stderr)
+        return 0
     print(f"zoo confirmation: {len(runs)} runs ({len(plan['objectives'])} objectives x {len(plan['start_seeds'])} "
           f"starting policies x {len(plan['seeds'])} seeds x {len(CELLS)} regime cells; plan: {folder / 'plan.md'}) "
           f"into {folder}, {jobs} at a time", file=sys.stderr)
