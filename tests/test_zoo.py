@@ -666,3 +666,21 @@ def test_a_plan_that_tests_nothing_runs_nothing(one_cell, capsys):
     err = capsys.readouterr().err
     assert "the plan tests no objective against grpo (cispo: screen: 0.0100 [-0.0200, 0.0300] vs grpo, includes 0)" \
            in err and "no run started" in err, err
+
+
+def test_both_stages_say_why_the_confirmation_did_not_run_after_a_screen_run_failed(monkeypatch, tmp_path, capsys):
+    """`make zoo` whose screen left a run failed ended with exit 1 and not a word on the confirmation it skipped."""
+    monkeypatch.setattr(zoo, "CELLS", {"quickstart": {}})
+    monkeypatch.setattr(zoo, "confirm_start_seeds", lambda *args: {"landed": [2, 3, 4], "missed": {}})
+    entries = [{"run_id": "grpo-s0-aaaa", "objective": "grpo", "status": "finished"},
+               {"run_id": "gspo-s0-bbbb", "objective": "gspo", "status": "failed"}]
+    monkeypatch.setattr(zoo, "swept", lambda *args: (entries, "stamp", SimpleNamespace(kept=False)))
+    monkeypatch.setattr(zoo, "write_leaderboard", lambda *args: tmp_path / "leaderboard.md")
+    confirmed = []
+    monkeypatch.setattr(zoo, "confirm", lambda *args: confirmed.append(args) or 0)
+    assert zoo.main(1, 1, overrides=[f"results_dir={tmp_path}", "train.steps=2"], progress=False, report=False,
+                    objectives=["grpo", "gspo"]) == 1
+    assert not confirmed
+    assert ("zoo: the confirmation did not run: the confirmation is planned from a finished screen, and 1 of its runs "
+            "did not end (gspo-s0-bbbb: failed); run `make zoo STAGE=screen` first to resume them, or leave out their "
+            "objectives (gspo) with --objectives") in capsys.readouterr().err

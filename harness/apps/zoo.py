@@ -498,6 +498,9 @@ def main(seeds: int = SEEDS, jobs: int = 2, target: float = TARGET, overrides: l
             build_report(screen)
         print(f"{text}\nscreen leaderboard: {path}", file=sys.stderr)
         status = 0 if all(e["status"] in ENDED for e in entries) else 1
+        if stage == "both" and status:  # said, not a silent exit 1
+            left = [e for e in entries if e["status"] not in ENDED]
+            print(f"zoo: the confirmation did not run: {not_ended_text(screen, left)}", file=sys.stderr)
     if stage in ("confirm", "both") and status == 0:
         status = confirm(seeds, jobs, target, overrides, progress, objectives, allow_code_change, start_policies,
                          began)
