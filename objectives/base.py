@@ -250,9 +250,10 @@ def sequence_loss(per_sequence: Tensor, batch: PolicyBatch, mode: str) -> Tensor
     (verl's ``gspo`` broadcasts the same way but hard-codes seq-mean-token-mean, whatever ``loss_agg_mode`` says.)
     With ``PolicyBatch.correction`` w, each is the aggregate of l_i w_t over the tokens of i (seq_mean_token_mean:
     sum_i c_i l_i / N_seqs with c_i the token mean of w over sequence i).
+    A row with no valid token adds 0 in every mode (TRL's broadcast over its empty mask) and counts in N_seqs.
     """
     if mode == "seq_mean_token_mean":
-        return sequence_aggregate(per_sequence, batch)
+        return sequence_aggregate(masked(per_sequence, batch.mask.any(-1)), batch)
     return aggregate(per_sequence[:, None].expand_as(batch.logp), batch, mode)
 
 

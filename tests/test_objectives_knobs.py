@@ -317,6 +317,23 @@ def test_gspo_aggregations_are_trls_sequence_level_loss_types(loss_type, mode):
     assert_close(grad, grad_of(ref, batch), tol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+@pytest.mark.parametrize("loss_type,mode", [("grpo", "seq_mean_token_mean"), ("dapo", "token_mean"),
+                                            ("dr_grpo", "seq_mean_token_sum_norm"), ("luspo", "seq_mean_token_sum")])
+def test_a_row_without_valid_tokens_counts_in_n_seqs_and_adds_nothing_as_in_trl(name, loss_type, mode):
+    """A row whose mask is all zero (its advantage nonzero) adds 0 to TRL's sequence-level loss, whose (B, 1) loss is
+    broadcast over the row's empty mask, and still counts in N_seqs: the same in every mode, and gspo equals
+    gspo_token there as elsewhere."""
+    old = OLD + [[-1.0, -1.0, -1.0]]
+    batch = make_batch(old, D + [[0.5, 0.5, 0.5]], MASK + [[0, 0, 0]], ADV + [2.0])
+    out, grad = run(name, batch, aggregation=mode, clip_low=0.2, clip_high=0.2)
+    ref = trl_sequence_level_loss(batch.logp, batch.old_logp, batch.advantages, batch.mask, 0.2, 0.2, loss_type)
+    assert num(out.loss, ref, 1e-12)
+    assert_close(grad, grad_of(ref, batch), tol=1e-12)
+    if mode == "seq_mean_token_mean":  # by hand: s = e^.1 and e^-.1 (unclipped at 0.2), over N_seqs = 3
+        assert num(out.loss, (-E(0.1) + 0.5 * E(-0.1)) / 3)
+
+
 def test_verl_gspo_ignores_loss_agg_mode():
     """verl's compute_policy_loss_gspo passes loss_agg_mode="seq-mean-token-mean" to agg_loss whatever it is given:
     its value equals our default gspo, and differs from our token_mean for sequences of different lengths."""
