@@ -334,6 +334,17 @@ def test_a_row_without_valid_tokens_counts_in_n_seqs_and_adds_nothing_as_in_trl(
         assert num(out.loss, (-E(0.1) + 0.5 * E(-0.1)) / 3)
 
 
+def test_grpo_counts_a_row_without_valid_tokens_in_n_seqs():
+    """The grpo hand case of tests/test_objectives.py with a third row of padding only: seq-mean-token-mean divides by
+    the 3 rows (TRL's ``.mean()`` over rows; verl's sequence means would leave the empty row out)."""
+    batch = make_batch(OLD + [[-1.0, -1.0, -1.0]], D + [[0.5, 0.5, 0.5]], MASK + [[0, 0, 0]], ADV + [2.0])
+    out, grad = run("grpo", batch)
+    seq0 = (-E(0.1) - 1.2 - E(-0.1)) / 3
+    seq1 = (0.5 * 0.8 + 0.5 * E(0.2)) / 2
+    assert num(out.loss, (seq0 + seq1) / 3)
+    assert_close(grad, [[-E(0.1) / 9, 0.0, -E(-0.1) / 9], [0.0, 0.5 * E(0.2) / 6, 0.0], [0.0, 0.0, 0.0]])
+
+
 def test_verl_gspo_ignores_loss_agg_mode():
     """verl's compute_policy_loss_gspo passes loss_agg_mode="seq-mean-token-mean" to agg_loss whatever it is given:
     its value equals our default gspo, and differs from our token_mean for sequences of different lengths."""
