@@ -212,6 +212,18 @@ def test_gspo_cap_hand():
     assert_close(token_grad, grad, tol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_cap_counts_only_negative_advantages_as_capped(name):
+    d = [[0.5, 0.3, 0.4], [0.5, 0.3, 7.0]]  # mean d: 0.4 and 0.4, both capped at 0.3
+    out, grad = run(name, make_batch(OLD, d, MASK, ADV), clip_low=0.2, clip_high=0.2, cap_log_ratio=True,
+                    log_ratio_cap=0.3)
+    # seq 0 (A > 0): s = e^.3 > 1.2, clipped high (loss -1.2); seq 1 (A < 0): capped, loss 0.5 e^.3; no gradient
+    assert num(out.loss, (-1.2 + 0.5 * E(0.3)) / 2)
+    assert_close(grad, [[0.0] * 3, [0.0] * 3])
+    m = out.metrics  # the capped A > 0 sequence counts as clipped high only, not again as capped
+    assert num(m["clip_frac_high"], 3 / 5) and num(m["clip_frac_cap"], 2 / 5) and num(m["clip_frac"], 1.0)
+
+
 def verl_gspo(logp, old, adv, mask, low, high, cap=10.0):
     m = mask.to(logp.dtype)
     seq = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
