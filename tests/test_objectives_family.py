@@ -356,6 +356,7 @@ CTPO_CASES = [
 def test_ctpo_variants_match_the_authors(name, hp, ref, scale):
     batch = random_batch(seed=14, scale=scale, b=16, t=9)
     batch.logp.data[0, 4:] += 15.0  # past the cap at 10
+    batch.logp.data[0, :2] += torch.tensor([-25.0, 22.0], dtype=DT)  # |d| past the +-20 clamp before the prefix sum
     out = get_objective(name, **hp)(batch)
     adv = batch.advantages[:, None].expand_as(batch.logp)
     expected = ctpo_reference(batch.logp, batch.old_logp, adv, batch.mask, **ref)
