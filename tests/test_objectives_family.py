@@ -348,6 +348,8 @@ CTPO_CASES = [
     ("ctpo", {"la_power": 0.0}, dict(la=True, ratio_mode="cumprod", low=0.025, high=0.05, c=0.05, power=0.0)),
     ("ctpo_clip", {}, dict(la=False, ratio_mode="cumprod", low=0.2, high=0.2, c=3.0)),
     ("ctpo_clip", {"ratio_mode": "geomean"}, dict(la=False, ratio_mode="geomean", low=0.2, high=0.2, c=3.0)),
+    ("ctpo_clip", {"clip_low": 0.1, "clip_high": 0.3, "clip_ratio_c": 1.5},
+     dict(la=False, ratio_mode="cumprod", low=0.1, high=0.3, c=1.5)),  # asymmetric: each bound on its side
 ]
 
 
