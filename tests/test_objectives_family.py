@@ -244,6 +244,30 @@ def test_gspo_cap_matches_verl(name):
     assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-12)
 
 
+def verl_geo_mean(logp, old, adv, mask, low, high):
+    """verl's compute_policy_loss_geo_mean (GMPO; verl/trainer/ppo/core_algos.py), written out: the token log-ratio
+    clipped on the side the sign of A selects, the masked geometric mean, with verl's 1e-8 guards; mean over rows."""
+    d = logp - old
+    sgn = torch.sign(adv)
+    d_min = sgn * torch.min(sgn * d, sgn * torch.clamp(d, -low, high))
+    m = mask.to(d.dtype)
+    n = m.sum(-1)
+    ratio = torch.exp((d_min * m).sum(-1) / (n + 1e-8))
+    return (-(adv * m).sum(-1) / (n + 1e-8) * ratio).mean()
+
+
+@pytest.mark.parametrize("low,high", [(0.4, 0.4), (0.1, 0.5), (0.5, 0.1)])
+def test_gmpo_matches_verls_geo_mean(low, high):
+    batch = random_batch(seed=16, scale=0.4, b=16, t=7)
+    batch.advantages[2] = 0.0
+    out = get_objective("gmpo", clip_low=low, clip_high=high)(batch)
+    adv = batch.advantages[:, None].expand_as(batch.logp)
+    ref = verl_geo_mean(batch.logp, batch.old_logp, adv, batch.mask, low, high)
+    assert 0 < out.metrics["clip_frac_low"] and 0 < out.metrics["clip_frac_high"]
+    assert num(out.loss, ref, 1e-7)
+    assert_close(grad_of(out.loss, batch), grad_of(ref, batch), tol=1e-7)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Aggregation as a hyperparameter
 # ----------------------------------------------------------------------------------------------------
