@@ -333,6 +333,21 @@ def test_sapo_gradient_weight_is_one_on_policy():
     assert approx(out.metrics["gate_weight_mean"], 1.0) and out.metrics["gate_soft_clip_frac"] == 0.0
 
 
+def test_sapo_clamps_the_log_ratio_at_20():
+    d = [[25.0, 0.1, -25.0], [-0.4, 0.2, 7.0]]  # tokens 0 and 2 of seq 0 past verl's +-20 clamp
+    out, grad = run("sapo", make_batch(OLD, d, MASK, ADV))
+    r0 = [E(20.0), E(0.1), E(-20.0)]  # the clamped ratios
+
+    def gate(r, tau):
+        return sig(tau * (r - 1)) * 4 / tau
+
+    seq1 = sum(-gate(r, 1.05) * -0.5 for r in (E(-0.4), E(0.2))) / 2
+    assert num(out.loss, (sum(-gate(r, 1.0) for r in r0) / 3 + seq1) / 2)
+    assert grad[0, 0] == 0.0 and grad[0, 2] == 0.0  # past the clamp: exactly no gradient
+    assert grad[0, 1] != 0.0
+    assert approx(out.metrics["ratio_max"], E(20.0)) and approx(out.metrics["ratio_min"], E(-20.0))
+
+
 def test_cispo_weight_carries_no_gradient():
     batch = random_batch(seed=5, scale=0.5, per_sequence=False)
     out, grad = run("cispo", batch, clip_low=0.2, clip_high=0.3)
