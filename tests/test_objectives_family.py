@@ -472,6 +472,47 @@ def test_holder_sequence_w_clip_hand():
     assert num(out.metrics["holder_token_clip_frac"], 2 / 5)
 
 
+def test_holder_asymmetric_clip_hand():
+    """clip_low 0.1, clip_high 0.3 at p = 0 (halfway from 2 to -2): each bound on its own side, in every variant (the
+    authors' code has one cliprange; the module docstring says which bound goes where)."""
+    run_at = {"clip_low": 0.1, "clip_high": 0.3, "p_start": 0.0, "p_end": 0.0}
+    up, down, lower = math.log(1.3), math.log(0.9), -math.log(1.1)
+    # holder: rho in [0.9, 1.3]; seq 0 (A > 0) rho = 1.24 unclipped, seq 1 (A < 0) rho = e^-.15 = 0.86 clipped low
+    d = [[0.2, 0.25, 0.2], [-0.15, -0.15, 7.0]]
+    out, grad = run("holder", make_batch(OLD, d, MASK, ADV), **run_at)
+    rho0 = E(0.65 / 3)
+    assert num(out.loss, (-rho0 + 0.5 * 0.9) / 2)
+    assert_close(grad, [[-rho0 / 6] * 3, [0.0, 0.0, 0.0]])
+    assert num(out.metrics["clip_frac_low"], 2 / 5) and num(out.metrics["clip_frac_high"], 0.0)
+    # sequence_w_clip: tokens clamped to [-log 1.1, log 1.3], then the same sequence clip (both unclipped here)
+    d = [[0.1, 0.3, -0.1], [-0.05, 0.05, 7.0]]
+    out, grad = run("holder", make_batch(OLD, d, MASK, ADV), variant="sequence_w_clip", **run_at)
+    rho0 = E((0.1 + up + lower) / 3)
+    assert num(out.loss, (-rho0 + 0.5 * 1.0) / 2)
+    assert_close(grad, [[-rho0 / 6, 0.0, 0.0], [0.5 / 4, 0.5 / 4, 0.0]])
+    assert num(out.metrics["holder_token_clip_frac"], 2 / 5)
+    # holder_token: A > 0: u = min(d, log 1.3); A < 0: u = max(d, log 0.9)
+    d = [[0.1, 0.2, 0.3], [-0.15, 0.05, 7.0]]
+    out, grad = run("holder", make_batch(OLD, d, MASK, ADV), variant="holder_token", **run_at)
+    c0, d1 = E((0.1 + 0.2 + up) / 3), E((down + 0.05) / 2)
+    assert num(out.loss, (-c0 + 0.5 * d1) / 2)
+    assert_close(grad, [[-c0 / 6, -c0 / 6, 0.0], [0.0, 0.5 * d1 / 4, 0.0]])
+    assert num(out.metrics["clip_frac_high"], 1 / 5) and num(out.metrics["clip_frac_low"], 1 / 5)
+
+
+@pytest.mark.parametrize("variant", ["holder", "sequence_w_clip", "holder_token"])
+@pytest.mark.parametrize("p", [0.3, -0.05])
+def test_holder_small_exponents_are_power_means_as_the_authors(variant, p):
+    """Only |p| < 1e-6 is the geometric mean (the authors' threshold); a small p is still the power mean."""
+    batch = random_batch(seed=15, scale=0.25, b=16, t=7)
+    batch.old_logp = torch.where(batch.mask, batch.old_logp, torch.zeros_like(batch.old_logp))
+    batch.logp.data = torch.where(batch.mask, batch.logp.data, torch.zeros_like(batch.logp.data))
+    out = get_objective("holder", variant=variant, p_start=p, p_end=p)(batch)
+    expected = holder_reference(batch.logp, batch.old_logp, batch.advantages, batch.mask, p, variant)
+    assert num(out.loss, expected, 1e-7)
+    assert_close(grad_of(out.loss, batch), grad_of(expected, batch), tol=1e-7)
+
+
 def test_holder_rollout_step_schedule():
     """The authors' p(k / 500) at rollout k counted from 1 (oat's learner ``steps`` is 1 during the first rollout's
     update); ``rollout_step`` is the number of rollouts done before this update, so rollout k has rollout_step k - 1
