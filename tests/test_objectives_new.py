@@ -468,6 +468,19 @@ def test_m2po_hand():
     assert_close(on_grad, [[-1 / 5] * 3, [1 / 5, 1 / 5, 0.0]])  # the vanilla policy gradient
 
 
+def test_m2po_with_sampler_logp_masks_by_the_behaviour_drift_hand():
+    """With the behaviour's log-probs (old_logp = the recomputed proximal policy) m_t = (b_t - old_logp_t)^2, AReaL's
+    delta, not the current policy's drift d_t: here they pick different tokens."""
+    old = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 9.0]]
+    d = [[0.0, 0.5, 0.0], [0.0, 0.0, 7.0]]  # the current policy moved on token (0, 1) only
+    sampler = torch.tensor(old, dtype=DT) + torch.tensor([[-0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=DT)
+    out, grad = run("m2po", make_batch(old, d, [[1, 1, 1], [1, 1, 0]], [1.0, -1.0], sampler_logp=sampler))
+    # m = .25, 0, 0, 0, 0: suffix means .05, 0 ... -> drop the token of the sampler drift (0, 0), keep (0, 1)
+    assert num(out.loss, (-E(0.5) - 1.0 + 1.0 + 1.0) / 4)
+    assert_close(grad, [[0.0, -E(0.5) / 4, -1 / 4], [1 / 4, 1 / 4, 0.0]])
+    assert num(out.metrics["m2po_dropped_frac"], 1 / 5) and num(out.metrics["m2po_m2"], 0.25 / 5, 1e-12)
+
+
 def areal_m2po_example_loss(logp, old, adv, mask, threshold, upper=5.0):
     """AReaL grpo_loss_fn + ppo_actor_loss_fn as in examples/math/gsm8k_m2po.yaml with one minibatch per rollout:
     proximal = the current policy (detached), eps_clip 0, decoupled loss with token rejection sampling (ratio above
