@@ -175,8 +175,11 @@ def interval_of(units: dict, bounds: tuple[float, float] | None = None) -> Estim
         low, high = (np.nanmin(x), np.nanmax(x)) if n == 2 else (np.nan, np.nan)
     if not problems and high - low <= 1e-12:  # seeds alike (to round-off), how the problems vary unknown: none
         low = high = np.nan
-    if problems and bounds is not None and parts and sum(v for v, _ in parts) == 0:
+    # every (unit, problem) value alike, to round-off (values of 1/3, a mean over cells, leave a variance that is
+    # not exactly 0): unvaried_bounds, and no variance for the p-value either
+    if problems and bounds is not None and parts and np.nanmax(x) - np.nanmin(x) <= 1e-12:
         low, high = unvaried_bounds(float(mean), x.shape[2], bounds)
+        parts = tuple((0.0, df) for _, df in parts)
     policies = int(np.isfinite(x).any(axis=tuple(range(1, x.ndim))).sum())
     return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else 0)
 

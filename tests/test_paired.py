@@ -286,3 +286,25 @@ def test_scores_alike_on_every_problem_and_seed_give_no_zero_width_interval():
     assert apart.mean == 1 and (apart.low, apart.high) == pytest.approx((1 - 2 * q, 1.0)) and apart.p_value < 0.05
     full = estimate(runs[runs["objective"] == "gspo"], samples)
     assert (full.low, full.high) == pytest.approx((1 - q, 1.0))
+
+
+
+def test_scores_alike_at_a_fraction_over_cells_give_the_unvaried_bound_not_a_round_off_interval():
+    """Per-problem values alike in every seed at a fraction (a mean over 10 cells: 7 of them 1, the others 0) are as
+    unvaried as an all-0 collapse, but the seeds' means differ from their mean by round-off: the interval was the
+    t-interval of that round-off, 0.700 [0.700, 0.700], and a difference alike at 0.1 had p ~ 1e-32, not the
+    unvaried_bounds interval (and its p-value) that values alike exactly get."""
+    from analysis.accuracy import ACCURACY_RANGE, DIFFERENCE_RANGE, across_cells, interval_of
+
+    n, q = 32, 1 - 0.025 ** (1 / 32)
+    problems = pd.MultiIndex.from_tuples([(f"p{i}", "a") for i in range(n)], names=["problem", "answer"])
+
+    def cells(ones: int) -> dict:  # 10 cells' units, 3 seeds each, every problem scored 1 in `ones` of the cells
+        return across_cells([{("", seed): ("", value, pd.Series(np.full(n, value), index=problems))
+                               for seed in range(3)} for value in [1.0] * ones + [0.0] * (10 - ones)])
+
+    seventh = interval_of(cells(7), ACCURACY_RANGE)
+    assert (seventh.low, seventh.high) == pytest.approx((0.7 - 0.7 * q, 0.7 + 0.3 * q)) and seventh.p_value == 0.0
+    tenth = interval_of(cells(1), DIFFERENCE_RANGE)  # as the difference of two objectives' runs
+    assert (tenth.low, tenth.high) == pytest.approx((0.1 - 1.1 * q, 0.1 + 0.9 * q))
+    assert tenth.p_value == 1.0  # 0 lies inside the interval: the p-value says so too
