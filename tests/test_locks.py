@@ -128,6 +128,7 @@ def test_a_fresh_writer_of_another_host_is_alive_and_a_stale_one_is_taken_over(t
     old (a second writer is refused, naming its host and how to take the run over), stale after (taken over, said
     by took_over); a record of this host is the kernel's lock's business (is_held), never alive by its heartbeat."""
     from harness.run import locks
+    monkeypatch.setattr(locks, "HOST", "this-test-host")  # never node17, even on a cluster node of that name
 
     path = tmp_path / ".run.lock"
     foreign_record(path, beat=1_000_000.0)

@@ -383,6 +383,7 @@ def test_a_run_copied_while_it_runs_on_another_host_is_reported_running_there(tm
     host with a fresh heartbeat (times injected) makes it running there; once the heartbeat is STALE_S old it is
     stopped, the report naming the host and that a copy that old looks the same."""
     from harness.run import locks
+    monkeypatch.setattr(locks, "HOST", "this-test-host")  # never node17, even on a cluster node of that name
 
     exp_dir = tmp_path / "copied"
     entries = [fake_run(exp_dir, "grpo", 0, status="running", shape=Shape(steps_done=3))]

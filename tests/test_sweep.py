@@ -297,6 +297,8 @@ def test_a_run_copied_mid_run_from_another_host_is_running_there_not_stopped_nor
     from harness.run.records import check_resume, run_status
     from tests.helpers.tiny import tiny_run
 
+    monkeypatch.setattr(locks, "HOST", "this-test-host")  # never node17, even on a cluster node of that name
+
     class NoStart(LocalLauncher):
         def start(self, *args):
             pytest.fail("a second writer was started for a run running on another host")
