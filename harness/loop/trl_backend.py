@@ -626,6 +626,8 @@ def train_trl(cfg: DictConfig, run_dir: Path, progress: bool = True) -> dict:
             try:
                 trainer.train(resume_from_checkpoint=checkpoint)
             except pickle.UnpicklingError as e:  # torch's words would invite loading it with code execution allowed
+                if checkpoint is None:  # not a checkpoint of the run's: nothing of it to name
+                    raise
                 raise RuntimeError(f"unreadable checkpoint {checkpoint} ({unreadable_reason(e)}): delete it to "
                                    "restart this run from an earlier checkpoint or step 0") from None
         save_model(trainer, run_dir / "final", records.main)  # a LoRA policy: its adapters
