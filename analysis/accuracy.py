@@ -48,7 +48,8 @@ class Estimate:
     """A mean with its interval: n seeds; parts: the variance's independent parts (variance, degrees of freedom);
     problems: whether the eval problems' spread is in it (else the interval is over seeds only); top: its starting
     policies where there are 2 or more (the top level it resamples), else 0 (its top level is then its n seeds:
-    analysis.stats.top_units), which decide whether it is indicative (analysis.stats.indicative)."""
+    analysis.stats.top_units), which decide whether it is indicative (analysis.stats.indicative); unvaried: (eval
+    problems, the quantity's range) where every value is alike and the interval is unvaried_bounds', else ()."""
 
     mean: float
     low: float
@@ -57,17 +58,34 @@ class Estimate:
     parts: tuple = ()
     problems: bool = False
     top: int = 0
+    unvaried: tuple = ()
 
     @property
     def p_value(self) -> float:
         """Two-sided p of the t-test of mean = 0 with the interval's variance and degrees of freedom (NaN without
-        an interval)."""
+        an interval); for values alike, the smallest 1 - level at which unvaried_bounds reaches 0, so that p < 1 -
+        level exactly when the interval at that level excludes 0 (as the t-test's p and interval)."""
         variance, df = satterthwaite(self.parts) if self.parts else (np.nan, np.nan)
         if not np.isfinite(self.low) or not np.isfinite(variance) or not df > 0:
             return np.nan
-        if variance == 0:  # values alike: the interval is unvaried_bounds' (or none): 0 inside it or not
+        if self.unvaried:  # the bound reaches 0 where q >= r = |mean| / |mean - the range's end beyond 0|
+            problems, (low, high) = self.unvaried
+            end = low if self.mean > 0 else high
+            r = abs(self.mean) / abs(self.mean - end) if self.mean != end else 1.0
+            return float(min(1.0, 2 * (1 - r) ** problems))
+        if variance == 0:  # seeds alike without a range: a zero-width interval, 0 inside it or not
             return 1.0 if self.low <= 0 <= self.high else 0.0
         return float(2 * student_t.sf(abs(self.mean) / np.sqrt(variance), df))
+
+    def at(self, level: float) -> tuple[float, float]:
+        """The interval at another ``level`` (the confirmation's Holm levels): unvaried_bounds' for values alike,
+        else the t-interval of its parts; NaNs without parts."""
+        if self.unvaried:
+            return unvaried_bounds(self.mean, *self.unvaried, level)
+        if not self.parts:
+            return np.nan, np.nan
+        low, high = t_bounds(self.mean, self.parts, level)
+        return float(low), float(high)
 
 
 NONE = Estimate(np.nan, np.nan, np.nan, 0)
@@ -177,11 +195,14 @@ def interval_of(units: dict, bounds: tuple[float, float] | None = None) -> Estim
         low = high = np.nan
     # every (unit, problem) value alike, to round-off (values of 1/3, a mean over cells, leave a variance that is
     # not exactly 0): unvaried_bounds, and no variance for the p-value either
+    unvaried = ()
     if problems and bounds is not None and parts and np.nanmax(x) - np.nanmin(x) <= 1e-12:
-        low, high = unvaried_bounds(float(mean), x.shape[2], bounds)
+        unvaried = (x.shape[2], tuple(bounds))
+        low, high = unvaried_bounds(float(mean), *unvaried)
         parts = tuple((0.0, df) for _, df in parts)
     policies = int(np.isfinite(x).any(axis=tuple(range(1, x.ndim))).sum())
-    return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else 0)
+    return Estimate(float(mean), float(low), float(high), n, parts, problems, policies if policies >= 2 else 0,
+                    unvaried)
 
 
 def estimate(runs: pd.DataFrame, samples: dict, column: str = FINAL) -> Estimate:

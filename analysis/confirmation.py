@@ -33,7 +33,7 @@ import pandas as pd
 from analysis.accuracy import DIFFERENCE_RANGE, FINAL, Estimate, across_cells, interval_of, paired_units, runs_scores
 from analysis.load import load_experiment
 from analysis.report import render_html, render_md
-from analysis.stats import INDICATIVE_BELOW, indicative, num, p_text, t_bounds, top_units
+from analysis.stats import INDICATIVE_BELOW, indicative, num, p_text, top_units
 from analysis.verdict import ALPHA, holm
 from harness.run.atomic import atomic_write
 from harness.run.provenance import check_one_version, runs_stamp
@@ -97,7 +97,7 @@ def verdicts(estimates: dict[str, Estimate], complete: dict[str, bool], planned:
         elif o in family and not complete.get(o):
             row["verdict"] = "incomplete"
         elif o in family:
-            low, high = t_bounds(e.mean, e.parts, 1 - levels[o]) if e.parts else (np.nan, np.nan)
+            low, high = e.at(1 - levels[o])
             confirmed = adjusted[o] < ALPHA
             row.update(verdict=("confirmed above" if e.mean > 0 else "confirmed below") if confirmed else
                        "not confirmed", difference=e.mean, low=float(low), high=float(high), p_value=e.p_value,

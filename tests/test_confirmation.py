@@ -130,3 +130,28 @@ def test_the_leaderboard_states_family_correction_replication_and_model(confirm,
     fresh = {**PLAN, "eval_set": 1, "screen": {"start_seeds": [1], "seeds": [0, 1, 2], "eval_set": 0}}
     text = write_confirmation(tmp_path / "screen", confirm, fresh, tmp_path, "stamp line").read_text()
     assert "eval problems task.eval_set 1, none of them the screen's (set 0) or a train problem" in text
+
+
+def test_a_difference_alike_on_every_problem_has_no_zero_width_holm_interval():
+    """An objective that answers every eval problem as the baseline does, in every (starting policy, seed) unit: the
+    confirmation's Holm-level interval read `0.00 [0.00, 0.00]` (t_bounds of a zero variance), against the
+    report's rule for values alike (analysis/accuracy.py unvaried_bounds). It is that bound at Holm's level, and it
+    excludes 0 exactly when the difference is confirmed, also for a difference alike and away from 0."""
+    import pandas as pd
+
+    from analysis.accuracy import DIFFERENCE_RANGE, unvaried_bounds
+    from analysis.confirmation import verdicts
+
+    def units(value: float, problems: int) -> dict:
+        index = pd.MultiIndex.from_tuples([(i, str(i)) for i in range(problems)], names=["problem", "answer"])
+        return {(str(p), s): (str(p), value, pd.Series(value, index=index)) for p in (2, 3, 6) for s in range(5)}
+
+    same, apart = interval_of(units(0.0, 32), DIFFERENCE_RANGE), interval_of(units(1.0, 8), DIFFERENCE_RANGE)
+    table = verdicts({"same": same, "apart": apart}, dict.fromkeys(["same", "apart"], True),
+                     ["grpo", "same", "apart"], ["grpo", "same", "apart"], "grpo").set_index("objective")
+    row = table.loc["same"]
+    assert row["verdict"] == "not confirmed" and row["low"] < 0 < row["high"]
+    assert (row["low"], row["high"]) == pytest.approx(unvaried_bounds(0.0, 32, DIFFERENCE_RANGE, row["level"]))
+    row = table.loc["apart"]  # +1 on each of 8 problems: p = 2 (1 - 1/2)^8, confirmed at Holm's first level 97.5%
+    assert row["verdict"] == "confirmed above" and row["holm_p"] == pytest.approx(2 * 0.5 ** 8 * 2)
+    assert 0 < row["low"] < 1 and row["high"] == pytest.approx(1.0) and row["level"] == pytest.approx(0.975)
