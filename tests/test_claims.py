@@ -454,8 +454,9 @@ def test_an_accuracy_checks_baseline_and_factor_go_problem_by_problem():
     tables = _scored({"a": [1.0, 0.5, 0.5, 0.0], "b": [0.9, 0.5, 0.5, 0.1]}, lags=(0, 1))
     check = {"table": "final", "metric": "final_eval_accuracy", "where": "lag == 1",
              "compare": {"objective": "a", "than": "b", "baseline": "lag == 0"}}
-    verdict, measured, _ = evaluate_check(check, tables)
-    assert verdict == "does not hold" and "margin 0.00 [0.00, 0.00]" in measured
+    verdict, measured, _ = evaluate_check(check, tables)  # 0 on 5 problems alike: no zero width (unvaried_bounds)
+    q = 1 - 0.025 ** (1 / 5)  # each side a change in [-1, 1]: their difference in [-2, 2]
+    assert verdict == "not resolved" and f"margin 0.00 [{num(-2 * q)}, {num(2 * q)}]" in measured
     assert "a minus [lag == 0] -0.0800, b minus [lag == 0] -0.0800" in measured
     double = {**check, "where": "lag == 0", "compare": {"objective": "a", "than": "b", "factor": 0.5}}
     verdict, measured, _ = evaluate_check(double, tables)  # a - 0.5 b per problem: 0.55, 0.25, 0.25, -0.05, seed/4
@@ -1254,3 +1255,28 @@ def test_every_shipped_claim_s_starting_policies_can_be_built(tmp_path, monkeypa
     for claim in shipped:
         assert claims.start_seeds(claim.key, 1, False, run=True) == START_CANDIDATES[:claim.design[0]], claim.name
     assert len(built) >= 5 and all(seeds == set(START_CANDIDATES[:5]) for seeds in built.values())
+
+
+def test_an_accuracy_check_of_scores_alike_on_every_problem_has_no_zero_width_interval():
+    """Every run scores 0 on every eval problem (a collapse), or a and b answer every problem alike: the claims read
+    `[0.00, 0.00]` (interval_of without the quantity's range), where the report and the zoo give Clopper-Pearson's
+    bound for none of the n problems differing (analysis/accuracy.py unvaried_bounds). A zero width decided the
+    verdicts: "accuracy >= 0.3", "a > b" did not hold and "a matches b within 0.05" held, on 5 problems that cannot
+    tell."""
+    from analysis.accuracy import ACCURACY_RANGE, DIFFERENCE_RANGE, unvaried_bounds
+
+    tables = _scored({"a": [0.0] * 4, "b": [0.0] * 4})
+    tables["final"]["final_eval_accuracy"] = 0.0
+    tables[SCORES] = {k: v.assign(correct=0.0) for k, v in tables[SCORES].items()}
+    within = {"table": "final", "metric": "final_eval_accuracy", "objective": "a", "within": [0.3, None]}
+    verdict, measured, _ = evaluate_check(within, tables)
+    low, high = unvaried_bounds(0.0, 5, ACCURACY_RANGE)
+    assert verdict == "not resolved" and f"mean 0.00 [{num(low)}, {num(high)}]" in measured and high > 0.5
+    greater = {"table": "final", "metric": "final_eval_accuracy", "compare": {"objective": "a", "than": "b"}}
+    low, high = unvaried_bounds(0.0, 5, DIFFERENCE_RANGE)
+    verdict, measured, _ = evaluate_check(greater, tables)
+    assert verdict == "not resolved" and f"margin 0.00 [{num(low)}, {num(high)}]" in measured
+    equivalent = {**greater, "compare": {**greater["compare"], "direction": "equivalent", "margin": 0.05}}
+    assert evaluate_check(equivalent, tables)[0] == "not resolved"
+    half = {**greater, "compare": {**greater["compare"], "factor": 0.5}}  # a - 0.5 b lies in [-0.5, 1]
+    assert f"[{num(unvaried_bounds(0.0, 5, (-0.5, 1.0))[0])}, " in evaluate_check(half, tables)[1]

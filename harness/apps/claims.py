@@ -106,6 +106,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.accuracy import (
+    ACCURACY_RANGE,
     BEST,
     FINAL,
     START,
@@ -760,14 +761,16 @@ def replication(values: pd.Series, table: str) -> tuple[int, int, str]:
     return (len(per), int(per.min()) if len(per) else 0, name)
 
 
-def interval(values: pd.Series | dict) -> tuple[float, float, float]:
+def interval(values: pd.Series | dict, bounds: tuple[float, float] = ACCURACY_RANGE) -> tuple[float, float, float]:
     """(estimate, 95% interval) of the mean of unit values: analysis.stats.describe's, over the starting policies'
     means with several (the estimate their mean, the interval's centre); with one, its t-interval over the units,
     none (NaN) from fewer than CI_MIN_SEEDS units (describe's range of 2 is no 95% interval). Accuracy units take
     analysis.accuracy.interval_of's, by starting policy, seed and eval problem (over the first two where a run lacks
-    its per-problem scores; then none from fewer than CI_MIN_SEEDS units, where interval_of gives the range)."""
+    its per-problem scores; then none from fewer than CI_MIN_SEEDS units, where interval_of gives the range), with
+    ``bounds`` the quantity's range (:func:`accuracy_range`), which bounds values alike on every problem, as in the
+    report."""
     if isinstance(values, dict):
-        e = interval_of(values)
+        e = interval_of(values, bounds)
         policies = len({policy for policy, _, _ in values.values()})
         few = e.n < CI_MIN_SEEDS and (policies < 2 or not e.problems)  # interval_of's range of 2 runs: no 95%
         return e.mean, np.nan if few else e.low, np.nan if few else e.high
@@ -775,6 +778,14 @@ def interval(values: pd.Series | dict) -> tuple[float, float, float]:
     if d["policies"] < 2 and d["n"] < CI_MIN_SEEDS:
         return d["mean"], np.nan, np.nan
     return d["mean"], d["ci_low"], d["ci_high"]
+
+
+def accuracy_range(factor: float = 1.0, baseline: bool = False, sign: int = 1) -> tuple[float, float]:
+    """The range of sign x (x - factor x y) for two eval accuracies x and y (each in [0, 1], or with a ``baseline``
+    each a change from its baseline rows, in [-1, 1])."""
+    low, high = (-1.0, 1.0) if baseline else ACCURACY_RANGE
+    low, high = low - factor * high, high - factor * low
+    return (low, high) if sign > 0 else (-high, -low)
 
 
 def resolution(values: pd.Series | dict, metric: str) -> str:
@@ -866,7 +877,7 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
         return ("holds" if gap <= tolerance else "does not hold"), f"{numbers}); max relative gap {gap:.1e}", units
     if direction == "equivalent":
         difference = beyond_roundoff(minus(x, y), x, y)
-        value, lo, hi = interval(difference)
+        value, lo, hi = interval(difference, accuracy_range(baseline=bool(spec.get("baseline"))))
         margin = spec["margin"]
         measured = (f"{numbers}{resolution(difference, metric)}); {a} - {b}: {num(value)} [{num(lo)}, {num(hi)}], "
                     f"equivalence margin +-{margin:g}")
@@ -875,7 +886,7 @@ def evaluate_check(check: dict, tables: dict) -> tuple[str, str, tuple | None]:
     # on a log scale "x > factor y" is log x - log y > log factor, not log x > factor log y
     shifted, multiplier = (x - np.log(factor), 1.0) if log else (x, factor)
     difference = beyond_roundoff(minus(shifted, y, multiplier, sign), shifted, y, multiplier)
-    value, lo, hi = interval(difference)
+    value, lo, hi = interval(difference, accuracy_range(multiplier, bool(spec.get("baseline")), sign))
     relation = f"{'>' if sign > 0 else '<'} {factor:g} x" if factor != 1 else (">" if sign > 0 else "<")
     # "holds": the interval above 0 (the margin a strict inequality needs); "does not hold": wholly at or below it
     verdict = NOT_RESOLVED if not np.isfinite(lo) else "holds" if lo > 0 else "does not hold" if hi <= 0 \
