@@ -20,7 +20,8 @@ that ended (finished, or diverged: scored by their last evaluation; analysis/loa
 - collapse rate: runs whose collapse record (harness/run/collapse.py, read by analysis/load.py) names a cause, of the
   ended runs whose collapse state is known, with a Wilson 95% interval (analysis.stats.rate_interval);
 - tokens to target: per run, the rollout tokens sampled up to its first evaluation at or above ``target`` (infinite
-  when none is); the median over runs ("not reached" when more than half never reach it), and how many runs reached it;
+  when none is); the median over runs ("not reached" when half of them or more never reach it: with an even number
+  of runs, half of them infinite, the median is the mean of a finite and an infinite value), and how many reached it;
 - rollout tokens per step: the mean over runs of the rollout tokens each sampled per step done, and its ratio to the
   baseline's (the ranking is at equal steps, not at equal sampling);
 - clip fraction and ratio spread: per run, the mean over its training steps of ``clip_frac`` and of ``ratio_std``
@@ -224,10 +225,10 @@ def explanation(exp: Experiment, cells: list[int], target: float, baseline: str,
             f"comparison: {family_sentence(board, baseline)} "
             "Collapsed: runs with a collapse record (harness/run/collapse.py) of the runs "
             f"that ended. Tokens to target: median over runs of the rollout tokens sampled when the eval accuracy "
-            f"first reached {target:g}, a run that never did counting as infinite (so: not reached when more than half "
-            "did not; in brackets the runs that reached it). Rollout tokens per step: the mean over its runs in "
-            f"these cells of the rollout tokens each sampled per step done, and its ratio to {baseline}'s: the ranking "
-            "compares "
+            f"first reached {target:g}, a run that never did counting as infinite (so: not reached when half of "
+            "them or more did not; in brackets the runs that reached it). Rollout tokens per step: the mean over its "
+            f"runs in these cells of the rollout tokens each sampled per step done, and its ratio to {baseline}'s: "
+            "the ranking compares "
             "objectives at equal steps, and one that samples more in a step (A*-PO's reference completions, ReMax's "
             "greedy ones, dynamic sampling's refills) spends more for its accuracy. Clip fraction and ratio spread "
             "(ratio_std): per-run means over training steps, averaged over runs. Module: analysis/leaderboard.py."]

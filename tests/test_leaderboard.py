@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.leaderboard import leaderboard, write_leaderboard
+from analysis.leaderboard import leaderboard, tokens_to_target, write_leaderboard
 from analysis.load import load_experiment
 from tests.helpers.fake_runs import Shape, fake_experiment, fake_run
 
@@ -194,3 +194,20 @@ def test_the_board_names_the_runs_that_did_not_end(tmp_path):
     clean = [fake_run(tmp_path / "c", o, s, final=0.4) for o in ("grpo", "gspo") for s in range(3)]
     assert "did not end" not in write_leaderboard(fake_experiment(tmp_path / "c", clean), tmp_path / "o2", "stamp",
                                                   target=0.5).read_text()
+
+
+def test_tokens_to_target_is_not_reached_when_half_the_runs_never_reach_it():
+    """The median of 4 runs of which 2 never reach the target is the mean of a finite and an infinite value: "not
+    reached" with half the runs short of it, where the explanation said "when more than half did not"."""
+    from analysis.leaderboard import explanation
+
+    runs = pd.DataFrame({"run_id": list("abcd")})
+    metrics = pd.DataFrame({"run_id": list("abcd"), "step": 1, "eval_accuracy": [0.5, 0.5, 0.1, 0.1],
+                            "rollout_tokens": [100, 200, 100, 100]})
+    assert np.median(tokens_to_target(metrics, runs, 0.4).to_numpy()) == np.inf
+
+    class Exp:
+        cells = type("Cells", (), {"labels": ["all runs"]})()
+
+    text = explanation(Exp(), [0], 0.4, "grpo", pd.DataFrame({"vs_baseline_holm": []}))[1]
+    assert "not reached when half of them or more did not" in text and "more than half" not in text
