@@ -15,7 +15,8 @@ comparison is paired by seed and by eval problem:
 - P(A > B), the probability of improvement: rliable's ``metrics.probability_of_improvement``, the Mann-Whitney U
   statistic over every (A run, B run) pair divided by n_A n_B, a tie counting 0.5; on the paired seeds, with a
   hierarchical percentile bootstrap of seeds and eval problems (analysis.stats.resample) from 3 pairs, whose
-  coverage is not measured.
+  coverage is not measured. With several starting policies, the mean over them of each one's (``within_policies``):
+  a run of one starting policy is never compared with a run of another.
 
 Pairs: each objective against the baseline first (A the objective, B the baseline: the sign answers "does it beat
 the baseline?"), then the other pairs; objectives in the registry's order (objectives.OBJECTIVES).
@@ -70,6 +71,27 @@ def probability_of_improvement(x, y) -> float:
         return score.sum(axis=(-2, -1)) / valid.sum(axis=(-2, -1))
 
 
+def within_policies(x, y, policies) -> float:
+    """P(X > Y) of paired runs (x[i], y[i] of unit i, from starting policy policies[i]): the mean over the starting
+    policies of each one's probability_of_improvement, never a run of one policy against a run of another (whose
+    difference would measure the policies: rliable averages over tasks alike). One policy: probability_of_improvement
+    of its runs."""
+    x, y, policies = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(policies, dtype=object)
+    if not len(x):
+        return np.nan
+    return float(np.mean([probability_of_improvement(x[policies == p], y[policies == p]) for p in
+                          dict.fromkeys(policies)]))
+
+
+def drawn_within_policies(drawn: np.ndarray, units: dict) -> np.ndarray:
+    """within_policies of each bootstrap resample of ``units`` (resampled_values of stacked: (n_boot, slots, 2), the
+    slots a (policies, seeds) grid as analysis.accuracy.dense lays them out, NaN where a policy has fewer seeds)."""
+    policies = len({policy for policy, _, _ in units.values()})
+    grid = drawn.reshape(drawn.shape[0], policies, -1, 2)
+    with np.errstate(invalid="ignore"):
+        return np.nanmean(probability_of_improvement(grid[..., 0], grid[..., 1]), axis=1)
+
+
 def registry_order(objectives) -> list[str]:
     """The objectives in the registry's order; names it does not hold after them, sorted."""
     names = OBJECTIVES.names()
@@ -100,11 +122,11 @@ def compare(a: dict, b: dict) -> dict:
     x, y = np.array([a[s][1] for s in seeds]), np.array([b[s][1] for s in seeds])
     row = {"n": d.n, "top": d.top, "difference": d.mean, "difference_low": d.low, "difference_high": d.high,
            "p_value": d.p_value, "problems": d.problems, "wins": int((x > y).sum()), "ties": int((x == y).sum()),
-           "losses": int((x < y).sum()), "p_improvement": probability_of_improvement(x, y), "p_low": np.nan,
-           "p_high": np.nan}
+           "losses": int((x < y).sum()), "p_improvement": within_policies(x, y, [a[s][0] for s in seeds]),
+           "p_low": np.nan, "p_high": np.nan}
     if len(seeds) >= CI_MIN_SEEDS:
-        drawn = resampled_values(stacked(a, b, seeds))
-        row["p_low"], row["p_high"] = np.percentile(probability_of_improvement(drawn[..., 0], drawn[..., 1]),
+        units = stacked(a, b, seeds)
+        row["p_low"], row["p_high"] = np.percentile(drawn_within_policies(resampled_values(units), units),
                                                     PERCENTILES)
     return row
 
@@ -165,12 +187,12 @@ def aggregate(runs: pd.DataFrame, column: str = FINAL, samples: dict | None = No
                "difference_low": d.low, "difference_high": d.high, "p_value": d.p_value, "p_improvement": np.nan,
                "p_low": np.nan, "p_high": np.nan}
         if keys:
-            row["p_improvement"] = float(np.mean([probability_of_improvement([x[k][1] for k in keys],
-                                                                             [y[k][1] for k in keys])
-                                                  for x, y in strata]))
+            row["p_improvement"] = float(np.mean([within_policies([x[k][1] for k in keys], [y[k][1] for k in keys],
+                                                                  [x[k][0] for k in keys]) for x, y in strata]))
         if len(keys) >= CI_MIN_SEEDS:
-            drawn = joint_draws([stacked(x, y, keys) for x, y in strata])
-            pois = np.mean([probability_of_improvement(v[..., 0], v[..., 1]) for v in drawn], axis=0)
+            both = [stacked(x, y, keys) for x, y in strata]
+            pois = np.mean([drawn_within_policies(v, units) for v, units in zip(joint_draws(both), both, strict=True)],
+                           axis=0)
             row["p_low"], row["p_high"] = np.percentile(pois, PERCENTILES)
         rows.append(row)
     return pd.DataFrame(rows, columns=["a", "b", "cells", "n", "difference", "difference_low", "difference_high",

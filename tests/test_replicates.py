@@ -111,6 +111,22 @@ def test_a_paired_difference_keeps_each_policy_with_its_seeds(three_policies):
     assert row["difference"] == pytest.approx(0.02)
 
 
+@pytest.mark.slow
+def test_the_probability_of_improvement_compares_runs_of_one_starting_policy(three_policies):
+    """gspo ends 0.02 above grpo in each of the 15 (policy, seed) units, the policies 0.2 apart: within each policy
+    gspo's runs beat grpo's in almost every pair, but P(gspo > grpo) over every pair of runs pooled read 0.66 (a run
+    of policy 1 against one of policy 3 measures the policies), outside its own bootstrap interval. It is the mean over
+    the starting policies of each one's Mann-Whitney P (rliable's mean over tasks), per cell and across cells."""
+    exp = load_experiment(three_policies)
+    for table in (paired.per_cell, paired.aggregate):
+        row = table(exp.runs, samples=exp.samples, baseline="grpo").iloc[0]
+        assert (row["a"], row["b"]) == ("gspo", "grpo")
+        assert row["p_improvement"] > 0.95 and row["p_low"] <= row["p_improvement"] <= row["p_high"]
+    x, y = np.array([0.3, 0.5, 0.7]), np.array([0.29, 0.49, 0.69])
+    assert paired.probability_of_improvement(x, y) == pytest.approx(6 / 9)  # one policy's seeds: as before
+    assert paired.within_policies(x, y, ["1", "2", "3"]) == 1.0
+
+
 def test_model_seed_swept_where_it_changes_nothing_is_refused(tmp_path):
     tiny = [tiny_run(tmp_path, f"model.seed={s}") for s in (1, 2)]
     check_start_seeds(tiny)  # a tiny model: its init differs
