@@ -180,8 +180,8 @@ def families(metrics: pd.DataFrame, drawn: set[str]) -> dict[str, list[str]]:
     return out | ({"other": other} if other else {})
 
 
-def seeds_label(objective: str, n: int) -> str:
-    return f"{objective} (n={n}, {interval_name(n)})"
+def seeds_label(objective: str, n: int, policies: int = 1) -> str:
+    return f"{objective} (n={n}, {interval_name(n, policies)})"
 
 
 def width_of(ncols: int, paper: bool, single: bool) -> float:
@@ -255,7 +255,8 @@ def lines_figure(metrics: pd.DataFrame, x: str, columns: list[str], look: dict[s
                  titles: dict[str, tuple[str, str]], title: str, paper: bool):
     """One panel per column (line_panel), one legend."""
     n = metrics.groupby("objective")["run_id"].nunique()
-    labels = {o: seeds_label(o, k) for o, k in n.items()}
+    policies = metrics.groupby("objective")[START_SEED].nunique() if START_SEED in metrics else {}
+    labels = {o: seeds_label(o, k, policies.get(o, 1)) for o, k in n.items()}
     per_row = legend_columns(labels.values(), width_of(min(3, len(columns)), paper, False), paper)
     fig, axes = grid(len(columns), paper, title, legend_rows=-(-len(labels) // per_row))
     for ax, m in zip(axes, columns, strict=True):
@@ -330,7 +331,7 @@ def own_scale_figure(metrics: pd.DataFrame, columns: list[str], look: dict[str, 
 def clip_note(objective: str, values: pd.Series, d: dict) -> str:
     text = f"{objective}: measured {num(d['mean'])}"
     if d["n"] > 1:
-        text += f" ({interval_name(d['n'])} [{num(d['ci_low'])}, {num(d['ci_high'])}], n={d['n']})"
+        text += f" ({interval_name(d['n'], d['policies'])} [{num(d['ci_low'])}, {num(d['ci_high'])}], n={d['n']})"
     else:
         text += " (n=1)"
     zero = int((values <= 0).sum())
@@ -419,7 +420,7 @@ def final_figure(runs: pd.DataFrame, look: dict[str, Style], title: str, paper: 
         d = describe(mine["final_eval_accuracy"], mine[START_SEED] if START_SEED in mine else None)
         e = (estimates or {}).get(objective)
         mean, low, high, name = (e.mean, e.low, e.high, "95% CI") if e is not None and e.problems else \
-            (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"]))
+            (d["mean"], d["ci_low"], d["ci_high"], interval_name(d["n"], d["policies"]))
         labels.append(f"{objective}\n(n={d['n']}, {name})")
         low, high = in_range("eval_accuracy", low, high)
         yerr = [[mean - low], [high - mean]] if np.isfinite(low) else None

@@ -85,9 +85,12 @@ def p_text(p) -> str:
     return f"{float(floor):#.3g}".rstrip(".")
 
 
-def interval_name(n: int) -> str:
-    """What describe()'s interval of n seeds is: '95% CI', 'range' or 'no interval'."""
-    return f"{LEVEL:.0%} CI" if n >= CI_MIN_SEEDS else "range" if n == 2 else "no interval"
+def interval_name(n: int, policies: int = 1) -> str:
+    """What describe()'s interval of n seeds is: '95% CI', 'range' or 'no interval'; from 2 starting policies
+    (``policies``, describe's) it is the t-interval over their means, a 95% CI from 2 runs."""
+    if n >= CI_MIN_SEEDS or (policies >= 2 and n >= 2):
+        return f"{LEVEL:.0%} CI"
+    return "range" if n == 2 else "no interval"
 
 
 def indicative(n: int) -> bool:

@@ -168,3 +168,18 @@ def test_model_seed_of_a_pretrained_model_without_warm_start_or_adapters_is_one_
     tiny = tmp_path / "tiny"
     kept = load_experiment(fake_experiment(tiny, [fake_run(tiny, "grpo", 0, {START_SEED: s}) for s in (0, 1)]))
     assert sorted(kept.runs[START_SEED]) == [0, 1] and kept.runs["counted"].all()
+
+
+def test_two_runs_of_two_starting_policies_are_not_called_a_range():
+    """Two runs, one per starting policy: describe's interval is the t-interval over the 2 policies' means (1 degree
+    of freedom: [-1.07, 1.47] for 0.1 and 0.3), which the figures' notes called a "range" (interval_name of 2 runs)."""
+    import pandas as pd
+
+    from analysis.plots import clip_note
+    from analysis.stats import interval_name
+
+    d = describe([0.1, 0.3], [2, 3])
+    assert d["ci_low"] < 0.1 and interval_name(d["n"], d["policies"]) == "95% CI"
+    assert interval_name(2) == "range" and interval_name(2, 1) == "range"
+    note = clip_note("grpo", pd.Series([0.1, 0.3]), d)
+    assert "95% CI [-1.07, 1.47], n=2" in note and "range" not in note
