@@ -887,8 +887,8 @@ def verdict_blocks(numbers: Numbers, multi: bool) -> list[tuple]:
               ("p", f"Objectives ranked by mean final eval accuracy; − {numbers.baseline}: the paired difference to "
                     f"the baseline (by seed and eval problem) with its 95% interval; seeds above/paired: the seeds "
                     f"where the objective ended above the baseline, of those both ended. A difference counts when its "
-                    f"Holm-adjusted p-value (paired t-tests; for scores alike on every problem, 1 or 0 as the "
-                    f"interval holds 0 or not; Holm's step-down correction over the cell's comparisons to the "
+                    f"Holm-adjusted p-value (paired t-tests; for scores alike on every problem, the level at which "
+                    f"their bound reaches 0; Holm's step-down correction over the cell's comparisons to the "
                     f"baseline) is below 0.05. Intervals below {INDICATIVE_BELOW} seeds are indicative. "
                     "Baseline: `--baseline` / `sweep.baseline`, else grpo, else the grid's first objective "
                     "(analysis/verdict.py).")]
