@@ -296,3 +296,18 @@ def test_over_seeds_only_gives_every_reason_an_interval_can_be_so():
     said = verdict.sentence(thin, "grpo")
     assert "are missing, do not give its accuracy, or are not on the same eval problems as the runs it is paired " \
            "with" in said, said
+
+
+def test_holm_steps_down_caps_at_one_and_corrects_within_each_cell_by_hand():
+    """Holm by hand (as statsmodels' multipletests(method="holm")): sorted 0.005, 0.01, 0.03, 0.04, 0.7 of m = 5
+    times 5, 4, 3, 2, 1 = 0.025, 0.04, 0.09, 0.08, 0.7, made non-decreasing (0.08 -> 0.09); 0.6 and 0.7 of 2 are
+    1.2 and 0.7, capped at 1 and kept non-decreasing (1, 1). The verdict's family is one cell's comparisons: two
+    cells of one comparison each, p 0.03, are not corrected for each other."""
+    adjusted = verdict.holm([0.01, 0.04, 0.03, 0.005, 0.7, np.nan])
+    assert adjusted[:5] == pytest.approx([0.04, 0.09, 0.09, 0.025, 0.7]) and np.isnan(adjusted[5])
+    assert verdict.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+    pairs = pd.DataFrame({"cell_id": [0, 0, 1, 1, 1], "a": ["x", "y", "x", "y", "x"], "b": ["g", "g", "g", "g", "y"],
+                          "p_value": [0.03, 0.5, 0.03, np.nan, 0.001]})
+    versus = verdict.versus_baseline(pairs, "g")
+    assert versus["holm"].iloc[:3].tolist() == pytest.approx([0.06, 0.5, 0.03]) and np.isnan(versus["holm"].iloc[3])
+    assert len(versus) == 4  # the pair of two other objectives is no comparison with the baseline
