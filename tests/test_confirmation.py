@@ -155,3 +155,33 @@ def test_a_difference_alike_on_every_problem_has_no_zero_width_holm_interval():
     row = table.loc["apart"]  # +1 on each of 8 problems: p = 2 (1 - 1/2)^8, confirmed at Holm's first level 97.5%
     assert row["verdict"] == "confirmed above" and row["holm_p"] == pytest.approx(2 * 0.5 ** 8 * 2)
     assert 0 < row["low"] < 1 and row["high"] == pytest.approx(1.0) and row["level"] == pytest.approx(0.975)
+
+
+def test_verdicts_adjust_over_the_plans_whole_family_by_hand():
+    """verdicts() on hand-made estimates (mean, one variance part (v, df)): p-values 0.03, 0.001 and an incomplete
+    comparison, which stays in the family at p = 1 (m = 3). Holm by hand: 3 x 0.001 = 0.003 (rejected), 2 x 0.03 =
+    0.06 (not), so a is not confirmed though its own p is below 0.05 (with m = 2 or unadjusted it would be); each
+    interval at the level Holm tests it: b at 1 - 0.05/3, a at 1 - 0.05/2, mean +- t_{df, 1 - level/2} sqrt(v)."""
+    from analysis.accuracy import Estimate
+    from analysis.confirmation import verdicts
+
+    v, df = 1e-4, 4.0
+
+    def made(p: float, sign: float) -> Estimate:
+        mean = sign * student_t.isf(p / 2, df) * np.sqrt(v)
+        return Estimate(mean, mean - 1, mean + 1, 5, ((v, df),), True, 5)  # low, high: unused
+
+    estimates = {"a": made(0.03, 1.0), "b": made(0.001, -1.0), "c": made(0.001, 1.0)}
+    assert [estimates[o].p_value for o in "ab"] == pytest.approx([0.03, 0.001])
+    rows = verdicts(estimates, {"a": True, "b": True, "c": False}, ["base", "a", "b", "c"], ["base", "a", "b", "c",
+                                                                                               "d"], "base")
+    rows = rows.set_index("objective")
+    assert rows["verdict"].to_dict() == {"base": "baseline", "a": "not confirmed", "b": "confirmed below",
+                                         "c": "incomplete", "d": "not tested"}
+    assert rows.loc[["a", "b"], "holm_p"].tolist() == pytest.approx([0.06, 0.003])
+    assert rows.loc[["a", "b"], "level"].tolist() == pytest.approx([1 - 0.05 / 2, 1 - 0.05 / 3])
+    for o, alpha in (("a", 0.05 / 2), ("b", 0.05 / 3)):
+        half = student_t.ppf(1 - alpha / 2, df) * np.sqrt(v)
+        assert (rows.loc[o, "low"], rows.loc[o, "high"]) == pytest.approx((estimates[o].mean - half,
+                                                                           estimates[o].mean + half))
+    assert rows.loc["a", "low"] < 0 < rows.loc["a", "high"] and rows.loc["b", "high"] < 0  # excludes 0 iff confirmed
