@@ -309,3 +309,61 @@ def test_scores_alike_at_a_fraction_over_cells_give_the_unvaried_bound_not_a_rou
     assert (tenth.low, tenth.high) == pytest.approx((0.1 - 1.1 * q, 0.1 + 0.9 * q))
     # 0 lies inside the interval: the p-value, the level at which the bound reaches 0, is above 0.05 too
     assert tenth.p_value == pytest.approx(2 * (1 - 0.1 / 1.1) ** n) and tenth.p_value > 0.05
+
+
+def test_the_bootstrap_draws_policies_and_each_policys_seeds_independently_and_problems_once_per_resample():
+    """analysis.stats.resample draws the starting policies with replacement (two slots hold one policy in half the
+    resamples) and each slot's seeds on its own (two slots of one policy draw the same 3 seeds 1/27 of the time).
+    resampled_values, on hand-made runs whose scores name them (run r, policy r // 2, seed r % 2, scores 10 r +
+    problem / 10 on 4 problems), draws seeds within their policy only and one set of problems per resample for every
+    run, and for both objectives of a stacked pair (their difference, 0.05 on every problem, stays 0.05)."""
+    from analysis.accuracy import resampled_values
+
+    x = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)  # value = 12 policy + 4 seed + problem
+    drawn = resample(x, HIERARCHY, n_boot=2000, rng=np.random.default_rng(0))
+    policy, seeds = np.nanmin(drawn, axis=(2, 3)) // 12, (drawn[..., 0] % 12) // 4
+    both = policy[:, 0] == policy[:, 1]
+    assert 0.4 < both.mean() < 0.6  # each slot's policy drawn on its own: the same one in half the resamples
+    alike = (seeds[both, 0] == seeds[both, 1]).all(axis=1)
+    assert alike.mean() < 0.15  # 1/27 by chance: each slot draws its own seeds, not one draw for every slot
+    problems = [f"q{i}" for i in range(4)]
+    scores = {r: pd.Series([10 * r + i / 10 for i in range(4)], index=problems) for r in range(4)}
+    units = {(f"p{r // 2}", r % 2): (f"p{r // 2}", scores[r].mean(), scores[r]) for r in range(4)}
+    values = resampled_values(units, n_boot=500)  # (resample, slot): slots 0, 1 of the first policy drawn, 2, 3
+    run, share = values // 10, values % 10  # which run filled the slot, the mean of the problems drawn
+    assert ((run[:, :2] // 2 == run[:, :1] // 2).all() and (run[:, 2:] // 2 == run[:, 2:3] // 2).all())
+    assert set(np.unique(run[:, 0] // 2)) == {0, 1}
+    assert share == pytest.approx(np.repeat(share[:, :1], 4, axis=1))  # one draw of problems for every run
+    assert len(np.unique(np.round(share[:, 0], 9))) > 10  # ... drawn anew for each resample
+    pair = {key: (p, np.array([v, v + 0.05]), pd.concat([s, s + 0.05], axis=1)) for key, (p, v, s) in units.items()}
+    stacked = resampled_values(pair, n_boot=500)
+    assert stacked[..., 1] - stacked[..., 0] == pytest.approx(np.full((500, 4), 0.05))
+
+
+def test_trimmed_means_are_scipys_and_a_tie_is_neither_a_win_nor_a_loss():
+    """trimmed_means (the IQM of NaN-padded rows) against scipy.stats.trim_mean(row, 0.25) for 5 to 12 values, where
+    the number cut from each end, floor(n / 4), differs from 10%'s and from ceil(n / 4); a seed of equal accuracies
+    is a tie, and one starting policy's comparison has top 0 (its top level is its seeds: indicative with 3)."""
+    rng = np.random.default_rng(3)
+    rows = np.full((8, 12), np.nan)
+    for i, n in enumerate(range(5, 13)):
+        rows[i, :n] = rng.random(n)
+    expected = [scipy.stats.trim_mean(row[np.isfinite(row)], 0.25) for row in rows]
+    assert paired.trimmed_means(rows) == pytest.approx(expected)
+    row = paired.per_cell(frame({(0, "a"): [0.4, 0.5, 0.7], (0, "b"): [0.4, 0.4, 0.8]})).iloc[0]
+    assert (row["wins"], row["ties"], row["losses"], row["top"]) == (1, 1, 1, 0)
+
+
+def test_the_aggregate_p_improvement_interval_averages_each_cells_p_over_one_draw_of_seeds():
+    """aggregate's P(A > B) interval by hand (runs without per-problem scores): each resample draws the one starting
+    policy, then 3 seeds, the same in both cells; its P(A > B) is the mean of the cells' (rliable's average over
+    tasks), not the P of the cells' runs pooled; the 2.5th and 97.5th percentiles of those means."""
+    values = {(0, "a"): [0.5, 0.6, 0.7], (0, "b"): [0.4, 0.6, 0.5],
+              (1, "a"): [0.2, 0.1, 0.3], (1, "b"): [0.3, 0.4, 0.2]}
+    row = paired.aggregate(frame(values)).iloc[0]
+    rng = np.random.default_rng(BOOT_SEED)
+    rng.random((N_BOOT, 1))
+    seeds = np.floor(rng.random((N_BOOT, 3)) * 3).astype(int)
+    cells = [(np.array(values[c, "a"]), np.array(values[c, "b"])) for c in (0, 1)]
+    means = np.mean([paired.probability_of_improvement(a[seeds], b[seeds]) for a, b in cells], axis=0)
+    assert (row["p_low"], row["p_high"]) == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
