@@ -1280,3 +1280,19 @@ def test_an_accuracy_check_of_scores_alike_on_every_problem_has_no_zero_width_in
     assert evaluate_check(equivalent, tables)[0] == "not resolved"
     half = {**greater, "compare": {**greater["compare"], "factor": 0.5}}  # a - 0.5 b lies in [-0.5, 1]
     assert f"[{num(unvaried_bounds(0.0, 5, (-0.5, 1.0))[0])}, " in evaluate_check(half, tables)[1]
+
+
+def test_replication_is_the_fewest_units_of_any_policy_and_a_touching_interval_is_not_resolved():
+    """A claim holds only where every starting policy has DESIGN's units: replication reports the fewest (3 of policy
+    b's, not policy a's 5), and a check of 5 policies one of which has 4 seeds does not meet the design. An interval
+    whose end touches the claimed bound is not wholly outside it: not resolved, not refuted."""
+    from harness.apps import claims
+
+    def units(seeds: dict) -> pd.Series:
+        return pd.Series(1.0, index=pd.MultiIndex.from_tuples([(p, s) for p, n in seeds.items() for s in range(n)]))
+
+    assert claims.replication(units({"a": 5, "b": 3}), "final") == (2, 3, "seeds")
+    five = claims.replication(units({"a": 5, "b": 5, "c": 5, "d": 5, "e": 4}), "runs")
+    assert five == (5, 4, "seeds") and not claims.meets_design(five)
+    assert claims.verdict_of(0.1, 0.5, 0.5, 1.0) == claims.verdict_of(1.0, 1.2, 0.5, 1.0) == claims.NOT_RESOLVED
+    assert claims.verdict_of(0.1, 0.49, 0.5, 1.0) == "does not hold"
