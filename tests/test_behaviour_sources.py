@@ -1,0 +1,50 @@
+"""The behaviour stage's sources, pinned by values: the reference log-probs are the reference model's, a separate
+sampler's log-probs enter the rollout-correction weight, and trust-region rules zero the weights they reject."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from omegaconf import OmegaConf
+
+from harness.loop.behaviour import behaviour_logprobs, no_grad_logprobs, rollout_correction
+from objectives.rollout_correction import correction_weights, rejection_keep
+from tests.test_update import toy_batch
+
+TRAIN = {"old_logp": "sampler", "micro_batch_size": 4, "temperature": 1.0, "padding_free": True, "rollout_lag": 1,
+         "rollout_correction": {"mode": "token_truncate", "threshold": 2.0, "threshold_lower": None}}
+
+
+def test_reference_and_separate_sampler_reach_the_behaviour(tiny_model):
+    policy, _ = tiny_model
+    policy.eval()
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ro = toy_batch().rollout
+    cfg = OmegaConf.create({"objective": {"name": "grpo"}, "train": TRAIN})
+    behaviour = behaviour_logprobs(policy, reference, ro, cfg, separate_sampler=True)
+    old = no_grad_logprobs(policy, ro, cfg.train)[0]
+    torch.testing.assert_close(behaviour.old_logp, old)  # a correction recomputes the proximal policy's
+    torch.testing.assert_close(behaviour.ref_logp, no_grad_logprobs(reference, ro, cfg.train)[0])
+    assert not torch.allclose(behaviour.ref_logp, old)
+    want = correction_weights(old, ro.sampler_logp, ro.completion_mask, "token_truncate", 2.0)
+    torch.testing.assert_close(behaviour.correction, want)
+    assert not torch.equal(want, ro.completion_mask.float())  # the sampler differs: weights other than 1
+
+
+def test_trust_region_rules_zero_the_weights_they_reject():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[2, 3:] = False
+    old = -torch.rand(6, 5, generator=g)
+    sampler = old + torch.randn(6, 5, generator=g)
+    t = OmegaConf.create({**TRAIN, "rollout_correction": {**TRAIN["rollout_correction"], "rejection": ["token_k2"],
+                                                          "rejection_threshold": [0.2]}})
+    weights, metrics = rollout_correction(t, old, sampler, mask)
+    keep = rejection_keep(old, sampler, mask, ["token_k2"], [0.2])
+    assert 0 < (~keep & mask).sum() < mask.sum()
+    torch.testing.assert_close(weights, correction_weights(old, sampler, mask, "token_truncate", 2.0) * keep)
+    assert metrics["rollout_corr_rejected_frac"] == (~keep & mask).sum().item() / mask.sum().item()
