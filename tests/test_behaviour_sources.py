@@ -9,10 +9,11 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.loop.behaviour import behaviour_logprobs, no_grad_logprobs, rollout_correction
+from harness.policy.forward import completion_logprobs
 from objectives.rollout_correction import correction_weights, rejection_keep
 from tests.test_update import toy_batch
 
-TRAIN = {"old_logp": "sampler", "micro_batch_size": 4, "temperature": 1.0, "padding_free": True, "rollout_lag": 1,
+TRAIN = {"old_logp": "sampler", "micro_batch_size": 4, "temperature": 0.7, "padding_free": True, "rollout_lag": 1,
          "rollout_correction": {"mode": "token_truncate", "threshold": 2.0, "threshold_lower": None}}
 
 
@@ -28,6 +29,9 @@ def test_reference_and_separate_sampler_reach_the_behaviour(tiny_model):
     behaviour = behaviour_logprobs(policy, reference, ro, cfg, separate_sampler=True)
     old = no_grad_logprobs(policy, ro, cfg.train)[0]
     torch.testing.assert_close(behaviour.old_logp, old)  # a correction recomputes the proximal policy's
+    at_temperature = completion_logprobs(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                                         0.7)[0]
+    torch.testing.assert_close(old, at_temperature, rtol=1e-5, atol=1e-6)  # at train.temperature
     torch.testing.assert_close(behaviour.ref_logp, no_grad_logprobs(reference, ro, cfg.train)[0])
     assert not torch.allclose(behaviour.ref_logp, old)
     want = correction_weights(old, ro.sampler_logp, ro.completion_mask, "token_truncate", 2.0)
