@@ -12,7 +12,7 @@ from harness.loop import batch as batch_module
 from harness.loop.batch import collect_batch, greedy_baselines, scored_round, with_reference_rewards
 from harness.loop.build import build_policy, build_task
 from harness.policy.sampler import Rollout
-from harness.run.offpolicy import behaviour_logp, correction_on
+from harness.run.offpolicy import behaviour_logp, correction_on, lagged
 from harness.tasks import Arith, Score
 from tests.helpers.tiny import tiny_run
 
@@ -68,8 +68,9 @@ def test_dynamic_sampling_stops_at_the_round_that_fills_the_batch(tmp_path, monk
     assert collected.stats["sampling_rounds"] == 1
 
 
-def test_trust_region_rules_alone_switch_the_correction_on():
+def test_trust_region_rules_alone_switch_the_correction_on_and_a_lag_of_0_is_no_lag():
     t = OmegaConf.create({"old_logp": "sampler", "rollout_correction": {
         "mode": "none", "threshold": 2.0, "threshold_lower": None, "rejection": ["token_k2"],
         "rejection_threshold": [0.1]}})
     assert correction_on(t) and behaviour_logp(t) == "recompute"
+    assert not lagged(OmegaConf.create({"rollout_lag": 0})) and lagged(OmegaConf.create({"rollout_lag": 1}))
