@@ -52,3 +52,18 @@ def test_trust_region_rules_zero_the_weights_they_reject():
     assert 0 < (~keep & mask).sum() < mask.sum()
     torch.testing.assert_close(weights, correction_weights(old, sampler, mask, "token_truncate", 2.0) * keep)
     assert metrics["rollout_corr_rejected_frac"] == (~keep & mask).sum().item() / mask.sum().item()
+
+
+def test_decoupled_ppo_at_the_sequence_level_weighs_by_the_geometric_mean():
+    """AReaL's sequence-level behaviour weight: exp(mean_t d_t) over each sequence's valid tokens, masked above C."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.arange(5)[None] < torch.tensor([5, 3, 1, 4])[:, None]
+    old = -torch.rand(4, 5, generator=g)
+    sampler = old - 0.3 * torch.rand(4, 5, generator=g)
+    sampler[3] = old[3] - 1.0  # geometric mean e > C = 2: masked
+    weights = correction_weights(old, sampler, mask, "decoupled_ppo", 2.0, ratio_level="sequence")
+    d = torch.where(mask, old - sampler, torch.zeros_like(old))
+    mean = (d.sum(-1) / mask.sum(-1)).exp()
+    want = torch.where(mean <= 2.0, mean, torch.zeros_like(mean))[:, None] * mask
+    torch.testing.assert_close(weights, want)
+    assert 0 < weights[0, 0] < 2 and weights[3].abs().sum() == 0
