@@ -67,3 +67,16 @@ def test_decoupled_ppo_at_the_sequence_level_weighs_by_the_geometric_mean():
     want = torch.where(mean <= 2.0, mean, torch.zeros_like(mean))[:, None] * mask
     torch.testing.assert_close(weights, want)
     assert 0 < weights[0, 0] < 2 and weights[3].abs().sum() == 0
+
+
+def test_sequence_mean_rules_average_over_each_sequences_valid_tokens():
+    """seq_mean_k2 / seq_mean_k3 (trust-region masking's average): the mean over the sequence's own tokens, not over
+    the batch's padded width."""
+    mask = torch.arange(6)[None] < torch.tensor([2, 6])[:, None]
+    old = torch.zeros(2, 6)
+    sampler = torch.where(mask, torch.full((2, 6), -0.6), torch.zeros(2, 6))  # d = 0.6 on every valid token
+    k2 = 0.5 * 0.6**2  # the mean of k2 on each row, 0.18
+    keep = rejection_keep(old, sampler, mask, ["seq_mean_k2"], [k2 - 0.01])
+    assert not keep.any()  # both rows' mean is 0.18, over the bound; over the width row 0's would be 0.06
+    assert not rejection_keep(old, sampler, mask, ["seq_mean_k3"], [0.21]).any()  # mean k3 = e^0.6 - 1.6 = 0.222
+    assert torch.equal(rejection_keep(old, sampler, mask, ["seq_mean_k3"], [0.23]), mask)
