@@ -56,6 +56,7 @@ class Recorder(torch.optim.Optimizer):
         self.grads.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
 
 
+@pytest.mark.slow  # eight forward/backward passes of the tiny model
 def test_each_optimizer_step_applies_its_whole_minibatchs_gradient(tiny_model):
     """epochs x num_minibatches steps; each step's gradient is the one of its minibatch's loss computed at once (not
     scaled by the micro-batch count, not accumulated from the previous step), at train.temperature; the step's
