@@ -910,7 +910,8 @@ def test_the_cli_names_a_new_objective_file_that_does_not_import(tmp_path, comma
     package = tmp_path / "objectives"
     shutil.copytree(REPO / "objectives", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "my_grpo.py").write_text("from objectives import register_objective\nfrom objectives.grpo import "
-                                        "GRPO\n\n\n@register_objective('grpo')\nclass Mine(GRPO):\n    pass\n")
+                                        "GRPO\n\n\n@register_objective('grpo')\nclass Mine(GRPO):\n"
+                                        "    'GRPO under its own name.'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
