@@ -664,6 +664,7 @@ def test_a_slurm_refusal_is_one_line_not_a_traceback(tmp_path, monkeypatch, caps
     assert not list((tmp_path / "results").glob("launch/*/metrics.jsonl"))
 
 
+@pytest.mark.slow  # two tiny runs, one through a fake SLURM job, one a local sweep's: make test
 def test_a_sweep_under_another_launcher_follows_the_slurm_jobs_a_dead_sweep_left_queued(tmp_path, monkeypatch):
     """A --launcher slurm sweep whose process died while its jobs were queued (fake sbatch / sacct: the job stays
     PENDING until the test runs it), then the sweep run again with --launcher local: it trained the queued job's run
