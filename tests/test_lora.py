@@ -104,6 +104,32 @@ def test_the_no_grad_forwards_that_stand_for_the_policy_draw_no_dropout(tmp_path
         assert not torch.equal(completion_logprobs(run.policy, *args)[0], completion_logprobs(run.policy, *args)[0])
 
 
+def test_p3os_statistics_pass_is_the_policys_own_under_dropout(tmp_path):
+    """P3O's ESS over a micro-batched minibatch comes from a no-grad pass of the current policy: with LoRA dropout in
+    train mode (as the update runs) it is the policy's own, the same twice and equal to the eval-mode pass, and the
+    policy is left in train mode (it was one dropout draw per minibatch)."""
+    from harness.loop.update import with_statistics
+
+    cfg = tiny_run(tmp_path, *LORA, *SHAPED, "model.lora.dropout=0.5", "objective.name=p3o",
+                   "train.micro_batch_size=4")
+    torch.manual_seed(cfg.seed)
+    run = setup_run(cfg, CPU)
+    for layer in lora_layers(run.policy).values():  # adapters that act (B = 0 would hide the dropout)
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    learner = build_learner(run.policy, run.objective, cfg.train)
+    plan = UpdatePlan.of(first_batch(run, cfg), cfg, 1)
+    minibatch = next(minibatches(plan, torch.Generator().manual_seed(0)))
+    assert len(plan.microbatches(minibatch)) > 1  # the pass runs only on a split minibatch
+    learner.policy.train()
+    first, second = (with_statistics(learner, plan, minibatch, RunState()).stats for _ in range(2))
+    assert learner.policy.training
+    learner.policy.eval()
+    own = with_statistics(learner, plan, minibatch, RunState()).stats
+    assert first.keys() == own.keys() and first
+    for key in own:
+        assert torch.equal(first[key], second[key]) and torch.equal(first[key], own[key]), key
+
+
 def test_with_b_zero_the_first_steps_logprobs_are_the_base_models(tmp_path):
     """The adapted policy starts as its base, bit for bit: the trainer's log-probs, the sampler's (merged weights,
     W + 0), and the reference's (the same policy, adapters disabled; no second copy of the weights)."""
