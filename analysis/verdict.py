@@ -72,6 +72,16 @@ def seeds_only_note(rows: pd.DataFrame) -> str:
             "the interval leaves out the eval set's noise)" if thin else "")
 
 
+def one_policy_note(tested: pd.DataFrame) -> str:
+    """What a cell's sentence adds when every tested comparison rests on one starting policy (``top`` 0: its top level
+    is the seeds): the finding, or the absence of one, is about that policy, which intervals over seeds and eval
+    problems do not vary; "" with 2 or more starting policies, or where the rows do not say (no ``top`` column)."""
+    if tested.empty or "top" not in tested or (tested["top"].fillna(0) >= 2).any():
+        return ""
+    return ("; from one starting policy: about that policy, another may rank them otherwise (replicate it with "
+            "sweep.grid.model.seed: docs/replicates.md)")
+
+
 def sentence(rows: pd.DataFrame, baseline: str) -> str:
     """The cell's sentence from its comparisons to the baseline (a, n, difference, bounds, wins, losses, holm; with
     ``problems``, whether each interval holds the eval problems' spread)."""
@@ -99,7 +109,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
         reason = f" ({NO_INTERVAL})" if untested else ""
         said = (f"cannot tell whether any objective differs from {baseline} at this budget" if tested.empty else
                 f"no objective differs from {baseline} at this budget")  # no test made: no finding of no difference
-        return f"{said}{why}{none}{reason}{family}{seeds_note(n, top)}{seeds_only_note(rows)}"
+        return f"{said}{why}{none}{reason}{family}{seeds_note(n, top)}{seeds_only_note(rows)}{one_policy_note(tested)}"
     parts = []
     for row in differ.itertuples():
         above = row.difference > 0
@@ -108,7 +118,7 @@ def sentence(rows: pd.DataFrame, baseline: str) -> str:
                      f"{interval_text(row.difference_low, row.difference_high)}, {agree} of {row.n} seeds")
     others = len(rows) - len(differ)
     tail = f"; the other {others} do not differ from it" if others > 1 else "; the other does not" if others else ""
-    return "; ".join(parts) + tail + family + seeds_note(n, top) + seeds_only_note(rows)
+    return "; ".join(parts) + tail + family + seeds_note(n, top) + seeds_only_note(rows) + one_policy_note(tested)
 
 
 def ranking(group: pd.DataFrame, versus: pd.DataFrame, baseline: str) -> pd.DataFrame:

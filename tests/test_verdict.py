@@ -61,6 +61,19 @@ def test_sentences_say_which_objective_ends_where_and_correct_for_several():
                                                "other does not (Holm-corrected over 2 comparisons)")
 
 
+def test_a_verdict_from_one_starting_policy_says_it_is_about_that_policy():
+    note = ("; from one starting policy: about that policy, another may rank them otherwise (replicate it with "
+            "sweep.grid.model.seed: docs/replicates.md)")
+    above = rows(("ctpo", 0.016, 0.004, 0.028, 5, 0, 5, 0.01))
+    assert verdict.sentence(above.assign(top=0), "grpo") == verdict.sentence(above, "grpo") + note
+    none = rows(("ctpo", 0.0156, -0.004, 0.035, 5, 1, 6, 0.12))
+    assert verdict.sentence(none.assign(top=0), "grpo").endswith("every paired interval includes 0" + note)
+    # 3 starting policies: the interval resamples them, no note; nothing tested: no finding to qualify
+    assert "one starting policy" not in verdict.sentence(above.assign(top=3), "grpo")
+    single = rows(("ctpo", 0.01, np.nan, np.nan, 1, 0, 1, np.nan)).assign(top=0)
+    assert not verdict.sentence(single, "grpo").endswith(note)
+
+
 def test_each_cell_ranks_its_objectives_and_says_when_the_baseline_is_missing():
     table = pd.DataFrame({"cell_id": [0, 0, 1], "objective": ["grpo", "ctpo", "ctpo"], "final_mean": [0.3, 0.4, 0.5],
                           "final_ci_low": [0.2, 0.3, np.nan], "final_ci_high": [0.4, 0.5, np.nan],
