@@ -7,8 +7,21 @@ import re
 from dataclasses import dataclass
 
 import pytest
+from omegaconf import OmegaConf
 
-from harness.tasks import Problem, Score, Task, available_tasks, get_task, register_task
+from harness.run.errors import ConfigError
+from harness.tasks import (
+    GSM8K_INSTRUCTION,
+    Problem,
+    Score,
+    Task,
+    available_tasks,
+    check_prompts_fit,
+    get_task,
+    problems_digest,
+    register_task,
+    task_arguments,
+)
 from objectives.registry import UnknownNameError
 
 GSM8K_ROW = {"question": "Tom has 3 apples and buys 5. How many?", "answer": "3+5=<<3+5=8>>8\n#### 8"}
@@ -289,3 +302,41 @@ def test_the_training_problems_a_task_makes_are_known_without_making_them(tmp_pa
     assert get_task("arith", train_size=50).known_train_size() == 50
     monkeypatch.delenv("GSM8K_DIR", raising=False)
     assert get_task("gsm8k").known_train_size() is None
+
+
+def test_gsm8k_questions_are_stripped_before_the_instruction(tmp_path):
+    """A local file's question with surrounding whitespace gets the instruction after one space, as the hub's rows."""
+    row = {**GSM8K_ROW, "question": "  " + GSM8K_ROW["question"] + " \n"}
+    task = get_task("gsm8k", data_dir=str(write_gsm8k(tmp_path / "d", [json.dumps(row)])), eval_size=1)
+    assert task.train_problems()[0].question == GSM8K_ROW["question"] + GSM8K_INSTRUCTION
+
+
+def test_arith_verifier_takes_a_negative_answer():
+    """operators "+-" (the default) make negative answers: "#### -8" is formatted and correct."""
+    problem = Problem(question="What is 37-45?", answer="-8", solution="37-45=-8 #### -8")
+    task = get_task("arith", train_size=1, eval_size=1)
+    assert task.score("37-45=-8 #### -8", problem) == Score(1.0, 1.0)
+    assert task.score("#### 8", problem) == Score(0.0, 1.0)
+
+
+def test_the_task_data_digest_covers_the_eval_problems_too():
+    """A resume on the same training problems but another held-out set is refused: the digest tells them apart."""
+    train, evaluation = get_task("arith", train_size=4, eval_size=2).train_problems(), [Problem("q", "1", "#### 1")]
+    assert problems_digest(train, evaluation) != problems_digest(train, [Problem("q", "2", "#### 2")])
+    assert problems_digest(train, evaluation) == problems_digest(list(train), list(evaluation))
+
+
+def test_as_many_prompts_per_step_as_training_problems_fit():
+    check_prompts_fit(8, 8, "arith")
+    with pytest.raises(ConfigError, match="prompts_per_step=9 is more than the 8 training problems"):
+        check_prompts_fit(9, 8, "arith")
+
+
+def test_task_arguments_carry_the_runs_eval_size_data_dir_and_eval_set():
+    """task.eval_size (and data_dir, eval_set where set) reach the task next to task.args."""
+    run = OmegaConf.create({"task": {"name": "arith", "eval_size": 5, "eval_set": 0, "data_dir": None,
+                                     "args": {"digits": 1}}})
+    assert task_arguments(run) == {"eval_size": 5, "digits": 1}
+    assert len(get_task("arith", **task_arguments(run)).eval_problems()) == 5
+    run.task.eval_set, run.task.data_dir = 2, "/data"
+    assert task_arguments(run) == {"eval_size": 5, "digits": 1, "eval_set": 2, "data_dir": "/data"}
