@@ -48,12 +48,13 @@ def test_scoring_calls_the_library_score_answer(monkeypatch):
     assert task.score(problem.solution, problem) == Score(1.0, 1.0)
     assert task.score(f"reasoning... ####  {problem.answer}\n", problem) == Score(1.0, 1.0)
     assert task.score(f"#### {problem.answer} #### {int(problem.answer) + 1}", problem) == Score(0.0, 1.0)
+    assert task.score(f"#### {int(problem.answer) + 1} #### {problem.answer}", problem) == Score(1.0, 1.0)  # the last
     assert task.score(problem.answer, problem) == Score(0.0, 0.0)  # no marker: no answer
     assert task.score("####   ", problem) == Score(0.0, 0.0)
     calls = []
 
     def fake(self, answer, entry):
-        calls.append((type(self).__name__, answer, entry["answer"], "metadata" in entry))
+        calls.append((type(self).__name__, answer, entry["answer"], bool(entry["metadata"])))  # the library's item
         return 0.5
 
     monkeypatch.setattr(DATASETS["chain_sum"][0], "score_answer", fake)  # the library's class, not ours
@@ -214,3 +215,11 @@ def test_a_process_keeps_the_scoring_processes_of_the_configs_it_used_last():
         assert task.score(problem.solution, problem) == Score(1.0, 1.0), name
     running = [s for s in tasks._ISOLATED_SCORERS.values() if s._process is not None]
     assert len(tasks._ISOLATED_SCORERS) == len(running) == tasks.SCORING_PROCESSES_KEPT == 2
+
+
+def test_a_tasks_answers_are_scored_by_one_process():
+    """The scoring process is started once per generator config and kept: a new one per answer (seconds each) would
+    make scoring a rollout take minutes."""
+    task = small()
+    task.eval_problems()
+    assert task._scorer() is task._scorer()
