@@ -20,6 +20,7 @@ from trl import GRPOTrainer
 
 from harness.loop import trl_backend
 from harness.loop.batch import TrainBatch
+from harness.loop.metrics import MetricMeter
 from harness.loop.native import update
 from harness.loop.trl_backend import (
     ROUTING_KEY,
@@ -69,6 +70,7 @@ def test_trl_backend_loss_and_gradient_equal_the_native_loop(fixed, tmp_path, ob
     assert_same(native["loss"], capture.grads, loss, grads)
     assert 0 < native["clip_frac"] < 1  # the batch exercises the clipping
     assert trainer.meter.result()["clip_frac"] == pytest.approx(native["clip_frac"])
+    assert trainer.meter.result()["entropy"] == pytest.approx(native["entropy"])  # over the valid tokens only
 
 
 @pytest.mark.parametrize("objective", ["grpo", "dapo", "p3o"])
@@ -96,7 +98,88 @@ def test_accumulated_micro_batches_give_the_minibatch_gradient(fixed, tmp_path, 
     assert ("minibatch_stats.n" in micro[1]) == (objective == "p3o")
     minibatch = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if v.dim() > 0}
     trainer.current_gradient_accumulation_steps = 1
+    micro_metrics, trainer.meter = trainer.meter.result(), MetricMeter(trainer.objective.minibatch_shares())
     assert_same(loss, grads, *loss_and_grad(trainer, {**minibatch, "num_tokens_step": tokens}))
+    for key in ("clip_frac", "pg_loss"):  # the step's, logged: a token-weighted mean, a sum of micro-batch shares
+        assert micro_metrics[key] == pytest.approx(trainer.meter.result()[key]), key
+
+
+def test_grpo_config_carries_the_runs_schedule_sampling_and_correction(tmp_path):
+    run = run_config(tmp_path, "train.epochs=2", "train.steps=3", "train.num_minibatches=2", "train.temperature=0.7",
+                     "train.top_p=0.9", "train.max_grad_norm=0.5", "train.rollout_correction.mode=token_mask",
+                     "train.rollout_correction.threshold=2.0", "train.rollout_correction.threshold_lower=0.25")
+    args = grpo_config(run, tmp_path / "trl")
+    assert (args.num_iterations, args.steps_per_generation, args.max_steps) == (2, 2, 3 * 2 * 2)
+    assert (args.temperature, args.top_p, args.max_grad_norm) == (0.7, 0.9, 0.5)
+    assert (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) == (0.25, 2.0)
+
+
+def test_reward_functions_are_the_tasks_correct_and_format_in_that_order(fixed):
+    """TRL weights them by position (1, task.format_weight) and logs them by name."""
+    task = fixed[2]
+    problem = task.eval_problems()[0]
+    fields = {"question": [problem.question] * 2, "answer": [problem.answer] * 2, "solution": [problem.solution] * 2}
+    completions = [[{"role": "assistant", "content": "#### 99999"}], problem.solution]  # a chat's, a plain one
+    functions = reward_functions(task)
+    assert [f.__name__ for f in functions] == ["correct", "format"]
+    assert [f(completions, **fields) for f in functions] == [[0.0, 1.0], [1.0, 1.0]]
+
+
+def test_the_rollouts_rewards_groups_and_advantages_are_the_native_ones(fixed, tmp_path, monkeypatch):
+    """After TRL's generation and scoring: the weighted reward (correct + format_weight x format), groups of
+    group_size consecutive rows, the objective's advantages of them, and the rollout correction's weights when a
+    mode is set (1 without vLLM) with NaN-free metrics where vLLM could not score a token."""
+    run = run_config(tmp_path, "task.format_weight=0.5", "train.rollout_correction.mode=token_truncate")
+    trainer = make_trainer(fixed, run, tmp_path, train=run.train, reward_weights=[1.0, 0.5])
+    inputs = trl_inputs(fixed)
+    rows = len(inputs["advantages"])
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions",
+                        lambda self, batch: {**inputs, "advantages": torch.zeros(rows)})
+    correct = torch.tensor([1.0, 0.0, 0.0, 1.0] * (rows // 4))
+    trainer._rewards_per_func = torch.stack([correct, torch.arange(rows) % 3 / 2.0], 1)
+    out = trainer._generate_and_score_completions([None] * rows)
+    rewards, groups = correct + 0.5 * (torch.arange(rows) % 3 / 2.0), torch.arange(rows) // run.train.group_size
+    assert torch.equal(out["rewards"], rewards) and torch.equal(out["group_ids"], groups)
+    lengths = inputs["completion_mask"].sum(-1)
+    assert torch.allclose(out["advantages"], trainer.estimator(rewards, groups, lengths).float())
+    mask = inputs["completion_mask"].bool()
+    assert torch.equal(out["rollout_correction"][mask], torch.ones(int(mask.sum())))
+    sampled = inputs["old_per_token_logps"] - 0.1
+    sampled[0, 0] = float("nan")  # a token vLLM could not score: no correction
+    out = {**inputs, "sampling_per_token_logps": sampled}
+    trainer.add_rollout_correction(out)
+    assert torch.isfinite(out["rollout_correction"]).all()
+    assert all(math.isfinite(v) for v in trainer.meter.result().values())
+
+
+def test_a_batch_without_behaviour_logps_takes_the_current_ones_as_constants(fixed, tmp_path):
+    """TRL leaves old_per_token_logps out where they equal the current log-probs (one optimizer step per generation):
+    the loss and gradient are those of the batch with the current log-probs given (a ratio of 1 whose gradient is
+    the policy gradient, not a constant)."""
+    trainer = make_trainer(fixed, run_config(tmp_path), tmp_path)
+    inputs = trl_inputs(fixed)
+    inputs.pop("ref_per_token_logps")
+    with torch.no_grad():
+        current, _ = trainer.completion_logp(trainer.model, inputs)
+    given = loss_and_grad(trainer, {**inputs, "old_per_token_logps": current})
+    inputs.pop("old_per_token_logps")
+    assert_same(*given, *loss_and_grad(trainer, inputs))
+
+
+def test_the_policy_batch_carries_the_schedules_steps_and_the_samplers_logps(fixed, tmp_path):
+    """Schedules (ConsPO's margin, HölderPO's p) read the optimizer step of the run's max_steps and the rollout step
+    (optimizer steps / (steps_per_generation x epochs)); vLLM's log-probs (NaN: unscored, the trainer's there) are
+    the sampler's where the behaviour is the trainer's (train.old_logp recompute)."""
+    trainer = make_trainer(fixed, run_config(tmp_path, "train.epochs=2", "train.steps=3"), tmp_path)
+    trainer.state.global_step, trainer.state.max_steps = 5, 6
+    inputs = trl_inputs(fixed)
+    old = inputs["old_per_token_logps"]
+    sampled = old - 0.1
+    sampled[0, 0] = float("nan")
+    batch = trainer.policy_batch({**inputs, "sampling_per_token_logps": sampled}, old.clone())
+    assert (batch.step, batch.total_steps, batch.rollout_step) == (5, 6, 2)
+    assert torch.equal(batch.old_logp, old)
+    assert torch.equal(batch.sampler_logp, torch.where(torch.isnan(sampled), old, sampled))
 
 
 # (registry objective, its hyperparameters, TRL's built-in options giving the same math)

@@ -62,12 +62,14 @@ def trl_inputs(fixed) -> dict:
             "group_ids": group_ids}
 
 
-def make_trainer(fixed, run, tmp_path, cls=RegistryGRPOTrainer, peft_config=None, **trl_options):
+def make_trainer(fixed, run, tmp_path, cls=RegistryGRPOTrainer, peft_config=None, train=None, **trl_options):
+    """The trainer around ``fixed``'s policy; ``train``: the run's train config handed to RegistryGRPOTrainer (its
+    rollout correction, as train_trl does)."""
     model, tokenizer, task, problems = fixed[:4]
     extra = {} if peft_config is None else {"peft_config": peft_config}
     if cls is RegistryGRPOTrainer:
         objective = get_objective(run.objective.name, **OmegaConf.to_container(run.objective.params))
-        extra.update(objective=objective, estimator=get_advantage(objective.default_advantage))
+        extra.update(objective=objective, estimator=get_advantage(objective.default_advantage), train=train)
     trainer = cls(model=copy.deepcopy(model), reward_funcs=reward_functions(task),
                   args=grpo_config(run, tmp_path / "trl", **trl_options), train_dataset=problems_dataset(
                       problems, tokenizer), processing_class=tokenizer, **extra)
