@@ -290,6 +290,8 @@ def test_arith_rejects_bad_arguments():
         get_task("arith", operators="+/")
     with pytest.raises(ValueError, match="eval_size"):
         get_task("arith", digits=1, eval_size=150)
+    with pytest.raises(ValueError, match="digits must be an integer >= 1, got True"):  # a YAML true is not 1
+        get_task("arith", digits=True)
 
 
 def test_the_training_problems_a_task_makes_are_known_without_making_them(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from harness.loop.trl_backend import (
 )
 from harness.loop.update import Learner, RunState, UpdatePlan, forward_rows
 from harness.policy.expert_volatility import capture_metrics, merge_volatility
+from harness.policy.models import build_prompt
 from harness.run.errors import ConfigError
 from harness.run.records import TIMING_METRICS, read_jsonl
 from objectives import get_objective
@@ -112,6 +113,16 @@ def test_grpo_config_carries_the_runs_schedule_sampling_and_correction(tmp_path)
     assert (args.num_iterations, args.steps_per_generation, args.max_steps) == (2, 2, 3 * 2 * 2)
     assert (args.temperature, args.top_p, args.max_grad_norm) == (0.7, 0.9, 0.5)
     assert (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) == (0.25, 2.0)
+
+
+def test_prompts_are_chat_messages_only_for_a_tokenizer_with_a_chat_template(fixed):
+    """TRL applies the template to a message; a tokenizer without one gets the native prompt text."""
+    _, tokenizer, _, problems = fixed[:4]
+    assert problems_dataset(problems, tokenizer)["prompt"] == [build_prompt(tokenizer, p.question) for p in problems]
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = "{{ messages[0]['content'] }}"
+    assert problems_dataset(problems, templated)["prompt"] == [[{"role": "user", "content": p.question}]
+                                                               for p in problems]
 
 
 def test_reward_functions_are_the_tasks_correct_and_format_in_that_order(fixed):
