@@ -252,6 +252,8 @@ def test_backend_run_writes_the_native_results_files_and_resumes_exactly(tmp_pat
         assert key in rows[1], key
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[3] and "eval_accuracy" not in rows[1]
     assert rows[1]["reward_std"] > 0 and rows[1]["kl_ref"] > 0 and rows[1]["grad_norm"] > 0
+    for row in rows[1:]:  # the reward TRL trains on weighs format by task.format_weight, as natively
+        assert row["reward_mean"] == pytest.approx(row["accuracy"] + 0.5 * row["format_reward"])
     assert rows[1]["ratio_std"] > 0  # the second minibatch sees the first one's update through recomputed old logp
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["status"] == "finished"
     assert OmegaConf.load(tmp_path / "full" / "config.yaml").backend == "trl"
