@@ -114,3 +114,20 @@ def test_module_is_pure():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "math", "dataclasses"}
+
+
+def test_the_start_is_the_first_eval_step_zero_is_not_trained_and_a_repeated_step_keeps_its_last_row():
+    # eval_drop is measured from the first evaluation, not the best: 0.3 -> 0.6 -> 0.45, 0.45 has not collapsed
+    assert detect_collapse(run(start=0.3, evals={2: 0.6, 4: 0.45, 6: 0.45, 8: 0.45})) is None
+    # step 0 (the starting policy's evaluation) is no training step: nothing it reports starts a streak
+    rows = run(entropy={s: 0.0 for s in range(1, 5)}, clip_frac={s: 1.0 for s in range(1, 3)})
+    rows[0].update(loss=None, entropy=0.0, clip_frac=1.0)
+    assert detect_collapse(rows, CollapseRule(entropy_consecutive=5, clip_consecutive=3)) is None
+    # a step logged twice (a resumed run's repeated line) is judged by its last row
+    repeated = run()
+    repeated.insert(5, {**repeated[5], "loss": None})
+    assert detect_collapse(repeated) is None
+    assert detect_collapse(list(reversed(repeated)))["cause"] == "non_finite_loss"
+    # the skip counter is cumulative: one skip at step 3 is one non-finite step, not every step after it
+    assert detect_collapse(run(nonfinite_skips={s: 1 for s in range(3, 13)}), CollapseRule(nonfinite_consecutive=2)) \
+        is None
