@@ -259,6 +259,7 @@ LAG2 = ["train.rollout_lag=2", "train.steps=3"]  # a lag below the steps (tiny_r
     ([*LAG2, "train.in_flight_tokens=3", "objective.advantage=remax"], "('remax': a greedy baseline"),
     (["train.lag_mode=stale"], "train.lag_mode must be one of fixed, mixed"),
     (["train.rollout_lag=-1"], "must be >= 0"),
+    ([*LAG2, "train.in_flight_tokens=-1"], "must be >= 0"),
     (["train.rollout_lag=5", "train.steps=5"], "set train.rollout_lag <= 4 or more train.steps"),
 ])
 def test_bad_async_settings_are_one_line(tmp_path, override, message):
@@ -325,7 +326,8 @@ def fake_collect(calls):
         ro.routing = RoutingRecord(torch.zeros(1, len(rows), PROMPT + ro.completion_ids.shape[1], 1,
                                                dtype=torch.int16), ("router",), PROMPT, 2)
         n = len(rows)
-        return Collected(ro, torch.arange(n, dtype=torch.float32) + 100 * step,
+        spread = torch.tensor([0.0 if r // cfg.train.group_size % 3 == 0 else r for r in rows])  # groups 0, 3 flat
+        return Collected(ro, spread + 100 * step,
                          {"sampled_tokens": int(ro.completion_mask.sum())},
                          None, torch.zeros(n, 3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
 
@@ -396,17 +398,24 @@ def test_mixed_ages_sample_each_group_once_by_the_version_of_its_own_lag(tmp_pat
             assert (collected.rewards[rows] // 100 == step).all()  # the group's own step's problems
             seen_lags.add(lag)
         assert collected.stats["sampled_tokens"] == int(collected.rollout.completion_mask.sum())
+        assert collected.stats.get("frac_zero_std_groups", 1 / 3) == pytest.approx(1 / 3)  # groups 0 and 3
     assert seen_lags == {0, 1, 2}
     groups = [g for c in calls for g in c[1]]  # every (step, group) sampled once
     assert len(groups) == 12 * 6 and all(c[2] is not None for c in calls if len(c[1]) < 6)
+    seeds = [c[2] for c in calls if c[2] is not None]  # each piece its own draws (pieces of one step included)
+    assert len(set(seeds)) == len(seeds)
 
 
 def test_in_flight_batches_switch_version_every_m_tokens_and_survive_a_checkpoint(tmp_path, monkeypatch):
+    seeds = []  # torch's seed at every segment's sampling
+
     def sample_problems(sampler, tokenizer, problems, t, max_new_tokens):
+        seeds.append(torch.initial_seed())
         rows = list(range(len(problems) * t.group_size))
         return fake_rollout(rows, 0, max_new_tokens)
 
     def generate_ids(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, **settings):
+        seeds.append(torch.initial_seed())
         return fake_rollout(prompt_ids[:, 0].tolist(), prompt_ids.shape[1] - PROMPT, max_new_tokens)
 
     def collect_batch(sampler, tokenizer, task, problems, cfg, step, greedy_baseline=False):  # a batch due at once
@@ -430,6 +439,7 @@ def test_in_flight_batches_switch_version_every_m_tokens_and_survive_a_checkpoin
             assert versions[r, :length].tolist() == expected, (step, r)
             assert ro.sampler_logp[r, :length].tolist() == [-float(j) for j in range(length)]
         assert collected.rewards.tolist() == [1.0] * len(ro.texts)  # scored when finished
+    assert len(set(seeds)) == len(seeds) > 8  # every first segment and continuation seeded with its own draws
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,3 +495,75 @@ def test_in_flight_behaviour_logprobs_are_each_versions_own_given_the_prefix(tmp
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
     assert [r["lag_max"] for r in rows] == [0, 1, 2]
     assert all(r["mismatch_logp_abs"] < 1e-5 for r in rows), [r["mismatch_logp_abs"] for r in rows]
+
+
+def test_lag_metrics_count_valid_tokens_only_and_max_is_the_oldest():
+    """A mixed-ages batch: lag = step - 1 - version over the completion tokens (padding, version -1, left out); the
+    max is the stalest token's, not the mean."""
+    versions = torch.tensor([[0, 0, 1, -1], [2, 2, -1, -1]], dtype=torch.int32)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert lag_metrics(versions, mask, step=4) == {"lag_mean": 2.0, "lag_max": 3.0}  # lags 3, 3, 2, 1, 1
+    assert lag_metrics(versions, torch.zeros_like(mask), step=4) == {}
+
+
+@pytest.mark.parametrize("estimator", ["remax", "a2po"])
+def test_a_fixed_lag_keeps_the_estimators_greedy_baseline_and_reference_rewards(tmp_path, monkeypatch, estimator):
+    """ReMax's greedy baseline and A*-PO's reference completions are sampled with the lagged batch, for its own step,
+    and the batch taken at its step still carries them (a single piece is not re-assembled)."""
+    calls, reference = [], []
+    collect = fake_collect(calls)
+
+    def with_baseline(*args, greedy_baseline=False, **kwargs):
+        collected = collect(*args, **kwargs)
+        n = len(collected.rewards)
+        return collected._replace(baselines=torch.full((n,), 7.0)) if greedy_baseline else collected
+
+    def with_reference(collected, ref, tokenizer, task, cfg, step, samples):
+        reference.append((step, samples))
+        return collected._replace(reference_rewards=torch.full((len(collected.rewards), samples), float(step)))
+
+    monkeypatch.setattr(pipeline_module, "collect_batch", with_baseline)
+    monkeypatch.setattr(pipeline_module, "with_reference_rewards", with_reference)
+    cfg = tiny_run(tmp_path, "train.rollout_lag=1", "train.steps=4", f"objective.advantage={estimator}")
+    pipeline = Pipeline(cfg)
+    for step in range(1, 5):
+        run = fake_run(step - 1)
+        run.estimator, run.reference = ADVANTAGES.get(estimator), None
+        pipeline.advance(run, step)
+        collected, _ = pipeline.take(step, PAD)
+        if estimator == "remax":
+            assert collected.baselines is not None and (collected.baselines == 7.0).all()
+        else:
+            assert collected.reference_rewards is not None and (collected.reference_rewards == step).all()
+    assert [r[0] for r in reference] == ([1, 2, 3, 4] if estimator == "a2po" else [])
+
+
+def test_a_pending_piece_survives_a_checkpoint_field_for_field(tmp_path):
+    """Everything a pending batch carries (its statistics, greedy baselines, reference rewards, MoE routing, the
+    generation of an in-flight batch) comes back from ``torch.load(weights_only=True)`` as it was saved."""
+    import io
+
+    ro = fake_rollout([0, 1, 2, 3], 0, 4)
+    ro.routing = RoutingRecord(torch.arange(4 * 6, dtype=torch.int16).view(1, 4, 6, 1), ("router",), PROMPT, 2)
+    collected = Collected(ro, torch.arange(4.0), {"sampled_tokens": 9, "reward_mean": 1.5}, torch.full((4,), 0.25),
+                          torch.ones(4, 3, dtype=DT), torch.ones(3, dtype=DT),
+                          reference_rewards=torch.arange(8.0).view(4, 2))
+    flight = pipeline_module.Flight([3, 1], ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.sampler_logp,
+                                    torch.tensor([True, False, True, False]), segments=3)
+    versions = torch.arange(16, dtype=torch.int32).view(4, 4)
+    pieces = [pipeline_module.Piece(5, [0, 2], versions, collected=collected),
+              pipeline_module.Piece(6, [0, 1], versions + 1, flight=flight)]
+    buffer = io.BytesIO()
+    torch.save({"pending": [pipeline_module.piece_state(p) for p in pieces]}, buffer)
+    buffer.seek(0)
+    back = Pipeline(tiny_run(tmp_path), torch.load(buffer, weights_only=True)).pending
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and torch.equal(a, b)
+        if dataclasses.is_dataclass(a) or isinstance(a, tuple) and hasattr(a, "_fields"):
+            names = a._fields if hasattr(a, "_fields") else [f.name for f in dataclasses.fields(a)]
+            return all(same(getattr(a, n), getattr(b, n)) for n in names)
+        return type(a) is type(b) and a == b
+
+    assert len(back) == 2 and all(same(p, q) for p, q in zip(pieces, back, strict=True))
