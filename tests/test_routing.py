@@ -258,6 +258,8 @@ def test_errors_are_one_line():
     (tiny_moe_run, ["train.routing_replay=r2", "backend=trl"], "backend trl: train.routing_replay=r2 is not supported"),
     (tiny_moe_run, ["train.routing_replay=r3", "train.sampler=hf"], "use train.sampler=native"),
     (tiny_moe_run, ["train.routing_replay=r3", "train.compile_sampler=true"], "train.compile_sampler=false"),
+    (tiny_moe_run, ["train.routing_replay=r3", "train.rollout_lag=1", "train.in_flight_tokens=3"],
+     "a completion sampled in flight by several versions does not record: use r2 or none"),
     (tiny_moe_run, ["model.tiny.top_k=9"], "model.tiny.top_k must be an integer in"),
     (tiny_moe_run, ["model.tiny.intermediate_size=9"], "model.tiny has no field intermediate_size for tiny_moe"),
 ])
