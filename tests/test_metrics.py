@@ -60,3 +60,16 @@ def test_the_mismatch_meter_is_the_k3_estimate_of_kl_behaviour_to_trainer_over_v
 def test_the_progress_bar_shows_the_latest_evaluation():
     rows = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1}, {"step": 2, "eval_accuracy": 0.5}, {"step": 3}]
     assert progress_fields({"reward_mean": 0.25}, rows) == {"reward": "0.250", "eval": "0.500"}
+
+
+def test_a_phase_run_twice_in_a_step_keeps_its_larger_peak(monkeypatch):
+    """TRL's step may sample and update more than once: a phase's peak is the largest of its runs, not the last."""
+    import harness.loop.metrics as metrics
+
+    peaks = iter([300.0, 100.0, 120.0, 90.0])  # rollout, update, rollout again, update again
+    monkeypatch.setattr(metrics, "peak_memory_mb", lambda device: next(peaks))
+    monkeypatch.setattr(metrics, "reset_peak_memory", lambda device: None)
+    memory = PhaseMemory(CPU)
+    for phase in ("rollout", "update", "rollout", "update"):
+        memory.start(phase)
+    assert memory.metrics() == {"peak_mem_rollout_mb": 300.0, "peak_mem_update_mb": 100.0, "peak_mem_mb": 300.0}
