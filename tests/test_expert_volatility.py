@@ -8,8 +8,13 @@ import math
 import pytest
 import torch
 
-from harness.policy.expert_volatility import expert_load_entropy, expert_volatility, merge_volatility
-from harness.policy.routing import RoutingRecord
+from harness.policy.expert_volatility import (
+    capture_metrics,
+    expert_load_entropy,
+    expert_volatility,
+    merge_volatility,
+)
+from harness.policy.routing import Capture, Layout, RoutingRecord
 
 
 def record(indices) -> RoutingRecord:
@@ -47,6 +52,8 @@ def test_load_entropy():
     skewed = record([[[[0, 1], [0, 1], [-1, -1]]]])  # half to expert 0, half to 1, of 4: log 2 / log 4
     assert expert_load_entropy(skewed) == pytest.approx(0.5)
     assert expert_load_entropy(skewed, mask=torch.tensor([[True, False, False]])) == pytest.approx(0.5)
+    two = record([[[[0, 1], [2, 3]]], [[[0, 1], [0, 1]]]])  # layer a uniform (1), layer b on two experts (0.5)
+    assert expert_load_entropy(two) == pytest.approx(0.75)  # the mean over layers
 
 
 def test_merged_parts_equal_the_whole():
@@ -61,3 +68,23 @@ def test_merged_parts_equal_the_whole():
     assert merged.layer_changed_frac == pytest.approx(whole.layer_changed_frac)
     nothing = expert_volatility(before, after, torch.zeros(1, 4, dtype=torch.bool))
     assert math.isnan(merge_volatility([nothing]).changed_frac)
+    assert merge_volatility([nothing, whole]) == whole  # a part with no token compared weighs nothing
+
+
+def test_a_token_changed_in_one_layer_only_counts_as_changed():
+    before = record([[[[0, 1], [2, 3]]], [[[1, 2], [0, 3]]]])
+    after = record([[[[0, 2], [2, 3]]], [[[1, 2], [0, 3]]]])  # token 0: layer a only; token 1: none
+    v = expert_volatility(before, after)
+    assert v.token_changed_frac == pytest.approx(1 / 2) and v.changed_frac == pytest.approx(1 / 8)
+    assert v.layer_changed_frac == pytest.approx((1 / 4, 0.0))
+
+
+def test_an_update_forwards_metrics_are_its_live_routings():
+    """capture_metrics: the volatility of the behaviour record against the capture's live record, the load entropy
+    of the live record (the routing the update forward's router chose), the aux loss of its logits."""
+    behaviour, live = record([[[[0, 1], [0, 1]]]]), record([[[[0, 1], [2, 3]]]])
+    logits = [[(torch.zeros(2, 4), Layout(torch.arange(2), torch.arange(2), 2))]]
+    capture = Capture(live, None, logits, aux_loss_fn=lambda *args: torch.tensor(0.25), top_k=2)
+    volatility, metrics = capture_metrics(behaviour, capture)
+    assert volatility.changed_frac == pytest.approx(2 / 4)
+    assert metrics == {"expert_load_entropy": pytest.approx(1.0), "router_aux_loss": 0.25}
