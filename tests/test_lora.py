@@ -21,7 +21,15 @@ from harness.loop.native import train, update
 from harness.loop.update import Learner, RunState, UpdatePlan, microbatch_loss, minibatches
 from harness.policy.decode import Matmul
 from harness.policy.forward import completion_logprobs
-from harness.policy.lora import adapted, export_merged, load_trained_state, lora_settings, with_adapters
+from harness.policy.lora import (
+    adapted,
+    export_merged,
+    load_trained_state,
+    lora_settings,
+    merged_linear,
+    trained_state,
+    with_adapters,
+)
 from harness.policy.models import load_model
 from harness.run.config import LoraSettings, load_experiment, run_configs
 from harness.run.errors import ConfigError
@@ -205,6 +213,46 @@ def test_the_decoders_matmul_merges_the_adapters_and_follows_disabling():
             assert plain.kind == "modules" and torch.equal(plain(x), x @ base.T)
 
 
+def test_the_adapters_scale_defaults_to_2_and_model_seed_draws_them_leaving_the_random_stream_as_it_was():
+    assert lora_settings(OmegaConf.structured(LoraSettings(rank=4))).lora_alpha == 8  # null: 2 x rank
+    assert lora_settings(OmegaConf.structured(LoraSettings(rank=4, alpha=3))).lora_alpha == 3
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    drawn = [next(iter(lora_layers(with_adapters(load_model("tiny", tiny=TINY_SPEC, seed=0)[0],
+                                                 OmegaConf.structured(LoraSettings(rank=4)), seed=seed)).values()))
+             .lora_A["default"].weight for seed in (7, 7, 8)]  # model.seed draws A
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+
+
+def test_a_merged_linear_with_a_bias_computes_as_the_adapted_layer():
+    """Biased projections (the Qwen2 family's q/k/v) keep their bias in the merged map the decoder and the export
+    use."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    adapted = get_peft_model(torch.nn.Sequential(torch.nn.Linear(6, 5, bias=True)),
+                             LoraConfig(r=2, lora_alpha=4, target_modules=["0"])).eval()
+    layer = adapted.get_base_model()[0]
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    weight, bias = merged_linear(layer)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.nn.functional.linear(x, weight, bias), layer(x))
+
+
+def test_a_checkpoint_missing_an_adapter_is_refused():
+    policy = with_adapters(load_model("tiny", tiny=TINY_SPEC, seed=0)[0], OmegaConf.structured(LoraSettings(rank=4)),
+                           seed=0)
+    state = trained_state(policy)
+    load_trained_state(policy, state)
+    with pytest.raises(RuntimeError, match="missing"):
+        load_trained_state(policy, dict(list(state.items())[1:]))
+    with pytest.raises(RuntimeError, match="unexpected"):
+        load_trained_state(policy, {**state, "base_model.model.extra.lora_A.weight": torch.zeros(1)})
+
+
 def test_lora_settings_are_checked_in_one_line(tmp_path):
     for overrides, message in ((["model.lora.rank=-1"], "model.lora.rank must be >= 0"),
                                (["model.lora.export_merged=true"], "model.lora.export_merged .* needs model.lora.rank"),
@@ -235,6 +283,7 @@ def test_target_modules_are_a_set_of_layers(tmp_path):
 @pytest.mark.parametrize("model, targets, said", [
     ("tiny", "[nonexistent]", "Target modules {'nonexistent'} not found in the base model"),
     ("tiny", "[q_proj,nonexistent]", "nonexistent matches no module of tiny"),  # peft alone ignores it
+    ("tiny", "[q_proj,proj]", "proj matches no module of tiny"),  # a name's tail, not a module's last part
     ("tiny_moe", "[q_proj,qkv,gate_proj,up_proj]", "qkv matches no module of tiny_moe"),
     ("tiny_moe", "[q_proj,gate_proj]", "without also targeting up_proj"),  # fused in the experts' stacked weights
     ("tiny", "[q_proj,lm_head]", "lm_head is the model's embeddings or LM head, which stay frozen"),  # (tied here)
