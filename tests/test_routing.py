@@ -5,6 +5,7 @@ the minibatch record; activation checkpointing's recompute replays too; bad reco
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 
 import pytest
@@ -276,3 +277,55 @@ def test_replay_on_a_folder_reads_its_config(tmp_path):
     assert (config_is_moe(str(dense)), config_is_moe(str(moe)), config_is_moe("tiny_moe")) == (False, True, True)
     for r in ("r2", "r3"):
         tiny_moe_run(tmp_path, f"train.routing_replay={r}")  # valid
+
+
+def test_an_unknown_moe_router_and_a_nested_text_config_are_told_apart_from_dense(tmp_path):
+    """A model whose config names experts under any one of MOE_CONFIG_KEYS but whose router class is unknown is
+    refused as such, not as dense; a folder's config with the experts in its text_config is an MoE."""
+    from transformers import PretrainedConfig
+
+    class Stub(torch.nn.Module):
+        def __init__(self, **config):
+            super().__init__()
+            self.config = PretrainedConfig(**config)
+
+    assert "router class is not one of" in routing_unsupported(Stub(num_local_experts=8))
+    assert "not a Mixture-of-Experts model" in routing_unsupported(Stub())
+    for name, config, moe in (("vl", {"text_config": {"num_experts": 8}}, True), ("plain", {"text_config": {}}, False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert config_is_moe(str(tmp_path / name)) is moe
+
+
+def test_a_lora_policys_routing_is_its_base_models_with_the_classes_aux_loss():
+    """A LoRA policy (peft around tiny_moe): hooked as the native loop hooks it, its auxiliary loss is the model
+    class's own; hooked before the adapters (the TRL backend), the adapted policy finds its base's hooks."""
+    from omegaconf import OmegaConf
+
+    from harness.policy.lora import with_adapters
+    from harness.policy.routing import routing_of
+    from harness.run.config import LoraSettings
+
+    model, tokenizer = tiny_moe()
+    early = Routing(model)
+    policy = with_adapters(model, OmegaConf.structured(LoraSettings(rank=2, target_modules=["q_proj"])), seed=0)
+    assert routing_of(policy) is early
+    early.close()
+    routing, batch = Routing(policy), padded_batch(tokenizer)
+    ids, mask = torch.cat([batch[0], batch[2]], 1), torch.cat([batch[1], batch[3]], 1)
+    with routing.capture(Grid(len(ids), ids.shape[1], batch[0].shape[1]), router_logits=True) as cap, \
+            routing.tokens(full_layout(mask)):
+        policy(input_ids=ids, attention_mask=mask)
+    expected = model(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    torch.testing.assert_close(cap.aux_loss(), expected, rtol=1e-6, atol=0)
+
+
+def test_a_forward_after_its_layout_ended_is_refused_inside_the_capture():
+    model, tokenizer = tiny_moe()
+    routing, batch = Routing(model), padded_batch(tokenizer)
+    ids, mask = torch.cat([batch[0], batch[2]], 1), torch.cat([batch[1], batch[3]], 1)
+    with routing.capture(Grid(len(ids), ids.shape[1], batch[0].shape[1])):
+        with routing.tokens(full_layout(mask)):
+            model(ids, attention_mask=mask)
+        with pytest.raises(RuntimeError, match="without Routing.tokens"):
+            model(ids, attention_mask=mask)
