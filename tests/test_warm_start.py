@@ -308,3 +308,124 @@ def test_a_warm_start_whose_loss_is_not_finite_stops_at_that_step(rlvr_cache):
     assert len(forwards) == 1 and "\n" not in str(error.value)
     (record,) = (rlvr_cache / "warm_start").glob("*")
     assert record.name.endswith(".missed.json")
+
+
+def test_the_band_is_closed_and_a_check_leaves_the_models_mode_as_it_was(rlvr_cache, monkeypatch):
+    """A check at exactly the band's top stops there (low <= acc <= high); greedy checks run in eval mode and give the
+    training back its train mode."""
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    task = _easy_task()
+    model.train()
+    _check_accuracy(model, tokenizer, task, task.train_problems()[:2])
+    assert model.training
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", lambda *args: 0.45)
+    settings = {**BAND, "max_steps": 4, "check_every": 2, "target": (0.3, 0.45)}
+    _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(**settings))
+    assert sidecar["steps"] == 2 and sidecar["accuracy"] == 0.45
+
+
+def test_without_a_target_no_check_set_is_held_out(rlvr_cache):
+    """With no band there is no check: every train problem is trained on (a train set smaller than check_size too)."""
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    task = get_task("arith", num_operands=2, digits=1, train_size=16, eval_size=8)
+    _, sidecar = warm_start(model, tokenizer, task, WarmStartRecipe(max_steps=1, lr=1e-2, batch_size=2, seed=0))
+    assert sidecar["steps"] == 1
+
+
+def test_the_cache_key_covers_the_weights_and_not_the_held_out_set():
+    """A folder model whose weights changed under the same config gets another starting policy; the task's eval_set
+    (which held-out set) does not change the warm-started weights, nor the key."""
+    from harness.policy.warm_start import _warm_start_key
+
+    model, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    task = get_task("arith", num_operands=2, digits=1, train_size=16, eval_size=8)
+    key = _warm_start_key(model, tokenizer, task, [])
+    other_set = get_task("arith", num_operands=2, digits=1, train_size=16, eval_size=8, eval_set=1)
+    assert _warm_start_key(model, tokenizer, other_set, []) == key
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0
+    assert _warm_start_key(model, tokenizer, task, []) != key
+
+
+def test_a_check_interval_below_1_is_a_config_error():
+    from omegaconf import OmegaConf
+
+    from harness.policy.warm_start import check_warm_start
+
+    model = {"warm_start_steps": 10, "warm_start_check_every": 0, "warm_start_target": [0.1, 0.2]}
+    with pytest.raises(ConfigError, match="warm_start_check_every >= 1"):
+        check_warm_start(OmegaConf.create({"model": model}))
+    check_warm_start(OmegaConf.create({"model": {**model, "warm_start_check_every": 1}}))
+
+
+def test_the_supervised_batch_trains_on_the_solution_and_eos_only():
+    from harness.policy.models import build_prompt
+    from harness.policy.warm_start import _supervised_batch
+
+    _, tokenizer = load_model("tiny", tiny=TINY_SPEC)
+    problems = _easy_task().train_problems()[:2]
+    batch = _supervised_batch(tokenizer, problems, "cpu")
+    for row, problem in enumerate(problems):
+        prompt = len(tokenizer(build_prompt(tokenizer, problem.question), add_special_tokens=False).input_ids)
+        solution = tokenizer(problem.solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        length = int(batch["attention_mask"][row].sum())
+        assert length == prompt + len(solution)
+        labels = batch["labels"][row]
+        assert bool((labels[:prompt] == -100).all()) and bool((labels[length:] == -100).all())
+        assert labels[prompt:length].tolist() == solution == batch["input_ids"][row, prompt:length].tolist()
+
+
+def test_the_recipes_seed_and_lr_are_the_ones_it_trains_with(rlvr_cache):
+    def weights(**recipe) -> dict:
+        model, tokenizer = load_model("tiny", tiny=TINY_SPEC, seed=0)
+        settings = {"max_steps": 1, "lr": 1e-2, "batch_size": 2, "seed": 0, **recipe}
+        return warm_start(model, tokenizer, _easy_task(), WarmStartRecipe(**settings))[0].state_dict()
+
+    start, first, other = load_model("tiny", tiny=TINY_SPEC, seed=0)[0].state_dict(), weights(), weights(seed=1)
+    assert any(not torch.equal(first[k], v) for k, v in other.items())  # another seed: other batches
+    assert all(torch.equal(start[k], v) for k, v in weights(lr=0.0).items())  # lr 0: no step moves a weight
+
+
+def test_builds_since_counts_the_sidecars_built_from_that_second_on(rlvr_cache):
+    from datetime import UTC, datetime, timedelta
+
+    from harness.policy.warm_start import builds_since
+
+    at = datetime(2026, 1, 2, 3, 4, 5, 600000, tzinfo=UTC)
+    folder = rlvr_cache / "warm_start"
+    folder.mkdir(parents=True)
+    for name, when in (("same_second.json", at.replace(microsecond=0)), ("later.missed.json", at + timedelta(1)),
+                       ("before.json", at - timedelta(1)), ("before.missed.json", at - timedelta(1))):
+        (folder / name).write_text(json.dumps({"built_at": when.isoformat(timespec="seconds")}))
+    (folder / "no_zone.json").write_text(json.dumps({"built_at": "2026-01-02T03:04:06"}))
+    (folder / "other.json").write_text("[]")
+    assert builds_since(at) == (2, 1)
+
+
+def test_no_problem_with_a_check_set_question_is_trained_on(rlvr_cache, monkeypatch):
+    """The easy task repeats questions: a train problem asking a check-set question is held out with it."""
+    from harness.policy.warm_start import _supervised_batch
+
+    trained = []
+
+    def recording(tokenizer, problems, device):
+        trained.extend(problem.question for problem in problems)
+        return _supervised_batch(tokenizer, problems, device)
+
+    monkeypatch.setattr("harness.policy.warm_start._supervised_batch", recording)
+    monkeypatch.setattr("harness.policy.warm_start._check_accuracy", lambda *args: 0.5)
+    task = _easy_task()
+    settings = {**BAND, "max_steps": 2, "check_every": 2, "batch_size": 64, "target": (0.0, 1.0)}
+    warm_start(load_model("tiny", tiny=TINY_SPEC)[0], load_model("tiny", tiny=TINY_SPEC)[1], task,
+               WarmStartRecipe(**settings))
+    check = {problem.question for problem in task.train_problems()[: BAND["check_size"]]}
+    assert len(trained) == 128 and not check & set(trained)
+
+
+def test_without_a_target_the_check_settings_are_not_in_the_key():
+    from harness.policy.warm_start import _settings
+
+    plain = {"max_steps": 5, "lr": 1e-2, "batch_size": 2, "seed": 0}
+    assert _settings(WarmStartRecipe(**plain)) == _settings(WarmStartRecipe(**plain, check_every=7, check_size=9))
+    banded = {**plain, "target": (0.1, 0.2)}
+    assert _settings(WarmStartRecipe(**banded)) != _settings(WarmStartRecipe(**banded, check_every=7))
