@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from harness.policy.forward import completion_logprobs
 from harness.policy.models import build_prompt, load_model
-from harness.policy.sampler import SAMPLE_BLOCK, _inverse_cdf, _sample, generate
+from harness.policy.sampler import SAMPLE_BLOCK, Rollout, _inverse_cdf, _sample, check_sampler, generate, select_rows
+from harness.run.errors import ConfigError
 from harness.tasks import get_task
 
 
@@ -113,6 +115,11 @@ def test_the_two_level_inverse_cdf_is_the_exact_one():
     u = torch.full((2000,), torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item())
     past_the_end = u * weights.sum(-1) > weights.cumsum(-1)[:, -1]
     assert past_the_end.any() and (_inverse_cdf(weights, u) == 199).all()
+    # u = 0 (torch.rand can draw it) with the whole first block of zero weight (a top-p cut over the first ids):
+    # the first entry of positive weight, never one of the empty block
+    weights = torch.rand(2, 700, generator=generator) + 0.1
+    weights[:, :SAMPLE_BLOCK] = 0.0
+    assert (_inverse_cdf(weights, torch.zeros(2)) == SAMPLE_BLOCK).all()
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
@@ -222,3 +229,108 @@ def test_unknown_sampler_is_an_error(tiny_policy):
     model, tokenizer, prompts = tiny_policy
     with pytest.raises(ValueError, match="sampler"):
         generate(model, tokenizer, prompts, max_new_tokens=2, sampler="vllm")
+
+
+@pytest.mark.parametrize("sampler", ["native", "hf"])
+def test_the_draws_follow_the_temperature(tiny_policy, sampler):
+    """Both samplers draw from softmax(logits / T), not only record log-probs under it: at T = 1e-3 every draw is
+    the argmax (the greedy rollout), at T = 1 they are not; with top-p = 1 too (the reference's plain branch)."""
+    model, tokenizer, prompts = tiny_policy
+    greedy = generate(model, tokenizer, prompts, group_size=2, max_new_tokens=8, greedy=True, sampler=sampler)
+    for temperature, equal in ((1e-3, True), (1.0, False)):
+        torch.manual_seed(0)
+        ro = generate(model, tokenizer, prompts, group_size=2, max_new_tokens=8, temperature=temperature,
+                      sampler=sampler)
+        assert torch.equal(ro.completion_ids, greedy.completion_ids) == equal
+
+
+def _rollout(prompt_width: int, completion_width: int, rows: int = 2) -> Rollout:
+    return Rollout(prompt_ids=torch.full((rows, prompt_width), 7), prompt_mask=torch.ones(rows, prompt_width),
+                   completion_ids=torch.full((rows, completion_width), 5),
+                   completion_mask=torch.ones(rows, completion_width, dtype=torch.bool),
+                   sampler_logp=torch.full((rows, completion_width), -0.5), texts=["x"] * rows,
+                   truncated=torch.tensor([True, False][:rows]))
+
+
+def test_selected_rows_of_different_widths_are_padded_as_the_trainer_reads_them():
+    """Rows of rounds of different widths (dynamic sampling, an in-flight rollout's parts): prompts re-padded on the
+    left (the padding-free forward needs each prompt's last position real), completions on the right with mask
+    False, log-prob 0 and the pad token; each row keeps its own truncation flag."""
+    ro = select_rows([_rollout(2, 3), _rollout(4, 1)], [(1, 1), (0, 0)], pad_token_id=0)
+    assert ro.prompt_ids.tolist() == [[7, 7, 7, 7], [0, 0, 7, 7]]
+    assert ro.prompt_mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    assert ro.completion_ids.tolist() == [[5, 0, 0], [5, 5, 5]]
+    assert ro.completion_mask.tolist() == [[True, False, False], [True, True, True]]
+    assert ro.sampler_logp.tolist() == [[-0.5, 0.0, 0.0], [-0.5, -0.5, -0.5]]
+    assert ro.truncated.tolist() == [False, True] and ro.texts == ["x", "x"]
+
+
+def _train(**settings) -> OmegaConf:
+    return OmegaConf.create({"train": {"top_p": 1.0, "temperature": 1.0, "sampler": "native", "decoder": "auto",
+                                       "compile_sampler": False, **settings}})
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": 0.0}, "train.temperature > 0"), ({"temperature": -1.0}, "train.temperature > 0"),
+    ({"top_p": 0.0}, "0 < train.top_p <= 1"), ({"top_p": 1.5}, "0 < train.top_p <= 1"),
+    ({"sampler": "vllm"}, "train.sampler must be one of"), ({"decoder": "flash"}, "train.decoder must be one of"),
+    ({"compile_sampler": True, "decoder": "shared_prefix"}, "compiles the native sampler"),
+    ({"compile_sampler": True, "sampler": "hf"}, "compiles the native sampler"),
+])
+def test_the_sampler_check_refuses_what_cannot_sample(settings, message):
+    """Temperature 0 would divide the logits by zero (greedy is ``greedy=True``, not T = 0)."""
+    with pytest.raises(ConfigError, match=message):
+        check_sampler(_train(**settings))
+
+
+@pytest.mark.parametrize("settings", [{"top_p": 1.0}, {"top_p": 0.5, "temperature": 0.1},
+                                      {"compile_sampler": True, "decoder": "per_row"},
+                                      {"compile_sampler": True, "decoder": "cache"}, {"sampler": "hf"}])
+def test_the_sampler_check_takes_what_can_sample(settings):
+    check_sampler(_train(**settings))
+
+
+@pytest.mark.parametrize("sampler, decoder", [("native", "auto"), ("native", "cache"), ("hf", "auto")])
+def test_a_policy_in_train_mode_samples_as_itself_and_stays_in_train_mode(tiny_policy, sampler, decoder):
+    """The update leaves the policy in train mode (LoRA dropout on): the sampler draws from the policy itself, not one
+    dropout draw of it (here a hook that perturbs the logits in train mode only), and hands it back in the mode it
+    was in."""
+    model, tokenizer, prompts = tiny_policy
+
+    def train_mode_noise(module, inputs, logits):
+        return logits + 10 * torch.randn_like(logits) if module.training else logits
+
+    settings = {"group_size": 2, "max_new_tokens": 6, "greedy": True, "sampler": sampler, "decoder": decoder}
+    model.eval()
+    expected = generate(model, tokenizer, prompts, **settings)
+    assert not model.training  # each mode is handed back as it was
+    handle = model.get_output_embeddings().register_forward_hook(train_mode_noise)
+    try:
+        model.train()
+        ro = generate(model, tokenizer, prompts, **settings)
+        assert model.training and model.get_output_embeddings().training
+    finally:
+        handle.remove()
+        model.eval()
+    assert torch.equal(ro.completion_ids, expected.completion_ids)
+    assert torch.allclose(ro.sampler_logp, expected.sampler_logp, atol=1e-6, rtol=0)
+
+
+def test_a_runs_sampler_settings_reach_the_decoder(tiny_policy, monkeypatch):
+    """``sample_problems`` with a run's ``train`` section builds the decoder the run names, compiled as it asks
+    (``train.compile_sampler``), with its group size and length."""
+    from harness.policy import sampler as sampler_module
+
+    model, tokenizer, _ = tiny_policy
+    built, real = [], sampler_module.build_decoder
+
+    def build(*args, **kwargs):  # records what the sampler asks for; runs it eagerly (a compile takes seconds)
+        built.append(kwargs)
+        return real(*args, **{**kwargs, "compile": False})
+
+    monkeypatch.setattr(sampler_module, "build_decoder", build)
+    train = OmegaConf.create({"group_size": 3, "max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
+                              "sampler": "native", "decoder": "per_row", "compile_sampler": True})
+    ro = sampler_module.sample_problems(model, tokenizer, get_task("arith").train_problems()[:2], train)
+    assert ro.completion_ids.shape[0] == 6 and ro.completion_ids.shape[1] <= 4
+    assert built == [{"group_size": 3, "max_new_tokens": 4, "kind": "per_row", "compile": True}]
