@@ -179,3 +179,24 @@ def test_the_lm_head_in_chunks_keeps_the_entropy_bonus_gradient():
     torch.testing.assert_close(entropy_chunked, entropy_whole, atol=1e-6, rtol=1e-6)
     for key, grad in whole.items():
         torch.testing.assert_close(chunked[key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_head_gives_the_tempered_distributions_logprob_entropy_and_sum_of_squares(chunk):
+    """Against log_softmax(LM head(h) / T) by hand: the target's log-prob, the entropy -sum p log p and sum p^2, with
+    the LM head whole or in chunks; the entropy carries a gradient only when asked (an entropy bonus): otherwise it is
+    a statistic, and a loss that multiplies by it must not differentiate through it."""
+    model = build("llama").train()
+    forward.set_memory_settings(model, lm_head_chunk=chunk)
+    hidden = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    targets = torch.arange(9) * 5
+    logp_all = torch.log_softmax(model.get_output_embeddings()(hidden).float() / 0.7, -1)
+    expected = (logp_all[torch.arange(9), targets], -(logp_all.exp() * logp_all).sum(-1), logp_all.exp().pow(2).sum(-1))
+    logp, entropy = forward.head_logprobs(model, hidden, targets, 0.7, True)
+    _, squares = forward.head_logprobs(model, hidden, targets, 0.7, forward.SUM_PI_SQUARED)
+    for got, want in zip((logp, entropy, squares), expected, strict=True):
+        torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
+    assert logp.requires_grad and not entropy.requires_grad and not squares.requires_grad
+    _, with_gradient = forward.head_logprobs(model, hidden, targets, 0.7, "gradient")
+    (grad,) = torch.autograd.grad(with_gradient.sum(), hidden)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected[1].sum(), hidden)[0], atol=1e-5, rtol=1e-4)
