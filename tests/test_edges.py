@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 import signal
@@ -538,6 +539,26 @@ def test_the_memory_floor_is_the_weights_and_each_completions_first_token(monkey
         f"{memory.size(floor - 1)} in all: lower them")
     monkeypatch.setattr(memory, "device_memory", lambda device: weights)  # not one completion: the model's fault
     assert memory.sampling_memory_problem(run, 16, "rows").startswith("model 'tiny' takes at least ")
+
+
+@pytest.mark.parametrize("limit, expected", [("4096\n", 4096), ("max\n", None), (None, None), ("10**30", None)])
+def test_a_containers_memory_limit_is_the_cpus_memory_when_lower(monkeypatch, limit, expected):
+    """On CPU the machine's memory, or the cgroup's ``memory.max`` when it is a number below it (a container's limit:
+    the floor is checked against what the run may use, not what the host has)."""
+    from harness.policy import memory
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    read = Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if str(path) != "/sys/fs/cgroup/memory.max":
+            return read(path, *args, **kwargs)
+        if limit is None:
+            raise FileNotFoundError(path)
+        return str(physical * 2) if limit == "10**30" else limit
+
+    monkeypatch.setattr(memory.Path, "read_text", read_text)
+    assert memory.device_memory(torch.device("cpu")) == (expected or physical)
 
 
 @pytest.mark.parametrize("name, spec", [("tiny", {"num_layers": 5, "hidden_size": 32, "num_heads": 2}),
