@@ -662,6 +662,8 @@ def test_the_memory_floor_counts_a_folders_weights_from_its_safetensors_headers(
     (tmp_path / "one").mkdir()
     save_file(tensors, tmp_path / "one" / "model.safetensors")
     assert memory.folder_parameters(tmp_path / "one") == 17
+    save_file(tensors, tmp_path / "one" / "model.safetensors", metadata={"format": "pt"})  # as transformers saves
+    assert memory.folder_parameters(tmp_path / "one") == 17  # the header's __metadata__ entry is not a tensor
     shards = tmp_path / "sharded"
     shards.mkdir()
     save_file({"a": tensors["a"]}, shards / "model-1.safetensors")
