@@ -412,3 +412,25 @@ def test_moe_loss_with_activation_checkpointing_is_the_loss_without(tmp_path):
     assert torch.equal(loss, plain_loss) and volatility == plain_volatility and logged == plain_logged
     assert plain_volatility[0].changed_frac > 0 and plain_grads.keys() == grads.keys()
     assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())
+
+
+def test_a_logged_step_counts_its_rollout_tokens_once_and_its_update_tokens_once_per_epoch():
+    """TRL logs once per rollout step: the step's sampled tokens (mean length x prompts x group size) add to
+    rollout_tokens, and every epoch trains on them again (update_tokens = rollout_tokens x train.epochs), as the native
+    loop counts them."""
+    from types import SimpleNamespace
+
+    from harness.loop.metrics import PhaseMemory
+    from harness.run.config import updates_per_step
+
+    train = OmegaConf.create({"prompts_per_step": 4, "group_size": 2, "epochs": 3, "num_minibatches": 2, "steps": 5,
+                              "eval_every": 0, "export_every": 0})
+    rows, progress = [], {"rollout_tokens": 40, "update_tokens": 120}
+    records = SimpleNamespace(progress=progress, log=lambda row, samples: rows.append(row))
+    callback = trl_backend.RecordsCallback(OmegaConf.create({"train": train}), records, None, None)
+    callback.trainer = SimpleNamespace(phase_s={"rollout": 0.5}, memory=PhaseMemory(torch.device("cpu")),
+                                       accelerator=SimpleNamespace(device=torch.device("cpu")))
+    state = SimpleNamespace(global_step=2 * updates_per_step(train))  # the second rollout step's optimizer steps
+    callback.on_log(None, state, None, logs={"reward": 0.5, "completions/mean_length": 10.0})
+    assert rows[0]["step"] == 2 and rows[0]["rollout_tokens"] == 40 + 10 * 4 * 2
+    assert progress == {"rollout_tokens": 120, "update_tokens": 120 * 3}
