@@ -93,7 +93,9 @@ class _RecordAndWarp(LogitsProcessor):
 
 
 def _top_p_drop(scaled: Tensor, top_p: float) -> Tensor:
-    """True for the tokens outside the smallest most-probable set whose probability reaches ``top_p``."""
+    """True for the tokens whose more probable tokens already hold more than ``top_p`` of the probability: outside
+    the smallest most-probable set that reaches ``top_p``, except that a token after a set holding exactly ``top_p``
+    is kept (transformers' TopPLogitsWarper drops it; only an exact float tie tells them apart)."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     drop_sorted = probs.cumsum(-1) - probs > top_p
