@@ -75,9 +75,14 @@ def seeds_only_note(rows: pd.DataFrame) -> str:
 def one_policy_note(tested: pd.DataFrame) -> str:
     """What a cell's sentence adds when every tested comparison rests on one starting policy (``top`` 0: its top level
     is the seeds): the finding, or the absence of one, is about that policy, which intervals over seeds and eval
-    problems do not vary; "" with 2 or more starting policies, or where the rows do not say (no ``top`` column)."""
-    if tested.empty or "top" not in tested or (tested["top"].fillna(0) >= 2).any():
+    problems do not vary; with 2 or more starting policies for some comparisons, the others named; "" where every
+    one has 2 or more, or where the rows do not say (no ``top`` column)."""
+    if tested.empty or "top" not in tested:
         return ""
+    one = tested[tested["top"].fillna(0) < 2]["a"].tolist()
+    if len(one) < len(tested):  # the others resample their starting policies: name the comparisons that do not
+        return (f"; {' and '.join(one)} paired with the baseline on one starting policy only: about that policy"
+                if one else "")
     return ("; from one starting policy: about that policy, another may rank them otherwise (replicate it with "
             "sweep.grid.model.seed: docs/replicates.md)")
 

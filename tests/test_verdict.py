@@ -70,6 +70,10 @@ def test_a_verdict_from_one_starting_policy_says_it_is_about_that_policy():
     assert verdict.sentence(none.assign(top=0), "grpo").endswith("every paired interval includes 0" + note)
     # 3 starting policies: the interval resamples them, no note; nothing tested: no finding to qualify
     assert "one starting policy" not in verdict.sentence(above.assign(top=3), "grpo")
+    # a cell of 3 starting policies where one objective's runs paired on one of them only: that comparison is named
+    mixed = rows(("ctpo", 0.016, 0.004, 0.028, 5, 0, 5, 0.01), ("gspo", 0.01, -0.01, 0.03, 3, 2, 5, 0.3))
+    assert verdict.sentence(mixed.assign(top=[3, 0]), "grpo").endswith(
+        "; gspo paired with the baseline on one starting policy only: about that policy")
     single = rows(("ctpo", 0.01, np.nan, np.nan, 1, 0, 1, np.nan)).assign(top=0)
     assert not verdict.sentence(single, "grpo").endswith(note)
 
